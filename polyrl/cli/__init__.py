@@ -1,0 +1,1 @@
+"""The ``polyrl`` command line. Nothing imports this package; it imports everything else lazily."""

@@ -1,0 +1,156 @@
+"""polyrl.kernels: every custom op, each with a plain-PyTorch reference and faster implementations.
+
+The functions below are the only way the rest of polyrl calls an op. Each dispatches through
+``registry.select`` on the device type and dtype of its first tensor argument; the reference in
+``polyrl/kernels/<op>/reference.py`` is the spec every implementation is tested against.
+
+Shapes: T tokens (packed, variable-length sequences concatenated), Hq query heads, Hk key/value heads
+(GQA: Hq % Hk == 0), D head dim, H hidden size, V vocabulary, B sequences.
+
+Importing this package imports torch but never triton: implementations load lazily.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from polyrl.kernels import registry
+from polyrl.kernels.registry import KernelUnavailable
+
+# Importing each op package registers its implementations.
+from polyrl.kernels import (  # noqa: E402,F401  isort: skip
+    rmsnorm as _rmsnorm_pkg,
+    rope as _rope_pkg,
+    swiglu as _swiglu_pkg,
+    attention as _attention_pkg,
+    paged_attention as _paged_attention_pkg,
+    linear_cross_entropy as _lce_pkg,
+    token_logprobs as _tlp_pkg,
+)
+
+__all__ = [
+    "KernelUnavailable",
+    "registry",
+    "rmsnorm",
+    "apply_rope",
+    "rope_cos_sin",
+    "swiglu",
+    "varlen_attention",
+    "paged_attention",
+    "write_kv_cache",
+    "linear_cross_entropy",
+    "token_logprobs",
+]
+
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float64: "float64",
+}
+
+
+def _impl(op: str, t: torch.Tensor):
+    return registry.select(op, t.device.type, _DTYPE_NAMES.get(t.dtype, str(t.dtype)))[1]
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None):
+    """RMSNorm over the last dim, statistics in fp32: ``weight * (x / rms(x)).to(x.dtype)`` (HF Llama/Qwen).
+
+    With ``residual``: ``s = x + residual`` first; returns ``(rmsnorm(s), s)``. Otherwise returns ``y``.
+    """
+    return _impl("rmsnorm", x)(x, weight, eps, residual)
+
+
+def rope_cos_sin(
+    position_ids: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    scaling: dict | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[T, D]`` for rotate-half RoPE at explicit positions (Llama-3 / linear scaling by ``scaling``)."""
+    from polyrl.kernels.rope.reference import rope_cos_sin as _f
+
+    return _f(position_ids, head_dim, theta, scaling, dtype)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotate-half RoPE on q ``[T, Hq, D]`` and k ``[T, Hk, D]`` with cos/sin ``[T, D]``; returns (q, k)."""
+    return _impl("rope", q)(q, k, cos, sin)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` elementwise, ``[..., I]``."""
+    return _impl("swiglu", gate)(gate, up)
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention within each packed sequence. q ``[T, Hq, D]``, k/v ``[T, Hk, D]``,
+    cu_seqlens int32 ``[B+1]``; ``window`` (sliding window, keys with q_pos - k_pos < window) optional.
+    Returns ``[T, Hq, D]`` in q's dtype."""
+    return _impl("attention", q)(q, k, v, cu_seqlens, max_seqlen, scale, window)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Attention of new query tokens over a paged KV cache that already holds them.
+
+    q ``[T_new, Hq, D]`` (sequence b owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``),
+    k_cache/v_cache ``[num_blocks, block_size, Hk, D]``, block_tables int32 ``[B, max_blocks]``,
+    context_lens int32 ``[B]`` = tokens in the cache for b including the new ones. New token i of b sits
+    at position ``context_lens[b] - q_len_b + i`` and attends causally. Decode is q_len_b == 1.
+    """
+    return _impl("paged_attention", q)(
+        q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q, scale, window
+    )
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store k/v ``[T, Hk, D]`` into the caches at flat slots ``slot_mapping`` int64 ``[T]``
+    (slot = block * block_size + offset; negative slots are skipped)."""
+    _impl("kv_cache_write", k)(k, v, k_cache, v_cache, slot_mapping)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "sum",
+) -> torch.Tensor:
+    """Cross-entropy of ``hidden [T, H] @ weight[V, H]^T`` against ``labels [T]`` without materialising
+    ``[T, V]`` logits (chunked). fp32 result; ``reduction`` in {"sum", "mean", "none"} (ignored tokens
+    contribute 0; "mean" divides by the non-ignored count). Gradients for hidden and weight."""
+    return _impl("linear_cross_entropy", hidden)(hidden, weight, labels, ignore_index, reduction)
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+):
+    """log softmax((hidden @ weight^T) / temperature)[t, tokens[t]] as fp32 ``[T]``, chunked over vocab,
+    differentiable in hidden and weight. With ``return_entropy`` returns ``(logprobs, entropy)``."""
+    return _impl("token_logprobs", hidden)(hidden, weight, tokens, temperature, return_entropy)

@@ -1,0 +1,254 @@
+"""The runtime device interface the rest of polyrl calls (nothing outside ``polyrl.platform`` touches
+``torch.cuda`` or a vendor module directly).
+
+Resolution of *which* platform this is lives in ``resolve``; this module only asks torch, lazily,
+for the accelerator it exposes: a vendor extension module (``torch.npu``, ``torch.musa``,
+``torch.mlu``, ``torch.xpu``) first, then ``torch.cuda`` (CUDA, ROCm and CUDA-compatible stacks),
+then MPS, then the CPU. It does not initialise a device at import.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from typing import Any
+
+import torch
+
+# Device types probed in order; vendor extensions first because their shims make torch.cuda answer.
+_VENDOR_MODULES = ("npu", "musa", "mlu", "xpu")
+# Collective backend per torch device type (platform-specific overrides come from the knowledge base).
+_COLLECTIVE = {
+    "cuda": "nccl",
+    "npu": "hccl",
+    "musa": "mccl",
+    "mlu": "cncl",
+    "xpu": "xccl",
+    "cpu": "gloo",
+    "mps": "gloo",
+}
+
+
+def _module(device_type: str) -> Any | None:
+    return getattr(torch, device_type, None)
+
+
+@functools.lru_cache(maxsize=1)
+def device_type() -> str:
+    """The accelerator's torch device type ("cuda", "npu", "musa", "mlu", "xpu", "mps") or "cpu"."""
+    for name in _VENDOR_MODULES:
+        mod = _module(name)
+        try:
+            if mod is not None and hasattr(mod, "is_available") and mod.is_available():
+                return name
+        except Exception:  # noqa: BLE001 - a broken vendor module means "not this one"
+            continue
+    if torch.cuda.is_available():
+        return "cuda"
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def is_accelerator() -> bool:
+    return device_type() != "cpu"
+
+
+def torch_device(index: int | None = None) -> torch.device:
+    dt = device_type()
+    if dt == "cpu" or index is None:
+        return torch.device(dt) if dt == "cpu" else torch.device(dt, current_index())
+    return torch.device(dt, index)
+
+
+def _mod():
+    return _module(device_type())
+
+
+def count() -> int:
+    dt = device_type()
+    if dt == "cpu":
+        return 0
+    if dt == "mps":
+        return 1
+    return int(_mod().device_count())
+
+
+def current_index() -> int:
+    dt = device_type()
+    if dt in ("cpu", "mps"):
+        return 0
+    return int(_mod().current_device())
+
+
+def set_device(index: int) -> None:
+    if device_type() not in ("cpu", "mps"):
+        _mod().set_device(index)
+
+
+def synchronize() -> None:
+    dt = device_type()
+    if dt != "cpu":
+        _mod().synchronize()
+
+
+def empty_cache() -> None:
+    dt = device_type()
+    if dt != "cpu" and hasattr(_mod(), "empty_cache"):
+        _mod().empty_cache()
+
+
+def max_memory_allocated() -> int:
+    dt = device_type()
+    if dt == "cpu":
+        return 0
+    fn = getattr(_mod(), "max_memory_allocated", None)
+    return int(fn()) if fn else 0
+
+
+def memory_allocated() -> int:
+    dt = device_type()
+    if dt == "cpu":
+        return 0
+    fn = getattr(_mod(), "memory_allocated", None)
+    return int(fn()) if fn else 0
+
+
+def reset_peak_memory_stats() -> None:
+    dt = device_type()
+    if dt != "cpu" and hasattr(_mod(), "reset_peak_memory_stats"):
+        _mod().reset_peak_memory_stats()
+
+
+def mem_get_info() -> tuple[int, int]:
+    """(free, total) bytes on the current device; (0, 0) where unknown."""
+    dt = device_type()
+    fn = getattr(_mod(), "mem_get_info", None) if dt != "cpu" else None
+    return tuple(int(x) for x in fn()) if fn else (0, 0)  # type: ignore[return-value]
+
+
+def name(index: int = 0) -> str:
+    dt = device_type()
+    if dt == "cpu":
+        import platform as _pl
+
+        return _pl.processor() or _pl.machine() or "cpu"
+    fn = getattr(_mod(), "get_device_name", None)
+    return str(fn(index)) if fn else dt
+
+
+def capability(index: int = 0) -> tuple[int, int] | None:
+    dt = device_type()
+    fn = getattr(_mod(), "get_device_capability", None) if dt != "cpu" else None
+    try:
+        return tuple(fn(index)) if fn else None  # type: ignore[return-value]
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def supports_bf16() -> bool:
+    dt = device_type()
+    if dt == "cpu":
+        return True
+    fn = getattr(_mod(), "is_bf16_supported", None)
+    try:
+        return bool(fn()) if fn else True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def supports_graphs() -> bool:
+    """CUDA graphs: on torch.cuda devices (NVIDIA, ROCm, CUDA-compatible stacks)."""
+    return device_type() == "cuda"
+
+
+def collective_backend() -> str:
+    return _COLLECTIVE.get(device_type(), "gloo")
+
+
+def manual_seed_all(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % (2**32))
+    except ImportError:
+        pass
+    dt = device_type()
+    if dt != "cpu" and hasattr(_mod(), "manual_seed_all"):
+        _mod().manual_seed_all(seed)
+
+
+def get_rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    dt = device_type()
+    if dt != "cpu" and hasattr(_mod(), "get_rng_state_all"):
+        state["device"] = _mod().get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    dt = device_type()
+    if "device" in state and dt != "cpu" and hasattr(_mod(), "set_rng_state_all"):
+        _mod().set_rng_state_all(state["device"])
+
+
+# Peak dense bf16 FLOP/s by device-name substring, for MFU. Datasheet values (dense, no sparsity).
+_PEAK_BF16 = (
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("H20", 148e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("4090", 165e12),
+    ("MI300X", 1307e12),
+    ("MI250", 362e12),
+)
+
+
+def peak_bf16_flops(index: int = 0) -> float | None:
+    """Datasheet dense bf16 FLOP/s for MFU, or None where unknown (the CPU)."""
+    if device_type() == "cpu":
+        return None
+    dev_name = name(index)
+    for key, flops in _PEAK_BF16:
+        if key in dev_name:
+            return flops
+    return None
+
+
+def event(enable_timing: bool = True) -> Any:
+    """A device event (``torch.cuda.Event`` and its vendor equivalents); None on the CPU."""
+    dt = device_type()
+    if dt == "cpu":
+        return None
+    ev_cls = getattr(_mod(), "Event", None)
+    return ev_cls(enable_timing=enable_timing) if ev_cls else None
+
+
+def graph_api() -> tuple[Any, Any] | None:
+    """(CUDAGraph class, graph context manager) where CUDA graphs work, else None."""
+    if not supports_graphs():
+        return None
+    return torch.cuda.CUDAGraph, torch.cuda.graph
+
+
+def stream_api() -> Any | None:
+    """The device's stream module namespace (``torch.cuda``-like) for graph warm-up streams, or None."""
+    return torch.cuda if supports_graphs() else None

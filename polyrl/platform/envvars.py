@@ -1,0 +1,42 @@
+"""Every environment variable polyrl reads, declared in one place (listed by `polyrl env`).
+
+Environment variables are for debugging and forcing only; configuration goes through config files
+and command-line flags. This module only declares and reads; it never sets anything.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    help: str
+
+
+POLYRL_KERNELS = EnvVar(
+    "POLYRL_KERNELS",
+    "Force kernel implementations: 'reference' (all ops) or 'op:impl,op:impl' "
+    "(e.g. 'rmsnorm:triton,attention:reference'). A forced choice that fails raises.",
+)
+POLYRL_PLATFORM = EnvVar(
+    "POLYRL_PLATFORM",
+    "Force the resolved platform id (see `polyrl env`); an unknown id is an error.",
+)
+POLYRL_DEBUG = EnvVar("POLYRL_DEBUG", "Set to 1 to show tracebacks for CLI errors (same as --debug).")
+
+ALL: tuple[EnvVar, ...] = (POLYRL_KERNELS, POLYRL_PLATFORM, POLYRL_DEBUG)
+
+
+def get(var: EnvVar, default: str | None = None) -> str | None:
+    value = os.environ.get(var.name)
+    if value is None or value.strip() == "":
+        return default
+    return value.strip()
+
+
+def snapshot() -> dict[str, str | None]:
+    """The current value of every declared variable (None when unset)."""
+    return {v.name: os.environ.get(v.name) for v in ALL}
