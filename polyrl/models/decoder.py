@@ -1,0 +1,237 @@
+"""``DecoderLM``: one config-driven decoder for Llama / Mistral / Qwen2 / Qwen2.5 / Qwen3, built on
+``polyrl.kernels``.
+
+Parameter names equal the Hugging Face ones, so checkpoints load by name. Two input paths share all
+code except attention: packed variable-length tokens (``AttnMetadata`` with ``cu_seqlens``; training and
+cache-free prefill) and paged KV (``meta.kv_caches`` set: new k/v are written with ``write_kv_cache`` at
+``meta.slot_mapping``, then ``paged_attention`` reads the cache). The paged path has no host syncs in this
+module, so the rollout engine can capture decode in a CUDA graph.
+
+The residual stream runs through the fused ``rmsnorm(x, w, residual=r)`` op: each layer hands on
+``(branch_output, residual)`` and the next norm adds them, which is bit-identical to HF's ``h = r + f(h)``
+because float addition is commutative.
+
+Deliberately not here: the loss and log-prob heads (``polyrl.kernels.linear_cross_entropy`` /
+``token_logprobs`` take ``lm_head_weight``), KV-cache allocation and scheduling (``polyrl.infer``),
+weight loading (``checkpoint.py``), sharding (``polyrl.train.parallel``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from polyrl import kernels
+from polyrl.models.attention_metadata import AttnMetadata
+from polyrl.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Holds ``weight`` (HF name); the op is ``kernels.rmsnorm`` (fp32 statistics, optional fused residual)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return kernels.rmsnorm(x, self.weight, self.eps, residual)
+
+
+class Rotary:
+    """cos/sin ``[T, D]`` for a forward's ``position_ids``, computed once and shared by all layers.
+
+    ``kernels.rope_cos_sin`` rebuilds the inverse frequencies on the host each call (a host-to-device copy,
+    which a CUDA graph cannot capture). Here they are built once per device with the same spec function and
+    kept, and the per-token part is the same arithmetic: fp32 ``pos * inv_freq``, ``cat([f, f])``, cos/sin, cast.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.head_dim, self.theta, self.scaling = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        cached = self._inv_freq.get(device)
+        if cached is None:
+            from polyrl.kernels.rope.reference import inv_frequencies
+
+            cached = inv_frequencies(self.head_dim, self.theta, self.scaling).to(device)
+            self._inv_freq[device] = cached
+        return cached
+
+    def __call__(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids.float()[:, None] * self.inv_freq(position_ids.device)[None, :]  # [T, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.window = cfg.layer_window(layer)
+        h, q_out, kv_out = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(h, q_out, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, kv_out, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, kv_out, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_out, h, bias=cfg.o_bias)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim of each head, before RoPE
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = kernels.apply_rope(q, k, cos, sin)
+        if meta.kv_caches is None:
+            o = kernels.varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, self.scale, self.window)
+        else:
+            k_cache, v_cache = meta.kv_caches[self.layer]
+            kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            o = kernels.paged_attention(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.context_lens,
+                meta.cu_seqlens,
+                meta.max_seqlen,
+                self.scale,
+                self.window,
+            )
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, residual, cos, sin, meta: AttnMetadata):
+        """``h + residual`` is the stream entering the layer (``residual`` None at layer 0).
+        Returns ``(mlp_out, residual)`` whose sum is the stream leaving it."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, meta), residual)
+        return self.mlp(x), residual
+
+
+class Backbone(nn.Module):
+    """HF's ``model.*`` submodule: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DecoderLM(nn.Module):
+    """Causal LM over packed tokens. ``forward`` returns the final-norm hidden states ``[T, H]``; logits are
+    ``compute_logits`` (or a fused loss/log-prob kernel over ``lm_head_weight``)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        # Tied: no lm_head module at all (HF checkpoints omit lm_head.weight too), the embedding is the head.
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg)
+        self.gradient_checkpointing = False
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """``[V, H]``: the output projection (the embedding matrix when embeddings are tied)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        """input_ids, position_ids int64 ``[T]`` (packed; positions restart per sequence) -> hidden ``[T, H]``."""
+        h = self.model.embed_tokens(input_ids)  # [T, H]
+        cos, sin = self.rotary(position_ids, h.dtype)  # [T, D], shared by every layer
+        residual = None
+        ckpt = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for layer in self.model.layers:
+            if ckpt:
+                h, residual = checkpoint(layer, h, residual, cos, sin, meta, use_reentrant=False)
+            else:
+                h, residual = layer(h, residual, cos, sin, meta)
+        h, _ = self.model.norm(h, residual)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[T, H] -> [T, V]`` fp32 (matmul in the weights' dtype, as HF, then upcast). Materialises all
+        logits: for losses and log-probs over many tokens use the fused kernels with ``lm_head_weight``."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        """Unique parameters (a tied embedding/head counts once)."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward) for sequences of ``seq_len``:
+        ``6 * N + 6 * layers * seq_len * heads * head_dim``, N = ``num_parameters()`` (LM head included; tied
+        counts once). The second term is causal attention (QK^T and PV: 2 matmuls x 2 FLOPs x 3 for fwd+bwd,
+        halved by causality). Same formula as /work/shared/BASELINES.md, so MFU numbers compare."""
+        c = self.config
+        return 6.0 * self.num_parameters() + 6.0 * c.num_layers * seq_len * c.num_heads * c.head_dim
+
+
+@torch.no_grad()
+def init_weights(model: DecoderLM, seed: int | None = None, std: float | None = None) -> DecoderLM:
+    """HF-style random init in place: Linear/Embedding weights ~ N(0, initializer_range), biases 0, norms 1.
+    Works on a model materialised from the meta device (``to_empty``). Deterministic for a given seed."""
+    std = model.config.initializer_range if std is None else std
+    gen = None
+    if seed is not None:
+        gen = torch.Generator(device=model.lm_head_weight.device)
+        gen.manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.normal_(0.0, std, generator=gen)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
+    return model
+
+
+def build_model(
+    cfg: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int | None = None,
+    init: bool = True,
+) -> DecoderLM:
+    """A randomly initialised (or, ``init=False``, uninitialised) model, allocated once on ``device`` in ``dtype``."""
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    model = model.to(dtype).to_empty(device=device)  # dtype cast on meta is free: one allocation
+    if init:
+        init_weights(model, seed)
+    return model
