@@ -1,0 +1,165 @@
+"""Builtin datasets ``builtin:<name>[?k=v&...][@split]``, generated deterministically from a seed.
+
+Every task yields rows ``{"prompt", "completion", "answer", "task"}`` (``<name>-pref`` variants yield DPO rows
+``{"prompt", "chosen", "rejected", "answer", "task"}``) and has a checker used by demos and rewards:
+``check(completion_text, example)``. Common parameters: ``n`` (rows, default 2000 train / 200 test),
+``seed`` (default 0), ``test`` (held-out fraction of the problem space, default 0.1). The train and test
+splits are disjoint by construction: a problem belongs to the test split when a hash of its prompt falls
+in the held-out fraction, so no seed or ``n`` can leak test prompts into training.
+This module generates and checks; it does not tokenise (see ``polyrl.data.chat``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from polyrl.data.builtin import arithmetic, strings
+from polyrl.data.builtin.check import check_string, extract_answer
+from polyrl.errors import ConfigError
+
+COMMON_DEFAULTS = {"seed": 0, "test": 0.1}
+SPLIT_ALIASES = {"train": "train", "test": "test", "validation": "test", "eval": "test", "heldout": "test"}
+
+
+@dataclass(frozen=True)
+class BuiltinTask:
+    name: str
+    defaults: Mapping[str, Any]
+    generate: Callable[[random.Random, dict], dict]
+    wrong_answer: Callable[[random.Random, dict], str]
+    check: Callable[[str, str], bool]
+    validate: Callable[[dict], None]
+
+
+TASKS: dict[str, BuiltinTask] = {}
+
+
+def register_task(task: BuiltinTask) -> None:
+    TASKS[task.name] = task
+
+
+register_task(
+    BuiltinTask(
+        "arithmetic",
+        arithmetic.DEFAULTS,
+        arithmetic.generate,
+        arithmetic.wrong_answer,
+        arithmetic.check,
+        arithmetic.validate,
+    )
+)
+for _name, _cls in (("reverse", strings.Reverse), ("count", strings.Count), ("copy", strings.Copy)):
+    register_task(BuiltinTask(_name, _cls.defaults, _cls.generate, _cls.wrong_answer, _cls.check, _cls.validate))
+
+
+def names() -> list[str]:
+    """Every builtin dataset name, including the ``-pref`` preference variants."""
+    return sorted(TASKS) + sorted(f"{n}-pref" for n in TASKS)
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str], str | None]:
+    """``"arithmetic?max=50@test"`` -> ("arithmetic", {"max": "50"}, "test"). The ``builtin:`` prefix is optional."""
+    body = spec.removeprefix("builtin:")
+    split = None
+    if "@" in body:
+        body, split = body.rsplit("@", 1)
+    name, _, query = body.partition("?")
+    params: dict[str, str] = {}
+    for item in filter(None, query.split("&")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"builtin dataset {spec!r}: parameter {item!r} must look like key=value")
+        params[key] = value
+    return name, params, split
+
+
+def _resolve(name: str, params: Mapping[str, Any]) -> tuple[BuiltinTask, bool, dict]:
+    base, pref = (name[: -len("-pref")], True) if name.endswith("-pref") else (name, False)
+    if base not in TASKS:
+        raise ConfigError(f"unknown builtin dataset {name!r}; choose one of: {', '.join(names())}")
+    task = TASKS[base]
+    merged: dict[str, Any] = {**COMMON_DEFAULTS, "n": None, **task.defaults}
+    unknown = set(params) - set(merged)
+    if unknown:
+        raise ConfigError(
+            f"builtin:{name} has no parameter(s) {sorted(unknown)}; it accepts: {', '.join(sorted(merged))}"
+        )
+    merged.update(params)
+    try:
+        merged["test"] = float(merged["test"])
+        merged["seed"] = int(merged["seed"])
+        merged["n"] = None if merged["n"] is None else int(merged["n"])
+    except ValueError as exc:
+        raise ConfigError(
+            f"builtin:{name}: bad parameter value ({exc}); n and seed are integers, test a fraction"
+        ) from None
+    if not 0.0 < merged["test"] < 1.0:
+        raise ConfigError(f"builtin:{name} test={merged['test']} must be a fraction in (0, 1), e.g. test=0.1")
+    task.validate(merged)
+    return task, pref, merged
+
+
+def _is_test(prompt: str, fraction: float) -> bool:
+    h = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "big")
+    return (h % 1_000_000) < fraction * 1_000_000
+
+
+def generate(spec: str, split: str | None = None, **overrides: Any) -> list[dict]:
+    """Rows of a builtin dataset. ``split`` (train/test) overrides the spec's ``@split``; default train."""
+    name, params, spec_split = parse_spec(spec)
+    params = {**params, **overrides}
+    split_name = SPLIT_ALIASES.get(split or spec_split or "train")
+    if split_name is None:
+        raise ConfigError(f"builtin:{name}: unknown split {split or spec_split!r}; use @train or @test")
+    task, pref, p = _resolve(name, params)
+    n = p["n"] if p["n"] is not None else (2000 if split_name == "train" else 200)
+    if n < 1:
+        raise ConfigError(f"builtin:{name} n={n} must be >= 1")
+    rng = random.Random(f"polyrl-builtin:{task.name}:{p['seed']}:{split_name}")
+    want_test = split_name == "test"
+    rows: list[dict] = []
+    attempts = 0
+    while len(rows) < n:
+        attempts += 1
+        if attempts > 1000 * n + 10_000:
+            raise ConfigError(
+                f"builtin:{name}: could not draw {n} {split_name} problems; the problem space is too small for "
+                f"test={p['test']}; raise max/max_len or change test"
+            )
+        ex = task.generate(rng, p)
+        if _is_test(ex["prompt"], p["test"]) != want_test:
+            continue
+        row = {"prompt": ex["prompt"], "answer": ex["answer"], "task": task.name}
+        if pref:
+            row["chosen"] = ex["answer"]
+            row["rejected"] = task.wrong_answer(rng, ex)
+        else:
+            row["completion"] = ex["answer"]
+        rows.append(row)
+    return rows
+
+
+def _field(example: Any, key: str) -> Any:
+    if isinstance(example, Mapping):
+        return example.get(key)
+    return getattr(example, key, None)
+
+
+def check(completion_text: str, example: Any) -> bool:
+    """Exact-match check of a completion against ``example``'s answer (a row dict or a PromptExample).
+
+    Uses the task's checker when ``example`` names a builtin task, else a string match of the extracted answer.
+    """
+    answer = _field(example, "answer")
+    if answer is None:
+        raise ConfigError("check() needs an example with an 'answer' field")
+    task = TASKS.get(str(_field(example, "task") or "").removesuffix("-pref"))
+    fn = task.check if task is not None else check_string
+    return bool(fn(completion_text, str(answer)))
+
+
+__all__ = ["TASKS", "BuiltinTask", "check", "extract_answer", "generate", "names", "parse_spec", "register_task"]

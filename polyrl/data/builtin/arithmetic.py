@@ -1,0 +1,40 @@
+"""Builtin ``arithmetic``: "What is 37 + 48?" -> "85", small integers so a tiny model learns it on CPU.
+
+Parameters: ``max`` (largest operand, default 20), ``ops`` (subset of "+-*", default "+-"), ``neg`` (1 allows
+negative results of subtraction, default 0). Not a maths benchmark: no word problems, no reasoning chains.
+"""
+
+from __future__ import annotations
+
+import random
+
+from polyrl.data.builtin.check import check_number
+from polyrl.errors import ConfigError
+
+DEFAULTS = {"max": 20, "ops": "+-", "neg": 0}
+
+
+def validate(params: dict) -> None:
+    if int(params["max"]) < 1:
+        raise ConfigError(f"builtin:arithmetic max={params['max']} must be >= 1; use e.g. max=20")
+    ops = str(params["ops"])
+    if not ops or set(ops) - set("+-*"):
+        raise ConfigError(f"builtin:arithmetic ops={ops!r} must be made of '+', '-', '*'; use e.g. ops=+-")
+
+
+def generate(rng: random.Random, params: dict) -> dict:
+    hi = int(params["max"])
+    op = rng.choice(str(params["ops"]))
+    a, b = rng.randint(0, hi), rng.randint(0, hi)
+    if op == "-" and not int(params["neg"]) and b > a:
+        a, b = b, a
+    value = a + b if op == "+" else a - b if op == "-" else a * b
+    return {"prompt": f"What is {a} {op} {b}?", "answer": str(value)}
+
+
+def wrong_answer(rng: random.Random, example: dict) -> str:
+    value = int(example["answer"])
+    return str(value + rng.choice([-3, -2, -1, 1, 2, 3, 10]))
+
+
+check = check_number

@@ -1,0 +1,104 @@
+"""Tokenise conversations through the tokenizer's chat template, with loss masks on assistant tokens.
+
+Assistant spans are found by rendering the conversation prefix by prefix: for assistant turn i the span starts
+where ``render(messages[:i], add_generation_prompt=True)`` ends and stops where ``render(messages[:i+1])`` ends.
+Each prefix's tokens must be a prefix of the whole conversation's tokens; a template that breaks this (for example
+one that rewrites earlier turns depending on what follows) is reported as a ConfigError rather than silently
+producing wrong masks. Without a chat template a single user -> assistant exchange is plain concatenation + eos.
+Truncation and packing are elsewhere (``dataset.py``, ``packing.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polyrl.data.examples import Message, PreferenceExample, TokenizedSeq
+from polyrl.data.formats import RowError
+from polyrl.errors import ConfigError
+
+LOSS_POLICIES = ("assistant", "last_assistant", "all")
+
+
+class ChatTokenizer:
+    """Wraps a transformers tokenizer (``tokenizer``) and an optional template override (``chat_template``)."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None = None, loss_on: str = "assistant"):
+        if loss_on not in LOSS_POLICIES:
+            raise ConfigError(f"loss_on={loss_on!r} is not one of {', '.join(LOSS_POLICIES)}")
+        self.tokenizer = tokenizer
+        self.template = chat_template or getattr(tokenizer, "chat_template", None) or None
+        self.loss_on = loss_on
+
+    # -- primitives -------------------------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def render(self, messages: list[Message], add_generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=self.template
+            )
+        except Exception as exc:  # jinja raises TemplateError and friends for conversations it refuses
+            raise RowError(f"the chat template rejected this conversation ({type(exc).__name__}: {exc})") from None
+
+    @property
+    def eos_id(self) -> int | None:
+        return getattr(self.tokenizer, "eos_token_id", None)
+
+    # -- conversations ----------------------------------------------------------------------------------------
+    def tokenize_messages(self, messages: list[Message], loss_from: int = 0) -> TokenizedSeq:
+        """Tokens and loss mask of ``messages``; only assistant turns at index >= ``loss_from`` are trained."""
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= loss_from]
+        if self.loss_on == "last_assistant":
+            turns = turns[-1:]
+        if self.template is None:
+            return self._plain(messages, turns)
+        ids = self.encode(self.render(messages, add_generation_prompt=False))
+        mask = [1] * len(ids) if self.loss_on == "all" else [0] * len(ids)
+        if self.loss_on == "all":
+            return TokenizedSeq(ids, mask)
+        for i in turns:
+            start = self._prefix_len(messages[:i], True, ids, i)
+            end = self._prefix_len(messages[: i + 1], False, ids, i)
+            for t in range(start, end):
+                mask[t] = 1
+        return TokenizedSeq(ids, mask)
+
+    def _prefix_len(self, prefix: list[Message], gen: bool, full: list[int], turn: int) -> int:
+        part = self.encode(self.render(prefix, add_generation_prompt=gen)) if prefix else []
+        if full[: len(part)] != part:
+            where = "the generation prompt before" if gen else "the end of"
+            raise ConfigError(
+                f"the chat template does not render conversations prefix-consistently: the tokens up to {where} "
+                f"assistant turn {turn + 1} are not a prefix of the whole conversation's tokens, so assistant "
+                "spans cannot be masked reliably; use loss_on='last_assistant', or set data.chat_template to a "
+                "template that renders earlier turns the same whatever follows"
+            )
+        return len(part)
+
+    def _plain(self, messages: list[Message], turns: list[int]) -> TokenizedSeq:
+        roles = [m["role"] for m in messages]
+        if roles not in (["user", "assistant"], ["system", "user", "assistant"]):
+            raise ConfigError(
+                "the tokenizer has no chat template, so only single user -> assistant rows can be tokenised; "
+                "set data.chat_template (a Jinja template) or use a tokenizer that has one"
+            )
+        prompt = "\n\n".join(m["content"] for m in messages[:-1])
+        prompt_ids = self.encode(prompt, add_special_tokens=True)
+        answer_ids = self.encode(messages[-1]["content"])
+        if self.eos_id is not None:
+            answer_ids.append(int(self.eos_id))
+        trained = self.loss_on == "all" or bool(turns)
+        mask = [int(self.loss_on == "all")] * len(prompt_ids) + [int(trained)] * len(answer_ids)
+        return TokenizedSeq(prompt_ids + answer_ids, mask)
+
+    def tokenize_preference(self, ex: PreferenceExample) -> tuple[TokenizedSeq, TokenizedSeq]:
+        """(chosen, rejected) sequences, each prompt + continuation, loss on the continuation's assistant turns."""
+        n = len(ex.prompt)
+        return self.tokenize_messages(ex.prompt + ex.chosen, n), self.tokenize_messages(ex.prompt + ex.rejected, n)
+
+    def encode_prompt(self, messages: list[Message]) -> list[int]:
+        """Token ids to generate from: the template with the generation prompt, else the plain text."""
+        if self.template is not None:
+            return self.encode(self.render(messages, add_generation_prompt=True))
+        return self.encode("\n\n".join(m["content"] for m in messages), add_special_tokens=True)

@@ -1,0 +1,96 @@
+"""``DataConfig``: what data to read and how to turn it into packed batches, validated on construction.
+
+The train CLI composes it into its run config (TOML table ``[data]`` or flags). Validation here is cheap and
+happens before any model or tokenizer is loaded: value ranges, known names, builtin parameters, and that a local
+file exists. Reading the data is ``dataset.py``'s job.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from polyrl.data.chat import LOSS_POLICIES
+from polyrl.data.formats import FORMATS
+from polyrl.data.packing import PACKING_METHODS
+from polyrl.data.sources import FILE_SUFFIXES, split_spec
+from polyrl.errors import ConfigError
+
+TRUNCATION_POLICIES = ("right", "drop")
+
+
+@dataclass
+class DataConfig:
+    """Dataset spec and pipeline settings. ``path`` is a data spec (see ``polyrl.data.sources``)."""
+
+    path: str = ""
+    format: str = "auto"  # auto | one of formats.FORMATS
+    split: str | None = None  # overrides a spec's @split
+    max_seq_len: int = 2048
+    truncation: str = "right"  # right: keep the start; drop: skip long rows (both counted)
+    loss_on: str = "assistant"  # assistant | last_assistant | all
+    tokens_per_batch: int = 8192  # micro-batch token budget for packing
+    packing: str = "ffd"  # ffd | greedy
+    shuffle: bool = True
+    seed: int = 0
+    skip_bad_rows: bool = False
+    limit: int | None = None  # use only the first N rows
+    holdout: float = 0.0  # fraction of rows held out as the test part (seeded); builtin data uses @test instead
+    chat_template: str | None = None  # Jinja template text or a path to a template file
+    system_prompt: str | None = None  # added to conversations that have no system message
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        need(
+            self.format == "auto" or self.format in FORMATS,
+            f"data.format={self.format!r}: use auto or one of {', '.join(FORMATS)}",
+        )
+        need(self.truncation in TRUNCATION_POLICIES, f"data.truncation={self.truncation!r}: use 'right' or 'drop'")
+        need(self.loss_on in LOSS_POLICIES, f"data.loss_on={self.loss_on!r}: use one of {', '.join(LOSS_POLICIES)}")
+        need(self.packing in PACKING_METHODS, f"data.packing={self.packing!r}: use one of {', '.join(PACKING_METHODS)}")
+        need(
+            isinstance(self.max_seq_len, int) and self.max_seq_len >= 2,
+            f"data.max_seq_len={self.max_seq_len}: use an integer >= 2",
+        )
+        need(
+            isinstance(self.tokens_per_batch, int) and self.tokens_per_batch >= 2,
+            f"data.tokens_per_batch={self.tokens_per_batch}: use an integer >= 2 (e.g. 8192)",
+        )
+        need(
+            self.limit is None or self.limit >= 1,
+            f"data.limit={self.limit}: use a positive row count or leave it unset",
+        )
+        need(0.0 <= self.holdout < 1.0, f"data.holdout={self.holdout}: use a fraction in [0, 1), e.g. 0.05")
+        if self.path:
+            self._check_path()
+
+    def _check_path(self) -> None:
+        if self.path.startswith("builtin:"):
+            from polyrl.data import builtin
+
+            name, params, spec_split = builtin.parse_spec(self.path)
+            builtin._resolve(name, params)
+            return
+        body, _ = split_spec(self.path)
+        if body.endswith(FILE_SUFFIXES) and not os.path.exists(body):
+            raise ConfigError(f"data file {body!r} does not exist; check data.path / --data")
+
+    @property
+    def max_len(self) -> int:
+        """Longest single sequence: no more than max_seq_len and the packing budget."""
+        return min(self.max_seq_len, self.tokens_per_batch)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DataConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown data setting(s) {unknown}; known: {', '.join(sorted(known))}")
+        return cls(**data)

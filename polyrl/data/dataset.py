@@ -1,0 +1,204 @@
+"""The data pipeline: spec -> rows -> examples -> token sequences -> resumable packed-batch iterator.
+
+``load_examples`` reads and parses rows for a purpose ("sft", "dpo" or "rl"), raising a DataError that names the
+file, row and problem, or skipping and counting bad rows with ``skip_bad_rows``. ``build_sft`` / ``build_preference``
+tokenise, truncate (``right``) or drop over-long rows, and return units ready for ``PackedBatchIterator``;
+``load_prompts`` gives RL its prompt-only view. ``DataStats`` carries the counts for the run summary.
+Everything is in memory; there is no streaming or multi-process tokenisation.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from polyrl.data import formats
+from polyrl.data.chat import ChatTokenizer
+from polyrl.data.config import DataConfig
+from polyrl.data.examples import ChatExample, PreferenceExample, PromptExample, TokenizedSeq, TokensExample
+from polyrl.data.sampler import PackedBatchIterator
+from polyrl.data.sources import iter_rows
+from polyrl.errors import ConfigError, DataError
+
+PURPOSES = {"sft": formats.as_sft, "dpo": formats.as_preference, "rl": formats.as_prompt}
+MAX_REPORTED_BAD_ROWS = 5
+
+
+@dataclass
+class DataStats:
+    """Counts for the run summary. ``bad_examples`` keeps the first few skipped-row messages."""
+
+    rows: int = 0
+    bad_rows: int = 0
+    truncated: int = 0
+    dropped_too_long: int = 0
+    dropped_no_target: int = 0
+    sequences: int = 0
+    tokens: int = 0
+    target_tokens: int = 0
+    bad_examples: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class TokenizedData:
+    """Units (tuples of sequences packed together) plus the examples they came from and the stats."""
+
+    units: list[tuple[TokenizedSeq, ...]]
+    stats: DataStats
+    config: DataConfig
+
+    def iterator(self, rank: int = 0, world_size: int = 1, max_epochs: int | None = None) -> PackedBatchIterator:
+        c = self.config
+        return PackedBatchIterator(
+            self.units, c.tokens_per_batch, c.packing, c.shuffle, c.seed, rank, world_size, max_epochs
+        )
+
+
+def _holdout_keep(n: int, cfg: DataConfig, part: str) -> set[int] | None:
+    if cfg.holdout <= 0.0:
+        if part != "train":
+            raise ConfigError("a test part needs data.holdout > 0 (or a builtin spec with @test)")
+        return None
+    order = list(range(n))
+    random.Random(f"polyrl-holdout:{cfg.seed}").shuffle(order)
+    n_test = max(1, round(cfg.holdout * n))
+    chosen = order[:n_test] if part == "test" else order[n_test:]
+    return set(chosen)
+
+
+def _with_system(messages: list[dict], system: str | None) -> list[dict]:
+    if system and (not messages or messages[0]["role"] != "system"):
+        return [{"role": "system", "content": system}, *messages]
+    return messages
+
+
+def _add_system(ex: Any, system: str | None) -> Any:
+    if not system:
+        return ex
+    if isinstance(ex, (ChatExample, PromptExample)):
+        ex.messages = _with_system(ex.messages, system)
+    elif isinstance(ex, PreferenceExample):
+        ex.prompt = _with_system(ex.prompt, system)
+    return ex
+
+
+def _bad(stats: DataStats, cfg: DataConfig, where: str, problem: str) -> None:
+    message = f"{where}: {problem}"
+    if not cfg.skip_bad_rows:
+        raise DataError(f"{message} (fix the row, or pass --skip-bad-rows to skip and count such rows)")
+    stats.bad_rows += 1
+    if len(stats.bad_examples) < MAX_REPORTED_BAD_ROWS:
+        stats.bad_examples.append(message)
+
+
+def load_examples(cfg: DataConfig, purpose: str = "sft", part: str = "train", stats: DataStats | None = None):
+    """Parsed examples of ``cfg.path`` for ``purpose``, each with its row location: list of (where, example)."""
+    if not cfg.path:
+        raise ConfigError("no dataset given; pass --data SPEC (a file, a datasets name or folder, or builtin:NAME)")
+    if purpose not in PURPOSES:
+        raise ValueError(f"purpose {purpose!r} not in {sorted(PURPOSES)}")
+    stats = stats if stats is not None else DataStats()
+    rows = list(iter_rows(cfg.path, cfg.split))
+    if cfg.limit is not None:
+        rows = rows[: cfg.limit]
+    keep = _holdout_keep(len(rows), cfg, part)
+    view = PURPOSES[purpose]
+    out = []
+    for idx, raw in enumerate(rows):
+        if keep is not None and idx not in keep:
+            continue
+        stats.rows += 1
+        if raw.error is not None:
+            _bad(stats, cfg, raw.where, raw.error)
+            continue
+        try:
+            ex = view(formats.parse_row(raw.data, cfg.format))
+        except formats.RowError as exc:
+            _bad(stats, cfg, raw.where, str(exc))
+            continue
+        out.append((raw.where, _add_system(ex, cfg.system_prompt)))
+    if not out:
+        raise DataError(f"{cfg.path}: no usable rows ({stats.rows} read, {stats.bad_rows} bad)")
+    return out, stats
+
+
+def chat_tokenizer(cfg: DataConfig, tokenizer: Any) -> ChatTokenizer:
+    template = cfg.chat_template
+    if template and "{" not in template:
+        path = Path(template)
+        if not path.is_file():
+            raise ConfigError(f"data.chat_template {template!r} is neither a Jinja template nor a file")
+        template = path.read_text()
+    return ChatTokenizer(tokenizer, template, cfg.loss_on)
+
+
+def _fit(seq: TokenizedSeq, max_len: int, cfg: DataConfig, stats: DataStats) -> TokenizedSeq | None:
+    """Apply the truncation policy; None when the sequence is dropped (too long, or nothing to learn)."""
+    if len(seq) > max_len:
+        if cfg.truncation == "drop":
+            stats.dropped_too_long += 1
+            return None
+        stats.truncated += 1
+        seq = TokenizedSeq(seq.input_ids[:max_len], seq.loss_mask[:max_len], truncated=True)
+    if not any(seq.loss_mask[1:]):  # token 0 is never a target once labels are shifted
+        stats.dropped_no_target += 1
+        return None
+    return seq
+
+
+def _tokenize(tok: ChatTokenizer, ex: Any) -> tuple[TokenizedSeq, ...]:
+    if isinstance(ex, TokensExample):
+        return (TokenizedSeq(ex.input_ids, ex.loss_mask),)
+    if isinstance(ex, PreferenceExample):
+        return tok.tokenize_preference(ex)
+    return (tok.tokenize_messages(ex.messages),)
+
+
+def _build(cfg: DataConfig, tokenizer: Any, purpose: str, part: str) -> TokenizedData:
+    examples, stats = load_examples(cfg, purpose, part)
+    tok = chat_tokenizer(cfg, tokenizer)
+    per_unit = 2 if purpose == "dpo" else 1
+    max_len = cfg.max_seq_len if per_unit == 1 else min(cfg.max_seq_len, cfg.tokens_per_batch // 2)
+    max_len = min(max_len, cfg.tokens_per_batch)
+    units = []
+    for where, ex in examples:
+        try:
+            seqs = _tokenize(tok, ex)
+        except formats.RowError as exc:
+            _bad(stats, cfg, where, str(exc))
+            continue
+        fitted = [_fit(s, max_len, cfg, stats) for s in seqs]
+        if any(s is None for s in fitted):
+            continue
+        units.append(tuple(fitted))
+        stats.sequences += len(fitted)
+        stats.tokens += sum(len(s) for s in fitted)
+        stats.target_tokens += sum(sum(s.loss_mask[1:]) for s in fitted)
+    if not units:
+        raise DataError(
+            f"{cfg.path}: no rows left after tokenising ({stats.dropped_too_long} too long, "
+            f"{stats.dropped_no_target} without target tokens, {stats.bad_rows} bad); "
+            "raise max_seq_len or check loss_on"
+        )
+    return TokenizedData(units, stats, cfg)
+
+
+def build_sft(cfg: DataConfig, tokenizer: Any, part: str = "train") -> TokenizedData:
+    """Tokenised SFT data: one sequence per unit."""
+    return _build(cfg, tokenizer, "sft", part)
+
+
+def build_preference(cfg: DataConfig, tokenizer: Any, part: str = "train") -> TokenizedData:
+    """Tokenised DPO data: units are (chosen, rejected), packed together into the same micro-batch."""
+    return _build(cfg, tokenizer, "dpo", part)
+
+
+def load_prompts(cfg: DataConfig, part: str = "train") -> tuple[list[PromptExample], DataStats]:
+    """Prompt-only view for RL (messages + reference answer + task); tokenise with ``ChatTokenizer.encode_prompt``."""
+    examples, stats = load_examples(cfg, "rl", part)
+    return [ex for _, ex in examples], stats

@@ -1,0 +1,194 @@
+"""Where rows come from: a data spec string -> raw row dicts, each with its file and row number.
+
+Specs: a local ``.jsonl`` / ``.json`` (a list, or ``{"data": [...]}``) / ``.parquet`` file; a local directory
+(saved with ``datasets``' ``save_to_disk``, or holding such files); a Hugging Face ``load_dataset`` name with
+optional ``name:config`` (``hf:`` prefix optional); ``builtin:<name>?k=v``. Any spec may end in ``@split``.
+Rows are loaded into memory (no streaming). This module does not interpret row keys (see ``formats.py``);
+unreadable rows are yielded with an ``error`` so the caller can raise or skip them in one place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from polyrl.errors import DataError
+
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+_SAVED_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
+
+
+@dataclass
+class RawRow:
+    """One row: ``data`` (None when unreadable, then ``error`` says why), ``source`` and 1-based ``row``."""
+
+    data: dict[str, Any] | None
+    source: str
+    row: int
+    unit: str = "row"  # "line" for JSONL, "item" for JSON lists
+    error: str | None = None
+
+    @property
+    def where(self) -> str:
+        return f"{self.source}: {self.unit} {self.row}"
+
+
+def split_spec(spec: str) -> tuple[str, str | None]:
+    """Separate a trailing ``@split`` unless the whole spec is an existing path."""
+    if os.path.exists(spec) or "@" not in spec:
+        return spec, None
+    body, split = spec.rsplit("@", 1)
+    return body, split or None
+
+
+def iter_rows(spec: str, split: str | None = None) -> Iterator[RawRow]:
+    """Rows of ``spec``. ``split`` overrides a ``@split`` in the spec."""
+    if spec.startswith("builtin:"):
+        from polyrl.data import builtin
+
+        label = spec.split("@", 1)[0]
+        for i, row in enumerate(builtin.generate(spec, split=split), start=1):
+            yield RawRow(row, label, i)
+        return
+    body, spec_split = split_spec(spec)
+    split = split or spec_split
+    path = Path(body)
+    if path.is_file():
+        yield from _iter_file(path)
+    elif path.is_dir():
+        yield from _iter_dir(path, split)
+    elif body.startswith(("/", "./", "../", "~")) or body.endswith(FILE_SUFFIXES):
+        raise DataError(f"data file {body!r} does not exist; check the path (relative paths are from {os.getcwd()})")
+    else:
+        yield from _iter_hub(body.removeprefix("hf:"), split)
+
+
+def _iter_file(path: Path) -> Iterator[RawRow]:
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        yield from _iter_jsonl(path)
+    elif suffix == ".json":
+        yield from _iter_json(path)
+    elif suffix == ".parquet":
+        yield from _iter_parquet(path)
+    else:
+        raise DataError(f"{path}: unsupported file type {suffix!r}; use one of {', '.join(FILE_SUFFIXES)}")
+
+
+def _iter_jsonl(path: Path) -> Iterator[RawRow]:
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield RawRow(None, str(path), lineno, "line", f"invalid JSON ({exc.msg} at column {exc.colno})")
+                continue
+            yield _checked(data, str(path), lineno, "line")
+
+
+def _iter_json(path: Path) -> Iterator[RawRow]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    if isinstance(data, dict) and isinstance(data.get("data"), list):
+        data = data["data"]
+    if not isinstance(data, list):
+        raise DataError(f'{path}: a .json dataset must be a list of objects or {{"data": [...]}}')
+    for i, item in enumerate(data, start=1):
+        yield _checked(item, str(path), i, "item")
+
+
+def _checked(data: Any, source: str, row: int, unit: str) -> RawRow:
+    if not isinstance(data, dict):
+        return RawRow(None, source, row, unit, f"expected a JSON object, got {type(data).__name__}")
+    return RawRow(data, source, row, unit)
+
+
+def _iter_parquet(path: Path) -> Iterator[RawRow]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(
+            f"{path}: reading Parquet needs pyarrow; install it with `pip install 'polyrl[data]'`"
+        ) from None
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # pyarrow raises several types for a corrupt file
+        raise DataError(f"{path}: cannot read Parquet file ({exc})") from None
+    for i, data in enumerate(table.to_pylist(), start=1):
+        yield RawRow(data, str(path), i)
+
+
+def _iter_dir(path: Path, split: str | None) -> Iterator[RawRow]:
+    if any((path / m).exists() for m in _SAVED_MARKERS):
+        yield from _iter_saved(path, split)
+        return
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in FILE_SUFFIXES)
+    if split is not None:
+        files = [
+            p for p in files if p.stem == split or p.stem.startswith(f"{split}-") or p.stem.startswith(f"{split}_")
+        ]
+    if not files:
+        raise DataError(
+            f"{path}: no dataset found (expected a `save_to_disk` folder or {', '.join(FILE_SUFFIXES)} files"
+            + (f" named after split {split!r})" if split else ")")
+        )
+    for f in files:
+        yield from _iter_file(f)
+
+
+def _import_datasets(what: str):
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"{what} needs the Hugging Face `datasets` package; install it with `pip install 'polyrl[data]'`"
+        ) from None
+    return datasets
+
+
+def _iter_dataset(ds: Any, source: str) -> Iterator[RawRow]:
+    for i, data in enumerate(ds, start=1):
+        yield RawRow(dict(data), source, i)
+
+
+def _pick_split(dd: Any, split: str | None, source: str) -> Any:
+    available = list(dd.keys())
+    chosen = split or ("train" if "train" in available else available[0] if len(available) == 1 else None)
+    if chosen not in available:
+        raise DataError(f"{source}: split {chosen!r} not found; available splits: {', '.join(available)} (add @SPLIT)")
+    return dd[chosen]
+
+
+def _iter_saved(path: Path, split: str | None) -> Iterator[RawRow]:
+    datasets = _import_datasets(f"loading the saved dataset {path}")
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as exc:
+        raise DataError(f"{path}: cannot load the saved dataset ({exc})") from None
+    if hasattr(ds, "keys"):  # DatasetDict
+        ds = _pick_split(ds, split, str(path))
+    elif split is not None and split != "train":
+        raise DataError(f"{path}: this saved dataset has a single split; remove @{split}")
+    yield from _iter_dataset(ds, str(path))
+
+
+def _iter_hub(name: str, split: str | None) -> Iterator[RawRow]:
+    datasets = _import_datasets(f"loading {name!r} from the Hugging Face hub")
+    repo, _, config = name.partition(":")
+    try:
+        dd = datasets.load_dataset(repo, config or None)
+    except Exception as exc:
+        raise DataError(
+            f"cannot load dataset {name!r} ({type(exc).__name__}: {exc}); check the name (use NAME:CONFIG for a "
+            "config), your network, or pass a local file / save_to_disk folder"
+        ) from None
+    yield from _iter_dataset(_pick_split(dd, split, name), name)
