@@ -181,7 +181,9 @@ def load_model(
         except CheckpointError:
             raise
         except Exception:  # noqa: BLE001 - the index names a tensor its shard does not hold
-            raise CheckpointError(f"{INDEX_FILE} in {folder} maps {name!r} to {file.name}, which does not hold it")
+            raise CheckpointError(
+                f"{INDEX_FILE} in {folder} maps {name!r} to {file.name}, which does not hold it"
+            ) from None
     problems = _problems(expected, found, cfg.tie_word_embeddings)
     if problems:
         raise CheckpointError(
