@@ -1,0 +1,97 @@
+"""Step inputs: the flat tensors one forward needs, built from the scheduler's output on the host.
+
+For a mixed batch (prefill chunks and decodes) it builds ``input_ids``/``positions``/``slot_mapping``
+``[T]``, ``cu_seqlens`` ``[B+1]``, ``context_lens`` ``[B]``, ``block_tables`` ``[B, M]`` and the row of the last
+token of each sequence that samples. Everything is packed into ONE pinned int64 host buffer and copied
+to the device with one non-blocking transfer, then viewed (and cast to int32 where the contract says
+so) on the device: per-step host work is a few list operations per sequence.
+
+It neither runs the model nor decides what to schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from polyrl.infer.scheduler import ScheduledSeq
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    slot_mapping: torch.Tensor  # int64 [T]
+    cu_seqlens: torch.Tensor  # int32 [B+1]
+    context_lens: torch.Tensor  # int32 [B]
+    block_tables: torch.Tensor  # int32 [B, M]
+    sample_rows: torch.Tensor  # int64 [S] rows of T whose hidden state gives logits
+    max_seqlen: int
+    num_tokens: int
+    num_seqs: int
+
+
+def host_arrays(items: list[ScheduledSeq], block_size: int) -> dict[str, np.ndarray]:
+    """The step's index arrays as numpy int64 on the host (also used to fill CUDA-graph buffers)."""
+    b = len(items)
+    lens = np.fromiter((it.num_new for it in items), dtype=np.int64, count=b)
+    cu = np.zeros(b + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    t = int(cu[-1])
+    input_ids = np.empty(t, dtype=np.int64)
+    positions = np.empty(t, dtype=np.int64)
+    slots = np.empty(t, dtype=np.int64)
+    width = max(len(it.seq.block_table) for it in items)
+    tables = np.zeros((b, width), dtype=np.int64)
+    for i, it in enumerate(items):
+        s, n, bt = it.start, it.num_new, it.seq.block_table
+        lo = int(cu[i])
+        tables[i, : len(bt)] = bt
+        if n == 1:
+            input_ids[lo] = it.seq.tokens[s]
+            positions[lo] = s
+            slots[lo] = bt[s // block_size] * block_size + s % block_size
+        else:
+            pos = np.arange(s, s + n, dtype=np.int64)
+            input_ids[lo : lo + n] = it.seq.tokens[s : s + n]
+            positions[lo : lo + n] = pos
+            slots[lo : lo + n] = tables[i, pos // block_size] * block_size + pos % block_size
+    context = np.fromiter((it.start + it.num_new for it in items), dtype=np.int64, count=b)
+    sample_rows = np.fromiter((int(cu[i + 1]) - 1 for i, it in enumerate(items) if it.sample), dtype=np.int64)
+    return {
+        "input_ids": input_ids,
+        "positions": positions,
+        "slot_mapping": slots,
+        "cu_seqlens": cu,
+        "context_lens": context,
+        "block_tables": tables,
+        "sample_rows": sample_rows,
+        "max_seqlen": np.array([int(lens.max()) if b else 0]),
+    }
+
+
+_ORDER = ("input_ids", "positions", "slot_mapping", "cu_seqlens", "context_lens", "sample_rows", "block_tables")
+_INT32 = ("cu_seqlens", "context_lens", "block_tables")
+
+
+def to_device(arrays: dict[str, np.ndarray], dev: torch.device) -> StepInputs:
+    flat = np.concatenate([arrays[k].reshape(-1) for k in _ORDER])
+    host = torch.from_numpy(flat)
+    if dev.type != "cpu":
+        host = host.pin_memory()
+    buf = host.to(dev, non_blocking=True)
+    out: dict[str, torch.Tensor] = {}
+    off = 0
+    for k in _ORDER:
+        a = arrays[k]
+        view = buf[off : off + a.size].view(a.shape)
+        out[k] = view.to(torch.int32) if k in _INT32 else view
+        off += a.size
+    return StepInputs(
+        **out,
+        max_seqlen=int(arrays["max_seqlen"][0]),
+        num_tokens=int(arrays["input_ids"].size),
+        num_seqs=int(arrays["context_lens"].size),
+    )

@@ -1,0 +1,57 @@
+"""EngineConfig: how the rollout engine sizes its KV cache and batches, validated on construction.
+
+It only holds numbers; ``kv_cache.py`` turns them into tensors and ``llm.py`` wires the parts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from polyrl.errors import ConfigError
+
+DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    # KV cache size: a fixed number of blocks, or (on an accelerator) the share of device memory the
+    # engine may fill, weights and activations included: cache = free - total * (1 - utilisation).
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.85
+    cpu_kv_cache_bytes: int = 1 << 30  # CPU without num_blocks: at most this many bytes of cache
+    max_num_seqs: int = 256  # sequences in one step
+    max_num_batched_tokens: int = 8192  # tokens computed in one step (prefill chunks + decodes)
+    max_model_len: int | None = None  # prompt + output tokens; None = the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    cuda_graphs: bool | None = None  # None = where polyrl.platform.device.supports_graphs()
+    max_graph_batch_size: int = 256  # decode batches up to this size replay captured graphs
+    kv_cache_dtype: str | None = None  # None = the model's dtype; or "bfloat16"/"float16"/"float32"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"num_blocks must be >= 1 (or None to size the cache from memory), got {self.num_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so that every running sequence can decode in one step"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_dtype not in (None, "bfloat16", "float16", "float32"):
+            raise ConfigError(f"kv_cache_dtype must be bfloat16, float16, float32 or None, got {self.kv_cache_dtype!r}")
+        if self.max_graph_batch_size < 1:
+            raise ConfigError(f"max_graph_batch_size must be >= 1, got {self.max_graph_batch_size}")
+
+    def graph_batch_sizes(self) -> list[int]:
+        limit = min(self.max_graph_batch_size, self.max_num_seqs)
+        sizes = [s for s in DEFAULT_GRAPH_SIZES if s <= limit]
+        if not sizes or sizes[-1] < limit:
+            sizes.append(limit)
+        return sizes

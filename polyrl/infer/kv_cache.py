@@ -1,0 +1,94 @@
+"""Paged KV cache tensors: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, Hk, D]``.
+
+Sizing: a given ``num_blocks``; else on an accelerator the memory left under the utilisation line
+(``free - total * (1 - utilisation)``, so colocated training memory already allocated is respected)
+minus an estimate of the step's activations; else on the CPU ``cpu_kv_cache_bytes``.
+``release()`` frees the tensors (colocated training gets the memory back) and ``allocate()`` takes it
+again with the same shape, so block ids stay meaningful for the block manager after a reset.
+
+This module owns tensors only; which block holds what is ``block_manager.py``'s business.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from polyrl.errors import ConfigError
+from polyrl.infer.config import EngineConfig
+from polyrl.platform import device
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+
+def activation_reserve(cfg: EngineConfig, model_cfg, act_dtype: torch.dtype) -> int:
+    """Bytes a step may need beyond weights and cache: hidden-size activations of the token budget,
+    the MLP's [T, 2I] and the fp32 logits of the sampled rows (x3 for softmax/sort temporaries)."""
+    elem = torch.empty((), dtype=act_dtype).element_size()
+    t = cfg.max_num_batched_tokens
+    acts = t * (8 * model_cfg.hidden_size + 3 * model_cfg.intermediate_size) * elem
+    logits = cfg.max_num_seqs * model_cfg.vocab_size * 4 * 4
+    return int(acts + logits) + (256 << 20)
+
+
+class KVCache:
+    def __init__(self, cfg: EngineConfig, model_cfg, model_dtype: torch.dtype, dev: torch.device) -> None:
+        self.cfg = cfg
+        self.num_layers = model_cfg.num_layers
+        self.num_kv_heads = model_cfg.num_kv_heads
+        self.head_dim = model_cfg.head_dim
+        self.block_size = cfg.block_size
+        self.dtype = _DTYPES[cfg.kv_cache_dtype] if cfg.kv_cache_dtype else model_dtype
+        self.device = dev
+        self.block_bytes = bytes_per_block(
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
+        self.num_blocks = self._size(model_cfg, model_dtype)
+        self.caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.allocate()
+
+    def _size(self, model_cfg, model_dtype: torch.dtype) -> int:
+        if self.cfg.num_blocks is not None:
+            return self.cfg.num_blocks
+        if self.device.type == "cpu":
+            budget = self.cfg.cpu_kv_cache_bytes
+        else:
+            free, total = device.mem_get_info()
+            budget = free - int(total * (1.0 - self.cfg.gpu_memory_utilization))
+            budget -= activation_reserve(self.cfg, model_cfg, model_dtype)
+        n = budget // self.block_bytes
+        if n < 1:
+            raise ConfigError(
+                f"no memory left for the KV cache (budget {budget / 2**30:.2f} GiB, one block needs "
+                f"{self.block_bytes / 2**20:.2f} MiB); raise gpu_memory_utilization, lower max_num_batched_tokens "
+                f"or max_num_seqs, or set num_blocks"
+            )
+        return int(n)
+
+    @property
+    def allocated(self) -> bool:
+        return self.caches is not None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def allocate(self) -> None:
+        if self.caches is not None:
+            return
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(self.num_layers)
+        ]
+
+    def release(self) -> None:
+        self.caches = None
+        device.empty_cache()

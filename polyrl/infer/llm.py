@@ -1,0 +1,301 @@
+"""``LLM``: the rollout and serving engine's public API (see ``polyrl/infer/__init__.py`` for the contract).
+
+Wires the parts: ``KVCache`` (tensors), ``BlockManager`` (blocks, prefix cache), ``Scheduler`` (continuous
+batching), ``ModelRunner`` (forward, CUDA graphs), ``Sampler`` and ``stopping``. One ``step()`` schedules,
+runs the model once, samples, checks stops and reports the requests that changed.
+
+Threading: ``add_request`` and ``abort_request`` may be called from any thread (they validate in the
+caller's thread and hand the request over through a queue); ``step()``, ``generate()`` and ``chat()`` must
+be driven by one thread at a time (the server's engine thread, or the trainer).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import time
+from typing import Any
+
+import torch
+
+from polyrl.errors import UserError
+from polyrl.infer.block_manager import BlockManager
+from polyrl.infer.config import EngineConfig
+from polyrl.infer.kv_cache import KVCache
+from polyrl.infer.model_runner import ModelRunner
+from polyrl.infer.sampler import Sampler
+from polyrl.infer.sampling_params import SamplingParams
+from polyrl.infer.scheduler import Scheduler
+from polyrl.infer.sequence import CompletionOutput, RequestOutput, Sequence
+from polyrl.infer.stopping import check_stop
+
+
+class _Request:
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "seqs")
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.seqs: list[Sequence] = []
+
+
+class LLM:
+    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: EngineConfig | None = None) -> None:
+        self.model = model  # a reference: colocated training updates these very tensors
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        mcfg = model.config
+        param = next(model.parameters())
+        self.kv = KVCache(self.config, mcfg, param.dtype, param.device)
+        limit = self.config.max_model_len or mcfg.max_position_embeddings
+        # A sequence can never need more than the whole cache: that also guarantees a preempted
+        # sequence fits again once the others are gone.
+        self.max_model_len = min(limit, self.kv.num_blocks * self.config.block_size)
+        self.block_manager = BlockManager(self.kv.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.kv, self.config, self.max_model_len)
+        self.sampler = Sampler()
+        eos = set(mcfg.eos_token_ids)
+        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+        self.vocab_size = mcfg.vocab_size
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._seq_ids = itertools.count()
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+
+    # ---- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str,
+        config: EngineConfig | None = None,
+        dtype: torch.dtype | str | None = None,
+        device: torch.device | str | None = None,
+    ) -> LLM:
+        """Load an HF checkpoint directory (weights + tokenizer) and build an engine over it."""
+        from polyrl.models.checkpoint import load_model, load_tokenizer
+        from polyrl.platform import device as dev_mod
+
+        dev = torch.device(device) if device is not None else dev_mod.torch_device()
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        if dtype is None:
+            dtype = torch.bfloat16 if dev.type != "cpu" and dev_mod.supports_bf16() else torch.float32
+        model = load_model(path, dtype=dtype, device=dev)
+        model.eval()
+        return cls(model, load_tokenizer(path), config)
+
+    # ---- requests -------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise UserError("text prompts need a tokenizer; pass token ids or build the LLM with a tokenizer")
+            return prompt, list(self.tokenizer.encode(prompt))
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise UserError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        return None, ids
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        stream: bool = False,
+    ) -> str:
+        """Queue a request (thread-safe). Raises UserError for an empty or too long prompt."""
+        params = params or SamplingParams()
+        text, ids = self.encode_prompt(prompt)
+        if not ids:
+            raise UserError("the prompt is empty; give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise UserError(
+                f"the prompt has {len(ids)} tokens but the context holds {self.max_model_len} (prompt + output); "
+                f"shorten the prompt or raise max_model_len / the KV cache size"
+            )
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        req = _Request(rid, text, ids, params)
+        now = time.monotonic()
+        for i in range(params.n):
+            req.seqs.append(Sequence(next(self._seq_ids), rid, i, ids, params, now, stream))
+        self._inbox.put(("add", req))
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request (thread-safe); it is reported once more with finish_reason "abort"."""
+        self._inbox.put(("abort", request_id))
+
+    def _drain_inbox(self) -> list[_Request]:
+        aborted = []
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return aborted
+            if kind == "add":
+                if item.request_id in self._requests:
+                    raise UserError(f"request id {item.request_id!r} is already running; use unique ids")
+                self._requests[item.request_id] = item
+                for s in item.seqs:
+                    self.scheduler.add(s)
+            elif item in self._requests:
+                self.scheduler.abort(item)
+                aborted.append(self._requests[item])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or not self._inbox.empty()
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns an output for every request that got tokens or finished."""
+        touched: dict[str, _Request] = {r.request_id: r for r in self._drain_inbox()}
+        sched = self.scheduler.schedule()
+        if sched.items:
+            logits = self.runner.execute(sched)
+            sampling = [it.seq for it in sched.items if it.sample]
+            for it in sched.items:
+                it.seq.num_computed = it.start + it.num_new
+            if sampling:
+                self._sample_and_stop(logits, sampling)
+                for s in sampling:
+                    touched[s.request_id] = self._requests[s.request_id]
+            self.num_steps += 1
+        outputs = [self._output(r) for r in touched.values()]
+        for out in outputs:
+            if out.finished:
+                del self._requests[out.request_id]
+        return outputs
+
+    def _sample_and_stop(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        suppress = []
+        for s in seqs:
+            p = s.params
+            if s.num_generated < p.min_tokens:
+                ids = list(p.stop_token_ids) if p.ignore_eos else list(self.eos_token_ids) + list(p.stop_token_ids)
+                suppress.append(ids)
+            else:
+                suppress.append(None)
+        out = self.sampler(logits, seqs, suppress)
+        for b, s in enumerate(seqs):
+            tok = out.tokens[b]
+            s.tokens.append(tok)
+            s.logprobs.append(out.logprobs[b])
+            s.cumulative_logprob += out.logprobs[b]
+            if s.top_logprobs is not None:
+                s.top_logprobs.append(out.top_logprobs[b] or {})
+            self.num_generated_tokens += 1
+            stop = check_stop(s, tok, self.eos_token_ids, self.max_model_len, self.tokenizer)
+            if stop is not None:
+                self.scheduler.finish(s, *stop)
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outs = [self._completion(s) for s in req.seqs]
+        finished = all(s.is_finished for s in req.seqs)
+        return RequestOutput(req.request_id, req.prompt_token_ids, outs, finished, req.prompt)
+
+    def _completion(self, s: Sequence) -> CompletionOutput:
+        ids = s.output_token_ids
+        text = ""
+        if s.detok is not None:
+            text = s.detok.text
+        elif s.is_finished and self.tokenizer is not None:
+            ends_with_stop_token = s.finish_reason == "stop" and not isinstance(s.stop_reason, str) and ids
+            text = self.tokenizer.decode(
+                ids[:-1] if ends_with_stop_token else ids, skip_special_tokens=s.params.skip_special_tokens
+            )
+        new_ids = ids[s.emitted_tokens :]
+        s.emitted_tokens = len(ids)
+        new_text = ""
+        if s.stream and s.detok is not None:
+            upto = len(text) if s.is_finished else max(s.emitted_text, len(text) - max(0, s.params.max_stop_len - 1))
+            new_text = text[s.emitted_text : upto]
+            s.emitted_text = upto
+        return CompletionOutput(
+            index=s.index,
+            token_ids=list(ids),
+            text=text,
+            logprobs=list(s.logprobs),
+            cumulative_logprob=s.cumulative_logprob,
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+            top_logprobs=list(s.top_logprobs) if s.top_logprobs is not None else None,
+            new_token_ids=new_ids,
+            new_text=new_text,
+        )
+
+    # ---- batch API ----------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]] | str,
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids) until all finish; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise UserError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> list[int]:
+        if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
+            raise UserError("this tokenizer has no chat template; use generate() with plain prompts")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def chat(
+        self,
+        messages_list: list[list[dict]] | list[dict],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        **template_kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations (lists of {"role", "content"}) through the chat template."""
+        if messages_list and isinstance(messages_list[0], dict):
+            messages_list = [messages_list]  # type: ignore[list-item]
+        prompts = [self.apply_chat_template(m, **template_kwargs) for m in messages_list]  # type: ignore[arg-type]
+        return self.generate(prompts, params)
+
+    # ---- colocated training -------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes: call after the model's weights changed (their KV is stale)."""
+        self.block_manager.reset_prefix_cache()
+
+    def release(self) -> None:
+        """Free the KV cache memory for training. No request may be in flight."""
+        if self.has_unfinished_requests():
+            raise UserError("cannot release the KV cache while requests are running; finish or abort them first")
+        self.runner.invalidate_graphs()
+        self.kv.release()
+        self.block_manager.reset()
+
+    def reallocate(self) -> None:
+        """Take the KV cache memory back after ``release()`` (same number of blocks)."""
+        self.kv.allocate()
+
+    # ---- introspection --------------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        bm = self.block_manager
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage": bm.usage(),
+            "kv_num_blocks": bm.num_blocks,
+            "prefix_cache_hit_rate": bm.hit_tokens / bm.query_tokens if bm.query_tokens else 0.0,
+            "num_preemptions": self.scheduler.total_preemptions,
+            "num_steps": self.num_steps,
+            "num_generated_tokens": self.num_generated_tokens,
+        }

@@ -1,0 +1,119 @@
+"""SamplingParams: how one request is sampled and when it stops, validated on construction.
+
+Semantics follow the OpenAI / vLLM conventions an experienced user expects:
+
+- ``temperature == 0`` is greedy; ``top_k`` in {0, -1} and ``top_p == 1`` and ``min_p == 0`` disable
+  those filters.
+- ``seed`` makes a request reproducible regardless of what else is in the batch (sample ``i`` of ``n``
+  uses a stream derived from ``(seed, i)``).
+- ``max_tokens`` counts generated tokens; ``min_tokens`` suppresses EOS and ``stop_token_ids`` (not
+  stop strings' tokens) until that many tokens were generated.
+- ``stop`` strings are matched on the detokenised text; the text is cut before the stop string, the
+  token ids (and their log-probs) are kept whole, because RL trains on the tokens that were sampled.
+- ``logprobs = k`` asks for the top-``k`` alternatives per generated token (the sampled token's own
+  log-prob is always returned).
+
+This module only describes a request; it does not sample (``sampler.py``) or detokenise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from polyrl.errors import UserError
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(msg: str) -> UserError:
+            return UserError(f"invalid sampling parameter: {msg}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad(f"n must be an integer >= 1, got {self.n!r}")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise bad(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad(f"top_k must be an integer >= 1, or 0/-1 to disable it, got {self.top_k!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise bad(f"seed must be an integer or None, got {self.seed!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad(
+                f"max_tokens must be an integer >= 1 (or None for up to the context length), got {self.max_tokens!r}"
+            )
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise bad(
+                f"logprobs (top alternatives per token) must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}"
+            )
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise bad(f"stop strings must be non-empty strings, got {s!r}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_top_k(self) -> bool:
+        return self.top_k > 0 and not self.greedy
+
+    @property
+    def uses_top_p(self) -> bool:
+        return self.top_p < 1.0 and not self.greedy
+
+    @property
+    def uses_min_p(self) -> bool:
+        return self.min_p > 0.0 and not self.greedy
+
+    @property
+    def max_stop_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+    def clone(self, **changes) -> SamplingParams:
+        return replace(self, **changes)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The generator seed of sample ``index`` of a request seeded with ``seed`` (sample 0 uses ``seed``)."""
+    if index == 0:
+        return seed % (2**63)
+    return (seed * 6364136223846793005 + index * 1442695040888963407) % (2**63)

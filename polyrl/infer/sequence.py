@@ -1,0 +1,140 @@
+"""Sequence: the engine's state for one sample of one request, and the outputs handed to callers.
+
+A request with ``n`` samples becomes ``n`` independent sequences that share a request id; prefix
+caching (``block_manager``) lets them share the prompt's KV blocks. ``tokens`` is prompt plus generated
+tokens; ``num_computed`` of them have their keys/values in the cache. Preemption by recompute sets
+``num_computed`` back to 0 and keeps the tokens, so the sequence resumes exactly where it stopped.
+
+This module holds data only: scheduling, sampling and detokenising live in their own modules.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from polyrl.infer.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class CompletionOutput:
+    """One sample. ``logprobs[i]`` is the log-prob of ``token_ids[i]`` under log_softmax(logits / T)
+    (T = temperature, or 1 for greedy), before top-k/top-p/min-p truncation. ``top_logprobs[i]`` maps
+    token id -> log-prob for the top alternatives when ``SamplingParams.logprobs`` was set."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    cumulative_logprob: float
+    finish_reason: str | None  # "stop" | "length" | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    top_logprobs: list[dict[int, float]] | None = None
+    new_token_ids: list[int] = field(default_factory=list)  # streaming: tokens since the last step's output
+    new_text: str = ""  # streaming: text since the last step's output
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)
+
+
+class Sequence:
+    __slots__ = (
+        "seq_id",
+        "request_id",
+        "index",
+        "tokens",
+        "num_prompt",
+        "params",
+        "status",
+        "block_table",
+        "num_computed",
+        "num_hashed_blocks",
+        "last_hash",
+        "logprobs",
+        "top_logprobs",
+        "cumulative_logprob",
+        "finish_reason",
+        "stop_reason",
+        "generator",
+        "detok",
+        "stream",
+        "emitted_tokens",
+        "emitted_text",
+        "arrival",
+    )
+
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival: float = 0.0,
+        stream: bool = False,
+    ) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index
+        self.tokens: list[int] = list(prompt_token_ids)
+        self.num_prompt = len(prompt_token_ids)
+        self.params = params
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.num_computed = 0
+        self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
+        self.last_hash: int | None = None  # hash of the last registered block (parent of the next)
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] | None = [] if params.logprobs else None
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.generator: Any = None  # torch.Generator when the request is seeded (created lazily)
+        self.detok: Any = None  # IncrementalDetokenizer when stop strings or streaming need text
+        self.stream = stream
+        self.emitted_tokens = 0
+        self.emitted_text = 0
+        self.arrival = arrival
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}#{self.index}, {self.status.value}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed}, blocks={len(self.block_table)})"
+        )
