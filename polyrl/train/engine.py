@@ -1,0 +1,294 @@
+"""The training step: forward/backward over micro-batches, normalisation, clipping, NaN guard, AdamW.
+
+``TrainEngine.step(micro_batches, loss_fn)`` runs one optimizer step over a list of packed
+micro-batches. Each ``loss_fn(model, batch)`` returns a summed loss; the engine divides by ONE
+normaliser for the whole step (default: the total target tokens of all micro-batches), so 1 x 4k and
+4 x 1k tokens give the same update. Then: global gradient norm (fp32, reported), clipping, a
+non-finite guard (skip + count; ``NonFiniteLossError`` after N in a row), the scheduled lr, and the
+AdamW update of ``MasterAdamW``.
+
+This module does not build batches, save checkpoints or write metrics: the caller (SFT recipe, RL
+trainer) owns the loop and hands ``StepStats`` to ``polyrl.train.metrics`` and the engine to
+``polyrl.train.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from polyrl.errors import DataError, UserError
+from polyrl.platform import device
+from polyrl.train.config import EngineConfig, OptimConfig, PrecisionConfig, ScheduleConfig
+from polyrl.train.losses import causal_lm_loss
+from polyrl.train.optim import MasterAdamW
+from polyrl.train.precision import DTYPE_NAMES, LossScaler, resolve_compute_dtype
+from polyrl.train.schedule import lr_at
+
+LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, Any]]]
+
+
+class NonFiniteLossError(UserError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient norm."""
+
+
+@dataclass
+class StepStats:
+    """What one ``TrainEngine.step`` did. ``step`` is the 1-based count of steps run so far (skipped ones
+    included); ``loss`` = sum of loss_fn sums / normaliser; ``grad_norm`` is before clipping; ``mfu``
+    is None where the device's peak FLOP/s is unknown (the CPU) or the model has no ``flops_per_token``."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+    normalizer: float
+    time_s: float
+    tokens_per_s: float
+    mfu: float | None
+    peak_memory_bytes: int
+    skipped: bool
+    skipped_total: int
+    loss_scale: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat JSON-ready dict (metrics merged in at the top level)."""
+        out = asdict(self)
+        out.update(out.pop("metrics"))
+        return out
+
+
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Seed python/numpy/torch/device RNGs; with ``deterministic`` also ask torch for deterministic kernels."""
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # required by cuBLAS determinism
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+    device.manual_seed_all(seed)
+
+
+class TrainEngine:
+    """Owns the optimizer and the step logic for ``model`` (on its device already).
+
+    Construction casts trainable parameters to the compute dtype in place (fp32 masters are taken
+    first), sets ``model.gradient_checkpointing`` and compiles the decoder layers when asked, and
+    seeds the RNGs from ``engine.seed``. ``total_steps`` is needed by decaying schedules."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optim: OptimConfig | None = None,
+        schedule: ScheduleConfig | None = None,
+        precision: PrecisionConfig | None = None,
+        engine: EngineConfig | None = None,
+        total_steps: int | None = None,
+    ) -> None:
+        self.model = model
+        self.optim_cfg = optim or OptimConfig()
+        self.schedule_cfg = schedule or ScheduleConfig()
+        self.precision_cfg = precision or PrecisionConfig()
+        self.cfg = engine or EngineConfig()
+        self.total_steps = total_steps
+        if self.schedule_cfg.decay != "constant" or self.schedule_cfg.warmup_ratio is not None:
+            if total_steps is None:
+                raise UserError("TrainEngine needs total_steps for a decaying or warmup_ratio schedule")
+        seed_everything(self.cfg.seed, self.cfg.deterministic)
+        first = next(model.parameters())
+        self.device = first.device
+        self.compute_dtype = resolve_compute_dtype(self.precision_cfg, self.device.type)
+        self.optimizer = MasterAdamW(model.named_parameters(), self.optim_cfg, self.compute_dtype)
+        self.scaler = LossScaler(self.compute_dtype == torch.float16, self.precision_cfg.initial_loss_scale)
+        self._set_checkpointing(self.cfg.activation_checkpointing)
+        self._compiled: list[nn.Module] = self._compile_layers() if self.cfg.compile else []
+        self.global_step = 0
+        self.skipped_total = 0
+        self.consecutive_skips = 0
+
+    # ---- switches -----------------------------------------------------------------------------
+    def _set_checkpointing(self, on: bool) -> None:
+        if hasattr(self.model, "gradient_checkpointing"):
+            self.model.gradient_checkpointing = on
+        elif on:
+            warnings.warn(
+                f"{type(self.model).__name__} has no gradient_checkpointing switch; running without it",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _compile_layers(self) -> list[nn.Module]:
+        """torch.compile each decoder layer in place (``nn.Module.compile`` keeps parameters)."""
+        inner = getattr(self.model, "model", self.model)
+        layers = getattr(inner, "layers", None)
+        if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+            warnings.warn("engine.compile: model has no .layers ModuleList; running eagerly", RuntimeWarning, 3)
+            return []
+        try:
+            for layer in layers:
+                layer.compile(dynamic=True)
+        except Exception as exc:  # noqa: BLE001 - any compile failure means "eager here"
+            warnings.warn(f"engine.compile failed ({exc}); running eagerly", RuntimeWarning, stacklevel=3)
+            self._uncompile(list(layers))
+            return []
+        return list(layers)
+
+    @staticmethod
+    def _uncompile(layers: list[nn.Module]) -> None:
+        for layer in layers:
+            layer._compiled_call_impl = None  # undoes nn.Module.compile
+
+    # ---- the step -----------------------------------------------------------------------------
+    def lr(self, step: int | None = None) -> float:
+        """Scheduled lr of 0-based step ``step`` (default: the next step)."""
+        s = self.global_step if step is None else step
+        return lr_at(s, self.optim_cfg.lr, self.schedule_cfg, self.total_steps)
+
+    def step(
+        self, micro_batches: Sequence[Any], loss_fn: LossFn | None = None, normalizer: float | None = None
+    ) -> StepStats:
+        """One optimizer step over ``micro_batches`` (PackedBatch-like: ``input_ids``, ``labels``,
+        ``position_ids``, ``cu_seqlens``, ``max_seqlen``, ``num_target_tokens``, ``.to(device)``).
+
+        ``loss_fn(model, batch) -> (loss_sum, metrics)`` (default ``causal_lm_loss``); metrics values
+        are sums too and are reported divided by the same ``normalizer`` (default: the step's total
+        ``num_target_tokens``; pass the global count when data-parallel)."""
+        if not micro_batches:
+            raise ValueError("TrainEngine.step needs at least one micro-batch")
+        loss_fn = loss_fn or causal_lm_loss
+        norm = float(sum(int(b.num_target_tokens) for b in micro_batches) if normalizer is None else normalizer)
+        if norm <= 0:
+            raise DataError(
+                "a training step has no target tokens (every label is -100); check the loss mask and truncation"
+            )
+        flops = self._model_flops(micro_batches)
+        t0 = time.perf_counter()
+        self.model.train()
+        try:
+            loss_total, metric_sums = self._forward_backward(micro_batches, loss_fn, norm)
+        except Exception as exc:
+            if not self._compiled or not _is_compile_error(exc):
+                raise
+            warnings.warn(f"torch.compile failed at run time ({exc}); falling back to eager", RuntimeWarning, 2)
+            self._uncompile(self._compiled)
+            self._compiled = []
+            self.optimizer.zero_grad()
+            loss_total, metric_sums = self._forward_backward(micro_batches, loss_fn, norm)
+        grad_norm, loss, finite = self._finish(loss_total, norm)
+        lr = self.lr()
+        skipped = not finite
+        if finite:
+            clip = self.optim_cfg.grad_clip
+            if clip is not None and grad_norm > clip:
+                self.optimizer.scale_grads_(clip / (grad_norm + 1e-6))
+            self.optimizer.step(lr)
+            self.scaler.update(True)
+            self.consecutive_skips = 0
+        else:
+            self._skip(loss, grad_norm)
+        self.optimizer.zero_grad()
+        self.global_step += 1
+        device.synchronize()
+        dt = time.perf_counter() - t0
+        tokens = sum(int(b.input_ids.numel()) for b in micro_batches)
+        peak = device.peak_bf16_flops()
+        metrics = {k: float(v) / norm for k, v in metric_sums.items()}
+        return StepStats(
+            step=self.global_step,
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            tokens=tokens,
+            normalizer=norm,
+            time_s=dt,
+            tokens_per_s=tokens / dt if dt > 0 else 0.0,
+            mfu=(flops / dt / peak) if (flops is not None and peak and dt > 0) else None,
+            peak_memory_bytes=device.max_memory_allocated(),
+            skipped=skipped,
+            skipped_total=self.skipped_total,
+            loss_scale=self.scaler.scale if self.scaler.enabled else None,
+            metrics=metrics,
+        )
+
+    def _forward_backward(
+        self, micro_batches: Sequence[Any], loss_fn: LossFn, norm: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss_total = torch.zeros((), dtype=torch.float32, device=self.device)
+        metric_sums: dict[str, torch.Tensor] = {}
+        scale = self.scaler.scale / norm
+        for mb in micro_batches:
+            mb = mb.to(self.device) if hasattr(mb, "to") else mb
+            loss_sum, metrics = loss_fn(self.model, mb)
+            (loss_sum * scale).backward()
+            loss_total += loss_sum.detach().float()
+            for key, value in metrics.items():
+                v = value.detach().float() if torch.is_tensor(value) else torch.tensor(float(value))
+                metric_sums[key] = metric_sums.get(key, 0.0) + v.to(self.device)
+        return loss_total, metric_sums
+
+    def _finish(self, loss_total: torch.Tensor, norm: float) -> tuple[float, float, bool]:
+        """Remove the loss scale, measure the global grad norm; one host sync for loss and norm."""
+        if self.scaler.enabled:
+            self.optimizer.scale_grads_(1.0 / self.scaler.scale)
+        grad_norm_t = self.optimizer.grad_norm()
+        loss, grad_norm = torch.stack([loss_total / norm, grad_norm_t.to(loss_total.device)]).tolist()
+        return grad_norm, loss, math.isfinite(loss) and math.isfinite(grad_norm)
+
+    def _skip(self, loss: float, grad_norm: float) -> None:
+        self.skipped_total += 1
+        if self.scaler.update(False):
+            return  # an fp16 overflow the loss scale absorbed, not a divergence
+        self.consecutive_skips += 1
+        limit = self.cfg.nan_guard_max_consecutive
+        warnings.warn(
+            f"step {self.global_step + 1}: non-finite loss ({loss}) or grad norm ({grad_norm}); step skipped "
+            f"({self.consecutive_skips} in a row, limit {limit})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        if self.consecutive_skips >= limit:
+            raise NonFiniteLossError(
+                f"{self.consecutive_skips} steps in a row had a non-finite loss or gradient (last at step "
+                f"{self.global_step + 1}: loss={loss}, grad_norm={grad_norm}); lower optim.lr, keep "
+                f"optim.grad_clip on, check the data for empty or corrupt rows, or use bf16 instead of fp16"
+            )
+
+    def _model_flops(self, micro_batches: Sequence[Any]) -> float | None:
+        fpt = getattr(self.model, "flops_per_token", None)
+        if fpt is None or device.peak_bf16_flops() is None:
+            return None
+        total = 0.0
+        for mb in micro_batches:
+            cu = mb.cu_seqlens.tolist()
+            total += sum(fpt(e - s) * (e - s) for s, e in zip(cu[:-1], cu[1:]) if e > s)
+        return total
+
+    # ---- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-ready engine counters (the optimizer's tensors are ``self.optimizer.state_dict()``)."""
+        return {
+            "global_step": self.global_step,
+            "skipped_total": self.skipped_total,
+            "consecutive_skips": self.consecutive_skips,
+            "scaler": self.scaler.state_dict(),
+            "compute_dtype": DTYPE_NAMES[self.compute_dtype],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.global_step = int(state["global_step"])
+        self.skipped_total = int(state["skipped_total"])
+        self.consecutive_skips = int(state["consecutive_skips"])
+        self.scaler.load_state_dict(state["scaler"])
+
+
+def _is_compile_error(exc: BaseException) -> bool:
+    mod = type(exc).__module__ or ""
+    return mod.startswith(("torch._dynamo", "torch._inductor")) or "inductor" in str(exc).lower()

@@ -1,0 +1,237 @@
+"""Run metrics: ``metrics.jsonl`` (one flushed JSON object per step), TensorBoard when installed, a rich
+progress bar with ETA (a plain line every N steps when stdout is not a terminal), and at the end a
+``summary.json`` + printed table and a ``metrics.png`` plot of loss, lr and any other named series.
+
+It only records what it is handed (``StepStats`` or plain dicts); it computes no training numbers.
+rich, matplotlib and tensorboard are imported lazily, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PLOT_SERIES = ("loss", "lr", "grad_norm")
+
+
+class MetricsLogger:
+    """Write per-step metrics into ``run_dir``. ``start_step``: resuming after this step, so records of
+    later steps (written by the interrupted run) are dropped from ``metrics.jsonl`` first.
+    ``progress``: None = a rich bar when stdout is a terminal, else a plain line every ``log_every``."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        total_steps: int | None = None,
+        *,
+        log_every: int = 10,
+        start_step: int = 0,
+        progress: bool | None = None,
+        tensorboard: bool = True,
+        plot_series: Sequence[str] = DEFAULT_PLOT_SERIES,
+        stream: Any = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self.total_steps = total_steps
+        self.log_every = max(1, log_every)
+        self.plot_series = tuple(plot_series)
+        self.stream = stream or sys.stdout
+        self.history: list[dict[str, Any]] = self._load_history(start_step)
+        self._file = self.path.open("a")
+        self._t0 = time.perf_counter()
+        self._start_step = start_step
+        self._tb = self._open_tensorboard() if tensorboard else None
+        use_bar = progress if progress is not None else bool(getattr(self.stream, "isatty", lambda: False)())
+        self._bar = self._open_bar(start_step) if use_bar else None
+
+    # ---- setup --------------------------------------------------------------------------------
+    def _load_history(self, start_step: int) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by a crash mid-write
+            if int(rec.get("step", 0)) <= start_step:
+                kept.append(rec)
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        return kept
+
+    def _open_tensorboard(self) -> Any:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            return None
+        return SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+
+    def _open_bar(self, start_step: int) -> Any:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        bar = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+            console=Console(file=self.stream),
+        )
+        bar.start()
+        self._task = bar.add_task("train", total=self.total_steps, completed=start_step, info="")
+        return bar
+
+    # ---- per step -----------------------------------------------------------------------------
+    def log(self, record: Any) -> dict[str, Any]:
+        """Append one step's record (``StepStats`` or a dict with ``step``); returns the dict written."""
+        rec = record.to_dict() if hasattr(record, "to_dict") else dict(record)
+        rec = {k: _jsonable(v) for k, v in rec.items()}
+        self._file.write(json.dumps(rec) + "\n")
+        self._file.flush()
+        self.history.append(rec)
+        step = int(rec.get("step", len(self.history)))
+        if self._tb is not None:
+            for key, value in rec.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+                    self._tb.add_scalar(f"train/{key}", value, step)
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, info=_short(rec))
+        elif step % self.log_every == 0 or step == self.total_steps:
+            print(self._plain_line(step, rec), file=self.stream, flush=True)
+        return rec
+
+    def _plain_line(self, step: int, rec: dict[str, Any]) -> str:
+        total = f"/{self.total_steps}" if self.total_steps else ""
+        line = f"step {step}{total} {_short(rec)}"
+        done = step - self._start_step
+        if self.total_steps and done > 0:
+            eta = (time.perf_counter() - self._t0) / done * (self.total_steps - step)
+            line += f" eta {_duration(eta)}"
+        return line
+
+    # ---- end of run ---------------------------------------------------------------------------
+    def summary(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """End-of-run numbers over the whole history (resumed runs included)."""
+        h = self.history
+        losses = [r["loss"] for r in h if _finite(r.get("loss")) and not r.get("skipped")]
+        tps = [r["tokens_per_s"] for r in h if _finite(r.get("tokens_per_s"))]
+        mfu = [r["mfu"] for r in h if _finite(r.get("mfu"))]
+        out: dict[str, Any] = {
+            "steps": int(h[-1]["step"]) if h else 0,
+            "first_loss": losses[0] if losses else None,
+            "final_loss": losses[-1] if losses else None,
+            "min_loss": min(losses) if losses else None,
+            "tokens": int(sum(r.get("tokens", 0) or 0 for r in h)),
+            "mean_tokens_per_s": sum(tps) / len(tps) if tps else None,
+            "mean_mfu": sum(mfu) / len(mfu) if mfu else None,
+            "peak_memory_bytes": max((r.get("peak_memory_bytes") or 0 for r in h), default=0),
+            "skipped_steps": int(h[-1].get("skipped_total", 0)) if h else 0,
+            "time_s": sum(r.get("time_s", 0.0) or 0.0 for r in h),
+        }
+        out.update(extra or {})
+        return out
+
+    def close(self, extra: dict[str, Any] | None = None, print_table: bool = True) -> dict[str, Any]:
+        """Stop the bar, write ``summary.json`` and ``metrics.png``, print the summary table."""
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        self._file.close()
+        summary = self.summary(extra)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        plot_metrics(self.history, self.run_dir / "metrics.png", self.plot_series)
+        if print_table:
+            _print_table(summary, self.stream)
+        return summary
+
+
+def plot_metrics(
+    history: list[dict[str, Any]], out: str | Path, series: Sequence[str] = DEFAULT_PLOT_SERIES
+) -> Path | None:
+    """A PNG with one panel per named series present in ``history`` (x = step). None if nothing to plot."""
+    present = [s for s in series if any(_finite(r.get(s)) for r in history)]
+    if not present:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(present), 1, figsize=(7, 2.4 * len(present)), sharex=True, squeeze=False)
+    for ax, name in zip(axes[:, 0], present):
+        pts = [(r["step"], r[name]) for r in history if _finite(r.get(name))]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], linewidth=1.2)
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def _print_table(summary: dict[str, Any], stream: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="training summary", show_header=False)
+    for key, value in summary.items():
+        table.add_row(key, _fmt(value))
+    Console(file=stream).print(table)
+
+
+def _short(rec: dict[str, Any]) -> str:
+    parts = []
+    for key, fmt in (("loss", "{:.4f}"), ("lr", "{:.2e}"), ("grad_norm", "{:.3f}"), ("tokens_per_s", "{:.0f}")):
+        if _finite(rec.get(key)):
+            parts.append(f"{key.replace('tokens_per_s', 'tok/s')} " + fmt.format(rec[key]))
+    if rec.get("mfu") is not None and _finite(rec.get("mfu")):
+        parts.append(f"mfu {100 * rec['mfu']:.1f}%")
+    if rec.get("skipped"):
+        parts.append("SKIPPED")
+    return " ".join(parts)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "nan" / "inf": strict JSON has no NaN
+    return value
