@@ -1,8 +1,20 @@
-"""attention: causal attention over packed variable-length sequences (cu_seqlens), GQA, sliding window."""
+"""attention: causal attention over packed variable-length sequences (cu_seqlens), GQA, sliding window.
+
+Implementations: ``reference`` (explicit softmax, the spec), ``sdpa`` (per-sequence
+``scaled_dot_product_attention`` on any device, the portable path) and ``triton`` (flash attention,
+forward + backward, CUDA-compatible devices).
+"""
 
 from polyrl.kernels.registry import register
 
 register("attention", "reference", "polyrl.kernels.attention.reference:varlen_attention", priority=0)
+register(
+    "attention",
+    "sdpa",
+    "polyrl.kernels.attention.sdpa:varlen_attention",
+    priority=5,
+    description="per-sequence torch SDPA (any device; one host sync per call)",
+)
 register(
     "attention",
     "triton",

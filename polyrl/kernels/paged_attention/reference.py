@@ -11,12 +11,25 @@ from polyrl.kernels.attention.reference import attend
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    block_size = k_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+    """Store k/v [T, Hk, D] at flat slots (block * block_size + offset); negative slots are skipped.
+
+    No boolean indexing and no host sync, so it can be captured in a CUDA graph: skipped rows are
+    redirected to slot 0 carrying the value slot 0 must end with (the new token aimed at it, if any,
+    else its current content), so every write to a slot carries the same value.
+    """
+    if slot_mapping.numel() == 0:
+        return
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    index = torch.where(keep, slots, torch.zeros_like(slots))
+    hits0 = keep & (slots == 0)
+    first0 = torch.argmax(hits0.to(torch.int32))  # index of a token written to slot 0 (0 if none)
+    for src, cache in ((k, k_cache), (v, v_cache)):
+        flat = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, Hk, D], a view: writes land in cache
+        values = src.to(cache.dtype)
+        slot0 = torch.where(hits0.any(), values[first0], flat[0])
+        values = torch.where(keep[:, None, None], values, slot0)
+        flat.index_copy_(0, index, values)
 
 
 def gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

@@ -1,0 +1,339 @@
+"""Paged attention and KV-cache writes in Triton (inference only, no backward).
+
+``paged_attention``: one kernel for decode (one new token per sequence) and for prefill of new tokens
+over a cached prefix (chunked prefill), in one batch. A program owns a block of BLOCK_Q new tokens of
+one sequence and *all* query heads of one KV head's GQA group, flattened into ROWS = BLOCK_Q * GROUP
+rows, so every cached K/V byte is read once per token block. Keys are gathered through the block
+table one tile of BLOCK_N positions at a time; the causal (and window) mask is per row. For decode
+with few (sequence, KV head) pairs the key range is split over NUM_SPLITS programs (flash-decoding),
+each writing a normalised partial output and its log-sum-exp, and a second kernel combines them.
+
+Nothing here reads a device value on the host: the grid comes from ``max_seqlen_q`` (a Python int),
+the batch size and the block-table capacity, and each program derives its bounds from
+``cu_seqlens_q`` / ``context_lens`` on the device, so both ops can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from polyrl.errors import ConfigError
+from polyrl.kernels.attention.triton import LOG2E, interpreting
+
+# Partial-output splits stop once a split would cover fewer keys than this.
+_MIN_KEYS_PER_SPLIT = 256
+# Enough programs to fill a large GPU several times over (132 SMs on an H100/H200).
+_TARGET_PROGRAMS = 1024
+
+
+@triton.jit
+def _paged_fwd_kernel(
+    Q,
+    KC,
+    VC,
+    BT,
+    CTX,
+    CUQ,
+    O,
+    OP,
+    LP,
+    qk_scale,
+    window,
+    chunk,
+    num_kv_heads,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_ls,
+    stride_lt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    pid_q = tl.program_id(0)
+    b = tl.program_id(1) // num_kv_heads
+    hk = tl.program_id(1) % num_kv_heads
+    split = tl.program_id(2)
+    q_start = tl.load(CUQ + b)
+    q_len = tl.load(CUQ + b + 1) - q_start
+    tok0 = pid_q * BLOCK_Q
+    if tok0 >= q_len:
+        return
+    ctx = tl.load(CTX + b)
+    # Row r = (token tok0 + r // GROUP, query head hk * GROUP + r % GROUP).
+    r = tl.arange(0, ROWS)
+    tok = tok0 + r // GROUP
+    head = hk * GROUP + r % GROUP
+    row_valid = (r < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = ctx - q_len + tok  # position of each new token in its sequence
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(
+        Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )
+
+    # Keys this token block can see: [lo, hi), then this split's share of it.
+    hi = tl.minimum(ctx, ctx - q_len + tok0 + BLOCK_Q)
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(ctx - q_len + tok0 - window + 1, 0)
+    if SPLIT:
+        lo = tl.maximum(lo, split * chunk)
+        hi = tl.minimum(hi, (split + 1) * chunk)
+
+    m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    bt_row = BT + b.to(tl.int64) * stride_bt
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        k_pos = start_n + offs_n
+        k_valid = k_pos < hi
+        block = tl.load(bt_row + k_pos // PAGE, mask=k_valid, other=0).to(tl.int64)
+        slot_k = block * stride_kb + (k_pos % PAGE) * stride_ks + hk * stride_kh
+        slot_v = block * stride_vb + (k_pos % PAGE) * stride_vs + hk * stride_vh
+        kt = tl.load(KC + slot_k[None, :] + offs_d[:, None], mask=k_valid[None, :], other=0.0)  # [D, BLOCK_N]
+        v = tl.load(VC + slot_v[:, None] + offs_d[None, :], mask=k_valid[:, None], other=0.0)  # [BLOCK_N, D]
+        qk = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PREC) * qk_scale
+        allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        if WINDOW:
+            allowed = allowed & ((q_pos[:, None] - k_pos[None, :]) < window)
+        qk = tl.where(allowed, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PREC)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if SPLIT:
+        # Normalised partial output + its base-2 log-sum-exp (-inf when this split saw no key).
+        lse = tl.where(l_i > 0, m_i + tl.math.log2(l_safe), float("-inf"))
+        part = split.to(tl.int64)
+        tl.store(
+            OP + part * stride_ps + q_rows[:, None] * stride_pt + head[:, None] * stride_ph + offs_d[None, :],
+            out,
+            mask=row_valid[:, None],
+        )
+        tl.store(LP + part * stride_ls + q_rows * stride_lt + head, lse, mask=row_valid)
+    else:
+        tl.store(
+            O + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            out.to(O.dtype.element_ty),
+            mask=row_valid[:, None],
+        )
+
+
+@triton.jit
+def _combine_splits_kernel(
+    OP,
+    LP,
+    O,
+    num_splits,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_ls,
+    stride_lt,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS)
+    s_valid = s < num_splits
+    offs_d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(LP + s * stride_ls + t * stride_lt + h, mask=s_valid, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m)  # 0 for empty splits
+    parts = tl.load(
+        OP + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + offs_d[None, :],
+        mask=s_valid[:, None] & (w[:, None] > 0),
+        other=0.0,
+    )
+    total = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(O + t * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty))
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _num_splits(programs: int, capacity: int) -> int:
+    """Splits of the key range so that about _TARGET_PROGRAMS programs run; 1 when the batch fills the GPU."""
+    splits = 1
+    while programs * splits < _TARGET_PROGRAMS and capacity // (2 * splits) >= _MIN_KEYS_PER_SPLIT:
+        splits *= 2
+    return splits
+
+
+def _paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float | None = None,
+    window: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """``paged_attention`` with an explicit number of key-range splits (None: chosen from the shapes)."""
+    T, Hq, D = q.shape
+    _, page, Hk, Dk = k_cache.shape
+    if D != Dk or D not in (16, 32, 64, 128, 256) or Hq % Hk != 0:
+        raise ConfigError(
+            f"triton paged attention needs q [T, Hq, D] and caches [blocks, block_size, Hk, D] with Hq % Hk == 0 "
+            f"and D a power of two in 16..256; got q {tuple(q.shape)}, cache {tuple(k_cache.shape)}"
+        )
+    if window is not None and window < 1:
+        raise ConfigError(f"sliding window must be >= 1 (or None for full causal attention), got {window}")
+    out = torch.empty_like(q)
+    B = block_tables.shape[0]
+    if T == 0 or B == 0 or max_seqlen_q == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    group = Hq // Hk
+    interp = interpreting()
+    rows_target = 16 if interp else 64
+    block_q = 1 if max_seqlen_q == 1 else _pow2_at_least(max(1, rows_target // group))
+    block_q = min(block_q, _pow2_at_least(max_seqlen_q))
+    rows = max(16, _pow2_at_least(block_q * group))
+    block_n = 16 if interp else (64 if D <= 128 else 32)
+    n_qblocks = triton.cdiv(max_seqlen_q, block_q)
+    capacity = block_tables.shape[1] * page
+    splits = num_splits or (1 if interp else _num_splits(n_qblocks * B * Hk, capacity))
+    chunk = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
+    scale = D**-0.5 if scale is None else float(scale)
+    if splits > 1:
+        o_part = torch.empty((splits, T, Hq, D), device=q.device, dtype=torch.float32)
+        l_part = torch.empty((splits, T, Hq), device=q.device, dtype=torch.float32)
+    else:
+        o_part = l_part = torch.empty((1, 1, 1), device=q.device, dtype=torch.float32)
+    grid = (n_qblocks, B * Hk, splits)
+    _paged_fwd_kernel[grid](
+        q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out, o_part, l_part,
+        scale * LOG2E, window or 0, chunk, Hk,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        l_part.stride(0), l_part.stride(1),
+        GROUP=group, HEAD_DIM=D, PAGE=page, BLOCK_Q=block_q, ROWS=rows, BLOCK_N=block_n, SPLIT=splits > 1,
+        WINDOW=window is not None, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=1 if interp else 3,
+    )  # fmt: skip
+    if splits > 1:
+        _combine_splits_kernel[(T, Hq)](
+            o_part, l_part, out, splits, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            l_part.stride(0), l_part.stride(1), out.stride(0), out.stride(1),
+            HEAD_DIM=D, SPLITS=_pow2_at_least(splits), num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Attention of new tokens over a paged KV cache (see ``polyrl.kernels.paged_attention``)."""
+    return _paged_attention(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q, scale, window)
+
+
+@triton.jit
+def _write_kv_kernel(
+    K,
+    V,
+    KC,
+    VC,
+    SLOTS,
+    num_heads,
+    head_dim,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kb,
+    stride_ks,
+    stride_kch,
+    stride_vb,
+    stride_vs,
+    stride_vch,
+    PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // PAGE
+    offset = slot % PAGE
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < num_heads) & (d[None, :] < head_dim)
+    k = tl.load(K + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(V + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    tl.store(
+        KC + block * stride_kb + offset * stride_ks + h[:, None] * stride_kch + d[None, :],
+        k.to(KC.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(
+        VC + block * stride_vb + offset * stride_vs + h[:, None] * stride_vch + d[None, :],
+        v.to(VC.dtype.element_ty),
+        mask=mask,
+    )
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store k/v ``[T, Hk, D]`` at flat slots ``slot_mapping`` ``[T]`` (negative: skipped); no host sync."""
+    T, Hk, D = k.shape
+    if T == 0:
+        return
+    page = k_cache.shape[1]
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ConfigError("write_kv_cache needs k, v and the caches contiguous in the head dim")
+    _write_kv_kernel[(T,)](
+        k, v, k_cache, v_cache, slot_mapping, Hk, D, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2),
+        PAGE=page, BLOCK_H=_pow2_at_least(Hk), BLOCK_D=_pow2_at_least(D), num_warps=4,
+    )  # fmt: skip
