@@ -19,11 +19,15 @@ double backward.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import triton
 import triton.language as tl
 
-from polyrl.kernels.token_logprobs import triton as _tlp
+# By module path: polyrl.kernels.token_logprobs is shadowed by the op function of that name, and a test
+# re-import must get the fresh module, not a stale attribute.
+_tlp = importlib.import_module("polyrl.kernels.token_logprobs.triton")
 
 
 @triton.jit

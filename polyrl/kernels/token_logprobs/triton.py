@@ -43,7 +43,7 @@ def chunk_rows(num_rows: int, vocab: int, elem_size: int) -> int:
     num_chunks = -(-num_rows // budget)
     rows = -(-num_rows // num_chunks)
     aligned = -(-rows // CHUNK_ALIGN) * CHUNK_ALIGN
-    return aligned if aligned <= budget + CHUNK_ALIGN else rows
+    return aligned if aligned <= budget else rows
 
 
 def block_config(vocab: int) -> tuple[int, int]:
