@@ -1,0 +1,32 @@
+"""``polyrl init-model --preset NAME --out DIR [--seed N]``: write a random-initialised HF checkpoint.
+
+Thin wrapper over ``polyrl.models.presets.create_model_from_preset``; it only parses arguments and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from polyrl.models.presets import PRESETS
+
+    names = ", ".join(f"{n} ({p.description})" for n, p in PRESETS.items())
+    parser.add_argument("--preset", required=True, choices=list(PRESETS), metavar="NAME", help=f"one of: {names}")
+    parser.add_argument("--out", required=True, help="output folder (replaced atomically if it exists)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for the weights (default 0)")
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="weight dtype (default: per preset)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from polyrl.models.checkpoint import dtype_from_name
+    from polyrl.models.presets import create_model_from_preset
+
+    start = time.perf_counter()
+    dtype = dtype_from_name(args.dtype) if args.dtype else None
+    out = create_model_from_preset(args.preset, args.out, seed=args.seed, dtype=dtype)
+    print(f"wrote {args.preset} checkpoint to {out} in {time.perf_counter() - start:.1f}s")
+    return 0
