@@ -1,6 +1,6 @@
 """Varlen causal attention reference: explicit softmax(QK^T * scale + mask) V per packed sequence.
 
-Plain differentiable PyTorch, fp32 softmax, GQA by repeating k/v heads. It materialises [Hq, L, L]
+Plain differentiable PyTorch, fp32 softmax (fp64 for fp64 inputs), GQA by repeating k/v heads. It materialises [Hq, L, L]
 per sequence, so it is the spec and the CPU path, not the fast path.
 """
 
@@ -24,11 +24,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 for half inputs, fp64 stays fp64
+    scores = torch.einsum("qhd,khd->hqk", q.to(acc), k.to(acc)) * scale
     mask = causal_mask(q.shape[0], k.shape[0], window, q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("hqk,khd->qhd", probs, v.float())
+    out = torch.einsum("hqk,khd->qhd", probs, v.to(acc))
     return out.to(q.dtype)
 
 

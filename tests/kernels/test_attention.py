@@ -1,0 +1,230 @@
+"""Varlen causal attention: the reference against independent formulas, the SDPA path and the Triton
+flash-attention kernel (forward and dq/dk/dv) against the reference, GQA and sliding window.
+
+On the CPU the Triton kernel runs under ``TRITON_INTERPRET=1`` (see conftest.py) on tiny shapes; the
+interpreter's ``tl.dot`` is wrong for bf16 (it multiplies the raw bits), so bf16 is checked on the GPU.
+Real shapes carry the ``gpu`` marker.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from polyrl.errors import ConfigError
+from polyrl.kernels import registry
+from polyrl.kernels.attention import reference as ref
+from polyrl.kernels.attention import sdpa
+
+
+def _cu(lens: list[int], device="cpu") -> torch.Tensor:
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+def _qkv(lens, hq, hk, d, dtype, device="cpu", requires_grad=True):
+    t = sum(lens)
+    q, k, v = (torch.randn(t, h, d, dtype=dtype, device=device) for h in (hq, hk, hk))
+    return [x.requires_grad_(requires_grad) for x in (q, k, v)]
+
+
+def _naive(q, k, v, cu, scale, window):
+    """One query at a time, one head at a time, plain Python loops over allowed keys (fp64)."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k.shape[1]
+    bounds = cu.tolist()
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        for i in range(s, e):
+            keys = [j for j in range(s, i + 1) if window is None or i - j < window]
+            for h in range(q.shape[1]):
+                kk = k[keys, h // group].double()
+                w = torch.softmax((kk @ q[i, h].double()) * scale, dim=0)
+                out[i, h] = w @ v[keys, h // group].double()
+    return out
+
+
+def _sdpa_math(q, k, v, cu, scale):
+    """torch SDPA's math backend, is_causal, per sequence, k/v heads repeated by hand."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    group = q.shape[1] // k.shape[1]
+    outs = []
+    bounds = cu.tolist()
+    with sdpa_kernel(SDPBackend.MATH):
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            qs = q[s:e].transpose(0, 1)
+            ks = k[s:e].repeat_interleave(group, 1).transpose(0, 1)
+            vs = v[s:e].repeat_interleave(group, 1).transpose(0, 1)
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _grads(fn, q, k, v, do):
+    out = fn(q, k, v)
+    return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+
+# --- the reference is the spec: check it against formulas that share no code with it ----------------
+
+
+def test_reference_matches_sdpa_math_forward_and_grads(seeded):
+    lens = [1, 7, 33]
+    cu = _cu(lens)
+    q, k, v = _qkv(lens, 4, 2, 16, torch.float64)
+    do = torch.randn_like(q)
+    got = _grads(lambda a, b, c: ref.varlen_attention(a, b, c, cu, 33, 0.3), q, k, v, do)
+    want = _grads(lambda a, b, c: _sdpa_math(a, b, c, cu, 0.3), q, k, v, do)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert (a - b).abs().max().item() < 1e-12, name
+
+
+@pytest.mark.parametrize("window", [None, 1, 4])
+def test_reference_matches_naive_loop(seeded, window):
+    lens = [1, 6, 11]
+    cu = _cu(lens)
+    q, k, v = _qkv(lens, 4, 1, 8, torch.float64, requires_grad=False)
+    got = ref.varlen_attention(q, k, v, cu, 11, 0.5, window)
+    assert (got - _naive(q, k, v, cu, 0.5, window)).abs().max().item() < 1e-12
+    if window == 1:  # each token sees only itself
+        assert torch.allclose(got, v.repeat_interleave(4, 1), atol=1e-12)
+
+
+# --- the SDPA path ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [None, 5, 100])
+def test_sdpa_matches_reference(seeded, kernel_check, window):
+    lens = [1, 7, 0, 33]
+    cu = _cu(lens)
+    q, k, v = _qkv(lens, 4, 2, 32, torch.float32)
+    do = torch.randn_like(q)
+    got = _grads(lambda a, b, c: sdpa.varlen_attention(a, b, c, cu, 33, None, window), q, k, v, do)
+    want = _grads(lambda a, b, c: ref.varlen_attention(a, b, c, cu, 33, None, window), q, k, v, do)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        kernel_check.assert_close(a, b, torch.float32, f"sdpa {name}")
+
+
+def test_registry_prefers_sdpa_on_cpu(monkeypatch):
+    monkeypatch.delenv("POLYRL_KERNELS", raising=False)
+    registry.reset_cache()
+    assert registry.select("attention", "cpu", "float32")[0] == "sdpa"
+    assert [i.name for i in registry.implementations("attention")] == ["triton", "sdpa", "reference"]
+    registry.reset_cache()
+
+
+# --- Triton (interpreter on the CPU, compiled on a GPU) -------------------------------------------
+
+CASES = [
+    # lens, hq, hk, d, dtype, window
+    ([1, 7, 33], 4, 2, 32, torch.float32, None),
+    ([16, 1, 33], 4, 2, 16, torch.float32, 5),
+    ([1, 7, 33], 2, 2, 64, torch.float16, None),
+    ([7, 0, 33], 4, 1, 16, torch.float16, 9),
+]
+
+
+@pytest.mark.parametrize("lens,hq,hk,d,dtype,window", CASES)
+def test_triton_matches_reference(triton_kernels, kernel_check, seeded, lens, hq, hk, d, dtype, window):
+    fn = triton_kernels.load("attention", "varlen_attention")
+    dev = triton_kernels.device
+    cu = _cu(lens, dev)
+    q, k, v = _qkv(lens, hq, hk, d, dtype, dev)
+    do = torch.randn_like(q)
+    got = _grads(lambda a, b, c: fn(a, b, c, cu, max(lens), None, window), q, k, v, do)
+    # The reference in fp32 on the same (rounded) inputs.
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    want = _grads(lambda a, b, c: ref.varlen_attention(a, b, c, cu, max(lens), None, window), q32, k32, v32, do.float())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert a.dtype == dtype, name
+        kernel_check.assert_close(a.float(), b, dtype, f"triton {name}", scale=2.0 if name != "out" else 1.0)
+
+
+def test_triton_strided_inputs_and_scale(triton_kernels, kernel_check, seeded):
+    """q/k/v as column slices of a fused qkv projection (row stride != H * D), explicit scale."""
+    fn = triton_kernels.load("attention", "varlen_attention")
+    dev = triton_kernels.device
+    lens = [5, 20]
+    cu = _cu(lens, dev)
+    qkv = torch.randn(25, 4 + 2 + 2, 16, device=dev, requires_grad=True)
+    q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+    assert q.stride(0) == 8 * 16
+    do = torch.randn(25, 4, 16, device=dev)
+    out = fn(q, k, v, cu, 20, 0.2)
+    (g,) = torch.autograd.grad(out, qkv, do)
+    out_ref = ref.varlen_attention(q, k, v, cu, 20, 0.2)
+    (g_ref,) = torch.autograd.grad(out_ref, qkv, do)
+    kernel_check.assert_close(out, out_ref, torch.float32, "out")
+    kernel_check.assert_close(g, g_ref, torch.float32, "dqkv")
+
+
+def test_triton_rejects_empty_window(triton_kernels):
+    fn = triton_kernels.load("attention", "varlen_attention")
+    q, k, v = _qkv([3], 2, 2, 16, torch.float32, triton_kernels.device, requires_grad=False)
+    with pytest.raises(ConfigError, match="window"):
+        fn(q, k, v, _cu([3], triton_kernels.device), 3, None, 0)
+
+
+def test_triton_odd_head_dim_falls_back_to_sdpa(triton_kernels, kernel_check, seeded):
+    fn = triton_kernels.load("attention", "varlen_attention")
+    q, k, v = _qkv([9], 2, 1, 24, torch.float32, triton_kernels.device, requires_grad=False)
+    cu = _cu([9], triton_kernels.device)
+    kernel_check.assert_close(fn(q, k, v, cu, 9), ref.varlen_attention(q, k, v, cu, 9), torch.float32, "out")
+
+
+# --- GPU: real shapes (bf16, head dims 64/128/256, long and mixed sequences) ----------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "lens,hq,hk,d,window",
+    [
+        ([4096], 32, 8, 128, None),
+        ([1, 100, 1025, 2047, 923], 16, 8, 128, None),
+        ([3000, 17, 1000], 16, 4, 64, 512),
+        ([1500, 1], 8, 8, 256, None),
+        ([777, 64], 8, 2, 32, 100),
+    ],
+)
+def test_triton_gpu_real_shapes(triton_kernels, kernel_check, seeded, lens, hq, hk, d, window):
+    fn = triton_kernels.load("attention", "varlen_attention")
+    dev = triton_kernels.device
+    cu = _cu(lens, dev)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        q, k, v = _qkv(lens, hq, hk, d, dtype, dev)
+        do = torch.randn_like(q)
+        got = _grads(lambda a, b, c: fn(a, b, c, cu, max(lens), None, window), q, k, v, do)
+        q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+        want = _grads(lambda a, b, c: sdpa.varlen_attention(a, b, c, cu, max(lens), None, window), q32, k32, v32,
+                      do.float())  # fmt: skip
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            # fp32 reference on the GPU may itself use TF32 inside SDPA; compare with the dtype's tolerance.
+            tol = torch.float16 if dtype == torch.float32 else dtype
+            kernel_check.assert_close(a.float(), b, tol, f"{dtype} {name} lens={lens}", scale=2.0)
+
+
+@pytest.mark.gpu
+def test_triton_gpu_no_host_sync_in_forward(triton_kernels, seeded):
+    """The forward launches without reading device values, so a CUDA graph can capture it."""
+    from polyrl.platform import device
+
+    api = device.graph_api()
+    if api is None or triton_kernels.interpreted:
+        pytest.skip("CUDA graphs are not available on this device")
+    graph_cls, graph_ctx = api
+    fn = triton_kernels.load("attention", "varlen_attention")
+    dev = triton_kernels.device
+    lens = [300, 17, 600]
+    cu = _cu(lens, dev)
+    q, k, v = _qkv(lens, 8, 2, 128, torch.bfloat16, dev, requires_grad=False)
+    expected = fn(q, k, v, cu, 600)  # warm-up compiles and autotunes outside the capture
+    graph = graph_cls()
+    with graph_ctx(graph):
+        out = fn(q, k, v, cu, 600)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    device.synchronize()
+    assert not torch.equal(out, expected)
+    assert torch.equal(out, fn(q, k, v, cu, 600))
