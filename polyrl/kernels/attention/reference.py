@@ -1,7 +1,7 @@
 """Varlen causal attention reference: explicit softmax(QK^T * scale + mask) V per packed sequence.
 
-Plain differentiable PyTorch, fp32 softmax (fp64 for fp64 inputs), GQA by repeating k/v heads. It materialises [Hq, L, L]
-per sequence, so it is the spec and the CPU path, not the fast path.
+Plain differentiable PyTorch, fp32 softmax (fp64 for fp64 inputs), GQA by repeating k/v heads. It
+materialises [Hq, L, L] per sequence, so it is the spec and the CPU path, not the fast path.
 """
 
 from __future__ import annotations
