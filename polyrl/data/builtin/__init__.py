@@ -3,8 +3,9 @@
 Every task yields rows ``{"prompt", "completion", "answer", "task"}`` (``<name>-pref`` variants yield DPO rows
 ``{"prompt", "chosen", "rejected", "answer", "task"}``) and has a checker used by demos and rewards:
 ``check(completion_text, example)``. Common parameters: ``n`` (rows, default 2000 train / 200 test),
-``seed`` (default 0), ``test`` (held-out fraction of the problem space, default 0.1). The train and test
-splits are disjoint by construction: a problem belongs to the test split when a hash of its prompt falls
+``seed`` (default 0), ``test`` (held-out fraction of the problem space, default 0.1). The test split holds
+distinct problems (fewer than 200 by default when the space is small); the train split may repeat problems. The
+train and test splits are disjoint by construction: a problem belongs to the test split when a hash of its prompt falls
 in the held-out fraction, so no seed or ``n`` can leak test prompts into training.
 This module generates and checks; it does not tokenise (see ``polyrl.data.chat``).
 """
@@ -22,6 +23,7 @@ from polyrl.data.builtin.check import check_string, extract_answer
 from polyrl.errors import ConfigError
 
 COMMON_DEFAULTS = {"seed": 0, "test": 0.1}
+STALL_ATTEMPTS = 20_000  # consecutive draws without a new usable problem: the space is exhausted
 SPLIT_ALIASES = {"train": "train", "test": "test", "validation": "test", "eval": "test", "heldout": "test"}
 
 
@@ -116,23 +118,29 @@ def generate(spec: str, split: str | None = None, **overrides: Any) -> list[dict
     if split_name is None:
         raise ConfigError(f"builtin:{name}: unknown split {split or spec_split!r}; use @train or @test")
     task, pref, p = _resolve(name, params)
-    n = p["n"] if p["n"] is not None else (2000 if split_name == "train" else 200)
+    explicit_n = p["n"] is not None
+    n = p["n"] if explicit_n else (2000 if split_name == "train" else 200)
     if n < 1:
         raise ConfigError(f"builtin:{name} n={n} must be >= 1")
     rng = random.Random(f"polyrl-builtin:{task.name}:{p['seed']}:{split_name}")
     want_test = split_name == "test"
     rows: list[dict] = []
-    attempts = 0
+    seen: set[str] = set()  # the test split holds distinct problems; train may repeat them
+    misses = 0
     while len(rows) < n:
-        attempts += 1
-        if attempts > 1000 * n + 10_000:
+        if misses > STALL_ATTEMPTS:
+            if not explicit_n and rows:
+                break  # a small problem space simply yields fewer default test problems
             raise ConfigError(
-                f"builtin:{name}: could not draw {n} {split_name} problems; the problem space is too small for "
-                f"test={p['test']}; raise max/max_len or change test"
+                f"builtin:{name}: found only {len(rows)} distinct {split_name} problems, fewer than n={n}; the problem "
+                f"space is too small for test={p['test']}: lower n, or raise max / max_len"
             )
         ex = task.generate(rng, p)
-        if _is_test(ex["prompt"], p["test"]) != want_test:
+        if _is_test(ex["prompt"], p["test"]) != want_test or (want_test and ex["prompt"] in seen):
+            misses += 1
             continue
+        misses = 0
+        seen.add(ex["prompt"])
         row = {"prompt": ex["prompt"], "answer": ex["answer"], "task": task.name}
         if pref:
             row["chosen"] = ex["answer"]
