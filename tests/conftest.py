@@ -1,0 +1,82 @@
+"""Shared session fixtures: tiny models every package's tests can use.
+
+- ``tiny_model_dir``: a ``polyrl init-model --preset tiny`` folder (HF format, ChatML tokenizer), made once per
+  session. Read-only by convention: copy it (``shutil.copytree``) before changing anything in it.
+- ``tiny_config``: a factory ``tiny_config(family="qwen3", **hf_overrides) -> ModelConfig`` of a random-test-sized
+  decoder of each family (llama, mistral, qwen2, qwen3) with that family's features switched on.
+- ``tiny_model``: a factory ``tiny_model(family="qwen3", seed=0, **hf_overrides) -> DecoderLM`` (fp32, CPU,
+  random HF-style init).
+
+Nothing here imports transformers at collection time.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+# Per family: config.json fields that exercise what the family adds over plain Llama.
+TINY_FAMILY_OVERRIDES: dict[str, dict] = {
+    "llama": dict(
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "mistral": dict(tie_word_embeddings=False, sliding_window=6),
+    "qwen2": dict(tie_word_embeddings=True, rope_theta=1_000_000.0),
+    "qwen3": dict(tie_word_embeddings=True, rope_theta=1_000_000.0),
+}
+
+
+def tiny_hf_dict(family: str = "qwen3", **overrides) -> dict:
+    d = dict(
+        model_type=family,
+        vocab_size=131,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        initializer_range=0.02,
+        bos_token_id=None,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    d.update(TINY_FAMILY_OVERRIDES[family])
+    d.update(overrides)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    from polyrl.models.config import ModelConfig
+
+    def make(family: str = "qwen3", **overrides):
+        return ModelConfig.from_hf_dict(tiny_hf_dict(family, **overrides))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_config):
+    from polyrl.models.decoder import build_model
+
+    def make(family: str = "qwen3", seed: int = 0, **overrides):
+        return build_model(tiny_config(family, **overrides), seed=seed)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from polyrl.models.presets import create_model_from_preset
+
+    return create_model_from_preset("tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0)
