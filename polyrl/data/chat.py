@@ -59,7 +59,8 @@ class ChatTokenizer:
             return TokenizedSeq(ids, mask)
         for i in turns:
             start = self._prefix_len(messages[:i], True, ids, i)
-            end = self._prefix_len(messages[: i + 1], False, ids, i)
+            # The last turn ends where the whole conversation ends: no need to render it twice.
+            end = len(ids) if i + 1 == len(messages) else self._prefix_len(messages[: i + 1], False, ids, i)
             for t in range(start, end):
                 mask[t] = 1
         return TokenizedSeq(ids, mask)

@@ -185,10 +185,11 @@ def _iter_hub(name: str, split: str | None) -> Iterator[RawRow]:
     datasets = _import_datasets(f"loading {name!r} from the Hugging Face hub")
     repo, _, config = name.partition(":")
     try:
-        dd = datasets.load_dataset(repo, config or None)
+        loaded = datasets.load_dataset(repo, config or None, split=split)
     except Exception as exc:
         raise DataError(
             f"cannot load dataset {name!r} ({type(exc).__name__}: {exc}); check the name (use NAME:CONFIG for a "
             "config), your network, or pass a local file / save_to_disk folder"
         ) from None
-    yield from _iter_dataset(_pick_split(dd, split, name), name)
+    ds = _pick_split(loaded, split, name) if hasattr(loaded, "keys") else loaded
+    yield from _iter_dataset(ds, name)

@@ -28,14 +28,17 @@ def test_jsonl_json_list_and_data_key_give_the_same_rows(tmp_path, write_jsonl):
 
 
 def test_bad_jsonl_row_names_file_line_and_problem(tmp_path, write_jsonl):
-    path = write_jsonl(tmp_path / "d.jsonl", [ROWS[0], "", '{"prompt": "x", "completion"', ROWS[1], {"foo": 1}])
+    path = write_jsonl(
+        tmp_path / "d.jsonl", [ROWS[0], "", '{"prompt": "x", "completion"', ROWS[1], {"foo": 1}, "[1, 2]"]
+    )
     with pytest.raises(DataError) as err:
         load_examples(DataConfig(path=str(path)))
     msg = str(err.value)
     assert f"{path}: line 3: invalid JSON" in msg and "--skip-bad-rows" in msg
     examples, stats = load_examples(DataConfig(path=str(path), skip_bad_rows=True))
-    assert len(examples) == 2 and stats.rows == 4 and stats.bad_rows == 2
+    assert len(examples) == 2 and stats.rows == 5 and stats.bad_rows == 3
     assert stats.bad_examples[1].startswith(f"{path}: line 5: cannot tell the format")
+    assert stats.bad_examples[2] == f"{path}: line 6: expected a JSON object, got list"
 
 
 def test_bad_row_in_json_list_is_numbered_by_item(tmp_path):
@@ -119,3 +122,12 @@ def test_system_prompt_and_rl_prompts(tmp_path, write_jsonl):
     prompts, _ = load_prompts(DataConfig(path=str(path), system_prompt="Be brief."))
     assert [p.answer for p in prompts] == ["2", "ba", "hello"]
     assert all(p.messages[0] == {"role": "system", "content": "Be brief."} for p in prompts)
+
+
+def test_import_is_cheap():
+    import subprocess
+
+    heavy = "('transformers', 'datasets', 'pyarrow', 'triton')"
+    code = f"import sys, polyrl.data; print(sorted(m for m in {heavy} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
