@@ -154,6 +154,7 @@ def _combine_splits_kernel(
     LP,
     O,
     num_splits,
+    num_heads,
     stride_ps,
     stride_pt,
     stride_ph,
@@ -163,24 +164,27 @@ def _combine_splits_kernel(
     stride_oh,
     HEAD_DIM: tl.constexpr,
     SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
+    # One program: one token, BLOCK_H heads; parts [SPLITS, BLOCK_H, D] weighted by exp2(lse - max lse).
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     s = tl.arange(0, SPLITS)
-    s_valid = s < num_splits
     offs_d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(LP + s * stride_ls + t * stride_lt + h, mask=s_valid, other=float("-inf"))
+    valid = (s[:, None] < num_splits) & (h[None, :] < num_heads)  # [SPLITS, BLOCK_H]
+    lse = tl.load(LP + s[:, None] * stride_ls + t * stride_lt + h[None, :], mask=valid, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.math.exp2(lse - m)  # 0 for empty splits
-    parts = tl.load(
-        OP + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + offs_d[None, :],
-        mask=s_valid[:, None] & (w[:, None] > 0),
-        other=0.0,
-    )
+    w = tl.math.exp2(lse - m[None, :])  # 0 for empty splits
+    part_ptrs = OP + s[:, None, None] * stride_ps + t * stride_pt + h[None, :, None] * stride_ph + offs_d[None, None, :]
+    parts = tl.load(part_ptrs, mask=(valid & (w > 0))[:, :, None], other=0.0)
     total = tl.sum(w, 0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(O + t * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty))
+    out = tl.sum(parts * w[:, :, None], 0) / tl.where(total > 0, total, 1.0)[:, None]  # [BLOCK_H, D]
+    tl.store(
+        O + t * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=h[:, None] < num_heads,
+    )
 
 
 def _pow2_at_least(n: int) -> int:
@@ -252,10 +256,11 @@ def _paged_attention(
         num_warps=4, num_stages=1 if interp else 3,
     )  # fmt: skip
     if splits > 1:
-        _combine_splits_kernel[(T, Hq)](
-            o_part, l_part, out, splits, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        block_h = min(_pow2_at_least(Hq), 16)
+        _combine_splits_kernel[(T, triton.cdiv(Hq, block_h))](
+            o_part, l_part, out, splits, Hq, o_part.stride(0), o_part.stride(1), o_part.stride(2),
             l_part.stride(0), l_part.stride(1), out.stride(0), out.stride(1),
-            HEAD_DIM=D, SPLITS=_pow2_at_least(splits), num_warps=4,
+            HEAD_DIM=D, SPLITS=_pow2_at_least(splits), BLOCK_H=block_h, num_warps=4,
         )  # fmt: skip
     return out
 
