@@ -110,9 +110,13 @@ def _score(snap: dict[str, Any]) -> _Scores:
     shims = set(snap.get("loaded_shims") or []) | set(runtime.get("shims_loaded") or [])
     for shim in sorted(shims):
         sc.add([p.id for p in plats if shim in p.shim_modules], W_SHIM, f"shim {shim} is loaded [shim_modules]")
+    counted: set[str] = set()  # each pattern counts once: eight /dev/davinci* nodes are one fact
     for node in snap.get("device_nodes") or []:
-        owners = [p.id for p in plats if any(fnmatch.fnmatch(node, pat) for pat in p.device_nodes)]
-        sc.add(owners, W_NODE, f"device node {node} exists [device_nodes]")
+        pats = {pat for p in plats for pat in p.device_nodes if fnmatch.fnmatch(node, pat)}
+        if pats and not pats <= counted:
+            counted |= pats
+            owners = [p.id for p in plats if pats & set(p.device_nodes)]
+            sc.add(owners, W_NODE, f"device node {node} exists [device_nodes]")
     for tool, info in sorted((snap.get("smi") or {}).items()):
         owners = [p.id for p in plats if tool in p.smi_tools]
         sc.add(owners, W_SMI, f"{tool} is on PATH [smi_tools]")
