@@ -186,6 +186,24 @@ def test_triton_one_input_needs_grad_and_retained_graph(triton_kernels):
     torch.testing.assert_close(w2.grad, 2 * once[1], rtol=1e-6, atol=1e-6)
 
 
+def test_triton_under_autocast_runs_in_the_autocast_dtype(triton_kernels):
+    """fp32 hidden and weight inside autocast(bf16): bf16 matmuls as ``h @ W^T`` would do, fp32 grads back."""
+    fn = triton_kernels.load("linear_cross_entropy")
+    hidden, weight, labels = _inputs(7, 1000, 16, torch.float32, triton_kernels.device, ignore_every=3)
+    h16 = hidden.detach().bfloat16().requires_grad_()
+    w16 = weight.detach().bfloat16().requires_grad_()
+    for reduction in ("mean", "none"):
+        with torch.autocast(triton_kernels.device.type, dtype=torch.bfloat16):
+            loss = fn(hidden, weight, labels, IGNORE, reduction)
+        gh, gw = torch.autograd.grad(loss.sum(), (hidden, weight))
+        expected = fn(h16, w16, labels, IGNORE, reduction)
+        e_gh, e_gw = torch.autograd.grad(expected.sum(), (h16, w16))
+        assert gh.dtype == torch.float32 and gw.dtype == torch.float32
+        torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(gh, e_gh.float(), rtol=0, atol=0)
+        torch.testing.assert_close(gw, e_gw.float(), rtol=0, atol=0)
+
+
 def test_triton_empty_batch(triton_kernels):
     fn = triton_kernels.load("linear_cross_entropy")
     hidden, weight, labels = _inputs(0, 1000, 16, torch.float32, triton_kernels.device)
@@ -209,9 +227,12 @@ def test_triton_rejects_bad_arguments(triton_kernels):
 
 # --- GPU: real shapes, memory and time targets ----------------------------------------------------------
 
+LLM_TVH = (16384, 151936, 1024)  # Qwen3-0.6B lm head, 16k tokens
+PARITY_T = 1536
 
-def _materialised(hidden, weight, labels, reduction="mean"):
-    return F.cross_entropy((hidden @ weight.t()).float(), labels, ignore_index=IGNORE, reduction=reduction)
+
+def _materialised(hidden, weight, labels, ignore_index=IGNORE, reduction="mean"):
+    return F.cross_entropy((hidden @ weight.t()).float(), labels, ignore_index=ignore_index, reduction=reduction)
 
 
 def _measure(fn, args, iters=5):
@@ -247,7 +268,9 @@ def _measure(fn, args, iters=5):
 @pytest.mark.gpu
 def test_gpu_parity_at_llm_vocab(triton_kernels, kernel_check):
     fn = triton_kernels.load("linear_cross_entropy")
-    hidden, weight, labels = _inputs(1536, 151936, 1024, torch.bfloat16, triton_kernels.device, ignore_every=5)
+    hidden, weight, labels = _inputs(
+        PARITY_T, LLM_TVH[1], LLM_TVH[2], torch.bfloat16, triton_kernels.device, ignore_every=5
+    )
     for reduction in ("mean", "none"):
         up = _upstream(reduction, hidden.shape[0], hidden.device)
         loss, gh, gw = _run(fn, hidden, weight, labels, reduction, up)
@@ -264,17 +287,17 @@ def test_gpu_parity_at_llm_vocab(triton_kernels, kernel_check):
 def test_gpu_memory_and_time_targets(reduction, triton_kernels):
     """Extra peak <= 1/8 and time <= 1.1x of torch's materialised-logits fwd+bwd (T 16384, H 1024, V 151936)."""
     fn = triton_kernels.load("linear_cross_entropy")
-    hidden, weight, labels = _inputs(16384, 151936, 1024, torch.bfloat16, triton_kernels.device, ignore_every=7)
+    hidden, weight, labels = _inputs(*LLM_TVH, torch.bfloat16, triton_kernels.device, ignore_every=7)
     if reduction == "none":
         ours_fn = lambda h, w, y: fn(h, w, y, IGNORE, "none").sum()
-        torch_fn = lambda h, w, y: _materialised(h, w, y, "none").sum()
+        torch_fn = lambda h, w, y: _materialised(h, w, y, IGNORE, "none").sum()
     else:
         ours_fn = lambda h, w, y: fn(h, w, y, IGNORE, reduction)
-        torch_fn = lambda h, w, y: _materialised(h, w, y, reduction)
+        torch_fn = lambda h, w, y: _materialised(h, w, y, IGNORE, reduction)
     torch_mem, torch_ms = _measure(torch_fn, (hidden, weight, labels))
     ours_mem, ours_ms = _measure(ours_fn, (hidden, weight, labels))
     print(
-        f"\nlinear_cross_entropy[{reduction}] T=16384 H=1024 V=151936 bf16: torch {torch_ms:.2f} ms "
+        f"\nlinear_cross_entropy[{reduction}] T,V,H={LLM_TVH} bf16: torch {torch_ms:.2f} ms "
         f"{torch_mem / 2**30:.2f} GiB extra; triton {ours_ms:.2f} ms {ours_mem / 2**30:.2f} GiB extra; "
         f"time ratio {ours_ms / torch_ms:.3f}, memory ratio {ours_mem / torch_mem:.3f}"
     )

@@ -181,6 +181,9 @@ def test_triton_out_of_range_token_gives_nan_and_empty_batch(triton_kernels):
 
 # --- GPU: real shapes, memory and time targets ----------------------------------------------------------
 
+LLM_TVH = (16384, 151936, 1024)  # Qwen3-0.6B lm head, 16k tokens
+PARITY_T = 1536
+
 
 def _materialised(hidden, weight, tokens, temperature):
     logp = torch.log_softmax((hidden @ weight.t()).float() / temperature, -1)
@@ -219,8 +222,8 @@ def _measure(loss_fn, hidden, weight, iters=5):
 @pytest.mark.gpu
 def test_gpu_parity_at_llm_vocab(triton_kernels, kernel_check):
     fn = triton_kernels.load("token_logprobs")
-    hidden, weight, tokens = _inputs(1536, 151936, 1024, torch.bfloat16, triton_kernels.device)
-    up_lp, up_ent = _upstream(1536, hidden.device)
+    hidden, weight, tokens = _inputs(PARITY_T, LLM_TVH[1], LLM_TVH[2], torch.bfloat16, triton_kernels.device)
+    up_lp, up_ent = _upstream(PARITY_T, hidden.device)
     lp, ent = fn(hidden, weight, tokens, 0.8, True)
     gh, gw = torch.autograd.grad(_objective(lp, ent, up_lp, up_ent), (hidden, weight))
     h32, w32 = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
@@ -240,8 +243,8 @@ def test_gpu_parity_at_llm_vocab(triton_kernels, kernel_check):
 def test_gpu_memory_and_time_targets(with_entropy, triton_kernels):
     """Extra peak <= 1/8 and time <= 1.1x of the materialised-logits fwd+bwd (T 16384, H 1024, V 151936)."""
     fn = triton_kernels.load("token_logprobs")
-    hidden, weight, tokens = _inputs(16384, 151936, 1024, torch.bfloat16, triton_kernels.device)
-    up_lp, up_ent = _upstream(16384, hidden.device)
+    hidden, weight, tokens = _inputs(*LLM_TVH, torch.bfloat16, triton_kernels.device)
+    up_lp, up_ent = _upstream(LLM_TVH[0], hidden.device)
     up_ent = up_ent if with_entropy else None
 
     def ours():
@@ -255,7 +258,7 @@ def test_gpu_memory_and_time_targets(with_entropy, triton_kernels):
     torch_mem, torch_ms = _measure(materialised, hidden, weight)
     ours_mem, ours_ms = _measure(ours, hidden, weight)
     print(
-        f"\ntoken_logprobs[entropy={with_entropy}] T=16384 H=1024 V=151936 bf16: torch {torch_ms:.2f} ms "
+        f"\ntoken_logprobs[entropy={with_entropy}] T,V,H={LLM_TVH} bf16: torch {torch_ms:.2f} ms "
         f"{torch_mem / 2**30:.2f} GiB extra; triton {ours_ms:.2f} ms {ours_mem / 2**30:.2f} GiB extra; "
         f"time ratio {ours_ms / torch_ms:.3f}, memory ratio {ours_mem / torch_mem:.3f}"
     )
@@ -270,7 +273,7 @@ def test_gpu_no_grad_rollout_path_allocates_no_grad_buffers(triton_kernels):
 
     fn = triton_kernels.load("token_logprobs")
     tlp = importlib.import_module("polyrl.kernels.token_logprobs.triton")
-    hidden, weight, tokens = _inputs(16384, 151936, 1024, torch.bfloat16, triton_kernels.device)
+    hidden, weight, tokens = _inputs(*LLM_TVH, torch.bfloat16, triton_kernels.device)
     with torch.no_grad():
         fn(hidden, weight, tokens, 1.0, True)
         device.synchronize()
@@ -279,4 +282,4 @@ def test_gpu_no_grad_rollout_path_allocates_no_grad_buffers(triton_kernels):
         fn(hidden, weight, tokens, 1.0, True)
         device.synchronize()
     extra = device.max_memory_allocated() - base
-    assert extra <= tlp.CHUNK_BYTES * 1.15 + 3 * 16384 * 4, f"no-grad extra peak {extra / 2**20:.0f} MiB"
+    assert extra <= tlp.CHUNK_BYTES * 1.15 + 3 * LLM_TVH[0] * 4, f"no-grad extra peak {extra / 2**20:.0f} MiB"

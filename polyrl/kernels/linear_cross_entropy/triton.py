@@ -148,14 +148,19 @@ def linear_cross_entropy(
     """Cross-entropy of ``hidden [T, H] @ weight [V, H]^T`` against ``labels [T]``, fp32; chunked, fused."""
     if reduction not in ("sum", "mean", "none"):
         raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
-    _tlp._check(hidden, weight, labels)
-    labels = labels.to(torch.int64).contiguous()
     if reduction == "none":
         logprob, _ = _tlp.logprobs_and_entropy(hidden, weight, labels, 1.0, False, ignore_index)
         return -logprob
+    hidden, weight, ctx = _tlp.under_autocast(hidden, weight)
+    with ctx:
+        return _reduced(hidden, weight, labels, ignore_index, reduction == "mean")
+
+
+def _reduced(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int, mean: bool):
+    _tlp.check_inputs(hidden, weight, labels)
+    labels = labels.to(torch.int64).contiguous()
     if hidden.shape[0] == 0:
         return (hidden @ weight.t()).float().sum()  # 0, still connected to the graph
-    mean = reduction == "mean"
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, mean)
     scale = _scale(labels, ignore_index, mean)

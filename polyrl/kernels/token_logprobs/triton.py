@@ -20,6 +20,8 @@ passes its ``ignore_index`` (those rows give log-prob 0 and no gradient). It doe
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -140,7 +142,18 @@ def _row_grad_kernel(
         tl.store(base + cols, (g * inv_temp).to(logits_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor) -> None:
+def under_autocast(hidden: torch.Tensor, weight: torch.Tensor):
+    """(hidden, weight, context): inside an autocast region the matmuls run in the autocast dtype, like
+    ``hidden @ weight.t()`` would (differentiable casts, so fp32 weights get fp32 grads), with autocast then
+    switched off so every chunk matmul keeps exactly that dtype."""
+    dev = hidden.device.type
+    if not torch.is_autocast_enabled(dev):
+        return hidden, weight, contextlib.nullcontext()
+    dtype = torch.get_autocast_dtype(dev)
+    return hidden.to(dtype), weight.to(dtype), torch.autocast(dev, enabled=False)
+
+
+def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor) -> None:
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             f"expected hidden [T, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}"
@@ -300,7 +313,13 @@ def logprobs_and_entropy(
     ignore_index: int = NO_IGNORE,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Shared entry for token_logprobs and linear_cross_entropy("none"): (logprob [T], entropy [T] or None)."""
-    _check(hidden, weight, tokens)
+    hidden, weight, ctx = under_autocast(hidden, weight)
+    with ctx:
+        return _logprobs_and_entropy(hidden, weight, tokens, temperature, with_entropy, ignore_index)
+
+
+def _logprobs_and_entropy(hidden, weight, tokens, temperature, with_entropy, ignore_index):
+    check_inputs(hidden, weight, tokens)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     tokens = tokens.to(torch.int64).contiguous()
