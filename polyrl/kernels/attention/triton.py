@@ -41,49 +41,27 @@ def _configs(gpu: list[tuple[int, int, int, int]]) -> list[triton.Config]:
 
 
 def _prune(configs, named_args, **kwargs):
-    """Drop configs too big for the head dim (shared memory / registers) or the longest sequence."""
+    """Drop tiles too big for shared memory / registers: head dim 256, or 128 in fp32 (4-byte elements)."""
     d = named_args["HEAD_DIM"] if "HEAD_DIM" in named_args else kwargs["HEAD_DIM"]
-    fp32 = named_args["Q"].dtype == torch.float32
-    keep = []
-    for c in configs:
-        m, n = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-        if d >= 256 and (m > 64 or n > 64):
-            continue
-        if fp32 and d >= 128 and (m > 64 or n > 64):
-            continue
-        keep.append(c)
+    width = d * (2 if named_args["Q"].dtype == torch.float32 else 1)
+    keep = [c for c in configs if width < 256 or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 32]
     return keep or configs[-1:]
 
 
+# Small lists (compile time grows with each entry); the last entry of each fits every head dim and dtype.
 # Forward and dQ: BLOCK_M is a multiple of BLOCK_N (the diagonal of a query block is whole key blocks).
-_FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 2)])
-_DQ_CONFIGS = _configs([(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2)])
+_FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2)])
+_DQ_CONFIGS = _configs([(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2)])
 # dK/dV: BLOCK_N (keys, held) is a multiple of BLOCK_M (queries, streamed).
-_DKDV_CONFIGS = _configs([(64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 8, 2), (32, 64, 4, 3), (32, 32, 4, 2)])
+_DKDV_CONFIGS = _configs([(64, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 3), (32, 32, 4, 2)])
 
 
+# fmt: off
+# (Kernel signatures stay compact: one argument per line would triple the length of this file.)
 @triton.jit
-def _fwd_inner(
-    acc,
-    l_i,
-    m_i,
-    q,
-    k_base,
-    v_base,
-    stride_kt,
-    stride_vt,
-    lo,
-    hi,
-    offs_m,
-    seq_len,
-    qk_scale,
-    window,
-    MASK: tl.constexpr,
-    WINDOW: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, offs_m, seq_len, qk_scale, window,
+               MASK: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+               DOT_PREC: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
@@ -112,37 +90,13 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
-@triton.autotune(
-    configs=_FWD_CONFIGS,
-    key=["HEAD_DIM", "GROUP", "WINDOW", "DOT_PREC"],
-    prune_configs_by={"early_config_prune": _prune},
-)
+@triton.autotune(configs=_FWD_CONFIGS, key=["seq_bucket", "HEAD_DIM", "GROUP", "WINDOW", "DOT_PREC"],
+                 prune_configs_by={"early_config_prune": _prune})
 @triton.jit
-def _fwd_kernel(
-    Q,
-    K,
-    V,
-    O,
-    LSE,
-    CU,
-    qk_scale,
-    window,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    stride_lh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    WINDOW: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+def _fwd_kernel(Q, K, V, O, LSE, CU, qk_scale, window, seq_bucket,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
+                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Heaviest (last) query blocks first: causal work grows with the block index.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -156,8 +110,8 @@ def _fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     m_valid = offs_m < seq_len
-    q_ptrs = Q + (seq_start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=m_valid[:, None], other=0.0)
+    q = tl.load(Q + (seq_start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=m_valid[:, None], other=0.0)
     k_base = K + seq_start * stride_kt + hk * stride_kh
     v_base = V + seq_start * stride_vt + hk * stride_vh
 
@@ -169,71 +123,22 @@ def _fwd_kernel(
     if WINDOW:
         lo = (tl.maximum(start_m - window + 1, 0) // BLOCK_N) * BLOCK_N
     # Key blocks strictly below the diagonal: no causal mask, always in bounds.
-    acc, l_i, m_i = _fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_base,
-        v_base,
-        stride_kt,
-        stride_vt,
-        lo,
-        start_m,
-        offs_m,
-        seq_len,
-        qk_scale,
-        window,
-        False,
-        WINDOW,
-        HEAD_DIM,
-        BLOCK_N,
-        DOT_PREC,
-    )
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, start_m, offs_m, seq_len,
+                               qk_scale, window, False, WINDOW, HEAD_DIM, BLOCK_N, DOT_PREC)
     # Diagonal key blocks: causal mask and sequence bound.
     hi = tl.minimum(start_m + BLOCK_M, seq_len)
-    acc, l_i, m_i = _fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_base,
-        v_base,
-        stride_kt,
-        stride_vt,
-        start_m,
-        hi,
-        offs_m,
-        seq_len,
-        qk_scale,
-        window,
-        True,
-        WINDOW,
-        HEAD_DIM,
-        BLOCK_N,
-        DOT_PREC,
-    )
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start_m, hi, offs_m, seq_len,
+                               qk_scale, window, True, WINDOW, HEAD_DIM, BLOCK_N, DOT_PREC)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    o_ptrs = O + (seq_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_valid[:, None])
+    tl.store(O + (seq_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=m_valid[:, None])
     tl.store(LSE + h * stride_lh + seq_start + offs_m, m_i + tl.math.log2(l_safe), mask=m_valid)
 
 
 @triton.jit
-def _bwd_preprocess(
-    O,
-    DO,
-    DELTA,
-    T,
-    stride_ot,
-    stride_oh,
-    stride_dot,
-    stride_doh,
-    stride_dh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+def _bwd_preprocess(O, DO, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh, stride_dh,
+                    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     h = tl.program_id(1)
     offs_t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -245,29 +150,9 @@ def _bwd_preprocess(
 
 
 @triton.jit
-def _dkdv_inner(
-    dk,
-    dv,
-    k,
-    v,
-    q_base,
-    do_base,
-    lse_base,
-    delta_base,
-    stride_qt,
-    stride_dot,
-    lo,
-    hi,
-    offs_n,
-    seq_len,
-    qk_scale,
-    window,
-    MASK: tl.constexpr,
-    WINDOW: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, lo, hi, offs_n, seq_len,
+                qk_scale, window, MASK: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -290,46 +175,15 @@ def _dkdv_inner(
     return dk, dv
 
 
-@triton.autotune(
-    configs=_DKDV_CONFIGS,
-    key=["HEAD_DIM", "GROUP", "WINDOW", "DOT_PREC"],
-    prune_configs_by={"early_config_prune": _prune},
-)
+@triton.autotune(configs=_DKDV_CONFIGS, key=["seq_bucket", "HEAD_DIM", "GROUP", "WINDOW", "DOT_PREC"],
+                 prune_configs_by={"early_config_prune": _prune})
 @triton.jit
-def _bwd_dkdv_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    DK,
-    DV,
-    LSE,
-    DELTA,
-    CU,
-    qk_scale,
-    sm_scale,
-    window,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_dot,
-    stride_doh,
-    stride_dkt,
-    stride_dkh,
-    stride_dvt,
-    stride_dvh,
-    stride_lh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    WINDOW: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
+def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, qk_scale, sm_scale, window, seq_bucket,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
+                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)  # the first key blocks see the most queries: they start first
     hk = tl.program_id(1)
     b = tl.program_id(2)
     seq_start = tl.load(CU + b).to(tl.int64)
@@ -340,16 +194,10 @@ def _bwd_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     n_valid = offs_n < seq_len
-    k = tl.load(
-        K + (seq_start + offs_n[:, None]) * stride_kt + hk * stride_kh + offs_d[None, :],
-        mask=n_valid[:, None],
-        other=0.0,
-    )
-    v = tl.load(
-        V + (seq_start + offs_n[:, None]) * stride_vt + hk * stride_vh + offs_d[None, :],
-        mask=n_valid[:, None],
-        other=0.0,
-    )
+    k = tl.load(K + (seq_start + offs_n[:, None]) * stride_kt + hk * stride_kh + offs_d[None, :],
+                mask=n_valid[:, None], other=0.0)
+    v = tl.load(V + (seq_start + offs_n[:, None]) * stride_vt + hk * stride_vh + offs_d[None, :],
+                mask=n_valid[:, None], other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     diag_hi = tl.minimum(start_n + BLOCK_N, seq_len)
@@ -363,88 +211,23 @@ def _bwd_dkdv_kernel(
         do_base = DO + seq_start * stride_dot + h * stride_doh
         lse_base = LSE + h * stride_lh + seq_start
         delta_base = DELTA + h * stride_lh + seq_start
-        dk, dv = _dkdv_inner(
-            dk,
-            dv,
-            k,
-            v,
-            q_base,
-            do_base,
-            lse_base,
-            delta_base,
-            stride_qt,
-            stride_dot,
-            start_n,
-            diag_hi,
-            offs_n,
-            seq_len,
-            qk_scale,
-            window,
-            True,
-            WINDOW,
-            HEAD_DIM,
-            BLOCK_M,
-            DOT_PREC,
-        )
-        dk, dv = _dkdv_inner(
-            dk,
-            dv,
-            k,
-            v,
-            q_base,
-            do_base,
-            lse_base,
-            delta_base,
-            stride_qt,
-            stride_dot,
-            start_n + BLOCK_N,
-            q_hi,
-            offs_n,
-            seq_len,
-            qk_scale,
-            window,
-            False,
-            WINDOW,
-            HEAD_DIM,
-            BLOCK_M,
-            DOT_PREC,
-        )
+        # Query blocks on the diagonal (causal mask), then those entirely below it.
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, start_n,
+                             diag_hi, offs_n, seq_len, qk_scale, window, True, WINDOW, HEAD_DIM, BLOCK_M, DOT_PREC)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                             start_n + BLOCK_N, q_hi, offs_n, seq_len, qk_scale, window, False, WINDOW, HEAD_DIM,
+                             BLOCK_M, DOT_PREC)
     dk = dk * sm_scale
-    tl.store(
-        DK + (seq_start + offs_n[:, None]) * stride_dkt + hk * stride_dkh + offs_d[None, :],
-        dk.to(DK.dtype.element_ty),
-        mask=n_valid[:, None],
-    )
-    tl.store(
-        DV + (seq_start + offs_n[:, None]) * stride_dvt + hk * stride_dvh + offs_d[None, :],
-        dv.to(DV.dtype.element_ty),
-        mask=n_valid[:, None],
-    )
+    tl.store(DK + (seq_start + offs_n[:, None]) * stride_dkt + hk * stride_dkh + offs_d[None, :],
+             dk.to(DK.dtype.element_ty), mask=n_valid[:, None])
+    tl.store(DV + (seq_start + offs_n[:, None]) * stride_dvt + hk * stride_dvh + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=n_valid[:, None])
 
 
 @triton.jit
-def _dq_inner(
-    dq,
-    q,
-    do,
-    lse,
-    delta,
-    k_base,
-    v_base,
-    stride_kt,
-    stride_vt,
-    lo,
-    hi,
-    offs_m,
-    seq_len,
-    qk_scale,
-    window,
-    MASK: tl.constexpr,
-    WINDOW: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
+def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, hi, offs_m, seq_len, qk_scale,
+              window, MASK: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+              DOT_PREC: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
@@ -469,42 +252,14 @@ def _dq_inner(
     return dq
 
 
-@triton.autotune(
-    configs=_DQ_CONFIGS,
-    key=["HEAD_DIM", "GROUP", "WINDOW", "DOT_PREC"],
-    prune_configs_by={"early_config_prune": _prune},
-)
+@triton.autotune(configs=_DQ_CONFIGS, key=["seq_bucket", "HEAD_DIM", "GROUP", "WINDOW", "DOT_PREC"],
+                 prune_configs_by={"early_config_prune": _prune})
 @triton.jit
-def _bwd_dq_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    DQ,
-    LSE,
-    DELTA,
-    CU,
-    qk_scale,
-    sm_scale,
-    window,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_dot,
-    stride_doh,
-    stride_dqt,
-    stride_dqh,
-    stride_lh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    WINDOW: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, CU, qk_scale, sm_scale, window, seq_bucket,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                   stride_dqt, stride_dqh, stride_lh,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -517,16 +272,10 @@ def _bwd_dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     m_valid = offs_m < seq_len
-    q = tl.load(
-        Q + (seq_start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :],
-        mask=m_valid[:, None],
-        other=0.0,
-    )
-    do = tl.load(
-        DO + (seq_start + offs_m[:, None]) * stride_dot + h * stride_doh + offs_d[None, :],
-        mask=m_valid[:, None],
-        other=0.0,
-    )
+    q = tl.load(Q + (seq_start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=m_valid[:, None], other=0.0)
+    do = tl.load(DO + (seq_start + offs_m[:, None]) * stride_dot + h * stride_doh + offs_d[None, :],
+                 mask=m_valid[:, None], other=0.0)
     lse = tl.load(LSE + h * stride_lh + seq_start + offs_m, mask=m_valid, other=float("inf"))
     delta = tl.load(DELTA + h * stride_lh + seq_start + offs_m, mask=m_valid, other=0.0)
     k_base = K + seq_start * stride_kt + hk * stride_kh
@@ -535,57 +284,20 @@ def _bwd_dq_kernel(
     lo = 0
     if WINDOW:
         lo = (tl.maximum(start_m - window + 1, 0) // BLOCK_N) * BLOCK_N
-    dq = _dq_inner(
-        dq,
-        q,
-        do,
-        lse,
-        delta,
-        k_base,
-        v_base,
-        stride_kt,
-        stride_vt,
-        lo,
-        start_m,
-        offs_m,
-        seq_len,
-        qk_scale,
-        window,
-        False,
-        WINDOW,
-        HEAD_DIM,
-        BLOCK_N,
-        DOT_PREC,
-    )
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, start_m, offs_m, seq_len,
+                   qk_scale, window, False, WINDOW, HEAD_DIM, BLOCK_N, DOT_PREC)
     hi = tl.minimum(start_m + BLOCK_M, seq_len)
-    dq = _dq_inner(
-        dq,
-        q,
-        do,
-        lse,
-        delta,
-        k_base,
-        v_base,
-        stride_kt,
-        stride_vt,
-        start_m,
-        hi,
-        offs_m,
-        seq_len,
-        qk_scale,
-        window,
-        True,
-        WINDOW,
-        HEAD_DIM,
-        BLOCK_N,
-        DOT_PREC,
-    )
+    dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, start_m, hi, offs_m, seq_len,
+                   qk_scale, window, True, WINDOW, HEAD_DIM, BLOCK_N, DOT_PREC)
     dq = dq * sm_scale
-    tl.store(
-        DQ + (seq_start + offs_m[:, None]) * stride_dqt + h * stride_dqh + offs_d[None, :],
-        dq.to(DQ.dtype.element_ty),
-        mask=m_valid[:, None],
-    )
+    tl.store(DQ + (seq_start + offs_m[:, None]) * stride_dqt + h * stride_dqh + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=m_valid[:, None])
+# fmt: on
+
+
+def _seq_bucket(max_seqlen: int) -> int:
+    """Autotuning key for the sequence length: the power of two at or above it (at least 64)."""
+    return 1 << max(6, (int(max_seqlen) - 1).bit_length())
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -618,7 +330,7 @@ def _forward(q, k, v, cu_seqlens, max_seqlen, scale, window):
         return o, lse
     grid = lambda meta: (triton.cdiv(max_seqlen, meta["BLOCK_M"]), Hq, B)
     _fwd_kernel[grid](
-        q, k, v, o, lse, cu_seqlens, scale * LOG2E, window or 0,
+        q, k, v, o, lse, cu_seqlens, scale * LOG2E, window or 0, _seq_bucket(max_seqlen),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         lse.stride(0),
         GROUP=Hq // k.shape[1], HEAD_DIM=D, WINDOW=window is not None, DOT_PREC=_dot_precision(q.dtype),
@@ -643,12 +355,12 @@ def _backward(do, q, k, v, o, lse, cu_seqlens, max_seqlen, scale, window):
     common = dict(GROUP=Hq // Hk, HEAD_DIM=D, WINDOW=window is not None, DOT_PREC=_dot_precision(q.dtype))
     qk_scale = scale * LOG2E
     _bwd_dkdv_kernel[lambda meta: (triton.cdiv(max_seqlen, meta["BLOCK_N"]), Hk, B)](
-        q, k, v, do, dk, dv, lse, delta, cu_seqlens, qk_scale, scale, window or 0,
+        q, k, v, do, dk, dv, lse, delta, cu_seqlens, qk_scale, scale, window or 0, _seq_bucket(max_seqlen),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0), **common,
     )  # fmt: skip
     _bwd_dq_kernel[lambda meta: (triton.cdiv(max_seqlen, meta["BLOCK_M"]), Hq, B)](
-        q, k, v, do, dq, lse, delta, cu_seqlens, qk_scale, scale, window or 0,
+        q, k, v, do, dq, lse, delta, cu_seqlens, qk_scale, scale, window or 0, _seq_bucket(max_seqlen),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
         dq.stride(0), dq.stride(1), lse.stride(0), **common,
     )  # fmt: skip
