@@ -1,1 +1,67 @@
-"""polyrl.infer."""
+"""polyrl.infer: the rollout and serving engine (paged KV cache, continuous batching, CUDA graphs).
+
+Batch API (RL rollouts, ``polyrl generate``)::
+
+    llm = LLM(model, tokenizer, EngineConfig(...))        # or LLM.from_pretrained(dir, config, dtype=...)
+    outs = llm.generate(prompts, SamplingParams(...))     # prompts: list[str] or list[list[int]]
+    outs = llm.chat([[{"role": "user", "content": "hi"}]], params)   # through the chat template
+    out = outs[i]                                         # RequestOutput, in prompt order
+    out.prompt_token_ids, out.num_prompt_tokens
+    c = out.outputs[j]                                    # CompletionOutput, j < params.n
+    c.token_ids, c.text, c.logprobs, c.cumulative_logprob, c.finish_reason ("stop" | "length" | "abort"),
+    c.stop_reason (stop token id / stop string / None), c.top_logprobs (list[dict[id, logprob]] if asked)
+
+Log-probs: ``c.logprobs[i] = log_softmax(logits / T)[token_ids[i]]`` with T the request's temperature
+(1 for greedy), computed from the fp32 logits of the model the engine holds, WITHOUT top-k/top-p/min-p
+truncation and without the min_tokens EOS mask: the "old log-probs" RL ratios need. Token ids include
+the EOS / stop token that ended a sample (its log-prob too); the text excludes it and any stop string.
+
+Colocated training (RL): the engine keeps a reference to the training ``DecoderLM`` (never a copy), so
+in-place optimizer updates are seen by the next rollout. After the weights change call
+``llm.reset_prefix_cache()`` (cached KV of old weights would be reused otherwise). ``llm.release()``
+frees the KV cache memory for the training phase, ``llm.reallocate()`` takes it back (same block count);
+CUDA graphs are re-captured lazily after a release. If parameter *tensors* are replaced (not updated in
+place), call ``llm.runner.invalidate_graphs()``.
+
+Streaming API (the OpenAI server)::
+
+    rid = llm.add_request(prompt_or_ids, params, request_id=None, stream=True)   # thread-safe
+    llm.abort_request(rid)                                                        # thread-safe
+    while llm.has_unfinished_requests():
+        for out in llm.step():        # one engine step; RequestOutput of each request that changed
+            for c in out.outputs:     # c.new_token_ids / c.new_text: what arrived since the last output
+                ...                   # (text held back while it could still be the start of a stop string)
+            if out.finished: ...
+
+``add_request`` validates in the caller's thread (raises ``UserError`` for an empty prompt, ids outside
+the vocabulary, or a prompt that does not fit ``llm.max_model_len``) and hands over through a queue;
+``step()``/``generate()``/``chat()`` must run on ONE thread (the server's engine thread). ``generate``
+drives ``step`` itself, so do not mix it with a server loop on the same engine. ``llm.stats()`` gives
+running/waiting counts, KV-cache usage, prefix-cache hit rate, preemptions and token counts for
+metrics.
+
+Deliberately not here: HTTP (``polyrl.server``), training, weight loading (``polyrl.models``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+_EXPORTS = {
+    "LLM": "polyrl.infer.llm",
+    "EngineConfig": "polyrl.infer.config",
+    "SamplingParams": "polyrl.infer.sampling_params",
+    "RequestOutput": "polyrl.infer.sequence",
+    "CompletionOutput": "polyrl.infer.sequence",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'polyrl.infer' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -155,6 +155,8 @@ class LLM:
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns an output for every request that got tokens or finished."""
+        if not self.kv.allocated:
+            raise UserError("the KV cache is released; call LLM.reallocate() before generating")
         touched: dict[str, _Request] = {r.request_id: r for r in self._drain_inbox()}
         sched = self.scheduler.schedule()
         if sched.items:
@@ -285,6 +287,7 @@ class LLM:
     def reallocate(self) -> None:
         """Take the KV cache memory back after ``release()`` (same number of blocks)."""
         self.kv.allocate()
+        self.block_manager.reset_prefix_cache()  # the new tensors hold none of the cached KV
 
     # ---- introspection --------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

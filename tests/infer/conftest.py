@@ -58,3 +58,12 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def hf_model(tiny_model):
     return hf_twin(tiny_model)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matmuls run faster on one thread, and the CI machine's cores are shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
