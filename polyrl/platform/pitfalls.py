@@ -464,7 +464,14 @@ def evaluate(snap: dict[str, Any], res: Resolution) -> list[Row]:
         elif isinstance(out, Skip):
             rows.append(Row(rule.id, "SKIP", rule.title, out.reason))
         else:
-            params = {"platform": p.name, "noun": p.noun, "hedge": p.hedge(*out.hedge_facts), "hedge_cap": ""}
+            a_noun = ("an " if p.noun[0].lower() in "aeiou" else "a ") + p.noun
+            params = {
+                "platform": p.name,
+                "noun": p.noun,
+                "a_noun": a_noun,
+                "hedge": p.hedge(*out.hedge_facts),
+                "hedge_cap": "",
+            }
             params.update({k: str(v) for k, v in out.params.items()})
             status = "FAIL" if rule.severity == "fail" else "WARN"
             rows.append(Row(rule.id, status, rule.title, _fill(rule.message, params), _fill(rule.next_step, params)))

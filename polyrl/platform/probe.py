@@ -253,7 +253,7 @@ try:
                 pass
         cuda_available = bool(torch.cuda.is_available())
         out["cuda_available"] = cuda_available
-        out["cuda_alias"] = not str(getattr(torch.cuda.is_available, "__module__", "")).startswith("torch")
+        out["cuda_alias"] = not str(getattr(torch.cuda.is_available, "__module__", "")).startswith("torch.cuda")
         if mod is None and cuda_available:
             mod, dtype = torch.cuda, "cuda"
         mps = getattr(torch.backends, "mps", None)
