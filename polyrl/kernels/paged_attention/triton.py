@@ -253,7 +253,7 @@ def _paged_attention(
         l_part.stride(0), l_part.stride(1),
         GROUP=group, HEAD_DIM=D, PAGE=page, BLOCK_Q=block_q, ROWS=rows, BLOCK_N=block_n, SPLIT=splits > 1,
         WINDOW=window is not None, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=1 if interp else 3,
+        num_warps=4, num_stages=1 if interp else (2 if q.dtype == torch.float32 or D > 128 else 3),
     )  # fmt: skip
     if splits > 1:
         block_h = min(_pow2_at_least(Hq), 16)
