@@ -19,7 +19,7 @@ class EngineConfig:
     # engine may fill, weights and activations included: cache = free - total * (1 - utilisation).
     num_blocks: int | None = None
     gpu_memory_utilization: float = 0.85
-    cpu_kv_cache_bytes: int = 1 << 30  # CPU without num_blocks: at most this many bytes of cache
+    cpu_kv_cache_bytes: int = 256 << 20  # CPU without num_blocks: at most this many bytes of cache
     max_num_seqs: int = 256  # sequences in one step
     max_num_batched_tokens: int = 8192  # tokens computed in one step (prefill chunks + decodes)
     max_model_len: int | None = None  # prompt + output tokens; None = the model's max_position_embeddings

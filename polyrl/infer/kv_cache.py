@@ -55,7 +55,10 @@ class KVCache:
         if self.cfg.num_blocks is not None:
             return self.cfg.num_blocks
         if self.device.type == "cpu":
-            budget = self.cfg.cpu_kv_cache_bytes
+            # No more than every sequence at full length could use: CPU memory is not free to hoard.
+            max_len = self.cfg.max_model_len or model_cfg.max_position_embeddings
+            useful = self.cfg.max_num_seqs * -(-max_len // self.block_size) * self.block_bytes
+            budget = min(self.cfg.cpu_kv_cache_bytes, useful)
         else:
             free, total = device.mem_get_info()
             budget = free - int(total * (1.0 - self.cfg.gpu_memory_utilization))
