@@ -118,6 +118,8 @@ def test_triton_paged_public_entry_and_validation(triton_kernels, kernel_check, 
                               torch.float32, "paged out, explicit scale")  # fmt: skip
     with pytest.raises(ConfigError, match="window"):
         fn(*batch.args(), None, 0)
+    odd = _batch([20, 3], [4, 1], 2, 1, 24, 16, torch.float32, device=triton_kernels.device)  # head dim 24
+    kernel_check.assert_close(fn(*odd.args()).cpu(), odd.expected, torch.float32, "paged out, head dim 24")
 
 
 def test_triton_write_kv_cache(triton_kernels, seeded):

@@ -276,7 +276,14 @@ def paged_attention(
     scale: float | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of new tokens over a paged KV cache (see ``polyrl.kernels.paged_attention``)."""
+    """Attention of new tokens over a paged KV cache (see ``polyrl.kernels.paged_attention``).
+
+    Head dims that are not a power of two in 16..256 use the reference (correct, but it syncs the host).
+    """
+    if q.shape[-1] not in (16, 32, 64, 128, 256):
+        from polyrl.kernels.paged_attention.reference import paged_attention as _reference
+
+        return _reference(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q, scale, window)
     return _paged_attention(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q, scale, window)
 
 
