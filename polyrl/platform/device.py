@@ -167,6 +167,25 @@ def collective_backend() -> str:
     return _COLLECTIVE.get(device_type(), "gloo")
 
 
+def visible_devices() -> dict[str, str]:
+    """The visible-devices variables this device type honours (knowledge-base facts) that are set, with values.
+
+    On ``cuda`` the HIP stacks (ROCm, Hygon) and the CUDA stacks honour different variables; torch.version.hip
+    tells them apart. Variables of other platforms are ignored here (``polyrl check`` warns about them).
+    """
+    import os
+
+    from polyrl.platform import kb
+
+    dt = device_type()
+    hip = bool(getattr(torch.version, "hip", None))
+    names: set[str] = set()
+    for p in kb.platforms().values():
+        if p.device_type == dt and (dt != "cuda" or p.torch_hip == hip):
+            names.update(p.visible_devices)
+    return {n: os.environ[n] for n in sorted(names) if n in os.environ}
+
+
 def manual_seed_all(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
