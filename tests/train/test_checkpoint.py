@@ -1,0 +1,126 @@
+"""Checkpoints in-process: round trip (bf16 masters), keep-last-K, crash before publish, overwrite, corruption."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from train_helpers import TinyLM, pack, random_seqs
+
+from polyrl.errors import CheckpointError
+from polyrl.train import (
+    CheckpointConfig,
+    CheckpointManager,
+    OptimConfig,
+    PrecisionConfig,
+    ScheduleConfig,
+    TrainEngine,
+    checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+)
+from polyrl.train.checkpoint import cleanup_stale, list_checkpoints
+
+BATCH = [pack(random_seqs(2, 16, 64, 0))]
+
+
+def _engine(seed: int = 0, dtype: str = "fp32") -> tuple[TinyLM, TrainEngine]:
+    model = TinyLM(seed=seed)
+    cfgs = (OptimConfig(lr=1e-2, weight_decay=0.1), ScheduleConfig(decay="linear"), PrecisionConfig(dtype))
+    return model, TrainEngine(model, *cfgs, total_steps=20)
+
+
+def test_round_trip_restores_model_optimizer_counters_and_rng(tmp_path):
+    model, engine = _engine(dtype="bf16")
+    for _ in range(3):
+        engine.step(BATCH)
+    manager = CheckpointManager(tmp_path)
+    torch.manual_seed(99)
+    random.seed(5)
+    path = manager.save(3, model, engine, data_state={"epoch": 0, "offset": 17}, config={"optim": {"lr": 1e-2}})
+    expected_draw = (torch.rand(3), random.random())
+    files = json.loads((path / "manifest.json").read_text())["files"]
+    assert {"optimizer.safetensors", "rng.pt", "trainer_state.json", "config.json"} <= set(files)
+    assert any(name.startswith("model/") for name in files)
+
+    fresh, fresh_engine = _engine(seed=1, dtype="bf16")
+    torch.manual_seed(0)
+    loaded = load_checkpoint(latest_checkpoint(tmp_path), fresh, fresh_engine)
+    draw = (torch.rand(3), random.random())
+    assert torch.equal(draw[0], expected_draw[0]) and draw[1] == expected_draw[1]
+    assert loaded.step == 3 and loaded.data_state == {"epoch": 0, "offset": 17}
+    assert loaded.config == {"optim": {"lr": 1e-2}} and fresh_engine.global_step == 3
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+    # both continue identically: fp32 masters and moments came back, not just the bf16 weights
+    assert [engine.step(BATCH).loss for _ in range(2)] == [fresh_engine.step(BATCH).loss for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+
+def test_keep_last_k_and_every_n(tmp_path):
+    model, engine = _engine()
+    manager = CheckpointManager(tmp_path, CheckpointConfig(every_n_steps=2, keep_last_k=2))
+    assert [s for s in range(1, 8) if manager.should_save(s)] == [2, 4, 6]
+    assert manager.should_save(7, final=True)
+    for step in (2, 4, 6):
+        manager.save(step, model, engine)
+    assert [p.name for p in list_checkpoints(manager.root)] == ["step-00000004", "step-00000006"]
+    assert manager.root == tmp_path / "checkpoints" and latest_checkpoint(tmp_path).name == "step-00000006"
+    assert not [p for p in manager.root.iterdir() if p.name.startswith(".")]
+
+
+def test_exception_between_write_and_rename_keeps_previous(tmp_path, monkeypatch):
+    model, engine = _engine()
+    manager = CheckpointManager(tmp_path, CheckpointConfig(keep_last_k=3))
+    good = manager.save(1, model, engine, data_state={"pos": 1})
+    good_weights = [p.detach().clone() for p in model.parameters()]
+    engine.step(BATCH)
+
+    def crash(tmp, final):
+        raise OSError("disk full (injected)")
+
+    monkeypatch.setattr(checkpoint, "_commit", crash)
+    with pytest.raises(OSError, match="injected"):
+        manager.save(2, model, engine, data_state={"pos": 2})
+    monkeypatch.undo()
+    assert latest_checkpoint(tmp_path) == good
+    assert [p.name.startswith(".tmp-step-00000002") for p in manager.root.iterdir() if p.name.startswith(".")] == [True]
+    fresh, fresh_engine = _engine(seed=3)
+    assert load_checkpoint(good, fresh, fresh_engine).data_state == {"pos": 1}
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), good_weights))
+    restarted = CheckpointManager(tmp_path, CheckpointConfig(keep_last_k=3))
+    assert len(restarted.cleaned) == 1 and restarted.latest() == good
+
+
+def test_overwrite_same_step_and_interrupted_overwrite_recovery(tmp_path):
+    model, engine = _engine()
+    manager = CheckpointManager(tmp_path)
+    first = manager.save(5, model, engine, data_state={"v": 1})
+    assert manager.save(5, model, engine, data_state={"v": 2}) == first
+    assert load_checkpoint(first, restore_rng=False).data_state == {"v": 2}
+    # a crash after moving the old copy aside but before publishing the new one: restored at start
+    (manager.root / "step-00000005").rename(manager.root / ".trash-step-00000005")
+    assert latest_checkpoint(tmp_path) is None
+    cleanup_stale(manager.root)
+    assert latest_checkpoint(tmp_path) == first
+
+
+def test_incomplete_and_corrupted_checkpoints_are_refused(tmp_path):
+    model, engine = _engine()
+    path = CheckpointManager(tmp_path).save(1, model, engine)
+    opt = path / "optimizer.safetensors"
+    opt.write_bytes(opt.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match="truncated files: optimizer.safetensors"):
+        load_checkpoint(path)
+    (path / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="not a complete polyrl checkpoint"):
+        load_checkpoint(path)
+    assert latest_checkpoint(tmp_path) is None  # no manifest: not listed
+
+    other = CheckpointManager(tmp_path / "b").save(1, TinyLM(hidden=16, heads=2), None)
+    with pytest.raises(CheckpointError, match="shape"):
+        load_checkpoint(other, model)
+    with pytest.raises(CheckpointError, match="weights only"):
+        load_checkpoint(other, TinyLM(hidden=16, heads=2), engine)

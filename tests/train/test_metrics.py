@@ -1,0 +1,73 @@
+"""MetricsLogger: metrics.jsonl per step, plain progress lines off a TTY, resume truncation, summary, plot."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from train_helpers import TinyLM, pack, random_seqs
+
+from polyrl.train import MetricsLogger, OptimConfig, ScheduleConfig, TrainEngine
+
+
+def _records(n: int, start: int = 0) -> list[dict]:
+    return [
+        {"step": s, "loss": 3.0 - 0.1 * s, "lr": 1e-3 * s, "grad_norm": 1.0, "tokens": 100, "tokens_per_s": 1000.0}
+        for s in range(start + 1, start + n + 1)
+    ]
+
+
+def test_jsonl_plain_progress_summary_and_plot(tmp_path):
+    out = io.StringIO()  # not a TTY: plain lines every log_every steps
+    log = MetricsLogger(
+        tmp_path, total_steps=6, log_every=2, stream=out, tensorboard=False, plot_series=("loss", "lr", "extra")
+    )
+    for rec in _records(6):
+        log.log(rec | {"extra": float(rec["step"]) ** 2})
+        # flushed as it goes: another reader sees every line so far
+        assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == rec["step"]
+    summary = log.close()
+    printed = out.getvalue()
+    assert [ln.split()[1] for ln in printed.splitlines() if ln.startswith("step ")] == ["2/6", "4/6", "6/6"]
+    assert "loss 2.8000" in printed and "eta" in printed and "training summary" in printed
+    assert (
+        summary["steps"] == 6
+        and summary["first_loss"] == pytest.approx(2.9)
+        and summary["final_loss"] == pytest.approx(2.4)
+    )
+    assert summary["tokens"] == 600 and summary["mean_tokens_per_s"] == 1000.0
+    assert json.loads((tmp_path / "summary.json").read_text())["final_loss"] == pytest.approx(2.4)
+    png = tmp_path / "metrics.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_resume_drops_records_after_checkpoint_and_handles_nan(tmp_path):
+    log = MetricsLogger(tmp_path, total_steps=10, stream=io.StringIO(), tensorboard=False)
+    for rec in _records(7):
+        log.log(rec)
+    log.close(print_table=False)
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 8, "loss"')  # a line torn by the crash
+    resumed = MetricsLogger(tmp_path, total_steps=10, start_step=5, stream=io.StringIO(), tensorboard=False)
+    resumed.log({"step": 6, "loss": float("nan"), "skipped": True, "lr": 0.1})
+    summary = resumed.close(print_table=False)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6]
+    assert lines[-1]["loss"] == "nan"  # strict JSON
+    assert summary["final_loss"] == pytest.approx(2.5) and summary["steps"] == 6
+
+
+def test_logs_engine_step_stats_with_rich_bar(tmp_path):
+    model = TinyLM()
+    engine = TrainEngine(model, OptimConfig(lr=1e-2), ScheduleConfig(decay="constant"))
+    out = io.StringIO()
+    log = MetricsLogger(tmp_path, total_steps=2, progress=True, stream=out, tensorboard=False)
+    batch = [pack(random_seqs(2, 12, 64, 0))]
+    for _ in range(2):
+        rec = log.log(engine.step(batch))
+    log.close()
+    assert {"loss", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_memory_bytes", "skipped_total"} <= set(rec)
+    assert "2/2" in out.getvalue()  # the bar's M/N column
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2]
