@@ -197,7 +197,7 @@ class DecoderLM(nn.Module):
         """Training FLOPs per token (forward + backward) for sequences of ``seq_len``:
         ``6 * N + 6 * layers * seq_len * heads * head_dim``, N = ``num_parameters()`` (LM head included; tied
         counts once). The second term is causal attention (QK^T and PV: 2 matmuls x 2 FLOPs x 3 for fwd+bwd,
-        halved by causality). Same formula as /work/shared/BASELINES.md, so MFU numbers compare."""
+        halved by causality). Same formula as the project's baseline measurements (BASELINES.md), so MFU compares."""
         c = self.config
         return 6.0 * self.num_parameters() + 6.0 * c.num_layers * seq_len * c.num_heads * c.head_dim
 
