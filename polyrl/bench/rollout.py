@@ -1,0 +1,236 @@
+"""``polyrl bench rollout``: the rollout engine vs HF ``generate`` on the same prompts, in one run.
+
+Random weights of a preset shape (``--shape qwen3-0.6b`` = the ``qwen3-0.6b-shape`` preset), random prompt
+token ids, every sample generating exactly ``--gen-len`` tokens (EOS ignored). Prints:
+
+- output tokens/s of the engine and of each baseline at ``--batch``, and the ratio;
+- the decode roofline: per decode step the bytes that must be read (all weights once + the KV cache of
+  every sequence at its mean context) over the device-to-device copy bandwidth measured here, as
+  tokens/s, and the fraction of it the engine's decode phase reaches (decode time = full run - a
+  prefill-only run);
+- batch-1 time per output token (engine and baselines);
+- bf16 log-prob agreement: the engine's sampled-token log-probs vs a training-style packed forward
+  (``kernels.token_logprobs`` over ``lm_head_weight``) on the same tokens: max / mean abs difference.
+
+Measurement helpers are local (``bench/common.py`` did not exist when this was written). This module
+measures; it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", default="qwen3-0.6b", help="model preset (with or without the -shape suffix)")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--gen-len", type=int, default=256)
+    parser.add_argument("--baselines", default="hf", help="comma-separated: hf, or none")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
+    parser.add_argument("--device", default=None, help="default: the accelerator, else cpu")
+    parser.add_argument("--no-graphs", action="store_true", help="disable CUDA graphs (eager decode)")
+    parser.add_argument("--logprob-seqs", type=int, default=16, help="sequences used for the log-prob check")
+    parser.add_argument("--skip-batch1", action="store_true", help="skip the batch-1 latency runs")
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+
+
+def _sync(dev: torch.device) -> None:
+    from polyrl.platform import device
+
+    if dev.type != "cpu":
+        device.synchronize()
+
+
+def copy_bandwidth(dev: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted), best of ``iters``."""
+    if dev.type == "cpu":
+        nbytes = 1 << 27
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(iters):
+        _sync(dev)
+        t = time.perf_counter()
+        dst.copy_(src)
+        _sync(dev)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def _model(shape: str, dtype: torch.dtype, dev: torch.device):
+    from polyrl.models.decoder import build_model
+    from polyrl.models.presets import PRESETS, preset_config
+
+    name = shape if shape in PRESETS else f"{shape}-shape"
+    cfg = preset_config(name)
+    return build_model(cfg, dtype=dtype, device=dev, seed=0).eval()
+
+
+def _run_engine(llm, prompts: list[list[int]], gen: int, dev: torch.device, seed: int | None = None):
+    from polyrl.infer import SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_tokens=gen, ignore_eos=True, seed=seed)
+    _sync(dev)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    _sync(dev)
+    return time.perf_counter() - t, outs
+
+
+def _hf_model(model, dev: torch.device):
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(**model.config.to_hf_dict())
+    cfg._attn_implementation = "sdpa"
+    dtype = next(model.parameters()).dtype
+    with torch.device(dev):
+        hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    hf.load_state_dict(model.state_dict(), strict=False)
+    return hf.eval()
+
+
+@torch.inference_mode()
+def _run_hf(hf, prompts: list[list[int]], gen: int, dev: torch.device) -> float:
+    ids = torch.tensor(prompts, device=dev)
+    _sync(dev)
+    t = time.perf_counter()
+    hf.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=gen,
+        min_new_tokens=gen,
+        do_sample=True,
+        top_k=0,
+        top_p=1.0,
+        temperature=1.0,
+        pad_token_id=0,
+    )
+    _sync(dev)
+    return time.perf_counter() - t
+
+
+@torch.inference_mode()
+def logprob_agreement(model, outs, count: int) -> tuple[float, float]:
+    """Max / mean |engine log-prob - training forward log-prob| over the first ``count`` samples."""
+    from polyrl import kernels
+    from polyrl.models.attention_metadata import AttnMetadata
+
+    dev = next(model.parameters()).device
+    diffs = []
+    for out in outs[:count]:
+        c = out.outputs[0]
+        ids = torch.tensor(out.prompt_token_ids + c.token_ids, device=dev)
+        hidden = model(ids, torch.arange(len(ids), device=dev), AttnMetadata.from_seqlens([len(ids)], dev))
+        p = out.num_prompt_tokens
+        targets = torch.tensor(c.token_ids, device=dev)
+        ref = kernels.token_logprobs(hidden[p - 1 : -1], model.lm_head_weight, targets)
+        diffs.append((torch.tensor(c.logprobs, device=dev) - ref.float()).abs())
+    d = torch.cat(diffs)
+    return d.max().item(), d.mean().item()
+
+
+def roofline_tokens_per_s(model, batch: int, prompt_len: int, gen_len: int, kv_dtype_bytes: int, bw: float) -> float:
+    """Decode tokens/s if each step only had to read weights once plus the KV cache at the mean context."""
+    cfg = model.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_dtype_bytes
+    mean_ctx = prompt_len + gen_len / 2
+    step_bytes = weight_bytes + batch * mean_ctx * kv_per_token
+    return batch * bw / step_bytes
+
+
+def run(args: argparse.Namespace) -> int:
+    from polyrl.infer import LLM, EngineConfig
+    from polyrl.platform import device
+
+    dev = torch.device(args.device) if args.device else device.torch_device()
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if dev.type != "cpu" else torch.float32)
+    baselines = [b for b in args.baselines.split(",") if b and b != "none"]
+    model = _model(args.shape, dtype, dev)
+    cfg = model.config
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, cfg.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
+    ecfg = EngineConfig(
+        max_num_seqs=max(args.batch, 1),
+        max_num_batched_tokens=max(8192, args.batch),
+        max_model_len=args.prompt_len + args.gen_len + 1,
+        cuda_graphs=False if args.no_graphs else None,
+    )
+    llm = LLM(model, None, ecfg)
+    res: dict[str, float | str] = {"shape": args.shape, "device": device.name() if dev.type != "cpu" else "cpu"}
+    print(
+        f"# {args.shape} on {res['device']}: {model.num_parameters() / 1e6:.0f}M params, {dtype}, "
+        f"batch {args.batch}, prompt {args.prompt_len}, gen {args.gen_len}; KV cache {llm.kv.num_blocks} blocks "
+        f"({llm.kv.total_bytes / 2**30:.1f} GiB), CUDA graphs {'on' if llm.runner.use_graphs else 'off'}"
+    )
+
+    # Warm-up: kernel compilation, graph capture of the buckets the timed runs use.
+    _run_engine(llm, prompts, 4, dev)
+    _run_engine(llm, prompts[:1], 4, dev)
+    llm.reset_prefix_cache()
+    t_prefill, _ = _run_engine(llm, prompts, 1, dev)
+    llm.reset_prefix_cache()
+    t_full, outs = _run_engine(llm, prompts, args.gen_len, dev, seed=0)
+    n_out = args.batch * args.gen_len
+    res["engine_tok_s"] = n_out / t_full
+    decode_s = max(t_full - t_prefill, 1e-9)
+    res["engine_decode_tok_s"] = args.batch * (args.gen_len - 1) / decode_s
+    bw = copy_bandwidth(dev)
+    kv_bytes = llm.kv.caches[0][0].element_size()
+    res["copy_bandwidth_gb_s"] = bw / 1e9
+    res["roofline_tok_s"] = roofline_tokens_per_s(model, args.batch, args.prompt_len, args.gen_len, kv_bytes, bw)
+    res["roofline_fraction"] = res["engine_decode_tok_s"] / res["roofline_tok_s"]
+    lp_max, lp_mean = logprob_agreement(model, outs, args.logprob_seqs)
+    res["logprob_max_abs_diff"], res["logprob_mean_abs_diff"] = lp_max, lp_mean
+    if not args.skip_batch1:
+        llm.reset_prefix_cache()
+        t1, _ = _run_engine(llm, prompts[:1], args.gen_len, dev)
+        res["engine_batch1_ms_per_token"] = 1e3 * t1 / args.gen_len
+    stats = llm.stats()
+    res["engine_preemptions"] = stats["num_preemptions"]
+    llm.release()
+
+    if "hf" in baselines:
+        hf = _hf_model(model, dev)
+        _run_hf(hf, prompts[: min(4, args.batch)], 4, dev)
+        t_hf = _run_hf(hf, prompts, args.gen_len, dev)
+        res["hf_tok_s"] = n_out / t_hf
+        res["ratio_vs_hf"] = res["engine_tok_s"] / res["hf_tok_s"]
+        if not args.skip_batch1:
+            res["hf_batch1_ms_per_token"] = 1e3 * _run_hf(hf, prompts[:1], args.gen_len, dev) / args.gen_len
+        del hf
+    for b in baselines:
+        if b != "hf":
+            print(f"# baseline {b!r} is not known here (known: hf); skipped")
+
+    _print(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+def _print(res: dict) -> None:
+    rows = [
+        ("engine output tokens/s", "engine_tok_s", "{:,.0f}"),
+        ("engine decode-phase tokens/s", "engine_decode_tok_s", "{:,.0f}"),
+        ("HF generate output tokens/s", "hf_tok_s", "{:,.0f}"),
+        ("ratio engine / HF", "ratio_vs_hf", "{:.1f}x"),
+        ("copy bandwidth GB/s", "copy_bandwidth_gb_s", "{:,.0f}"),
+        ("decode roofline tokens/s", "roofline_tok_s", "{:,.0f}"),
+        ("fraction of roofline (decode)", "roofline_fraction", "{:.0%}"),
+        ("engine batch-1 ms/token", "engine_batch1_ms_per_token", "{:.2f}"),
+        ("HF batch-1 ms/token", "hf_batch1_ms_per_token", "{:.2f}"),
+        ("log-prob |engine - train fwd| max", "logprob_max_abs_diff", "{:.2e}"),
+        ("log-prob |engine - train fwd| mean", "logprob_mean_abs_diff", "{:.2e}"),
+        ("engine preemptions", "engine_preemptions", "{}"),
+    ]
+    for label, key, fmt in rows:
+        if key in res:
+            print(f"{label:<36} {fmt.format(res[key])}")
