@@ -192,7 +192,10 @@ def print_env_rich(doc: dict[str, Any]) -> None:
     table = Table(show_header=False, box=None)
     table.add_column(style="bold")
     table.add_column(overflow="fold")
-    for line in env_text(doc).splitlines():
-        key, _, value = line.partition(" ")
-        table.add_row(key, value.strip())
+    lines = env_text(doc).splitlines()
+    Console().print(lines[0])
+    for line in lines[1:]:
+        indent = "  " if line.startswith(" ") else ""
+        key, _, value = line.strip().partition(" ")
+        table.add_row(indent + key, value.strip())
     Console().print(table)
