@@ -131,7 +131,8 @@ def _launch(q, k, cos, sin, backward: bool):
     block_hq, block_hk = triton.next_power_of_2(n_q), triton.next_power_of_2(n_k)
     per_token = 2 * (block_hq + block_hk) * block_d  # elements of q + k per token
     block_t = max(1, min(64, triton.next_power_of_2(max(1, 8192 // per_token))))
-    num_warps = max(1, min(8, block_t * per_token // 1024))
+    # A power of two (Triton requires it): about 1024 elements per warp, at most 8 warps.
+    num_warps = min(8, triton.next_power_of_2(max(1, block_t * per_token // 1024)))
     _rope_kernel[(triton.cdiv(n_tokens, block_t),)](
         q, k, cos, sin, qo, ko, n_tokens, n_q, n_k, half,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),

@@ -1,0 +1,129 @@
+"""Measurement helpers shared by the benchmarks: timing, copy bandwidth, matmul peak, peak memory, tables.
+
+Timing is the median of repetitions after warm-up, each bracketed by device events (host timer on the
+CPU), no CUDA graphs; between repetitions a 256 MiB buffer is overwritten so no run starts with its
+operands in L2 (kept outside the timed region). Copy bandwidth counts bytes read + written, the same
+convention as the kernel targets ("85% of copy bandwidth"). Peak memory is the allocator's peak above
+what was allocated when the callable started.
+
+Deliberately not here: what to benchmark (``kernels.py``, ``sft.py``, ...) and any pass/fail policy.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from polyrl.platform import device as dev
+
+_FLUSH: dict[str, torch.Tensor] = {}
+
+
+def _flush_cache(device: torch.device) -> None:
+    if device.type == "cpu":
+        return
+    key = str(device)
+    if key not in _FLUSH:
+        _FLUSH[key] = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    _FLUSH[key].zero_()
+
+
+def time_fn(
+    fn: Callable[[], Any],
+    device: torch.device,
+    warmup: int = 3,
+    reps: int = 20,
+    flush: bool = True,
+) -> dict[str, float]:
+    """Median / min / mean milliseconds of ``fn()`` over ``reps`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    dev.synchronize()
+    times: list[float] = []
+    for _ in range(reps):
+        if flush:
+            _flush_cache(device)
+        start, end = (dev.event(), dev.event()) if device.type != "cpu" else (None, None)
+        if start is not None and end is not None:
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(float(start.elapsed_time(end)))
+        else:
+            dev.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            dev.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "mean_ms": statistics.fmean(times)}
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read + written."""
+    if nbytes is None:
+        nbytes = 2**30 if device.type != "cpu" else 2**26
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = time_fn(lambda: dst.copy_(src), device, warmup=3, reps=reps, flush=False)["median_ms"]
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def measure_matmul_flops(device: torch.device, n: int | None = None, dtype: torch.dtype | None = None) -> float:
+    """Dense ``n x n x n`` matmul FLOP/s (bf16 on accelerators, fp32 on the CPU)."""
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type != "cpu" else torch.float32
+    if n is None:
+        n = 8192 if device.type != "cpu" else 512
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    ms = time_fn(lambda: a @ b, device, warmup=3, reps=10, flush=False)["median_ms"]
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def peak_memory(fn: Callable[[], Any], device: torch.device) -> int | None:
+    """Bytes the allocator's peak rose above what was allocated when ``fn`` started; None on the CPU."""
+    if device.type == "cpu":
+        return None
+    dev.synchronize()
+    dev.reset_peak_memory_stats()
+    base = dev.memory_allocated()
+    fn()
+    dev.synchronize()
+    return max(0, dev.max_memory_allocated() - base)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if value == 0:
+            return "0"
+        if abs(value) >= 100:
+            return f"{value:.0f}"
+        if abs(value) >= 1:
+            return f"{value:.2f}"
+        return f"{value:.3g}"
+    return str(value)
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], headers: Sequence[str] | None = None) -> str:
+    """Aligned plain-text table of ``rows`` (missing cells print as ``-``)."""
+    head = list(headers or columns)
+    cells = [head] + [[_fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], headers: Sequence[str] | None = None) -> None:
+    print(format_table(rows, columns, headers))
+
+
+def gib(nbytes: int | None) -> float | None:
+    return None if nbytes is None else nbytes / 2**30
