@@ -64,7 +64,7 @@ class Platform:
         return fact not in self.unverified
 
     def hedge(self, *facts: str) -> str:
-        """ "reportedly " when any of ``facts`` is unverified, else "" (prefix for a sentence built on them)."""
+        """Return "reportedly " when any of ``facts`` is unverified, else "" (prefix for a sentence on them)."""
         return "" if all(self.verified(f) for f in facts) else "reportedly "
 
 
