@@ -28,7 +28,7 @@ Streaming API (the OpenAI server)::
     rid = llm.add_request(prompt_or_ids, params, request_id=None, stream=True)   # thread-safe
     llm.abort_request(rid)                                                        # thread-safe
     while llm.has_unfinished_requests():
-        for out in llm.step():        # one engine step; RequestOutput of each request that changed
+        for out in llm.step():        # streaming requests that changed, and requests that finished
             for c in out.outputs:     # c.new_token_ids / c.new_text: what arrived since the last output
                 ...                   # (text held back while it could still be the start of a stop string)
             if out.finished: ...

@@ -31,9 +31,12 @@ from polyrl.infer.stopping import check_stop
 
 
 class _Request:
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "seqs")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "seqs", "stream")
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, stream: bool
+    ):
+        self.stream = stream
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -121,7 +124,7 @@ class LLM:
                 f"shorten the prompt or raise max_model_len / the KV cache size"
             )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        req = _Request(rid, text, ids, params)
+        req = _Request(rid, text, ids, params, stream)
         now = time.monotonic()
         for i in range(params.n):
             req.seqs.append(Sequence(next(self._seq_ids), rid, i, ids, params, now, stream))
@@ -154,7 +157,8 @@ class LLM:
 
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns an output for every request that got tokens or finished."""
+        """Run one engine step. Returns an output for every streaming request that got tokens and for
+        every request that finished (or was aborted) in this step."""
         if not self.kv.allocated:
             raise UserError("the KV cache is released; call LLM.reallocate() before generating")
         touched: dict[str, _Request] = {r.request_id: r for r in self._drain_inbox()}
@@ -169,7 +173,8 @@ class LLM:
                 for s in sampling:
                     touched[s.request_id] = self._requests[s.request_id]
             self.num_steps += 1
-        outputs = [self._output(r) for r in touched.values()]
+        # Non-streaming requests are reported once, when finished (building outputs copies token lists).
+        outputs = [self._output(r) for r in touched.values() if r.stream or all(s.is_finished for s in r.seqs)]
         for out in outputs:
             if out.finished:
                 del self._requests[out.request_id]
