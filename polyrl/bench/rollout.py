@@ -12,8 +12,7 @@ token ids, every sample generating exactly ``--gen-len`` tokens (EOS ignored). P
 - bf16 log-prob agreement: the engine's sampled-token log-probs vs a training-style packed forward
   (``kernels.token_logprobs`` over ``lm_head_weight``) on the same tokens: max / mean abs difference.
 
-Measurement helpers are local (``bench/common.py`` did not exist when this was written). This module
-measures; it asserts nothing.
+Copy bandwidth comes from ``bench/common.py``. This module measures; it asserts nothing.
 """
 
 from __future__ import annotations
@@ -44,23 +43,6 @@ def _sync(dev: torch.device) -> None:
 
     if dev.type != "cpu":
         device.synchronize()
-
-
-def copy_bandwidth(dev: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write counted), best of ``iters``."""
-    if dev.type == "cpu":
-        nbytes = 1 << 27
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(iters):
-        _sync(dev)
-        t = time.perf_counter()
-        dst.copy_(src)
-        _sync(dev)
-        best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best
 
 
 def _model(shape: str, dtype: torch.dtype, dev: torch.device):
@@ -181,7 +163,9 @@ def run(args: argparse.Namespace) -> int:
     res["engine_tok_s"] = n_out / t_full
     decode_s = max(t_full - t_prefill, 1e-9)
     res["engine_decode_tok_s"] = args.batch * (args.gen_len - 1) / decode_s
-    bw = copy_bandwidth(dev)
+    from polyrl.bench.common import measure_copy_bandwidth
+
+    bw = measure_copy_bandwidth(dev)
     kv_bytes = llm.kv.caches[0][0].element_size()
     res["copy_bandwidth_gb_s"] = bw / 1e9
     res["roofline_tok_s"] = roofline_tokens_per_s(model, args.batch, args.prompt_len, args.gen_len, kv_bytes, bw)
