@@ -9,36 +9,19 @@ PPO) live in ``polyrl.algorithms`` and follow the same form; this module holds n
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
 from polyrl import kernels
+from polyrl.models.attention_metadata import AttnMetadata
 
 
-def attention_metadata(batch: Any) -> Any:
-    """Training-form attention metadata for a packed batch (``cu_seqlens`` int32 [B+1], ``max_seqlen``).
-
-    Uses ``polyrl.models.attention_metadata.AttnMetadata`` when the models package provides it, else
-    a plain namespace with the same training fields (paged fields None)."""
-    try:
-        from polyrl.models.attention_metadata import AttnMetadata
-    except ImportError:
-        AttnMetadata = None  # noqa: N806 - the class, when present
-    cu = batch.cu_seqlens
-    if AttnMetadata is not None:
-        seqlens = (cu[1:] - cu[:-1]).tolist()
-        return AttnMetadata.from_seqlens(seqlens, cu.device)
-    return SimpleNamespace(
-        cu_seqlens=cu,
-        max_seqlen=int(batch.max_seqlen),
-        kv_caches=None,
-        slot_mapping=None,
-        block_tables=None,
-        context_lens=None,
-    )
+def attention_metadata(batch: Any) -> AttnMetadata:
+    """Training-form attention metadata of a packed batch: its ``cu_seqlens`` int32 [B+1] (already on
+    the batch's device, no host round trip) and ``max_seqlen``; paged fields None."""
+    return AttnMetadata(cu_seqlens=batch.cu_seqlens, max_seqlen=int(batch.max_seqlen))
 
 
 def causal_lm_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -15,7 +15,7 @@ import signal
 import sys
 
 import torch
-from train_helpers import TinyLM, pack, random_seqs
+from train_helpers import pack, random_seqs, tiny_lm
 
 from polyrl.train import (
     CheckpointConfig,
@@ -60,7 +60,7 @@ def main() -> int:
 
         checkpoint._fsync_tree = dying_fsync
 
-    model = TinyLM(seed=0)
+    model = tiny_lm(seed=0)
     engine = TrainEngine(
         model,
         OptimConfig(lr=1e-2, weight_decay=0.01, grad_clip=0.5),

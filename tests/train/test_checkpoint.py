@@ -7,9 +7,10 @@ import random
 
 import pytest
 import torch
-from train_helpers import TinyLM, pack, random_seqs
+from train_helpers import pack, random_seqs, tiny_lm
 
 from polyrl.errors import CheckpointError
+from polyrl.models import load_model
 from polyrl.train import (
     CheckpointConfig,
     CheckpointManager,
@@ -26,8 +27,8 @@ from polyrl.train.checkpoint import cleanup_stale, list_checkpoints
 BATCH = [pack(random_seqs(2, 16, 64, 0))]
 
 
-def _engine(seed: int = 0, dtype: str = "fp32") -> tuple[TinyLM, TrainEngine]:
-    model = TinyLM(seed=seed)
+def _engine(seed: int = 0, dtype: str = "fp32") -> tuple[object, TrainEngine]:
+    model = tiny_lm(seed=seed)
     cfgs = (OptimConfig(lr=1e-2, weight_decay=0.1), ScheduleConfig(decay="linear"), PrecisionConfig(dtype))
     return model, TrainEngine(model, *cfgs, total_steps=20)
 
@@ -43,7 +44,9 @@ def test_round_trip_restores_model_optimizer_counters_and_rng(tmp_path):
     expected_draw = (torch.rand(3), random.random())
     files = json.loads((path / "manifest.json").read_text())["files"]
     assert {"optimizer.safetensors", "rng.pt", "trainer_state.json", "config.json"} <= set(files)
-    assert any(name.startswith("model/") for name in files)
+    assert "model/config.json" in files  # the weights are an HF folder polyrl (and transformers) load
+    hf = load_model(path / "model")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), hf.state_dict().values()))
 
     fresh, fresh_engine = _engine(seed=1, dtype="bf16")
     torch.manual_seed(0)
@@ -119,8 +122,8 @@ def test_incomplete_and_corrupted_checkpoints_are_refused(tmp_path):
         load_checkpoint(path)
     assert latest_checkpoint(tmp_path) is None  # no manifest: not listed
 
-    other = CheckpointManager(tmp_path / "b").save(1, TinyLM(hidden=16, heads=2), None)
+    other = CheckpointManager(tmp_path / "b").save(1, tiny_lm(hidden=16, heads=2), None)
     with pytest.raises(CheckpointError, match="shape"):
         load_checkpoint(other, model)
     with pytest.raises(CheckpointError, match="weights only"):
-        load_checkpoint(other, TinyLM(hidden=16, heads=2), engine)
+        load_checkpoint(other, tiny_lm(hidden=16, heads=2), engine)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from train_helpers import TinyLM, pack, random_seqs
+from train_helpers import pack, random_seqs, tiny_lm
 
 from polyrl.errors import DataError
 from polyrl.platform import device
@@ -23,7 +23,7 @@ from polyrl.train import (
 SGD_LIKE = OptimConfig(lr=0.5, eps=1.0, grad_clip=None)
 
 
-def _engine(model: TinyLM, optim: OptimConfig = SGD_LIKE, **engine_kw) -> TrainEngine:
+def _engine(model, optim: OptimConfig = SGD_LIKE, **engine_kw) -> TrainEngine:
     return TrainEngine(
         model, optim, ScheduleConfig(decay="constant"), PrecisionConfig("fp32"), EngineConfig(**engine_kw)
     )
@@ -58,7 +58,7 @@ def test_gradient_accumulation_1x4k_equals_4x1k():
     assert len(four) >= 4 and len({b.num_target_tokens for b in four}) > 1  # unequal targets per micro-batch
     assert sum(b.input_ids.numel() for b in four) == one[0].input_ids.numel() == 4096
 
-    a, b = TinyLM(seed=0), TinyLM(seed=0)
+    a, b = tiny_lm(seed=0), tiny_lm(seed=0)
     sa = _engine(a).step(one)
     sb = _engine(b).step(four)
     assert sa.normalizer == sb.normalizer == one[0].num_target_tokens
@@ -68,14 +68,14 @@ def test_gradient_accumulation_1x4k_equals_4x1k():
     assert delta < 1e-6
 
     # Negative control: normalising each micro-batch by its own target count (mean of means) is different.
-    c = TinyLM(seed=0)
+    c = tiny_lm(seed=0)
     per_mb = lambda m, batch: (causal_lm_loss(m, batch)[0] / batch.num_target_tokens, {})
     sc = _engine(c).step(four, per_mb, normalizer=len(four))
     assert abs(sc.grad_norm - sa.grad_norm) / sa.grad_norm > 1e-4
 
 
 def test_clipping_reports_preclip_norm_and_bounds_update():
-    model = TinyLM(seed=1)
+    model = tiny_lm(seed=1)
     before = [p.detach().clone() for p in model.parameters()]
     clip = 1e-4
     stats = _engine(model, OptimConfig(lr=0.5, eps=1.0, grad_clip=clip)).step([pack(random_seqs(4, 32, 64, 0))])
@@ -86,7 +86,7 @@ def test_clipping_reports_preclip_norm_and_bounds_update():
 
 
 def test_nan_guard_skips_counts_and_stops():
-    model = TinyLM(seed=2)
+    model = tiny_lm(seed=2)
     engine = _engine(model, OptimConfig(lr=1e-3), nan_guard_max_consecutive=3)
     batch = [pack(random_seqs(2, 16, 64, 0))]
     nan_loss = lambda m, b: (causal_lm_loss(m, b)[0] * float("nan"), {})
@@ -108,7 +108,7 @@ def test_nan_guard_skips_counts_and_stops():
 
 def test_activation_checkpointing_gives_identical_steps():
     batch = [pack(random_seqs(3, 24, 64, 5))]
-    plain, ckpt = TinyLM(seed=4), TinyLM(seed=4)
+    plain, ckpt = tiny_lm(seed=4), tiny_lm(seed=4)
     e1 = _engine(plain, OptimConfig(lr=1e-2))
     e2 = _engine(ckpt, OptimConfig(lr=1e-2), activation_checkpointing=True)
     assert ckpt.gradient_checkpointing and not plain.gradient_checkpointing
@@ -118,7 +118,7 @@ def test_activation_checkpointing_gives_identical_steps():
 
 
 def test_stats_metrics_and_errors():
-    model = TinyLM(seed=0)
+    model = tiny_lm(seed=0)
     engine = TrainEngine(model, OptimConfig(lr=1e-3), ScheduleConfig(warmup_steps=2, decay="linear"), total_steps=4)
     batches = [pack(random_seqs(2, 10, 64, 0)), pack(random_seqs(3, 10, 64, 1))]
     with_metrics = lambda m, b: (causal_lm_loss(m, b)[0], {"sequences": b.cu_seqlens.numel() - 1})
@@ -138,7 +138,7 @@ def test_stats_metrics_and_errors():
 
 
 def test_bf16_compute_learns_and_keeps_parameter_identity():
-    model = TinyLM(seed=0)
+    model = tiny_lm(seed=0)
     ids = [id(p) for p in model.parameters()]
     engine = TrainEngine(
         model, OptimConfig(lr=1e-2), ScheduleConfig(decay="constant"), PrecisionConfig(compute_dtype="bf16")
@@ -158,7 +158,7 @@ def test_compiled_layers_match_eager_on_accelerator():
     batch = [pack(random_seqs(4, 128, 64, 0))]
     runs = []
     for compile_ in (False, True):
-        model = TinyLM(seed=0).to(dev)
+        model = tiny_lm(seed=0).to(dev)
         engine = TrainEngine(
             model, OptimConfig(lr=1e-2), ScheduleConfig(decay="constant"), engine=EngineConfig(compile=compile_)
         )

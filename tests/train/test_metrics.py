@@ -6,7 +6,7 @@ import io
 import json
 
 import pytest
-from train_helpers import TinyLM, pack, random_seqs
+from train_helpers import pack, random_seqs, tiny_lm
 
 from polyrl.train import MetricsLogger, OptimConfig, ScheduleConfig, TrainEngine
 
@@ -59,7 +59,7 @@ def test_resume_drops_records_after_checkpoint_and_handles_nan(tmp_path):
 
 
 def test_logs_engine_step_stats_with_rich_bar(tmp_path):
-    model = TinyLM()
+    model = tiny_lm()
     engine = TrainEngine(model, OptimConfig(lr=1e-2), ScheduleConfig(decay="constant"))
     out = io.StringIO()
     log = MetricsLogger(tmp_path, total_steps=2, progress=True, stream=out, tensorboard=False)
