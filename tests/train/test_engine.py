@@ -164,3 +164,41 @@ def test_compiled_layers_match_eager_on_accelerator():
         )
         runs.append([engine.step(batch).loss for _ in range(3)])
     assert runs[1] == pytest.approx(runs[0], rel=2e-2)
+
+
+@pytest.mark.gpu
+def test_bf16_fused_adamw_on_accelerator_learns_and_reports_mfu():
+    """GPU check: auto precision is bf16 with fp32 masters, fused AdamW, parameters keep identity and
+    storage, MFU and peak memory are reported, and the loss falls."""
+    dev = device.torch_device()
+    model = tiny_lm(seed=0, hidden=256, heads=8, layers=4).to(dev)
+    engine = TrainEngine(model, OptimConfig(lr=3e-3), ScheduleConfig(warmup_steps=2, decay="constant"))
+    assert engine.compute_dtype == torch.bfloat16 and engine.optimizer.has_masters
+    assert engine.optimizer.inner.defaults.get("fused") is True
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    batch = [pack(random_seqs(8, 256, 64, 0))]
+    stats = [engine.step(batch) for _ in range(10)]
+    assert stats[-1].loss < stats[0].loss - 0.3
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+    if device.peak_bf16_flops() is not None:
+        assert 0 < stats[-1].mfu < 1
+    assert stats[-1].peak_memory_bytes > 0 and not any(s.skipped for s in stats)
+
+
+def test_fp16_loss_scale_absorbs_overflow_without_tripping_the_guard():
+    model = tiny_lm(seed=0)
+    engine = TrainEngine(
+        model,
+        OptimConfig(lr=1e-2),
+        ScheduleConfig(decay="constant"),
+        PrecisionConfig(compute_dtype="fp16", initial_loss_scale=2.0**40),  # fp16 grads overflow at first
+        EngineConfig(nan_guard_max_consecutive=2),
+    )
+    assert all(p.dtype == torch.float16 for p in model.parameters())
+    batch = [pack(random_seqs(2, 16, 64, 0))]
+    stats = [engine.step(batch) for _ in range(30)]
+    skipped = [s.skipped for s in stats]
+    assert skipped[0] and not skipped[-1] and engine.consecutive_skips == 0  # > 2 overflows, no error
+    first_good = skipped.index(False)
+    assert stats[first_good].loss_scale == 2.0 ** (40 - first_good) and first_good > 2
+    assert stats[-1].loss < stats[first_good].loss
