@@ -1,0 +1,284 @@
+"""``RunConfig``: one training run (algorithm, model, data, optimizer, engine, checkpoints, loop), resolved
+from a TOML/JSON file plus command-line overrides and validated before any model is loaded.
+
+File layout (every table optional; see ``examples/sft_arithmetic.toml``)::
+
+    algo = "sft"            # a name in polyrl.algorithms
+    model = "path/to/hf"    # HF folder
+    out = "runs/name"       # run directory
+    seed = 0                # default for data.seed and engine.seed
+    [train]      max_steps / epochs, eval_every, eval_data, log_every      (LoopConfig)
+    [data]       polyrl.data.DataConfig            [optim]      polyrl.train.OptimConfig
+    [schedule]   polyrl.train.ScheduleConfig       [precision]  polyrl.train.PrecisionConfig
+    [engine]     polyrl.train.EngineConfig         [checkpoint] polyrl.train.CheckpointConfig
+    [sft]        the algorithm's own table (its spec's config_cls)
+
+Overrides are dotted keys (``optim.lr``, ``train.max_steps``, ``model``) applied over the file in order.
+``engine.micro_batch_tokens`` and ``data.tokens_per_batch`` are one setting (either name sets both).
+Not here: reading data, loading models, or running anything (``runner.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from polyrl.errors import ConfigError
+
+RESOLVED_NAME = "run_config.json"
+TOP_LEVEL = ("algo", "model", "out", "seed", "resume")
+
+
+@dataclass
+class LoopConfig:
+    """The ``[train]`` table. ``max_steps`` (optimizer steps) wins over ``epochs`` when both are set (as in
+    TRL); neither means one epoch. ``eval_every`` > 0 computes the loss on ``eval_data`` (a data spec; None:
+    the held-out part, ``data.holdout`` or a builtin's ``@test``) every that many steps."""
+
+    max_steps: int | None = None
+    epochs: float | None = None
+    eval_every: int = 0
+    eval_data: str | None = None
+    log_every: int = 10
+    save_final_model: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_steps is not None and (not _is_int(self.max_steps) or self.max_steps < 1):
+            raise ConfigError(
+                f"train.max_steps must be a positive integer, got {self.max_steps!r}; e.g. --max-steps 100"
+            )
+        if self.epochs is not None and (
+            not isinstance(self.epochs, (int, float)) or not math.isfinite(self.epochs) or self.epochs <= 0
+        ):
+            raise ConfigError(f"train.epochs must be a positive number, got {self.epochs!r}; e.g. --epochs 1")
+        if not _is_int(self.eval_every) or self.eval_every < 0:
+            raise ConfigError(f"train.eval_every must be a non-negative integer, got {self.eval_every!r}")
+        if not _is_int(self.log_every) or self.log_every < 1:
+            raise ConfigError(f"train.log_every must be a positive integer, got {self.log_every!r}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _sections() -> dict[str, type]:
+    from polyrl.data.config import DataConfig
+    from polyrl.train.config import CheckpointConfig, EngineConfig, OptimConfig, PrecisionConfig, ScheduleConfig
+
+    # Construction order = validation order: optimizer/engine values before paths on disk.
+    return {
+        "optim": OptimConfig,
+        "schedule": ScheduleConfig,
+        "precision": PrecisionConfig,
+        "engine": EngineConfig,
+        "checkpoint": CheckpointConfig,
+        "train": LoopConfig,
+        "data": DataConfig,
+    }
+
+
+@dataclass
+class RunConfig:
+    """A resolved, validated run. ``spec`` is the algorithm's ``AlgorithmSpec``; ``algo_config`` its table."""
+
+    algo: str
+    model: str
+    out: str
+    seed: int
+    resume: str | None
+    data: Any
+    optim: Any
+    schedule: Any
+    precision: Any
+    engine: Any
+    checkpoint: Any
+    train: LoopConfig
+    algo_config: Any
+    spec: Any
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, JSON-ready form; ``from_dict(to_dict())`` gives the same run."""
+        out: dict[str, Any] = {k: getattr(self, k) for k in TOP_LEVEL}
+        for name in _sections():
+            out[name] = dataclasses.asdict(getattr(self, name))
+        out[self.algo] = dataclasses.asdict(self.algo_config)
+        return out
+
+
+# ---- reading and overriding ---------------------------------------------------------------------
+def load_file(path: str | Path) -> dict[str, Any]:
+    """A run config file (``.toml`` or ``.json``) as a dict; a ConfigError says what is wrong with it."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist; check --config")
+    text = p.read_text()
+    try:
+        if p.suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = _toml().loads(text)
+    except (ValueError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot parse {p}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p} must hold a table of settings at the top level")
+    return data
+
+
+def _toml() -> Any:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    return tomllib
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value as TOML (``1e-4``, ``true``, ``[0.9, 0.95]``, ``"x"``), else the plain string."""
+    try:
+        return _toml().loads(f"v = {text}")["v"]
+    except Exception:  # noqa: BLE001 - anything that is not a TOML literal is a string
+        return text
+
+
+def parse_set(items: list[str]) -> list[tuple[str, Any]]:
+    """``["optim.lr=1e-4", ...]`` -> ``[("optim.lr", 0.0001), ...]``."""
+    out = []
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"--set {item!r} must look like section.key=value, e.g. --set optim.lr=1e-4")
+        out.append((key.strip(), parse_value(value.strip())))
+    return out
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A copy of ``raw`` with each dotted ``key`` set to its value (later ones win)."""
+    raw = copy.deepcopy(raw)
+    for key, value in overrides:
+        parts = key.split(".")
+        if len(parts) == 1:
+            raw[key] = value
+        elif len(parts) == 2:
+            table = raw.setdefault(parts[0], {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"cannot set {key}: {parts[0]} is a value, not a table")
+            table[parts[1]] = value
+        else:
+            raise ConfigError(f"override key {key!r} has too many parts; use section.key (e.g. optim.lr)")
+    return raw
+
+
+# ---- building -----------------------------------------------------------------------------------
+def _make(cls: type, table: Any, section: str) -> Any:
+    if not isinstance(table, dict):
+        raise ConfigError(f"[{section}] must be a table of settings, got {table!r}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ConfigError(f"unknown {section} setting(s) {unknown}; known: {', '.join(sorted(known))}")
+    try:
+        return cls(**table)
+    except TypeError as exc:
+        raise ConfigError(f"[{section}]: {exc}") from None
+
+
+def _reconcile_tokens(raw: dict[str, Any]) -> None:
+    engine, data = raw.setdefault("engine", {}), raw.setdefault("data", {})
+    if not isinstance(engine, dict) or not isinstance(data, dict):
+        return  # reported by _make
+    a, b = engine.get("micro_batch_tokens"), data.get("tokens_per_batch")
+    if a is not None and b is not None and a != b:
+        raise ConfigError(
+            f"engine.micro_batch_tokens ({a}) and data.tokens_per_batch ({b}) are the same budget; set only one"
+        )
+    value = a if a is not None else b
+    if value is not None:
+        engine["micro_batch_tokens"] = data["tokens_per_batch"] = value
+    else:
+        from polyrl.train.config import EngineConfig
+
+        data["tokens_per_batch"] = EngineConfig().micro_batch_tokens
+
+
+def build(raw: dict[str, Any]) -> RunConfig:
+    """Validate ``raw`` (file + overrides) into a RunConfig. Raises ConfigError with what to change; touches
+    no model (only checks that the model folder has a config.json, after every value check)."""
+    from polyrl import algorithms
+
+    raw = copy.deepcopy(raw)
+    algo = raw.pop("algo", "sft")
+    if not isinstance(algo, str):
+        raise ConfigError(f"algo must be a name, got {algo!r}; choose one of: {', '.join(algorithms.names())}")
+    spec = algorithms.get(algo)
+    sections = _sections()
+    unknown = sorted(set(raw) - set(TOP_LEVEL) - set(sections) - {algo})
+    if unknown:
+        others = [k for k in unknown if k in algorithms.names()]
+        hint = f" ({', '.join(others)} tables belong to other algorithms)" if others else ""
+        raise ConfigError(
+            f"unknown setting(s) {unknown}{hint}; top-level keys are {', '.join(TOP_LEVEL)} and tables "
+            f"{', '.join(sections)}, {algo}"
+        )
+    seed = raw.get("seed", 0)
+    if not _is_int(seed) or seed < 0:
+        raise ConfigError(f"seed must be a non-negative integer, got {seed!r}")
+    for name in ("data", "engine"):
+        if isinstance(raw.setdefault(name, {}), dict):
+            raw[name].setdefault("seed", seed)
+    _reconcile_tokens(raw)
+    built = {name: _make(cls, raw.get(name, {}), name) for name, cls in sections.items()}
+    algo_cfg = spec.make_config(raw.get(algo))
+    resume = raw.get("resume")
+    if resume is not None and (not isinstance(resume, str) or not resume):
+        raise ConfigError(f"resume must be 'latest' or a checkpoint path, got {resume!r}")
+    for key in ("model", "out"):
+        if not isinstance(raw.get(key), str) or not raw[key].strip():
+            raise ConfigError(f'no {key} given; pass --{key} DIR (or set {key} = "..." in the config file)')
+    if not built["data"].path:
+        raise ConfigError("no dataset given; pass --data SPEC (a file, a datasets name or folder, or builtin:NAME)")
+    model = raw["model"]
+    if not (Path(model) / "config.json").is_file():
+        raise ConfigError(
+            f"model folder {model!r} has no config.json; give a Hugging Face model folder, or create one with "
+            f"`polyrl init-model --preset tiny --out {model}`"
+        )
+    return RunConfig(
+        algo=algo, model=model, out=raw["out"], seed=seed, resume=resume, algo_config=algo_cfg, spec=spec, **built
+    )
+
+
+def resolve(config_file: str | None, overrides: list[tuple[str, Any]]) -> RunConfig:
+    """The run of ``config_file`` (optional) with ``overrides`` applied in order."""
+    raw = load_file(config_file) if config_file else {}
+    return build(apply_overrides(raw, overrides))
+
+
+def save_resolved(cfg: RunConfig, out_dir: str | Path) -> Path:
+    """Write the resolved config as ``<out>/run_config.json`` (``--config`` accepts it back)."""
+    path = Path(out_dir) / RESOLVED_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cfg.to_dict(), indent=2, default=str) + "\n")
+    return path
+
+
+def differences(old: dict[str, Any], new: dict[str, Any], ignore: tuple[str, ...] = ("resume",)) -> list[str]:
+    """Dotted keys whose values differ between two ``to_dict`` forms (for a resume notice)."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        if key in ignore:
+            continue
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{key}.{k}" for k in sorted(set(a) | set(b)) if _norm(a.get(k)) != _norm(b.get(k))]
+        elif _norm(a) != _norm(b):
+            out.append(key)
+    return out
+
+
+def _norm(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple) else v

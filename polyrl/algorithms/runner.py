@@ -1,0 +1,198 @@
+"""The training run for offline algorithms (SFT, and any spec with ``build_data`` + ``make_loss``).
+
+``run(cfg)`` dispatches to the spec's own ``run`` or to ``run_offline``, which: checks the run directory
+and the resume point, saves the resolved config, loads the tokenizer and builds the data (data errors come
+before the model is loaded), loads the model, then loops ``TrainEngine.step`` over packed micro-batches
+(``engine.accumulation_steps`` per optimizer step) with metrics, optional eval loss, and atomic checkpoints
+that carry the data position and data stats, so ``resume`` continues exactly. At the end it writes a last
+checkpoint, the final HF folder ``<out>/final``, ``summary.json`` and ``metrics.png``.
+
+Not here: the step itself (``polyrl.train.engine``), checkpoint files (``polyrl.train.checkpoint``),
+argument parsing (``polyrl.cli.train``), online (rollout) algorithms.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from polyrl.algorithms.config import RunConfig, differences, save_resolved
+from polyrl.errors import CheckpointError, ConfigError
+
+FINAL_DIR = "final"
+
+
+def run(cfg: RunConfig) -> dict[str, Any]:
+    """Train ``cfg``; returns the run summary."""
+    fn = cfg.spec.run or run_offline
+    return fn(cfg)
+
+
+# ---- before the model ---------------------------------------------------------------------------
+def resume_point(cfg: RunConfig) -> Path | None:
+    """The checkpoint to resume from, or None for a fresh run. A run directory that already holds
+    checkpoints needs ``resume`` (so a finished run is never overwritten by accident)."""
+    from polyrl.train.checkpoint import list_checkpoints
+
+    out = Path(cfg.out)
+    found = list_checkpoints(Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints")
+    latest = found[-1] if found else None
+    if cfg.resume is None:
+        if latest is not None:
+            raise ConfigError(
+                f"{out} already holds a run (checkpoint {latest.name}); pass --resume to continue it, "
+                "or choose another --out"
+            )
+        return None
+    if cfg.resume == "latest":
+        if latest is None:
+            print(f"resume: no checkpoint in {out} yet; starting from step 0")
+        return latest
+    path = Path(cfg.resume)
+    if not (path / "manifest.json").is_file():
+        raise CheckpointError(
+            f"--resume {cfg.resume!r} is not a complete checkpoint folder (no manifest.json); give a "
+            f"checkpoints/step-* folder or --resume latest"
+        )
+    return path
+
+
+def total_steps(cfg: RunConfig, batches_per_epoch: int) -> int:
+    """Optimizer steps of the run: ``train.max_steps``, else ``train.epochs`` (default 1) of the data."""
+    if cfg.train.max_steps is not None:
+        return cfg.train.max_steps
+    epochs = cfg.train.epochs if cfg.train.epochs is not None else 1.0
+    return max(1, math.ceil(epochs * batches_per_epoch / cfg.engine.accumulation_steps))
+
+
+def eval_source(cfg: RunConfig, spec: Any, tokenizer: Any) -> Any | None:
+    """Held-out data for ``train.eval_every``: ``train.eval_data``, else the data's test part."""
+    import dataclasses
+
+    if cfg.train.eval_every <= 0:
+        return None
+    if cfg.train.eval_data:
+        return spec.build_data(dataclasses.replace(cfg.data, path=cfg.train.eval_data, limit=None), tokenizer)
+    if cfg.data.holdout > 0:
+        return spec.build_data(cfg.data, tokenizer, "test")
+    if cfg.data.path.startswith("builtin:"):
+        path = cfg.data.path.split("@", 1)[0] + "@test"
+        return spec.build_data(dataclasses.replace(cfg.data, path=path, split=None), tokenizer)
+    raise ConfigError("train.eval_every is set but there is no eval data; pass --eval-data SPEC or set data.holdout")
+
+
+# ---- the loop -----------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate_loss(model: Any, data: Any, loss_fn: Any, spec: Any, algo_cfg: Any, device: torch.device) -> float:
+    """Mean loss over one pass of ``data`` (the same normalisation as training)."""
+    was_training = model.training
+    model.eval()
+    total, norm = 0.0, 0.0
+    for batch in data.iterator(max_epochs=1):
+        batch = batch.to(device)
+        loss_sum, _ = loss_fn(model, batch)
+        n = spec.normalizer(algo_cfg, [batch]) if spec.normalizer else None
+        total += float(loss_sum)
+        norm += float(batch.num_target_tokens if n is None else n)
+    model.train(was_training)
+    return total / max(norm, 1.0)
+
+
+def _data_summary(stats: Any) -> dict[str, Any]:
+    """The data counts a user checks after a run (skipped rows first), flat for the summary table."""
+    d = stats.as_dict()
+    out = {f"data_{k}": d[k] for k in ("sequences", "target_tokens", "bad_rows", "truncated")}
+    out["data_dropped"] = d["dropped_too_long"] + d["dropped_no_target"]
+    if d["bad_examples"]:
+        out["data_bad_examples"] = d["bad_examples"]
+    return out
+
+
+def _data_state(it: Any, data: Any) -> dict[str, Any]:
+    return {"iterator": it.state_dict(), "stats": data.stats.as_dict()}
+
+
+def run_offline(cfg: RunConfig, stream: Any = None) -> dict[str, Any]:
+    """The offline training run described in the module docstring; returns the summary dict."""
+    from polyrl.models.checkpoint import load_model, load_tokenizer, save_model
+    from polyrl.platform import device
+    from polyrl.train import CheckpointManager, MetricsLogger, TrainEngine, load_checkpoint
+
+    stream = stream or sys.stdout
+    spec, out = cfg.spec, Path(cfg.out)
+    start_point = resume_point(cfg)
+    t_start = time.perf_counter()
+    tokenizer = load_tokenizer(cfg.model)
+    data = spec.build_data(cfg.data, tokenizer)
+    it = data.iterator()
+    eval_data = eval_source(cfg, spec, tokenizer)
+    steps = total_steps(cfg, it.batches_per_epoch)
+    s = data.stats
+    print(
+        f"{cfg.algo}: {s.sequences} sequences, {s.tokens} tokens ({s.target_tokens} trained), "
+        f"{it.batches_per_epoch} micro-batches per epoch, {steps} steps of {cfg.engine.accumulation_steps} "
+        f"micro-batch(es); bad rows skipped: {s.bad_rows}, truncated: {s.truncated}",
+        file=stream,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    save_resolved(cfg, out)
+
+    dev = device.torch_device()
+    model = load_model(cfg.model, dtype=torch.float32, device=dev)  # fp32 masters; the engine casts compute
+    engine = TrainEngine(model, cfg.optim, cfg.schedule, cfg.precision, cfg.engine, total_steps=steps)
+    loss_fn = spec.make_loss(cfg.algo_config)
+    start = 0
+    if start_point is not None:
+        loaded = load_checkpoint(start_point, model, engine)
+        start = loaded.step
+        if "iterator" not in loaded.data_state:
+            raise CheckpointError(f"{start_point} has no data position; it was not written by `polyrl train`")
+        it.load_state_dict(loaded.data_state["iterator"])
+        changed = differences(loaded.config, cfg.to_dict()) if loaded.config else []
+        note = f" (changed since: {', '.join(changed)})" if changed else ""
+        print(f"resumed from {start_point} at step {start}{note}", file=stream)
+    if start > steps:
+        raise ConfigError(f"the checkpoint is at step {start}, past this run's {steps} steps; raise --max-steps")
+
+    ckpts = CheckpointManager(out, cfg.checkpoint)
+    series = ("loss", "lr", "grad_norm", *(("eval_loss",) if eval_data is not None else ()), *spec.plot_series)
+    log = MetricsLogger(out, steps, log_every=cfg.train.log_every, start_step=start, plot_series=series, stream=stream)
+    accum = cfg.engine.accumulation_steps
+    config_dict = cfg.to_dict()
+    try:
+        for step in range(start, steps):
+            micro = [next(it) for _ in range(accum)]
+            norm = spec.normalizer(cfg.algo_config, micro) if spec.normalizer else None
+            rec = engine.step(micro, loss_fn, norm).to_dict()
+            rec["epoch"] = it.epoch + it.position / max(1, it.batches_per_epoch)
+            if eval_data is not None and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == steps):
+                rec["eval_loss"] = evaluate_loss(model, eval_data, loss_fn, spec, cfg.algo_config, dev)
+            log.log(rec)
+            if ckpts.should_save(step + 1) and step + 1 < steps:
+                ckpts.save(
+                    step + 1, model, engine, data_state=_data_state(it, data), config=config_dict, tokenizer=tokenizer
+                )
+        if ckpts.should_save(steps, final=True):
+            ckpts.save(steps, model, engine, data_state=_data_state(it, data), config=config_dict, tokenizer=tokenizer)
+        final = None
+        if cfg.train.save_final_model:
+            final = save_model(model, out / FINAL_DIR, tokenizer=tokenizer)
+    except BaseException as exc:
+        log.close(extra={"status": f"failed: {type(exc).__name__}"}, print_table=False)
+        raise
+    extra = {
+        "algo": cfg.algo,
+        "status": "finished",
+        "resumed_from_step": start,
+        "wall_time_s": time.perf_counter() - t_start,
+        **_data_summary(data.stats),
+        "final_model": str(final) if final is not None else None,
+    }
+    summary = log.close(extra=extra)
+    print(f"final model: {final}  metrics: {out / 'metrics.jsonl'}  plot: {out / 'metrics.png'}", file=stream)
+    return summary

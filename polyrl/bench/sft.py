@@ -1,0 +1,306 @@
+"""``polyrl bench sft``: SFT step throughput of polyrl's engine and of HF transformers (+ Liger), in one run.
+
+Every config trains the same model shape, from the same initial weights, on the same random tokens
+(``--batch`` sequences of ``--seq`` tokens; polyrl packs them into one varlen micro-batch, HF gets the
+``[batch, seq]`` tensor), a full step each: forward, backward, grad-norm clip at 1.0, AdamW. Configs:
+
+- ``polyrl``: ``TrainEngine`` with its default numerics (bf16 compute, fp32 masters and moments on
+  accelerators; fp32 on the CPU), fused kernels chosen by the registry.
+- ``hf-autocast`` / ``hf-bf16``: ``AutoModelForCausalLM`` (sdpa attention) + torch AdamW (fused on
+  accelerators), fp32 weights under bf16 autocast (our numerics) / pure bf16 weights.
+- ``hf-liger-autocast`` / ``hf-liger-bf16``: the same with Liger-Kernel applied to the model instance,
+  when ``liger_kernel`` is importable (skipped otherwise). Liger patches transformers globally, so
+  these run last.
+
+Configs run sequentially in this process; memory is freed and the peak counter reset in between;
+``--warmup`` steps are not timed. Reports tokens/s, MFU (6N + causal attention FLOPs per token, as
+``DecoderLM.flops_per_token``, over ``device.peak_bf16_flops``), peak memory, the last loss (same weights
+and tokens, so losses should agree) and ratios vs the fastest baseline. An out-of-memory config is
+reported as such. This module does not check targets; the numbers go to docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+SHAPES = {
+    "tiny": "tiny",
+    "small": "small",
+    "qwen3-0.6b": "qwen3-0.6b-shape",
+    "qwen3-1.7b": "qwen3-1.7b-shape",
+    "llama3.2-1b": "llama3.2-1b-shape",
+}
+BASELINES = {
+    "hf": ("hf-autocast", "hf-bf16"),
+    "hf-liger": ("hf-liger-autocast", "hf-liger-bf16"),
+}
+GIB = 1024**3
+
+
+@dataclass
+class Result:
+    name: str
+    status: str  # ok | oom | skipped: reason
+    tokens_per_s: float | None = None
+    step_s: float | None = None
+    mfu: float | None = None
+    peak_memory_gib: float | None = None
+    loss: float | None = None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", default="qwen3-0.6b", choices=list(SHAPES), help="model shape (random weights)")
+    parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per config")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument(
+        "--baselines", default="hf,hf-liger", help=f"comma list of {', '.join(BASELINES)}; 'none' for polyrl only"
+    )
+    parser.add_argument("--numerics", choices=["both", "autocast", "bf16"], default="both", help="HF variants to run")
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--activation-checkpointing", action="store_true", help="polyrl: recompute activations")
+    parser.add_argument("--compile", action="store_true", help="polyrl: torch.compile the decoder layers")
+    parser.add_argument("--no-ours", action="store_true", help="run the baselines only")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+# ---- shared setup -------------------------------------------------------------------------------
+def model_config(shape: str) -> Any:
+    from polyrl.models.presets import preset_config
+
+    return preset_config(SHAPES[shape])
+
+
+def random_tokens(vocab: int, batch: int, seq: int, seed: int) -> torch.Tensor:
+    """``[batch, seq]`` int64 tokens, identical for every config."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+def initial_weights(cfg: Any, dev: torch.device, seed: int) -> Any:
+    from polyrl.models.decoder import build_model
+
+    return build_model(cfg, dtype=torch.float32, device=dev, seed=seed)
+
+
+def flops_per_token(cfg: Any, seq: int) -> float:
+    """6N + 6 * layers * seq * heads * head_dim, N with the (tied) LM head counted once."""
+    with torch.device("meta"):
+        from polyrl.models.decoder import DecoderLM
+
+        n = DecoderLM(cfg).num_parameters()
+    return 6.0 * n + 6.0 * cfg.num_layers * seq * cfg.num_heads * cfg.head_dim
+
+
+def _free() -> None:
+    from polyrl.platform import device
+
+    gc.collect()
+    device.empty_cache()
+    device.reset_peak_memory_stats()
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def time_steps(step_fn: Any, warmup: int, steps: int) -> tuple[float, float]:
+    """Seconds per timed step and the last loss; ``step_fn()`` returns the loss (a float)."""
+    from polyrl.platform import device
+
+    loss = float("nan")
+    for _ in range(warmup):
+        loss = step_fn()
+    device.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step_fn()
+    device.synchronize()
+    return (time.perf_counter() - t0) / max(steps, 1), loss
+
+
+# ---- the configs --------------------------------------------------------------------------------
+def ours_step_fn(cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: torch.device) -> Any:
+    from polyrl.data import TokenizedSeq, pack_sequences
+    from polyrl.train import EngineConfig, OptimConfig, ScheduleConfig, TrainEngine
+
+    model = initial_weights(cfg, dev, args.seed)
+    ecfg = EngineConfig(
+        micro_batch_tokens=tokens.numel(),
+        activation_checkpointing=args.activation_checkpointing,
+        compile=args.compile,
+        seed=args.seed,
+    )
+    engine = TrainEngine(
+        model, OptimConfig(lr=args.lr), ScheduleConfig(decay="constant"), engine=ecfg, total_steps=None
+    )
+    seqs = [TokenizedSeq(row.tolist(), [1] * row.numel()) for row in tokens]
+    batch = pack_sequences(seqs).to(dev)
+    return lambda: engine.step([batch]).loss
+
+
+def hf_step_fn(cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: torch.device, variant: str) -> Any:
+    """One HF training step closure; ``variant`` is e.g. "hf-liger-bf16"."""
+    import transformers
+
+    hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf_dict())
+    hf_cfg._attn_implementation = "sdpa"
+    with torch.device(dev):
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa")
+    ref = initial_weights(cfg, dev, args.seed)
+    missing, unexpected = model.load_state_dict(ref.state_dict(), strict=False)
+    del ref
+    if unexpected or any("rotary" not in m and m != "lm_head.weight" for m in missing):
+        raise RuntimeError(f"HF model does not match polyrl's parameter names: {missing[:3]} {unexpected[:3]}")
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    if "liger" in variant:
+        import liger_kernel.transformers as liger
+
+        getattr(liger, f"apply_liger_kernel_to_{cfg.model_type}")(model=model)
+    pure_bf16 = variant.endswith("bf16")
+    if pure_bf16:
+        model = model.to(torch.bfloat16)
+    model.train()
+    fused = dev.type != "cpu"
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=fused)
+    ids = tokens.to(dev)
+    autocast = not pure_bf16 and dev.type != "cpu"
+
+    def step() -> float:
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return lambda: float(step())
+
+
+def liger_available() -> str | None:
+    """None when Liger-Kernel imports, else why not."""
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not here"
+        return f"liger_kernel not importable ({type(exc).__name__})"
+    return None
+
+
+def configs(args: argparse.Namespace) -> list[str]:
+    names = [] if args.no_ours else ["polyrl"]
+    wanted = [b.strip() for b in args.baselines.split(",") if b.strip() and b.strip() != "none"]
+    unknown = [b for b in wanted if b not in BASELINES]
+    if unknown:
+        from polyrl.errors import ConfigError
+
+        raise ConfigError(f"unknown baseline(s) {unknown}; choose from {', '.join(BASELINES)} or none")
+    for b in wanted:
+        for v in BASELINES[b]:
+            if args.numerics == "both" or v.endswith(args.numerics):
+                names.append(v)
+    return names
+
+
+def measure(name: str, cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: torch.device) -> Result:
+    from polyrl.platform import device
+
+    if "liger" in name and (why := liger_available()):
+        return Result(name, f"skipped: {why}")
+    _free()
+    step_fn = None
+    try:
+        if name == "polyrl":
+            step_fn = ours_step_fn(cfg, tokens, args, dev)
+        else:
+            step_fn = hf_step_fn(cfg, tokens, args, dev, name)
+        step_s, loss = time_steps(step_fn, args.warmup, args.steps)
+    except Exception as exc:
+        if not _is_oom(exc):
+            raise
+        step_fn = None
+        _free()
+        return Result(name, "oom")
+    finally:
+        step_fn = None
+        peak = device.max_memory_allocated()
+        _free()
+    tps = tokens.numel() / step_s
+    peak_flops = device.peak_bf16_flops()
+    mfu = tps * flops_per_token(cfg, tokens.shape[1]) / peak_flops if peak_flops else None
+    return Result(name, "ok", tps, step_s, mfu, peak / GIB if peak else None, loss)
+
+
+# ---- report -------------------------------------------------------------------------------------
+def ratios(results: list[Result]) -> dict[str, float]:
+    """polyrl tokens/s divided by each measured baseline's, and by the fastest one's (key "fastest")."""
+    ours = next((r for r in results if r.name == "polyrl" and r.status == "ok"), None)
+    base = [r for r in results if r.name != "polyrl" and r.status == "ok"]
+    if ours is None or not base:
+        return {}
+    out = {r.name: ours.tokens_per_s / r.tokens_per_s for r in base}
+    out["fastest"] = ours.tokens_per_s / max(r.tokens_per_s for r in base)
+    return out
+
+
+def _fmt(v: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if v is None else format(v * scale, spec)
+
+
+def print_table(results: list[Result], header: str) -> None:
+    print(header)
+    print(f"{'config':20} {'tokens/s':>10} {'step s':>8} {'MFU':>7} {'peak GiB':>9} {'loss':>8}  status")
+    for r in results:
+        print(
+            f"{r.name:20} {_fmt(r.tokens_per_s, ',.0f'):>10} {_fmt(r.step_s, '.3f'):>8} "
+            f"{_fmt(r.mfu, '.1f', 100) + ('%' if r.mfu is not None else ''):>7} "
+            f"{_fmt(r.peak_memory_gib, '.1f'):>9} {_fmt(r.loss, '.4f'):>8}  {r.status}"
+        )
+    rs = ratios(results)
+    if rs:
+        fastest = rs.pop("fastest")
+        print("polyrl tokens/s ratio: " + ", ".join(f"{k} {v:.2f}x" for k, v in rs.items()))
+        print(f"polyrl vs the fastest baseline: {fastest:.2f}x")
+
+
+def run(args: argparse.Namespace) -> int:
+    from polyrl.errors import ConfigError
+    from polyrl.platform import device
+
+    if min(args.seq, args.batch, args.steps) < 1 or args.warmup < 0:
+        raise ConfigError("--seq, --batch and --steps must be >= 1 and --warmup >= 0")
+    names = configs(args)
+    cfg = model_config(args.shape)
+    if args.seq > cfg.max_position_embeddings:
+        raise ConfigError(f"--seq {args.seq} exceeds the {args.shape} context ({cfg.max_position_embeddings})")
+    dev = device.torch_device()
+    tokens = random_tokens(cfg.vocab_size, args.batch, args.seq, args.seed)
+    header = (
+        f"bench sft: {args.shape} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}), "
+        f"batch {args.batch} x seq {args.seq}, {args.steps} timed steps after {args.warmup} warm-up, "
+        f"device {device.name() if dev.type != 'cpu' else 'cpu'}, torch {torch.__version__}"
+    )
+    print(header, flush=True)
+    results = []
+    for name in names:
+        r = measure(name, cfg, tokens, args, dev)
+        done = f"{r.tokens_per_s:,.0f} tokens/s" if r.tokens_per_s is not None else r.status
+        print(f"  {name}: {done}", flush=True)
+        results.append(r)
+    print_table(results, header)
+    if args.json:
+        payload = {"header": header, "args": vars(args), "results": [asdict(r) for r in results]}
+        payload["ratios"] = ratios(results)
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=2, default=str)
+    return 0

@@ -1,0 +1,142 @@
+"""``polyrl demo`` (``make demo``): the whole SFT path on the CPU in about two minutes.
+
+It creates a small random model with polyrl's own ``init-model`` (ChatML tokenizer), measures held-out
+exact-match accuracy on a builtin arithmetic task with greedy decoding through the rollout engine, trains
+it with ``polyrl train --algo sft`` machinery (the same RunConfig and runner), and measures again, then
+prints a few answers. The demo is a list of stages (``STAGES``); each takes the ``DemoState``, trains or
+evaluates, and moves ``state.model_dir`` on to the model the next stage starts from, so a later stage
+(an RL stage, say) is one function appended to the list. Not a benchmark: numbers are for show.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Tuned on a loaded 2-core CPU: the small preset reaches >= 80% held-out accuracy well inside the budget.
+DEFAULTS = {
+    "preset": "small",
+    "task": "builtin:arithmetic?max=20&test=0.2",
+    "steps": 150,
+    "lr": 2e-3,
+    "micro_batch_tokens": 2048,
+    "eval_size": 100,
+}
+
+
+@dataclass
+class DemoState:
+    """What stages share: the run folder, the model folder the next stage starts from, and the results."""
+
+    root: Path
+    args: argparse.Namespace
+    model_dir: Path | None = None
+    results: list[tuple[str, float]] = field(default_factory=list)
+    t0: float = field(default_factory=time.perf_counter)
+
+    def log(self, msg: str) -> None:
+        print(f"[{time.perf_counter() - self.t0:6.1f}s] {msg}", flush=True)
+
+
+def held_out(state: DemoState) -> list[Any]:
+    """The held-out prompts of the task (never trained on: builtin @test problems)."""
+    from polyrl.data import DataConfig, load_prompts
+
+    prompts, _ = load_prompts(DataConfig(path=state.args.task.split("@", 1)[0] + "@test"))
+    return prompts[: state.args.eval_size]
+
+
+def evaluate(state: DemoState, label: str, show: int = 0) -> float:
+    """Greedy exact-match accuracy of ``state.model_dir`` on the held-out prompts; records and prints it."""
+    from polyrl.algorithms.evaluate import exact_match
+    from polyrl.models.checkpoint import load_model, load_tokenizer
+
+    model = load_model(state.model_dir)
+    result = exact_match(model, load_tokenizer(state.model_dir), held_out(state), max_tokens=8, keep_samples=show)
+    state.results.append((label, result.accuracy))
+    state.log(f"{label}: held-out exact match {result.correct}/{result.total} = {100 * result.accuracy:.1f}%")
+    for prompt, text, answer, ok in result.samples:
+        print(f"    {prompt!r:28} -> {text.strip()!r:8} (answer {answer}) {'ok' if ok else 'wrong'}")
+    return result.accuracy
+
+
+# ---- stages -------------------------------------------------------------------------------------
+def stage_init(state: DemoState) -> None:
+    """Create the random model and measure the untrained accuracy."""
+    from polyrl.models.presets import create_model_from_preset
+
+    state.model_dir = create_model_from_preset(state.args.preset, state.root / "base", seed=state.args.seed)
+    state.log(f"created a random {state.args.preset} model in {state.model_dir} (polyrl init-model)")
+    evaluate(state, "before training", show=2)
+
+
+def stage_sft(state: DemoState) -> None:
+    """SFT on the task's train split, then the accuracy and a few answers."""
+    from polyrl.algorithms import config as run_config
+    from polyrl.algorithms import runner
+
+    a = state.args
+    out = state.root / "sft"
+    raw = {
+        "algo": "sft",
+        "model": str(state.model_dir),
+        "out": str(out),
+        "seed": a.seed,
+        "data": {"path": a.task, "max_seq_len": 128, "tokens_per_batch": a.micro_batch_tokens},
+        "optim": {"lr": a.lr, "weight_decay": 0.0},
+        "schedule": {"warmup_steps": min(10, a.steps // 10), "decay": "cosine", "min_lr_ratio": 0.1},
+        "train": {"max_steps": a.steps, "log_every": max(1, a.steps // 6)},
+        "checkpoint": {"every_n_steps": 0, "keep_last_k": 1},
+    }
+    cfg = run_config.build(raw)
+    state.log(f"SFT: {a.steps} steps on {a.task}, lr {a.lr} (polyrl train --algo sft, run dir {out})")
+    runner.run(cfg)
+    state.model_dir = out / runner.FINAL_DIR
+    evaluate(state, "after SFT", show=a.show)
+
+
+# name, function. Append a stage to extend the demo (e.g. an RL stage after "sft").
+STAGES: list[tuple[str, Callable[[DemoState], None]]] = [
+    ("init", stage_init),
+    ("sft", stage_sft),
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
+    parser.add_argument("--out", default="runs/demo", help="demo folder (replaced; default runs/demo)")
+    parser.add_argument("--preset", default=d["preset"], help=f"model preset (default {d['preset']})")
+    parser.add_argument("--task", default=d["task"], help=f"builtin task (default {d['task']})")
+    parser.add_argument("--steps", type=int, default=d["steps"], help=f"SFT steps (default {d['steps']})")
+    parser.add_argument("--lr", type=float, default=d["lr"], help=f"SFT learning rate (default {d['lr']})")
+    parser.add_argument("--micro-batch-tokens", type=int, default=d["micro_batch_tokens"])
+    parser.add_argument("--eval-size", type=int, default=d["eval_size"], help="held-out problems to score")
+    parser.add_argument("--show", type=int, default=5, help="answers to print after training")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stages", default=",".join(n for n, _ in STAGES), help="comma-separated stages to run")
+
+
+def run(args: argparse.Namespace) -> int:
+    from polyrl.errors import ConfigError
+
+    wanted = [s.strip() for s in args.stages.split(",") if s.strip()]
+    known = dict(STAGES)
+    unknown = [s for s in wanted if s not in known]
+    if unknown:
+        raise ConfigError(f"unknown demo stage(s) {unknown}; choose from {', '.join(known)}")
+    root = Path(args.out)
+    if root.exists():
+        shutil.rmtree(root)
+    state = DemoState(root=root, args=args)
+    for name, fn in STAGES:
+        if name in wanted:
+            fn(state)
+    print()
+    print("held-out accuracy: " + ", ".join(f"{label} {100 * acc:.1f}%" for label, acc in state.results))
+    state.log(f"done; runs in {root}")
+    return 0

@@ -1,0 +1,131 @@
+"""``polyrl train``: post-train a model with a registered algorithm.
+
+Two ways to say what to run, combinable::
+
+    polyrl train --algo sft --model DIR --data SPEC --out DIR [--max-steps N | --epochs E] [--lr ...] ...
+    polyrl train --config run.toml [flags] [--set optim.lr=1e-4 --set data.max_seq_len=1024 ...]
+
+Precedence: the config file, then the named flags, then ``--set`` (dotted keys of the TOML tables, values
+parsed as TOML literals), each overriding the one before. Every flag maps onto one config key (listed in
+``FLAG_KEYS``), so a run written with flags is the same as the saved ``<out>/run_config.json``.
+The whole config is validated before any model is loaded; errors exit 2 with one sentence.
+This module parses and reports; it never branches on algorithm names (``polyrl.algorithms.get`` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+# argparse dest -> config key. A flag left out of the command line leaves the key alone.
+FLAG_KEYS: dict[str, str] = {
+    "algo": "algo",
+    "model": "model",
+    "data": "data.path",
+    "out": "out",
+    "seed": "seed",
+    "max_steps": "train.max_steps",
+    "epochs": "train.epochs",
+    "eval_every": "train.eval_every",
+    "eval_data": "train.eval_data",
+    "log_every": "train.log_every",
+    "lr": "optim.lr",
+    "weight_decay": "optim.weight_decay",
+    "grad_clip": "optim.grad_clip",
+    "warmup_steps": "schedule.warmup_steps",
+    "warmup_ratio": "schedule.warmup_ratio",
+    "lr_decay": "schedule.decay",
+    "tokens_per_step": "engine.step_tokens",
+    "micro_batch_tokens": "engine.micro_batch_tokens",
+    "activation_checkpointing": "engine.activation_checkpointing",
+    "compile": "engine.compile",
+    "deterministic": "engine.deterministic",
+    "dtype": "precision.compute_dtype",
+    "max_seq_len": "data.max_seq_len",
+    "format": "data.format",
+    "loss_on": "data.loss_on",
+    "skip_bad_rows": "data.skip_bad_rows",
+    "save_every": "checkpoint.every_n_steps",
+    "keep_last": "checkpoint.keep_last_k",
+    "resume": "resume",
+}
+
+DTYPE_ALIASES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from polyrl import algorithms
+
+    parser.epilog = (
+        "Precedence: --config file < flags < --set. Example: polyrl train --algo sft --model runs/tiny "
+        "--data builtin:arithmetic --out runs/sft --max-steps 100 --set optim.betas=[0.9,0.99]"
+    )
+    g = parser.add_argument_group("run")
+    g.add_argument("--config", metavar="FILE", help="run config (.toml, or a saved run_config.json)")
+    g.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override any key, e.g. optim.lr=1e-4"
+    )
+    g.add_argument("--algo", metavar="NAME", help=f"algorithm: {', '.join(algorithms.names())} (default sft)")
+    g.add_argument("--model", metavar="DIR", help="Hugging Face model folder to start from")
+    g.add_argument("--data", metavar="SPEC", help="dataset: file, datasets name/folder, or builtin:NAME")
+    g.add_argument("--out", metavar="DIR", help="run directory (checkpoints, metrics, final model)")
+    g.add_argument("--seed", type=int, help="seed of data order and engine (default 0)")
+    g.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        metavar="latest|PATH",
+        help="continue from the latest or a given checkpoint",
+    )
+    g = parser.add_argument_group("length and evaluation")
+    g.add_argument("--max-steps", type=int, help="optimizer steps (wins over --epochs)")
+    g.add_argument("--epochs", type=float, help="passes over the data (default 1)")
+    g.add_argument("--eval-every", type=int, help="eval loss every N steps (on --eval-data or the held-out part)")
+    g.add_argument("--eval-data", metavar="SPEC", help="dataset for the eval loss")
+    g.add_argument("--log-every", type=int, help="print a progress line every N steps when not on a terminal")
+    g = parser.add_argument_group("optimizer")
+    g.add_argument("--lr", type=float, help="peak learning rate (default 1e-5)")
+    g.add_argument("--weight-decay", type=float)
+    g.add_argument("--grad-clip", type=float, help="max global grad norm (0 disables)")
+    g.add_argument("--warmup-steps", type=int)
+    g.add_argument("--warmup-ratio", type=float)
+    g.add_argument("--lr-decay", choices=["cosine", "linear", "constant"])
+    g = parser.add_argument_group("batching and engine")
+    g.add_argument("--tokens-per-step", type=int, help="tokens per optimizer step (gradient accumulation)")
+    g.add_argument("--micro-batch-tokens", type=int, help="tokens per forward/backward (packing budget)")
+    g.add_argument("--max-seq-len", type=int, help="longest sequence; longer rows are truncated (data.truncation)")
+    g.add_argument("--dtype", choices=["auto", "bf16", "fp32", "fp16", *DTYPE_ALIASES], help="compute dtype")
+    g.add_argument("--activation-checkpointing", action="store_true", default=None)
+    g.add_argument("--compile", action="store_true", default=None, help="torch.compile the decoder layers")
+    g.add_argument("--deterministic", action="store_true", default=None, help="deterministic kernels")
+    g = parser.add_argument_group("data")
+    g.add_argument("--format", help="data format (default auto)")
+    g.add_argument("--loss-on", choices=["assistant", "last_assistant", "all"])
+    g.add_argument("--skip-bad-rows", action="store_true", default=None, help="skip and count bad rows")
+    g = parser.add_argument_group("checkpoints")
+    g.add_argument("--save-every", type=int, help="checkpoint every N steps (0: only at the end)")
+    g.add_argument("--keep-last", type=int, help="keep the newest K checkpoints (0: all)")
+
+
+def overrides_from_args(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """Flags that were given, as (config key, value), then the ``--set`` items."""
+    from polyrl.algorithms.config import parse_set
+
+    out = []
+    for dest, key in FLAG_KEYS.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if dest == "dtype":
+            value = DTYPE_ALIASES.get(value, value)
+        out.append((key, value))
+    return out + parse_set(args.set)
+
+
+def run(args: argparse.Namespace) -> int:
+    from polyrl.algorithms import config as run_config
+    from polyrl.algorithms import runner
+
+    cfg = run_config.resolve(args.config, overrides_from_args(args))
+    summary = runner.run(cfg)
+    return 0 if summary.get("status", "finished") == "finished" else 1
