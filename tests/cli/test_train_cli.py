@@ -1,0 +1,153 @@
+"""`polyrl train` end to end on the tiny preset model: outputs, TOML + overrides, exact --resume, config
+and data errors (exit 2, before any model load). Runs the CLI in-process (``polyrl.cli.main.main``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from polyrl.cli.main import main
+
+DATA = "builtin:arithmetic?n=48"
+COMMON = ["--micro-batch-tokens", "256", "--max-seq-len", "64", "--lr", "1e-3", "--log-every", "1"]
+
+
+def _metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_model_dir, tmp_path_factory):
+    """A 4-step run from a TOML file plus flags: checkpoints at 2 and 4."""
+    root = tmp_path_factory.mktemp("train_cli")
+    out = root / "run"
+    toml = root / "run.toml"
+    toml.write_text(
+        f'algo = "sft"\nmodel = "{tiny_model_dir}"\nseed = 3\n'
+        f'[data]\npath = "{DATA}"\n[optim]\nlr = 0.5\nweight_decay = 0.01\n'
+        "[train]\nmax_steps = 9\n[engine]\ndeterministic = true\n"
+    )
+    argv = ["train", "--config", str(toml), "--out", str(out), "--max-steps", "4", "--save-every", "2", *COMMON]
+    argv += ["--set", "optim.betas=[0.9, 0.99]", "--set", "checkpoint.keep_last_k=3"]
+    assert main(argv) == 0
+    return out
+
+
+def test_outputs_of_a_run(finished_run):
+    out = finished_run
+    recs = _metrics(out)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm", "lr", "tokens", "tokens_per_s", "time_s", "peak_memory_bytes", "skipped", "epoch"):
+        assert key in recs[0], key
+    assert recs[-1]["loss"] < recs[0]["loss"]
+    assert all(r["skipped"] is False for r in recs)
+    # Resolved config: file < flags < --set, seed spread to data and engine, one token budget.
+    cfg = json.loads((out / "run_config.json").read_text())
+    assert cfg["optim"]["lr"] == 1e-3 and cfg["optim"]["weight_decay"] == 0.01
+    assert cfg["optim"]["betas"] == [0.9, 0.99]
+    assert cfg["train"]["max_steps"] == 4 and cfg["checkpoint"]["every_n_steps"] == 2
+    assert cfg["data"]["seed"] == 3 and cfg["engine"]["seed"] == 3
+    assert cfg["data"]["tokens_per_batch"] == cfg["engine"]["micro_batch_tokens"] == 256
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts == ["step-00000002", "step-00000004"]
+    state = json.loads((out / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
+    assert state["data"]["iterator"]["position"] >= 2 and state["data"]["stats"]["bad_rows"] == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["status"] == "finished" and summary["data_bad_rows"] == 0
+    assert (out / "metrics.png").stat().st_size > 1000
+
+
+def test_final_folder_loads_in_transformers(finished_run):
+    import torch
+    import transformers
+
+    from polyrl.models.attention_metadata import AttnMetadata
+    from polyrl.models.checkpoint import load_model
+
+    final = finished_run / "final"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(final), dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(str(final))
+    ids = torch.tensor(tok("What is 3 + 4?")["input_ids"])
+    ours = load_model(final)
+    with torch.no_grad():
+        want = hf(input_ids=ids[None]).logits[0]
+        got = ours.compute_logits(ours(ids, torch.arange(len(ids)), AttnMetadata.from_seqlens([len(ids)], "cpu")))
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_resume_from_checkpoint_repeats_the_same_losses(finished_run, tmp_path):
+    out = tmp_path / "resumed"
+    shutil.copytree(finished_run, out)
+    ckpt = out / "checkpoints" / "step-00000002"
+    argv = ["train", "--config", str(finished_run / "run_config.json"), "--out", str(out), "--resume", str(ckpt)]
+    assert main(argv) == 0
+    before, after = _metrics(finished_run), _metrics(out)
+    assert [r["step"] for r in after] == [1, 2, 3, 4]
+    assert [r["loss"] for r in after] == [r["loss"] for r in before]  # bitwise on the CPU
+    assert [r["grad_norm"] for r in after] == [r["grad_norm"] for r in before]
+    assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 2
+
+
+def test_existing_run_needs_resume(finished_run, capsys):
+    argv = ["train", "--config", str(finished_run / "run_config.json")]
+    assert main(argv) == 2
+    assert "pass --resume" in capsys.readouterr().err
+
+
+def _no_model_load(monkeypatch):
+    import polyrl.models.checkpoint as ckpt
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(ckpt, "load_model", boom)
+    monkeypatch.setattr(ckpt, "load_tokenizer", boom)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--lr", "-1"], "optim.lr must be a positive number"),
+        (["--set", "optim.bogus=1"], "unknown optim setting(s) ['bogus']"),
+        (["--algo", "nope"], "unknown algorithm 'nope'; choose one of: sft"),
+        (["--tokens-per-step", "10"], "engine.step_tokens (10) must be an integer >= engine.micro_batch_tokens"),
+        (["--set", "data.tokens_per_batch=512"], "are the same budget"),
+        (["--set", "sft.normalize=words"], "sft.normalize must be one of"),
+        (["--dtype", "fp16", "--set", "precision.compute_dtype=int8"], "precision.compute_dtype must be one of"),
+    ],
+)
+def test_config_errors_exit_2_before_loading(tmp_path, monkeypatch, capsys, extra, message):
+    _no_model_load(monkeypatch)
+    out = tmp_path / "out"
+    argv = ["train", "--model", str(tmp_path / "missing-model"), "--data", DATA, "--out", str(out), *COMMON, *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err, err
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_missing_model_and_data_are_config_errors(tmp_path, monkeypatch, capsys):
+    _no_model_load(monkeypatch)
+    base = ["train", "--out", str(tmp_path / "o")]
+    assert main([*base, "--model", str(tmp_path / "none"), "--data", DATA]) == 2
+    assert "has no config.json" in capsys.readouterr().err
+    assert main([*base, "--model", str(tmp_path), "--data", str(tmp_path / "nope.jsonl")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_bad_data_row_is_named_or_skipped(tiny_model_dir, tmp_path, capsys):
+    rows = [{"prompt": f"What is {i} + 1?", "completion": str(i + 1)} for i in range(12)]
+    lines = [json.dumps(r) for r in rows]
+    lines.insert(4, '{"prompt": "broken", "completion": ')
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    base = ["train", "--model", str(tiny_model_dir), "--data", str(data), "--max-steps", "1", *COMMON]
+    assert main([*base, "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert "data.jsonl: line 5" in err and "--skip-bad-rows" in err
+    assert main([*base, "--out", str(tmp_path / "b"), "--skip-bad-rows"]) == 0
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert summary["data_bad_rows"] == 1 and summary["data_sequences"] == 12
+    assert "line 5" in summary["data_bad_examples"][0]
