@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Run named measurement stages on a GPU machine, each under its own time limit, logging to $OUT.
+# Usage: OUT=dir scripts/gpu_stage.sh STAGE [STAGE ...]   (stages: see the case below)
+# Wheels in .whl/ (liger-kernel, trl, fastapi, ...) are installed into /tmp/site when present.
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ -d .whl ] && [ ! -d /tmp/site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >/dev/null 2>&1
+fi
+[ -d /tmp/site ] && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+PR="python3 -m polyrl.cli.main"
+
+stage() {  # name, limit seconds, command...
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  echo "=== $name (limit ${limit}s)"
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc in $(( $(date +%s) - t0 ))s"
+  tail -n "${TAIL:-25}" "$OUT/$name.log"
+}
+
+for s in "$@"; do
+  case "$s" in
+    env) stage env 60 bash -c "$PR env --json --deep > $OUT/h200_env.json; $PR check --deep; $PR env" ;;
+    ops) stage ops 200 $PR validate ops --json "$OUT/ops.json" --md "$OUT/ops.md" --show failures ;;
+    bench-kernels) stage bench-kernels 240 $PR bench kernels --baselines eager,liger --json "$OUT/bench_kernels.json" ;;
+    parity) stage parity 150 python3 -m polyrl.bench.model_parity ;;
+    bench-sft) stage bench-sft 300 $PR bench sft --shape qwen3-0.6b --seq 4096 --batch 8 --steps 6 --baselines hf,hf-liger --json "$OUT/bench_sft.json" ;;
+    bench-rollout) stage bench-rollout 240 $PR bench rollout --shape qwen3-0.6b --batch 256 --prompt-len 128 --gen-len 256 --baselines hf --json "$OUT/bench_rollout.json" ;;
+    bench-grpo) stage bench-grpo 300 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 --json "$OUT/bench_grpo.json" ;;
+    validate) stage validate 300 $PR validate --preset tiny --out "$OUT/validate" ;;
+    gpu-tests) stage gpu-tests 240 python3 -m pytest -m gpu -q -x --timeout=120 -p no:cacheprovider tests ;;
+    *) echo "unknown stage $s" ;;
+  esac
+done
