@@ -1,0 +1,436 @@
+"""Reward functions for online RL: the builtin registry, user functions (``--reward path/to/file.py:fn``) and the
+worker pool that runs them isolated, with a per-call timeout.
+
+The signature every reward function has::
+
+    def my_reward(completion: str, example: Mapping) -> float | dict:
+        # example["prompt"]   the last user message (str);   example["messages"]: the whole prompt conversation
+        # example["answer"]   the reference answer or None;  example["task"]: builtin task name or None
+        # example["metadata"] any other fields of the data row (dict)
+        return 1.0                                   # or {"reward": 1.0, "other_metric": 0.3}
+
+A dict result must hold ``"reward"``; its other numeric keys are averaged into the step metrics as
+``reward/<key>``. Booleans count as 0/1. Anything else (an exception, a timeout, None, a string, NaN or inf) is a
+*failure*: the completion gets ``failure_reward`` and the failure is counted by kind (``error``, ``timeout``,
+``non_number``, ``crash``). The run never stops because of a reward function: a worker that hangs past the
+timeout is killed and replaced, one that dies (segfault, ``os._exit``) is replaced.
+
+Specs (``resolve``): a builtin name (``BUILTINS``: ``exact_match``, ``numeric``, ``boxed``, ``think_format``,
+``length_penalty``), ``path/to/file.py:fn``, ``package.module:fn``, or a weighted sum of builtins such as
+``exact_match+0.2*think_format``. ``register_reward(name, fn)`` adds a builtin (in the parent process; workers
+started afterwards by forking see it, spawned ones only see module-level registrations).
+
+Workers are processes from the ``forkserver`` context (``spawn`` where there is none), preloaded with this module
+and ``polyrl.data.builtin`` so a replacement worker starts in milliseconds. ``workers=0`` calls the function in
+this process: no timeout, no crash isolation (for debugging). This module scores text; it knows nothing of
+tokens, advantages or training.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import multiprocessing as mp
+import os
+import re
+import sys
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from numbers import Real
+from pathlib import Path
+from typing import Any
+
+from polyrl.errors import ConfigError, UserError
+
+RewardFn = Callable[[str, Mapping[str, Any]], Any]
+FAILURE_KINDS = ("error", "timeout", "non_number", "crash")
+STARTUP_TIMEOUT_S = 120.0
+
+
+# ---- builtins -----------------------------------------------------------------------------------
+def exact_match(completion: str, example: Mapping[str, Any]) -> float:
+    """1.0 when the completion's answer equals the reference (the builtin task's checker, else a string match
+    of the extracted answer: last ``\\boxed{}``, else last ``Answer: X``, else the whole text)."""
+    from polyrl.data.builtin import check
+
+    return float(check(completion, example))
+
+
+def numeric(completion: str, example: Mapping[str, Any]) -> float:
+    """1.0 when the last number of the extracted answer (``\\boxed{}`` / ``Answer:`` / text) equals the reference."""
+    from polyrl.data.builtin.check import check_number
+
+    return float(check_number(completion, str(example["answer"])))
+
+
+def boxed(completion: str, example: Mapping[str, Any]) -> float:
+    """1.0 when the completion has a ``\\boxed{...}`` whose content matches the reference (as a number or string)."""
+    from polyrl.data.builtin.check import _last_boxed, check_number, check_string
+
+    inner = _last_boxed(completion)
+    if inner is None:
+        return 0.0
+    text, ans = f"\\boxed{{{inner}}}", str(example["answer"])
+    return float(check_number(text, ans) or check_string(text, ans))
+
+
+_THINK_RE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+
+
+def think_format(completion: str, example: Mapping[str, Any]) -> float:
+    """1.0 when the completion is ``<think>...</think>`` followed by ``<answer>...</answer>`` and nothing else."""
+    return float(bool(_THINK_RE.match(completion)))
+
+
+def length_penalty(completion: str, example: Mapping[str, Any]) -> float:
+    """``-len(completion) / 1000``: minus one per thousand characters (weight it, e.g. ``0.1*length_penalty``)."""
+    return -len(completion) / 1000.0
+
+
+BUILTINS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "numeric": numeric,
+    "boxed": boxed,
+    "think_format": think_format,
+    "length_penalty": length_penalty,
+}
+
+
+def register_reward(name: str, fn: RewardFn) -> None:
+    """Make ``fn`` available as the builtin reward ``name``."""
+    BUILTINS[name] = fn
+
+
+class _Weighted:
+    """A weighted sum of builtin rewards (picklable, so spawned workers can rebuild it from the spec)."""
+
+    def __init__(self, terms: list[tuple[float, str]]) -> None:
+        self.terms = terms
+
+    def __call__(self, completion: str, example: Mapping[str, Any]) -> float:
+        return sum(w * _number(BUILTINS[name](completion, example)) for w, name in self.terms)
+
+
+_TERM_RE = re.compile(r"^\s*(?:([0-9.eE+-]+)\s*\*\s*)?([A-Za-z_][A-Za-z0-9_]*)\s*$")
+
+
+def _parse_sum(spec: str) -> list[tuple[float, str]] | None:
+    terms = []
+    for part in re.split(r"\s*\+\s*(?=[A-Za-z0-9.])", spec):
+        m = _TERM_RE.match(part)
+        if m is None or m.group(2) not in BUILTINS:
+            return None
+        terms.append((float(m.group(1)) if m.group(1) else 1.0, m.group(2)))
+    return terms
+
+
+def resolve(spec: str) -> RewardFn:
+    """The reward function of ``spec`` (see the module docstring); ConfigError says what is wrong."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError("no reward given; pass --reward NAME or --reward path/to/file.py:function")
+    spec = spec.strip()
+    if spec in BUILTINS:
+        return BUILTINS[spec]
+    terms = _parse_sum(spec)
+    if terms is not None:
+        return _Weighted(terms)
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise ConfigError(
+            f"unknown reward {spec!r}; use a builtin ({', '.join(sorted(BUILTINS))}), a sum such as "
+            f"exact_match+0.2*think_format, or path/to/file.py:function"
+        )
+    module = _load_module(target, spec)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"reward {spec!r}: {target} has no function {name!r}")
+    return fn
+
+
+def _load_module(target: str, spec: str) -> Any:
+    if target.endswith(".py") or os.sep in target:
+        path = Path(target).resolve()
+        if not path.is_file():
+            raise ConfigError(f"reward file {target!r} does not exist (from --reward {spec!r})")
+        mod_name = f"polyrl_user_reward_{abs(hash(str(path)))}"
+        if mod_name in sys.modules:
+            return sys.modules[mod_name]
+        loader_spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(loader_spec)
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as exc:  # noqa: BLE001 - the user's file: report what broke
+            raise ConfigError(f"reward file {target} failed to import: {type(exc).__name__}: {exc}") from None
+        sys.modules[mod_name] = module
+        return module
+    try:
+        return importlib.import_module(target)
+    except ImportError as exc:
+        raise ConfigError(f"reward module {target!r} cannot be imported ({exc}); give path/to/file.py:fn") from None
+
+
+# ---- one call -----------------------------------------------------------------------------------
+def _number(value: Any) -> float:
+    """The reward of a function's return value; raises TypeError/ValueError for a non-number."""
+    if isinstance(value, Mapping):
+        if "reward" not in value:
+            raise TypeError(f"a dict reward needs a 'reward' key, got keys {sorted(value)[:5]}")
+        value = value["reward"]
+    if not isinstance(value, Real):
+        raise TypeError(f"reward is {type(value).__name__} {str(value)[:60]!r}, not a number")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"reward is {out}")
+    return out
+
+
+def _extras(value: Any) -> dict[str, float]:
+    if not isinstance(value, Mapping):
+        return {}
+    out = {}
+    for k, v in value.items():
+        if k != "reward" and isinstance(v, Real) and math.isfinite(float(v)):
+            out[str(k)] = float(v)
+    return out
+
+
+def call_once(fn: RewardFn, completion: str, example: Mapping[str, Any]) -> tuple[str, Any, dict[str, float]]:
+    """``("ok", reward, extras)`` or ``(failure kind, message, {})`` for one call, in this process."""
+    try:
+        value = fn(completion, example)
+    except Exception as exc:  # noqa: BLE001 - any user exception is a counted failure
+        return "error", f"{type(exc).__name__}: {exc}"[:300], {}
+    try:
+        return "ok", _number(value), _extras(value)
+    except (TypeError, ValueError) as exc:
+        return "non_number", str(exc), {}
+
+
+def _worker_main(conn: Any, spec: str) -> None:
+    """Worker process: resolve ``spec``, say ready, then answer ``(index, completion, example)`` jobs forever."""
+    try:
+        fn = resolve(spec)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        conn.send(("init_error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return
+        if job is None:
+            return
+        idx, completion, example = job
+        try:
+            conn.send((idx, *call_once(fn, completion, example)))
+        except Exception:  # noqa: BLE001 - e.g. unpicklable extras; never let the worker die silently
+            conn.send((idx, "error", traceback.format_exc(limit=1)[-300:], {}))
+
+
+# ---- the pool -----------------------------------------------------------------------------------
+@dataclass
+class RewardResult:
+    """Rewards in input order, failures by kind, and the first few failure messages."""
+
+    rewards: list[float]
+    failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_KINDS, 0))
+    messages: list[str] = field(default_factory=list)
+    extras: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def num_failures(self) -> int:
+        return sum(self.failures.values())
+
+    def metrics(self) -> dict[str, float]:
+        """Flat step metrics: reward failures by kind and the means of extra dict keys."""
+        out: dict[str, float] = {"reward_failures": float(self.num_failures)}
+        for kind, n in self.failures.items():
+            out[f"reward_failures_{kind}"] = float(n)
+        for key, values in self.extras.items():
+            out[f"reward/{key}"] = sum(values) / len(values)
+        return out
+
+
+class _Worker:
+    def __init__(self, ctx: Any, spec: str) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, spec), daemon=True)
+        self.proc.start()
+        child.close()
+        self.ready = False
+        self.job: int | None = None
+        self.deadline = time.monotonic() + STARTUP_TIMEOUT_S
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=5)
+        self.conn.close()
+
+
+class RewardPool:
+    """Scores completions with the reward ``spec`` in ``workers`` processes, ``timeout`` seconds per call.
+
+    ``score(completions, examples) -> RewardResult``. Use as a context manager or call ``close()``."""
+
+    def __init__(
+        self,
+        spec: str,
+        workers: int = 2,
+        timeout: float = 10.0,
+        failure_reward: float = 0.0,
+        start_method: str | None = None,
+    ) -> None:
+        if workers < 0:
+            raise ConfigError(f"reward workers must be >= 0, got {workers}")
+        if not timeout > 0:
+            raise ConfigError(f"reward timeout must be > 0 seconds, got {timeout}")
+        self.spec = _absolute(spec)
+        self.fn = resolve(self.spec)  # fails early, in the parent, for a bad spec
+        self.num_workers = workers
+        self.timeout = float(timeout)
+        self.failure_reward = float(failure_reward)
+        self.totals = dict.fromkeys(FAILURE_KINDS, 0)
+        self.replaced = 0
+        self._ctx = _context(start_method) if workers else None
+        self._workers: list[_Worker] = []
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for w in self._workers:
+            try:
+                w.conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+            w.proc.join(timeout=2)
+            w.kill()
+        self._workers = []
+
+    def _start(self) -> _Worker:
+        return _Worker(self._ctx, self.spec)
+
+    def score(self, completions: Sequence[str], examples: Sequence[Mapping[str, Any]]) -> RewardResult:
+        """One reward per completion (``examples[i]`` belongs to ``completions[i]``), failures replaced."""
+        if len(completions) != len(examples):
+            raise ValueError(f"{len(completions)} completions for {len(examples)} examples")
+        result = RewardResult([self.failure_reward] * len(completions))
+        outcomes: list[tuple[str, Any, dict[str, float]] | None] = [None] * len(completions)
+        if self.num_workers == 0:
+            outcomes = [call_once(self.fn, c, e) for c, e in zip(completions, examples)]
+        else:
+            self._run_pool(completions, examples, outcomes)
+        for i, out in enumerate(outcomes):
+            kind, value, extras = out if out is not None else ("crash", "no result", {})
+            if kind == "ok":
+                result.rewards[i] = value
+                for k, v in extras.items():
+                    result.extras.setdefault(k, []).append(v)
+                continue
+            result.failures[kind] += 1
+            self.totals[kind] += 1
+            if len(result.messages) < 5:
+                result.messages.append(f"{kind}: {value}")
+        return result
+
+    def _run_pool(self, completions: Sequence[str], examples: Sequence[Mapping[str, Any]], outcomes: list) -> None:
+        while len(self._workers) < self.num_workers:
+            self._workers.append(self._start())
+        pending = deque(range(len(completions)))
+        while pending or any(w.job is not None for w in self._workers):
+            now = time.monotonic()
+            for w in self._workers:
+                if w.ready and w.job is None and pending:
+                    w.job = pending.popleft()
+                    w.deadline = now + self.timeout
+                    w.conn.send((w.job, completions[w.job], dict(examples[w.job])))
+            waiting = [w for w in self._workers if w.job is not None or not w.ready]
+            next_deadline = min(w.deadline for w in waiting)
+            ready = wait([w.conn for w in waiting], timeout=max(0.0, next_deadline - time.monotonic()))
+            for w in list(waiting):
+                if w.conn in ready:
+                    self._receive(w, outcomes)
+                elif time.monotonic() >= w.deadline:
+                    self._replace(w, outcomes, "timeout", f"no answer within {self.timeout:g}s; worker killed")
+
+    def _receive(self, w: _Worker, outcomes: list) -> None:
+        try:
+            msg = w.conn.recv()
+        except (EOFError, OSError):
+            self._replace(w, outcomes, "crash", f"worker process died (exit code {w.proc.exitcode})")
+            return
+        if msg[0] == "ready":
+            w.ready = True
+        elif msg[0] == "init_error":
+            self.close()
+            raise UserError(f"the reward function {self.spec!r} failed to load in a worker: {msg[1]}")
+        else:
+            idx, kind, value, extras = msg
+            outcomes[idx] = (kind, value, extras)
+            w.job = None
+
+    def _replace(self, w: _Worker, outcomes: list, kind: str, message: str) -> None:
+        if w.job is None and not w.ready:
+            self.close()
+            raise UserError(f"a reward worker did not start within {STARTUP_TIMEOUT_S:g}s ({message})")
+        if w.job is not None:
+            outcomes[w.job] = (kind, message, {})
+        w.kill()
+        self._workers[self._workers.index(w)] = self._start()
+        self.replaced += 1
+
+
+def _absolute(spec: str) -> str:
+    """``spec`` with a relative ``file.py`` made absolute, so workers started elsewhere find it."""
+    target, sep, name = spec.strip().rpartition(":")
+    if sep and (target.endswith(".py") or os.sep in target) and Path(target).is_file():
+        return f"{Path(target).resolve()}:{name}"
+    return spec
+
+
+def _context(start_method: str | None) -> Any:
+    methods = mp.get_all_start_methods()
+    method = start_method or ("forkserver" if "forkserver" in methods else "spawn")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["polyrl.algorithms.rewards", "polyrl.data.builtin"])
+    return ctx
+
+
+def example_view(example: Any) -> dict[str, Any]:
+    """The dict a reward function receives for a ``PromptExample`` (or a row dict)."""
+    if isinstance(example, Mapping):
+        d = dict(example)
+        d.setdefault("metadata", {})
+        return d
+    messages = list(getattr(example, "messages", []) or [])
+    users = [m.get("content", "") for m in messages if m.get("role") == "user"]
+    return {
+        "prompt": users[-1] if users else "",
+        "messages": messages,
+        "answer": getattr(example, "answer", None),
+        "task": getattr(example, "task", None),
+        "metadata": dict(getattr(example, "meta", {}) or {}),
+    }
+
+
+__all__ = [
+    "BUILTINS",
+    "FAILURE_KINDS",
+    "RewardPool",
+    "RewardResult",
+    "call_once",
+    "example_view",
+    "register_reward",
+    "resolve",
+]
