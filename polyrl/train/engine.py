@@ -92,8 +92,11 @@ class TrainEngine:
         precision: PrecisionConfig | None = None,
         engine: EngineConfig | None = None,
         total_steps: int | None = None,
+        world: Any = None,
     ) -> None:
         self.model = model
+        # Data-parallel hook: a polyrl.train.parallel.World whose ranks each hold an FSDP2-sharded model.
+        self.world = world if world is not None and world.distributed else None
         self.optim_cfg = optim or OptimConfig()
         self.schedule_cfg = schedule or ScheduleConfig()
         self.precision_cfg = precision or PrecisionConfig()
@@ -106,13 +109,27 @@ class TrainEngine:
         first = next(model.parameters())
         self.device = first.device
         self.compute_dtype = resolve_compute_dtype(self.precision_cfg, self.device.type)
-        self.optimizer = MasterAdamW(model.named_parameters(), self.optim_cfg, self.compute_dtype)
+        # Sharded (FSDP2) params stay fp32 and are their own masters; FSDP's policy casts for compute.
+        cast_to = self.compute_dtype
+        if self.world is not None:
+            self._check_sharded(model)
+            cast_to = None
+        self.optimizer = MasterAdamW(model.named_parameters(), self.optim_cfg, cast_to)
         self.scaler = LossScaler(self.compute_dtype == torch.float16, self.precision_cfg.initial_loss_scale)
         self._set_checkpointing(self.cfg.activation_checkpointing)
         self._compiled: list[nn.Module] = self._compile_layers() if self.cfg.compile else []
         self.global_step = 0
         self.skipped_total = 0
         self.consecutive_skips = 0
+
+    def _check_sharded(self, model: nn.Module) -> None:
+        from polyrl.train.parallel.fsdp import is_sharded
+
+        if not is_sharded(model):
+            raise UserError(
+                "TrainEngine got a distributed world but an unsharded model; call "
+                "polyrl.train.parallel.shard_model(model, world, compute_dtype) before building the engine"
+            )
 
     # ---- switches -----------------------------------------------------------------------------
     def _set_checkpointing(self, on: bool) -> None:
@@ -165,6 +182,8 @@ class TrainEngine:
             raise ValueError("TrainEngine.step needs at least one micro-batch")
         loss_fn = loss_fn or causal_lm_loss
         norm = float(sum(int(b.num_target_tokens) for b in micro_batches) if normalizer is None else normalizer)
+        if self.world is not None and normalizer is None:
+            norm = self.world.sum_float(norm)  # the global batch's target tokens
         if norm <= 0:
             raise DataError(
                 "a training step has no target tokens (every label is -100); check the loss mask and truncation"
@@ -182,6 +201,9 @@ class TrainEngine:
             self._compiled = []
             self.optimizer.zero_grad()
             loss_total, metric_sums = self._forward_backward(micro_batches, loss_fn, norm)
+        tokens = sum(int(b.input_ids.numel()) for b in micro_batches)
+        if self.world is not None:
+            loss_total, metric_sums, tokens = self._reduce_over_ranks(loss_total, metric_sums, tokens)
         grad_norm, loss, finite = self._finish(loss_total, norm)
         lr = self.lr()
         skipped = not finite
@@ -198,7 +220,6 @@ class TrainEngine:
         self.global_step += 1
         device.synchronize()
         dt = time.perf_counter() - t0
-        tokens = sum(int(b.input_ids.numel()) for b in micro_batches)
         peak = device.peak_bf16_flops()
         metrics = {k: float(v) / norm for k, v in metric_sums.items()}
         return StepStats(
@@ -224,6 +245,10 @@ class TrainEngine:
         loss_total = torch.zeros((), dtype=torch.float32, device=self.device)
         metric_sums: dict[str, torch.Tensor] = {}
         scale = self.scaler.scale / norm
+        if self.world is not None:
+            from polyrl.train.parallel.fsdp import grad_sum_factor
+
+            scale *= grad_sum_factor(self.world)  # FSDP averages over ranks; we want the global sum / norm
         for mb in micro_batches:
             mb = mb.to(self.device) if hasattr(mb, "to") else mb
             loss_sum, metrics = loss_fn(self.model, mb)
@@ -233,6 +258,17 @@ class TrainEngine:
                 v = value.detach().float() if torch.is_tensor(value) else torch.tensor(float(value))
                 metric_sums[key] = metric_sums.get(key, 0.0) + v.to(self.device)
         return loss_total, metric_sums
+
+    def _reduce_over_ranks(
+        self, loss_total: torch.Tensor, metric_sums: dict[str, torch.Tensor], tokens: int
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        """One all-reduce: global loss sum, metric sums (same keys on every rank) and token count."""
+        keys = sorted(metric_sums)
+        parts = [loss_total.reshape(1), torch.tensor([float(tokens)], device=self.device)]
+        parts += [metric_sums[k].reshape(1).float() for k in keys]
+        vec = self.world.all_reduce_sum(torch.cat(parts).to(torch.float64))
+        metrics = {k: vec[2 + i].float() for i, k in enumerate(keys)}
+        return vec[0].float(), metrics, int(round(vec[1].item()))
 
     def _finish(self, loss_total: torch.Tensor, norm: float) -> tuple[float, float, bool]:
         """Remove the loss scale, measure the global grad norm; one host sync for loss and norm."""

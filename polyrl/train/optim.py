@@ -108,14 +108,22 @@ class MasterAdamW:
         """Global L2 norm of all gradients, an fp32 scalar tensor on the parameters' device (no sync)."""
         grads = self.grads()
         if not grads:
-            return torch.zeros((), dtype=torch.float32, device=self.masters[0].device)
+            return torch.zeros((), dtype=torch.float32, device=_local(self.masters[0]).device)
+        if _sharded(grads):
+            from polyrl.train.parallel.fsdp import sharded_grad_norm
+
+            return sharded_grad_norm(grads)  # FSDP2 DTensor grads: local squares + one all-reduce
         norms = torch._foreach_norm(grads)
         return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
 
     def scale_grads_(self, factor: torch.Tensor | float) -> None:
         """Multiply every gradient by ``factor`` in place (clipping, loss-scale removal)."""
         grads = self.grads()
-        if grads:
+        if grads and _sharded(grads):
+            from polyrl.train.parallel.fsdp import scale_sharded_
+
+            scale_sharded_(grads, factor)
+        elif grads:
             torch._foreach_mul_(grads, factor)
 
     def zero_grad(self) -> None:
@@ -178,6 +186,15 @@ class MasterAdamW:
         groups = self.inner.state_dict()["param_groups"]
         self.inner.load_state_dict({"state": packed, "param_groups": groups})
         self.sync_params()
+
+
+def _sharded(tensors: list[torch.Tensor]) -> bool:
+    """True for FSDP2 (DTensor) gradients; checked by type name so torch.distributed is never imported here."""
+    return type(tensors[0]).__name__ == "DTensor"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if type(t).__name__ == "DTensor" else t
 
 
 def _accumulate_into(master: torch.Tensor):

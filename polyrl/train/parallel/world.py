@@ -1,0 +1,159 @@
+"""The process group of a data-parallel run: who am I (rank), how many are we, which device is mine.
+
+``init_world()`` reads the variables ``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``), binds this process to the accelerator of its local rank and starts the
+default process group with the platform's collective backend (``device.collective_backend()``: nccl, hccl,
+mccl, ...; gloo on the CPU). Without those variables it returns the single-process ``World`` and starts
+nothing, so every caller can hold a ``World`` and ask ``world.distributed``.
+
+The reductions here (``all_reduce_sum``, ``all_gather_object``, ``barrier``) are no-ops in one process.
+This module does not shard models (``fsdp.py``) or write checkpoints (``checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from polyrl.errors import ConfigError
+from polyrl.platform import device
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the run. ``distributed`` is True when a process group is up (also for a
+    torchrun world of size 1, so the sharded code path and checkpoint format are the same at any size)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # ---- collectives (no-ops in one process) ---------------------------------------------------
+    def barrier(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over ranks in place and return it (fp32/fp64/int tensors on ``self.device``)."""
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def sum_float(self, value: float) -> float:
+        """Sum a Python number over ranks (fp64, so token counts stay exact)."""
+        if not self.distributed:
+            return float(value)
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        return float(self.all_reduce_sum(t).item())
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """``[obj of rank 0, obj of rank 1, ...]`` (picklable objects)."""
+        if not self.distributed:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank."""
+        if not self.distributed:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+
+def launched() -> bool:
+    """True when this process was started by torchrun (or another launcher setting ``WORLD_SIZE``)."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        if default is None:
+            raise ConfigError(f"{name} is not set; start the run with torchrun (see docs/distributed.md)")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer; check the launcher's environment") from None
+
+
+def init_world(backend: str | None = None, timeout_s: float = 1800.0) -> World:
+    """The ``World`` of this process: starts the default process group when launched by torchrun (or
+    returns the existing one), else the single-process world. ``backend`` overrides the platform's."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return _current_world()
+    if not launched():
+        return World(device=device.torch_device())
+    rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    local_rank = _env_int("LOCAL_RANK", rank)
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world_size}; check the launcher's environment")
+    if not dist.is_available():
+        raise ConfigError("this torch build has no torch.distributed; install a build with distributed support")
+    dev = _bind_device(local_rank)
+    backend = backend or device.collective_backend()
+    kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
+    if dev.type != "cpu":
+        kwargs["device_id"] = dev  # eager NCCL-style init bound to our device
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
+    return World(rank, world_size, local_rank, backend, dev)
+
+
+def _bind_device(local_rank: int) -> torch.device:
+    if not device.is_accelerator():
+        return torch.device("cpu")
+    n = device.count()
+    if local_rank >= n:
+        raise ConfigError(
+            f"LOCAL_RANK={local_rank} but this node shows {n} device(s); use --nproc-per-node <= {n} "
+            f"or check the visible-devices variable ({', '.join(device.visible_devices()) or 'none set'})"
+        )
+    device.set_device(local_rank)
+    return device.torch_device(local_rank)
+
+
+def _current_world() -> World:
+    import torch.distributed as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    dev = torch.device("cpu") if not device.is_accelerator() else device.torch_device(local_rank)
+    return World(rank, world_size, local_rank, dist.get_backend(), dev)
+
+
+def destroy_world(world: World) -> None:
+    """Tear the process group down (call once at the end of a run; harmless in one process)."""
+    if world.distributed:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
