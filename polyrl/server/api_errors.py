@@ -1,0 +1,89 @@
+"""OpenAI-style API errors: the exception handlers raise and the JSON body clients expect.
+
+Body: ``{"error": {"message", "type", "param", "code"}}``. Bad requests are 400 (never 422 or 500),
+an unknown model 404, a missing or wrong API key 401, a full queue 429, a stopped engine 503. This
+module builds bodies only; ``app.py`` turns them into responses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(message, 400, "invalid_request_error", param, code)
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(
+        f"The model `{name}` does not exist or you do not have access to it.",
+        404,
+        "invalid_request_error",
+        "model",
+        "model_not_found",
+    )
+
+
+def invalid_api_key() -> APIError:
+    return APIError(
+        "Incorrect or missing API key. Pass it as `Authorization: Bearer <key>` (the key given to "
+        "`polyrl serve --api-key` or POLYRL_API_KEY).",
+        401,
+        "invalid_request_error",
+        None,
+        "invalid_api_key",
+    )
+
+
+def queue_full(limit: int) -> APIError:
+    return APIError(
+        f"The server is busy: {limit} requests are already waiting. Retry later.",
+        429,
+        "rate_limit_exceeded",
+        None,
+        "rate_limit_exceeded",
+        headers={"Retry-After": "1"},
+    )
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(message, 503, "server_error", None, "service_unavailable")
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """One readable sentence and the offending parameter from pydantic's error list."""
+    if not errors:
+        return "invalid request body", None
+    parts = []
+    for e in errors[:3]:
+        loc = [str(x) for x in e.get("loc", ()) if x not in ("body",)]
+        where = ".".join(loc) or "body"
+        parts.append(f"{where}: {e.get('msg', 'invalid value')}")
+    first = [str(x) for x in errors[0].get("loc", ()) if x != "body"]
+    return "; ".join(parts), (".".join(first) or None)

@@ -1,0 +1,232 @@
+"""AsyncEngine: the rollout engine driven by ONE background thread, bridged to asyncio for the server.
+
+The engine thread loops on ``llm.step()`` while requests are unfinished and sleeps on an event otherwise.
+Requests are submitted from the event loop (``llm.add_request`` is thread-safe and validates in the
+caller); each gets a ``RequestStream`` whose asyncio queue the engine thread fills through
+``loop.call_soon_threadsafe``. Aborts (client gone) go through ``llm.abort_request``. After each step the
+thread publishes a stats snapshot (running / waiting requests, KV-cache use) that admission control and
+``/metrics`` read without touching the engine.
+
+If ``step()`` raises, the engine is considered broken: every open stream receives the error, new requests
+get 503 and ``/health`` reports it. Not here: HTTP, OpenAI schemas (``chat.py``, ``completions.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from typing import Any
+
+from polyrl.errors import UserError
+from polyrl.server.api_errors import bad_request, queue_full, unavailable
+
+log = logging.getLogger("polyrl.server")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class RequestStream:
+    """One engine request of an HTTP request: its timing and whether it finished."""
+
+    def __init__(self, request_id: str, group: StreamGroup, stream: bool) -> None:
+        self.request_id = request_id
+        self.group = group
+        self.stream = stream
+        self.arrival = time.monotonic()
+        self.first_token_time: float | None = None
+        self.finished = False
+
+    def _put(self, item: Any) -> None:  # engine thread
+        try:
+            self.group.loop.call_soon_threadsafe(self.group.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+class StreamGroup:
+    """The engine requests of one HTTP request (a completions call may carry several prompts), sharing one
+    asyncio queue. ``async for rs, out in group`` yields each ``RequestOutput`` until all finished."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.streams: dict[str, RequestStream] = {}
+
+    @property
+    def finished(self) -> bool:
+        return all(rs.finished for rs in self.streams.values())
+
+    def abort(self) -> None:
+        for rs in self.streams.values():
+            if not rs.finished:
+                self.engine.abort(rs.request_id)
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        metrics = self.engine.metrics
+        while not self.finished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                for rs in self.streams.values():
+                    rs.finished = True
+                raise item
+            rs = self.streams[item.request_id]
+            now = time.monotonic()
+            if rs.first_token_time is None and any(c.token_ids for c in item.outputs):
+                rs.first_token_time = now
+                if rs.stream and metrics is not None:
+                    metrics.ttft.observe(now - rs.arrival)
+            if item.finished:
+                rs.finished = True
+                if metrics is not None:
+                    metrics.latency.observe(now - rs.arrival)
+                    metrics.generation_tokens.inc(item.num_generated_tokens)
+            yield rs, item
+
+
+class AsyncEngine:
+    def __init__(self, llm: Any, max_queue: int | None = None, metrics: Any = None, id_prefix: str = "") -> None:
+        self.llm = llm
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self._streams: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self._prefix = id_prefix
+        self.error: BaseException | None = None
+        self.snapshot: dict[str, float] = {"running_requests": 0, "waiting_requests": 0}
+        self._publish_stats()
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="polyrl-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until every admitted request finished (True) or ``timeout_s`` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        while self._streams and self.alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return not self._streams
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the engine thread once it has no work (aborting what is left after ``timeout_s``)."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is None:
+            return
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            for rid in list(self._streams):
+                self.llm.abort_request(rid)
+            self._wake.set()
+            self._thread.join(timeout_s)
+
+    # ---- requests (event-loop thread) -----------------------------------------------------------
+    def new_group(self) -> StreamGroup:
+        return StreamGroup(self)
+
+    def submit(
+        self, group: StreamGroup, prompt: str | list[int], params: Any, stream: bool, request_id: str | None = None
+    ) -> RequestStream:
+        """Admit one request into the engine (event-loop thread). 503 when the engine is down or stopping,
+        429 when ``max_queue`` requests already wait, 400 when the engine rejects the prompt."""
+        if self.error is not None:
+            raise unavailable(f"the engine stopped after an error: {self.error}; restart the server")
+        if self._stopping or self._thread is None:
+            raise unavailable("the server is shutting down")
+        waiting = self.snapshot["waiting_requests"] + self._unseen()
+        if self.max_queue is not None and waiting >= self.max_queue:
+            raise queue_full(self.max_queue)
+        rid = request_id or f"{self._prefix}{next(self._ids)}"
+        rs = RequestStream(rid, group, stream)
+        with self._lock:
+            self._streams[rid] = rs
+        try:
+            self.llm.add_request(prompt, params, request_id=rid, stream=stream)
+        except UserError as exc:
+            with self._lock:
+                self._streams.pop(rid, None)
+            raise bad_request(str(exc), "prompt") from exc
+        group.streams[rid] = rs
+        self._wake.set()
+        return rs
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._streams:
+            self.llm.abort_request(request_id)
+            self._wake.set()
+
+    def _unseen(self) -> int:
+        """Requests admitted since the engine thread last published its snapshot (they wait too)."""
+        return max(0, len(self._streams) - int(self.snapshot["in_flight"]))
+
+    # ---- engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        llm = self.llm
+        try:
+            while not (self._stopping and not llm.has_unfinished_requests()):
+                if not llm.has_unfinished_requests():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                outputs = llm.step()
+                with self._lock:
+                    targets = [(self._streams.get(o.request_id), o) for o in outputs]
+                    for o in outputs:
+                        if o.finished:
+                            self._streams.pop(o.request_id, None)
+                self._publish_stats()
+                for rs, out in targets:
+                    if rs is not None:
+                        rs._put(out)
+        except BaseException as exc:  # noqa: BLE001 - any failure kills the engine; report it everywhere
+            log.exception("polyrl engine thread failed")
+            self.error = exc
+            with self._lock:
+                streams, self._streams = list(self._streams.values()), {}
+            err = EngineDeadError(f"the engine failed: {exc!r}")
+            for rs in streams:
+                rs._put(err)
+            self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        stats = dict(self.llm.stats())
+        running = getattr(self.llm.scheduler, "running", None)
+        if running is not None:
+            running_requests = len({s.request_id for s in running})
+        else:
+            running_requests = int(stats.get("num_running", 0))
+        with self._lock:
+            in_flight = len(self._streams)
+        running_requests = min(running_requests, in_flight)
+        stats.update(
+            running_requests=running_requests, waiting_requests=in_flight - running_requests, in_flight=in_flight
+        )
+        self.snapshot = stats
+        if self.metrics is not None:
+            self.metrics.update_engine(stats)
+
+
+__all__ = ["AsyncEngine", "StreamGroup", "RequestStream", "EngineDeadError"]

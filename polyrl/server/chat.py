@@ -1,0 +1,134 @@
+"""``POST /v1/chat/completions``: messages -> chat template -> engine -> OpenAI ``chat.completion`` (or
+``chat.completion.chunk`` SSE stream).
+
+Streams send, per choice, a first chunk with ``delta.role``, one chunk per engine step that produced tokens
+(``delta.content`` may be "" while text is held back for a possible stop string; ``logprobs`` cover exactly
+that chunk's tokens), then a chunk with ``finish_reason``; with ``stream_options.include_usage`` every chunk
+carries ``usage: null`` and a last chunk with no choices carries the usage. Not here: the HTTP app, auth.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from polyrl.errors import UserError
+from polyrl.server.api_errors import bad_request
+from polyrl.server.logprobs import chat_logprobs
+from polyrl.server.params import check_max_tokens, check_n, reject_unsupported, sampling_params
+from polyrl.server.protocol import ChatCompletionRequest
+from polyrl.server.streaming import DONE, final_outputs, guarded_stream, sse
+
+
+def render_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: content as one string (text parts joined)."""
+    out = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(
+                        f"messages[{i}]: content parts of type {part.type!r} are not supported; send text",
+                        f"messages.{i}.content",
+                    )
+                texts.append(part.text)
+            content = "".join(texts)
+        msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.name:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def prompt_ids(llm: Any, req: ChatCompletionRequest) -> list[int]:
+    messages = render_messages(req)
+    try:
+        return llm.apply_chat_template(messages, **(req.chat_template_kwargs or {}))
+    except UserError as exc:
+        raise bad_request(f"{exc} (or call /v1/completions)", "messages") from exc
+    except Exception as exc:  # jinja TemplateError: the template refused these messages
+        raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from exc
+
+
+async def create_chat_completion(state: Any, req: ChatCompletionRequest, request: Any) -> Any:
+    model = state.resolve_model(req.model)
+    reject_unsupported(req)
+    check_n(req.n, state.config.max_n)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+    ids = prompt_ids(state.llm, req)
+    use_mct = req.max_completion_tokens is not None
+    max_tokens = req.max_completion_tokens if use_mct else req.max_tokens
+    param = "max_completion_tokens" if use_mct else "max_tokens"
+    check_max_tokens(max_tokens, param, len(ids), state.llm.max_model_len, "messages")
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, max_tokens, k)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    group = state.engine.new_group()
+    state.engine.submit(group, ids, params, stream=req.stream, request_id=rid)
+    state.metrics.prompt_tokens.inc(len(ids))
+    created = int(time.time())
+    head = {"id": rid, "created": created, "model": model, "system_fingerprint": state.fingerprint}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return guarded_stream(group, _stream(state, group, req, head, len(ids), include_usage))
+    out = (await final_outputs(group, request))[rid]
+    choices = []
+    for c in out.outputs:
+        lp = None
+        if req.logprobs:
+            lp = chat_logprobs(state.token_text, c.token_ids, c.logprobs, c.top_logprobs, req.top_logprobs or 0)
+        choices.append(
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text, "refusal": None},
+                "logprobs": lp,
+                "finish_reason": _finish(c.finish_reason),
+            }
+        )
+    return {"object": "chat.completion", **head, "choices": choices, "usage": _usage(len(ids), out.outputs)}
+
+
+def _finish(reason: str | None) -> str | None:
+    return "stop" if reason == "abort" else reason
+
+
+def _usage(num_prompt: int, outputs: list[Any]) -> dict[str, int]:
+    completion = sum(len(c.token_ids) for c in outputs)
+    return {"prompt_tokens": num_prompt, "completion_tokens": completion, "total_tokens": num_prompt + completion}
+
+
+async def _stream(state: Any, group: Any, req: ChatCompletionRequest, head: dict, num_prompt: int, usage: bool):
+    base = {"object": "chat.completion.chunk", **head}
+    extra = {"usage": None} if usage else {}
+
+    def chunk(index: int, delta: dict, logprobs: Any = None, finish: str | None = None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return sse({**base, "choices": [choice], **extra})
+
+    for i in range(req.n):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    finished: set[int] = set()
+    last = None
+    async for _, out in group:
+        last = out
+        for c in out.outputs:
+            if c.index in finished:
+                continue
+            new = c.new_token_ids
+            if new or c.new_text:
+                lp = None
+                if req.logprobs:
+                    n = len(new)
+                    tops = c.top_logprobs[-n:] if (c.top_logprobs is not None and n) else None
+                    lp = chat_logprobs(state.token_text, new, c.logprobs[-n:] if n else [], tops, req.top_logprobs or 0)
+                yield chunk(c.index, {"content": c.new_text}, lp)
+            if c.finish_reason is not None:
+                finished.add(c.index)
+                yield chunk(c.index, {}, None, _finish(c.finish_reason))
+    if usage and last is not None:
+        yield sse({**base, "choices": [], "usage": _usage(num_prompt, last.outputs)})
+    yield DONE
