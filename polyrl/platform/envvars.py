@@ -27,7 +27,11 @@ POLYRL_PLATFORM = EnvVar(
 )
 POLYRL_DEBUG = EnvVar("POLYRL_DEBUG", "Set to 1 to show tracebacks for CLI errors (same as --debug).")
 
-ALL: tuple[EnvVar, ...] = (POLYRL_KERNELS, POLYRL_PLATFORM, POLYRL_DEBUG)
+POLYRL_API_KEY = EnvVar(
+    "POLYRL_API_KEY", "API key `polyrl serve` requires (as `Authorization: Bearer KEY`); --api-key wins."
+)
+
+ALL: tuple[EnvVar, ...] = (POLYRL_KERNELS, POLYRL_PLATFORM, POLYRL_DEBUG, POLYRL_API_KEY)
 
 
 def get(var: EnvVar, default: str | None = None) -> str | None:

@@ -80,6 +80,8 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """One readable sentence and the offending parameter from pydantic's error list."""
     if not errors:
         return "invalid request body", None
+    if errors[0].get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {errors[0].get('ctx', {}).get('error', 'parse error')}", None
     parts = []
     for e in errors[:3]:
         loc = [str(x) for x in e.get("loc", ()) if x not in ("body",)]

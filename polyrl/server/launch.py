@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -132,5 +133,6 @@ def run_server(llm_or_dir: Any, config: ServeConfig | None = None, **load_kwargs
     )
     server = _uvicorn_server(llm, config)
     sock = bind_socket(config.host, config.port)
-    log.info("polyrl serve: %s on http://%s:%d/v1", config.served_model_name, config.host, sock.getsockname()[1])
+    port = sock.getsockname()[1]
+    print(f"polyrl serve: model {config.served_model_name!r} at http://{config.host}:{port}/v1", file=sys.stderr)
     server.run(sockets=[sock])

@@ -1,0 +1,67 @@
+"""``polyrl serve --model DIR [--host 127.0.0.1] [--port 8000] [...]``: the OpenAI-compatible server.
+
+Loads the checkpoint into the rollout engine and serves it with ``polyrl.server.run_server`` until Ctrl-C /
+SIGTERM (in-flight requests finish first). A thin wrapper: argument parsing only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="HF checkpoint folder (config.json, safetensors, tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    parser.add_argument("--served-model-name", default=None, help="the `model` name clients use (default: --model)")
+    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or POLYRL_API_KEY)")
+    parser.add_argument("--max-queue", type=int, default=None, help="requests allowed to wait; more get 429")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences batched in one engine step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens computed in one step")
+    parser.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens (default: model's)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    parser.add_argument("--device", default=None, help="torch device (default: the accelerator, else cpu)")
+    parser.add_argument("--kv-cache-blocks", type=int, default=None, help="KV-cache blocks (default: from memory)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="device memory share (0, 1]")
+    parser.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def build_configs(args: argparse.Namespace):
+    """(ServeConfig, EngineConfig) from the parsed arguments; ConfigError for bad values."""
+    from polyrl.infer import EngineConfig
+    from polyrl.platform import envvars
+    from polyrl.server import ServeConfig
+
+    api_key = args.api_key if args.api_key is not None else envvars.get(envvars.POLYRL_API_KEY)
+    serve = ServeConfig(
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name or args.model,
+        api_key=api_key,
+        max_queue=args.max_queue,
+        log_level=args.log_level,
+    )
+    engine = EngineConfig(
+        block_size=args.block_size,
+        num_blocks=args.kv_cache_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    return serve, engine
+
+
+def run(args: argparse.Namespace) -> int:
+    from polyrl.errors import UserError
+    from polyrl.server import run_server
+
+    if not os.path.isdir(args.model):
+        raise UserError(f"--model {args.model!r} is not a folder; give an HF checkpoint folder (config.json, weights)")
+    serve, engine = build_configs(args)
+    run_server(args.model, serve, engine_config=engine, dtype=args.dtype, device=args.device)
+    return 0
