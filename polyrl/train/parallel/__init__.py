@@ -1,0 +1,55 @@
+"""polyrl.train.parallel: training past one device with torch.distributed (torchrun + FSDP2).
+
+A data-parallel run, on every rank (``torchrun --nproc-per-node N ...``, see docs/distributed.md)::
+
+    from polyrl.train.parallel import init_world, shard_model, save_sharded_checkpoint, export_hf
+    world = init_world()                                   # RANK/WORLD_SIZE/LOCAL_RANK, platform backend
+    model = load_model(path, dtype=torch.float32, device=world.device)
+    shard_model(model, world, compute_dtype)               # fully_shard layers + root, bf16 compute, fp32 reduce
+    engine = TrainEngine(model, ..., world=world)          # global normaliser, all-reduced loss, sharded clip
+    it = data.iterator(world.rank, world.world_size)       # rank-strided micro-batches
+    stats = engine.step([next(it) for _ in range(accum)])  # identical on every rank
+    save_sharded_checkpoint(root, step, model, engine, world, data_state=..., config=...)
+    export_hf(model, world, out / "final", tokenizer)      # one HF folder, written by rank 0
+
+Pieces: ``world`` (process group from torchrun's variables), ``fsdp`` (``shard_model``, sharded grad norm,
+full-tensor gathering), ``checkpoint`` (DCP checkpoints that resume at any world size, HF export),
+``rollout`` (data-parallel generation with gathered full weights). Not here: the run loop
+(``polyrl.algorithms.runner``), the launcher (torchrun; ``polyrl train --nproc-per-node`` re-launches
+through it), a home-made cluster layer.
+"""
+
+from polyrl.train.parallel.checkpoint import (
+    convert_position,
+    export_hf,
+    is_sharded_checkpoint,
+    load_any_checkpoint,
+    load_full_checkpoint,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+    saved_world_size,
+)
+from polyrl.train.parallel.fsdp import is_sharded, shard_model, sharded_grad_norm
+from polyrl.train.parallel.rollout import generate_data_parallel, rollout_model, sync_rollout_weights
+from polyrl.train.parallel.world import World, destroy_world, init_world, launched
+
+__all__ = [
+    "World",
+    "convert_position",
+    "destroy_world",
+    "export_hf",
+    "generate_data_parallel",
+    "init_world",
+    "is_sharded",
+    "is_sharded_checkpoint",
+    "launched",
+    "load_any_checkpoint",
+    "load_full_checkpoint",
+    "load_sharded_checkpoint",
+    "rollout_model",
+    "save_sharded_checkpoint",
+    "saved_world_size",
+    "shard_model",
+    "sharded_grad_norm",
+    "sync_rollout_weights",
+]
