@@ -24,6 +24,8 @@ from polyrl.errors import ConfigError
 # name -> module that defines ``SPEC``. Add an algorithm by adding a row and a module.
 ALGORITHMS: dict[str, str] = {
     "sft": "polyrl.algorithms.sft",
+    "grpo": "polyrl.algorithms.grpo",
+    "gspo": "polyrl.algorithms.gspo",
 }
 
 _REGISTERED: dict[str, AlgorithmSpec] = {}

@@ -1,0 +1,176 @@
+"""GRPO as a registered online algorithm: the ``[grpo]`` config, group-normalised advantages and the clipped
+token-ratio loss against REAL old log-probs (the rollout engine's, or the trainer's recompute before the update).
+
+Per RL step (the loop is ``polyrl.algorithms.online``): sample ``samples_per_prompt`` completions per prompt, score
+them, ``A_i = (r_i - mean_group) / (std_group + eps)`` (``scale_rewards="none"``: no std division, Dr. GRPO),
+optionally drop groups whose rewards all agree (``filter_groups``), then ``ppo_epochs`` passes over ``mini_batches``
+optimizer steps of the loss ``max(-A r_t, -A clip(r_t, 1-clip_low, 1+clip_high))`` (+ ``kl_coef`` x KL(k1|k3) to
+the initial weights, x truncated IS weights with ``tis_cap``), aggregated by ``loss_agg`` (``polyrl.algorithms.
+losses``). With one epoch of one mini-batch and ``old_logprobs="recompute"`` the ratio is exactly 1 and the update is
+REINFORCE with group baselines; more optimizer steps per batch move the ratio and clipping applies.
+
+``GSPOConfig`` (``polyrl.algorithms.gspo``) subclasses this config with the sequence-level ratio. Not here: the loop,
+rewards, checkpointing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from polyrl.algorithms import AlgorithmSpec
+from polyrl.algorithms.losses import AGGREGATIONS, KL_ESTIMATORS, aggregate, policy_loss
+from polyrl.algorithms.online import OnlineConfig, run_online
+from polyrl.errors import ConfigError
+
+OLD_LOGPROBS = ("rollout", "recompute")
+REWARD_SCALES = ("std", "none")
+PLOT_SERIES = (
+    "reward",
+    "eval_reward",
+    "response_length",
+    "kl",
+    "mismatch_mean",
+    "entropy",
+    "clip_fraction",
+)
+
+
+@dataclass
+class GRPOConfig(OnlineConfig):
+    """The ``[grpo]`` table: the rollout/loop settings of ``OnlineConfig`` plus the loss."""
+
+    RATIO = "token"  # class constant, not a setting: GSPO's subclass uses "sequence"
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2  # DAPO's clip-higher: e.g. 0.28
+    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | constant (Dr. GRPO)
+    scale_rewards: str = "std"  # std (GRPO) | none (Dr. GRPO)
+    adv_eps: float = 1e-6
+    filter_groups: bool = False  # drop groups whose rewards all agree
+    kl_coef: float = 0.0  # > 0 keeps a frozen copy of the initial weights as the reference
+    kl_estimator: str = "k3"
+    old_logprobs: str = "rollout"  # rollout (the engine's) | recompute (the trainer's, before the update)
+    tis_cap: float | None = None  # truncated importance sampling cap (needs old_logprobs="recompute")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        name = self.table_name()
+        if not (0.0 <= self.clip_low < 1.0) or not self.clip_high >= 0.0:
+            raise ConfigError(
+                f"{name}.clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}"
+            )
+        if self.loss_agg not in AGGREGATIONS:
+            raise ConfigError(f"{name}.loss_agg={self.loss_agg!r}: use one of {', '.join(AGGREGATIONS)}")
+        if self.scale_rewards not in REWARD_SCALES:
+            raise ConfigError(f"{name}.scale_rewards={self.scale_rewards!r}: use 'std' or 'none'")
+        if self.kl_coef < 0:
+            raise ConfigError(f"{name}.kl_coef must be >= 0 (0 turns the KL penalty and reference model off)")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ConfigError(f"{name}.kl_estimator={self.kl_estimator!r}: use one of {', '.join(KL_ESTIMATORS)}")
+        if self.old_logprobs not in OLD_LOGPROBS:
+            raise ConfigError(f"{name}.old_logprobs={self.old_logprobs!r}: use 'rollout' or 'recompute'")
+        if self.tis_cap is not None:
+            if not self.tis_cap > 0:
+                raise ConfigError(f"{name}.tis_cap must be > 0 (e.g. 2.0) or unset")
+            if self.old_logprobs != "recompute":
+                raise ConfigError(
+                    f"{name}.tis_cap corrects the trainer's old log-probs towards the rollout engine's; "
+                    f'set {name}.old_logprobs = "recompute" with it'
+                )
+
+    def table_name(self) -> str:
+        return "grpo"
+
+
+class GroupRelative:
+    """The loop hooks of GRPO-family algorithms (GRPO, GSPO, Dr. GRPO, DAPO-style settings)."""
+
+    def __init__(self, cfg: GRPOConfig) -> None:
+        self.cfg = cfg
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.cfg.kl_coef > 0
+
+    def advantages(self, rewards: list[float], groups: list[int]) -> tuple[list[float], list[int], dict[str, float]]:
+        """(advantage per sample, indices of the samples to train on, metrics)."""
+        from polyrl.algorithms.advantages import group_advantages, informative_groups
+
+        adv = group_advantages(rewards, groups, self.cfg.scale_rewards, self.cfg.adv_eps)
+        all_groups = set(groups)
+        keep_groups = informative_groups(rewards, groups) if self.cfg.filter_groups else all_groups
+        keep = [i for i, g in enumerate(groups) if g in keep_groups]
+        solved = informative_groups(rewards, groups)
+        return (
+            adv,
+            keep,
+            {
+                "groups_filtered": float(len(all_groups) - len(keep_groups)),
+                "groups_uniform_fraction": 1.0 - len(solved) / max(1, len(all_groups)),
+            },
+        )
+
+    def normalizer(self, tokens: float, sequences: int) -> float:
+        from polyrl.algorithms.losses import normalizer
+
+        return normalizer(self.cfg.loss_agg, tokens, sequences, self.cfg.max_new_tokens)
+
+    def make_loss(self, tokens_in_step: float, normalizer: float):
+        return make_policy_loss(self.cfg, tokens_in_step, normalizer)
+
+
+def make_policy_loss(cfg: GRPOConfig, tokens_in_step: float, step_normalizer: float):
+    """The engine loss ``(model, RLBatch) -> (loss_sum, metric_sums)`` of one optimizer step. The batch's fields:
+    ``adv``, ``old_logp``, optional ``ref_logp`` and ``is_w`` (per token). Token metrics (clip fraction, ratio, KL)
+    are pre-scaled so the engine's division by ``step_normalizer`` leaves means over the step's tokens."""
+    from polyrl.algorithms.colocated import completion_logprobs
+
+    scale = step_normalizer / max(tokens_in_step, 1.0)
+
+    def loss_fn(model: Any, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logp, _ = completion_logprobs(model, batch, cfg.temperature)
+        f = batch.fields
+        b = batch.num_sequences
+        per_tok, info = policy_loss(
+            logp,
+            f["old_logp"],
+            f["adv"],
+            batch.mask,
+            batch.seq_index,
+            b,
+            ratio=cfg.RATIO,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            ref_logp=f.get("ref_logp"),
+            kl_coef=cfg.kl_coef,
+            kl_estimator=cfg.kl_estimator,
+            is_weights=f.get("is_w"),
+        )
+        loss_sum, _ = aggregate(per_tok, batch.mask, batch.seq_index, b, cfg.loss_agg, cfg.max_new_tokens)
+        m = batch.mask
+        metrics = {
+            "clip_fraction": (info["clipped"] * m).sum() * scale,
+            "ratio_mean": (info["ratio"] * m).sum() * scale,
+        }
+        if "kl" in info:
+            metrics["kl"] = (info["kl"] * m).sum() * scale
+        return loss_sum, metrics
+
+    return loss_fn
+
+
+def run(cfg: Any) -> dict[str, Any]:
+    """``polyrl train --algo grpo``."""
+    return run_online(cfg, GroupRelative(cfg.algo_config))
+
+
+SPEC = AlgorithmSpec(
+    name="grpo",
+    description="GRPO: group-normalised advantages, clipped token ratio vs real old log-probs, colocated rollout",
+    config_cls=GRPOConfig,
+    run=run,
+    plot_series=PLOT_SERIES,
+)

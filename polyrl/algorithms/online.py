@@ -1,0 +1,482 @@
+"""The online RL run loop (``polyrl train --algo grpo|gspo``; PPO reuses its pieces), over a colocated policy.
+
+One RL step, each stage a method of ``OnlineRun`` so an algorithm can override one without copying the rest:
+
+1. ``collect(step)``: the next ``prompts_per_step`` prompts (``PromptStream``: seeded shuffle per epoch, resumable)
+   -> ``samples_per_prompt`` completions each from the rollout engine, sampling seeded from ``(seed, step, prompt)``
+   so a resumed run draws the same tokens -> rewards from the ``RewardPool`` (isolated workers, timeouts).
+2. ``hooks.advantages(rewards, groups)`` -> one advantage per sample and the samples to train on.
+3. ``prepare(step, samples, adv, keep)``: shuffle (seeded) and split into ``mini_batches``; pack each exactly as the
+   loss will see it; one no-grad pass of the trainer over those packs measures the trainer's log-probs and entropy
+   BEFORE the update, hence the rollout/train mismatch (mean and max |rollout - trainer| per token), the old
+   log-probs (``old_logprobs = "rollout" | "recompute"``), truncated IS weights (``tis_cap``) and the reference
+   log-probs (only when a reference model exists). Per-token values ride in ``RLBatch.fields``.
+4. ``update(...)``: ``ppo_epochs`` x ``mini_batches`` optimizer steps, loss from ``hooks.make_loss``.
+5. metrics (reward, response length, truncation, KL, mismatch, entropy, clip fraction, time split rollout /
+   reward / logprob / train), evaluation every ``train.eval_every`` steps on held-out prompts (greedy mean reward and
+   exact-match accuracy), atomic checkpoints with the data position (exact resume), ``metrics.png``, summary.
+
+``hooks`` (e.g. ``grpo.GroupRelative``) provide ``needs_reference``, ``advantages(rewards, groups) -> (adv, keep,
+metrics)``, ``normalizer(tokens, sequences)`` and ``make_loss(tokens_in_step, normalizer)``. ``OnlineConfig`` holds
+the settings every online algorithm shares; an algorithm's ``[table]`` subclasses it. Not here: loss math
+(``losses``), advantages, reward functions, the colocated engines (``colocated``).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from polyrl.errors import CheckpointError, ConfigError, DataError
+
+
+@dataclass
+class OnlineConfig:
+    """Rollout, reward and update-schedule settings shared by online algorithms."""
+
+    reward: str = "exact_match"  # builtin name, sum of builtins, or path/to/file.py:fn
+    reward_workers: int = 2  # processes; 0 = in this process (no timeout)
+    reward_timeout: float = 10.0  # seconds per call
+    failure_reward: float = 0.0  # reward of a call that raised, timed out or returned a non-number
+    samples_per_prompt: int = 8
+    prompts_per_step: int = 8
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_prompt_len: int = 1024  # longer prompts are skipped (counted)
+    ppo_epochs: int = 1  # passes over each rollout batch
+    mini_batches: int = 1  # optimizer steps per pass
+    eval_prompts: int = 200  # held-out prompts scored at each evaluation
+    eval_max_new_tokens: int | None = None  # default max_new_tokens
+    rollout_max_num_seqs: int = 256
+    rollout_num_blocks: int | None = None  # KV cache blocks; None = from free memory
+    rollout_gpu_memory_utilization: float = 0.85
+    release_kv: bool = True  # free the KV cache while training
+
+    def table_name(self) -> str:
+        return "online"
+
+    def __post_init__(self) -> None:
+        name = self.table_name()
+        positive_ints = ("samples_per_prompt", "prompts_per_step", "max_new_tokens", "max_prompt_len", "ppo_epochs")
+        for key in (*positive_ints, "mini_batches", "eval_prompts", "rollout_max_num_seqs"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{name}.{key} must be a positive integer, got {v!r}")
+        if self.mini_batches > self.prompts_per_step * self.samples_per_prompt:
+            raise ConfigError(f"{name}.mini_batches ({self.mini_batches}) exceeds the samples per step")
+        if not self.temperature > 0:
+            raise ConfigError(
+                f"{name}.temperature must be > 0 for RL sampling (the ratios need it), got {self.temperature}"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"{name}.top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.reward_workers, int) or self.reward_workers < 0:
+            raise ConfigError(f"{name}.reward_workers must be >= 0, got {self.reward_workers!r}")
+        if not self.reward_timeout > 0:
+            raise ConfigError(f"{name}.reward_timeout must be > 0 seconds, got {self.reward_timeout}")
+        if not isinstance(self.reward, str) or not self.reward.strip():
+            raise ConfigError(f"{name}.reward is empty; pass --reward NAME or --reward path/to/file.py:fn")
+
+
+class PromptStream:
+    """Prompt indices in a seeded shuffled order, epoch after epoch; ``state_dict`` is the exact data position."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed = n, seed
+        self.epoch, self.position = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(self.n))
+        random.Random(f"polyrl-prompts:{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.position >= self.n:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            out.append(self._order[self.position])
+            self.position += 1
+        return out
+
+    @property
+    def epochs(self) -> float:
+        return self.epoch + self.position / self.n
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._permutation(self.epoch)
+
+
+def rollout_seed(seed: int, step: int, prompt: int) -> int:
+    """The sampling seed of prompt ``prompt`` of RL step ``step`` (0-based): a pure function, for exact resume."""
+    return ((seed * 1_000_003 + step) * 65_537 + prompt) % (2**62)
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+class OnlineRun:
+    """A whole online run (see the module docstring); ``run()`` returns the summary."""
+
+    def __init__(self, cfg: Any, hooks: Any, stream: Any = None) -> None:
+        from polyrl.algorithms.colocated import ColocatedPolicy
+        from polyrl.algorithms.rewards import RewardPool
+        from polyrl.algorithms.runner import resume_point
+        from polyrl.infer import EngineConfig as RolloutConfig
+        from polyrl.infer import SamplingParams
+        from polyrl.models.checkpoint import load_model, load_tokenizer
+        from polyrl.platform import device
+
+        self.cfg, self.hooks, self.a = cfg, hooks, cfg.algo_config
+        self.stream_out = stream or sys.stdout
+        self.out = Path(cfg.out)
+        self.t_start = time.perf_counter()
+        self.start_point = resume_point(cfg)
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.prompts, self.prompt_ids, self.views, skipped = self._load(cfg.data, "train")
+        self.eval_set = self._eval_set() if cfg.train.eval_every > 0 else None
+        self.steps = self._total_steps()
+        longest = max(len(x) for x in self.prompt_ids + (self.eval_set[1] if self.eval_set else []))
+        gen = max(self.a.max_new_tokens, self.a.eval_max_new_tokens or 0)
+        seqs = min(
+            self.a.rollout_max_num_seqs,
+            max(self.a.prompts_per_step * self.a.samples_per_prompt, len(self.eval_set[0]) if self.eval_set else 1),
+        )
+        rollout = RolloutConfig(
+            num_blocks=self.a.rollout_num_blocks,
+            gpu_memory_utilization=self.a.rollout_gpu_memory_utilization,
+            max_num_seqs=seqs,
+            max_model_len=longest + gen + 1,
+            max_num_batched_tokens=max(8192, longest + gen + 1),
+        )
+        self.print(
+            f"{cfg.algo}: {len(self.prompts)} prompts ({skipped} longer than max_prompt_len skipped), {self.steps} "
+            f"steps of {self.a.prompts_per_step} prompts x {self.a.samples_per_prompt} samples, "
+            f"{self.a.ppo_epochs * self.a.mini_batches} optimizer step(s) each; reward {self.a.reward!r}"
+        )
+        self.out.mkdir(parents=True, exist_ok=True)
+        from polyrl.algorithms.config import save_resolved
+
+        save_resolved(cfg, self.out)
+        model = load_model(cfg.model, dtype=torch.float32, device=device.torch_device())
+        self.policy = ColocatedPolicy(
+            model,
+            self.tokenizer,
+            cfg.optim,
+            cfg.schedule,
+            cfg.precision,
+            cfg.engine,
+            rollout,
+            total_steps=self.steps * self.a.ppo_epochs * self.a.mini_batches,
+            release_kv=self.a.release_kv,
+            reference=hooks.needs_reference,
+        )
+        self.sampling = SamplingParams(
+            temperature=self.a.temperature, top_p=self.a.top_p, max_tokens=self.a.max_new_tokens
+        )
+        self.pool = RewardPool(self.a.reward, self.a.reward_workers, self.a.reward_timeout, self.a.failure_reward)
+        self.data = PromptStream(len(self.prompts), cfg.data.seed)
+        self.start = 0
+        if self.start_point is not None:
+            self._resume()
+
+    def print(self, msg: str) -> None:
+        print(msg, file=self.stream_out, flush=True)
+
+    # ---- setup ------------------------------------------------------------------------------------
+    def _load(self, data_cfg: Any, part: str) -> tuple[list[Any], list[list[int]], list[dict], int]:
+        from polyrl.algorithms.rewards import example_view
+        from polyrl.data import load_prompts
+        from polyrl.data.dataset import chat_tokenizer
+
+        prompts, _ = load_prompts(data_cfg, part)
+        chat = chat_tokenizer(data_cfg, self.tokenizer)
+        kept, ids = [], []
+        for p in prompts:
+            x = chat.encode_prompt(p.messages)
+            if 0 < len(x) <= self.a.max_prompt_len:
+                kept.append(p)
+                ids.append(x)
+        if not kept:
+            raise DataError(
+                f"{data_cfg.path}: no prompt fits {self.a.table_name()}.max_prompt_len="
+                f"{self.a.max_prompt_len}; raise it"
+            )
+        return kept, ids, [example_view(p) for p in kept], len(prompts) - len(kept)
+
+    def _eval_set(self) -> tuple[list[Any], list[list[int]], list[dict]]:
+        import dataclasses
+
+        c = self.cfg
+        if c.train.eval_data:
+            dcfg = dataclasses.replace(c.data, path=c.train.eval_data, limit=None, split=None)
+            part = "train"
+        elif c.data.holdout > 0:
+            dcfg, part = c.data, "test"
+        elif c.data.path.startswith("builtin:"):
+            dcfg, part = dataclasses.replace(c.data, path=c.data.path.split("@", 1)[0] + "@test", split=None), "train"
+        else:
+            raise ConfigError(
+                "train.eval_every is set but there is no eval data; pass --eval-data SPEC or set data.holdout"
+            )
+        prompts, ids, views, _ = self._load(dcfg, part)
+        n = self.a.eval_prompts
+        return prompts[:n], ids[:n], views[:n]
+
+    def _total_steps(self) -> int:
+        t = self.cfg.train
+        if t.max_steps is not None:
+            return t.max_steps
+        epochs = t.epochs if t.epochs is not None else 1.0
+        return max(1, math.ceil(epochs * len(self.prompts) / self.a.prompts_per_step))
+
+    def _resume(self) -> None:
+        from polyrl.algorithms.config import differences
+
+        loaded = self.policy.load(self.start_point)
+        if "prompts" not in loaded.data_state:
+            raise CheckpointError(f"{self.start_point} has no prompt position; it was not written by an online run")
+        self.data.load_state_dict(loaded.data_state["prompts"])
+        self.pool.totals.update(loaded.data_state.get("reward_failures", {}))
+        self.start = loaded.step
+        if self.start > self.steps:
+            raise ConfigError(
+                f"the checkpoint is at step {self.start}, past this run's {self.steps} steps; raise --max-steps"
+            )
+        changed = differences(loaded.config, self.cfg.to_dict()) if loaded.config else []
+        note = f" (changed since: {', '.join(changed)})" if changed else ""
+        self.print(f"resumed from {self.start_point} at step {self.start}{note}")
+
+    def data_state(self) -> dict[str, Any]:
+        return {"prompts": self.data.state_dict(), "reward_failures": dict(self.pool.totals)}
+
+    # ---- one step -----------------------------------------------------------------------------------
+    def collect(self, step: int) -> tuple[list[Any], list[float], dict[str, float]]:
+        """Rollout + rewards of RL step ``step`` (0-based): (samples, rewards, metrics)."""
+        t0 = time.perf_counter()
+        idx = self.data.take(self.a.prompts_per_step)
+        seeds = [rollout_seed(self.cfg.seed, step, k) for k in range(len(idx))]
+        samples = self.policy.rollout(
+            [self.prompt_ids[i] for i in idx], self.a.samples_per_prompt, self.sampling, seeds
+        )
+        t1 = time.perf_counter()
+        res = self.pool.score([s.text for s in samples], [self.views[idx[s.group]] for s in samples])
+        t2 = time.perf_counter()
+        lengths = [len(s.completion_ids) for s in samples]
+        m = {
+            "reward": _mean(res.rewards),
+            "reward_std": float(torch.tensor(res.rewards).std()) if len(samples) > 1 else 0.0,
+            "response_length": _mean(lengths),
+            "response_length_max": float(max(lengths)),
+            "truncated_fraction": _mean([float(s.finish_reason == "length") for s in samples]),
+            "rollout_s": t1 - t0,
+            "reward_s": t2 - t1,
+            "reward_failures_total": float(sum(self.pool.totals.values())),
+            **res.metrics(),
+        }
+        for msg in res.messages[:1]:
+            self.print(f"step {step + 1}: reward function failure ({res.num_failures} this step): {msg}")
+        return samples, res.rewards, m
+
+    def split(self, step: int, keep: list[int]) -> list[list[int]]:
+        order = list(keep)
+        random.Random(f"polyrl-minibatch:{self.cfg.seed}:{step}").shuffle(order)
+        k = min(self.a.mini_batches, len(order))
+        return [order[i * len(order) // k : (i + 1) * len(order) // k] for i in range(k)]
+
+    def prepare(
+        self, step: int, samples: list[Any], adv: list[float], keep: list[int]
+    ) -> tuple[list[list[Any]], dict[str, float]]:
+        """Mini-batches of packed ``RLBatch`` es with their per-token fields, and the measurement metrics."""
+        from polyrl.algorithms.colocated import pack_samples
+        from polyrl.algorithms.losses import tis_weights
+
+        t0 = time.perf_counter()
+        budget = self.policy.micro_batch_tokens
+        groups = self.split(step, keep)
+        plain = [b for g in groups for b in pack_samples(samples, None, budget, g)]
+        T = self.a.temperature
+        lps, ents = self.policy.logprobs(samples, T, entropy=True, batches=plain)
+        refs = None
+        if self.policy.ref_model is not None:
+            refs, _ = self.policy.logprobs(samples, T, model=self.policy.ref_model, batches=plain)
+        rollout_lp = [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples]
+        diffs = torch.cat([(rollout_lp[i] - lps[i]).abs() for i in keep])
+        fields: dict[str, list[Any]] = {"adv": adv, "rollout_logp": [x.tolist() for x in rollout_lp]}
+        old = rollout_lp if self.a.old_logprobs == "rollout" else lps
+        fields["old_logp"] = [x.tolist() if x is not None else None for x in old]
+        if refs is not None:
+            fields["ref_logp"] = [x.tolist() if x is not None else None for x in refs]
+        if getattr(self.a, "tis_cap", None):
+            fields["is_w"] = [
+                tis_weights(lps[i], rollout_lp[i], self.a.tis_cap).tolist() if lps[i] is not None else None
+                for i in range(len(samples))
+            ]
+        batches = [pack_samples(samples, fields, budget, g) for g in groups]
+        m = {
+            "mismatch_mean": float(diffs.mean()),
+            "mismatch_max": float(diffs.max()),
+            "entropy": float(torch.cat([ents[i] for i in keep]).mean()),
+            "logprob_s": time.perf_counter() - t0,
+        }
+        if refs is not None:
+            from polyrl.algorithms.losses import kl_penalty
+
+            kl = [kl_penalty(lps[i], refs[i], getattr(self.a, "kl_estimator", "k3")) for i in keep]
+            m["kl_before"] = float(torch.cat(kl).mean())
+        return batches, m
+
+    def update(self, batches: list[list[Any]]) -> dict[str, float]:
+        """``ppo_epochs`` passes of one optimizer step per mini-batch; means of the engine's step stats."""
+        t0 = time.perf_counter()
+        recs = []
+        for _ in range(self.a.ppo_epochs):
+            for mb in batches:
+                tokens = float(sum(b.num_target_tokens for b in mb))
+                norm = self.hooks.normalizer(tokens, sum(b.num_sequences for b in mb))
+                loss_fn = self.hooks.make_loss(tokens, norm)
+                recs.append(self.policy.step(mb, loss_fn, norm).to_dict())
+        out: dict[str, float] = {}
+        for key in recs[0]:
+            vals = [r[key] for r in recs if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)]
+            if vals:
+                out[key] = sum(vals) if key in ("tokens", "time_s") else _mean(vals)
+        out["lr"] = recs[-1]["lr"]
+        out["optimizer_steps"] = float(self.policy.engine.global_step)
+        out["skipped"] = any(r["skipped"] for r in recs)
+        out["skipped_total"] = recs[-1]["skipped_total"]
+        if "clip_fraction" in recs[-1]:
+            out["clip_fraction_last"] = recs[-1]["clip_fraction"]
+        out["train_s"] = time.perf_counter() - t0
+        out.pop("step", None)
+        out.pop("time_s", None)
+        return out
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Greedy completions of the held-out prompts: mean reward and exact-match accuracy (when answers exist)."""
+        from polyrl.data import check
+        from polyrl.infer import SamplingParams
+
+        prompts, ids, views = self.eval_set
+        params = SamplingParams(temperature=0.0, max_tokens=self.a.eval_max_new_tokens or self.a.max_new_tokens)
+        samples = self.policy.rollout(ids, 1, params)
+        res = self.pool.score([s.text for s in samples], views)
+        out = {"eval_reward": _mean(res.rewards)}
+        if all(p.answer is not None for p in prompts):
+            out["eval_accuracy"] = _mean([float(check(s.text, p)) for s, p in zip(samples, prompts)])
+        return out
+
+    def step(self, step: int) -> dict[str, Any]:
+        """RL step ``step`` (0-based) end to end; the metrics record (``step`` 1-based)."""
+        t0 = time.perf_counter()
+        samples, rewards, rec = self.collect(step)
+        adv, keep, adv_metrics = self.hooks.advantages(rewards, [s.group for s in samples])
+        rec.update(adv_metrics)
+        if keep:
+            batches, m = self.prepare(step, samples, adv, keep)
+            rec.update(m)
+            rec.update(self.update(batches))
+        else:
+            rec["update_skipped"] = 1.0
+        rec["step"] = step + 1
+        rec["epoch"] = self.data.epochs
+        e = self.cfg.train.eval_every
+        if self.eval_set is not None and ((step + 1) % e == 0 or step + 1 == self.steps):
+            rec.update(self.evaluate())
+        rec["time_s"] = time.perf_counter() - t0
+        return rec
+
+    # ---- the run ------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        from polyrl.algorithms.runner import FINAL_DIR
+        from polyrl.models.checkpoint import save_model
+        from polyrl.train import CheckpointManager, MetricsLogger
+
+        cfg = self.cfg
+        ckpts = CheckpointManager(self.out, cfg.checkpoint)
+        series = ("loss", "lr", "grad_norm", *cfg.spec.plot_series)
+        log = MetricsLogger(
+            self.out,
+            self.steps,
+            log_every=cfg.train.log_every,
+            start_step=self.start,
+            plot_series=series,
+            stream=self.stream_out,
+        )
+        config_dict = cfg.to_dict()
+        model = self.policy.model
+        try:
+            for step in range(self.start, self.steps):
+                log.log(self.step(step))
+                if ckpts.should_save(step + 1) and step + 1 < self.steps:
+                    ckpts.save(
+                        step + 1,
+                        model,
+                        self.policy.engine,
+                        data_state=self.data_state(),
+                        config=config_dict,
+                        tokenizer=self.tokenizer,
+                    )
+            if ckpts.should_save(self.steps, final=True):
+                ckpts.save(
+                    self.steps,
+                    model,
+                    self.policy.engine,
+                    data_state=self.data_state(),
+                    config=config_dict,
+                    tokenizer=self.tokenizer,
+                )
+            final = (
+                save_model(model, self.out / FINAL_DIR, tokenizer=self.tokenizer)
+                if cfg.train.save_final_model
+                else None
+            )
+        except BaseException as exc:
+            log.close(extra={"status": f"failed: {type(exc).__name__}"}, print_table=False)
+            raise
+        finally:
+            self.pool.close()
+        h = log.history
+        rewards = [r["reward"] for r in h if "reward" in r]
+        k = max(1, min(5, len(rewards) // 4 or 1))
+        extra = {
+            "algo": cfg.algo,
+            "status": "finished",
+            "resumed_from_step": self.start,
+            "wall_time_s": time.perf_counter() - self.t_start,
+            "reward_first": _mean(rewards[:k]) if rewards else None,
+            "reward_last": _mean(rewards[-k:]) if rewards else None,
+            "reward_failures": dict(self.pool.totals),
+            "final_model": str(final) if final is not None else None,
+        }
+        for key in ("eval_reward", "eval_accuracy"):
+            vals = [r[key] for r in h if key in r]
+            if vals:
+                extra[f"final_{key}"] = vals[-1]
+        summary = log.close(extra=extra)
+        self.print(f"final model: {final}  metrics: {self.out / 'metrics.jsonl'}  plot: {self.out / 'metrics.png'}")
+        return summary
+
+
+def run_online(cfg: Any, hooks: Any, stream: Any = None) -> dict[str, Any]:
+    """Train ``cfg`` (a ``RunConfig`` whose ``algo_config`` is an ``OnlineConfig``) with ``hooks``; the summary."""
+    return OnlineRun(cfg, hooks, stream).run()
+
+
+__all__ = ["OnlineConfig", "OnlineRun", "PromptStream", "rollout_seed", "run_online"]

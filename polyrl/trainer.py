@@ -1,0 +1,147 @@
+"""``polyrl.trainer.Trainer``: the Python API for writing your own post-training loop (in the spirit of Tinker).
+
+A GRPO step by hand::
+
+    from polyrl.trainer import Trainer, SamplingParams
+    from polyrl.train import OptimConfig
+    from polyrl.algorithms.advantages import group_advantages
+    from polyrl.algorithms.grpo import GRPOConfig, make_policy_loss
+
+    tr = Trainer(model="runs/sft/final", optim=OptimConfig(lr=1e-6))   # HF folder (or a DecoderLM + tokenizer=)
+    samples = tr.rollout_batch(prompts, n=8, sampling=SamplingParams(temperature=1.0, max_tokens=256))
+    rewards = [my_reward(s.text) for s in samples]                      # Sample: prompt_ids, completion_ids,
+    adv = group_advantages(rewards, [s.group for s in samples])         #   logprobs (rollout), finish_reason, text
+    batch = tr.make_batch(samples, {"adv": adv, "old_logp": [s.logprobs for s in samples]})
+    cfg = GRPOConfig(max_new_tokens=256)
+    tokens = sum(b.num_target_tokens for b in batch)
+    stats = tr.train(batch, make_policy_loss(cfg, tokens, tokens), normalizer=tokens)   # StepStats
+    tr.save("runs/mine/checkpoints")                                    # exact resume with tr.load(...)
+
+- ``rollout_batch(prompts, n, sampling, seeds=None)``: prompts are token ids, text, message lists or
+  ``PromptExample`` s; returns ``n`` ``Sample`` s per prompt (``group`` = prompt index).
+- ``forward_logprobs(samples | batch, temperature=1.0, entropy=False, model=None)``: the trainer's log-probs of
+  each sample's completion tokens (no grad), e.g. to recompute old log-probs or to measure the mismatch with
+  ``Sample.logprobs``.
+- ``make_batch(samples, fields)``: packed ``RLBatch`` micro-batches with per-token ``fields``.
+- ``train(batch, loss_fn, normalizer=None)``: one optimizer step; ``loss_fn(model, RLBatch) -> (loss_sum,
+  metric_sums)`` in the engine's form (``polyrl.train``); ``completion_logprobs(model, batch, T)`` gives the
+  differentiable log-probs inside it.
+- ``save(dir)`` / ``load(dir)``: atomic checkpoints (weights, fp32 masters, AdamW moments, RNG, counters).
+- ``tokenizer``, ``model``, ``engine`` (``TrainEngine``), ``llm`` (the rollout engine).
+
+Colocated: the rollout engine holds the SAME module the optimizer updates (no copy, no sync step); its KV cache is
+freed while training and taken back for each rollout; its prefix cache is reset after every optimizer step. The
+implementation is ``polyrl.algorithms.colocated.ColocatedPolicy`` (shared with ``polyrl train --algo grpo``); this
+module adds loading by path and the public names. Not here: the CLI's run loop (``polyrl.algorithms.online``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from polyrl.algorithms.colocated import ColocatedPolicy, RLBatch, Sample, completion_logprobs, pack_samples
+from polyrl.errors import CheckpointError
+
+
+class Trainer(ColocatedPolicy):
+    """``Trainer(model=path_or_DecoderLM, tokenizer=None, optim=OptimConfig, schedule=ScheduleConfig,
+    precision=PrecisionConfig, engine=polyrl.train.EngineConfig, rollout=polyrl.infer.EngineConfig, ...)``.
+
+    A path is loaded in fp32 on the default device (the engine keeps fp32 masters and casts the compute weights
+    in place); a module must already be on its device. ``reference=True`` keeps a frozen copy of the initial
+    weights as ``ref_model`` (for a KL penalty); ``release_kv=False`` keeps the KV cache between rollouts."""
+
+    def __init__(
+        self,
+        model: str | Path | nn.Module,
+        tokenizer: Any = None,
+        optim: Any = None,
+        schedule: Any = None,
+        precision: Any = None,
+        engine: Any = None,
+        rollout: Any = None,
+        total_steps: int | None = None,
+        release_kv: bool = True,
+        reference: bool = False,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if isinstance(model, (str, Path)):
+            from polyrl.models.checkpoint import load_model, load_tokenizer
+            from polyrl.platform import device as dev
+
+            path = str(model)
+            model = load_model(path, dtype=torch.float32, device=torch.device(device) if device else dev.torch_device())
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
+        super().__init__(
+            model, tokenizer, optim, schedule, precision, engine, rollout, total_steps, release_kv, reference
+        )
+
+    def rollout_batch(
+        self, prompts: Sequence[Any], n: int = 1, sampling: Any = None, seeds: Sequence[int] | None = None
+    ) -> list[Sample]:
+        """``n`` completions per prompt from the rollout engine (see the module docstring)."""
+        return self.rollout(prompts, n, sampling, seeds)
+
+    def make_batch(
+        self, samples: Sequence[Sample], fields: dict[str, Sequence[Any]] | None = None, max_tokens: int | None = None
+    ) -> list[RLBatch]:
+        """Packed micro-batches of ``samples`` (``engine.micro_batch_tokens`` each by default)."""
+        return pack_samples(samples, fields, max_tokens or self.micro_batch_tokens)
+
+    def forward_logprobs(
+        self,
+        batch: Sequence[Sample] | Sequence[RLBatch],
+        temperature: float = 1.0,
+        entropy: bool = False,
+        model: nn.Module | None = None,
+    ) -> Any:
+        """Log-probs of every sample's completion tokens under the current weights (list of fp32 ``[c]``); with
+        ``entropy`` a pair (log-probs, entropies). Given ``RLBatch`` es, returns one ``[T]`` tensor per batch."""
+        if batch and isinstance(batch[0], RLBatch):
+            out = []
+            with torch.no_grad():
+                for b in batch:
+                    lp, ent = completion_logprobs(model or self.model, b.to(self.device), temperature, entropy)
+                    out.append((lp, ent) if entropy else lp)
+            return out
+        lps, ents = self.logprobs(batch, temperature, model, entropy)  # type: ignore[arg-type]
+        return (lps, ents) if entropy else lps
+
+    def train(self, batch: RLBatch | Sequence[RLBatch], loss_fn: Any, normalizer: float | None = None) -> Any:
+        """One optimizer step over ``batch`` (micro-batches) with ``loss_fn``; returns ``StepStats``."""
+        batches = [batch] if isinstance(batch, RLBatch) else list(batch)
+        return self.step(batches, loss_fn, normalizer)
+
+    def save(
+        self, root: str | Path, step: int | None = None, data_state: dict | None = None, config: Any = None
+    ) -> Path:  # type: ignore[override]
+        """Checkpoint ``<root>/step-%08d`` (default step: optimizer steps so far); returns its path."""
+        return super().save(root, self.engine.global_step if step is None else step, data_state, config)
+
+    def load(self, path: str | Path) -> Any:
+        """Restore a checkpoint folder, or the latest checkpoint under ``path``; returns ``LoadedCheckpoint``."""
+        from polyrl.train.checkpoint import list_checkpoints
+
+        p = Path(path)
+        if not (p / "manifest.json").is_file():
+            found = list_checkpoints(p)
+            if not found:
+                raise CheckpointError(f"{p} is not a checkpoint and holds none; give a step-* folder")
+            p = found[-1]
+        return super().load(p)
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("SamplingParams", "RolloutConfig"):
+        from polyrl import infer
+
+        return infer.SamplingParams if name == "SamplingParams" else infer.EngineConfig
+    raise AttributeError(f"module 'polyrl.trainer' has no attribute {name!r}")
+
+
+__all__ = ["RLBatch", "Sample", "Trainer", "completion_logprobs", "pack_samples"]
