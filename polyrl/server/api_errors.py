@@ -76,16 +76,32 @@ def unavailable(message: str) -> APIError:
     return APIError(message, 503, "server_error", None, "service_unavailable")
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "function-after", "function-before"}
+
+
+def _param_path(loc: tuple | list) -> str:
+    """``body.stop.list[str].0`` -> ``stop.0``: drop the body prefix and pydantic's union-member tags."""
+    keep = []
+    for x in loc:
+        s = str(x)
+        if s == "body" and not keep:
+            continue
+        if isinstance(x, str) and (s in _TYPE_TAGS or "[" in s or s[:1].isupper()):
+            continue
+        keep.append(s)
+    return ".".join(keep)
+
+
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """One readable sentence and the offending parameter from pydantic's error list."""
     if not errors:
         return "invalid request body", None
     if errors[0].get("type") == "json_invalid":
         return f"the request body is not valid JSON: {errors[0].get('ctx', {}).get('error', 'parse error')}", None
-    parts = []
-    for e in errors[:3]:
-        loc = [str(x) for x in e.get("loc", ()) if x not in ("body",)]
-        where = ".".join(loc) or "body"
-        parts.append(f"{where}: {e.get('msg', 'invalid value')}")
-    first = [str(x) for x in errors[0].get("loc", ()) if x != "body"]
-    return "; ".join(parts), (".".join(first) or None)
+    seen: dict[str, str] = {}
+    for e in errors:
+        where = _param_path(e.get("loc", ())) or "body"
+        seen.setdefault(where, e.get("msg", "invalid value"))
+    parts = [f"{where}: {msg}" for where, msg in list(seen.items())[:3]]
+    first = next(iter(seen))
+    return "; ".join(parts), (None if first == "body" else first)

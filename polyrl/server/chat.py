@@ -14,6 +14,7 @@ import uuid
 from typing import Any
 
 from polyrl.errors import UserError
+from polyrl.infer.sampling_params import MAX_TOP_LOGPROBS
 from polyrl.server.api_errors import bad_request
 from polyrl.server.logprobs import chat_logprobs
 from polyrl.server.params import check_max_tokens, check_n, reject_unsupported, sampling_params
@@ -59,6 +60,12 @@ async def create_chat_completion(state: Any, req: ChatCompletionRequest, request
     check_n(req.n, state.config.max_n)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(
+            f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {req.top_logprobs}",
+            "top_logprobs",
+            "invalid_value",
+        )
     ids = prompt_ids(state.llm, req)
     use_mct = req.max_completion_tokens is not None
     max_tokens = req.max_completion_tokens if use_mct else req.max_tokens

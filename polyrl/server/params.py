@@ -86,6 +86,4 @@ def sampling_params(req: Any, max_tokens: int | None, logprobs: int | None) -> S
         msg = str(exc)
         detail = msg.split(": ", 1)[-1]
         param = detail.split(" ", 1)[0]
-        if param == "logprobs" and hasattr(req, "top_logprobs"):
-            param = "top_logprobs"
         raise APIError(msg, 400, "invalid_request_error", param if param in kw else None, "invalid_value") from exc
