@@ -26,6 +26,7 @@ ALGORITHMS: dict[str, str] = {
     "sft": "polyrl.algorithms.sft",
     "grpo": "polyrl.algorithms.grpo",
     "gspo": "polyrl.algorithms.gspo",
+    "dpo": "polyrl.algorithms.dpo",
 }
 
 _REGISTERED: dict[str, AlgorithmSpec] = {}
