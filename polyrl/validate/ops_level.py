@@ -33,7 +33,7 @@ def run_level(args: argparse.Namespace) -> dict[str, Any]:
     from polyrl.errors import ConfigError
     from polyrl.validate import ops
 
-    sizes = tuple(_split(getattr(args, "sizes", ""))) or None
+    sizes = tuple(_split(getattr(args, "sizes", ""))) or (("tiny",) if getattr(args, "quick", False) else None)
     if sizes and any(s not in ops.SIZES for s in sizes):
         raise ConfigError(f"--sizes takes a comma list of {', '.join(ops.SIZES)}, got {args.sizes!r}")
     rows = ops.run_sweep(dtypes=_split(args.dtypes), ops=_split(args.ops) or None, sizes=sizes)
@@ -41,13 +41,47 @@ def run_level(args: argparse.Namespace) -> dict[str, Any]:
     notes = []
     if not ops.interpreter_active():
         notes.append("Triton implementations on CPU need TRITON_INTERPRET=1 (set before start) to run.")
+    passed = summary.get("fail", 0) == 0 and summary.get("error", 0) == 0
+    bad = [f"{r['op']}/{r['impl']}/{r['dtype']} {r['check']}" for r in rows if r["status"] in ("fail", "error")]
     return {
         "level": "ops",
-        "passed": summary.get("fail", 0) == 0 and summary.get("error", 0) == 0,
+        "status": "passed" if passed else "failed",
+        "passed": passed,
+        "reason": "" if passed else f"{len(bad)} failing row(s), e.g. {', '.join(bad[:3])}",
         "summary": summary,
+        "metrics": {"sizes": list(sizes) if sizes else "default", "representative": representative(rows)},
         "rows": rows,
         "notes": notes,
     }
+
+
+def representative(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One line per (op, implementation, dtype) that ran: worst relative L2 and max abs diff over its shapes
+    and checks (outputs and gradients), how many checks, whether all were finite, and the verdict."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["status"] in ("pass", "fail", "error", "info"):
+            groups.setdefault((r["op"], r["impl"], r["dtype"]), []).append(r)
+    out = []
+    for (op, impl, dtype), rs in groups.items():
+        measured = [r for r in rs if r.get("rel_l2") is not None]
+        grads = [r for r in measured if str(r["check"]).startswith("grad:")]
+        statuses = {r["status"] for r in rs}
+        out.append(
+            {
+                "op": op,
+                "impl": impl,
+                "dtype": dtype,
+                "checks": len(rs),
+                "max_rel_l2": max((r["rel_l2"] for r in measured), default=None),
+                "max_abs": max((r["max_abs"] for r in measured), default=None),
+                "grad_max_rel_l2": max((r["rel_l2"] for r in grads), default=None),
+                "finite": all(r.get("finite") is not False for r in rs),
+                "status": "info" if statuses == {"info"} else ("pass" if statuses <= {"pass", "info"} else "fail"),
+                "note": rs[0].get("reason", "") if op == "matmul_tf32" else "",
+            }
+        )
+    return out
 
 
 def _fmt(value: Any) -> str:
@@ -85,15 +119,19 @@ def render_text(result: dict[str, Any], show: str = "all") -> str:
     return "\n".join(lines)
 
 
-def render_markdown(result: dict[str, Any], show: str = "all") -> str:
-    rows = _visible(result, show)
+def table_markdown(result: dict[str, Any], show: str = "all") -> list[str]:
+    """The sweep's rows as Markdown table lines."""
     cols = COLUMNS + ("reason",)
-    out = ["## Ops: implementations vs references", "", _summary_line(result), ""]
-    out.append("| " + " | ".join(cols) + " |")
-    out.append("|" + "---|" * len(cols))
-    for r in rows:
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in _visible(result, show):
         cells = [_fmt(r.get(c)).replace("|", "\\|") if c != "reason" else (r.get("reason") or "") for c in cols]
         out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
+def render_markdown(result: dict[str, Any], show: str = "all") -> str:
+    out = ["## Ops: implementations vs references", "", _summary_line(result), ""]
+    out += table_markdown(result, show)
     for note in result.get("notes", []):
         out += ["", f"_{note}_"]
     return "\n".join(out) + "\n"
