@@ -62,12 +62,13 @@ def resume_point(cfg: RunConfig) -> Path | None:
     return path
 
 
-def total_steps(cfg: RunConfig, batches_per_epoch: int) -> int:
-    """Optimizer steps of the run: ``train.max_steps``, else ``train.epochs`` (default 1) of the data."""
+def total_steps(cfg: RunConfig, batches_per_epoch: int, accumulation: int | None = None) -> int:
+    """Optimizer steps of the run: ``train.max_steps``, else ``train.epochs`` (default 1) of the data.
+    ``accumulation``: micro-batches per step of this rank (default ``engine.accumulation_steps``)."""
     if cfg.train.max_steps is not None:
         return cfg.train.max_steps
     epochs = cfg.train.epochs if cfg.train.epochs is not None else 1.0
-    return max(1, math.ceil(epochs * batches_per_epoch / cfg.engine.accumulation_steps))
+    return max(1, math.ceil(epochs * batches_per_epoch / (accumulation or cfg.engine.accumulation_steps)))
 
 
 def eval_source(cfg: RunConfig, spec: Any, tokenizer: Any) -> Any | None:
@@ -114,81 +115,157 @@ def _data_summary(stats: Any) -> dict[str, Any]:
 
 
 def _data_state(it: Any, data: Any) -> dict[str, Any]:
-    return {"iterator": it.state_dict(), "stats": data.stats.as_dict()}
+    return {"iterator": it.state_dict(), "stats": data.stats.as_dict(), "world_size": it.world_size}
+
+
+# ---- data-parallel hooks (torchrun; polyrl.train.parallel) --------------------------------------
+def rank_accumulation(cfg: RunConfig, world_size: int) -> int:
+    """Micro-batches per step on each rank: ``engine.step_tokens`` is the GLOBAL batch, split over ranks
+    (at least one micro-batch per rank, so a step is never smaller than ``world_size`` micro-batches)."""
+    accum = cfg.engine.accumulation_steps
+    if world_size > 1 and accum > world_size and accum % world_size:
+        raise ConfigError(
+            f"engine.step_tokens makes {accum} micro-batches per step, which {world_size} ranks cannot split "
+            f"evenly; set step_tokens to a multiple of {world_size} x micro_batch_tokens"
+        )
+    return max(1, accum // world_size)
+
+
+def _restore_position(it: Any, data: Any, data_state: dict[str, Any], world_size: int) -> None:
+    """Put the iterator where the checkpoint stopped, converting a position saved at another world size."""
+    from polyrl.train.parallel import convert_position
+
+    saved_ws = int(data_state.get("world_size", 1))
+    if saved_ws == world_size:
+        it.load_state_dict(data_state["iterator"])
+        return
+    probe = data.iterator(0, saved_ws)
+    probe.load_state_dict(data_state["iterator"])  # checks it is the same data, seed and packing
+    epoch, position = convert_position(probe.epoch, probe.position, saved_ws, world_size)
+    it.load_state_dict({**it.state_dict(), "epoch": epoch, "position": position})
 
 
 def run_offline(cfg: RunConfig, stream: Any = None) -> dict[str, Any]:
-    """The offline training run described in the module docstring; returns the summary dict."""
+    """The offline training run described in the module docstring; returns the summary dict (rank 0's
+    under torchrun; the other ranks print nothing and return ``{"status": ...}``)."""
+    from polyrl.train.parallel import destroy_world, init_world
+
+    world = init_world()
+    try:
+        return _run_offline(cfg, stream, world)
+    finally:
+        destroy_world(world)
+
+
+def _run_offline(cfg: RunConfig, stream: Any, world: Any) -> dict[str, Any]:
+    import os
+
     from polyrl.models.checkpoint import load_model, load_tokenizer, save_model
     from polyrl.platform import device
     from polyrl.train import CheckpointManager, MetricsLogger, TrainEngine, load_checkpoint
+    from polyrl.train import parallel as par
 
     stream = stream or sys.stdout
+    if not world.is_main:
+        stream = open(os.devnull, "w")  # noqa: SIM115 - one summary, from rank 0
     spec, out = cfg.spec, Path(cfg.out)
     start_point = resume_point(cfg)
     t_start = time.perf_counter()
     tokenizer = load_tokenizer(cfg.model)
     data = spec.build_data(cfg.data, tokenizer)
-    it = data.iterator()
+    it = data.iterator(world.rank, world.world_size)
     eval_data = eval_source(cfg, spec, tokenizer)
-    steps = total_steps(cfg, it.batches_per_epoch)
+    accum = rank_accumulation(cfg, world.world_size)
+    steps = total_steps(cfg, it.batches_per_epoch, accum)
     s = data.stats
     print(
         f"{cfg.algo}: {s.sequences} sequences, {s.tokens} tokens ({s.target_tokens} trained), "
-        f"{it.batches_per_epoch} micro-batches per epoch, {steps} steps of {cfg.engine.accumulation_steps} "
-        f"micro-batch(es); bad rows skipped: {s.bad_rows}, truncated: {s.truncated}",
+        f"{it.batches_per_epoch} micro-batches per epoch{' per rank' if world.distributed else ''}, {steps} steps "
+        f"of {accum} micro-batch(es){f' x {world.world_size} ranks' if world.distributed else ''}; "
+        f"bad rows skipped: {s.bad_rows}, truncated: {s.truncated}",
         file=stream,
     )
-    out.mkdir(parents=True, exist_ok=True)
-    save_resolved(cfg, out)
+    if world.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        save_resolved(cfg, out)
 
-    dev = device.torch_device()
+    dev = world.device if world.distributed else device.torch_device()
     model = load_model(cfg.model, dtype=torch.float32, device=dev)  # fp32 masters; the engine casts compute
-    engine = TrainEngine(model, cfg.optim, cfg.schedule, cfg.precision, cfg.engine, total_steps=steps)
+    if world.distributed:
+        from polyrl.train import resolve_compute_dtype
+
+        par.shard_model(model, world, resolve_compute_dtype(cfg.precision, dev.type))
+    engine = TrainEngine(model, cfg.optim, cfg.schedule, cfg.precision, cfg.engine, total_steps=steps, world=world)
     loss_fn = spec.make_loss(cfg.algo_config)
     start = 0
     if start_point is not None:
-        loaded = load_checkpoint(start_point, model, engine)
+        if world.distributed or par.is_sharded_checkpoint(start_point):
+            loaded = par.load_any_checkpoint(start_point, model, engine, world)
+        else:
+            loaded = load_checkpoint(start_point, model, engine)
         start = loaded.step
         if "iterator" not in loaded.data_state:
             raise CheckpointError(f"{start_point} has no data position; it was not written by `polyrl train`")
-        it.load_state_dict(loaded.data_state["iterator"])
+        _restore_position(it, data, loaded.data_state, world.world_size)
         changed = differences(loaded.config, cfg.to_dict()) if loaded.config else []
         note = f" (changed since: {', '.join(changed)})" if changed else ""
         print(f"resumed from {start_point} at step {start}{note}", file=stream)
     if start > steps:
         raise ConfigError(f"the checkpoint is at step {start}, past this run's {steps} steps; raise --max-steps")
 
-    ckpts = CheckpointManager(out, cfg.checkpoint)
+    ckpts = CheckpointManager(out, cfg.checkpoint) if world.is_main else None  # rank 0 cleans stale dirs first
+    world.barrier()
+    ckpts = ckpts or CheckpointManager(out, cfg.checkpoint)
     series = ("loss", "lr", "grad_norm", *(("eval_loss",) if eval_data is not None else ()), *spec.plot_series)
-    log = MetricsLogger(out, steps, log_every=cfg.train.log_every, start_step=start, plot_series=series, stream=stream)
-    accum = cfg.engine.accumulation_steps
+    log = None
+    if world.is_main:
+        log = MetricsLogger(
+            out, steps, log_every=cfg.train.log_every, start_step=start, plot_series=series, stream=stream
+        )
     config_dict = cfg.to_dict()
+
+    def save(step: int) -> None:
+        state = _data_state(it, data)
+        if not world.distributed:
+            ckpts.save(step, model, engine, data_state=state, config=config_dict, tokenizer=tokenizer)
+            return
+        par.save_sharded_checkpoint(ckpts.root, step, model, engine, world, data_state=state, config=config_dict)
+        if world.is_main:
+            ckpts.prune()
+        world.barrier()
+
     try:
         for step in range(start, steps):
             micro = [next(it) for _ in range(accum)]
             norm = spec.normalizer(cfg.algo_config, micro) if spec.normalizer else None
+            if norm is not None and world.distributed:
+                norm = world.sum_float(norm)  # the spec counts this rank's share; the step divides by the global
             rec = engine.step(micro, loss_fn, norm).to_dict()
             rec["epoch"] = it.epoch + it.position / max(1, it.batches_per_epoch)
             if eval_data is not None and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == steps):
                 rec["eval_loss"] = evaluate_loss(model, eval_data, loss_fn, spec, cfg.algo_config, dev)
-            log.log(rec)
+            if log is not None:
+                log.log(rec)
             if ckpts.should_save(step + 1) and step + 1 < steps:
-                ckpts.save(
-                    step + 1, model, engine, data_state=_data_state(it, data), config=config_dict, tokenizer=tokenizer
-                )
+                save(step + 1)
         if ckpts.should_save(steps, final=True):
-            ckpts.save(steps, model, engine, data_state=_data_state(it, data), config=config_dict, tokenizer=tokenizer)
+            save(steps)
         final = None
-        if cfg.train.save_final_model:
+        if cfg.train.save_final_model and world.distributed:
+            final = par.export_hf(model, world, out / FINAL_DIR, tokenizer=tokenizer)
+        elif cfg.train.save_final_model:
             final = save_model(model, out / FINAL_DIR, tokenizer=tokenizer)
     except BaseException as exc:
-        log.close(extra={"status": f"failed: {type(exc).__name__}"}, print_table=False)
+        if log is not None:
+            log.close(extra={"status": f"failed: {type(exc).__name__}"}, print_table=False)
         raise
+    if log is None:
+        return {"status": "finished", "rank": world.rank}
     extra = {
         "algo": cfg.algo,
         "status": "finished",
         "resumed_from_step": start,
+        "world_size": world.world_size,
         "wall_time_s": time.perf_counter() - t_start,
         **_data_summary(data.stats),
         "final_model": str(final) if final is not None else None,

@@ -9,6 +9,9 @@ Precedence: the config file, then the named flags, then ``--set`` (dotted keys o
 parsed as TOML literals), each overriding the one before. Every flag maps onto one config key (listed in
 ``FLAG_KEYS``), so a run written with flags is the same as the saved ``<out>/run_config.json``.
 The whole config is validated before any model is loaded; errors exit 2 with one sentence.
+``--nproc-per-node N`` re-launches the same command through ``torch.distributed.run`` (torchrun, standalone
+rendezvous on this node) so N ranks train one FSDP2-sharded model; multi-node runs use torchrun directly
+(docs/distributed.md).
 This module parses and reports; it never branches on algorithm names (``polyrl.algorithms.get`` does).
 """
 
@@ -102,6 +105,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--format", help="data format (default auto)")
     g.add_argument("--loss-on", choices=["assistant", "last_assistant", "all"])
     g.add_argument("--skip-bad-rows", action="store_true", default=None, help="skip and count bad rows")
+    g = parser.add_argument_group("distributed")
+    g.add_argument(
+        "--nproc-per-node",
+        type=int,
+        metavar="N",
+        help="train on N processes of this node (one per device; re-launches through torchrun, FSDP2)",
+    )
     g = parser.add_argument_group("checkpoints")
     g.add_argument("--save-every", type=int, help="checkpoint every N steps (0: only at the end)")
     g.add_argument("--keep-last", type=int, help="keep the newest K checkpoints (0: all)")
@@ -127,5 +137,49 @@ def run(args: argparse.Namespace) -> int:
     from polyrl.algorithms import runner
 
     cfg = run_config.resolve(args.config, overrides_from_args(args))
+    if getattr(args, "nproc_per_node", None) is not None:
+        from polyrl.train.parallel import launched
+
+        if not launched():
+            return relaunch(args, args.nproc_per_node)
     summary = runner.run(cfg)
     return 0 if summary.get("status", "finished") == "finished" else 1
+
+
+# ---- --nproc-per-node: the same command under torchrun --------------------------------------------
+_FLAGS_ONLY = {"activation_checkpointing", "compile", "deterministic", "skip_bad_rows"}
+
+
+def relaunch_argv(args: argparse.Namespace) -> list[str]:
+    """The ``polyrl train`` arguments that reproduce ``args`` (without ``--nproc-per-node``)."""
+    argv: list[str] = ["--config", args.config] if args.config else []
+    for dest in FLAG_KEYS:
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        argv += [flag] if dest in _FLAGS_ONLY else [flag, str(value)]
+    for item in args.set:
+        argv += ["--set", item]
+    return argv
+
+
+def relaunch(args: argparse.Namespace, nproc: int) -> int:
+    """Run this training command on ``nproc`` local ranks through ``python -m torch.distributed.run``."""
+    import subprocess
+    import sys
+
+    from polyrl.errors import ConfigError
+    from polyrl.platform import device
+
+    if nproc < 1:
+        raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
+    if device.is_accelerator() and nproc > device.count():
+        raise ConfigError(
+            f"--nproc-per-node {nproc} but this node shows {device.count()} {device.device_type()} device(s); "
+            f"use at most {device.count()}"
+        )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += ["-m", "polyrl.cli.main", "train", *relaunch_argv(args)]
+    print("launching: " + " ".join(cmd), flush=True)
+    return subprocess.call(cmd)
