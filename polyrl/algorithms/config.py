@@ -102,8 +102,9 @@ class RunConfig:
     spec: Any
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain, JSON-ready form; ``from_dict(to_dict())`` gives the same run."""
-        out: dict[str, Any] = {k: getattr(self, k) for k in TOP_LEVEL}
+        """Plain, JSON-ready form; ``build(to_dict())`` gives the same run. ``resume`` is an action, not a
+        setting, so it is left out (re-running a saved config never resumes by surprise)."""
+        out: dict[str, Any] = {k: getattr(self, k) for k in TOP_LEVEL if k != "resume"}
         for name in _sections():
             out[name] = dataclasses.asdict(getattr(self, name))
         out[self.algo] = dataclasses.asdict(self.algo_config)
