@@ -17,6 +17,7 @@ Markdown (``markdown.py``), the matrix page (``compat.py``).
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -136,7 +137,7 @@ def validate(doc: Any) -> list[str]:
         return errors
     errors += [f"versions.{k} missing" for k in _VERSIONS if k not in doc["versions"]]
     errors += [f"platform.{k} missing" for k in _PLATFORM if k not in doc["platform"]]
-    if len(str(doc["date"])) != 10:
+    if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", doc["date"]):
         errors.append(f"date {doc['date']!r} is not YYYY-MM-DD")
     for name, result in doc["levels"].items():
         if not isinstance(result, dict):

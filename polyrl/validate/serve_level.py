@@ -12,6 +12,7 @@ themselves (``tests/server``).
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import time
 from typing import Any
@@ -28,7 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def missing_dependency() -> str | None:
     """The reason this level cannot run here, or None."""
-    absent = [name for name in NEEDS if importlib.util.find_spec(name) is None]
+    absent = []
+    for name in NEEDS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            absent.append(name)
     if absent:
         return f"{', '.join(absent)} not installed (pip install 'polyrl[serve]' openai)"
     if importlib.util.find_spec("polyrl.server.launch") is None:

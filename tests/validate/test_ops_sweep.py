@@ -158,11 +158,12 @@ def test_cli_validate_ops_writes_reports(tmp_path, capsys):
     rc = main(argv + ["--json", str(out_json), "--md", str(out_md)])
     assert rc == 0
     report = json.loads(out_json.read_text())
-    assert report["passed"] is True and report["machine"]["device_type"] == "cpu"
+    assert report["passed"] is True and report["platform"]["device_type"] == "cpu"
+    assert report["schema"] == "polyrl.validate/1" and report["levels"]["ops"]["status"] == "passed"
     rows = report["levels"]["ops"]["rows"]
     assert {r["op"] for r in rows} == {"silu", "linear"} and {r["dtype"] for r in rows} == {"float32", "float16"}
     assert "| silu | torch | float16 |" in out_md.read_text()
-    assert "validate: PASS (ops)" in capsys.readouterr().out
+    assert "validate: PASS (ops passed)" in capsys.readouterr().out
 
 
 def test_cli_usage_errors_exit_2(capsys):
