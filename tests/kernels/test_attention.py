@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from polyrl.errors import ConfigError
 from polyrl.kernels import registry
+from polyrl.kernels.attention import cudnn, sdpa
 from polyrl.kernels.attention import reference as ref
-from polyrl.kernels.attention import sdpa
 
 
 def _cu(lens: list[int], device="cpu") -> torch.Tensor:
@@ -111,8 +111,55 @@ def test_registry_prefers_sdpa_on_cpu(monkeypatch):
     monkeypatch.delenv("POLYRL_KERNELS", raising=False)
     registry.reset_cache()
     assert registry.select("attention", "cpu", "float32")[0] == "sdpa"
-    assert [i.name for i in registry.implementations("attention")] == ["triton", "sdpa", "reference"]
+    assert [i.name for i in registry.implementations("attention")] == ["cudnn", "triton", "sdpa", "reference"]
+    cudnn_impl = registry.implementations("attention")[0]
+    assert cudnn_impl.devices == {"cuda"} and cudnn_impl.dtypes == {"bfloat16", "float16"}
     registry.reset_cache()
+
+
+# --- the uniform-length fast path (batched SDPA; cuDNN/flash on CUDA, whatever SDPA picks on the CPU) ---
+
+
+def test_uniform_batch_detection_is_a_shape_test():
+    q = torch.empty(12, 4, 16)
+    assert cudnn.uniform_batch(q, _cu([4, 4, 4]), 4, None) == 3
+    assert cudnn.uniform_batch(q, _cu([6, 6]), 6, 6) == 2  # a window as long as the sequence cuts nothing
+    assert cudnn.uniform_batch(q, _cu([6, 6]), 6, 5) is None  # a real window: fallback
+    assert cudnn.uniform_batch(q, _cu([4, 8]), 8, None) is None  # 12 != 2 * 8: mixed lengths
+    assert cudnn.uniform_batch(q, _cu([]), 0, None) is None
+    assert cudnn.uniform_batch(torch.empty(0, 4, 16), _cu([0]), 0, None) is None
+
+
+def test_fast_path_plan_verifies_the_contract_once_per_cu_tensor():
+    q, k = torch.empty(8, 4, 16), torch.empty(8, 2, 16)
+    cu = _cu([4, 4])
+    assert cudnn.plan(q, k, cu, 4, None) == (2, None)
+    cu[1] = 3  # in place: lengths 3 and 5 (max_seqlen understated) -> the version counter forces a recheck
+    assert cudnn.plan(q, k, cu, 4, None) is None
+    # T == B * max_seqlen but the sequences end before T (trailing rows): not uniform.
+    assert cudnn.plan(q, k, _cu([3, 3]), 4, None) is None
+    assert cudnn.plan(q, torch.empty(8, 3, 16), _cu([4, 4]), 4, None) is None  # 4 q heads, 3 kv heads
+
+
+def test_fast_path_probe_skips_unusable_backends_with_a_warning():
+    """On the CPU there is no cuDNN SDPA: the probe warns and settles on the next backend that matches."""
+    with pytest.warns(RuntimeWarning, match="CUDNN_ATTENTION unusable"):
+        chosen = cudnn._probe(torch.device("cpu"), torch.float32, 4, 2, 16, seq=40)
+    assert chosen == "FLASH_ATTENTION"  # torch's CPU flash kernel, checked against the reference
+
+
+@pytest.mark.parametrize("lens,hq,hk,window", [([16, 16, 16], 4, 2, None), ([9, 9], 2, 2, 9), ([5, 7], 4, 1, None),
+                                               ([12, 12], 4, 2, 5)])  # fmt: skip
+def test_fast_path_matches_reference_and_delegates(seeded, kernel_check, lens, hq, hk, window):
+    cu = _cu(lens)
+    q, k, v = _qkv(lens, hq, hk, 32, torch.float32)
+    do = torch.randn_like(q)
+    expect_fast = len(set(lens)) == 1 and (window is None or window >= lens[0])
+    assert (cudnn.plan(q, k, cu, max(lens), window) is not None) == expect_fast
+    got = _grads(lambda a, b, c: cudnn.varlen_attention(a, b, c, cu, max(lens), 0.2, window), q, k, v, do)
+    want = _grads(lambda a, b, c: ref.varlen_attention(a, b, c, cu, max(lens), 0.2, window), q, k, v, do)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        kernel_check.assert_close(a, b, torch.float32, f"fast path {name} lens={lens}")
 
 
 # --- Triton (interpreter on the CPU, compiled on a GPU) -------------------------------------------
@@ -228,3 +275,58 @@ def test_triton_gpu_no_host_sync_in_forward(triton_kernels, seeded):
     device.synchronize()
     assert not torch.equal(out, expected)
     assert torch.equal(out, fn(q, k, v, cu, 600))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lens,hq,hk,d", [([2048, 2048], 16, 8, 128), ([1024] * 3, 8, 8, 64), ([4096], 32, 8, 128)])
+def test_fast_path_gpu_uses_sdpa_and_matches_reference(seeded, kernel_check, dtype, lens, hq, hk, d):
+    from polyrl.platform import device
+
+    if device.device_type() != "cuda":
+        pytest.skip("the fast path is registered for CUDA devices")
+    registry.reset_cache()
+    assert registry.select("attention", "cuda", {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype])[0] == (
+        "cudnn"
+    )
+    dev = device.torch_device()
+    cu = _cu(lens, dev)
+    q, k, v = _qkv(lens, hq, hk, d, dtype, dev)
+    plan = cudnn.plan(q, k, cu, max(lens), None)
+    assert plan is not None and plan[1] in cudnn.PROBE_BACKENDS, f"no SDPA backend passed the probe: {plan}"
+    do = torch.randn_like(q)
+    got = _grads(lambda a, b, c: cudnn.varlen_attention(a, b, c, cu, max(lens)), q, k, v, do)
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    want = _grads(lambda a, b, c: sdpa.varlen_attention(a, b, c, cu, max(lens)), q32, k32, v32, do.float())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert a.dtype == dtype
+        kernel_check.assert_close(a.float(), b, dtype, f"{plan[1]} {name}", scale=2.0)
+
+
+@pytest.mark.gpu
+def test_fast_path_gpu_graph_capture_and_mixed_lengths(seeded):
+    """A verified uniform batch captures into a CUDA graph; mixed lengths still go to Triton (same result)."""
+    from polyrl.platform import device
+
+    api = device.graph_api()
+    if api is None:
+        pytest.skip("CUDA graphs are not available on this device")
+    graph_cls, graph_ctx = api
+    dev = device.torch_device()
+    lens = [512, 512]
+    cu = _cu(lens, dev)
+    q, k, v = _qkv(lens, 8, 2, 128, torch.bfloat16, dev, requires_grad=False)
+    expected = cudnn.varlen_attention(q, k, v, cu, 512)  # probe + contract check outside the capture
+    graph = graph_cls()
+    with graph_ctx(graph):
+        out = cudnn.varlen_attention(q, k, v, cu, 512)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    device.synchronize()
+    assert not torch.equal(out, expected)
+    assert torch.equal(out, cudnn.varlen_attention(q, k, v, cu, 512))
+    from polyrl.kernels.attention import triton as tri
+
+    mixed = _cu([700, 324], dev)
+    assert cudnn.plan(q, k, mixed, 700, None) is None
+    assert torch.equal(cudnn.varlen_attention(q, k, v, mixed, 700), tri.varlen_attention(q, k, v, mixed, 700))

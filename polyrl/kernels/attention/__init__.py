@@ -1,8 +1,9 @@
 """attention: causal attention over packed variable-length sequences (cu_seqlens), GQA, sliding window.
 
 Implementations: ``reference`` (explicit softmax, the spec), ``sdpa`` (per-sequence
-``scaled_dot_product_attention`` on any device, the portable path) and ``triton`` (flash attention,
-forward + backward, CUDA-compatible devices).
+``scaled_dot_product_attention`` on any device, the portable path), ``triton`` (flash attention,
+forward + backward, CUDA-compatible devices) and ``cudnn`` (CUDA, bf16/fp16: batches of equal-length
+sequences go to one SDPA call on the cuDNN or flash backend; anything else is handed to ``triton``).
 """
 
 from polyrl.kernels.registry import register
@@ -22,4 +23,13 @@ register(
     devices=("cuda",),
     dtypes=("bfloat16", "float16", "float32"),
     priority=10,
+)
+register(
+    "attention",
+    "cudnn",
+    "polyrl.kernels.attention.cudnn:varlen_attention",
+    devices=("cuda",),
+    dtypes=("bfloat16", "float16"),
+    priority=20,
+    description="equal-length batches: one SDPA call (cuDNN, else flash backend); otherwise triton",
 )
