@@ -1,9 +1,13 @@
 """Measurement helpers shared by the benchmarks: timing, copy bandwidth, matmul peak, peak memory, tables.
 
 Timing is the median of repetitions after warm-up, each bracketed by device events (host timer on the
-CPU), no CUDA graphs; between repetitions a 256 MiB buffer is overwritten so no run starts with its
-operands in L2 (kept outside the timed region). Copy bandwidth counts bytes read + written, the same
-convention as the kernel targets ("85% of copy bandwidth"). Peak memory is the allocator's peak above
+CPU); between repetitions a 256 MiB buffer is overwritten so no run starts with its operands in L2 (kept
+outside the timed region). ``time_fn`` runs the callable eagerly, so for small ops it measures Python and
+launch overhead as much as the device; ``time_graph`` captures the callable once into a CUDA graph (after
+warm-up on a side stream) and times replays, which is the device time alone; where graphs are unavailable
+or the capture fails (a host sync inside, say) it says why and the caller keeps the eager number. Copy
+bandwidth counts bytes read + written, the same convention as the kernel targets ("85% of copy
+bandwidth"). Peak memory is the allocator's peak above
 what was allocated when the callable started.
 
 Deliberately not here: what to benchmark (``kernels.py``, ``sft.py``, ...) and any pass/fail policy.
@@ -60,7 +64,60 @@ def time_fn(
             fn()
             dev.synchronize()
             times.append((time.perf_counter() - t0) * 1e3)
+    return _stats(times)
+
+
+def _stats(times: list[float]) -> dict[str, float]:
     return {"median_ms": statistics.median(times), "min_ms": min(times), "mean_ms": statistics.fmean(times)}
+
+
+def time_graph(
+    fn: Callable[[], Any],
+    device: torch.device,
+    warmup: int = 3,
+    reps: int = 20,
+    flush: bool = True,
+) -> dict[str, Any]:
+    """Like ``time_fn`` but timing replays of a CUDA graph of ``fn()`` (captured once after warm-up on a side
+    stream). Where graphs are unavailable or the capture fails, returns ``{"error": reason}`` instead."""
+    api, streams = dev.graph_api(), dev.stream_api()
+    if device.type == "cpu" or api is None or streams is None:
+        return {"error": "no CUDA graphs on this device"}
+    graph_cls, graph_ctx = api
+    graph = None
+    try:
+        side = streams.Stream()
+        side.wait_stream(streams.current_stream())
+        with streams.stream(side):  # lazy init, autotuning and allocator growth happen outside the capture
+            for _ in range(max(1, warmup)):
+                fn()
+        streams.current_stream().wait_stream(side)
+        dev.synchronize()
+        graph = graph_cls()
+        with graph_ctx(graph):
+            fn()
+        dev.synchronize()
+        times: list[float] = []
+        for _ in range(reps):
+            if flush:
+                _flush_cache(device)
+            start, end = dev.event(), dev.event()
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(float(start.elapsed_time(end)))
+    except Exception as exc:  # noqa: BLE001 - not capturable here: the caller keeps the eager timing
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}" if str(exc) else type(exc).__name__
+        try:
+            dev.synchronize()
+        except Exception:  # noqa: BLE001 - a broken capture can leave an error to clear
+            pass
+        return {"error": reason}
+    finally:
+        del graph
+        dev.empty_cache()
+    return _stats(times)
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, reps: int = 20) -> float:
