@@ -18,6 +18,8 @@ Deliberately not here: rows longer than 65536 elements (one row must fit one blo
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -125,13 +127,18 @@ def _tiling(n_cols: int, elem_bytes: int) -> tuple[int, int, int]:
     return block_m, block_n, num_warps
 
 
+@functools.lru_cache(maxsize=16)
+def _multiprocessors(device: torch.device) -> int:
+    """Multiprocessor count of ``device`` (2 on the CPU), asked once: the backward runs every layer."""
+    backend = getattr(torch, device.type, None)
+    if device.type != "cpu" and backend is not None and hasattr(backend, "get_device_properties"):
+        return int(getattr(backend.get_device_properties(device), "multi_processor_count", 2))
+    return 2
+
+
 def _num_programs(device: torch.device, n_blocks: int) -> int:
     """Persistent grid size for the backward: about two programs per multiprocessor (4 on the CPU)."""
-    backend = getattr(torch, device.type, None)
-    sms = 2
-    if device.type != "cpu" and backend is not None and hasattr(backend, "get_device_properties"):
-        sms = int(getattr(backend.get_device_properties(device), "multi_processor_count", 2))
-    return max(1, min(n_blocks, 2 * sms))
+    return max(1, min(n_blocks, 2 * _multiprocessors(device)))
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -177,8 +184,11 @@ class _RMSNormFn(torch.autograd.Function):
         dx = torch.empty((n_rows, n_cols), dtype=s.dtype, device=s.device)
         block_m, block_n, warps = _tiling(n_cols, max(s.element_size(), dy.element_size()))
         n_prog = _num_programs(s.device, max(1, triton.cdiv(n_rows, block_m)))
-        dw_part = torch.zeros((n_prog, n_cols), dtype=torch.float32, device=s.device)
-        if n_rows > 0:
+        # Every program stores its whole row of partial sums (zeros if it got no rows): no memset needed.
+        dw_part = torch.empty((n_prog, n_cols), dtype=torch.float32, device=s.device)
+        if n_rows == 0:
+            dw_part.zero_()
+        else:
             _rmsnorm_bwd_kernel[(n_prog,)](
                 dy2, ds2, s, weight, rstd, dx, dw_part, n_rows, n_cols,
                 dy2.stride(0), ds2.stride(0), s.stride(0), dx.stride(0),
