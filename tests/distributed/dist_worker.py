@@ -37,7 +37,7 @@ def new_engine(model, world=None):
 def train_worker(rank: int, world_size: int, workdir: str) -> None:
     work = Path(workdir)
     world = init_world()
-    model = shard_model(tiny_lm(0), world)
+    model = shard_model(tiny_lm(0).to(world.device), world)
     engine = new_engine(model, world)
     losses, norms, tokens = [], [], []
     for step in range(STEPS):
@@ -55,7 +55,7 @@ def train_worker(rank: int, world_size: int, workdir: str) -> None:
     llm = LLM(plain, None, EngineConfig(block_size=4, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=32))
     outs = generate_data_parallel(llm, PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), world)
 
-    resumed = shard_model(tiny_lm(7), world)  # other init: the checkpoint must overwrite it all
+    resumed = shard_model(tiny_lm(7).to(world.device), world)  # other init: the checkpoint must overwrite it all
     engine2 = new_engine(resumed, world)
     loaded = load_any_checkpoint(work / "single" / "step-00000002", resumed, engine2, world)
     resumed_loss = engine2.step(global_batches(2)[rank::world_size]).loss

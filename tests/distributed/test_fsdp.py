@@ -15,11 +15,9 @@ from polyrl.train.parallel import load_any_checkpoint
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The one-process reference (3 steps, a checkpoint at 2), then the 2-rank run (see dist_worker)."""
-    work = tmp_path_factory.mktemp("fsdp")
-    model = tiny_lm(0)
+def reference_and_ranks(work, world_size: int = 2, dev: str = "cpu") -> dict:
+    """The one-process reference (3 steps, a checkpoint at 2) on ``dev``, then the N-rank run (dist_worker)."""
+    model = tiny_lm(0).to(dev)
     engine = new_engine(model)
     single = []
     for step in range(STEPS):
@@ -27,8 +25,13 @@ def runs(tmp_path_factory):
         single.append(st)
         if step + 1 == 2:
             save_checkpoint(work / "single", 2, model, engine, data_state={"position": 4})
-    spawn(train_worker, 2, str(work))
+    spawn(train_worker, world_size, str(work))
     return {"work": work, "single": single, "model": model, "dist": read_json(work / "dist.json")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return reference_and_ranks(tmp_path_factory.mktemp("fsdp"))
 
 
 def test_two_ranks_equal_one_process(runs):
@@ -89,3 +92,16 @@ def test_data_parallel_rollout_equals_one_process(runs):
     assert runs["dist"]["rollout"] == [o.outputs[0].token_ids for o in outs]
     for got, want in zip(runs["dist"]["rollout_logprobs"], [o.outputs[0].logprobs for o in outs]):
         assert got == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.multi_gpu
+def test_two_gpus_nccl_match_one_gpu(tmp_path):
+    """The same checks over NCCL on 2 accelerators (fp32 through FSDP2; kernels differ from the CPU's)."""
+    from polyrl.platform import device
+
+    if device.count() < 2:
+        pytest.fail("needs 2 accelerators; run on a multi-GPU machine (tests/distributed/run_multi_gpu.sh)")
+    r = reference_and_ranks(tmp_path, 2, str(device.torch_device(0)))
+    assert r["dist"]["losses"] == pytest.approx([s.loss for s in r["single"]], abs=1e-4)
+    assert r["dist"]["resumed_loss"] == pytest.approx(r["single"][2].loss, abs=1e-4)
