@@ -55,6 +55,26 @@ FLAG_KEYS: dict[str, str] = {
 
 DTYPE_ALIASES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 
+# argparse dest -> key in the algorithm's own table (``[grpo]``, ``[gspo]``, ``[ppo]``): online RL settings.
+RL_FLAG_KEYS: dict[str, str] = {
+    "reward": "reward",
+    "samples_per_prompt": "samples_per_prompt",
+    "prompts_per_step": "prompts_per_step",
+    "max_new_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "kl_coef": "kl_coef",
+    "reward_workers": "reward_workers",
+    "reward_timeout": "reward_timeout",
+    "ppo_epochs": "ppo_epochs",
+    "mini_batches": "mini_batches",
+    "loss_agg": "loss_agg",
+    "clip_low": "clip_low",
+    "clip_high": "clip_high",
+    "old_logprobs": "old_logprobs",
+    "tis_cap": "tis_cap",
+    "filter_groups": "filter_groups",
+}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from polyrl import algorithms
@@ -112,6 +132,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="train on N processes of this node (one per device; re-launches through torchrun, FSDP2)",
     )
+    g = parser.add_argument_group("RL (online algorithms: grpo, gspo, ppo; keys of the [<algo>] table)")
+    g.add_argument("--reward", metavar="SPEC", help="builtin reward (exact_match, numeric, ...) or file.py:function")
+    g.add_argument("--n", "--samples-per-prompt", dest="samples_per_prompt", type=int, help="completions per prompt")
+    g.add_argument("--prompts-per-step", type=int, help="prompts per RL step")
+    g.add_argument("--max-new-tokens", type=int, help="longest completion")
+    g.add_argument("--temperature", type=float, help="rollout sampling temperature")
+    g.add_argument("--kl-coef", type=float, help="KL penalty to the initial weights (0: off, no reference model)")
+    g.add_argument("--reward-workers", type=int, help="reward worker processes (0: in this process)")
+    g.add_argument("--reward-timeout", type=float, help="seconds per reward call before it counts as failed")
+    g.add_argument("--ppo-epochs", type=int, help="passes over each rollout batch")
+    g.add_argument("--mini-batches", type=int, help="optimizer steps per pass")
+    g.add_argument("--loss-agg", choices=["token-mean", "seq-mean-token-mean", "constant"])
+    g.add_argument("--clip-low", type=float, help="ratio clip below 1")
+    g.add_argument("--clip-high", type=float, help="ratio clip above 1 (DAPO clip-higher: 0.28)")
+    g.add_argument("--old-logprobs", choices=["rollout", "recompute"], help="source of the ratio's old log-probs")
+    g.add_argument("--tis-cap", type=float, help="truncated importance sampling cap (with --old-logprobs recompute)")
+    g.add_argument("--filter-groups", action="store_true", default=None, help="drop groups whose rewards all agree")
     g = parser.add_argument_group("checkpoints")
     g.add_argument("--save-every", type=int, help="checkpoint every N steps (0: only at the end)")
     g.add_argument("--keep-last", type=int, help="keep the newest K checkpoints (0: all)")
@@ -129,7 +166,25 @@ def overrides_from_args(args: argparse.Namespace) -> list[tuple[str, Any]]:
         if dest == "dtype":
             value = DTYPE_ALIASES.get(value, value)
         out.append((key, value))
+    rl = [(key, getattr(args, dest, None)) for dest, key in RL_FLAG_KEYS.items()]
+    rl = [(key, value) for key, value in rl if value is not None]
+    if rl:
+        table = _algo_name(args)
+        out.extend((f"{table}.{key}", value) for key, value in rl)
     return out + parse_set(args.set)
+
+
+def _algo_name(args: argparse.Namespace) -> str:
+    """The algorithm whose table the RL flags set: --algo, else the config file's ``algo``, else sft."""
+    if getattr(args, "algo", None):
+        return args.algo
+    if getattr(args, "config", None):
+        from polyrl.algorithms.config import load_file
+
+        algo = load_file(args.config).get("algo")
+        if isinstance(algo, str):
+            return algo
+    return "sft"
 
 
 def run(args: argparse.Namespace) -> int:
