@@ -16,7 +16,8 @@ from polyrl.validate.result import LevelSkipped
 
 def test_quick_cpu_validation_passes_and_writes_the_report(tmp_path, capsys):
     out = tmp_path / "v"
-    rc = main(["validate", "--preset", "tiny", "--levels", "platform,ops,sft", "--quick", "--out", str(out)])
+    argv = ["validate", "--preset", "tiny", "--levels", "platform,ops,sft", "--quick", "--dtypes", "fp32,bf16"]
+    rc = main([*argv, "--out", str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "validate: PASS (platform passed, ops passed, sft passed)" in text
