@@ -184,3 +184,13 @@ def test_cli_compat_render_and_bad_reports(tmp_path, capsys):
     assert main(["compat", "render", "--compat-dir", str(compat_dir), "--out", str(out)]) == 2
     assert "bad.json: not a polyrl.validate/1 report" in capsys.readouterr().err
     assert main(["compat", "render", "--compat-dir", str(tmp_path / "none")]) == 2
+
+
+def test_committed_matrix_is_rendered_from_the_committed_reports():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    reports = compat.load_reports(root / "compat")
+    assert reports, "compat/ holds no report"
+    committed = (root / "docs" / "compatibility.md").read_text()
+    assert compat.render(reports) == committed, "re-run `polyrl compat render` after adding a report to compat/"
