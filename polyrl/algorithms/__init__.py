@@ -27,6 +27,7 @@ ALGORITHMS: dict[str, str] = {
     "grpo": "polyrl.algorithms.grpo",
     "gspo": "polyrl.algorithms.gspo",
     "dpo": "polyrl.algorithms.dpo",
+    "ppo": "polyrl.algorithms.ppo",
 }
 
 _REGISTERED: dict[str, AlgorithmSpec] = {}
