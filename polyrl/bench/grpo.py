@@ -1,0 +1,274 @@
+"""``polyrl bench grpo``: one GRPO step end to end, split into rollout / log-prob / train, against its roofline and
+against TRL's ``GRPOTrainer`` (transformers ``generate``, no vLLM) in the same run when ``trl`` is importable.
+
+Both sides load the same random-weight model folder written by ``polyrl.models.presets`` (``--shape qwen3-0.6b`` =
+the ``qwen3-0.6b-shape`` preset), use the same prompts (``--prompts`` texts of about ``--prompt-len`` tokens), ``--n``
+samples per prompt, exactly ``--gen-len`` new tokens per sample (EOS ignored / ``min_new_tokens``), a dummy reward
+(a deterministic pseudo-random number per completion, so advantages are non-zero) and one optimizer step per batch.
+
+Our step is the RL loop's pieces on a ``ColocatedPolicy``: rollout (KV cache taken back, generate, released), the
+trainer's no-grad log-prob pass over the training packing (mismatch measured), one optimizer step with the GRPO
+loss. Roofline of the step: rollout = decode bytes (weights once per decode step + the KV cache at the mean context)
+over the measured copy bandwidth (``bench/rollout.roofline_tokens_per_s``), plus log-prob pass (forward FLOPs) and
+train (forward + backward FLOPs, ``DecoderLM.flops_per_token``) over the peak dense bf16 FLOP/s (matmul measured on
+the CPU). Steady state = median over ``--steps`` timed steps after ``--warmup``. Measures; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SHAPES = {"tiny": "tiny", "small": "small", "qwen3-0.6b": "qwen3-0.6b-shape", "qwen3-1.7b": "qwen3-1.7b-shape"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", default="qwen3-0.6b", choices=list(SHAPES), help="model shape (random weights)")
+    parser.add_argument("--prompts", type=int, default=64, help="prompts per step")
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (about)")
+    parser.add_argument("--gen-len", type=int, default=512, help="new tokens per sample (fixed)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=32768, help="training micro-batch token budget")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps")
+    parser.add_argument("--baselines", default="trl", help="comma-separated: trl, or none")
+    parser.add_argument(
+        "--trl-micro-batch", type=int, default=16, help="TRL completions per forward/backward (accumulated to one step)"
+    )
+    parser.add_argument("--model-dir", default=None, help="reuse this model folder (default: a temp folder)")
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+
+
+def _sync() -> None:
+    from polyrl.platform import device
+
+    device.synchronize()
+
+
+def dummy_reward(token_ids: list[int]) -> float:
+    """Deterministic pseudo-random reward in [0, 1) of a completion (non-zero group advantages, no work)."""
+    return (sum((i + 1) * t for i, t in enumerate(token_ids[:32])) % 1000) / 1000.0
+
+
+def prompt_texts(count: int, prompt_len: int) -> list[str]:
+    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
+    return [" ".join(words[(i + j) % len(words)] for j in range(prompt_len // 2)) + f" {i}" for i in range(count)]
+
+
+# ---- ours ----------------------------------------------------------------------------------------
+def ours(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from polyrl.algorithms.advantages import group_advantages
+    from polyrl.algorithms.colocated import pack_samples
+    from polyrl.algorithms.grpo import GRPOConfig, make_policy_loss
+    from polyrl.infer import EngineConfig as RolloutConfig
+    from polyrl.infer import SamplingParams
+    from polyrl.train import EngineConfig, OptimConfig
+    from polyrl.trainer import Trainer
+
+    tr = Trainer(
+        model=str(model_dir),
+        optim=OptimConfig(lr=1e-6),
+        engine=EngineConfig(micro_batch_tokens=args.micro_batch_tokens),
+        rollout=RolloutConfig(
+            max_num_seqs=args.prompts * args.n, max_model_len=args.prompt_len * 2 + args.gen_len + 16
+        ),
+    )
+    texts = prompt_texts(args.prompts, args.prompt_len)
+    ids = [tr.encode(t)[: args.prompt_len] for t in texts]
+    params = SamplingParams(temperature=1.0, max_tokens=args.gen_len, ignore_eos=True)
+    cfg = GRPOConfig(max_new_tokens=args.gen_len, samples_per_prompt=args.n, prompts_per_step=args.prompts)
+    rows = []
+    for step in range(args.warmup + args.steps):
+        _sync()
+        t0 = time.perf_counter()
+        samples = tr.rollout_batch(ids, args.n, params, seeds=[step * 100_003 + i for i in range(len(ids))])
+        _sync()
+        t1 = time.perf_counter()
+        rewards = [dummy_reward(s.completion_ids) for s in samples]
+        adv = group_advantages(rewards, [s.group for s in samples])
+        plain = pack_samples(samples, None, args.micro_batch_tokens)
+        lps, _ = tr.logprobs(samples, 1.0, batches=plain)
+        mismatch = float(torch.cat([(torch.tensor(s.logprobs) - lp).abs() for s, lp in zip(samples, lps)]).mean())
+        fields = {"adv": adv, "old_logp": [s.logprobs for s in samples]}
+        batches = pack_samples(samples, fields, args.micro_batch_tokens)
+        _sync()
+        t2 = time.perf_counter()
+        tokens = float(sum(b.num_target_tokens for b in batches))
+        stats = tr.train(batches, make_policy_loss(cfg, tokens, tokens), normalizer=tokens)
+        _sync()
+        t3 = time.perf_counter()
+        rows.append({"rollout_s": t1 - t0, "logprob_s": t2 - t1, "train_s": t3 - t2, "step_s": t3 - t0})
+        print(
+            f"# ours step {step + 1}: rollout {t1 - t0:.2f}s, log-prob {t2 - t1:.2f}s, train {t3 - t2:.2f}s "
+            f"(loss {stats.loss:.4f}, mismatch mean {mismatch:.2e}){' [warm-up]' if step < args.warmup else ''}"
+        )
+    timed = rows[args.warmup :] or rows
+    res = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
+    res["kv_dtype_bytes"] = tr.llm.kv.caches[0][0].element_size() if tr.llm.kv.allocated else None
+    res["_model"] = tr.model
+    return res
+
+
+def roofline(model: Any, args: argparse.Namespace, dev: torch.device) -> dict[str, float]:
+    """Seconds the step would take at the copy-bandwidth / peak-FLOP/s limits, by phase."""
+    from polyrl.bench.common import measure_copy_bandwidth, measure_matmul_flops
+    from polyrl.bench.rollout import roofline_tokens_per_s
+    from polyrl.platform import device
+
+    bw = measure_copy_bandwidth(dev)
+    peak = device.peak_bf16_flops() if dev.type != "cpu" else None
+    peak = peak or measure_matmul_flops(dev)
+    batch = args.prompts * args.n
+    kv_bytes = next(model.parameters()).element_size()
+    rollout = batch * args.gen_len / roofline_tokens_per_s(model, batch, args.prompt_len, args.gen_len, kv_bytes, bw)
+    seq = args.prompt_len + args.gen_len
+    train_flops = model.flops_per_token(seq) * seq * batch  # forward + backward
+    return {
+        "copy_bandwidth_gb_s": bw / 1e9,
+        "peak_tflops": peak / 1e12,
+        "roofline_rollout_s": rollout,
+        "roofline_logprob_s": train_flops / 3 / peak,
+        "roofline_train_s": train_flops / peak,
+    }
+
+
+# ---- TRL -----------------------------------------------------------------------------------------
+def trl_step_times(model_dir: Path, args: argparse.Namespace, dev: torch.device) -> list[float]:
+    """Per-step wall times of TRL's GRPOTrainer on the same model, prompts and lengths (transformers generate)."""
+    import datasets
+    import transformers
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer
+
+    times: list[float] = []
+
+    class Timer(transformers.TrainerCallback):
+        def on_step_begin(self, *a: Any, **k: Any) -> None:
+            _sync()
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            _sync()
+            times.append(time.perf_counter() - self.t)
+
+    def reward(completions: list[Any], **kw: Any) -> list[float]:
+        return [dummy_reward([ord(c) for c in str(x)]) for x in completions]
+
+    bf16 = dev.type != "cpu"
+    total = args.prompts * args.n
+    micro = max(args.n, min(args.trl_micro_batch, total))
+    while total % micro or micro % args.n:
+        micro -= 1  # a divisor of the batch that holds whole groups
+    # One generate call for the whole batch (generation batch = micro x accumulation), then one optimizer step.
+    wanted = dict(
+        output_dir=tempfile.mkdtemp(prefix="polyrl-bench-trl-"),
+        per_device_train_batch_size=micro,
+        num_generations=args.n,
+        gradient_accumulation_steps=total // micro,
+        generation_batch_size=total,
+        max_completion_length=args.gen_len,
+        max_steps=args.warmup + args.steps,
+        learning_rate=1e-6,
+        bf16=bf16,
+        use_vllm=False,
+        temperature=1.0,
+        beta=0.0,
+        num_iterations=1,
+        logging_steps=1000,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=dev.type == "cpu",
+        generation_kwargs={"min_new_tokens": args.gen_len},
+    )
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(TRLConfig)}
+    dropped = sorted(set(wanted) - known)
+    if dropped:
+        print(f"# this TRL version has no {dropped}; left at its defaults")
+    cfg = TRLConfig(**{k: v for k, v in wanted.items() if k in known})
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.bfloat16 if bf16 else torch.float32
+    )
+    tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    tok.padding_side = "left"
+    data = datasets.Dataset.from_dict({"prompt": prompt_texts(args.prompts, args.prompt_len) * (cfg.max_steps + 1)})
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tok, callbacks=[Timer()]
+    )
+    trainer.train()
+    return times
+
+
+# ---- the run -------------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    from polyrl.models.presets import create_model_from_preset
+    from polyrl.platform import device
+
+    dev = device.torch_device()
+    tmp = None
+    if args.model_dir and (Path(args.model_dir) / "config.json").is_file():
+        model_dir = Path(args.model_dir)
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="polyrl-bench-grpo-")
+        model_dir = create_model_from_preset(SHAPES[args.shape], Path(args.model_dir or tmp.name) / "model", seed=0)
+    print(
+        f"# GRPO step: {args.shape} on {device.name() if dev.type != 'cpu' else 'cpu'}, {args.prompts} prompts x "
+        f"{args.n} samples x {args.gen_len} new tokens (prompt ~{args.prompt_len}); {args.warmup} warm-up + "
+        f"{args.steps} timed steps"
+    )
+    res: dict[str, Any] = {"shape": args.shape, "prompts": args.prompts, "n": args.n, "gen_len": args.gen_len}
+    mine = ours(model_dir, args)
+    model = mine.pop("_model")
+    mine.pop("kv_dtype_bytes", None)
+    res.update(mine)
+    res.update(roofline(model, args, dev))
+    res["roofline_step_s"] = res["roofline_rollout_s"] + res["roofline_logprob_s"] + res["roofline_train_s"]
+    res["roofline_fraction"] = res["roofline_step_s"] / res["step_s"]
+    del model
+    baselines = [b for b in args.baselines.split(",") if b and b != "none"]
+    if "trl" in baselines:
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            print("# trl is not importable: TRL baseline skipped (pip install trl)")
+        else:
+            times = trl_step_times(model_dir, args, dev)
+            res["trl_first_step_s"] = times[0]
+            res["trl_step_s"] = statistics.median(times[args.warmup :] or times)
+            res["speedup_vs_trl"] = res["trl_step_s"] / res["step_s"]
+    _print(res)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+def _print(res: dict[str, Any]) -> None:
+    rows = [
+        ("ours: step s (steady state)", "step_s", "{:.3f}"),
+        ("  rollout s", "rollout_s", "{:.3f}"),
+        ("  log-prob s", "logprob_s", "{:.3f}"),
+        ("  train s", "train_s", "{:.3f}"),
+        ("roofline step s", "roofline_step_s", "{:.3f}"),
+        ("  rollout (copy BW) s", "roofline_rollout_s", "{:.3f}"),
+        ("  log-prob (peak FLOP/s) s", "roofline_logprob_s", "{:.3f}"),
+        ("  train (peak FLOP/s) s", "roofline_train_s", "{:.3f}"),
+        ("fraction of roofline", "roofline_fraction", "{:.0%}"),
+        ("copy bandwidth GB/s", "copy_bandwidth_gb_s", "{:,.0f}"),
+        ("peak TFLOP/s", "peak_tflops", "{:,.1f}"),
+        ("TRL GRPOTrainer first step s", "trl_first_step_s", "{:.3f}"),
+        ("TRL GRPOTrainer step s (steady)", "trl_step_s", "{:.3f}"),
+        ("speedup vs TRL (step time)", "speedup_vs_trl", "{:.2f}x"),
+    ]
+    for label, key, fmt in rows:
+        if res.get(key) is not None:
+            print(f"{label:<34} {fmt.format(res[key])}")

@@ -1,0 +1,22 @@
+"""`polyrl bench grpo` smoke run on the CPU at a tiny shape: the step split, the roofline and the TRL note print."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from polyrl.cli.main import main
+
+
+def test_bench_grpo_tiny_prints_split_and_roofline(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["bench", "grpo", "--shape", "tiny", "--prompts", "2", "--n", "2", "--gen-len", "4", "--prompt-len", "6"]
+    argv += ["--steps", "1", "--warmup", "1", "--micro-batch-tokens", "128", "--baselines", "none", "--json", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    for label in ("rollout s", "log-prob s", "train s", "roofline step s", "fraction of roofline"):
+        assert re.search(rf"{label}\s+[\d.]+", text), label
+    res = json.loads(out.read_text())
+    parts = res["rollout_s"] + res["logprob_s"] + res["train_s"]
+    assert 0 < parts <= res["step_s"] * 1.05
+    assert res["roofline_step_s"] > 0 and 0 < res["roofline_fraction"]
