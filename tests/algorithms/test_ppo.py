@@ -226,3 +226,14 @@ def test_ppo_resume_is_exact_with_kl_penalty(tiny_model_dir, tmp_path, reward_fi
     assert a[0]["kl"] == 0.0 and a[1]["kl"] != 0.0  # the KL to the initial policy appears after an update
     for key in ("reward", "loss", "value_loss", "kl", "values_mean", "grad_norm", "critic_grad_norm"):
         assert a[1][key] == b[1][key], key
+
+
+@pytest.mark.gpu
+def test_ppo_run_on_the_accelerator(tiny_model_dir, tmp_path, reward_file):
+    """On the GPU (bf16 compute, real rollout engine): the run trains end to end and the critic's loss falls."""
+    out = tmp_path / "ppo"
+    summary = runner.run(rc.build(_raw(tiny_model_dir, out, f"{reward_file}:digits", steps=6, critic_warmup_steps=1)))
+    recs = _records(out)
+    assert summary["status"] == "finished"
+    assert all(math.isfinite(r["value_loss"]) for r in recs) and all(math.isfinite(r["loss"]) for r in recs[1:])
+    assert min(r["value_loss"] for r in recs[-3:]) < 0.5 * recs[0]["value_loss"]
