@@ -201,6 +201,9 @@ class AsyncEngine:
                 for rs, out in targets:
                     if rs is not None:
                         rs._put(out)
+                # Let the event loop thread take the GIL between steps: without this a CPU-bound step loop
+                # starves HTTP handling (GIL convoy), and new requests wait seconds to be admitted.
+                time.sleep(0)
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine; report it everywhere
             log.exception("polyrl engine thread failed")
             self.error = exc
