@@ -25,6 +25,9 @@ class GSPOConfig(GRPOConfig):
     clip_low: float = 3e-4
     clip_high: float = 4e-4
     loss_agg: str = "seq-mean-token-mean"
+    # The sequence ratio's clip range (~1e-4) is below the rollout/trainer numeric mismatch of bf16 engines, so the
+    # old log-probs default to the trainer's own recompute (as in the GSPO paper), not the rollout engine's.
+    old_logprobs: str = "recompute"
 
     def table_name(self) -> str:
         return "gspo"
