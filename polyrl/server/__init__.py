@@ -30,13 +30,15 @@ __all__ = ["ServeConfig", "build_app", "start_server", "run_server", "ServerHand
 
 
 def _require_serve_deps() -> None:
-    import importlib.util
+    import importlib
 
-    missing = [m for m in ("fastapi", "uvicorn", "pydantic") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise UserError(
-            f"serving needs {', '.join(missing)}, which is not installed; run `pip install 'polyrl[serve]'`"
-        )
+    for name in ("fastapi", "uvicorn", "pydantic"):
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise UserError(
+                f"serving needs {name}, which is not installed ({exc}); run `pip install 'polyrl[serve]'`"
+            ) from exc
 
 
 def build_app(llm: Any, config: ServeConfig | None = None) -> Any:

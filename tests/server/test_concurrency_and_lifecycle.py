@@ -70,7 +70,9 @@ def limited(tiny_model_dir):
     from polyrl.server import ServeConfig, start_server
 
     llm = make_llm(tiny_model_dir, max_num_seqs=1, max_model_len=2048, num_blocks=160)
-    handle = start_server(llm, ServeConfig(port=0, served_model_name=MODEL, api_key=API_KEY, max_queue=1, log_level="warning"))
+    handle = start_server(
+        llm, ServeConfig(port=0, served_model_name=MODEL, api_key=API_KEY, max_queue=1, log_level="warning")
+    )
     yield handle, llm
     handle.stop()
 

@@ -1,0 +1,103 @@
+"""Pieces without a server: the fastapi-free import, ServeConfig checks, the Prometheus text format, the
+`polyrl serve` argument mapping (with POLYRL_API_KEY), and error-body parameter names."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from polyrl.errors import ConfigError
+
+
+def test_import_without_fastapi_then_clear_error_on_build():
+    code = (
+        "import sys\n"
+        "sys.modules['fastapi'] = None  # what an install without the [serve] extra looks like to import\n"
+        "import polyrl.server as s\n"
+        "assert not {'uvicorn', 'starlette', 'pydantic'} & set(sys.modules)\n"
+        "from polyrl.errors import UserError\n"
+        "try:\n"
+        "    s.build_app(None)\n"
+        "except UserError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "ERR" in out.stdout and "pip install 'polyrl[serve]'" in out.stdout and "fastapi" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(port=70000), dict(served_model_name=""), dict(api_key="  "), dict(max_queue=-1), dict(max_n=0)]
+)
+def test_serve_config_rejects(kw):
+    from polyrl.server import ServeConfig
+
+    with pytest.raises(ConfigError):
+        ServeConfig(**kw)
+
+
+def test_prometheus_text_format():
+    from polyrl.server.metrics import Counter, Histogram, ServerMetrics
+
+    c = Counter("x_total", "help", ("endpoint", "status"))
+    c.inc(1, "/a", "200")
+    c.inc(2, "/a", "200")
+    c.inc(1, '/b"q', "400")
+    text = "\n".join(c.render())
+    assert "# TYPE x_total counter" in text
+    assert 'x_total{endpoint="/a",status="200"} 3' in text
+    assert 'x_total{endpoint="/b\\"q",status="400"} 1' in text
+    h = Histogram("lat_seconds", "help", (0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 3.0):
+        h.observe(v)
+    lines = h.render()
+    assert 'lat_seconds_bucket{le="0.1"} 2' in lines  # le is inclusive
+    assert 'lat_seconds_bucket{le="1"} 3' in lines
+    assert 'lat_seconds_bucket{le="+Inf"} 4' in lines
+    assert "lat_seconds_count 4" in lines and "lat_seconds_sum 3.65" in lines
+    m = ServerMetrics()
+    m.update_engine({"waiting_requests": 3, "running_requests": 2, "kv_cache_usage": 0.25})
+    body = m.render()
+    assert "polyrl_queue_depth 3" in body and "polyrl_running_requests 2" in body
+    assert "polyrl_kv_cache_usage 0.25" in body and body.endswith("\n")
+
+
+def test_serve_cli_arguments(monkeypatch):
+    from polyrl.cli import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    monkeypatch.setenv("POLYRL_API_KEY", "from-env")
+    args = parser.parse_args(["--model", "m/dir", "--port", "0", "--max-queue", "4", "--kv-cache-blocks", "32"])
+    cfg, eng = serve.build_configs(args)
+    assert cfg.api_key == "from-env" and cfg.served_model_name == "m/dir" and cfg.max_queue == 4 and cfg.port == 0
+    assert eng.num_blocks == 32 and eng.max_num_seqs == 256 and eng.enable_prefix_caching
+    args = parser.parse_args(
+        ["--model", "m", "--api-key", "flag", "--served-model-name", "nice", "--no-prefix-caching"]
+    )
+    cfg, eng = serve.build_configs(args)
+    assert cfg.api_key == "flag" and cfg.served_model_name == "nice" and not eng.enable_prefix_caching
+    from polyrl.platform import envvars
+
+    assert envvars.POLYRL_API_KEY in envvars.ALL
+
+
+def test_serve_cli_missing_model_is_a_user_error(tmp_path):
+    from polyrl.cli.main import main
+
+    assert main(["serve", "--model", str(tmp_path / "nope")]) == 2
+
+
+def test_validation_param_names_drop_union_tags():
+    from polyrl.server.api_errors import validation_message
+
+    msg, param = validation_message(
+        [
+            {"loc": ("body", "stop", "str"), "msg": "Input should be a valid string"},
+            {"loc": ("body", "stop", "list[str]", 0), "msg": "Input should be a valid string"},
+        ]
+    )
+    assert param == "stop" and msg.startswith("stop: Input should be a valid string")
