@@ -12,13 +12,24 @@ own). One that does not declare the device/dtype is "skipped"; one that fails to
 neither stops the sweep. On the CPU, Triton implementations run under the interpreter when
 ``TRITON_INTERPRET=1`` is set (before triton is imported), on the "tiny" shapes only.
 
+Speed (the sweep is dominated by Triton JIT compiles, one per kernel specialisation): the default shape
+sets are tiny+small everywhere ("large" on request); tiny/small shapes run autotuned kernels with one
+fixed config (``fixed_config()`` of the kernel modules listed in ``QUICK_TUNING``: one compile and no
+benchmarking per autotuning key -- "large" shapes autotune as in production); on an accelerator the
+dtypes run in parallel worker processes (compiles are CPU-bound and independent). A progress line is
+printed per op/implementation/dtype as it finishes.
+
 Deliberately not here: timing (``polyrl bench kernels``), multi-device checks, the report file format
 (the CLI writes what ``run_level`` returns).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
+import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +40,9 @@ import torch
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 SIZES = ("tiny", "small", "large")
+DEFAULT_SIZES = ("tiny", "small")
+# Kernel modules with a ``fixed_config()`` context (skip autotuning) used for the tiny and small shapes.
+QUICK_TUNING = ("polyrl.kernels.attention.triton",)
 
 
 @dataclass(frozen=True)
@@ -239,8 +253,47 @@ def _row(op, impl, dtype_name, shape, check, **kw) -> dict[str, Any]:
     return row
 
 
-def validate_op(cases: OpCases, device: torch.device, dtypes: list[torch.dtype], sizes: tuple[str, ...], seed: int = 0):
-    """All rows for one op on ``device``."""
+Progress = Callable[[str], None]
+
+
+def print_progress(line: str) -> None:
+    """The default progress sink: one line to stderr, flushed (stdout stays the report's)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def _progress_line(op: str, impl: str, dname: str, rows: list[dict[str, Any]], seconds: float) -> str:
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    text = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no shapes"
+    return f"  ops {op}/{impl}/{dname}: {text} ({seconds:.1f} s)"
+
+
+def _quick_tuning(device: torch.device) -> contextlib.ExitStack:
+    """Enter ``fixed_config()`` of every ``QUICK_TUNING`` module that can run here (never imports triton on a
+    CPU without the interpreter: importing it there would fix it in compiled mode for the whole process)."""
+    stack = contextlib.ExitStack()
+    if device.type == "cpu" and not interpreter_active():
+        return stack
+    for name in QUICK_TUNING:
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - not importable here: nothing to tune
+            continue
+        if hasattr(module, "fixed_config"):
+            stack.enter_context(module.fixed_config())
+    return stack
+
+
+def validate_op(
+    cases: OpCases,
+    device: torch.device,
+    dtypes: list[torch.dtype],
+    sizes: tuple[str, ...],
+    seed: int = 0,
+    progress: Progress | None = None,
+):
+    """All rows for one op on ``device``; ``progress`` gets a line per implementation x dtype as it finishes."""
     rows: list[dict[str, Any]] = []
     ref_dtype = reference_dtype(device)
     interpret = device.type == "cpu" and interpreter_active()
@@ -249,18 +302,26 @@ def validate_op(cases: OpCases, device: torch.device, dtypes: list[torch.dtype],
         dname = DTYPE_NAMES[dtype]
         tol = cases.tol.get(dname, DEFAULT_TOL[dname])
         for impl_name, thunk, skip, impl_sizes in _implementations(cases, device, dname, interpret):
+            started, first = time.perf_counter(), len(rows)
+            fn, failure = None, None
             if thunk is None:
-                rows.append(_row(cases.op, impl_name, dname, "-", "-", status="skipped", reason=skip))
-                continue
-            try:
-                fn = thunk()
-            except Exception as exc:  # noqa: BLE001 - KernelUnavailable or any import error
-                rows.append(_row(cases.op, impl_name, dname, "-", "-", status="unavailable", reason=_short(exc)))
-                continue
-            for shape in cases.shapes:
+                failure = _row(cases.op, impl_name, dname, "-", "-", status="skipped", reason=skip)
+            else:
+                try:
+                    fn = thunk()
+                except Exception as exc:  # noqa: BLE001 - KernelUnavailable or any import error
+                    failure = _row(cases.op, impl_name, dname, "-", "-", status="unavailable", reason=_short(exc))
+            if failure is not None:
+                rows.append(failure)
+            for shape in cases.shapes if fn is not None else ():
                 if shape.size not in sizes or shape.size not in impl_sizes:
                     continue
-                rows.extend(_validate_shape(cases, fn, ref_fn, impl_name, shape, dtype, ref_dtype, tol, device, seed))
+                with _quick_tuning(device) if shape.size != "large" else contextlib.nullcontext():
+                    rows.extend(
+                        _validate_shape(cases, fn, ref_fn, impl_name, shape, dtype, ref_dtype, tol, device, seed)
+                    )
+            if progress is not None:
+                progress(_progress_line(cases.op, impl_name, dname, rows[first:], time.perf_counter() - started))
     return rows
 
 
@@ -324,8 +385,14 @@ def run_sweep(
     dtypes: list[str] | None = None,
     ops: list[str] | None = None,
     sizes: tuple[str, ...] | None = None,
+    progress: Progress | None = None,
+    workers: int | None = None,
 ) -> list[dict[str, Any]]:
-    """The full sweep as JSON-able rows (see ``_row`` for the keys)."""
+    """The full sweep as JSON-able rows (see ``_row`` for the keys).
+
+    ``sizes`` defaults to tiny+small (add "large" for real widths on an accelerator). ``workers``: processes
+    to spread the dtypes over (default: one per dtype on an accelerator, in-process on the CPU); the rows
+    come back in the same order either way."""
     from polyrl.errors import ConfigError
     from polyrl.validate import ops_cases  # noqa: F401  registers CASES
 
@@ -341,17 +408,57 @@ def run_sweep(
     if missing:
         raise ConfigError(f"no validation cases for {missing}; known: {', '.join(list(CASES) + ['matmul_tf32'])}")
     if sizes is None:
-        sizes = ("tiny", "small") if device.type == "cpu" else SIZES
-    dts = [DTYPES[d] for d in (dtypes or list(DTYPES))]
-    rows: list[dict[str, Any]] = []
-    for op in wanted:
-        if op in CASES:
-            for row in validate_op(CASES[op], device, dts, sizes):
-                row["device"] = device.type
-                rows.append(row)
+        sizes = DEFAULT_SIZES
+    names = list(dtypes or list(DTYPES))
+    op_list = [op for op in wanted if op in CASES]
+    if workers is None:
+        workers = len(names) if device.type != "cpu" else 1
+    rows = None
+    if workers > 1 and len(names) > 1 and op_list:
+        rows = _parallel_sweep(device, names, op_list, sizes, progress, workers)
+    if rows is None:
+        rows = _sweep(device, names, op_list, sizes, progress)
     if not ops or "matmul_tf32" in ops:
         rows.append(dict(tf32_effect(device), device=device.type))
     return rows
+
+
+def _sweep(device, dtype_names, op_list, sizes, progress) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    dts = [DTYPES[d] for d in dtype_names]
+    for op in op_list:
+        for row in validate_op(CASES[op], device, dts, sizes, progress=progress):
+            row["device"] = device.type
+            rows.append(row)
+    return rows
+
+
+def _sweep_worker(device: str, dtype_name: str, op_list: list[str], sizes: tuple[str, ...], show: bool):
+    """One dtype's rows, in a fresh (spawned) process."""
+    from polyrl.validate import ops_cases  # noqa: F401  registers CASES
+
+    return _sweep(torch.device(device), [dtype_name], op_list, sizes, print_progress if show else None)
+
+
+def _parallel_sweep(device, dtype_names, op_list, sizes, progress, workers) -> list[dict[str, Any]] | None:
+    """The dtypes in parallel processes; None (the caller runs in-process) if the pool cannot run."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    show = progress is not None
+    try:
+        ctx = mp.get_context("spawn")
+        with cf.ProcessPoolExecutor(max_workers=min(workers, len(dtype_names)), mp_context=ctx) as pool:
+            futures = [pool.submit(_sweep_worker, str(device), d, op_list, sizes, show) for d in dtype_names]
+            parts = [f.result() for f in futures]
+    except Exception as exc:  # noqa: BLE001 - e.g. no process spawning here: fall back to one process
+        if progress is not None:
+            progress(f"  ops: parallel workers failed ({_short(exc)}); running in this process")
+        return None
+    # The in-process order: op, then dtype.
+    rank = {op: i for i, op in enumerate(op_list)}
+    ordered = [(rank[r["op"]], di, i, r) for di, part in enumerate(parts) for i, r in enumerate(part)]
+    return [r for *_, r in sorted(ordered, key=lambda t: t[:3])]
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, int]:

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--sizes",
         default="",
-        help="comma list of tiny,small,large shape sets (default: tiny,small on CPU, all on an accelerator)",
+        help="comma list of tiny,small,large shape sets (default: tiny,small; large: real widths, for devices)",
     )
     group.add_argument("--show", choices=("all", "failures"), default="all", help="rows to print (default: all)")
 
@@ -36,7 +36,9 @@ def run_level(args: argparse.Namespace) -> dict[str, Any]:
     sizes = tuple(_split(getattr(args, "sizes", ""))) or (("tiny",) if getattr(args, "quick", False) else None)
     if sizes and any(s not in ops.SIZES for s in sizes):
         raise ConfigError(f"--sizes takes a comma list of {', '.join(ops.SIZES)}, got {args.sizes!r}")
-    rows = ops.run_sweep(dtypes=_split(args.dtypes), ops=_split(args.ops) or None, sizes=sizes)
+    rows = ops.run_sweep(
+        dtypes=_split(args.dtypes), ops=_split(args.ops) or None, sizes=sizes, progress=ops.print_progress
+    )
     summary = ops.summarize(rows)
     notes = []
     if not ops.interpreter_active():

@@ -16,6 +16,9 @@ to the SDPA/reference path or raise. This module does not pick itself: the regis
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import triton
 import triton.language as tl
@@ -40,8 +43,25 @@ def _configs(gpu: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in gpu]
 
 
+_FIXED_CONFIG = [0]  # > 0 inside ``fixed_config()``
+
+
+@contextlib.contextmanager
+def fixed_config() -> Iterator[None]:
+    """Inside: autotuning keeps only the last config of each list (it fits every head dim and dtype), so a new
+    autotuning key costs one compile and no benchmarking. For correctness sweeps (``polyrl validate ops``),
+    where compile time dominates. The choice is remembered per key for the rest of the process."""
+    _FIXED_CONFIG[0] += 1
+    try:
+        yield
+    finally:
+        _FIXED_CONFIG[0] -= 1
+
+
 def _prune(configs, named_args, **kwargs):
     """Drop tiles too big for shared memory / registers: head dim 256, or 128 in fp32 (4-byte elements)."""
+    if _FIXED_CONFIG[0]:
+        return configs[-1:]
     d = named_args["HEAD_DIM"] if "HEAD_DIM" in named_args else kwargs["HEAD_DIM"]
     width = d * (2 if named_args["Q"].dtype == torch.float32 else 1)
     keep = [c for c in configs if width < 256 or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 32]
