@@ -51,8 +51,8 @@ Pieces (one concept per module):
   caller's opaque, JSON-serialisable data position.
 - ``metrics.MetricsLogger``: metrics.jsonl, TensorBoard (if installed), progress, summary, plot.
 
-Not here: data loading/packing (``polyrl.data``), algorithm losses (``polyrl.algorithms``), FSDP
-(``train/parallel``, later), the CLI.
+Not here: data loading/packing (``polyrl.data``), algorithm losses (``polyrl.algorithms``), FSDP2
+data parallelism (``train/parallel``: ``TrainEngine(..., world=world)`` on a sharded model), the CLI.
 """
 
 from polyrl.train.checkpoint import (
