@@ -163,6 +163,8 @@ def _attention_shapes():
         Shape("lens=1,7,127;Hq=4,Hk=2,D=128", {"lens": [1, 7, 127], "Hq": 4, "Hk": 2, "D": 128}),
         Shape("lens=127,33;Hq=4,Hk=1,D=64,win=16", {"lens": [127, 33], "Hq": 4, "Hk": 1, "D": 64, "window": 16}),
         Shape("lens=1025,1,7;Hq=4,Hk=2,D=64", {"lens": [1025, 1, 7], "Hq": 4, "Hk": 2, "D": 64}),
+        # Equal lengths: the "cudnn" implementation's batched-SDPA path (same Triton keys as the shapes above).
+        Shape("lens=127,127;Hq=4,Hk=2,D=128", {"lens": [127, 127], "Hq": 4, "Hk": 2, "D": 128}),
         Shape(
             "lens=2048,1025,127,1;Hq=16,Hk=8,D=128",
             {"lens": [2048, 1025, 127, 1], "Hq": 16, "Hk": 8, "D": 128},

@@ -207,6 +207,22 @@ def test_triton_strided_inputs_and_scale(triton_kernels, kernel_check, seeded):
     kernel_check.assert_close(g, g_ref, torch.float32, "dqkv")
 
 
+def test_triton_fixed_config_prunes_autotuning_to_one_config(triton_kernels):
+    """Inside ``fixed_config()`` (validate's tiny/small shapes) every autotuning key gets exactly one config."""
+    import importlib
+
+    import triton
+
+    triton_kernels.load("attention", "fixed_config")
+    tri = importlib.import_module("polyrl.kernels.attention.triton")
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4) for m, n in ((128, 64), (64, 64), (64, 32))]
+    args = {"HEAD_DIM": 64, "Q": torch.empty(1, dtype=torch.bfloat16)}
+    assert len(tri._prune(configs, args)) == 3
+    with tri.fixed_config():
+        assert tri._prune(configs, args) == configs[-1:]
+    assert len(tri._prune(configs, args)) == 3
+
+
 def test_triton_rejects_empty_window(triton_kernels):
     fn = triton_kernels.load("attention", "varlen_attention")
     q, k, v = _qkv([3], 2, 2, 16, torch.float32, triton_kernels.device, requires_grad=False)
