@@ -186,6 +186,7 @@ class AsyncEngine:
     def _run(self) -> None:
         llm = self.llm
         try:
+            _use_engine_device(llm)
             while not (self._stopping and not llm.has_unfinished_requests()):
                 if not llm.has_unfinished_requests():
                     self._wake.wait(0.5)
@@ -230,6 +231,15 @@ class AsyncEngine:
         self.snapshot = stats
         if self.metrics is not None:
             self.metrics.update_engine(stats)
+
+
+def _use_engine_device(llm: Any) -> None:
+    """A new thread starts on device 0; kernels must launch on the device that holds the engine's weights."""
+    from polyrl.platform import device
+
+    param = next(llm.model.parameters(), None)
+    if param is not None and param.device.type != "cpu" and param.device.index is not None:
+        device.set_device(param.device.index)
 
 
 __all__ = ["AsyncEngine", "StreamGroup", "RequestStream", "EngineDeadError"]

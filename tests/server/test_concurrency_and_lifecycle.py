@@ -163,3 +163,21 @@ def test_graceful_shutdown_completes_in_flight(tiny_model_dir):
     assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 120
     with pytest.raises(httpx.ConnectError):
         httpx.get(handle.url + "/health", timeout=2)
+
+
+def test_engine_failure_is_reported_not_hung(tiny_model_dir):
+    """A step that raises (here: the KV cache was released under the server) fails the requests in flight with a
+    500 server_error body, then /health says 503 and new requests get 503 instead of hanging."""
+    from polyrl.server import ServeConfig, start_server
+
+    llm = make_llm(tiny_model_dir, max_num_seqs=4)
+    with start_server(llm, ServeConfig(port=0, served_model_name=MODEL, log_level="critical")) as handle:
+        llm.release()
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 4}
+        r = httpx.post(handle.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "KV cache is released" in r.json()["error"]["message"]
+        h = httpx.get(handle.url + "/health", timeout=10)
+        assert h.status_code == 503 and "engine failed" in h.json()["detail"]
+        r = httpx.post(handle.url + "/v1/completions", json={**body, "stream": True}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
