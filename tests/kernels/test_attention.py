@@ -139,6 +139,12 @@ def test_fast_path_plan_verifies_the_contract_once_per_cu_tensor():
     # T == B * max_seqlen but the sequences end before T (trailing rows): not uniform.
     assert cudnn.plan(q, k, _cu([3, 3]), 4, None) is None
     assert cudnn.plan(q, torch.empty(8, 3, 16), _cu([4, 4]), 4, None) is None  # 4 q heads, 3 kv heads
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert cudnn.plan(q, k, _cu([4, 4]), 4, None) is None  # bitwise-reproducible runs keep the Triton kernel
+    finally:
+        torch.use_deterministic_algorithms(prev)
 
 
 def test_fast_path_probe_skips_unusable_backends_with_a_warning():

@@ -19,8 +19,9 @@ Dispatch, per call (nothing here reads device values in the steady state):
    the first that runs and agrees wins. GQA passes k/v with Hk heads and ``enable_gqa=True`` (cuDNN
    honours it from torch 2.8 and ignores it, accepting Hk != Hq, before; flash has it since 2.5). No
    backend passing, or a runtime error from SDPA, sends the call to the fallback (warned once).
-3. Everything else (mixed lengths, windows, fp32, head dims SDPA rejects) goes to the fallback: the
-   Triton kernel on CUDA, the per-sequence SDPA path elsewhere.
+3. Everything else (mixed lengths, windows, fp32, head dims SDPA rejects, deterministic mode, code being
+   traced by ``torch.compile``) goes to the fallback: the Triton kernel on CUDA, the per-sequence SDPA
+   path elsewhere.
 
 Deliberately not here: padding mixed lengths up to a batch (the Triton kernel does not pay for padding),
 the paged/decode path (``paged_attention``), and anything fp32.
@@ -180,7 +181,10 @@ def plan(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen:
     """(B, backend) when this call takes the batched SDPA path, else None (the fallback runs).
 
     ``backend`` is the ``SDPBackend`` name on CUDA, None elsewhere (SDPA picks; used by CPU tests)."""
-    if _compiling() or q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+    # Deterministic mode (bitwise-reproducible training) keeps the Triton kernel: its backward has no atomics.
+    if torch.are_deterministic_algorithms_enabled() or _compiling():
+        return None
+    if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         return None
     if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
         return None
