@@ -12,8 +12,8 @@ Dispatch, per call (nothing here reads device values in the steady state):
    shorter than ``max_seqlen``. Given the contract (``cu_seqlens[-1] == T``, ``max_seqlen`` = the longest
    sequence) that means every length equals ``max_seqlen``. The contract is verified once per
    ``cu_seqlens`` tensor object (one host read, remembered through a weak reference and the tensor's
-   version counter, so the 28 layers of one step pay it once); while a CUDA graph is being captured an
-   unverified ``cu_seqlens`` goes to the fallback instead.
+   version counter, so the 28 layers of one step pay it once). While a CUDA graph is being captured the
+   call always goes to the fallback (the Triton kernel is known to capture; SDPA backends may not).
 2. On CUDA, the backend is chosen once per (device, dtype, Hq, Hk, D) by a probe: a small fwd+bwd under
    ``sdpa_kernel([CUDNN_ATTENTION])``, then ``[FLASH_ATTENTION]``, each compared with the fp32 reference;
    the first that runs and agrees wins. GQA passes k/v with Hk heads and ``enable_gqa=True`` (cuDNN
@@ -182,7 +182,7 @@ def plan(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen:
 
     ``backend`` is the ``SDPBackend`` name on CUDA, None elsewhere (SDPA picks; used by CPU tests)."""
     # Deterministic mode (bitwise-reproducible training) keeps the Triton kernel: its backward has no atomics.
-    if torch.are_deterministic_algorithms_enabled() or _compiling():
+    if torch.are_deterministic_algorithms_enabled() or _compiling() or _capturing(q.device):
         return None
     if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         return None
