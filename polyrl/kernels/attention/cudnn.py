@@ -131,8 +131,9 @@ def _probe(device: torch.device, dtype: torch.dtype, hq: int, hk: int, d: int, s
     # Outside inference mode even when the caller is in it: the probe needs autograd.
     with torch.inference_mode(False), torch.enable_grad():
         gen = torch.Generator(device="cpu").manual_seed(0)
-        q0, k0, v0 = (torch.randn(b * seq, h, d, generator=gen).to(device) for h in (hq, hk, hk))
-        do = torch.randn(b * seq, hq, d, generator=gen).to(device)
+        # Values exactly representable in ``dtype``: the reference (fp32) sees what the backend sees.
+        q0, k0, v0 = (torch.randn(b * seq, h, d, generator=gen).to(dtype).float().to(device) for h in (hq, hk, hk))
+        do = torch.randn(b * seq, hq, d, generator=gen).to(dtype).float().to(device)
         cu = torch.arange(0, b * seq + 1, seq, dtype=torch.int32, device=device)
         leaves = [x.detach().requires_grad_(True) for x in (q0, k0, v0)]
         want_out = reference(*leaves, cu, seq, scale)
