@@ -25,13 +25,13 @@ stage() {  # name, limit seconds, command...
 for s in "$@"; do
   case "$s" in
     env) stage env 60 bash -c "$PR env --json --deep > $OUT/h200_env.json; $PR check --deep; $PR env" ;;
-    ops) stage ops 200 $PR validate ops --json "$OUT/ops.json" --md "$OUT/ops.md" --show failures ;;
-    bench-kernels) stage bench-kernels 240 $PR bench kernels --baselines eager,liger --json "$OUT/bench_kernels.json" ;;
+    ops) stage ops 120 $PR validate ops --json "$OUT/ops.json" --md "$OUT/ops.md" --show failures ;;
+    bench-kernels) stage bench-kernels 130 $PR bench kernels --baselines eager,liger --json "$OUT/bench_kernels.json" ;;
     parity) stage parity 150 python3 -m polyrl.bench.model_parity ;;
-    bench-sft) stage bench-sft 300 $PR bench sft --shape qwen3-0.6b --seq 4096 --batch 8 --steps 6 --baselines hf,hf-liger --json "$OUT/bench_sft.json" ;;
-    bench-rollout) stage bench-rollout 240 $PR bench rollout --shape qwen3-0.6b --batch 256 --prompt-len 128 --gen-len 256 --baselines hf --json "$OUT/bench_rollout.json" ;;
-    bench-grpo) stage bench-grpo 300 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 --json "$OUT/bench_grpo.json" ;;
-    validate) stage validate 300 $PR validate --preset tiny --out "$OUT/validate" ;;
+    bench-sft) stage bench-sft 200 $PR bench sft --shape qwen3-0.6b --seq 4096 --batch 8 --warmup 2 --steps 5 --baselines hf,hf-liger --json "$OUT/bench_sft.json" ;;
+    bench-rollout) stage bench-rollout 150 $PR bench rollout --shape qwen3-0.6b --batch 256 --prompt-len 128 --gen-len 256 --baselines hf --json "$OUT/bench_rollout.json" ;;
+    bench-grpo) stage bench-grpo 220 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 --warmup 1 --steps 2 --json "$OUT/bench_grpo.json" ;;
+    validate) stage validate 220 $PR validate --preset tiny --levels platform,ops,sft,rl,serve --out "$OUT/validate" ;;
     gpu-tests) stage gpu-tests 240 python3 -m pytest -m gpu -q -x --timeout=120 -p no:cacheprovider tests ;;
     *) echo "unknown stage $s" ;;
   esac
