@@ -138,6 +138,16 @@ def test_fast_path_plan_verifies_the_contract_once_per_cu_tensor():
     assert cudnn.plan(q, k, cu, 4, None) is None
     # T == B * max_seqlen but the sequences end before T (trailing rows): not uniform.
     assert cudnn.plan(q, k, _cu([3, 3]), 4, None) is None
+
+
+def test_fast_path_delegates_for_inference_tensors():
+    """Inference tensors have no version counter to guard a cached verdict: the fast path steps aside."""
+    q, k = torch.empty(8, 4, 16), torch.empty(8, 2, 16)
+    with torch.inference_mode():
+        cu = _cu([4, 4])
+        assert cu.is_inference()
+        assert cudnn.plan(q, k, cu, 4, None) is None
+    assert cudnn.plan(q, k, _cu([4, 4]), 4, None) == (2, None)
     assert cudnn.plan(q, torch.empty(8, 3, 16), _cu([4, 4]), 4, None) is None  # 4 q heads, 3 kv heads
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)

@@ -81,6 +81,10 @@ def _compiling() -> bool:
 def _contract_holds(cu_seqlens: torch.Tensor, t: int, seq: int) -> bool | None:
     """Whether every length in ``cu_seqlens`` is ``seq`` (and they cover ``t`` tokens); None if unknown
     (not yet verified for this tensor and a host read is not allowed now)."""
+    if cu_seqlens.is_inference():
+        # Inference tensors carry no version counter, so a cached verdict could go stale on an in-place
+        # refill; inference is forward-only, where the Triton kernel is as good: delegate.
+        return None
     key = id(cu_seqlens)
     hit = _VERIFIED.get(key)
     if hit is not None:
