@@ -33,6 +33,19 @@ def test_arithmetic_answers_and_difficulty():
     assert all(" * " in r["prompt"] for r in mul)
 
 
+def test_arithmetic_max_b_bounds_the_second_operand_and_keeps_splits_disjoint():
+    """The demo's task: "What is 57 + 2?" with unseen numbers in the test split."""
+    spec = "builtin:arithmetic?max=99&max_b=2&ops=+&test=0.2"
+    train, test = generate(spec), generate(spec + "@test")
+    for r in train + test:
+        a, _, b = r["prompt"].removeprefix("What is ").removesuffix("?").split()
+        assert 0 <= int(a) <= 99 and 0 <= int(b) <= 2 and int(r["answer"]) == int(a) + int(b)
+    assert {r["prompt"] for r in train}.isdisjoint({r["prompt"] for r in test})
+    assert 40 <= len(test) <= 80  # 20% of the 300 distinct problems
+    with pytest.raises(ConfigError, match="max_b"):
+        generate("builtin:arithmetic?max_b=-1")
+
+
 def test_string_tasks_answers():
     for r in generate("builtin:reverse?n=20"):
         assert r["answer"] == r["prompt"].removeprefix("Reverse the string: ")[::-1]
