@@ -7,12 +7,27 @@
 - ``tiny_model``: a factory ``tiny_model(family="qwen3", seed=0, **hf_overrides) -> DecoderLM`` (fp32, CPU,
   random HF-style init).
 
+- ``_restore_torch_global_modes`` (autouse): a test that builds a deterministic ``TrainEngine`` turns on
+  ``torch.use_deterministic_algorithms`` for the process (what a run wants); the flag is put back after each
+  test (to torch's default, off) so that later tests see the default.
+
 Nothing here imports transformers at collection time.
 """
 
 from __future__ import annotations
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_global_modes():
+    # Back to torch's default, not to the state at the test's start: a module-scoped fixture (a CLI run, say)
+    # may already have switched it on before this function-scoped fixture starts.
+    import torch
+
+    yield
+    torch.use_deterministic_algorithms(False)
+
 
 # Per family: config.json fields that exercise what the family adds over plain Llama.
 TINY_FAMILY_OVERRIDES: dict[str, dict] = {
