@@ -9,6 +9,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from _gpu_measure import measure_fwd_bwd
 
 from polyrl.kernels.linear_cross_entropy.reference import linear_cross_entropy as lce_reference
 
@@ -236,33 +237,8 @@ def _materialised(hidden, weight, labels, ignore_index=IGNORE, reduction="mean")
 
 
 def _measure(fn, args, iters=5):
-    """(extra peak bytes over the inputs, median ms) of fwd + bwd; grads of hidden and weight included."""
-    from polyrl.platform import device
-
-    hidden, weight = args[0], args[1]
-
-    def step():
-        hidden.grad = weight.grad = None
-        fn(*args).backward()
-
-    step()  # compile / warm up
-    hidden.grad = weight.grad = None
-    device.synchronize()
-    base = device.memory_allocated()
-    device.reset_peak_memory_stats()
-    step()
-    device.synchronize()
-    extra = device.max_memory_allocated() - base
-    times = []
-    for _ in range(iters):
-        start, end = device.event(), device.event()
-        start.record()
-        step()
-        end.record()
-        device.synchronize()
-        times.append(start.elapsed_time(end))
-    hidden.grad = weight.grad = None
-    return extra, sorted(times)[len(times) // 2]
+    """(extra peak bytes over the inputs, median ms) of fwd + bwd of ``fn(*args)``."""
+    return measure_fwd_bwd(lambda: fn(*args), args[0], args[1], iters)
 
 
 @pytest.mark.gpu

@@ -8,6 +8,7 @@ import importlib
 
 import pytest
 import torch
+from _gpu_measure import measure_fwd_bwd
 
 from polyrl.kernels.token_logprobs.reference import token_logprobs as tlp_reference
 
@@ -193,30 +194,7 @@ def _materialised(hidden, weight, tokens, temperature):
 
 def _measure(loss_fn, hidden, weight, iters=5):
     """(extra peak bytes over the inputs, median ms) of fwd + bwd; grads of hidden and weight included."""
-    from polyrl.platform import device
-
-    def step():
-        hidden.grad = weight.grad = None
-        loss_fn().backward()
-
-    step()
-    hidden.grad = weight.grad = None
-    device.synchronize()
-    base = device.memory_allocated()
-    device.reset_peak_memory_stats()
-    step()
-    device.synchronize()
-    extra = device.max_memory_allocated() - base
-    times = []
-    for _ in range(iters):
-        start, end = device.event(), device.event()
-        start.record()
-        step()
-        end.record()
-        device.synchronize()
-        times.append(start.elapsed_time(end))
-    hidden.grad = weight.grad = None
-    return extra, sorted(times)[len(times) // 2]
+    return measure_fwd_bwd(loss_fn, hidden, weight, iters)
 
 
 @pytest.mark.gpu
