@@ -26,6 +26,7 @@ from polyrl.kernels import (  # noqa: E402,F401  isort: skip
     paged_attention as _paged_attention_pkg,
     linear_cross_entropy as _lce_pkg,
     token_logprobs as _tlp_pkg,
+    sampling as _sampling_pkg,
 )
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "write_kv_cache",
     "linear_cross_entropy",
     "token_logprobs",
+    "sample_tokens",
 ]
 
 _DTYPE_NAMES = {
@@ -154,3 +156,18 @@ def token_logprobs(
     """log softmax((hidden @ weight^T) / temperature)[t, tokens[t]] as fp32 ``[T]``, chunked over vocab,
     differentiable in hidden and weight. With ``return_entropy`` returns ``(logprobs, entropy)``."""
     return _impl("token_logprobs", hidden)(hidden, weight, tokens, temperature, return_entropy)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    greedy: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token per row and its log-prob, fused: logits fp32 ``[B, V]``, temperature fp32 ``[B]``, seeds and
+    offsets int64 ``[B]``, greedy bool ``[B]`` -> (tokens int64 ``[B]``, logprobs fp32 ``[B]``). Sampled rows take
+    the Gumbel-max of ``z = logits / T`` with noise hashed from (seed, offset, vocab index), so a row's token
+    depends on nothing else in the batch; greedy rows take ``argmax(logits)`` (T = 1). ``logprob =
+    log_softmax(z)[token]``. Contract in ``polyrl/kernels/sampling/__init__.py``."""
+    return _impl("sample_tokens", logits)(logits, temperature, seeds, offsets, greedy)
