@@ -5,11 +5,14 @@ For each row: ``z = logits / T``; the reported log-prob of the chosen token is `
 logits at the rollout temperature, WITHOUT top-k/top-p/min-p truncation and without the min_tokens
 EOS mask. Top-k alternatives (``SamplingParams.logprobs``) come from the same distribution.
 
-Sampling itself then masks ``z`` with top-k, top-p (nucleus, always keeping the top token) and min-p
-(drop p < min_p * p_max), and draws by the exponential race ``argmax(p / E)`` with ``E ~ Exp(1)``,
-which is an exact categorical draw. A seeded request draws its ``E`` from its own ``torch.Generator``,
-so its tokens do not depend on what else is in the batch; unseeded rows share one batched draw.
-Greedy rows (T == 0) take ``argmax(logits)``.
+Drawing is one batched call of ``polyrl.kernels.sample_tokens`` for the whole batch: a Gumbel-max
+``argmax(z + G)`` (an exact categorical draw) whose noise ``G`` is a hash of (seed, offset, vocab index).
+A seeded request's row uses ``seed = sample_seed(params.seed, index)`` and ``offset`` = the tokens that
+sequence has generated so far, so its tokens depend neither on the rest of the batch nor on its position
+in it, and a preempted-and-recomputed sequence draws the same tokens again. Unseeded rows share one seed
+drawn per step from torch's global RNG (plus the row index). Rows with top-k / top-p / min-p are masked
+first in torch (``apply_top_k_top_p_min_p`` on ``z``) and then drawn by the same kernel at T = 1, so the
+noise comes from the same hash. Greedy rows (T == 0) take ``argmax(logits)``.
 
 This module does not decide when a sequence stops; it only applies the min_tokens mask it is given.
 """
@@ -20,8 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
+from polyrl import kernels
 from polyrl.infer.sampling_params import sample_seed
 from polyrl.infer.sequence import Sequence
+
+SEED_RANGE = 2**62  # unseeded rows: base seed in [0, 2^62) plus the row index stays a valid int64
 
 
 @dataclass
@@ -61,81 +67,106 @@ def apply_top_k_top_p_min_p(
     return torch.empty_like(z).scatter_(-1, order, sorted_z)
 
 
-def _generator(seq: Sequence, device: torch.device) -> torch.Generator:
-    if seq.generator is None:
-        g = torch.Generator(device=device)
-        g.manual_seed(sample_seed(seq.params.seed, seq.index))
-        seq.generator = g
-    return seq.generator
+@dataclass
+class _Rows:
+    """The per-row parameters of one step as [B] tensors on the logits' device."""
+
+    temps: torch.Tensor  # fp32, 1 on greedy rows
+    inv_temps: torch.Tensor  # fp32 1 / temps, as the kernel computes it
+    seeds: torch.Tensor  # int64
+    offsets: torch.Tensor  # int64
+    greedy: torch.Tensor  # bool
+
+
+def _row_tensors(seqs: list[Sequence], dev: torch.device) -> _Rows:
+    params = [s.params for s in seqs]
+    temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    seeds = [sample_seed(p.seed, s.index) if p.seed is not None else -1 for s, p in zip(seqs, params)]
+    greedy = [int(p.greedy) for p in params]
+    if any(sd < 0 and not g for sd, g in zip(seeds, greedy)):
+        base = int(torch.randint(0, SEED_RANGE, (1,)).item())
+        seeds = [sd if sd >= 0 else base + b for b, sd in enumerate(seeds)]
+    ints = torch.tensor([seeds, [s.num_generated for s in seqs], greedy], dtype=torch.int64).to(dev)  # [3, B]
+    t = torch.tensor(temps, dtype=torch.float32).to(dev)
+    return _Rows(t, 1.0 / t, ints[0], ints[1], ints[2].bool())
+
+
+def _suppress_mask(logits: torch.Tensor, suppress: list[list[int] | None] | None) -> tuple[torch.Tensor, list[int]]:
+    """(logits with each row's suppressed ids at -inf, the rows that had any)."""
+    if not suppress or not any(suppress):
+        return logits, []
+    V = logits.shape[1]
+    rows, cols, hit = [], [], []
+    for b, ids in enumerate(suppress):
+        ids = [t for t in ids or () if 0 <= t < V]
+        if ids:
+            hit.append(b)
+            rows += [b] * len(ids)
+            cols += ids
+    if not hit:
+        return logits, []
+    masked = logits.clone()
+    masked[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+    return masked, hit
+
+
+def _truncation(seqs: list[Sequence], idx: list[int], dev: torch.device):
+    """(top_k, top_p, min_p) [len(idx)] tensors or None for the truncated rows ``idx``."""
+    ps = [seqs[b].params for b in idx]
+    top_k = top_p = min_p = None
+    if any(p.uses_top_k for p in ps):
+        top_k = torch.tensor([p.top_k if p.uses_top_k else 0 for p in ps], dtype=torch.int64).to(dev)
+    if any(p.uses_top_p for p in ps):
+        top_p = torch.tensor([p.top_p if p.uses_top_p else 1.0 for p in ps], dtype=torch.float32).to(dev)
+    if any(p.uses_min_p for p in ps):
+        min_p = torch.tensor([p.min_p if p.uses_min_p else 0.0 for p in ps], dtype=torch.float32).to(dev)
+    return top_k, top_p, min_p
 
 
 class Sampler:
-    """Stateless apart from the per-sequence generators it stores on the sequences."""
+    """Stateless: everything a row's draw depends on is in its sequence (seed, index, tokens generated)."""
 
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence], suppress: list[list[int] | None] | None = None
     ) -> SamplerOutput:
         """``logits`` fp32 ``[B, V]`` for ``seqs``; ``suppress[b]`` are token ids to forbid in row b (min_tokens)."""
-        B, V = logits.shape
         dev = logits.device
         logits = logits.float()
-        params = [s.params for s in seqs]
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev)
-        z = logits / temps[:, None]
-        report = torch.log_softmax(z, dim=-1)  # [B, V] the reported distribution
+        rows = _row_tensors(seqs, dev)
+        inp, suppressed = _suppress_mask(logits, suppress)
+        temps = rows.temps
+        trunc = [b for b, s in enumerate(seqs) if s.params.uses_top_k or s.params.uses_top_p or s.params.uses_min_p]
+        if trunc:
+            # Truncated rows enter the kernel as their masked z at T = 1 (z * 1 == z, same noise, same draw).
+            idx = torch.tensor(trunc, device=dev)
+            z = apply_top_k_top_p_min_p(inp[idx] * rows.inv_temps[idx, None], *_truncation(seqs, trunc, dev))
+            inp = inp.clone() if inp is logits else inp
+            inp[idx] = z
+            temps = temps.index_fill(0, idx, 1.0)
+        tokens, logprobs = kernels.sample_tokens(inp, temps, rows.seeds, rows.offsets, rows.greedy)
+        fix = sorted(set(trunc) | set(suppressed))
+        if fix:
+            # The kernel's log-prob is of what it was handed; these rows report the unmasked distribution.
+            idx = torch.tensor(fix, device=dev)
+            z = logits[idx] * rows.inv_temps[idx, None]
+            lp = z.gather(-1, tokens[idx, None])[:, 0] - torch.logsumexp(z, dim=-1)
+            logprobs = logprobs.index_copy(0, idx, lp)
+        top = self._top_logprobs(logits, rows.inv_temps, seqs)
+        return SamplerOutput(tokens.tolist(), logprobs.tolist(), top)
 
-        greedy = [p.greedy for p in params]
-        masked = logits
-        if suppress is not None and any(suppress):
-            rows, cols = [], []
-            for b, ids in enumerate(suppress):
-                for t in ids or ():
-                    if 0 <= t < V:
-                        rows.append(b)
-                        cols.append(t)
-            if rows:
-                masked = logits.clone()
-                masked[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
-                z = masked / temps[:, None]
-
-        if all(greedy):
-            tokens = masked.argmax(dim=-1)
-        else:
-            tokens = self._sample(z, masked, seqs, greedy)
-        chosen = report.gather(-1, tokens[:, None])[:, 0]
-        top = self._top_logprobs(report, params)
-        return SamplerOutput(tokens.tolist(), chosen.tolist(), top)
-
-    def _sample(self, z: torch.Tensor, masked: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
-        dev = z.device
-        params = [s.params for s in seqs]
-        top_k = top_p = min_p = None
-        if any(p.uses_top_k for p in params):
-            top_k = torch.tensor([p.top_k if p.uses_top_k else 0 for p in params], device=dev, dtype=torch.int64)
-        if any(p.uses_top_p for p in params):
-            top_p = torch.tensor([p.top_p if p.uses_top_p else 1.0 for p in params], device=dev)
-        if any(p.uses_min_p for p in params):
-            min_p = torch.tensor([p.min_p if p.uses_min_p else 0.0 for p in params], device=dev)
-        z = apply_top_k_top_p_min_p(z, top_k, top_p, min_p)
-        probs = torch.softmax(z, dim=-1)
-        noise = torch.empty_like(probs).exponential_()
-        for b, s in enumerate(seqs):
-            if s.params.seed is not None and not greedy[b]:
-                noise[b].exponential_(generator=_generator(s, dev))
-        sampled = (probs / noise).argmax(dim=-1)
-        if any(greedy):
-            g = torch.tensor(greedy, device=dev)
-            sampled = torch.where(g, masked.argmax(dim=-1), sampled)
-        return sampled
-
-    def _top_logprobs(self, report: torch.Tensor, params) -> list[dict[int, float] | None]:
-        ks = [p.logprobs or 0 for p in params]
-        kmax = max(ks)
+    def _top_logprobs(
+        self, logits: torch.Tensor, inv_temps: torch.Tensor, seqs: list[Sequence]
+    ) -> list[dict[int, float] | None]:
+        ks = [s.params.logprobs or 0 for s in seqs]
+        kmax = max(ks, default=0)
         if kmax == 0:
-            return [None] * len(params)
+            return [None] * len(seqs)
+        want = [b for b, k in enumerate(ks) if k]
+        idx = torch.tensor(want, device=logits.device)
+        report = torch.log_softmax(logits[idx] * inv_temps[idx, None], dim=-1)
         vals, ids = report.topk(kmax, dim=-1)
         vals, ids = vals.tolist(), ids.tolist()
-        return [
-            dict(zip(ids[b][:k], vals[b][:k])) if k else ({} if params[b].logprobs is not None else None)
-            for b, k in enumerate(ks)
-        ]
+        out: list[dict[int, float] | None] = [{} if s.params.logprobs is not None else None for s in seqs]
+        for j, b in enumerate(want):
+            out[b] = dict(zip(ids[j][: ks[b]], vals[j][: ks[b]]))
+        return out

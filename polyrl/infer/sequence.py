@@ -76,7 +76,6 @@ class Sequence:
         "cumulative_logprob",
         "finish_reason",
         "stop_reason",
-        "generator",
         "detok",
         "stream",
         "emitted_tokens",
@@ -110,7 +109,6 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.generator: Any = None  # torch.Generator when the request is seeded (created lazily)
         self.detok: Any = None  # IncrementalDetokenizer when stop strings or streaming need text
         self.stream = stream
         self.emitted_tokens = 0

@@ -1,5 +1,5 @@
-"""Sampler: top-k / top-p / min-p masks, greedy, reported log-probs, seeds independent of the batch,
-and validation of SamplingParams."""
+"""Sampler: top-k / top-p / min-p masks, greedy, reported log-probs, hash-seeded draws (independent of the
+batch, reproducible from (seed, index, tokens generated)), and validation of SamplingParams."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import torch
 
 from polyrl.errors import UserError
 from polyrl.infer.sampler import Sampler, apply_top_k_top_p_min_p
-from polyrl.infer.sampling_params import SamplingParams
+from polyrl.infer.sampling_params import SamplingParams, sample_seed
 from polyrl.infer.sequence import Sequence
+from polyrl.kernels.sampling.reference import gumbel_noise
 
 PROBS = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
 LOGITS = PROBS.log()
@@ -69,30 +70,72 @@ def test_temperature_and_greedy_logprobs():
     assert torch.allclose(torch.tensor(hot.logprobs), want, atol=1e-6)
 
 
-def test_seeded_rows_do_not_depend_on_batch_composition():
+def _stream(mine: Sequence, logits: torch.Tensor, others: list[Sequence], steps: int, first: bool) -> list[int]:
+    """Generate ``steps`` tokens for ``mine`` batched with ``others`` (appending every row's token)."""
+    for _ in range(steps):
+        batch = [mine] + others if first else others + [mine]
+        out = Sampler()(logits.repeat(len(batch), 1), batch)
+        for s, t in zip(batch, out.tokens):
+            s.tokens.append(t)
+    return mine.output_token_ids
+
+
+def test_seeded_rows_do_not_depend_on_batch_composition_or_order():
     v = 50
     logits = torch.randn(1, v, generator=torch.Generator().manual_seed(1))
     params = SamplingParams(temperature=1.0, seed=1234)
-
-    def draw(extra_rows: int, steps: int = 20) -> list[int]:
-        mine = seqs(params)[0]
-        others = seqs(SamplingParams(temperature=1.0), extra_rows)
-        got = []
-        for _ in range(steps):
-            batch = others + [mine] if extra_rows % 2 else [mine] + others
-            rows = logits.repeat(len(batch), 1)
-            out = Sampler()(rows, batch)
-            got.append(out.tokens[batch.index(mine)])
-        return got
-
-    alone = draw(0)
-    assert draw(3) == alone and draw(8) == alone
+    alone = _stream(seqs(params)[0], logits, [], 20, True)
+    mixed = [*seqs(SamplingParams(temperature=1.0), 3), *seqs(SamplingParams(temperature=0.7, top_k=5, seed=5), 2)]
+    assert _stream(seqs(params)[0], logits, mixed, 20, False) == alone
+    assert _stream(seqs(params)[0], logits, seqs(SamplingParams(temperature=0), 8), 20, True) == alone
     assert len(set(alone)) > 3  # it really samples
-    other_seed = Sampler()(logits.repeat(20, 1), [seqs(SamplingParams(seed=99))[0] for _ in range(20)]).tokens
-    assert other_seed != alone
+    assert _stream(seqs(SamplingParams(seed=99))[0], logits, [], 20, True) != alone
     # Sample i of n gets its own stream: sample 1 differs from sample 0 with the same seed.
-    s1 = seqs(params, index=1)[0]
-    assert [Sampler()(logits, [s1]).tokens[0] for _ in range(20)] != alone
+    assert _stream(seqs(params, index=1)[0], logits, [], 20, True) != alone
+
+
+def test_same_seed_and_offset_give_the_same_token_and_match_the_hash():
+    v = 40
+    logits = torch.randn(1, v, generator=torch.Generator().manual_seed(2)) * 2
+    params = SamplingParams(temperature=0.8, seed=7)
+    a = seqs(params, index=2)[0]
+    stream = _stream(a, logits, [], 12, True)
+    # A recomputed / resumed sequence with the same generated prefix draws the same next tokens.
+    b = seqs(params, index=2)[0]
+    b.tokens += stream[:5]
+    assert _stream(b, logits, [], 7, True) == stream
+    # The token is the Gumbel-max of z with the hash noise at (sample_seed(seed, index), tokens generated).
+    z = logits * (1.0 / torch.tensor(0.8))
+    for off in (0, 5, 11):
+        g = gumbel_noise(torch.tensor([sample_seed(7, 2)]), torch.tensor([off]), v)
+        assert stream[off] == int((z + g).argmax()), off
+
+
+def test_truncated_rows_use_the_same_hash_noise():
+    v = 30
+    logits = torch.randn(1, v, generator=torch.Generator().manual_seed(3))
+    params = SamplingParams(temperature=1.3, top_p=0.8, top_k=10, seed=11)
+    alone = _stream(seqs(params)[0], logits, [], 15, True)
+    mixed = _stream(seqs(params)[0], logits, seqs(SamplingParams(temperature=1.0, seed=3), 4), 15, False)
+    assert mixed == alone
+    z = logits / 1.3
+    zt = apply_top_k_top_p_min_p(z, torch.tensor([10]), torch.tensor([0.8]), None)
+    for off, tok in enumerate(alone):
+        g = gumbel_noise(torch.tensor([sample_seed(11, 0)]), torch.tensor([off]), v)
+        assert tok == int((zt + g).argmax())
+        assert torch.isfinite(zt[0, tok])  # inside the nucleus
+
+
+def test_unseeded_rows_vary():
+    v = 50
+    logits = torch.zeros(1, v)  # uniform: 64 rows of one step all equal would be a (1/50)^63 event
+    torch.manual_seed(0)
+    first = Sampler()(logits.repeat(64, 1), seqs(SamplingParams(temperature=1.0), 64)).tokens
+    assert len(set(first)) > 20
+    again = Sampler()(logits.repeat(64, 1), seqs(SamplingParams(temperature=1.0), 64)).tokens
+    assert again != first  # a fresh seed per step, even at the same offsets
+    torch.manual_seed(0)
+    assert Sampler()(logits.repeat(64, 1), seqs(SamplingParams(temperature=1.0), 64)).tokens == first
 
 
 def test_suppressed_tokens_and_top_logprobs():
@@ -129,3 +172,25 @@ def test_invalid_params_raise_user_errors(kw):
 def test_params_normalise_stop():
     p = SamplingParams(stop="###")
     assert p.stop == ["###"] and p.max_stop_len == 3
+
+
+def test_mixed_batch_reports_unmasked_logprobs():
+    v = 20
+    logits = torch.randn(4, v, generator=torch.Generator().manual_seed(4)) * 2
+    batch = [
+        *seqs(SamplingParams(temperature=0, logprobs=3)),
+        *seqs(SamplingParams(temperature=0.6, top_k=4, seed=1)),
+        *seqs(SamplingParams(temperature=1.5, min_p=0.1, logprobs=0)),
+        *seqs(SamplingParams(temperature=0.9, seed=2)),
+    ]
+    banned = logits.argmax(-1).tolist()  # forbid each row's top token in rows 0 and 1
+    out = Sampler()(logits, batch, suppress=[[banned[0]], [banned[1]], None, None])
+    assert out.tokens[0] == int(logits[0].masked_fill(torch.arange(v) == banned[0], -1e9).argmax())
+    assert out.tokens[1] != banned[1] and out.tokens[1] in logits[1].topk(4).indices.tolist()
+    temps = torch.tensor([1.0, 0.6, 1.5, 0.9])[:, None]
+    want = torch.log_softmax(logits / temps, -1).gather(-1, torch.tensor(out.tokens)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(out.logprobs), want, atol=1e-5)
+    assert out.top_logprobs[1] is None and out.top_logprobs[2] == {} and out.top_logprobs[3] is None
+    top0 = torch.log_softmax(logits[0], -1).topk(3)
+    assert list(out.top_logprobs[0]) == top0.indices.tolist()
+    assert torch.allclose(torch.tensor(list(out.top_logprobs[0].values())), top0.values, atol=1e-6)
