@@ -8,7 +8,9 @@ importable; otherwise skipped with the reason), plus op-specific ones (SDPA flas
 materialised-logits loss for linear_cross_entropy / token_logprobs, dense SDPA for paged decode).
 Targets of issue 3 are evaluated in the same run: rmsnorm/swiglu/rope >= 85% of the measured copy
 bandwidth, attention at least as fast as SDPA flash, fused losses <= 1/8 the memory and <= 1.1x the time
-of the materialised version, paged decode >= 70% of copy bandwidth.
+of the materialised version, paged decode >= 70% of copy bandwidth. ``sampling`` compares the fused
+``sample_tokens`` (and the whole ``Sampler`` call) with the old torch path (softmax + exponential_ per seeded
+row + argmax + log_softmax gather).
 
 On the CPU it still runs (tiny preset, small ``--tokens``) so a test can smoke it; the numbers mean little
 there. Deliberately not here: correctness (``polyrl validate ops``), end-to-end model benchmarks.
@@ -414,6 +416,56 @@ def bench_tlp(ctx: Ctx) -> list[Case]:
         c.name = {"eager": "materialised"}.get(c.name, c.name)
     return [Case("token_logprobs", f"fwd+bwd +entropy T={t} H={h} V={v}", cands, target=_loss_target,
                  extra={"impl": _impl_name("token_logprobs", hid)}, base="materialised")]  # fmt: skip
+
+
+@bench("sampling")
+def bench_sampling(ctx: Ctx) -> list[Case]:
+    """Next-token sampling of a rollout decode step: B = min(512, tokens) rows of fp32 logits over the vocab."""
+    import polyrl.kernels as K
+    from polyrl.infer.sampler import Sampler
+    from polyrl.infer.sampling_params import SamplingParams
+    from polyrl.infer.sequence import Sequence
+
+    b, v = min(512, ctx.tokens), ctx.shape["vocab"]
+    logits = torch.randn(b, v, device=ctx.device, dtype=torch.float32) * 3
+    temps = torch.full((b,), 0.9, device=ctx.device)
+    seeds = torch.arange(b, device=ctx.device, dtype=torch.int64) + 1234
+    offsets = torch.full((b,), 100, device=ctx.device, dtype=torch.int64)
+    greedy = torch.zeros(b, dtype=torch.bool, device=ctx.device)
+    gens = [torch.Generator(device=ctx.device).manual_seed(i) for i in range(b)]
+    seqs = [Sequence(i, "r", i, [0], SamplingParams(temperature=0.9, seed=i)) for i in range(b)]
+
+    def old_style(per_row_generators: bool):
+        # The pre-kernel sampler: log_softmax for the report, softmax, Exp(1) noise (one torch.Generator per
+        # seeded row), exponential race, gather.
+        def run():
+            z = logits / temps[:, None]
+            report = torch.log_softmax(z, dim=-1)
+            probs = torch.softmax(z, dim=-1)
+            noise = torch.empty_like(probs).exponential_()
+            if per_row_generators:
+                for row, g in enumerate(gens):
+                    noise[row].exponential_(generator=g)
+            tok = (probs / noise).argmax(dim=-1)
+            return tok, report.gather(-1, tok[:, None])[:, 0]
+
+        return run
+
+    sampler = Sampler()
+    cands = [
+        _try("polyrl", lambda: forward_only(K.sample_tokens, [logits, temps, seeds, offsets, greedy])),
+        _try("polyrl_sampler", lambda: forward_only(lambda: sampler(logits, seqs), [])),
+        _try("old_batched", lambda: forward_only(old_style(False), [])),
+        _try("old_seeded", lambda: forward_only(old_style(True), [])),
+    ]
+
+    def target(rows, ctx):
+        p, o = rows.get("polyrl", {}).get("ms"), rows.get("old_batched", {}).get("ms")
+        return "time <= old batched path", (None if p is None or o is None else p <= o)
+
+    # polyrl_sampler: the whole Sampler call (host lists, [B] tensors, kernel, .tolist()) for B seeded rows.
+    return [Case("sampling", f"decode step B={b} V={v} fp32, all rows seeded", cands, bytes_moved=4.0 * b * v,
+                 target=target, extra={"impl": _impl_name("sample_tokens", logits)}, base="old_seeded")]  # fmt: skip
 
 
 # --- running and printing ----------------------------------------------------------------------------
