@@ -16,6 +16,11 @@ algorithms layer so the RL loop below the trainer can use it).
   weight sync. With ``release_kv`` the KV cache exists only while rolling out (``llm.reallocate()`` before,
   ``llm.release()`` after), which also gives every rollout the same fresh block state (reproducible batches).
   ``reference=True`` keeps a frozen copy of the initial weights (``ref_model``) for a KL penalty.
+- Data-parallel (``world`` of ``polyrl.train.parallel``, under torchrun): the trained model is FSDP2-sharded, so the
+  rollout engine runs a plain full copy in the compute dtype (``rollout_net``, refreshed in place after every
+  optimizer step with one all-gather per tensor), each rank generates for its share of the prompts and every rank
+  gets all samples back (``generate_data_parallel``). Log-prob recomputes run on that plain copy too (same weights
+  and kernels as the FSDP forward, no collectives, so ranks may hold different numbers of micro-batches there).
 
 Deliberately not here: rewards, advantages, losses, the run loop (``polyrl.algorithms.online``).
 """
@@ -160,6 +165,24 @@ def _pack(samples: Sequence[Sample], ids: list[int], fields: dict[str, Sequence[
     )
 
 
+def padding_batch(like: RLBatch, keys: Sequence[str] | None = None) -> RLBatch:
+    """A micro-batch with ``like``'s tokens but no target token (mask 0, labels -100, every field 0; ``keys``: the
+    fields, default ``like``'s): it runs forward and backward (so a data-parallel rank with fewer micro-batches still
+    joins every FSDP collective) and adds exactly 0 to the loss and its gradients."""
+    return RLBatch(
+        input_ids=like.input_ids,
+        labels=torch.full_like(like.labels, -100),
+        position_ids=like.position_ids,
+        cu_seqlens=like.cu_seqlens,
+        max_seqlen=like.max_seqlen,
+        num_target_tokens=0,
+        mask=torch.zeros_like(like.mask),
+        seq_index=like.seq_index,
+        sample_ids=list(like.sample_ids),
+        fields={k: torch.zeros_like(like.mask) for k in (like.fields if keys is None else keys)},
+    )
+
+
 def completion_logprobs(
     model: nn.Module, batch: RLBatch, temperature: float = 1.0, entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -195,6 +218,7 @@ class ColocatedPolicy:
         total_steps: int | None = None,
         release_kv: bool = True,
         reference: bool = False,
+        world: Any = None,
     ) -> None:
         from polyrl.infer import LLM
         from polyrl.train import ScheduleConfig, TrainEngine
@@ -203,12 +227,22 @@ class ColocatedPolicy:
             schedule = ScheduleConfig(decay="constant")  # an open-ended Python session has no length
         self.model = model
         self._tokenizer = tokenizer
-        initial = copy.deepcopy(model) if reference else None  # before any update or hook: the initial weights
-        self.engine = TrainEngine(model, optim, schedule, precision, engine, total_steps)
-        self.ref_model: nn.Module | None = None
-        if initial is not None:
-            self.ref_model = initial.to(self.engine.compute_dtype).eval().requires_grad_(False)
-        self.llm = LLM(model, tokenizer, rollout)  # built after the cast: KV cache in the compute dtype
+        self.world = world if world is not None and world.distributed else None
+        if self.world is None:
+            initial = copy.deepcopy(model) if reference else None  # before any update or hook: the initial weights
+            self.engine = TrainEngine(model, optim, schedule, precision, engine, total_steps)
+            self.rollout_net = model  # colocated: the very tensors the optimizer updates
+            self.ref_model: nn.Module | None = None
+            if initial is not None:
+                self.ref_model = initial.to(self.engine.compute_dtype).eval().requires_grad_(False)
+        else:
+            from polyrl.train.parallel import rollout_model
+
+            self.engine = TrainEngine(model, optim, schedule, precision, engine, total_steps, world=self.world)
+            dtype = self.engine.compute_dtype
+            self.rollout_net = rollout_model(model, dtype).requires_grad_(False)
+            self.ref_model = rollout_model(model, dtype).requires_grad_(False) if reference else None
+        self.llm = LLM(self.rollout_net, tokenizer, rollout)  # built after the cast: KV cache in the compute dtype
         self.release_kv = release_kv
         if release_kv:
             self.llm.release()
@@ -249,16 +283,21 @@ class ColocatedPolicy:
         base = (sampling or SamplingParams()).clone(n=n)
         plist = [base.clone(seed=int(s)) for s in seeds] if seeds is not None else [base] * len(prompts)
         ids = [self.encode(p) for p in prompts]
-        was_training = self.model.training
-        self.model.eval()
+        was_training = self.rollout_net.training
+        self.rollout_net.eval()
         if not self.llm.kv.allocated:
             self.llm.reallocate()
         try:
-            outs = self.llm.generate(ids, plist)
+            if self.world is not None:
+                from polyrl.train.parallel import generate_data_parallel
+
+                outs = generate_data_parallel(self.llm, ids, plist, self.world)
+            else:
+                outs = self.llm.generate(ids, plist)
         finally:
             if self.release_kv:
                 self.llm.release()
-            self.model.train(was_training)
+            self.rollout_net.train(was_training)
         samples = []
         for g, out in enumerate(outs):
             for c in out.outputs:
@@ -280,8 +319,9 @@ class ColocatedPolicy:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Per sample: the completion tokens' log-probs (fp32 CPU ``[c]``) under ``model`` (default the policy) and,
         with ``entropy``, the entropies. Pass the training ``batches`` to recompute with the exact packing the loss
-        will use (so an unchanged model gives a ratio of exactly 1)."""
-        model = model or self.model
+        will use (so an unchanged model gives a ratio of exactly 1). Data-parallel: the default model is the plain
+        full copy (``rollout_net``); samples in no given batch get None."""
+        model = model or (self.rollout_net if self.world is not None else self.model)
         was_training = model.training
         model.eval()
         batches = batches if batches is not None else pack_samples(samples, max_tokens=self.micro_batch_tokens)
@@ -305,25 +345,43 @@ class ColocatedPolicy:
     ) -> Any:
         """One optimizer step (``TrainEngine.step``); the rollout engine's prefix cache is reset afterwards."""
         stats = self.engine.step(list(batches), loss_fn, normalizer)
+        if self.world is not None:
+            from polyrl.train.parallel import sync_rollout_weights
+
+            sync_rollout_weights(self.model, self.rollout_net)
         self.llm.reset_prefix_cache()
         return stats
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def save(self, root: str | Path, step: int, data_state: dict | None = None, config: Any = None) -> Path:
-        """Atomic checkpoint ``<root>/step-%08d`` (weights, optimizer, RNG, counters, ``data_state``)."""
+        """Atomic checkpoint ``<root>/step-%08d`` (weights, optimizer, RNG, counters, ``data_state``); sharded
+        (every rank writes its shards, collective) when data-parallel."""
         from polyrl.train import save_checkpoint
 
+        if self.world is not None:
+            from polyrl.train.parallel import save_sharded_checkpoint
+
+            return save_sharded_checkpoint(
+                root, step, self.model, self.engine, self.world, data_state=data_state, config=config
+            )
         return save_checkpoint(
             root, step, self.model, self.engine, data_state=data_state, config=config, tokenizer=self._tokenizer
         )
 
     def load(self, path: str | Path) -> Any:
-        """Restore a checkpoint in place (parameter tensors keep their identity); returns ``LoadedCheckpoint``."""
+        """Restore a checkpoint in place (parameter tensors keep their identity); returns ``LoadedCheckpoint``.
+        One-process and sharded checkpoints load at any world size."""
         from polyrl.train import load_checkpoint
+        from polyrl.train import parallel as par
 
-        loaded = load_checkpoint(path, self.model, self.engine)
+        if self.world is not None or par.is_sharded_checkpoint(path):
+            loaded = par.load_any_checkpoint(path, self.model, self.engine, self.world)
+            if self.world is not None:
+                par.sync_rollout_weights(self.model, self.rollout_net)
+        else:
+            loaded = load_checkpoint(path, self.model, self.engine)
         self.llm.reset_prefix_cache()
         return loaded
 
 
-__all__ = ["ColocatedPolicy", "RLBatch", "Sample", "completion_logprobs", "pack_samples"]
+__all__ = ["ColocatedPolicy", "RLBatch", "Sample", "completion_logprobs", "pack_samples", "padding_batch"]

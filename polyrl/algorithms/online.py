@@ -16,6 +16,13 @@ One RL step, each stage a method of ``OnlineRun`` so an algorithm can override o
    reward / logprob / train), evaluation every ``train.eval_every`` steps on held-out prompts (greedy mean reward and
    exact-match accuracy), atomic checkpoints with the data position (exact resume), ``metrics.png``, summary.
 
+Under torchrun (``polyrl train --nproc-per-node N``) the policy is FSDP2-sharded and the run is data-parallel: the
+prompt stream, the seeds and so the sampled tokens are the same as in one process; each rank generates for its
+share of the prompts (``ColocatedPolicy`` with a ``world``), rank 0 scores every sample and broadcasts the rewards,
+every rank computes the same advantages and mini-batches and trains on its strided share of each mini-batch
+(padded with zero-weight micro-batches so every rank joins every FSDP collective), normalised by the global token
+count; metrics are reduced over ranks; rank 0 logs; checkpoints are sharded and resume at any world size.
+
 ``hooks`` (e.g. ``grpo.GroupRelative``) provide ``needs_reference``, ``advantages(rewards, groups) -> (adv, keep,
 metrics)``, ``normalizer(tokens, sequences)`` and ``make_loss(tokens_in_step, normalizer)``. ``OnlineConfig`` holds
 the settings every online algorithm shares; an algorithm's ``[table]`` subclasses it. Not here: loss math
@@ -141,9 +148,15 @@ class OnlineRun:
         from polyrl.infer import SamplingParams
         from polyrl.models.checkpoint import load_model, load_tokenizer
         from polyrl.platform import device
+        from polyrl.train import parallel as par
 
         self.cfg, self.hooks, self.a = cfg, hooks, cfg.algo_config
+        self.world = par.init_world()
         self.stream_out = stream or sys.stdout
+        if not self.world.is_main:
+            import os
+
+            self.stream_out = open(os.devnull, "w")  # noqa: SIM115 - one report, from rank 0
         self.out = Path(cfg.out)
         self.t_start = time.perf_counter()
         self.start_point = resume_point(cfg)
@@ -169,11 +182,17 @@ class OnlineRun:
             f"steps of {self.a.prompts_per_step} prompts x {self.a.samples_per_prompt} samples, "
             f"{self.a.ppo_epochs * self.a.mini_batches} optimizer step(s) each; reward {self.a.reward!r}"
         )
-        self.out.mkdir(parents=True, exist_ok=True)
-        from polyrl.algorithms.config import save_resolved
+        if self.world.is_main:
+            from polyrl.algorithms.config import save_resolved
 
-        save_resolved(cfg, self.out)
-        model = load_model(cfg.model, dtype=torch.float32, device=device.torch_device())
+            self.out.mkdir(parents=True, exist_ok=True)
+            save_resolved(cfg, self.out)
+        dev = self.world.device if self.world.distributed else device.torch_device()
+        model = load_model(cfg.model, dtype=torch.float32, device=dev)
+        if self.world.distributed:
+            from polyrl.train import resolve_compute_dtype
+
+            par.shard_model(model, self.world, resolve_compute_dtype(cfg.precision, dev.type))
         self.policy = ColocatedPolicy(
             model,
             self.tokenizer,
@@ -185,11 +204,14 @@ class OnlineRun:
             total_steps=self.steps * self.a.ppo_epochs * self.a.mini_batches,
             release_kv=self.a.release_kv,
             reference=hooks.needs_reference,
+            world=self.world,
         )
         self.sampling = SamplingParams(
             temperature=self.a.temperature, top_p=self.a.top_p, max_tokens=self.a.max_new_tokens
         )
-        self.pool = RewardPool(self.a.reward, self.a.reward_workers, self.a.reward_timeout, self.a.failure_reward)
+        self.pool = None  # rank 0 scores every sample (one set of reward workers per run)
+        if self.world.is_main:
+            self.pool = RewardPool(self.a.reward, self.a.reward_workers, self.a.reward_timeout, self.a.failure_reward)
         self.data = PromptStream(len(self.prompts), cfg.data.seed)
         self.start = 0
         if self.start_point is not None:
@@ -252,7 +274,8 @@ class OnlineRun:
         if "prompts" not in loaded.data_state:
             raise CheckpointError(f"{self.start_point} has no prompt position; it was not written by an online run")
         self.data.load_state_dict(loaded.data_state["prompts"])
-        self.pool.totals.update(loaded.data_state.get("reward_failures", {}))
+        if self.pool is not None:
+            self.pool.totals.update(loaded.data_state.get("reward_failures", {}))
         self.start = loaded.step
         if self.start > self.steps:
             raise ConfigError(
@@ -263,7 +286,44 @@ class OnlineRun:
         self.print(f"resumed from {self.start_point} at step {self.start}{note}")
 
     def data_state(self) -> dict[str, Any]:
-        return {"prompts": self.data.state_dict(), "reward_failures": dict(self.pool.totals)}
+        failures = dict(self.pool.totals) if self.pool is not None else {}
+        return {"prompts": self.data.state_dict(), "reward_failures": failures}
+
+    # ---- data-parallel helpers (one process: identities) ------------------------------------------
+    def score(self, texts: list[str], views: list[dict]) -> Any:
+        """Rewards of ``texts``: scored by rank 0's pool, the same ``RewardResult`` on every rank."""
+        res = self.pool.score(texts, views) if self.pool is not None else None
+        return self.world.broadcast_object(res) if self.world.distributed else res
+
+    def share(self, ids: list[int]) -> list[int]:
+        """This rank's part of a mini-batch (sample ids): every ``world_size``-th, from ``rank``."""
+        return ids[self.world.rank :: self.world.world_size] if self.world.distributed else list(ids)
+
+    def global_stats(self, values: list[torch.Tensor]) -> tuple[float, float]:
+        """(mean, max) of the concatenated ``values`` over every rank (0, 0 when there are none)."""
+        x = torch.cat(values) if values else torch.zeros(0)
+        local = (float(x.sum()), int(x.numel()), float(x.max()) if x.numel() else float("-inf"))
+        parts = self.world.all_gather_object(local) if self.world.distributed else [local]
+        n = sum(p[1] for p in parts)
+        return (sum(p[0] for p in parts) / n, max(p[2] for p in parts)) if n else (0.0, 0.0)
+
+    def even_out(self, batches: list[list[Any]], samples: list[Any], template: int) -> list[list[Any]]:
+        """Pad every mini-batch to the largest micro-batch count over ranks with zero-weight micro-batches
+        (``padding_batch``), so every rank runs the same number of FSDP forwards/backwards."""
+        if not self.world.distributed:
+            return batches
+        from polyrl.algorithms.colocated import pack_samples, padding_batch
+
+        counts = self.world.all_gather_object([len(mb) for mb in batches])
+        keys = next((list(b.fields) for mb in batches for b in mb), [])
+        out = []
+        for k, mb in enumerate(batches):
+            want = max(c[k] for c in counts)
+            if len(mb) < want:
+                like = mb[0] if mb else pack_samples(samples, None, self.policy.micro_batch_tokens, [template])[0]
+                mb = mb + [padding_batch(like, keys) for _ in range(want - len(mb))]
+            out.append(mb)
+        return out
 
     # ---- one step -----------------------------------------------------------------------------------
     def collect(self, step: int) -> tuple[list[Any], list[float], dict[str, float]]:
@@ -275,7 +335,7 @@ class OnlineRun:
             [self.prompt_ids[i] for i in idx], self.a.samples_per_prompt, self.sampling, seeds
         )
         t1 = time.perf_counter()
-        res = self.pool.score([s.text for s in samples], [self.views[idx[s.group]] for s in samples])
+        res = self.score([s.text for s in samples], [self.views[idx[s.group]] for s in samples])
         t2 = time.perf_counter()
         lengths = [len(s.completion_ids) for s in samples]
         m = {
@@ -286,7 +346,7 @@ class OnlineRun:
             "truncated_fraction": _mean([float(s.finish_reason == "length") for s in samples]),
             "rollout_s": t1 - t0,
             "reward_s": t2 - t1,
-            "reward_failures_total": float(sum(self.pool.totals.values())),
+            "reward_failures_total": float(sum(self.pool.totals.values())) if self.pool is not None else 0.0,
             **res.metrics(),
         }
         for msg in res.messages[:1]:
@@ -308,7 +368,8 @@ class OnlineRun:
 
         t0 = time.perf_counter()
         budget = self.policy.micro_batch_tokens
-        groups = self.split(step, keep)
+        groups = [self.share(g) for g in self.split(step, keep)]  # this rank's part of each mini-batch
+        mine = [i for g in groups for i in g]
         plain = [b for g in groups for b in pack_samples(samples, None, budget, g)]
         T = self.a.temperature
         lps, ents = self.policy.logprobs(samples, T, entropy=True, batches=plain)
@@ -316,7 +377,7 @@ class OnlineRun:
         if self.policy.ref_model is not None:
             refs, _ = self.policy.logprobs(samples, T, model=self.policy.ref_model, batches=plain)
         rollout_lp = [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples]
-        diffs = torch.cat([(rollout_lp[i] - lps[i]).abs() for i in keep])
+        mismatch_mean, mismatch_max = self.global_stats([(rollout_lp[i] - lps[i]).abs() for i in mine])
         fields: dict[str, list[Any]] = {"adv": adv, "rollout_logp": [x.tolist() for x in rollout_lp]}
         old = rollout_lp if self.a.old_logprobs == "rollout" else lps
         fields["old_logp"] = [x.tolist() if x is not None else None for x in old]
@@ -327,18 +388,18 @@ class OnlineRun:
                 tis_weights(lps[i], rollout_lp[i], self.a.tis_cap).tolist() if lps[i] is not None else None
                 for i in range(len(samples))
             ]
-        batches = [pack_samples(samples, fields, budget, g) for g in groups]
+        batches = self.even_out([pack_samples(samples, fields, budget, g) for g in groups], samples, keep[0])
         m = {
-            "mismatch_mean": float(diffs.mean()),
-            "mismatch_max": float(diffs.max()),
-            "entropy": float(torch.cat([ents[i] for i in keep]).mean()),
+            "mismatch_mean": mismatch_mean,
+            "mismatch_max": mismatch_max,
+            "entropy": self.global_stats([ents[i] for i in mine])[0],
             "logprob_s": time.perf_counter() - t0,
         }
         if refs is not None:
             from polyrl.algorithms.losses import kl_penalty
 
-            kl = [kl_penalty(lps[i], refs[i], getattr(self.a, "kl_estimator", "k3")) for i in keep]
-            m["kl_before"] = float(torch.cat(kl).mean())
+            kl = [kl_penalty(lps[i], refs[i], getattr(self.a, "kl_estimator", "k3")) for i in mine]
+            m["kl_before"] = self.global_stats(kl)[0]
         return batches, m
 
     def update(self, batches: list[list[Any]]) -> dict[str, float]:
@@ -347,8 +408,10 @@ class OnlineRun:
         recs = []
         for _ in range(self.a.ppo_epochs):
             for mb in batches:
-                tokens = float(sum(b.num_target_tokens for b in mb))
-                norm = self.hooks.normalizer(tokens, sum(b.num_sequences for b in mb))
+                # global counts (every rank's share of the mini-batch); padding micro-batches count 0
+                tokens = self.world.sum_float(sum(b.num_target_tokens for b in mb))
+                seqs = self.world.sum_float(sum(b.num_sequences for b in mb if b.num_target_tokens > 0))
+                norm = self.hooks.normalizer(tokens, int(seqs))
                 loss_fn = self.hooks.make_loss(tokens, norm)
                 recs.append(self.policy.step(mb, loss_fn, norm).to_dict())
         out: dict[str, float] = {}
@@ -376,7 +439,7 @@ class OnlineRun:
         prompts, ids, views = self.eval_set
         params = SamplingParams(temperature=0.0, max_tokens=self.a.eval_max_new_tokens or self.a.max_new_tokens)
         samples = self.policy.rollout(ids, 1, params)
-        res = self.pool.score([s.text for s in samples], views)
+        res = self.score([s.text for s in samples], views)
         out = {"eval_reward": _mean(res.rewards)}
         if all(p.answer is not None for p in prompts):
             out["eval_accuracy"] = _mean([float(check(s.text, p)) for s, p in zip(samples, prompts)])
@@ -408,50 +471,61 @@ class OnlineRun:
         from polyrl.models.checkpoint import save_model
         from polyrl.train import CheckpointManager, MetricsLogger
 
-        cfg = self.cfg
-        ckpts = CheckpointManager(self.out, cfg.checkpoint)
+        cfg, world = self.cfg, self.world
+        ckpts = CheckpointManager(self.out, cfg.checkpoint) if world.is_main else None  # rank 0 cleans stale dirs
+        world.barrier()
+        ckpts = ckpts or CheckpointManager(self.out, cfg.checkpoint)
         series = ("loss", "lr", "grad_norm", *cfg.spec.plot_series)
-        log = MetricsLogger(
-            self.out,
-            self.steps,
-            log_every=cfg.train.log_every,
-            start_step=self.start,
-            plot_series=series,
-            stream=self.stream_out,
-        )
+        log = None
+        if world.is_main:
+            log = MetricsLogger(
+                self.out,
+                self.steps,
+                log_every=cfg.train.log_every,
+                start_step=self.start,
+                plot_series=series,
+                stream=self.stream_out,
+            )
         config_dict = cfg.to_dict()
         model = self.policy.model
+
+        def save(step: int) -> None:
+            if not world.distributed:
+                ckpts.save(
+                    step, model, self.policy.engine, data_state=self.data_state(), config=config_dict,
+                    tokenizer=self.tokenizer,
+                )  # fmt: skip
+                return
+            self.policy.save(ckpts.root, step, data_state=self.data_state(), config=config_dict)
+            if world.is_main:
+                ckpts.prune()
+            world.barrier()
+
         try:
             for step in range(self.start, self.steps):
-                log.log(self.step(step))
+                rec = self.step(step)
+                if log is not None:
+                    log.log(rec)
                 if ckpts.should_save(step + 1) and step + 1 < self.steps:
-                    ckpts.save(
-                        step + 1,
-                        model,
-                        self.policy.engine,
-                        data_state=self.data_state(),
-                        config=config_dict,
-                        tokenizer=self.tokenizer,
-                    )
+                    save(step + 1)
             if ckpts.should_save(self.steps, final=True):
-                ckpts.save(
-                    self.steps,
-                    model,
-                    self.policy.engine,
-                    data_state=self.data_state(),
-                    config=config_dict,
-                    tokenizer=self.tokenizer,
-                )
-            final = (
-                save_model(model, self.out / FINAL_DIR, tokenizer=self.tokenizer)
-                if cfg.train.save_final_model
-                else None
-            )
+                save(self.steps)
+            final = None
+            if cfg.train.save_final_model and world.distributed:
+                from polyrl.train.parallel import export_hf
+
+                final = export_hf(model, world, self.out / FINAL_DIR, tokenizer=self.tokenizer)
+            elif cfg.train.save_final_model:
+                final = save_model(model, self.out / FINAL_DIR, tokenizer=self.tokenizer)
         except BaseException as exc:
-            log.close(extra={"status": f"failed: {type(exc).__name__}"}, print_table=False)
+            if log is not None:
+                log.close(extra={"status": f"failed: {type(exc).__name__}"}, print_table=False)
             raise
         finally:
-            self.pool.close()
+            if self.pool is not None:
+                self.pool.close()
+        if log is None:
+            return {"status": "finished", "rank": world.rank}
         h = log.history
         rewards = [r["reward"] for r in h if "reward" in r]
         k = max(1, min(5, len(rewards) // 4 or 1))
@@ -463,6 +537,7 @@ class OnlineRun:
             "reward_first": _mean(rewards[:k]) if rewards else None,
             "reward_last": _mean(rewards[-k:]) if rewards else None,
             "reward_failures": dict(self.pool.totals),
+            "world_size": world.world_size,
             "final_model": str(final) if final is not None else None,
         }
         for key in ("eval_reward", "eval_accuracy"):
@@ -476,7 +551,13 @@ class OnlineRun:
 
 def run_online(cfg: Any, hooks: Any, stream: Any = None) -> dict[str, Any]:
     """Train ``cfg`` (a ``RunConfig`` whose ``algo_config`` is an ``OnlineConfig``) with ``hooks``; the summary."""
-    return OnlineRun(cfg, hooks, stream).run()
+    try:
+        return OnlineRun(cfg, hooks, stream).run()
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 __all__ = ["OnlineConfig", "OnlineRun", "PromptStream", "rollout_seed", "run_online"]

@@ -339,7 +339,14 @@ class PPORun(OnlineRun):
 
 
 def run(cfg: Any) -> dict[str, Any]:
-    """``polyrl train --algo ppo``."""
+    """``polyrl train --algo ppo`` (one process; the critic is not sharded yet, so not under torchrun with N > 1)."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(
+            "ppo does not run data-parallel yet (its critic is not sharded); run it in one process, or use "
+            "--algo grpo / gspo under --nproc-per-node"
+        )
     return PPORun(cfg).run()
 
 

@@ -202,13 +202,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---- --nproc-per-node: the same command under torchrun --------------------------------------------
-_FLAGS_ONLY = {"activation_checkpointing", "compile", "deterministic", "skip_bad_rows"}
+_FLAGS_ONLY = {"activation_checkpointing", "compile", "deterministic", "skip_bad_rows", "filter_groups"}
 
 
 def relaunch_argv(args: argparse.Namespace) -> list[str]:
     """The ``polyrl train`` arguments that reproduce ``args`` (without ``--nproc-per-node``)."""
     argv: list[str] = ["--config", args.config] if args.config else []
-    for dest in FLAG_KEYS:
+    for dest in (*FLAG_KEYS, *RL_FLAG_KEYS):
         value = getattr(args, dest, None)
         if value is None:
             continue

@@ -15,6 +15,10 @@ def digits(completion, example):
     """Fraction of the completion's characters that are digits."""
     return sum(ch.isdigit() for ch in completion) / max(1, len(completion))
 
+def has_digit(completion, example):
+    """1 when the completion holds a digit: a random tiny model writes one in about a third of its samples."""
+    return float(any(ch.isdigit() for ch in completion))
+
 def flaky(completion, example):
     flag = os.path.join(os.path.dirname(__file__), "hung-once")
     if not os.path.exists(flag):
@@ -72,12 +76,13 @@ def _records(out):
 
 def test_grpo_raises_mean_reward_on_toy_task(tiny_model_dir, tmp_path, reward_file):
     out = tmp_path / "grpo"
-    # random tiny model: about 3% of the sampled characters are digits; a high lr makes the toy task fast
-    summary = _run(_raw(tiny_model_dir, out, f"{reward_file}:digits", steps=10))
+    # random tiny model: about a third of its 4-token samples hold a digit; a high lr makes the toy task fast
+    # (seeds 0, 1, 2 measured: first three steps 0.35-0.42, last three 0.98-1.0)
+    summary = _run(_raw(tiny_model_dir, out, f"{reward_file}:has_digit", steps=10))
     recs = _records(out)
     first = sum(r["reward"] for r in recs[:3]) / 3
     last = sum(r["reward"] for r in recs[-3:]) / 3
-    assert first < 0.15 and last > first + 0.5, (first, last)
+    assert first < 0.5 and last >= 0.9 and last > first + 0.45, (first, last)
     assert summary["status"] == "finished" and summary["steps"] == 10
     r = recs[0]
     for key in ("mismatch_mean", "mismatch_max", "entropy", "clip_fraction", "response_length", "rollout_s", "loss"):

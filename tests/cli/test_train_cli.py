@@ -152,3 +152,23 @@ def test_bad_data_row_is_named_or_skipped(tiny_model_dir, tmp_path, capsys):
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["data_bad_rows"] == 1 and summary["data_sequences"] == 12
     assert "line 5" in summary["data_bad_examples"][0]
+
+
+def test_nproc_relaunch_keeps_every_flag():
+    """``--nproc-per-node`` re-runs the command under torchrun: the RL flags must survive the trip."""
+    import argparse
+
+    from polyrl.cli import train
+
+    argv = ["--algo", "grpo", "--model", "m", "--data", "builtin:arithmetic", "--out", "o", "--lr", "0.01"]
+    argv += ["--n", "4", "--max-new-tokens", "16", "--reward", "f.py:fn", "--kl-coef", "0.05", "--filter-groups"]
+    argv += ["--nproc-per-node", "2", "--set", "grpo.clip_high=0.28"]
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    args = parser.parse_args(argv)
+    again = parser.parse_args(train.relaunch_argv(args))
+    assert again.nproc_per_node is None
+    assert train.overrides_from_args(again) == train.overrides_from_args(args)
+    keys = dict(train.overrides_from_args(again))
+    assert keys["grpo.samples_per_prompt"] == 4 and keys["grpo.max_new_tokens"] == 16
+    assert keys["grpo.filter_groups"] is True and keys["grpo.clip_high"] == 0.28
