@@ -294,6 +294,9 @@ class ColocatedPolicy:
                 outs = generate_data_parallel(self.llm, ids, plist, self.world)
             else:
                 outs = self.llm.generate(ids, plist)
+        except BaseException:
+            self.llm.abort_all()  # a failed generate leaves requests behind; the cache must still be freed
+            raise
         finally:
             if self.release_kv:
                 self.llm.release()

@@ -62,8 +62,8 @@ class OnlineConfig:
     mini_batches: int = 1  # optimizer steps per pass
     eval_prompts: int = 200  # held-out prompts scored at each evaluation
     eval_max_new_tokens: int | None = None  # default max_new_tokens
-    rollout_max_num_seqs: int = 256
-    rollout_num_blocks: int | None = None  # KV cache blocks; None = from free memory
+    rollout_max_num_seqs: int = 512  # sequences decoded together (a whole 64 x 8 step in one wave)
+    rollout_num_blocks: int | None = None  # KV cache blocks; None = from free memory, at most what the run uses
     rollout_gpu_memory_utilization: float = 0.85
     release_kv: bool = True  # free the KV cache while training
 
@@ -170,8 +170,12 @@ class OnlineRun:
             self.a.rollout_max_num_seqs,
             max(self.a.prompts_per_step * self.a.samples_per_prompt, len(self.eval_set[0]) if self.eval_set else 1),
         )
+        block = RolloutConfig.block_size
+        # the most the rollout can hold at once (+1 block per sequence of slack), not all free memory: a smaller
+        # cache is allocated and zeroed faster after every release
         rollout = RolloutConfig(
             num_blocks=self.a.rollout_num_blocks,
+            max_num_blocks=seqs * (-(-(longest + gen + 1) // block) + 1),
             gpu_memory_utilization=self.a.rollout_gpu_memory_utilization,
             max_num_seqs=seqs,
             max_model_len=longest + gen + 1,

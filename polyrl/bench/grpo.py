@@ -72,12 +72,15 @@ def ours(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     from polyrl.train import EngineConfig, OptimConfig
     from polyrl.trainer import Trainer
 
+    max_len = args.prompt_len * 2 + args.gen_len + 16
     tr = Trainer(
         model=str(model_dir),
         optim=OptimConfig(lr=1e-6),
         engine=EngineConfig(micro_batch_tokens=args.micro_batch_tokens),
         rollout=RolloutConfig(
-            max_num_seqs=args.prompts * args.n, max_model_len=args.prompt_len * 2 + args.gen_len + 16
+            max_num_seqs=args.prompts * args.n,
+            max_model_len=max_len,
+            max_num_blocks=args.prompts * args.n * (-(-max_len // 16) + 1),  # as `polyrl train` sizes it
         ),
     )
     texts = prompt_texts(args.prompts, args.prompt_len)
@@ -87,6 +90,7 @@ def ours(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for step in range(args.warmup + args.steps):
         _sync()
+        capture0 = tr.llm.stats()["graph_capture_s"]
         t0 = time.perf_counter()
         samples = tr.rollout_batch(ids, args.n, params, seeds=[step * 100_003 + i for i in range(len(ids))])
         _sync()
@@ -104,9 +108,13 @@ def ours(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         stats = tr.train(batches, make_policy_loss(cfg, tokens, tokens), normalizer=tokens)
         _sync()
         t3 = time.perf_counter()
-        rows.append({"rollout_s": t1 - t0, "logprob_s": t2 - t1, "train_s": t3 - t2, "step_s": t3 - t0})
+        capture = tr.llm.stats()["graph_capture_s"] - capture0
+        rows.append(
+            {"rollout_s": t1 - t0, "logprob_s": t2 - t1, "train_s": t3 - t2, "step_s": t3 - t0, "capture_s": capture}
+        )
         print(
-            f"# ours step {step + 1}: rollout {t1 - t0:.2f}s, log-prob {t2 - t1:.2f}s, train {t3 - t2:.2f}s "
+            f"# ours step {step + 1}: rollout {t1 - t0:.2f}s (graph capture {capture:.2f}s), log-prob {t2 - t1:.2f}s, "
+            f"train {t3 - t2:.2f}s "
             f"(loss {stats.loss:.4f}, mismatch mean {mismatch:.2e}){' [warm-up]' if step < args.warmup else ''}"
         )
     timed = rows[args.warmup :] or rows
@@ -256,6 +264,7 @@ def _print(res: dict[str, Any]) -> None:
     rows = [
         ("ours: step s (steady state)", "step_s", "{:.3f}"),
         ("  rollout s", "rollout_s", "{:.3f}"),
+        ("    of which graph capture s", "capture_s", "{:.3f}"),
         ("  log-prob s", "logprob_s", "{:.3f}"),
         ("  train s", "train_s", "{:.3f}"),
         ("roofline step s", "roofline_step_s", "{:.3f}"),

@@ -18,6 +18,7 @@ class EngineConfig:
     # KV cache size: a fixed number of blocks, or (on an accelerator) the share of device memory the
     # engine may fill, weights and activations included: cache = free - total * (1 - utilisation).
     num_blocks: int | None = None
+    max_num_blocks: int | None = None  # upper bound when sizing from memory (what the workload can use)
     gpu_memory_utilization: float = 0.85
     cpu_kv_cache_bytes: int = 256 << 20  # CPU without num_blocks: at most this many bytes of cache
     max_num_seqs: int = 256  # sequences in one step
@@ -25,12 +26,14 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output tokens; None = the model's max_position_embeddings
     enable_prefix_caching: bool = True
     cuda_graphs: bool | None = None  # None = where polyrl.platform.device.supports_graphs()
-    max_graph_batch_size: int = 256  # decode batches up to this size replay captured graphs
+    max_graph_batch_size: int = 512  # decode batches up to this size replay captured graphs (RL: n x prompts)
     kv_cache_dtype: str | None = None  # None = the model's dtype; or "bfloat16"/"float16"/"float32"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.max_num_blocks is not None and self.max_num_blocks < 1:
+            raise ConfigError(f"max_num_blocks must be >= 1 (or None for no bound), got {self.max_num_blocks}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1 (or None to size the cache from memory), got {self.num_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

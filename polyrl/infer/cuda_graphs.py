@@ -43,6 +43,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=dev)
         self.pool = streams.graph_pool_handle()
         self.graphs: dict[int, tuple[object, torch.Tensor]] = {}
+        self.capture_s = 0.0  # wall time spent capturing (warm-up forwards included)
         self.device = dev
 
     def bucket(self, bs: int) -> int:
@@ -83,7 +84,11 @@ class DecodeGraphs:
         bs = int(arrays["context_lens"].size)
         b = self.bucket(bs)
         if b not in self.graphs:
+            import time
+
+            t0 = time.perf_counter()
             self._capture(b)
+            self.capture_s += time.perf_counter() - t0
         width = arrays["block_tables"].shape[1]
         pad = b - bs
         ids = np.concatenate([arrays["input_ids"], np.zeros(pad, np.int64)])

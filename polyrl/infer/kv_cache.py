@@ -64,6 +64,8 @@ class KVCache:
             budget = free - int(total * (1.0 - self.cfg.gpu_memory_utilization))
             budget -= activation_reserve(self.cfg, model_cfg, model_dtype)
         n = budget // self.block_bytes
+        if self.cfg.max_num_blocks is not None:
+            n = min(n, self.cfg.max_num_blocks)
         if n < 1:
             raise ConfigError(
                 f"no memory left for the KV cache (budget {budget / 2**30:.2f} GiB, one block needs "

@@ -135,6 +135,14 @@ class LLM:
         """Stop a request (thread-safe); it is reported once more with finish_reason "abort"."""
         self._inbox.put(("abort", request_id))
 
+    def abort_all(self) -> None:
+        """Drop every queued and running request now, without reporting them (e.g. after a failed
+        ``generate``, so the cache can be released). Not thread-safe: call from the engine's thread."""
+        self._drain_inbox()
+        for rid in list(self._requests):
+            self.scheduler.abort(rid)
+        self._requests.clear()
+
     def _drain_inbox(self) -> list[_Request]:
         aborted = []
         while True:
@@ -306,4 +314,5 @@ class LLM:
             "num_preemptions": self.scheduler.total_preemptions,
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
+            "graph_capture_s": self.runner.graph_capture_s,
         }

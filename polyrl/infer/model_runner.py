@@ -38,6 +38,7 @@ class ModelRunner:
         self.use_graphs = bool(want) and self.device.type == "cuda" and device.supports_graphs()
         self.graphs = None
         self.last_step_used_graph = False
+        self.released_capture_s = 0.0  # capture time of graph sets dropped by invalidate_graphs
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> torch.Tensor:
@@ -75,4 +76,11 @@ class ModelRunner:
 
     def invalidate_graphs(self) -> None:
         """Drop captured graphs (after the cache is released or parameter tensors are replaced)."""
+        if self.graphs is not None:
+            self.released_capture_s += self.graphs.capture_s
         self.graphs = None
+
+    @property
+    def graph_capture_s(self) -> float:
+        """Total seconds spent capturing decode graphs so far (every capture after a release counts again)."""
+        return self.released_capture_s + (self.graphs.capture_s if self.graphs is not None else 0.0)
