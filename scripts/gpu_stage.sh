@@ -30,8 +30,11 @@ for s in "$@"; do
     parity) stage parity 150 python3 -m polyrl.bench.model_parity ;;
     bench-sft) stage bench-sft 200 $PR bench sft --shape qwen3-0.6b --seq 4096 --batch 8 --warmup 2 --steps 5 --baselines hf,hf-liger --json "$OUT/bench_sft.json" ;;
     bench-rollout) stage bench-rollout 150 $PR bench rollout --shape qwen3-0.6b --batch 256 --prompt-len 128 --gen-len 256 --baselines hf --json "$OUT/bench_rollout.json" ;;
-    bench-grpo) stage bench-grpo 220 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 --warmup 1 --steps 2 --json "$OUT/bench_grpo.json" ;;
+    bench-grpo) stage bench-grpo 220 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 --warmup 1 --steps 2 --baselines none --json "$OUT/bench_grpo_ours.json" ;;
     validate) stage validate 220 $PR validate --preset tiny --levels platform,ops,sft,rl,serve --out "$OUT/validate" ;;
+    bench-grpo-trl) stage bench-grpo-trl 560 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 --warmup 1 --steps 2 --json "$OUT/bench_grpo.json" ;;
+    bench-rollout-512) stage bench-rollout-512 150 $PR bench rollout --shape qwen3-0.6b --batch 512 --prompt-len 64 --gen-len 512 --baselines none --json "$OUT/bench_rollout_512.json" ;;
+    multi-gpu) TAIL=60 stage multi-gpu 590 bash tests/distributed/run_multi_gpu.sh ;;
     gpu-tests) stage gpu-tests 240 python3 -m pytest -m gpu -q -x --timeout=120 -p no:cacheprovider tests ;;
     *) echo "unknown stage $s" ;;
   esac
