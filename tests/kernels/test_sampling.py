@@ -39,7 +39,9 @@ def test_hash_is_uint32_arithmetic_and_uniform_is_strictly_inside():
         for v in vs:
             assert int(bits[b, v]) == _hash_py(s, o, v), (s, o, v)
     u = R.hash_uniform(torch.tensor(seeds), torch.tensor(offsets), 151936)
-    assert float(u.min()) >= 2.0**-24 and float(u.max()) <= 1 - 2.0**-24
+    assert float(u.min()) >= 2.0**-32 and float(u.max()) <= 1 - 2.0**-24
+    w = torch.tensor([2.0**-32, 1e-6, 0.015, 0.0157, 0.3, 1 - 2.0**-24])
+    assert torch.allclose(R.exponential_from_uniform(w).double(), -torch.log1p(-w.double()), rtol=3e-6, atol=0)
     # Every bit of the hash is a fair coin over many (offset, v); uniforms have mean 1/2 and variance 1/12.
     many = R.hash_bits(torch.full((64,), 5), torch.arange(64), 4096).flatten()  # 262144 draws
     ones = torch.stack([(many >> k) & 1 for k in range(32)]).double().mean(dim=1)

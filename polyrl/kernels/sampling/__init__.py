@@ -8,10 +8,10 @@ Contract (``reference.py`` is the spec)::
 
 - ``z = logits * (1 / T)`` (the reciprocal rounded to fp32 once; T is taken as 1 on greedy rows, and must be
   > 0 on sampled rows).
-- Sampled row: ``token = argmax_v(z_v + G_v)``, ``G_v = -log(-log(u_v))`` with ``u_v`` in (0, 1) from
-  ``hash_uniform(seed_b, offset_b, v)``: an exact categorical draw from ``softmax(z)``. The same (seed, offset)
-  gives the same noise on every device and in every implementation (the hash is integer arithmetic; only the
-  two logs may differ by an ulp between devices, which matters only at exact ties).
+- Sampled row: ``token = argmax_v(z_v + G_v)``, ``G_v = -log(E_v)``, ``E_v = -log(1 - w_v)`` with ``w_v`` in
+  (0, 1) from ``hash_uniform(seed_b, offset_b, v)``: an exact categorical draw from ``softmax(z)``. The same
+  (seed, offset) gives the same noise on every device and in every implementation (the hash and ``w`` are
+  bit-identical; the logs may differ by an ulp between devices, which matters only at exact ties).
 - Greedy row: ``token = argmax_v(logits_v)``.
 - ``logprob = z[token] - logsumexp(z)``. Ties go to the lowest index.
 

@@ -2,10 +2,14 @@
 
 The RNG. Every sampled row b gets two 32-bit keys from its 64-bit seed and the low 32 bits of its offset
 (``row_keys``); vocab entry v then gets ``x = fmix(fmix(v ^ k1) ^ k2)``, where ``fmix`` is a bijective
-multiply / xor-shift finaliser on uint32 (murmur3's constants). ``x`` becomes a uniform on the grid
-``(2j + 1) / 2^24`` (j = x >> 9, 23 bits): exactly representable in fp32, strictly inside (0, 1), the same bits
-in every implementation. So keys give 64 bits of stream, ``u`` 23 bits of resolution (the Gumbel tail is cut at
--log(-log(1 - 2^-24)) = 16.6, a 6e-8 probability mass: no measurable bias).
+multiply / xor-shift finaliser on uint32 (murmur3's constants). ``x`` becomes ``w = ((x >> 1) + 1/2) / 2^31``
+(fp32, clamped to ``1 - 2^-24``): strictly inside (0, 1) and the same bits in every implementation.
+
+From ``w`` to Gumbel: ``E = -log(1 - w)`` is Exp(1), ``G = -log(E)``. The winner of a Gumbel-max has a small
+``E`` (about 1/V for a flat distribution over V tokens), so ``w`` is used directly - it has 2^-31 resolution near
+0 - and ``E`` for ``w < 2^-6`` comes from the series ``w + w^2/2 + ... + w^5/5`` rather than from ``1 - w``, whose
+fp32 rounding (or a 2^-24 grid on ``u = 1 - w``) would shift the winning score by up to 1% at V = 151936.
+The largest G is -log(w_min) = 22.2; the smallest, at the clamp, -log(16.6) = -2.8.
 
 The torch side does uint32 arithmetic on int64 tensors holding values in [0, 2^32): xor and shifts are exact,
 and ``_mul32`` splits the constant into 16-bit halves so no product overflows int64. This is slow (about
@@ -25,7 +29,9 @@ FMIX_C1 = 0x85EBCA6B
 FMIX_C2 = 0xC2B2AE35
 KEY_C1 = 0x9E3779B9  # separate the two row keys' derivations
 KEY_C2 = 0x7F4A7C15
-U_SCALE = 2.0**-24  # u = (2j + 1) * 2^-24 with j < 2^23
+W_SCALE = 2.0**-31  # w = ((x >> 1) + 0.5) * 2^-31
+W_MAX = 1.0 - 2.0**-24  # the largest fp32 below 1
+SERIES_BELOW = 2.0**-6  # E = -log1p(-w) by its series below this w (relative error < w^5 / 6 < 2e-10)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -60,14 +66,20 @@ def hash_bits(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.T
 
 
 def hash_uniform(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Uniforms fp32 [B, V] strictly inside (0, 1), a pure function of (seed_b, offset_b, v)."""
-    j = hash_bits(seeds, offsets, vocab) >> 9
-    return (j * 2 + 1).to(torch.float32) * U_SCALE
+    """Uniforms ``w`` fp32 [B, V] strictly inside (0, 1), a pure function of (seed_b, offset_b, v)."""
+    half = (hash_bits(seeds, offsets, vocab) >> 1).to(torch.float32)  # < 2^31, rounded to nearest even
+    return ((half + 0.5) * W_SCALE).clamp_(max=W_MAX)
+
+
+def exponential_from_uniform(w: torch.Tensor) -> torch.Tensor:
+    """``E = -log(1 - w)`` (Exp(1) for uniform w), accurate for small w where the Gumbel-max winner lives."""
+    series = w * (1.0 + w * (1.0 / 2 + w * (1.0 / 3 + w * (1.0 / 4 + w * (1.0 / 5)))))
+    return torch.where(w < SERIES_BELOW, series, -torch.log(1.0 - w))
 
 
 def gumbel_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
     """Gumbel(0, 1) noise fp32 [B, V]: ``argmax(z + gumbel_noise(...))`` is a draw from ``softmax(z)``."""
-    return -torch.log(-torch.log(hash_uniform(seeds, offsets, vocab)))
+    return -torch.log(exponential_from_uniform(hash_uniform(seeds, offsets, vocab)))
 
 
 def inverse_temperature(temperature: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,9 @@ FMIX_C1 = tl.constexpr(_ref.FMIX_C1)
 FMIX_C2 = tl.constexpr(_ref.FMIX_C2)
 KEY_C1 = tl.constexpr(_ref.KEY_C1)
 KEY_C2 = tl.constexpr(_ref.KEY_C2)
-U_SCALE = tl.constexpr(_ref.U_SCALE)
+W_SCALE = tl.constexpr(_ref.W_SCALE)
+W_MAX = tl.constexpr(_ref.W_MAX)
+SERIES_BELOW = tl.constexpr(_ref.SERIES_BELOW)
 
 
 def block_config(vocab: int) -> tuple[int, int]:
@@ -84,8 +86,9 @@ def _sample_kernel(
         m = m_new
 
         x = _fmix(_fmix(cols.to(tl.uint32) ^ k1) ^ k2)
-        u = ((x >> 9).to(tl.int32) * 2 + 1).to(tl.float32) * U_SCALE
-        gumbel = -tl.log(-tl.log(u))
+        w = tl.minimum(((x >> 1).to(tl.int32).to(tl.float32) + 0.5) * W_SCALE, W_MAX)
+        series = w * (1.0 + w * (1.0 / 2 + w * (1.0 / 3 + w * (1.0 / 4 + w * (1.0 / 5)))))
+        gumbel = -tl.log(tl.where(w < SERIES_BELOW, series, -tl.log(1.0 - w)))
         score = tl.where(is_greedy, z, z + gumbel)
         blk = tl.max(score, 0)
         blk_idx = tl.min(tl.where((score == blk) & mask, cols, V), 0)
