@@ -36,6 +36,12 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // cfg.block_size)
         want = device.supports_graphs() if cfg.cuda_graphs is None else cfg.cuda_graphs
         self.use_graphs = bool(want) and self.device.type == "cuda" and device.supports_graphs()
+        if self.use_graphs:
+            from polyrl import kernels
+
+            head_dim = getattr(getattr(model, "config", None), "head_dim", None)
+            # a decode step whose attention runs the host-syncing reference cannot be captured: run it eagerly
+            self.use_graphs = head_dim is None or kernels.paged_attention_graph_safe("cuda", self.dtype, head_dim)
         self.graphs = None
         self.last_step_used_graph = False
         self.released_capture_s = 0.0  # capture time of graph sets dropped by invalidate_graphs

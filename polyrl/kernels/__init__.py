@@ -125,6 +125,19 @@ def paged_attention(
     )
 
 
+PAGED_ATTENTION_GRAPH_HEAD_DIMS = (16, 32, 64, 128, 256)  # the Triton kernel's; others run the host-syncing reference
+
+
+def paged_attention_graph_safe(device_type: str, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether ``paged_attention`` at this device/dtype/head dim can be captured in a CUDA graph: only the Triton
+    kernel can (the reference reads sequence bounds on the host, which a capture forbids)."""
+    try:
+        name, _ = registry.select("paged_attention", device_type, _DTYPE_NAMES.get(dtype, str(dtype)))
+    except registry.KernelUnavailable:
+        return False
+    return name == "triton" and head_dim in PAGED_ATTENTION_GRAPH_HEAD_DIMS
+
+
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:

@@ -9,14 +9,19 @@ PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 MAX=${1:-$($PY -c "from polyrl.platform import device; print(device.count())")}
 tmp=$(mktemp -d)
+LOGS=${OUT:-$tmp}/multi-gpu-logs
+mkdir -p "$LOGS"
 echo "== SFT scaling, qwen3-1.7b shape, 4 x 4096 tokens per GPU per step"
 for n in 1 2 4 8; do
   [ "$n" -le "$MAX" ] || break
-  timeout 120 $PY -m torch.distributed.run --standalone --nproc-per-node "$n" tests/distributed/scaling.py \
-      --shape qwen3-1.7b --seq 4096 --batch 4 --steps 8 --warmup 2 2>&1 | grep '^{'
+  timeout 180 $PY -m torch.distributed.run --standalone --nproc-per-node "$n" tests/distributed/scaling.py \
+      --shape qwen3-1.7b --seq 4096 --batch 4 --steps 8 --warmup 2 >"$LOGS/scaling-$n.log" 2>&1
+  echo "scaling nproc=$n rc=$?"
+  grep '^{' "$LOGS/scaling-$n.log" || tail -n 15 "$LOGS/scaling-$n.log"
 done
 echo "== multi_gpu tests (nccl, FSDP2 bf16 parity / checkpoint / rollout)"
-timeout 150 $PY -m pytest tests/distributed -m multi_gpu -q -p no:cacheprovider 2>&1 | tail -5
+timeout 150 $PY -m pytest tests/distributed -m multi_gpu -q -p no:cacheprovider --tb=short >"$LOGS/pytest.log" 2>&1
+grep -E "^(E |FAILED|[0-9]+ (passed|failed))|Error" "$LOGS/pytest.log" | tail -n 25
 echo "== polyrl validate collectives level"
 timeout 60 $PY -m polyrl.cli.main validate collectives 2>&1 | tail -8
 echo "== SFT through the CLI on 2 GPUs (tiny preset, 20 steps)"

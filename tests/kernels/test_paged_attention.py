@@ -222,3 +222,12 @@ def test_reference_write_kv_cache_gpu_graph_capture(triton_kernels, seeded):
     device.synchronize()
     flat = k_cache.view(-1, 2, 64)
     assert torch.equal(flat[3], k[0]) and torch.equal(flat[0], k[2]) and torch.equal(flat[40], k[3])
+
+
+def test_graph_safety_follows_the_selected_implementation():
+    from polyrl import kernels
+
+    assert not kernels.paged_attention_graph_safe("cpu", torch.float32, 64)  # the reference syncs the host
+    if torch.cuda.is_available():
+        assert not kernels.paged_attention_graph_safe("cuda", torch.bfloat16, 8)  # head dim the kernel lacks
+        assert kernels.paged_attention_graph_safe("cuda", torch.bfloat16, 128)

@@ -280,7 +280,7 @@ def paged_attention(
 
     Head dims that are not a power of two in 16..256 use the reference (correct, but it syncs the host).
     """
-    if q.shape[-1] not in (16, 32, 64, 128, 256):
+    if q.shape[-1] not in (16, 32, 64, 128, 256):  # = kernels.PAGED_ATTENTION_GRAPH_HEAD_DIMS
         from polyrl.kernels.paged_attention.reference import paged_attention as _reference
 
         return _reference(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q, scale, window)
