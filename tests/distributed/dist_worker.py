@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dist_helpers import PROMPTS, global_batches, tiny_lm, write_json
 
-from polyrl.train import OptimConfig, TrainEngine
+from polyrl.train import OptimConfig, PrecisionConfig, TrainEngine
 from polyrl.train.parallel import (
     destroy_world,
     export_hf,
@@ -31,7 +31,9 @@ STEPS = 3
 
 
 def new_engine(model, world=None):
-    return TrainEngine(model, OPTIM, total_steps=STEPS, world=world)
+    # fp32 compute everywhere (the default on an accelerator would be bf16), so one process and N ranks can be
+    # compared at a tight tolerance on the GPU too
+    return TrainEngine(model, OPTIM, precision=PrecisionConfig(compute_dtype="fp32"), total_steps=STEPS, world=world)
 
 
 def train_worker(rank: int, world_size: int, workdir: str) -> None:
