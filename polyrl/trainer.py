@@ -29,6 +29,14 @@ A GRPO step by hand::
 - ``save(dir)`` / ``load(dir)``: atomic checkpoints (weights, fp32 masters, AdamW moments, RNG, counters).
 - ``tokenizer``, ``model``, ``engine`` (``TrainEngine``), ``llm`` (the rollout engine).
 
+A whole recipe run (any registered algorithm, the same loop, checkpoints and outputs as ``polyrl train``)::
+
+    from polyrl.trainer import fit
+    summary = fit("dpo", model="runs/sft/final", data="prefs.jsonl", out="runs/dpo",
+                  optim={"lr": 5e-7}, train={"max_steps": 200}, dpo={"beta": 0.1})
+    summary = fit("ppo", model="runs/sft/final", data="builtin:arithmetic", out="runs/ppo",
+                  ppo={"reward": "exact_match", "samples_per_prompt": 4, "critic_warmup_steps": 2})
+
 Colocated: the rollout engine holds the SAME module the optimizer updates (no copy, no sync step); its KV cache is
 freed while training and taken back for each rollout; its prefix cache is reset after every optimizer step. The
 implementation is ``polyrl.algorithms.colocated.ColocatedPolicy`` (shared with ``polyrl train --algo grpo``); this
@@ -136,6 +144,57 @@ class Trainer(ColocatedPolicy):
         return super().load(p)
 
 
+def fit(
+    algo: str,
+    model: str | Path,
+    data: str | dict[str, Any],
+    out: str | Path,
+    *,
+    config: str | Path | None = None,
+    resume: str | None = None,
+    seed: int | None = None,
+    **tables: Any,
+) -> dict[str, Any]:
+    """Run a registered algorithm (``sft``, ``dpo``, ``grpo``, ``gspo``, ``ppo``, ...) end to end and return its
+    summary: the Python form of ``polyrl train``. ``data``: a data spec (path, ``builtin:NAME``, datasets name) or
+    the ``[data]`` table; ``tables``: other tables of the run config by name (``optim``, ``schedule``, ``precision``,
+    ``engine``, ``train``, ``checkpoint``, ``data``, and the algorithm's own, e.g. ``grpo``), each a dict or the
+    dataclass itself; ``config``: a TOML file the arguments override; ``resume``: ``"latest"`` or a checkpoint.
+    Validation errors are ``polyrl.errors.ConfigError`` s that name the setting to fix."""
+    import dataclasses
+
+    from polyrl.algorithms import config as run_config
+    from polyrl.algorithms import runner
+    from polyrl.errors import ConfigError
+
+    raw: dict[str, Any] = run_config.load_file(config) if config else {}
+    raw.update(algo=algo, model=str(model), out=str(out))
+    if seed is not None:
+        raw["seed"] = seed
+    if resume is not None:
+        raw["resume"] = resume
+    tables = dict(tables)
+    if isinstance(data, (str, Path)):
+        tables["data"] = {**_table(tables.get("data")), "path": str(data)}
+    else:
+        tables["data"] = {**_table(data), **_table(tables.get("data"))}
+    for name, value in tables.items():
+        if not isinstance(value, dict) and not dataclasses.is_dataclass(value):
+            raise ConfigError(f"fit({name}=...) must be a dict or a config dataclass, got {type(value).__name__}")
+        raw[name] = {**raw.get(name, {}), **_table(value)}
+    return runner.run(run_config.build(raw))
+
+
+def _table(value: Any) -> dict[str, Any]:
+    import dataclasses
+
+    if value is None:
+        return {}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    return dict(value)
+
+
 def __getattr__(name: str) -> Any:
     if name in ("SamplingParams", "RolloutConfig"):
         from polyrl import infer
@@ -144,4 +203,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'polyrl.trainer' has no attribute {name!r}")
 
 
-__all__ = ["RLBatch", "Sample", "Trainer", "completion_logprobs", "pack_samples"]
+__all__ = ["RLBatch", "Sample", "Trainer", "completion_logprobs", "fit", "pack_samples"]

@@ -118,20 +118,29 @@ class GroupRelative:
 
         return normalizer(self.cfg.loss_agg, tokens, sequences, self.cfg.max_new_tokens)
 
-    def make_loss(self, tokens_in_step: float, normalizer: float):
-        return make_policy_loss(self.cfg, tokens_in_step, normalizer)
+    measures_in_loss = True  # make_loss(..., measure=True) reports mismatch and entropy from the training forward
+
+    def make_loss(self, tokens_in_step: float, normalizer: float, measure: bool = False):
+        return make_policy_loss(self.cfg, tokens_in_step, normalizer, measure)
 
 
-def make_policy_loss(cfg: GRPOConfig, tokens_in_step: float, step_normalizer: float):
-    """The engine loss ``(model, RLBatch) -> (loss_sum, metric_sums)`` of one optimizer step. The batch's fields:
-    ``adv``, ``old_logp``, optional ``ref_logp`` and ``is_w`` (per token). Token metrics (clip fraction, ratio, KL)
-    are pre-scaled so the engine's division by ``step_normalizer`` leaves means over the step's tokens."""
-    from polyrl.algorithms.colocated import completion_logprobs
+class PolicyLoss:
+    """The engine loss ``(model, RLBatch) -> (loss_sum, metric_sums)`` of one optimizer step (``make_policy_loss``).
+    With ``measure``, the same forward also measures the rollout/trainer mismatch against ``fields["rollout_logp"]``
+    and the entropy (metrics ``mismatch_mean``, ``entropy``; the running max in ``mismatch_max``, a device tensor):
+    exact "before the update" values whenever the step's forwards all precede its one optimizer update."""
 
-    scale = step_normalizer / max(tokens_in_step, 1.0)
+    def __init__(self, cfg: GRPOConfig, tokens_in_step: float, step_normalizer: float, measure: bool = False):
+        self.cfg = cfg
+        self.scale = step_normalizer / max(tokens_in_step, 1.0)
+        self.measure = measure
+        self.mismatch_max: torch.Tensor | None = None
 
-    def loss_fn(model: Any, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logp, _ = completion_logprobs(model, batch, cfg.temperature)
+    def __call__(self, model: Any, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        from polyrl.algorithms.colocated import completion_logprobs
+
+        cfg, scale = self.cfg, self.scale
+        logp, ent = completion_logprobs(model, batch, cfg.temperature, entropy=self.measure)
         f = batch.fields
         b = batch.num_sequences
         per_tok, info = policy_loss(
@@ -157,9 +166,21 @@ def make_policy_loss(cfg: GRPOConfig, tokens_in_step: float, step_normalizer: fl
         }
         if "kl" in info:
             metrics["kl"] = (info["kl"] * m).sum() * scale
+        if self.measure:
+            diff = (logp.detach() - f["rollout_logp"]).abs() * m
+            metrics["mismatch_mean"] = diff.sum() * scale
+            metrics["entropy"] = (ent * m).sum() * scale
+            top = diff.max() if diff.numel() else diff.new_zeros(())
+            self.mismatch_max = top if self.mismatch_max is None else torch.maximum(self.mismatch_max, top)
         return loss_sum, metrics
 
-    return loss_fn
+
+def make_policy_loss(cfg: GRPOConfig, tokens_in_step: float, step_normalizer: float, measure: bool = False):
+    """The engine loss of one optimizer step (see ``PolicyLoss``). The batch's fields: ``adv``, ``old_logp``,
+    optional ``ref_logp``, ``is_w`` and (with ``measure``) ``rollout_logp`` (per token). Token metrics (clip fraction,
+    ratio, KL, mismatch, entropy) are pre-scaled so the engine's division by ``step_normalizer`` leaves means over
+    the step's tokens."""
+    return PolicyLoss(cfg, tokens_in_step, step_normalizer, measure)
 
 
 def run(cfg: Any) -> dict[str, Any]:

@@ -10,7 +10,9 @@ One RL step, each stage a method of ``OnlineRun`` so an algorithm can override o
    loss will see it; one no-grad pass of the trainer over those packs measures the trainer's log-probs and entropy
    BEFORE the update, hence the rollout/train mismatch (mean and max |rollout - trainer| per token), the old
    log-probs (``old_logprobs = "rollout" | "recompute"``), truncated IS weights (``tis_cap``) and the reference
-   log-probs (only when a reference model exists). Per-token values ride in ``RLBatch.fields``.
+   log-probs (only when a reference model exists). Per-token values ride in ``RLBatch.fields``. When that pass
+   could only measure (``single_pass``: one optimizer step per batch, rollout old log-probs, no reference, no IS),
+   it is skipped and the training forward measures mismatch and entropy itself (same values, one forward less).
 4. ``update(...)``: ``ppo_epochs`` x ``mini_batches`` optimizer steps, loss from ``hooks.make_loss``.
 5. metrics (reward, response length, truncation, KL, mismatch, entropy, clip fraction, time split rollout /
    reward / logprob / train), evaluation every ``train.eval_every`` steps on held-out prompts (greedy mean reward and
@@ -363,6 +365,21 @@ class OnlineRun:
         k = min(self.a.mini_batches, len(order))
         return [order[i * len(order) // k : (i + 1) * len(order) // k] for i in range(k)]
 
+    def single_pass(self) -> bool:
+        """True when the separate no-grad pass before the update would only measure: one optimizer step per batch,
+        old log-probs from the rollout engine, no reference model, no IS correction. The training forward then
+        measures mismatch and entropy itself (all its forwards precede the step's one update), saving a forward
+        over every token of the step."""
+        a = self.a
+        return (
+            getattr(self.hooks, "measures_in_loss", False)
+            and a.ppo_epochs == 1
+            and a.mini_batches == 1
+            and getattr(a, "old_logprobs", "recompute") == "rollout"
+            and self.policy.ref_model is None
+            and not getattr(a, "tis_cap", None)
+        )
+
     def prepare(
         self, step: int, samples: list[Any], adv: list[float], keep: list[int]
     ) -> tuple[list[list[Any]], dict[str, float]]:
@@ -374,6 +391,11 @@ class OnlineRun:
         budget = self.policy.micro_batch_tokens
         groups = [self.share(g) for g in self.split(step, keep)]  # this rank's part of each mini-batch
         mine = [i for g in groups for i in g]
+        if self.single_pass():  # measured by the training forward (update)
+            rollout = [list(s.logprobs) for s in samples]
+            fields = {"adv": adv, "rollout_logp": rollout, "old_logp": rollout}
+            batches = self.even_out([pack_samples(samples, fields, budget, g) for g in groups], samples, keep[0])
+            return batches, {"logprob_s": time.perf_counter() - t0}
         plain = [b for g in groups for b in pack_samples(samples, None, budget, g)]
         T = self.a.temperature
         lps, ents = self.policy.logprobs(samples, T, entropy=True, batches=plain)
@@ -410,14 +432,20 @@ class OnlineRun:
         """``ppo_epochs`` passes of one optimizer step per mini-batch; means of the engine's step stats."""
         t0 = time.perf_counter()
         recs = []
+        measure = self.single_pass()
         for _ in range(self.a.ppo_epochs):
             for mb in batches:
                 # global counts (every rank's share of the mini-batch); padding micro-batches count 0
                 tokens = self.world.sum_float(sum(b.num_target_tokens for b in mb))
                 seqs = self.world.sum_float(sum(b.num_sequences for b in mb if b.num_target_tokens > 0))
                 norm = self.hooks.normalizer(tokens, int(seqs))
-                loss_fn = self.hooks.make_loss(tokens, norm)
+                loss_fn = (
+                    self.hooks.make_loss(tokens, norm, measure=True) if measure else self.hooks.make_loss(tokens, norm)
+                )
                 recs.append(self.policy.step(mb, loss_fn, norm).to_dict())
+                if measure:
+                    top = float(loss_fn.mismatch_max) if loss_fn.mismatch_max is not None else 0.0
+                    recs[-1]["mismatch_max"] = max(self.world.all_gather_object(top)) if self.world.distributed else top
         out: dict[str, float] = {}
         for key in recs[0]:
             vals = [r[key] for r in recs if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)]

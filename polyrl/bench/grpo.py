@@ -6,9 +6,10 @@ the ``qwen3-0.6b-shape`` preset), use the same prompts (``--prompts`` texts of a
 samples per prompt, exactly ``--gen-len`` new tokens per sample (EOS ignored / ``min_new_tokens``), a dummy reward
 (a deterministic pseudo-random number per completion, so advantages are non-zero) and one optimizer step per batch.
 
-Our step is the RL loop's pieces on a ``ColocatedPolicy``: rollout (KV cache taken back, generate, released), the
-trainer's no-grad log-prob pass over the training packing (mismatch measured), one optimizer step with the GRPO
-loss. Roofline of the step: rollout = decode bytes (weights once per decode step + the KV cache at the mean context)
+Our step is the RL loop's pieces on a ``ColocatedPolicy``, as ``polyrl train --algo grpo`` runs them with one update
+per batch: rollout (KV cache taken back, generate, released), packing, one optimizer step with the GRPO loss whose
+forward also measures the rollout/trainer mismatch (``--logprob-pass`` adds the separate no-grad pass that recompute
+and several updates per batch need; the roofline counts it only when it runs). Roofline of the step: rollout = decode bytes (weights once per decode step + the KV cache at the mean context)
 over the measured copy bandwidth (``bench/rollout.roofline_tokens_per_s``), plus log-prob pass (forward FLOPs) and
 train (forward + backward FLOPs, ``DecoderLM.flops_per_token``) over the peak dense bf16 FLOP/s (matmul measured on
 the CPU). Steady state = median over ``--steps`` timed steps after ``--warmup``. Measures; asserts nothing.
@@ -41,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baselines", default="trl", help="comma-separated: trl, or none")
     parser.add_argument(
         "--trl-micro-batch", type=int, default=16, help="TRL completions per forward/backward (accumulated to one step)"
+    )
+    parser.add_argument(
+        "--logprob-pass",
+        action="store_true",
+        help="also run the separate no-grad log-prob pass (skipped by `polyrl train` with one update per batch)",
     )
     parser.add_argument("--model-dir", default=None, help="reuse this model folder (default: a temp folder)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -97,15 +103,19 @@ def ours(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         t1 = time.perf_counter()
         rewards = [dummy_reward(s.completion_ids) for s in samples]
         adv = group_advantages(rewards, [s.group for s in samples])
-        plain = pack_samples(samples, None, args.micro_batch_tokens)
-        lps, _ = tr.logprobs(samples, 1.0, batches=plain)
-        mismatch = float(torch.cat([(torch.tensor(s.logprobs) - lp).abs() for s, lp in zip(samples, lps)]).mean())
-        fields = {"adv": adv, "old_logp": [s.logprobs for s in samples]}
+        rollout_lp = [s.logprobs for s in samples]
+        if args.logprob_pass:  # the separate no-grad pass (what recompute / several updates per batch need)
+            plain = pack_samples(samples, None, args.micro_batch_tokens)
+            lps, _ = tr.logprobs(samples, 1.0, batches=plain)
+        fields = {"adv": adv, "old_logp": rollout_lp, "rollout_logp": rollout_lp}
         batches = pack_samples(samples, fields, args.micro_batch_tokens)
         _sync()
         t2 = time.perf_counter()
         tokens = float(sum(b.num_target_tokens for b in batches))
-        stats = tr.train(batches, make_policy_loss(cfg, tokens, tokens), normalizer=tokens)
+        # as `polyrl train --algo grpo` with one update per batch: the training forward measures the mismatch
+        loss_fn = make_policy_loss(cfg, tokens, tokens, measure=True)
+        stats = tr.train(batches, loss_fn, normalizer=tokens)
+        mismatch = stats.to_dict()["mismatch_mean"]
         _sync()
         t3 = time.perf_counter()
         capture = tr.llm.stats()["graph_capture_s"] - capture0
@@ -238,6 +248,8 @@ def run(args: argparse.Namespace) -> int:
     mine.pop("kv_dtype_bytes", None)
     res.update(mine)
     res.update(roofline(model, args, dev))
+    if not args.logprob_pass:
+        res["roofline_logprob_s"] = 0.0  # no separate pass ran: its work is not part of this step
     res["roofline_step_s"] = res["roofline_rollout_s"] + res["roofline_logprob_s"] + res["roofline_train_s"]
     res["roofline_fraction"] = res["roofline_step_s"] / res["step_s"]
     del model

@@ -141,3 +141,31 @@ def test_resume_reproduces_rewards_and_losses_exactly(tiny_model_dir, tmp_path, 
     assert [r["step"] for r in b] == [3]
     for key in ("reward", "loss", "grad_norm", "response_length", "mismatch_max"):
         assert [r[key] for r in a] == [r[key] for r in b], key
+
+
+def test_training_forward_measures_what_the_separate_pass_measures(tiny_model_dir):
+    """The single-pass path (no no-grad pass before the update) reports the same mismatch and entropy."""
+    import torch
+
+    from polyrl.algorithms.advantages import group_advantages
+    from polyrl.algorithms.grpo import GRPOConfig, make_policy_loss
+    from polyrl.infer import SamplingParams
+    from polyrl.train import EngineConfig, OptimConfig
+    from polyrl.trainer import Trainer
+
+    tr = Trainer(model=str(tiny_model_dir), optim=OptimConfig(lr=1e-3), engine=EngineConfig(micro_batch_tokens=64))
+    samples = tr.rollout_batch(
+        [[5, 6, 7], [9, 10]], n=4, sampling=SamplingParams(temperature=1.0, max_tokens=5), seeds=[1, 2]
+    )
+    lps, ents = tr.logprobs(samples, 1.0, entropy=True)
+    diffs = torch.cat([(torch.tensor(s.logprobs) - lp).abs() for s, lp in zip(samples, lps)])
+    adv = group_advantages([float(len(s.text)) for s in samples], [s.group for s in samples])
+    rollout = [s.logprobs for s in samples]
+    batches = tr.make_batch(samples, {"adv": adv, "old_logp": rollout, "rollout_logp": rollout}, max_tokens=24)
+    assert len(batches) > 1  # several micro-batches: the max and the sums accumulate across them
+    tokens = float(sum(b.num_target_tokens for b in batches))
+    loss_fn = make_policy_loss(GRPOConfig(), tokens, tokens, measure=True)
+    stats = tr.train(batches, loss_fn, normalizer=tokens).to_dict()
+    assert stats["mismatch_mean"] == pytest.approx(float(diffs.mean()), abs=1e-6)
+    assert float(loss_fn.mismatch_max) == pytest.approx(float(diffs.max()), abs=1e-6)
+    assert stats["entropy"] == pytest.approx(float(torch.cat(ents).mean()), rel=1e-5)
