@@ -10,9 +10,10 @@ Our step is the RL loop's pieces on a ``ColocatedPolicy``, as ``polyrl train --a
 per batch: rollout (KV cache taken back, generate, released), packing, one optimizer step with the GRPO loss whose
 forward also measures the rollout/trainer mismatch (``--logprob-pass`` adds the separate no-grad pass that recompute
 and several updates per batch need; the roofline counts it only when it runs). Roofline of the step: rollout =
-decode bytes (weights once per decode step + the KV cache at the mean context) over the measured copy bandwidth (``bench/rollout.roofline_tokens_per_s``), plus log-prob pass (forward FLOPs) and
-train (forward + backward FLOPs, ``DecoderLM.flops_per_token``) over the peak dense bf16 FLOP/s (matmul measured on
-the CPU). Steady state = median over ``--steps`` timed steps after ``--warmup``. Measures; asserts nothing.
+decode bytes (weights once per decode step + the KV cache at the mean context) over the measured copy bandwidth
+(``bench/rollout.roofline_tokens_per_s``), plus log-prob pass (forward FLOPs) and train (forward + backward FLOPs,
+``DecoderLM.flops_per_token``) over the peak dense bf16 FLOP/s (matmul measured on the CPU). Steady state = median
+over ``--steps`` timed steps after ``--warmup``. Measures; asserts nothing.
 """
 
 from __future__ import annotations
