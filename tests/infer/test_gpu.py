@@ -16,7 +16,9 @@ pytestmark = pytest.mark.gpu
 def _model(dtype):
     from polyrl.platform import device
 
-    model = build_model(tiny_config(max_position_embeddings=512), dtype=dtype, device=device.torch_device(), seed=0)
+    # head_dim 16: the smallest the Triton paged-attention kernel takes (others decode eagerly, see the test below)
+    cfg = tiny_config(max_position_embeddings=512, head_dim=16)
+    model = build_model(cfg, dtype=dtype, device=device.torch_device(), seed=0)
     return init_weights(model, seed=0, std=0.2).eval()
 
 
@@ -42,3 +44,14 @@ def test_cuda_graph_decode_equals_eager(dtype):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         diff = (torch.tensor(a.outputs[0].logprobs) - torch.tensor(b.outputs[0].logprobs)).abs().max().item()
         assert diff <= tol, diff
+
+
+def test_head_dims_the_graph_kernel_lacks_decode_eagerly():
+    """head_dim 8 runs the reference paged attention, which syncs the host: no capture is attempted."""
+    from polyrl.platform import device
+
+    model = build_model(tiny_config(head_dim=8), device=device.torch_device(), seed=0).eval()
+    llm = LLM(model, None, EngineConfig(num_blocks=64, max_num_seqs=4))
+    assert not llm.runner.use_graphs
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
