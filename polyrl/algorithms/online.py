@@ -581,10 +581,13 @@ class OnlineRun:
         return summary
 
 
-def run_online(cfg: Any, hooks: Any, stream: Any = None) -> dict[str, Any]:
-    """Train ``cfg`` (a ``RunConfig`` whose ``algo_config`` is an ``OnlineConfig``) with ``hooks``; the summary."""
+def run_online(cfg: Any, hooks: Any, stream: Any = None, run_cls: Any = None) -> dict[str, Any]:
+    """Train ``cfg`` (a ``RunConfig`` whose ``algo_config`` is an ``OnlineConfig``) with ``hooks`` (or with
+    ``run_cls(cfg, stream)``, an ``OnlineRun`` subclass that brings its own); the summary. Tears the process group
+    down at the end under torchrun."""
     try:
-        return OnlineRun(cfg, hooks, stream).run()
+        run = run_cls(cfg, stream) if run_cls is not None else OnlineRun(cfg, hooks, stream)
+        return run.run()
     finally:
         import torch.distributed as dist
 

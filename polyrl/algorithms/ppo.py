@@ -16,6 +16,10 @@ checkpoint with a zero head, trained by its own ``TrainEngine`` with ``critic_lr
 run's other optimizer settings. Its checkpoints go to ``<out>/critic/checkpoints/step-*`` (saved before the
 policy's, so every policy checkpoint has its critic; resume restores both), the final critic to
 ``<out>/critic/final`` (``AutoModelForTokenClassification`` loads it).
+
+Under torchrun (``--nproc-per-node N``) the critic is FSDP2-sharded like the policy and each rank works on its
+share of each mini-batch (``OnlineRun.share`` / ``even_out``): values, GAE and the updates on its own samples;
+advantage whitening and the metrics use global sums; critic checkpoints are sharded.
 Not here: the loop itself, rewards, the policy-loss math (``losses``), GAE.
 """
 
@@ -168,17 +172,27 @@ class PPOHooks:
 
 # ---- the critic ---------------------------------------------------------------------------------
 class Critic:
-    """A ``ValueModel`` and its own ``TrainEngine`` (the run's optimizer settings with ``critic_lr``)."""
+    """A ``ValueModel`` and its own ``TrainEngine`` (the run's optimizer settings with ``critic_lr``); FSDP2-sharded
+    when ``world`` is distributed."""
 
-    def __init__(self, cfg: Any, total_steps: int) -> None:
+    def __init__(self, cfg: Any, total_steps: int, world: Any = None) -> None:
         from polyrl.models.value_head import load_value_model
         from polyrl.platform import device
         from polyrl.train import TrainEngine
 
         a = cfg.algo_config
-        self.model = load_value_model(a.critic_model or cfg.model, torch.float32, device.torch_device())
+        self.world = world if world is not None and world.distributed else None
+        dev = self.world.device if self.world is not None else device.torch_device()
+        self.model = load_value_model(a.critic_model or cfg.model, torch.float32, dev)
+        if self.world is not None:
+            from polyrl.train import resolve_compute_dtype
+            from polyrl.train.parallel import shard_model
+
+            shard_model(self.model, self.world, resolve_compute_dtype(cfg.precision, dev.type))
         optim = dataclasses.replace(cfg.optim, lr=a.critic_lr if a.critic_lr is not None else cfg.optim.lr)
-        self.engine = TrainEngine(self.model, optim, cfg.schedule, cfg.precision, cfg.engine, total_steps)
+        self.engine = TrainEngine(
+            self.model, optim, cfg.schedule, cfg.precision, cfg.engine, total_steps, world=self.world
+        )
         self.device = self.engine.device
 
     @torch.no_grad()
@@ -190,9 +204,11 @@ class Critic:
         was_training = self.model.training
         self.model.eval()
         try:
-            for b in batches:
+            for b in batches:  # sharded: every rank runs the same number (padding batches included)
                 b = b.to(self.device)
                 v = self.model.value(b.input_ids, b.position_ids, attention_metadata(b))
+                if b.num_target_tokens == 0:
+                    continue  # a padding micro-batch
                 for j, x in zip(b.sample_ids, b.per_sample(v)):
                     out[j] = x.float().cpu()
         finally:
@@ -213,8 +229,10 @@ class PPORun(OnlineRun):
     def __init__(self, cfg: Any, stream: Any = None) -> None:
         super().__init__(cfg, PPOHooks(cfg.algo_config), stream)
         a = cfg.algo_config
-        self.critic = Critic(cfg, self.steps * a.ppo_epochs * a.mini_batches)
-        self.critic_ckpts = self._critic_manager()
+        self.critic = Critic(cfg, self.steps * a.ppo_epochs * a.mini_batches, self.world)
+        self.critic_ckpts = self._critic_manager() if self.world.is_main else None  # rank 0 cleans stale dirs
+        self.world.barrier()
+        self.critic_ckpts = self.critic_ckpts or self._critic_manager()
         self._step = self.start  # RL steps finished (the step a checkpoint is written for)
         self._current = self.start  # the RL step being prepared / updated (0-based)
         if self.start_point is not None:
@@ -234,11 +252,26 @@ class PPORun(OnlineRun):
             raise CheckpointError(
                 f"no critic checkpoint {path} for policy checkpoint step {self.start}; a PPO run saves both"
             )
-        load_checkpoint(path, self.critic.model, self.critic.engine)
+        from polyrl.train import parallel as par
+
+        if self.world.distributed or par.is_sharded_checkpoint(path):
+            par.load_any_checkpoint(path, self.critic.model, self.critic.engine, self.critic.world)
+        else:
+            load_checkpoint(path, self.critic.model, self.critic.engine)
 
     def data_state(self) -> dict[str, Any]:
-        # Called by OnlineRun.run right before each policy checkpoint: write the critic's first, same step.
-        self.critic_ckpts.save(self._step, self.critic.model, self.critic.engine, tokenizer=self.tokenizer)
+        # Called by OnlineRun.run right before each policy checkpoint (on every rank): the critic's first, same step.
+        if self.world.distributed:
+            from polyrl.train.parallel import save_sharded_checkpoint
+
+            save_sharded_checkpoint(
+                self.critic_ckpts.root, self._step, self.critic.model, self.critic.engine, self.world
+            )
+            if self.world.is_main:
+                self.critic_ckpts.prune()
+            self.world.barrier()
+        else:
+            self.critic_ckpts.save(self._step, self.critic.model, self.critic.engine, tokenizer=self.tokenizer)
         return super().data_state()
 
     def step(self, step: int) -> dict[str, Any]:
@@ -249,7 +282,8 @@ class PPORun(OnlineRun):
     def prepare(
         self, step: int, samples: list[Any], scores: list[float], keep: list[int]
     ) -> tuple[list[list[Any]], dict[str, float]]:
-        """Mini-batches with per-token ``adv``, ``old_logp``, ``old_value``, ``returns``; measurement metrics."""
+        """Mini-batches with per-token ``adv``, ``old_logp``, ``old_value``, ``returns``; measurement metrics. Each
+        rank handles its share of every mini-batch (all of it in one process)."""
         import time
 
         from polyrl.algorithms.colocated import pack_samples
@@ -259,46 +293,63 @@ class PPORun(OnlineRun):
         self._current = step
         t0 = time.perf_counter()
         budget = self.policy.micro_batch_tokens
-        groups = self.split(step, keep)
+        groups = [self.share(g) for g in self.split(step, keep)]
+        mine = [i for g in groups for i in g]
         plain = [b for g in groups for b in pack_samples(samples, None, budget, g)]
         lps, ents = self.policy.logprobs(samples, a.temperature, entropy=True, batches=plain)
         rollout_lp = [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples]
         old = rollout_lp if a.old_logprobs == "rollout" else lps
-        values = self.critic.values(plain, len(samples))
-        old_pad, mask = pad_rows(old)
+        values = self.critic.values(self.even_out([plain], samples, keep[0])[0], len(samples))
+        old_pad, mask = pad_rows([old[i] for i in mine])
         kl_pad = None
         if self.policy.ref_model is not None:
             refs, _ = self.policy.logprobs(samples, a.temperature, model=self.policy.ref_model, batches=plain)
             # the trainer's log-probs on both sides: exactly 0 before the first update
-            kl_pad, _ = pad_rows([kl_penalty(lp, r, a.kl_estimator) for lp, r in zip(lps, refs)])
-        v_pad, _ = pad_rows(values)
-        rewards = token_rewards(torch.tensor(scores, dtype=torch.float32), mask, kl_pad, a.kl_coef)
+            kl_pad, _ = pad_rows([kl_penalty(lps[i], refs[i], a.kl_estimator) for i in mine])
+        v_pad, _ = pad_rows([values[i] for i in mine])
+        rewards = token_rewards(torch.tensor([scores[i] for i in mine], dtype=torch.float32), mask, kl_pad, a.kl_coef)
         adv, returns = gae(rewards, v_pad, mask, a.gamma, a.lam)
         raw_adv = adv
-        if a.whiten_advantages and int(mask.sum()) >= 2:
-            adv = whiten(adv, mask)
-        fields = {
-            "adv": [x.tolist() for x in unpad_rows(adv, mask)],
-            "old_logp": [x.tolist() for x in old],
-            "old_value": [x.tolist() for x in values],
-            "returns": [x.tolist() for x in unpad_rows(returns, mask)],
-        }
-        batches = [pack_samples(samples, fields, budget, g) for g in groups]
         sel = mask > 0
-        diffs = torch.cat([(rollout_lp[i] - lps[i]).abs() for i in keep])
+        n, adv_sum, adv_sq = self._global_sums(sel, raw_adv[sel], raw_adv[sel] ** 2)
+        if a.whiten_advantages and n >= 2:
+            if self.world.distributed:  # global mean and unbiased variance over every rank's tokens
+                mean = adv_sum / n
+                var = max(adv_sq - n * mean * mean, 0.0) / (n - 1)
+                adv = torch.where(sel, (adv - mean) * (var + 1e-8) ** -0.5, torch.zeros_like(adv))
+            else:
+                adv = whiten(adv, mask)
+        fields: dict[str, list[Any]] = {k: [None] * len(samples) for k in ("adv", "old_logp", "old_value", "returns")}
+        for i, ad, ret in zip(mine, unpad_rows(adv, mask), unpad_rows(returns, mask)):
+            fields["adv"][i], fields["returns"][i] = ad.tolist(), ret.tolist()
+            fields["old_logp"][i], fields["old_value"][i] = old[i].tolist(), values[i].tolist()
+        batches = self.even_out([pack_samples(samples, fields, budget, g) for g in groups], samples, keep[0])
+        mismatch_mean, mismatch_max = self.global_stats([(rollout_lp[i] - lps[i]).abs() for i in mine])
+        v, r = v_pad[sel], returns[sel]
+        _, v_sum, r_sum, r_sq, d_sum, d_sq = self._global_sums(sel, v, r, r * r, r - v, (r - v) ** 2)
+        var_r = r_sq / max(n, 1) - (r_sum / max(n, 1)) ** 2
+        var_d = d_sq / max(n, 1) - (d_sum / max(n, 1)) ** 2
         m = {
-            "mismatch_mean": float(diffs.mean()),
-            "mismatch_max": float(diffs.max()),
-            "entropy": float(torch.cat([ents[i] for i in keep]).mean()),
-            "values_mean": float(v_pad[sel].mean()),
-            "returns_mean": float(returns[sel].mean()),
-            "advantages_mean": float(raw_adv[sel].mean()),
-            "explained_variance": explained_variance(v_pad[sel], returns[sel]),
+            "mismatch_mean": mismatch_mean,
+            "mismatch_max": mismatch_max,
+            "entropy": self.global_stats([ents[i] for i in mine])[0],
+            "values_mean": v_sum / max(n, 1),
+            "returns_mean": r_sum / max(n, 1),
+            "advantages_mean": adv_sum / max(n, 1),
+            "explained_variance": 1.0 - var_d / var_r if var_r > 0 else float("nan"),
             "logprob_s": time.perf_counter() - t0,
         }
         if kl_pad is not None:
-            m["kl"] = float(kl_pad[sel].mean())
+            m["kl"] = self.global_stats([kl_pad[sel]])[0]
         return batches, m
+
+    def _global_sums(self, sel: torch.Tensor, *xs: torch.Tensor) -> list[float]:
+        """[token count, sum of each x] over every rank (fp64 Python numbers)."""
+        local = [float(sel.sum())] + [float(x.double().sum()) for x in xs]
+        if not self.world.distributed:
+            return local
+        parts = self.world.all_gather_object(local)
+        return [sum(p[k] for p in parts) for k in range(len(local))]
 
     def update(self, batches: list[list[Any]]) -> dict[str, float]:
         """Critic steps, then (after ``critic_warmup_steps`` RL steps) ``OnlineRun.update``'s policy steps."""
@@ -309,7 +360,7 @@ class PPORun(OnlineRun):
         recs = []
         for _ in range(a.ppo_epochs):
             for mb in batches:
-                tokens = float(sum(b.num_target_tokens for b in mb))
+                tokens = self.world.sum_float(sum(b.num_target_tokens for b in mb))  # every rank's share
                 loss_fn = make_value_loss(a, tokens, tokens)
                 recs.append(self.critic.engine.step(mb, loss_fn, tokens).to_dict())
         n = len(recs)
@@ -332,22 +383,27 @@ class PPORun(OnlineRun):
         if self.cfg.train.save_final_model:
             from polyrl.models.value_head import save_value_model
 
-            path = save_value_model(self.critic.model, Path(self.cfg.out) / CRITIC_DIR / "final", self.tokenizer)
-            summary["final_critic"] = str(path)
-            self.print(f"final critic: {path}")
+            out = Path(self.cfg.out) / CRITIC_DIR / "final"
+            if self.world.distributed:
+                from polyrl.models.value_head import mark_token_classification
+                from polyrl.train.parallel import export_hf
+
+                path = export_hf(self.critic.model, self.world, out, tokenizer=self.tokenizer)
+                if path is not None:
+                    mark_token_classification(path)
+            else:
+                path = save_value_model(self.critic.model, out, self.tokenizer)
+            if self.world.is_main:
+                summary["final_critic"] = str(path)
+                self.print(f"final critic: {path}")
         return summary
 
 
 def run(cfg: Any) -> dict[str, Any]:
-    """``polyrl train --algo ppo`` (one process; the critic is not sharded yet, so not under torchrun with N > 1)."""
-    import os
+    """``polyrl train --algo ppo`` (one process or under torchrun)."""
+    from polyrl.algorithms.online import run_online
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError(
-            "ppo does not run data-parallel yet (its critic is not sharded); run it in one process, or use "
-            "--algo grpo / gspo under --nproc-per-node"
-        )
-    return PPORun(cfg).run()
+    return run_online(cfg, None, run_cls=PPORun)
 
 
 SPEC = AlgorithmSpec(

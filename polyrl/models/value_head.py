@@ -104,7 +104,11 @@ def save_value_model(model: ValueModel, out_dir: str | Path, tokenizer: Any = No
     """An HF ``<Family>ForTokenClassification`` folder (``num_labels = 1``) holding the critic, atomically."""
     from polyrl.models.checkpoint import save_model
 
-    out = save_model(model, out_dir, tokenizer=tokenizer)
+    return mark_token_classification(save_model(model, out_dir, tokenizer=tokenizer))
+
+
+def mark_token_classification(out: Path) -> Path:
+    """Rewrite a saved folder's config as ``<Family>ForTokenClassification`` with ``num_labels = 1``."""
     cfg_path = out / "config.json"
     d = json.loads(cfg_path.read_text())
     d["architectures"] = [a.replace("ForCausalLM", "ForTokenClassification") for a in d.get("architectures", [])]
@@ -114,4 +118,4 @@ def save_value_model(model: ValueModel, out_dir: str | Path, tokenizer: Any = No
     return out
 
 
-__all__ = ["ValueModel", "load_value_model", "save_value_model", "zero_head"]
+__all__ = ["ValueModel", "load_value_model", "mark_token_classification", "save_value_model", "zero_head"]

@@ -4,7 +4,7 @@ Rollout seeds depend on (seed, step, prompt) only, so two ranks draw the same to
 every rank trains on its share of each mini-batch with the global normaliser. So the 2-rank run's rewards equal the
 one-process run's exactly and its losses within fp32 reduction-order noise, with two optimizer steps per RL step
 (mini-batches, KL to a reference, recomputed old log-probs: every collective path). Its sharded checkpoint then
-resumes in one process where the one-process run would have been.
+resumes in one process where the one-process run would have been. PPO (sharded critic) matches one process too.
 """
 
 from __future__ import annotations
@@ -68,26 +68,29 @@ def test_two_rank_grpo_matches_one_process_and_resumes(tiny_model_dir, tmp_path)
     assert last["loss"] == pytest.approx(ref[2]["loss"], abs=TOL)
 
 
-def test_ppo_under_torchrun_says_what_to_do(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    out = tmp_path / "ppo"
-    assert (
-        main(
-            [
-                "train",
-                "--model",
-                str(tiny_model_dir),
-                "--out",
-                str(out),
-                "--algo",
-                "ppo",
-                "--max-steps",
-                "1",
-                "--data",
-                "builtin:arithmetic",
-            ]
-        )
-        == 2
+def test_two_rank_ppo_matches_one_process(tiny_model_dir, tmp_path):
+    """PPO's sharded critic: values, GAE and global advantage whitening over two ranks give the one-process run."""
+    reward = tmp_path / "toy.py"
+    reward.write_text(REWARD)
+    args = ["--algo", "ppo", "--data", "builtin:arithmetic?max=9&n=64", "--micro-batch-tokens", "48"]
+    args += ["--reward", f"{reward}:digits", "--reward-workers", "0", "--n", "2", "--prompts-per-step", "3"]
+    args += ["--max-new-tokens", "4", "--mini-batches", "2", "--lr", "2e-3", "--lr-decay", "constant", "--seed", "0"]
+    args += ["--set", "ppo.critic_warmup_steps=1", "--set", "ppo.critic_lr=3e-3", "--save-every", "2"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    cmd = [sys.executable, "-m", "polyrl.cli.main", "train", "--nproc-per-node", "2", "--model", str(tiny_model_dir)]
+    proc = subprocess.run(
+        [*cmd, "--out", str(two), "--max-steps", "2", *args], capture_output=True, text=True, timeout=300
     )
-    assert "use --algo grpo / gspo under --nproc-per-node" in capsys.readouterr().err
-    assert not (out / "checkpoints").exists()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    critic_ckpt = two / "critic" / "checkpoints" / "step-00000002" / "manifest.json"
+    assert json.loads(critic_ckpt.read_text())["world_size"] == 2
+    assert "ForTokenClassification" in (two / "critic" / "final" / "config.json").read_text()
+
+    assert main(["train", "--model", str(tiny_model_dir), "--out", str(one), "--max-steps", "2", *args]) == 0
+    ref, got = _records(one), _records(two)
+    assert [r["policy_updated"] for r in got] == [0.0, 1.0]
+    for a, b in zip(ref, got):
+        assert b["reward"] == a["reward"]
+        for key in ("value_loss", "values_mean", "returns_mean", "explained_variance", "entropy"):
+            assert b[key] == pytest.approx(a[key], abs=TOL), key
+    assert got[1]["loss"] == pytest.approx(ref[1]["loss"], abs=TOL)
