@@ -35,18 +35,21 @@ SERIES_BELOW = 2.0**-6  # E = -log1p(-w) by its series below this w (relative er
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``(x * c) mod 2^32`` for int64 ``x`` in [0, 2^32) without int64 overflow."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & M32
+    """``(x * c) mod 2^32`` for int64 ``x`` in [0, 2^32). The int64 product may pass 2^63: torch's integer
+    multiply wraps (two's complement), which leaves the low 32 bits exact (the bit-exactness test against Python
+    integers guards this)."""
+    return (x * c) & M32
 
 
 def fmix(x: torch.Tensor) -> torch.Tensor:
-    """Bijective 32-bit mix on int64 tensors holding uint32 values."""
+    """Bijective 32-bit mix on int64 tensors holding uint32 values (in place on its own temporaries: a few passes
+    over [B, V], the CPU's cost of sampling)."""
     x = x ^ (x >> 16)
-    x = _mul32(x, FMIX_C1)
-    x = x ^ (x >> 13)
-    x = _mul32(x, FMIX_C2)
-    return x ^ (x >> 16)
+    x.mul_(FMIX_C1).bitwise_and_(M32)
+    x ^= x >> 13
+    x.mul_(FMIX_C2).bitwise_and_(M32)
+    x ^= x >> 16
+    return x
 
 
 def row_keys(seeds: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,18 +71,23 @@ def hash_bits(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.T
 def hash_uniform(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
     """Uniforms ``w`` fp32 [B, V] strictly inside (0, 1), a pure function of (seed_b, offset_b, v)."""
     half = (hash_bits(seeds, offsets, vocab) >> 1).to(torch.float32)  # < 2^31, rounded to nearest even
-    return ((half + 0.5) * W_SCALE).clamp_(max=W_MAX)
+    return half.add_(0.5).mul_(W_SCALE).clamp_(max=W_MAX)
 
 
 def exponential_from_uniform(w: torch.Tensor) -> torch.Tensor:
     """``E = -log(1 - w)`` (Exp(1) for uniform w), accurate for small w where the Gumbel-max winner lives."""
-    series = w * (1.0 + w * (1.0 / 2 + w * (1.0 / 3 + w * (1.0 / 4 + w * (1.0 / 5)))))
-    return torch.where(w < SERIES_BELOW, series, -torch.log(1.0 - w))
+    e = torch.log(1.0 - w).neg_()
+    small = w < SERIES_BELOW  # a few percent of the entries: the series only there (same values as everywhere)
+    ws = w[small]
+    series = ws * (1.0 / 5)
+    series.add_(1.0 / 4).mul_(ws).add_(1.0 / 3).mul_(ws).add_(1.0 / 2).mul_(ws).add_(1.0).mul_(ws)
+    e[small] = series
+    return e
 
 
 def gumbel_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
     """Gumbel(0, 1) noise fp32 [B, V]: ``argmax(z + gumbel_noise(...))`` is a draw from ``softmax(z)``."""
-    return -torch.log(exponential_from_uniform(hash_uniform(seeds, offsets, vocab)))
+    return exponential_from_uniform(hash_uniform(seeds, offsets, vocab)).log_().neg_()
 
 
 def inverse_temperature(temperature: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
@@ -98,7 +106,10 @@ def sample_tokens(
     """(tokens int64 [B], logprobs fp32 [B]); see ``polyrl.kernels.sampling`` for the contract."""
     greedy = greedy.to(torch.bool)
     z = logits.float() * inverse_temperature(temperature, greedy)[:, None]  # [B, V]
-    score = torch.where(greedy[:, None], z, z + gumbel_noise(seeds, offsets, z.shape[-1]))
-    tokens = score.argmax(dim=-1)  # first maximal index on ties
+    tokens = z.argmax(dim=-1)  # greedy rows; first maximal index on ties
+    sampled = (~greedy).nonzero().squeeze(-1)
+    if sampled.numel():  # noise only for the rows that draw (greedy evaluation pays nothing)
+        noise = gumbel_noise(seeds[sampled], offsets[sampled], z.shape[-1])
+        tokens = tokens.index_copy(0, sampled, (z[sampled] + noise).argmax(dim=-1))
     logprobs = z.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(z, dim=-1)
     return tokens, logprobs
