@@ -351,6 +351,7 @@ class OnlineRun:
             "response_length_max": float(max(lengths)),
             "truncated_fraction": _mean([float(s.finish_reason == "length") for s in samples]),
             "rollout_s": t1 - t0,
+            "rollout_tokens_per_s": sum(lengths) / max(t1 - t0, 1e-9),
             "reward_s": t2 - t1,
             "reward_failures_total": float(sum(self.pool.totals.values())) if self.pool is not None else 0.0,
             **res.metrics(),

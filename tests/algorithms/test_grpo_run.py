@@ -85,10 +85,12 @@ def test_grpo_raises_mean_reward_on_toy_task(tiny_model_dir, tmp_path, reward_fi
     assert first < 0.5 and last >= 0.9 and last > first + 0.45, (first, last)
     assert summary["status"] == "finished" and summary["steps"] == 10
     r = recs[0]
-    for key in ("mismatch_mean", "mismatch_max", "entropy", "clip_fraction", "response_length", "rollout_s", "loss"):
+    keys = ("mismatch_mean", "mismatch_max", "entropy", "clip_fraction", "response_length", "rollout_s", "loss")
+    for key in (*keys, "rollout_tokens_per_s"):
         assert key in r, key
     assert r["mismatch_max"] < 1e-3  # fp32 CPU: the rollout engine and the trainer agree
     assert r["clip_fraction"] == 0.0  # one optimizer step per batch: ratio 1 at the first step
+    assert r["rollout_tokens_per_s"] == pytest.approx(16 * r["response_length"] / r["rollout_s"])
     assert (out / "final" / "config.json").is_file() and (out / "metrics.png").is_file()
 
 
