@@ -28,6 +28,7 @@ def _args(reward: str) -> list[str]:
     args = ["--algo", "grpo", "--data", "builtin:arithmetic?max=9&n=64", "--micro-batch-tokens", "48"]
     args += ["--reward", reward, "--reward-workers", "0", "--n", "4", "--prompts-per-step", "3"]
     args += ["--max-new-tokens", "4", "--mini-batches", "2", "--kl-coef", "0.05", "--old-logprobs", "recompute"]
+    args += ["--eval-every", "2", "--eval-data", "builtin:arithmetic?max=9&n=6"]  # data-parallel greedy eval too
     return args + ["--lr", "5e-2", "--lr-decay", "constant", "--log-every", "1", "--seed", "0"]
 
 
@@ -58,6 +59,7 @@ def test_two_rank_grpo_matches_one_process_and_resumes(tiny_model_dir, tmp_path)
         for key in ("loss", "grad_norm", "kl_before", "mismatch_max", "entropy"):
             assert b[key] == pytest.approx(a[key], abs=TOL), key
     assert got[0]["mismatch_max"] < 1e-3  # fp32: the rollout copy and the sharded trainer agree
+    assert "eval_reward" in got[1] and got[1]["eval_reward"] == ref[1]["eval_reward"]
 
     # The 2-rank step-2 checkpoint resumes in this one process and takes the one-process run's step 3.
     assert (
