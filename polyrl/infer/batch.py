@@ -35,6 +35,13 @@ class StepInputs:
 
 def host_arrays(items: list[ScheduledSeq], block_size: int) -> dict[str, np.ndarray]:
     """The step's index arrays as numpy int64 on the host (also used to fill CUDA-graph buffers)."""
+    if items and all(it.num_new == 1 and it.sample for it in items):
+        return _decode_arrays(items, block_size)
+    return _general_arrays(items, block_size)
+
+
+def _general_arrays(items: list[ScheduledSeq], block_size: int) -> dict[str, np.ndarray]:
+    """``host_arrays`` of any step (prefill chunks and decodes mixed)."""
     b = len(items)
     lens = np.fromiter((it.num_new for it in items), dtype=np.int64, count=b)
     cu = np.zeros(b + 1, dtype=np.int64)
@@ -69,6 +76,34 @@ def host_arrays(items: list[ScheduledSeq], block_size: int) -> dict[str, np.ndar
         "block_tables": tables,
         "sample_rows": sample_rows,
         "max_seqlen": np.array([int(lens.max()) if b else 0]),
+    }
+
+
+def _decode_arrays(items: list[ScheduledSeq], block_size: int) -> dict[str, np.ndarray]:
+    """``host_arrays`` of a decode-only step (one new token per sequence, every one samples), built from flat
+    Python lists in one pass: the common step of a long rollout, so its host time matters."""
+    b = len(items)
+    ids, pos, slots, rows = [], [], [], []
+    width = 0
+    for it in items:
+        s, bt = it.start, it.seq.block_table
+        ids.append(it.seq.tokens[s])
+        pos.append(s)
+        slots.append(bt[s // block_size] * block_size + s % block_size)
+        rows.append(bt)
+        width = max(width, len(bt))
+    tables = np.array([bt + [0] * (width - len(bt)) for bt in rows], dtype=np.int64).reshape(b, width)
+    positions = np.array(pos, dtype=np.int64)
+    steps = np.arange(b, dtype=np.int64)
+    return {
+        "input_ids": np.array(ids, dtype=np.int64),
+        "positions": positions,
+        "slot_mapping": np.array(slots, dtype=np.int64),
+        "cu_seqlens": np.arange(b + 1, dtype=np.int64),
+        "context_lens": positions + 1,
+        "block_tables": tables,
+        "sample_rows": steps,
+        "max_seqlen": np.array([1]),
     }
 
 

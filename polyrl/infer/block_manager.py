@@ -110,12 +110,15 @@ class BlockManager:
         ``seq.tokens[:num_tokens]`` must be known (they are computed in the step being scheduled).
         Returns False, changing nothing, when there are not enough free blocks.
         """
-        need = self.blocks_needed(seq, num_tokens)
-        if need > len(self.free):
-            return False
-        for _ in range(need):
-            seq.block_table.append(self._take_free_block())
-        if self.enable_prefix_caching:
+        bs = self.block_size
+        table = seq.block_table
+        need = -(-num_tokens // bs) - len(table)  # blocks_needed, inlined: this runs per sequence per step
+        if need > 0:
+            if need > len(self.free):
+                return False
+            for _ in range(need):
+                table.append(self._take_free_block())
+        if self.enable_prefix_caching and min(num_tokens, len(seq.tokens)) // bs > seq.num_hashed_blocks:
             self._register_full_blocks(seq, num_tokens)
         return True
 

@@ -189,26 +189,32 @@ class LLM:
         return outputs
 
     def _sample_and_stop(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        suppress = []
-        for s in seqs:
-            p = s.params
-            if s.num_generated < p.min_tokens:
-                ids = list(p.stop_token_ids) if p.ignore_eos else list(self.eos_token_ids) + list(p.stop_token_ids)
-                suppress.append(ids)
-            else:
-                suppress.append(None)
+        # Per sequence per step: keep this loop lean (it is host time the device waits for at large batches).
+        suppress = None
+        if any(s.params.min_tokens for s in seqs):
+            suppress = []
+            for s in seqs:
+                p = s.params
+                if s.num_generated < p.min_tokens:
+                    eos = () if p.ignore_eos else self.eos_token_ids
+                    suppress.append(list(eos) + list(p.stop_token_ids))
+                else:
+                    suppress.append(None)
         out = self.sampler(logits, seqs, suppress)
-        for b, s in enumerate(seqs):
-            tok = out.tokens[b]
+        eos_ids, max_len, tokenizer, finish = self.eos_token_ids, self.max_model_len, self.tokenizer, None
+        for s, tok, lp, top in zip(seqs, out.tokens, out.logprobs, out.top_logprobs):
             s.tokens.append(tok)
-            s.logprobs.append(out.logprobs[b])
-            s.cumulative_logprob += out.logprobs[b]
+            s.logprobs.append(lp)
+            s.cumulative_logprob += lp
             if s.top_logprobs is not None:
-                s.top_logprobs.append(out.top_logprobs[b] or {})
-            self.num_generated_tokens += 1
-            stop = check_stop(s, tok, self.eos_token_ids, self.max_model_len, self.tokenizer)
+                s.top_logprobs.append(top or {})
+            stop = check_stop(s, tok, eos_ids, max_len, tokenizer)
             if stop is not None:
-                self.scheduler.finish(s, *stop)
+                finish = finish or []
+                finish.append((s, stop))
+        self.num_generated_tokens += len(seqs)
+        for s, stop in finish or ():
+            self.scheduler.finish(s, *stop)
 
     def _output(self, req: _Request) -> RequestOutput:
         outs = [self._completion(s) for s in req.seqs]

@@ -20,6 +20,7 @@ This module does not decide when a sequence stops; it only applies the min_token
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -79,14 +80,21 @@ class _Rows:
 
 
 def _row_tensors(seqs: list[Sequence], dev: torch.device) -> _Rows:
-    params = [s.params for s in seqs]
-    temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
-    seeds = [sample_seed(p.seed, s.index) if p.seed is not None else -1 for s, p in zip(seqs, params)]
-    greedy = [int(p.greedy) for p in params]
-    if any(sd < 0 and not g for sd, g in zip(seeds, greedy)):
+    # One pass over the rows: this is host time the device waits for at every decode step.
+    temps, seeds, offsets, greedy = [], [], [], []
+    unseeded = False
+    for s in seqs:
+        p = s.params
+        t = p.temperature
+        temps.append(t if t > 0 else 1.0)
+        greedy.append(t == 0.0)
+        seeds.append(sample_seed(p.seed, s.index) if p.seed is not None else -1)
+        unseeded = unseeded or (p.seed is None and t != 0.0)
+        offsets.append(len(s.tokens) - s.num_prompt)
+    if unseeded:
         base = int(torch.randint(0, SEED_RANGE, (1,)).item())
         seeds = [sd if sd >= 0 else base + b for b, sd in enumerate(seeds)]
-    ints = torch.tensor([seeds, [s.num_generated for s in seqs], greedy], dtype=torch.int64).to(dev)  # [3, B]
+    ints = torch.tensor([seeds, offsets, greedy], dtype=torch.int64).to(dev)  # [3, B]
     t = torch.tensor(temps, dtype=torch.float32).to(dev)
     return _Rows(t, 1.0 / t, ints[0], ints[1], ints[2].bool())
 
@@ -123,6 +131,11 @@ def _truncation(seqs: list[Sequence], idx: list[int], dev: torch.device):
     return top_k, top_p, min_p
 
 
+def _truncates(p: Any) -> bool:
+    """Whether a row masks its distribution (top-k / top-p / min-p); plain attribute tests, per row per step."""
+    return p.temperature != 0.0 and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
+
+
 class Sampler:
     """Stateless: everything a row's draw depends on is in its sequence (seed, index, tokens generated)."""
 
@@ -135,7 +148,7 @@ class Sampler:
         rows = _row_tensors(seqs, dev)
         inp, suppressed = _suppress_mask(logits, suppress)
         temps = rows.temps
-        trunc = [b for b, s in enumerate(seqs) if s.params.uses_top_k or s.params.uses_top_p or s.params.uses_min_p]
+        trunc = [b for b, s in enumerate(seqs) if _truncates(s.params)]
         if trunc:
             # Truncated rows enter the kernel as their masked z at T = 1 (z * 1 == z, same noise, same draw).
             idx = torch.tensor(trunc, device=dev)

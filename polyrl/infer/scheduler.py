@@ -77,19 +77,19 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         queue = list(self.running)  # the order sequences are served in (oldest first)
         i = 0
+        allocate, items = self.bm.allocate, out.items
         while i < len(queue) and budget > 0:
             seq = queue[i]
-            num_new = min(seq.num_tokens - seq.num_computed, budget)
-            while not self.bm.allocate(seq, seq.num_computed + num_new):
+            total, done = len(seq.tokens), seq.num_computed
+            num_new = min(total - done, budget)
+            while not allocate(seq, done + num_new):
                 victim = queue.pop()
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is seq:
                     break
             else:
-                out.items.append(
-                    ScheduledSeq(seq, seq.num_computed, num_new, seq.num_computed + num_new == seq.num_tokens)
-                )
+                items.append(ScheduledSeq(seq, done, num_new, done + num_new == total))
                 budget -= num_new
                 i += 1
         self.running = [s for s in self.running if s.status is Status.RUNNING]

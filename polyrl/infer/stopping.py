@@ -28,13 +28,14 @@ def check_stop(
     Feeds ``token`` to the sequence's detokenizer when it has one (except for a stopping EOS/stop
     token, whose text never belongs to the output)."""
     p = seq.params
-    n_gen = seq.num_generated
+    n_tokens = len(seq.tokens)
+    n_gen = n_tokens - seq.num_prompt
     if n_gen >= p.min_tokens:
         if not p.ignore_eos and token in eos_ids:
             return "stop", None
-        if token in p.stop_token_ids:
+        if p.stop_token_ids and token in p.stop_token_ids:
             return "stop", token
-    if seq.detok is None and needs_detokenizer(seq):
+    if seq.detok is None and (p.stop or seq.stream):  # needs_detokenizer, inlined (per token)
         seq.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens)
     if seq.detok is not None:
         new = seq.detok.add(token)
@@ -46,7 +47,7 @@ def check_stop(
                 return "stop", s
     if p.max_tokens is not None and n_gen >= p.max_tokens:
         return "length", None
-    if seq.num_tokens >= max_model_len:
+    if n_tokens >= max_model_len:
         return "length", None
     return None
 
