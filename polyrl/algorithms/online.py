@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from polyrl.algorithms.data_parallel import DataParallelSteps
 from polyrl.errors import CheckpointError, ConfigError, DataError
 
 
@@ -139,7 +140,7 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-class OnlineRun:
+class OnlineRun(DataParallelSteps):
     """A whole online run (see the module docstring); ``run()`` returns the summary."""
 
     def __init__(self, cfg: Any, hooks: Any, stream: Any = None) -> None:
@@ -294,42 +295,6 @@ class OnlineRun:
     def data_state(self) -> dict[str, Any]:
         failures = dict(self.pool.totals) if self.pool is not None else {}
         return {"prompts": self.data.state_dict(), "reward_failures": failures}
-
-    # ---- data-parallel helpers (one process: identities) ------------------------------------------
-    def score(self, texts: list[str], views: list[dict]) -> Any:
-        """Rewards of ``texts``: scored by rank 0's pool, the same ``RewardResult`` on every rank."""
-        res = self.pool.score(texts, views) if self.pool is not None else None
-        return self.world.broadcast_object(res) if self.world.distributed else res
-
-    def share(self, ids: list[int]) -> list[int]:
-        """This rank's part of a mini-batch (sample ids): every ``world_size``-th, from ``rank``."""
-        return ids[self.world.rank :: self.world.world_size] if self.world.distributed else list(ids)
-
-    def global_stats(self, values: list[torch.Tensor]) -> tuple[float, float]:
-        """(mean, max) of the concatenated ``values`` over every rank (0, 0 when there are none)."""
-        x = torch.cat(values) if values else torch.zeros(0)
-        local = (float(x.sum()), int(x.numel()), float(x.max()) if x.numel() else float("-inf"))
-        parts = self.world.all_gather_object(local) if self.world.distributed else [local]
-        n = sum(p[1] for p in parts)
-        return (sum(p[0] for p in parts) / n, max(p[2] for p in parts)) if n else (0.0, 0.0)
-
-    def even_out(self, batches: list[list[Any]], samples: list[Any], template: int) -> list[list[Any]]:
-        """Pad every mini-batch to the largest micro-batch count over ranks with zero-weight micro-batches
-        (``padding_batch``), so every rank runs the same number of FSDP forwards/backwards."""
-        if not self.world.distributed:
-            return batches
-        from polyrl.algorithms.colocated import pack_samples, padding_batch
-
-        counts = self.world.all_gather_object([len(mb) for mb in batches])
-        keys = next((list(b.fields) for mb in batches for b in mb), [])
-        out = []
-        for k, mb in enumerate(batches):
-            want = max(c[k] for c in counts)
-            if len(mb) < want:
-                like = mb[0] if mb else pack_samples(samples, None, self.policy.micro_batch_tokens, [template])[0]
-                mb = mb + [padding_batch(like, keys) for _ in range(want - len(mb))]
-            out.append(mb)
-        return out
 
     # ---- one step -----------------------------------------------------------------------------------
     def collect(self, step: int) -> tuple[list[Any], list[float], dict[str, float]]:

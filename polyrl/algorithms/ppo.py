@@ -311,7 +311,7 @@ class PPORun(OnlineRun):
         adv, returns = gae(rewards, v_pad, mask, a.gamma, a.lam)
         raw_adv = adv
         sel = mask > 0
-        n, adv_sum, adv_sq = self._global_sums(sel, raw_adv[sel], raw_adv[sel] ** 2)
+        n, adv_sum, adv_sq = self.global_sums(sel, raw_adv[sel], raw_adv[sel] ** 2)
         if a.whiten_advantages and n >= 2:
             if self.world.distributed:  # global mean and unbiased variance over every rank's tokens
                 mean = adv_sum / n
@@ -326,7 +326,7 @@ class PPORun(OnlineRun):
         batches = self.even_out([pack_samples(samples, fields, budget, g) for g in groups], samples, keep[0])
         mismatch_mean, mismatch_max = self.global_stats([(rollout_lp[i] - lps[i]).abs() for i in mine])
         v, r = v_pad[sel], returns[sel]
-        _, v_sum, r_sum, r_sq, d_sum, d_sq = self._global_sums(sel, v, r, r * r, r - v, (r - v) ** 2)
+        _, v_sum, r_sum, r_sq, d_sum, d_sq = self.global_sums(sel, v, r, r * r, r - v, (r - v) ** 2)
         var_r = r_sq / max(n, 1) - (r_sum / max(n, 1)) ** 2
         var_d = d_sq / max(n, 1) - (d_sum / max(n, 1)) ** 2
         m = {
@@ -342,14 +342,6 @@ class PPORun(OnlineRun):
         if kl_pad is not None:
             m["kl"] = self.global_stats([kl_pad[sel]])[0]
         return batches, m
-
-    def _global_sums(self, sel: torch.Tensor, *xs: torch.Tensor) -> list[float]:
-        """[token count, sum of each x] over every rank (fp64 Python numbers)."""
-        local = [float(sel.sum())] + [float(x.double().sum()) for x in xs]
-        if not self.world.distributed:
-            return local
-        parts = self.world.all_gather_object(local)
-        return [sum(p[k] for p in parts) for k in range(len(local))]
 
     def update(self, batches: list[list[Any]]) -> dict[str, float]:
         """Critic steps, then (after ``critic_warmup_steps`` RL steps) ``OnlineRun.update``'s policy steps."""

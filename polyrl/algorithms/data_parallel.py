@@ -1,0 +1,72 @@
+"""The data-parallel steps of an online RL run under torchrun, as a mixin of ``OnlineRun`` (``self.world``,
+``self.pool``, ``self.policy``): in one process every method is the identity (or a plain local computation).
+
+- ``score``: rank 0's reward pool scores every sample; the ``RewardResult`` is broadcast (one set of reward workers).
+- ``share``: this rank's part of a mini-batch (every ``world_size``-th sample), so the ranks split each update.
+- ``even_out``: pads each mini-batch to the largest micro-batch count over ranks with zero-weight micro-batches
+  (``colocated.padding_batch``): FSDP2 forwards and backwards are collectives, every rank must run as many.
+- ``global_stats`` / ``global_sums``: metrics and normalisers over every rank's tokens.
+
+Not here: the loop (``online``), sharding and checkpoints (``polyrl.train.parallel``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class DataParallelSteps:
+    """Mixin: needs ``world`` (``polyrl.train.parallel.World``), ``pool`` (rank 0's ``RewardPool`` or None) and
+    ``policy`` (``ColocatedPolicy``)."""
+
+    world: Any
+    pool: Any
+    policy: Any
+
+    def score(self, texts: list[str], views: list[dict]) -> Any:
+        """Rewards of ``texts``: scored by rank 0's pool, the same ``RewardResult`` on every rank."""
+        res = self.pool.score(texts, views) if self.pool is not None else None
+        return self.world.broadcast_object(res) if self.world.distributed else res
+
+    def share(self, ids: list[int]) -> list[int]:
+        """This rank's part of a mini-batch (sample ids): every ``world_size``-th, from ``rank``."""
+        return ids[self.world.rank :: self.world.world_size] if self.world.distributed else list(ids)
+
+    def global_stats(self, values: list[torch.Tensor]) -> tuple[float, float]:
+        """(mean, max) of the concatenated ``values`` over every rank (0, 0 when there are none)."""
+        x = torch.cat(values) if values else torch.zeros(0)
+        local = (float(x.sum()), int(x.numel()), float(x.max()) if x.numel() else float("-inf"))
+        parts = self.world.all_gather_object(local) if self.world.distributed else [local]
+        n = sum(p[1] for p in parts)
+        return (sum(p[0] for p in parts) / n, max(p[2] for p in parts)) if n else (0.0, 0.0)
+
+    def even_out(self, batches: list[list[Any]], samples: list[Any], template: int) -> list[list[Any]]:
+        """Pad every mini-batch to the largest micro-batch count over ranks with zero-weight micro-batches
+        (``padding_batch``), so every rank runs the same number of FSDP forwards/backwards."""
+        if not self.world.distributed:
+            return batches
+        from polyrl.algorithms.colocated import pack_samples, padding_batch
+
+        counts = self.world.all_gather_object([len(mb) for mb in batches])
+        keys = next((list(b.fields) for mb in batches for b in mb), [])
+        out = []
+        for k, mb in enumerate(batches):
+            want = max(c[k] for c in counts)
+            if len(mb) < want:
+                like = mb[0] if mb else pack_samples(samples, None, self.policy.micro_batch_tokens, [template])[0]
+                mb = mb + [padding_batch(like, keys) for _ in range(want - len(mb))]
+            out.append(mb)
+        return out
+
+    def global_sums(self, sel: torch.Tensor, *xs: torch.Tensor) -> list[float]:
+        """[token count, sum of each x] over every rank (fp64 Python numbers)."""
+        local = [float(sel.sum())] + [float(x.double().sum()) for x in xs]
+        if not self.world.distributed:
+            return local
+        parts = self.world.all_gather_object(local)
+        return [sum(p[k] for p in parts) for k in range(len(local))]
+
+
+__all__ = ["DataParallelSteps"]
