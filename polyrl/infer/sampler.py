@@ -20,7 +20,6 @@ This module does not decide when a sequence stops; it only applies the min_token
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -131,11 +130,6 @@ def _truncation(seqs: list[Sequence], idx: list[int], dev: torch.device):
     return top_k, top_p, min_p
 
 
-def _truncates(p: Any) -> bool:
-    """Whether a row masks its distribution (top-k / top-p / min-p); plain attribute tests, per row per step."""
-    return p.temperature != 0.0 and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
-
-
 class Sampler:
     """Stateless: everything a row's draw depends on is in its sequence (seed, index, tokens generated)."""
 
@@ -148,7 +142,7 @@ class Sampler:
         rows = _row_tensors(seqs, dev)
         inp, suppressed = _suppress_mask(logits, suppress)
         temps = rows.temps
-        trunc = [b for b, s in enumerate(seqs) if _truncates(s.params)]
+        trunc = [b for b, s in enumerate(seqs) if s.params.truncates]
         if trunc:
             # Truncated rows enter the kernel as their masked z at T = 1 (z * 1 == z, same noise, same draw).
             idx = torch.tensor(trunc, device=dev)

@@ -101,6 +101,11 @@ class SamplingParams:
         return self.min_p > 0.0 and not self.greedy
 
     @property
+    def truncates(self) -> bool:
+        """Whether sampling masks the distribution (top-k, top-p or min-p); one test, asked per row per step."""
+        return self.temperature != 0.0 and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+    @property
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
 
