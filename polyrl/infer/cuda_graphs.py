@@ -23,6 +23,10 @@ from polyrl.models.attention_metadata import AttnMetadata
 from polyrl.platform import device
 
 
+class GraphCaptureError(RuntimeError):
+    """Capturing a decode graph failed (``device.graph_capture`` has already cleaned up); decode eagerly."""
+
+
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv: KVCache, cfg: EngineConfig, max_blocks_per_seq: int) -> None:
         api = device.graph_api()
@@ -87,7 +91,10 @@ class DecodeGraphs:
             import time
 
             t0 = time.perf_counter()
-            self._capture(b)
+            try:
+                self._capture(b)
+            except Exception as exc:  # noqa: BLE001 - any capture failure means "this model decodes eagerly"
+                raise GraphCaptureError(f"capturing the batch-{b} decode graph failed: {exc}") from exc
             self.capture_s += time.perf_counter() - t0
         width = arrays["block_tables"].shape[1]
         pad = b - bs

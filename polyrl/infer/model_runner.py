@@ -6,13 +6,16 @@ paged ``AttnMetadata``, gather the hidden state of each sampling sequence's last
 
 Decode-only steps with at most ``max_graph_batch_size`` sequences replay a CUDA graph where
 ``polyrl.platform.device.supports_graphs()``: ``cuda_graphs.py`` captures forward + logits per batch-size
-bucket over static buffers; the batch is padded to the bucket.
+bucket over static buffers; the batch is padded to the bucket. A capture that fails (the model does something a
+capture forbids) is cleaned up by ``device.graph_capture``; the runner then warns once and decodes eagerly.
 
 The runner holds a reference to the model (colocated training shares its weights: no copy). It does
 not schedule, sample or own the cache's block accounting.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -58,8 +61,16 @@ class ModelRunner:
                 from polyrl.infer.cuda_graphs import DecodeGraphs
 
                 self.graphs = DecodeGraphs(self.model, self.kv, self.cfg, self.max_blocks_per_seq)
-            self.last_step_used_graph = True
-            return self.graphs.run(arrays)
+            from polyrl.infer.cuda_graphs import GraphCaptureError
+
+            try:
+                logits = self.graphs.run(arrays)
+                self.last_step_used_graph = True
+                return logits
+            except GraphCaptureError as exc:
+                warnings.warn(f"{exc}; decoding without CUDA graphs from now on", RuntimeWarning, stacklevel=2)
+                self.invalidate_graphs()
+                self.use_graphs = False
         self.last_step_used_graph = False
         inputs = to_device(arrays, self.device)
         return self._eager(inputs)

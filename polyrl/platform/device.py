@@ -9,6 +9,7 @@ then MPS, then the CPU. It does not initialise a device at import.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 from typing import Any
@@ -262,10 +263,55 @@ def event(enable_timing: bool = True) -> Any:
 
 
 def graph_api() -> tuple[Any, Any] | None:
-    """(CUDAGraph class, graph context manager) where CUDA graphs work, else None."""
+    """(CUDAGraph class, graph context manager) where CUDA graphs work, else None.
+
+    The context manager is ``graph_capture``: ``torch.cuda.graph``'s, made safe against a failing capture."""
     if not supports_graphs():
         return None
-    return torch.cuda.CUDAGraph, torch.cuda.graph
+    return torch.cuda.CUDAGraph, graph_capture
+
+
+@contextlib.contextmanager
+def graph_capture(graph: Any, **kwargs: Any):
+    """``torch.cuda.graph(graph, **kwargs)`` that leaves the process usable when the capture fails.
+
+    When captured code does something a capture forbids (a host sync, say), the capture is invalidated and
+    ``torch.cuda.graph.__exit__`` raises from ``capture_end`` before it (a) leaves the capture stream, and
+    before torch (b) takes the CUDA RNG out of capture mode: every later random op on the device then fails
+    with "Offset increment outside graph capture". Here the original error is raised after both are undone:
+    the stream context is exited and an empty capture runs a whole prologue/epilogue on the RNG state.
+    """
+    ctx = torch.cuda.graph(graph, **kwargs)
+    ctx.__enter__()
+    try:
+        yield graph
+    except BaseException as exc:
+        _abandon_capture(ctx, exc)
+        raise
+    try:
+        ctx.__exit__(None, None, None)
+    except BaseException as exc:
+        _abandon_capture(ctx, exc, ended=True)
+        raise
+
+
+def _abandon_capture(ctx: Any, exc: BaseException, ended: bool = False) -> None:
+    if not ended:
+        with contextlib.suppress(Exception):  # ends the stream capture; raises for an invalidated one
+            ctx.cuda_graph.capture_end()
+    stream_ctx = getattr(ctx, "stream_ctx", None)
+    if stream_ctx is not None:
+        with contextlib.suppress(Exception):
+            stream_ctx.__exit__(type(exc), exc, exc.__traceback__)
+    with contextlib.suppress(Exception):  # the capture's own error is the one to report
+        _reset_rng_capture_state()
+
+
+def _reset_rng_capture_state() -> None:
+    """A capture that ends cleanly resets the default CUDA generator's capture state (its epilogue)."""
+    scratch = torch.zeros(1, device=torch_device())
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        scratch.add_(1)
 
 
 def stream_api() -> Any | None:

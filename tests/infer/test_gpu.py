@@ -55,3 +55,24 @@ def test_head_dims_the_graph_kernel_lacks_decode_eagerly():
     assert not llm.runner.use_graphs
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_a_failing_graph_capture_falls_back_to_eager_decoding(monkeypatch):
+    """A model that syncs the host inside the captured region: the engine warns, decodes eagerly, and its
+    output equals a plain eager engine's; random ops on the device still work afterwards."""
+    from polyrl.platform import device
+
+    if not device.supports_graphs():
+        pytest.skip("this accelerator has no CUDA graphs")
+    model = _model(torch.float32)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    eager = LLM(model, None, EngineConfig(num_blocks=64, max_num_seqs=4, cuda_graphs=False)).generate(prompts, params)
+    plain = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda h: plain(h) + 0 * h.sum().item())  # .item(): a host sync
+    llm = LLM(model, None, EngineConfig(num_blocks=64, max_num_seqs=4, cuda_graphs=True))
+    with pytest.warns(RuntimeWarning, match="decoding without CUDA graphs"):
+        outs = llm.generate(prompts, params)
+    assert not llm.runner.use_graphs and llm.runner.graphs is None
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in eager]
+    assert torch.randn(16, device=device.torch_device()).isfinite().all()

@@ -23,6 +23,10 @@ Use from a test module in this directory::
 
 ``kernel_check`` is a namespace with ``assert_close``, ``rel_l2`` and ``TOL`` (a fixture, because several
 test directories have a ``conftest.py`` and ``from conftest import`` would be ambiguous).
+
+``host_reads`` is a ``TorchFunctionMode`` factory that records every tensor operation reading a value back to
+the host (``.item()``, ``.tolist()``, ``bool(t)``, indexing with a 0-dim tensor, ...): code meant to run inside
+a CUDA graph capture must record none, and this is checkable on the CPU.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from polyrl.kernels import registry
 from polyrl.platform import device as _device
@@ -143,3 +148,31 @@ def kernel_check():
     import types
 
     return types.SimpleNamespace(assert_close=assert_close, rel_l2=rel_l2, TOL=TOL, Tol=Tol)
+
+
+# Tensor methods that copy a value to the host (a device sync; "operation not permitted" under graph capture).
+_HOST_READS = frozenset(("item", "tolist", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__"))
+
+
+class HostReads(TorchFunctionMode):
+    """Records host reads done by tensor code run under it (``seen``: the operation names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name in _HOST_READS:
+            self.seen.append(name)
+        elif name == "__getitem__" and len(args) > 1:
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(isinstance(i, torch.Tensor) and i.dim() == 0 for i in index):
+                self.seen.append("__getitem__ with a 0-dim tensor (reads it on the host)")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def host_reads():
+    """``with host_reads() as reads: ...`` then ``assert reads.seen == []``."""
+    return HostReads

@@ -35,27 +35,32 @@ class Batch:
 
 
 def _batch(ctx, q_lens, hq, hk, d, page, dtype, window=None, device="cpu", spare_blocks=3) -> Batch:
-    """Random keys per sequence written through the reference into shuffled cache blocks."""
+    """Random keys per sequence written through the reference into shuffled cache blocks.
+
+    Everything is made and computed on ``device``: at the real GPU shapes (a 1 GiB cache per dtype) building the
+    batch on the host took most of a two-minute test."""
     n_blocks = [-(-c // page) for c in ctx]
     total = sum(n_blocks) + spare_blocks
     perm = torch.randperm(total)
-    k_cache = torch.randn(total, page, hk, d, dtype=dtype)  # spare blocks hold garbage that must be ignored
-    v_cache = torch.randn(total, page, hk, d, dtype=dtype)
+    on = dict(dtype=dtype, device=device)
+    k_cache = torch.randn(total, page, hk, d, **on)  # spare blocks hold garbage that must be ignored
+    v_cache = torch.randn(total, page, hk, d, **on)
     tables = torch.full((len(ctx), max(n_blocks) + 1), total - 1, dtype=torch.int32)
-    q = torch.randn(sum(q_lens), hq, d, dtype=dtype)
+    q = torch.randn(sum(q_lens), hq, d, **on)
     outs, used = [], 0
     for b, (c, ql) in enumerate(zip(ctx, q_lens)):
         tables[b, : n_blocks[b]] = perm[used : used + n_blocks[b]].int()
         used += n_blocks[b]
-        k, v = torch.randn(c, hk, d, dtype=dtype), torch.randn(c, hk, d, dtype=dtype)
+        k, v = torch.randn(c, hk, d, **on), torch.randn(c, hk, d, **on)
         pos = torch.arange(c)
-        ref.write_kv_cache(k, v, k_cache, v_cache, tables[b, pos // page].long() * page + pos % page)
+        slots = (tables[b, pos // page].long() * page + pos % page).to(device)
+        ref.write_kv_cache(k, v, k_cache, v_cache, slots)
         s = sum(q_lens[:b])
         outs.append(attend(q[s : s + ql].float(), k.float(), v.float(), d**-0.5, window))
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     to = lambda t: t.to(device)
-    return Batch(to(q), to(k_cache), to(v_cache), to(tables), to(torch.tensor(ctx, dtype=torch.int32)), to(cu),
-                 max(q_lens), torch.cat(outs))  # fmt: skip
+    return Batch(q, k_cache, v_cache, to(tables), to(torch.tensor(ctx, dtype=torch.int32)), to(cu), max(q_lens),
+                 torch.cat(outs).cpu())  # fmt: skip
 
 
 # --- references --------------------------------------------------------------------------------
@@ -88,6 +93,17 @@ def test_reference_write_kv_cache_keeps_slot_zero_when_only_skipped():
     v_cache = torch.full((2, 2, 1, 1), 7.0)
     ref.write_kv_cache(torch.ones(2, 1, 1), torch.ones(2, 1, 1), k_cache, v_cache, torch.tensor([-1, 3]))
     assert k_cache.flatten().tolist() == [7.0, 7.0, 7.0, 1.0]
+
+
+def test_reference_write_kv_cache_reads_nothing_back_to_the_host(host_reads):
+    """Regression (H200): indexing with a 0-dim argmax read it on the host, which broke graph capture."""
+    k_cache = torch.zeros(4, 16, 2, 8)
+    v_cache = torch.zeros_like(k_cache)
+    k = torch.randn(5, 2, 8)
+    with host_reads() as reads:
+        ref.write_kv_cache(k, -k, k_cache, v_cache, torch.tensor([3, -1, 0, 40, -1]))
+    assert reads.seen == []
+    assert torch.equal(k_cache.view(-1, 2, 8)[40], k[3]) and torch.equal(k_cache.view(-1, 2, 8)[0], k[2])
 
 
 # --- Triton ------------------------------------------------------------------------------------

@@ -89,10 +89,8 @@ def _loss_rows(
     rows = _tlp.chunk_rows(T, V, hidden.element_size())
     acc = _tlp.GradWeightAccumulator(weight, single=rows >= T) if need_weight else None
     block, warps = _tlp.block_config(V)
-    for start in range(0, T, rows):
-        stop = min(T, start + rows)
+    for start, stop, logits in _tlp.logits_chunks(hidden, weight, rows):  # [C, V]; d(loss)/d(logits) if write_grad
         h = hidden[start:stop]
-        logits = h @ weight.t()  # [C, V] in the input dtype; becomes d(loss)/d(logits) when write_grad
         _ce_fused_kernel[(stop - start,)](
             logits,
             logits.stride(0),

@@ -23,11 +23,13 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
     keep = slots >= 0
     index = torch.where(keep, slots, torch.zeros_like(slots))
     hits0 = keep & (slots == 0)
-    first0 = torch.argmax(hits0.to(torch.int32))  # index of a token written to slot 0 (0 if none)
+    # Index of a token written to slot 0 (0 if none), kept as a [1] tensor: indexing with a 0-dim tensor
+    # would read it on the host (`values[t]` calls `t.item()`), which a CUDA graph capture forbids.
+    first0 = torch.argmax(hits0.to(torch.int32)).reshape(1)
     for src, cache in ((k, k_cache), (v, v_cache)):
         flat = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, Hk, D], a view: writes land in cache
         values = src.to(cache.dtype)
-        slot0 = torch.where(hits0.any(), values[first0], flat[0])
+        slot0 = torch.where(hits0.any(), values.index_select(0, first0)[0], flat[0])
         values = torch.where(keep[:, None, None], values, slot0)
         flat.index_copy_(0, index, values)
 

@@ -6,7 +6,8 @@ logits come from one cuBLAS matmul in the input dtype (exactly the reference's `
 log-sum-exp, log-prob and entropy ([T] fp32 each). Backward keeps only those [T] statistics and recomputes
 each chunk's logits, overwrites them in place with d(loss)/d(logits) and turns them into
 ``grad_hidden = g @ W`` and ``grad_weight += g^T @ h`` (accumulated in fp32 across chunks). Extra memory is
-one logits chunk (``CHUNK_BYTES``) plus an fp32 [V, H] accumulator, whatever T is.
+one logits chunk (``CHUNK_BYTES``, one buffer reused by every chunk: ``logits_chunks``) plus an fp32 [V, H]
+accumulator, whatever T is.
 
 Gradients, per row with s = x / tau, p = softmax(s), lse = logsumexp(s), Ent = lse - sum(p * s):
   d logprob / d s_j = [j == y] - p_j
@@ -46,6 +47,23 @@ def chunk_rows(num_rows: int, vocab: int, elem_size: int) -> int:
     rows = -(-num_rows // num_chunks)
     aligned = -(-rows // CHUNK_ALIGN) * CHUNK_ALIGN
     return aligned if aligned <= budget else rows
+
+
+def logits_chunks(hidden: torch.Tensor, weight: torch.Tensor, rows: int):
+    """Yield ``(start, stop, logits)`` with ``logits = hidden[start:stop] @ weight^T`` ``[C, V]`` in the input dtype.
+
+    Every chunk is written into ONE buffer: a fresh ``h @ W^T`` per chunk would be allocated while the previous
+    chunk is still referenced, so the peak would be two chunks (measured on the H200: 1.9 GiB for a 1 GiB chunk).
+    A chunk is valid until the next one is requested; callers finish with it (kernels, matmuls) before that.
+    """
+    T, V = hidden.shape[0], weight.shape[0]
+    buf = torch.empty((min(rows, T), V), device=hidden.device, dtype=hidden.dtype)
+    for start in range(0, T, rows):
+        stop = min(T, start + rows)
+        out = buf[: stop - start]
+        with torch.no_grad():  # out= takes no autograd; callers compute their own gradients
+            torch.mm(hidden[start:stop], weight.t(), out=out)
+        yield start, stop, out
 
 
 def block_config(vocab: int) -> tuple[int, int]:
@@ -179,9 +197,7 @@ def row_stats(
     ent = torch.empty_like(lse) if with_entropy else None
     block, warps = block_config(V)
     rows = chunk_rows(T, V, hidden.element_size())
-    for start in range(0, T, rows):
-        stop = min(T, start + rows)
-        logits = hidden[start:stop] @ weight.t()  # [C, V] in the input dtype
+    for start, stop, logits in logits_chunks(hidden, weight, rows):  # [C, V] in the input dtype
         _row_stats_kernel[(stop - start,)](
             logits,
             logits.stride(0),
@@ -218,10 +234,8 @@ def recompute_backward(
     rows = chunk_rows(T, V, hidden.element_size())
     acc = GradWeightAccumulator(weight, single=rows >= T) if need_weight else None
     block, warps = block_config(V)
-    for start in range(0, T, rows):
-        stop = min(T, start + rows)
+    for start, stop, g in logits_chunks(hidden, weight, rows):  # logits [C, V], overwritten with d(loss)/d(logits)
         h = hidden[start:stop]
-        g = h @ weight.t()  # logits [C, V], overwritten below with d(loss)/d(logits)
         _row_grad_kernel[(stop - start,)](
             g,
             g.stride(0),
