@@ -29,11 +29,12 @@ for s in "$@"; do
     bench-kernels) stage bench-kernels 130 $PR bench kernels --baselines eager,liger --json "$OUT/bench_kernels.json" ;;
     parity) stage parity 150 python3 -m polyrl.bench.model_parity ;;
     bench-sft) stage bench-sft 200 $PR bench sft --shape qwen3-0.6b --seq 4096 --batch 8 --warmup 2 --steps 5 --baselines hf,hf-liger --json "$OUT/bench_sft.json" ;;
-    bench-rollout) stage bench-rollout 150 $PR bench rollout --shape qwen3-0.6b --batch 256 --prompt-len 128 --gen-len 256 --baselines hf --json "$OUT/bench_rollout.json" ;;
-    bench-grpo) stage bench-grpo 220 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 --warmup 1 --steps 2 --baselines none --json "$OUT/bench_grpo_ours.json" ;;
+    bench-rollout) stage bench-rollout 150 $PR bench rollout --shape qwen3-0.6b --batch 256 --prompt-len 128 --gen-len 256 --baselines hf --compare-sync --json "$OUT/bench_rollout.json" ;;
+    bench-rollout-4k) stage bench-rollout-4k 150 $PR bench rollout --shape qwen3-0.6b --batch 64 --prompt-len 4032 --gen-len 128 --baselines none --skip-batch1 --compare-sync --json "$OUT/bench_rollout_4k.json" ;;
+    bench-grpo) stage bench-grpo 220 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 --warmup 1 --steps 2 --kv both --baselines none --json "$OUT/bench_grpo_ours.json" ;;
     validate) stage validate 220 $PR validate --preset tiny --levels platform,ops,sft,rl,serve --out "$OUT/validate" ;;
     bench-grpo-trl) stage bench-grpo-trl 560 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 --warmup 1 --steps 2 --json "$OUT/bench_grpo.json" ;;
-    bench-rollout-512) stage bench-rollout-512 150 $PR bench rollout --shape qwen3-0.6b --batch 512 --prompt-len 64 --gen-len 512 --baselines none --json "$OUT/bench_rollout_512.json" ;;
+    bench-rollout-512) stage bench-rollout-512 150 $PR bench rollout --shape qwen3-0.6b --batch 512 --prompt-len 64 --gen-len 512 --baselines none --compare-sync --json "$OUT/bench_rollout_512.json" ;;
     multi-gpu) TAIL=60 stage multi-gpu 590 bash tests/distributed/run_multi_gpu.sh ;;
     # The whole single-GPU marked suite in one go (issue 13: < 8 min on a cold Triton cache); slowest tests listed.
     gpu-tests) TAIL=60 stage gpu-tests 590 python3 -m pytest -m "gpu and not multi_gpu" -q -rfE --timeout=300 \

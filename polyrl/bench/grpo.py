@@ -42,12 +42,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
     parser.add_argument("--baselines", default="trl", help="comma-separated: trl, or none")
     parser.add_argument(
-        "--trl-micro-batch", type=int, default=16, help="TRL completions per forward/backward (accumulated to one step)"
+        "--trl-micro-batch",
+        default="16,64",
+        help="TRL completions per forward/backward (accumulated to one step); a comma list times each, and the "
+        "fastest is the baseline",
     )
     parser.add_argument(
         "--logprob-pass",
         action="store_true",
         help="also run the separate no-grad log-prob pass (skipped by `polyrl train` with one update per batch)",
+    )
+    parser.add_argument(
+        "--kv",
+        choices=["release", "keep", "both"],
+        default="both",
+        help="release the KV cache for training and retake it (graphs re-captured) every step, keep it and its "
+        "graphs across steps, or time both",
     )
     parser.add_argument("--model-dir", default=None, help="reuse this model folder (default: a temp folder)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -70,7 +80,7 @@ def prompt_texts(count: int, prompt_len: int) -> list[str]:
 
 
 # ---- ours ----------------------------------------------------------------------------------------
-def ours(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+def ours(model_dir: Path, args: argparse.Namespace, keep_kv: bool = False) -> dict[str, Any]:
     from polyrl.algorithms.advantages import group_advantages
     from polyrl.algorithms.colocated import pack_samples
     from polyrl.algorithms.grpo import GRPOConfig, make_policy_loss
@@ -89,6 +99,7 @@ def ours(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
             max_model_len=max_len,
             max_num_blocks=args.prompts * args.n * (-(-max_len // 16) + 1),  # as `polyrl train` sizes it
         ),
+        release_kv=not keep_kv,
     )
     texts = prompt_texts(args.prompts, args.prompt_len)
     ids = [tr.encode(t)[: args.prompt_len] for t in texts]
@@ -124,7 +135,8 @@ def ours(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
             {"rollout_s": t1 - t0, "logprob_s": t2 - t1, "train_s": t3 - t2, "step_s": t3 - t0, "capture_s": capture}
         )
         print(
-            f"# ours step {step + 1}: rollout {t1 - t0:.2f}s (graph capture {capture:.2f}s), log-prob {t2 - t1:.2f}s, "
+            f"# ours ({'keep' if keep_kv else 'release'} KV) step {step + 1}: rollout {t1 - t0:.2f}s "
+            f"(graph capture {capture:.2f}s), log-prob {t2 - t1:.2f}s, "
             f"train {t3 - t2:.2f}s "
             f"(loss {stats.loss:.4f}, mismatch mean {mismatch:.2e}){' [warm-up]' if step < args.warmup else ''}"
         )
@@ -159,7 +171,7 @@ def roofline(model: Any, args: argparse.Namespace, dev: torch.device) -> dict[st
 
 
 # ---- TRL -----------------------------------------------------------------------------------------
-def trl_step_times(model_dir: Path, args: argparse.Namespace, dev: torch.device) -> list[float]:
+def trl_step_times(model_dir: Path, args: argparse.Namespace, dev: torch.device, micro_batch: int) -> list[float]:
     """Per-step wall times of TRL's GRPOTrainer on the same model, prompts and lengths (transformers generate)."""
     import datasets
     import transformers
@@ -182,7 +194,7 @@ def trl_step_times(model_dir: Path, args: argparse.Namespace, dev: torch.device)
 
     bf16 = dev.type != "cpu"
     total = args.prompts * args.n
-    micro = max(args.n, min(args.trl_micro_batch, total))
+    micro = max(args.n, min(micro_batch, total))
     while total % micro or micro % args.n:
         micro -= 1  # a divisor of the batch that holds whole groups
     # One generate call for the whole batch (generation batch = micro x accumulation), then one optimizer step.
@@ -244,10 +256,16 @@ def run(args: argparse.Namespace) -> int:
         f"{args.steps} timed steps"
     )
     res: dict[str, Any] = {"shape": args.shape, "prompts": args.prompts, "n": args.n, "gen_len": args.gen_len}
-    mine = ours(model_dir, args)
-    model = mine.pop("_model")
-    mine.pop("kv_dtype_bytes", None)
-    res.update(mine)
+    modes = {"release": [False], "keep": [True], "both": [False, True]}[args.kv]
+    runs = {keep: ours(model_dir, args, keep_kv=keep) for keep in modes}
+    best = min(runs, key=lambda keep: runs[keep]["step_s"])
+    for keep, r in runs.items():
+        model = r.pop("_model")
+        r.pop("kv_dtype_bytes", None)
+        if len(runs) > 1:
+            res.update({f"{k}_{'keep' if keep else 'release'}_kv": v for k, v in r.items()})
+    res.update(runs[best])
+    res["kv_mode"] = "keep" if best else "release"
     res.update(roofline(model, args, dev))
     if not args.logprob_pass:
         res["roofline_logprob_s"] = 0.0  # no separate pass ran: its work is not part of this step
@@ -261,10 +279,19 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             print("# trl is not importable: TRL baseline skipped (pip install trl)")
         else:
-            times = trl_step_times(model_dir, args, dev)
-            res["trl_first_step_s"] = times[0]
-            res["trl_step_s"] = statistics.median(times[args.warmup :] or times)
-            res["speedup_vs_trl"] = res["trl_step_s"] / res["step_s"]
+            for mb in [int(x) for x in str(args.trl_micro_batch).split(",") if x]:
+                try:
+                    times = trl_step_times(model_dir, args, dev, mb)
+                except torch.OutOfMemoryError:
+                    print(f"# TRL with {mb} completions per forward/backward ran out of memory")
+                    continue
+                steady = statistics.median(times[args.warmup :] or times)
+                res[f"trl_mb{mb}_first_step_s"], res[f"trl_mb{mb}_step_s"] = times[0], steady
+                print(f"# TRL, {mb} completions per forward/backward: first step {times[0]:.2f}s, steady {steady:.2f}s")
+                if res.get("trl_step_s") is None or steady < res["trl_step_s"]:
+                    res.update(trl_step_s=steady, trl_first_step_s=times[0], trl_micro_batch=mb)
+            if res.get("trl_step_s"):
+                res["speedup_vs_trl"] = res["trl_step_s"] / res["step_s"]
     _print(res)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
@@ -275,6 +302,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _print(res: dict[str, Any]) -> None:
     rows = [
+        ("ours, KV released each step: step s", "step_s_release_kv", "{:.3f}"),
+        ("  rollout s", "rollout_s_release_kv", "{:.3f}"),
+        ("ours, KV and graphs kept: step s", "step_s_keep_kv", "{:.3f}"),
+        ("  rollout s", "rollout_s_keep_kv", "{:.3f}"),
+        ("KV mode of the rows below", "kv_mode", "{}"),
         ("ours: step s (steady state)", "step_s", "{:.3f}"),
         ("  rollout s", "rollout_s", "{:.3f}"),
         ("    of which graph capture s", "capture_s", "{:.3f}"),
@@ -287,6 +319,7 @@ def _print(res: dict[str, Any]) -> None:
         ("fraction of roofline", "roofline_fraction", "{:.0%}"),
         ("copy bandwidth GB/s", "copy_bandwidth_gb_s", "{:,.0f}"),
         ("peak TFLOP/s", "peak_tflops", "{:,.1f}"),
+        ("TRL completions per fwd/bwd (fastest)", "trl_micro_batch", "{}"),
         ("TRL GRPOTrainer first step s", "trl_first_step_s", "{:.3f}"),
         ("TRL GRPOTrainer step s (steady)", "trl_step_s", "{:.3f}"),
         ("speedup vs TRL (step time)", "speedup_vs_trl", "{:.2f}x"),

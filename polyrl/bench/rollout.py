@@ -9,6 +9,9 @@ token ids, every sample generating exactly ``--gen-len`` tokens (EOS ignored). P
   tokens/s, and the fraction of it the engine's decode phase reaches (decode time = full run - a
   prefill-only run);
 - batch-1 time per output token (engine and baselines);
+- where a decode step's time goes: the engine's wall time per decode step against the device time of one
+  replay of that batch's CUDA graph (the model alone, at the final context), and with ``--compare-sync`` the
+  same run with synchronous steps (host work not overlapped with the device, ``EngineConfig.overlap_decode``);
 - bf16 log-prob agreement: the engine's sampled-token log-probs vs a training-style packed forward
   (``kernels.token_logprobs`` over ``lm_head_weight``) on the same tokens: max / mean abs difference.
 
@@ -35,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-graphs", action="store_true", help="disable CUDA graphs (eager decode)")
     parser.add_argument("--logprob-seqs", type=int, default=16, help="sequences used for the log-prob check")
     parser.add_argument("--skip-batch1", action="store_true", help="skip the batch-1 latency runs")
+    parser.add_argument(
+        "--compare-sync", action="store_true", help="also time the engine without one-step-ahead decoding"
+    )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
 
@@ -117,6 +123,28 @@ def logprob_agreement(model, outs, count: int) -> tuple[float, float]:
     return d.max().item(), d.mean().item()
 
 
+def graph_replay_ms(llm, batch: int, reps: int = 20) -> float | None:
+    """Device time of one replay of the decode graph for ``batch`` (its buffers hold the last step's inputs),
+    or None without graphs: what a decode step costs when the host adds nothing."""
+    from polyrl.platform import device
+
+    graphs = llm.runner.graphs
+    if graphs is None:
+        return None
+    entry = graphs.graphs.get(graphs.bucket(batch))
+    if entry is None:
+        return None
+    graph = entry[0]
+    graph.replay()
+    start, end = device.event(), device.event()
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    device.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def roofline_tokens_per_s(model, batch: int, prompt_len: int, gen_len: int, kv_dtype_bytes: int, bw: float) -> float:
     """Decode tokens/s if each step only had to read weights once plus the KV cache at the mean context."""
     cfg = model.config
@@ -163,6 +191,10 @@ def run(args: argparse.Namespace) -> int:
     res["engine_tok_s"] = n_out / t_full
     decode_s = max(t_full - t_prefill, 1e-9)
     res["engine_decode_tok_s"] = args.batch * (args.gen_len - 1) / decode_s
+    res["engine_decode_step_ms"] = 1e3 * decode_s / max(args.gen_len - 1, 1)
+    graph_ms = graph_replay_ms(llm, args.batch)
+    if graph_ms is not None:
+        res["graph_replay_ms"] = graph_ms
     from polyrl.bench.common import measure_copy_bandwidth
 
     bw = measure_copy_bandwidth(dev)
@@ -178,6 +210,13 @@ def run(args: argparse.Namespace) -> int:
         res["engine_batch1_ms_per_token"] = 1e3 * t1 / args.gen_len
     stats = llm.stats()
     res["engine_preemptions"] = stats["num_preemptions"]
+    if args.compare_sync:
+        llm.config.overlap_decode = False
+        llm.reset_prefix_cache()
+        t_sync, _ = _run_engine(llm, prompts, args.gen_len, dev)
+        res["engine_sync_tok_s"] = n_out / t_sync
+        res["engine_sync_decode_step_ms"] = 1e3 * max(t_sync - t_prefill, 1e-9) / max(args.gen_len - 1, 1)
+        llm.config.overlap_decode = True
     llm.release()
 
     if "hf" in baselines:
@@ -209,6 +248,10 @@ def _print(res: dict) -> None:
         ("copy bandwidth GB/s", "copy_bandwidth_gb_s", "{:,.0f}"),
         ("decode roofline tokens/s", "roofline_tok_s", "{:,.0f}"),
         ("fraction of roofline (decode)", "roofline_fraction", "{:.0%}"),
+        ("engine decode step ms (wall)", "engine_decode_step_ms", "{:.2f}"),
+        ("graph replay ms (device only)", "graph_replay_ms", "{:.2f}"),
+        ("engine, synchronous steps, tokens/s", "engine_sync_tok_s", "{:,.0f}"),
+        ("synchronous decode step ms (wall)", "engine_sync_decode_step_ms", "{:.2f}"),
         ("engine batch-1 ms/token", "engine_batch1_ms_per_token", "{:.2f}"),
         ("HF batch-1 ms/token", "hf_batch1_ms_per_token", "{:.2f}"),
         ("log-prob |engine - train fwd| max", "logprob_max_abs_diff", "{:.2e}"),

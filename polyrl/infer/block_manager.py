@@ -73,7 +73,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.block_table:
             return []
         bs = self.block_size
-        limit = (seq.num_tokens - 1) // bs
+        limit = (seq.num_tokens - seq.pending - 1) // bs
         hits: list[int] = []
         parent: int | None = None
         for i in range(limit):
@@ -118,7 +118,8 @@ class BlockManager:
                 return False
             for _ in range(need):
                 table.append(self._take_free_block())
-        if self.enable_prefix_caching and min(num_tokens, len(seq.tokens)) // bs > seq.num_hashed_blocks:
+        # A pending (not yet read) last token is no part of a block's key: that block registers once it is read.
+        if self.enable_prefix_caching and min(num_tokens, len(seq.tokens) - seq.pending) // bs > seq.num_hashed_blocks:
             self._register_full_blocks(seq, num_tokens)
         return True
 
@@ -156,7 +157,7 @@ class BlockManager:
 
     def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         bs = self.block_size
-        full = min(num_tokens, seq.num_tokens) // bs
+        full = min(num_tokens, seq.num_tokens - seq.pending) // bs
         parent = seq.last_hash
         for i in range(seq.num_hashed_blocks, full):
             tokens = tuple(seq.tokens[i * bs : (i + 1) * bs])

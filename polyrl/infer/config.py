@@ -28,6 +28,8 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # None = where polyrl.platform.device.supports_graphs()
     max_graph_batch_size: int = 512  # decode batches up to this size replay captured graphs (RL: n x prompts)
     kv_cache_dtype: str | None = None  # None = the model's dtype; or "bfloat16"/"float16"/"float32"
+    # generate(): queue decode step N+1 before reading step N's tokens, so host work overlaps the device
+    overlap_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -19,6 +19,7 @@ import torch
 
 from polyrl.infer.config import EngineConfig
 from polyrl.infer.kv_cache import KVCache
+from polyrl.infer.overlap import feed_input_ids
 from polyrl.models.attention_metadata import AttnMetadata
 from polyrl.platform import device
 
@@ -84,7 +85,9 @@ class DecodeGraphs:
         self.graphs[b] = (graph, out)
 
     @torch.inference_mode()
-    def run(self, arrays: dict[str, np.ndarray]) -> torch.Tensor:
+    def run(self, arrays: dict[str, np.ndarray], fed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Replay the bucket's graph on ``arrays``; ``fed = (rows [bs], prev_tokens)`` overrides input ids on the
+        device (``overlap.feed_input_ids``)."""
         bs = int(arrays["context_lens"].size)
         b = self.bucket(bs)
         if b not in self.graphs:
@@ -111,6 +114,8 @@ class DecodeGraphs:
         self.slot_mapping[:b].copy_(buf[2 * b : 3 * b])
         self.context_lens[:b].copy_(buf[3 * b : 4 * b])
         self.block_tables[:b, :width].copy_(buf[4 * b :].view(b, width))
+        if fed is not None:
+            feed_input_ids(self.input_ids[:bs], *fed)
         graph, out = self.graphs[b]
         graph.replay()
         return out[:bs]

@@ -2,7 +2,8 @@
 
 Wires the parts: ``KVCache`` (tensors), ``BlockManager`` (blocks, prefix cache), ``Scheduler`` (continuous
 batching), ``ModelRunner`` (forward, CUDA graphs), ``Sampler`` and ``stopping``. One ``step()`` schedules,
-runs the model once, samples, checks stops and reports the requests that changed.
+runs the model once, samples, checks stops and reports the requests that changed. ``generate()`` launches
+decode steps one ahead of reading their tokens (``overlap.py``; ``EngineConfig.overlap_decode``).
 
 Threading: ``add_request`` and ``abort_request`` may be called from any thread (they validate in the
 caller's thread and hand the request over through a queue); ``step()``, ``generate()`` and ``chat()`` must
@@ -23,6 +24,7 @@ from polyrl.infer.block_manager import BlockManager
 from polyrl.infer.config import EngineConfig
 from polyrl.infer.kv_cache import KVCache
 from polyrl.infer.model_runner import ModelRunner
+from polyrl.infer.overlap import InflightStep, feed_rows
 from polyrl.infer.sampler import Sampler
 from polyrl.infer.sampling_params import SamplingParams
 from polyrl.infer.scheduler import Scheduler
@@ -42,6 +44,14 @@ class _Request:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.seqs: list[Sequence] = []
+
+
+def _drop_pending(seqs: list[Sequence]) -> None:
+    """Aborted sequences lose the placeholder of a step in flight (that row's result is dropped when read)."""
+    for s in seqs:
+        if s.pending:
+            s.tokens.pop()
+            s.pending = False
 
 
 class LLM:
@@ -71,6 +81,8 @@ class LLM:
         self._seq_ids = itertools.count()
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self._inflight: InflightStep | None = None  # a decode step launched ahead and not yet read
+        self.num_steps_ahead = 0  # steps launched before the previous one was read
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -139,8 +151,9 @@ class LLM:
         """Drop every queued and running request now, without reporting them (e.g. after a failed
         ``generate``, so the cache can be released). Not thread-safe: call from the engine's thread."""
         self._drain_inbox()
+        self._inflight = None
         for rid in list(self._requests):
-            self.scheduler.abort(rid)
+            _drop_pending(self.scheduler.abort(rid))
         self._requests.clear()
 
     def _drain_inbox(self) -> list[_Request]:
@@ -157,7 +170,7 @@ class LLM:
                 for s in item.seqs:
                     self.scheduler.add(s)
             elif item in self._requests:
-                self.scheduler.abort(item)
+                _drop_pending(self.scheduler.abort(item))
                 aborted.append(self._requests[item])
 
     def has_unfinished_requests(self) -> bool:
@@ -167,20 +180,45 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one engine step. Returns an output for every streaming request that got tokens and for
         every request that finished (or was aborted) in this step."""
+        return self._step(ahead=False)
+
+    def _step(self, ahead: bool) -> list[RequestOutput]:
+        """One step; with ``ahead`` a decode-only step is launched before the previous one is read
+        (``overlap.py``), so outputs come one step later than the tokens were computed."""
         if not self.kv.allocated:
             raise UserError("the KV cache is released; call LLM.reallocate() before generating")
         touched: dict[str, _Request] = {r.request_id: r for r in self._drain_inbox()}
         sched = self.scheduler.schedule()
-        if sched.items:
-            logits = self.runner.execute(sched)
-            sampling = [it.seq for it in sched.items if it.sample]
+        prev, self._inflight = self._inflight, None
+        if sched.items and ahead and self._can_launch_ahead(sched):
+            seqs = [it.seq for it in sched.items]
+            rows = feed_rows(seqs)
+            logits = self.runner.execute(sched, (rows, prev.tokens) if rows is not None else None)
             for it in sched.items:
                 it.seq.num_computed = it.start + it.num_new
-            if sampling:
-                self._sample_and_stop(logits, sampling)
-                for s in sampling:
-                    touched[s.request_id] = self._requests[s.request_id]
+            launched = InflightStep(seqs, *self.sampler.draw(logits, seqs, self._suppress(seqs)))
+            if prev is not None:
+                self._read(prev, touched)
+            launched.mark_pending()
+            self._inflight = launched
             self.num_steps += 1
+            self.num_steps_ahead += 1
+        else:
+            if prev is not None:
+                self._read(prev, touched)
+                sched.items = [it for it in sched.items if not it.seq.is_finished]  # stopped at that step
+            if sched.items:
+                logits = self.runner.execute(sched)
+                sampling = [it.seq for it in sched.items if it.sample]
+                for it in sched.items:
+                    it.seq.num_computed = it.start + it.num_new
+                if sampling:
+                    out = self.sampler(logits, sampling, self._suppress(sampling))
+                    self._accept(sampling, out.tokens, out.logprobs, out.top_logprobs, touched)
+                self.num_steps += 1
+        return self._report(touched)
+
+    def _report(self, touched: dict[str, _Request]) -> list[RequestOutput]:
         # Non-streaming requests are reported once, when finished (building outputs copies token lists).
         outputs = [self._output(r) for r in touched.values() if r.stream or all(s.is_finished for s in r.seqs)]
         for out in outputs:
@@ -188,21 +226,58 @@ class LLM:
                 del self._requests[out.request_id]
         return outputs
 
-    def _sample_and_stop(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        # Per sequence per step: keep this loop lean (it is host time the device waits for at large batches).
-        suppress = None
-        if any(s.params.min_tokens for s in seqs):
-            suppress = []
-            for s in seqs:
-                p = s.params
-                if s.num_generated < p.min_tokens:
-                    eos = () if p.ignore_eos else self.eos_token_ids
-                    suppress.append(list(eos) + list(p.stop_token_ids))
-                else:
-                    suppress.append(None)
-        out = self.sampler(logits, seqs, suppress)
+    def _can_launch_ahead(self, sched) -> bool:
+        """Decode-only steps whose results the host needs only to append and check stops (top-k alternatives
+        are read on the host, so requests asking for them run synchronously)."""
+        return (
+            self.config.overlap_decode
+            and sched.is_decode_only
+            and not any(it.seq.params.logprobs for it in sched.items)
+        )
+
+    def _read(self, step: InflightStep, touched: dict[str, _Request]) -> None:
+        """Read a launched step's tokens and do its host work; rows of sequences that stopped meanwhile are dropped."""
+        tokens, logprobs = step.read()
+        live, toks, lps = [], [], []
+        for s, tok, lp in zip(step.seqs, tokens, logprobs):
+            if s.is_finished:
+                continue
+            s.tokens.pop()  # the placeholder; _accept appends the real token
+            s.pending = False
+            live.append(s)
+            toks.append(tok)
+            lps.append(lp)
+        self._accept(live, toks, lps, [None] * len(live), touched)
+
+    def _flush(self) -> list[RequestOutput]:
+        """Read the step in flight, if any (before anything that needs every token on the host)."""
+        prev, self._inflight = self._inflight, None
+        if prev is None:
+            return []
+        touched: dict[str, _Request] = {}
+        self._read(prev, touched)
+        return self._report(touched)
+
+    def _suppress(self, seqs: list[Sequence]) -> list[list[int] | None] | None:
+        """Per row, the token ids ``min_tokens`` still forbids (EOS and stop ids), or None when no row has any."""
+        if not any(s.params.min_tokens for s in seqs):
+            return None
+        suppress: list[list[int] | None] = []
+        for s in seqs:
+            p = s.params
+            if s.num_generated < p.min_tokens:
+                eos = () if p.ignore_eos else self.eos_token_ids
+                suppress.append(list(eos) + list(p.stop_token_ids))
+            else:
+                suppress.append(None)
+        return suppress
+
+    def _accept(self, seqs: list[Sequence], tokens, logprobs, tops, touched: dict[str, _Request]) -> None:
+        """Append each sequence's new token, check its stops, finish the stopped ones."""
+        # Per sequence per step: keep this loop lean (it is host time at large batches).
         eos_ids, max_len, tokenizer, finish = self.eos_token_ids, self.max_model_len, self.tokenizer, None
-        for s, tok, lp, top in zip(seqs, out.tokens, out.logprobs, out.top_logprobs):
+        requests = self._requests
+        for s, tok, lp, top in zip(seqs, tokens, logprobs, tops):
             s.tokens.append(tok)
             s.logprobs.append(lp)
             s.cumulative_logprob += lp
@@ -212,6 +287,7 @@ class LLM:
             if stop is not None:
                 finish = finish or []
                 finish.append((s, stop))
+            touched[s.request_id] = requests[s.request_id]
         self.num_generated_tokens += len(seqs)
         for s, stop in finish or ():
             self.scheduler.finish(s, *stop)
@@ -267,9 +343,10 @@ class LLM:
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
-            for out in self.step():
+            for out in self._step(ahead=True):
                 if out.finished and out.request_id in wanted:
                     done[out.request_id] = out
+        self._flush()  # rows of finished sequences only, unless another thread's requests share the engine
         return [done[i] for i in ids]
 
     def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> list[int]:
@@ -299,6 +376,7 @@ class LLM:
         """Free the KV cache memory for training. No request may be in flight."""
         if self.has_unfinished_requests():
             raise UserError("cannot release the KV cache while requests are running; finish or abort them first")
+        self._flush()
         self.runner.invalidate_graphs()
         self.kv.release()
         self.block_manager.reset()
@@ -319,6 +397,7 @@ class LLM:
             "prefix_cache_hit_rate": bm.hit_tokens / bm.query_tokens if bm.query_tokens else 0.0,
             "num_preemptions": self.scheduler.total_preemptions,
             "num_steps": self.num_steps,
+            "num_steps_ahead": self.num_steps_ahead,
             "num_generated_tokens": self.num_generated_tokens,
             "graph_capture_s": self.runner.graph_capture_s,
         }

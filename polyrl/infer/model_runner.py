@@ -22,6 +22,7 @@ import torch
 from polyrl.infer.batch import StepInputs, host_arrays, to_device
 from polyrl.infer.config import EngineConfig
 from polyrl.infer.kv_cache import KVCache
+from polyrl.infer.overlap import feed_input_ids
 from polyrl.infer.scheduler import SchedulerOutput
 from polyrl.models.attention_metadata import AttnMetadata
 from polyrl.platform import device
@@ -50,12 +51,20 @@ class ModelRunner:
         self.released_capture_s = 0.0  # capture time of graph sets dropped by invalidate_graphs
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
-        """fp32 logits ``[S, V]`` for the scheduled sequences that sample, in scheduling order."""
+    def execute(self, sched: SchedulerOutput, feed: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
+        """fp32 logits ``[S, V]`` for the scheduled sequences that sample, in scheduling order.
+
+        ``feed = (rows, prev_tokens)``: item ``i`` with ``rows[i] >= 0`` takes its input id from the device tensor
+        ``prev_tokens[rows[i]]`` (one-step-ahead decoding, ``overlap.py``); only for one-token items."""
         if self.kv.caches is None:
             raise RuntimeError("the KV cache is released; call LLM.reallocate() before generating")
         arrays = host_arrays(sched.items, self.cfg.block_size)
         bs = len(sched.items)
+        fed = None
+        if feed is not None:
+            from polyrl.infer.sampler import host_to_device
+
+            fed = (host_to_device(feed[0], torch.int64, self.device), feed[1])
         if self.use_graphs and sched.is_decode_only and bs <= self.cfg.max_graph_batch_size:
             if self.graphs is None:
                 from polyrl.infer.cuda_graphs import DecodeGraphs
@@ -64,7 +73,7 @@ class ModelRunner:
             from polyrl.infer.cuda_graphs import GraphCaptureError
 
             try:
-                logits = self.graphs.run(arrays)
+                logits = self.graphs.run(arrays, fed)
                 self.last_step_used_graph = True
                 return logits
             except GraphCaptureError as exc:
@@ -73,6 +82,8 @@ class ModelRunner:
                 self.use_graphs = False
         self.last_step_used_graph = False
         inputs = to_device(arrays, self.device)
+        if fed is not None:
+            feed_input_ids(inputs.input_ids, *fed)
         return self._eager(inputs)
 
     def _eager(self, x: StepInputs) -> torch.Tensor:

@@ -78,6 +78,14 @@ class _Rows:
     greedy: torch.Tensor  # bool
 
 
+def host_to_device(values: list, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """A host list as a tensor on ``dev`` without waiting for the device: a blocking copy from pageable memory
+    synchronises the stream (torch copies and then syncs), which would stall the host behind every kernel
+    already queued, and one-step-ahead decoding needs the host to run ahead of the device."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if dev.type == "cpu" else t.pin_memory().to(dev, non_blocking=True)
+
+
 def _row_tensors(seqs: list[Sequence], dev: torch.device) -> _Rows:
     # One pass over the rows: this is host time the device waits for at every decode step.
     temps, seeds, offsets, greedy = [], [], [], []
@@ -93,8 +101,8 @@ def _row_tensors(seqs: list[Sequence], dev: torch.device) -> _Rows:
     if unseeded:
         base = int(torch.randint(0, SEED_RANGE, (1,)).item())
         seeds = [sd if sd >= 0 else base + b for b, sd in enumerate(seeds)]
-    ints = torch.tensor([seeds, offsets, greedy], dtype=torch.int64).to(dev)  # [3, B]
-    t = torch.tensor(temps, dtype=torch.float32).to(dev)
+    ints = host_to_device([seeds, offsets, greedy], torch.int64, dev)  # [3, B]
+    t = host_to_device(temps, torch.float32, dev)
     return _Rows(t, 1.0 / t, ints[0], ints[1], ints[2].bool())
 
 
@@ -113,7 +121,8 @@ def _suppress_mask(logits: torch.Tensor, suppress: list[list[int] | None] | None
     if not hit:
         return logits, []
     masked = logits.clone()
-    masked[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+    dev = logits.device
+    masked[host_to_device(rows, torch.int64, dev), host_to_device(cols, torch.int64, dev)] = float("-inf")
     return masked, hit
 
 
@@ -122,11 +131,11 @@ def _truncation(seqs: list[Sequence], idx: list[int], dev: torch.device):
     ps = [seqs[b].params for b in idx]
     top_k = top_p = min_p = None
     if any(p.uses_top_k for p in ps):
-        top_k = torch.tensor([p.top_k if p.uses_top_k else 0 for p in ps], dtype=torch.int64).to(dev)
+        top_k = host_to_device([p.top_k if p.uses_top_k else 0 for p in ps], torch.int64, dev)
     if any(p.uses_top_p for p in ps):
-        top_p = torch.tensor([p.top_p if p.uses_top_p else 1.0 for p in ps], dtype=torch.float32).to(dev)
+        top_p = host_to_device([p.top_p if p.uses_top_p else 1.0 for p in ps], torch.float32, dev)
     if any(p.uses_min_p for p in ps):
-        min_p = torch.tensor([p.min_p if p.uses_min_p else 0.0 for p in ps], dtype=torch.float32).to(dev)
+        min_p = host_to_device([p.min_p if p.uses_min_p else 0.0 for p in ps], torch.float32, dev)
     return top_k, top_p, min_p
 
 
@@ -137,15 +146,28 @@ class Sampler:
         self, logits: torch.Tensor, seqs: list[Sequence], suppress: list[list[int] | None] | None = None
     ) -> SamplerOutput:
         """``logits`` fp32 ``[B, V]`` for ``seqs``; ``suppress[b]`` are token ids to forbid in row b (min_tokens)."""
-        dev = logits.device
         logits = logits.float()
+        tokens, logprobs, inv_temps = self._draw(logits, seqs, suppress)
+        top = self._top_logprobs(logits, inv_temps, seqs)
+        return SamplerOutput(tokens.tolist(), logprobs.tolist(), top)
+
+    def draw(
+        self, logits: torch.Tensor, seqs: list[Sequence], suppress: list[list[int] | None] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens int64 [B], logprobs fp32 [B]) left on the device, queued without waiting for it (no top-k
+        alternatives: those are read on the host)."""
+        tokens, logprobs, _ = self._draw(logits.float(), seqs, suppress)
+        return tokens, logprobs
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], suppress: list[list[int] | None] | None):
+        dev = logits.device
         rows = _row_tensors(seqs, dev)
         inp, suppressed = _suppress_mask(logits, suppress)
         temps = rows.temps
         trunc = [b for b, s in enumerate(seqs) if s.params.truncates]
         if trunc:
             # Truncated rows enter the kernel as their masked z at T = 1 (z * 1 == z, same noise, same draw).
-            idx = torch.tensor(trunc, device=dev)
+            idx = host_to_device(trunc, torch.int64, dev)
             z = apply_top_k_top_p_min_p(inp[idx] * rows.inv_temps[idx, None], *_truncation(seqs, trunc, dev))
             inp = inp.clone() if inp is logits else inp
             inp[idx] = z
@@ -154,12 +176,11 @@ class Sampler:
         fix = sorted(set(trunc) | set(suppressed))
         if fix:
             # The kernel's log-prob is of what it was handed; these rows report the unmasked distribution.
-            idx = torch.tensor(fix, device=dev)
+            idx = host_to_device(fix, torch.int64, dev)
             z = logits[idx] * rows.inv_temps[idx, None]
             lp = z.gather(-1, tokens[idx, None])[:, 0] - torch.logsumexp(z, dim=-1)
             logprobs = logprobs.index_copy(0, idx, lp)
-        top = self._top_logprobs(logits, rows.inv_temps, seqs)
-        return SamplerOutput(tokens.tolist(), logprobs.tolist(), top)
+        return tokens, logprobs, rows.inv_temps
 
     def _top_logprobs(
         self, logits: torch.Tensor, inv_temps: torch.Tensor, seqs: list[Sequence]
@@ -169,7 +190,7 @@ class Sampler:
         if kmax == 0:
             return [None] * len(seqs)
         want = [b for b, k in enumerate(ks) if k]
-        idx = torch.tensor(want, device=logits.device)
+        idx = host_to_device(want, torch.int64, logits.device)
         report = torch.log_softmax(logits[idx] * inv_temps[idx, None], dim=-1)
         vals, ids = report.topk(kmax, dim=-1)
         vals, ids = vals.tolist(), ids.tolist()

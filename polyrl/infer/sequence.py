@@ -3,7 +3,8 @@
 A request with ``n`` samples becomes ``n`` independent sequences that share a request id; prefix
 caching (``block_manager``) lets them share the prompt's KV blocks. ``tokens`` is prompt plus generated
 tokens; ``num_computed`` of them have their keys/values in the cache. Preemption by recompute sets
-``num_computed`` back to 0 and keeps the tokens, so the sequence resumes exactly where it stopped.
+``num_computed`` back to 0 and keeps the tokens, so the sequence resumes exactly where it stopped. While a
+one-step-ahead decode is in flight the last of ``tokens`` is a placeholder (``pending``), filled when read.
 
 This module holds data only: scheduling, sampling and detokenising live in their own modules.
 """
@@ -81,6 +82,8 @@ class Sequence:
         "emitted_tokens",
         "emitted_text",
         "arrival",
+        "pending",
+        "pending_row",
     )
 
     def __init__(
@@ -114,6 +117,10 @@ class Sequence:
         self.emitted_tokens = 0
         self.emitted_text = 0
         self.arrival = arrival
+        # One-step-ahead decoding (``overlap.py``): the last token is a placeholder whose value is still on the
+        # device, in row ``pending_row`` of the step in flight.
+        self.pending = False
+        self.pending_row = -1
 
     @property
     def num_tokens(self) -> int:

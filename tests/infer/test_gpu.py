@@ -76,3 +76,23 @@ def test_a_failing_graph_capture_falls_back_to_eager_decoding(monkeypatch):
     assert not llm.runner.use_graphs and llm.runner.graphs is None
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in eager]
     assert torch.randn(16, device=device.torch_device()).isfinite().all()
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_one_step_ahead_decoding_equals_synchronous_on_the_device(graphs):
+    """bf16, seeded sampling with stops: generate() with steps launched ahead gives the synchronous engine's tokens."""
+    from polyrl.platform import device
+
+    if graphs and not device.supports_graphs():
+        pytest.skip("this accelerator has no CUDA graphs")
+    model = _model(torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 96, (int(n),), generator=g).tolist() for n in torch.randint(1, 60, (48,), generator=g)]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=8 + i % 29, stop_token_ids=[3, 4]) for i in range(48)]
+    outs = {}
+    for ahead in (False, True):
+        cfg = EngineConfig(block_size=16, num_blocks=512, cuda_graphs=graphs, max_num_seqs=64, overlap_decode=ahead)
+        llm = LLM(model, None, cfg)
+        outs[ahead] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert (llm.stats()["num_steps_ahead"] > 0) == ahead
+    assert outs[True] == outs[False]

@@ -1,0 +1,73 @@
+"""One-step-ahead decoding: the engine queues decode step N+1 on the device before it reads step N's tokens.
+
+A decode step's inputs depend on the previous step's *lengths* (positions, slots, block tables), which the host
+knows ahead, and on its *token values* only through the input ids, which stay on the device: step N+1 gathers
+them from step N's sampled-token tensor (``feed_input_ids``). So ``LLM.generate`` launches N+1, then reads N's
+tokens (long computed by then) and does N's host work - appending, stop checks, outputs, the next schedule -
+while N+1 runs. The device no longer waits for the host between steps.
+
+Bookkeeping: a launched-but-unread token is a placeholder (``PENDING``) at the end of ``seq.tokens`` with
+``seq.pending`` set and ``seq.pending_row`` its row in the step in flight; the block manager keeps it out of
+prefix-cache keys. A sequence found to have stopped at step N was already scheduled into N+1: that row's
+result is dropped (one wasted row per finished sequence). Tokens are those a synchronous engine draws: the
+sampler keys its noise by (seed, tokens generated so far), which counts the placeholder.
+
+Not here: scheduling, sampling math, CUDA graphs (``model_runner`` applies the feed on either path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from polyrl.infer.sequence import Sequence
+from polyrl.platform import device
+
+PENDING = -1  # placeholder token id of a pending sequence (never fed to the model: its row is fed on the device)
+
+
+class InflightStep:
+    """A launched decode step: its sequences in row order and its tokens, on the device and on their way to
+    pinned host memory."""
+
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        self.seqs = seqs
+        self.tokens = tokens  # int64 [B] on the device: the next step's input ids
+        if tokens.device.type == "cpu":
+            self._host, self._event = (tokens, logprobs), None
+            return
+        host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host_logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
+        host_tokens.copy_(tokens, non_blocking=True)
+        host_logprobs.copy_(logprobs, non_blocking=True)
+        self._host = (host_tokens, host_logprobs)
+        self._event = device.event(enable_timing=False)
+        if self._event is not None:
+            self._event.record()
+
+    def mark_pending(self) -> None:
+        """Give every still-running sequence of this step its placeholder token."""
+        for row, s in enumerate(self.seqs):
+            if not s.is_finished:
+                s.tokens.append(PENDING)
+                s.pending, s.pending_row = True, row
+
+    def read(self) -> tuple[list[int], list[float]]:
+        """(tokens, logprobs) on the host, waiting for this step's copies only."""
+        if self._event is not None:
+            self._event.synchronize()
+        else:
+            device.synchronize()
+        return self._host[0].tolist(), self._host[1].tolist()
+
+
+def feed_rows(seqs: list[Sequence]) -> list[int] | None:
+    """Per row of the next step: the row of the step in flight whose token is this row's input (-1: the host's
+    token), or None when no row is pending."""
+    rows = [s.pending_row if s.pending else -1 for s in seqs]
+    return rows if any(r >= 0 for r in rows) else None
+
+
+def feed_input_ids(input_ids: torch.Tensor, rows: torch.Tensor, prev_tokens: torch.Tensor) -> None:
+    """In place: ``input_ids[i] = prev_tokens[rows[i]]`` where ``rows[i] >= 0`` (all on the device, no sync)."""
+    fed = prev_tokens.index_select(0, rows.clamp(min=0))
+    input_ids.copy_(torch.where(rows >= 0, fed, input_ids))

@@ -1,0 +1,97 @@
+"""One-step-ahead decoding (``polyrl/infer/overlap.py``): ``generate()`` launches decode step N+1 before it reads
+step N's tokens. It must give exactly what the synchronous engine gives - tokens, log-probs, finish reasons, stop
+strings, min_tokens, n > 1, prefix sharing and preemption - and leave no placeholder anywhere."""
+
+from __future__ import annotations
+
+import torch
+
+from polyrl.infer import LLM, EngineConfig, SamplingParams
+from polyrl.infer.overlap import PENDING
+
+from .conftest import EOS
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 96, (int(k),), generator=g).tolist() for k in torch.randint(1, 40, (n,), generator=g)]
+
+
+def _params() -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=1.0, seed=7, max_tokens=20, n=3),  # n > 1 shares the prompt's blocks
+        SamplingParams(temperature=0.8, seed=3, max_tokens=17, min_tokens=9, stop_token_ids=[5, 6]),
+        SamplingParams(temperature=0.0, max_tokens=25),  # greedy, may stop at EOS
+        SamplingParams(temperature=1.0, seed=11, top_k=7, top_p=0.9, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=40, stop_token_ids=[EOS, 9, 10, 11]),
+    ]
+
+
+def _run(model, overlap: bool, num_blocks: int, prompts, params):
+    llm = LLM(model, None, EngineConfig(num_blocks=num_blocks, block_size=4, max_num_seqs=8, overlap_decode=overlap))
+    outs = llm.generate(prompts, params)
+    return llm, [
+        (o.prompt_token_ids, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason) for o in outs for c in o.outputs
+    ]
+
+
+def test_overlapped_generate_equals_synchronous(tiny_model):
+    prompts = _prompts(10)
+    params = [_params()[i % 5] for i in range(10)]
+    sync_llm, sync = _run(tiny_model, False, 256, prompts, params)
+    ahead_llm, ahead = _run(tiny_model, True, 256, prompts, params)
+    assert ahead_llm.stats()["num_steps_ahead"] > 0.5 * ahead_llm.stats()["num_steps"]
+    assert sync_llm.stats()["num_steps_ahead"] == 0
+    for (p, t1, l1, f1, s1), (q, t2, l2, f2, s2) in zip(sync, ahead):
+        assert p == q and t1 == t2 and (f1, s1) == (f2, s2)
+        assert PENDING not in t2
+        assert torch.allclose(torch.tensor(l1), torch.tensor(l2), atol=1e-5)
+    assert {r[3] for r in ahead} == {"stop", "length"}  # both kinds of ending happened
+    assert ahead_llm.stats()["num_generated_tokens"] == sync_llm.stats()["num_generated_tokens"]
+    assert not ahead_llm.has_unfinished_requests() and ahead_llm._inflight is None
+
+
+def test_overlapped_generate_under_preemption_equals_synchronous(tiny_model):
+    """A cache too small for the batch: sequences are preempted while their last token is still pending."""
+    prompts = _prompts(8, seed=1)
+    params = SamplingParams(temperature=1.0, seed=2, max_tokens=24, ignore_eos=True)
+    sync_llm, sync = _run(tiny_model, False, 40, prompts, params)
+    ahead_llm, ahead = _run(tiny_model, True, 40, prompts, params)
+    assert ahead_llm.stats()["num_preemptions"] > 0
+    assert [r[1] for r in ahead] == [r[1] for r in sync]
+
+
+def test_generated_blocks_enter_the_prefix_cache_once_read(tiny_model):
+    """Blocks holding a pending token are registered after the token is read: a follow-up prompt made of a
+    reply hits the same cached blocks with and without overlap."""
+    hits = {}
+    for overlap in (False, True):
+        llm = LLM(tiny_model, None, EngineConfig(num_blocks=128, block_size=4, overlap_decode=overlap))
+        first = llm.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=21, ignore_eos=True))[0]
+        follow = first.prompt_token_ids + first.outputs[0].token_ids + [7]
+        bm = llm.block_manager
+        before = bm.hit_tokens
+        llm.generate([follow], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        hits[overlap] = bm.hit_tokens - before
+    assert hits[True] == hits[False] == 20  # 24 known tokens, the last one never computed: 5 full blocks of 4
+
+
+def test_abort_while_a_step_is_in_flight_leaves_no_placeholder(tiny_model):
+    llm = LLM(tiny_model, None, EngineConfig(num_blocks=64, block_size=4))
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=30, ignore_eos=True)
+    keep = llm.add_request([2, 3, 4], params)
+    drop = llm.add_request([5, 6], params)
+    for _ in range(5):
+        llm._step(ahead=True)
+    assert llm._inflight is not None
+    llm.abort_request(drop)
+    outs = {}
+    while llm.has_unfinished_requests():
+        for o in llm._step(ahead=True):
+            if o.finished:
+                outs[o.request_id] = o
+    llm._flush()
+    assert outs[drop].outputs[0].finish_reason == "abort"
+    assert PENDING not in outs[drop].outputs[0].token_ids and 1 <= len(outs[drop].outputs[0].token_ids) < 30
+    assert len(outs[drop].outputs[0].logprobs) == len(outs[drop].outputs[0].token_ids)
+    assert len(outs[keep].outputs[0].token_ids) == 30
