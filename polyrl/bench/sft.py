@@ -35,6 +35,7 @@ SHAPES = {
     "small": "small",
     "qwen3-0.6b": "qwen3-0.6b-shape",
     "qwen3-1.7b": "qwen3-1.7b-shape",
+    "qwen3-8b": "qwen3-8b-shape",
     "llama3.2-1b": "llama3.2-1b-shape",
 }
 BASELINES = {
@@ -53,6 +54,7 @@ class Result:
     mfu: float | None = None
     peak_memory_gib: float | None = None
     loss: float | None = None
+    profile: dict | None = None  # polyrl with --profile: bench.profile.kernel_table of one step
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--activation-checkpointing", action="store_true", help="polyrl: recompute activations")
     parser.add_argument("--compile", action="store_true", help="polyrl: torch.compile the decoder layers")
     parser.add_argument("--no-ours", action="store_true", help="run the baselines only")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="N", help="after timing, profile one polyrl step: top N kernels"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -225,6 +230,12 @@ def measure(name: str, cfg: Any, tokens: torch.Tensor, args: argparse.Namespace,
         else:
             step_fn = hf_step_fn(cfg, tokens, args, dev, name)
         step_s, loss = time_steps(step_fn, args.warmup, args.steps)
+        table = None
+        if name == "polyrl" and getattr(args, "profile", 0) and dev.type != "cpu":
+            from polyrl.bench.profile import kernel_table, print_kernel_table
+
+            table = kernel_table(step_fn, args.profile)
+            print_kernel_table(table, "polyrl step profile")
     except Exception as exc:
         if not _is_oom(exc):
             raise
@@ -238,7 +249,7 @@ def measure(name: str, cfg: Any, tokens: torch.Tensor, args: argparse.Namespace,
     tps = tokens.numel() / step_s
     peak_flops = device.peak_bf16_flops()
     mfu = tps * flops_per_token(cfg, tokens.shape[1]) / peak_flops if peak_flops else None
-    return Result(name, "ok", tps, step_s, mfu, peak / GIB if peak else None, loss)
+    return Result(name, "ok", tps, step_s, mfu, peak / GIB if peak else None, loss, table)
 
 
 # ---- report -------------------------------------------------------------------------------------

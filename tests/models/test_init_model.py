@@ -79,6 +79,7 @@ def test_cli_writes_a_loadable_checkpoint(tmp_path, tiny_model_dir):
 SHAPE_PARAMS = {
     "qwen3-0.6b-shape": 596_049_920,
     "qwen3-1.7b-shape": 1_720_574_976,
+    "qwen3-8b-shape": 8_190_735_360,
     "llama3.2-1b-shape": 1_235_814_400,
 }
 

@@ -1,0 +1,49 @@
+"""Where one call's device time goes: the top kernels of a ``torch.profiler`` trace as a table.
+
+``kernel_table(fn, top)`` runs ``fn`` once under the profiler (after the caller's warm-up) and returns the
+``top`` device kernels by self time with their share of all kernel time, plus the call's wall time; the bench
+commands print it (``--profile N``) and docs/performance.md keeps it. Kernel names are shortened to their first
+120 characters. It measures; it judges nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def kernel_table(fn: Any, top: int = 20) -> dict[str, Any]:
+    """{"wall_ms", "kernel_ms", "rows": [{"kernel", "calls", "ms", "share"}]} for one call of ``fn``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from polyrl.platform import device
+
+    activities = [ProfilerActivity.CPU]
+    if device.device_type() == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    device.synchronize()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        fn()
+        device.synchronize()
+        wall = time.perf_counter() - t0
+    rows = []
+    for ev in prof.key_averages():
+        self_us = getattr(ev, "self_device_time_total", None)
+        if self_us is None:
+            self_us = getattr(ev, "self_cuda_time_total", 0)
+        if self_us and getattr(ev, "device_type", None) is not None and "CUDA" in str(ev.device_type):
+            rows.append({"kernel": ev.key[:120], "calls": ev.count, "ms": self_us / 1e3})
+    total = sum(r["ms"] for r in rows) or 1.0
+    rows.sort(key=lambda r: -r["ms"])
+    for r in rows:
+        r["share"] = r["ms"] / total
+    return {"wall_ms": wall * 1e3, "kernel_ms": sum(r["ms"] for r in rows), "rows": rows[:top]}
+
+
+def print_kernel_table(table: dict[str, Any], title: str) -> None:
+    print(f"{title}: wall {table['wall_ms']:.1f} ms, kernels {table['kernel_ms']:.1f} ms")
+    print(f"| {'kernel':<80} | calls | ms | share |")
+    print(f"|{'-' * 82}|------:|---:|------:|")
+    for r in table["rows"]:
+        print(f"| {r['kernel'][:80]:<80} | {r['calls']} | {r['ms']:.2f} | {r['share']:.1%} |")
