@@ -27,7 +27,7 @@ def main() -> None:
     llm = LLM(build_model(cfg, seed=0), None, EngineConfig(num_blocks=512 * 40, max_num_seqs=512, max_model_len=640,
                                                            max_num_batched_tokens=65536))  # fmt: skip
 
-    def execute(sched):  # host part of building the inputs, then zero logits
+    def execute(sched, feed=None):  # host part of building the inputs, then zero logits
         host_arrays(sched.items, llm.runner.cfg.block_size)
         return torch.zeros(sum(1 for it in sched.items if it.sample), cfg.vocab_size)
 

@@ -28,7 +28,7 @@ from polyrl.infer.overlap import InflightStep, feed_rows
 from polyrl.infer.sampler import Sampler
 from polyrl.infer.sampling_params import SamplingParams
 from polyrl.infer.scheduler import Scheduler
-from polyrl.infer.sequence import CompletionOutput, RequestOutput, Sequence
+from polyrl.infer.sequence import CompletionOutput, RequestOutput, Sequence, Status
 from polyrl.infer.stopping import check_stop
 
 
@@ -239,8 +239,9 @@ class LLM:
         """Read a launched step's tokens and do its host work; rows of sequences that stopped meanwhile are dropped."""
         tokens, logprobs = step.read()
         live, toks, lps = [], [], []
+        finished = Status.FINISHED
         for s, tok, lp in zip(step.seqs, tokens, logprobs):
-            if s.is_finished:
+            if s.status is finished:
                 continue
             s.tokens.pop()  # the placeholder; _accept appends the real token
             s.pending = False
@@ -385,6 +386,13 @@ class LLM:
         """Take the KV cache memory back after ``release()`` (same number of blocks)."""
         self.kv.allocate()
         self.block_manager.reset_prefix_cache()  # the new tensors hold none of the cached KV
+
+    def capture_graphs(self, max_batch: int | None = None) -> float:
+        """Capture the CUDA graphs of every decode batch size up to ``max_batch`` (default ``max_num_seqs``) now,
+        instead of on first use; returns the seconds spent. A no-op where decode runs eagerly."""
+        before = self.runner.graph_capture_s
+        self.runner.capture_graphs(max_batch or self.config.max_num_seqs)
+        return self.runner.graph_capture_s - before
 
     # ---- introspection --------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

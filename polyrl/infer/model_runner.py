@@ -86,6 +86,21 @@ class ModelRunner:
             feed_input_ids(inputs.input_ids, *fed)
         return self._eager(inputs)
 
+    def capture_graphs(self, batch: int) -> None:
+        """Capture the decode graphs of every batch size up to ``batch`` now (no-op without graphs)."""
+        if not self.use_graphs or self.kv.caches is None:
+            return
+        from polyrl.infer.cuda_graphs import DecodeGraphs, GraphCaptureError
+
+        if self.graphs is None:
+            self.graphs = DecodeGraphs(self.model, self.kv, self.cfg, self.max_blocks_per_seq)
+        try:
+            self.graphs.capture_up_to(min(batch, self.cfg.max_graph_batch_size))
+        except GraphCaptureError as exc:
+            warnings.warn(f"{exc}; decoding without CUDA graphs from now on", RuntimeWarning, stacklevel=2)
+            self.invalidate_graphs()
+            self.use_graphs = False
+
     def _eager(self, x: StepInputs) -> torch.Tensor:
         meta = AttnMetadata(
             cu_seqlens=x.cu_seqlens,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from polyrl.infer.sequence import Sequence
+from polyrl.infer.sequence import Sequence, Status
 from polyrl.platform import device
 
 PENDING = -1  # placeholder token id of a pending sequence (never fed to the model: its row is fed on the device)
@@ -46,8 +46,9 @@ class InflightStep:
 
     def mark_pending(self) -> None:
         """Give every still-running sequence of this step its placeholder token."""
+        finished = Status.FINISHED
         for row, s in enumerate(self.seqs):
-            if not s.is_finished:
+            if s.status is not finished:
                 s.tokens.append(PENDING)
                 s.pending, s.pending_row = True, row
 

@@ -91,12 +91,15 @@ def _row_tensors(seqs: list[Sequence], dev: torch.device) -> _Rows:
     temps, seeds, offsets, greedy = [], [], [], []
     unseeded = False
     for s in seqs:
-        p = s.params
-        t = p.temperature
-        temps.append(t if t > 0 else 1.0)
-        greedy.append(t == 0.0)
-        seeds.append(sample_seed(p.seed, s.index) if p.seed is not None else -1)
-        unseeded = unseeded or (p.seed is None and t != 0.0)
+        d = s.draw
+        if d is None:  # a sequence's constants, computed on its first draw (seed hashing is not free per step)
+            p = s.params
+            t = p.temperature
+            d = s.draw = (t if t > 0 else 1.0, t == 0.0, sample_seed(p.seed, s.index) if p.seed is not None else -1)
+        temps.append(d[0])
+        greedy.append(d[1])
+        seeds.append(d[2])
+        unseeded = unseeded or (d[2] < 0 and not d[1])
         offsets.append(len(s.tokens) - s.num_prompt)
     if unseeded:
         base = int(torch.randint(0, SEED_RANGE, (1,)).item())

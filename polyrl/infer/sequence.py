@@ -84,6 +84,7 @@ class Sequence:
         "arrival",
         "pending",
         "pending_row",
+        "draw",
     )
 
     def __init__(
@@ -121,6 +122,7 @@ class Sequence:
         # device, in row ``pending_row`` of the step in flight.
         self.pending = False
         self.pending_row = -1
+        self.draw: tuple[float, bool, int] | None = None  # the sampler's (temperature, greedy, seed), made once
 
     @property
     def num_tokens(self) -> int:

@@ -96,3 +96,16 @@ def test_one_step_ahead_decoding_equals_synchronous_on_the_device(graphs):
         outs[ahead] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert (llm.stats()["num_steps_ahead"] > 0) == ahead
     assert outs[True] == outs[False]
+
+
+def test_capture_graphs_ahead_of_time_covers_every_bucket_up_to_the_batch():
+    from polyrl.platform import device
+
+    if not device.supports_graphs():
+        pytest.skip("this accelerator has no CUDA graphs")
+    llm = LLM(_model(torch.bfloat16), None, EngineConfig(num_blocks=256, max_num_seqs=64))
+    assert llm.capture_graphs(40) > 0
+    assert sorted(llm.runner.graphs.graphs) == [1, 2, 4, 8, 16, 32, 64]
+    out = llm.generate([[5, 6, 7]] * 3, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert llm.stats()["graph_capture_s"] == pytest.approx(llm.runner.graphs.capture_s)  # nothing captured again
+    assert all(len(o.outputs[0].token_ids) == 6 for o in out)
