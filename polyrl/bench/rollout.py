@@ -41,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compare-sync", action="store_true", help="also time the engine without one-step-ahead decoding"
     )
+    parser.add_argument("--decode-steps", type=int, default=None, help="decode steps per launch (EngineConfig)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
 
@@ -171,13 +172,15 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=max(8192, args.batch),
         max_model_len=args.prompt_len + args.gen_len + 1,
         cuda_graphs=False if args.no_graphs else None,
+        **({"decode_steps": args.decode_steps} if args.decode_steps else {}),
     )
     llm = LLM(model, None, ecfg)
     res: dict[str, float | str] = {"shape": args.shape, "device": device.name() if dev.type != "cpu" else "cpu"}
     print(
         f"# {args.shape} on {res['device']}: {model.num_parameters() / 1e6:.0f}M params, {dtype}, "
         f"batch {args.batch}, prompt {args.prompt_len}, gen {args.gen_len}; KV cache {llm.kv.num_blocks} blocks "
-        f"({llm.kv.total_bytes / 2**30:.1f} GiB), CUDA graphs {'on' if llm.runner.use_graphs else 'off'}"
+        f"({llm.kv.total_bytes / 2**30:.1f} GiB), CUDA graphs {'on' if llm.runner.use_graphs else 'off'}, "
+        f"{ecfg.decode_steps} decode step(s) per launch"
     )
 
     # Warm-up: every decode graph bucket up to the batch (what the timed runs use, the shrinking tail included),

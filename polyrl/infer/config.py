@@ -30,6 +30,9 @@ class EngineConfig:
     kv_cache_dtype: str | None = None  # None = the model's dtype; or "bfloat16"/"float16"/"float32"
     # generate(): queue decode step N+1 before reading step N's tokens, so host work overlaps the device
     overlap_decode: bool = True
+    # ... and queue this many decode steps per launch when no row needs the host between steps (its tokens past a
+    # stop are computed and dropped): the host's per-step work is paid once per that many tokens
+    decode_steps: int = 4
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -48,6 +51,8 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_dtype not in (None, "bfloat16", "float16", "float32"):
             raise ConfigError(f"kv_cache_dtype must be bfloat16, float16, float32 or None, got {self.kv_cache_dtype!r}")
+        if self.decode_steps < 1:
+            raise ConfigError(f"decode_steps must be >= 1 (1 = one decode step per launch), got {self.decode_steps}")
         if self.max_graph_batch_size < 1:
             raise ConfigError(f"max_graph_batch_size must be >= 1, got {self.max_graph_batch_size}")
 

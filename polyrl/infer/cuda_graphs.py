@@ -100,6 +100,25 @@ class DecodeGraphs:
                     raise GraphCaptureError(f"capturing the batch-{b} decode graph failed: {exc}") from exc
                 self.capture_s += time.perf_counter() - t0
 
+    def decode_buffers(self, bs: int):
+        """The static buffers' first ``bs`` rows and a replay of the bucket last run (for ``execute_steps``)."""
+        from polyrl.infer.model_runner import DecodeBuffers
+
+        graph, out = self.graphs[self.bucket(bs)]
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out[:bs]
+
+        return DecodeBuffers(
+            self.input_ids[:bs],
+            self.positions[:bs],
+            self.slot_mapping[:bs],
+            self.context_lens[:bs],
+            self.block_tables[:bs],
+            replay,
+        )
+
     @torch.inference_mode()
     def run(self, arrays: dict[str, np.ndarray], fed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Replay the bucket's graph on ``arrays``; ``fed = (rows [bs], prev_tokens)`` overrides input ids on the

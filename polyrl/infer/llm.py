@@ -50,8 +50,8 @@ def _drop_pending(seqs: list[Sequence]) -> None:
     """Aborted sequences lose the placeholder of a step in flight (that row's result is dropped when read)."""
     for s in seqs:
         if s.pending:
-            s.tokens.pop()
-            s.pending = False
+            del s.tokens[-s.pending :]
+            s.pending = 0
 
 
 class LLM:
@@ -82,7 +82,8 @@ class LLM:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self._inflight: InflightStep | None = None  # a decode step launched ahead and not yet read
-        self.num_steps_ahead = 0  # steps launched before the previous one was read
+        self.num_steps_ahead = 0  # decode steps launched before the previous launch was read
+        self.num_launches_ahead = 0  # launches of those steps (decode_steps per launch where possible)
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -193,16 +194,25 @@ class LLM:
         if sched.items and ahead and self._can_launch_ahead(sched):
             seqs = [it.seq for it in sched.items]
             rows = feed_rows(seqs)
-            logits = self.runner.execute(sched, (rows, prev.tokens) if rows is not None else None)
+            k = self._steps_per_launch(sched)
+            plan = self.sampler.plan(seqs, self.runner.device)
+            suppress = self._suppress(seqs) if k == 1 else None
+
+            def draw(logits: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+                return self.sampler.draw_planned(logits, plan, suppress, j)
+
+            feed = (rows, prev.tokens) if rows is not None else None
+            tokens, logprobs = self.runner.execute_steps(sched, feed, k, draw)
             for it in sched.items:
-                it.seq.num_computed = it.start + it.num_new
-            launched = InflightStep(seqs, *self.sampler.draw(logits, seqs, self._suppress(seqs)))
+                it.seq.num_computed = it.start + k
+            launched = InflightStep(seqs, tokens, logprobs)
             if prev is not None:
                 self._read(prev, touched)
             launched.mark_pending()
             self._inflight = launched
-            self.num_steps += 1
-            self.num_steps_ahead += 1
+            self.num_steps += k
+            self.num_steps_ahead += k
+            self.num_launches_ahead += 1
         else:
             if prev is not None:
                 self._read(prev, touched)
@@ -235,20 +245,47 @@ class LLM:
             and not any(it.seq.params.logprobs for it in sched.items)
         )
 
+    def _steps_per_launch(self, sched) -> int:
+        """Decode steps to queue in this launch: ``decode_steps`` when no row needs the host between steps (a
+        ``min_tokens`` mask changes every step), no more than any row has positions left, and no more than the
+        longest-remaining row can use."""
+        k = self.config.decode_steps
+        if k == 1:
+            return 1
+        useful = 1
+        for it in sched.items:
+            s = it.seq
+            p = s.params
+            generated = it.start + 1 - s.num_prompt  # drawn before this launch, placeholders included
+            if generated < p.min_tokens:
+                return 1
+            k = min(k, self.max_model_len - it.start)
+            useful = max(useful, (p.max_tokens - generated) if p.max_tokens is not None else k)
+        k = max(1, min(k, useful))
+        if k > 1:
+            allocate = self.block_manager.allocate
+            for it in sched.items:  # blocks for every position the launch computes
+                if not allocate(it.seq, it.start + k):
+                    return 1
+        return k
+
     def _read(self, step: InflightStep, touched: dict[str, _Request]) -> None:
-        """Read a launched step's tokens and do its host work; rows of sequences that stopped meanwhile are dropped."""
-        tokens, logprobs = step.read()
-        live, toks, lps = [], [], []
+        """Read a launch's tokens and do their host work, step by step; rows of sequences that stopped meanwhile
+        are dropped, and so are the tokens a sequence drew after it stopped."""
+        tokens, logprobs = step.read()  # [K][B]
         finished = Status.FINISHED
-        for s, tok, lp in zip(step.seqs, tokens, logprobs):
+        live = []
+        for row, s in enumerate(step.seqs):
             if s.status is finished:
                 continue
-            s.tokens.pop()  # the placeholder; _accept appends the real token
-            s.pending = False
-            live.append(s)
-            toks.append(tok)
-            lps.append(lp)
-        self._accept(live, toks, lps, [None] * len(live), touched)
+            del s.tokens[-s.pending :]  # the placeholders; _accept appends the real tokens
+            s.pending = 0
+            live.append((row, s))
+        for toks, lps in zip(tokens, logprobs):
+            if not live:
+                break
+            self._accept([s for _, s in live], [toks[r] for r, _ in live], [lps[r] for r, _ in live], None, touched)
+            live = [(r, s) for r, s in live if s.status is not finished]
 
     def _flush(self) -> list[RequestOutput]:
         """Read the step in flight, if any (before anything that needs every token on the host)."""
@@ -274,11 +311,12 @@ class LLM:
         return suppress
 
     def _accept(self, seqs: list[Sequence], tokens, logprobs, tops, touched: dict[str, _Request]) -> None:
-        """Append each sequence's new token, check its stops, finish the stopped ones."""
+        """Append each sequence's new token, check its stops, finish the stopped ones (``tops``: per-row top-k
+        alternatives, or None when no row asked for them)."""
         # Per sequence per step: keep this loop lean (it is host time at large batches).
         eos_ids, max_len, tokenizer, finish = self.eos_token_ids, self.max_model_len, self.tokenizer, None
         requests = self._requests
-        for s, tok, lp, top in zip(seqs, tokens, logprobs, tops):
+        for s, tok, lp, top in zip(seqs, tokens, logprobs, tops or [None] * len(seqs)):
             s.tokens.append(tok)
             s.logprobs.append(lp)
             s.cumulative_logprob += lp
@@ -406,6 +444,7 @@ class LLM:
             "num_preemptions": self.scheduler.total_preemptions,
             "num_steps": self.num_steps,
             "num_steps_ahead": self.num_steps_ahead,
+            "num_launches_ahead": self.num_launches_ahead,
             "num_generated_tokens": self.num_generated_tokens,
             "graph_capture_s": self.runner.graph_capture_s,
         }

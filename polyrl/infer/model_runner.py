@@ -16,6 +16,8 @@ not schedule, sample or own the cache's block accounting.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +28,27 @@ from polyrl.infer.overlap import feed_input_ids
 from polyrl.infer.scheduler import SchedulerOutput
 from polyrl.models.attention_metadata import AttnMetadata
 from polyrl.platform import device
+
+
+@dataclass
+class DecodeBuffers:
+    """The device inputs of the decode step just run (views of its ``[bs]`` rows) and how to run it again."""
+
+    input_ids: torch.Tensor  # int64 [bs]
+    positions: torch.Tensor  # int64 [bs]
+    slot_mapping: torch.Tensor  # int64 [bs]
+    context_lens: torch.Tensor  # int32 [bs]
+    block_tables: torch.Tensor  # int32 [bs, M]
+    run: Callable[[], torch.Tensor]  # -> fp32 logits [bs, V]
+
+    def advance(self, tokens: torch.Tensor, block_size: int) -> None:
+        """Inputs of the next decode step, on the device: each row's input is the token it just drew, one
+        position on, its slot looked up in its block table (the host allocated those blocks beforehand)."""
+        self.input_ids.copy_(tokens)
+        self.positions.add_(1)
+        self.context_lens.add_(1)
+        block = self.block_tables.gather(1, (self.positions // block_size).unsqueeze(1)).squeeze(1)
+        self.slot_mapping.copy_(block.to(torch.int64) * block_size + self.positions % block_size)
 
 
 class ModelRunner:
@@ -48,6 +71,7 @@ class ModelRunner:
             self.use_graphs = head_dim is None or kernels.paged_attention_graph_safe("cuda", self.dtype, head_dim)
         self.graphs = None
         self.last_step_used_graph = False
+        self.last_decode: DecodeBuffers | None = None  # inputs of the last step run, for execute_steps
         self.released_capture_s = 0.0  # capture time of graph sets dropped by invalidate_graphs
 
     @torch.inference_mode()
@@ -75,6 +99,7 @@ class ModelRunner:
             try:
                 logits = self.graphs.run(arrays, fed)
                 self.last_step_used_graph = True
+                self.last_decode = self.graphs.decode_buffers(bs)
                 return logits
             except GraphCaptureError as exc:
                 warnings.warn(f"{exc}; decoding without CUDA graphs from now on", RuntimeWarning, stacklevel=2)
@@ -84,7 +109,35 @@ class ModelRunner:
         inputs = to_device(arrays, self.device)
         if fed is not None:
             feed_input_ids(inputs.input_ids, *fed)
+        x = inputs
+        self.last_decode = DecodeBuffers(
+            x.input_ids, x.positions, x.slot_mapping, x.context_lens, x.block_tables, lambda: self._eager(x)
+        )
         return self._eager(inputs)
+
+    @torch.inference_mode()
+    def execute_steps(
+        self,
+        sched: SchedulerOutput,
+        feed: tuple[list[int], torch.Tensor] | None,
+        steps: int,
+        draw: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``steps`` decode steps of a decode-only batch queued back to back, without the host in between: the
+        first as ``execute``, then ``DecodeBuffers.advance`` and run again. ``draw(logits, j)`` samples step j.
+        Returns (tokens int64, logprobs fp32), each ``[steps, S]``. The caller has allocated every sequence's
+        blocks for all ``steps`` positions."""
+        tok, lp = draw(self.execute(sched, feed), 0)
+        if steps == 1:
+            return tok[None], lp[None]
+        toks, lps = [tok], [lp]
+        buffers = self.last_decode
+        for j in range(1, steps):
+            buffers.advance(tok, self.cfg.block_size)
+            tok, lp = draw(buffers.run(), j)
+            toks.append(tok)
+            lps.append(lp)
+        return torch.stack(toks), torch.stack(lps)
 
     def capture_graphs(self, batch: int) -> None:
         """Capture the decode graphs of every batch size up to ``batch`` now (no-op without graphs)."""

@@ -6,11 +6,16 @@ them from step N's sampled-token tensor (``feed_input_ids``). So ``LLM.generate`
 tokens (long computed by then) and does N's host work - appending, stop checks, outputs, the next schedule -
 while N+1 runs. The device no longer waits for the host between steps.
 
-Bookkeeping: a launched-but-unread token is a placeholder (``PENDING``) at the end of ``seq.tokens`` with
-``seq.pending`` set and ``seq.pending_row`` its row in the step in flight; the block manager keeps it out of
-prefix-cache keys. A sequence found to have stopped at step N was already scheduled into N+1: that row's
-result is dropped (one wasted row per finished sequence). Tokens are those a synchronous engine draws: the
-sampler keys its noise by (seed, tokens generated so far), which counts the placeholder.
+Several steps per launch (``EngineConfig.decode_steps`` = K): when every row's results only need appending and
+stop checks, the launch queues K decode steps back to back, each step's inputs advanced on the device
+(``model_runner.execute_steps``), so the host's per-step work (scheduling, inputs, sampler rows) is paid once per
+K tokens. Tokens a sequence draws after its stop within those K are computed and dropped.
+
+Bookkeeping: launched-but-unread tokens are placeholders (``PENDING``) at the end of ``seq.tokens``, counted by
+``seq.pending``, with ``seq.pending_row`` the sequence's row in the launch in flight; the block manager keeps
+them out of prefix-cache keys. A sequence found to have stopped was already scheduled into the next launch:
+that row's results are dropped. Tokens are those a synchronous engine draws: the sampler keys its noise by
+(seed, tokens generated so far), which counts the placeholders.
 
 Not here: scheduling, sampling math, CUDA graphs (``model_runner`` applies the feed on either path).
 """
@@ -26,12 +31,13 @@ PENDING = -1  # placeholder token id of a pending sequence (never fed to the mod
 
 
 class InflightStep:
-    """A launched decode step: its sequences in row order and its tokens, on the device and on their way to
-    pinned host memory."""
+    """Launched decode steps (``K`` in a row, ``model_runner.execute_steps``): their sequences in row order and
+    their tokens, on the device and on their way to pinned host memory."""
 
     def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         self.seqs = seqs
-        self.tokens = tokens  # int64 [B] on the device: the next step's input ids
+        self.steps = tokens.shape[0]
+        self.tokens = tokens[-1]  # int64 [B] on the device: the last step's draws, the next launch's input ids
         if tokens.device.type == "cpu":
             self._host, self._event = (tokens, logprobs), None
             return
@@ -45,15 +51,16 @@ class InflightStep:
             self._event.record()
 
     def mark_pending(self) -> None:
-        """Give every still-running sequence of this step its placeholder token."""
-        finished = Status.FINISHED
+        """Give every still-running sequence of this launch its placeholder tokens (one per step)."""
+        finished, k = Status.FINISHED, self.steps
+        placeholders = [PENDING] * k
         for row, s in enumerate(self.seqs):
             if s.status is not finished:
-                s.tokens.append(PENDING)
-                s.pending, s.pending_row = True, row
+                s.tokens.extend(placeholders)
+                s.pending, s.pending_row = k, row
 
-    def read(self) -> tuple[list[int], list[float]]:
-        """(tokens, logprobs) on the host, waiting for this step's copies only."""
+    def read(self) -> tuple[list[list[int]], list[list[float]]]:
+        """(tokens, logprobs) as ``[K][B]`` lists on the host, waiting for this launch's copies only."""
         if self._event is not None:
             self._event.synchronize()
         else:

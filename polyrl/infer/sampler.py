@@ -142,6 +142,18 @@ def _truncation(seqs: list[Sequence], idx: list[int], dev: torch.device):
     return top_k, top_p, min_p
 
 
+@dataclass
+class DrawPlan:
+    """What a batch's draws need on the device, built once from its sequences: reused by every decode step
+    launched together (``step`` then advances each row's noise offset)."""
+
+    rows: _Rows
+    temps: torch.Tensor  # fp32 [B]: the rows' temperatures, 1 on truncated rows (they enter as masked z)
+    trunc_rows: list[int]  # rows with top-k / top-p / min-p
+    trunc_idx: torch.Tensor | None
+    trunc: tuple | None  # (top_k, top_p, min_p) of the truncated rows
+
+
 class Sampler:
     """Stateless: everything a row's draw depends on is in its sequence (seed, index, tokens generated)."""
 
@@ -150,8 +162,9 @@ class Sampler:
     ) -> SamplerOutput:
         """``logits`` fp32 ``[B, V]`` for ``seqs``; ``suppress[b]`` are token ids to forbid in row b (min_tokens)."""
         logits = logits.float()
-        tokens, logprobs, inv_temps = self._draw(logits, seqs, suppress)
-        top = self._top_logprobs(logits, inv_temps, seqs)
+        plan = self.plan(seqs, logits.device)
+        tokens, logprobs = self.draw_planned(logits, plan, suppress)
+        top = self._top_logprobs(logits, plan.rows.inv_temps, seqs)
         return SamplerOutput(tokens.tolist(), logprobs.tolist(), top)
 
     def draw(
@@ -159,31 +172,43 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens int64 [B], logprobs fp32 [B]) left on the device, queued without waiting for it (no top-k
         alternatives: those are read on the host)."""
-        tokens, logprobs, _ = self._draw(logits.float(), seqs, suppress)
-        return tokens, logprobs
+        return self.draw_planned(logits, self.plan(seqs, logits.device), suppress)
 
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], suppress: list[list[int] | None] | None):
-        dev = logits.device
+    def plan(self, seqs: list[Sequence], dev: torch.device) -> DrawPlan:
         rows = _row_tensors(seqs, dev)
-        inp, suppressed = _suppress_mask(logits, suppress)
-        temps = rows.temps
         trunc = [b for b, s in enumerate(seqs) if s.params.truncates]
-        if trunc:
+        if not trunc:
+            return DrawPlan(rows, rows.temps, [], None, None)
+        idx = host_to_device(trunc, torch.int64, dev)
+        return DrawPlan(rows, rows.temps.index_fill(0, idx, 1.0), trunc, idx, _truncation(seqs, trunc, dev))
+
+    def draw_planned(
+        self,
+        logits: torch.Tensor,
+        plan: DrawPlan,
+        suppress: list[list[int] | None] | None = None,
+        step: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draw one token per row; ``step`` = how many tokens each row has drawn since ``plan`` was made."""
+        logits = logits.float()
+        rows = plan.rows
+        inp, suppressed = _suppress_mask(logits, suppress)
+        if plan.trunc_idx is not None:
             # Truncated rows enter the kernel as their masked z at T = 1 (z * 1 == z, same noise, same draw).
-            idx = host_to_device(trunc, torch.int64, dev)
-            z = apply_top_k_top_p_min_p(inp[idx] * rows.inv_temps[idx, None], *_truncation(seqs, trunc, dev))
+            idx = plan.trunc_idx
+            z = apply_top_k_top_p_min_p(inp[idx] * rows.inv_temps[idx, None], *plan.trunc)
             inp = inp.clone() if inp is logits else inp
             inp[idx] = z
-            temps = temps.index_fill(0, idx, 1.0)
-        tokens, logprobs = kernels.sample_tokens(inp, temps, rows.seeds, rows.offsets, rows.greedy)
-        fix = sorted(set(trunc) | set(suppressed))
+        offsets = rows.offsets + step if step else rows.offsets
+        tokens, logprobs = kernels.sample_tokens(inp, plan.temps, rows.seeds, offsets, rows.greedy)
+        fix = sorted(set(plan.trunc_rows) | set(suppressed))
         if fix:
             # The kernel's log-prob is of what it was handed; these rows report the unmasked distribution.
-            idx = host_to_device(fix, torch.int64, dev)
+            idx = host_to_device(fix, torch.int64, logits.device)
             z = logits[idx] * rows.inv_temps[idx, None]
             lp = z.gather(-1, tokens[idx, None])[:, 0] - torch.logsumexp(z, dim=-1)
             logprobs = logprobs.index_copy(0, idx, lp)
-        return tokens, logprobs, rows.inv_temps
+        return tokens, logprobs
 
     def _top_logprobs(
         self, logits: torch.Tensor, inv_temps: torch.Tensor, seqs: list[Sequence]

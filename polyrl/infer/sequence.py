@@ -118,9 +118,9 @@ class Sequence:
         self.emitted_tokens = 0
         self.emitted_text = 0
         self.arrival = arrival
-        # One-step-ahead decoding (``overlap.py``): the last token is a placeholder whose value is still on the
-        # device, in row ``pending_row`` of the step in flight.
-        self.pending = False
+        # Decoding ahead (``overlap.py``): the last ``pending`` tokens are placeholders whose values are still on
+        # the device, in row ``pending_row`` of the launch in flight.
+        self.pending = 0  # how many of them
         self.pending_row = -1
         self.draw: tuple[float, bool, int] | None = None  # the sampler's (temperature, greedy, seed), made once
 

@@ -27,8 +27,11 @@ def _params() -> list[SamplingParams]:
     ]
 
 
-def _run(model, overlap: bool, num_blocks: int, prompts, params):
-    llm = LLM(model, None, EngineConfig(num_blocks=num_blocks, block_size=4, max_num_seqs=8, overlap_decode=overlap))
+def _run(model, overlap: bool, num_blocks: int, prompts, params, decode_steps: int = 4):
+    cfg = EngineConfig(
+        num_blocks=num_blocks, block_size=4, max_num_seqs=8, overlap_decode=overlap, decode_steps=decode_steps
+    )
+    llm = LLM(model, None, cfg)
     outs = llm.generate(prompts, params)
     return llm, [
         (o.prompt_token_ids, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason) for o in outs for c in o.outputs
@@ -39,8 +42,13 @@ def test_overlapped_generate_equals_synchronous(tiny_model):
     prompts = _prompts(10)
     params = [_params()[i % 5] for i in range(10)]
     sync_llm, sync = _run(tiny_model, False, 256, prompts, params)
+    one_llm, one_ahead = _run(tiny_model, True, 256, prompts, params, decode_steps=1)
+    assert one_llm.stats()["num_steps_ahead"] == one_llm.stats()["num_launches_ahead"] > 0
+    assert [r[1] for r in one_ahead] == [r[1] for r in sync]
     ahead_llm, ahead = _run(tiny_model, True, 256, prompts, params)
-    assert ahead_llm.stats()["num_steps_ahead"] > 0.5 * ahead_llm.stats()["num_steps"]
+    stats = ahead_llm.stats()
+    assert stats["num_steps_ahead"] > 0.5 * stats["num_steps"]
+    assert stats["num_steps_ahead"] > 1.5 * stats["num_launches_ahead"]  # several decode steps per launch
     assert sync_llm.stats()["num_steps_ahead"] == 0
     for (p, t1, l1, f1, s1), (q, t2, l2, f2, s2) in zip(sync, ahead):
         assert p == q and t1 == t2 and (f1, s1) == (f2, s2)
