@@ -16,8 +16,7 @@ import time
 
 import torch
 
-from polyrl.infer import LLM, EngineConfig, SamplingParams
-from polyrl.infer import overlap
+from polyrl.infer import LLM, EngineConfig, SamplingParams, overlap
 from polyrl.models.decoder import build_model
 from polyrl.models.presets import preset_config
 from polyrl.platform import device
