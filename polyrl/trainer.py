@@ -62,7 +62,8 @@ class Trainer(ColocatedPolicy):
 
     A path is loaded in fp32 on the default device (the engine keeps fp32 masters and casts the compute weights
     in place); a module must already be on its device. ``reference=True`` keeps a frozen copy of the initial
-    weights as ``ref_model`` (for a KL penalty); ``release_kv=False`` keeps the KV cache between rollouts."""
+    weights as ``ref_model`` (for a KL penalty); ``release_kv=False`` keeps the KV cache between rollouts
+    ("auto": where it takes at most a quarter of the device memory)."""
 
     def __init__(
         self,
@@ -74,7 +75,7 @@ class Trainer(ColocatedPolicy):
         engine: Any = None,
         rollout: Any = None,
         total_steps: int | None = None,
-        release_kv: bool = True,
+        release_kv: bool | str = "auto",
         reference: bool = False,
         device: torch.device | str | None = None,
     ) -> None:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from polyrl.errors import UserError
+from polyrl.platform import device
 
 
 @dataclass
@@ -203,6 +204,21 @@ def completion_logprobs(
     return full, ent
 
 
+# "auto" keeps the rollout KV cache (and its CUDA graphs) across steps when it takes at most this share of the
+# device's memory: on the H200, keeping it saved 0.3 s of a 7.6 s GRPO step (no re-allocation, no re-capture).
+KEEP_KV_FRACTION = 0.25
+
+
+def keeps_kv_released(release_kv: bool | str, kv_bytes: int) -> bool:
+    """Whether to free the KV cache while training: the setting, with "auto" resolved for this device."""
+    if release_kv != "auto":
+        return bool(release_kv)
+    if device.device_type() == "cpu":
+        return True
+    _, total = device.mem_get_info()
+    return kv_bytes > KEEP_KV_FRACTION * total
+
+
 class ColocatedPolicy:
     """A trainable model and a rollout engine over the same parameter tensors (see the module docstring)."""
 
@@ -216,7 +232,7 @@ class ColocatedPolicy:
         engine: Any = None,
         rollout: Any = None,
         total_steps: int | None = None,
-        release_kv: bool = True,
+        release_kv: bool | str = "auto",
         reference: bool = False,
         world: Any = None,
     ) -> None:
@@ -243,8 +259,8 @@ class ColocatedPolicy:
             self.rollout_net = rollout_model(model, dtype).requires_grad_(False)
             self.ref_model = rollout_model(model, dtype).requires_grad_(False) if reference else None
         self.llm = LLM(self.rollout_net, tokenizer, rollout)  # built after the cast: KV cache in the compute dtype
-        self.release_kv = release_kv
-        if release_kv:
+        self.release_kv = keeps_kv_released(release_kv, self.llm.kv.total_bytes)
+        if self.release_kv:
             self.llm.release()
         self.device = self.engine.device
         self.micro_batch_tokens = self.engine.cfg.micro_batch_tokens

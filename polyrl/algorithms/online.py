@@ -68,7 +68,9 @@ class OnlineConfig:
     rollout_max_num_seqs: int = 512  # sequences decoded together (a whole 64 x 8 step in one wave)
     rollout_num_blocks: int | None = None  # KV cache blocks; None = from free memory, at most what the run uses
     rollout_gpu_memory_utilization: float = 0.85
-    release_kv: bool = True  # free the KV cache while training
+    # free the KV cache while training (True), keep it and its CUDA graphs across steps (False), or "auto": keep it
+    # on an accelerator when it takes at most a quarter of the device memory (colocated.KEEP_KV_FRACTION)
+    release_kv: bool | str = "auto"
 
     def table_name(self) -> str:
         return "online"
@@ -82,6 +84,8 @@ class OnlineConfig:
                 raise ConfigError(f"{name}.{key} must be a positive integer, got {v!r}")
         if self.mini_batches > self.prompts_per_step * self.samples_per_prompt:
             raise ConfigError(f"{name}.mini_batches ({self.mini_batches}) exceeds the samples per step")
+        if self.release_kv not in (True, False, "auto"):
+            raise ConfigError(f'{name}.release_kv must be true, false or "auto", got {self.release_kv!r}')
         if not self.temperature > 0:
             raise ConfigError(
                 f"{name}.temperature must be > 0 for RL sampling (the ratios need it), got {self.temperature}"
