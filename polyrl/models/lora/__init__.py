@@ -14,6 +14,7 @@ from polyrl.models.lora.apply import (
     merged,
     merged_state_dict,
     unmerge_lora,
+    unwrap_lora,
 )
 from polyrl.models.lora.config import LoraConfig, make_lora_config, parse_lora_spec
 from polyrl.models.lora.layer import LoraLinear
@@ -41,4 +42,5 @@ __all__ = [
     "read_adapter_config",
     "save_adapter",
     "unmerge_lora",
+    "unwrap_lora",
 ]

@@ -150,6 +150,26 @@ class AdapterDisabled(nn.Module):
 
 
 @torch.no_grad()
+def unwrap_lora(model: nn.Module, merge: bool = True) -> nn.Module:
+    """Turn ``model`` back into a plain model in place: every ``LoraLinear`` becomes an ``nn.Linear`` holding its
+    base weight (with the adapter merged in when ``merge``; NF4 bases are dequantized to bf16)."""
+    for name, layer in list(lora_layers(model)):
+        parent = model.get_submodule(name.rpartition(".")[0])
+        if merge and layer.quant_shape is None:
+            layer.merge()
+        w = layer.base_weight(torch.bfloat16) if layer.quant_shape is not None else layer.weight.detach()
+        if merge and layer.quant_shape is not None:
+            w = (w.float() + layer.delta()).to(torch.bfloat16)
+        plain = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+        plain.weight = nn.Parameter(w, requires_grad=False)
+        if layer.bias is not None:
+            plain.bias = layer.bias
+        setattr(parent, name.rpartition(".")[2], plain)
+    model.lora_config = None
+    return model
+
+
+@torch.no_grad()
 def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The HF state dict of base + adapter (``W + s * B @ A`` in fp32, cast to ``dtype`` or the base dtype):
     adapter tensors dropped, NF4 bases dequantized. The model is not changed."""
