@@ -210,3 +210,20 @@ def test_colocated_lora_reference_and_merge_for_rollout(tiny_model_dir):
                 drift = (p - frozen[n]).abs().max().item()
                 assert drift == 0.0 if not merge else drift < 1e-6, (n, drift)
     assert outs[True] == outs[False]  # merged weights give the same greedy tokens as base + adapter
+
+
+def test_qlora_sft_run_learns_and_resumes_exactly(tiny_model_dir, tmp_path):
+    out = tmp_path / "qlora"
+    argv = ["train", "--model", str(tiny_model_dir), "--data", DATA, "--out", str(out), "--max-steps", "12"]
+    argv += ["--lr", "1e-2", "--save-every", "6", "--keep-last", "0", "--qlora", *COMMON]
+    assert main(argv) == 0
+    recs = _metrics(out)
+    assert recs[-1]["loss"] < recs[0]["loss"] - 0.3, (recs[0]["loss"], recs[-1]["loss"])
+    cfg = json.loads((out / "run_config.json").read_text())
+    assert cfg["lora"]["quantize_base"] == "nf4" and cfg["lora"]["r"] == 16
+    assert (out / "final" / "adapter_config.json").is_file()
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    ckpt = again / "checkpoints" / "step-00000006"
+    assert main(["train", "--config", str(out / "run_config.json"), "--out", str(again), "--resume", str(ckpt)]) == 0
+    assert [r["loss"] for r in _metrics(again)] == [r["loss"] for r in recs]

@@ -147,3 +147,31 @@ def test_apply_twice_or_to_wrong_model_is_refused(tiny_model):
         apply_lora(model, LoraConfig(r=2))
     with pytest.raises(ConfigError, match="model.layers"):
         apply_lora(torch.nn.Linear(3, 3), LoraConfig(r=2))
+
+
+def test_qlora_base_is_nf4_and_matches_the_dequantized_model(tiny_model):
+    from polyrl.errors import UserError
+    from polyrl.kernels.nf4.reference import dequantize_nf4
+
+    torch.manual_seed(0)
+    model = tiny_model("qwen2")  # qkv biases: the bias stays beside the NF4 weight
+    ids, pos, meta = packed([7, 5], model.config.vocab_size)
+    apply_lora(model, LoraConfig(r=4, alpha=8, quantize_base="nf4"))
+    _randomize_adapters(model)
+    layer = model.model.layers[0].self_attn.q_proj
+    assert "weight" not in dict(layer.named_parameters(recurse=False)) and layer.bias is not None
+    assert layer.weight_nf4.dtype == torch.uint8 and layer.weight_nf4.shape == (64, 32)
+    assert not any(".lora_" not in n for n, p in model.named_parameters() if p.requires_grad)
+    got = logits(model, ids, pos, meta)
+    # the same network with each targeted weight replaced by its dequantized NF4 value (dense fp32 LoRA layers)
+    dense = tiny_model("qwen2")
+    state = merged_state_dict(model, torch.float32)
+    dense.load_state_dict(state)
+    assert (logits(dense, ids, pos, meta) - got).abs().max().item() < 1e-5
+    w = dequantize_nf4(layer.weight_nf4, layer.weight_absmax, layer.quant_shape)
+    assert torch.equal(state["model.layers.0.self_attn.q_proj.weight"], w + layer.delta())
+    with pytest.raises(UserError, match="4-bit"):
+        merge_lora(model)
+    hidden = model(ids, pos, meta)
+    hidden.square().mean().backward()
+    assert layer.lora_A.weight.grad is not None and layer.lora_A.weight.grad.abs().max() > 0
