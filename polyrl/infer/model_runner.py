@@ -53,6 +53,11 @@ class ModelRunner:
             raise RuntimeError("the KV cache is released; call LLM.reallocate() before generating")
         arrays = host_arrays(sched.items, self.cfg.block_size)
         bs = len(sched.items)
+        bank = getattr(self.model, "lora_bank", None)
+        if bank is not None:  # LoRA adapters per request: each token's adapter slot, eager forward
+            bank.index = _adapter_index(sched, bank, self.device)
+            self.last_step_used_graph = False
+            return self._eager(to_device(arrays, self.device))
         if self.use_graphs and sched.is_decode_only and bs <= self.cfg.max_graph_batch_size:
             if self.graphs is None:
                 from polyrl.infer.cuda_graphs import DecodeGraphs
@@ -90,3 +95,10 @@ class ModelRunner:
     def graph_capture_s(self) -> float:
         """Total seconds spent capturing decode graphs so far (every capture after a release counts again)."""
         return self.released_capture_s + (self.graphs.capture_s if self.graphs is not None else 0.0)
+
+
+def _adapter_index(sched: SchedulerOutput, bank, dev: torch.device) -> torch.Tensor:
+    """int64 ``[T]``: the adapter slot of every token of the step (-1: the base), in the step's token order."""
+    slots = [bank.slot(it.seq.params.adapter) for it in sched.items]
+    counts = [it.num_new for it in sched.items]
+    return torch.repeat_interleave(torch.tensor(slots, dtype=torch.long), torch.tensor(counts)).to(dev)
