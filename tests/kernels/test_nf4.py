@@ -76,6 +76,23 @@ def test_triton_matches_reference(triton_kernels, kernel_check, m, n, k, dtype, 
     kernel_check.assert_close(x.grad, dy.double() @ dense, dtype, "dx")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_dequant_and_large_m_path(triton_kernels, kernel_check, dtype, seeded, monkeypatch):
+    triton_kernels.load("nf4", "nf4_matmul")  # (re)imports the module for this device / the interpreter
+    import polyrl.kernels.nf4.triton as tmod
+
+    dev = triton_kernels.device
+    for n, k in ((32, 96), (5, 130)):
+        packed, absmax = quantize_nf4(torch.randn(n, k, generator=seeded))
+        packed, absmax = packed.to(dev), absmax.to(dev)
+        w = tmod.dequantize(packed, absmax, (n, k), dtype)
+        assert torch.equal(w.cpu(), dequantize_nf4(packed, absmax, (n, k), dtype).cpu())
+    monkeypatch.setattr(tmod, "FUSED_MAX_ROWS", 2)  # the dense-dequant + GEMM path on a small M
+    x = torch.randn(9, 130, generator=seeded).to(dtype).to(dev)
+    y = tmod.nf4_matmul(x, packed, absmax, (5, 130))
+    kernel_check.assert_close(y, nf4_matmul(x.double(), packed, absmax, (5, 130)), dtype, "y")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 64, 4096])
 def test_triton_real_shape_bf16(triton_kernels, kernel_check, m):

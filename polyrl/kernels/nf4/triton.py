@@ -6,8 +6,10 @@ the block's 32 packed bytes per output row ``[BLOCK_N, 32]``, splits them into t
 block's absmax, and accumulates two ``tl.dot``s with the matching halves of ``x`` in fp32 (``reference.py`` has the
 layout). The weight is read as 4 bits + 0.5 bit of absmax per element, which is what makes it pay on decode-sized M.
 
-Backward (``x`` only; the base is frozen): ``dx = dy @ dequant(W)``, with the dense weight made transiently by the
-reference dequantizer. Not here: double quantization, split-K for tiny M, a fused LoRA branch.
+Above ``FUSED_MAX_ROWS`` rows (training, long prefills) the forward instead dequantizes the weight with
+``_nf4_dequant_kernel`` into a transient dense tensor and calls the vendor GEMM, which beats small fused dots there.
+Backward (``x`` only; the base is frozen): ``dx = dy @ dequant(W)``, same transient dequant. Not here: double
+quantization, split-K for tiny M, a fused LoRA branch.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from polyrl.kernels.nf4.reference import code_tensor, dequantize_nf4
+from polyrl.kernels.nf4.reference import code_tensor
 
 _CODES: dict[torch.device, torch.Tensor] = {}
 
@@ -69,6 +71,34 @@ def _nf4_mm_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _nf4_dequant_kernel(q_ptr, s_ptr, c_ptr, w_ptr, K, NB, ROWS: tl.constexpr):
+    """One program: ``ROWS`` output rows x one 64-element block -> dense ``w [N, K]`` in ``w``'s dtype."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    b = tl.program_id(1)
+    j = tl.arange(0, 32)
+    qb = tl.load(q_ptr + r.to(tl.int64)[:, None] * (NB * 32) + (b * 32 + j)[None, :]).to(tl.int32)
+    scale = tl.load(s_ptr + r.to(tl.int64) * NB + b)[:, None]
+    row = w_ptr + r.to(tl.int64)[:, None] * K
+    k_lo = b * 64 + j
+    k_hi = k_lo + 32
+    w_lo = (tl.load(c_ptr + (qb & 15)) * scale).to(w_ptr.dtype.element_ty)
+    w_hi = (tl.load(c_ptr + (qb >> 4)) * scale).to(w_ptr.dtype.element_ty)
+    tl.store(row + k_lo[None, :], w_lo, mask=(k_lo < K)[None, :])
+    tl.store(row + k_hi[None, :], w_hi, mask=(k_hi < K)[None, :])
+
+
+def dequantize(packed: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """Dense ``[N, K]`` weight in ``dtype`` (the reference's values: fp32 code * absmax, one rounding)."""
+    n, k = shape
+    w = torch.empty(n, k, dtype=dtype, device=packed.device)
+    rows = 16 if n % 16 == 0 else 1
+    _nf4_dequant_kernel[(n // rows, absmax.shape[-1])](
+        packed, absmax, _code(packed.device), w, k, absmax.shape[-1], ROWS=rows
+    )
+    return w
+
+
 def _code(device: torch.device) -> torch.Tensor:
     c = _CODES.get(device)
     if c is None:
@@ -105,17 +135,24 @@ def _forward(x2: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shape
     return y
 
 
+# Above this many rows a dense dequant (memory-bound, ~N*K*2.6 bytes moved) + the vendor GEMM beats the fused
+# kernel's small dots; below it (decode, short prompts) reading 4-bit weights once is what counts.
+FUSED_MAX_ROWS = 256
+
+
 class _NF4Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, packed, absmax, shape):
         ctx.save_for_backward(packed, absmax)
         ctx.shape = shape
+        if x2.shape[0] > FUSED_MAX_ROWS:
+            return x2 @ dequantize(packed, absmax, shape, x2.dtype).T
         return _forward(x2, packed, absmax, shape)
 
     @staticmethod
     def backward(ctx, dy):
         packed, absmax = ctx.saved_tensors
-        w = dequantize_nf4(packed, absmax, ctx.shape, dy.dtype)  # [N, K], transient
+        w = dequantize(packed, absmax, ctx.shape, dy.dtype)  # [N, K], transient
         return dy @ w, None, None, None
 
 
