@@ -85,6 +85,17 @@ PRESETS: dict[str, Preset] = {
         torch.bfloat16,
         "Qwen3-1.7B dimensions (1.7B params, vocab 151936), random weights",
     ),
+    "qwen3-8b-shape": Preset(
+        _qwen3(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            tie_word_embeddings=False,
+        ),
+        torch.bfloat16,
+        "Qwen3-8B dimensions (8.2B params, vocab 151936), random weights: LoRA / QLoRA benchmarks",
+    ),
     "llama3.2-1b-shape": Preset(
         dict(
             model_type="llama",

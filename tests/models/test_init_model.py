@@ -80,6 +80,7 @@ SHAPE_PARAMS = {
     "qwen3-0.6b-shape": 596_049_920,
     "qwen3-1.7b-shape": 1_720_574_976,
     "llama3.2-1b-shape": 1_235_814_400,
+    "qwen3-8b-shape": 8_190_735_360,
 }
 
 
