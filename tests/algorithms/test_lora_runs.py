@@ -206,9 +206,8 @@ def test_colocated_lora_reference_and_merge_for_rollout(tiny_model_dir):
 
         pol.step(pack_samples(samples, max_tokens=256), loss_fn, normalizer=1.0)
         for n, p in model.named_parameters():
-            if n in frozen:  # unmerged rollouts leave the base bit-identical; merge + unmerge rounds (fp32: < 1e-6)
-                drift = (p - frozen[n]).abs().max().item()
-                assert drift == 0.0 if not merge else drift < 1e-6, (n, drift)
+            if n in frozen:  # the base stays bit-identical (merged rollouts restore it from exact backups)
+                assert torch.equal(p, frozen[n]), n
     assert outs[True] == outs[False]  # merged weights give the same greedy tokens as base + adapter
 
 

@@ -98,9 +98,12 @@ def test_fresh_adapter_changes_nothing_and_merge_matches(tiny_model):
     assert (merged_logits - unmerged).abs().max().item() < 1e-5
     unmerge_lora(model)
     assert (model.model.layers[0].mlp.up_proj.weight - w0).abs().max().item() < 1e-6
-    with merged(model):
+    w1 = model.model.layers[1].self_attn.o_proj.weight.detach().clone()
+    with merged(model):  # exact: restored from backups
         assert all(layer.merged for _, layer in lora_layers(model))
+        assert (model.model.layers[1].self_attn.o_proj.weight - w1).abs().max() > 0
     assert not any(layer.merged for _, layer in lora_layers(model))
+    assert torch.equal(model.model.layers[1].self_attn.o_proj.weight, w1)
     # the plain HF state dict of base + adapter, loaded into a fresh model, gives the LoRA model's logits
     plain = tiny_model("llama")
     plain.load_state_dict(merged_state_dict(model))

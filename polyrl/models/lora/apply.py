@@ -79,9 +79,10 @@ def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 @torch.no_grad()
-def merge_lora(model: nn.Module) -> None:
+def merge_lora(model: nn.Module, exact: bool = False) -> None:
+    """Merge every adapter into its base weight in place (``exact``: keep backups for a bit-exact unmerge)."""
     for _, layer in lora_layers(model):
-        layer.merge()
+        layer.merge(exact)
 
 
 @torch.no_grad()
@@ -91,9 +92,10 @@ def unmerge_lora(model: nn.Module) -> None:
 
 
 @contextmanager
-def merged(model: nn.Module):
-    """Adapters merged into the base weights in place for the block, unmerged after (even on error)."""
-    merge_lora(model)
+def merged(model: nn.Module, exact: bool = True):
+    """Adapters merged into the base weights in place for the block, unmerged after (even on error); ``exact``
+    restores the base bit for bit from backups (one copy of the targeted weights while merged)."""
+    merge_lora(model, exact)
     try:
         yield model
     finally:

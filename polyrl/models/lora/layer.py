@@ -9,8 +9,9 @@ names without the ``base_model.model.`` prefix. With ``quantize_nf4()`` the base
 (QLoRA); the bias, if any, stays.
 
 Merging adds ``s * B @ A`` into the base weight IN PLACE (fp32 arithmetic, one rounding to the weight's dtype) and
-unmerging subtracts it again: exact in fp32 up to rounding, within one bf16 ulp per cycle in bf16. While merged
-the adapter branch is skipped. Not here: choosing which layers get adapters (``apply.py``), file formats.
+unmerging subtracts it again (within one ulp per element and cycle), or with ``merge(exact=True)`` copies back a
+backup taken at merge time (bit-exact, one extra copy of the weight while merged). While merged the adapter branch
+is skipped. Not here: choosing which layers get adapters (``apply.py``), file formats.
 """
 
 from __future__ import annotations
@@ -68,17 +69,26 @@ class LoraLinear(nn.Module):
         return (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
 
     @torch.no_grad()
-    def merge(self) -> None:
+    def merge(self, exact: bool = False) -> None:
+        """``W += s * B @ A`` in place. ``exact``: keep a copy of ``W`` (same device) so that ``unmerge`` restores
+        it bit for bit (subtracting again is off by up to one ulp per element in bf16, which adds up over many
+        merge/unmerge cycles)."""
         if self.quant_shape is not None:
             raise UserError("cannot merge a LoRA adapter into a 4-bit (NF4) base in place; export with --merge instead")
         if not self.merged:
+            self._backup = self.weight.detach().clone() if exact else None
             self.weight.copy_(self.weight.float() + self.delta())
             self.merged = True
 
     @torch.no_grad()
     def unmerge(self) -> None:
         if self.merged:
-            self.weight.copy_(self.weight.float() - self.delta())
+            backup = getattr(self, "_backup", None)
+            if backup is not None:
+                self.weight.copy_(backup)
+            else:
+                self.weight.copy_(self.weight.float() - self.delta())
+            self._backup = None
             self.merged = False
 
     # ---- QLoRA ----------------------------------------------------------------------------------
