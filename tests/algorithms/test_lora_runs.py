@@ -226,3 +226,19 @@ def test_qlora_sft_run_learns_and_resumes_exactly(tiny_model_dir, tmp_path):
     ckpt = again / "checkpoints" / "step-00000006"
     assert main(["train", "--config", str(out / "run_config.json"), "--out", str(again), "--resume", str(ckpt)]) == 0
     assert [r["loss"] for r in _metrics(again)] == [r["loss"] for r in recs]
+
+
+def test_ppo_from_an_adapter_folder(lora_run, tmp_path):
+    """PPO with LoRA, started from a PEFT adapter: the policy continues the adapter, the critic starts from its base."""
+    from polyrl.algorithms import config as rc
+    from polyrl.algorithms import runner
+
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def chars(completion, example):\n    return float(len(set(completion)))\n")
+    raw = _grpo_raw(lora_run / "final", tmp_path / "ppo", f"{rewards}:chars")
+    raw["algo"], raw["ppo"] = "ppo", raw.pop("grpo")
+    raw["train"]["max_steps"] = 1
+    del raw["lora"]  # r, alpha and targets come from the adapter
+    summary = runner.run(rc.build(raw))
+    assert summary["status"] == "finished"
+    assert json.loads((tmp_path / "ppo" / "final" / "adapter_config.json").read_text())["r"] == 8
