@@ -24,7 +24,7 @@ def _metrics(out):
 @pytest.fixture(scope="module")
 def lora_run(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora") / "run"
-    argv = ["train", "--model", str(tiny_model_dir), "--data", DATA, "--out", str(out), "--max-steps", "30"]
+    argv = ["train", "--model", str(tiny_model_dir), "--data", DATA, "--out", str(out), "--max-steps", "20"]
     argv += [
         "--lr",
         "1e-2",
@@ -44,8 +44,8 @@ def test_lora_sft_learns_and_writes_adapter_folders(lora_run, tiny_model_dir):
     recs = _metrics(lora_run)
     first = sum(r["loss"] for r in recs[:3]) / 3
     last = sum(r["loss"] for r in recs[-3:]) / 3
-    # measured on CPU: 7.55 -> 6.78 over 30 steps (r=8, lr 1e-2)
-    assert last < first - 0.5, (first, last)
+    # measured on CPU: mean of the first 3 steps 7.35, of the last 3 (of 20) 6.77 (r=8, lr 1e-2)
+    assert last < first - 0.45, (first, last)
     final = lora_run / "final"
     cfg = json.loads((final / "adapter_config.json").read_text())
     assert cfg["r"] == 8 and cfg["lora_alpha"] == 16.0 and len(cfg["target_modules"]) == 7
@@ -128,7 +128,7 @@ def test_dpo_with_lora_trains_the_adapter(tiny_model_dir, tmp_path):
         "data": {"path": "builtin:arithmetic-pref?max=9&n=32", "max_seq_len": 64, "tokens_per_batch": 512},
         "optim": {"lr": 2e-2, "weight_decay": 0.0},
         "schedule": {"decay": "constant"},
-        "train": {"max_steps": 8, "log_every": 100},
+        "train": {"max_steps": 5, "log_every": 100},
         "dpo": {"beta": 0.5},
         "lora": {"r": 8, "alpha": 16},
     }
@@ -213,17 +213,17 @@ def test_colocated_lora_reference_and_merge_for_rollout(tiny_model_dir):
 
 def test_qlora_sft_run_learns_and_resumes_exactly(tiny_model_dir, tmp_path):
     out = tmp_path / "qlora"
-    argv = ["train", "--model", str(tiny_model_dir), "--data", DATA, "--out", str(out), "--max-steps", "12"]
-    argv += ["--lr", "1e-2", "--save-every", "6", "--keep-last", "0", "--qlora", *COMMON]
+    argv = ["train", "--model", str(tiny_model_dir), "--data", DATA, "--out", str(out), "--max-steps", "6"]
+    argv += ["--lr", "1e-2", "--save-every", "3", "--keep-last", "0", "--qlora", *COMMON]
     assert main(argv) == 0
     recs = _metrics(out)
-    assert recs[-1]["loss"] < recs[0]["loss"] - 0.3, (recs[0]["loss"], recs[-1]["loss"])
+    assert recs[-1]["loss"] < recs[0]["loss"] - 0.4, (recs[0]["loss"], recs[-1]["loss"])  # CPU: 7.58 -> 6.95
     cfg = json.loads((out / "run_config.json").read_text())
     assert cfg["lora"]["quantize_base"] == "nf4" and cfg["lora"]["r"] == 16
     assert (out / "final" / "adapter_config.json").is_file()
     again = tmp_path / "again"
     shutil.copytree(out, again)
-    ckpt = again / "checkpoints" / "step-00000006"
+    ckpt = again / "checkpoints" / "step-00000003"
     assert main(["train", "--config", str(out / "run_config.json"), "--out", str(again), "--resume", str(ckpt)]) == 0
     assert [r["loss"] for r in _metrics(again)] == [r["loss"] for r in recs]
 
