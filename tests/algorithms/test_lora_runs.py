@@ -242,3 +242,19 @@ def test_ppo_from_an_adapter_folder(lora_run, tmp_path):
     summary = runner.run(rc.build(raw))
     assert summary["status"] == "finished"
     assert json.loads((tmp_path / "ppo" / "final" / "adapter_config.json").read_text())["r"] == 8
+
+
+def test_example_toml_and_bad_lora_tables(tiny_model_dir):
+    from polyrl.algorithms import config as rc
+    from polyrl.errors import ConfigError
+
+    from pathlib import Path
+
+    raw = rc.load_file(Path(__file__).resolve().parents[2] / "examples" / "sft_lora_arithmetic.toml")
+    cfg = rc.build({**raw, "model": str(tiny_model_dir)})
+    assert cfg.lora.r == 16 and cfg.lora.scaling == 2.0 and len(cfg.lora.targets) == 7
+    assert rc.build({**raw, "model": str(tiny_model_dir), "lora": None}).lora is None
+    with pytest.raises(ConfigError, match="unknown lora setting"):
+        rc.build({**raw, "model": str(tiny_model_dir), "lora": {"rank": 4}})
+    with pytest.raises(ConfigError, match="lora.r must be a positive integer"):
+        rc.build({**raw, "model": str(tiny_model_dir), "lora": {"r": 0}})
