@@ -245,10 +245,10 @@ def test_ppo_from_an_adapter_folder(lora_run, tmp_path):
 
 
 def test_example_toml_and_bad_lora_tables(tiny_model_dir):
+    from pathlib import Path
+
     from polyrl.algorithms import config as rc
     from polyrl.errors import ConfigError
-
-    from pathlib import Path
 
     raw = rc.load_file(Path(__file__).resolve().parents[2] / "examples" / "sft_lora_arithmetic.toml")
     cfg = rc.build({**raw, "model": str(tiny_model_dir)})
