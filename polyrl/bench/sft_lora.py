@@ -11,7 +11,10 @@
   skipped with the reason when bitsandbytes is not importable.
 
 ``--activation-checkpointing`` applies to polyrl and, for these configs, to the HF models too (peft's usual
-``gradient_checkpointing_enable``). Not here: timing and reporting (``sft.py``).
+``gradient_checkpointing_enable``). Peak memory of these configs is measured from after construction (model resident
++ training steps); loading transients are excluded, e.g. the bf16 weights a 4-bit base is quantized from (16.4 GB
+at the 8b shape; ``polyrl train --qlora`` holds them briefly while loading).
+Not here: timing and reporting (``sft.py``).
 """
 
 from __future__ import annotations
@@ -62,7 +65,20 @@ def ours_step_fn(cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: 
     engine = TrainEngine(model, OptimConfig(lr=args.lr), ScheduleConfig(decay="constant"), engine=ecfg)
     seqs = [TokenizedSeq(row.tolist(), [1] * row.numel()) for row in tokens]
     batch = pack_sequences(seqs).to(dev)
+    _settled()
     return lambda: engine.step([batch]).loss
+
+
+def _settled() -> None:
+    """Free construction temporaries (the bf16 copy a 4-bit base is made from, the weights HF copied from) and
+    restart the peak counter, so every LoRA config reports its resident model + training step, not its loading."""
+    import gc
+
+    from polyrl.platform import device
+
+    gc.collect()
+    device.empty_cache()
+    device.reset_peak_memory_stats()
 
 
 def unavailable(name: str) -> str | None:
@@ -89,6 +105,7 @@ def _hf_model(cfg: Any, args: argparse.Namespace, dev: torch.device, qlora: bool
         with torch.device(dev):
             model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa", dtype=dtype)
         model.load_state_dict(ours.state_dict(), strict=False)
+        del ours
         if cfg.tie_word_embeddings:
             model.tie_weights()
         return model
@@ -130,6 +147,7 @@ def hf_step_fn(cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: to
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=dev.type != "cpu")
     ids = tokens.to(dev)
+    _settled()
 
     def step() -> float:
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type != "cpu"):
