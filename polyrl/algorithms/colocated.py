@@ -15,7 +15,9 @@ algorithms layer so the RL loop below the trainer can use it).
   ``save`` / ``load`` (polyrl.train.checkpoint). The LLM holds the very module the engine trains: no copy, no
   weight sync. With ``release_kv`` the KV cache exists only while rolling out (``llm.reallocate()`` before,
   ``llm.release()`` after), which also gives every rollout the same fresh block state (reproducible batches).
-  ``reference=True`` keeps a frozen copy of the initial weights (``ref_model``) for a KL penalty.
+  ``reference=True`` keeps a frozen copy of the initial weights (``ref_model``) for a KL penalty; for a LoRA model
+  (``polyrl.models.lora``) the reference is the same model with its adapters off (no copy), and with
+  ``lora_config.merge_for_rollout`` rollouts run with the adapters merged in place (unmerged afterwards).
 - Data-parallel (``world`` of ``polyrl.train.parallel``, under torchrun): the trained model is FSDP2-sharded, so the
   rollout engine runs a plain full copy in the compute dtype (``rollout_net``, refreshed in place after every
   optimizer step with one all-gather per tensor), each rank generates for its share of the prompts and every rank
@@ -245,12 +247,18 @@ class ColocatedPolicy:
         self._tokenizer = tokenizer
         self.world = world if world is not None and world.distributed else None
         if self.world is None:
-            initial = copy.deepcopy(model) if reference else None  # before any update or hook: the initial weights
+            lora = getattr(model, "lora_config", None) is not None
+            # before any update or hook: the initial weights (LoRA: the frozen base itself, adapters off, no copy)
+            initial = copy.deepcopy(model) if reference and not lora else None
             self.engine = TrainEngine(model, optim, schedule, precision, engine, total_steps)
             self.rollout_net = model  # colocated: the very tensors the optimizer updates
             self.ref_model: nn.Module | None = None
             if initial is not None:
                 self.ref_model = initial.to(self.engine.compute_dtype).eval().requires_grad_(False)
+            elif reference:
+                from polyrl.models.lora import AdapterDisabled
+
+                self.ref_model = AdapterDisabled(model)
         else:
             from polyrl.train.parallel import rollout_model
 
@@ -303,6 +311,7 @@ class ColocatedPolicy:
         self.rollout_net.eval()
         if not self.llm.kv.allocated:
             self.llm.reallocate()
+        merge = self._merge_for_rollout()
         try:
             if self.world is not None:
                 from polyrl.train.parallel import generate_data_parallel
@@ -314,6 +323,7 @@ class ColocatedPolicy:
             self.llm.abort_all()  # a failed generate leaves requests behind; the cache must still be freed
             raise
         finally:
+            merge.__exit__(None, None, None)
             if self.release_kv:
                 self.llm.release()
             self.rollout_net.train(was_training)
@@ -325,6 +335,21 @@ class ColocatedPolicy:
                 )
                 samples[-1].index = c.index
         return samples
+
+    def _merge_for_rollout(self) -> Any:
+        """Entered context: with ``lora.merge_for_rollout`` the adapters are merged into the base weights in place
+        (the rollout runs plain linears; CUDA graphs captured now see the merged weights in the same storage) and
+        unmerged when it exits; otherwise nothing (the rollout runs base + adapter, unmerged)."""
+        import contextlib
+
+        cfg = getattr(self.rollout_net, "lora_config", None)
+        ctx = contextlib.nullcontext()
+        if cfg is not None and cfg.merge_for_rollout:
+            from polyrl.models.lora import merged
+
+            ctx = merged(self.rollout_net)
+        ctx.__enter__()
+        return ctx
 
     # ---- log-probs and training -----------------------------------------------------------------
     @torch.no_grad()

@@ -12,6 +12,7 @@ File layout (every table optional; see ``examples/sft_arithmetic.toml``)::
     [schedule]   polyrl.train.ScheduleConfig       [precision]  polyrl.train.PrecisionConfig
     [engine]     polyrl.train.EngineConfig         [checkpoint] polyrl.train.CheckpointConfig
     [sft]        the algorithm's own table (its spec's config_cls)
+    [lora]       polyrl.models.lora.LoraConfig (present = a LoRA run; ``--lora r=16,...`` / ``--qlora`` set it)
 
 Overrides are dotted keys (``optim.lr``, ``train.max_steps``, ``model``) applied over the file in order.
 ``engine.micro_batch_tokens`` and ``data.tokens_per_batch`` are one setting (either name sets both).
@@ -100,6 +101,7 @@ class RunConfig:
     train: LoopConfig
     algo_config: Any
     spec: Any
+    lora: Any = None  # polyrl.models.lora.LoraConfig for a LoRA / QLoRA run
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-ready form; ``build(to_dict())`` gives the same run. ``resume`` is an action, not a
@@ -108,6 +110,8 @@ class RunConfig:
         for name in _sections():
             out[name] = dataclasses.asdict(getattr(self, name))
         out[self.algo] = dataclasses.asdict(self.algo_config)
+        if self.lora is not None:
+            out["lora"] = dataclasses.asdict(self.lora)
         return out
 
 
@@ -216,6 +220,7 @@ def build(raw: dict[str, Any]) -> RunConfig:
     if not isinstance(algo, str):
         raise ConfigError(f"algo must be a name, got {algo!r}; choose one of: {', '.join(algorithms.names())}")
     spec = algorithms.get(algo)
+    lora_raw = raw.pop("lora", None)
     sections = _sections()
     unknown = sorted(set(raw) - set(TOP_LEVEL) - set(sections) - {algo})
     if unknown:
@@ -243,14 +248,41 @@ def build(raw: dict[str, Any]) -> RunConfig:
     if not built["data"].path:
         raise ConfigError("no dataset given; pass --data SPEC (a file, a datasets name or folder, or builtin:NAME)")
     model = raw["model"]
-    if not (Path(model) / "config.json").is_file():
+    lora = _lora(lora_raw, model)
+    if not (Path(model) / "config.json").is_file() and not (Path(model) / "adapter_config.json").is_file():
         raise ConfigError(
             f"model folder {model!r} has no config.json; give a Hugging Face model folder, or create one with "
             f"`polyrl init-model --preset tiny --out {model}`"
         )
     return RunConfig(
-        algo=algo, model=model, out=raw["out"], seed=seed, resume=resume, algo_config=algo_cfg, spec=spec, **built
+        algo=algo,
+        model=model,
+        out=raw["out"],
+        seed=seed,
+        resume=resume,
+        algo_config=algo_cfg,
+        spec=spec,
+        lora=lora,
+        **built,
     )
+
+
+def _lora(table: Any, model: str) -> Any:
+    """The run's ``LoraConfig``: the ``[lora]`` table (or ``--lora`` string); a PEFT adapter folder as ``model``
+    makes it a LoRA run even without one (r, alpha and targets then come from the adapter)."""
+    from polyrl.models.lora import base_model_path, is_adapter_dir, make_lora_config, read_adapter_config
+
+    adapter = is_adapter_dir(model)
+    if table is None and not adapter:
+        return None
+    cfg = make_lora_config(table if table is not None else {})
+    if adapter:
+        saved, _ = read_adapter_config(model)
+        cfg = dataclasses.replace(
+            saved, dropout=cfg.dropout, quantize_base=cfg.quantize_base, merge_for_rollout=cfg.merge_for_rollout
+        )
+        base_model_path(model)  # the base must be reachable before anything else runs
+    return cfg
 
 
 def resolve(config_file: str | None, overrides: list[tuple[str, Any]]) -> RunConfig:

@@ -226,7 +226,11 @@ def prepare_reference(cfg: Any, datasets: Sequence[Any], stream: Any = None) -> 
     algo = cfg.algo_config
     dev = device.torch_device()
     dtype = resolve_compute_dtype(cfg.precision, dev.type)
-    meta = {"reference_model": str(algo.reference_model or cfg.model), "dtype": str(dtype).removeprefix("torch.")}
+    from polyrl.models.lora import base_model_path
+
+    # LoRA from an adapter folder: the reference is its base with the adapter off (as TRL), not a second copy
+    reference = algo.reference_model or base_model_path(cfg.model)
+    meta = {"reference_model": str(reference), "dtype": str(dtype).removeprefix("torch.")}
     path = Path(cfg.out) / CACHE_NAME
     table = ReferenceLogps(meta=meta)
     if path.is_file():

@@ -150,10 +150,10 @@ class OnlineRun(DataParallelSteps):
     def __init__(self, cfg: Any, hooks: Any, stream: Any = None) -> None:
         from polyrl.algorithms.colocated import ColocatedPolicy
         from polyrl.algorithms.rewards import RewardPool
-        from polyrl.algorithms.runner import resume_point
+        from polyrl.algorithms.runner import load_policy, resume_point, tokenizer_path
         from polyrl.infer import EngineConfig as RolloutConfig
         from polyrl.infer import SamplingParams
-        from polyrl.models.checkpoint import load_model, load_tokenizer
+        from polyrl.models.checkpoint import load_tokenizer
         from polyrl.platform import device
         from polyrl.train import parallel as par
 
@@ -167,7 +167,7 @@ class OnlineRun(DataParallelSteps):
         self.out = Path(cfg.out)
         self.t_start = time.perf_counter()
         self.start_point = resume_point(cfg)
-        self.tokenizer = load_tokenizer(cfg.model)
+        self.tokenizer = load_tokenizer(tokenizer_path(cfg))
         self.prompts, self.prompt_ids, self.views, skipped = self._load(cfg.data, "train")
         self.eval_set = self._eval_set() if cfg.train.eval_every > 0 else None
         self.steps = self._total_steps()
@@ -199,7 +199,7 @@ class OnlineRun(DataParallelSteps):
             self.out.mkdir(parents=True, exist_ok=True)
             save_resolved(cfg, self.out)
         dev = self.world.device if self.world.distributed else device.torch_device()
-        model = load_model(cfg.model, dtype=torch.float32, device=dev)
+        model = load_policy(cfg, dev, self.world)
         if self.world.distributed:
             from polyrl.train import resolve_compute_dtype
 

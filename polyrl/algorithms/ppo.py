@@ -183,7 +183,10 @@ class Critic:
         a = cfg.algo_config
         self.world = world if world is not None and world.distributed else None
         dev = self.world.device if self.world is not None else device.torch_device()
-        self.model = load_value_model(a.critic_model or cfg.model, torch.float32, dev)
+        from polyrl.models.lora import base_model_path
+
+        # a LoRA run started from an adapter folder: the critic starts from its base (a full-parameter critic)
+        self.model = load_value_model(a.critic_model or base_model_path(cfg.model), torch.float32, dev)
         if self.world is not None:
             from polyrl.train import resolve_compute_dtype
             from polyrl.train.parallel import shard_model

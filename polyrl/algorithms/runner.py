@@ -5,7 +5,8 @@ and the resume point, saves the resolved config, loads the tokenizer and builds 
 before the model is loaded), loads the model, then loops ``TrainEngine.step`` over packed micro-batches
 (``engine.accumulation_steps`` per optimizer step) with metrics, optional eval loss, and atomic checkpoints
 that carry the data position and data stats, so ``resume`` continues exactly. At the end it writes a last
-checkpoint, the final HF folder ``<out>/final``, ``summary.json`` and ``metrics.png``.
+checkpoint, the final HF folder ``<out>/final``, ``summary.json`` and ``metrics.png``. A LoRA run (``cfg.lora``)
+trains adapters on a frozen base (``load_policy``); its checkpoints and ``final`` are PEFT adapter folders.
 
 Not here: the step itself (``polyrl.train.engine``), checkpoint files (``polyrl.train.checkpoint``),
 argument parsing (``polyrl.cli.train``), online (rollout) algorithms.
@@ -31,6 +32,32 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     """Train ``cfg``; returns the run summary."""
     fn = cfg.spec.run or run_offline
     return fn(cfg)
+
+
+# ---- the model ----------------------------------------------------------------------------------
+def load_policy(cfg: RunConfig, dev: torch.device, world: Any = None) -> Any:
+    """The model a run trains: the full model in fp32 (the engine takes fp32 masters and casts), or for a LoRA
+    run (``cfg.lora``) the frozen base in the compute dtype with adapters (fresh, or ``cfg.model``'s adapter)."""
+    from polyrl.models.checkpoint import load_model
+
+    if cfg.lora is None:
+        return load_model(cfg.model, dtype=torch.float32, device=dev)
+    if world is not None and world.distributed:
+        raise ConfigError("LoRA runs train on one process for now; drop --nproc-per-node (or the [lora] table)")
+    from polyrl.models.lora import load_lora_model
+    from polyrl.train import resolve_compute_dtype
+
+    return load_lora_model(cfg.model, cfg.lora, resolve_compute_dtype(cfg.precision, dev.type), dev, seed=cfg.seed)
+
+
+def tokenizer_path(cfg: RunConfig) -> str:
+    """Where the run's tokenizer is: ``cfg.model``, or for an adapter folder without one, its base model."""
+    from polyrl.models.lora import base_model_path, is_adapter_dir
+
+    model = Path(cfg.model)
+    if is_adapter_dir(model) and not (model / "tokenizer_config.json").is_file():
+        return base_model_path(model)
+    return cfg.model
 
 
 # ---- before the model ---------------------------------------------------------------------------
@@ -160,7 +187,7 @@ def run_offline(cfg: RunConfig, stream: Any = None) -> dict[str, Any]:
 def _run_offline(cfg: RunConfig, stream: Any, world: Any) -> dict[str, Any]:
     import os
 
-    from polyrl.models.checkpoint import load_model, load_tokenizer, save_model
+    from polyrl.models.checkpoint import load_tokenizer, save_model
     from polyrl.platform import device
     from polyrl.train import CheckpointManager, MetricsLogger, TrainEngine, load_checkpoint
     from polyrl.train import parallel as par
@@ -171,7 +198,7 @@ def _run_offline(cfg: RunConfig, stream: Any, world: Any) -> dict[str, Any]:
     spec, out = cfg.spec, Path(cfg.out)
     start_point = resume_point(cfg)
     t_start = time.perf_counter()
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = load_tokenizer(tokenizer_path(cfg))
     data = spec.build_data(cfg.data, tokenizer)
     it = data.iterator(world.rank, world.world_size)
     eval_data = eval_source(cfg, spec, tokenizer)
@@ -190,7 +217,7 @@ def _run_offline(cfg: RunConfig, stream: Any, world: Any) -> dict[str, Any]:
         save_resolved(cfg, out)
 
     dev = world.device if world.distributed else device.torch_device()
-    model = load_model(cfg.model, dtype=torch.float32, device=dev)  # fp32 masters; the engine casts compute
+    model = load_policy(cfg, dev, world)  # fp32 masters (LoRA: a frozen base in the compute dtype)
     if world.distributed:
         from polyrl.train import resolve_compute_dtype
 

@@ -74,6 +74,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profile", type=int, default=0, metavar="N", help="after timing, profile one polyrl step: top N kernels"
     )
+    parser.add_argument(
+        "--lora",
+        nargs="?",
+        const="",
+        metavar="SPEC",
+        help="LoRA configs instead (polyrl-lora vs hf-peft[-liger]), e.g. --lora r=16,alpha=32 (sft_lora.py)",
+    )
+    parser.add_argument("--qlora", action="store_true", help="QLoRA: NF4 base (polyrl-qlora vs hf-qlora)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -203,6 +211,15 @@ def liger_available() -> str | None:
 
 
 def configs(args: argparse.Namespace) -> list[str]:
+    if getattr(args, "lora", None) is not None or getattr(args, "qlora", False):
+        from polyrl.bench import sft_lora
+
+        configs_check = [b.strip() for b in args.baselines.split(",") if b.strip() and b.strip() != "none"]
+        if any(b not in BASELINES for b in configs_check):
+            from polyrl.errors import ConfigError
+
+            raise ConfigError(f"unknown baseline(s) {configs_check}; choose from {', '.join(BASELINES)} or none")
+        return sft_lora.config_names(args)
     names = [] if args.no_ours else ["polyrl"]
     wanted = [b.strip() for b in args.baselines.split(",") if b.strip() and b.strip() != "none"]
     unknown = [b for b in wanted if b not in BASELINES]
@@ -218,8 +235,11 @@ def configs(args: argparse.Namespace) -> list[str]:
 
 
 def measure(name: str, cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: torch.device) -> Result:
+    from polyrl.bench import sft_lora
     from polyrl.platform import device
 
+    if name in sft_lora.LORA_CONFIGS and (why := sft_lora.unavailable(name)):
+        return Result(name, f"skipped: {why}")
     if "liger" in name and (why := liger_available()):
         return Result(name, f"skipped: {why}")
     _free()
@@ -227,6 +247,10 @@ def measure(name: str, cfg: Any, tokens: torch.Tensor, args: argparse.Namespace,
     try:
         if name == "polyrl":
             step_fn = ours_step_fn(cfg, tokens, args, dev)
+        elif name in ("polyrl-lora", "polyrl-qlora"):
+            step_fn = sft_lora.ours_step_fn(cfg, tokens, args, dev)
+        elif name in sft_lora.LORA_CONFIGS:
+            step_fn = sft_lora.hf_step_fn(cfg, tokens, args, dev, name)
         else:
             step_fn = hf_step_fn(cfg, tokens, args, dev, name)
         step_s, loss = time_steps(step_fn, args.warmup, args.steps)
@@ -255,8 +279,8 @@ def measure(name: str, cfg: Any, tokens: torch.Tensor, args: argparse.Namespace,
 # ---- report -------------------------------------------------------------------------------------
 def ratios(results: list[Result]) -> dict[str, float]:
     """polyrl tokens/s divided by each measured baseline's, and by the fastest one's (key "fastest")."""
-    ours = next((r for r in results if r.name == "polyrl" and r.status == "ok"), None)
-    base = [r for r in results if r.name != "polyrl" and r.status == "ok"]
+    ours = next((r for r in results if r.name.startswith("polyrl") and r.status == "ok"), None)
+    base = [r for r in results if not r.name.startswith("polyrl") and r.status == "ok"]
     if ours is None or not base:
         return {}
     out = {r.name: ours.tokens_per_s / r.tokens_per_s for r in base}

@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check": ("polyrl.cli.check", "check the installation for known pitfalls (exit 0 when ready)"),
     "init-model": ("polyrl.cli.init_model", "create a random-initialised HF checkpoint from a preset"),
     "train": ("polyrl.cli.train", "post-train a model: --algo sft|dpo|grpo|gspo|ppo"),
+    "export": ("polyrl.cli.export", "merge a LoRA adapter into its base: --adapter DIR --merge --out DIR"),
     "serve": ("polyrl.cli.serve", "serve a model over an OpenAI-compatible HTTP API"),
     "generate": ("polyrl.cli.generate", "generate completions for prompts with the rollout engine"),
     "validate": ("polyrl.cli.validate", "run the validation levels and write a compatibility report"),

@@ -1,7 +1,8 @@
 """``polyrl serve --model DIR [--host 127.0.0.1] [--port 8000] [...]``: the OpenAI-compatible server.
 
 Loads the checkpoint into the rollout engine and serves it with ``polyrl.server.run_server`` until Ctrl-C /
-SIGTERM (in-flight requests finish first). A thin wrapper: argument parsing only.
+SIGTERM (in-flight requests finish first). ``--lora NAME=DIR`` (repeatable) adds PEFT adapters on the base that a
+request selects with ``"model": NAME``. A thin wrapper: argument parsing only.
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="device memory share (0, 1]")
     parser.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="serve a PEFT LoRA adapter on the base (repeatable); requests pick it with model=NAME",
+    )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -63,5 +71,32 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.model):
         raise UserError(f"--model {args.model!r} is not a folder; give an HF checkpoint folder (config.json, weights)")
     serve, engine = build_configs(args)
-    run_server(args.model, serve, engine_config=engine, dtype=args.dtype, device=args.device)
+    adapters = parse_adapters(args.lora)
+    if not adapters:
+        run_server(args.model, serve, engine_config=engine, dtype=args.dtype, device=args.device)
+        return 0
+    from polyrl.server.launch import load_llm
+
+    llm = load_llm(args.model, engine, dtype=args.dtype, device=args.device)
+    names = llm.load_adapters(adapters)
+    print(f"polyrl serve: LoRA adapters {', '.join(names)} on {serve.served_model_name!r}", flush=True)
+    run_server(llm, serve)
     return 0
+
+
+def parse_adapters(items: list[str]) -> dict[str, str]:
+    """``["name=dir", ...]`` -> ``{name: dir}``; each folder must be a PEFT adapter folder."""
+    from polyrl.errors import UserError
+    from polyrl.models.lora import is_adapter_dir
+
+    out: dict[str, str] = {}
+    for item in items:
+        name, eq, path = item.partition("=")
+        if not eq or not name or not path:
+            raise UserError(f"--lora {item!r} must look like NAME=DIR, e.g. --lora math=runs/sft-lora/final")
+        if name in out:
+            raise UserError(f"--lora name {name!r} is given twice; give each adapter its own name")
+        if not is_adapter_dir(path):
+            raise UserError(f"--lora {name}={path}: no adapter_config.json there; give a PEFT adapter folder")
+        out[name] = path
+    return out

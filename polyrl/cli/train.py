@@ -149,6 +149,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--old-logprobs", choices=["rollout", "recompute"], help="source of the ratio's old log-probs")
     g.add_argument("--tis-cap", type=float, help="truncated importance sampling cap (with --old-logprobs recompute)")
     g.add_argument("--filter-groups", action="store_true", default=None, help="drop groups whose rewards all agree")
+    g = parser.add_argument_group("LoRA (the [lora] table; output and checkpoints are PEFT adapter folders)")
+    g.add_argument(
+        "--lora",
+        nargs="?",
+        const="",
+        metavar="SPEC",
+        help="train a LoRA adapter on a frozen base, e.g. --lora r=16,alpha=32,dropout=0,targets=q,k,v,o,gate,up,down",
+    )
+    g.add_argument("--qlora", action="store_true", default=None, help="LoRA on a 4-bit NF4 base (implies --lora)")
     g = parser.add_argument_group("checkpoints")
     g.add_argument("--save-every", type=int, help="checkpoint every N steps (0: only at the end)")
     g.add_argument("--keep-last", type=int, help="keep the newest K checkpoints (0: all)")
@@ -171,7 +180,20 @@ def overrides_from_args(args: argparse.Namespace) -> list[tuple[str, Any]]:
     if rl:
         table = _algo_name(args)
         out.extend((f"{table}.{key}", value) for key, value in rl)
+    out += _lora_overrides(args)
     return out + parse_set(args.set)
+
+
+def _lora_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """``--lora SPEC`` sets the whole ``[lora]`` table; ``--qlora`` sets ``lora.quantize_base = "nf4"``."""
+    from polyrl.models.lora import parse_lora_spec
+
+    out: list[tuple[str, Any]] = []
+    if getattr(args, "lora", None) is not None:
+        out.append(("lora", parse_lora_spec(args.lora)))
+    if getattr(args, "qlora", None):
+        out.append(("lora.quantize_base", "nf4"))
+    return out
 
 
 def _algo_name(args: argparse.Namespace) -> str:

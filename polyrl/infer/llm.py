@@ -128,6 +128,8 @@ class LLM:
     ) -> str:
         """Queue a request (thread-safe). Raises UserError for an empty or too long prompt."""
         params = params or SamplingParams()
+        if params.adapter is not None:
+            self._adapter_slot(params.adapter)  # unknown names fail here, in the caller's thread
         text, ids = self.encode_prompt(prompt)
         if not ids:
             raise UserError("the prompt is empty; give at least one token")
@@ -143,6 +145,24 @@ class LLM:
             req.seqs.append(Sequence(next(self._seq_ids), rid, i, ids, params, now, stream))
         self._inbox.put(("add", req))
         return rid
+
+    # ---- LoRA adapters (serving) ------------------------------------------------------------------
+    def load_adapters(self, adapters: dict[str, Any]) -> list[str]:
+        """Serve PEFT adapter folders (name -> folder) on this engine's base model; a request picks one with
+        ``SamplingParams(adapter=name)``. Adapter steps run eagerly (no CUDA graphs) and prefix caching is turned
+        off (cached KV of one adapter is wrong for another). Call before any request."""
+        from polyrl.models.lora.multi import attach_adapters
+
+        bank = attach_adapters(self.model, adapters)
+        self.block_manager.enable_prefix_caching = False
+        self.runner.invalidate_graphs()
+        return bank.names
+
+    def _adapter_slot(self, name: str) -> int:
+        bank = getattr(self.model, "lora_bank", None)
+        if bank is None:
+            raise UserError(f"this engine serves no LoRA adapters, so adapter {name!r} is unknown")
+        return bank.slot(name)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request (thread-safe); it is reported once more with finish_reason "abort"."""

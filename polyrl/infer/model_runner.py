@@ -89,7 +89,11 @@ class ModelRunner:
             from polyrl.infer.sampler import host_to_device
 
             fed = (host_to_device(feed[0], torch.int64, self.device), feed[1])
-        if self.use_graphs and sched.is_decode_only and bs <= self.cfg.max_graph_batch_size:
+        bank = getattr(self.model, "lora_bank", None)
+        if bank is not None:  # LoRA adapters per request: each token's adapter slot (fixed across queued steps)
+            bank.index = _adapter_index(sched, bank, self.device)
+        graphs = bank is None and self.use_graphs  # adapter steps run eagerly
+        if graphs and sched.is_decode_only and bs <= self.cfg.max_graph_batch_size:
             if self.graphs is None:
                 from polyrl.infer.cuda_graphs import DecodeGraphs
 
@@ -180,3 +184,10 @@ class ModelRunner:
     def graph_capture_s(self) -> float:
         """Total seconds spent capturing decode graphs so far (every capture after a release counts again)."""
         return self.released_capture_s + (self.graphs.capture_s if self.graphs is not None else 0.0)
+
+
+def _adapter_index(sched: SchedulerOutput, bank, dev: torch.device) -> torch.Tensor:
+    """int64 ``[T]``: the adapter slot of every token of the step (-1: the base), in the step's token order."""
+    slots = [bank.slot(it.seq.params.adapter) for it in sched.items]
+    counts = [it.num_new for it in sched.items]
+    return torch.repeat_interleave(torch.tensor(slots, dtype=torch.long), torch.tensor(counts)).to(dev)

@@ -40,6 +40,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    adapter: str | None = None  # LoRA adapter (a name given to LLM.load_adapters) to run with; None = the base
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,6 +53,8 @@ class SamplingParams:
         def bad(msg: str) -> UserError:
             return UserError(f"invalid sampling parameter: {msg}")
 
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise bad(f"adapter must be an adapter name or None, got {self.adapter!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad(f"n must be an integer >= 1, got {self.n!r}")
         if not _is_number(self.temperature) or self.temperature < 0:

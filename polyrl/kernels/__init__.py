@@ -27,6 +27,7 @@ from polyrl.kernels import (  # noqa: E402,F401  isort: skip
     linear_cross_entropy as _lce_pkg,
     token_logprobs as _tlp_pkg,
     sampling as _sampling_pkg,
+    nf4 as _nf4_pkg,
 )
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "linear_cross_entropy",
     "token_logprobs",
     "sample_tokens",
+    "nf4_matmul",
 ]
 
 _DTYPE_NAMES = {
@@ -184,3 +186,10 @@ def sample_tokens(
     depends on nothing else in the batch; greedy rows take ``argmax(logits)`` (T = 1). ``logprob =
     log_softmax(z)[token]``. Contract in ``polyrl/kernels/sampling/__init__.py``."""
     return _impl("sample_tokens", logits)(logits, temperature, seeds, offsets, greedy)
+
+
+def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """``x [..., K] @ W^T -> [..., N]`` where ``W [N, K] = shape`` is stored as NF4: ``packed`` uint8 ``[N, Kp/2]``
+    and ``absmax`` fp32 ``[N, Kp/64]`` (``Kp`` = K rounded up to 64; layout in ``kernels/nf4/reference.py``).
+    Differentiable in ``x`` only (QLoRA's frozen base)."""
+    return _impl("nf4_matmul", x)(x, packed, absmax, shape)

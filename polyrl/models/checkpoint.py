@@ -229,7 +229,12 @@ def save_model(
     generation_config: dict[str, Any] | None = None,
 ) -> Path:
     """Write an HF folder that transformers loads, atomically. ``tokenizer``: an object with
-    ``save_pretrained`` or a folder whose tokenizer files are copied. ``dtype`` casts on the way out."""
+    ``save_pretrained`` or a folder whose tokenizer files are copied. ``dtype`` casts on the way out.
+    A model with LoRA adapters is written as a PEFT adapter folder (``polyrl.models.lora.save_adapter``)."""
+    if getattr(model, "lora_config", None) is not None:
+        from polyrl.models.lora import save_adapter
+
+        return save_adapter(model, out_dir, tokenizer=tokenizer, dtype=dtype)
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"

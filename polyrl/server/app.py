@@ -47,20 +47,36 @@ class ServerState:
         self.fingerprint = f"polyrl-{__version__}"
         self.created = int(time.time())
 
+    @property
+    def adapter_names(self) -> list[str]:
+        """LoRA adapters served on the base (``LLM.load_adapters``); a request's ``model`` picks one."""
+        bank = getattr(self.llm.model, "lora_bank", None)
+        return list(bank.names) if bank is not None else []
+
     def resolve_model(self, name: str | None) -> str:
         served = self.config.served_model_name
-        if name is None or name == served:
-            return served
+        if name is None or name == served or name in self.adapter_names:
+            return name or served
         raise model_not_found(name)
 
-    def model_card(self) -> dict[str, Any]:
-        return {
-            "id": self.config.served_model_name,
+    def with_adapter(self, params: Any, model: str) -> Any:
+        """``params`` running the adapter named ``model`` (unchanged for the base model)."""
+        return params.clone(adapter=model) if model in self.adapter_names else params
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        return [self.model_card()] + [self.model_card(name) for name in self.adapter_names]
+
+    def model_card(self, name: str | None = None) -> dict[str, Any]:
+        card = {
+            "id": name or self.config.served_model_name,
             "object": "model",
             "created": self.created,
             "owned_by": "polyrl",
             "max_model_len": self.llm.max_model_len,
         }
+        if name is not None:
+            card["parent"] = self.config.served_model_name  # a LoRA adapter on the served base
+        return card
 
 
 class _RequestMetrics:
@@ -160,12 +176,12 @@ def build_app(llm: Any, config: ServeConfig | None = None) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(require_key)])
     async def list_models() -> dict:
-        return {"object": "list", "data": [state.model_card()]}
+        return {"object": "list", "data": state.model_cards()}
 
     @app.get("/v1/models/{model:path}", dependencies=[Depends(require_key)])
     async def get_model(model: str) -> dict:
-        state.resolve_model(model)
-        return state.model_card()
+        name = state.resolve_model(model)
+        return state.model_card(name if name in state.adapter_names else None)
 
     def respond(result: Any) -> Response:
         if isinstance(result, dict):

@@ -73,6 +73,7 @@ async def create_chat_completion(state: Any, req: ChatCompletionRequest, request
     check_max_tokens(max_tokens, param, len(ids), state.llm.max_model_len, "messages")
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens, k)
+    params = state.with_adapter(params, model)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     group = state.engine.new_group()
     state.engine.submit(group, ids, params, stream=req.stream, request_id=rid)

@@ -55,6 +55,7 @@ async def create_completion(state: Any, req: CompletionRequest, request: Any) ->
     for _, ids in prompts:
         check_max_tokens(req.max_tokens, "max_tokens", len(ids), state.llm.max_model_len, "prompt")
     params = sampling_params(req, req.max_tokens, req.logprobs)
+    params = state.with_adapter(params, model)
     base_id = f"cmpl-{uuid.uuid4().hex}"
     group = state.engine.new_group()
     rids = []

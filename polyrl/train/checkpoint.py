@@ -3,7 +3,8 @@
 A checkpoint is a directory ``<root>/step-00000042/`` holding
 
 - ``model/``: the weights, an HF folder via ``polyrl.models.checkpoint.save_model`` for models that
-  have an HF config, else ``model.safetensors`` of the state dict (tied aliases stored once);
+  have an HF config (a PEFT adapter folder for a LoRA model: the frozen base is not saved), else
+  ``model.safetensors`` of the state dict (tied aliases stored once);
 - ``optimizer.safetensors``: fp32 masters and AdamW moments by parameter name (``MasterAdamW``);
 - ``rng.pt``: python / numpy / torch / device RNG states (tensors, ints and tuples only: loaded with
   ``weights_only=True``);
@@ -338,6 +339,15 @@ def load_model_weights(model_dir: str | Path, model: nn.Module) -> None:
     from safetensors.torch import load_file
 
     model_dir = Path(model_dir)
+    if (model_dir / "adapter_config.json").is_file():  # a LoRA run: the checkpoint holds the adapter only
+        from polyrl.models.lora import has_lora, load_adapter
+
+        if not has_lora(model):
+            raise CheckpointError(
+                f"{model_dir} holds a LoRA adapter but the model has none; resume with the [lora] table"
+            )
+        load_adapter(model, model_dir)
+        return
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(model_dir.glob("*.safetensors")):
         tensors.update(load_file(str(f)))

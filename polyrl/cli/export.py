@@ -1,0 +1,50 @@
+"""``polyrl export --adapter DIR [--model BASE] --merge --out DIR``: a LoRA adapter merged into its base, written
+as a plain Hugging Face folder (safetensors, config, tokenizer) that transformers and ``polyrl serve`` load.
+
+The base comes from ``--model`` or the adapter's ``base_model_name_or_path``; it is loaded in fp32, ``W + s * B @ A``
+is formed there and the result saved in the base's dtype (or ``--dtype``). An adapter trained on a 4-bit (QLoRA)
+base is merged into the full-precision base, as PEFT does. Not here: training, un-merged adapter copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--adapter", metavar="DIR", help="PEFT adapter folder (adapter_config.json)")
+    parser.add_argument("--model", metavar="DIR", help="base model folder (default: the adapter's base)")
+    parser.add_argument("--merge", action="store_true", help="merge the adapter into the base (required)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output HF folder (replaced atomically)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="saved dtype (default: the base's)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from polyrl.errors import ConfigError
+    from polyrl.models.checkpoint import dtype_from_name, load_config, load_model, save_model
+    from polyrl.models.lora import base_model_path, is_adapter_dir, load_adapter, unwrap_lora
+
+    if not args.adapter or not args.merge:
+        raise ConfigError("polyrl export writes a merged model: pass --adapter DIR --merge (and --out DIR)")
+    if not is_adapter_dir(args.adapter):
+        raise ConfigError(f"--adapter {args.adapter} has no adapter_config.json; give a PEFT adapter folder")
+    start = time.perf_counter()
+    base = args.model or base_model_path(args.adapter)
+    saved = dtype_from_name(args.dtype or load_config(base).torch_dtype)
+    model = load_model(base, dtype=torch.float32)
+    load_adapter(model, args.adapter)
+    unwrap_lora(model, merge=True)
+    tok_src = args.adapter if _has_tokenizer(args.adapter) else base
+    out = save_model(model, args.out, tokenizer=tok_src, dtype=saved)
+    print(f"merged {args.adapter} into {base} -> {out} ({str(saved).removeprefix('torch.')}) in "
+          f"{time.perf_counter() - start:.1f}s")  # fmt: skip
+    return 0
+
+
+def _has_tokenizer(folder: str) -> bool:
+    from pathlib import Path
+
+    return (Path(folder) / "tokenizer_config.json").is_file() or (Path(folder) / "tokenizer.json").is_file()

@@ -1,0 +1,197 @@
+"""Putting LoRA adapters into a ``DecoderLM`` in place, and the model-wide switches over them.
+
+``apply_lora(model, cfg, seed)`` replaces every targeted ``nn.Linear`` of the decoder layers by a ``LoraLinear``
+that keeps the same base ``Parameter`` (so HF names, identity and any holder of the tensor stay valid), freezes
+everything else, and records ``model.lora_config``. Adapter parameters are created in fp32; the training engine
+casts them to the compute dtype with fp32 masters like any trainable parameter, while the frozen base keeps the
+dtype it was loaded in (bf16 on accelerators) and gets no optimizer state.
+
+Switches: ``merge_lora`` / ``unmerge_lora`` (in place), ``merged(model)`` and ``adapters_disabled(model)``
+(context managers), ``AdapterDisabled(model)`` (the base model as a module, for a KL or DPO reference without a
+second copy of the weights), ``merged_state_dict`` (the plain HF state dict of base + adapter).
+Not here: file formats (``peft_io.py``), the layer arithmetic (``layer.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from polyrl.errors import ConfigError
+from polyrl.models.lora.config import LoraConfig
+from polyrl.models.lora.layer import LoraLinear
+
+
+def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoraLinear]]:
+    """(module name, layer) of every ``LoraLinear`` in ``model``, in module order."""
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLinear):
+            yield name, module
+
+
+def has_lora(model: nn.Module) -> bool:
+    return getattr(model, "lora_config", None) is not None
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int | None = 0) -> nn.Module:
+    """Add adapters to the layers named in ``cfg.targets`` (see the module docstring); with
+    ``cfg.quantize_base == "nf4"`` the frozen base weights of those layers are quantized (QLoRA)."""
+    if has_lora(model):
+        raise ConfigError("this model already has LoRA adapters; apply LoRA once")
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ConfigError(f"LoRA needs a DecoderLM-like model with model.layers, got {type(model).__name__}")
+    gen = None
+    first = next(model.parameters())
+    if seed is not None:
+        gen = torch.Generator(device=first.device)
+        gen.manual_seed(seed)
+    model.requires_grad_(False)
+    count = 0
+    for layer in layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for target in cfg.targets:
+                base = getattr(parent, target, None)
+                if not isinstance(base, nn.Linear):
+                    continue
+                lora = LoraLinear(base, cfg.r, cfg.scaling, cfg.dropout)
+                lora.reset_adapter(gen)
+                if cfg.quantize_base == "nf4":
+                    lora.quantize_nf4()
+                setattr(parent, target, lora)
+                count += 1
+    if count == 0:
+        raise ConfigError(f"lora.targets {cfg.targets} matched no linear layer of this model")
+    model.lora_config = cfg
+    return model
+
+
+def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Our names (``model.layers.0.self_attn.q_proj.lora_A.weight``) -> adapter parameters."""
+    out = {}
+    for name, layer in lora_layers(model):
+        out[f"{name}.lora_A.weight"] = layer.lora_A.weight
+        out[f"{name}.lora_B.weight"] = layer.lora_B.weight
+    return out
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module, exact: bool = False) -> None:
+    """Merge every adapter into its base weight in place (``exact``: keep backups for a bit-exact unmerge)."""
+    for _, layer in lora_layers(model):
+        layer.merge(exact)
+
+
+@torch.no_grad()
+def unmerge_lora(model: nn.Module) -> None:
+    for _, layer in lora_layers(model):
+        layer.unmerge()
+
+
+@contextmanager
+def merged(model: nn.Module, exact: bool = True):
+    """Adapters merged into the base weights in place for the block, unmerged after (even on error); ``exact``
+    restores the base bit for bit from backups (one copy of the targeted weights while merged)."""
+    merge_lora(model, exact)
+    try:
+        yield model
+    finally:
+        unmerge_lora(model)
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module):
+    """The base model alone for the block (adapter branches skipped; merged adapters are not allowed)."""
+    layers = [layer for _, layer in lora_layers(model)]
+    if any(layer.merged for layer in layers):
+        raise ConfigError("cannot disable merged adapters; unmerge them first")
+    for layer in layers:
+        layer.disabled = True
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.disabled = False
+
+
+class AdapterDisabled(nn.Module):
+    """A view of a LoRA model with its adapters off: the frozen base, without copying it. ``forward`` and
+    ``lm_head_weight`` are the wrapped model's; ``train``/``eval`` switch the wrapped model. It holds the model
+    outside the module tree, so ``requires_grad_``/``to`` on this view never reach the adapters."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self._inner = (model,)
+
+    @property
+    def inner(self) -> nn.Module:
+        return self._inner[0]
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.inner.lm_head_weight
+
+    @property
+    def config(self):
+        return self.inner.config
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.inner.compute_logits(hidden)
+
+    def train(self, mode: bool = True) -> AdapterDisabled:
+        self.training = mode
+        self.inner.train(mode)
+        return self
+
+    def forward(self, *args, **kwargs):
+        with adapters_disabled(self.inner):
+            return self.inner(*args, **kwargs)
+
+
+@torch.no_grad()
+def unwrap_lora(model: nn.Module, merge: bool = True) -> nn.Module:
+    """Turn ``model`` back into a plain model in place: every ``LoraLinear`` becomes an ``nn.Linear`` holding its
+    base weight (with the adapter merged in when ``merge``; NF4 bases are dequantized to bf16)."""
+    for name, layer in list(lora_layers(model)):
+        parent = model.get_submodule(name.rpartition(".")[0])
+        if merge and layer.quant_shape is None:
+            layer.merge()
+        w = layer.base_weight(torch.bfloat16) if layer.quant_shape is not None else layer.weight.detach()
+        if merge and layer.quant_shape is not None:
+            w = (w.float() + layer.delta()).to(torch.bfloat16)
+        plain = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+        plain.weight = nn.Parameter(w, requires_grad=False)
+        if layer.bias is not None:
+            plain.bias = layer.bias
+        setattr(parent, name.rpartition(".")[2], plain)
+    model.lora_config = None
+    return model
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The HF state dict of base + adapter (``W + s * B @ A`` in fp32, cast to ``dtype`` or the base dtype):
+    adapter tensors dropped, NF4 bases dequantized. The model is not changed."""
+    state = {}
+    lora = dict(lora_layers(model))
+    for name, t in model.state_dict().items():
+        module, _, leaf = name.rpartition(".")
+        owner = lora.get(module)
+        if owner is None:
+            if ".lora_A." not in name and ".lora_B." not in name:
+                state[name] = t if dtype is None else t.to(dtype)
+            continue
+        if leaf in ("weight_nf4", "weight_absmax", "weight"):
+            if leaf == "weight_absmax":
+                continue
+            target = dtype or (t.dtype if leaf == "weight" else torch.bfloat16)
+            w = owner.base_weight(torch.float32)
+            if not owner.merged:
+                w = w + owner.delta()
+            state[f"{module}.weight"] = w.to(target)
+        elif leaf == "bias":
+            state[name] = t if dtype is None else t.to(dtype)
+    return state

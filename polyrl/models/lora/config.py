@@ -1,0 +1,145 @@
+"""``LoraConfig``: which linear layers get a low-rank adapter and how it is scaled, plus the parser of the
+``--lora r=16,alpha=32,dropout=0,targets=q,k,v,o,gate,up,down`` command-line string.
+
+Targets use short names (``q k v o gate up down``) or the HF module names (``q_proj`` ...); both resolve to the
+HF names, which are what PEFT's ``target_modules`` holds. The scale of the adapter's output is ``alpha / r``
+(``alpha / sqrt(r)`` with ``rslora``), as in PEFT.
+
+Not here: building or applying adapters (``apply.py``), reading or writing adapter folders (``peft_io.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from polyrl.errors import ConfigError
+
+# short name -> HF module name (the last part of the module path in DecoderLM and in HF Llama/Qwen).
+SHORT_TARGETS: dict[str, str] = {
+    "q": "q_proj",
+    "k": "k_proj",
+    "v": "v_proj",
+    "o": "o_proj",
+    "gate": "gate_proj",
+    "up": "up_proj",
+    "down": "down_proj",
+}
+ALL_TARGETS = tuple(SHORT_TARGETS.values())
+QUANTIZE_CHOICES = (None, "nf4")
+
+
+@dataclass
+class LoraConfig:
+    """The ``[lora]`` table. ``r``: adapter rank; ``alpha``: scale numerator (scale = alpha / r, or alpha /
+    sqrt(r) with ``rslora``); ``dropout``: on the adapter's input only; ``targets``: short or HF names (a list or
+    a comma-separated string), default all seven projections; ``quantize_base``: ``"nf4"`` for QLoRA (frozen
+    base in 4-bit NF4); ``merge_for_rollout``: RL rollouts run on weights with the adapter merged in place (and
+    unmerged before the update) instead of base + adapter."""
+
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: list[str] = field(default_factory=lambda: list(ALL_TARGETS))
+    rslora: bool = False
+    quantize_base: str | None = None
+    merge_for_rollout: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
+            raise ConfigError(f"lora.r must be a positive integer (the adapter rank), got {self.r!r}; e.g. r=16")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
+            raise ConfigError(f"lora.alpha must be a positive number, got {self.alpha!r}; e.g. alpha=32 (2 x r)")
+        self.alpha = float(self.alpha)
+        d = self.dropout
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d < 1.0:
+            raise ConfigError(f"lora.dropout must be in [0, 1), got {d!r}; e.g. dropout=0.05")
+        self.dropout = float(d)
+        self.targets = normalize_targets(self.targets)
+        if self.quantize_base not in QUANTIZE_CHOICES:
+            raise ConfigError(f"lora.quantize_base must be unset or 'nf4' (QLoRA), got {self.quantize_base!r}")
+        for name in ("rslora", "merge_for_rollout"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"lora.{name} must be true or false, got {getattr(self, name)!r}")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.r) if self.rslora else self.r)
+
+
+def normalize_targets(targets: Any) -> list[str]:
+    """Short or HF names (list or comma string) -> HF names in the canonical order, duplicates dropped."""
+    if isinstance(targets, str):
+        targets = [t for t in targets.replace(" ", "").split(",") if t]
+    if not isinstance(targets, (list, tuple)) or not targets:
+        raise ConfigError(
+            f"lora.targets must be a non-empty list of layer names, got {targets!r}; e.g. targets=q,k,v,o,gate,up,down"
+        )
+    resolved = set()
+    for t in targets:
+        name = SHORT_TARGETS.get(t, t) if isinstance(t, str) else t
+        if name not in ALL_TARGETS:
+            raise ConfigError(
+                f"unknown lora target {t!r}; use any of {', '.join(SHORT_TARGETS)} (or {', '.join(ALL_TARGETS)})"
+            )
+        resolved.add(name)
+    return [t for t in ALL_TARGETS if t in resolved]
+
+
+_SPEC_KEYS = {"r", "alpha", "dropout", "targets", "rslora", "quantize_base", "merge_for_rollout"}
+
+
+def parse_lora_spec(text: str) -> dict[str, Any]:
+    """``"r=16,alpha=32,dropout=0,targets=q,k,v"`` -> ``{"r": 16, "alpha": 32, "dropout": 0, "targets": [...]}``.
+
+    Items are ``key=value`` separated by commas; a bare item continues the list of ``targets`` before it. An empty
+    string means all defaults. Values are TOML literals (numbers, true/false), else strings."""
+    out: dict[str, Any] = {}
+    last = None
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        key, eq, value = item.partition("=")
+        if not eq:
+            if last != "targets":
+                raise ConfigError(
+                    f"--lora item {item!r} has no '='; write key=value pairs, e.g. --lora r=16,alpha=32,targets=q,v"
+                )
+            out["targets"].append(item)
+            continue
+        key = key.strip()
+        if key not in _SPEC_KEYS:
+            raise ConfigError(f"unknown --lora key {key!r}; known: {', '.join(sorted(_SPEC_KEYS))}")
+        last = key
+        out[key] = [value.strip()] if key == "targets" else _literal(value.strip())
+    return out
+
+
+def _literal(text: str) -> Any:
+    """``16`` -> 16, ``0.05`` -> 0.05, ``true`` -> True, ``none`` -> None, anything else the string."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null", ""):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def make_lora_config(value: Any) -> LoraConfig:
+    """A ``LoraConfig`` from a table (dict), a ``--lora`` string or an existing config."""
+    if isinstance(value, LoraConfig):
+        return value
+    if isinstance(value, str):
+        value = parse_lora_spec(value)
+    if not isinstance(value, dict):
+        raise ConfigError(f"[lora] must be a table of settings, got {value!r}")
+    unknown = sorted(set(value) - _SPEC_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown lora setting(s) {unknown}; known: {', '.join(sorted(_SPEC_KEYS))}")
+    return LoraConfig(**value)

@@ -1,0 +1,121 @@
+"""``LoraLinear``: a frozen linear layer plus a trainable low-rank adapter, ``y = x W^T + b + s * B(A(drop(x)))``.
+
+The frozen base keeps the HF parameter names of the ``nn.Linear`` it replaces (``weight``, ``bias``: the very
+``Parameter`` objects, so a base checkpoint still loads by name and the rollout engine's references stay valid).
+The adapter is ``lora_A`` (``Linear(in, r)``, kaiming-uniform init as PEFT) and ``lora_B`` (``Linear(r, out)``,
+zeros), so a fresh adapter changes nothing; their state-dict names (``...q_proj.lora_A.weight``) are PEFT's saved
+names without the ``base_model.model.`` prefix. With ``quantize_nf4()`` the base becomes 4-bit NF4 buffers
+(``weight_nf4`` uint8 ``[out, in/2]``, ``weight_absmax`` fp32 ``[out * in / 64]``) run by ``kernels.nf4_matmul``
+(QLoRA); the bias, if any, stays.
+
+Merging adds ``s * B @ A`` into the base weight IN PLACE (fp32 arithmetic, one rounding to the weight's dtype) and
+unmerging subtracts it again (within one ulp per element and cycle), or with ``merge(exact=True)`` copies back a
+backup taken at merge time (bit-exact, one extra copy of the weight while merged). While merged the adapter branch
+is skipped. Not here: choosing which layers get adapters (``apply.py``), file formats.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from polyrl.errors import UserError
+
+
+class LoraLinear(nn.Module):
+    def __init__(self, base: nn.Linear, r: int, scaling: float, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight  # the same Parameter: HF name and identity kept
+        self.bias = base.bias
+        dev = base.weight.device
+        self.lora_A = nn.Linear(self.in_features, r, bias=False, device=dev, dtype=torch.float32)
+        self.lora_B = nn.Linear(r, self.out_features, bias=False, device=dev, dtype=torch.float32)
+        self.r, self.scaling, self.dropout = r, float(scaling), float(dropout)
+        self.merged = False
+        self.disabled = False
+        self.quant_shape: tuple[int, int] | None = None  # (out, in) when the base is NF4
+
+    @torch.no_grad()
+    def reset_adapter(self, generator: torch.Generator | None = None) -> None:
+        """PEFT's init: A ~ kaiming_uniform(a=sqrt(5)) (= U(-1/sqrt(in), 1/sqrt(in))), B = 0."""
+        bound = 1.0 / math.sqrt(self.in_features)
+        self.lora_A.weight.uniform_(-bound, bound, generator=generator)
+        self.lora_B.weight.zero_()
+
+    # ---- forward --------------------------------------------------------------------------------
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_shape is None:
+            return F.linear(x, self.weight, self.bias)
+        from polyrl import kernels
+
+        y = kernels.nf4_matmul(x, self.weight_nf4, self.weight_absmax, self.quant_shape)
+        return y if self.bias is None else y + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_forward(x)
+        if self.merged or self.disabled:
+            return y
+        h = F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
+        a = self.lora_A.weight
+        return y + F.linear(F.linear(h.to(a.dtype), a), self.lora_B.weight).to(y.dtype) * self.scaling
+
+    # ---- merge ----------------------------------------------------------------------------------
+    def delta(self) -> torch.Tensor:
+        """``s * B @ A`` in fp32, ``[out, in]``."""
+        return (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
+
+    @torch.no_grad()
+    def merge(self, exact: bool = False) -> None:
+        """``W += s * B @ A`` in place. ``exact``: keep a copy of ``W`` (same device) so that ``unmerge`` restores
+        it bit for bit (subtracting again is off by up to one ulp per element in bf16, which adds up over many
+        merge/unmerge cycles)."""
+        if self.quant_shape is not None:
+            raise UserError("cannot merge a LoRA adapter into a 4-bit (NF4) base in place; export with --merge instead")
+        if not self.merged:
+            self._backup = self.weight.detach().clone() if exact else None
+            self.weight.copy_(self.weight.float() + self.delta())
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        if self.merged:
+            backup = getattr(self, "_backup", None)
+            if backup is not None:
+                self.weight.copy_(backup)
+            else:
+                self.weight.copy_(self.weight.float() - self.delta())
+            self._backup = None
+            self.merged = False
+
+    # ---- QLoRA ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def quantize_nf4(self) -> None:
+        """Replace the frozen base weight by its NF4 quantization (frees the full-precision weight)."""
+        from polyrl.kernels.nf4.reference import quantize_nf4
+
+        if self.quant_shape is not None:
+            return
+        if self.merged:
+            raise UserError("unmerge the adapter before quantizing the base")
+        packed, absmax = quantize_nf4(self.weight.detach())
+        self.quant_shape = (self.out_features, self.in_features)
+        del self.weight
+        self.register_buffer("weight_nf4", packed)
+        self.register_buffer("weight_absmax", absmax)
+
+    @torch.no_grad()
+    def base_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The frozen base weight ``[out, in]`` as a dense tensor (dequantized for NF4)."""
+        if self.quant_shape is None:
+            return self.weight.detach().to(dtype)
+        from polyrl.kernels.nf4.reference import dequantize_nf4
+
+        return dequantize_nf4(self.weight_nf4, self.weight_absmax, self.quant_shape, dtype)
+
+    def extra_repr(self) -> str:
+        q = ", base=nf4" if self.quant_shape is not None else ""
+        return f"in={self.in_features}, out={self.out_features}, r={self.r}, scaling={self.scaling:g}{q}"

@@ -1,0 +1,184 @@
+"""PEFT adapter folders in and out: ``adapter_config.json`` + ``adapter_model.safetensors``.
+
+Written so that ``peft.PeftModel.from_pretrained(hf_model, folder)`` loads it: tensor names
+``base_model.model.<our name>`` (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), config fields
+``peft_type = "LORA"``, ``task_type = "CAUSAL_LM"``, ``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``,
+``use_rslora``, ``bias = "none"``, ``base_model_name_or_path``. Read: the same, from PEFT or from us (names with an
+adapter name such as ``.lora_A.default.weight`` are accepted too). Writes are atomic (temp folder + rename).
+
+Refused with a ``CheckpointError`` that says why: DoRA, per-layer rank/alpha patterns, trained biases, extra saved
+modules, regex targets, targets other than the seven decoder projections. Not here: quantized bases (an adapter
+never holds base weights), merging (``apply.py``), the training checkpoint around it (``polyrl.train``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from polyrl.errors import CheckpointError, ConfigError
+from polyrl.models.lora.apply import adapter_parameters, apply_lora, has_lora
+from polyrl.models.lora.config import ALL_TARGETS, LoraConfig
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def adapter_config_dict(cfg: LoraConfig, base_model: str | None) -> dict[str, Any]:
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": cfg.r,
+        "lora_alpha": cfg.alpha,
+        "lora_dropout": cfg.dropout,
+        "target_modules": list(cfg.targets),
+        "use_rslora": cfg.rslora,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_dora": False,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "revision": None,
+    }
+
+
+def save_adapter(
+    model: nn.Module,
+    out_dir: str | Path,
+    base_model: str | None = None,
+    tokenizer: Any = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write ``model``'s adapter as a PEFT folder (atomically). ``base_model`` goes to
+    ``base_model_name_or_path`` (default: ``model.lora_base``, set when the run loaded the base); ``tokenizer`` an
+    object with ``save_pretrained`` or a folder to copy the tokenizer files from; ``dtype`` casts (default fp32)."""
+    from safetensors.torch import save_file
+
+    from polyrl.models.checkpoint import _save_tokenizer, _write_json
+
+    if not has_lora(model):
+        raise ConfigError("this model has no LoRA adapters to save")
+    base_model = base_model or getattr(model, "lora_base", None)
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        tensors = {
+            PREFIX + name: p.detach().to(dtype or torch.float32).cpu().contiguous()
+            for name, p in adapter_parameters(model).items()
+        }
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        _write_json(tmp / ADAPTER_CONFIG, adapter_config_dict(model.lora_config, base_model))
+        if tokenizer is not None:
+            _save_tokenizer(tokenizer, tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def read_adapter_config(path: str | Path) -> tuple[LoraConfig, str | None]:
+    """(``LoraConfig``, ``base_model_name_or_path``) of a PEFT adapter folder; unsupported options raise."""
+    file = Path(path) / ADAPTER_CONFIG
+    if not file.is_file():
+        raise CheckpointError(f"{path} is not a PEFT adapter folder (no {ADAPTER_CONFIG})")
+    try:
+        d = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{file} is not valid JSON ({exc}); re-save the adapter") from None
+    if d.get("peft_type", "LORA") != "LORA":
+        raise CheckpointError(f"{file}: peft_type {d.get('peft_type')!r} is not supported; only LORA adapters load")
+    refused = {
+        "use_dora": bool(d.get("use_dora")),
+        "rank_pattern": bool(d.get("rank_pattern")),
+        "alpha_pattern": bool(d.get("alpha_pattern")),
+        "modules_to_save": bool(d.get("modules_to_save")),
+        "bias": d.get("bias", "none") != "none",
+        "fan_in_fan_out": bool(d.get("fan_in_fan_out")),
+        "layers_to_transform": d.get("layers_to_transform") is not None,
+    }
+    bad = [k for k, v in refused.items() if v]
+    if bad:
+        raise CheckpointError(f"{file} uses {', '.join(bad)}, which polyrl's LoRA does not support; retrain without")
+    targets = d.get("target_modules")
+    if isinstance(targets, str):
+        if targets == "all-linear":
+            targets = list(ALL_TARGETS)
+        else:
+            raise CheckpointError(f"{file}: regex target_modules {targets!r} are not supported; list the module names")
+    try:
+        cfg = LoraConfig(
+            r=d.get("r", 8),
+            alpha=d.get("lora_alpha", 8),
+            dropout=d.get("lora_dropout", 0.0),
+            targets=list(targets or []),
+            rslora=bool(d.get("use_rslora", False)),
+        )
+    except ConfigError as exc:
+        raise CheckpointError(f"{file}: {exc}") from None
+    return cfg, d.get("base_model_name_or_path")
+
+
+def _our_name(key: str) -> str:
+    name = key.removeprefix(PREFIX)
+    for part in ("lora_A", "lora_B"):
+        name = name.replace(f".{part}.default.weight", f".{part}.weight")
+    return name
+
+
+@torch.no_grad()
+def load_adapter(model: nn.Module, path: str | Path, quantize_base: str | None = None) -> nn.Module:
+    """Load the adapter folder ``path`` into ``model`` (adding adapters first when the model has none). Every
+    adapter tensor must be present with its shape; values are cast to the adapter parameters' dtype in place."""
+    from polyrl.models.checkpoint import _open
+
+    cfg, _ = read_adapter_config(path)
+    if not has_lora(model):
+        cfg.quantize_base = quantize_base
+        apply_lora(model, cfg, seed=None)
+    elif (model.lora_config.r, list(model.lora_config.targets)) != (cfg.r, list(cfg.targets)):
+        raise CheckpointError(
+            f"adapter {path} (r={cfg.r}, targets {cfg.targets}) does not match the model's adapters "
+            f"(r={model.lora_config.r}, targets {model.lora_config.targets})"
+        )
+    file = Path(path) / ADAPTER_WEIGHTS
+    if not file.is_file():
+        raise CheckpointError(f"{path} has no {ADAPTER_WEIGHTS} (adapters saved as .bin are not read; re-save them)")
+    handle = _open(file)
+    found = {_our_name(k): k for k in handle.keys()}
+    own = adapter_parameters(model)
+    missing = sorted(set(own) - set(found))
+    unexpected = sorted(set(found) - set(own))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"adapter {path} does not fit this model: missing {missing[:5]}, unexpected {unexpected[:5]} "
+            f"({len(missing)} missing, {len(unexpected)} unexpected); is it for another base model?"
+        )
+    for name, p in own.items():
+        t = handle.tensor(found[name])
+        if tuple(t.shape) != tuple(p.shape):
+            raise CheckpointError(f"adapter tensor {name}: shape {tuple(t.shape)} != model {tuple(p.shape)}")
+        p.copy_(t)
+    return model
