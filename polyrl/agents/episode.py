@@ -7,8 +7,7 @@ token (one per masked position, in order: the RL old log-probs). ``turns`` are t
 sampled turns in ``ids``. ``to_sample()`` gives the ``colocated.Sample`` the RL loop packs (its ``mask`` keeps the
 loss on the policy's own tokens; tool outputs and user turns are context only).
 ``status``: ``done`` (the environment ended it), ``max_turns``, ``max_tokens`` (the episode token budget),
-``truncated`` (a turn hit ``max_new_tokens`` before its end-of-turn token), ``env_error`` (the environment raised,
-hung or returned garbage; reward = the failure reward).
+``env_error`` (the environment raised, hung or returned garbage; reward = the failure reward).
 Not here: producing episodes (``rollout``), rewards or advantages.
 """
 
@@ -17,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-STATUSES = ("running", "done", "max_turns", "max_tokens", "truncated", "env_error")
+STATUSES = ("running", "done", "max_turns", "max_tokens", "env_error")
 
 
 @dataclass
@@ -83,7 +82,7 @@ class Episode:
     def to_sample(self, text: str = "") -> Any:
         from polyrl.algorithms.colocated import Sample
 
-        finish = "length" if self.status in ("truncated", "max_tokens") else "stop"
+        finish = "length" if self.status == "max_tokens" else "stop"
         return Sample(
             list(self.prompt_ids), list(self.ids), list(self.logprobs), finish, text, self.group, self.index,
             mask=list(self.mask),

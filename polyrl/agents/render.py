@@ -39,6 +39,7 @@ class ChatRenderer:
         if cut < 0:
             raise ConfigError(f"the chat template does not end assistant turns with {self.eos_text!r} (eos)")
         self.after_eos = base[cut + len(self.eos_text) :]  # what the template writes after a turn's eos
+        self.eos_id = int(tokenizer.convert_tokens_to_ids(self.eos_text))
         self._base_text = base
 
     # ---- text ---------------------------------------------------------------------------------------

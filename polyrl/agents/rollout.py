@@ -9,8 +9,10 @@ the episode's ids so far, so the prefix cache serves the conversation already co
    ``turn_seed(seeds[group], index, turn)`` (reproducible whatever else is in the batch: exact resume).
 3. Engine steps; each finished turn appends the sampled ids and log-probs (mask 1), parses the reply
    (``tools.parse_reply``) into an OpenAI assistant message, and the turns that finished in the same engine step
-   go to ``pool.step`` together. The observation is appended as ``renderer.observation_ids`` (mask 0), then the
-   episode goes back to 2, unless it is done, at ``max_turns``, out of tokens, truncated or its env failed.
+   go to ``pool.step`` together. A turn cut at ``max_new_tokens`` gets the end-of-turn id appended (mask 0: not
+   sampled) and counts in ``truncated_turns``; the environment still answers it. The observation is appended as
+   ``renderer.observation_ids`` (mask 0), then the episode goes back to 2, unless it is done, at ``max_turns``, out
+   of tokens or its env failed.
 Per-episode metrics: ``turns``, ``tool_calls``, ``invalid_tool_calls`` (unparseable ``<tool_call>`` blocks),
 ``tool_errors`` and whatever the environment reports. Not here: training, the proxy (``proxy``).
 """
@@ -85,10 +87,13 @@ def run_episodes(
             e.count("invalid_tool_calls", len(msg.get("invalid_tool_calls", [])))
             e.messages.append(msg)
             if c.finish_reason != "stop":  # cut by max_tokens before its end-of-turn token
-                e.end("max_tokens" if len(e.context) >= _budget(llm, limits) else "truncated")
-                pool.release(k)
-            else:
-                to_env.append((k, msg))
+                e.count("truncated_turns")
+                if len(e.context) + 1 >= _budget(llm, limits):
+                    e.end("max_tokens")
+                    pool.release(k)
+                    continue
+                e.add_observation([renderer.eos_id])  # close the turn as the template would (masked: not sampled)
+            to_env.append((k, msg))
         if not to_env:
             continue
         results = pool.step(to_env)
@@ -152,7 +157,7 @@ def episode_metrics(eps: list[Episode]) -> dict[str, float]:
     out["episode/tool_calls_per_turn"] = sum(e.metrics.get("tool_calls", 0.0) for e in eps) / max(turns, 1)
     out["episode/length"] = sum(e.num_tokens for e in eps) / n
     out["episode/policy_tokens"] = sum(sum(e.mask) for e in eps) / n
-    for s in ("done", "max_turns", "max_tokens", "truncated", "env_error"):
+    for s in ("done", "max_turns", "max_tokens", "env_error"):
         out[f"episode/status_{s}"] = sum(e.status == s for e in eps) / n
     return out
 

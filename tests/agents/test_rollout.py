@@ -74,8 +74,9 @@ def test_episode_ids_are_exactly_sampled_plus_deltas(tiny_llm):
             assert e.mask[start:end] == [1] * len(ids)
             if t > 0:  # the tokens between turns are the template delta of the user observation, masked
                 prev_end = e.turns[t - 1][1]
-                obs = [m for m in e.messages if m["role"] == "user"][t]
-                assert e.ids[prev_end:start] == renderer.observation_ids([obs])
+                obs = renderer.observation_ids([[m for m in e.messages if m["role"] == "user"][t]])
+                cut = [] if e.ids[prev_end - 1] in STOP_IDS else [renderer.eos_id]  # a turn cut at max_new_tokens
+                assert e.ids[prev_end:start] == cut + obs
                 assert e.mask[prev_end:start] == [0] * (start - prev_end)
         assert sum(e.mask) == sum(end - start for start, end in e.turns)
         multi += e.num_turns > 1
@@ -107,7 +108,12 @@ def test_token_budget_and_turn_truncation(tiny_llm):
             tiny_llm, pool, renderer, EXAMPLES, 1, SamplingParams(temperature=1.0), [1, 2, 3],
             EpisodeLimits(max_turns=4, max_new_tokens=5, max_episode_tokens=400),
         )  # fmt: skip
-        assert {e.status for e in eps} == {"truncated"}  # 5 tokens never reach eos: cut turns end the episode
+        # 5 tokens never reach eos: each cut turn is closed with eos (masked) and the environment answers it
+        assert [e.num_turns for e in eps] == [4, 4, 4] and {e.status for e in eps} == {"max_turns"}
+        for e in eps:
+            assert e.metrics["truncated_turns"] == 4.0
+            for _start, end in e.turns[:-1]:
+                assert e.ids[end] == renderer.eos_id and e.mask[end] == 0 and e.mask[end - 1] == 1
         budget = len(eps[0].prompt_ids) + 20
         eps = run_episodes(
             tiny_llm, pool, renderer, EXAMPLES, 1, _sampling(), [1, 2, 3],
