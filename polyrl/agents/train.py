@@ -10,6 +10,8 @@ environment's (``reward`` is unused). Metrics per step: ``reward``, ``episode/tu
 ``episode/tool_call_rate`` (episodes with at least one call), ``episode/invalid_tool_calls``,
 ``episode/tool_errors``, ``episode/length``, status fractions, ``env_failures``; evaluation (``train.eval_every``)
 runs greedy episodes on the held-out prompts (``eval_reward``, ``eval_tool_call_rate``).
+Proxy mode (``--agent file.py:fn``): the episodes come from an openai-client agent program driven through
+``polyrl.agents.proxy_server.AgentProxy`` (one Sample per recorded segment, the agent's reward on each).
 Not here: the episode loop (``rollout``), the loss and advantages (``polyrl.algorithms``). One process only.
 """
 
@@ -62,19 +64,61 @@ class EpisodeSteps:
 
         self.renderer = ChatRenderer(self.tokenizer, chat_tokenizer(self.cfg.data, self.tokenizer).template)
         self.limits = EpisodeLimits(a.max_turns, a.max_new_tokens, a.max_episode_tokens)
-        self.env_pool = EnvPool(a.env, a.env_workers, a.env_timeout)
+        self.env_pool, self.proxy, self.agent_fn = None, None, None
+        if a.agent:
+            self._start_proxy()
+            source = f"agent {a.agent!r} through {self.proxy.url}"
+        else:
+            self.env_pool = EnvPool(a.env, a.env_workers, a.env_timeout)
+            source = f"env {a.env!r} ({len(self.env_pool.tools)} tool(s))"
         self.print(
-            f"episodes: env {a.env!r} ({len(self.env_pool.tools)} tool(s)), at most {a.max_turns} turns of "
-            f"{a.max_new_tokens} tokens, {a.max_episode_tokens} tokens per episode"
+            f"episodes: {source}, at most {a.max_turns} turns of {a.max_new_tokens} tokens, "
+            f"{a.max_episode_tokens} tokens per episode"
         )
+
+    def _start_proxy(self) -> None:
+        from polyrl.agents.proxy_server import AgentProxy
+        from polyrl.algorithms.rewards import _load_module
+
+        a = self.a
+        target, _, name = a.agent.rpartition(":")
+        self.agent_fn = getattr(_load_module(target, a.agent), name, None)
+        if not callable(self.agent_fn):
+            raise ConfigError(f"agent {a.agent!r}: {target} has no function {name!r}")
+        self.proxy = AgentProxy(
+            self.policy.llm,
+            self.sampling,
+            a.max_new_tokens,
+            self.renderer,
+            request_sampling=False,
+            max_turns=a.max_turns,
+            max_episode_tokens=a.max_episode_tokens,
+        ).start(drive=False)
+
+    @property
+    def failure_totals(self) -> dict[str, int]:
+        if self.proxy is not None:
+            return dict(getattr(self, "_agent_totals", {}))
+        return dict(self.env_pool.totals) if self.env_pool is not None else {}
 
     def episodes(self, examples: list[dict], n: int, sampling: Any, seeds: list[int] | None) -> list[Any]:
         from polyrl.agents.rollout import run_episodes
 
         with rollout_window(self.policy) as llm:
-            return run_episodes(
-                llm, self.env_pool, self.renderer, examples, n, sampling, seeds, self.limits, self.a.failure_reward
-            )
+            if self.proxy is None:
+                return run_episodes(
+                    llm, self.env_pool, self.renderer, examples, n, sampling, seeds, self.limits, self.a.failure_reward
+                )
+            self.proxy.sampling = sampling
+            with self.proxy.driving():
+                eps = self.proxy.run_agents(
+                    self.agent_fn, examples, n, seeds, self.a.env_timeout, self.a.failure_reward
+                )
+            totals = getattr(self, "_agent_totals", {})
+            for k, v in self.proxy.failures.items():
+                totals[k] = totals.get(k, 0) + v
+            self._agent_totals = totals
+            return eps
 
     def collect(self, step: int) -> tuple[list[Any], list[float], dict[str, float]]:
         from polyrl.agents.rollout import episode_metrics
@@ -83,7 +127,7 @@ class EpisodeSteps:
         t0 = time.perf_counter()
         idx = self.data.take(self.a.prompts_per_step)
         seeds = [rollout_seed(self.cfg.seed, step, k) for k in range(len(idx))]
-        before = sum(self.env_pool.totals.values())
+        before = sum(self.failure_totals.values())
         eps = self.episodes([self.views[i] for i in idx], self.a.samples_per_prompt, self.sampling, seeds)
         t1 = time.perf_counter()
         kept = [e for e in eps if e.trainable]
@@ -99,8 +143,8 @@ class EpisodeSteps:
             "truncated_fraction": _mean([float(e.status == "max_tokens") for e in eps]),
             "rollout_s": t1 - t0,
             "rollout_tokens_per_s": sum(policy_tokens) / max(t1 - t0, 1e-9),
-            "env_failures": float(sum(self.env_pool.totals.values()) - before),
-            "env_failures_total": float(sum(self.env_pool.totals.values())),
+            "env_failures": float(sum(self.failure_totals.values()) - before),
+            "env_failures_total": float(sum(self.failure_totals.values())),
             "episodes_untrainable": float(len(eps) - len(kept)),
             **episode_metrics(eps),
         }
@@ -126,15 +170,17 @@ class EpisodeSteps:
 
     def data_state(self) -> dict[str, Any]:
         state = super().data_state()
-        pool = getattr(self, "env_pool", None)
-        state["env_failures"] = dict(pool.totals) if pool is not None else {}
+        state["env_failures"] = self.failure_totals if hasattr(self, "limits") else {}
         return state
 
     def run(self) -> dict[str, Any]:
         try:
             return super().run()
         finally:
-            self.env_pool.close()
+            if self.env_pool is not None:
+                self.env_pool.close()
+            if self.proxy is not None:
+                self.proxy.stop()
 
 
 _CLASSES: dict[type, type] = {}

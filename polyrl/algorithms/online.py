@@ -71,10 +71,11 @@ class OnlineConfig:
     release_kv: bool = True  # free the KV cache while training
     # agentic RL (polyrl.agents): episodes against an environment instead of single completions; reward unused
     env: str | None = None  # builtin environment (calculator, guessing) or path/to/file.py:Class
+    agent: str | None = None  # proxy mode: path/to/file.py:fn, fn(base_url, example) -> reward, an openai-client agent
     max_turns: int = 4  # assistant turns per episode (max_new_tokens is per turn)
     max_episode_tokens: int = 1024  # the whole episode, opening prompt included
     env_workers: int = 2  # processes; 0 = in this process (no timeout)
-    env_timeout: float = 30.0  # seconds per reset/step call
+    env_timeout: float = 30.0  # seconds per reset/step call (proxy mode: per agent episode)
 
     def table_name(self) -> str:
         return "online"
@@ -100,11 +101,15 @@ class OnlineConfig:
             raise ConfigError(f"{name}.reward_timeout must be > 0 seconds, got {self.reward_timeout}")
         if not isinstance(self.reward, str) or not self.reward.strip():
             raise ConfigError(f"{name}.reward is empty; pass --reward NAME or --reward path/to/file.py:fn")
-        if self.env is not None:
+        if self.env is not None or self.agent is not None:
             self._check_env(name)
 
     def _check_env(self, name: str) -> None:
-        if not isinstance(self.env, str) or not self.env.strip():
+        if self.env is not None and self.agent is not None:
+            raise ConfigError(f"{name}.env and {name}.agent are two ways to run episodes; set only one")
+        if self.agent is not None and (not isinstance(self.agent, str) or ":" not in self.agent):
+            raise ConfigError(f"{name}.agent must be path/to/file.py:function (an agent taking base_url, example)")
+        if self.env is not None and (not isinstance(self.env, str) or not self.env.strip()):
             raise ConfigError(f"{name}.env must name an environment (calculator, guessing) or path/to/file.py:Class")
         for key in ("max_turns", "max_episode_tokens"):
             v = getattr(self, key)
@@ -194,7 +199,7 @@ class OnlineRun(DataParallelSteps):
         self.steps = self._total_steps()
         longest = max(len(x) for x in self.prompt_ids + (self.eval_set[1] if self.eval_set else []))
         gen = max(self.a.max_new_tokens, self.a.eval_max_new_tokens or 0)
-        if getattr(self.a, "env", None):  # episodes: the context holds the whole episode
+        if getattr(self.a, "env", None) or getattr(self.a, "agent", None):  # episodes: the context holds them whole
             gen = max(gen, self.a.max_episode_tokens - longest)
         seqs = min(
             self.a.rollout_max_num_seqs,
@@ -579,7 +584,7 @@ def run_online(cfg: Any, hooks: Any, stream: Any = None, run_cls: Any = None) ->
     ``run_cls(cfg, stream)``, an ``OnlineRun`` subclass that brings its own); the summary. Tears the process group
     down at the end under torchrun."""
     try:
-        if getattr(cfg.algo_config, "env", None):  # agentic RL: the same loop over episodes
+        if getattr(cfg.algo_config, "env", None) or getattr(cfg.algo_config, "agent", None):  # agentic RL: episodes
             from polyrl.agents.train import with_episodes
 
             cls = with_episodes(run_cls or OnlineRun)

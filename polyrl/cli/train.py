@@ -74,6 +74,7 @@ RL_FLAG_KEYS: dict[str, str] = {
     "tis_cap": "tis_cap",
     "filter_groups": "filter_groups",
     "env": "env",
+    "agent": "agent",
     "max_turns": "max_turns",
     "max_episode_tokens": "max_episode_tokens",
     "env_workers": "env_workers",
@@ -156,6 +157,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--filter-groups", action="store_true", default=None, help="drop groups whose rewards all agree")
     g = parser.add_argument_group("agentic RL (episodes against an environment; keys of the [<algo>] table)")
     g.add_argument("--env", metavar="SPEC", help="environment: calculator, guessing, or path/to/file.py:Class")
+    g.add_argument(
+        "--agent", metavar="FILE.py:FN", help="proxy mode: fn(base_url, example) -> reward runs an openai-client agent"
+    )
     g.add_argument("--max-turns", type=int, help="assistant turns per episode (--max-new-tokens is per turn)")
     g.add_argument("--max-episode-tokens", type=int, help="tokens per episode, opening prompt included")
     g.add_argument("--env-workers", type=int, help="environment worker processes (0: in this process)")

@@ -45,7 +45,7 @@ def three_turn_agent(base_url: str, example: dict) -> float | None:
 
 
 def test_openai_client_agent_is_recorded_token_exactly(tiny_llm):
-    from polyrl.server.agent_proxy import AgentProxy
+    from polyrl.agents.proxy_server import AgentProxy
 
     examples = [{"prompt": f"task {k}", "seen": []} for k in ("callback", "http", "raise", "hang")]
     with AgentProxy(tiny_llm, max_tokens=16) as proxy:
@@ -71,7 +71,7 @@ def test_openai_client_agent_is_recorded_token_exactly(tiny_llm):
 
 
 def test_rewritten_history_starts_a_new_segment_and_unknown_episode_is_404(tiny_llm):
-    from polyrl.server.agent_proxy import AgentProxy
+    from polyrl.agents.proxy_server import AgentProxy
 
     def agent(base_url, example):
         client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
@@ -86,3 +86,43 @@ def test_rewritten_history_starts_a_new_segment_and_unknown_episode_is_404(tiny_
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
     assert len(eps) == 2 and [e.num_turns for e in eps] == [1, 1] and [e.reward for e in eps] == [0.5, 0.5]
+
+
+AGENT_FILE = """
+import openai
+
+def agent(base_url, example):
+    client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": example["prompt"]}]
+    text = ""
+    for _ in range(2):
+        r = client.chat.completions.create(model="policy", messages=messages, temperature=0.0, max_tokens=99)
+        text += r.choices[0].message.content or ""
+        messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+    return float(any(ch.isdigit() for ch in text))
+"""
+
+
+def test_grpo_trains_on_an_openai_agent_through_the_proxy(tiny_model_dir, tmp_path):
+    import json
+
+    from polyrl.trainer import fit
+
+    path = tmp_path / "my_agent.py"
+    path.write_text(AGENT_FILE)
+    out = tmp_path / "proxy-run"
+    summary = fit(
+        "grpo", tiny_model_dir, "builtin:arithmetic?max=9&n=16", out, train={"max_steps": 2},
+        optim={"lr": 1e-2}, engine={"micro_batch_tokens": 512},
+        grpo={"agent": f"{path}:agent", "max_new_tokens": 6, "max_turns": 2, "max_episode_tokens": 200,
+              "samples_per_prompt": 3, "prompts_per_step": 2},
+    )  # fmt: skip
+    assert summary["status"] == "finished"
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(recs) == 2
+    for r in recs:
+        assert r["episode/turns"] == 2.0 and r["env_failures"] == 0.0  # the run's max_tokens (6) won over 99
+        assert r["response_length"] <= 12
+        # the agent asked for temperature 0, the run samples at 1: the recorded log-probs are the run's, so the
+        # trainer's recompute matches them
+        assert r["mismatch_max"] < 1e-3

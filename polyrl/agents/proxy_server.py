@@ -1,4 +1,5 @@
-"""Proxy mode over HTTP: an OpenAI-compatible endpoint per episode (``<url>/agents/<episode id>/v1``) that records
+"""Proxy mode over HTTP (imports FastAPI and uvicorn: import this module only when proxy mode is used; ``import
+polyrl.agents`` never does): an OpenAI-compatible endpoint per episode (``<url>/agents/<episode id>/v1``) that records
 every call of an agent program for RL, plus ``AgentProxy.run_agents`` to run such programs many at once.
 
 Bring an existing agent: it takes a ``base_url`` and builds ``openai.OpenAI(base_url=base_url, api_key="x")`` (or
@@ -14,7 +15,10 @@ tools=...)``, executes the ``tool_calls`` it gets back, appends ``tool`` message
 The prompts are built token-exactly by ``polyrl.agents.proxy.AgentSession``; one engine thread drives
 ``llm.step()`` while the proxy runs. ``run_agents(agent, examples, n)`` calls ``agent(base_url, example)`` in
 threads (continuous batching across all their calls) with a per-episode timeout; an agent that raises or times out
-is counted and gets the failure reward, never fatal. Not here: the plain OpenAI server (``app.py``), training.
+is counted and gets the failure reward, never fatal. In training (``--agent file.py:fn``) the run's sampling
+settings win over the request's (``request_sampling=False``: the ratios need the rollout temperature), and
+``max_turns`` / ``max_episode_tokens`` bound each episode (a call past them gets a 400).
+Not here: the plain OpenAI server (``polyrl.server``), training (``polyrl.agents.train``).
 """
 
 from __future__ import annotations
@@ -108,8 +112,13 @@ class AgentProxy:
         max_tokens: int = 256,
         renderer: ChatRenderer | None = None,
         model_name: str = "polyrl-policy",
+        request_sampling: bool = True,
+        max_turns: int | None = None,
+        max_episode_tokens: int | None = None,
     ) -> None:
         self.llm = llm
+        self.request_sampling = request_sampling
+        self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
         self.sampling = sampling or SamplingParams(temperature=1.0)
         self.max_tokens = max_tokens
         self.renderer = renderer or ChatRenderer(llm.tokenizer)
@@ -178,15 +187,18 @@ class AgentProxy:
         messages, tools = body["messages"], body.get("tools") or None
         try:
             ids, continues = sess.prompt_for(messages, tools)
+            if self.max_turns is not None and sess.num_calls >= self.max_turns:
+                return _error(400, f"this episode reached its limit of {self.max_turns} model calls; finish it")
             cap = body.get("max_completion_tokens") or body.get("max_tokens") or self.max_tokens
-            room = self.llm.max_model_len - len(ids) - 1
+            limit = min(self.llm.max_model_len, self.max_episode_tokens or self.llm.max_model_len)
+            room = limit - len(ids) - 1
             if room < 1:
-                return _error(400, f"the conversation has {len(ids)} tokens, the context {self.llm.max_model_len}")
+                return _error(400, f"the conversation has {len(ids)} tokens; this episode may hold {limit}")
             changes: dict[str, Any] = {"n": 1, "max_tokens": max(1, min(int(cap), self.max_tokens, room))}
-            for key in ("temperature", "top_p"):
+            for key in ("temperature", "top_p") if self.request_sampling else ():
                 if body.get(key) is not None:
                     changes[key] = body[key]
-            seed = body.get("seed")
+            seed = body.get("seed") if self.request_sampling else None
             if seed is None and self.seeds.get(eid) is not None:
                 seed = turn_seed(self.seeds[eid], sess.index, sess.num_calls)
             changes["seed"] = seed
@@ -237,13 +249,20 @@ class AgentProxy:
         }
 
     # ---- lifecycle ------------------------------------------------------------------------------------
-    def start(self, host: str = "127.0.0.1", port: int = 0) -> AgentProxy:
-        """Serve in a background thread (port 0: a free one) and start driving the engine."""
+    def start(self, host: str = "127.0.0.1", port: int = 0, drive: bool = True) -> AgentProxy:
+        """Serve in a background thread (port 0: a free one) and (``drive``) start driving the engine."""
+        import socket
+
         import uvicorn
 
-        from polyrl.server.launch import bind_socket
-
-        sock = bind_socket(host, port)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            raise UserError(f"the agent proxy cannot listen on {host}:{port} ({exc.strerror})") from exc
+        sock.listen(1024)
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -254,8 +273,23 @@ class AgentProxy:
             if time.monotonic() > deadline or not self._thread.is_alive():
                 raise UserError("the agent proxy did not start within 30 s")
             time.sleep(0.02)
-        self.driver.start()
+        if drive:
+            self.driver.start()
         return self
+
+    def driving(self) -> Any:
+        """Context manager: drive the engine only inside it (training releases the KV cache between rollouts)."""
+        from contextlib import contextmanager
+
+        @contextmanager
+        def window():
+            self.driver.start()
+            try:
+                yield self
+            finally:
+                self.driver.stop()
+
+        return window()
 
     def stop(self) -> None:
         if self._server is not None:
