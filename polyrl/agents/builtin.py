@@ -127,12 +127,22 @@ class GuessingEnv(ToolEnvironment):
         return EnvStep([{"role": "user", "content": hint}], 0.0, False, {})
 
 
-def calculator_transcripts(examples: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
-    """SFT rows ``{"messages": [...], "tools": [...]}`` of the calculator episode solved with one tool call: the
-    same opening messages as ``CalculatorEnv.reset``, then a ``<tool_call>``, the tool result, the answer."""
+def calculator_transcripts(
+    examples: list[dict[str, Any]], seed: int = 0, tool_fraction: float = 1.0, renderer: Any = None
+) -> list[dict[str, Any]]:
+    """SFT rows ``{"messages": [...]}`` of calculator episodes: the same opening messages as ``CalculatorEnv.reset``,
+    then (a ``tool_fraction`` of the rows) a ``<tool_call>``, the tool result and the answer, or (the others) a
+    direct guess that is usually wrong, so that RL has a choice to learn. With a ``ChatRenderer`` the messages are
+    written as its template renders them (tools block, calls as text), ready for ``polyrl train --algo sft``."""
     rng = random.Random(seed)
     rows = []
     for ex in examples:
+        if rng.random() >= tool_fraction:
+            msgs = CalculatorEnv().reset(ex)
+            guess = int(float(ex["answer"])) + rng.choice([-10, -3, -1, 1, 2, 5, 10, 100])
+            msgs.append({"role": "assistant", "content": rng.choice(["{}", "The answer is {}."]).format(guess)})
+            rows.append({"messages": renderer.template_messages(msgs, [CALCULATOR_TOOL]) if renderer else msgs})
+            continue
         expr = re.sub(r"^What is |\?$", "", ex["prompt"]).strip()
         env = CalculatorEnv()
         msgs = env.reset(ex)
@@ -148,7 +158,7 @@ def calculator_transcripts(examples: list[dict[str, Any]], seed: int = 0) -> lis
             {"role": "tool", "tool_call_id": "call_0", "name": "calculator", "content": result},
             {"role": "assistant", "content": final},
         ]
-        rows.append({"messages": msgs, "tools": [CALCULATOR_TOOL]})
+        rows.append({"messages": renderer.template_messages(msgs, [CALCULATOR_TOOL]) if renderer else msgs})
     return rows
 
 
