@@ -7,8 +7,10 @@
 - ``episode``: the token-level record (ids, policy mask, old log-probs, turns, reward, metrics).
 - ``pool``: environments in worker processes with timeouts; ``rollout``: many episodes at once on ``LLM``.
 - ``train``: GRPO/GSPO/PPO over episodes (``polyrl train --algo grpo --env ...``).
-- ``proxy``: record an ``openai``-client agent's calls through an OpenAI-compatible endpoint (imports FastAPI
-  only when used).
+- ``proxy`` (token-exact recording of an ``openai``-client agent's calls) and ``proxy_server`` (the per-episode
+  OpenAI-compatible endpoint; imports FastAPI, so it is imported only in proxy mode): ``--agent file.py:fn``.
+- ``builtin``: the calculator and guessing environments, calculator SFT transcripts; ``demo``: ``polyrl demo
+  --agent``.
 Importing this package imports no FastAPI, transformers or device code.
 """
 

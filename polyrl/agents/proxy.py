@@ -93,8 +93,10 @@ class AgentSession:
         with self._lock:
             self.num_calls += 1
             reply = parse_reply(text, f"call_{self.num_calls}")
-            if continues and self.segments:
-                seg = self.segments[-1]
+            seg = self.segments[-1] if self.segments else None
+            # a concurrent call of the same episode may have grown the segment since prompt_for: then start anew
+            continues = continues and seg is not None and prompt_ids[: len(seg.context)] == seg.context
+            if continues:
                 seg.add_observation(prompt_ids[len(seg.context) :])
             else:
                 seg = Episode(self.group, self.index, prompt_ids=list(prompt_ids), tools=list(tools or []))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_llm(tiny_model_dir):
     from polyrl.infer import LLM, EngineConfig
 

@@ -16,6 +16,9 @@ TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "loo
 
 def three_turn_agent(base_url: str, example: dict) -> float | None:
     """A plain openai-client agent loop: ask, feed a tool result back, ask again, then a user follow-up."""
+    if example["prompt"].endswith("hang"):
+        time.sleep(5)  # hangs before its first call: past the 1 s timeout whatever the machine's load
+        return 1.0
     client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": example["prompt"]}]
     seen = []
@@ -39,22 +42,23 @@ def three_turn_agent(base_url: str, example: dict) -> float | None:
         return None
     if example["prompt"].endswith("raise"):
         raise RuntimeError("agent broke")
-    if example["prompt"].endswith("hang"):
-        time.sleep(6)
     return 1.0
 
 
 def test_openai_client_agent_is_recorded_token_exactly(tiny_llm):
     from polyrl.agents.proxy_server import AgentProxy
 
-    examples = [{"prompt": f"task {k}", "seen": []} for k in ("callback", "http", "raise", "hang")]
+    examples = [{"prompt": f"task {k}", "seen": []} for k in ("callback", "http", "raise")]
     with AgentProxy(tiny_llm, max_tokens=16) as proxy:
-        eps = proxy.run_agents(three_turn_agent, examples, n=2, seeds=[1, 2, 3, 4], timeout=4.0, failure_reward=-1)
+        eps = proxy.run_agents(three_turn_agent, examples, n=2, seeds=[1, 2, 3], timeout=300.0, failure_reward=-1)
         failures = dict(proxy.failures)
-    assert len(eps) == 8 and [(e.group, e.index) for e in eps] == [(g, j) for g in range(4) for j in range(2)]
-    assert failures == {"error": 2, "timeout": 2, "no_reward": 0}
-    assert [e.reward for e in eps] == [1.0, 1.0, 0.25, 0.25, -1, -1, -1, -1]
-    assert [e.status for e in eps] == ["done"] * 4 + ["env_error"] * 4
+        hung = proxy.run_agents(three_turn_agent, [{"prompt": "task hang"}], n=2, timeout=1.0, failure_reward=-1)
+        assert proxy.failures == {"error": 0, "timeout": 2, "no_reward": 0}
+    assert hung == []  # no call was made: nothing recorded, counted as timeouts
+    assert len(eps) == 6 and [(e.group, e.index) for e in eps] == [(g, j) for g in range(3) for j in range(2)]
+    assert failures == {"error": 2, "timeout": 0, "no_reward": 0}
+    assert [e.reward for e in eps] == [1.0, 1.0, 0.25, 0.25, -1, -1]
+    assert [e.status for e in eps] == ["done"] * 4 + ["env_error"] * 2
     for e in eps[:6]:
         assert e.num_turns == 3 and e.metrics["turns"] == 3.0
         first = e.ids[: e.turns[0][1]]

@@ -143,7 +143,7 @@ def test_failing_env_is_counted_never_fatal(tiny_llm, tmp_path):
     register_env("bad-test", f"{src}:Bad")
     renderer = ChatRenderer(tiny_llm.tokenizer)
     examples = [{"prompt": f"game {i}"} for i in range(3)]
-    with EnvPool("bad-test", workers=1, timeout=2.0) as pool:
+    with EnvPool("bad-test", workers=1, timeout=3.0) as pool:
         eps = run_episodes(
             tiny_llm, pool, renderer, examples, 1, _sampling(), [1, 2, 3],
             EpisodeLimits(max_turns=2, max_new_tokens=8, max_episode_tokens=300), failure_reward=-1.0,

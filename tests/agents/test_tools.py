@@ -73,3 +73,13 @@ def test_calculator_env_answers_calls_errors_and_finishes():
     assert env.step(parse_reply("It is 84.")).reward == 1.0
     assert env.step(parse_reply("It is 85.")).reward == 0.0
     assert safe_eval("2 ** 10 - (3 // 2)") == 1023
+
+
+def test_import_polyrl_agents_imports_no_fastapi_or_transformers():
+    import subprocess
+    import sys
+
+    mods = "('fastapi', 'uvicorn', 'transformers')"
+    code = f"import sys, polyrl.agents; print(sorted(m for m in {mods} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -137,3 +137,18 @@ def test_unknown_env_is_a_config_error(tiny_model_dir, tmp_path):
         resolve_env("nope")
     with pytest.raises(ConfigError, match="does not exist"):
         resolve_env(str(tmp_path / "missing.py") + ":Env")
+
+
+def test_ppo_over_episodes(tiny_model_dir, tmp_path):
+    from polyrl.trainer import fit
+
+    out = tmp_path / "ppo"
+    summary = fit(
+        "ppo", tiny_model_dir, "builtin:arithmetic?max=9&n=16", out, train={"max_steps": 1},
+        ppo={"env": "guessing", "env_workers": 0, "max_new_tokens": 5, "max_turns": 2, "max_episode_tokens": 200,
+             "prompts_per_step": 4},
+    )  # fmt: skip
+    assert summary["status"] == "finished"
+    (r,) = _records(out)
+    assert r["episode/turns"] == 2.0 and r["mismatch_max"] < 1e-3 and "value_loss" in r
+    assert (out / "critic" / "final" / "config.json").is_file()
