@@ -44,6 +44,15 @@ def _records(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def fit(algo: str, model: Any, data: str, out: Path, seed: int = 0, **tables: Any) -> dict[str, Any]:
+    """A ``polyrl train`` run (the same RunConfig and runner as ``polyrl.trainer.fit``, from this layer)."""
+    from polyrl.algorithms import config, runner
+
+    raw = {"algo": algo, "model": str(model), "out": str(out), "seed": seed, **tables}
+    raw["data"] = {**tables.get("data", {}), "path": str(data)}
+    return runner.run(config.build(raw))
+
+
 def run_demo(root: str | Path, seed: int = 0, log: Any = print, **overrides: Any) -> dict[str, Any]:
     """Run the agent demo in ``root`` (replaced); returns the first/last tool-call rate and reward of RL."""
     from polyrl.agents.builtin import calculator_transcripts
@@ -51,7 +60,6 @@ def run_demo(root: str | Path, seed: int = 0, log: Any = print, **overrides: Any
     from polyrl.data import builtin
     from polyrl.models.checkpoint import load_tokenizer
     from polyrl.models.presets import create_model_from_preset
-    from polyrl.trainer import fit
 
     p = {**DEFAULTS, **overrides}
     root = Path(root)

@@ -83,3 +83,28 @@ def test_import_polyrl_agents_imports_no_fastapi_or_transformers():
     code = f"import sys, polyrl.agents; print(sorted(m for m in {mods} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_calculator_transcripts_replay_through_the_env(tiny_model_dir):
+    from polyrl.agents.builtin import calculator_transcripts
+    from polyrl.agents.render import ChatRenderer
+    from polyrl.data import builtin
+    from polyrl.models.checkpoint import load_tokenizer
+
+    renderer = ChatRenderer(load_tokenizer(str(tiny_model_dir)))
+    examples = builtin.generate("builtin:arithmetic?max=99&ops=*", "train", n=40, seed=1)
+    rows = calculator_transcripts(examples, 0, 0.5, renderer)
+    with_tool = 0
+    for ex, row in zip(examples, rows):
+        msgs = row["messages"]
+        assert "calculator(expression)" in msgs[0]["content"] and msgs[1]["content"] == ex["prompt"]
+        first = parse_reply(msgs[2]["content"])
+        if "tool_calls" in first:  # the call parses and the environment answers what the transcript says
+            with_tool += 1
+            env = CalculatorEnv()
+            env.reset(ex)
+            assert env.step(first).messages[0]["content"] == msgs[3]["content"] == ex["answer"]
+            assert env.step(parse_reply(msgs[4]["content"])).reward == 1.0
+        else:
+            assert len(msgs) == 3
+    assert 10 <= with_tool <= 30
