@@ -15,7 +15,7 @@ LAYERS = [
     {"kernels"},
     {"models", "data"},
     {"train", "infer"},
-    {"algorithms", "rewards"},
+    {"algorithms", "rewards", "agents"},
     {"trainer"},
     {"server"},
     {"validate", "bench"},

@@ -4,7 +4,10 @@ the public ``polyrl.trainer.Trainer`` (which adds model loading by path on top; 
 algorithms layer so the RL loop below the trainer can use it).
 
 - ``Sample``: one completion: prompt ids, completion ids, the rollout engine's per-token log-probs
-  (``log_softmax(logits / T)`` at each sampled token), finish reason, text, and its group (prompt index).
+  (``log_softmax(logits / T)`` at each sampled token), finish reason, text, and its group (prompt index). An
+  agentic episode (``polyrl.agents``) is one Sample whose ``mask`` (one per completion id) marks the policy's own
+  tokens: only those are trained (labels -100 on tool outputs and user turns) and ``logprobs`` / per-token fields
+  then hold one value per masked token.
 - ``RLBatch``: a packed micro-batch of samples (``PackedBatch`` fields: labels are the completion tokens, -100 on
   the prompt) plus ``mask [T]`` (1.0 where ``labels`` is a completion token), ``seq_index [T]`` (sample within the
   micro-batch), ``sample_ids`` (positions in the caller's sample list) and ``fields``: per-token float tensors
@@ -53,10 +56,15 @@ class Sample:
     text: str
     group: int = 0
     index: int = 0
+    mask: list[int] | None = None  # per completion id, 1 = a policy token (trained); None = all of them
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return len(self.completion_ids) if self.mask is None else sum(1 for m in self.mask if m)
 
 
 @dataclass
@@ -112,7 +120,7 @@ def pack_samples(
 ) -> list[RLBatch]:
     """Pack ``samples`` (in ``order``, default as given) into micro-batches of at most ``max_tokens`` tokens (a
     longer sample gets a micro-batch of its own). ``fields[name][i]`` is sample i's value: a number (broadcast over
-    its completion tokens) or a list with one value per completion token."""
+    its completion tokens) or a list with one value per completion token (per policy token for a masked sample)."""
     fields = fields or {}
     order = list(range(len(samples))) if order is None else list(order)
     groups: list[list[int]] = []
@@ -139,10 +147,13 @@ def _pack(samples: Sequence[Sample], ids: list[int], fields: dict[str, Sequence[
     vals: dict[str, list[float]] = {k: [] for k in fields}
     for b, i in enumerate(ids):
         s = samples[i]
-        p, c = len(s.prompt_ids), len(s.completion_ids)
+        p, c = len(s.prompt_ids), s.num_policy_tokens
         seq = list(s.prompt_ids) + list(s.completion_ids)
         tokens.extend(seq)
-        labels.extend([-100] * (p - 1) + list(s.completion_ids) + [-100])
+        keep = s.mask if s.mask is not None else [1] * len(s.completion_ids)
+        if len(keep) != len(s.completion_ids):
+            raise ValueError(f"sample {i} has a mask of {len(keep)} for {len(s.completion_ids)} completion tokens")
+        labels.extend([-100] * (p - 1) + [t if m else -100 for t, m in zip(s.completion_ids, keep)] + [-100])
         positions.extend(range(len(seq)))
         seq_index.extend([b] * len(seq))
         cu.append(cu[-1] + len(seq))
@@ -151,6 +162,9 @@ def _pack(samples: Sequence[Sample], ids: list[int], fields: dict[str, Sequence[
             per_tok = [float(x) for x in v] if isinstance(v, (list, tuple, torch.Tensor)) else [float(v)] * c
             if len(per_tok) != c:
                 raise ValueError(f"field {k!r} of sample {i} has {len(per_tok)} values for {c} completion tokens")
+            if s.mask is not None:  # scatter the policy tokens' values; 0 on observation tokens
+                it = iter(per_tok)
+                per_tok = [next(it) if m else 0.0 for m in keep]
             vals[k].extend([0.0] * (p - 1) + per_tok + [0.0])
     labels_t = torch.tensor(labels, dtype=torch.int64)
     mask = (labels_t != -100).float()

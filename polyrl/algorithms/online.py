@@ -71,6 +71,13 @@ class OnlineConfig:
     # free the KV cache while training (True), keep it and its CUDA graphs across steps (False), or "auto": keep it
     # on an accelerator when it takes at most a quarter of the device memory (colocated.KEEP_KV_FRACTION)
     release_kv: bool | str = "auto"
+    # agentic RL (polyrl.agents): episodes against an environment instead of single completions; reward unused
+    env: str | None = None  # builtin environment (calculator, guessing) or path/to/file.py:Class
+    agent: str | None = None  # proxy mode: path/to/file.py:fn, fn(base_url, example) -> reward, an openai-client agent
+    max_turns: int = 4  # assistant turns per episode (max_new_tokens is per turn)
+    max_episode_tokens: int = 1024  # the whole episode, opening prompt included
+    env_workers: int = 2  # processes; 0 = in this process (no timeout)
+    env_timeout: float = 30.0  # seconds per reset/step call (proxy mode: per agent episode)
 
     def table_name(self) -> str:
         return "online"
@@ -98,6 +105,29 @@ class OnlineConfig:
             raise ConfigError(f"{name}.reward_timeout must be > 0 seconds, got {self.reward_timeout}")
         if not isinstance(self.reward, str) or not self.reward.strip():
             raise ConfigError(f"{name}.reward is empty; pass --reward NAME or --reward path/to/file.py:fn")
+        if self.env is not None or self.agent is not None:
+            self._check_env(name)
+
+    def _check_env(self, name: str) -> None:
+        if self.env is not None and self.agent is not None:
+            raise ConfigError(f"{name}.env and {name}.agent are two ways to run episodes; set only one")
+        if self.agent is not None and (not isinstance(self.agent, str) or ":" not in self.agent):
+            raise ConfigError(f"{name}.agent must be path/to/file.py:function (an agent taking base_url, example)")
+        if self.env is not None and (not isinstance(self.env, str) or not self.env.strip()):
+            raise ConfigError(f"{name}.env must name an environment (calculator, guessing) or path/to/file.py:Class")
+        for key in ("max_turns", "max_episode_tokens"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{name}.{key} must be a positive integer, got {v!r}")
+        if self.max_episode_tokens <= self.max_new_tokens:
+            raise ConfigError(
+                f"{name}.max_episode_tokens ({self.max_episode_tokens}) must exceed max_new_tokens "
+                f"({self.max_new_tokens}, per turn); raise it"
+            )
+        if not isinstance(self.env_workers, int) or isinstance(self.env_workers, bool) or self.env_workers < 0:
+            raise ConfigError(f"{name}.env_workers must be >= 0, got {self.env_workers!r}")
+        if not self.env_timeout > 0:
+            raise ConfigError(f"{name}.env_timeout must be > 0 seconds, got {self.env_timeout}")
 
 
 class PromptStream:
@@ -173,6 +203,8 @@ class OnlineRun(DataParallelSteps):
         self.steps = self._total_steps()
         longest = max(len(x) for x in self.prompt_ids + (self.eval_set[1] if self.eval_set else []))
         gen = max(self.a.max_new_tokens, self.a.eval_max_new_tokens or 0)
+        if getattr(self.a, "env", None) or getattr(self.a, "agent", None):  # episodes: the context holds them whole
+            gen = max(gen, self.a.max_episode_tokens - longest)
         seqs = min(
             self.a.rollout_max_num_seqs,
             max(self.a.prompts_per_step * self.a.samples_per_prompt, len(self.eval_set[0]) if self.eval_set else 1),
@@ -556,7 +588,13 @@ def run_online(cfg: Any, hooks: Any, stream: Any = None, run_cls: Any = None) ->
     ``run_cls(cfg, stream)``, an ``OnlineRun`` subclass that brings its own); the summary. Tears the process group
     down at the end under torchrun."""
     try:
-        run = run_cls(cfg, stream) if run_cls is not None else OnlineRun(cfg, hooks, stream)
+        if getattr(cfg.algo_config, "env", None) or getattr(cfg.algo_config, "agent", None):  # agentic RL: episodes
+            from polyrl.agents.train import with_episodes
+
+            cls = with_episodes(run_cls or OnlineRun)
+            run = cls(cfg, stream) if run_cls is not None else cls(cfg, hooks, stream)
+        else:
+            run = run_cls(cfg, stream) if run_cls is not None else OnlineRun(cfg, hooks, stream)
         return run.run()
     finally:
         import torch.distributed as dist

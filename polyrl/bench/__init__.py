@@ -9,4 +9,5 @@ BENCHES: dict[str, tuple[str, str]] = {
     "sft": ("polyrl.bench.sft", "SFT step throughput vs HF transformers (+Liger)"),
     "rollout": ("polyrl.bench.rollout", "generation throughput vs HF generate"),
     "grpo": ("polyrl.bench.grpo", "GRPO step time split vs TRL GRPOTrainer"),
+    "agent": ("polyrl.bench.agent", "multi-turn episodes vs single-turn rollout at the same token count"),
 }

@@ -209,11 +209,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rl-prompts", type=int, default=d["rl_prompts"], help="GRPO prompts per step")
     parser.add_argument("--rl-samples", type=int, default=d["rl_samples"], help="GRPO samples per prompt")
     parser.add_argument("--stages", default=",".join(n for n, _ in STAGES), help="comma-separated stages to run")
+    parser.add_argument(
+        "--agent",
+        action="store_true",
+        help="the agentic demo instead: SFT warm-up on calculator transcripts, then GRPO with --env calculator "
+        "(polyrl.agents.demo; --out, --seed apply)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from polyrl.errors import ConfigError
 
+    if getattr(args, "agent", False):
+        from polyrl.agents.demo import run_demo
+
+        run_demo(args.out if args.out != "runs/demo" else "runs/demo-agent", seed=args.seed)
+        return 0
     wanted = [s.strip() for s in args.stages.split(",") if s.strip()]
     known = dict(STAGES)
     unknown = [s for s in wanted if s not in known]

@@ -73,6 +73,12 @@ RL_FLAG_KEYS: dict[str, str] = {
     "old_logprobs": "old_logprobs",
     "tis_cap": "tis_cap",
     "filter_groups": "filter_groups",
+    "env": "env",
+    "agent": "agent",
+    "max_turns": "max_turns",
+    "max_episode_tokens": "max_episode_tokens",
+    "env_workers": "env_workers",
+    "env_timeout": "env_timeout",
 }
 
 
@@ -158,6 +164,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="train a LoRA adapter on a frozen base, e.g. --lora r=16,alpha=32,dropout=0,targets=q,k,v,o,gate,up,down",
     )
     g.add_argument("--qlora", action="store_true", default=None, help="LoRA on a 4-bit NF4 base (implies --lora)")
+    g = parser.add_argument_group("agentic RL (episodes against an environment; keys of the [<algo>] table)")
+    g.add_argument("--env", metavar="SPEC", help="environment: calculator, guessing, or path/to/file.py:Class")
+    g.add_argument(
+        "--agent", metavar="FILE.py:FN", help="proxy mode: fn(base_url, example) -> reward runs an openai-client agent"
+    )
+    g.add_argument("--max-turns", type=int, help="assistant turns per episode (--max-new-tokens is per turn)")
+    g.add_argument("--max-episode-tokens", type=int, help="tokens per episode, opening prompt included")
+    g.add_argument("--env-workers", type=int, help="environment worker processes (0: in this process)")
+    g.add_argument("--env-timeout", type=float, help="seconds per environment call before it counts as failed")
     g = parser.add_argument_group("checkpoints")
     g.add_argument("--save-every", type=int, help="checkpoint every N steps (0: only at the end)")
     g.add_argument("--keep-last", type=int, help="keep the newest K checkpoints (0: all)")

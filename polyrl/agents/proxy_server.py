@@ -1,0 +1,362 @@
+"""Proxy mode over HTTP (imports FastAPI and uvicorn: import this module only when proxy mode is used; ``import
+polyrl.agents`` never does): an OpenAI-compatible endpoint per episode (``<url>/agents/<episode id>/v1``) that records
+every call of an agent program for RL, plus ``AgentProxy.run_agents`` to run such programs many at once.
+
+Bring an existing agent: it takes a ``base_url`` and builds ``openai.OpenAI(base_url=base_url, api_key="x")`` (or
+any framework's OpenAI model with that base URL) and runs its own loop: ``chat.completions.create(messages=...,
+tools=...)``, executes the ``tool_calls`` it gets back, appends ``tool`` messages, calls again. Routes:
+
+- ``POST /agents/{id}/v1/chat/completions``: messages (system/user/assistant/tool, ``tool_calls``), ``tools``,
+  ``temperature``, ``top_p``, ``max_tokens`` / ``max_completion_tokens`` (capped by the proxy's), ``seed``,
+  ``logprobs``. The reply's ``<tool_call>`` blocks come back as OpenAI ``tool_calls`` (``finish_reason
+  "tool_calls"``). Extra fields ``prompt_token_ids`` and ``choices[0].token_ids`` show what was recorded.
+- ``POST /agents/{id}/reward`` ``{"reward": 1.0}``: the episode's reward (or the agent function returns it).
+- ``GET /agents/{id}/v1/models``, ``GET /health``.
+The prompts are built token-exactly by ``polyrl.agents.proxy.AgentSession``; one engine thread drives
+``llm.step()`` while the proxy runs. ``run_agents(agent, examples, n)`` calls ``agent(base_url, example)`` in
+threads (continuous batching across all their calls) with a per-episode timeout; an agent that raises or times out
+is counted and gets the failure reward, never fatal. In training (``--agent file.py:fn``) the run's sampling
+settings win over the request's (``request_sampling=False``: the ratios need the rollout temperature), and
+``max_turns`` / ``max_episode_tokens`` bound each episode (a call past them gets a 400).
+Not here: the plain OpenAI server (``polyrl.server``), training (``polyrl.agents.train``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from polyrl.agents.proxy import AgentSession
+from polyrl.agents.render import ChatRenderer
+from polyrl.agents.rollout import turn_seed
+from polyrl.errors import UserError
+from polyrl.infer import SamplingParams
+
+
+class EngineDriver:
+    """Runs ``llm.step()`` on one thread; ``submit(ids, params, done)`` calls ``done(RequestOutput)`` there."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self._done: dict[str, Any] = {}
+        self._ids = itertools.count()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="polyrl-agent-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(30)
+        self._thread = None
+
+    def submit(self, ids: list[int], params: SamplingParams, done: Any) -> str:
+        if self.error is not None:
+            raise UserError(f"the engine stopped after an error: {self.error}")
+        rid = f"agent-{next(self._ids)}"
+        self._done[rid] = done
+        try:
+            self.llm.add_request(ids, params, request_id=rid)
+        except BaseException:
+            self._done.pop(rid, None)
+            raise
+        self._wake.set()
+        return rid
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                if not self.llm.has_unfinished_requests():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                for out in self.llm.step():
+                    if out.finished:
+                        cb = self._done.pop(out.request_id, None)
+                        if cb is not None:
+                            cb(out)
+                time.sleep(0)  # let the HTTP thread take the GIL between steps
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiting call
+            self.error = exc
+            for cb in list(self._done.values()):
+                cb(exc)
+            self._done.clear()
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
+    return JSONResponse(body, status_code=status)
+
+
+class AgentProxy:
+    """Sessions + engine driver + HTTP app for proxy-mode episodes (see the module docstring)."""
+
+    def __init__(
+        self,
+        llm: Any,
+        sampling: SamplingParams | None = None,
+        max_tokens: int = 256,
+        renderer: ChatRenderer | None = None,
+        model_name: str = "polyrl-policy",
+        request_sampling: bool = True,
+        max_turns: int | None = None,
+        max_episode_tokens: int | None = None,
+    ) -> None:
+        self.llm = llm
+        self.request_sampling = request_sampling
+        self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
+        self.sampling = sampling or SamplingParams(temperature=1.0)
+        self.max_tokens = max_tokens
+        self.renderer = renderer or ChatRenderer(llm.tokenizer)
+        self.model_name = model_name
+        self.sessions: dict[str, AgentSession] = {}
+        self.seeds: dict[str, int | None] = {}
+        self.driver = EngineDriver(llm)
+        self.app = self._build_app()
+        self._server: Any = None
+        self.url: str | None = None
+
+    # ---- sessions -------------------------------------------------------------------------------------
+    def open(self, eid: str | None = None, group: int = 0, index: int = 0, seed: int | None = None) -> AgentSession:
+        eid = eid or uuid.uuid4().hex[:12]
+        sess = AgentSession(eid, self.renderer, self.llm.eos_token_ids, group, index)
+        self.sessions[eid], self.seeds[eid] = sess, seed
+        return sess
+
+    def close(self, eid: str) -> AgentSession:
+        self.seeds.pop(eid, None)
+        return self.sessions.pop(eid)
+
+    def base_url(self, eid: str) -> str:
+        if self.url is None:
+            raise UserError("the agent proxy is not running; call start() first")
+        return f"{self.url}/agents/{eid}/v1"
+
+    # ---- HTTP -----------------------------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="polyrl agent proxy")
+
+        @app.get("/health")
+        async def health() -> dict:
+            return {"status": "ok"}
+
+        @app.get("/agents/{eid}/v1/models")
+        async def models(eid: str) -> dict:
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "polyrl"}]}
+
+        @app.post("/agents/{eid}/reward")
+        async def reward(eid: str, request: Request) -> Any:
+            sess = self.sessions.get(eid)
+            if sess is None:
+                return _error(404, f"no open episode {eid!r}")
+            body = await request.json()
+            value = body.get("reward") if isinstance(body, dict) else None
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                return _error(400, 'send {"reward": <number>}', "reward")
+            sess.set_reward(float(value))
+            return {"episode": eid, "reward": float(value)}
+
+        @app.post("/agents/{eid}/v1/chat/completions")
+        async def chat(eid: str, request: Request) -> Any:
+            return await self._chat(eid, await request.json())
+
+        return app
+
+    async def _chat(self, eid: str, body: Any) -> Any:
+        sess = self.sessions.get(eid)
+        if sess is None:
+            return _error(404, f"no open episode {eid!r}; use the base_url the proxy gave this episode")
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
+            return _error(400, "messages must be a non-empty list", "messages")
+        if body.get("stream"):
+            return _error(400, "streaming is not recorded in proxy mode; send stream=false", "stream")
+        messages, tools = body["messages"], body.get("tools") or None
+        try:
+            ids, continues = sess.prompt_for(messages, tools)
+            if self.max_turns is not None and sess.num_calls >= self.max_turns:
+                return _error(400, f"this episode reached its limit of {self.max_turns} model calls; finish it")
+            cap = body.get("max_completion_tokens") or body.get("max_tokens") or self.max_tokens
+            limit = min(self.llm.max_model_len, self.max_episode_tokens or self.llm.max_model_len)
+            room = limit - len(ids) - 1
+            if room < 1:
+                return _error(400, f"the conversation has {len(ids)} tokens; this episode may hold {limit}")
+            changes: dict[str, Any] = {"n": 1, "max_tokens": max(1, min(int(cap), self.max_tokens, room))}
+            for key in ("temperature", "top_p") if self.request_sampling else ():
+                if body.get(key) is not None:
+                    changes[key] = body[key]
+            seed = body.get("seed") if self.request_sampling else None
+            if seed is None and self.seeds.get(eid) is not None:
+                seed = turn_seed(self.seeds[eid], sess.index, sess.num_calls)
+            changes["seed"] = seed
+            params = self.sampling.clone(**changes)
+        except (UserError, ValueError, TypeError) as exc:
+            return _error(400, str(exc))
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def done(out: Any) -> None:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(out))
+
+        try:
+            self.driver.submit(ids, params, done)
+        except UserError as exc:
+            return _error(400, str(exc))
+        out = await fut
+        if isinstance(out, BaseException):
+            return _error(500, f"the engine failed: {out}")
+        c = out.outputs[0]
+        reply = sess.record(messages, tools, ids, continues, list(c.token_ids), list(c.logprobs), c.text)
+        msg = {"role": "assistant", "content": reply.get("content")}
+        if reply.get("tool_calls"):
+            msg["tool_calls"] = reply["tool_calls"]
+        finish = "tool_calls" if reply.get("tool_calls") else ("length" if c.finish_reason == "length" else "stop")
+        choice: dict[str, Any] = {"index": 0, "message": msg, "finish_reason": finish, "token_ids": list(c.token_ids)}
+        if body.get("logprobs"):
+            toks = [self.llm.tokenizer.decode([t]) for t in c.token_ids]
+            choice["logprobs"] = {
+                "content": [
+                    {"token": t, "logprob": lp, "bytes": None, "top_logprobs": []} for t, lp in zip(toks, c.logprobs)
+                ]
+            }
+        else:
+            choice["logprobs"] = None
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(ids),
+                "completion_tokens": len(c.token_ids),
+                "total_tokens": len(ids) + len(c.token_ids),
+            },
+            "prompt_token_ids": ids,
+        }
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+    def start(self, host: str = "127.0.0.1", port: int = 0, drive: bool = True) -> AgentProxy:
+        """Serve in a background thread (port 0: a free one) and (``drive``) start driving the engine."""
+        import socket
+
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            raise UserError(f"the agent proxy cannot listen on {host}:{port} ({exc.strerror})") from exc
+        sock.listen(1024)
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._thread.start()
+        self.url = f"http://{host}:{sock.getsockname()[1]}"
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise UserError("the agent proxy did not start within 30 s")
+            time.sleep(0.02)
+        if drive:
+            self.driver.start()
+        return self
+
+    def driving(self) -> Any:
+        """Context manager: drive the engine only inside it (training releases the KV cache between rollouts)."""
+        from contextlib import contextmanager
+
+        @contextmanager
+        def window():
+            self.driver.start()
+            try:
+                yield self
+            finally:
+                self.driver.stop()
+
+        return window()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(30)
+            self._server = None
+        self.driver.stop()
+        self.url = None
+
+    def __enter__(self) -> AgentProxy:
+        return self.start() if self.url is None else self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # ---- many agents at once --------------------------------------------------------------------------
+    def run_agents(
+        self,
+        agent: Any,
+        examples: list[dict[str, Any]],
+        n: int = 1,
+        seeds: list[int] | None = None,
+        timeout: float = 300.0,
+        failure_reward: float = 0.0,
+        max_parallel: int = 256,
+    ) -> list[Any]:
+        """Run ``agent(base_url, example) -> reward | None`` for ``n`` episodes per example, all at once; returns
+        every recorded ``Episode`` (one per segment; the episode's reward on each), grouped by example."""
+        jobs = [(g, j) for g in range(len(examples)) for j in range(n)]
+        sessions = [
+            self.open(f"ep{g}-{j}-{uuid.uuid4().hex[:6]}", g, j, None if seeds is None else int(seeds[g]))
+            for g, j in jobs
+        ]
+        self.failures = {"error": 0, "timeout": 0, "no_reward": 0}
+        results: dict[str, tuple[str, Any]] = {}
+        gate = threading.Semaphore(max(1, max_parallel))
+
+        def one(sess: AgentSession) -> None:
+            with gate:
+                try:
+                    results[sess.eid] = ("ok", agent(self.base_url(sess.eid), dict(examples[sess.group])))
+                except Exception as exc:  # noqa: BLE001 - the user's agent: a counted failure
+                    results[sess.eid] = ("error", f"error: {type(exc).__name__}: {exc}"[:300])
+
+        # daemon threads: an agent that hangs past the timeout is abandoned, never waited for (its calls get 404)
+        threads = [threading.Thread(target=one, args=(s,), daemon=True, name="polyrl-agent") for s in sessions]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        episodes = []
+        for sess in sessions:
+            self.close(sess.eid)
+            kind, value = results.get(sess.eid, ("timeout", None))
+            if kind == "timeout":
+                sess.failed = f"timeout: the agent did not finish within {timeout:g}s"
+            elif kind == "error":
+                sess.failed = value
+            elif value is not None:
+                sess.set_reward(float(value))
+            elif sess.reward is None:
+                kind = "no_reward"
+            if kind != "ok":
+                self.failures[kind] += 1
+            episodes.extend(sess.episodes(failure_reward))
+        return episodes
+
+
+__all__ = ["AgentProxy", "EngineDriver"]

@@ -1,0 +1,165 @@
+"""Many episodes at once on the rollout engine: each turn of each live episode is one engine request, so turns of
+different episodes batch together (continuous batching across turns and episodes), and a turn's prompt is exactly
+the episode's ids so far, so the prefix cache serves the conversation already computed.
+
+``run_episodes(llm, pool, renderer, examples, n, sampling, seeds, limits, failure_reward)``:
+1. ``pool.reset`` every episode (``n`` per example); the opening messages -> ``renderer.prompt_ids`` (with tools).
+2. Every live episode adds a request: prompt = ``episode.context`` (never re-tokenised), ``max_tokens`` = the
+   smaller of ``limits.max_new_tokens`` and what is left of ``limits.max_episode_tokens``, seed =
+   ``turn_seed(seeds[group], index, turn)`` (reproducible whatever else is in the batch: exact resume).
+3. Engine steps; each finished turn appends the sampled ids and log-probs (mask 1), parses the reply
+   (``tools.parse_reply``) into an OpenAI assistant message, and the turns that finished in the same engine step
+   go to ``pool.step`` together. A turn cut at ``max_new_tokens`` gets the end-of-turn id appended (mask 0: not
+   sampled) and counts in ``truncated_turns``; the environment still answers it. The observation is appended as
+   ``renderer.observation_ids`` (mask 0), then the episode goes back to 2, unless it is done, at ``max_turns``, out
+   of tokens or its env failed.
+Per-episode metrics: ``turns``, ``tool_calls``, ``invalid_tool_calls`` (unparseable ``<tool_call>`` blocks),
+``tool_errors`` and whatever the environment reports. Not here: training, the proxy (``proxy``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from polyrl.agents.episode import Episode
+from polyrl.agents.tools import parse_reply
+from polyrl.errors import ConfigError
+
+
+@dataclass
+class EpisodeLimits:
+    max_turns: int = 4  # assistant turns per episode
+    max_new_tokens: int = 128  # per turn
+    max_episode_tokens: int = 1024  # the whole episode, opening prompt included
+
+    def __post_init__(self) -> None:
+        for key in ("max_turns", "max_new_tokens", "max_episode_tokens"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{key} must be a positive integer, got {v!r}")
+
+
+def turn_seed(seed: int, index: int, turn: int) -> int:
+    """The sampling seed of turn ``turn`` of episode ``index`` of a prompt seeded ``seed``: a pure function."""
+    return ((seed * 1_000_003 + index) * 10_007 + turn) % (2**62)
+
+
+def run_episodes(
+    llm: Any,
+    pool: Any,
+    renderer: Any,
+    examples: list[dict[str, Any]],
+    n: int,
+    sampling: Any,
+    seeds: list[int] | None = None,
+    limits: EpisodeLimits | None = None,
+    failure_reward: float = 0.0,
+) -> list[Episode]:
+    """``n`` episodes per example, grouped by example (see the module docstring); episodes in (group, index) order."""
+    limits = limits or EpisodeLimits()
+    eps = [Episode(g, j) for g in range(len(examples)) for j in range(n)]
+    tools = list(pool.tools)
+    opened = pool.reset([(k, examples[e.group]) for k, e in enumerate(eps)])
+    pending: dict[str, int] = {}
+    for k, e in enumerate(eps):
+        res = opened[k]
+        if not res.ok:
+            _fail(e, res, failure_reward, pool, k)
+            continue
+        e.messages, e.tools = list(res.value), tools
+        e.prompt_ids = renderer.prompt_ids(e.messages, tools)
+        if len(e.prompt_ids) >= min(limits.max_episode_tokens, llm.max_model_len):
+            e.end("max_tokens", f"the opening prompt has {len(e.prompt_ids)} tokens")
+            pool.release(k)
+            continue
+        _submit(llm, e, k, sampling, seeds, limits, pending)
+    while pending:
+        finished = [o for o in llm.step() if o.finished and o.request_id in pending]
+        to_env = []
+        for out in finished:
+            k = pending.pop(out.request_id)
+            e, c = eps[k], out.outputs[0]
+            e.add_turn(c.token_ids, c.logprobs)
+            e.count("turns")
+            msg = parse_reply(c.text, f"call_{e.num_turns}")
+            e.count("tool_calls", len(msg.get("tool_calls", [])))
+            e.count("invalid_tool_calls", len(msg.get("invalid_tool_calls", [])))
+            e.messages.append(msg)
+            if c.finish_reason != "stop":  # cut by max_tokens before its end-of-turn token
+                e.count("truncated_turns")
+                if len(e.context) + 1 >= _budget(llm, limits):
+                    e.end("max_tokens")
+                    pool.release(k)
+                    continue
+                e.add_observation([renderer.eos_id])  # close the turn as the template would (masked: not sampled)
+            to_env.append((k, msg))
+        if not to_env:
+            continue
+        results = pool.step(to_env)
+        for k, _ in to_env:
+            e, res = eps[k], results[k]
+            if not res.ok:
+                _fail(e, res, failure_reward, pool, k)
+                continue
+            st = res.value
+            e.reward += st.reward
+            for key, v in st.metrics.items():
+                e.count(key, v)
+            e.messages.extend(st.messages)
+            if st.done:
+                e.end("done")
+            elif e.num_turns >= limits.max_turns:
+                e.end("max_turns")
+            else:
+                obs = renderer.observation_ids(st.messages)
+                if len(e.context) + len(obs) + 1 > _budget(llm, limits):
+                    e.end("max_tokens")
+                else:
+                    e.add_observation(obs)
+                    _submit(llm, e, k, sampling, seeds, limits, pending)
+            if e.finished:
+                pool.release(k)
+    return eps
+
+
+def _budget(llm: Any, limits: EpisodeLimits) -> int:
+    return min(limits.max_episode_tokens, llm.max_model_len)
+
+
+def _submit(
+    llm: Any, e: Episode, k: int, sampling: Any, seeds: list[int] | None, limits: EpisodeLimits, pending: dict
+) -> None:
+    room = _budget(llm, limits) - len(e.context)
+    params = sampling.clone(n=1, max_tokens=min(limits.max_new_tokens, room))
+    if seeds is not None:
+        params = params.clone(seed=turn_seed(int(seeds[e.group]), e.index, e.num_turns))
+    rid = llm.add_request(e.context, params, request_id=f"episode-{k}-turn-{e.num_turns}")
+    pending[rid] = k
+
+
+def _fail(e: Episode, res: Any, failure_reward: float, pool: Any, k: int) -> None:
+    e.reward = failure_reward
+    e.count("env_failures")
+    e.end("env_error", f"{res.kind}: {res.value}")
+    pool.release(k)
+
+
+def episode_metrics(eps: list[Episode]) -> dict[str, float]:
+    """Step metrics over episodes: means of the per-episode counters, lengths, status fractions."""
+    if not eps:
+        return {}
+    n = len(eps)
+    keys = sorted({k for e in eps for k in e.metrics})
+    out = {f"episode/{k}": sum(e.metrics.get(k, 0.0) for e in eps) / n for k in keys}
+    turns = sum(e.num_turns for e in eps)
+    out["episode/tool_call_rate"] = sum(e.metrics.get("tool_calls", 0.0) > 0 for e in eps) / n
+    out["episode/tool_calls_per_turn"] = sum(e.metrics.get("tool_calls", 0.0) for e in eps) / max(turns, 1)
+    out["episode/length"] = sum(e.num_tokens for e in eps) / n
+    out["episode/policy_tokens"] = sum(sum(e.mask) for e in eps) / n
+    for s in ("done", "max_turns", "max_tokens", "env_error"):
+        out[f"episode/status_{s}"] = sum(e.status == s for e in eps) / n
+    return out
+
+
+__all__ = ["EpisodeLimits", "episode_metrics", "run_episodes", "turn_seed"]

@@ -1,0 +1,196 @@
+"""GRPO / GSPO / PPO over episodes: ``polyrl train --algo grpo --env calculator`` (or ``fit(..., grpo={"env": ...})``).
+
+``with_episodes(run_cls)`` makes an ``OnlineRun`` class (``OnlineRun`` itself for GRPO/GSPO, ``PPORun`` for PPO)
+whose ``collect`` rolls out episodes instead of single completions; everything after it is the online loop as it
+is: each episode is ONE training ``Sample`` (opening prompt + every later token, ``mask`` on the policy's sampled
+tokens only, ``logprobs`` = the engine's log-probs of exactly those tokens: the old log-probs, no re-tokenisation),
+``group`` = its prompt, so GRPO's group advantages compare the ``samples_per_prompt`` episodes of one prompt, and the
+loss, the mismatch measurement, checkpoints and exact resume are the online loop's. The episode reward is the
+environment's (``reward`` is unused). Metrics per step: ``reward``, ``episode/turns``, ``episode/tool_calls``,
+``episode/tool_call_rate`` (episodes with at least one call), ``episode/invalid_tool_calls``,
+``episode/tool_errors``, ``episode/length``, status fractions, ``env_failures``; evaluation (``train.eval_every``)
+runs greedy episodes on the held-out prompts (``eval_reward``, ``eval_tool_call_rate``).
+Proxy mode (``--agent file.py:fn``): the episodes come from an openai-client agent program driven through
+``polyrl.agents.proxy_server.AgentProxy`` (one Sample per recorded segment, the agent's reward on each).
+Not here: the episode loop (``rollout``), the loss and advantages (``polyrl.algorithms``). One process only.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Any
+
+from polyrl.errors import ConfigError
+
+
+@contextmanager
+def rollout_window(policy: Any):
+    """The rollout engine ready to sample (eval mode, KV cache allocated), restored afterwards (cache released when
+    the policy releases it for training; requests aborted after a failure)."""
+    net = policy.rollout_net
+    was_training = net.training
+    net.eval()
+    if not policy.llm.kv.allocated:
+        policy.llm.reallocate()
+    try:
+        yield policy.llm
+    except BaseException:
+        policy.llm.abort_all()
+        raise
+    finally:
+        if policy.release_kv:
+            policy.llm.release()
+        net.train(was_training)
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+class EpisodeSteps:
+    """Mixin placed before an ``OnlineRun`` class (see ``with_episodes``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        from polyrl.agents.pool import EnvPool
+        from polyrl.agents.render import ChatRenderer
+        from polyrl.agents.rollout import EpisodeLimits
+
+        a = self.a
+        if self.world.distributed:
+            raise ConfigError("agentic runs (--env) train in one process for now; drop --nproc-per-node")
+        from polyrl.data.dataset import chat_tokenizer
+
+        self.renderer = ChatRenderer(self.tokenizer, chat_tokenizer(self.cfg.data, self.tokenizer).template)
+        self.limits = EpisodeLimits(a.max_turns, a.max_new_tokens, a.max_episode_tokens)
+        self.env_pool, self.proxy, self.agent_fn = None, None, None
+        if a.agent:
+            self._start_proxy()
+            source = f"agent {a.agent!r} through {self.proxy.url}"
+        else:
+            self.env_pool = EnvPool(a.env, a.env_workers, a.env_timeout)
+            source = f"env {a.env!r} ({len(self.env_pool.tools)} tool(s))"
+        self.print(
+            f"episodes: {source}, at most {a.max_turns} turns of {a.max_new_tokens} tokens, "
+            f"{a.max_episode_tokens} tokens per episode"
+        )
+
+    def _start_proxy(self) -> None:
+        from polyrl.agents.proxy_server import AgentProxy
+        from polyrl.algorithms.rewards import _load_module
+
+        a = self.a
+        target, _, name = a.agent.rpartition(":")
+        self.agent_fn = getattr(_load_module(target, a.agent), name, None)
+        if not callable(self.agent_fn):
+            raise ConfigError(f"agent {a.agent!r}: {target} has no function {name!r}")
+        self.proxy = AgentProxy(
+            self.policy.llm,
+            self.sampling,
+            a.max_new_tokens,
+            self.renderer,
+            request_sampling=False,
+            max_turns=a.max_turns,
+            max_episode_tokens=a.max_episode_tokens,
+        ).start(drive=False)
+
+    @property
+    def failure_totals(self) -> dict[str, int]:
+        if self.proxy is not None:
+            return dict(getattr(self, "_agent_totals", {}))
+        return dict(self.env_pool.totals) if self.env_pool is not None else {}
+
+    def episodes(self, examples: list[dict], n: int, sampling: Any, seeds: list[int] | None) -> list[Any]:
+        from polyrl.agents.rollout import run_episodes
+
+        with rollout_window(self.policy) as llm:
+            if self.proxy is None:
+                return run_episodes(
+                    llm, self.env_pool, self.renderer, examples, n, sampling, seeds, self.limits, self.a.failure_reward
+                )
+            self.proxy.sampling = sampling
+            with self.proxy.driving():
+                eps = self.proxy.run_agents(
+                    self.agent_fn, examples, n, seeds, self.a.env_timeout, self.a.failure_reward
+                )
+            totals = getattr(self, "_agent_totals", {})
+            for k, v in self.proxy.failures.items():
+                totals[k] = totals.get(k, 0) + v
+            self._agent_totals = totals
+            return eps
+
+    def collect(self, step: int) -> tuple[list[Any], list[float], dict[str, float]]:
+        from polyrl.agents.rollout import episode_metrics
+        from polyrl.algorithms.online import rollout_seed
+
+        t0 = time.perf_counter()
+        idx = self.data.take(self.a.prompts_per_step)
+        seeds = [rollout_seed(self.cfg.seed, step, k) for k in range(len(idx))]
+        before = sum(self.failure_totals.values())
+        eps = self.episodes([self.views[i] for i in idx], self.a.samples_per_prompt, self.sampling, seeds)
+        t1 = time.perf_counter()
+        kept = [e for e in eps if e.trainable]
+        samples = [e.to_sample() for e in kept]
+        rewards = [e.reward for e in kept]
+        policy_tokens = [float(sum(e.mask)) for e in kept]
+        all_rewards = [e.reward for e in eps]
+        m = {
+            "reward": _mean(all_rewards),
+            "reward_std": float(sum((r - _mean(all_rewards)) ** 2 for r in all_rewards) / max(len(eps) - 1, 1)) ** 0.5,
+            "response_length": _mean(policy_tokens),
+            "response_length_max": max(policy_tokens, default=0.0),
+            "truncated_fraction": _mean([float(e.status == "max_tokens") for e in eps]),
+            "rollout_s": t1 - t0,
+            "rollout_tokens_per_s": sum(policy_tokens) / max(t1 - t0, 1e-9),
+            "env_failures": float(sum(self.failure_totals.values()) - before),
+            "env_failures_total": float(sum(self.failure_totals.values())),
+            "episodes_untrainable": float(len(eps) - len(kept)),
+            **episode_metrics(eps),
+        }
+        bad = next((e for e in eps if e.status == "env_error"), None)
+        if bad is not None:
+            self.print(f"step {step + 1}: environment failure ({int(m['env_failures'])} this step): {bad.error}")
+        if not samples:
+            raise ConfigError(f"step {step + 1}: no episode could start (every reset failed: {bad and bad.error})")
+        return samples, rewards, m
+
+    def evaluate(self) -> dict[str, float]:
+        from polyrl.agents.rollout import episode_metrics
+
+        _, _, views = self.eval_set
+        params = self.sampling.clone(temperature=0.0, max_tokens=self.a.eval_max_new_tokens or self.a.max_new_tokens)
+        eps = self.episodes(list(views), 1, params, None)
+        m = episode_metrics(eps)
+        return {
+            "eval_reward": _mean([e.reward for e in eps]),
+            "eval_tool_call_rate": m.get("episode/tool_call_rate", 0.0),
+            "eval_turns": m.get("episode/turns", 0.0),
+        }
+
+    def data_state(self) -> dict[str, Any]:
+        state = super().data_state()
+        state["env_failures"] = self.failure_totals if hasattr(self, "limits") else {}
+        return state
+
+    def run(self) -> dict[str, Any]:
+        try:
+            return super().run()
+        finally:
+            if self.env_pool is not None:
+                self.env_pool.close()
+            if self.proxy is not None:
+                self.proxy.stop()
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def with_episodes(run_cls: type) -> type:
+    """``run_cls`` (an ``OnlineRun`` subclass) with ``EpisodeSteps`` in front: its rollouts are episodes."""
+    if run_cls not in _CLASSES:
+        _CLASSES[run_cls] = type(f"Episode{run_cls.__name__}", (EpisodeSteps, run_cls), {})
+    return _CLASSES[run_cls]
+
+
+__all__ = ["EpisodeSteps", "rollout_window", "with_episodes"]

@@ -1,0 +1,132 @@
+"""Proxy mode: the real ``openai`` client drives a 3-turn agent against polyrl's per-episode endpoint (uvicorn, real
+engine); every call is recorded token-exactly (the recorded ids and log-probs are what the client received), the
+reward comes back by HTTP or as the agent's return value, and an agent that raises or hangs is counted."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "look up", "parameters": {}}}]
+
+
+def three_turn_agent(base_url: str, example: dict) -> float | None:
+    """A plain openai-client agent loop: ask, feed a tool result back, ask again, then a user follow-up."""
+    if example["prompt"].endswith("hang"):
+        time.sleep(5)  # hangs before its first call: past the 1 s timeout whatever the machine's load
+        return 1.0
+    client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": example["prompt"]}]
+    seen = []
+    for turn in range(3):
+        r = client.chat.completions.create(
+            model="polyrl-policy", messages=messages, tools=TOOLS, max_tokens=6, logprobs=True
+        )
+        msg = r.choices[0].message
+        seen.append(
+            (r.model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"],
+             [x.logprob for x in r.choices[0].logprobs.content])
+        )  # fmt: skip
+        messages.append(msg.model_dump(exclude_none=True))
+        if turn == 0:
+            messages.append({"role": "tool", "tool_call_id": "call_x", "content": "42"})
+        else:
+            messages.append({"role": "user", "content": "And then?"})
+    example["seen"].append(seen)
+    if example["prompt"].endswith("http"):
+        httpx.post(base_url.removesuffix("/v1") + "/reward", json={"reward": 0.25}).raise_for_status()
+        return None
+    if example["prompt"].endswith("raise"):
+        raise RuntimeError("agent broke")
+    return 1.0
+
+
+def test_openai_client_agent_is_recorded_token_exactly(tiny_llm):
+    from polyrl.agents.proxy_server import AgentProxy
+
+    examples = [{"prompt": f"task {k}", "seen": []} for k in ("callback", "http", "raise")]
+    with AgentProxy(tiny_llm, max_tokens=16) as proxy:
+        eps = proxy.run_agents(three_turn_agent, examples, n=2, seeds=[1, 2, 3], timeout=300.0, failure_reward=-1)
+        failures = dict(proxy.failures)
+        hung = proxy.run_agents(three_turn_agent, [{"prompt": "task hang"}], n=2, timeout=1.0, failure_reward=-1)
+        assert proxy.failures == {"error": 0, "timeout": 2, "no_reward": 0}
+    assert hung == []  # no call was made: nothing recorded, counted as timeouts
+    assert len(eps) == 6 and [(e.group, e.index) for e in eps] == [(g, j) for g in range(3) for j in range(2)]
+    assert failures == {"error": 2, "timeout": 0, "no_reward": 0}
+    assert [e.reward for e in eps] == [1.0, 1.0, 0.25, 0.25, -1, -1]
+    assert [e.status for e in eps] == ["done"] * 4 + ["env_error"] * 2
+    for e in eps[:6]:
+        assert e.num_turns == 3 and e.metrics["turns"] == 3.0
+        first = e.ids[: e.turns[0][1]]
+        seen = next(s for s in examples[e.group]["seen"] if s[0][1] == first)  # this episode's calls
+        for t, ((prompt, sampled, lps), (start, end)) in enumerate(zip(seen, e.turns)):
+            assert prompt == e.prompt_ids + e.ids[:start], t  # each call's prompt: the episode so far, exactly
+            assert e.ids[start:end] == sampled
+            assert e.logprobs[sum(b - a for a, b in e.turns[:t]) :][: len(sampled)] == pytest.approx(lps)
+        assert sum(e.mask) == len(e.logprobs) == sum(b - a for a, b in e.turns)
+        # the opening prompt carries the tools (the tiny ChatML template has none: a system block)
+        assert "lookup" in tiny_llm.tokenizer.decode(e.prompt_ids)
+        between = tiny_llm.tokenizer.decode(e.ids[e.turns[0][1] : e.turns[1][0]])
+        assert "<|im_start|>tool\n42<|im_end|>" in between and between.endswith("<|im_start|>assistant\n")
+
+
+def test_rewritten_history_starts_a_new_segment_and_unknown_episode_is_404(tiny_llm):
+    from polyrl.agents.proxy_server import AgentProxy
+
+    def agent(base_url, example):
+        client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+        a = [{"role": "user", "content": "first"}]
+        client.chat.completions.create(model="m", messages=a, max_tokens=4)
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "other"}], max_tokens=4)
+        return 0.5
+
+    with AgentProxy(tiny_llm, max_tokens=8) as proxy:
+        eps = proxy.run_agents(agent, [{"prompt": "p"}], n=1, seeds=[0])
+        client = openai.OpenAI(base_url=proxy.base_url("nope"), api_key="x", max_retries=0)
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    assert len(eps) == 2 and [e.num_turns for e in eps] == [1, 1] and [e.reward for e in eps] == [0.5, 0.5]
+
+
+AGENT_FILE = """
+import openai
+
+def agent(base_url, example):
+    client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": example["prompt"]}]
+    text = ""
+    for _ in range(2):
+        r = client.chat.completions.create(model="policy", messages=messages, temperature=0.0, max_tokens=99)
+        text += r.choices[0].message.content or ""
+        messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+    return float(any(ch.isdigit() for ch in text))
+"""
+
+
+def test_grpo_trains_on_an_openai_agent_through_the_proxy(tiny_model_dir, tmp_path):
+    import json
+
+    from polyrl.trainer import fit
+
+    path = tmp_path / "my_agent.py"
+    path.write_text(AGENT_FILE)
+    out = tmp_path / "proxy-run"
+    summary = fit(
+        "grpo", tiny_model_dir, "builtin:arithmetic?max=9&n=16", out, train={"max_steps": 2},
+        optim={"lr": 1e-2}, engine={"micro_batch_tokens": 512},
+        grpo={"agent": f"{path}:agent", "max_new_tokens": 6, "max_turns": 2, "max_episode_tokens": 200,
+              "samples_per_prompt": 3, "prompts_per_step": 2},
+    )  # fmt: skip
+    assert summary["status"] == "finished"
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(recs) == 2
+    for r in recs:
+        assert r["episode/turns"] == 2.0 and r["env_failures"] == 0.0  # the run's max_tokens (6) won over 99
+        assert r["response_length"] <= 12
+        # the agent asked for temperature 0, the run samples at 1: the recorded log-probs are the run's, so the
+        # trainer's recompute matches them
+        assert r["mismatch_max"] < 1e-3
