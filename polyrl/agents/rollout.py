@@ -75,7 +75,8 @@ def run_episodes(
             continue
         _submit(llm, e, k, sampling, seeds, limits, pending)
     while pending:
-        finished = [o for o in llm.step() if o.finished and o.request_id in pending]
+        # ahead: the device decodes the next launch while this loop runs the environments for the last one
+        finished = [o for o in llm.step(ahead=True) if o.finished and o.request_id in pending]
         to_env = []
         for out in finished:
             k = pending.pop(out.request_id)

@@ -144,10 +144,10 @@ def _engine_timer(llm):
     """Wraps ``llm.step`` to sum its wall time; returns a function that unwraps it and gives the total."""
     step, total = llm.step, [0.0]
 
-    def timed():
+    def timed(ahead=False):
         t = time.perf_counter()
         try:
-            return step()
+            return step(ahead)
         finally:
             total[0] += time.perf_counter() - t
 

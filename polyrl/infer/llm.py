@@ -198,10 +198,14 @@ class LLM:
         return bool(self._requests) or not self._inbox.empty()
 
     # ---- the step ---------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, ahead: bool = False) -> list[RequestOutput]:
         """Run one engine step. Returns an output for every streaming request that got tokens and for
-        every request that finished (or was aborted) in this step."""
-        return self._step(ahead=False)
+        every request that finished (or was aborted) in this step.
+
+        ``ahead=True`` (what ``generate()`` does): decode steps may be queued before the previous ones are read
+        (``overlap.py``), so a request's output arrives a launch after its tokens were computed, and host work
+        done between calls overlaps the device. A later plain ``step()`` or ``release()`` reads what is left."""
+        return self._step(ahead)
 
     def _step(self, ahead: bool) -> list[RequestOutput]:
         """One step; with ``ahead`` a decode-only step is launched before the previous one is read
@@ -402,7 +406,7 @@ class LLM:
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
-            for out in self._step(ahead=True):
+            for out in self.step(ahead=True):
                 if out.finished and out.request_id in wanted:
                     done[out.request_id] = out
         self._flush()  # rows of finished sequences only, unless another thread's requests share the engine

@@ -27,8 +27,8 @@ class _Recorder:
             self.prompts[rid] = list(prompt)
             return rid
 
-        def step():
-            outs = self._step()
+        def step(ahead=False):
+            outs = self._step(ahead)
             for o in outs:
                 if o.finished:
                     self.sampled[o.request_id] = (list(o.outputs[0].token_ids), list(o.outputs[0].logprobs))

@@ -90,12 +90,12 @@ def test_abort_while_a_step_is_in_flight_leaves_no_placeholder(tiny_model):
     keep = llm.add_request([2, 3, 4], params)
     drop = llm.add_request([5, 6], params)
     for _ in range(5):
-        llm._step(ahead=True)
+        llm.step(ahead=True)
     assert llm._inflight is not None
     llm.abort_request(drop)
     outs = {}
     while llm.has_unfinished_requests():
-        for o in llm._step(ahead=True):
+        for o in llm.step(ahead=True):
             if o.finished:
                 outs[o.request_id] = o
     llm._flush()
