@@ -34,6 +34,7 @@ for s in "$@"; do
     bench-grpo) stage bench-grpo 220 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 --warmup 1 --steps 2 --kv both --baselines none --json "$OUT/bench_grpo_ours.json" ;;
     # LoRA / QLoRA at the 1.7b and 8b shapes vs HF + peft (+ Liger): the issue-17 table (8b QLoRA must stay < 24 GiB)
     bench-sft-lora) stage bench-sft-lora 590 bash -c "for s in qwen3-1.7b qwen3-8b; do for m in '--lora r=16,alpha=32' --qlora; do $PR bench sft --shape \$s --seq 4096 --batch 2 --steps 3 --warmup 1 \$m --activation-checkpointing --baselines hf,hf-liger; done; done" ;;
+    bench-agent) stage bench-agent 150 $PR bench agent --shape qwen3-0.6b --episodes 256 --turns 4 --turn-tokens 128 --json "$OUT/bench_agent.json" ;;
     validate) stage validate 220 $PR validate --preset tiny --levels platform,ops,sft,rl,serve --out "$OUT/validate" ;;
     bench-grpo-trl) stage bench-grpo-trl 560 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 --warmup 1 --steps 2 --json "$OUT/bench_grpo.json" ;;
     bench-rollout-512) stage bench-rollout-512 150 $PR bench rollout --shape qwen3-0.6b --batch 512 --prompt-len 64 --gen-len 512 --baselines none --compare-sync --json "$OUT/bench_rollout_512.json" ;;
