@@ -23,6 +23,7 @@ from multiprocessing.connection import wait
 from numbers import Real
 from typing import Any
 
+from polyrl.algorithms.workers import WorkerProcess, absolute_spec, close_workers, start_context
 from polyrl.errors import ConfigError, UserError
 
 FAILURE_KINDS = ("error", "invalid", "timeout", "crash", "lost")
@@ -120,23 +121,11 @@ def _worker_main(conn: Any, spec: str) -> None:
             conn.send((eid, "invalid", traceback.format_exc(limit=1)[-300:]))
 
 
-class _Worker:
+class _Worker(WorkerProcess):
     def __init__(self, ctx: Any, spec: str) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, spec), daemon=True)
-        self.proc.start()
-        child.close()
-        self.ready = False
-        self.job: Any = None
-        self.queue: deque = deque()
-        self.episodes: set = set()
-        self.deadline = time.monotonic() + STARTUP_TIMEOUT_S
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(timeout=5)
-        self.conn.close()
+        super().__init__(ctx, _worker_main, spec, STARTUP_TIMEOUT_S)
+        self.queue: deque = deque()  # calls waiting for this worker
+        self.episodes: set = set()  # the episodes whose environments live here
 
 
 class EnvPool:
@@ -144,7 +133,6 @@ class EnvPool:
 
     def __init__(self, spec: str, workers: int = 2, timeout: float = 30.0, start_method: str | None = None) -> None:
         from polyrl.agents.env import BUILTIN_ENVS, env_tools, resolve_env
-        from polyrl.algorithms.rewards import _absolute, _context
 
         if not isinstance(workers, int) or workers < 0:
             raise ConfigError(f"environment workers must be >= 0, got {workers!r}")
@@ -152,13 +140,13 @@ class EnvPool:
             raise ConfigError(f"environment timeout must be > 0 seconds, got {timeout}")
         self.name = spec
         # registered names resolve here: a worker process does not see runtime registrations
-        self.spec = _absolute(BUILTIN_ENVS.get(spec.strip(), spec) if isinstance(spec, str) else spec)
+        self.spec = absolute_spec(BUILTIN_ENVS.get(spec.strip(), spec) if isinstance(spec, str) else spec)
         self.cls = resolve_env(self.spec)  # fails early, in the parent, for a bad spec
         self.tools = env_tools(self.cls)
         self.num_workers, self.timeout = workers, float(timeout)
         self.totals = dict.fromkeys(FAILURE_KINDS, 0)
         self.local = LocalEnvs(self.cls) if workers == 0 else None
-        self._ctx = _context(start_method) if workers else None
+        self._ctx = start_context(start_method) if workers else None
         self._workers: list[_Worker] = []
         self._home: dict[Any, _Worker] = {}
         self._lost: set = set()
@@ -171,13 +159,7 @@ class EnvPool:
         self.close()
 
     def close(self) -> None:
-        for w in self._workers:
-            try:
-                w.conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
-            w.proc.join(timeout=2)
-            w.kill()
+        close_workers(self._workers)
         self._workers, self._home = [], {}
 
     # ---- calls --------------------------------------------------------------------------------------

@@ -31,7 +31,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
-import multiprocessing as mp
 import os
 import re
 import sys
@@ -45,6 +44,7 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
+from polyrl.algorithms.workers import WorkerProcess, absolute_spec, close_workers, start_context
 from polyrl.errors import ConfigError, UserError
 
 RewardFn = Callable[[str, Mapping[str, Any]], Any]
@@ -257,21 +257,9 @@ class RewardResult:
         return out
 
 
-class _Worker:
+class _Worker(WorkerProcess):
     def __init__(self, ctx: Any, spec: str) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, spec), daemon=True)
-        self.proc.start()
-        child.close()
-        self.ready = False
-        self.job: int | None = None
-        self.deadline = time.monotonic() + STARTUP_TIMEOUT_S
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(timeout=5)
-        self.conn.close()
+        super().__init__(ctx, _worker_main, spec, STARTUP_TIMEOUT_S)
 
 
 class RewardPool:
@@ -291,14 +279,14 @@ class RewardPool:
             raise ConfigError(f"reward workers must be >= 0, got {workers}")
         if not timeout > 0:
             raise ConfigError(f"reward timeout must be > 0 seconds, got {timeout}")
-        self.spec = _absolute(spec)
+        self.spec = absolute_spec(spec)
         self.fn = resolve(self.spec)  # fails early, in the parent, for a bad spec
         self.num_workers = workers
         self.timeout = float(timeout)
         self.failure_reward = float(failure_reward)
         self.totals = dict.fromkeys(FAILURE_KINDS, 0)
         self.replaced = 0
-        self._ctx = _context(start_method) if workers else None
+        self._ctx = start_context(start_method) if workers else None
         self._workers: list[_Worker] = []
 
     def __enter__(self) -> RewardPool:
@@ -308,13 +296,7 @@ class RewardPool:
         self.close()
 
     def close(self) -> None:
-        for w in self._workers:
-            try:
-                w.conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
-            w.proc.join(timeout=2)
-            w.kill()
+        close_workers(self._workers)
         self._workers = []
 
     def _start(self) -> _Worker:
@@ -388,23 +370,6 @@ class RewardPool:
         w.kill()
         self._workers[self._workers.index(w)] = self._start()
         self.replaced += 1
-
-
-def _absolute(spec: str) -> str:
-    """``spec`` with a relative ``file.py`` made absolute, so workers started elsewhere find it."""
-    target, sep, name = spec.strip().rpartition(":")
-    if sep and (target.endswith(".py") or os.sep in target) and Path(target).is_file():
-        return f"{Path(target).resolve()}:{name}"
-    return spec
-
-
-def _context(start_method: str | None) -> Any:
-    methods = mp.get_all_start_methods()
-    method = start_method or ("forkserver" if "forkserver" in methods else "spawn")
-    ctx = mp.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload(["polyrl.algorithms.rewards", "polyrl.data.builtin"])
-    return ctx
 
 
 def example_view(example: Any) -> dict[str, Any]:

@@ -1,0 +1,67 @@
+"""Worker processes for user code (reward functions, environments): started with forkserver (or spawn), one pipe
+each, killed and replaced by their pool on a timeout or crash.
+
+Shared by ``rewards.RewardPool`` (stateless calls) and ``polyrl.agents.pool.EnvPool`` (stateful episodes): the
+process handle, the start context, the spec resolution and the shutdown. What a worker runs and how a pool
+schedules calls and counts failures stay with each pool.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+class WorkerProcess:
+    """One daemon process running ``target(conn, spec)`` with the other end of ``conn``; ``job`` and ``deadline``
+    are the pool's bookkeeping of the call in flight (the deadline starts as ``startup_timeout`` seconds from now: a
+    worker that has not said "ready" by then counts as crashed)."""
+
+    def __init__(self, ctx: Any, target: Callable[[Any, str], None], spec: str, startup_timeout: float) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(child, spec), daemon=True)
+        self.proc.start()
+        child.close()
+        self.ready = False
+        self.job: Any = None
+        self.deadline = time.monotonic() + startup_timeout
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=5)
+        self.conn.close()
+
+
+def close_workers(workers: list[WorkerProcess]) -> None:
+    """Ask each worker to stop (``None`` on its pipe), give it two seconds, then kill it."""
+    for w in workers:
+        try:
+            w.conn.send(None)
+        except (OSError, BrokenPipeError):
+            pass
+        w.proc.join(timeout=2)
+        w.kill()
+
+
+def absolute_spec(spec: str) -> str:
+    """``spec`` with a relative ``file.py`` made absolute, so workers started elsewhere find it."""
+    target, sep, name = spec.strip().rpartition(":")
+    if sep and (target.endswith(".py") or os.sep in target) and Path(target).is_file():
+        return f"{Path(target).resolve()}:{name}"
+    return spec
+
+
+def start_context(start_method: str | None) -> Any:
+    """The multiprocessing context: forkserver where the platform has it (preloading polyrl's light modules), else
+    spawn; never fork (the parent holds a device context and threads)."""
+    methods = mp.get_all_start_methods()
+    method = start_method or ("forkserver" if "forkserver" in methods else "spawn")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["polyrl.algorithms.rewards", "polyrl.data.builtin"])
+    return ctx
