@@ -376,3 +376,26 @@ def test_fast_path_gpu_graph_capture_and_mixed_lengths(seeded):
     mixed = _cu([700, 324], dev)
     assert cudnn.plan(q, k, mixed, 700, None) is None
     assert torch.equal(cudnn.varlen_attention(q, k, v, mixed, 700), tri.varlen_attention(q, k, v, mixed, 700))
+
+
+def test_backend_probe_inside_a_checkpointed_layer_leaves_checkpointing_intact(monkeypatch):
+    """Regression (H200, LoRA + activation checkpointing): the fast path's one-time backend probe runs autograd;
+    run inside a non-reentrant checkpointed forward, its saved tensors were recorded by the checkpoint's hooks in the
+    forward but not in the recomputation, and backward failed. The probe now runs on its own thread."""
+    from torch.utils.checkpoint import checkpoint
+
+    def probe(device, dtype, hq, hk, d):
+        w = torch.randn(4, requires_grad=True)
+        torch.autograd.grad((w.sin() * w).sum(), w)  # saves tensors for backward, as the real probe does
+        return "FLASH_ATTENTION"
+
+    monkeypatch.setattr(cudnn, "_probe", probe)
+    monkeypatch.setattr(cudnn, "_BACKEND", {})
+    x = torch.randn(8, requires_grad=True)
+
+    def layer(t):
+        assert cudnn.backend_for(torch.device("cpu"), torch.float32, 2, 1, 16) == "FLASH_ATTENTION"
+        return (t.sin() * t).sum()
+
+    checkpoint(layer, x, use_reentrant=False).backward()
+    assert torch.allclose(x.grad, x.sin() + x * x.cos())

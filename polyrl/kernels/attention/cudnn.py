@@ -165,8 +165,29 @@ def backend_for(device: torch.device, dtype: torch.dtype, hq: int, hk: int, d: i
     if key not in _BACKEND:
         if _capturing(device):
             return None
-        _BACKEND[key] = _probe(device, dtype, hq, hk, d)
+        _BACKEND[key] = _probe_apart(device, dtype, hq, hk, d)
     return _BACKEND[key]
+
+
+def _probe_apart(device: torch.device, dtype: torch.dtype, hq: int, hk: int, d: int) -> str | None:
+    """``_probe`` on its own thread. The first attention call often comes inside an activation-checkpointed layer,
+    whose saved-tensor hooks (thread-local) would record the probe's autograd tensors in the forward and not in the
+    recomputation ("a different number of tensors was saved": found on the H200 with LoRA + checkpointing); a
+    fresh thread also starts without the caller's autocast and inference modes."""
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            result.append(_probe(device, dtype, hq, hk, d))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            result.append(exc)
+
+    worker = threading.Thread(target=run, name="polyrl-attention-probe")
+    worker.start()
+    worker.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
 
 
 def _fallback(device_type: str) -> Callable[..., torch.Tensor]:
