@@ -173,6 +173,14 @@ class EpisodeSteps:
         state["env_failures"] = self.failure_totals if hasattr(self, "limits") else {}
         return state
 
+    def restore_counters(self, data_state: dict[str, Any]) -> None:
+        super().restore_counters(data_state)
+        saved = data_state.get("env_failures", {})
+        if self.proxy is not None:
+            self._agent_totals = dict(saved)
+        elif self.env_pool is not None:
+            self.env_pool.totals.update(saved)
+
     def run(self) -> dict[str, Any]:
         try:
             return super().run()

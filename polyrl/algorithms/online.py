@@ -317,8 +317,7 @@ class OnlineRun(DataParallelSteps):
         if "prompts" not in loaded.data_state:
             raise CheckpointError(f"{self.start_point} has no prompt position; it was not written by an online run")
         self.data.load_state_dict(loaded.data_state["prompts"])
-        if self.pool is not None:
-            self.pool.totals.update(loaded.data_state.get("reward_failures", {}))
+        self.restore_counters(loaded.data_state)
         self.start = loaded.step
         if self.start > self.steps:
             raise ConfigError(
@@ -327,6 +326,11 @@ class OnlineRun(DataParallelSteps):
         changed = differences(loaded.config, self.cfg.to_dict()) if loaded.config else []
         note = f" (changed since: {', '.join(changed)})" if changed else ""
         self.print(f"resumed from {self.start_point} at step {self.start}{note}")
+
+    def restore_counters(self, data_state: dict[str, Any]) -> None:
+        """Cumulative counters saved by ``data_state`` (reward failures), back after a resume."""
+        if self.pool is not None:
+            self.pool.totals.update(data_state.get("reward_failures", {}))
 
     def data_state(self) -> dict[str, Any]:
         failures = dict(self.pool.totals) if self.pool is not None else {}

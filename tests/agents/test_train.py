@@ -152,3 +152,23 @@ def test_ppo_over_episodes(tiny_model_dir, tmp_path):
     (r,) = _records(out)
     assert r["episode/turns"] == 2.0 and r["mismatch_max"] < 1e-3 and "value_loss" in r
     assert (out / "critic" / "final" / "config.json").is_file()
+
+
+def test_resume_restores_the_cumulative_failure_counters():
+    """A resumed run continues the saved environment- and reward-failure totals (they were saved, not restored)."""
+    from types import SimpleNamespace
+
+    from polyrl.agents.train import with_episodes
+    from polyrl.algorithms.online import OnlineRun
+
+    run = object.__new__(with_episodes(OnlineRun))  # only the counter plumbing, no model
+    run.pool = SimpleNamespace(totals={"error": 0, "timeout": 0})
+    run.env_pool = SimpleNamespace(totals={"error": 0, "timeout": 0, "crash": 0})
+    run.proxy, run.limits = None, object()
+    saved = {"reward_failures": {"error": 2}, "env_failures": {"timeout": 3, "crash": 1}}
+    run.restore_counters(saved)
+    assert run.pool.totals == {"error": 2, "timeout": 0}
+    assert run.failure_totals == {"error": 0, "timeout": 3, "crash": 1}
+    run.proxy, run.env_pool = object(), None  # proxy mode keeps its own totals
+    run.restore_counters(saved)
+    assert run.failure_totals == {"timeout": 3, "crash": 1}
