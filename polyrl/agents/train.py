@@ -71,6 +71,7 @@ class EpisodeSteps:
         else:
             self.env_pool = EnvPool(a.env, a.env_workers, a.env_timeout)
             source = f"env {a.env!r} ({len(self.env_pool.tools)} tool(s))"
+        self._apply_saved_failures(getattr(self, "_saved_env_failures", {}))
         self.print(
             f"episodes: {source}, at most {a.max_turns} turns of {a.max_new_tokens} tokens, "
             f"{a.max_episode_tokens} tokens per episode"
@@ -174,8 +175,14 @@ class EpisodeSteps:
         return state
 
     def restore_counters(self, data_state: dict[str, Any]) -> None:
+        # A resume runs inside OnlineRun.__init__, before this class has made its pool or proxy: keep the totals
+        # until they exist.
         super().restore_counters(data_state)
-        saved = data_state.get("env_failures", {})
+        self._saved_env_failures = dict(data_state.get("env_failures", {}))
+        if hasattr(self, "limits"):
+            self._apply_saved_failures(self._saved_env_failures)
+
+    def _apply_saved_failures(self, saved: dict[str, int]) -> None:
         if self.proxy is not None:
             self._agent_totals = dict(saved)
         elif self.env_pool is not None:
