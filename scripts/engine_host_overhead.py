@@ -27,7 +27,7 @@ def main() -> None:
     cfg = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                       num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=1024)  # fmt: skip
     ecfg = EngineConfig(num_blocks=512 * 40, max_num_seqs=512, max_model_len=640, max_num_batched_tokens=65536,
-                        decode_steps=steps)  # fmt: skip
+                        overlap_decode=True, decode_steps=steps)  # fmt: skip
     llm = LLM(build_model(cfg, seed=0), None, ecfg)
 
     def execute(sched, feed=None):  # host part of building the inputs, then zero logits

@@ -216,12 +216,12 @@ def run(args: argparse.Namespace) -> int:
     stats = llm.stats()
     res["engine_preemptions"] = stats["num_preemptions"]
     if args.compare_sync:
-        llm.config.overlap_decode = False
+        before, llm.config.overlap_decode = llm.config.overlap_decode, False
         llm.reset_prefix_cache()
         t_sync, _ = _run_engine(llm, prompts, args.gen_len, dev)
         res["engine_sync_tok_s"] = n_out / t_sync
         res["engine_sync_decode_step_ms"] = 1e3 * max(t_sync - t_prefill, 1e-9) / max(args.gen_len - 1, 1)
-        llm.config.overlap_decode = True
+        llm.config.overlap_decode = before
     llm.release()
 
     if "hf" in baselines:

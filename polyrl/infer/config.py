@@ -28,8 +28,10 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # None = where polyrl.platform.device.supports_graphs()
     max_graph_batch_size: int = 512  # decode batches up to this size replay captured graphs (RL: n x prompts)
     kv_cache_dtype: str | None = None  # None = the model's dtype; or "bfloat16"/"float16"/"float32"
-    # generate(): queue decode step N+1 before reading step N's tokens, so host work overlaps the device
-    overlap_decode: bool = True
+    # generate(): queue decode step N+1 before reading step N's tokens, so host work overlaps the device. None = on
+    # an accelerator only: on the CPU nothing runs asynchronously, so launching ahead only computes the rows of
+    # sequences that already stopped (a GRPO rollout of 4-token answers computed twice the forwards)
+    overlap_decode: bool | None = None
     # ... and queue this many decode steps per launch when no row needs the host between steps (its tokens past a
     # stop are computed and dropped): the host's per-step work is paid once per that many tokens
     decode_steps: int = 4

@@ -263,11 +263,10 @@ class LLM:
     def _can_launch_ahead(self, sched) -> bool:
         """Decode-only steps whose results the host needs only to append and check stops (top-k alternatives
         are read on the host, so requests asking for them run synchronously)."""
-        return (
-            self.config.overlap_decode
-            and sched.is_decode_only
-            and not any(it.seq.params.logprobs for it in sched.items)
-        )
+        overlap = self.config.overlap_decode
+        if overlap is None:
+            overlap = self.runner.device.type != "cpu"
+        return overlap and sched.is_decode_only and not any(it.seq.params.logprobs for it in sched.items)
 
     def _steps_per_launch(self, sched) -> int:
         """Decode steps to queue in this launch: ``decode_steps`` when no row needs the host between steps (a

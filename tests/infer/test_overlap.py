@@ -85,7 +85,7 @@ def test_generated_blocks_enter_the_prefix_cache_once_read(tiny_model):
 
 
 def test_abort_while_a_step_is_in_flight_leaves_no_placeholder(tiny_model):
-    llm = LLM(tiny_model, None, EngineConfig(num_blocks=64, block_size=4))
+    llm = LLM(tiny_model, None, EngineConfig(num_blocks=64, block_size=4, overlap_decode=True))
     params = SamplingParams(temperature=1.0, seed=1, max_tokens=30, ignore_eos=True)
     keep = llm.add_request([2, 3, 4], params)
     drop = llm.add_request([5, 6], params)
@@ -103,3 +103,10 @@ def test_abort_while_a_step_is_in_flight_leaves_no_placeholder(tiny_model):
     assert PENDING not in outs[drop].outputs[0].token_ids and 1 <= len(outs[drop].outputs[0].token_ids) < 30
     assert len(outs[drop].outputs[0].logprobs) == len(outs[drop].outputs[0].token_ids)
     assert len(outs[keep].outputs[0].token_ids) == 30
+
+
+def test_launching_ahead_is_off_by_default_on_the_cpu(tiny_model):
+    """Nothing on the CPU runs asynchronously: launching ahead would only compute rows of stopped sequences."""
+    llm = LLM(tiny_model, None, EngineConfig(num_blocks=64, block_size=4))
+    llm.generate([[2, 3, 4]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert llm.config.overlap_decode is None and llm.stats()["num_steps_ahead"] == 0
