@@ -13,9 +13,7 @@ this process (no timeout; for debugging). Not here: the episode loop (``rollout`
 from __future__ import annotations
 
 import math
-import os
 import time
-import traceback
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,7 +21,7 @@ from multiprocessing.connection import wait
 from numbers import Real
 from typing import Any
 
-from polyrl.algorithms.workers import WorkerProcess, absolute_spec, close_workers, start_context
+from polyrl.algorithms.workers import WorkerProcess, absolute_spec, close_workers, serve, start_context
 from polyrl.errors import ConfigError, UserError
 
 FAILURE_KINDS = ("error", "invalid", "timeout", "crash", "lost")
@@ -96,29 +94,17 @@ class LocalEnvs:
 
 
 def _worker_main(conn: Any, spec: str) -> None:
+    """Worker process: the environments of the episodes pinned here, answering ``(op, episode, payload)`` jobs."""
     from polyrl.agents.env import resolve_env
 
-    try:
-        envs = LocalEnvs(resolve_env(spec))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        conn.send(("init_error", f"{type(exc).__name__}: {exc}"))
-        return
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            job = conn.recv()
-        except (EOFError, OSError):
-            return
-        if job is None:
-            return
+    def handle(envs: LocalEnvs, job: tuple) -> tuple | None:
         op, eid, payload = job
         if op == "close":
             envs.close(eid)
-            continue
-        try:
-            conn.send((eid, *envs.call(op, eid, payload)))
-        except Exception:  # noqa: BLE001 - e.g. an unpicklable observation
-            conn.send((eid, "invalid", traceback.format_exc(limit=1)[-300:]))
+            return None
+        return (eid, *envs.call(op, eid, payload))
+
+    serve(conn, lambda: LocalEnvs(resolve_env(spec)), handle, lambda job, tb: (job[1], "invalid", tb))
 
 
 class _Worker(WorkerProcess):

@@ -35,7 +35,6 @@ import os
 import re
 import sys
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +43,7 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
-from polyrl.algorithms.workers import WorkerProcess, absolute_spec, close_workers, start_context
+from polyrl.algorithms.workers import WorkerProcess, absolute_spec, close_workers, serve, start_context
 from polyrl.errors import ConfigError, UserError
 
 RewardFn = Callable[[str, Mapping[str, Any]], Any]
@@ -213,24 +212,12 @@ def call_once(fn: RewardFn, completion: str, example: Mapping[str, Any]) -> tupl
 
 def _worker_main(conn: Any, spec: str) -> None:
     """Worker process: resolve ``spec``, say ready, then answer ``(index, completion, example)`` jobs forever."""
-    try:
-        fn = resolve(spec)
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        conn.send(("init_error", f"{type(exc).__name__}: {exc}"))
-        return
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            job = conn.recv()
-        except (EOFError, OSError):
-            return
-        if job is None:
-            return
+
+    def handle(fn: RewardFn, job: tuple) -> tuple:
         idx, completion, example = job
-        try:
-            conn.send((idx, *call_once(fn, completion, example)))
-        except Exception:  # noqa: BLE001 - e.g. unpicklable extras; never let the worker die silently
-            conn.send((idx, "error", traceback.format_exc(limit=1)[-300:], {}))
+        return (idx, *call_once(fn, completion, example))
+
+    serve(conn, lambda: resolve(spec), handle, lambda job, tb: (job[0], "error", tb, {}))
 
 
 # ---- the pool -----------------------------------------------------------------------------------

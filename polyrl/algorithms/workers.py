@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -65,3 +66,33 @@ def start_context(start_method: str | None) -> Any:
     if method == "forkserver":
         ctx.set_forkserver_preload(["polyrl.algorithms.rewards", "polyrl.data.builtin"])
     return ctx
+
+
+def serve(
+    conn: Any,
+    setup: Callable[[], Any],
+    handle: Callable[[Any, Any], Any],
+    fallback: Callable[[Any, str], Any],
+) -> None:
+    """A worker's body: ``state = setup()`` (a failure is sent as ``("init_error", message)``), ``("ready", pid)``,
+    then for each job until ``None`` or a closed pipe, send ``handle(state, job)`` (nothing when it returns None). A
+    reply that cannot be sent (unpicklable, say) is replaced by ``fallback(job, traceback_tail)``."""
+    try:
+        state = setup()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        conn.send(("init_error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return
+        if job is None:
+            return
+        try:
+            reply = handle(state, job)
+            if reply is not None:
+                conn.send(reply)
+        except Exception:  # noqa: BLE001 - never let the worker die silently
+            conn.send(fallback(job, traceback.format_exc(limit=1)[-300:]))
