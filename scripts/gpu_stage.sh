@@ -33,7 +33,16 @@ for s in "$@"; do
     bench-rollout-4k) stage bench-rollout-4k 150 $PR bench rollout --shape qwen3-0.6b --batch 64 --prompt-len 4032 --gen-len 128 --baselines none --skip-batch1 --compare-sync --json "$OUT/bench_rollout_4k.json" ;;
     bench-grpo) stage bench-grpo 220 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 --warmup 1 --steps 2 --kv both --baselines none --json "$OUT/bench_grpo_ours.json" ;;
     # LoRA / QLoRA at the 1.7b and 8b shapes vs HF + peft (+ Liger): the issue-17 table (8b QLoRA must stay < 24 GiB)
-    bench-sft-lora) stage bench-sft-lora 590 bash -c "for s in qwen3-1.7b qwen3-8b; do for m in '--lora r=16,alpha=32' --qlora; do $PR bench sft --shape \$s --seq 4096 --batch 2 --steps 3 --warmup 1 \$m --activation-checkpointing --baselines hf,hf-liger; done; done" ;;
+    bench-sft-lora) stage bench-sft-lora 590 bash -c "for s in qwen3-1.7b qwen3-8b; do for m in '--lora r=16,alpha=32' --qlora; do $PR bench sft --shape \$s --seq 4096 --batch 2 --steps 5 --warmup 2 \$m --activation-checkpointing --baselines hf,hf-liger; done; done" ;;
+    # Where LoRA/QLoRA step time goes at 1.7b: ours (fused lora_linear), ours with the reference composition, and
+    # the baselines, each with a kernel profile (issue 17)
+    profile-lora) TAIL=400 stage profile-lora 590 bash -c "A='--shape qwen3-1.7b --seq 4096 --batch 2 --steps 3 --warmup 1 --activation-checkpointing --profile 30'; \
+      $PR bench sft \$A --lora r=16,alpha=32 --baselines hf-liger --profile-baselines; \
+      POLYRL_KERNELS=lora_linear:reference $PR bench sft \$A --lora r=16,alpha=32 --baselines none; \
+      $PR bench sft \$A --qlora --baselines hf --profile-baselines" ;;
+    # cProfile of one LoRA training step at 1.7b with its wall and kernel time: is the host the bound? (issue 17)
+    host-profile-lora) stage host-profile-lora 200 python3 scripts/train_host_profile.py --shape qwen3-1.7b --seq 4096 \
+      --batch 2 --lora r=16,alpha=32 --activation-checkpointing --top 40 ;;
     bench-agent) stage bench-agent 150 $PR bench agent --shape qwen3-0.6b --episodes 256 --turns 4 --turn-tokens 128 --json "$OUT/bench_agent.json" ;;
     validate) stage validate 220 $PR validate --preset tiny --levels platform,ops,sft,rl,serve --out "$OUT/validate" ;;
     bench-grpo-trl) stage bench-grpo-trl 560 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 --warmup 1 --steps 2 --json "$OUT/bench_grpo.json" ;;

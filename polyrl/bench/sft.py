@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile", type=int, default=0, metavar="N", help="after timing, profile one polyrl step: top N kernels"
     )
     parser.add_argument(
+        "--profile-baselines", action="store_true", help="with --profile: profile one step of every baseline too"
+    )
+    parser.add_argument(
         "--lora",
         nargs="?",
         const="",
@@ -255,11 +258,11 @@ def measure(name: str, cfg: Any, tokens: torch.Tensor, args: argparse.Namespace,
             step_fn = hf_step_fn(cfg, tokens, args, dev, name)
         step_s, loss = time_steps(step_fn, args.warmup, args.steps)
         table = None
-        if name == "polyrl" and getattr(args, "profile", 0) and dev.type != "cpu":
+        if _profiled(name, args) and dev.type != "cpu":
             from polyrl.bench.profile import kernel_table, print_kernel_table
 
             table = kernel_table(step_fn, args.profile)
-            print_kernel_table(table, "polyrl step profile")
+            print_kernel_table(table, f"{name} step profile")
     except Exception as exc:
         if not _is_oom(exc):
             raise
@@ -274,6 +277,13 @@ def measure(name: str, cfg: Any, tokens: torch.Tensor, args: argparse.Namespace,
     peak_flops = device.peak_bf16_flops()
     mfu = tps * flops_per_token(cfg, tokens.shape[1]) / peak_flops if peak_flops else None
     return Result(name, "ok", tps, step_s, mfu, peak / GIB if peak else None, loss, table)
+
+
+def _profiled(name: str, args: argparse.Namespace) -> bool:
+    """``--profile N`` profiles polyrl's configs; ``--profile-baselines`` adds every baseline."""
+    if not getattr(args, "profile", 0):
+        return False
+    return name.startswith("polyrl") or bool(getattr(args, "profile_baselines", False))
 
 
 # ---- report -------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from polyrl.kernels import registry
+from polyrl.kernels.nf4.reference import NF4Weight
 from polyrl.kernels.registry import KernelUnavailable
 
 # Importing each op package registers its implementations.
@@ -28,6 +29,7 @@ from polyrl.kernels import (  # noqa: E402,F401  isort: skip
     token_logprobs as _tlp_pkg,
     sampling as _sampling_pkg,
     nf4 as _nf4_pkg,
+    lora_linear as _lora_linear_pkg,
 )
 
 __all__ = [
@@ -44,6 +46,9 @@ __all__ = [
     "token_logprobs",
     "sample_tokens",
     "nf4_matmul",
+    "nf4_dequantize",
+    "NF4Weight",
+    "lora_linear",
 ]
 
 _DTYPE_NAMES = {
@@ -193,3 +198,24 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shap
     and ``absmax`` fp32 ``[N, Kp/64]`` (``Kp`` = K rounded up to 64; layout in ``kernels/nf4/reference.py``).
     Differentiable in ``x`` only (QLoRA's frozen base)."""
     return _impl("nf4_matmul", x)(x, packed, absmax, shape)
+
+
+def nf4_dequantize(packed: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype):
+    """The dense ``[N, K] = shape`` weight of an NF4 one in ``dtype`` (fp32 code * absmax, one rounding)."""
+    return registry.select("nf4_dequantize", packed.device.type, _DTYPE_NAMES.get(dtype, str(dtype)))[1](
+        packed, absmax, shape, dtype
+    )
+
+
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor | NF4Weight,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """``x W^T + b + scaling * (x A^T) B^T``: ``weight`` the frozen ``[N, K]`` base (dense, or an ``NF4Weight``:
+    QLoRA), ``lora_a [r, K]``, ``lora_b [N, r]``; every dense tensor in ``x``'s dtype. Differentiable in ``x``,
+    the adapter and (dense and requiring grad) the base."""
+    return _impl("lora_linear", x)(x, weight, bias, lora_a, lora_b, scaling)

@@ -178,7 +178,10 @@ class DecoderLM(nn.Module):
         ckpt = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.model.layers:
             if ckpt:
-                h, residual = checkpoint(layer, h, residual, cos, sin, meta, use_reentrant=False)
+                # One stream crosses each checkpoint: it keeps [T, H] per layer, not the (h, residual) pair; the
+                # add is rounded as the fused residual-norm rounds it, so the result is the same.
+                stream = h if residual is None else h + residual
+                h, residual = checkpoint(layer, stream, None, cos, sin, meta, use_reentrant=False)
             else:
                 h, residual = layer(h, residual, cos, sin, meta)
         h, _ = self.model.norm(h, residual)

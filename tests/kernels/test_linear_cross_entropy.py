@@ -119,6 +119,28 @@ def test_triton_several_chunks_and_vocab_blocks(reduction, triton_kernels, kerne
     _check_against_reference(fn, kernel_check, hidden, weight, labels, reduction, torch.float32)
 
 
+def test_triton_frozen_weight_takes_the_smaller_chunks_and_matches_reference(triton_kernels, kernel_check, monkeypatch):
+    """A frozen LM head (LoRA) accumulates no weight gradient, so its chunks follow CHUNK_BYTES_FROZEN_WEIGHT
+    (2 rows here) rather than CHUNK_BYTES (all 7); loss and grad_hidden still equal the reference."""
+    fn = triton_kernels.load("linear_cross_entropy")
+    tlp = importlib.import_module("polyrl.kernels.token_logprobs.triton")
+    T, V = 7, 1025
+    monkeypatch.setattr(tlp, "CHUNK_BYTES", 64 * V * 4)
+    monkeypatch.setattr(tlp, "CHUNK_BYTES_FROZEN_WEIGHT", 2 * V * 4)
+    seen = []
+    chunks = tlp.logits_chunks
+    monkeypatch.setattr(tlp, "logits_chunks", lambda h, w, rows: (seen.append(rows), chunks(h, w, rows))[1])
+    hidden, weight, labels = _inputs(T, V, 16, torch.float32, triton_kernels.device, ignore_every=4)
+    weight.requires_grad_(False)
+    up = _upstream("mean", T, hidden.device)
+    loss = fn(hidden, weight, labels, IGNORE, "mean")
+    (gh,) = torch.autograd.grad(loss, (hidden,), up)
+    r_loss, r_gh, _ = _reference(hidden, weight.detach().requires_grad_(), labels, "mean", up)
+    assert seen == [2]
+    kernel_check.assert_close(loss, r_loss, torch.float32, "loss")
+    kernel_check.assert_close(gh, r_gh, torch.float32, "grad_hidden")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_low_precision_matches_reference(dtype, triton_kernels, kernel_check):
     fn = triton_kernels.load("linear_cross_entropy")

@@ -83,6 +83,27 @@ def test_gradient_checkpointing_same_loss_and_grads(tiny_model):
     assert g0["model.layers.0.self_attn.q_norm.weight"].abs().sum() > 0
 
 
+def test_gradient_checkpointing_keeps_one_stream_tensor_per_layer(tiny_model, monkeypatch):
+    """Each checkpointed layer gets the summed stream and no residual: it keeps one [T, H] tensor alive per layer
+    (as HF's checkpointing does), not the (h, residual) pair, which doubled activation memory."""
+    import polyrl.models.decoder as decoder
+
+    model = tiny_model("qwen3", seed=4).train()
+    model.gradient_checkpointing = True
+    ids, pos, meta = packed([7, 11], model.config.vocab_size, seed=5)
+    seen = []
+    real = decoder.checkpoint
+
+    def spy(fn, *args, **kwargs):
+        seen.append([a for a in args[:2] if isinstance(a, torch.Tensor)])
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(decoder, "checkpoint", spy)
+    model(ids, pos, meta).sum().backward()
+    assert len(seen) == model.config.num_layers
+    assert all(len(t) == 1 and t[0].shape == (18, model.config.hidden_size) for t in seen)
+
+
 def test_parameter_names_counts_and_flops(tiny_model, tiny_config):
     tied, untied = tiny_model("qwen3"), tiny_model("llama")
     names = dict(tied.named_parameters())

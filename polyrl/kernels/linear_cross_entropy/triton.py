@@ -6,7 +6,8 @@ the chunk's logits come from one cuBLAS matmul in the input dtype (the reference
 the logits in place with ``(softmax - onehot) * scale`` (scale = 1, or 1 / non-ignored count for "mean");
 then ``grad_hidden = g @ W`` and ``grad_weight += g^T @ h`` (fp32 across chunks). Backward only multiplies
 the two stored gradients by the scalar upstream gradient, so there are three matmuls in all, like the
-materialised version, and the extra memory is one logits chunk plus the [V, H] gradient accumulator.
+materialised version, and the extra memory is one logits chunk plus the [V, H] gradient accumulator (a chunk is
+~1 GiB of logits, or 256 MiB when the weight gets no gradient: nothing to accumulate per chunk then).
 
 "none" needs a gradient per token that is only known in backward, so it runs through the token-logprob
 path (per-token log-sum-exp saved, logits recomputed in backward): loss = -log_softmax(logits)[label].
@@ -86,7 +87,8 @@ def _loss_rows(
     write_grad = need_hidden or need_weight
     loss = torch.empty(T, device=hidden.device, dtype=torch.float32)
     grad_h = torch.empty(hidden.shape, device=hidden.device, dtype=hidden.dtype) if need_hidden else None
-    rows = _tlp.chunk_rows(T, V, hidden.element_size())
+    budget = _tlp.CHUNK_BYTES if need_weight else _tlp.CHUNK_BYTES_FROZEN_WEIGHT
+    rows = _tlp.chunk_rows(T, V, hidden.element_size(), budget)
     acc = _tlp.GradWeightAccumulator(weight, single=rows >= T) if need_weight else None
     block, warps = _tlp.block_config(V)
     for start, stop, logits in _tlp.logits_chunks(hidden, weight, rows):  # [C, V]; d(loss)/d(logits) if write_grad

@@ -11,3 +11,5 @@ register(
     dtypes=("float32", "bfloat16", "float16"),
     priority=10,
 )
+register("nf4_dequantize", "reference", "polyrl.kernels.nf4.reference:dequantize_nf4", priority=0)
+register("nf4_dequantize", "triton", "polyrl.kernels.nf4.triton:dequantize", devices=("cuda",), priority=10)

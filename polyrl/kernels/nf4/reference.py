@@ -16,6 +16,8 @@ Not here: double quantization of the absmax values (not implemented), the fused 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -63,6 +65,15 @@ def quantize_nf4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         packed[s : s + rows] = (idx[..., :32] | (idx[..., 32:] << 4)).reshape(-1, kp // 2)
         absmax[s : s + rows] = amax
     return packed, absmax
+
+
+class NF4Weight(NamedTuple):
+    """A frozen ``[N, K] = shape`` weight stored as NF4 (``packed`` uint8, ``absmax`` fp32): what QLoRA's base
+    passes to ``kernels.lora_linear`` in place of a dense weight."""
+
+    packed: torch.Tensor
+    absmax: torch.Tensor
+    shape: tuple[int, int]
 
 
 def dequantize_nf4(

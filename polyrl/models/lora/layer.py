@@ -8,6 +8,11 @@ names without the ``base_model.model.`` prefix. With ``quantize_nf4()`` the base
 (``weight_nf4`` uint8 ``[out, in/2]``, ``weight_absmax`` fp32 ``[out * in / 64]``) run by ``kernels.nf4_matmul``
 (QLoRA); the bias, if any, stays.
 
+Forward: when dropout is off and input, adapter (and dense base) share a dtype (training: the engine casts the
+adapters to the compute dtype), one ``kernels.lora_linear`` node (the adapter's product added by the GEMMs; an NF4
+base is dequantized transiently); with dropout, the base matmul then an in-place ``addmm_`` for the adapter; fp32
+adapters on a lower-precision base (inference) compose in the adapter's dtype.
+
 Merging adds ``s * B @ A`` into the base weight IN PLACE (fp32 arithmetic, one rounding to the weight's dtype) and
 unmerging subtracts it again (within one ulp per element and cycle), or with ``merge(exact=True)`` copies back a
 backup taken at merge time (bit-exact, one extra copy of the weight while merged). While merged the adapter branch
@@ -56,12 +61,26 @@ class LoraLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base_forward(x)
         if self.merged or self.disabled:
+            return self.base_forward(x)
+        a, b = self.lora_A.weight, self.lora_B.weight
+        drop = self.dropout > 0 and self.training
+        dense = self.quant_shape is None
+        # (no-grad NF4 steps, e.g. decoding, keep nf4_matmul: its fused kernel reads 4-bit weights for few rows)
+        fused_ok = x.dtype == self.weight.dtype if dense else torch.is_grad_enabled()
+        if not drop and x.dtype == a.dtype == b.dtype and fused_ok:
+            from polyrl import kernels
+
+            base = self.weight if dense else kernels.NF4Weight(self.weight_nf4, self.weight_absmax, self.quant_shape)
+            return kernels.lora_linear(x, base, self.bias, a, b, self.scaling)  # the training case
+        y = self.base_forward(x)
+        h = F.dropout(x, self.dropout, self.training) if drop else x
+        xa = F.linear(h.to(a.dtype), a)
+        if y.dtype == a.dtype == b.dtype:  # NF4 base or dropout: the adapter's add still rides on the GEMM,
+            # in place (y is the base matmul's fresh output, which its backward does not need)
+            y.view(-1, y.shape[-1]).addmm_(xa.reshape(-1, a.shape[0]), b.t(), alpha=self.scaling)
             return y
-        h = F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
-        a = self.lora_A.weight
-        return y + F.linear(F.linear(h.to(a.dtype), a), self.lora_B.weight).to(y.dtype) * self.scaling
+        return y + F.linear(xa, b).to(y.dtype) * self.scaling  # fp32 adapters on a bf16 base (inference)
 
     # ---- merge ----------------------------------------------------------------------------------
     def delta(self) -> torch.Tensor:

@@ -1,0 +1,79 @@
+"""The LoRA linear as one autograd node: ``y = x W^T + b + s * (x A^T) B^T`` with the adapter's product added by
+the GEMM itself (``addmm``'s ``beta=1`` epilogue) in forward and backward.
+
+The plain composition (``linear(x, W) + linear(linear(x, A), B) * s``) spends, per LoRA layer, two extra
+elementwise passes over the ``[T, out]`` output in forward (scale, add), one in backward (scale the gradient) and
+one over ``[T, in]`` (summing the input gradients of the base and adapter branches); with activation checkpointing
+the forward ones run twice. Here they are gone:
+
+- forward: ``xa = x A^T`` (``[T, r]``), ``y = x W^T (+ b)``, then ``y += s * xa B^T`` in place (one GEMM);
+- backward: ``g = s * dy B`` (``[T, r]``), ``dB = s * dy^T xa``, ``dA = g^T x``, ``dx = dy W`` then
+  ``dx += g A`` in place (one GEMM). The frozen base weight gets no gradient.
+
+It saves ``x`` (which ``dA`` needs anyway), the small ``xa`` and the weights. An NF4 base (QLoRA) is dequantized
+into a transient dense weight in forward and again in backward, never kept. Pure PyTorch: cuBLAS, hipBLAS and
+the CPU BLAS all implement ``addmm``, so it runs on every platform; ``reference.py`` (the composition) is the spec.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from polyrl.kernels.nf4.reference import NF4Weight
+
+
+def _dense(weight: torch.Tensor | NF4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The base as a dense ``[N, K]`` tensor: itself, or (NF4) a transient dequantized copy, never saved."""
+    if isinstance(weight, NF4Weight):
+        from polyrl import kernels
+
+        return kernels.nf4_dequantize(weight.packed, weight.absmax, weight.shape, dtype)
+    return weight
+
+
+class _FusedLoraLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, nf4: NF4Weight | None):  # type: ignore[override]
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        w = _dense(nf4, x.dtype) if nf4 is not None else weight
+        xa = x2 @ lora_a.t()
+        y = torch.addmm(bias, x2, w.t()) if bias is not None else x2 @ w.t()
+        y.addmm_(xa, lora_b.t(), alpha=scaling)
+        ctx.save_for_backward(x2, xa, weight if nf4 is None else None, lora_a, lora_b)
+        ctx.scaling, ctx.shape, ctx.has_bias, ctx.nf4 = scaling, shape, bias is not None, nf4
+        return y.view(*shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        x2, xa, weight, lora_a, lora_b = ctx.saved_tensors
+        s = ctx.scaling
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        g = (dy2 @ lora_b).mul_(s)  # [T, r]: the gradient reaching xa
+        d_b = (dy2.t() @ xa).mul_(s) if ctx.needs_input_grad[4] else None
+        d_a = g.t() @ x2 if ctx.needs_input_grad[3] else None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            w = _dense(ctx.nf4, dy.dtype) if ctx.nf4 is not None else weight
+            dx = dy2 @ w
+            dx.addmm_(g, lora_a)
+            dx = dx.view(ctx.shape)
+        d_bias = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        d_w = dy2.t() @ x2 if ctx.needs_input_grad[1] else None  # only if someone unfroze a dense base
+        return dx, d_w, d_bias, d_a, d_b, None, None
+
+
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor | NF4Weight,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """``x W^T + b + scaling * (x A^T) B^T``; ``weight [out, in]`` dense or ``NF4Weight`` (dequantized transiently
+    in forward and again in backward, as ``nf4_matmul`` does above its fused-kernel rows), ``lora_a [r, in]``,
+    ``lora_b [out, r]``."""
+    if isinstance(weight, NF4Weight):
+        return _FusedLoraLinear.apply(x, None, bias, lora_a, lora_b, float(scaling), weight)
+    return _FusedLoraLinear.apply(x, weight, bias, lora_a, lora_b, float(scaling), None)
