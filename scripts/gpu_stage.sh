@@ -43,6 +43,15 @@ for s in "$@"; do
     # cProfile of one LoRA training step at 1.7b with its wall and kernel time: is the host the bound? (issue 17)
     host-profile-lora) stage host-profile-lora 200 python3 scripts/train_host_profile.py --shape qwen3-1.7b --seq 4096 \
       --batch 2 --lora r=16,alpha=32 --activation-checkpointing --top 40 ;;
+    # The LoRA/QLoRA iteration loop at 1.7b (ours vs HF + peft (+ Liger), ours with --compile), the 8b LoRA memory
+    # against HF + peft + Liger, and the host profile (issue 17)
+    lora-iter) TAIL=0 stage lora-iter 560 bash -c "A='--seq 4096 --batch 2 --steps 5 --warmup 2 --activation-checkpointing'; \
+      $PR bench sft --shape qwen3-1.7b \$A --lora r=16,alpha=32 --baselines hf,hf-liger; \
+      $PR bench sft --shape qwen3-1.7b \$A --qlora --baselines hf; \
+      $PR bench sft --shape qwen3-8b \$A --lora r=16,alpha=32 --baselines hf-liger; \
+      $PR bench sft --shape qwen3-1.7b \$A --lora r=16,alpha=32 --compile --baselines none; \
+      python3 scripts/train_host_profile.py --shape qwen3-1.7b --seq 4096 --batch 2 --lora r=16,alpha=32 \
+        --activation-checkpointing --top 25" ;;
     bench-agent) stage bench-agent 150 $PR bench agent --shape qwen3-0.6b --episodes 256 --turns 4 --turn-tokens 128 --json "$OUT/bench_agent.json" ;;
     validate) stage validate 220 $PR validate --preset tiny --levels platform,ops,sft,rl,serve --out "$OUT/validate" ;;
     bench-grpo-trl) stage bench-grpo-trl 560 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 --warmup 1 --steps 2 --json "$OUT/bench_grpo.json" ;;

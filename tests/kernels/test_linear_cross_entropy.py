@@ -301,3 +301,25 @@ def test_gpu_memory_and_time_targets(reduction, triton_kernels):
     )
     assert ours_mem <= torch_mem / 8, f"extra peak {ours_mem / 2**30:.2f} GiB > 1/8 of {torch_mem / 2**30:.2f} GiB"
     assert ours_ms <= 1.1 * torch_ms, f"{ours_ms:.2f} ms > 1.1 x {torch_ms:.2f} ms"
+
+
+@pytest.mark.gpu
+def test_gpu_several_chunks_accumulate_the_weight_gradient_in_fp32(triton_kernels, kernel_check, monkeypatch):
+    """Three chunks at the LLM vocab: the [V, H] gradient is summed in fp32 across chunks (on CUDA with torch >= 2.8
+    by the GEMM itself, addmm out_dtype=fp32: asserted), matching the fp32 materialised gradient."""
+    fn = triton_kernels.load("linear_cross_entropy")
+    tlp = importlib.import_module("polyrl.kernels.token_logprobs.triton")
+    V, H = LLM_TVH[1], LLM_TVH[2]
+    monkeypatch.setattr(tlp, "CHUNK_BYTES", 512 * V * 2)
+    hidden, weight, labels = _inputs(PARITY_T, V, H, torch.bfloat16, triton_kernels.device, ignore_every=5)
+    assert tlp.chunk_rows(PARITY_T, V, 2) == 512
+    if triton_kernels.device.type == "cuda" and tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 8):
+        assert tlp._fp32_out_addmm(hidden)
+    up = _upstream("mean", PARITY_T, hidden.device)
+    loss, gh, gw = _run(fn, hidden, weight, labels, "mean", up)
+    h32 = hidden.detach().float().requires_grad_()
+    w32 = weight.detach().float().requires_grad_()
+    r_loss, r_gh, r_gw = _run(_materialised, h32, w32, labels, "mean", up)
+    kernel_check.assert_close(loss, r_loss, torch.bfloat16, "loss")
+    kernel_check.assert_close(gh, r_gh, torch.bfloat16, "grad_hidden")
+    kernel_check.assert_close(gw, r_gw, torch.bfloat16, "grad_weight")

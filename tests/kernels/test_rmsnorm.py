@@ -111,6 +111,30 @@ def test_triton_strided_rows_and_unused_sum(triton_kernels, kernel_check):
     kernel_check.assert_close(wr.grad, wd.grad, torch.float32, "dweight", scale=4.0)
 
 
+@pytest.mark.parametrize("fused_residual", [False, True], ids=["plain", "residual"])
+def test_triton_frozen_weight_gets_no_gradient_and_the_same_input_gradients(
+    triton_kernels, kernel_check, fused_residual
+):
+    """A frozen norm (LoRA) skips the weight-gradient accumulation: no weight grad, identical dx (and residual)."""
+    fn = triton_kernels.load("rmsnorm")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 96, generator=g).to(triton_kernels.device)
+    w = (torch.rand(96, generator=g) + 0.5).to(triton_kernels.device)
+    r = torch.randn(37, 96, generator=g).to(triton_kernels.device) if fused_residual else None
+    _, trainable = _fwd_bwd(fn, x, w, r, 1e-6)
+    xs = x.clone().requires_grad_()
+    rs = r.clone().requires_grad_() if r is not None else None
+    out = fn(xs, w, 1e-6, rs)  # w does not require grad
+    outs = out if isinstance(out, tuple) else (out,)
+    cot = torch.Generator().manual_seed(0)
+    loss = sum((o.double() * torch.randn(o.shape, generator=cot, dtype=torch.float64).to(o.device)).sum() for o in outs)
+    loss.backward()
+    assert w.grad is None
+    kernel_check.assert_close(xs.grad, trainable[0], torch.float32, "dx")
+    if r is not None:
+        kernel_check.assert_close(rs.grad, trainable[2], torch.float32, "dresidual")
+
+
 def test_triton_rejects_mismatched_weight(triton_kernels):
     fn = triton_kernels.load("rmsnorm")
     with pytest.raises(ValueError, match="does not match"):

@@ -10,7 +10,8 @@ Backward (rounding of the normalised value treated as identity, as autograd does
 ``dn = dy * w``, ``n = s_f32 * rstd``, ``ds = rstd * (dn - n * mean(dn * n))`` (+ the gradient of the
 returned sum when residual is fused; x and residual both receive ``ds``). The weight gradient
 ``sum_rows(dy * n_rounded)`` is accumulated in fp32 per program (a persistent grid of about two
-programs per multiprocessor), written as ``[P, H]`` partial sums and reduced by one small torch sum.
+programs per multiprocessor), written as ``[P, H]`` partial sums and reduced by one small torch sum; a frozen
+weight (LoRA) skips it.
 
 Deliberately not here: rows longer than 65536 elements (one row must fit one block), a weight offset
 (Gemma's ``1 + w``), and in-place variants.
@@ -83,6 +84,7 @@ def _rmsnorm_bwd_kernel(
     stride_s,
     stride_dx,
     HAS_DSUM: tl.constexpr,
+    NEED_DW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -101,14 +103,16 @@ def _rmsnorm_bwd_kernel(
         dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
         n = s.to(tl.float32) * rstd[:, None]
-        dw_acc += dy * n.to(s_ptr.dtype.element_ty).to(tl.float32)
+        if NEED_DW:
+            dw_acc += dy * n.to(s_ptr.dtype.element_ty).to(tl.float32)
         dn = dy * w[None, :]
         mean_dn_n = tl.sum(dn * n, axis=1) / n_cols
         ds = rstd[:, None] * (dn - n * mean_dn_n[:, None])
         if HAS_DSUM:
             ds += tl.load(ds_ptr + rows64[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + rows64[:, None] * stride_dx + cols[None, :], ds.to(dx_ptr.dtype.element_ty), mask=mask)
-    tl.store(dw_part_ptr + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
+    if NEED_DW:
+        tl.store(dw_part_ptr + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
 
 
 def _rows2d(t: torch.Tensor) -> torch.Tensor:
@@ -184,17 +188,18 @@ class _RMSNormFn(torch.autograd.Function):
         dx = torch.empty((n_rows, n_cols), dtype=s.dtype, device=s.device)
         block_m, block_n, warps = _tiling(n_cols, max(s.element_size(), dy.element_size()))
         n_prog = _num_programs(s.device, max(1, triton.cdiv(n_rows, block_m)))
+        need_dw = ctx.needs_input_grad[1]  # a frozen norm (LoRA) skips the weight gradient and its reduction
         # Every program stores its whole row of partial sums (zeros if it got no rows): no memset needed.
-        dw_part = torch.empty((n_prog, n_cols), dtype=torch.float32, device=s.device)
+        dw_part = torch.empty((n_prog if need_dw else 1, n_cols), dtype=torch.float32, device=s.device)
         if n_rows == 0:
             dw_part.zero_()
         else:
             _rmsnorm_bwd_kernel[(n_prog,)](
                 dy2, ds2, s, weight, rstd, dx, dw_part, n_rows, n_cols,
                 dy2.stride(0), ds2.stride(0), s.stride(0), dx.stride(0),
-                HAS_DSUM=has_dsum, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                HAS_DSUM=has_dsum, NEED_DW=need_dw, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
             )  # fmt: skip
-        dw = dw_part.sum(0).to(weight.dtype)
+        dw = dw_part.sum(0).to(weight.dtype) if need_dw else None
         dx = dx.view(ctx.shape)
         x_dtype, res_dtype = ctx.in_dtypes
         if ctx.has_res:

@@ -263,6 +263,32 @@ def recompute_backward(
     return grad_h, (acc.result() if acc is not None else None)
 
 
+_FP32_OUT_ADDMM: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _fp32_out_addmm(g: torch.Tensor) -> bool:
+    """Whether ``torch.addmm(c_fp32, a, b, out_dtype=float32, out=c_fp32)`` accumulates low-precision products into
+    fp32 here (torch >= 2.8 on CUDA); probed once per (device type, dtype) on a small case checked against fp64."""
+    if g.dtype == torch.float32:
+        return False
+    key = (g.device.type, g.dtype)
+    ok = _FP32_OUT_ADDMM.get(key)
+    if ok is None:
+        ok = False
+        try:
+            gen = torch.Generator().manual_seed(0)
+            a, b, c = (torch.randn(n, m, generator=gen) for n, m in ((64, 48), (64, 80), (48, 80)))
+            a_, b_ = a.to(g.dtype), b.to(g.dtype)
+            want = c.double() + a_.double().t() @ b_.double()
+            total = c.to(g.device)
+            torch.addmm(total, a_.to(g.device).t(), b_.to(g.device), out_dtype=torch.float32, out=total)
+            ok = total.dtype == torch.float32 and bool((total.cpu().double() - want).abs().max() < 1e-3)
+        except (TypeError, RuntimeError, NotImplementedError):
+            ok = False
+        _FP32_OUT_ADDMM[key] = ok
+    return ok
+
+
 class GradWeightAccumulator:
     """Sum of ``g_c^T @ h_c`` over chunks: fp32 accumulation across chunks, one matmul when there is one chunk."""
 
@@ -272,6 +298,10 @@ class GradWeightAccumulator:
         self.total: torch.Tensor | None = None
 
     def add(self, g: torch.Tensor, h: torch.Tensor) -> None:
+        if self.total is not None and not self.single and _fp32_out_addmm(g):
+            # the GEMM adds into the fp32 total itself: no rounded [V, H] product, no separate add pass
+            torch.addmm(self.total, g.t(), h, out_dtype=torch.float32, out=self.total)
+            return
         prod = g.t() @ h  # [V, H], fp32 accumulation inside the matmul
         if self.single:
             self.total = prod
