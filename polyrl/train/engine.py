@@ -162,6 +162,12 @@ class TrainEngine:
     def _uncompile(layers: list[nn.Module]) -> None:
         for layer in layers:
             layer._compiled_call_impl = None  # undoes nn.Module.compile
+        # Frames dynamo compiled inside the layers (resume functions after a graph break) stay cached and would
+        # keep running compiled in the eager retry, while activation checkpointing recomputes with dynamo off: a
+        # different set of saved tensors (CheckpointError, seen on the H200 with --lora --compile). Drop them all.
+        dynamo = getattr(torch, "_dynamo", None)
+        if dynamo is not None and hasattr(dynamo, "reset"):
+            dynamo.reset()
 
     # ---- the step -----------------------------------------------------------------------------
     def lr(self, step: int | None = None) -> float:

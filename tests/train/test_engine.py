@@ -117,6 +117,37 @@ def test_activation_checkpointing_gives_identical_steps():
     assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), ckpt.parameters()))
 
 
+def test_a_compile_failure_at_run_time_falls_back_to_eager_under_checkpointing(monkeypatch):
+    """A layer whose compiled call fails at run time (dynamo error): the step warns, drops every compiled frame
+    (torch._dynamo.reset: compiled inner frames would otherwise run in the retry but not in the checkpoint's
+    recompute) and redoes the step eagerly, giving the eager engine's loss and weights."""
+    import torch._dynamo
+
+    from polyrl.train import TrainEngine
+
+    def broken(*args, **kwargs):
+        raise torch._dynamo.exc.Unsupported("simulated run-time compile failure")
+
+    def fake_compile(self):
+        layers = list(self.model.model.layers)
+        for layer in layers:
+            layer._compiled_call_impl = broken
+        return layers
+
+    resets = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    monkeypatch.setattr(TrainEngine, "_compile_layers", fake_compile)
+    batch = [pack(random_seqs(3, 24, 64, 5))]
+    model, ref = tiny_lm(seed=4), tiny_lm(seed=4)
+    e = _engine(model, OptimConfig(lr=1e-2), activation_checkpointing=True, compile=True)
+    e_ref = _engine(ref, OptimConfig(lr=1e-2), activation_checkpointing=True)
+    with pytest.warns(RuntimeWarning, match="falling back to eager"):
+        loss = e.step(batch).loss
+    assert loss == e_ref.step(batch).loss
+    assert resets and all(layer._compiled_call_impl is None for layer in model.model.layers)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
 def test_stats_metrics_and_errors():
     model = tiny_lm(seed=0)
     engine = TrainEngine(model, OptimConfig(lr=1e-3), ScheduleConfig(warmup_steps=2, decay="linear"), total_steps=4)

@@ -31,6 +31,18 @@ def _dense(weight: torch.Tensor | NF4Weight, dtype: torch.dtype) -> torch.Tensor
     return weight
 
 
+_ZEROS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _zero(like: torch.Tensor) -> torch.Tensor:
+    """A cached 0-dim zero of ``like``'s device and dtype (the ignored ``input`` of a ``beta=0`` addmm)."""
+    key = (like.device, like.dtype)
+    z = _ZEROS.get(key)
+    if z is None:
+        z = _ZEROS[key] = torch.zeros((), device=like.device, dtype=like.dtype)
+    return z
+
+
 class _FusedLoraLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, nf4: NF4Weight | None):  # type: ignore[override]
@@ -49,8 +61,9 @@ class _FusedLoraLinear(torch.autograd.Function):
         x2, xa, weight, lora_a, lora_b = ctx.saved_tensors
         s = ctx.scaling
         dy2 = dy.reshape(-1, dy.shape[-1])
-        g = (dy2 @ lora_b).mul_(s)  # [T, r]: the gradient reaching xa
-        d_b = (dy2.t() @ xa).mul_(s) if ctx.needs_input_grad[4] else None
+        zero = _zero(dy2)  # beta=0: addmm ignores it, so the scale rides on the GEMM (alpha), no extra pass
+        g = torch.addmm(zero, dy2, lora_b, beta=0, alpha=s)  # [T, r]: the gradient reaching xa
+        d_b = torch.addmm(zero, dy2.t(), xa, beta=0, alpha=s) if ctx.needs_input_grad[4] else None
         d_a = g.t() @ x2 if ctx.needs_input_grad[3] else None
         dx = None
         if ctx.needs_input_grad[0]:
