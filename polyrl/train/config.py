@@ -134,7 +134,9 @@ class EngineConfig:
     one micro-batch per step); must be >= micro_batch_tokens. ``nan_guard_max_consecutive``: stop
     after this many skipped (non-finite) steps in a row. ``deterministic`` asks torch for
     deterministic kernels (bitwise-reproducible runs on the CPU). ``compile`` compiles each decoder
-    layer with torch.compile where that works (falls back to eager with a warning)."""
+    layer with torch.compile where that works (falls back to eager with a warning). ``pause_gc`` keeps Python's
+    cyclic garbage collector off while a step runs (``platform.host.gc_paused``: its passes stall the host that
+    launches kernels; it runs between steps instead)."""
 
     micro_batch_tokens: int = 8192
     step_tokens: int | None = None
@@ -143,6 +145,7 @@ class EngineConfig:
     nan_guard_max_consecutive: int = 5
     deterministic: bool = False
     seed: int = 0
+    pause_gc: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.micro_batch_tokens, int) or self.micro_batch_tokens <= 0:

@@ -27,6 +27,7 @@ from torch import nn
 
 from polyrl.errors import DataError, UserError
 from polyrl.platform import device
+from polyrl.platform.host import gc_paused
 from polyrl.train.config import EngineConfig, OptimConfig, PrecisionConfig, ScheduleConfig
 from polyrl.train.losses import causal_lm_loss
 from polyrl.train.optim import MasterAdamW
@@ -170,6 +171,18 @@ class TrainEngine:
             dynamo.reset()
 
     # ---- the step -----------------------------------------------------------------------------
+    def _forward_backward_or_eager(self, micro_batches, loss_fn, norm):
+        try:
+            return self._forward_backward(micro_batches, loss_fn, norm)
+        except Exception as exc:
+            if not self._compiled or not _is_compile_error(exc):
+                raise
+            warnings.warn(f"torch.compile failed at run time ({exc}); falling back to eager", RuntimeWarning, 3)
+            self._uncompile(self._compiled)
+            self._compiled = []
+            self.optimizer.zero_grad()
+            return self._forward_backward(micro_batches, loss_fn, norm)
+
     def lr(self, step: int | None = None) -> float:
         """Scheduled lr of 0-based step ``step`` (default: the next step)."""
         s = self.global_step if step is None else step
@@ -197,16 +210,8 @@ class TrainEngine:
         flops = self._model_flops(micro_batches)
         t0 = time.perf_counter()
         self.model.train()
-        try:
-            loss_total, metric_sums = self._forward_backward(micro_batches, loss_fn, norm)
-        except Exception as exc:
-            if not self._compiled or not _is_compile_error(exc):
-                raise
-            warnings.warn(f"torch.compile failed at run time ({exc}); falling back to eager", RuntimeWarning, 2)
-            self._uncompile(self._compiled)
-            self._compiled = []
-            self.optimizer.zero_grad()
-            loss_total, metric_sums = self._forward_backward(micro_batches, loss_fn, norm)
+        with gc_paused(self.cfg.pause_gc):
+            loss_total, metric_sums = self._forward_backward_or_eager(micro_batches, loss_fn, norm)
         tokens = sum(int(b.input_ids.numel()) for b in micro_batches)
         if self.world is not None:
             loss_total, metric_sums, tokens = self._reduce_over_ranks(loss_total, metric_sums, tokens)

@@ -148,6 +148,31 @@ def test_a_compile_failure_at_run_time_falls_back_to_eager_under_checkpointing(m
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 
 
+@pytest.mark.parametrize("pause", [True, False])
+def test_the_garbage_collector_is_paused_inside_a_step_and_restored_after(pause):
+    """engine.pause_gc: automatic cyclic GC is off while forward/backward run (its passes stall the host), back on
+    after the step, also when the step raises; pause_gc=False leaves it alone."""
+    import gc
+
+    seen = []
+
+    def loss_fn(model, batch):
+        seen.append(gc.isenabled())
+        return causal_lm_loss(model, batch)
+
+    def failing(model, batch):
+        raise RuntimeError("boom")
+
+    engine = _engine(tiny_lm(seed=0), OptimConfig(lr=1e-3), pause_gc=pause)
+    batch = [pack(random_seqs(2, 10, 64, 0))]
+    assert gc.isenabled()
+    engine.step(batch, loss_fn)
+    assert seen == [not pause] and gc.isenabled()
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.step(batch, failing)
+    assert gc.isenabled()
+
+
 def test_stats_metrics_and_errors():
     model = tiny_lm(seed=0)
     engine = TrainEngine(model, OptimConfig(lr=1e-3), ScheduleConfig(warmup_steps=2, decay="linear"), total_steps=4)
