@@ -35,6 +35,10 @@ class EngineConfig:
     # ... and queue this many decode steps per launch when no row needs the host between steps (its tokens past a
     # stop are computed and dropped): the host's per-step work is paid once per that many tokens
     decode_steps: int = 4
+    # generate(): Python's cyclic garbage collector off until every prompt finished (platform.host.gc_paused); in
+    # scripts/engine_host_overhead.py (B512 x 256 tokens) it ran 82 young and 8 middle-generation passes inside
+    # generate(), ~2% of the host time, each a pause of up to a few ms between launches
+    pause_gc: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -30,6 +30,7 @@ from polyrl.infer.sampling_params import SamplingParams
 from polyrl.infer.scheduler import Scheduler
 from polyrl.infer.sequence import CompletionOutput, RequestOutput, Sequence, Status
 from polyrl.infer.stopping import check_stop
+from polyrl.platform.host import gc_paused
 
 
 class _Request:
@@ -404,10 +405,11 @@ class LLM:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids):
-            for out in self.step(ahead=True):
-                if out.finished and out.request_id in wanted:
-                    done[out.request_id] = out
+        with gc_paused(self.config.pause_gc):  # its full passes would stall the launches (platform/host.py)
+            while len(done) < len(ids):
+                for out in self.step(ahead=True):
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
         self._flush()  # rows of finished sequences only, unless another thread's requests share the engine
         return [done[i] for i in ids]
 

@@ -167,3 +167,23 @@ def test_abort_reports_and_frees(tiny_model):
     (out,) = llm.step()
     assert out.finished and out.outputs[0].finish_reason == "abort"
     assert not llm.has_unfinished_requests() and llm.block_manager.usage() == 0.0
+
+
+@pytest.mark.parametrize("pause", [True, False])
+def test_generate_pauses_the_garbage_collector_and_restores_it(tiny_model, pause):
+    """EngineConfig.pause_gc: automatic cyclic GC is off for the whole generate() loop and back on after it,
+    with the same outputs either way."""
+    import gc
+
+    llm = LLM(tiny_model, None, EngineConfig(num_blocks=64, pause_gc=pause))
+    seen = []
+    step = llm.step
+
+    def spy(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return step(*args, **kwargs)
+
+    llm.step = spy
+    outs = llm.generate(prompts(3, seed=1), SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert seen and set(seen) == {not pause} and gc.isenabled()
+    assert all(len(o.outputs[0].token_ids) == 5 for o in outs)
