@@ -52,6 +52,10 @@ for s in "$@"; do
       $PR bench sft --shape qwen3-1.7b \$A --lora r=16,alpha=32 --compile --baselines none; \
       python3 scripts/train_host_profile.py --shape qwen3-1.7b --seq 4096 --batch 2 --lora r=16,alpha=32 \
         --activation-checkpointing --top 25" ;;
+    # The GRPO step with the KV cache and graphs kept across steps (the default on the H200) only: the row of the
+    # issue-14 table when there is no time for --kv both
+    bench-grpo-keep) stage bench-grpo-keep 150 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 \
+      --warmup 1 --steps 2 --kv keep --baselines none --json "$OUT/bench_grpo_keep.json" ;;
     bench-agent) stage bench-agent 150 $PR bench agent --shape qwen3-0.6b --episodes 256 --turns 4 --turn-tokens 128 --json "$OUT/bench_agent.json" ;;
     validate) stage validate 220 $PR validate --preset tiny --levels platform,ops,sft,rl,serve --out "$OUT/validate" ;;
     bench-grpo-trl) stage bench-grpo-trl 560 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 --warmup 1 --steps 2 --json "$OUT/bench_grpo.json" ;;
