@@ -132,7 +132,9 @@ def calculator_transcripts(
 ) -> list[dict[str, Any]]:
     """SFT rows ``{"messages": [...]}`` of calculator episodes: the same opening messages as ``CalculatorEnv.reset``,
     then (a ``tool_fraction`` of the rows) a ``<tool_call>``, the tool result and the answer, or (the others) a
-    direct guess that is usually wrong, so that RL has a choice to learn. With a ``ChatRenderer`` the messages are
+    direct guess, "The answer is N." with a wrong N, so that RL has a choice to learn. After a call the answer is
+    the bare result: with results of one width (e.g. four digits) every copied digit then sits at a fixed distance
+    from its source, which a 2-layer model learns in a few hundred steps. With a ``ChatRenderer`` the messages are
     written as its template renders them (tools block, calls as text), ready for ``polyrl train --algo sft``."""
     rng = random.Random(seed)
     rows = []
@@ -140,7 +142,7 @@ def calculator_transcripts(
         if rng.random() >= tool_fraction:
             msgs = CalculatorEnv().reset(ex)
             guess = int(float(ex["answer"])) + rng.choice([-10, -3, -1, 1, 2, 5, 10, 100])
-            msgs.append({"role": "assistant", "content": rng.choice(["{}", "The answer is {}."]).format(guess)})
+            msgs.append({"role": "assistant", "content": f"The answer is {guess}."})
             rows.append({"messages": renderer.template_messages(msgs, [CALCULATOR_TOOL]) if renderer else msgs})
             continue
         expr = re.sub(r"^What is |\?$", "", ex["prompt"]).strip()
@@ -152,11 +154,10 @@ def calculator_transcripts(
             "function": {"name": "calculator", "arguments": {"expression": expr}},
         }
         result = env.calculator(expr)
-        final = rng.choice(["{}", "The answer is {}.", "{}."]).format(result)
         msgs += [
             {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "call_0", "name": "calculator", "content": result},
-            {"role": "assistant", "content": final},
+            {"role": "assistant", "content": result},
         ]
         rows.append({"messages": renderer.template_messages(msgs, [CALCULATOR_TOOL]) if renderer else msgs})
     return rows

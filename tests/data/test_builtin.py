@@ -46,6 +46,19 @@ def test_arithmetic_max_b_bounds_the_second_operand_and_keeps_splits_disjoint():
         generate("builtin:arithmetic?max_b=-1")
 
 
+def test_arithmetic_min_bounds_both_operands():
+    """The agent demo's task: products of two operands in 32..99, all with four digits."""
+    rows = generate("builtin:arithmetic?min=32&max=99&ops=*&n=300")
+    operands = [[int(x) for x in r["prompt"].removeprefix("What is ").removesuffix("?").split(" * ")] for r in rows]
+    assert all(32 <= a <= 99 and 32 <= b <= 99 and int(r["answer"]) == a * b for (a, b), r in zip(operands, rows))
+    assert {len(r["answer"]) for r in rows} == {4}
+    assert min(min(p) for p in operands) < 40 and max(max(p) for p in operands) > 90  # the whole range is drawn
+    for spec, message in (("min=-1", "min=-1 must be between 0 and max=20"), ("min=30", "min=30"),
+                          ("min=5&max_b=2", "max_b=2 must be >= min=5")):  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            generate(f"builtin:arithmetic?{spec}")
+
+
 def test_string_tasks_answers():
     for r in generate("builtin:reverse?n=20"):
         assert r["answer"] == r["prompt"].removeprefix("Reverse the string: ")[::-1]
