@@ -32,6 +32,8 @@ from polyrl.train.parallel.checkpoint import (
     load_any_checkpoint,
     load_full_checkpoint,
     load_sharded_checkpoint,
+    save_distributed_checkpoint,
+    save_replicated_checkpoint,
     save_sharded_checkpoint,
     saved_world_size,
 )
@@ -58,6 +60,8 @@ __all__ = [
     "load_sharded_checkpoint",
     "replicate_model",
     "rollout_model",
+    "save_distributed_checkpoint",
+    "save_replicated_checkpoint",
     "save_sharded_checkpoint",
     "saved_world_size",
     "shard_model",
