@@ -153,3 +153,17 @@ def test_two_rank_lora_grpo_through_the_cli(tiny_model_dir, tmp_path):
         want = pm(input_ids=ids[None]).logits[0]
         got = ours.compute_logits(ours(ids, torch.arange(6), AttnMetadata.from_seqlens([6], "cpu")))
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_lora_models_are_replicated_not_sharded():
+    """What is not supported says what to do: FSDP2 over a LoRA model, an engine on a plain model under a world."""
+    from polyrl.errors import ConfigError, UserError
+    from polyrl.train.parallel import World, is_replicated, shard_model
+
+    world = World(rank=0, world_size=2, backend="gloo")  # a world as the run sees it (no collective is reached)
+    model = lora_model("lora")
+    with pytest.raises(ConfigError, match="not supported yet; replicate it instead"):
+        shard_model(model, world)
+    assert not is_replicated(model)
+    with pytest.raises(UserError, match=r"shard_model\(.*\) \(full training\) or replicate_model\(model, world\)"):
+        new_engine(model, world)
