@@ -26,6 +26,8 @@ algorithms layer so the RL loop below the trainer can use it).
   optimizer step with one all-gather per tensor), each rank generates for its share of the prompts and every rank
   gets all samples back (``generate_data_parallel``). Log-prob recomputes run on that plain copy too (same weights
   and kernels as the FSDP forward, no collectives, so ranks may hold different numbers of micro-batches there).
+  A replicated model (``replicate_model``: LoRA) stays colocated as in one process (rollout, reference and
+  ``merge_for_rollout`` as above, on every rank's own identical replica); only generation is split over ranks.
 
 Deliberately not here: rewards, advantages, losses, the run loop (``polyrl.algorithms.online``).
 """
@@ -260,11 +262,14 @@ class ColocatedPolicy:
         self.model = model
         self._tokenizer = tokenizer
         self.world = world if world is not None and world.distributed else None
-        if self.world is None:
+        from polyrl.train.parallel import is_replicated
+
+        self.sharded = self.world is not None and not is_replicated(model)
+        if not self.sharded:  # one process, or a whole replica per rank: the rollout shares the trained tensors
             lora = getattr(model, "lora_config", None) is not None
             # before any update or hook: the initial weights (LoRA: the frozen base itself, adapters off, no copy)
             initial = copy.deepcopy(model) if reference and not lora else None
-            self.engine = TrainEngine(model, optim, schedule, precision, engine, total_steps)
+            self.engine = TrainEngine(model, optim, schedule, precision, engine, total_steps, world=self.world)
             self.rollout_net = model  # colocated: the very tensors the optimizer updates
             self.ref_model: nn.Module | None = None
             if initial is not None:
@@ -378,8 +383,8 @@ class ColocatedPolicy:
         """Per sample: the completion tokens' log-probs (fp32 CPU ``[c]``) under ``model`` (default the policy) and,
         with ``entropy``, the entropies. Pass the training ``batches`` to recompute with the exact packing the loss
         will use (so an unchanged model gives a ratio of exactly 1). Data-parallel: the default model is the plain
-        full copy (``rollout_net``); samples in no given batch get None."""
-        model = model or (self.rollout_net if self.world is not None else self.model)
+        full copy (``rollout_net``, the model itself when replicated); samples in no given batch get None."""
+        model = model or self.rollout_net
         was_training = model.training
         model.eval()
         batches = batches if batches is not None else pack_samples(samples, max_tokens=self.micro_batch_tokens)
@@ -403,7 +408,7 @@ class ColocatedPolicy:
     ) -> Any:
         """One optimizer step (``TrainEngine.step``); the rollout engine's prefix cache is reset afterwards."""
         stats = self.engine.step(list(batches), loss_fn, normalizer)
-        if self.world is not None:
+        if self.sharded:
             from polyrl.train.parallel import sync_rollout_weights
 
             sync_rollout_weights(self.model, self.rollout_net)
@@ -412,16 +417,18 @@ class ColocatedPolicy:
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def save(self, root: str | Path, step: int, data_state: dict | None = None, config: Any = None) -> Path:
-        """Atomic checkpoint ``<root>/step-%08d`` (weights, optimizer, RNG, counters, ``data_state``); sharded
-        (every rank writes its shards, collective) when data-parallel."""
+        """Atomic checkpoint ``<root>/step-%08d`` (weights, optimizer, RNG, counters, ``data_state``); when
+        data-parallel sharded (every rank writes its shards) or replicated (rank 0 writes, every rank its RNG), a
+        collective."""
         from polyrl.train import save_checkpoint
 
         if self.world is not None:
-            from polyrl.train.parallel import save_sharded_checkpoint
+            from polyrl.train.parallel import save_distributed_checkpoint
 
-            return save_sharded_checkpoint(
-                root, step, self.model, self.engine, self.world, data_state=data_state, config=config
-            )
+            return save_distributed_checkpoint(
+                root, step, self.model, self.engine, self.world, data_state=data_state, config=config,
+                tokenizer=self._tokenizer,
+            )  # fmt: skip
         return save_checkpoint(
             root, step, self.model, self.engine, data_state=data_state, config=config, tokenizer=self._tokenizer
         )
@@ -434,7 +441,7 @@ class ColocatedPolicy:
 
         if self.world is not None or par.is_sharded_checkpoint(path):
             loaded = par.load_any_checkpoint(path, self.model, self.engine, self.world)
-            if self.world is not None:
+            if self.sharded:
                 par.sync_rollout_weights(self.model, self.rollout_net)
         else:
             loaded = load_checkpoint(path, self.model, self.engine)

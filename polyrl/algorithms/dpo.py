@@ -10,7 +10,9 @@ Reference: computed ONCE, before training, by a forward pass over the train (and
 initial weights (or the frozen ``reference_model``) in the run's compute dtype, then freed. The per-sequence
 sums are keyed by the sequence's content (token ids + labels: a sequence's log-prob depends on nothing else,
 since packed attention never crosses sequences), so packing order, shuffling and resume never matter. The
-table is cached in ``<out>/reference_logps.json``; a resumed run reads it instead of recomputing.
+table is cached in ``<out>/reference_logps.json``; a resumed run reads it instead of recomputing. Under torchrun
+each rank computes every N-th missing sequence on its own device, the parts are gathered, and rank 0 writes the
+cache.
 
 Loss per pair, with ``h = (pi_c - ref_c) - (pi_r - ref_r)`` (sequence log-probs):
 ``sigmoid``: ``-(1 - eps) * logsigmoid(beta * h) - eps * logsigmoid(-beta * h)`` (eps = ``label_smoothing``,
@@ -215,16 +217,19 @@ def _all_seqs(datasets: Iterable[Any]) -> list[Any]:
     return [s for data in datasets for unit in data.units for s in unit]
 
 
-def prepare_reference(cfg: Any, datasets: Sequence[Any], stream: Any = None) -> ReferenceLogps:
+def prepare_reference(cfg: Any, datasets: Sequence[Any], stream: Any = None, world: Any = None) -> ReferenceLogps:
     """The reference table for ``datasets`` (``TokenizedData``) of run ``cfg``: read from the run's cache when it
-    covers them, else computed with the reference model (loaded here, freed on return) and cached."""
+    covers them, else computed with the reference model (loaded here, freed on return) and cached. With a
+    data-parallel ``world`` every rank calls it and gets the whole table (each computes its share)."""
     from polyrl.models.checkpoint import load_model
     from polyrl.platform import device
+    from polyrl.train.parallel import World
     from polyrl.train.precision import resolve_compute_dtype
 
-    stream = stream or sys.stdout
+    world = world or World()
+    stream = (stream or sys.stdout) if world.is_main else open(os.devnull, "w")  # noqa: SIM115 - rank 0 reports
     algo = cfg.algo_config
-    dev = device.torch_device()
+    dev = world.device if world.distributed else device.torch_device()
     dtype = resolve_compute_dtype(cfg.precision, dev.type)
     from polyrl.models.lora import base_model_path
 
@@ -248,8 +253,14 @@ def prepare_reference(cfg: Any, datasets: Sequence[Any], stream: Any = None) -> 
             model = load_model(meta["reference_model"], dtype=dtype, device=dev)
             model.requires_grad_(False)
             budget = algo.reference_batch_tokens or cfg.data.tokens_per_batch
-            added = table.compute(model, missing, budget, dev)
-            table.save(path)
+            before = len(table)
+            part = ReferenceLogps()
+            part.compute(model, missing[world.rank :: world.world_size], budget, dev)  # this rank's share
+            for entries in world.all_gather_object(part.entries):
+                table.entries.update(entries)
+            added = len(table) - before
+            if world.is_main:
+                table.save(path)
             print(
                 f"dpo: reference log-probs of {added} sequences in {time.perf_counter() - t0:.1f}s -> {path}",
                 file=stream,
@@ -315,8 +326,10 @@ def run(cfg: Any, stream: Any = None) -> dict[str, Any]:
     """A DPO run: data, then the reference pass (or its cache), then the shared offline loop."""
     from polyrl.algorithms import runner
     from polyrl.models.checkpoint import load_tokenizer
+    from polyrl.train.parallel import init_world
 
     runner.resume_point(cfg)  # a run-directory mistake is reported before any work
+    world = init_world()  # under torchrun: binds this rank's device first (run_offline reuses the group)
     built: dict[tuple[str, str], Any] = {}
 
     def cached_build(data_cfg: Any, tokenizer: Any, part: str = "train") -> Any:
@@ -331,7 +344,7 @@ def run(cfg: Any, stream: Any = None) -> dict[str, Any]:
     eval_data = runner.eval_source(cfg, inner, tokenizer)
     if eval_data is not None:
         datasets.append(eval_data)
-    reference = prepare_reference(cfg, datasets, stream)
+    reference = prepare_reference(cfg, datasets, stream, world)
     inner = dataclasses.replace(inner, make_loss=lambda algo_cfg: make_loss(algo_cfg, reference))
     return runner.run_offline(dataclasses.replace(cfg, spec=inner), stream=stream)
 

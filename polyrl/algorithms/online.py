@@ -18,12 +18,13 @@ One RL step, each stage a method of ``OnlineRun`` so an algorithm can override o
    reward / logprob / train), evaluation every ``train.eval_every`` steps on held-out prompts (greedy mean reward and
    exact-match accuracy), atomic checkpoints with the data position (exact resume), ``metrics.png``, summary.
 
-Under torchrun (``polyrl train --nproc-per-node N``) the policy is FSDP2-sharded and the run is data-parallel: the
-prompt stream, the seeds and so the sampled tokens are the same as in one process; each rank generates for its
-share of the prompts (``ColocatedPolicy`` with a ``world``), rank 0 scores every sample and broadcasts the rewards,
-every rank computes the same advantages and mini-batches and trains on its strided share of each mini-batch
-(padded with zero-weight micro-batches so every rank joins every FSDP collective), normalised by the global token
-count; metrics are reduced over ranks; rank 0 logs; checkpoints are sharded and resume at any world size.
+Under torchrun (``polyrl train --nproc-per-node N``) the policy is FSDP2-sharded (a LoRA policy: replicated, see
+``polyrl.train.parallel.replicate``) and the run is data-parallel: the prompt stream, the seeds and so the sampled
+tokens are the same as in one process; each rank generates for its share of the prompts (``ColocatedPolicy`` with a
+``world``), rank 0 scores every sample and broadcasts the rewards, every rank computes the same advantages and
+mini-batches and trains on its strided share of each mini-batch (padded with zero-weight micro-batches so every rank
+joins every FSDP collective), normalised by the global token count; metrics are reduced over ranks; rank 0 logs;
+checkpoints (sharded, or replicated for LoRA) resume at any world size.
 
 ``hooks`` (e.g. ``grpo.GroupRelative``) provide ``needs_reference``, ``advantages(rewards, groups) -> (adv, keep,
 metrics)``, ``normalizer(tokens, sequences)`` and ``make_loss(tokens_in_step, normalizer)``. ``OnlineConfig`` holds
@@ -232,10 +233,10 @@ class OnlineRun(DataParallelSteps):
             save_resolved(cfg, self.out)
         dev = self.world.device if self.world.distributed else device.torch_device()
         model = load_policy(cfg, dev, self.world)
-        if self.world.distributed:
+        if self.world.distributed:  # FSDP2-sharded; LoRA: replicated (every rank rolls out base + its adapter)
             from polyrl.train import resolve_compute_dtype
 
-            par.shard_model(model, self.world, resolve_compute_dtype(cfg.precision, dev.type))
+            par.distribute_model(model, self.world, resolve_compute_dtype(cfg.precision, dev.type))
         self.policy = ColocatedPolicy(
             model,
             self.tokenizer,

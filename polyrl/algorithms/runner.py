@@ -6,7 +6,9 @@ before the model is loaded), loads the model, then loops ``TrainEngine.step`` ov
 (``engine.accumulation_steps`` per optimizer step) with metrics, optional eval loss, and atomic checkpoints
 that carry the data position and data stats, so ``resume`` continues exactly. At the end it writes a last
 checkpoint, the final HF folder ``<out>/final``, ``summary.json`` and ``metrics.png``. A LoRA run (``cfg.lora``)
-trains adapters on a frozen base (``load_policy``); its checkpoints and ``final`` are PEFT adapter folders.
+trains adapters on a frozen base (``load_policy``); its checkpoints and ``final`` are PEFT adapter folders. Under
+torchrun the model is FSDP2-sharded, or for LoRA replicated with all-reduced adapter gradients
+(``parallel.distribute_model``).
 
 Not here: the step itself (``polyrl.train.engine``), checkpoint files (``polyrl.train.checkpoint``),
 argument parsing (``polyrl.cli.train``), online (rollout) algorithms.
@@ -37,13 +39,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 # ---- the model ----------------------------------------------------------------------------------
 def load_policy(cfg: RunConfig, dev: torch.device, world: Any = None) -> Any:
     """The model a run trains: the full model in fp32 (the engine takes fp32 masters and casts), or for a LoRA
-    run (``cfg.lora``) the frozen base in the compute dtype with adapters (fresh, or ``cfg.model``'s adapter)."""
+    run (``cfg.lora``) the frozen base in the compute dtype with adapters (fresh, or ``cfg.model``'s adapter): the
+    same on every rank of a data-parallel ``world`` (``distribute_model`` replicates it)."""
     from polyrl.models.checkpoint import load_model
 
     if cfg.lora is None:
         return load_model(cfg.model, dtype=torch.float32, device=dev)
-    if world is not None and world.distributed:
-        raise ConfigError("LoRA runs train on one process for now; drop --nproc-per-node (or the [lora] table)")
     from polyrl.models.lora import load_lora_model
     from polyrl.train import resolve_compute_dtype
 
@@ -218,10 +219,10 @@ def _run_offline(cfg: RunConfig, stream: Any, world: Any) -> dict[str, Any]:
 
     dev = world.device if world.distributed else device.torch_device()
     model = load_policy(cfg, dev, world)  # fp32 masters (LoRA: a frozen base in the compute dtype)
-    if world.distributed:
+    if world.distributed:  # FSDP2-sharded; LoRA: replicated, adapter gradients all-reduced
         from polyrl.train import resolve_compute_dtype
 
-        par.shard_model(model, world, resolve_compute_dtype(cfg.precision, dev.type))
+        par.distribute_model(model, world, resolve_compute_dtype(cfg.precision, dev.type))
     engine = TrainEngine(model, cfg.optim, cfg.schedule, cfg.precision, cfg.engine, total_steps=steps, world=world)
     loss_fn = spec.make_loss(cfg.algo_config)
     start = 0
@@ -256,7 +257,9 @@ def _run_offline(cfg: RunConfig, stream: Any, world: Any) -> dict[str, Any]:
         if not world.distributed:
             ckpts.save(step, model, engine, data_state=state, config=config_dict, tokenizer=tokenizer)
             return
-        par.save_sharded_checkpoint(ckpts.root, step, model, engine, world, data_state=state, config=config_dict)
+        par.save_distributed_checkpoint(
+            ckpts.root, step, model, engine, world, data_state=state, config=config_dict, tokenizer=tokenizer
+        )
         if world.is_main:
             ckpts.prune()
         world.barrier()

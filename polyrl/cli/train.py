@@ -251,6 +251,10 @@ def relaunch_argv(args: argparse.Namespace) -> list[str]:
             continue
         flag = "--" + dest.replace("_", "-")
         argv += [flag] if dest in _FLAGS_ONLY else [flag, str(value)]
+    if getattr(args, "lora", None) is not None:
+        argv.append(f"--lora={args.lora}")  # "--lora=" for the bare flag (all defaults)
+    if getattr(args, "qlora", None):
+        argv.append("--qlora")
     for item in args.set:
         argv += ["--set", item]
     return argv

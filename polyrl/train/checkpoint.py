@@ -80,6 +80,24 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    write_checkpoint_files(tmp, step, model, engine, data_state=data_state, config=config, tokenizer=tokenizer)
+    _commit(tmp, final)
+    return final
+
+
+def write_checkpoint_files(
+    tmp: Path,
+    step: int,
+    model: nn.Module,
+    engine: Any | None = None,
+    *,
+    data_state: dict[str, Any] | None = None,
+    config: Any = None,
+    tokenizer: Any = None,
+    manifest_extra: dict[str, Any] | None = None,
+) -> None:
+    """Write a checkpoint's files into the existing folder ``tmp`` (files already there are kept and listed in
+    the manifest, written last) and fsync them; the caller publishes it with ``_commit``."""
     _write_model(tmp / "model", model, tokenizer)
     if engine is not None:
         from safetensors.torch import save_file
@@ -91,10 +109,8 @@ def save_checkpoint(
     _write_json(tmp / "config.json", _plain(config) if config is not None else {})
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
     manifest = {"format": FORMAT, "version": VERSION, "step": step, "created": time.time(), "files": files}
-    _write_json(tmp / "manifest.json", manifest)
+    _write_json(tmp / "manifest.json", {**manifest, **(manifest_extra or {})})
     _fsync_tree(tmp)
-    _commit(tmp, final)
-    return final
 
 
 def _commit(tmp: Path, final: Path) -> None:

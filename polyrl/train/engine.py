@@ -96,8 +96,10 @@ class TrainEngine:
         world: Any = None,
     ) -> None:
         self.model = model
-        # Data-parallel hook: a polyrl.train.parallel.World whose ranks each hold an FSDP2-sharded model.
+        # Data-parallel hook: a polyrl.train.parallel.World whose ranks each hold an FSDP2-sharded model, or the
+        # whole model as a replica (LoRA: parallel.replicate_model), whose gradients step() all-reduces.
         self.world = world if world is not None and world.distributed else None
+        self.replicated = False
         self.optim_cfg = optim or OptimConfig()
         self.schedule_cfg = schedule or ScheduleConfig()
         self.precision_cfg = precision or PrecisionConfig()
@@ -113,8 +115,8 @@ class TrainEngine:
         # Sharded (FSDP2) params stay fp32 and are their own masters; FSDP's policy casts for compute.
         cast_to = self.compute_dtype
         if self.world is not None:
-            self._check_sharded(model)
-            cast_to = None
+            self.replicated = self._check_distributed(model)
+            cast_to = self.compute_dtype if self.replicated else None
         self.optimizer = MasterAdamW(model.named_parameters(), self.optim_cfg, cast_to)
         self.scaler = LossScaler(self.compute_dtype == torch.float16, self.precision_cfg.initial_loss_scale)
         self._set_checkpointing(self.cfg.activation_checkpointing)
@@ -123,14 +125,20 @@ class TrainEngine:
         self.skipped_total = 0
         self.consecutive_skips = 0
 
-    def _check_sharded(self, model: nn.Module) -> None:
+    def _check_distributed(self, model: nn.Module) -> bool:
+        """True for a replicated model, False for a sharded one; raises for a plain model."""
         from polyrl.train.parallel.fsdp import is_sharded
+        from polyrl.train.parallel.replicate import is_replicated
 
+        if is_replicated(model):
+            return True
         if not is_sharded(model):
             raise UserError(
-                "TrainEngine got a distributed world but an unsharded model; call "
-                "polyrl.train.parallel.shard_model(model, world, compute_dtype) before building the engine"
+                "TrainEngine got a distributed world but a plain model; before building the engine call "
+                "polyrl.train.parallel.shard_model(model, world, compute_dtype) (full training) or "
+                "replicate_model(model, world) (LoRA)"
             )
+        return False
 
     # ---- switches -----------------------------------------------------------------------------
     def _set_checkpointing(self, on: bool) -> None:
@@ -213,6 +221,10 @@ class TrainEngine:
         with gc_paused(self.cfg.pause_gc):
             loss_total, metric_sums = self._forward_backward_or_eager(micro_batches, loss_fn, norm)
         tokens = sum(int(b.input_ids.numel()) for b in micro_batches)
+        if self.replicated:
+            from polyrl.train.parallel.replicate import all_reduce_grads_
+
+            all_reduce_grads_(self.optimizer.masters, self.world)  # every rank's share: the global batch's gradient
         if self.world is not None:
             loss_total, metric_sums, tokens = self._reduce_over_ranks(loss_total, metric_sums, tokens)
         grad_norm, loss, finite = self._finish(loss_total, norm)
@@ -256,7 +268,7 @@ class TrainEngine:
         loss_total = torch.zeros((), dtype=torch.float32, device=self.device)
         metric_sums: dict[str, torch.Tensor] = {}
         scale = self.scaler.scale / norm
-        if self.world is not None:
+        if self.world is not None and not self.replicated:
             from polyrl.train.parallel.fsdp import grad_sum_factor
 
             scale *= grad_sum_factor(self.world)  # FSDP averages over ranks; we want the global sum / norm

@@ -162,7 +162,7 @@ def test_nproc_relaunch_keeps_every_flag():
 
     argv = ["--algo", "grpo", "--model", "m", "--data", "builtin:arithmetic", "--out", "o", "--lr", "0.01"]
     argv += ["--n", "4", "--max-new-tokens", "16", "--reward", "f.py:fn", "--kl-coef", "0.05", "--filter-groups"]
-    argv += ["--nproc-per-node", "2", "--set", "grpo.clip_high=0.28"]
+    argv += ["--nproc-per-node", "2", "--set", "grpo.clip_high=0.28", "--lora", "r=4,targets=q,v", "--qlora"]
     parser = argparse.ArgumentParser()
     train.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -172,3 +172,6 @@ def test_nproc_relaunch_keeps_every_flag():
     keys = dict(train.overrides_from_args(again))
     assert keys["grpo.samples_per_prompt"] == 4 and keys["grpo.max_new_tokens"] == 16
     assert keys["grpo.filter_groups"] is True and keys["grpo.clip_high"] == 0.28
+    assert keys["lora"] == {"r": 4, "targets": ["q", "v"]} and keys["lora.quantize_base"] == "nf4"
+    bare = parser.parse_args(train.relaunch_argv(parser.parse_args(["--model", "m", "--lora"])))
+    assert bare.lora == ""  # the bare --lora (all defaults) survives too

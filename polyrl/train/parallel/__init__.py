@@ -1,4 +1,4 @@
-"""polyrl.train.parallel: training past one device with torch.distributed (torchrun + FSDP2).
+"""polyrl.train.parallel: training past one device with torch.distributed (torchrun + FSDP2, or replicas for LoRA).
 
 A data-parallel run, on every rank (``torchrun --nproc-per-node N ...``, see docs/distributed.md)::
 
@@ -12,9 +12,15 @@ A data-parallel run, on every rank (``torchrun --nproc-per-node N ...``, see doc
     save_sharded_checkpoint(root, step, model, engine, world, data_state=..., config=...)
     export_hf(model, world, out / "final", tokenizer)      # one HF folder, written by rank 0
 
+A LoRA / QLoRA model is not sharded but replicated (``replicate_model(model, world)``: every rank holds the whole
+frozen base and the adapters, the engine all-reduces the adapters' gradients); ``distribute_model`` picks the
+layout for a run's model, ``save_distributed_checkpoint`` the matching checkpoint kind, and ``export_hf`` writes a
+replicated LoRA model as its PEFT adapter folder.
+
 Pieces: ``world`` (process group from torchrun's variables), ``fsdp`` (``shard_model``, sharded grad norm,
-full-tensor gathering), ``checkpoint`` (DCP checkpoints that resume at any world size, HF export),
-``rollout`` (data-parallel generation with gathered full weights). Not here: the run loop
+full-tensor gathering), ``replicate`` (DDP-style replicas: broadcast, gradient all-reduce), ``checkpoint`` (DCP and
+replicated checkpoints that resume at any world size, HF / PEFT export), ``rollout`` (data-parallel generation with
+gathered full weights). Not here: the run loop
 (``polyrl.algorithms.runner``), the launcher (torchrun; ``polyrl train --nproc-per-node`` re-launches
 through it), a home-made cluster layer.
 """
@@ -26,27 +32,36 @@ from polyrl.train.parallel.checkpoint import (
     load_any_checkpoint,
     load_full_checkpoint,
     load_sharded_checkpoint,
+    save_distributed_checkpoint,
+    save_replicated_checkpoint,
     save_sharded_checkpoint,
     saved_world_size,
 )
 from polyrl.train.parallel.fsdp import is_sharded, shard_model, sharded_grad_norm
+from polyrl.train.parallel.replicate import all_reduce_grads_, distribute_model, is_replicated, replicate_model
 from polyrl.train.parallel.rollout import generate_data_parallel, rollout_model, sync_rollout_weights
 from polyrl.train.parallel.world import World, destroy_world, init_world, launched
 
 __all__ = [
     "World",
+    "all_reduce_grads_",
     "convert_position",
     "destroy_world",
+    "distribute_model",
     "export_hf",
     "generate_data_parallel",
     "init_world",
+    "is_replicated",
     "is_sharded",
     "is_sharded_checkpoint",
     "launched",
     "load_any_checkpoint",
     "load_full_checkpoint",
     "load_sharded_checkpoint",
+    "replicate_model",
     "rollout_model",
+    "save_distributed_checkpoint",
+    "save_replicated_checkpoint",
     "save_sharded_checkpoint",
     "saved_world_size",
     "shard_model",

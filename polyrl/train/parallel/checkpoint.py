@@ -1,5 +1,5 @@
-"""Sharded training checkpoints (torch.distributed.checkpoint) that resume at any world size, and the
-one-HF-folder export of a sharded model.
+"""Checkpoints of data-parallel runs that resume at any world size: sharded ones (torch.distributed.checkpoint)
+for FSDP2 models, replicated ones for models every rank holds whole (LoRA), and the one-folder export of both.
 
 A sharded checkpoint is a directory ``<root>/step-00000042/`` in the same place and with the same
 bookkeeping files as ``polyrl.train.checkpoint`` (``trainer_state.json``, ``config.json``,
@@ -10,6 +10,13 @@ writes its own shards, ``.metadata`` maps them to global tensors) and each rank'
 a checkpoint written by 2 ranks loads into 4, or into one plain (unsharded) process; the other way,
 ``load_full_checkpoint`` puts a one-process checkpoint into a sharded model. Every rank must call the
 save/load functions (collectives inside); the directory must be on a filesystem all ranks share.
+
+A replicated checkpoint (``save_replicated_checkpoint``, a ``replicate_model`` model: every rank holds the same
+weights and optimizer state) is the one-process layout of ``polyrl.train.checkpoint`` written by rank 0 (for LoRA:
+``model/`` is the PEFT adapter folder, ``optimizer.safetensors`` the adapters' masters and moments, ``rng.pt``
+rank 0's RNG), plus what differs by rank, ``rng/rank-NNNNN.pt``, and ``world_size`` / ``replicated`` in the
+manifest. It loads in one plain process as it is and on any number of ranks (``load_any_checkpoint``: each rank
+restores its own RNG, rank 0's where the writer had fewer ranks). ``save_distributed_checkpoint`` picks the kind.
 
 Not here: when to save (``CheckpointManager.should_save``), what the data position means (the caller
 converts it with ``convert_position``).
@@ -41,8 +48,10 @@ from polyrl.train.checkpoint import (
     _rng_to_saveable,
     _write_json,
     step_dir_name,
+    write_checkpoint_files,
 )
-from polyrl.train.parallel.fsdp import full_tensors, is_dtensor
+from polyrl.train.parallel.fsdp import full_tensors, is_dtensor, is_sharded
+from polyrl.train.parallel.replicate import is_replicated
 from polyrl.train.parallel.world import World
 
 SHARDED_DIR = "sharded"
@@ -153,6 +162,59 @@ def save_sharded_checkpoint(
     return final
 
 
+def save_replicated_checkpoint(
+    root: str | Path,
+    step: int,
+    model: nn.Module,
+    engine: Any | None,
+    world: World,
+    *,
+    data_state: dict[str, Any] | None = None,
+    config: Any = None,
+    tokenizer: Any = None,
+) -> Path:
+    """Write the checkpoint of ``step`` of a replicated model (see the module docstring) and return its path: every
+    rank writes its RNG, rank 0 the rest (the same on every rank), then publishes it with one rename. Collective."""
+    root = Path(root)
+    final = root / step_dir_name(step)
+    tmp = root / f"{_TMP_PREFIX}{final.name}-replicated"
+    if world.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / RNG_DIR).mkdir(parents=True)
+    world.barrier()
+    torch.save(_rng_to_saveable(device.get_rng_state()), tmp / RNG_DIR / f"rank-{world.rank:05d}.pt")
+    world.barrier()
+    if world.is_main:
+        extra = {"world_size": world.world_size, "replicated": True}
+        write_checkpoint_files(
+            tmp, step, model, engine, data_state=data_state, config=config, tokenizer=tokenizer, manifest_extra=extra
+        )
+        _commit(tmp, final)
+    world.barrier()
+    return final
+
+
+def save_distributed_checkpoint(
+    root: str | Path,
+    step: int,
+    model: nn.Module,
+    engine: Any | None,
+    world: World,
+    *,
+    data_state: dict[str, Any] | None = None,
+    config: Any = None,
+    tokenizer: Any = None,
+) -> Path:
+    """The checkpoint of a data-parallel run: replicated for a ``replicate_model`` model, else sharded."""
+    if is_replicated(model):
+        return save_replicated_checkpoint(
+            root, step, model, engine, world, data_state=data_state, config=config, tokenizer=tokenizer
+        )
+    return save_sharded_checkpoint(root, step, model, engine, world, data_state=data_state, config=config)
+
+
 # ---- loading ------------------------------------------------------------------------------------
 def load_sharded_checkpoint(
     path: str | Path,
@@ -218,9 +280,10 @@ def _local_device(t: torch.Tensor) -> torch.device:
 def load_full_checkpoint(
     path: str | Path, model: nn.Module, engine: Any | None = None, world: World | None = None
 ) -> LoadedCheckpoint:
-    """Load a one-process (``polyrl.train.checkpoint``) checkpoint into a sharded ``model`` / ``engine``:
-    every rank reads the full tensors and keeps its shard. fp32 masters win over the (maybe bf16)
-    model folder. Every rank calls it."""
+    """Load a one-process (``polyrl.train.checkpoint``) or replicated checkpoint into a sharded ``model`` /
+    ``engine`` (every rank reads the full tensors and keeps its shard; fp32 masters win over the maybe bf16 model
+    folder) or into a plain / replicated one (every rank loads it whole and restores its own RNG). Every rank
+    calls it."""
     from safetensors.torch import load_file
 
     from polyrl.train.checkpoint import load_checkpoint
@@ -228,7 +291,10 @@ def load_full_checkpoint(
     world = world or World()
     path = Path(path)
     if not is_dtensor(next(model.parameters())):
-        return load_checkpoint(path, model, engine)
+        loaded = load_checkpoint(path, model, engine)
+        if world.distributed:
+            _restore_rng(path, world)
+        return loaded
     loaded = load_checkpoint(path, None, None)  # manifest, state, config and the RNG
     weights: dict[str, torch.Tensor] = {}
     for f in sorted((path / "model").glob("*.safetensors")):
@@ -304,11 +370,18 @@ def export_hf(
     model: nn.Module, world: World, out_dir: str | Path, tokenizer: Any = None, dtype: torch.dtype | None = None
 ) -> Path | None:
     """Gather the full weights (collective) and write ONE HF folder from rank 0 (``save_model``); returns
-    the folder on rank 0, None elsewhere. ``dtype`` casts on the way out (default: as trained, fp32)."""
+    the folder on rank 0, None elsewhere. ``dtype`` casts on the way out (default: as trained, fp32). A model
+    that is not sharded (replicated: rank 0 holds it whole) is written as it is: a LoRA model as its PEFT
+    adapter folder."""
     from polyrl.models.checkpoint import save_model
 
-    state = dict(full_tensors(model, to_cpu=True, keep=world.is_main))
     out = None
+    if not is_sharded(model):
+        if world.is_main:
+            out = save_model(model, out_dir, tokenizer=tokenizer, dtype=dtype)
+        world.barrier()
+        return out
+    state = dict(full_tensors(model, to_cpu=True, keep=world.is_main))
     if world.is_main:
         out = save_model(_FullWeights(model.config, state), out_dir, tokenizer=tokenizer, dtype=dtype)
     world.barrier()

@@ -66,6 +66,13 @@ def shard_model(
     ``reshard_after_forward=False`` keeps gathered layers until backward (more memory, fewer all-gathers)."""
     if not world.distributed:
         raise ValueError("shard_model needs a process group; call polyrl.train.parallel.init_world() under torchrun")
+    if getattr(model, "lora_config", None) is not None:
+        from polyrl.errors import ConfigError
+
+        raise ConfigError(
+            "sharding a LoRA model (its frozen base) with FSDP2 is not supported yet; replicate it instead "
+            "(polyrl.train.parallel.replicate_model, what `polyrl train --lora --nproc-per-node N` does)"
+        )
     fully_shard, policy_cls = fsdp_api()
     from torch.distributed.device_mesh import init_device_mesh
 
