@@ -52,6 +52,23 @@ for s in "$@"; do
       $PR bench sft --shape qwen3-1.7b \$A --lora r=16,alpha=32 --compile --baselines none; \
       python3 scripts/train_host_profile.py --shape qwen3-1.7b --seq 4096 --batch 2 --lora r=16,alpha=32 \
         --activation-checkpointing --top 25" ;;
+    # The training step replayed as a CUDA graph (engine.cuda_graphs) against the same engine eager, with the GPU tests
+    # of the engine first: LoRA / QLoRA at 1.7b (host-bound) and full SFT at 0.6b (issues 15, 17)
+    graph-iter) TAIL=80 stage graph-iter 560 bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider -x \
+        tests/train/test_graphed_step.py tests/train/test_engine.py 2>&1 | tail -25; \
+      A='--seq 4096 --batch 2 --steps 5 --warmup 2 --activation-checkpointing --cuda-graphs both'; \
+      $PR bench sft --shape qwen3-1.7b \$A --lora r=16,alpha=32 --baselines hf-liger; \
+      $PR bench sft --shape qwen3-1.7b \$A --qlora --baselines hf; \
+      $PR bench sft --shape qwen3-0.6b --seq 4096 --batch 8 --warmup 2 --steps 5 --cuda-graphs both \
+        --baselines hf-liger --numerics bf16" ;;
+    # Peak memory and speed of the graphed step against eager, ours only: full SFT at 0.6b, LoRA at 1.7b
+    graph-mem) stage graph-mem 150 bash -c "$PR bench sft --shape qwen3-0.6b --seq 4096 --batch 8 --warmup 2 --steps 3 \
+      --cuda-graphs both --baselines none; $PR bench sft --shape qwen3-1.7b --seq 4096 --batch 2 --warmup 2 --steps 3 \
+      --lora r=16,alpha=32 --activation-checkpointing --cuda-graphs both --baselines none" ;;
+    # The 8b rows of the issue-17 table with the step graphed and eager in the same run
+    bench-sft-lora-8b) stage bench-sft-lora-8b 380 bash -c "for m in '--lora r=16,alpha=32' --qlora; do $PR bench sft \
+      --shape qwen3-8b --seq 4096 --batch 2 --steps 5 --warmup 2 \$m --activation-checkpointing --cuda-graphs both \
+      --baselines hf,hf-liger; done" ;;
     # The GRPO step with the KV cache and graphs kept across steps (the default on the H200) only: the row of the
     # issue-14 table when there is no time for --kv both
     bench-grpo-keep) stage bench-grpo-keep 150 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 \

@@ -72,6 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true", help="polyrl: torch.compile the decoder layers")
     parser.add_argument("--no-ours", action="store_true", help="run the baselines only")
     parser.add_argument(
+        "--cuda-graphs",
+        choices=["auto", "off", "both"],
+        default="auto",
+        help="polyrl: replay the step as a CUDA graph (engine.cuda_graphs); both: also a '<config>-eager' row",
+    )
+    parser.add_argument(
         "--profile", type=int, default=0, metavar="N", help="after timing, profile one polyrl step: top N kernels"
     )
     parser.add_argument(
@@ -145,7 +151,9 @@ def time_steps(step_fn: Any, warmup: int, steps: int) -> tuple[float, float]:
 
 
 # ---- the configs --------------------------------------------------------------------------------
-def ours_step_fn(cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: torch.device) -> Any:
+def ours_step_fn(
+    cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: torch.device, cuda_graphs: bool | None = None
+) -> Any:
     from polyrl.data import TokenizedSeq, pack_sequences
     from polyrl.train import EngineConfig, OptimConfig, ScheduleConfig, TrainEngine
 
@@ -155,6 +163,7 @@ def ours_step_fn(cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: 
         activation_checkpointing=args.activation_checkpointing,
         compile=args.compile,
         seed=args.seed,
+        cuda_graphs=cuda_graphs,
     )
     engine = TrainEngine(
         model, OptimConfig(lr=args.lr), ScheduleConfig(decay="constant"), engine=ecfg, total_steps=None
@@ -222,7 +231,7 @@ def configs(args: argparse.Namespace) -> list[str]:
             from polyrl.errors import ConfigError
 
             raise ConfigError(f"unknown baseline(s) {configs_check}; choose from {', '.join(BASELINES)} or none")
-        return sft_lora.config_names(args)
+        return _with_eager_rows(sft_lora.config_names(args), args)
     names = [] if args.no_ours else ["polyrl"]
     wanted = [b.strip() for b in args.baselines.split(",") if b.strip() and b.strip() != "none"]
     unknown = [b for b in wanted if b not in BASELINES]
@@ -234,7 +243,29 @@ def configs(args: argparse.Namespace) -> list[str]:
         for v in BASELINES[b]:
             if args.numerics == "both" or v.endswith(args.numerics):
                 names.append(v)
-    return names
+    return _with_eager_rows(names, args)
+
+
+EAGER_SUFFIX = "-eager"
+
+
+def _with_eager_rows(names: list[str], args: argparse.Namespace) -> list[str]:
+    """``--cuda-graphs both``: each polyrl config runs a second time with engine.cuda_graphs = "off"."""
+    if getattr(args, "cuda_graphs", "auto") != "both":
+        return names
+    out = []
+    for n in names:
+        out.append(n)
+        if n.startswith("polyrl"):
+            out.append(n + EAGER_SUFFIX)
+    return out
+
+
+def graphs_mode(name: str, args: argparse.Namespace) -> bool | None:
+    """engine.cuda_graphs for config ``name``: False for the eager rows and ``--cuda-graphs off``, else auto."""
+    if name.endswith(EAGER_SUFFIX) or getattr(args, "cuda_graphs", "auto") == "off":
+        return False
+    return None
 
 
 def measure(name: str, cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: torch.device) -> Result:
@@ -248,10 +279,11 @@ def measure(name: str, cfg: Any, tokens: torch.Tensor, args: argparse.Namespace,
     _free()
     step_fn = None
     try:
-        if name == "polyrl":
-            step_fn = ours_step_fn(cfg, tokens, args, dev)
-        elif name in ("polyrl-lora", "polyrl-qlora"):
-            step_fn = sft_lora.ours_step_fn(cfg, tokens, args, dev)
+        base_name = name.removesuffix(EAGER_SUFFIX)
+        if base_name == "polyrl":
+            step_fn = ours_step_fn(cfg, tokens, args, dev, graphs_mode(name, args))
+        elif base_name in ("polyrl-lora", "polyrl-qlora"):
+            step_fn = sft_lora.ours_step_fn(cfg, tokens, args, dev, graphs_mode(name, args))
         elif name in sft_lora.LORA_CONFIGS:
             step_fn = sft_lora.hf_step_fn(cfg, tokens, args, dev, name)
         else:

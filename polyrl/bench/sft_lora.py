@@ -47,7 +47,9 @@ def config_names(args: argparse.Namespace) -> list[str]:
     return names + (["hf-peft-liger"] if "hf-liger" in wanted else [])
 
 
-def ours_step_fn(cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: torch.device) -> Any:
+def ours_step_fn(
+    cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: torch.device, cuda_graphs: bool | None = None
+) -> Any:
     from polyrl.data import TokenizedSeq, pack_sequences
     from polyrl.models.decoder import build_model
     from polyrl.models.lora import apply_lora
@@ -61,6 +63,7 @@ def ours_step_fn(cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: 
         activation_checkpointing=args.activation_checkpointing,
         compile=args.compile,
         seed=args.seed,
+        cuda_graphs=cuda_graphs,
     )
     engine = TrainEngine(model, OptimConfig(lr=args.lr), ScheduleConfig(decay="constant"), engine=ecfg)
     seqs = [TokenizedSeq(row.tolist(), [1] * row.numel()) for row in tokens]

@@ -40,6 +40,7 @@ __all__ = [
     "rope_cos_sin",
     "swiglu",
     "varlen_attention",
+    "capture_keeps_fast_paths",
     "paged_attention",
     "write_kv_cache",
     "linear_cross_entropy",
@@ -107,6 +108,16 @@ def varlen_attention(
     cu_seqlens int32 ``[B+1]``; ``window`` (sliding window, keys with q_pos - k_pos < window) optional.
     Returns ``[T, Hq, D]`` in q's dtype."""
     return _impl("attention", q)(q, k, v, cu_seqlens, max_seqlen, scale, window)
+
+
+def capture_keeps_fast_paths():
+    """Context manager for a caller that captures a CUDA graph and replays it only on inputs of the captured shapes
+    after an eager warm-up on the very same input tensors (the training step, ``train/graphed_step.py``): inside,
+    fast paths gated on a per-tensor host check (the uniform-length SDPA attention) keep the verdict cached for
+    those tensors instead of handing over to their capturable fallback."""
+    from polyrl.kernels.attention.cudnn import capture_keeps_fast_path
+
+    return capture_keeps_fast_path()
 
 
 def paged_attention(

@@ -176,12 +176,17 @@ class DecoderLM(nn.Module):
         cos, sin = self.rotary(position_ids, h.dtype)  # [T, D], shared by every layer
         residual = None
         ckpt = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        capturing = ckpt and h.is_cuda and torch.cuda.is_current_stream_capturing()
         for layer in self.model.layers:
             if ckpt:
                 # One stream crosses each checkpoint: it keeps [T, H] per layer, not the (h, residual) pair; the
                 # add is rounded as the fused residual-norm rounds it, so the result is the same.
                 stream = h if residual is None else h + residual
-                h, residual = checkpoint(layer, stream, None, cos, sin, meta, use_reentrant=False)
+                # Under CUDA-graph capture (train/graphed_step.py, deterministic models only) the RNG state cannot be
+                # read; there is no randomness to preserve then.
+                h, residual = checkpoint(
+                    layer, stream, None, cos, sin, meta, use_reentrant=False, preserve_rng_state=not capturing
+                )
             else:
                 h, residual = layer(h, residual, cos, sin, meta)
         h, _ = self.model.norm(h, residual)

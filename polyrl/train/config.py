@@ -136,7 +136,10 @@ class EngineConfig:
     deterministic kernels (bitwise-reproducible runs on the CPU). ``compile`` compiles each decoder
     layer with torch.compile where that works (falls back to eager with a warning). ``pause_gc`` keeps Python's
     cyclic garbage collector off while a step runs (``platform.host.gc_paused``: its passes stall the host that
-    launches kernels; it runs between steps instead)."""
+    launches kernels; it runs between steps instead). ``cuda_graphs``: the forward + backward of a micro-batch shape
+    seen twice in a row is captured as a CUDA graph and replayed (``train/graphed_step.py``) where that is possible:
+    CUDA, one process, no torch.compile, no dropout, a loss marked ``graph_safe`` (SFT's). None (default): where
+    possible, eager elsewhere; False: never; True: required (an error says why a step cannot be captured)."""
 
     micro_batch_tokens: int = 8192
     step_tokens: int | None = None
@@ -146,8 +149,11 @@ class EngineConfig:
     deterministic: bool = False
     seed: int = 0
     pause_gc: bool = True
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.cuda_graphs not in (None, True, False):
+            raise ConfigError(f"engine.cuda_graphs must be true, false or unset (auto), got {self.cuda_graphs!r}")
         if not isinstance(self.micro_batch_tokens, int) or self.micro_batch_tokens <= 0:
             raise ConfigError(f"engine.micro_batch_tokens must be a positive integer, got {self.micro_batch_tokens!r}")
         if self.step_tokens is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -29,6 +30,7 @@ from polyrl.errors import DataError, UserError
 from polyrl.platform import device
 from polyrl.platform.host import gc_paused
 from polyrl.train.config import EngineConfig, OptimConfig, PrecisionConfig, ScheduleConfig
+from polyrl.train.graphed_step import GraphedMicroStep, batch_signature, is_graph_safe, model_is_deterministic
 from polyrl.train.losses import causal_lm_loss
 from polyrl.train.optim import MasterAdamW
 from polyrl.train.precision import DTYPE_NAMES, LossScaler, resolve_compute_dtype
@@ -124,6 +126,9 @@ class TrainEngine:
         self.global_step = 0
         self.skipped_total = 0
         self.consecutive_skips = 0
+        self._graph: GraphedMicroStep | None = None
+        self._graphs_failed = False
+        self.graph_captures = 0
 
     def _check_distributed(self, model: nn.Module) -> bool:
         """True for a replicated model, False for a sharded one; raises for a plain model."""
@@ -272,15 +277,89 @@ class TrainEngine:
             from polyrl.train.parallel.fsdp import grad_sum_factor
 
             scale *= grad_sum_factor(self.world)  # FSDP averages over ranks; we want the global sum / norm
+        graphs = self._graphs_allowed(loss_fn)
         for mb in micro_batches:
             mb = mb.to(self.device) if hasattr(mb, "to") else mb
-            loss_sum, metrics = loss_fn(self.model, mb)
-            (loss_sum * scale).backward()
+            graphed = self._graphed(mb, loss_fn, scale) if graphs else None
+            if graphed is not None:
+                loss_sum, metrics = graphed
+            else:
+                loss_sum, metrics = loss_fn(self.model, mb)
+                (loss_sum * scale).backward()
             loss_total += loss_sum.detach().float()
             for key, value in metrics.items():
                 v = value.detach().float() if torch.is_tensor(value) else torch.tensor(float(value))
                 metric_sums[key] = metric_sums.get(key, 0.0) + v.to(self.device)
+            # The loss must not keep this micro-batch's autograd graph (and its AccumulateGrad nodes, bound to this
+            # stream) alive into the next one: a CUDA-graph capture there would sync with it and fail.
+            del loss_sum, metrics
         return loss_total, metric_sums
+
+    # ---- CUDA graphs ----------------------------------------------------------------------------
+    def _graphs_allowed(self, loss_fn: LossFn) -> bool:
+        if self.cfg.cuda_graphs is False or self._graphs_failed:
+            return False
+        why = self._why_not_graphed(loss_fn)
+        if why is not None and self.cfg.cuda_graphs:
+            raise UserError(f"engine.cuda_graphs = true, but this step cannot be captured: {why}; unset it")
+        return why is None
+
+    def _why_not_graphed(self, loss_fn: LossFn) -> str | None:
+        if self.device.type != "cuda":
+            return f"CUDA graphs need a CUDA device, the model is on {self.device.type}"
+        if self.world is not None:
+            return "data-parallel steps run their collectives eagerly"
+        if self._compiled:
+            return "engine.compile is on"
+        if not is_graph_safe(loss_fn):
+            return f"the loss {getattr(loss_fn, '__name__', loss_fn)!r} is not marked graph_safe"
+        if not model_is_deterministic(self.model):
+            return "the model has active dropout"
+        return None
+
+    def _graphed(self, mb: Any, loss_fn: LossFn, scale: float):
+        """Run ``mb`` through the graphed path: a new signature is prepared (static buffers) and run eagerly on them
+        (the warm-up); its next micro-batch captures the graph first (while the step holds no gradient yet, when it
+        is the step's first) and replays it, as do all later ones. None: run ``mb`` eagerly instead."""
+        sig = batch_signature(mb)
+        if sig is None:
+            return None
+        g = self._graph
+        if g is not None and g.signature == sig and g.loss_fn is loss_fn:
+            if g.graph is None:
+                try:
+                    g.capture(self.model)
+                except Exception as exc:  # noqa: BLE001 - any capture failure means "eager from now on"
+                    self._capture_failed(exc)
+                    return None
+                self.graph_captures += 1
+            return g.replay(mb, scale)
+        self.release_graphs()
+        self._graph, loss, metrics = GraphedMicroStep.prepare(self.model, mb, loss_fn, self.optimizer.masters, scale)
+        return loss, metrics
+
+    def _capture_failed(self, exc: BaseException) -> None:
+        self._graphs_failed = True
+        self.release_graphs()
+        frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        where = f" at {frame.filename}:{frame.lineno}" if frame else ""
+        first = (str(exc).splitlines() or [""])[0]
+        warnings.warn(
+            f"CUDA graph capture of the training step failed ({type(exc).__name__}: {first}{where}); running "
+            "eagerly (set engine.cuda_graphs = false to skip the attempt)",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+
+    @property
+    def graph_replays(self) -> int:
+        return self._graph.replays if self._graph is not None else 0
+
+    def release_graphs(self) -> None:
+        """Drop the captured step (its private memory pool returns to the allocator); the next repeat recaptures."""
+        if self._graph is not None:
+            self._graph.release()
+            self._graph = None
 
     def _reduce_over_ranks(
         self, loss_total: torch.Tensor, metric_sums: dict[str, torch.Tensor], tokens: int

@@ -31,3 +31,6 @@ def causal_lm_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str
     hidden = model(batch.input_ids, batch.position_ids, meta)
     loss_sum = kernels.linear_cross_entropy(hidden, model.lm_head_weight, batch.labels, reduction="sum")
     return loss_sum, {}
+
+
+causal_lm_loss.graph_safe = True  # no host sync, reads only tensors + max_seqlen (train/graphed_step.py)

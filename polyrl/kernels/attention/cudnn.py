@@ -13,7 +13,11 @@ Dispatch, per call (nothing here reads device values in the steady state):
    sequence) that means every length equals ``max_seqlen``. The contract is verified once per
    ``cu_seqlens`` tensor object (one host read, remembered through a weak reference and the tensor's
    version counter, so the 28 layers of one step pay it once). While a CUDA graph is being captured the
-   call always goes to the fallback (the Triton kernel is known to capture; SDPA backends may not).
+   call goes to the fallback (the Triton kernel is known to capture; SDPA backends may not), except inside
+   ``capture_keeps_fast_path()``: the training step's capture (``train/graphed_step.py``) replays only batches
+   of the captured shape (same ``T``, ``B`` and ``max_seqlen``, hence the same verdict), ran an eager warm-up on
+   the very ``cu_seqlens`` it captures, and checked on the H200 that SDPA cuDNN captures; there a cached verdict
+   is trusted.
 2. On CUDA, the backend is chosen once per (device, dtype, Hq, Hk, D) by a probe: a small fwd+bwd under
    ``sdpa_kernel([CUDNN_ATTENTION])``, then ``[FLASH_ATTENTION]``, each compared with the fp32 reference;
    the first that runs and agrees wins. GQA passes k/v with Hk heads and ``enable_gqa=True`` (cuDNN
@@ -29,6 +33,7 @@ the paged/decode path (``paged_attention``), and anything fp32.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 import weakref
@@ -44,6 +49,9 @@ _BACKEND: dict[tuple[Any, ...], str | None] = {}
 _VERIFIED: dict[int, tuple[weakref.ref, int, int, int, bool]] = {}
 _LOCK = threading.Lock()
 _WARNED: set[str] = set()
+# Depth of capture_keeps_fast_path() blocks: process-wide, since activation checkpointing recomputes the forward on
+# the autograd engine's own thread, which must decide as the capturing thread did.
+_TRUSTED_CAPTURE = [0]
 PROBE_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION")
 _PROBE_TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3}  # relative L2 vs the fp32 reference
 
@@ -71,6 +79,23 @@ def _capturing(device: torch.device) -> bool:
 
     streams = dev.stream_api()
     return bool(streams is not None and streams.is_current_stream_capturing())
+
+
+@contextlib.contextmanager
+def capture_keeps_fast_path():
+    """Inside: a CUDA-graph capture keeps the SDPA path for ``cu_seqlens`` verified before the capture (see the
+    module docstring, 1.); unverified tensors still go to the fallback."""
+    with _LOCK:
+        _TRUSTED_CAPTURE[0] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _TRUSTED_CAPTURE[0] -= 1
+
+
+def _capture_refuses(device: torch.device) -> bool:
+    return _capturing(device) and not _TRUSTED_CAPTURE[0]
 
 
 def _compiling() -> bool:
@@ -208,7 +233,7 @@ def plan(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen:
 
     ``backend`` is the ``SDPBackend`` name on CUDA, None elsewhere (SDPA picks; used by CPU tests)."""
     # Deterministic mode (bitwise-reproducible training) keeps the Triton kernel: its backward has no atomics.
-    if torch.are_deterministic_algorithms_enabled() or _compiling() or _capturing(q.device):
+    if torch.are_deterministic_algorithms_enabled() or _compiling() or _capture_refuses(q.device):
         return None
     if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         return None
