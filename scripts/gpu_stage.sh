@@ -69,6 +69,11 @@ for s in "$@"; do
     bench-sft-lora-8b) stage bench-sft-lora-8b 380 bash -c "for m in '--lora r=16,alpha=32' --qlora; do $PR bench sft \
       --shape qwen3-8b --seq 4096 --batch 2 --steps 5 --warmup 2 \$m --activation-checkpointing --cuda-graphs both \
       --baselines hf,hf-liger; done" ;;
+    # Candidate lora_linear impl (adapter product first, base GEMM accumulating onto it) against the default, same
+    # run, 1.7b and 8b LoRA, ours only (issue 17); promote it in kernels/lora_linear/__init__.py if it wins
+    lora-adapter-first) stage lora-adapter-first 400 bash -c "for s in qwen3-1.7b qwen3-8b; do for k in fused \
+      fused_adapter_first; do POLYRL_KERNELS=lora_linear:\$k $PR bench sft --shape \$s --seq 4096 --batch 2 --steps 5 \
+      --warmup 2 --lora r=16,alpha=32 --activation-checkpointing --baselines none; done; done" ;;
     # The GRPO step with the KV cache and graphs kept across steps (the default on the H200) only: the row of the
     # issue-14 table when there is no time for --kv both
     bench-grpo-keep) stage bench-grpo-keep 150 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 \

@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from polyrl import kernels
 from polyrl.models.attention_metadata import AttnMetadata
 from polyrl.models.config import ModelConfig
+from polyrl.platform import device
 
 
 class RMSNorm(nn.Module):
@@ -176,7 +177,7 @@ class DecoderLM(nn.Module):
         cos, sin = self.rotary(position_ids, h.dtype)  # [T, D], shared by every layer
         residual = None
         ckpt = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        capturing = ckpt and h.is_cuda and torch.cuda.is_current_stream_capturing()
+        capturing = ckpt and device.is_capturing(h)
         for layer in self.model.layers:
             if ckpt:
                 # One stream crosses each checkpoint: it keeps [T, H] per layer, not the (h, residual) pair; the

@@ -314,6 +314,15 @@ def _reset_rng_capture_state() -> None:
         scratch.add_(1)
 
 
+def is_capturing(t: torch.Tensor | None = None) -> bool:
+    """Whether the current stream (of ``t``'s device, when given) is capturing a CUDA graph; False off CUDA."""
+    if t is not None and not t.is_cuda:
+        return False
+    if not supports_graphs():
+        return False
+    return bool(torch.cuda.is_current_stream_capturing())
+
+
 def stream_api() -> Any | None:
     """The device's stream module namespace (``torch.cuda``-like) for graph warm-up streams, or None."""
     return torch.cuda if supports_graphs() else None

@@ -83,7 +83,7 @@ class GraphedMicroStep:
         self.scale = None  # 0-dim fp32 device tensor
         self.loss: torch.Tensor | None = None
         self.metrics: dict[str, torch.Tensor] = {}
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph: Any = None  # the device's CUDAGraph once captured
         self.replays = 0
 
     # ---- gradients ------------------------------------------------------------------------------
@@ -146,11 +146,15 @@ class GraphedMicroStep:
         held = [m.grad for m in self.masters]  # the step's gradients so far (the warm-up's included)
         for m in self.masters:
             m.grad = None  # the captured backward allocates and writes fresh gradient buffers
-        graph = torch.cuda.CUDAGraph()
+        api = device.graph_api()
+        if api is None:
+            raise RuntimeError("this device has no CUDA graphs")
+        graph_cls, graph_capture = api
+        graph = graph_cls()
         # graph_capture: a failed capture leaves the stream and the CUDA RNG usable. The fast attention path stays
         # on: every replay has this signature, whose uniform-length verdict the warm-up cached for these buffers.
         try:
-            with kernels.capture_keeps_fast_paths(), device.graph_capture(graph):
+            with kernels.capture_keeps_fast_paths(), graph_capture(graph):
                 static_loss, static_metrics = self._run(model)
             self.grads = [m.grad for m in self.masters]  # pool buffers; written by each replay
         finally:

@@ -8,6 +8,7 @@ import torch
 
 from polyrl import kernels
 from polyrl.kernels.lora_linear.fused import lora_linear as fused
+from polyrl.kernels.lora_linear.fused import lora_linear_adapter_first as fused_adapter_first
 from polyrl.kernels.lora_linear.reference import lora_linear as reference
 
 
@@ -29,16 +30,17 @@ def _run(fn, inputs, dy):
     return y.detach(), grads
 
 
+@pytest.mark.parametrize("impl", [fused, fused_adapter_first], ids=["fused", "adapter_first"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(7, 32), (2, 5, 48)])
 @pytest.mark.parametrize("base_grad", [False, True])
-def test_fused_equals_the_composition_forward_and_backward_fp32(shape, bias, base_grad, seeded):
+def test_fused_equals_the_composition_forward_and_backward_fp32(shape, bias, base_grad, impl, seeded):
     n_out, r = 24, 4
     ins = _inputs(shape, n_out, r, torch.float32, "cpu", bias, seeded, base_grad)
     dy = torch.randn(*shape[:-1], n_out, generator=seeded)
     clone = [t.detach().clone().requires_grad_(t.requires_grad) if t is not None else None for t in ins]
     y_ref, g_ref = _run(reference, ins, dy)
-    y_fused, g_fused = _run(fused, clone, dy)
+    y_fused, g_fused = _run(impl, clone, dy)
     assert y_fused.shape == y_ref.shape == (*shape[:-1], n_out)
     assert torch.allclose(y_fused, y_ref, atol=1e-5, rtol=1e-5)
     assert len(g_fused) == len(g_ref) == 3 + ((1 + bias) if base_grad else 0)
@@ -119,8 +121,9 @@ def test_fused_nf4_base_equals_the_composition_on_the_gpu(seeded):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", [fused, fused_adapter_first], ids=["fused", "adapter_first"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fused_equals_the_composition_on_the_gpu(dtype, seeded):
+def test_fused_equals_the_composition_on_the_gpu(dtype, impl, seeded):
     from polyrl.platform import device
 
     dev = device.torch_device()
@@ -133,7 +136,7 @@ def test_fused_equals_the_composition_on_the_gpu(dtype, seeded):
     fp32 = [t.detach().float().requires_grad_(t.requires_grad) if t is not None else None for t in ins]
     y_ref, g_ref = _run(reference, fp32, dy.float())
     y_low, g_low = _run(reference, ins, dy)  # the composition in the low precision: the error budget
-    y_fused, g_fused = _run(fused, clone, dy)
+    y_fused, g_fused = _run(impl, clone, dy)
     for got, low, exact in zip([y_fused, *g_fused], [y_low, *g_low], [y_ref, *g_ref]):
         err, budget = (got.float() - exact).abs().max(), (low.float() - exact).abs().max()
         assert err <= 2 * budget + 1e-3, (err, budget)

@@ -57,6 +57,7 @@ def test_cpu_steps_never_capture():
     for _ in range(3):
         engine.step(batch)
     assert engine.graph_captures == 0 and engine.graph_replays == 0
+    assert not device.is_capturing(torch.zeros(1)) and not device.is_capturing()
 
 
 def test_replayed_gradients_add_to_what_the_step_holds():

@@ -10,6 +10,12 @@ the forward ones run twice. Here they are gone:
 - backward: ``g = s * dy B`` (``[T, r]``), ``dB = s * dy^T xa``, ``dA = g^T x``, ``dx = dy W`` then
   ``dx += g A`` in place (one GEMM). The frozen base weight gets no gradient.
 
+``adapter_first`` (the registry's ``fused_adapter_first``, not the default until measured on a GPU) turns the
+order around: the rank-r product is written first and the base GEMM accumulates onto it (``beta = 1``, read in the
+epilogue of a compute-bound GEMM) in forward (``y = s * xa B^T (+ b); y += x W^T``) and backward (``dx = g A;
+dx += dy W``). That replaces a memory-bound read-modify-write pass over ``[T, out]`` / ``[T, in]`` by a write: the
+adapters' ``addmm_`` were 52 of 756 ms of kernels in the 8b LoRA step (docs/performance.md).
+
 It saves ``x`` (which ``dA`` needs anyway), the small ``xa`` and the weights. An NF4 base (QLoRA) is dequantized
 into a transient dense weight in forward and again in backward, never kept. Pure PyTorch: cuBLAS, hipBLAS and
 the CPU BLAS all implement ``addmm``, so it runs on every platform; ``reference.py`` (the composition) is the spec.
@@ -45,15 +51,23 @@ def _zero(like: torch.Tensor) -> torch.Tensor:
 
 class _FusedLoraLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, nf4: NF4Weight | None):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, nf4: NF4Weight | None, adapter_first: bool):  # type: ignore[override]
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         w = _dense(nf4, x.dtype) if nf4 is not None else weight
         xa = x2 @ lora_a.t()
-        y = torch.addmm(bias, x2, w.t()) if bias is not None else x2 @ w.t()
-        y.addmm_(xa, lora_b.t(), alpha=scaling)
+        if adapter_first:
+            if bias is not None:
+                y = torch.addmm(bias, xa, lora_b.t(), alpha=scaling)
+            else:
+                y = torch.addmm(_zero(xa), xa, lora_b.t(), beta=0, alpha=scaling)
+            y.addmm_(x2, w.t())
+        else:
+            y = torch.addmm(bias, x2, w.t()) if bias is not None else x2 @ w.t()
+            y.addmm_(xa, lora_b.t(), alpha=scaling)
         ctx.save_for_backward(x2, xa, weight if nf4 is None else None, lora_a, lora_b)
         ctx.scaling, ctx.shape, ctx.has_bias, ctx.nf4 = scaling, shape, bias is not None, nf4
+        ctx.adapter_first = adapter_first
         return y.view(*shape[:-1], w.shape[0])
 
     @staticmethod
@@ -68,12 +82,16 @@ class _FusedLoraLinear(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             w = _dense(ctx.nf4, dy.dtype) if ctx.nf4 is not None else weight
-            dx = dy2 @ w
-            dx.addmm_(g, lora_a)
+            if ctx.adapter_first:
+                dx = g @ lora_a
+                dx.addmm_(dy2, w)
+            else:
+                dx = dy2 @ w
+                dx.addmm_(g, lora_a)
             dx = dx.view(ctx.shape)
         d_bias = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         d_w = dy2.t() @ x2 if ctx.needs_input_grad[1] else None  # only if someone unfroze a dense base
-        return dx, d_w, d_bias, d_a, d_b, None, None
+        return dx, d_w, d_bias, d_a, d_b, None, None, None
 
 
 def lora_linear(
@@ -86,7 +104,23 @@ def lora_linear(
 ) -> torch.Tensor:
     """``x W^T + b + scaling * (x A^T) B^T``; ``weight [out, in]`` dense or ``NF4Weight`` (dequantized transiently
     in forward and again in backward, as ``nf4_matmul`` does above its fused-kernel rows), ``lora_a [r, in]``,
-    ``lora_b [out, r]``."""
+    ``lora_b [out, r]``. The base product first, the adapter's added onto it."""
+    return _apply(x, weight, bias, lora_a, lora_b, scaling, adapter_first=False)
+
+
+def lora_linear_adapter_first(
+    x: torch.Tensor,
+    weight: torch.Tensor | NF4Weight,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """``lora_linear`` with the adapter's product first and the base GEMM accumulating onto it (module docstring)."""
+    return _apply(x, weight, bias, lora_a, lora_b, scaling, adapter_first=True)
+
+
+def _apply(x, weight, bias, lora_a, lora_b, scaling: float, adapter_first: bool) -> torch.Tensor:
     if isinstance(weight, NF4Weight):
-        return _FusedLoraLinear.apply(x, None, bias, lora_a, lora_b, float(scaling), weight)
-    return _FusedLoraLinear.apply(x, weight, bias, lora_a, lora_b, float(scaling), None)
+        return _FusedLoraLinear.apply(x, None, bias, lora_a, lora_b, float(scaling), weight, adapter_first)
+    return _FusedLoraLinear.apply(x, weight, bias, lora_a, lora_b, float(scaling), None, adapter_first)
