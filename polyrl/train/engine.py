@@ -344,6 +344,11 @@ class TrainEngine:
         frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
         where = f" at {frame.filename}:{frame.lineno}" if frame else ""
         first = (str(exc).splitlines() or [""])[0]
+        if self.cfg.cuda_graphs:  # required: no silent eager fallback
+            raise UserError(
+                f"engine.cuda_graphs = true, but the capture failed ({type(exc).__name__}: {first}{where}); unset it "
+                "to run such steps eagerly"
+            ) from exc
         warnings.warn(
             f"CUDA graph capture of the training step failed ({type(exc).__name__}: {first}{where}); running "
             "eagerly (set engine.cuda_graphs = false to skip the attempt)",

@@ -49,6 +49,19 @@ def test_config_rejects_unknown_mode_and_required_graphs_say_why():
         engine.step([pack(random_seqs(2, 16, 64, 0))])
 
 
+def test_a_failed_capture_warns_and_stays_eager_unless_graphs_are_required():
+    def engine(graphs):
+        cfg = EngineConfig(cuda_graphs=graphs)
+        return TrainEngine(tiny_lm(seed=0), OptimConfig(lr=1e-2), ScheduleConfig(decay="constant"), engine=cfg)
+
+    auto = engine(None)
+    with pytest.warns(RuntimeWarning, match="capture of the training step failed .RuntimeError: boom"):
+        auto._capture_failed(RuntimeError("boom\nmore"))
+    assert auto._graphs_failed and not auto._graphs_allowed(causal_lm_loss)
+    with pytest.raises(UserError, match="cuda_graphs = true, but the capture failed .RuntimeError: boom"):
+        engine(True)._capture_failed(RuntimeError("boom"))
+
+
 def test_cpu_steps_never_capture():
     engine = TrainEngine(
         tiny_lm(seed=0), OptimConfig(lr=1e-2), ScheduleConfig(decay="constant"), PrecisionConfig("fp32")
