@@ -250,7 +250,7 @@ EAGER_SUFFIX = "-eager"
 
 
 def _with_eager_rows(names: list[str], args: argparse.Namespace) -> list[str]:
-    """``--cuda-graphs both``: each polyrl config runs a second time with engine.cuda_graphs = "off"."""
+    """``--cuda-graphs both``: each polyrl config runs a second time with engine.cuda_graphs = False."""
     if getattr(args, "cuda_graphs", "auto") != "both":
         return names
     out = []

@@ -29,6 +29,18 @@ def test_bench_sft_tiny_cpu(tmp_path, capsys):
     assert report["ratios"]["fastest"] == pytest.approx(ours["tokens_per_s"] / hf["tokens_per_s"], rel=1e-6)
 
 
+def test_bench_sft_cuda_graphs_both_adds_an_eager_row_per_polyrl_config(tmp_path):
+    out = tmp_path / "both.json"
+    argv = ["bench", "sft", "--shape", "tiny", "--seq", "64", "--batch", "2", "--steps", "2", "--warmup", "1"]
+    assert main([*argv, "--cuda-graphs", "both", "--baselines", "hf", "--numerics", "bf16", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    by_name = {r["name"]: r for r in report["results"]}
+    assert list(by_name) == ["polyrl", "polyrl-eager", "hf-bf16"]
+    # on the CPU nothing is captured: both polyrl rows are the same eager computation
+    assert by_name["polyrl-eager"]["loss"] == pytest.approx(by_name["polyrl"]["loss"], rel=1e-6)
+    assert set(report["ratios"]) == {"hf-bf16", "fastest"}  # the eager row is ours, not a baseline
+
+
 def test_bench_sft_rejects_unknown_baseline(capsys):
     assert main(["bench", "sft", "--shape", "tiny", "--baselines", "trl"]) == 2
     assert "unknown baseline(s) ['trl']" in capsys.readouterr().err
