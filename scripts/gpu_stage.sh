@@ -74,6 +74,24 @@ for s in "$@"; do
     lora-adapter-first) stage lora-adapter-first 400 bash -c "for s in qwen3-1.7b qwen3-8b; do for k in fused \
       fused_adapter_first; do POLYRL_KERNELS=lora_linear:\$k $PR bench sft --shape \$s --seq 4096 --batch 2 --steps 5 \
       --warmup 2 --lora r=16,alpha=32 --activation-checkpointing --baselines none; done; done" ;;
+    # The same A/B at 8b QLoRA only (the issue-17 row closest to its target), ours only
+    lora-adapter-first-8b) stage lora-adapter-first-8b 300 bash -c "for k in fused fused_adapter_first; do \
+      POLYRL_KERNELS=lora_linear:\$k $PR bench sft --shape qwen3-8b --seq 4096 --batch 2 --steps 4 --warmup 2 --qlora \
+      --activation-checkpointing --baselines none; done" ;;
+    # Where a rollout's device time goes (kernel kinds per decode step, idle gaps between kernels): B512, B256 and
+    # batch 1 (issue 14's profile of what is left)
+    rollout-profile) TAIL=120 stage rollout-profile 240 bash -c "python3 scripts/rollout_device_profile.py --batch 512 \
+      --prompt-len 64 --gen-len 256; python3 scripts/rollout_device_profile.py --batch 256 --prompt-len 128 \
+      --gen-len 256; python3 scripts/rollout_device_profile.py --batch 1 --prompt-len 128 --gen-len 128" ;;
+    # The decode-path kernels of issue 14 against cuBLAS / the one-program sampler, as graph replays
+    bench-kernels-decode) stage bench-kernels-decode 120 $PR bench kernels --ops skinny_linear,sampling,paged_attention \
+      --baselines eager --json "$OUT/bench_kernels_decode.json" ;;
+    # The engine's GPU tests only (graphs, launch graphs, kernels of the decode path): a quick gate before benches
+    gpu-tests-infer) TAIL=30 stage gpu-tests-infer 300 python3 -m pytest -m gpu -q -rfE -x -p no:cacheprovider \
+      tests/infer tests/kernels/test_skinny_linear.py tests/kernels/test_sampling.py tests/kernels/test_paged_attention.py ;;
+    # bench rollout B256 with HF, synchronous steps, and the engine without launch graphs / skinny projections
+    bench-rollout-parts) stage bench-rollout-parts 300 $PR bench rollout --shape qwen3-0.6b --batch 256 --prompt-len 128 \
+      --gen-len 256 --baselines hf --compare-sync --compare-parts --json "$OUT/bench_rollout.json" ;;
     # The GRPO step with the KV cache and graphs kept across steps (the default on the H200) only: the row of the
     # issue-14 table when there is no time for --kv both
     bench-grpo-keep) stage bench-grpo-keep 150 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 \

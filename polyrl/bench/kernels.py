@@ -463,9 +463,37 @@ def bench_sampling(ctx: Ctx) -> list[Case]:
         p, o = rows.get("polyrl", {}).get("ms"), rows.get("old_batched", {}).get("ms")
         return "time <= old batched path", (None if p is None or o is None else p <= o)
 
+    # Batch 1 from the LM head's bf16 logits (what a batch-1 decode graph hands over): one row split over programs.
+    one = logits[:1].to(ctx.dtype)
+    one_rows = [temps[:1], seeds[:1], offsets[:1], greedy[:1]]
+    one_case = Case("sampling", f"decode step B=1 V={v} {str(ctx.dtype).replace('torch.', '')}",
+                    [_try("polyrl", lambda: forward_only(K.sample_tokens, [one, *one_rows]))], bytes_moved=float(
+                        one.numel() * one.element_size()), extra={"impl": _impl_name("sample_tokens", one)},
+                    base="polyrl", graph=True)  # fmt: skip
     # polyrl_sampler: the whole Sampler call (host lists, [B] tensors, kernel, .tolist()) for B seeded rows.
-    return [Case("sampling", f"decode step B={b} V={v} fp32, all rows seeded", cands, bytes_moved=4.0 * b * v,
+    return [one_case, Case("sampling", f"decode step B={b} V={v} fp32, all rows seeded", cands, bytes_moved=4.0 * b * v,
                  target=target, extra={"impl": _impl_name("sample_tokens", logits)}, base="old_seeded")]  # fmt: skip
+
+
+@bench("skinny_linear")
+def bench_skinny_linear(ctx: Ctx) -> list[Case]:
+    """The decode step's projections at batch 1 and 8 (weights read once): ``skinny_linear`` against cuBLAS
+    (``F.linear``), both also timed as graph replays (the decode graph's device time)."""
+    import polyrl.kernels as K
+
+    h, inter, hq, hk, d = (ctx.shape[k] for k in ("hidden", "inter", "hq", "hk", "d"))
+    shapes = {"q": (hq * d, h), "kv": (hk * d, h), "o": (h, hq * d), "gate/up": (inter, h), "down": (h, inter)}
+    e = torch.finfo(ctx.dtype).bits // 8
+    cases = []
+    for rows in (1, 8):
+        for name, (n, k) in shapes.items():
+            x, w = _rand(ctx, rows, k), _rand(ctx, n, k, scale=k**-0.5)
+            cands = [_try("polyrl", lambda x=x, w=w: forward_only(lambda: K.skinny_linear(x, w), []))]
+            cands.append(_try("cublas", lambda x=x, w=w: forward_only(lambda: F.linear(x, w), [])))
+            cases.append(Case("skinny_linear", f"{name} M={rows} N={n} K={k}", cands, bytes_moved=float(n * k * e),
+                              target=_bw_target(0.5), extra={"impl": _impl_name("skinny_linear", x)}, base="cublas",
+                              graph=True))  # fmt: skip
+    return cases
 
 
 # --- running and printing ----------------------------------------------------------------------------

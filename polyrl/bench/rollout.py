@@ -42,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compare-sync", action="store_true", help="also time the engine without one-step-ahead decoding"
     )
     parser.add_argument("--decode-steps", type=int, default=None, help="decode steps per launch (EngineConfig)")
+    parser.add_argument(
+        "--compare-parts",
+        action="store_true",
+        help="also time the engine without launch graphs (batch and batch-1) and without skinny_linear (batch-1)",
+    )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
 
@@ -222,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
         res["engine_sync_tok_s"] = n_out / t_sync
         res["engine_sync_decode_step_ms"] = 1e3 * max(t_sync - t_prefill, 1e-9) / max(args.gen_len - 1, 1)
         llm.config.overlap_decode = before
+    if args.compare_parts:
+        _compare_parts(llm, prompts, args, dev, res)
     llm.release()
 
     if "hf" in baselines:
@@ -244,6 +251,40 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare_parts(llm, prompts: list[list[int]], args: argparse.Namespace, dev: torch.device, res: dict) -> None:
+    """The same runs with one part of the decode path off, in this process: launch graphs (each launch of
+    ``decode_steps`` steps as one graph, sampling inside) and the skinny projections of small batches."""
+    import os
+
+    from polyrl.kernels import registry
+
+    def timed(key: str, batch: int) -> None:
+        llm.reset_prefix_cache()
+        t, _ = _run_engine(llm, prompts[:batch], args.gen_len, dev)
+        res[key] = batch * args.gen_len / t if batch > 1 else 1e3 * t / args.gen_len
+
+    llm.config.launch_graphs = False
+    timed("engine_no_launch_graphs_tok_s", args.batch)
+    if not args.skip_batch1:
+        timed("engine_no_launch_graphs_batch1_ms_per_token", 1)
+    llm.config.launch_graphs = True
+    if not args.skip_batch1:
+        before = os.environ.get("POLYRL_KERNELS")
+        os.environ["POLYRL_KERNELS"] = "skinny_linear:reference"
+        registry.reset_cache()
+        llm.runner.invalidate_graphs()  # the captured graphs hold the kernel they were captured with
+        try:
+            llm.capture_graphs(1)
+            timed("engine_no_skinny_batch1_ms_per_token", 1)
+        finally:
+            if before is None:
+                os.environ.pop("POLYRL_KERNELS", None)
+            else:
+                os.environ["POLYRL_KERNELS"] = before
+            registry.reset_cache()
+            llm.runner.invalidate_graphs()
+
+
 def _print(res: dict) -> None:
     rows = [
         ("engine output tokens/s", "engine_tok_s", "{:,.0f}"),
@@ -258,6 +299,9 @@ def _print(res: dict) -> None:
         ("engine, synchronous steps, tokens/s", "engine_sync_tok_s", "{:,.0f}"),
         ("synchronous decode step ms (wall)", "engine_sync_decode_step_ms", "{:.2f}"),
         ("engine batch-1 ms/token", "engine_batch1_ms_per_token", "{:.2f}"),
+        ("engine without launch graphs tokens/s", "engine_no_launch_graphs_tok_s", "{:,.0f}"),
+        ("  ... batch-1 ms/token", "engine_no_launch_graphs_batch1_ms_per_token", "{:.2f}"),
+        ("engine without skinny_linear batch-1", "engine_no_skinny_batch1_ms_per_token", "{:.2f}"),
         ("HF batch-1 ms/token", "hf_batch1_ms_per_token", "{:.2f}"),
         ("log-prob |engine - train fwd| max", "logprob_max_abs_diff", "{:.2e}"),
         ("log-prob |engine - train fwd| mean", "logprob_mean_abs_diff", "{:.2e}"),

@@ -35,6 +35,9 @@ class EngineConfig:
     # ... and queue this many decode steps per launch when no row needs the host between steps (its tokens past a
     # stop are computed and dropped): the host's per-step work is paid once per that many tokens
     decode_steps: int = 4
+    # ... and replay such a launch (decode_steps steps, sampling and the on-device input advance included) as one
+    # CUDA graph when every row's draw needs only temperature / seed (no top-k/top-p/min-p): infer/cuda_graphs.py
+    launch_graphs: bool = True
     # generate(): Python's cyclic garbage collector off until every prompt finished (platform.host.gc_paused); in
     # scripts/engine_host_overhead.py (B512 x 256 tokens) it ran 82 young and 8 middle-generation passes inside
     # generate(), ~2% of the host time, each a pause of up to a few ms between launches

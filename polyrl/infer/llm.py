@@ -220,14 +220,18 @@ class LLM:
             seqs = [it.seq for it in sched.items]
             rows = feed_rows(seqs)
             k = self._steps_per_launch(sched)
-            plan = self.sampler.plan(seqs, self.runner.device)
             suppress = self._suppress(seqs) if k == 1 else None
+            # Draws that need only (temperature, seed, offset, greedy) can run inside a decode launch graph.
+            draw_rows = self.sampler.rows(seqs) if suppress is None and self.runner.use_graphs else None
+            plan = []
 
             def draw(logits: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-                return self.sampler.draw_planned(logits, plan, suppress, j)
+                if not plan:  # built on first use: a launch graph samples without it
+                    plan.append(self.sampler.plan(seqs, self.runner.device))
+                return self.sampler.draw_planned(logits, plan[0], suppress, j)
 
             feed = (rows, prev.tokens) if rows is not None else None
-            tokens, logprobs = self.runner.execute_steps(sched, feed, k, draw)
+            tokens, logprobs = self.runner.execute_steps(sched, feed, k, draw, draw_rows)
             for it in sched.items:
                 it.seq.num_computed = it.start + k
             launched = InflightStep(seqs, tokens, logprobs)

@@ -1,4 +1,5 @@
-"""Model runner: one engine step on the device - inputs in, fp32 logits of the sampling rows out.
+"""Model runner: one engine step on the device - inputs in, logits of the sampling rows out (in the model's dtype,
+as the LM head computes them: 311 MB less to write and read per B512 step than fp32; the sampler upcasts).
 
 Eager path (any device, any batch): build ``StepInputs`` (``batch.py``), run ``DecoderLM.forward`` with
 paged ``AttnMetadata``, gather the hidden state of each sampling sequence's last token and call
@@ -25,6 +26,7 @@ from polyrl.infer.batch import StepInputs, host_arrays, to_device
 from polyrl.infer.config import EngineConfig
 from polyrl.infer.kv_cache import KVCache
 from polyrl.infer.overlap import feed_input_ids
+from polyrl.infer.sampler import SamplingRows
 from polyrl.infer.scheduler import SchedulerOutput
 from polyrl.models.attention_metadata import AttnMetadata
 from polyrl.platform import device
@@ -39,7 +41,7 @@ class DecodeBuffers:
     slot_mapping: torch.Tensor  # int64 [bs]
     context_lens: torch.Tensor  # int32 [bs]
     block_tables: torch.Tensor  # int32 [bs, M]
-    run: Callable[[], torch.Tensor]  # -> fp32 logits [bs, V]
+    run: Callable[[], torch.Tensor]  # -> logits [bs, V] (the model's dtype)
 
     def advance(self, tokens: torch.Tensor, block_size: int) -> None:
         """Inputs of the next decode step, on the device: each row's input is the token it just drew, one
@@ -76,34 +78,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, feed: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
-        """fp32 logits ``[S, V]`` for the scheduled sequences that sample, in scheduling order.
+        """Logits ``[S, V]`` (the model's dtype) for the scheduled sequences that sample, in scheduling order.
 
         ``feed = (rows, prev_tokens)``: item ``i`` with ``rows[i] >= 0`` takes its input id from the device tensor
         ``prev_tokens[rows[i]]`` (one-step-ahead decoding, ``overlap.py``); only for one-token items."""
         if self.kv.caches is None:
             raise RuntimeError("the KV cache is released; call LLM.reallocate() before generating")
         arrays = host_arrays(sched.items, self.cfg.block_size)
-        bs = len(sched.items)
-        fed = None
-        if feed is not None:
-            from polyrl.infer.sampler import host_to_device
-
-            fed = (host_to_device(feed[0], torch.int64, self.device), feed[1])
+        fed = self._fed(feed)
         bank = getattr(self.model, "lora_bank", None)
         if bank is not None:  # LoRA adapters per request: each token's adapter slot (fixed across queued steps)
             bank.index = _adapter_index(sched, bank, self.device)
-        graphs = bank is None and self.use_graphs  # adapter steps run eagerly
-        if graphs and sched.is_decode_only and bs <= self.cfg.max_graph_batch_size:
-            if self.graphs is None:
-                from polyrl.infer.cuda_graphs import DecodeGraphs
-
-                self.graphs = DecodeGraphs(self.model, self.kv, self.cfg, self.max_blocks_per_seq)
+        if self._graph_step(sched):  # adapter steps run eagerly
             from polyrl.infer.cuda_graphs import GraphCaptureError
 
             try:
                 logits = self.graphs.run(arrays, fed)
                 self.last_step_used_graph = True
-                self.last_decode = self.graphs.decode_buffers(bs)
+                self.last_decode = self.graphs.decode_buffers(len(sched.items))
                 return logits
             except GraphCaptureError as exc:
                 warnings.warn(f"{exc}; decoding without CUDA graphs from now on", RuntimeWarning, stacklevel=2)
@@ -126,11 +118,31 @@ class ModelRunner:
         feed: tuple[list[int], torch.Tensor] | None,
         steps: int,
         draw: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]],
+        rows: SamplingRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``steps`` decode steps of a decode-only batch queued back to back, without the host in between: the
-        first as ``execute``, then ``DecodeBuffers.advance`` and run again. ``draw(logits, j)`` samples step j.
+        """``steps`` decode steps of a decode-only batch queued back to back, without the host in between.
         Returns (tokens int64, logprobs fp32), each ``[steps, S]``. The caller has allocated every sequence's
-        blocks for all ``steps`` positions."""
+        blocks for all ``steps`` positions.
+
+        With ``rows`` (the draws need only temperature, seed, offset, greedy) on the graph path and ``steps`` =
+        ``decode_steps``: one replay of the launch graph (``cuda_graphs.py``), sampling included. Otherwise the
+        first step as ``execute``, then ``DecodeBuffers.advance`` and run again; ``draw(logits, j)`` samples step j."""
+        # Launch graphs of decode_steps steps only (captured ahead with the step graphs); a shorter launch (the tail of
+        # a rollout) takes the step path rather than capturing a graph per (bucket, steps) mid-run.
+        full = steps == self.cfg.decode_steps and self.cfg.launch_graphs
+        if rows is not None and full and self.kv.caches is not None and self._graph_step(sched):
+            from polyrl.infer.cuda_graphs import GraphCaptureError
+
+            fed = self._fed(feed)
+            try:
+                out = self.graphs.run_launch(host_arrays(sched.items, self.cfg.block_size), fed, rows, steps)
+                self.last_step_used_graph = True
+                self.last_decode = None
+                return out
+            except GraphCaptureError as exc:
+                warnings.warn(f"{exc}; decoding without CUDA graphs from now on", RuntimeWarning, stacklevel=2)
+                self.invalidate_graphs()
+                self.use_graphs = False
         tok, lp = draw(self.execute(sched, feed), 0)
         if steps == 1:
             return tok[None], lp[None]
@@ -143,8 +155,27 @@ class ModelRunner:
             lps.append(lp)
         return torch.stack(toks), torch.stack(lps)
 
+    def _graph_step(self, sched: SchedulerOutput) -> bool:
+        """Whether this step replays a decode graph (and make the graph set on first use)."""
+        bank = getattr(self.model, "lora_bank", None)
+        ok = bank is None and self.use_graphs and sched.is_decode_only
+        ok = ok and len(sched.items) <= self.cfg.max_graph_batch_size
+        if ok and self.graphs is None:
+            from polyrl.infer.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.kv, self.cfg, self.max_blocks_per_seq)
+        return ok
+
+    def _fed(self, feed: tuple[list[int], torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if feed is None:
+            return None
+        from polyrl.infer.sampler import host_to_device
+
+        return host_to_device(feed[0], torch.int64, self.device), feed[1]
+
     def capture_graphs(self, batch: int) -> None:
-        """Capture the decode graphs of every batch size up to ``batch`` now (no-op without graphs)."""
+        """Capture the decode graphs of every batch size up to ``batch`` now - step graphs and ``decode_steps``-step
+        launch graphs (no-op without graphs)."""
         if not self.use_graphs or self.kv.caches is None:
             return
         from polyrl.infer.cuda_graphs import DecodeGraphs, GraphCaptureError
@@ -152,7 +183,8 @@ class ModelRunner:
         if self.graphs is None:
             self.graphs = DecodeGraphs(self.model, self.kv, self.cfg, self.max_blocks_per_seq)
         try:
-            self.graphs.capture_up_to(min(batch, self.cfg.max_graph_batch_size))
+            launch = self.cfg.decode_steps if self.cfg.overlap_decode is not False and self.cfg.launch_graphs else 0
+            self.graphs.capture_up_to(min(batch, self.cfg.max_graph_batch_size), launch)
         except GraphCaptureError as exc:
             warnings.warn(f"{exc}; decoding without CUDA graphs from now on", RuntimeWarning, stacklevel=2)
             self.invalidate_graphs()
@@ -172,7 +204,7 @@ class ModelRunner:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         if x.sample_rows.numel() != x.num_tokens:
             hidden = hidden.index_select(0, x.sample_rows)  # [S, H]
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, upcast=False)
 
     def invalidate_graphs(self) -> None:
         """Drop captured graphs (after the cache is released or parameter tensors are replaced)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from polyrl import kernels
@@ -68,6 +69,16 @@ def apply_top_k_top_p_min_p(
 
 
 @dataclass
+class SamplingRows:
+    """A launch's per-row draw parameters on the host (``Sampler.rows``): what a launch graph's sampling reads."""
+
+    temps: np.ndarray  # float32 [bs], 1 on greedy rows
+    seeds: np.ndarray  # int64 [bs]
+    offsets: np.ndarray  # int64 [bs]: tokens each row generated before the launch
+    greedy: np.ndarray  # int64 [bs], 0/1
+
+
+@dataclass
 class _Rows:
     """The per-row parameters of one step as [B] tensors on the logits' device."""
 
@@ -86,7 +97,8 @@ def host_to_device(values: list, dtype: torch.dtype, dev: torch.device) -> torch
     return t if dev.type == "cpu" else t.pin_memory().to(dev, non_blocking=True)
 
 
-def _row_tensors(seqs: list[Sequence], dev: torch.device) -> _Rows:
+def _row_values(seqs: list[Sequence]) -> tuple[list[float], list[int], list[int], list[bool]]:
+    """(temperatures, seeds, offsets, greedy) per row as host lists (temperature 1 on greedy rows)."""
     # One pass over the rows: this is host time the device waits for at every decode step.
     temps, seeds, offsets, greedy = [], [], [], []
     unseeded = False
@@ -104,6 +116,11 @@ def _row_tensors(seqs: list[Sequence], dev: torch.device) -> _Rows:
     if unseeded:
         base = int(torch.randint(0, SEED_RANGE, (1,)).item())
         seeds = [sd if sd >= 0 else base + b for b, sd in enumerate(seeds)]
+    return temps, seeds, offsets, greedy
+
+
+def _row_tensors(seqs: list[Sequence], dev: torch.device) -> _Rows:
+    temps, seeds, offsets, greedy = _row_values(seqs)
     ints = host_to_device([seeds, offsets, greedy], torch.int64, dev)  # [3, B]
     t = host_to_device(temps, torch.float32, dev)
     return _Rows(t, 1.0 / t, ints[0], ints[1], ints[2].bool())
@@ -174,6 +191,17 @@ class Sampler:
         alternatives: those are read on the host)."""
         return self.draw_planned(logits, self.plan(seqs, logits.device), suppress)
 
+    def rows(self, seqs: list[Sequence]):
+        """The rows' draw parameters on the host (``cuda_graphs.SamplingRows``, what a decode launch graph samples
+        with), or None when a row truncates (top-k / top-p / min-p: drawn by ``draw_planned`` instead)."""
+        if any(s.params.truncates for s in seqs):
+            return None
+        temps, seeds, offsets, greedy = _row_values(seqs)
+        return SamplingRows(
+            np.asarray(temps, np.float32), np.asarray(seeds, np.int64), np.asarray(offsets, np.int64),
+            np.asarray(greedy, np.int64),
+        )  # fmt: skip
+
     def plan(self, seqs: list[Sequence], dev: torch.device) -> DrawPlan:
         rows = _row_tensors(seqs, dev)
         trunc = [b for b, s in enumerate(seqs) if s.params.truncates]
@@ -189,8 +217,11 @@ class Sampler:
         suppress: list[list[int] | None] | None = None,
         step: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draw one token per row; ``step`` = how many tokens each row has drawn since ``plan`` was made."""
-        logits = logits.float()
+        """Draw one token per row; ``step`` = how many tokens each row has drawn since ``plan`` was made. ``logits``
+        in any float dtype: ``sample_tokens`` reads bf16 as fp32 (no fp32 copy); masked or truncated rows upcast."""
+        masks = bool(suppress and any(suppress)) or plan.trunc_idx is not None or bool(plan.trunc_rows)
+        if masks:
+            logits = logits.float()
         rows = plan.rows
         inp, suppressed = _suppress_mask(logits, suppress)
         if plan.trunc_idx is not None:

@@ -30,6 +30,7 @@ from polyrl.kernels import (  # noqa: E402,F401  isort: skip
     sampling as _sampling_pkg,
     nf4 as _nf4_pkg,
     lora_linear as _lora_linear_pkg,
+    skinny_linear as _skinny_linear_pkg,
 )
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "nf4_dequantize",
     "NF4Weight",
     "lora_linear",
+    "skinny_linear",
 ]
 
 _DTYPE_NAMES = {
@@ -230,3 +232,10 @@ def lora_linear(
     QLoRA), ``lora_a [r, K]``, ``lora_b [N, r]``; every dense tensor in ``x``'s dtype. Differentiable in ``x``,
     the adapter and (dense and requiring grad) the base."""
     return _impl("lora_linear", x)(x, weight, bias, lora_a, lora_b, scaling)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N]`` for at most ``skinny_linear.MAX_ROWS`` rows, no autograd:
+    the projections of a small-batch decode step (weight-read bound). Contract in
+    ``polyrl/kernels/skinny_linear/__init__.py``."""
+    return _impl("skinny_linear", x)(x, weight, bias)

@@ -7,6 +7,10 @@ cache-free prefill) and paged KV (``meta.kv_caches`` set: new k/v are written wi
 ``meta.slot_mapping``, then ``paged_attention`` reads the cache). The paged path has no host syncs in this
 module, so the rollout engine can capture decode in a CUDA graph.
 
+Projections (``project``): a plain ``nn.Linear`` fed at most ``skinny_linear.MAX_ROWS`` rows with autograd off (a
+small-batch decode step) runs ``kernels.skinny_linear``, which streams the weight where cuBLAS's small-M tiles
+leave bandwidth unused; everything else is the module's own call.
+
 The residual stream runs through the fused ``rmsnorm(x, w, residual=r)`` op: each layer hands on
 ``(branch_output, residual)`` and the next norm adds them, which is bit-identical to HF's ``h = r + f(h)``
 because float addition is commutative.
@@ -24,9 +28,20 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from polyrl import kernels
+from polyrl.kernels.skinny_linear import MAX_ROWS as SKINNY_MAX_ROWS
 from polyrl.models.attention_metadata import AttnMetadata
 from polyrl.models.config import ModelConfig
 from polyrl.platform import device
+
+
+def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)`` for ``x [T, in]``; decode-sized inputs of a plain ``nn.Linear`` (no autograd, a few rows, a
+    plain weight tensor) go to ``kernels.skinny_linear`` (same product, fp32 accumulation)."""
+    if x.shape[0] <= SKINNY_MAX_ROWS and type(linear) is nn.Linear and not torch.is_grad_enabled() and x.dim() == 2:
+        w = linear.weight
+        if type(w) is nn.Parameter and w.dtype == x.dtype:
+            return kernels.skinny_linear(x, w, linear.bias)
+    return linear(x)
 
 
 class RMSNorm(nn.Module):
@@ -88,9 +103,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q = project(self.q_proj, x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = project(self.k_proj, x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
+        v = project(self.v_proj, x).view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = kernels.apply_rope(q, k, cos, sin)
@@ -110,7 +125,7 @@ class Attention(nn.Module):
                 self.scale,
                 self.window,
             )
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return project(self.o_proj, o.reshape(t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -121,7 +136,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
+        return project(self.down_proj, kernels.swiglu(project(self.gate_proj, x), project(self.up_proj, x)))
 
 
 class DecoderLayer(nn.Module):
@@ -193,10 +208,12 @@ class DecoderLM(nn.Module):
         h, _ = self.model.norm(h, residual)
         return h
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[T, H] -> [T, V]`` fp32 (matmul in the weights' dtype, as HF, then upcast). Materialises all
-        logits: for losses and log-probs over many tokens use the fused kernels with ``lm_head_weight``."""
-        return F.linear(hidden, self.lm_head_weight).float()
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """``[T, H] -> [T, V]`` fp32 (matmul in the weights' dtype, as HF, then upcast; ``upcast=False`` keeps the
+        weights' dtype, e.g. for a sampler that reads bf16 as fp32 itself). Materialises all logits: for losses and
+        log-probs over many tokens use the fused kernels with ``lm_head_weight``."""
+        logits = F.linear(hidden, self.lm_head_weight)
+        return logits.float() if upcast else logits
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Unique parameters (a tied embedding/head counts once)."""

@@ -139,6 +139,14 @@ def _linear_shapes():
     ]
 
 
+def _skinny_shapes():
+    return [
+        Shape("T=3,in=127,out=33", {"T": 3, "in": 127, "out": 33}, "tiny"),
+        Shape("T=1,in=1024,out=2048", {"T": 1, "in": 1024, "out": 2048}),
+        Shape("T=8,in=3072,out=1024,nobias", {"T": 8, "in": 3072, "out": 1024, "bias": False}, "large"),
+    ]
+
+
 # --- attention ---------------------------------------------------------------------------------------
 
 
@@ -318,6 +326,10 @@ def _register_all() -> None:
     register_cases(
         OpCases("token_logprobs", _make_tlp, _tlp_shapes(), ("logprobs", "entropy"), ("hidden", "weight"),
                 tol=dict(MATMUL_TOL))
+    )  # fmt: skip
+    register_cases(
+        OpCases("skinny_linear", _make_linear, _skinny_shapes(), ("y",), tol=dict(MATMUL_TOL),
+                note="the decode step's projections at a few rows (no autograd)")
     )  # fmt: skip
     swiglu_shapes = _swiglu_shapes()
     register_cases(

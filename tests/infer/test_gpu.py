@@ -98,6 +98,8 @@ def test_one_step_ahead_decoding_equals_synchronous_on_the_device(graphs):
         assert (stats["num_steps_ahead"] > 0) == ahead
         if ahead:
             assert stats["num_steps_ahead"] > stats["num_launches_ahead"]  # several decode steps per launch
+            if graphs:  # seeded rows without truncation: whole launches replayed as one graph, sampling inside
+                assert llm.runner.graphs.launch_graphs
     assert outs[True] == outs[False]
 
 
@@ -109,6 +111,7 @@ def test_capture_graphs_ahead_of_time_covers_every_bucket_up_to_the_batch():
     llm = LLM(_model(torch.bfloat16), None, EngineConfig(num_blocks=256, max_num_seqs=64))
     assert llm.capture_graphs(40) > 0
     assert sorted(llm.runner.graphs.graphs) == [1, 2, 4, 8, 16, 32, 64]
+    assert sorted(llm.runner.graphs.launch_graphs) == [(b, 4) for b in (1, 2, 4, 8, 16, 32, 64)]
     out = llm.generate([[5, 6, 7]] * 3, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert llm.stats()["graph_capture_s"] == pytest.approx(llm.runner.graphs.capture_s)  # nothing captured again
     assert all(len(o.outputs[0].token_ids) == 6 for o in out)

@@ -62,7 +62,7 @@ def test_fused_node_does_not_differentiate_frozen_inputs(seeded):
 
 def test_registry_picks_the_fused_node_and_the_reference_can_be_forced(monkeypatch):
     x = torch.randn(3, 8)
-    assert kernels.registry.select("lora_linear", "cpu", "float32")[0] == "fused"
+    assert kernels.registry.select("lora_linear", "cpu", "float32")[0] == "fused_adapter_first"
     monkeypatch.setenv("POLYRL_KERNELS", "lora_linear:reference")
     kernels.registry.reset_cache()
     try:

@@ -120,6 +120,39 @@ def test_triton_matches_reference(triton_kernels, B, V, block):
     assert bool(torch.isfinite(ref_logprobs).all()) and int(tokens[0]) >= 7  # suppressed ids never drawn
 
 
+@pytest.mark.parametrize("B,V,block,splits", [(3, 1000, 128, 3), (2, 5000, 256, 8), (1, 700, 128, 6), (4, 37, 16, 2)])
+def test_triton_split_rows_match_reference(triton_kernels, B, V, block, splits):
+    """A row scanned by several programs and combined gives the one-program draw (same noise, same winner)."""
+    fn = triton_kernels.load("sampling", "sample_tokens")
+    args = _inputs(B, V, triton_kernels.device, seed=7 * B + V)
+    tokens, logprobs = fn(*args, block_v=block, splits=splits)
+    one_tokens, one_logprobs = fn(*args, block_v=block, splits=1)
+    ref_tokens, ref_logprobs = R.sample_tokens(*args)
+    _assert_same_draws(tokens, logprobs, ref_tokens, ref_logprobs, *args, atol=1e-5)
+    assert torch.equal(tokens, one_tokens)
+    assert torch.allclose(logprobs, one_logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_reads_bf16_logits_as_their_fp32_upcast(triton_kernels):
+    fn = triton_kernels.load("sampling", "sample_tokens")
+    logits, *rest = _inputs(5, 3000, triton_kernels.device, seed=5)
+    half = logits.to(torch.bfloat16)
+    for splits in (1, 4):
+        tokens, logprobs = fn(half, *rest, splits=splits)
+        up_tokens, up_logprobs = fn(half.float(), *rest, splits=splits)
+        assert torch.equal(tokens, up_tokens) and torch.equal(logprobs, up_logprobs)
+
+
+def test_num_splits_spreads_small_batches_only(triton_kernels):
+    num_splits = triton_kernels.load("sampling", "num_splits")
+
+    assert num_splits(1, 38, 132) == 38  # batch 1: one 4096-column block per program
+    assert num_splits(64, 38, 132) == 17
+    assert num_splits(512, 38, 132) == 3
+    assert num_splits(4096, 38, 132) == 1
+    assert num_splits(1, 1, 132) == 1
+
+
 def test_triton_ties_go_to_the_lowest_index_across_blocks(triton_kernels):
     fn = triton_kernels.load("sampling", "sample_tokens")
     dev = triton_kernels.device
@@ -131,6 +164,7 @@ def test_triton_ties_go_to_the_lowest_index_across_blocks(triton_kernels):
     args = [t.to(dev) for t in args] + [torch.ones(3, dtype=torch.bool, device=dev)]
     tokens, logprobs = fn(*args, block_v=128)
     assert tokens.tolist() == [0, 130, 300] == R.sample_tokens(*args)[0].tolist()
+    assert fn(*args, block_v=128, splits=5)[0].tolist() == [0, 130, 300]  # ties across splits too
     assert math.isclose(logprobs[0].item(), -math.log(600), rel_tol=1e-5)
     assert math.isclose(logprobs[2].item(), -math.log(2), rel_tol=1e-5)
 
@@ -157,3 +191,16 @@ def test_gpu_matches_reference_at_rollout_shape(triton_kernels):
     _assert_same_draws(tokens, logprobs, ref_tokens, ref_logprobs, *args, atol=1e-4)
     again, _ = fn(*args)
     assert torch.equal(again, tokens)  # deterministic
+
+
+@pytest.mark.gpu
+def test_gpu_batch_one_split_row_from_bf16_logits(triton_kernels):
+    """B=1 x V=151936 bf16 (a batch-1 decode graph's logits), split over programs: the reference's draws."""
+    fn = triton_kernels.load("sampling", "sample_tokens")
+    logits, *rest = _inputs(4, 151936, triton_kernels.device, seed=12)
+    half = logits.to(torch.bfloat16)
+    for b in range(4):
+        one = [half[b : b + 1]] + [t[b : b + 1] for t in rest]
+        tokens, logprobs = fn(*one)
+        ref_tokens, ref_logprobs = R.sample_tokens(*one)
+        _assert_same_draws(tokens, logprobs, ref_tokens, ref_logprobs, *one, atol=1e-4)

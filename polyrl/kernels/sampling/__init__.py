@@ -3,8 +3,8 @@ RNG keyed by (seed, offset, vocab index), or greedy argmax) and returns its temp
 
 Contract (``reference.py`` is the spec)::
 
-    sample_tokens(logits [B, V] fp32, temperature [B] fp32, seeds [B] int64, offsets [B] int64,
-                  greedy [B] bool) -> (tokens int64 [B], logprobs fp32 [B])
+    sample_tokens(logits [B, V] fp32 (or bf16/fp16, read as fp32), temperature [B] fp32, seeds [B] int64,
+                  offsets [B] int64, greedy [B] bool) -> (tokens int64 [B], logprobs fp32 [B])
 
 - ``z = logits * (1 / T)`` (the reciprocal rounded to fp32 once; T is taken as 1 on greedy rows, and must be
   > 0 on sampled rows).
@@ -27,6 +27,6 @@ register(
     "triton",
     "polyrl.kernels.sampling.triton:sample_tokens",
     devices=("cuda",),
-    dtypes=("float32",),
+    dtypes=("float32", "bfloat16", "float16"),
     priority=10,
 )

@@ -138,8 +138,8 @@ class AdapterDisabled(nn.Module):
     def config(self):
         return self.inner.config
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.inner.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        return self.inner.compute_logits(hidden, upcast)
 
     def train(self, mode: bool = True) -> AdapterDisabled:
         self.training = mode

@@ -1,0 +1,29 @@
+"""skinny_linear: ``y = x @ W^T + b`` for a few rows of ``x`` (decode steps of small batches), without autograd.
+
+Contract (``reference.py`` is the spec)::
+
+    skinny_linear(x [M, K], weight [N, K], bias [N] | None) -> y [M, N]   (x's dtype; M <= MAX_ROWS)
+
+The product is accumulated in fp32 and rounded once to ``x``'s dtype, as a GEMM does; only the summation order
+differs from cuBLAS. Why an op of its own: at batch 1-8 the decode step's projections are weight reads (a 4-12 MB
+matrix for a few hundred FLOPs per byte), and cuBLAS's small-M kernels read them at a fraction of the bandwidth
+(H200, qwen3-0.6b shape: ~9 us for a 12 MB matrix, 7 projections per layer). The Triton kernel gives each program a
+few output columns for every row, so hundreds of programs stream the matrix at once.
+
+``polyrl.models.decoder`` routes a plain ``nn.Linear`` here when its input has at most ``MAX_ROWS`` rows and
+autograd is off (the rollout engine's decode graphs); training never comes here.
+"""
+
+from polyrl.kernels.registry import register
+
+MAX_ROWS = 8
+
+register("skinny_linear", "reference", "polyrl.kernels.skinny_linear.reference:skinny_linear", priority=0)
+register(
+    "skinny_linear",
+    "triton",
+    "polyrl.kernels.skinny_linear.triton:skinny_linear",
+    devices=("cuda",),
+    dtypes=("float32", "bfloat16", "float16"),
+    priority=10,
+)
