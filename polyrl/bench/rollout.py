@@ -216,8 +216,12 @@ def run(args: argparse.Namespace) -> int:
     res["logprob_max_abs_diff"], res["logprob_mean_abs_diff"] = lp_max, lp_mean
     if not args.skip_batch1:
         llm.reset_prefix_cache()
+        t1_prefill, _ = _run_engine(llm, prompts[:1], 1, dev)
+        llm.reset_prefix_cache()
         t1, _ = _run_engine(llm, prompts[:1], args.gen_len, dev)
         res["engine_batch1_ms_per_token"] = 1e3 * t1 / args.gen_len
+        # the decode phase alone (the eager prefill of one prompt is host-bound: ~400 kernel launches from Python)
+        res["engine_batch1_decode_ms_per_token"] = 1e3 * max(t1 - t1_prefill, 1e-9) / max(args.gen_len - 1, 1)
     stats = llm.stats()
     res["engine_preemptions"] = stats["num_preemptions"]
     if args.compare_sync:
@@ -252,37 +256,64 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _compare_parts(llm, prompts: list[list[int]], args: argparse.Namespace, dev: torch.device, res: dict) -> None:
-    """The same runs with one part of the decode path off, in this process: launch graphs (each launch of
-    ``decode_steps`` steps as one graph, sampling inside) and the skinny projections of small batches."""
+    """The same runs with one part of the decode path on and off, interleaved (on, off, on, off, ...; medians of 3
+    each, so drift between runs does not read as a difference): launch graphs (each launch of ``decode_steps``
+    steps as one graph, sampling inside) at the batch and at batch 1, and the skinny projections at batch 1."""
     import os
+    import statistics
 
     from polyrl.kernels import registry
 
-    def timed(key: str, batch: int) -> None:
-        llm.reset_prefix_cache()
-        t, _ = _run_engine(llm, prompts[:batch], args.gen_len, dev)
-        res[key] = batch * args.gen_len / t if batch > 1 else 1e3 * t / args.gen_len
+    reps = 3
+    t_prefill1 = None
 
-    llm.config.launch_graphs = False
-    timed("engine_no_launch_graphs_tok_s", args.batch)
-    if not args.skip_batch1:
-        timed("engine_no_launch_graphs_batch1_ms_per_token", 1)
-    llm.config.launch_graphs = True
-    if not args.skip_batch1:
-        before = os.environ.get("POLYRL_KERNELS")
-        os.environ["POLYRL_KERNELS"] = "skinny_linear:reference"
+    def timed(batch: int) -> float:
+        llm.reset_prefix_cache()
+        return _run_engine(llm, prompts[:batch], args.gen_len, dev)[0]
+
+    def batch1_decode_ms(t: float) -> float:
+        return 1e3 * max(t - t_prefill1, 1e-9) / max(args.gen_len - 1, 1)
+
+    def set_skinny(on: bool) -> None:
+        if on:
+            os.environ.pop("POLYRL_KERNELS", None) if before is None else os.environ.__setitem__(
+                "POLYRL_KERNELS", before
+            )
+        else:
+            os.environ["POLYRL_KERNELS"] = "skinny_linear:reference"
         registry.reset_cache()
         llm.runner.invalidate_graphs()  # the captured graphs hold the kernel they were captured with
-        try:
-            llm.capture_graphs(1)
-            timed("engine_no_skinny_batch1_ms_per_token", 1)
-        finally:
-            if before is None:
-                os.environ.pop("POLYRL_KERNELS", None)
+        llm.capture_graphs(args.batch)
+
+    before = os.environ.get("POLYRL_KERNELS")
+    batches = [args.batch] + ([] if args.skip_batch1 else [1])
+    if not args.skip_batch1:
+        llm.reset_prefix_cache()
+        t_prefill1 = _run_engine(llm, prompts[:1], 1, dev)[0]
+    for batch in batches:
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(reps):
+            for on in (True, False):
+                llm.config.launch_graphs = on
+                times[on].append(timed(batch))
+        llm.config.launch_graphs = True
+        for on, name in ((True, "launch_graphs"), (False, "no_launch_graphs")):
+            t = statistics.median(times[on])
+            if batch > 1:
+                res[f"engine_{name}_tok_s"] = batch * args.gen_len / t
             else:
-                os.environ["POLYRL_KERNELS"] = before
-            registry.reset_cache()
-            llm.runner.invalidate_graphs()
+                res[f"engine_{name}_batch1_decode_ms_per_token"] = batch1_decode_ms(t)
+    if not args.skip_batch1:
+        times = {True: [], False: []}
+        try:
+            for _ in range(reps):
+                for on in (True, False):
+                    set_skinny(on)
+                    times[on].append(timed(1))
+        finally:
+            set_skinny(True)
+        res["engine_skinny_batch1_decode_ms_per_token"] = batch1_decode_ms(statistics.median(times[True]))
+        res["engine_no_skinny_batch1_decode_ms_per_token"] = batch1_decode_ms(statistics.median(times[False]))
 
 
 def _print(res: dict) -> None:
@@ -299,9 +330,13 @@ def _print(res: dict) -> None:
         ("engine, synchronous steps, tokens/s", "engine_sync_tok_s", "{:,.0f}"),
         ("synchronous decode step ms (wall)", "engine_sync_decode_step_ms", "{:.2f}"),
         ("engine batch-1 ms/token", "engine_batch1_ms_per_token", "{:.2f}"),
-        ("engine without launch graphs tokens/s", "engine_no_launch_graphs_tok_s", "{:,.0f}"),
-        ("  ... batch-1 ms/token", "engine_no_launch_graphs_batch1_ms_per_token", "{:.2f}"),
-        ("engine without skinny_linear batch-1", "engine_no_skinny_batch1_ms_per_token", "{:.2f}"),
+        ("engine batch-1 decode ms/token", "engine_batch1_decode_ms_per_token", "{:.2f}"),
+        ("A/B launch graphs on: tokens/s", "engine_launch_graphs_tok_s", "{:,.0f}"),
+        ("A/B launch graphs off: tokens/s", "engine_no_launch_graphs_tok_s", "{:,.0f}"),
+        ("A/B launch graphs on: b1 decode ms", "engine_launch_graphs_batch1_decode_ms_per_token", "{:.2f}"),
+        ("A/B launch graphs off: b1 decode ms", "engine_no_launch_graphs_batch1_decode_ms_per_token", "{:.2f}"),
+        ("A/B skinny on: b1 decode ms", "engine_skinny_batch1_decode_ms_per_token", "{:.2f}"),
+        ("A/B skinny off: b1 decode ms", "engine_no_skinny_batch1_decode_ms_per_token", "{:.2f}"),
         ("HF batch-1 ms/token", "hf_batch1_ms_per_token", "{:.2f}"),
         ("log-prob |engine - train fwd| max", "logprob_max_abs_diff", "{:.2e}"),
         ("log-prob |engine - train fwd| mean", "logprob_mean_abs_diff", "{:.2e}"),

@@ -7,8 +7,8 @@ cache-free prefill) and paged KV (``meta.kv_caches`` set: new k/v are written wi
 ``meta.slot_mapping``, then ``paged_attention`` reads the cache). The paged path has no host syncs in this
 module, so the rollout engine can capture decode in a CUDA graph.
 
-Projections (``project``): a plain ``nn.Linear`` fed at most ``skinny_linear.MAX_ROWS`` rows with autograd off (a
-small-batch decode step) runs ``kernels.skinny_linear``, which streams the weight where cuBLAS's small-M tiles
+Projections (``project``): a plain ``nn.Linear`` fed at most ``skinny_linear.ROUTE_MAX_ROWS`` rows with autograd off (a
+batch-1 decode step) runs ``kernels.skinny_linear``, which streams the weight where cuBLAS's small-M tiles
 leave bandwidth unused; everything else is the module's own call.
 
 The residual stream runs through the fused ``rmsnorm(x, w, residual=r)`` op: each layer hands on
@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from polyrl import kernels
-from polyrl.kernels.skinny_linear import MAX_ROWS as SKINNY_MAX_ROWS
+from polyrl.kernels.skinny_linear import ROUTE_MAX_ROWS as SKINNY_ROWS
 from polyrl.models.attention_metadata import AttnMetadata
 from polyrl.models.config import ModelConfig
 from polyrl.platform import device
@@ -37,7 +37,7 @@ from polyrl.platform import device
 def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``linear(x)`` for ``x [T, in]``; decode-sized inputs of a plain ``nn.Linear`` (no autograd, a few rows, a
     plain weight tensor) go to ``kernels.skinny_linear`` (same product, fp32 accumulation)."""
-    if x.shape[0] <= SKINNY_MAX_ROWS and type(linear) is nn.Linear and not torch.is_grad_enabled() and x.dim() == 2:
+    if x.shape[0] <= SKINNY_ROWS and type(linear) is nn.Linear and not torch.is_grad_enabled() and x.dim() == 2:
         w = linear.weight
         if type(w) is nn.Parameter and w.dtype == x.dtype:
             return kernels.skinny_linear(x, w, linear.bias)

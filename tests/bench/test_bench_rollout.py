@@ -16,9 +16,11 @@ def test_bench_rollout_tiny_cpu_compare_parts(tmp_path, capsys):
     assert main([*argv, "--baselines", "none", "--compare-parts", "--json", str(out)]) == 0
     assert os.environ.get("POLYRL_KERNELS") == before
     text = capsys.readouterr().out
-    assert "engine without launch graphs tokens/s" in text
+    assert "A/B launch graphs off: tokens/s" in text
     res = json.loads(out.read_text())
-    for key in ("engine_tok_s", "engine_no_launch_graphs_tok_s", "engine_batch1_ms_per_token",
-                "engine_no_launch_graphs_batch1_ms_per_token", "engine_no_skinny_batch1_ms_per_token"):  # fmt: skip
+    for key in ("engine_tok_s", "engine_launch_graphs_tok_s", "engine_no_launch_graphs_tok_s",
+                "engine_batch1_ms_per_token", "engine_batch1_decode_ms_per_token",
+                "engine_launch_graphs_batch1_decode_ms_per_token", "engine_no_launch_graphs_batch1_decode_ms_per_token",
+                "engine_skinny_batch1_decode_ms_per_token", "engine_no_skinny_batch1_decode_ms_per_token"):  # fmt: skip
         assert res[key] > 0, key
     assert res["logprob_max_abs_diff"] < 1e-4  # fp32 on the CPU: engine and training forward agree

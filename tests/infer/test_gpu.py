@@ -69,7 +69,8 @@ def test_a_failing_graph_capture_falls_back_to_eager_decoding(monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     eager = LLM(model, None, EngineConfig(num_blocks=64, max_num_seqs=4, cuda_graphs=False)).generate(prompts, params)
     plain = model.compute_logits
-    monkeypatch.setattr(model, "compute_logits", lambda h: plain(h) + 0 * h.sum().item())  # .item(): a host sync
+    # .item(): a host sync
+    monkeypatch.setattr(model, "compute_logits", lambda h, upcast=True: plain(h, upcast) + 0 * h.sum().item())
     llm = LLM(model, None, EngineConfig(num_blocks=64, max_num_seqs=4, cuda_graphs=True))
     with pytest.warns(RuntimeWarning, match="decoding without CUDA graphs"):
         outs = llm.generate(prompts, params)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from polyrl.kernels.skinny_linear import MAX_ROWS
+from polyrl.kernels.skinny_linear import MAX_ROWS, ROUTE_MAX_ROWS
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
@@ -60,14 +60,14 @@ def test_decoder_projects_decode_sized_inputs_through_skinny_linear(monkeypatch)
 
     monkeypatch.setattr(K, "skinny_linear", spy)
     lin = nn.Linear(16, 12)
-    x = torch.randn(MAX_ROWS, 16)
+    x = torch.randn(ROUTE_MAX_ROWS, 16)
     with torch.no_grad():
         torch.testing.assert_close(decoder.project(lin, x), lin(x), rtol=0, atol=0)  # the reference is F.linear
-        decoder.project(lin, torch.randn(MAX_ROWS + 1, 16))  # too many rows: the module
+        decoder.project(lin, torch.randn(ROUTE_MAX_ROWS + 1, 16))  # more rows: the module (cuBLAS)
     decoder.project(lin, x)  # autograd on: the module (training never takes the kernel)
     with torch.inference_mode():
         decoder.project(lin, x[:1])
-    assert calls == [(MAX_ROWS, 16), (1, 16)]
+    assert calls == [(ROUTE_MAX_ROWS, 16), (1, 16)]
 
 
 def test_decode_with_skinny_projections_matches_prefill_logits():
