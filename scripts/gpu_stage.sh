@@ -92,6 +92,9 @@ for s in "$@"; do
     # bench rollout B256 with HF, synchronous steps, and the engine without launch graphs / skinny projections
     bench-rollout-parts) stage bench-rollout-parts 300 $PR bench rollout --shape qwen3-0.6b --batch 256 --prompt-len 128 \
       --gen-len 256 --baselines hf --compare-sync --compare-parts --json "$OUT/bench_rollout.json" ;;
+    # The GRPO step (KV cache and graphs kept) against TRL at 64 completions per forward/backward, same run
+    bench-grpo-trl64) stage bench-grpo-trl64 420 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 \
+      --warmup 1 --steps 2 --kv keep --trl-micro-batch 64 --json "$OUT/bench_grpo_trl64.json" ;;
     # The GRPO step with the KV cache and graphs kept across steps (the default on the H200) only: the row of the
     # issue-14 table when there is no time for --kv both
     bench-grpo-keep) stage bench-grpo-keep 150 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 \

@@ -222,7 +222,8 @@ class LLM:
             k = self._steps_per_launch(sched)
             suppress = self._suppress(seqs) if k == 1 else None
             # Draws that need only (temperature, seed, offset, greedy) can run inside a decode launch graph.
-            draw_rows = self.sampler.rows(seqs) if suppress is None and self.runner.use_graphs else None
+            fused = suppress is None and k == self.config.decode_steps and self.config.launch_graphs
+            draw_rows = self.sampler.rows(seqs) if fused and self.runner.use_graphs else None
             plan = []
 
             def draw(logits: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,3 +24,18 @@ def test_bench_rollout_tiny_cpu_compare_parts(tmp_path, capsys):
                 "engine_skinny_batch1_decode_ms_per_token", "engine_no_skinny_batch1_decode_ms_per_token"):  # fmt: skip
         assert res[key] > 0, key
     assert res["logprob_max_abs_diff"] < 1e-4  # fp32 on the CPU: engine and training forward agree
+
+
+def test_decode_phase_is_timed_inside_the_run_and_counts_the_tokens_after_the_prefill():
+    import torch
+
+    from polyrl.bench.rollout import _model, _run_engine_phased
+    from polyrl.infer import LLM, EngineConfig
+
+    llm = LLM(_model("tiny", torch.float32, torch.device("cpu")), None, EngineConfig(num_blocks=64, max_num_seqs=8))
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    run = _run_engine_phased(llm, prompts, 6, torch.device("cpu"))
+    # one prefill step draws every prompt's first token; the 5 tokens after it are the decode phase
+    assert run["decode_tokens"] == 3 * 5 and run["decode_steps"] == 5
+    assert 0 < run["decode_s"] <= run["total_s"]
+    assert [len(o.outputs[0].token_ids) for o in run["outs"]] == [6, 6, 6]
