@@ -295,11 +295,13 @@ def run(args: argparse.Namespace) -> int:
 def _compare_parts(llm, prompts: list[list[int]], args: argparse.Namespace, dev: torch.device, res: dict) -> None:
     """The same runs with one part of the decode path on and off, interleaved (on, off, on, off, ...; medians of 3
     each, so drift between runs does not read as a difference): launch graphs (each launch of ``decode_steps``
-    steps as one graph, sampling inside) at the batch and at batch 1, and the skinny projections at batch 1."""
+    steps as one graph, sampling inside) at the batch and at batch 1; at batch 1 the skinny projections, and their
+    grouping (q/k/v and gate/up in one launch each)."""
     import os
     import statistics
 
     from polyrl.kernels import registry
+    from polyrl.models import decoder
 
     reps = 3
     t_prefill1 = None
@@ -312,18 +314,35 @@ def _compare_parts(llm, prompts: list[list[int]], args: argparse.Namespace, dev:
         return 1e3 * max(t - t_prefill1, 1e-9) / max(args.gen_len - 1, 1)
 
     def set_skinny(on: bool) -> None:
-        if on:
-            os.environ.pop("POLYRL_KERNELS", None) if before is None else os.environ.__setitem__(
-                "POLYRL_KERNELS", before
-            )
-        else:
+        if not on:
             os.environ["POLYRL_KERNELS"] = "skinny_linear:reference"
+        elif before is None:
+            os.environ.pop("POLYRL_KERNELS", None)
+        else:
+            os.environ["POLYRL_KERNELS"] = before
         registry.reset_cache()
-        llm.runner.invalidate_graphs()  # the captured graphs hold the kernel they were captured with
-        llm.capture_graphs(args.batch)
+        llm.runner.invalidate_graphs()  # the captured graphs hold the kernels they were captured with
+        llm.capture_graphs(1)
+
+    def set_grouped(on: bool) -> None:
+        decoder.GROUP_PROJECTIONS = on
+        llm.runner.invalidate_graphs()
+        llm.capture_graphs(1)
+
+    def ab_batch1(toggle, key: str) -> None:
+        times: dict[bool, list[float]] = {True: [], False: []}
+        try:
+            for _ in range(reps):
+                for on in (True, False):
+                    toggle(on)
+                    times[on].append(timed(1))
+        finally:
+            toggle(True)
+        res[f"engine_{key}_batch1_decode_ms_per_token"] = batch1_decode_ms(statistics.median(times[True]))
+        res[f"engine_no_{key}_batch1_decode_ms_per_token"] = batch1_decode_ms(statistics.median(times[False]))
 
     before = os.environ.get("POLYRL_KERNELS")
-    batches = [args.batch] + ([] if args.skip_batch1 else [1])
+    batches = sorted({args.batch} | (set() if args.skip_batch1 else {1}), reverse=True)
     if not args.skip_batch1:
         llm.reset_prefix_cache()
         t_prefill1 = _run_engine(llm, prompts[:1], 1, dev)[0]
@@ -341,16 +360,8 @@ def _compare_parts(llm, prompts: list[list[int]], args: argparse.Namespace, dev:
             else:
                 res[f"engine_{name}_batch1_decode_ms_per_token"] = batch1_decode_ms(t)
     if not args.skip_batch1:
-        times = {True: [], False: []}
-        try:
-            for _ in range(reps):
-                for on in (True, False):
-                    set_skinny(on)
-                    times[on].append(timed(1))
-        finally:
-            set_skinny(True)
-        res["engine_skinny_batch1_decode_ms_per_token"] = batch1_decode_ms(statistics.median(times[True]))
-        res["engine_no_skinny_batch1_decode_ms_per_token"] = batch1_decode_ms(statistics.median(times[False]))
+        ab_batch1(set_skinny, "skinny")
+        ab_batch1(set_grouped, "grouped")
 
 
 def _print(res: dict) -> None:
@@ -374,6 +385,8 @@ def _print(res: dict) -> None:
         ("A/B launch graphs off: b1 decode ms", "engine_no_launch_graphs_batch1_decode_ms_per_token", "{:.2f}"),
         ("A/B skinny on: b1 decode ms", "engine_skinny_batch1_decode_ms_per_token", "{:.2f}"),
         ("A/B skinny off: b1 decode ms", "engine_no_skinny_batch1_decode_ms_per_token", "{:.2f}"),
+        ("A/B q/k/v, gate/up grouped: b1 ms", "engine_grouped_batch1_decode_ms_per_token", "{:.2f}"),
+        ("A/B one launch each: b1 ms", "engine_no_grouped_batch1_decode_ms_per_token", "{:.2f}"),
         ("HF batch-1 ms/token", "hf_batch1_ms_per_token", "{:.2f}"),
         ("log-prob |engine - train fwd| max", "logprob_max_abs_diff", "{:.2e}"),
         ("log-prob |engine - train fwd| mean", "logprob_mean_abs_diff", "{:.2e}"),

@@ -234,8 +234,13 @@ def lora_linear(
     return _impl("lora_linear", x)(x, weight, bias, lora_a, lora_b, scaling)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor | tuple[torch.Tensor, ...],
+    bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
+) -> torch.Tensor:
     """``x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N]`` for at most ``skinny_linear.MAX_ROWS`` rows, no autograd:
-    the projections of a small-batch decode step (weight-read bound). Contract in
+    the projections of a batch-1 decode step (weight-read bound). ``weight`` (and ``bias``) may be a tuple of up to 3:
+    one launch, outputs side by side ``[M, sum N_i]`` (q/k/v, gate/up). Contract in
     ``polyrl/kernels/skinny_linear/__init__.py``."""
     return _impl("skinny_linear", x)(x, weight, bias)

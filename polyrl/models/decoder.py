@@ -7,9 +7,9 @@ cache-free prefill) and paged KV (``meta.kv_caches`` set: new k/v are written wi
 ``meta.slot_mapping``, then ``paged_attention`` reads the cache). The paged path has no host syncs in this
 module, so the rollout engine can capture decode in a CUDA graph.
 
-Projections (``project``): a plain ``nn.Linear`` fed at most ``skinny_linear.ROUTE_MAX_ROWS`` rows with autograd off (a
-batch-1 decode step) runs ``kernels.skinny_linear``, which streams the weight where cuBLAS's small-M tiles
-leave bandwidth unused; everything else is the module's own call.
+Projections (``project``, ``project_group``): a plain ``nn.Linear`` fed at most ``skinny_linear.ROUTE_MAX_ROWS`` rows
+with autograd off (a batch-1 decode step) runs ``kernels.skinny_linear``, which streams the weight where cuBLAS's
+small-M tiles leave bandwidth unused, q/k/v in one launch and gate/up in one; everything else is the module's call.
 
 The residual stream runs through the fused ``rmsnorm(x, w, residual=r)`` op: each layer hands on
 ``(branch_output, residual)`` and the next norm adds them, which is bit-identical to HF's ``h = r + f(h)``
@@ -33,15 +33,42 @@ from polyrl.models.attention_metadata import AttnMetadata
 from polyrl.models.config import ModelConfig
 from polyrl.platform import device
 
+# One skinny_linear launch for q/k/v and one for gate/up at batch 1 (False: one launch per projection); the
+# bench's --compare-parts toggles it.
+GROUP_PROJECTIONS = True
+
+
+def _skinny_ok(linears: tuple[nn.Module, ...], x: torch.Tensor) -> bool:
+    """Whether ``linears`` applied to ``x`` take ``kernels.skinny_linear``: a decode-sized input (at most
+    ``ROUTE_MAX_ROWS`` rows) with autograd off, plain ``nn.Linear`` modules with plain weights of ``x``'s dtype, and a
+    fast implementation selected here (the reference gains nothing over the modules' own GEMM)."""
+    if x.dim() != 2 or x.shape[0] > SKINNY_ROWS or torch.is_grad_enabled():
+        return False
+    for lin in linears:
+        if type(lin) is not nn.Linear or type(lin.weight) is not nn.Parameter or lin.weight.dtype != x.dtype:
+            return False
+    if len({lin.bias is None for lin in linears}) != 1:
+        return False
+    return kernels.registry.select("skinny_linear", x.device.type, kernels._DTYPE_NAMES.get(x.dtype, ""))[0] != (
+        "reference"
+    )
+
 
 def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``linear(x)`` for ``x [T, in]``; decode-sized inputs of a plain ``nn.Linear`` (no autograd, a few rows, a
-    plain weight tensor) go to ``kernels.skinny_linear`` (same product, fp32 accumulation)."""
-    if x.shape[0] <= SKINNY_ROWS and type(linear) is nn.Linear and not torch.is_grad_enabled() and x.dim() == 2:
-        w = linear.weight
-        if type(w) is nn.Parameter and w.dtype == x.dtype:
-            return kernels.skinny_linear(x, w, linear.bias)
+    """``linear(x)`` for ``x [T, in]``; a batch-1 decode input goes to ``kernels.skinny_linear`` (``_skinny_ok``)."""
+    if _skinny_ok((linear,), x):
+        return kernels.skinny_linear(x, linear.weight, linear.bias)
     return linear(x)
+
+
+def project_group(linears: tuple[nn.Module, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tuple(l(x) for l in linears)``; at batch 1 (``_skinny_ok``) one ``skinny_linear`` launch computes them all
+    side by side and the results are its column slices (contiguous: one row)."""
+    if GROUP_PROJECTIONS and x.shape[0] == 1 and _skinny_ok(linears, x):
+        biases = None if linears[0].bias is None else tuple(lin.bias for lin in linears)
+        y = kernels.skinny_linear(x, tuple(lin.weight for lin in linears), biases)
+        return tuple(y.split([lin.out_features for lin in linears], dim=-1))
+    return tuple(project(lin, x) for lin in linears)
 
 
 class RMSNorm(nn.Module):
@@ -103,9 +130,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q = project(self.q_proj, x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = project(self.k_proj, x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
-        v = project(self.v_proj, x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = project_group((self.q_proj, self.k_proj, self.v_proj), x)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = kernels.apply_rope(q, k, cos, sin)
@@ -136,7 +164,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(self.down_proj, kernels.swiglu(project(self.gate_proj, x), project(self.up_proj, x)))
+        gate, up = project_group((self.gate_proj, self.up_proj), x)
+        return project(self.down_proj, kernels.swiglu(gate, up))
 
 
 class DecoderLayer(nn.Module):

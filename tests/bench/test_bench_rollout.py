@@ -15,13 +15,16 @@ def test_bench_rollout_tiny_cpu_compare_parts(tmp_path, capsys):
     before = os.environ.get("POLYRL_KERNELS")
     assert main([*argv, "--baselines", "none", "--compare-parts", "--json", str(out)]) == 0
     assert os.environ.get("POLYRL_KERNELS") == before
+    from polyrl.models import decoder
+
+    assert decoder.GROUP_PROJECTIONS  # restored after the A/B
     text = capsys.readouterr().out
     assert "A/B launch graphs off: tokens/s" in text
     res = json.loads(out.read_text())
-    for key in ("engine_tok_s", "engine_launch_graphs_tok_s", "engine_no_launch_graphs_tok_s",
-                "engine_batch1_ms_per_token", "engine_batch1_decode_ms_per_token",
-                "engine_launch_graphs_batch1_decode_ms_per_token", "engine_no_launch_graphs_batch1_decode_ms_per_token",
-                "engine_skinny_batch1_decode_ms_per_token", "engine_no_skinny_batch1_decode_ms_per_token"):  # fmt: skip
+    keys = ["engine_tok_s", "engine_launch_graphs_tok_s", "engine_no_launch_graphs_tok_s", "engine_batch1_ms_per_token"]
+    for part in ("launch_graphs", "skinny", "grouped"):
+        keys += [f"engine_{part}_batch1_decode_ms_per_token", f"engine_no_{part}_batch1_decode_ms_per_token"]
+    for key in keys + ["engine_batch1_decode_ms_per_token"]:
         assert res[key] > 0, key
     assert res["logprob_max_abs_diff"] < 1e-4  # fp32 on the CPU: engine and training forward agree
 

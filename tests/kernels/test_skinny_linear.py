@@ -47,18 +47,30 @@ def test_triton_rejects_bad_shapes(triton_kernels):
     assert fn(torch.zeros(0, 4, device=dev), torch.zeros(3, 4, device=dev)).shape == (0, 3)
 
 
-def test_decoder_projects_decode_sized_inputs_through_skinny_linear(monkeypatch):
+def _spy_skinny(monkeypatch, fast: bool) -> list:
+    """Record ``kernels.skinny_linear`` calls; ``fast``: pretend a non-reference implementation is selected here."""
     import polyrl.kernels as K
-    from polyrl.models import decoder
 
     calls = []
-    real = K.skinny_linear
+    real, real_select = K.skinny_linear, K.registry.select
 
     def spy(x, w, b=None):
-        calls.append(tuple(x.shape))
+        calls.append((tuple(x.shape), len(w) if isinstance(w, tuple) else 1))
         return real(x, w, b)
 
+    def select(op, dev, dtype):
+        name, fn = real_select(op, dev, dtype)
+        return ("triton" if fast and op == "skinny_linear" else name), fn
+
     monkeypatch.setattr(K, "skinny_linear", spy)
+    monkeypatch.setattr(K.registry, "select", select)
+    return calls
+
+
+def test_decoder_projects_decode_sized_inputs_through_skinny_linear(monkeypatch):
+    from polyrl.models import decoder
+
+    calls = _spy_skinny(monkeypatch, fast=True)
     lin = nn.Linear(16, 12)
     x = torch.randn(ROUTE_MAX_ROWS, 16)
     with torch.no_grad():
@@ -67,7 +79,36 @@ def test_decoder_projects_decode_sized_inputs_through_skinny_linear(monkeypatch)
     decoder.project(lin, x)  # autograd on: the module (training never takes the kernel)
     with torch.inference_mode():
         decoder.project(lin, x[:1])
-    assert calls == [(ROUTE_MAX_ROWS, 16), (1, 16)]
+    assert calls == [((ROUTE_MAX_ROWS, 16), 1), ((1, 16), 1)]
+
+
+def test_decoder_groups_qkv_and_gate_up_at_batch_one(monkeypatch):
+    from polyrl.models import decoder
+
+    calls = _spy_skinny(monkeypatch, fast=True)
+    qkv = (nn.Linear(16, 12), nn.Linear(16, 4), nn.Linear(16, 4))
+    x = torch.randn(1, 16)
+    with torch.no_grad():
+        q, k, v = decoder.project_group(qkv, x)
+        for out, lin in zip((q, k, v), qkv):
+            torch.testing.assert_close(out, lin(x), rtol=0, atol=0)
+            assert out.is_contiguous()
+        monkeypatch.setattr(decoder, "GROUP_PROJECTIONS", False)
+        decoder.project_group(qkv, x)  # one launch per projection
+        monkeypatch.setattr(decoder, "GROUP_PROJECTIONS", True)
+        mixed = (nn.Linear(16, 4), nn.Linear(16, 4, bias=False))
+        decoder.project_group(mixed, x)  # bias on one only: one launch each
+    assert [n for _, n in calls] == [3, 1, 1, 1, 1, 1]
+
+
+def test_decoder_keeps_the_module_where_only_the_reference_exists(monkeypatch):
+    from polyrl.models import decoder
+
+    calls = _spy_skinny(monkeypatch, fast=False)
+    with torch.no_grad():
+        decoder.project(nn.Linear(16, 12), torch.randn(1, 16))
+        decoder.project_group((nn.Linear(16, 4), nn.Linear(16, 4)), torch.randn(1, 16))
+    assert calls == []
 
 
 def test_decode_with_skinny_projections_matches_prefill_logits():
@@ -101,3 +142,32 @@ def test_gpu_decode_projection_shapes_match_linear(triton_kernels, kernel_check,
         w = (torch.randn(n, k, generator=g) * k**-0.5).to(dev, torch.bfloat16)
         b = torch.randn(n, generator=g).to(dev, torch.bfloat16)
         kernel_check.assert_close(fn(x, w, b), F.linear(x.float(), w.float(), b.float()), torch.bfloat16, f"{n}x{k}")
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_triton_several_weights_in_one_launch(triton_kernels, kernel_check, rows, with_bias):
+    """q/k/v-like (3 weights, a block straddling each boundary) and gate/up-like (2): one output, side by side."""
+    fn = triton_kernels.load("skinny_linear")
+    dev = triton_kernels.device
+    g = torch.Generator().manual_seed(rows + 10 * with_bias)
+    x = torch.randn(rows, 96, generator=g).to(dev)
+    for sizes in ([40, 12, 12], [37, 37], [20]):
+        ws = [(torch.randn(n, 96, generator=g) * 0.1).to(dev) for n in sizes]
+        bs = [torch.randn(n, generator=g).to(dev) for n in sizes] if with_bias else None
+        want = torch.cat([F.linear(x, w, b) for w, b in zip(ws, bs or [None] * len(ws))], dim=-1)
+        y = fn(x, tuple(ws), tuple(bs) if bs else None)
+        assert y.shape == (rows, sum(sizes))
+        kernel_check.assert_close(y, want, torch.float32, f"{sizes}")
+
+
+def test_several_weights_input_checks(triton_kernels):
+    fn = triton_kernels.load("skinny_linear")
+    dev = triton_kernels.device
+    x, w = torch.zeros(1, 8, device=dev), torch.zeros(4, 8, device=dev)
+    with pytest.raises(ValueError, match="1 to 3 weights"):
+        fn(x, (w, w, w, w))
+    with pytest.raises(ValueError, match="one bias per weight"):
+        fn(x, (w, w), (torch.zeros(4, device=dev),))
+    with pytest.raises(ValueError, match="one dtype"):
+        fn(x, (w, w.double()))

@@ -3,6 +3,7 @@
 Contract (``reference.py`` is the spec)::
 
     skinny_linear(x [M, K], weight [N, K], bias [N] | None) -> y [M, N]   (x's dtype; M <= MAX_ROWS)
+    skinny_linear(x [M, K], (w_0 [N_0, K], ... up to 3), (b_0, ...) | None) -> y [M, N_0 + N_1 + ...]
 
 The product is accumulated in fp32 and rounded once to ``x``'s dtype, as a GEMM does; only the summation order
 differs from cuBLAS. Why an op of its own: at batch 1-8 the decode step's projections are weight reads (a 4-12 MB

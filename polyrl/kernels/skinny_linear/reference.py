@@ -6,6 +6,14 @@ import torch
 import torch.nn.functional as F
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``[M, K] x [N, K]^T (+ [N]) -> [M, N]`` in ``x``'s dtype."""
-    return F.linear(x, weight, bias)
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor | tuple[torch.Tensor, ...],
+    bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
+) -> torch.Tensor:
+    """``[M, K] x [N, K]^T (+ [N]) -> [M, N]`` in ``x``'s dtype; several weights (and biases): their outputs side by
+    side, ``[M, sum N_i]``."""
+    if not isinstance(weight, (tuple, list)):
+        return F.linear(x, weight, bias)
+    biases = bias if bias is not None else [None] * len(weight)
+    return torch.cat([F.linear(x, w, b) for w, b in zip(weight, biases)], dim=-1)

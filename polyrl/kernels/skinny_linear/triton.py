@@ -23,6 +23,12 @@ def _skinny_kernel(
     M,
     N,
     K,
+    E1,
+    E2,
+    W_D1,
+    W_D2,
+    B_D1,
+    B_D2,
     stride_xm,
     stride_wn,
     stride_ym,
@@ -37,8 +43,14 @@ def _skinny_kernel(
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
     m_ok = rm < M
+    # Output column n belongs to weight 0 below E1, weight 1 below E2, weight 2 after; weights 1 and 2 are reached
+    # from w_ptr by their element distance W_D1 / W_D2 (separate allocations of one dtype; 0 when unused).
+    seg1 = rn >= E1
+    seg2 = rn >= E2
+    local = rn - tl.where(seg2, E2, tl.where(seg1, E1, 0))
+    w_off = tl.where(seg2, W_D2, tl.where(seg1, W_D1, 0)).to(tl.int64)
     acc = tl.zeros((M_PAD, BLOCK_N), tl.float32)
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    w_rows = w_ptr + w_off[:, None] + local.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rm[:, None] * stride_xm
     for k0 in range(0, K, BLOCK_K):
         k = k0 + rk
@@ -47,7 +59,8 @@ def _skinny_kernel(
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        b_off = tl.where(seg2, B_D2, tl.where(seg1, B_D1, 0)).to(tl.int64)
+        acc += tl.load(b_ptr + b_off + local, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y = y_ptr + rm[:, None] * stride_ym + rn[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -61,24 +74,55 @@ def block_config(rows: int, n: int) -> tuple[int, int, int]:
     return m_pad, block_n, max(32, 4096 // (m_pad * block_n))
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``[M, K] x [N, K]^T (+ [N]) -> [M, N]`` in ``x``'s dtype, M <= ``MAX_ROWS``."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"expected x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+def _distances(tensors: list[torch.Tensor]) -> list[int]:
+    """Element distances of tensors 1.. from tensor 0 (one dtype, so every distance is a whole number of elements)."""
+    size = tensors[0].element_size()
+    out = []
+    for t in tensors[1:]:
+        delta = t.data_ptr() - tensors[0].data_ptr()
+        if delta % size:
+            raise ValueError("skinny_linear: weights (or biases) are not aligned to their element size")
+        out.append(delta // size)
+    return out + [0] * (3 - len(tensors))
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor | tuple[torch.Tensor, ...],
+    bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
+) -> torch.Tensor:
+    """``[M, K] x [N, K]^T (+ [N]) -> [M, N]`` in ``x``'s dtype, M <= ``MAX_ROWS``. ``weight`` may be up to 3
+    matrices ``[N_i, K]`` (and ``bias`` as many vectors): one launch computes their outputs side by side, ``[M, sum
+    N_i]`` (q/k/v, or gate/up, of a decode step)."""
+    weights = list(weight) if isinstance(weight, (tuple, list)) else [weight]
+    biases = None if bias is None else (list(bias) if isinstance(bias, (tuple, list)) else [bias])
+    if x.dim() != 2 or not 1 <= len(weights) <= 3:
+        raise ValueError(f"expected x [M, K] and 1 to 3 weights [N, K], got x {tuple(x.shape)}, {len(weights)} weights")
     M, K = x.shape
-    N = weight.shape[0]
+    if any(w.dim() != 2 or w.shape[1] != K or w.dtype != weights[0].dtype for w in weights):
+        shapes = [tuple(w.shape) for w in weights]
+        raise ValueError(f"expected x [M, K] and weights [N, K] of one dtype, got x {tuple(x.shape)} and {shapes}")
+    if biases is not None and (len(biases) != len(weights) or any(b is None for b in biases)):
+        raise ValueError("skinny_linear: give one bias per weight, or none")
     if M > MAX_ROWS:
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {M}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
+    weights = [w if w.is_contiguous() else w.contiguous() for w in weights]
+    sizes = [w.shape[0] for w in weights]
+    N = sum(sizes)
+    ends = [sum(sizes[: i + 1]) for i in range(len(sizes))] + [N] * (3 - len(sizes))
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M == 0 or N == 0:
         return y
+    if biases is not None:
+        biases = [b if b.is_contiguous() else b.contiguous() for b in biases]
+    wd = _distances(weights)
+    bd = _distances(biases) if biases is not None else [0, 0, 0]
     m_pad, block_n, block_k = block_config(M, N)
     _skinny_kernel[(triton.cdiv(N, block_n),)](
-        x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        x, weights[0], biases[0] if biases is not None else weights[0], y, M, N, K, ends[0], ends[1],
+        wd[0], wd[1], bd[0], bd[1], x.stride(0), K, y.stride(0),
+        HAS_BIAS=biases is not None, M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )  # fmt: skip
     return y
