@@ -95,6 +95,11 @@ for s in "$@"; do
     # The GRPO step (KV cache and graphs kept) against TRL at 64 completions per forward/backward, same run
     bench-grpo-trl64) stage bench-grpo-trl64 420 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 \
       --warmup 1 --steps 2 --kv keep --trl-micro-batch 64 --json "$OUT/bench_grpo_trl64.json" ;;
+    # Candidate: q/k/v and gate/up in one skinny_linear launch each at batch 1 (decoder.GROUP_PROJECTIONS, off): its GPU
+    # tests, then bench rollout at batch 1 with the interleaved A/B (grouped vs one launch each); promote if it wins
+    skinny-group) TAIL=40 stage skinny-group 200 bash -c "python3 -m pytest -m gpu -q -x -p no:cacheprovider \
+      tests/kernels/test_skinny_linear.py tests/infer/test_gpu.py 2>&1 | tail -3; $PR bench rollout --shape qwen3-0.6b \
+      --batch 1 --prompt-len 128 --gen-len 128 --baselines none --compare-parts --logprob-seqs 1" ;;
     # The GRPO step with the KV cache and graphs kept across steps (the default on the H200) only: the row of the
     # issue-14 table when there is no time for --kv both
     bench-grpo-keep) stage bench-grpo-keep 150 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 \

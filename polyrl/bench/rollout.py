@@ -329,7 +329,7 @@ def _compare_parts(llm, prompts: list[list[int]], args: argparse.Namespace, dev:
         llm.runner.invalidate_graphs()
         llm.capture_graphs(1)
 
-    def ab_batch1(toggle, key: str) -> None:
+    def ab_batch1(toggle, key: str, default: bool = True) -> None:
         times: dict[bool, list[float]] = {True: [], False: []}
         try:
             for _ in range(reps):
@@ -337,7 +337,7 @@ def _compare_parts(llm, prompts: list[list[int]], args: argparse.Namespace, dev:
                     toggle(on)
                     times[on].append(timed(1))
         finally:
-            toggle(True)
+            toggle(default)
         res[f"engine_{key}_batch1_decode_ms_per_token"] = batch1_decode_ms(statistics.median(times[True]))
         res[f"engine_no_{key}_batch1_decode_ms_per_token"] = batch1_decode_ms(statistics.median(times[False]))
 
@@ -361,7 +361,7 @@ def _compare_parts(llm, prompts: list[list[int]], args: argparse.Namespace, dev:
                 res[f"engine_{name}_batch1_decode_ms_per_token"] = batch1_decode_ms(t)
     if not args.skip_batch1:
         ab_batch1(set_skinny, "skinny")
-        ab_batch1(set_grouped, "grouped")
+        ab_batch1(set_grouped, "grouped", default=decoder.GROUP_PROJECTIONS)
 
 
 def _print(res: dict) -> None:

@@ -33,9 +33,9 @@ from polyrl.models.attention_metadata import AttnMetadata
 from polyrl.models.config import ModelConfig
 from polyrl.platform import device
 
-# One skinny_linear launch for q/k/v and one for gate/up at batch 1 (False: one launch per projection); the
-# bench's --compare-parts toggles it.
-GROUP_PROJECTIONS = True
+# One skinny_linear launch for q/k/v and one for gate/up at batch 1 (False: one launch per projection). Off until
+# measured on the GPU: scripts/gpu_stage.sh skinny-group (bench rollout --compare-parts A/B) and its GPU tests.
+GROUP_PROJECTIONS = False
 
 
 def _skinny_ok(linears: tuple[nn.Module, ...], x: torch.Tensor) -> bool:

@@ -17,7 +17,7 @@ def test_bench_rollout_tiny_cpu_compare_parts(tmp_path, capsys):
     assert os.environ.get("POLYRL_KERNELS") == before
     from polyrl.models import decoder
 
-    assert decoder.GROUP_PROJECTIONS  # restored after the A/B
+    assert decoder.GROUP_PROJECTIONS is False  # the default, restored after the A/B
     text = capsys.readouterr().out
     assert "A/B launch graphs off: tokens/s" in text
     res = json.loads(out.read_text())

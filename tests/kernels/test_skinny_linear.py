@@ -86,6 +86,7 @@ def test_decoder_groups_qkv_and_gate_up_at_batch_one(monkeypatch):
     from polyrl.models import decoder
 
     calls = _spy_skinny(monkeypatch, fast=True)
+    monkeypatch.setattr(decoder, "GROUP_PROJECTIONS", True)
     qkv = (nn.Linear(16, 12), nn.Linear(16, 4), nn.Linear(16, 4))
     x = torch.randn(1, 16)
     with torch.no_grad():
@@ -171,3 +172,16 @@ def test_several_weights_input_checks(triton_kernels):
         fn(x, (w, w), (torch.zeros(4, device=dev),))
     with pytest.raises(ValueError, match="one dtype"):
         fn(x, (w, w.double()))
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_qkv_and_gate_up_match_linear(triton_kernels, kernel_check):
+    """qwen3-0.6b's q/k/v and gate/up weights (separate allocations, bf16) in one launch each, on the device."""
+    fn = triton_kernels.load("skinny_linear")
+    dev = triton_kernels.device
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 1024, generator=g).to(dev, torch.bfloat16)
+    for sizes in ([2048, 1024, 1024], [3072, 3072]):
+        ws = [(torch.randn(n, 1024, generator=g) * 0.03).to(dev, torch.bfloat16) for n in sizes]
+        want = torch.cat([F.linear(x.float(), w.float()) for w in ws], dim=-1)
+        kernel_check.assert_close(fn(x, tuple(ws)), want, torch.bfloat16, f"{sizes}")

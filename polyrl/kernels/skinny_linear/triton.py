@@ -3,6 +3,10 @@ row of ``x`` (at most 8), walking K in ``BLOCK_K`` chunks: each chunk loads a ``
 weight once and multiplies it with the ``[M_PAD, BLOCK_K]`` rows of ``x`` in registers (a broadcast product summed
 over K; no tensor cores - at M <= 8 the work is the weight read). N / BLOCK_N programs (256 for a 1024-wide output)
 keep the memory system busy where cuBLAS's small-M tiles leave it idle. fp32 accumulation, one rounding.
+
+``_skinny_group_kernel``: the same over up to 3 weights in one launch (outputs side by side), each reached from the
+first weight's pointer by its element distance - no concatenated copy of the weights. Not yet measured on the GPU:
+the decoder uses it only with ``decoder.GROUP_PROJECTIONS`` (off by default).
 """
 
 from __future__ import annotations
@@ -16,6 +20,44 @@ from polyrl.kernels.skinny_linear import MAX_ROWS
 
 @triton.jit
 def _skinny_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, M_PAD)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    m_ok = rm < M
+    acc = tl.zeros((M_PAD, BLOCK_N), tl.float32)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + rm[:, None] * stride_xm
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        k_ok = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _skinny_group_kernel(
     x_ptr,
     w_ptr,
     b_ptr,
@@ -120,9 +162,16 @@ def skinny_linear(
     wd = _distances(weights)
     bd = _distances(biases) if biases is not None else [0, 0, 0]
     m_pad, block_n, block_k = block_config(M, N)
-    _skinny_kernel[(triton.cdiv(N, block_n),)](
-        x, weights[0], biases[0] if biases is not None else weights[0], y, M, N, K, ends[0], ends[1],
-        wd[0], wd[1], bd[0], bd[1], x.stride(0), K, y.stride(0),
+    grid = (triton.cdiv(N, block_n),)
+    bias0 = biases[0] if biases is not None else weights[0]
+    if len(weights) == 1:
+        _skinny_kernel[grid](
+            x, weights[0], bias0, y, M, N, K, x.stride(0), K, y.stride(0),
+            HAS_BIAS=biases is not None, M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        )  # fmt: skip
+        return y
+    _skinny_group_kernel[grid](
+        x, weights[0], bias0, y, M, N, K, ends[0], ends[1], wd[0], wd[1], bd[0], bd[1], x.stride(0), K, y.stride(0),
         HAS_BIAS=biases is not None, M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )  # fmt: skip
     return y
