@@ -28,7 +28,7 @@ from polyrl.platform import device
 KINDS = (  # first match wins: (kind, substrings of the kernel name, lower case)
     ("attention", ("paged", "attn", "attention", "flash", "fmha")),
     ("sampler", ("sample", "gumbel", "argmax", "_draw")),
-    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul", "splitk")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul", "splitk", "skinny")),
     ("norm", ("rmsnorm", "norm")),
     ("rope", ("rope", "rotary")),
     ("kv write", ("kv_write", "reshape_and_cache", "store_kv", "_kv_")),
