@@ -100,6 +100,9 @@ for s in "$@"; do
     skinny-group) TAIL=40 stage skinny-group 200 bash -c "python3 -m pytest -m gpu -q -x -p no:cacheprovider \
       tests/kernels/test_skinny_linear.py tests/infer/test_gpu.py 2>&1 | tail -3; $PR bench rollout --shape qwen3-0.6b \
       --batch 1 --prompt-len 128 --gen-len 128 --baselines none --compare-parts --logprob-seqs 1" ;;
+    # Paged-attention decode launch settings at the engine's shapes (block_n x warps x stages x splits), for the
+    # heuristics in kernels/paged_attention/triton.py (issue 14: 78% of copy bandwidth at 256-token contexts)
+    paged-sweep) TAIL=40 stage paged-sweep 300 python3 scripts/paged_attention_sweep.py ;;
     # The GRPO step with the KV cache and graphs kept across steps (the default on the H200) only: the row of the
     # issue-14 table when there is no time for --kv both
     bench-grpo-keep) stage bench-grpo-keep 150 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 \

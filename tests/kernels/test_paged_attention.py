@@ -127,6 +127,16 @@ def test_triton_paged_attention(triton_kernels, kernel_check, seeded, ctx, q_len
     kernel_check.assert_close(out.float().cpu(), batch.expected, dtype, "paged out")
 
 
+def test_triton_paged_tuning_overrides_keep_the_result(triton_kernels, kernel_check, seeded):
+    """The launch settings scripts/paged_attention_sweep.py tries (keys per tile, warps, stages, splits) change the
+    schedule, not the result."""
+    mod_fn = triton_kernels.load("paged_attention", "_paged_attention")
+    batch = _batch([5, 40, 17], [1, 1, 1], 4, 2, 32, 16, torch.float32, None, triton_kernels.device)
+    for tuning, splits in (({"block_n": 32, "num_warps": 2, "num_stages": 1}, None), ({"block_n": 16}, 2)):
+        out = mod_fn(*batch.args(), None, None, splits, tuning)
+        kernel_check.assert_close(out.float().cpu(), batch.expected, torch.float32, f"paged out {tuning}")
+
+
 def test_triton_paged_public_entry_and_validation(triton_kernels, kernel_check, seeded):
     fn = triton_kernels.load("paged_attention")
     batch = _batch([20, 3], [4, 1], 2, 2, 16, 16, torch.float32, device=triton_kernels.device)

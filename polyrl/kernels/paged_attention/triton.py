@@ -210,8 +210,11 @@ def _paged_attention(
     scale: float | None = None,
     window: int | None = None,
     num_splits: int | None = None,
+    tuning: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """``paged_attention`` with an explicit number of key-range splits (None: chosen from the shapes)."""
+    """``paged_attention`` with an explicit number of key-range splits (None: chosen from the shapes) and, for
+    ``scripts/paged_attention_sweep.py``, launch settings overriding the heuristics below: ``block_n`` (keys per
+    tile), ``num_warps``, ``num_stages``."""
     T, Hq, D = q.shape
     _, page, Hk, Dk = k_cache.shape
     if D != Dk or D not in (16, 32, 64, 128, 256) or Hq % Hk != 0:
@@ -232,7 +235,8 @@ def _paged_attention(
     block_q = 1 if max_seqlen_q == 1 else _pow2_at_least(max(1, rows_target // group))
     block_q = min(block_q, _pow2_at_least(max_seqlen_q))
     rows = max(16, _pow2_at_least(block_q * group))
-    block_n = 16 if interp else (64 if D <= 128 else 32)
+    tuning = tuning or {}
+    block_n = tuning.get("block_n") or (16 if interp else (64 if D <= 128 else 32))
     n_qblocks = triton.cdiv(max_seqlen_q, block_q)
     capacity = block_tables.shape[1] * page
     splits = num_splits or (1 if interp else _num_splits(n_qblocks * B * Hk, capacity))
@@ -253,7 +257,8 @@ def _paged_attention(
         l_part.stride(0), l_part.stride(1),
         GROUP=group, HEAD_DIM=D, PAGE=page, BLOCK_Q=block_q, ROWS=rows, BLOCK_N=block_n, SPLIT=splits > 1,
         WINDOW=window is not None, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=1 if interp else (2 if q.dtype == torch.float32 or D > 128 else 3),
+        num_warps=tuning.get("num_warps", 4),
+        num_stages=tuning.get("num_stages") or (1 if interp else (2 if q.dtype == torch.float32 or D > 128 else 3)),
     )  # fmt: skip
     if splits > 1:
         block_h = min(_pow2_at_least(Hq), 16)

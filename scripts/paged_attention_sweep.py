@@ -1,0 +1,82 @@
+"""Sweep the paged-attention decode kernel's launch settings at the rollout engine's shapes (qwen3-0.6b heads, page 16)
+and print, per shape, the default's device time and bandwidth against the best setting found.
+
+    python3 scripts/paged_attention_sweep.py [--reps 20]
+
+Each timing is CUDA-graph replays of one call with the L2 flushed in between (``bench.common.time_graph``); bytes are
+the K and V the call must read. Settings: keys per tile (``block_n``), warps, pipeline stages, key-range splits. Use
+the winners to set the heuristics in ``kernels/paged_attention/triton.py`` (issue 14: attention reads the cache at
+78% of the copy bandwidth at 256-token contexts, 90% at 2k). Needs a CUDA device; measures, asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from polyrl.bench import common
+from polyrl.platform import device
+
+# (label, sequences, context per sequence, block-table capacity in tokens): the engine's block tables are as wide as
+# max_model_len, which is what the split heuristic sees
+SHAPES = [
+    ("B512 ctx192 (GRPO rollout)", 512, 192, 640),
+    ("B256 ctx256 (bench rollout B256)", 256, 256, 400),
+    ("B64 ctx4096 (4k case)", 64, 4096, 4176),
+    ("B1 ctx192 (batch 1)", 1, 192, 272),
+]
+HQ, HK, D, PAGE = 16, 8, 128, 16
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    dev = device.torch_device()
+    if dev.type != "cuda":
+        print("paged_attention_sweep: needs a CUDA device (the Triton kernel compiled); nothing to do here")
+        return
+    from polyrl.kernels.paged_attention.triton import _paged_attention
+
+    bw = common.measure_copy_bandwidth(dev)
+    print(f"# copy bandwidth {bw / 1e9:,.0f} GB/s; Hq {HQ}, Hk {HK}, D {D}, page {PAGE}, bf16")
+    settings = [None] + [
+        {"block_n": bn, "num_warps": w, "num_stages": st, "splits": sp}
+        for bn, w, st, sp in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (None, 1, 2, 4))
+    ]
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for label, b, ctx, capacity in SHAPES:
+        width = -(-capacity // PAGE)
+        blocks = b * width
+        kc = torch.randn(blocks, PAGE, HK, D, generator=gen).to(dev, torch.bfloat16)
+        vc = torch.randn(blocks, PAGE, HK, D, generator=gen).to(dev, torch.bfloat16)
+        tables = torch.randperm(blocks, generator=gen).view(b, width).to(dev, torch.int32)
+        lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+        cu = torch.arange(b + 1, dtype=torch.int32, device=dev)
+        q = torch.randn(b, HQ, D, generator=gen).to(dev, torch.bfloat16)
+        moved = 2 * b * ctx * HK * D * 2
+        rows = []
+        for s in settings:
+            tuning = None if s is None else {k: v for k, v in s.items() if k != "splits"}
+            splits = None if s is None else s["splits"]
+
+            def call(tuning=tuning, splits=splits):
+                return _paged_attention(q, kc, vc, tables, lens, cu, 1, None, None, splits, tuning)
+
+            timed = common.time_graph(call, dev, warmup=2, reps=args.reps)
+            if "error" in timed:  # e.g. a tile that needs more shared memory than the chip has: skipped, said why
+                print(f"  {s}: {timed['error'][:100]}")
+            else:
+                rows.append((timed["median_ms"], "default" if s is None else s))
+        rows.sort(key=lambda r: r[0])
+        default = next(ms for ms, s in rows if s == "default")
+        print(f"{label}: default {default * 1e3:.1f} us ({moved / default / 1e9:,.0f} GB/s, "
+              f"{moved / (default * 1e-3) / bw:.0%} of copy)")  # fmt: skip
+        for ms, s in rows[:5]:
+            print(f"  {ms * 1e3:8.1f} us  {moved / (ms * 1e-3) / bw:5.0%}  x{default / ms:.2f}  {s}")
+
+
+if __name__ == "__main__":
+    main()
