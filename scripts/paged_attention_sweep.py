@@ -12,6 +12,7 @@ the winners to set the heuristics in ``kernels/paged_attention/triton.py`` (issu
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 
 import torch
@@ -62,9 +63,7 @@ def main() -> None:
             tuning = None if s is None else {k: v for k, v in s.items() if k != "splits"}
             splits = None if s is None else s["splits"]
 
-            def call(tuning=tuning, splits=splits):
-                return _paged_attention(q, kc, vc, tables, lens, cu, 1, None, None, splits, tuning)
-
+            call = functools.partial(_paged_attention, q, kc, vc, tables, lens, cu, 1, None, None, splits, tuning)
             timed = common.time_graph(call, dev, warmup=2, reps=args.reps)
             if "error" in timed:  # e.g. a tile that needs more shared memory than the chip has: skipped, said why
                 print(f"  {s}: {timed['error'][:100]}")
