@@ -103,6 +103,12 @@ for s in "$@"; do
     # Paged-attention decode launch settings at the engine's shapes (block_n x warps x stages x splits), for the
     # heuristics in kernels/paged_attention/triton.py (issue 14: 78% of copy bandwidth at 256-token contexts)
     paged-sweep) TAIL=40 stage paged-sweep 300 python3 scripts/paged_attention_sweep.py ;;
+    # Candidate: q/k/v and gate/up as concurrent GEMMs on forked streams (decoder.PARALLEL_PROJECTIONS, off): its GPU
+    # test, then bench rollout B256 / B512 with the interleaved A/B; promote if it wins
+    parallel-proj) TAIL=40 stage parallel-proj 300 bash -c "python3 -m pytest -m gpu -q -x -p no:cacheprovider \
+      tests/kernels/test_skinny_linear.py -k parallel 2>&1 | tail -3; for b in 256 512; do $PR bench rollout \
+      --shape qwen3-0.6b --batch \$b --prompt-len 64 --gen-len 256 --baselines none --skip-batch1 --compare-parts \
+      --logprob-seqs 1 | grep -E 'decode-phase|A/B'; done" ;;
     # The GRPO step with the KV cache and graphs kept across steps (the default on the H200) only: the row of the
     # issue-14 table when there is no time for --kv both
     bench-grpo-keep) stage bench-grpo-keep 150 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 \

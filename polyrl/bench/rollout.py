@@ -295,8 +295,8 @@ def run(args: argparse.Namespace) -> int:
 def _compare_parts(llm, prompts: list[list[int]], args: argparse.Namespace, dev: torch.device, res: dict) -> None:
     """The same runs with one part of the decode path on and off, interleaved (on, off, on, off, ...; medians of 3
     each, so drift between runs does not read as a difference): launch graphs (each launch of ``decode_steps``
-    steps as one graph, sampling inside) at the batch and at batch 1; at batch 1 the skinny projections, and their
-    grouping (q/k/v and gate/up in one launch each)."""
+    steps as one graph, sampling inside) at the batch and at batch 1; q/k/v and gate/up as concurrent GEMMs at the
+    batch; at batch 1 the skinny projections, and their grouping (q/k/v and gate/up in one launch each)."""
     import os
     import statistics
 
@@ -359,6 +359,23 @@ def _compare_parts(llm, prompts: list[list[int]], args: argparse.Namespace, dev:
                 res[f"engine_{name}_tok_s"] = batch * args.gen_len / t
             else:
                 res[f"engine_{name}_batch1_decode_ms_per_token"] = batch1_decode_ms(t)
+    # q/k/v and gate/up as concurrent GEMMs (decoder.PARALLEL_PROJECTIONS) at the batch; each toggle recaptures the
+    # graphs this batch uses in an untimed short run
+    parallel_default = decoder.PARALLEL_PROJECTIONS
+    times = {True: [], False: []}
+    try:
+        for _ in range(reps):
+            for on in (True, False):
+                decoder.PARALLEL_PROJECTIONS = on
+                llm.runner.invalidate_graphs()
+                llm.reset_prefix_cache()
+                _run_engine(llm, prompts, min(args.gen_len, 8), dev)
+                times[on].append(timed(args.batch))
+    finally:
+        decoder.PARALLEL_PROJECTIONS = parallel_default
+        llm.runner.invalidate_graphs()
+    res["engine_parallel_proj_tok_s"] = args.batch * args.gen_len / statistics.median(times[True])
+    res["engine_no_parallel_proj_tok_s"] = args.batch * args.gen_len / statistics.median(times[False])
     if not args.skip_batch1:
         ab_batch1(set_skinny, "skinny")
         ab_batch1(set_grouped, "grouped", default=decoder.GROUP_PROJECTIONS)
@@ -385,6 +402,8 @@ def _print(res: dict) -> None:
         ("A/B launch graphs off: b1 decode ms", "engine_no_launch_graphs_batch1_decode_ms_per_token", "{:.2f}"),
         ("A/B skinny on: b1 decode ms", "engine_skinny_batch1_decode_ms_per_token", "{:.2f}"),
         ("A/B skinny off: b1 decode ms", "engine_no_skinny_batch1_decode_ms_per_token", "{:.2f}"),
+        ("A/B parallel projections: tokens/s", "engine_parallel_proj_tok_s", "{:,.0f}"),
+        ("A/B one stream: tokens/s", "engine_no_parallel_proj_tok_s", "{:,.0f}"),
         ("A/B q/k/v, gate/up grouped: b1 ms", "engine_grouped_batch1_decode_ms_per_token", "{:.2f}"),
         ("A/B one launch each: b1 ms", "engine_no_grouped_batch1_decode_ms_per_token", "{:.2f}"),
         ("HF batch-1 ms/token", "hf_batch1_ms_per_token", "{:.2f}"),

@@ -22,6 +22,8 @@ weight loading (``checkpoint.py``), sharding (``polyrl.train.parallel``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,6 +38,10 @@ from polyrl.platform import device
 # One skinny_linear launch for q/k/v and one for gate/up at batch 1 (False: one launch per projection). Off until
 # measured on the GPU: scripts/gpu_stage.sh skinny-group (bench rollout --compare-parts A/B) and its GPU tests.
 GROUP_PROJECTIONS = False
+# q/k/v (and gate/up) as concurrent GEMMs on forked streams when autograd is off (parallel branches of a decode
+# graph): the same cuBLAS kernels, so the same numbers, overlapping their launch and tail latency (each small GEMM
+# of a decode step takes ~5 us however wide it is, H200 profile). Off until measured: gpu_stage.sh parallel-proj.
+PARALLEL_PROJECTIONS = False
 
 
 def _skinny_ok(linears: tuple[nn.Module, ...], x: torch.Tensor) -> bool:
@@ -68,6 +74,8 @@ def project_group(linears: tuple[nn.Module, ...], x: torch.Tensor) -> tuple[torc
         biases = None if linears[0].bias is None else tuple(lin.bias for lin in linears)
         y = kernels.skinny_linear(x, tuple(lin.weight for lin in linears), biases)
         return tuple(y.split([lin.out_features for lin in linears], dim=-1))
+    if PARALLEL_PROJECTIONS and not torch.is_grad_enabled():
+        return tuple(device.run_concurrently([functools.partial(project, lin, x) for lin in linears]))
     return tuple(project(lin, x) for lin in linears)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import random
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -326,3 +327,32 @@ def is_capturing(t: torch.Tensor | None = None) -> bool:
 def stream_api() -> Any | None:
     """The device's stream module namespace (``torch.cuda``-like) for graph warm-up streams, or None."""
     return torch.cuda if supports_graphs() else None
+
+
+_SIDE_STREAMS: dict[Any, list[Any]] = {}
+
+
+def run_concurrently(fns: list[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
+    """``[fn() for fn in fns]`` with each call on its own stream where the device has streams: the first on the
+    current stream, the others on side streams forked from it and joined back, so their kernels may overlap (under
+    CUDA-graph capture they become parallel branches of the graph). The results are ready for the current stream.
+    The calls must only queue device work (no host reads). Sequential on the CPU."""
+    api = stream_api()
+    if api is None or len(fns) < 2:
+        return [fn() for fn in fns]
+    main = api.current_stream()
+    sides = _SIDE_STREAMS.setdefault(main.device, [])
+    while len(sides) < len(fns) - 1:
+        sides.append(api.Stream(device=main.device))
+    outs: list[Any] = [None] * len(fns)
+    for i, fn in enumerate(fns[1:]):
+        sides[i].wait_stream(main)
+        with api.stream(sides[i]):
+            outs[i + 1] = fn()
+    outs[0] = fns[0]()
+    capturing = bool(torch.cuda.is_current_stream_capturing())
+    for i in range(len(fns) - 1):
+        main.wait_stream(sides[i])
+        if not capturing and isinstance(outs[i + 1], torch.Tensor):
+            outs[i + 1].record_stream(main)  # allocated on the side stream, used (and freed) on this one
+    return outs

@@ -17,11 +17,12 @@ def test_bench_rollout_tiny_cpu_compare_parts(tmp_path, capsys):
     assert os.environ.get("POLYRL_KERNELS") == before
     from polyrl.models import decoder
 
-    assert decoder.GROUP_PROJECTIONS is False  # the default, restored after the A/B
+    assert decoder.GROUP_PROJECTIONS is False and decoder.PARALLEL_PROJECTIONS is False  # defaults, restored
     text = capsys.readouterr().out
     assert "A/B launch graphs off: tokens/s" in text
     res = json.loads(out.read_text())
     keys = ["engine_tok_s", "engine_launch_graphs_tok_s", "engine_no_launch_graphs_tok_s", "engine_batch1_ms_per_token"]
+    keys += ["engine_parallel_proj_tok_s", "engine_no_parallel_proj_tok_s"]
     for part in ("launch_graphs", "skinny", "grouped"):
         keys += [f"engine_{part}_batch1_decode_ms_per_token", f"engine_no_{part}_batch1_decode_ms_per_token"]
     for key in keys + ["engine_batch1_decode_ms_per_token"]:

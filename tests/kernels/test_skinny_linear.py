@@ -185,3 +185,47 @@ def test_gpu_grouped_qkv_and_gate_up_match_linear(triton_kernels, kernel_check):
         ws = [(torch.randn(n, 1024, generator=g) * 0.03).to(dev, torch.bfloat16) for n in sizes]
         want = torch.cat([F.linear(x.float(), w.float()) for w in ws], dim=-1)
         kernel_check.assert_close(fn(x, tuple(ws)), want, torch.bfloat16, f"{sizes}")
+
+
+def test_parallel_projections_flag_gives_the_sequential_result(monkeypatch):
+    """PARALLEL_PROJECTIONS forks the projections onto streams where there are any; on the CPU it runs them in order:
+    either way the outputs are the modules' own, in order."""
+    from polyrl.models import decoder
+    from polyrl.platform import device
+
+    monkeypatch.setattr(decoder, "PARALLEL_PROJECTIONS", True)
+    lins = (nn.Linear(16, 12), nn.Linear(16, 4), nn.Linear(16, 4))
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        outs = decoder.project_group(lins, x)
+    assert [tuple(o.shape) for o in outs] == [(5, 12), (5, 4), (5, 4)]
+    for out, lin in zip(outs, lins):
+        torch.testing.assert_close(out, lin(x).detach(), rtol=0, atol=0)
+    assert device.run_concurrently([lambda: 1, lambda: 2, lambda: 3]) == [1, 2, 3]
+
+
+@pytest.mark.gpu
+def test_gpu_parallel_projections_decode_equals_sequential(monkeypatch):
+    """Decode (CUDA graphs, launch graphs) with q/k/v and gate/up forked onto streams gives the same tokens and
+    log-probs as one stream: the same kernels run, only concurrently."""
+    from polyrl.infer import LLM, EngineConfig, SamplingParams
+    from polyrl.models import decoder
+    from polyrl.models.decoder import build_model, init_weights
+    from polyrl.models.presets import preset_config
+    from polyrl.platform import device
+
+    model = build_model(preset_config("tiny"), dtype=torch.bfloat16, device=device.torch_device(), seed=0)
+    model = init_weights(model, seed=0, std=0.2).eval()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, 900, (int(n),), generator=g).tolist() for n in torch.randint(2, 40, (24,), generator=g)]
+    params = [
+        SamplingParams(temperature=0.0 if i % 3 else 1.0, seed=i, max_tokens=20, ignore_eos=True) for i in range(24)
+    ]
+    outs = {}
+    for parallel in (False, True):
+        monkeypatch.setattr(decoder, "PARALLEL_PROJECTIONS", parallel)
+        llm = LLM(model, None, EngineConfig(num_blocks=256, max_num_seqs=32))
+        outs[parallel] = [o.outputs[0] for o in llm.generate(prompts, params)]
+    for a, b in zip(outs[False], outs[True]):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-6)
