@@ -98,9 +98,7 @@ class ModelRunner:
                 self.last_decode = self.graphs.decode_buffers(len(sched.items))
                 return logits
             except GraphCaptureError as exc:
-                warnings.warn(f"{exc}; decoding without CUDA graphs from now on", RuntimeWarning, stacklevel=2)
-                self.invalidate_graphs()
-                self.use_graphs = False
+                self._decode_eagerly_from_now_on(exc)
         self.last_step_used_graph = False
         inputs = to_device(arrays, self.device)
         if fed is not None:
@@ -140,9 +138,7 @@ class ModelRunner:
                 self.last_decode = None
                 return out
             except GraphCaptureError as exc:
-                warnings.warn(f"{exc}; decoding without CUDA graphs from now on", RuntimeWarning, stacklevel=2)
-                self.invalidate_graphs()
-                self.use_graphs = False
+                self._decode_eagerly_from_now_on(exc)
         tok, lp = draw(self.execute(sched, feed), 0)
         if steps == 1:
             return tok[None], lp[None]
@@ -154,6 +150,12 @@ class ModelRunner:
             toks.append(tok)
             lps.append(lp)
         return torch.stack(toks), torch.stack(lps)
+
+    def _decode_eagerly_from_now_on(self, exc: Exception) -> None:
+        """A capture failed (``device.graph_capture`` cleaned up): say so once and stop using graphs."""
+        warnings.warn(f"{exc}; decoding without CUDA graphs from now on", RuntimeWarning, stacklevel=3)
+        self.invalidate_graphs()
+        self.use_graphs = False
 
     def _graph_step(self, sched: SchedulerOutput) -> bool:
         """Whether this step replays a decode graph (and make the graph set on first use)."""
@@ -186,9 +188,7 @@ class ModelRunner:
             launch = self.cfg.decode_steps if self.cfg.overlap_decode is not False and self.cfg.launch_graphs else 0
             self.graphs.capture_up_to(min(batch, self.cfg.max_graph_batch_size), launch)
         except GraphCaptureError as exc:
-            warnings.warn(f"{exc}; decoding without CUDA graphs from now on", RuntimeWarning, stacklevel=2)
-            self.invalidate_graphs()
-            self.use_graphs = False
+            self._decode_eagerly_from_now_on(exc)
 
     def _eager(self, x: StepInputs) -> torch.Tensor:
         meta = AttnMetadata(
