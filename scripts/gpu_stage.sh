@@ -95,20 +95,17 @@ for s in "$@"; do
     # The GRPO step (KV cache and graphs kept) against TRL at 64 completions per forward/backward, same run
     bench-grpo-trl64) stage bench-grpo-trl64 420 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 \
       --warmup 1 --steps 2 --kv keep --trl-micro-batch 64 --json "$OUT/bench_grpo_trl64.json" ;;
-    # Candidate: q/k/v and gate/up in one skinny_linear launch each at batch 1 (decoder.GROUP_PROJECTIONS, off): its GPU
-    # tests, then bench rollout at batch 1 with the interleaved A/B (grouped vs one launch each); promote if it wins
-    skinny-group) TAIL=40 stage skinny-group 200 bash -c "python3 -m pytest -m gpu -q -x -p no:cacheprovider \
-      tests/kernels/test_skinny_linear.py tests/infer/test_gpu.py 2>&1 | tail -3; $PR bench rollout --shape qwen3-0.6b \
-      --batch 1 --prompt-len 128 --gen-len 128 --baselines none --compare-parts --logprob-seqs 1" ;;
     # Paged-attention decode launch settings at the engine's shapes (block_n x warps x stages x splits), for the
     # heuristics in kernels/paged_attention/triton.py (issue 14: 78% of copy bandwidth at 256-token contexts)
     paged-sweep) TAIL=40 stage paged-sweep 300 python3 scripts/paged_attention_sweep.py ;;
-    # Candidate: q/k/v and gate/up as concurrent GEMMs on forked streams (decoder.PARALLEL_PROJECTIONS, off): its GPU
-    # test, then bench rollout B256 / B512 with the interleaved A/B; promote if it wins
-    parallel-proj) TAIL=40 stage parallel-proj 300 bash -c "python3 -m pytest -m gpu -q -x -p no:cacheprovider \
-      tests/kernels/test_skinny_linear.py -k parallel 2>&1 | tail -3; for b in 256 512; do $PR bench rollout \
-      --shape qwen3-0.6b --batch \$b --prompt-len 64 --gen-len 256 --baselines none --skip-batch1 --compare-parts \
-      --logprob-seqs 1 | grep -E 'decode-phase|A/B'; done" ;;
+    # The decode-path candidates that are off until measured (decoder.GROUP_PROJECTIONS, PARALLEL_PROJECTIONS,
+    # FUSED_QK_NORM_ROPE): their GPU tests, then bench rollout B256 and B512 with --compare-parts (interleaved on/off
+    # medians of every part, batch 1 included); promote the winners in polyrl/models/decoder.py (issue 14)
+    decode-candidates) TAIL=60 stage decode-candidates 420 bash -c "python3 -m pytest -m gpu -q -x -p no:cacheprovider \
+      tests/kernels/test_skinny_linear.py tests/kernels/test_qk_norm_rope.py 2>&1 | tail -3; \
+      $PR bench rollout --shape qwen3-0.6b --batch 256 --prompt-len 128 --gen-len 256 --baselines none --compare-parts \
+      --logprob-seqs 1 | grep -E 'decode|A/B|\\('; $PR bench rollout --shape qwen3-0.6b --batch 512 --prompt-len 64 \
+      --gen-len 256 --baselines none --skip-batch1 --compare-parts --logprob-seqs 1 | grep -E 'decode|A/B'" ;;
     # The GRPO step with the KV cache and graphs kept across steps (the default on the H200) only: the row of the
     # issue-14 table when there is no time for --kv both
     bench-grpo-keep) stage bench-grpo-keep 150 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 \

@@ -292,11 +292,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+# The decode path's parts --compare-parts switches on and off: (name, what it is, measured at the batch, at batch 1)
+PARTS = (
+    ("launch_graphs", "a launch of decode_steps steps as one graph, sampling inside", True, True),
+    ("parallel_proj", "q/k/v and gate/up as concurrent GEMMs (decoder.PARALLEL_PROJECTIONS)", True, False),
+    ("fused_qk", "q/k norms + RoPE in one kernel (decoder.FUSED_QK_NORM_ROPE)", True, True),
+    ("skinny", "batch-1 projections by kernels.skinny_linear instead of cuBLAS", False, True),
+    ("grouped", "q/k/v and gate/up in one skinny_linear launch each (decoder.GROUP_PROJECTIONS)", False, True),
+)
+
+
 def _compare_parts(llm, prompts: list[list[int]], args: argparse.Namespace, dev: torch.device, res: dict) -> None:
-    """The same runs with one part of the decode path on and off, interleaved (on, off, on, off, ...; medians of 3
-    each, so drift between runs does not read as a difference): launch graphs (each launch of ``decode_steps``
-    steps as one graph, sampling inside) at the batch and at batch 1; q/k/v and gate/up as concurrent GEMMs at the
-    batch; at batch 1 the skinny projections, and their grouping (q/k/v and gate/up in one launch each)."""
+    """The same runs with each of ``PARTS`` on and off, interleaved (on, off, on, off, ...; medians of 3 each, so
+    drift between runs does not read as a difference). A part that changes what the graphs hold recaptures them in
+    an untimed short run after every switch. Each part is left as it was found."""
     import os
     import statistics
 
@@ -304,81 +313,71 @@ def _compare_parts(llm, prompts: list[list[int]], args: argparse.Namespace, dev:
     from polyrl.models import decoder
 
     reps = 3
+    kernels_env = os.environ.get("POLYRL_KERNELS")
+
+    def set_skinny(on: bool) -> None:
+        if not on:
+            os.environ["POLYRL_KERNELS"] = "skinny_linear:reference"
+        elif kernels_env is None:
+            os.environ.pop("POLYRL_KERNELS", None)
+        else:
+            os.environ["POLYRL_KERNELS"] = kernels_env
+        registry.reset_cache()
+
+    def flag(attr: str):
+        def set_flag(on: bool) -> None:
+            setattr(decoder, attr, on)
+
+        return set_flag, getattr(decoder, attr)
+
+    def set_launch(on: bool) -> None:
+        llm.config.launch_graphs = on
+
+    switches = {  # name -> (setter, the value found, whether the captured graphs change with it)
+        "launch_graphs": (set_launch, llm.config.launch_graphs, False),
+        "parallel_proj": (*flag("PARALLEL_PROJECTIONS"), True),
+        "fused_qk": (*flag("FUSED_QK_NORM_ROPE"), True),
+        "skinny": (set_skinny, True, True),
+        "grouped": (*flag("GROUP_PROJECTIONS"), True),
+    }
     t_prefill1 = None
+    if not args.skip_batch1:
+        llm.reset_prefix_cache()
+        t_prefill1 = _run_engine(llm, prompts[:1], 1, dev)[0]
 
     def timed(batch: int) -> float:
         llm.reset_prefix_cache()
         return _run_engine(llm, prompts[:batch], args.gen_len, dev)[0]
 
-    def batch1_decode_ms(t: float) -> float:
-        return 1e3 * max(t - t_prefill1, 1e-9) / max(args.gen_len - 1, 1)
-
-    def set_skinny(on: bool) -> None:
-        if not on:
-            os.environ["POLYRL_KERNELS"] = "skinny_linear:reference"
-        elif before is None:
-            os.environ.pop("POLYRL_KERNELS", None)
-        else:
-            os.environ["POLYRL_KERNELS"] = before
-        registry.reset_cache()
-        llm.runner.invalidate_graphs()  # the captured graphs hold the kernels they were captured with
-        llm.capture_graphs(1)
-
-    def set_grouped(on: bool) -> None:
-        decoder.GROUP_PROJECTIONS = on
-        llm.runner.invalidate_graphs()
-        llm.capture_graphs(1)
-
-    def ab_batch1(toggle, key: str, default: bool = True) -> None:
-        times: dict[bool, list[float]] = {True: [], False: []}
+    for name, _, at_batch, at_one in PARTS:
+        setter, found, recapture = switches[name]
+        batches = ([args.batch] if at_batch and args.batch > 1 else []) + (
+            [1] if at_one and not args.skip_batch1 else []
+        )
         try:
-            for _ in range(reps):
+            for batch in batches:
+                times: dict[bool, list[float]] = {True: [], False: []}
+                for _ in range(reps):
+                    for on in (True, False):
+                        setter(on)
+                        if recapture:
+                            llm.runner.invalidate_graphs()
+                            llm.reset_prefix_cache()
+                            _run_engine(llm, prompts[:batch], min(args.gen_len, 8), dev)
+                        times[on].append(timed(batch))
                 for on in (True, False):
-                    toggle(on)
-                    times[on].append(timed(1))
+                    t = statistics.median(times[on])
+                    key = f"engine_{'' if on else 'no_'}{name}"
+                    if batch > 1:
+                        res[f"{key}_tok_s"] = batch * args.gen_len / t
+                    else:
+                        res[f"{key}_batch1_decode_ms_per_token"] = (
+                            1e3 * max(t - t_prefill1, 1e-9) / max(args.gen_len - 1, 1)
+                        )
         finally:
-            toggle(default)
-        res[f"engine_{key}_batch1_decode_ms_per_token"] = batch1_decode_ms(statistics.median(times[True]))
-        res[f"engine_no_{key}_batch1_decode_ms_per_token"] = batch1_decode_ms(statistics.median(times[False]))
-
-    before = os.environ.get("POLYRL_KERNELS")
-    batches = sorted({args.batch} | (set() if args.skip_batch1 else {1}), reverse=True)
-    if not args.skip_batch1:
-        llm.reset_prefix_cache()
-        t_prefill1 = _run_engine(llm, prompts[:1], 1, dev)[0]
-    for batch in batches:
-        times: dict[bool, list[float]] = {True: [], False: []}
-        for _ in range(reps):
-            for on in (True, False):
-                llm.config.launch_graphs = on
-                times[on].append(timed(batch))
-        llm.config.launch_graphs = True
-        for on, name in ((True, "launch_graphs"), (False, "no_launch_graphs")):
-            t = statistics.median(times[on])
-            if batch > 1:
-                res[f"engine_{name}_tok_s"] = batch * args.gen_len / t
-            else:
-                res[f"engine_{name}_batch1_decode_ms_per_token"] = batch1_decode_ms(t)
-    # q/k/v and gate/up as concurrent GEMMs (decoder.PARALLEL_PROJECTIONS) at the batch; each toggle recaptures the
-    # graphs this batch uses in an untimed short run
-    parallel_default = decoder.PARALLEL_PROJECTIONS
-    times = {True: [], False: []}
-    try:
-        for _ in range(reps):
-            for on in (True, False):
-                decoder.PARALLEL_PROJECTIONS = on
+            setter(found)
+            if recapture:
                 llm.runner.invalidate_graphs()
-                llm.reset_prefix_cache()
-                _run_engine(llm, prompts, min(args.gen_len, 8), dev)
-                times[on].append(timed(args.batch))
-    finally:
-        decoder.PARALLEL_PROJECTIONS = parallel_default
-        llm.runner.invalidate_graphs()
-    res["engine_parallel_proj_tok_s"] = args.batch * args.gen_len / statistics.median(times[True])
-    res["engine_no_parallel_proj_tok_s"] = args.batch * args.gen_len / statistics.median(times[False])
-    if not args.skip_batch1:
-        ab_batch1(set_skinny, "skinny")
-        ab_batch1(set_grouped, "grouped", default=decoder.GROUP_PROJECTIONS)
 
 
 def _print(res: dict) -> None:
@@ -396,16 +395,6 @@ def _print(res: dict) -> None:
         ("synchronous decode step ms (wall)", "engine_sync_decode_step_ms", "{:.2f}"),
         ("engine batch-1 ms/token", "engine_batch1_ms_per_token", "{:.2f}"),
         ("engine batch-1 decode ms/token", "engine_batch1_decode_ms_per_token", "{:.2f}"),
-        ("A/B launch graphs on: tokens/s", "engine_launch_graphs_tok_s", "{:,.0f}"),
-        ("A/B launch graphs off: tokens/s", "engine_no_launch_graphs_tok_s", "{:,.0f}"),
-        ("A/B launch graphs on: b1 decode ms", "engine_launch_graphs_batch1_decode_ms_per_token", "{:.2f}"),
-        ("A/B launch graphs off: b1 decode ms", "engine_no_launch_graphs_batch1_decode_ms_per_token", "{:.2f}"),
-        ("A/B skinny on: b1 decode ms", "engine_skinny_batch1_decode_ms_per_token", "{:.2f}"),
-        ("A/B skinny off: b1 decode ms", "engine_no_skinny_batch1_decode_ms_per_token", "{:.2f}"),
-        ("A/B parallel projections: tokens/s", "engine_parallel_proj_tok_s", "{:,.0f}"),
-        ("A/B one stream: tokens/s", "engine_no_parallel_proj_tok_s", "{:,.0f}"),
-        ("A/B q/k/v, gate/up grouped: b1 ms", "engine_grouped_batch1_decode_ms_per_token", "{:.2f}"),
-        ("A/B one launch each: b1 ms", "engine_no_grouped_batch1_decode_ms_per_token", "{:.2f}"),
         ("HF batch-1 ms/token", "hf_batch1_ms_per_token", "{:.2f}"),
         ("log-prob |engine - train fwd| max", "logprob_max_abs_diff", "{:.2e}"),
         ("log-prob |engine - train fwd| mean", "logprob_mean_abs_diff", "{:.2e}"),
@@ -415,3 +404,12 @@ def _print(res: dict) -> None:
     for label, key, fmt in rows:
         if key in res:
             print(f"{label:<36} {fmt.format(res[key])}")
+    for name, what, _, _ in PARTS:  # --compare-parts
+        for on, tag in ((True, "on"), (False, "off")):
+            prefix = f"engine_{'' if on else 'no_'}{name}"
+            if f"{prefix}_tok_s" in res:
+                print(f"{f'A/B {name} {tag}: tokens/s':<36} {res[f'{prefix}_tok_s']:,.0f}")
+            if f"{prefix}_batch1_decode_ms_per_token" in res:
+                print(f"{f'A/B {name} {tag}: b1 decode ms':<36} {res[f'{prefix}_batch1_decode_ms_per_token']:.2f}")
+        if f"engine_{name}_tok_s" in res or f"engine_{name}_batch1_decode_ms_per_token" in res:
+            print(f"    ({name}: {what})")

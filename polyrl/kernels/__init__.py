@@ -31,6 +31,7 @@ from polyrl.kernels import (  # noqa: E402,F401  isort: skip
     nf4 as _nf4_pkg,
     lora_linear as _lora_linear_pkg,
     skinny_linear as _skinny_linear_pkg,
+    qk_norm_rope as _qk_norm_rope_pkg,
 )
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "NF4Weight",
     "lora_linear",
     "skinny_linear",
+    "qk_norm_rope",
 ]
 
 _DTYPE_NAMES = {
@@ -244,3 +246,17 @@ def skinny_linear(
     one launch, outputs side by side ``[M, sum N_i]`` (q/k/v, gate/up). Contract in
     ``polyrl/kernels/skinny_linear/__init__.py``."""
     return _impl("skinny_linear", x)(x, weight, bias)
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rope(rmsnorm(q, q_weight), rmsnorm(k, k_weight), cos, sin)`` in one pass, no autograd (Qwen3's q/k
+    norms of a decode step). Contract in ``polyrl/kernels/qk_norm_rope/__init__.py``."""
+    return _impl("qk_norm_rope", q)(q, k, q_weight, k_weight, cos, sin, eps)

@@ -36,12 +36,15 @@ from polyrl.models.config import ModelConfig
 from polyrl.platform import device
 
 # One skinny_linear launch for q/k/v and one for gate/up at batch 1 (False: one launch per projection). Off until
-# measured on the GPU: scripts/gpu_stage.sh skinny-group (bench rollout --compare-parts A/B) and its GPU tests.
+# measured on the GPU: scripts/gpu_stage.sh decode-candidates (GPU tests, bench rollout --compare-parts).
 GROUP_PROJECTIONS = False
 # q/k/v (and gate/up) as concurrent GEMMs on forked streams when autograd is off (parallel branches of a decode
 # graph): the same cuBLAS kernels, so the same numbers, overlapping their launch and tail latency (each small GEMM
-# of a decode step takes ~5 us however wide it is, H200 profile). Off until measured: gpu_stage.sh parallel-proj.
+# of a decode step takes ~5 us however wide it is, H200 profile). Off until measured: gpu_stage.sh decode-candidates.
 PARALLEL_PROJECTIONS = False
+# Qwen3's q/k norms and RoPE as one kernel (kernels.qk_norm_rope) when autograd is off: 2 of every layer's decode
+# launches fewer. Off until measured: gpu_stage.sh decode-candidates.
+FUSED_QK_NORM_ROPE = False
 
 
 def _skinny_ok(linears: tuple[nn.Module, ...], x: torch.Tensor) -> bool:
@@ -142,9 +145,12 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = kernels.apply_rope(q, k, cos, sin)
+        if self.q_norm is not None and FUSED_QK_NORM_ROPE and not torch.is_grad_enabled():
+            q, k = kernels.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = kernels.apply_rope(q, k, cos, sin)
         if meta.kv_caches is None:
             o = kernels.varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, self.scale, self.window)
         else:

@@ -139,6 +139,28 @@ def _linear_shapes():
     ]
 
 
+def _make_qk_norm_rope(p, dtype, device, gen):
+    from polyrl.kernels.rope.reference import rope_cos_sin
+
+    t, hq, hk, d = p["T"], p["Hq"], p["Hk"], p["D"]
+    cos, sin = rope_cos_sin(torch.arange(t, device=device), d, 10000.0, dtype=torch.float32)
+    return {
+        "q": _randn(gen, t, hq, d, device=device, scale=3.0),
+        "k": _randn(gen, t, hk, d, device=device, scale=3.0),
+        "q_weight": 1.0 + _randn(gen, d, device=device, scale=0.3),
+        "k_weight": 1.0 + _randn(gen, d, device=device, scale=0.3),
+        "cos": cos,
+        "sin": sin,
+    }
+
+
+def _qk_norm_rope_shapes():
+    return [
+        Shape("T=5,Hq=4,Hk=2,D=16", {"T": 5, "Hq": 4, "Hk": 2, "D": 16}, "tiny"),
+        Shape("T=256,Hq=16,Hk=8,D=128", {"T": 256, "Hq": 16, "Hk": 8, "D": 128}),
+    ]
+
+
 def _skinny_shapes():
     return [
         Shape("T=3,in=127,out=33", {"T": 3, "in": 127, "out": 33}, "tiny"),
@@ -330,6 +352,10 @@ def _register_all() -> None:
     register_cases(
         OpCases("skinny_linear", _make_linear, _skinny_shapes(), ("y",), tol=dict(MATMUL_TOL),
                 note="the decode step's projections at a few rows (no autograd)")
+    )  # fmt: skip
+    register_cases(
+        OpCases("qk_norm_rope", _make_qk_norm_rope, _qk_norm_rope_shapes(), ("q", "k"),
+                note="Qwen3's q/k norms + RoPE of a decode step, one pass (no autograd)")
     )  # fmt: skip
     swiglu_shapes = _swiglu_shapes()
     register_cases(

@@ -97,15 +97,18 @@ def _fmt(value: Any) -> str:
 
 
 def _visible(result: dict[str, Any], show: str) -> list[dict[str, Any]]:
-    rows = result["rows"]
+    rows = result.get("rows", [])  # none when the level failed before checking anything (see "reason")
     if show == "failures":
         rows = [r for r in rows if r["status"] in ("fail", "error")]
     return rows
 
 
 def _summary_line(result: dict[str, Any]) -> str:
-    counts = ", ".join(f"{n} {k}" for k, n in sorted(result["summary"].items()))
-    return f"ops: {'PASS' if result['passed'] else 'FAIL'} ({counts})"
+    counts = ", ".join(f"{n} {k}" for k, n in sorted(result.get("summary", {}).items()))
+    line = f"ops: {'PASS' if result['passed'] else 'FAIL'} ({counts})"
+    if not result.get("rows") and result.get("reason"):
+        line += f": {result['reason']}"
+    return line
 
 
 def render_text(result: dict[str, Any], show: str = "all") -> str:

@@ -17,15 +17,20 @@ def test_bench_rollout_tiny_cpu_compare_parts(tmp_path, capsys):
     assert os.environ.get("POLYRL_KERNELS") == before
     from polyrl.models import decoder
 
-    assert decoder.GROUP_PROJECTIONS is False and decoder.PARALLEL_PROJECTIONS is False  # defaults, restored
+    # every switch is left as found
+    assert not (decoder.GROUP_PROJECTIONS or decoder.PARALLEL_PROJECTIONS or decoder.FUSED_QK_NORM_ROPE)
     text = capsys.readouterr().out
-    assert "A/B launch graphs off: tokens/s" in text
+    assert "A/B launch_graphs off: tokens/s" in text and "(fused_qk: q/k norms + RoPE in one kernel" in text
     res = json.loads(out.read_text())
-    keys = ["engine_tok_s", "engine_launch_graphs_tok_s", "engine_no_launch_graphs_tok_s", "engine_batch1_ms_per_token"]
-    keys += ["engine_parallel_proj_tok_s", "engine_no_parallel_proj_tok_s"]
-    for part in ("launch_graphs", "skinny", "grouped"):
-        keys += [f"engine_{part}_batch1_decode_ms_per_token", f"engine_no_{part}_batch1_decode_ms_per_token"]
-    for key in keys + ["engine_batch1_decode_ms_per_token"]:
+    keys = ["engine_tok_s", "engine_batch1_ms_per_token", "engine_batch1_decode_ms_per_token"]
+    from polyrl.bench.rollout import PARTS
+
+    for name, _, at_batch, at_one in PARTS:
+        for prefix in (f"engine_{name}", f"engine_no_{name}"):
+            keys += [f"{prefix}_tok_s"] if at_batch else []
+            keys += [f"{prefix}_batch1_decode_ms_per_token"] if at_one else []
+    assert len(keys) == 3 + 2 * 7
+    for key in keys:
         assert res[key] > 0, key
     assert res["logprob_max_abs_diff"] < 1e-4  # fp32 on the CPU: engine and training forward agree
 

@@ -173,3 +173,12 @@ def test_cli_usage_errors_exit_2(capsys):
     assert "unknown validation level" in capsys.readouterr().err
     assert main(["validate", "ops", "--ops", "not_an_op"]) == 2
     assert "no validation cases" in capsys.readouterr().err
+
+
+def test_rendering_a_level_that_failed_before_any_row_says_why():
+    """A level that raised before checking anything (e.g. an op with no loadable implementation) still renders."""
+    from polyrl.validate.ops_level import render_markdown, render_text
+
+    result = {"level": "ops", "status": "failed", "passed": False, "reason": "KernelUnavailable: no implementation"}
+    for text in (render_text(result, "failures"), render_markdown(result)):
+        assert "ops: FAIL" in text and "KernelUnavailable: no implementation" in text

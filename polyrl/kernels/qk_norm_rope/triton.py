@@ -1,0 +1,85 @@
+"""qk_norm_rope in Triton: one program per token normalises every q and k head (fp32 statistics over the whole head)
+and rotates it, reading each head once and writing it once. Rounding as the unfused Triton kernels: ``(x * rstd)``
+to the dtype, times the weight to the dtype, then the rotation in fp32 from those values with cos/sin cast to the
+dtype, rounded once. q/k may be strided views with a contiguous head dim; outputs are new contiguous tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _norm_rotate(x_ptr, o_ptr, w_ptr, c1, c2, s1, s2, t, n_heads, half, stride_xt, stride_xh, stride_ot, stride_oh,
+                 eps, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    dt = o_ptr.dtype.element_ty
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    ok = (h[:, None] < n_heads) & (d[None, :] < half)
+    x_row = x_ptr + t * stride_xt + h[:, None] * stride_xh + d[None, :]
+    x1 = tl.load(x_row, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + half, mask=ok, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * half) + eps)  # [BLOCK_H]
+    w1 = tl.load(w_ptr + d, mask=d < half, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + half + d, mask=d < half, other=0.0).to(tl.float32)
+    n1 = ((x1 * rstd[:, None]).to(dt).to(tl.float32) * w1[None, :]).to(dt).to(tl.float32)
+    n2 = ((x2 * rstd[:, None]).to(dt).to(tl.float32) * w2[None, :]).to(dt).to(tl.float32)
+    o_row = o_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :]
+    tl.store(o_row, (n1 * c1[None, :] - n2 * s1[None, :]).to(dt), mask=ok)
+    tl.store(o_row + half, (n2 * c2[None, :] + n1 * s2[None, :]).to(dt), mask=ok)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr, k_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, n_q_heads, n_k_heads, half,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_ct, stride_st,
+    eps, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < half
+    dt = qo_ptr.dtype.element_ty
+    c1 = tl.load(cos_ptr + t * stride_ct + d, mask=dm, other=0.0).to(dt).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_ct + half + d, mask=dm, other=0.0).to(dt).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_st + d, mask=dm, other=0.0).to(dt).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_st + half + d, mask=dm, other=0.0).to(dt).to(tl.float32)
+    _norm_rotate(q_ptr, qo_ptr, wq_ptr, c1, c2, s1, s2, t, n_q_heads, half, stride_qt, stride_qh, stride_qot,
+                 stride_qoh, eps, BLOCK_HQ, BLOCK_D)  # fmt: skip
+    _norm_rotate(k_ptr, ko_ptr, wk_ptr, c1, c2, s1, s2, t, n_k_heads, half, stride_kt, stride_kh, stride_kot,
+                 stride_koh, eps, BLOCK_HK, BLOCK_D)  # fmt: skip
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See ``polyrl.kernels.qk_norm_rope``; no autograd (inference)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, q_weight, k_weight)):
+        raise RuntimeError("qk_norm_rope has no backward: call it with autograd off (decoding)")
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[2] % 2:
+        raise ValueError(
+            f"expected q [T, Hq, D] and k [T, Hk, D] with an even D, got {tuple(q.shape)}, {tuple(k.shape)}"
+        )
+    n_tokens, n_q, head_dim = q.shape
+    n_k = k.shape[1]
+    half = head_dim // 2
+    q, k, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, cos, sin))
+    qo = torch.empty((n_tokens, n_q, head_dim), dtype=q.dtype, device=q.device)
+    ko = torch.empty((n_tokens, n_k, head_dim), dtype=k.dtype, device=k.device)
+    if n_tokens == 0:
+        return qo, ko
+    _qk_norm_rope_kernel[(n_tokens,)](
+        q, k, q_weight.contiguous(), k_weight.contiguous(), cos, sin, qo, ko, n_q, n_k, half,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1),
+        cos.stride(0), sin.stride(0), eps,
+        BLOCK_HQ=triton.next_power_of_2(n_q), BLOCK_HK=triton.next_power_of_2(n_k),
+        BLOCK_D=triton.next_power_of_2(half), num_warps=4,
+    )  # fmt: skip
+    return qo, ko
