@@ -35,16 +35,18 @@ from polyrl.models.attention_metadata import AttnMetadata
 from polyrl.models.config import ModelConfig
 from polyrl.platform import device
 
-# One skinny_linear launch for q/k/v and one for gate/up at batch 1 (False: one launch per projection). Off until
-# measured on the GPU: scripts/gpu_stage.sh decode-candidates (GPU tests, bench rollout --compare-parts).
-GROUP_PROJECTIONS = False
+# One skinny_linear launch for q/k/v and one for gate/up at batch 1 (False: one launch per projection). H200,
+# bench rollout --compare-parts (gpu_stage.sh decode-candidates, run24): batch-1 decode 1.41 vs 1.55 ms/token.
+GROUP_PROJECTIONS = True
 # q/k/v (and gate/up) as concurrent GEMMs on forked streams when autograd is off (parallel branches of a decode
 # graph): the same cuBLAS kernels, so the same numbers, overlapping their launch and tail latency (each small GEMM
-# of a decode step takes ~5 us however wide it is, H200 profile). Off until measured: gpu_stage.sh decode-candidates.
+# of a decode step takes ~5 us however wide it is, H200 profile). Off: measured mixed (run24, interleaved medians):
+# B256 48.3k vs 46.0k tokens/s, B512 72.7k vs 74.8k (the concurrent GEMMs contend for the SMs at large batches).
 PARALLEL_PROJECTIONS = False
 # Qwen3's q/k norms and RoPE as one kernel (kernels.qk_norm_rope) when autograd is off: 2 of every layer's decode
-# launches fewer. Off until measured: gpu_stage.sh decode-candidates.
-FUSED_QK_NORM_ROPE = False
+# launches fewer. H200 (run24, interleaved medians): B256 51.1k vs 47.8k tokens/s, B512 78.0k vs 74.5k, batch-1
+# decode 1.47 vs 1.55 ms/token.
+FUSED_QK_NORM_ROPE = True
 
 
 def _skinny_ok(linears: tuple[nn.Module, ...], x: torch.Tensor) -> bool:

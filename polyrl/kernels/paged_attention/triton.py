@@ -26,6 +26,12 @@ from polyrl.kernels.attention.triton import LOG2E, interpreting
 _MIN_KEYS_PER_SPLIT = 256
 # Enough programs to fill a large GPU several times over (132 SMs on an H100/H200).
 _TARGET_PROGRAMS = 1024
+# Decode pipeline depth from scripts/paged_attention_sweep.py on the H200 (raw compat/raw/h200-2026-12-01/
+# run24-paged-sweep.log): with at most this many keys per program 2 stages beat 3 by 4-6% (B512 at 192 keys, B256 at
+# 256), at 4k keys 3 win. Keys per tile stay 64 at every batch (128 was 13% faster at batch 1 only): the tile decides
+# the order of the softmax accumulation, and a sequence must decode to the same numbers in any batch (a row launched
+# ahead changes the batch for a step; tests/infer/test_gpu.py, one-step-ahead equals synchronous).
+_SHORT_CHUNK = 1024
 
 
 @triton.jit
@@ -236,11 +242,17 @@ def _paged_attention(
     block_q = min(block_q, _pow2_at_least(max_seqlen_q))
     rows = max(16, _pow2_at_least(block_q * group))
     tuning = tuning or {}
-    block_n = tuning.get("block_n") or (16 if interp else (64 if D <= 128 else 32))
     n_qblocks = triton.cdiv(max_seqlen_q, block_q)
+    block_n = tuning.get("block_n") or (16 if interp else (64 if D <= 128 else 32))
     capacity = block_tables.shape[1] * page
     splits = num_splits or (1 if interp else _num_splits(n_qblocks * B * Hk, capacity))
     chunk = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
+    if interp:
+        stages = 1
+    elif q.dtype == torch.float32 or D > 128 or (max_seqlen_q == 1 and chunk <= _SHORT_CHUNK):
+        stages = 2
+    else:
+        stages = 3
     scale = D**-0.5 if scale is None else float(scale)
     if splits > 1:
         o_part = torch.empty((splits, T, Hq, D), device=q.device, dtype=torch.float32)
@@ -258,7 +270,7 @@ def _paged_attention(
         GROUP=group, HEAD_DIM=D, PAGE=page, BLOCK_Q=block_q, ROWS=rows, BLOCK_N=block_n, SPLIT=splits > 1,
         WINDOW=window is not None, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=tuning.get("num_warps", 4),
-        num_stages=tuning.get("num_stages") or (1 if interp else (2 if q.dtype == torch.float32 or D > 128 else 3)),
+        num_stages=tuning.get("num_stages") or stages,
     )  # fmt: skip
     if splits > 1:
         block_h = min(_pow2_at_least(Hq), 16)
