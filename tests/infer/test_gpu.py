@@ -116,3 +116,32 @@ def test_capture_graphs_ahead_of_time_covers_every_bucket_up_to_the_batch():
     out = llm.generate([[5, 6, 7]] * 3, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert llm.stats()["graph_capture_s"] == pytest.approx(llm.runner.graphs.capture_s)  # nothing captured again
     assert all(len(o.outputs[0].token_ids) == 6 for o in out)
+
+
+
+@pytest.mark.parametrize("batch", [1, 24])
+def test_greedy_equals_transformers_on_the_device(batch):
+    """fp32 on the device, with the decode path as the benches run it (CUDA graphs, launch graphs, the fused q/k
+    norms + RoPE, grouped skinny projections at batch 1): greedy tokens equal transformers' generate."""
+    from polyrl.models import decoder
+    from polyrl.platform import device
+
+    from .conftest import hf_twin
+    from .test_engine import prompts
+
+    assert decoder.FUSED_QK_NORM_ROPE and decoder.GROUP_PROJECTIONS  # the defaults this test is about
+    dev = device.torch_device()
+    model = _model(torch.float32)
+    hf = hf_twin(model).to(dev)
+    ps = prompts(batch, seed=3, lo=2, hi=40)
+    new = 24
+    llm = LLM(model, None, EngineConfig(block_size=16, num_blocks=256, max_num_seqs=32))
+    outs = llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
+    for p, o in zip(ps, outs):
+        ids = torch.tensor([p], device=dev)
+        with torch.no_grad():
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()  # fmt: skip
+        assert o.outputs[0].token_ids == want, (p, o.outputs[0].token_ids, want)
+    if device.supports_graphs():  # the launches were replayed as graphs, greedy draws inside
+        assert llm.runner.graphs.launch_graphs
