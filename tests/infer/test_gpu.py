@@ -118,7 +118,6 @@ def test_capture_graphs_ahead_of_time_covers_every_bucket_up_to_the_batch():
     assert all(len(o.outputs[0].token_ids) == 6 for o in out)
 
 
-
 @pytest.mark.parametrize("batch", [1, 24])
 def test_greedy_equals_transformers_on_the_device(batch):
     """fp32 on the device, with the decode path as the benches run it (CUDA graphs, launch graphs, the fused q/k
