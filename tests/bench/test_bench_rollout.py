@@ -12,13 +12,15 @@ from polyrl.cli.main import main
 def test_bench_rollout_tiny_cpu_compare_parts(tmp_path, capsys):
     out = tmp_path / "rollout.json"
     argv = ["bench", "rollout", "--shape", "tiny", "--batch", "3", "--prompt-len", "6", "--gen-len", "5"]
-    before = os.environ.get("POLYRL_KERNELS")
-    assert main([*argv, "--baselines", "none", "--compare-parts", "--json", str(out)]) == 0
-    assert os.environ.get("POLYRL_KERNELS") == before
     from polyrl.models import decoder
 
+    flags = ("GROUP_PROJECTIONS", "PARALLEL_PROJECTIONS", "FUSED_QK_NORM_ROPE")
+    found = {f: getattr(decoder, f) for f in flags}
+    before = os.environ.get("POLYRL_KERNELS")
+    assert main([*argv, "--baselines", "none", "--compare-parts", "--json", str(out)]) == 0
     # every switch is left as found
-    assert not (decoder.GROUP_PROJECTIONS or decoder.PARALLEL_PROJECTIONS or decoder.FUSED_QK_NORM_ROPE)
+    assert os.environ.get("POLYRL_KERNELS") == before
+    assert {f: getattr(decoder, f) for f in flags} == found
     text = capsys.readouterr().out
     assert "A/B launch_graphs off: tokens/s" in text and "(fused_qk: q/k norms + RoPE in one kernel" in text
     res = json.loads(out.read_text())
