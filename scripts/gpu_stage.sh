@@ -106,6 +106,14 @@ for s in "$@"; do
       $PR bench rollout --shape qwen3-0.6b --batch 256 --prompt-len 128 --gen-len 256 --baselines none --compare-parts \
       --logprob-seqs 1 | grep -E 'decode|A/B|\\('; $PR bench rollout --shape qwen3-0.6b --batch 512 --prompt-len 64 \
       --gen-len 256 --baselines none --skip-batch1 --compare-parts --logprob-seqs 1 | grep -E 'decode|A/B'" ;;
+    # decoder.SKIP_FROZEN_DOWN_RECOMPUTE (off until measured): its GPU tests, then the 8b LoRA / QLoRA step with the
+    # flag off and on, back to back in one call (the 8b rows are device-bound and repeat within 1%) (issue 17)
+    frozen-down) TAIL=40 stage frozen-down 560 bash -c "python3 -m pytest -m gpu -q -x -p no:cacheprovider \
+        tests/models/test_skip_frozen_down.py tests/train/test_graphed_step.py -k 'frozen_down or qlora' 2>&1 | tail -3; \
+      A='--shape qwen3-8b --seq 4096 --batch 2 --steps 4 --warmup 2 --activation-checkpointing --baselines none'; \
+      for m in '--lora r=16,alpha=32' --qlora; do for skip in False True; do echo \"# SKIP_FROZEN_DOWN_RECOMPUTE=\$skip \$m\"; \
+        python3 -c \"import sys; from polyrl.models import decoder; decoder.SKIP_FROZEN_DOWN_RECOMPUTE = \$skip; \
+from polyrl.cli.main import main; sys.exit(main(sys.argv[1:]))\" bench sft \$A \$m | grep -E '^polyrl|ratio'; done; done" ;;
     # The GRPO step with the KV cache and graphs kept across steps (the default on the H200) only: the row of the
     # issue-14 table when there is no time for --kv both
     bench-grpo-keep) stage bench-grpo-keep 150 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 \

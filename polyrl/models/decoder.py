@@ -47,6 +47,13 @@ PARALLEL_PROJECTIONS = False
 # launches fewer. H200 (run24, interleaved medians): B256 51.1k vs 47.8k tokens/s, B512 78.0k vs 74.5k, batch-1
 # decode 1.47 vs 1.55 ms/token.
 FUSED_QK_NORM_ROPE = True
+# Under activation checkpointing, a layer whose down_proj is a LoRA / QLoRA layer on a frozen base runs that base
+# GEMM after the checkpoint instead of inside it: the recomputed forward stops at the adapter's product (the
+# non-reentrant checkpoint stops once every saved tensor is back), so the layer's largest frozen GEMM (and, for QLoRA,
+# its dequantization) runs twice per step instead of three times. Nothing more is saved (the base's backward needs
+# only the weight). A frozen down_proj without an adapter saves nothing and is not recomputed anyway. Off until
+# measured on the GPU: scripts/gpu_stage.sh frozen-down (issue 17: the 8b LoRA step is 70% frozen-base GEMMs).
+SKIP_FROZEN_DOWN_RECOMPUTE = False
 
 
 def _skinny_ok(linears: tuple[nn.Module, ...], x: torch.Tensor) -> bool:
@@ -179,9 +186,13 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        """``swiglu(gate(x), up(x))``: the down projection's input."""
         gate, up = project_group((self.gate_proj, self.up_proj), x)
-        return project(self.down_proj, kernels.swiglu(gate, up))
+        return kernels.swiglu(gate, up)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return project(self.down_proj, self.activation(x))
 
 
 class DecoderLayer(nn.Module):
@@ -192,15 +203,43 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, residual, cos, sin, meta: AttnMetadata):
+    def forward(self, h, residual, cos, sin, meta: AttnMetadata, split_down: bool = False):
         """``h + residual`` is the stream entering the layer (``residual`` None at layer 0).
-        Returns ``(mlp_out, residual)`` whose sum is the stream leaving it."""
+        Returns ``(mlp_out, residual)`` whose sum is the stream leaving it. ``split_down`` (``down_splits``): returns
+        ``(act, adapter, residual)`` instead, the down projection's input and its adapter's product; ``down_onto``
+        finishes the layer."""
         if residual is None:
             x, residual = self.input_layernorm(h), h
         else:
             x, residual = self.input_layernorm(h, residual)
         x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, meta), residual)
-        return self.mlp(x), residual
+        if not split_down:
+            return self.mlp(x), residual
+        act = self.mlp.activation(x)
+        return act, self.mlp.down_proj.adapter_product(act), residual
+
+
+def _sharded(module: nn.Module) -> bool:
+    """Whether ``module`` holds distributed tensors (FSDP2 shards, gathered only inside its owner's forward)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(t, DTensor) for t in (*module.parameters(), *module.buffers()))
+
+
+def down_splits(layer: DecoderLayer) -> bool:
+    """Whether ``layer``'s down projection can run after the layer's checkpoint (``SKIP_FROZEN_DOWN_RECOMPUTE``): a
+    LoRA layer (``splits_at_checkpoint``: an active dropout-free adapter on a frozen base, dense or NF4) on
+    unsharded weights."""
+    down = layer.mlp.down_proj
+    return hasattr(down, "splits_at_checkpoint") and down.splits_at_checkpoint() and not _sharded(down)
+
+
+def down_onto(layer: DecoderLayer, adapter: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+    """The layer's MLP output from ``forward(..., split_down=True)``: ``adapter + act W_down^T``, saving no
+    activation (a frozen base needs only its weight for the input gradient)."""
+    return layer.mlp.down_proj.base_onto(adapter, act)
 
 
 class Backbone(nn.Module):
@@ -245,9 +284,16 @@ class DecoderLM(nn.Module):
                 stream = h if residual is None else h + residual
                 # Under CUDA-graph capture (train/graphed_step.py, deterministic models only) the RNG state cannot be
                 # read; there is no randomness to preserve then.
-                h, residual = checkpoint(
-                    layer, stream, None, cos, sin, meta, use_reentrant=False, preserve_rng_state=not capturing
-                )
+                if SKIP_FROZEN_DOWN_RECOMPUTE and down_splits(layer):
+                    act, adapter, residual = checkpoint(
+                        layer, stream, None, cos, sin, meta, split_down=True, use_reentrant=False,
+                        preserve_rng_state=not capturing,
+                    )  # fmt: skip
+                    h = down_onto(layer, adapter, act)
+                else:
+                    h, residual = checkpoint(
+                        layer, stream, None, cos, sin, meta, use_reentrant=False, preserve_rng_state=not capturing
+                    )
             else:
                 h, residual = layer(h, residual, cos, sin, meta)
         h, _ = self.model.norm(h, residual)

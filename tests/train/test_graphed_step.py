@@ -145,6 +145,26 @@ def test_graphed_qlora_equals_eager():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("quantize", [None, "nf4"], ids=["lora", "qlora"])
+def test_graphed_lora_with_the_frozen_down_after_the_checkpoint(monkeypatch, quantize):
+    """decoder.SKIP_FROZEN_DOWN_RECOMPUTE: the down projection's frozen base outside each checkpoint, captured."""
+    from polyrl.models import decoder
+
+    monkeypatch.setattr(decoder, "SKIP_FROZEN_DOWN_RECOMPUTE", True)
+
+    def make():
+        model = tiny_lm(seed=0, hidden=256, heads=8, layers=2)
+        return apply_lora(model, LoraConfig(r=8, alpha=16, quantize_base=quantize))
+
+    eager, eager_params, _ = _run(make, False, True, 1, steps=3)
+    graphed, graphed_params, e1 = _run(make, None, True, 1, steps=3)
+    assert e1.graph_captures == 1 and e1.graph_replays == 2
+    assert [x[0] for x in graphed] == pytest.approx([x[0] for x in eager], rel=1e-5)
+    for name, p in eager_params.items():
+        torch.testing.assert_close(graphed_params[name], p, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.gpu
 def test_new_shape_recaptures_and_release_frees_the_graph():
     model = tiny_lm(seed=0, hidden=256, heads=8, layers=2).to(device.torch_device())
     engine = TrainEngine(model, OptimConfig(lr=1e-3), ScheduleConfig(decay="constant"))

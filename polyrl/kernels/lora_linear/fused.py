@@ -124,3 +124,48 @@ def _apply(x, weight, bias, lora_a, lora_b, scaling: float, adapter_first: bool)
     if isinstance(weight, NF4Weight):
         return _FusedLoraLinear.apply(x, None, bias, lora_a, lora_b, float(scaling), weight, adapter_first)
     return _FusedLoraLinear.apply(x, weight, bias, lora_a, lora_b, float(scaling), None, adapter_first)
+
+
+class _FrozenBaseOnto(torch.autograd.Function):
+    """``y = acc + x W^T (+ b)`` for a frozen base ``W``: the GEMM accumulates onto ``acc`` (``beta = 1``). It saves
+    the weight only (an NF4 base: nothing, dequantized again in backward), never ``x``: the input gradient
+    ``dy W`` is all a frozen base needs."""
+
+    @staticmethod
+    def forward(ctx, acc, x, weight, bias, nf4: NF4Weight | None):  # type: ignore[override]
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        w = _dense(nf4, x.dtype) if nf4 is not None else weight
+        if acc is not None:
+            y = torch.addmm(acc.reshape(-1, w.shape[0]), x2, w.t())
+            if bias is not None:
+                y += bias
+        else:
+            y = torch.addmm(bias, x2, w.t()) if bias is not None else x2 @ w.t()
+        ctx.save_for_backward(weight if nf4 is None else None)
+        ctx.shape, ctx.nf4, ctx.has_acc, ctx.has_bias = shape, nf4, acc is not None, bias is not None
+        return y.view(*shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        (weight,) = ctx.saved_tensors
+        d_acc = dy if ctx.has_acc and ctx.needs_input_grad[0] else None
+        dx = None
+        if ctx.needs_input_grad[1]:
+            w = _dense(ctx.nf4, dy.dtype) if ctx.nf4 is not None else weight
+            dx = (dy.reshape(-1, dy.shape[-1]) @ w).view(ctx.shape)
+        d_bias = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return d_acc, dx, None, d_bias, None
+
+
+def frozen_base_onto(
+    acc: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | NF4Weight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``acc + x W^T (+ b)`` (``acc`` None: no addend) with ``W`` frozen (no weight gradient), saving no activation:
+    the decoder runs a LoRA layer's frozen base this way after the layer's activation checkpoint, so the recomputed
+    forward skips that GEMM (``decoder.SKIP_FROZEN_DOWN_RECOMPUTE``). ``weight [out, in]`` dense or ``NF4Weight``."""
+    if isinstance(weight, NF4Weight):
+        return _FrozenBaseOnto.apply(acc, x, None, bias, weight)
+    if weight.requires_grad:
+        raise ValueError("frozen_base_onto: the weight requires a gradient; it is for frozen bases only")
+    return _FrozenBaseOnto.apply(acc, x, weight, bias, None)

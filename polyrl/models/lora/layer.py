@@ -82,6 +82,36 @@ class LoraLinear(nn.Module):
             return y
         return y + F.linear(xa, b).to(y.dtype) * self.scaling  # fp32 adapters on a bf16 base (inference)
 
+    # ---- the frozen base after a layer's checkpoint (decoder.SKIP_FROZEN_DOWN_RECOMPUTE) ----------------------
+    def splits_at_checkpoint(self) -> bool:
+        """Whether ``forward(x)`` may run as ``base_onto(adapter_product(x), x)``: the adapter's product inside a
+        layer's activation checkpoint, the frozen base GEMM after it (so the recomputed forward skips that GEMM).
+        An active adapter without dropout on a frozen base (dense or NF4)."""
+        if self.merged or self.disabled or (self.dropout > 0 and self.training):
+            return False
+        return self.quant_shape is not None or not self.weight.requires_grad
+
+    def adapter_product(self, x: torch.Tensor) -> torch.Tensor:
+        """``s * (x A^T) B^T`` in ``x``'s dtype, with autograd (the scale rides on the GEMM when dtypes agree)."""
+        a, b = self.lora_A.weight, self.lora_B.weight
+        x2 = x.reshape(-1, x.shape[-1])
+        if x.dtype == a.dtype == b.dtype:
+            from polyrl.kernels.lora_linear.fused import _zero
+
+            y = torch.addmm(_zero(x2), x2 @ a.t(), b.t(), beta=0, alpha=self.scaling)
+        else:
+            y = (F.linear(F.linear(x2.to(a.dtype), a), b) * self.scaling).to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def base_onto(self, acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        """``acc + x W^T (+ b)`` with the frozen base, saving no activation (``lora_linear.frozen_base_onto``)."""
+        from polyrl import kernels
+        from polyrl.kernels.lora_linear.fused import frozen_base_onto
+
+        dense = self.quant_shape is None
+        base = self.weight if dense else kernels.NF4Weight(self.weight_nf4, self.weight_absmax, self.quant_shape)
+        return frozen_base_onto(acc, x, base, self.bias)
+
     # ---- merge ----------------------------------------------------------------------------------
     def delta(self) -> torch.Tensor:
         """``s * B @ A`` in fp32, ``[out, in]``."""
