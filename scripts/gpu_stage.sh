@@ -114,6 +114,10 @@ for s in "$@"; do
       for m in '--lora r=16,alpha=32' --qlora; do for skip in False True; do echo \"# SKIP_FROZEN_DOWN_RECOMPUTE=\$skip \$m\"; \
         python3 -c \"import sys; from polyrl.models import decoder; decoder.SKIP_FROZEN_DOWN_RECOMPUTE = \$skip; \
 from polyrl.cli.main import main; sys.exit(main(sys.argv[1:]))\" bench sft \$A \$m | grep -E '^polyrl|ratio'; done; done" ;;
+    # Where the GRPO training phase goes (issue 14/15: 3.11 s against 1.13 s at peak FLOP/s): one more update on the
+    # last step's batches under the profiler, top kernels and framework ops
+    profile-grpo-train) TAIL=80 stage profile-grpo-train 200 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 \
+      --gen-len 512 --warmup 1 --steps 1 --kv keep --baselines none --profile 30 ;;
     # The GRPO step with the KV cache and graphs kept across steps (the default on the H200) only: the row of the
     # issue-14 table when there is no time for --kv both
     bench-grpo-keep) stage bench-grpo-keep 150 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 \

@@ -59,6 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="release the KV cache for training and retake it (graphs re-captured) every step, keep it and its "
         "graphs across steps, or time both",
     )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing, profile one more training phase (an update on the last step's batches): top N kernels "
+        "and framework ops, with its wall time (accelerators only)",
+    )
     parser.add_argument("--model-dir", default=None, help="reuse this model folder (default: a temp folder)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
@@ -67,6 +75,12 @@ def _sync() -> None:
     from polyrl.platform import device
 
     device.synchronize()
+
+
+def _on_accelerator() -> bool:
+    from polyrl.platform import device
+
+    return device.torch_device().type != "cpu"
 
 
 def dummy_reward(token_ids: list[int]) -> float:
@@ -142,6 +156,12 @@ def ours(model_dir: Path, args: argparse.Namespace, keep_kv: bool = False) -> di
         )
     timed = rows[args.warmup :] or rows
     res = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
+    if args.profile and _on_accelerator():
+        from polyrl.bench.profile import kernel_table, print_kernel_table
+
+        table = kernel_table(lambda: tr.train(batches, loss_fn, normalizer=tokens), args.profile)
+        print_kernel_table(table, f"ours ({'keep' if keep_kv else 'release'} KV) training phase profile")
+        res["train_profile"] = table
     res["kv_dtype_bytes"] = tr.llm.kv.caches[0][0].element_size() if tr.llm.kv.allocated else None
     res["_model"] = tr.model
     return res

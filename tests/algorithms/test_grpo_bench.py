@@ -20,3 +20,16 @@ def test_bench_grpo_tiny_prints_split_and_roofline(tmp_path, capsys):
     parts = res["rollout_s"] + res["logprob_s"] + res["train_s"]
     assert 0 < parts <= res["step_s"] * 1.05
     assert res["roofline_step_s"] > 0 and 0 < res["roofline_fraction"]
+
+
+def test_bench_grpo_profile_runs_one_more_training_phase_under_the_profiler(tmp_path, capsys, monkeypatch):
+    from polyrl.bench import grpo
+
+    monkeypatch.setattr(grpo, "_on_accelerator", lambda: True)  # the CPU trace has no device kernels, but the path runs
+    out = tmp_path / "bench.json"
+    argv = ["bench", "grpo", "--shape", "tiny", "--prompts", "2", "--n", "2", "--gen-len", "4", "--prompt-len", "6"]
+    argv += ["--steps", "1", "--warmup", "0", "--micro-batch-tokens", "128", "--baselines", "none", "--kv", "keep"]
+    assert main([*argv, "--profile", "5", "--json", str(out)]) == 0
+    assert "ours (keep KV) training phase profile: wall" in capsys.readouterr().out
+    profile = json.loads(out.read_text())["train_profile"]
+    assert profile["wall_ms"] > 0 and isinstance(profile["rows"], list)
