@@ -24,7 +24,8 @@ def _lora_model(tiny_model, quantize=None, targets=None, dtype=torch.float32, de
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # B = 0 at init would hide the adapter's part (and A's gradient)
         for p in adapter_parameters(model).values():
-            p.copy_((0.2 * torch.randn(p.shape, generator=g)).to(p.device, dtype))
+            # in the compute dtype, as the training engine casts them (the fused path needs one dtype)
+            p.data = (0.2 * torch.randn(p.shape, generator=g)).to(p.device, dtype)
     model.gradient_checkpointing = True
     return model.train()
 
