@@ -109,7 +109,7 @@ for s in "$@"; do
     # decoder.SKIP_FROZEN_DOWN_RECOMPUTE (off until measured): its GPU tests, then the 8b LoRA / QLoRA step with the
     # flag off and on, back to back in one call (the 8b rows are device-bound and repeat within 1%) (issue 17)
     frozen-down) TAIL=40 stage frozen-down 560 bash -c "python3 -m pytest -m gpu -q -x -p no:cacheprovider \
-        tests/models/test_skip_frozen_down.py tests/train/test_graphed_step.py -k 'frozen_down or qlora' 2>&1 | tail -3; \
+        tests/models/test_skip_frozen_down.py tests/train/test_graphed_step.py -k 'frozen_down or lora_variants' 2>&1 | tail -3; \
       A='--shape qwen3-8b --seq 4096 --batch 2 --steps 4 --warmup 2 --activation-checkpointing --baselines none'; \
       for m in '--lora r=16,alpha=32' --qlora; do for skip in False True; do echo \"# SKIP_FROZEN_DOWN_RECOMPUTE=\$skip \$m\"; \
         python3 -c \"import sys; from polyrl.models import decoder; decoder.SKIP_FROZEN_DOWN_RECOMPUTE = \$skip; \
