@@ -32,6 +32,9 @@ class DataConfig:
     loss_on: str = "assistant"  # assistant | last_assistant | all
     tokens_per_batch: int = 8192  # micro-batch token budget for packing
     packing: str = "ffd"  # ffd | greedy
+    # pad every micro-batch to tokens_per_batch tokens and a fixed sequence count, so that shapes repeat and the
+    # training step replays as a CUDA graph (engine.cuda_graphs); costs the padding's compute (ffd fills most of it)
+    fixed_shapes: bool = False
     shuffle: bool = True
     seed: int = 0
     skip_bad_rows: bool = False

@@ -55,7 +55,7 @@ class TokenizedData:
     def iterator(self, rank: int = 0, world_size: int = 1, max_epochs: int | None = None) -> PackedBatchIterator:
         c = self.config
         return PackedBatchIterator(
-            self.units, c.tokens_per_batch, c.packing, c.shuffle, c.seed, rank, world_size, max_epochs
+            self.units, c.tokens_per_batch, c.packing, c.shuffle, c.seed, rank, world_size, max_epochs, c.fixed_shapes
         )
 
 

@@ -5,6 +5,9 @@ seeded with ``seed`` and ``epoch``, packed (``packing.py``) and, for ``ffd``, th
 so lengths are not sorted. The state is just ``(epoch, position)``, so a checkpoint restores the exact remaining
 stream. A unit is a tuple of sequences kept in one batch (one sequence for SFT; chosen + rejected for DPO).
 With ``world_size > 1`` rank r takes batches r, r + world_size, ...; every rank gets the same number per epoch.
+With ``fixed_shapes`` every batch is padded to the budget, a sequence capacity (the epoch's fullest batch plus room
+for the padding sequences, rounded up to 16) and the dataset's longest sequence as ``max_seqlen``
+(``pack_sequences(pad_to=...)``): the shapes repeat, so a CUDA-graphed training step replays them.
 This iterator does not tokenise or truncate; units must already fit the budget.
 """
 
@@ -14,7 +17,7 @@ import hashlib
 import random
 from collections.abc import Sequence
 
-from polyrl.data.batch import PackedBatch, pack_sequences
+from polyrl.data.batch import PAD_CHUNK, PackedBatch, pack_sequences
 from polyrl.data.examples import TokenizedSeq
 from polyrl.data.packing import plan_batches
 from polyrl.errors import CheckpointError, DataError
@@ -35,6 +38,7 @@ class PackedBatchIterator:
         rank: int = 0,
         world_size: int = 1,
         max_epochs: int | None = None,
+        fixed_shapes: bool = False,
     ):
         if not units:
             raise DataError("the dataset has no usable rows after parsing, truncation and filtering")
@@ -48,6 +52,9 @@ class PackedBatchIterator:
         self.seed = int(seed)
         self.rank, self.world_size = rank, world_size
         self.max_epochs = max_epochs
+        self.fixed_shapes = fixed_shapes
+        longest = max(len(s) for u in self.units for s in u)
+        self.max_seqlen = max(longest, min(PAD_CHUNK, self.tokens_per_batch))  # fixed shapes: every batch's bound
         self.epoch = 0
         self.position = 0
         self._plan_epoch: int | None = None
@@ -89,7 +96,17 @@ class PackedBatchIterator:
         plan = self._epoch_plan(self.epoch)
         batch = plan[self.position * self.world_size + self.rank]
         self.position += 1
-        return pack_sequences([seq for i in batch for seq in self.units[i]])
+        seqs = [seq for i in batch for seq in self.units[i]]
+        if not self.fixed_shapes:
+            return pack_sequences(seqs)
+        return pack_sequences(seqs, self.tokens_per_batch, self.sequence_capacity(self.epoch), self.max_seqlen)
+
+    def sequence_capacity(self, epoch: int) -> int:
+        """Fixed shapes: the sequences every batch of ``epoch`` is padded to (its fullest batch, the padding
+        sequences a batch can need, rounded up to 16 so that most epochs share one shape)."""
+        fullest = max(sum(len(self.units[i]) for i in b) for b in self._epoch_plan(epoch))
+        need = fullest + -(-self.tokens_per_batch // PAD_CHUNK)
+        return -(-need // 16) * 16
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "fingerprint": self.fingerprint}

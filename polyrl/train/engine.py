@@ -225,7 +225,8 @@ class TrainEngine:
         self.model.train()
         with gc_paused(self.cfg.pause_gc):
             loss_total, metric_sums = self._forward_backward_or_eager(micro_batches, loss_fn, norm)
-        tokens = sum(int(b.input_ids.numel()) for b in micro_batches)
+        # real tokens: a fixed-shape batch's padding (``PackedBatch.padding_tokens``) is not throughput
+        tokens = sum(int(b.input_ids.numel()) - getattr(b, "padding_tokens", 0) for b in micro_batches)
         if self.replicated:
             from polyrl.train.parallel.replicate import all_reduce_grads_
 
@@ -411,6 +412,7 @@ class TrainEngine:
         total = 0.0
         for mb in micro_batches:
             cu = mb.cu_seqlens.tolist()
+            cu = cu[: len(cu) - getattr(mb, "padding_sequences", 0)]  # a fixed-shape batch's padding does no work
             total += sum(fpt(e - s) * (e - s) for s, e in zip(cu[:-1], cu[1:]) if e > s)
         return total
 

@@ -95,7 +95,7 @@ def test_replayed_gradients_add_to_what_the_step_holds():
 # ---- GPU -------------------------------------------------------------------------------------------------------
 
 
-def _run(make_model, graphs: bool | None, ckpt: bool, micro: int, steps: int = 4):
+def _run(make_model, graphs: bool | None, ckpt: bool, micro: int, steps: int = 4, batch_fn=None):
     model = make_model().to(device.torch_device())
     engine = TrainEngine(
         model,
@@ -103,9 +103,10 @@ def _run(make_model, graphs: bool | None, ckpt: bool, micro: int, steps: int = 4
         ScheduleConfig(decay="constant"),
         engine=EngineConfig(cuda_graphs=graphs, activation_checkpointing=ckpt),
     )
+    batch_fn = batch_fn or (lambda seed: pack(random_seqs(4, 128, 64, seed=seed)))
     losses = []
     for s in range(steps):
-        batch = [pack(random_seqs(4, 128, 64, seed=10 * s + i)) for i in range(micro)]
+        batch = [batch_fn(10 * s + i) for i in range(micro)]
         stats = engine.step(batch)
         losses.append((stats.loss, stats.grad_norm))
     params = {n: p.detach().float().cpu() for n, p in model.named_parameters() if p.requires_grad}
@@ -152,6 +153,31 @@ def test_graphed_lora_variants_equal_eager(monkeypatch, quantize, skip_down):
     graphed, graphed_params, e1 = _run(make, None, True, 1, steps=3)
     assert e1.graph_captures == 1 and e1.graph_replays == 2
     assert [x[0] for x in graphed] == pytest.approx([x[0] for x in eager], rel=1e-5)
+    for name, p in eager_params.items():
+        torch.testing.assert_close(graphed_params[name], p, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.gpu
+def test_fixed_shape_batches_of_other_sequences_replay_one_graph():
+    """data.fixed_shapes: chat-like batches (other sequence counts and lengths every step) padded to one shape are
+    captured once and replayed, with the eager losses and parameters."""
+    from polyrl.data import TokenizedSeq
+    from polyrl.data.batch import pack_sequences
+
+    def batch_fn(seed):
+        g = torch.Generator().manual_seed(seed)
+        lens = torch.randint(20, 120, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
+        seqs = [TokenizedSeq(torch.randint(0, 64, (n,), generator=g).tolist(), [0] + [1] * (n - 1)) for n in lens]
+        return pack_sequences(seqs, pad_to=768, num_sequences=16, max_seqlen=128)
+
+    def make():
+        return tiny_lm(seed=0, hidden=256, heads=8, layers=2)
+
+    eager, eager_params, _ = _run(make, False, False, 1, steps=4, batch_fn=batch_fn)
+    graphed, graphed_params, e1 = _run(make, None, False, 1, steps=4, batch_fn=batch_fn)
+    assert e1.graph_captures == 1 and e1.graph_replays == 3
+    for (l0, n0), (l1, n1) in zip(eager, graphed):
+        assert l1 == pytest.approx(l0, rel=1e-5, abs=1e-6) and n1 == pytest.approx(n0, rel=1e-4, abs=1e-6)
     for name, p in eager_params.items():
         torch.testing.assert_close(graphed_params[name], p, rtol=1e-4, atol=1e-5, msg=name)
 
