@@ -114,6 +114,12 @@ for s in "$@"; do
       for m in '--lora r=16,alpha=32' --qlora; do for skip in False True; do echo \"# SKIP_FROZEN_DOWN_RECOMPUTE=\$skip \$m\"; \
         python3 -c \"import sys; from polyrl.models import decoder; decoder.SKIP_FROZEN_DOWN_RECOMPUTE = \$skip; \
 from polyrl.cli.main import main; sys.exit(main(sys.argv[1:]))\" bench sft \$A \$m | grep -E '^polyrl|ratio'; done; done" ;;
+    # data.fixed_shapes on chat-like batches: packed + eager vs padded + eager vs padded + graphed, 1.7b LoRA and
+    # 0.6b full, with its GPU test first (issues 15, 17)
+    fixed-shapes) TAIL=30 stage fixed-shapes 400 bash -c "python3 -m pytest -m gpu -q -x -p no:cacheprovider \
+        tests/train/test_graphed_step.py -k fixed_shape 2>&1 | tail -3; \
+      python3 scripts/fixed_shapes_ab.py --shape qwen3-1.7b --budget 8192 --batches 12; \
+      python3 scripts/fixed_shapes_ab.py --shape qwen3-0.6b --budget 16384 --batches 12 --lora ''" ;;
     # Where the GRPO training phase goes (issue 14/15: 3.11 s against 1.13 s at peak FLOP/s): one more update on the
     # last step's batches under the profiler, top kernels and framework ops
     profile-grpo-train) TAIL=80 stage profile-grpo-train 200 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 \

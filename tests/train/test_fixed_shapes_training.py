@@ -65,3 +65,18 @@ def test_engine_counts_real_tokens_and_flops_only(monkeypatch):
     assert stats["plain"].tokens == stats["fixed"].tokens == 61
     assert stats["plain"].loss == pytest.approx(stats["fixed"].loss, rel=1e-6)
     assert stats["plain_flops"] == stats["fixed_flops"] > 0
+
+
+def test_fixed_shapes_ab_script_reports_every_mode(capsys):
+    """scripts/fixed_shapes_ab.py (run on the GPU by gpu_stage.sh fixed-shapes) at a tiny shape on the CPU."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "fixed_shapes_ab.py"
+    spec = importlib.util.spec_from_file_location("fixed_shapes_ab", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.main(["--shape", "tiny", "--budget", "512", "--batches", "3", "--median-len", "60"])
+    assert set(out) == {label for label, _, _ in mod.MODES} and all(v > 0 for v in out.values())
+    text = capsys.readouterr().out
+    assert "fixed shapes, graphed" in text and "padding" in text
