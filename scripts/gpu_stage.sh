@@ -120,6 +120,8 @@ from polyrl.cli.main import main; sys.exit(main(sys.argv[1:]))\" bench sft \$A \
         tests/train/test_graphed_step.py -k fixed_shape 2>&1 | tail -3; \
       python3 scripts/fixed_shapes_ab.py --shape qwen3-1.7b --budget 8192 --batches 12; \
       python3 scripts/fixed_shapes_ab.py --shape qwen3-0.6b --budget 16384 --batches 12 --lora ''" ;;
+    # RMSNorm backward launch settings at the 0.6b SFT shapes (issue 15: 14 ms for 113 launches, ~2x bandwidth time)
+    rmsnorm-sweep) TAIL=40 stage rmsnorm-sweep 300 python3 scripts/rmsnorm_sweep.py ;;
     # Where the GRPO training phase goes (issue 14/15: 3.11 s against 1.13 s at peak FLOP/s): one more update on the
     # last step's batches under the profiler, top kernels and framework ops
     profile-grpo-train) TAIL=80 stage profile-grpo-train 200 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 \

@@ -155,3 +155,24 @@ def test_triton_large_bf16_on_gpu(triton_kernels, kernel_check, hidden):
     kernel_check.assert_close(outs[0], ref_outs[0], torch.bfloat16, "y")
     for name, a, b in zip(["dx", "dweight", "dresidual"], grads, ref_grads):
         kernel_check.assert_close(a, b, torch.bfloat16, name)
+
+
+@pytest.mark.parametrize("tuning", [{"block_m": 2, "num_warps": 2, "per_sm": 1}, {"block_m": 8, "per_sm": 4}])
+def test_triton_backward_launch_overrides_give_the_same_gradients(triton_kernels, tuning):
+    """scripts/rmsnorm_sweep.py times ``rmsnorm_backward`` under launch overrides: every setting computes the same
+    ds and dw (the partial sums over programs are reduced in fp32)."""
+    backward = triton_kernels.load("rmsnorm", "rmsnorm_backward")
+    dev = triton_kernels.device
+    g = torch.Generator().manual_seed(3)
+    s, dy, dsum = (torch.randn(37, 64, generator=g).to(dev) for _ in range(3))
+    weight = (torch.rand(64, generator=g) + 0.5).to(dev)
+    rstd = (torch.rand(37, generator=g) + 0.5).to(dev)
+    ds0, dw0 = backward(dy, dsum, s, weight, rstd, True)
+    ds1, dw1 = backward(dy, dsum, s, weight, rstd, True, tuning)
+    torch.testing.assert_close(ds1, ds0, rtol=0, atol=0)
+    torch.testing.assert_close(dw1, dw0, rtol=1e-5, atol=1e-5)
+    n = s * rstd[:, None]  # the formula, in fp32: ds = rstd (dy w - n mean(dy w n)) + dsum, dw = sum(dy n)
+    dn = dy * weight
+    want = rstd[:, None] * (dn - n * (dn * n).mean(-1, keepdim=True)) + dsum
+    torch.testing.assert_close(ds0, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dw0, (dy * n).sum(0), rtol=1e-4, atol=1e-4)

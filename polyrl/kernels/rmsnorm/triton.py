@@ -140,9 +140,44 @@ def _multiprocessors(device: torch.device) -> int:
     return 2
 
 
-def _num_programs(device: torch.device, n_blocks: int) -> int:
-    """Persistent grid size for the backward: about two programs per multiprocessor (4 on the CPU)."""
-    return max(1, min(n_blocks, 2 * _multiprocessors(device)))
+def _num_programs(device: torch.device, n_blocks: int, per_sm: int = 2) -> int:
+    """Persistent grid size for the backward: ``per_sm`` programs per multiprocessor (4 on the CPU by default)."""
+    return max(1, min(n_blocks, per_sm * _multiprocessors(device)))
+
+
+def rmsnorm_backward(
+    dy: torch.Tensor,
+    dsum: torch.Tensor | None,
+    s: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    need_dw: bool,
+    tuning: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(ds [N, H], dw [H] or None)`` from the saved ``s`` (the normalised input, ``[N, H]``) and ``rstd``, the
+    output gradient ``dy`` and (fused residual) the returned sum's gradient ``dsum``. ``tuning`` overrides the
+    launch heuristics for ``scripts/rmsnorm_sweep.py``: ``block_m`` (rows per iteration), ``num_warps``,
+    ``per_sm`` (persistent programs per multiprocessor)."""
+    tuning = tuning or {}
+    n_rows, n_cols = s.shape
+    dy2 = _rows2d(dy)
+    ds2 = _rows2d(dsum) if dsum is not None else dy2
+    dx = torch.empty((n_rows, n_cols), dtype=s.dtype, device=s.device)
+    block_m, block_n, warps = _tiling(n_cols, max(s.element_size(), dy.element_size()))
+    block_m = tuning.get("block_m", block_m)
+    warps = tuning.get("num_warps", warps)
+    n_prog = _num_programs(s.device, max(1, triton.cdiv(n_rows, block_m)), tuning.get("per_sm", 2))
+    # Every program stores its whole row of partial sums (zeros if it got no rows): no memset needed.
+    dw_part = torch.empty((n_prog if need_dw else 1, n_cols), dtype=torch.float32, device=s.device)
+    if n_rows == 0:
+        dw_part.zero_()
+    else:
+        _rmsnorm_bwd_kernel[(n_prog,)](
+            dy2, ds2, s, weight, rstd, dx, dw_part, n_rows, n_cols,
+            dy2.stride(0), ds2.stride(0), s.stride(0), dx.stride(0),
+            HAS_DSUM=dsum is not None, NEED_DW=need_dw, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        )  # fmt: skip
+    return dx, (dw_part.sum(0).to(weight.dtype) if need_dw else None)
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -181,25 +216,9 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dsum=None):
         s, weight, rstd = ctx.saved_tensors
-        n_rows, n_cols = s.shape
-        dy2 = _rows2d(dy)
         has_dsum = ctx.has_res and dsum is not None
-        ds2 = _rows2d(dsum) if has_dsum else dy2
-        dx = torch.empty((n_rows, n_cols), dtype=s.dtype, device=s.device)
-        block_m, block_n, warps = _tiling(n_cols, max(s.element_size(), dy.element_size()))
-        n_prog = _num_programs(s.device, max(1, triton.cdiv(n_rows, block_m)))
-        need_dw = ctx.needs_input_grad[1]  # a frozen norm (LoRA) skips the weight gradient and its reduction
-        # Every program stores its whole row of partial sums (zeros if it got no rows): no memset needed.
-        dw_part = torch.empty((n_prog if need_dw else 1, n_cols), dtype=torch.float32, device=s.device)
-        if n_rows == 0:
-            dw_part.zero_()
-        else:
-            _rmsnorm_bwd_kernel[(n_prog,)](
-                dy2, ds2, s, weight, rstd, dx, dw_part, n_rows, n_cols,
-                dy2.stride(0), ds2.stride(0), s.stride(0), dx.stride(0),
-                HAS_DSUM=has_dsum, NEED_DW=need_dw, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-            )  # fmt: skip
-        dw = dw_part.sum(0).to(weight.dtype) if need_dw else None
+        # a frozen norm (LoRA) skips the weight gradient and its reduction
+        dx, dw = rmsnorm_backward(dy, dsum if has_dsum else None, s, weight, rstd, ctx.needs_input_grad[1])
         dx = dx.view(ctx.shape)
         x_dtype, res_dtype = ctx.in_dtypes
         if ctx.has_res:
