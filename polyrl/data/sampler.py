@@ -59,6 +59,7 @@ class PackedBatchIterator:
         self.position = 0
         self._plan_epoch: int | None = None
         self._plan: list[list[int]] = []
+        self._capacity: tuple[int, int] | None = None  # (epoch, sequences per fixed-shape batch)
         self.fingerprint = hashlib.sha256(
             repr((self.lengths, self.tokens_per_batch, packing, shuffle, world_size)).encode()
         ).hexdigest()[:16]
@@ -103,10 +104,12 @@ class PackedBatchIterator:
 
     def sequence_capacity(self, epoch: int) -> int:
         """Fixed shapes: the sequences every batch of ``epoch`` is padded to (its fullest batch, the padding
-        sequences a batch can need, rounded up to 16 so that most epochs share one shape)."""
-        fullest = max(sum(len(self.units[i]) for i in b) for b in self._epoch_plan(epoch))
-        need = fullest + -(-self.tokens_per_batch // PAD_CHUNK)
-        return -(-need // 16) * 16
+        sequences a batch can need, rounded up to 16 so that most epochs share one shape). Computed once per epoch."""
+        if self._capacity is None or self._capacity[0] != epoch:
+            fullest = max(sum(len(self.units[i]) for i in b) for b in self._epoch_plan(epoch))
+            need = fullest + -(-self.tokens_per_batch // PAD_CHUNK)
+            self._capacity = (epoch, -(-need // 16) * 16)
+        return self._capacity[1]
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "fingerprint": self.fingerprint}
