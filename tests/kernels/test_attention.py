@@ -205,6 +205,21 @@ def test_triton_matches_reference(triton_kernels, kernel_check, seeded, lens, hq
         kernel_check.assert_close(a.float(), b, dtype, f"triton {name}", scale=2.0 if name != "out" else 1.0)
 
 
+def test_triton_fixed_shape_layout_trailing_empties_and_a_loose_max_seqlen(triton_kernels, kernel_check, seeded):
+    """data.fixed_shapes batches: real sequences, padding sequences, then empty ones, and max_seqlen an upper bound
+    (the dataset's longest), not this batch's longest: forward and gradients are the reference's."""
+    fn = triton_kernels.load("attention", "varlen_attention")
+    dev = triton_kernels.device
+    lens = [7, 21, 16, 16, 0, 0, 0]
+    cu = _cu(lens, dev)
+    q, k, v = _qkv(lens, 4, 2, 16, torch.float32, dev)
+    do = torch.randn_like(q)
+    got = _grads(lambda a, b, c: fn(a, b, c, cu, 48, None, None), q, k, v, do)
+    want = _grads(lambda a, b, c: ref.varlen_attention(a, b, c, cu, max(lens), None, None), q, k, v, do)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        kernel_check.assert_close(a, b, torch.float32, f"triton {name}")
+
+
 def test_triton_strided_inputs_and_scale(triton_kernels, kernel_check, seeded):
     """q/k/v as column slices of a fused qkv projection (row stride != H * D), explicit scale."""
     fn = triton_kernels.load("attention", "varlen_attention")
