@@ -117,7 +117,8 @@ def test_run_demo_reports_its_own_held_out_metrics(tmp_path):
         # a reply without a tool call ends the episode: only episodes that called a tool (or sent a malformed call)
         # can take more than one turn, and none more than MAX_TURNS
         multi = min(1.0, m["tool_call_rate"] + m["tool_error_rate"])
-        assert 1.0 <= m["turns"] <= 1.0 + (MAX_TURNS - 1) * multi + 1e-9, (when, m)
+        fewest, most = 1.0, 1.0 + (MAX_TURNS - 1) * multi + 1e-9
+        assert fewest <= m["turns"] <= most, (when, m)
     # the held-out episodes are the task's test-split prompts with fixed seeds: a second scoring gives the same
     test = builtin.generate(TASK, "test", n=3)
     again = held_out_metrics(tmp_path / "demo" / "grpo" / "final", test, 2, 1 + 10_000, 8)
