@@ -49,6 +49,8 @@ class AlgorithmSpec:
     - ``run(run_cfg) -> summary dict``: a whole run; None means the shared offline loop
       (``polyrl.algorithms.runner.run_offline``), which uses the three hooks above.
     - ``plot_series``: metric names drawn in the run's ``metrics.png`` besides loss / lr / grad norm.
+    - ``fixed_shapes``: whether its batches may be padded to one shape (``data.fixed_shapes``): the loss and
+      normaliser must ignore padding-only and empty sequences (SFT's do; DPO counts sequences as pairs).
     """
 
     name: str
@@ -59,6 +61,7 @@ class AlgorithmSpec:
     normalizer: Callable[[Any, Any], float | None] | None = None
     run: Callable[[Any], dict[str, Any]] | None = None
     plot_series: tuple[str, ...] = ()
+    fixed_shapes: bool = False
 
     def __post_init__(self) -> None:
         if self.run is None and (self.build_data is None or self.make_loss is None):

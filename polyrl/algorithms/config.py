@@ -247,6 +247,12 @@ def build(raw: dict[str, Any]) -> RunConfig:
             raise ConfigError(f'no {key} given; pass --{key} DIR (or set {key} = "..." in the config file)')
     if not built["data"].path:
         raise ConfigError("no dataset given; pass --data SPEC (a file, a datasets name or folder, or builtin:NAME)")
+    if built["data"].fixed_shapes and not spec.fixed_shapes:
+        able = [n for n in algorithms.names() if algorithms.get(n).fixed_shapes]
+        raise ConfigError(
+            f"data.fixed_shapes pads training batches to one shape, which {algo} does not support (its loss counts "
+            f"sequences); remove it, or use it with {', '.join(able)}"
+        )
     model = raw["model"]
     lora = _lora(lora_raw, model)
     if not (Path(model) / "config.json").is_file() and not (Path(model) / "adapter_config.json").is_file():

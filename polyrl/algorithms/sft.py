@@ -88,6 +88,7 @@ def build_data(data_cfg: Any, tokenizer: Any, part: str = "train") -> Any:
 SPEC = AlgorithmSpec(
     name="sft",
     description="supervised fine-tuning: cross-entropy on assistant tokens of packed conversations",
+    fixed_shapes=True,
     config_cls=SFTConfig,
     build_data=build_data,
     make_loss=make_loss,

@@ -116,6 +116,7 @@ def _no_model_load(monkeypatch):
         (["--set", "data.tokens_per_batch=512"], "are the same budget"),
         (["--set", "sft.normalize=words"], "sft.normalize must be one of"),
         (["--dtype", "fp16", "--set", "precision.compute_dtype=int8"], "precision.compute_dtype must be one of"),
+        (["--algo", "dpo", "--set", "data.fixed_shapes=true"], "data.fixed_shapes pads training batches to one shape"),
     ],
 )
 def test_config_errors_exit_2_before_loading(tmp_path, monkeypatch, capsys, extra, message):
