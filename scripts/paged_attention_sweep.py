@@ -58,23 +58,13 @@ def main() -> None:
         cu = torch.arange(b + 1, dtype=torch.int32, device=dev)
         q = torch.randn(b, HQ, D, generator=gen).to(dev, torch.bfloat16)
         moved = 2 * b * ctx * HK * D * 2
-        rows = []
-        for s in settings:
+
+        def call_for(s, q=q, kc=kc, vc=vc, tables=tables, lens=lens, cu=cu):
             tuning = None if s is None else {k: v for k, v in s.items() if k != "splits"}
             splits = None if s is None else s["splits"]
+            return functools.partial(_paged_attention, q, kc, vc, tables, lens, cu, 1, None, None, splits, tuning)
 
-            call = functools.partial(_paged_attention, q, kc, vc, tables, lens, cu, 1, None, None, splits, tuning)
-            timed = common.time_graph(call, dev, warmup=2, reps=args.reps)
-            if "error" in timed:  # e.g. a tile that needs more shared memory than the chip has: skipped, said why
-                print(f"  {s}: {timed['error'][:100]}")
-            else:
-                rows.append((timed["median_ms"], "default" if s is None else s))
-        rows.sort(key=lambda r: r[0])
-        default = next(ms for ms, s in rows if s == "default")
-        print(f"{label}: default {default * 1e3:.1f} us ({moved / default / 1e9:,.0f} GB/s, "
-              f"{moved / (default * 1e-3) / bw:.0%} of copy)")  # fmt: skip
-        for ms, s in rows[:5]:
-            print(f"  {ms * 1e3:8.1f} us  {moved / (ms * 1e-3) / bw:5.0%}  x{default / ms:.2f}  {s}")
+        common.sweep_settings(label, settings, call_for, moved, bw, dev, args.reps)
 
 
 if __name__ == "__main__":

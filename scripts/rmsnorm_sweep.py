@@ -60,21 +60,12 @@ def main() -> None:
         weight = rand(cols)
         rstd = torch.rand(rows, generator=gen).to(dev) + 0.5
         moved = (4 if fused else 3) * rows * cols * 2
-        results = []
-        for st in settings:
-            if st is not None and st["block_m"] * cols > 16384:  # more than 16k elements per tile: skip
-                continue
-            call = functools.partial(rmsnorm_backward, dy, dsum, s, weight, rstd, need_dw, st)
-            timed = common.time_graph(call, dev, warmup=2, reps=args.reps)
-            if "error" in timed:
-                print(f"  {st}: {timed['error'][:100]}")
-            else:
-                results.append((timed["median_ms"], "default" if st is None else st))
-        results.sort(key=lambda r: r[0])
-        default = next(ms for ms, st in results if st == "default")
-        print(f"{label} [{rows}, {cols}]: default {default * 1e3:.1f} us ({moved / (default * 1e-3) / bw:.0%} of copy)")
-        for ms, st in results[:5]:
-            print(f"  {ms * 1e3:8.1f} us  {moved / (ms * 1e-3) / bw:5.0%}  x{default / ms:.2f}  {st}")
+        tiles = [st for st in settings if st is None or st["block_m"] * cols <= 16384]  # at most 16k elements a tile
+
+        def call_for(st, s=s, dy=dy, dsum=dsum, weight=weight, rstd=rstd, need_dw=need_dw):
+            return functools.partial(rmsnorm_backward, dy, dsum, s, weight, rstd, need_dw, st)
+
+        common.sweep_settings(f"{label} [{rows}, {cols}]", tiles, call_for, moved, bw, dev, args.reps)
 
 
 if __name__ == "__main__":

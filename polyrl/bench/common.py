@@ -184,3 +184,35 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], headers:
 
 def gib(nbytes: int | None) -> float | None:
     return None if nbytes is None else nbytes / 2**30
+
+
+def sweep_settings(
+    label: str,
+    settings: Sequence[Any],
+    call_for: Callable[[Any], Callable[[], Any]],
+    moved_bytes: int,
+    bandwidth: float,
+    device: torch.device,
+    reps: int = 20,
+    top: int = 5,
+) -> list[tuple[float, Any]]:
+    """Time ``call_for(s)()`` as graph replays for each launch setting ``s`` (None: the kernel's own heuristics,
+    printed as "default") and print the default's time and share of the copy bandwidth, then the ``top`` fastest
+    with their speed-up over it; a setting that fails (e.g. too much shared memory) is printed with its reason.
+    Returns ``[(median_ms, setting)]``, fastest first. For the ``scripts/*_sweep.py`` launch-setting sweeps."""
+    rows = []
+    for s in settings:
+        timed = time_graph(call_for(s), device, warmup=2, reps=reps)
+        if "error" in timed:
+            print(f"  {s}: {timed['error'][:100]}")
+        else:
+            rows.append((timed["median_ms"], "default" if s is None else s))
+    rows.sort(key=lambda r: r[0])
+    default = next((ms for ms, s in rows if s == "default"), None)
+    if default is None:
+        print(f"{label}: the default setting could not be timed; nothing to compare")
+        return rows
+    print(f"{label}: default {default * 1e3:.1f} us ({moved_bytes / (default * 1e-3) / bandwidth:.0%} of copy)")
+    for ms, s in rows[:top]:
+        print(f"  {ms * 1e3:8.1f} us  {moved_bytes / (ms * 1e-3) / bandwidth:5.0%}  x{default / ms:.2f}  {s}")
+    return rows
