@@ -126,6 +126,18 @@ from polyrl.cli.main import main; sys.exit(main(sys.argv[1:]))\" bench sft \$A \
     # last step's batches under the profiler, top kernels and framework ops
     profile-grpo-train) TAIL=80 stage profile-grpo-train 200 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 \
       --gen-len 512 --warmup 1 --steps 1 --kv keep --baselines none --profile 30 ;;
+    # Issue 15's table in one call: the norm kernels' GPU tests, then 0.6b (with a one-step profile) and 1.7b full SFT
+    # against HF + Liger pure bf16, the fastest baseline
+    sft-table) TAIL=70 stage sft-table 420 bash -c "python3 -m pytest -m gpu -q -x -p no:cacheprovider \
+        tests/kernels/test_rmsnorm.py 2>&1 | tail -2; \
+      $PR bench sft --shape qwen3-0.6b --seq 4096 --batch 8 --warmup 2 --steps 5 --baselines hf-liger --numerics bf16 \
+        --profile 25; \
+      $PR bench sft --shape qwen3-1.7b --seq 4096 --batch 8 --warmup 2 --steps 4 --baselines hf-liger --numerics bf16" ;;
+    # 8b QLoRA with only the first N layers checkpointed (engine.checkpoint_layers), ours only: speed and peak memory
+    # against the memory HF + peft (bnb NF4) needs (22.9 GiB, run27) (issue 17)
+    qlora-ckpt-layers) TAIL=30 stage qlora-ckpt-layers 300 bash -c "for n in 36 28 24; do echo \"# checkpoint_layers \$n\"; \
+      $PR bench sft --shape qwen3-8b --seq 4096 --batch 2 --steps 4 --warmup 2 --qlora --activation-checkpointing \
+        --checkpoint-layers \$n --baselines none | grep -E '^polyrl'; done" ;;
     # The GRPO step with the KV cache and graphs kept across steps (the default on the H200) only: the row of the
     # issue-14 table when there is no time for --kv both
     bench-grpo-keep) stage bench-grpo-keep 150 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 \

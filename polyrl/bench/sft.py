@@ -69,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--numerics", choices=["both", "autocast", "bf16"], default="both", help="HF variants to run")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--activation-checkpointing", action="store_true", help="polyrl: recompute activations")
+    parser.add_argument(
+        "--checkpoint-layers",
+        type=int,
+        metavar="N",
+        help="polyrl, with --activation-checkpointing: recompute only the first N layers (engine.checkpoint_layers)",
+    )
     parser.add_argument("--compile", action="store_true", help="polyrl: torch.compile the decoder layers")
     parser.add_argument("--no-ours", action="store_true", help="run the baselines only")
     parser.add_argument(
@@ -161,6 +167,7 @@ def ours_step_fn(
     ecfg = EngineConfig(
         micro_batch_tokens=tokens.numel(),
         activation_checkpointing=args.activation_checkpointing,
+        checkpoint_layers=args.checkpoint_layers,
         compile=args.compile,
         seed=args.seed,
         cuda_graphs=cuda_graphs,
@@ -367,6 +374,10 @@ def run(args: argparse.Namespace) -> int:
         f"batch {args.batch} x seq {args.seq}, {args.steps} timed steps after {args.warmup} warm-up, "
         f"device {device.name() if dev.type != 'cpu' else 'cpu'}, torch {torch.__version__}"
     )
+    if args.activation_checkpointing:
+        header += ", activation checkpointing" + (
+            "" if args.checkpoint_layers is None else f" of the first {args.checkpoint_layers} layers (polyrl)"
+        )
     print(header, flush=True)
     results = []
     for name in names:

@@ -61,6 +61,7 @@ def ours_step_fn(
     ecfg = EngineConfig(
         micro_batch_tokens=tokens.numel(),
         activation_checkpointing=args.activation_checkpointing,
+        checkpoint_layers=args.checkpoint_layers,
         compile=args.compile,
         seed=args.seed,
         cuda_graphs=cuda_graphs,

@@ -41,6 +41,7 @@ FLAG_KEYS: dict[str, str] = {
     "tokens_per_step": "engine.step_tokens",
     "micro_batch_tokens": "engine.micro_batch_tokens",
     "activation_checkpointing": "engine.activation_checkpointing",
+    "checkpoint_layers": "engine.checkpoint_layers",
     "compile": "engine.compile",
     "deterministic": "engine.deterministic",
     "dtype": "precision.compute_dtype",
@@ -125,6 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-seq-len", type=int, help="longest sequence; longer rows are truncated (data.truncation)")
     g.add_argument("--dtype", choices=["auto", "bf16", "fp32", "fp16", *DTYPE_ALIASES], help="compute dtype")
     g.add_argument("--activation-checkpointing", action="store_true", default=None)
+    g.add_argument(
+        "--checkpoint-layers", type=int, help="with --activation-checkpointing: recompute only the first N layers"
+    )
     g.add_argument("--compile", action="store_true", default=None, help="torch.compile the decoder layers")
     g.add_argument("--deterministic", action="store_true", default=None, help="deterministic kernels")
     g = parser.add_argument_group("data")

@@ -139,11 +139,15 @@ class EngineConfig:
     launches kernels; it runs between steps instead). ``cuda_graphs``: the forward + backward of a micro-batch shape
     seen twice in a row is captured as a CUDA graph and replayed (``train/graphed_step.py``) where that is possible:
     CUDA, one process, no torch.compile, no dropout, a loss marked ``graph_safe`` (SFT's). None (default): where
-    possible, eager elsewhere; False: never; True: required (an error says why a step cannot be captured)."""
+    possible, eager elsewhere; False: never; True: required (an error says why a step cannot be captured).
+    ``checkpoint_layers``: with ``activation_checkpointing``, recompute only the first this-many decoder layers (None:
+    all); the others keep their activations, trading memory for less recomputation (Megatron's
+    ``recompute_num_layers``, block method). Larger than the model's layer count means all."""
 
     micro_batch_tokens: int = 8192
     step_tokens: int | None = None
     activation_checkpointing: bool = False
+    checkpoint_layers: int | None = None
     compile: bool = False
     nan_guard_max_consecutive: int = 5
     deterministic: bool = False
@@ -152,6 +156,18 @@ class EngineConfig:
     cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.checkpoint_layers is not None:
+            if isinstance(self.checkpoint_layers, bool) or not isinstance(self.checkpoint_layers, int):
+                raise ConfigError(
+                    f"engine.checkpoint_layers must be a whole number of layers, got {self.checkpoint_layers!r}"
+                )
+            if self.checkpoint_layers < 0:
+                raise ConfigError(f"engine.checkpoint_layers must be >= 0, got {self.checkpoint_layers}")
+            if not self.activation_checkpointing:
+                raise ConfigError(
+                    "engine.checkpoint_layers only applies with activation checkpointing: set "
+                    "engine.activation_checkpointing = true (CLI --activation-checkpointing) or drop checkpoint_layers"
+                )
         if self.cuda_graphs not in (None, True, False):
             raise ConfigError(f"engine.cuda_graphs must be true, false or unset (auto), got {self.cuda_graphs!r}")
         if not isinstance(self.micro_batch_tokens, int) or self.micro_batch_tokens <= 0:

@@ -149,6 +149,14 @@ class TrainEngine:
     def _set_checkpointing(self, on: bool) -> None:
         if hasattr(self.model, "gradient_checkpointing"):
             self.model.gradient_checkpointing = on
+            if hasattr(self.model, "checkpoint_layers"):
+                self.model.checkpoint_layers = self.cfg.checkpoint_layers
+            elif self.cfg.checkpoint_layers is not None:
+                warnings.warn(
+                    f"{type(self.model).__name__} has no checkpoint_layers switch; checkpointing every layer",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         elif on:
             warnings.warn(
                 f"{type(self.model).__name__} has no gradient_checkpointing switch; running without it",

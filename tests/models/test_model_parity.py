@@ -83,25 +83,36 @@ def test_gradient_checkpointing_same_loss_and_grads(tiny_model):
     assert g0["model.layers.0.self_attn.q_norm.weight"].abs().sum() > 0
 
 
-def test_gradient_checkpointing_keeps_one_stream_tensor_per_layer(tiny_model, monkeypatch):
+@pytest.mark.parametrize("checkpoint_layers", [None, 0, 1, 99])
+def test_gradient_checkpointing_keeps_one_stream_tensor_per_layer(tiny_model, monkeypatch, checkpoint_layers):
     """Each checkpointed layer gets the summed stream and no residual: it keeps one [T, H] tensor alive per layer
-    (as HF's checkpointing does), not the (h, residual) pair, which doubled activation memory."""
+    (as HF's checkpointing does), not the (h, residual) pair, which doubled activation memory. ``checkpoint_layers``
+    N checkpoints the first N layers only (None or more than there are: all), with the same loss and gradients."""
     import polyrl.models.decoder as decoder
 
     model = tiny_model("qwen3", seed=4).train()
-    model.gradient_checkpointing = True
     ids, pos, meta = packed([7, 11], model.config.vocab_size, seed=5)
+    model(ids, pos, meta).sum().backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.gradient_checkpointing = True
+    model.checkpoint_layers = checkpoint_layers
     seen = []
     real = decoder.checkpoint
 
     def spy(fn, *args, **kwargs):
-        seen.append([a for a in args[:2] if isinstance(a, torch.Tensor)])
+        seen.append((fn, [a for a in args[:2] if isinstance(a, torch.Tensor)]))
         return real(fn, *args, **kwargs)
 
     monkeypatch.setattr(decoder, "checkpoint", spy)
     model(ids, pos, meta).sum().backward()
-    assert len(seen) == model.config.num_layers
-    assert all(len(t) == 1 and t[0].shape == (18, model.config.hidden_size) for t in seen)
+    n_layers = model.config.num_layers
+    assert n_layers == 2
+    expected = n_layers if checkpoint_layers is None else min(checkpoint_layers, n_layers)
+    assert [fn for fn, _ in seen] == list(model.model.layers)[:expected]
+    assert all(len(t) == 1 and t[0].shape == (18, model.config.hidden_size) for _, t in seen)
+    for name, grad in plain.items():
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, rtol=0, atol=1e-6, msg=name)
 
 
 def test_parameter_names_counts_and_flops(tiny_model, tiny_config):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from train_helpers import pack, random_seqs, tiny_lm
 
-from polyrl.errors import DataError
+from polyrl.errors import ConfigError, DataError
 from polyrl.platform import device
 from polyrl.train import (
     EngineConfig,
@@ -115,6 +115,31 @@ def test_activation_checkpointing_gives_identical_steps():
     for _ in range(2):
         assert e1.step(batch).loss == e2.step(batch).loss
     assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), ckpt.parameters()))
+
+
+def test_checkpoint_layers_reaches_the_model_and_keeps_steps_identical():
+    batch = [pack(random_seqs(3, 24, 64, 5))]
+    plain, part = tiny_lm(seed=4), tiny_lm(seed=4)
+    e1 = _engine(plain, OptimConfig(lr=1e-2))
+    e2 = _engine(part, OptimConfig(lr=1e-2), activation_checkpointing=True, checkpoint_layers=1)
+    assert part.gradient_checkpointing and part.checkpoint_layers == 1 and plain.checkpoint_layers is None
+    for _ in range(2):
+        assert e1.step(batch).loss == e2.step(batch).loss
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), part.parameters()))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"checkpoint_layers": 4}, "set engine.activation_checkpointing = true"),
+        ({"checkpoint_layers": -1, "activation_checkpointing": True}, ">= 0"),
+        ({"checkpoint_layers": True, "activation_checkpointing": True}, "whole number of layers"),
+        ({"checkpoint_layers": 2.5, "activation_checkpointing": True}, "whole number of layers"),
+    ],
+)
+def test_checkpoint_layers_bad_values_say_what_to_fix(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**kwargs)
 
 
 def test_a_compile_failure_at_run_time_falls_back_to_eager_under_checkpointing(monkeypatch):
