@@ -138,6 +138,13 @@ from polyrl.cli.main import main; sys.exit(main(sys.argv[1:]))\" bench sft \$A \
     qlora-ckpt-layers) TAIL=30 stage qlora-ckpt-layers 300 bash -c "for n in 36 28 24; do echo \"# checkpoint_layers \$n\"; \
       $PR bench sft --shape qwen3-8b --seq 4096 --batch 2 --steps 4 --warmup 2 --qlora --activation-checkpointing \
         --checkpoint-layers \$n --baselines none | grep -E '^polyrl'; done" ;;
+    # Issue 17's table in one call: LoRA against HF + peft + Liger, QLoRA against HF + peft (bnb NF4), 1.7b and 8b, all
+    # layers checkpointed; then 8b QLoRA with the first 24 of 36 layers checkpointed (fits under hf-qlora's memory)
+    lora-table) TAIL=40 stage lora-table 500 bash -c "A='--seq 4096 --batch 2 --steps 5 --warmup 2 \
+        --activation-checkpointing'; R='^(bench|polyrl|hf)'; for s in qwen3-1.7b qwen3-8b; do \
+        $PR bench sft --shape \$s \$A --lora r=16,alpha=32 --baselines hf-liger | grep -E \"\$R\"; \
+        $PR bench sft --shape \$s \$A --qlora --baselines hf | grep -E \"\$R\"; done; \
+      $PR bench sft --shape qwen3-8b \$A --qlora --checkpoint-layers 24 --baselines hf | grep -E \"\$R\"" ;;
     # The GRPO step with the KV cache and graphs kept across steps (the default on the H200) only: the row of the
     # issue-14 table when there is no time for --kv both
     bench-grpo-keep) stage bench-grpo-keep 150 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 \
