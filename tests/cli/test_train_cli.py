@@ -117,6 +117,7 @@ def _no_model_load(monkeypatch):
         (["--set", "sft.normalize=words"], "sft.normalize must be one of"),
         (["--dtype", "fp16", "--set", "precision.compute_dtype=int8"], "precision.compute_dtype must be one of"),
         (["--algo", "dpo", "--set", "data.fixed_shapes=true"], "data.fixed_shapes pads training batches to one shape"),
+        (["--checkpoint-layers", "4"], "set engine.activation_checkpointing = true"),
     ],
 )
 def test_config_errors_exit_2_before_loading(tmp_path, monkeypatch, capsys, extra, message):
@@ -164,6 +165,7 @@ def test_nproc_relaunch_keeps_every_flag():
     argv = ["--algo", "grpo", "--model", "m", "--data", "builtin:arithmetic", "--out", "o", "--lr", "0.01"]
     argv += ["--n", "4", "--max-new-tokens", "16", "--reward", "f.py:fn", "--kl-coef", "0.05", "--filter-groups"]
     argv += ["--nproc-per-node", "2", "--set", "grpo.clip_high=0.28", "--lora", "r=4,targets=q,v", "--qlora"]
+    argv += ["--activation-checkpointing", "--checkpoint-layers", "3"]
     parser = argparse.ArgumentParser()
     train.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -174,5 +176,6 @@ def test_nproc_relaunch_keeps_every_flag():
     assert keys["grpo.samples_per_prompt"] == 4 and keys["grpo.max_new_tokens"] == 16
     assert keys["grpo.filter_groups"] is True and keys["grpo.clip_high"] == 0.28
     assert keys["lora"] == {"r": 4, "targets": ["q", "v"]} and keys["lora.quantize_base"] == "nf4"
+    assert keys["engine.activation_checkpointing"] is True and keys["engine.checkpoint_layers"] == 3
     bare = parser.parse_args(train.relaunch_argv(parser.parse_args(["--model", "m", "--lora"])))
     assert bare.lora == ""  # the bare --lora (all defaults) survives too
