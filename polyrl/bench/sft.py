@@ -68,12 +68,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--numerics", choices=["both", "autocast", "bf16"], default="both", help="HF variants to run")
     parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--activation-checkpointing", action="store_true", help="polyrl: recompute activations")
+    parser.add_argument(
+        "--activation-checkpointing", action="store_true", help="recompute activations (polyrl and the HF baselines)"
+    )
     parser.add_argument(
         "--checkpoint-layers",
         type=int,
         metavar="N",
         help="polyrl, with --activation-checkpointing: recompute only the first N layers (engine.checkpoint_layers)",
+    )
+    parser.add_argument(
+        "--master-dtype",
+        choices=["fp32", "none"],
+        default="fp32",
+        help="polyrl full SFT (optim.master_dtype): fp32 master weights and moments, or none (pure bf16 weights and "
+        "moments, the numerics of the HF pure-bf16 baselines; what fits a full 8b step on one 141 GB GPU)",
     )
     parser.add_argument("--compile", action="store_true", help="polyrl: torch.compile the decoder layers")
     parser.add_argument("--no-ours", action="store_true", help="run the baselines only")
@@ -173,11 +182,25 @@ def ours_step_fn(
         cuda_graphs=cuda_graphs,
     )
     engine = TrainEngine(
-        model, OptimConfig(lr=args.lr), ScheduleConfig(decay="constant"), engine=ecfg, total_steps=None
+        model,
+        OptimConfig(lr=args.lr, master_dtype=args.master_dtype),
+        ScheduleConfig(decay="constant"),
+        engine=ecfg,
+        total_steps=None,
     )
     seqs = [TokenizedSeq(row.tolist(), [1] * row.numel()) for row in tokens]
     batch = pack_sequences(seqs).to(dev)
     return lambda: engine.step([batch]).loss
+
+
+def enable_hf_checkpointing(model: Any) -> None:
+    """Every decoder layer of an HF model recomputed in the backward, non-reentrant (what ``--activation-checkpointing``
+    gives our side): ``activation_checkpointing_enable`` where transformers has it, the older name before that."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def hf_step_fn(cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: torch.device, variant: str) -> Any:
@@ -202,6 +225,8 @@ def hf_step_fn(cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: to
     pure_bf16 = variant.endswith("bf16")
     if pure_bf16:
         model = model.to(torch.bfloat16)
+    if args.activation_checkpointing:
+        enable_hf_checkpointing(model)
     model.train()
     fused = dev.type != "cpu"
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=fused)
@@ -376,8 +401,10 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.activation_checkpointing:
         header += ", activation checkpointing" + (
-            "" if args.checkpoint_layers is None else f" of the first {args.checkpoint_layers} layers (polyrl)"
+            "" if args.checkpoint_layers is None else f" (polyrl: the first {args.checkpoint_layers} layers)"
         )
+    if args.master_dtype != "fp32" and not (args.lora is not None or args.qlora):
+        header += f", polyrl optim.master_dtype={args.master_dtype}"
     print(header, flush=True)
     results = []
     for name in names:

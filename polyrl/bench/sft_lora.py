@@ -136,7 +136,9 @@ def hf_step_fn(cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: to
 
         getattr(liger, f"apply_liger_kernel_to_{cfg.model_type}")(model=model)
     if args.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from polyrl.bench.sft import enable_hf_checkpointing
+
+        enable_hf_checkpointing(model)
         model.enable_input_require_grads()
     pcfg = peft.LoraConfig(
         r=lcfg.r,

@@ -41,6 +41,36 @@ def test_bench_sft_cuda_graphs_both_adds_an_eager_row_per_polyrl_config(tmp_path
     assert set(report["ratios"]) == {"hf-bf16", "fastest"}  # the eager row is ours, not a baseline
 
 
+def test_bench_sft_checkpointing_and_pure_bf16_reach_both_sides(tmp_path, capsys, monkeypatch):
+    """--activation-checkpointing checkpoints the HF baselines too (a fair 8b row); --master-dtype none runs polyrl
+    without fp32 masters. On the CPU both sides still compute the same first update from the same weights."""
+    from polyrl.bench import sft
+    from polyrl.train import optim
+
+    enabled, masters = [], []
+    real_enable, real_init = sft.enable_hf_checkpointing, optim.MasterAdamW.__init__
+
+    def spy_enable(model):
+        real_enable(model)
+        flag = getattr(model, "is_activation_checkpointing", None)  # the older name before transformers 5.2x
+        enabled.append((type(model).__name__, model.is_gradient_checkpointing if flag is None else flag))
+
+    def spy_init(self, named_params, cfg, *a, **k):
+        masters.append(cfg.master_dtype)
+        return real_init(self, named_params, cfg, *a, **k)
+
+    monkeypatch.setattr(sft, "enable_hf_checkpointing", spy_enable)
+    monkeypatch.setattr(optim.MasterAdamW, "__init__", spy_init)
+    out = tmp_path / "ckpt.json"
+    argv = ["bench", "sft", "--shape", "tiny", "--seq", "64", "--batch", "2", "--steps", "1", "--warmup", "1"]
+    argv += ["--activation-checkpointing", "--master-dtype", "none", "--baselines", "hf", "--numerics", "autocast"]
+    assert main([*argv, "--json", str(out)]) == 0
+    assert "activation checkpointing, polyrl optim.master_dtype=none" in capsys.readouterr().out
+    assert enabled == [("Qwen3ForCausalLM", True)] and masters == ["none"]
+    by_name = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    assert by_name["polyrl"]["loss"] == pytest.approx(by_name["hf-autocast"]["loss"], rel=1e-4)
+
+
 def test_bench_sft_rejects_unknown_baseline(capsys):
     assert main(["bench", "sft", "--shape", "tiny", "--baselines", "trl"]) == 2
     assert "unknown baseline(s) ['trl']" in capsys.readouterr().err
