@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from polyrl.cli.main import main
 
@@ -69,6 +70,22 @@ def test_bench_sft_checkpointing_and_pure_bf16_reach_both_sides(tmp_path, capsys
     assert enabled == [("Qwen3ForCausalLM", True)] and masters == ["none"]
     by_name = {r["name"]: r for r in json.loads(out.read_text())["results"]}
     assert by_name["polyrl"]["loss"] == pytest.approx(by_name["hf-autocast"]["loss"], rel=1e-4)
+
+
+def test_graph_capture_step_is_never_timed():
+    """The second step of a shape is its CUDA-graph capture: polyrl's graphed configs warm up at least 2 steps on an
+    accelerator; eager rows, baselines and the CPU keep --warmup."""
+    import argparse
+
+    from polyrl.bench.sft import warmup_steps
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    auto = argparse.Namespace(warmup=1, cuda_graphs="auto")
+    assert warmup_steps("polyrl", auto, cuda) == 2 and warmup_steps("polyrl-lora", auto, cuda) == 2
+    assert warmup_steps("polyrl-eager", auto, cuda) == 1 and warmup_steps("hf-liger-bf16", auto, cuda) == 1
+    assert warmup_steps("polyrl", auto, cpu) == 1
+    assert warmup_steps("polyrl", argparse.Namespace(warmup=1, cuda_graphs="off"), cuda) == 1
+    assert warmup_steps("polyrl", argparse.Namespace(warmup=5, cuda_graphs="auto"), cuda) == 5
 
 
 def test_bench_sft_rejects_unknown_baseline(capsys):
