@@ -58,7 +58,7 @@ from polyrl.errors import CheckpointError
 
 class Trainer(ColocatedPolicy):
     """``Trainer(model=path_or_DecoderLM, tokenizer=None, optim=OptimConfig, schedule=ScheduleConfig,
-    precision=PrecisionConfig, engine=polyrl.train.EngineConfig, rollout=polyrl.infer.EngineConfig, ...)``.
+    precision=PrecisionConfig, engine=polyrl.train.StepConfig, rollout=polyrl.infer.RolloutConfig, ...)``.
 
     A path is loaded in fp32 on the default device (the engine keeps fp32 masters and casts the compute weights
     in place); a module must already be on its device. ``reference=True`` keeps a frozen copy of the initial
@@ -200,7 +200,7 @@ def __getattr__(name: str) -> Any:
     if name in ("SamplingParams", "RolloutConfig"):
         from polyrl import infer
 
-        return infer.SamplingParams if name == "SamplingParams" else infer.EngineConfig
+        return infer.SamplingParams if name == "SamplingParams" else infer.RolloutConfig
     raise AttributeError(f"module 'polyrl.trainer' has no attribute {name!r}")
 
 

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from polyrl.infer import LLM, EngineConfig, SamplingParams
+from polyrl.infer import LLM, RolloutConfig, SamplingParams
 from polyrl.infer.batch import host_arrays
 from polyrl.infer.model_runner import DecodeBuffers
 from polyrl.models import ModelConfig, build_model
@@ -26,7 +26,7 @@ def main() -> None:
     steps = int(next((a.split("=")[1] for a in sys.argv if a.startswith("--decode-steps=")), "4"))
     cfg = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                       num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=1024)  # fmt: skip
-    ecfg = EngineConfig(num_blocks=512 * 40, max_num_seqs=512, max_model_len=640, max_num_batched_tokens=65536,
+    ecfg = RolloutConfig(num_blocks=512 * 40, max_num_seqs=512, max_model_len=640, max_num_batched_tokens=65536,
                         overlap_decode=True, decode_steps=steps)  # fmt: skip
     llm = LLM(build_model(cfg, seed=0), None, ecfg)
 

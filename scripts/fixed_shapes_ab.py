@@ -39,10 +39,10 @@ def chat_like_units(vocab: int, budget: int, batches: int, median: int, seed: in
 
 def make_engine(cfg, args, dev, cuda_graphs):
     from polyrl.models.decoder import build_model
-    from polyrl.train import EngineConfig, OptimConfig, PrecisionConfig, ScheduleConfig, TrainEngine
+    from polyrl.train import OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig, TrainEngine
     from polyrl.train.precision import resolve_compute_dtype
 
-    ecfg = EngineConfig(activation_checkpointing=args.activation_checkpointing, seed=args.seed, cuda_graphs=cuda_graphs)
+    ecfg = StepConfig(activation_checkpointing=args.activation_checkpointing, seed=args.seed, cuda_graphs=cuda_graphs)
     if args.lora:
         from polyrl.models.lora import apply_lora, make_lora_config
 

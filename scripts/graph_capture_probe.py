@@ -31,7 +31,7 @@ def _case(name: str) -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "train"))
     from train_helpers import pack, random_seqs, tiny_lm
 
-    from polyrl.train import EngineConfig, OptimConfig, ScheduleConfig, TrainEngine, causal_lm_loss
+    from polyrl.train import OptimConfig, ScheduleConfig, StepConfig, TrainEngine, causal_lm_loss
 
     dev = torch.device("cuda")
     model = tiny_lm(seed=0, hidden=256, heads=8, layers=2).to(dev)
@@ -46,7 +46,7 @@ def _case(name: str) -> None:
         model,
         OptimConfig(lr=1e-3),
         ScheduleConfig(decay="constant"),
-        engine=EngineConfig(cuda_graphs=False, activation_checkpointing=ckpt),
+        engine=StepConfig(cuda_graphs=False, activation_checkpointing=ckpt),
     )
     batch = pack(random_seqs(4, 128, 64, 0)).to(dev)
     engine.step([batch])  # eager warm-up

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from polyrl.infer import LLM, EngineConfig, SamplingParams
+from polyrl.infer import LLM, RolloutConfig, SamplingParams
 from polyrl.models import build_model, preset_config
 from polyrl.models.lora import LoraConfig, adapter_parameters, adapters_disabled, apply_lora, merged
 from polyrl.platform import device
@@ -48,7 +48,8 @@ def main() -> None:
     for t in adapter_parameters(model).values():
         t.data = t.data.to(dtype)
     prompts = [torch.randint(10, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
-    llm = LLM(model, None, EngineConfig(max_num_seqs=args.prompts, max_model_len=args.prompt_len + args.max_tokens + 1))
+    rollout = RolloutConfig(max_num_seqs=args.prompts, max_model_len=args.prompt_len + args.max_tokens + 1)
+    llm = LLM(model, None, rollout)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     print(f"{args.shape} {dtype} on {dev}: {args.prompts} prompts x {args.prompt_len} tokens -> {args.max_tokens} new, "
           f"LoRA r={lcfg.r} on {', '.join(lcfg.targets)}")  # fmt: skip

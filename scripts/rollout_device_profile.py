@@ -20,7 +20,7 @@ from collections import defaultdict
 
 import torch
 
-from polyrl.infer import LLM, EngineConfig, SamplingParams
+from polyrl.infer import LLM, RolloutConfig, SamplingParams
 from polyrl.models.decoder import build_model
 from polyrl.models.presets import preset_config
 from polyrl.platform import device
@@ -114,7 +114,7 @@ def main() -> None:
     dev = device.torch_device()
     model = build_model(preset_config("qwen3-0.6b-shape"), dtype=torch.bfloat16, device=dev, seed=0).eval()
     kw = {} if args.decode_steps is None else {"decode_steps": args.decode_steps}
-    cfg = EngineConfig(max_num_seqs=args.batch, max_model_len=args.prompt_len + args.gen_len + 8,
+    cfg = RolloutConfig(max_num_seqs=args.batch, max_model_len=args.prompt_len + args.gen_len + 8,
                        max_num_blocks=args.batch * (-(-(args.prompt_len + args.gen_len + 8) // 16)), **kw)  # fmt: skip
     llm = LLM(model, None, cfg)
     llm.capture_graphs(args.batch)

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from polyrl.infer import LLM, EngineConfig, SamplingParams, overlap
+from polyrl.infer import LLM, RolloutConfig, SamplingParams, overlap
 from polyrl.models.decoder import build_model
 from polyrl.models.presets import preset_config
 from polyrl.platform import device
@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = device.torch_device()
     model = build_model(preset_config("qwen3-0.6b-shape"), dtype=torch.bfloat16, device=dev, seed=0).eval()
-    cfg = EngineConfig(max_num_seqs=args.batch, max_model_len=args.prompt_len + args.gen_len + 8,
+    cfg = RolloutConfig(max_num_seqs=args.batch, max_model_len=args.prompt_len + args.gen_len + 8,
                        max_num_blocks=args.batch * 64, decode_steps=args.decode_steps)  # fmt: skip
     llm = LLM(model, None, cfg)
     llm.capture_graphs(args.batch)

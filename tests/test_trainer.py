@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyrl.infer import EngineConfig as RolloutConfig
-from polyrl.infer import SamplingParams
-from polyrl.train import EngineConfig, OptimConfig
+from polyrl.infer import RolloutConfig, SamplingParams
+from polyrl.train import OptimConfig, StepConfig
 
 PROMPTS = [[{"role": "user", "content": "What is 2 + 3?"}], [{"role": "user", "content": "Repeat exactly: abc"}]]
 
@@ -19,7 +18,7 @@ def _trainer(model_dir, **kw):
     return Trainer(
         model=str(model_dir),
         optim=OptimConfig(lr=1e-2, grad_clip=1.0),
-        engine=EngineConfig(micro_batch_tokens=256, seed=0),
+        engine=StepConfig(micro_batch_tokens=256, seed=0),
         rollout=RolloutConfig(max_model_len=64, max_num_seqs=16),
         **kw,
     )

@@ -92,10 +92,10 @@ def held_out_metrics(
     from polyrl.agents.pool import EnvPool
     from polyrl.agents.render import ChatRenderer
     from polyrl.agents.rollout import EpisodeLimits, run_episodes
-    from polyrl.infer import LLM, EngineConfig, SamplingParams
+    from polyrl.infer import LLM, RolloutConfig, SamplingParams
 
     n = len(examples) * samples
-    engine = EngineConfig(num_blocks=n * MAX_EPISODE_TOKENS // 16 + 64, max_model_len=1024, max_num_seqs=n)
+    engine = RolloutConfig(num_blocks=n * MAX_EPISODE_TOKENS // 16 + 64, max_model_len=1024, max_num_seqs=n)
     llm = LLM.from_pretrained(str(model_dir), engine, dtype="float32")
     limits = EpisodeLimits(MAX_TURNS, max_new_tokens, MAX_EPISODE_TOKENS)
     sampling = SamplingParams(temperature=1.0, max_tokens=max_new_tokens)

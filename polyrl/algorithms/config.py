@@ -10,7 +10,7 @@ File layout (every table optional; see ``examples/sft_arithmetic.toml``)::
     [train]      max_steps / epochs, eval_every, eval_data, log_every      (LoopConfig)
     [data]       polyrl.data.DataConfig            [optim]      polyrl.train.OptimConfig
     [schedule]   polyrl.train.ScheduleConfig       [precision]  polyrl.train.PrecisionConfig
-    [engine]     polyrl.train.EngineConfig         [checkpoint] polyrl.train.CheckpointConfig
+    [engine]     polyrl.train.StepConfig         [checkpoint] polyrl.train.CheckpointConfig
     [sft]        the algorithm's own table (its spec's config_cls)
     [lora]       polyrl.models.lora.LoraConfig (present = a LoRA run; ``--lora r=16,...`` / ``--qlora`` set it)
 
@@ -69,14 +69,14 @@ def _is_int(v: Any) -> bool:
 
 def _sections() -> dict[str, type]:
     from polyrl.data.config import DataConfig
-    from polyrl.train.config import CheckpointConfig, EngineConfig, OptimConfig, PrecisionConfig, ScheduleConfig
+    from polyrl.train.config import CheckpointConfig, OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig
 
     # Construction order = validation order: optimizer/engine values before paths on disk.
     return {
         "optim": OptimConfig,
         "schedule": ScheduleConfig,
         "precision": PrecisionConfig,
-        "engine": EngineConfig,
+        "engine": StepConfig,
         "checkpoint": CheckpointConfig,
         "train": LoopConfig,
         "data": DataConfig,
@@ -205,9 +205,9 @@ def _reconcile_tokens(raw: dict[str, Any]) -> None:
     if value is not None:
         engine["micro_batch_tokens"] = data["tokens_per_batch"] = value
     else:
-        from polyrl.train.config import EngineConfig
+        from polyrl.train.config import StepConfig
 
-        data["tokens_per_batch"] = EngineConfig().micro_batch_tokens
+        data["tokens_per_batch"] = StepConfig().micro_batch_tokens
 
 
 def build(raw: dict[str, Any]) -> RunConfig:

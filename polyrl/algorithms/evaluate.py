@@ -34,7 +34,7 @@ def exact_match(
 ) -> ExactMatch:
     """Greedy-decode every prompt (``PromptExample``: messages + answer) and check the answers."""
     from polyrl.data import ChatTokenizer, check
-    from polyrl.infer import LLM, EngineConfig, SamplingParams
+    from polyrl.infer import LLM, RolloutConfig, SamplingParams
 
     chat = ChatTokenizer(tokenizer)
     ids = [chat.encode_prompt(p.messages) for p in prompts]
@@ -42,7 +42,7 @@ def exact_match(
     block = 16
     blocks_per_seq = -(-max(longest, 2) // block)
     seqs = min(len(ids), 256)
-    cfg = EngineConfig(
+    cfg = RolloutConfig(
         block_size=block,
         num_blocks=blocks_per_seq * seqs + 1,
         max_num_seqs=seqs,

@@ -182,8 +182,7 @@ class OnlineRun(DataParallelSteps):
         from polyrl.algorithms.colocated import ColocatedPolicy
         from polyrl.algorithms.rewards import RewardPool
         from polyrl.algorithms.runner import load_policy, resume_point, tokenizer_path
-        from polyrl.infer import EngineConfig as RolloutConfig
-        from polyrl.infer import SamplingParams
+        from polyrl.infer import RolloutConfig, SamplingParams
         from polyrl.models.checkpoint import load_tokenizer
         from polyrl.platform import device
         from polyrl.train import parallel as par

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from polyrl.agents.render import ChatRenderer
     from polyrl.agents.rollout import EpisodeLimits, episode_metrics, run_episodes
     from polyrl.bench.rollout import _model
-    from polyrl.infer import LLM, EngineConfig, SamplingParams
+    from polyrl.infer import LLM, RolloutConfig, SamplingParams
     from polyrl.models.tokenizer import build_tokenizer
     from polyrl.platform import device
 
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(
         model,
         tok,
-        EngineConfig(
+        RolloutConfig(
             max_num_seqs=args.episodes,
             max_num_batched_tokens=max(8192, args.episodes),
             max_model_len=budget + 1,

@@ -98,16 +98,15 @@ def ours(model_dir: Path, args: argparse.Namespace, keep_kv: bool = False) -> di
     from polyrl.algorithms.advantages import group_advantages
     from polyrl.algorithms.colocated import pack_samples
     from polyrl.algorithms.grpo import GRPOConfig, make_policy_loss
-    from polyrl.infer import EngineConfig as RolloutConfig
-    from polyrl.infer import SamplingParams
-    from polyrl.train import EngineConfig, OptimConfig
+    from polyrl.infer import RolloutConfig, SamplingParams
+    from polyrl.train import OptimConfig, StepConfig
     from polyrl.trainer import Trainer
 
     max_len = args.prompt_len * 2 + args.gen_len + 16
     tr = Trainer(
         model=str(model_dir),
         optim=OptimConfig(lr=1e-6),
-        engine=EngineConfig(micro_batch_tokens=args.micro_batch_tokens),
+        engine=StepConfig(micro_batch_tokens=args.micro_batch_tokens),
         rollout=RolloutConfig(
             max_num_seqs=args.prompts * args.n,
             max_model_len=max_len,

@@ -11,7 +11,7 @@ token ids, every sample generating exactly ``--gen-len`` tokens (EOS ignored). P
 - batch-1 time per output token (engine and baselines);
 - where a decode step's time goes: the engine's wall time per decode step against the device time of one
   replay of that batch's CUDA graph (the model alone, at the final context), and with ``--compare-sync`` the
-  same run with synchronous steps (host work not overlapped with the device, ``EngineConfig.overlap_decode``);
+  same run with synchronous steps (host work not overlapped with the device, ``RolloutConfig.overlap_decode``);
 - bf16 log-prob agreement: the engine's sampled-token log-probs vs a training-style packed forward
   (``kernels.token_logprobs`` over ``lm_head_weight``) on the same tokens: max / mean abs difference.
 
@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compare-sync", action="store_true", help="also time the engine without one-step-ahead decoding"
     )
-    parser.add_argument("--decode-steps", type=int, default=None, help="decode steps per launch (EngineConfig)")
+    parser.add_argument("--decode-steps", type=int, default=None, help="decode steps per launch (RolloutConfig)")
     parser.add_argument(
         "--compare-parts",
         action="store_true",
@@ -200,7 +200,7 @@ def roofline_tokens_per_s(model, batch: int, prompt_len: int, gen_len: int, kv_d
 
 
 def run(args: argparse.Namespace) -> int:
-    from polyrl.infer import LLM, EngineConfig
+    from polyrl.infer import LLM, RolloutConfig
     from polyrl.platform import device
 
     dev = torch.device(args.device) if args.device else device.torch_device()
@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = model.config
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, cfg.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
-    ecfg = EngineConfig(
+    ecfg = RolloutConfig(
         max_num_seqs=max(args.batch, 1),
         max_num_batched_tokens=max(8192, args.batch),
         max_model_len=args.prompt_len + args.gen_len + 1,

@@ -172,10 +172,10 @@ def ours_step_fn(
     cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: torch.device, cuda_graphs: bool | None = None
 ) -> Any:
     from polyrl.data import TokenizedSeq, pack_sequences
-    from polyrl.train import EngineConfig, OptimConfig, ScheduleConfig, TrainEngine
+    from polyrl.train import OptimConfig, ScheduleConfig, StepConfig, TrainEngine
 
     model = initial_weights(cfg, dev, args.seed)
-    ecfg = EngineConfig(
+    ecfg = StepConfig(
         micro_batch_tokens=tokens.numel(),
         activation_checkpointing=args.activation_checkpointing,
         checkpoint_layers=args.checkpoint_layers,

@@ -53,12 +53,12 @@ def ours_step_fn(
     from polyrl.data import TokenizedSeq, pack_sequences
     from polyrl.models.decoder import build_model
     from polyrl.models.lora import apply_lora
-    from polyrl.train import EngineConfig, OptimConfig, PrecisionConfig, ScheduleConfig, TrainEngine
+    from polyrl.train import OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig, TrainEngine
     from polyrl.train.precision import resolve_compute_dtype
 
     dtype = resolve_compute_dtype(PrecisionConfig(), dev.type)
     model = apply_lora(build_model(cfg, dtype=dtype, device=dev, seed=args.seed), lora_config(args), seed=args.seed)
-    ecfg = EngineConfig(
+    ecfg = StepConfig(
         micro_batch_tokens=tokens.numel(),
         activation_checkpointing=args.activation_checkpointing,
         checkpoint_layers=args.checkpoint_layers,

@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from polyrl.infer import LLM, EngineConfig, SamplingParams
+    from polyrl.infer import LLM, RolloutConfig, SamplingParams
 
     params = SamplingParams(
         n=args.n,
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         stop=args.stop,
     )
-    config = EngineConfig(num_blocks=args.num_blocks)
+    config = RolloutConfig(num_blocks=args.num_blocks)
     start = time.perf_counter()
     llm = LLM.from_pretrained(args.model, config, dtype=args.dtype, device=args.device)
     loaded = time.perf_counter()

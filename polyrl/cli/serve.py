@@ -38,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_configs(args: argparse.Namespace):
-    """(ServeConfig, EngineConfig) from the parsed arguments; ConfigError for bad values."""
-    from polyrl.infer import EngineConfig
+    """(ServeConfig, RolloutConfig) from the parsed arguments; ConfigError for bad values."""
+    from polyrl.infer import RolloutConfig
     from polyrl.platform import envvars
     from polyrl.server import ServeConfig
 
@@ -52,7 +52,7 @@ def build_configs(args: argparse.Namespace):
         max_queue=args.max_queue,
         log_level=args.log_level,
     )
-    engine = EngineConfig(
+    engine = RolloutConfig(
         block_size=args.block_size,
         num_blocks=args.kv_cache_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,

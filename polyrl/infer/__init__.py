@@ -2,7 +2,7 @@
 
 Batch API (RL rollouts, ``polyrl generate``)::
 
-    llm = LLM(model, tokenizer, EngineConfig(...))        # or LLM.from_pretrained(dir, config, dtype=...)
+    llm = LLM(model, tokenizer, RolloutConfig(...))        # or LLM.from_pretrained(dir, config, dtype=...)
     outs = llm.generate(prompts, SamplingParams(...))     # prompts: list[str] or list[list[int]]
     outs = llm.chat([[{"role": "user", "content": "hi"}]], params)   # through the chat template
     out = outs[i]                                         # RequestOutput, in prompt order
@@ -47,11 +47,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "RolloutConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 _EXPORTS = {
     "LLM": "polyrl.infer.llm",
-    "EngineConfig": "polyrl.infer.config",
+    "RolloutConfig": "polyrl.infer.config",
     "SamplingParams": "polyrl.infer.sampling_params",
     "RequestOutput": "polyrl.infer.sequence",
     "CompletionOutput": "polyrl.infer.sequence",

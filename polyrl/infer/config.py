@@ -1,4 +1,4 @@
-"""EngineConfig: how the rollout engine sizes its KV cache and batches, validated on construction.
+"""RolloutConfig: how the rollout engine sizes its KV cache and batches, validated on construction.
 
 It only holds numbers; ``kv_cache.py`` turns them into tensors and ``llm.py`` wires the parts.
 """
@@ -13,7 +13,7 @@ DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 @dataclass
-class EngineConfig:
+class RolloutConfig:
     block_size: int = 16
     # KV cache size: a fixed number of blocks, or (on an accelerator) the share of device memory the
     # engine may fill, weights and activations included: cache = free - total * (1 - utilisation).

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from polyrl.infer.config import EngineConfig
+from polyrl.infer.config import RolloutConfig
 from polyrl.infer.kv_cache import KVCache
 from polyrl.infer.overlap import feed_input_ids
 from polyrl.infer.sampler import SamplingRows
@@ -38,7 +38,7 @@ class GraphCaptureError(RuntimeError):
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, kv: KVCache, cfg: EngineConfig, max_blocks_per_seq: int) -> None:
+    def __init__(self, model: torch.nn.Module, kv: KVCache, cfg: RolloutConfig, max_blocks_per_seq: int) -> None:
         api = device.graph_api()
         streams = device.stream_api()
         if api is None or streams is None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from polyrl.errors import ConfigError
-from polyrl.infer.config import EngineConfig
+from polyrl.infer.config import RolloutConfig
 from polyrl.platform import device
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -25,7 +25,7 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
 
-def activation_reserve(cfg: EngineConfig, model_cfg, act_dtype: torch.dtype) -> int:
+def activation_reserve(cfg: RolloutConfig, model_cfg, act_dtype: torch.dtype) -> int:
     """Bytes a step may need beyond weights and cache: hidden-size activations of the token budget,
     the MLP's [T, 2I] and the fp32 logits of the sampled rows (x3 for softmax/sort temporaries)."""
     elem = torch.empty((), dtype=act_dtype).element_size()
@@ -36,7 +36,7 @@ def activation_reserve(cfg: EngineConfig, model_cfg, act_dtype: torch.dtype) -> 
 
 
 class KVCache:
-    def __init__(self, cfg: EngineConfig, model_cfg, model_dtype: torch.dtype, dev: torch.device) -> None:
+    def __init__(self, cfg: RolloutConfig, model_cfg, model_dtype: torch.dtype, dev: torch.device) -> None:
         self.cfg = cfg
         self.num_layers = model_cfg.num_layers
         self.num_kv_heads = model_cfg.num_kv_heads

@@ -3,7 +3,7 @@
 Wires the parts: ``KVCache`` (tensors), ``BlockManager`` (blocks, prefix cache), ``Scheduler`` (continuous
 batching), ``ModelRunner`` (forward, CUDA graphs), ``Sampler`` and ``stopping``. One ``step()`` schedules,
 runs the model once, samples, checks stops and reports the requests that changed. ``generate()`` launches
-decode steps one ahead of reading their tokens (``overlap.py``; ``EngineConfig.overlap_decode``).
+decode steps one ahead of reading their tokens (``overlap.py``; ``RolloutConfig.overlap_decode``).
 
 Threading: ``add_request`` and ``abort_request`` may be called from any thread (they validate in the
 caller's thread and hand the request over through a queue); ``step()``, ``generate()`` and ``chat()`` must
@@ -21,7 +21,7 @@ import torch
 
 from polyrl.errors import UserError
 from polyrl.infer.block_manager import BlockManager
-from polyrl.infer.config import EngineConfig
+from polyrl.infer.config import RolloutConfig
 from polyrl.infer.kv_cache import KVCache
 from polyrl.infer.model_runner import ModelRunner
 from polyrl.infer.overlap import InflightStep, feed_rows
@@ -56,10 +56,10 @@ def _drop_pending(seqs: list[Sequence]) -> None:
 
 
 class LLM:
-    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: RolloutConfig | None = None) -> None:
         self.model = model  # a reference: colocated training updates these very tensors
         self.tokenizer = tokenizer
-        self.config = config or EngineConfig()
+        self.config = config or RolloutConfig()
         mcfg = model.config
         param = next(model.parameters())
         self.kv = KVCache(self.config, mcfg, param.dtype, param.device)
@@ -91,7 +91,7 @@ class LLM:
     def from_pretrained(
         cls,
         path: str,
-        config: EngineConfig | None = None,
+        config: RolloutConfig | None = None,
         dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
     ) -> LLM:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from polyrl.infer.batch import StepInputs, host_arrays, to_device
-from polyrl.infer.config import EngineConfig
+from polyrl.infer.config import RolloutConfig
 from polyrl.infer.kv_cache import KVCache
 from polyrl.infer.overlap import feed_input_ids
 from polyrl.infer.sampler import SamplingRows
@@ -54,7 +54,7 @@ class DecodeBuffers:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVCache, cfg: EngineConfig, max_model_len: int) -> None:
+    def __init__(self, model: torch.nn.Module, kv: KVCache, cfg: RolloutConfig, max_model_len: int) -> None:
         self.model = model
         self.kv = kv
         self.cfg = cfg

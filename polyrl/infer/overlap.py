@@ -6,7 +6,7 @@ them from step N's sampled-token tensor (``feed_input_ids``). So ``LLM.generate`
 tokens (long computed by then) and does N's host work - appending, stop checks, outputs, the next schedule -
 while N+1 runs. The device no longer waits for the host between steps.
 
-Several steps per launch (``EngineConfig.decode_steps`` = K): when every row's results only need appending and
+Several steps per launch (``RolloutConfig.decode_steps`` = K): when every row's results only need appending and
 stop checks, the launch queues K decode steps back to back, each step's inputs advanced on the device
 (``model_runner.execute_steps``), so the host's per-step work (scheduling, inputs, sampler rows) is paid once per
 K tokens. Tokens a sequence draws after its stop within those K are computed and dropped.

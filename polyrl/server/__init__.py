@@ -12,7 +12,7 @@ API::
     app = build_app(llm, ServeConfig(served_model_name="tiny"))         # a FastAPI app (lifespan runs the engine)
     with start_server(llm, ServeConfig(port=0)) as h:                     # background thread, free port
         client = openai.OpenAI(base_url=h.base_url, api_key="x")
-    run_server("path/to/model", ServeConfig(port=8000), engine_config=EngineConfig(...))   # foreground
+    run_server("path/to/model", ServeConfig(port=8000), engine_config=RolloutConfig(...))   # foreground
 
 One engine thread drives ``llm.step()``; do not call ``llm.generate`` on the same engine while it serves.
 FastAPI and uvicorn are imported only when an app is built (``pip install 'polyrl[serve]'``). Not here:

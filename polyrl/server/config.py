@@ -1,7 +1,7 @@
 """ServeConfig: how the OpenAI-compatible server listens and admits requests, validated on construction.
 
 Only numbers and names; the engine's own sizing (KV cache, batch limits) lives in
-``polyrl.infer.EngineConfig``. Nothing here imports FastAPI.
+``polyrl.infer.RolloutConfig``. Nothing here imports FastAPI.
 """
 
 from __future__ import annotations

@@ -2,12 +2,12 @@
 
 The caller owns the loop; the engine owns one optimizer step. A complete run::
 
-    from polyrl.train import (TrainEngine, OptimConfig, ScheduleConfig, PrecisionConfig, EngineConfig,
+    from polyrl.train import (TrainEngine, OptimConfig, ScheduleConfig, PrecisionConfig, StepConfig,
                               CheckpointConfig, CheckpointManager, MetricsLogger, latest_checkpoint,
                               load_checkpoint, causal_lm_loss)
 
     engine = TrainEngine(model, OptimConfig(lr=1e-5), ScheduleConfig(warmup_ratio=0.03),
-                         PrecisionConfig(), EngineConfig(seed=0), total_steps=N)   # model already on device
+                         PrecisionConfig(), StepConfig(seed=0), total_steps=N)   # model already on device
     ckpts = CheckpointManager(run_dir, CheckpointConfig(every_n_steps=100, keep_last_k=2))
     start, data_state = 0, {}
     if (last := latest_checkpoint(run_dir)) is not None:                     # --resume
@@ -26,8 +26,8 @@ The caller owns the loop; the engine owns one optimizer step. A complete run::
 Pieces (one concept per module):
 
 - ``config``: ``OptimConfig``, ``ScheduleConfig``, ``CheckpointConfig``, ``PrecisionConfig``,
-  ``EngineConfig`` dataclasses, validated on construction (``ConfigError`` says what to change).
-  ``EngineConfig.micro_batch_tokens`` / ``step_tokens`` are the token budgets the data packer fills
+  ``StepConfig`` dataclasses, validated on construction (``ConfigError`` says what to change).
+  ``StepConfig.micro_batch_tokens`` / ``step_tokens`` are the token budgets the data packer fills
   (``accumulation_steps`` = step_tokens // micro_batch_tokens); the engine takes whatever list it gets.
 - ``engine.TrainEngine(model, optim, schedule, precision, engine, total_steps)``:
   ``step(micro_batches, loss_fn=causal_lm_loss, normalizer=None) -> StepStats``. ``loss_fn(model,
@@ -63,7 +63,7 @@ from polyrl.train.checkpoint import (
     load_model_weights,
     save_checkpoint,
 )
-from polyrl.train.config import CheckpointConfig, EngineConfig, OptimConfig, PrecisionConfig, ScheduleConfig
+from polyrl.train.config import CheckpointConfig, OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig
 from polyrl.train.engine import NonFiniteLossError, StepStats, TrainEngine, seed_everything
 from polyrl.train.losses import attention_metadata, causal_lm_loss
 from polyrl.train.metrics import MetricsLogger, plot_metrics
@@ -74,7 +74,7 @@ from polyrl.train.schedule import lr_at
 __all__ = [
     "CheckpointConfig",
     "CheckpointManager",
-    "EngineConfig",
+    "StepConfig",
     "LoadedCheckpoint",
     "MasterAdamW",
     "MetricsLogger",

@@ -128,7 +128,7 @@ class PrecisionConfig:
 
 
 @dataclass
-class EngineConfig:
+class StepConfig:
     """How steps run. ``micro_batch_tokens``: token budget of one forward/backward (what the packer
     fills); ``step_tokens``: tokens per optimizer step (gradient accumulation by token budget; None:
     one micro-batch per step); must be >= micro_batch_tokens. ``nan_guard_max_consecutive``: stop

@@ -29,7 +29,7 @@ from torch import nn
 from polyrl.errors import DataError, UserError
 from polyrl.platform import device
 from polyrl.platform.host import gc_paused
-from polyrl.train.config import EngineConfig, OptimConfig, PrecisionConfig, ScheduleConfig
+from polyrl.train.config import OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig
 from polyrl.train.graphed_step import GraphedMicroStep, batch_signature, is_graph_safe, model_is_deterministic
 from polyrl.train.losses import causal_lm_loss
 from polyrl.train.optim import MasterAdamW
@@ -93,7 +93,7 @@ class TrainEngine:
         optim: OptimConfig | None = None,
         schedule: ScheduleConfig | None = None,
         precision: PrecisionConfig | None = None,
-        engine: EngineConfig | None = None,
+        engine: StepConfig | None = None,
         total_steps: int | None = None,
         world: Any = None,
     ) -> None:
@@ -105,7 +105,7 @@ class TrainEngine:
         self.optim_cfg = optim or OptimConfig()
         self.schedule_cfg = schedule or ScheduleConfig()
         self.precision_cfg = precision or PrecisionConfig()
-        self.cfg = engine or EngineConfig()
+        self.cfg = engine or StepConfig()
         self.total_steps = total_steps
         if self.schedule_cfg.decay != "constant" or self.schedule_cfg.warmup_ratio is not None:
             if total_steps is None:

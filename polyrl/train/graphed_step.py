@@ -1,4 +1,4 @@
-"""One micro-batch's forward + backward as a replayed CUDA graph (``EngineConfig.cuda_graphs``).
+"""One micro-batch's forward + backward as a replayed CUDA graph (``StepConfig.cuda_graphs``).
 
 A training step launches thousands of kernels (a LoRA step at the Qwen3-1.7B shape: ~2,700 GEMMs and Triton
 kernels plus the checkpoint hooks); where each is short the host that launches them is the bound and the device

@@ -107,10 +107,9 @@ def run_level(args: argparse.Namespace) -> dict[str, Any]:
 
     from polyrl.algorithms.advantages import group_advantages
     from polyrl.data import DataConfig, load_prompts
-    from polyrl.infer import LLM, EngineConfig
+    from polyrl.infer import LLM, RolloutConfig
     from polyrl.platform import device
-    from polyrl.train import EngineConfig as TrainCfg
-    from polyrl.train import OptimConfig, PrecisionConfig, ScheduleConfig, TrainEngine
+    from polyrl.train import OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig, TrainEngine
     from polyrl.validate import model_source
 
     n_prompts = args.rl_prompts or (4 if args.quick else 8)
@@ -118,10 +117,10 @@ def run_level(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer, _ = model_source.load(args)
     dev = device.torch_device()
     engine = TrainEngine(
-        model, OptimConfig(lr=1e-4), ScheduleConfig(decay="constant"), PrecisionConfig(), TrainCfg(seed=args.seed), 1
+        model, OptimConfig(lr=1e-4), ScheduleConfig(decay="constant"), PrecisionConfig(), StepConfig(seed=args.seed), 1
     )
     dtype = next(model.parameters()).dtype
-    llm = LLM(model, tokenizer, EngineConfig(num_blocks=256, max_num_seqs=64, max_graph_batch_size=16))
+    llm = LLM(model, tokenizer, RolloutConfig(num_blocks=256, max_num_seqs=64, max_graph_batch_size=16))
     prompts, _ = load_prompts(DataConfig(path=args.task, seed=args.seed))
     prompts = prompts[:n_prompts]
 

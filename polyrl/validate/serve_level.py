@@ -90,13 +90,13 @@ def run_level(args: argparse.Namespace) -> dict[str, Any]:
     reason = missing_dependency()
     if reason:
         raise LevelSkipped(reason)
-    from polyrl.infer import EngineConfig
+    from polyrl.infer import RolloutConfig
     from polyrl.server import ServeConfig
     from polyrl.server.launch import load_llm, start_server
     from polyrl.validate import model_source
 
     name = "polyrl-validate"
-    llm = load_llm(str(model_source.model_dir(args)), EngineConfig(num_blocks=256, max_graph_batch_size=8))
+    llm = load_llm(str(model_source.model_dir(args)), RolloutConfig(num_blocks=256, max_graph_batch_size=8))
     t0 = time.perf_counter()
     handle = start_server(llm, ServeConfig(port=0, served_model_name=name, log_level="warning"))
     startup_s = time.perf_counter() - t0

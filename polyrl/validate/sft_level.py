@@ -92,7 +92,7 @@ def _peak_rss() -> int:
 
 def run_level(args: argparse.Namespace) -> dict[str, Any]:
     from polyrl.platform import device
-    from polyrl.train import EngineConfig, OptimConfig, PrecisionConfig, ScheduleConfig, TrainEngine
+    from polyrl.train import OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig, TrainEngine
     from polyrl.validate import environment, model_source, smi
 
     steps = args.sft_steps or (QUICK_STEPS if args.quick else STEPS)
@@ -103,7 +103,7 @@ def run_level(args: argparse.Namespace) -> dict[str, Any]:
         OptimConfig(lr=args.sft_lr, weight_decay=0.0),
         ScheduleConfig(warmup_steps=2, decay="constant"),
         PrecisionConfig(),
-        EngineConfig(seed=args.seed),
+        StepConfig(seed=args.seed),
         total_steps=steps,
     )
     batches = _batches(args, tokenizer, dev)

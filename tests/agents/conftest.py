@@ -7,8 +7,8 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_llm(tiny_model_dir):
-    from polyrl.infer import LLM, EngineConfig
+    from polyrl.infer import LLM, RolloutConfig
 
     return LLM.from_pretrained(
-        str(tiny_model_dir), EngineConfig(num_blocks=512, max_model_len=1024, max_num_seqs=64), dtype="float32"
+        str(tiny_model_dir), RolloutConfig(num_blocks=512, max_model_len=1024, max_num_seqs=64), dtype="float32"
     )

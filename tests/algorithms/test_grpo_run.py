@@ -152,10 +152,10 @@ def test_training_forward_measures_what_the_separate_pass_measures(tiny_model_di
     from polyrl.algorithms.advantages import group_advantages
     from polyrl.algorithms.grpo import GRPOConfig, make_policy_loss
     from polyrl.infer import SamplingParams
-    from polyrl.train import EngineConfig, OptimConfig
+    from polyrl.train import OptimConfig, StepConfig
     from polyrl.trainer import Trainer
 
-    tr = Trainer(model=str(tiny_model_dir), optim=OptimConfig(lr=1e-3), engine=EngineConfig(micro_batch_tokens=64))
+    tr = Trainer(model=str(tiny_model_dir), optim=OptimConfig(lr=1e-3), engine=StepConfig(micro_batch_tokens=64))
     samples = tr.rollout_batch(
         [[5, 6, 7], [9, 10]], n=4, sampling=SamplingParams(temperature=1.0, max_tokens=5), seeds=[1, 2]
     )

@@ -41,9 +41,9 @@ def test_decode_phase_is_timed_inside_the_run_and_counts_the_tokens_after_the_pr
     import torch
 
     from polyrl.bench.rollout import _model, _run_engine_phased
-    from polyrl.infer import LLM, EngineConfig
+    from polyrl.infer import LLM, RolloutConfig
 
-    llm = LLM(_model("tiny", torch.float32, torch.device("cpu")), None, EngineConfig(num_blocks=64, max_num_seqs=8))
+    llm = LLM(_model("tiny", torch.float32, torch.device("cpu")), None, RolloutConfig(num_blocks=64, max_num_seqs=8))
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
     run = _run_engine_phased(llm, prompts, 6, torch.device("cpu"))
     # one prefill step draws every prompt's first token; the 5 tokens after it are the decode phase

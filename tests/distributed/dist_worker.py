@@ -51,10 +51,10 @@ def train_worker(rank: int, world_size: int, workdir: str) -> None:
             save_sharded_checkpoint(work / "ckpt", 2, model, engine, world, data_state={"position": 2})
     export_hf(model, world, work / "hf")
 
-    from polyrl.infer import LLM, EngineConfig, SamplingParams
+    from polyrl.infer import LLM, RolloutConfig, SamplingParams
 
     plain = rollout_model(model)
-    llm = LLM(plain, None, EngineConfig(block_size=4, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=32))
+    llm = LLM(plain, None, RolloutConfig(block_size=4, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=32))
     outs = generate_data_parallel(llm, PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), world)
 
     resumed = shard_model(tiny_lm(7).to(world.device), world)  # other init: the checkpoint must overwrite it all

@@ -33,7 +33,7 @@ def main() -> None:
     from polyrl.data.examples import TokenizedSeq
     from polyrl.models.decoder import build_model
     from polyrl.platform import device
-    from polyrl.train import EngineConfig, OptimConfig, PrecisionConfig, ScheduleConfig, TrainEngine
+    from polyrl.train import OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig, TrainEngine
     from polyrl.train.parallel import destroy_world, init_world, shard_model
 
     world = init_world()
@@ -47,7 +47,7 @@ def main() -> None:
         OptimConfig(lr=1e-5, grad_clip=1.0),
         ScheduleConfig(decay="constant"),
         precision=PrecisionConfig(compute_dtype="bf16" if dtype == torch.bfloat16 else "fp32"),
-        engine=EngineConfig(activation_checkpointing=args.activation_checkpointing, seed=world.rank),
+        engine=StepConfig(activation_checkpointing=args.activation_checkpointing, seed=world.rank),
         world=world,
     )
     g = torch.Generator().manual_seed(world.rank)

@@ -83,9 +83,9 @@ def test_exported_hf_folder_loads_in_transformers(runs):
 
 
 def test_data_parallel_rollout_equals_one_process(runs):
-    from polyrl.infer import LLM, EngineConfig, SamplingParams
+    from polyrl.infer import LLM, RolloutConfig, SamplingParams
 
-    cfg = EngineConfig(block_size=4, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=32)
+    cfg = RolloutConfig(block_size=4, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=32)
     outs = LLM(runs["model"], None, cfg).generate(
         PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     )

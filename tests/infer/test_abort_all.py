@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from polyrl.infer import LLM, EngineConfig, SamplingParams
+from polyrl.infer import LLM, RolloutConfig, SamplingParams
 from polyrl.models.decoder import build_model
 
 from .conftest import tiny_config
 
 
 def test_abort_all_after_a_failed_generate_frees_the_engine():
-    llm = LLM(build_model(tiny_config(), seed=0), None, EngineConfig(num_blocks=64, max_num_seqs=4))
+    llm = LLM(build_model(tiny_config(), seed=0), None, RolloutConfig(num_blocks=64, max_num_seqs=4))
     params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=1)
     calls = {"n": 0}
     step = llm.step

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from polyrl.errors import UserError
-from polyrl.infer import LLM, EngineConfig, SamplingParams
+from polyrl.infer import LLM, RolloutConfig, SamplingParams
 from polyrl.models.attention_metadata import AttnMetadata
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -56,13 +56,13 @@ def full_forward_logprobs(model, prompt: list[int], completion: list[int], tempe
 
 def test_greedy_matches_transformers_with_chunked_prefill(tiny_model, hf_model):
     # Budget 24 tokens/step: long prompts prefill in chunks beside other sequences' decodes.
-    llm = LLM(tiny_model, None, EngineConfig(block_size=4, num_blocks=512, max_num_seqs=8, max_num_batched_tokens=24))
+    llm = LLM(tiny_model, None, RolloutConfig(block_size=4, num_blocks=512, max_num_seqs=8, max_num_batched_tokens=24))
     check_parity(hf_model, llm, prompts(32, seed=0, hi=40))
     assert llm.stats()["num_preemptions"] == 0
 
 
 def test_greedy_matches_transformers_with_prefix_sharing(tiny_model, hf_model):
-    llm = LLM(tiny_model, None, EngineConfig(block_size=4, num_blocks=512, max_num_seqs=16, max_num_batched_tokens=64))
+    llm = LLM(tiny_model, None, RolloutConfig(block_size=4, num_blocks=512, max_num_seqs=16, max_num_batched_tokens=64))
     system = prompts(1, seed=5, lo=20, hi=21)[0]
     ps = prompts(8, seed=1, lo=1, hi=12, prefix=system)
     check_parity(hf_model, llm, ps, n=3)
@@ -73,14 +73,14 @@ def test_greedy_matches_transformers_with_prefix_sharing(tiny_model, hf_model):
 
 def test_greedy_matches_transformers_under_forced_preemption(tiny_model, hf_model):
     # 24 blocks x 4 slots = 96 token slots for up to 8 sequences of up to 58 tokens: preemption is forced.
-    llm = LLM(tiny_model, None, EngineConfig(block_size=4, num_blocks=24, max_num_seqs=8, max_num_batched_tokens=32))
+    llm = LLM(tiny_model, None, RolloutConfig(block_size=4, num_blocks=24, max_num_seqs=8, max_num_batched_tokens=32))
     check_parity(hf_model, llm, prompts(10, seed=2, lo=8, hi=40))
     assert llm.stats()["num_preemptions"] > 0
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_match_full_forward(tiny_model, temperature):
-    llm = LLM(tiny_model, None, EngineConfig(block_size=4, num_blocks=256, max_num_batched_tokens=16))
+    llm = LLM(tiny_model, None, RolloutConfig(block_size=4, num_blocks=256, max_num_batched_tokens=16))
     ps = prompts(6, seed=3)
     outs = llm.generate(ps, SamplingParams(temperature=temperature, max_tokens=12, n=2, seed=7, ignore_eos=True))
     worst = 0.0
@@ -93,7 +93,7 @@ def test_logprobs_match_full_forward(tiny_model, temperature):
 
 
 def test_seeded_requests_reproduce_regardless_of_batch(tiny_model):
-    cfg = EngineConfig(block_size=4, num_blocks=256, max_num_batched_tokens=16)
+    cfg = RolloutConfig(block_size=4, num_blocks=256, max_num_batched_tokens=16)
     p = prompts(1, seed=4)[0]
     params = SamplingParams(temperature=1.0, max_tokens=12, seed=11, n=2, ignore_eos=True)
     alone = LLM(tiny_model, None, cfg).generate([p], params)[0]
@@ -103,7 +103,7 @@ def test_seeded_requests_reproduce_regardless_of_batch(tiny_model):
 
 
 def test_eos_stop_token_ids_min_tokens_ignore_eos(tiny_model):
-    llm = LLM(tiny_model, None, EngineConfig(block_size=4, num_blocks=256))
+    llm = LLM(tiny_model, None, RolloutConfig(block_size=4, num_blocks=256))
     p = prompts(1, seed=6, hi=20)[0]
     greedy = dict(temperature=0, max_tokens=20)
     full = llm.generate([p], SamplingParams(**greedy, ignore_eos=True))[0].outputs[0].token_ids
@@ -129,7 +129,7 @@ def test_eos_stop_token_ids_min_tokens_ignore_eos(tiny_model):
 
 
 def test_context_length_and_bad_prompts(tiny_model):
-    llm = LLM(tiny_model, None, EngineConfig(block_size=4, num_blocks=64, max_model_len=20))
+    llm = LLM(tiny_model, None, RolloutConfig(block_size=4, num_blocks=64, max_model_len=20))
     (o,) = llm.generate([[5] * 15], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     assert len(o.outputs[0].token_ids) == 5 and o.outputs[0].finish_reason == "length"
     with pytest.raises(UserError, match="context holds 20"):
@@ -143,7 +143,7 @@ def test_context_length_and_bad_prompts(tiny_model):
 
 
 def test_release_and_reallocate(tiny_model):
-    llm = LLM(tiny_model, None, EngineConfig(block_size=4, num_blocks=64))
+    llm = LLM(tiny_model, None, RolloutConfig(block_size=4, num_blocks=64))
     ps = prompts(3, seed=8)
     before = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY)]
     llm.release()
@@ -160,7 +160,7 @@ def test_release_and_reallocate(tiny_model):
 
 
 def test_abort_reports_and_frees(tiny_model):
-    llm = LLM(tiny_model, None, EngineConfig(block_size=4, num_blocks=64))
+    llm = LLM(tiny_model, None, RolloutConfig(block_size=4, num_blocks=64))
     rid = llm.add_request([3, 4, 5], SamplingParams(max_tokens=100, ignore_eos=True))
     llm.step()
     llm.abort_request(rid)
@@ -171,11 +171,11 @@ def test_abort_reports_and_frees(tiny_model):
 
 @pytest.mark.parametrize("pause", [True, False])
 def test_generate_pauses_the_garbage_collector_and_restores_it(tiny_model, pause):
-    """EngineConfig.pause_gc: automatic cyclic GC is off for the whole generate() loop and back on after it,
+    """RolloutConfig.pause_gc: automatic cyclic GC is off for the whole generate() loop and back on after it,
     with the same outputs either way."""
     import gc
 
-    llm = LLM(tiny_model, None, EngineConfig(num_blocks=64, pause_gc=pause))
+    llm = LLM(tiny_model, None, RolloutConfig(num_blocks=64, pause_gc=pause))
     seen = []
     step = llm.step
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyrl.infer import LLM, EngineConfig, SamplingParams
+from polyrl.infer import LLM, RolloutConfig, SamplingParams
 from polyrl.models.decoder import build_model, init_weights
 
 from .conftest import tiny_config
@@ -34,7 +34,7 @@ def test_cuda_graph_decode_equals_eager(dtype):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = {}
     for graphs in (False, True):
-        llm = LLM(model, None, EngineConfig(block_size=16, num_blocks=512, cuda_graphs=graphs, max_num_seqs=64))
+        llm = LLM(model, None, RolloutConfig(block_size=16, num_blocks=512, cuda_graphs=graphs, max_num_seqs=64))
         outs[graphs] = llm.generate(prompts, params)
         assert llm.runner.use_graphs == graphs
         if graphs:
@@ -51,7 +51,7 @@ def test_head_dims_the_graph_kernel_lacks_decode_eagerly():
     from polyrl.platform import device
 
     model = build_model(tiny_config(head_dim=8), device=device.torch_device(), seed=0).eval()
-    llm = LLM(model, None, EngineConfig(num_blocks=64, max_num_seqs=4))
+    llm = LLM(model, None, RolloutConfig(num_blocks=64, max_num_seqs=4))
     assert not llm.runner.use_graphs
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
@@ -67,11 +67,11 @@ def test_a_failing_graph_capture_falls_back_to_eager_decoding(monkeypatch):
     model = _model(torch.float32)
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    eager = LLM(model, None, EngineConfig(num_blocks=64, max_num_seqs=4, cuda_graphs=False)).generate(prompts, params)
+    eager = LLM(model, None, RolloutConfig(num_blocks=64, max_num_seqs=4, cuda_graphs=False)).generate(prompts, params)
     plain = model.compute_logits
     # .item(): a host sync
     monkeypatch.setattr(model, "compute_logits", lambda h, upcast=True: plain(h, upcast) + 0 * h.sum().item())
-    llm = LLM(model, None, EngineConfig(num_blocks=64, max_num_seqs=4, cuda_graphs=True))
+    llm = LLM(model, None, RolloutConfig(num_blocks=64, max_num_seqs=4, cuda_graphs=True))
     with pytest.warns(RuntimeWarning, match="decoding without CUDA graphs"):
         outs = llm.generate(prompts, params)
     assert not llm.runner.use_graphs and llm.runner.graphs is None
@@ -92,7 +92,7 @@ def test_one_step_ahead_decoding_equals_synchronous_on_the_device(graphs):
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=8 + i % 29, stop_token_ids=[3, 4]) for i in range(48)]
     outs = {}
     for ahead in (False, True):
-        cfg = EngineConfig(block_size=16, num_blocks=512, cuda_graphs=graphs, max_num_seqs=64, overlap_decode=ahead)
+        cfg = RolloutConfig(block_size=16, num_blocks=512, cuda_graphs=graphs, max_num_seqs=64, overlap_decode=ahead)
         llm = LLM(model, None, cfg)
         outs[ahead] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         stats = llm.stats()
@@ -109,7 +109,7 @@ def test_capture_graphs_ahead_of_time_covers_every_bucket_up_to_the_batch():
 
     if not device.supports_graphs():
         pytest.skip("this accelerator has no CUDA graphs")
-    llm = LLM(_model(torch.bfloat16), None, EngineConfig(num_blocks=256, max_num_seqs=64))
+    llm = LLM(_model(torch.bfloat16), None, RolloutConfig(num_blocks=256, max_num_seqs=64))
     assert llm.capture_graphs(40) > 0
     assert sorted(llm.runner.graphs.graphs) == [1, 2, 4, 8, 16, 32, 64]
     assert sorted(llm.runner.graphs.launch_graphs) == [(b, 4) for b in (1, 2, 4, 8, 16, 32, 64)]
@@ -134,7 +134,7 @@ def test_greedy_equals_transformers_on_the_device(batch):
     hf = hf_twin(model).to(dev)
     ps = prompts(batch, seed=3, lo=2, hi=40)
     new = 24
-    llm = LLM(model, None, EngineConfig(block_size=16, num_blocks=256, max_num_seqs=32))
+    llm = LLM(model, None, RolloutConfig(block_size=16, num_blocks=256, max_num_seqs=32))
     outs = llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
     for p, o in zip(ps, outs):
         ids = torch.tensor([p], device=dev)

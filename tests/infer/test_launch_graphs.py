@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from polyrl.infer import LLM, EngineConfig, SamplingParams, cuda_graphs
+from polyrl.infer import LLM, RolloutConfig, SamplingParams, cuda_graphs
 from polyrl.models.decoder import build_model, init_weights
 
 from .conftest import tiny_config
@@ -55,7 +55,7 @@ def eager_graph_api(monkeypatch):
 
 def _engine(model, ahead: bool) -> LLM:
     # bucket sizes 1, 2, 4, 8, 16: batches of 5..13 rows are padded (padded rows must stay inert)
-    cfg = EngineConfig(block_size=4, num_blocks=400, max_num_seqs=16, overlap_decode=ahead, cuda_graphs=False)
+    cfg = RolloutConfig(block_size=4, num_blocks=400, max_num_seqs=16, overlap_decode=ahead, cuda_graphs=False)
     llm = LLM(model, None, cfg)
     if ahead:
         llm.runner.use_graphs = True

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from polyrl.infer import LLM, EngineConfig, SamplingParams
+from polyrl.infer import LLM, RolloutConfig, SamplingParams
 from polyrl.infer.overlap import PENDING
 
 from .conftest import EOS
@@ -28,7 +28,7 @@ def _params() -> list[SamplingParams]:
 
 
 def _run(model, overlap: bool, num_blocks: int, prompts, params, decode_steps: int = 4):
-    cfg = EngineConfig(
+    cfg = RolloutConfig(
         num_blocks=num_blocks, block_size=4, max_num_seqs=8, overlap_decode=overlap, decode_steps=decode_steps
     )
     llm = LLM(model, None, cfg)
@@ -74,7 +74,7 @@ def test_generated_blocks_enter_the_prefix_cache_once_read(tiny_model):
     reply hits the same cached blocks with and without overlap."""
     hits = {}
     for overlap in (False, True):
-        llm = LLM(tiny_model, None, EngineConfig(num_blocks=128, block_size=4, overlap_decode=overlap))
+        llm = LLM(tiny_model, None, RolloutConfig(num_blocks=128, block_size=4, overlap_decode=overlap))
         first = llm.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=21, ignore_eos=True))[0]
         follow = first.prompt_token_ids + first.outputs[0].token_ids + [7]
         bm = llm.block_manager
@@ -85,7 +85,7 @@ def test_generated_blocks_enter_the_prefix_cache_once_read(tiny_model):
 
 
 def test_abort_while_a_step_is_in_flight_leaves_no_placeholder(tiny_model):
-    llm = LLM(tiny_model, None, EngineConfig(num_blocks=64, block_size=4, overlap_decode=True))
+    llm = LLM(tiny_model, None, RolloutConfig(num_blocks=64, block_size=4, overlap_decode=True))
     params = SamplingParams(temperature=1.0, seed=1, max_tokens=30, ignore_eos=True)
     keep = llm.add_request([2, 3, 4], params)
     drop = llm.add_request([5, 6], params)
@@ -107,6 +107,6 @@ def test_abort_while_a_step_is_in_flight_leaves_no_placeholder(tiny_model):
 
 def test_launching_ahead_is_off_by_default_on_the_cpu(tiny_model):
     """Nothing on the CPU runs asynchronously: launching ahead would only compute rows of stopped sequences."""
-    llm = LLM(tiny_model, None, EngineConfig(num_blocks=64, block_size=4))
+    llm = LLM(tiny_model, None, RolloutConfig(num_blocks=64, block_size=4))
     llm.generate([[2, 3, 4]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert llm.config.overlap_decode is None and llm.stats()["num_steps_ahead"] == 0

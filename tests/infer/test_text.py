@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyrl.infer import LLM, EngineConfig, SamplingParams
+from polyrl.infer import LLM, RolloutConfig, SamplingParams
 from polyrl.infer.detokenizer import IncrementalDetokenizer
 from polyrl.models.decoder import build_model, init_weights
 
@@ -20,7 +20,7 @@ def text_llm():
     tok = build_tokenizer(320, trained_vocab=300)
     model = build_model(tiny_config(vocab_size=320, eos_token_id=tok.eos_token_id), seed=1)
     init_weights(model, seed=1, std=0.2)
-    return LLM(model.eval(), tok, EngineConfig(block_size=4, num_blocks=256, max_num_batched_tokens=32))
+    return LLM(model.eval(), tok, RolloutConfig(block_size=4, num_blocks=256, max_num_batched_tokens=32))
 
 
 GREEDY = dict(temperature=0, max_tokens=24, ignore_eos=True)

@@ -49,7 +49,7 @@ def test_triton_strided_views_and_no_backward(triton_kernels, kernel_check):
 
 
 def test_decoder_fused_path_decodes_as_the_unfused_one(monkeypatch):
-    from polyrl.infer import LLM, EngineConfig, SamplingParams
+    from polyrl.infer import LLM, RolloutConfig, SamplingParams
     from polyrl.models import decoder
     from polyrl.models.decoder import build_model, init_weights
     from polyrl.models.presets import preset_config
@@ -64,7 +64,7 @@ def test_decoder_fused_path_decodes_as_the_unfused_one(monkeypatch):
     outs = {}
     for fused in (False, True):
         monkeypatch.setattr(decoder, "FUSED_QK_NORM_ROPE", fused)
-        llm = LLM(model, None, EngineConfig(num_blocks=64, max_num_seqs=4))
+        llm = LLM(model, None, RolloutConfig(num_blocks=64, max_num_seqs=4))
         done = llm.generate([[5, 6, 7], [9, 10]], SamplingParams(temperature=0, max_tokens=6))
         outs[fused] = [o.outputs[0] for o in done]
     assert calls  # the fused op ran (the CPU selects its reference)

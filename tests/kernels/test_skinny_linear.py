@@ -114,12 +114,12 @@ def test_decoder_keeps_the_module_where_only_the_reference_exists(monkeypatch):
 
 def test_decode_with_skinny_projections_matches_prefill_logits():
     """A decode step (1 row per sequence through ``project``) gives the logits a full causal forward gives."""
-    from polyrl.infer import LLM, EngineConfig, SamplingParams
+    from polyrl.infer import LLM, RolloutConfig, SamplingParams
     from polyrl.models.decoder import build_model
     from polyrl.models.presets import preset_config
 
     model = build_model(preset_config("tiny"), dtype=torch.float32, device="cpu", seed=0).eval()
-    llm = LLM(model, None, EngineConfig(num_blocks=64, max_num_seqs=4))
+    llm = LLM(model, None, RolloutConfig(num_blocks=64, max_num_seqs=4))
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=6))[0].outputs[0]
     ids = torch.tensor([5, 6, 7, 8] + out.token_ids[:-1])
     from polyrl.models.attention_metadata import AttnMetadata
@@ -208,7 +208,7 @@ def test_parallel_projections_flag_gives_the_sequential_result(monkeypatch):
 def test_gpu_parallel_projections_decode_equals_sequential(monkeypatch):
     """Decode (CUDA graphs, launch graphs) with q/k/v and gate/up forked onto streams gives the same tokens and
     log-probs as one stream: the same kernels run, only concurrently."""
-    from polyrl.infer import LLM, EngineConfig, SamplingParams
+    from polyrl.infer import LLM, RolloutConfig, SamplingParams
     from polyrl.models import decoder
     from polyrl.models.decoder import build_model, init_weights
     from polyrl.models.presets import preset_config
@@ -224,7 +224,7 @@ def test_gpu_parallel_projections_decode_equals_sequential(monkeypatch):
     outs = {}
     for parallel in (False, True):
         monkeypatch.setattr(decoder, "PARALLEL_PROJECTIONS", parallel)
-        llm = LLM(model, None, EngineConfig(num_blocks=256, max_num_seqs=32))
+        llm = LLM(model, None, RolloutConfig(num_blocks=256, max_num_seqs=32))
         outs[parallel] = [o.outputs[0] for o in llm.generate(prompts, params)]
     for a, b in zip(outs[False], outs[True]):
         assert a.token_ids == b.token_ids

@@ -53,7 +53,7 @@ def test_bf16_base_frozen_adapters_mastered(tiny_model_dir, quantize):
 @pytest.mark.parametrize("merge", [False, True])
 def test_rollout_with_cuda_graphs_unmerged_and_merged(tiny_model_dir, merge):
     from polyrl.algorithms.colocated import ColocatedPolicy
-    from polyrl.infer import EngineConfig, SamplingParams
+    from polyrl.infer import RolloutConfig, SamplingParams
     from polyrl.platform import device
     from polyrl.train import OptimConfig
 
@@ -63,7 +63,7 @@ def test_rollout_with_cuda_graphs_unmerged_and_merged(tiny_model_dir, merge):
     model = load_lora_model(tiny_model_dir, LoraConfig(r=8, alpha=16, merge_for_rollout=merge), torch.bfloat16, dev)
     _randomize(model)
     tok = load_tokenizer(tiny_model_dir)
-    rollout = EngineConfig(block_size=16, num_blocks=256, max_num_seqs=16, cuda_graphs=True)
+    rollout = RolloutConfig(block_size=16, num_blocks=256, max_num_seqs=16, cuda_graphs=True)
     pol = ColocatedPolicy(model, tok, OptimConfig(lr=1e-3), rollout=rollout, total_steps=2)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]] * 4

@@ -14,11 +14,11 @@ MODEL = "tiny"
 
 
 def make_llm(model_dir, **engine_kw):
-    from polyrl.infer import LLM, EngineConfig
+    from polyrl.infer import LLM, RolloutConfig
 
     kw = dict(block_size=16, num_blocks=512, max_num_seqs=64, max_model_len=256)
     kw.update(engine_kw)
-    return LLM.from_pretrained(str(model_dir), EngineConfig(**kw), dtype="float32", device="cpu")
+    return LLM.from_pretrained(str(model_dir), RolloutConfig(**kw), dtype="float32", device="cpu")
 
 
 def metric(text: str, name: str, labels: str = "") -> float:

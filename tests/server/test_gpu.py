@@ -15,11 +15,11 @@ pytestmark = pytest.mark.gpu
 def test_serving_on_the_accelerator(tiny_model_dir):
     import openai
 
-    from polyrl.infer import LLM, EngineConfig, SamplingParams
+    from polyrl.infer import LLM, RolloutConfig, SamplingParams
     from polyrl.platform import device
     from polyrl.server import ServeConfig, start_server
 
-    cfg = EngineConfig(num_blocks=1024, max_num_seqs=32, max_model_len=512)
+    cfg = RolloutConfig(num_blocks=1024, max_num_seqs=32, max_model_len=512)
     ref = LLM.from_pretrained(str(tiny_model_dir), cfg, dtype="bfloat16", device=device.torch_device())
     want = ref.generate(["The answer is"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
     llm = LLM.from_pretrained(str(tiny_model_dir), cfg, dtype="bfloat16", device=device.torch_device())

@@ -43,7 +43,7 @@ def _greedy(llm, prompts, adapter=None):
 @pytest.fixture(scope="module")
 def expected(tiny_model_dir, adapters):
     """Greedy tokens per model name, each from an engine holding only that adapter (LoRA layers, unmerged)."""
-    from polyrl.infer import LLM, EngineConfig
+    from polyrl.infer import LLM, RolloutConfig
     from polyrl.models.checkpoint import load_tokenizer
     from polyrl.models.lora import load_lora_model
 
@@ -51,7 +51,7 @@ def expected(tiny_model_dir, adapters):
     out = {"tiny": _greedy(make_llm(tiny_model_dir), PROMPTS)}
     for name, path in adapters.items():
         model = load_lora_model(path, None, torch.float32)
-        llm = LLM(model, tok, EngineConfig(block_size=16, num_blocks=128, max_num_seqs=8, max_model_len=256))
+        llm = LLM(model, tok, RolloutConfig(block_size=16, num_blocks=128, max_num_seqs=8, max_model_len=256))
         out[name] = _greedy(llm, PROMPTS)
     assert out["math"] != out["tiny"] and out["chat"] != out["tiny"] and out["math"] != out["chat"]
     return out

@@ -20,11 +20,11 @@ from train_helpers import pack, random_seqs, tiny_lm
 from polyrl.train import (
     CheckpointConfig,
     CheckpointManager,
-    EngineConfig,
     MetricsLogger,
     OptimConfig,
     PrecisionConfig,
     ScheduleConfig,
+    StepConfig,
     TrainEngine,
     checkpoint,
     latest_checkpoint,
@@ -66,7 +66,7 @@ def main() -> int:
         OptimConfig(lr=1e-2, weight_decay=0.01, grad_clip=0.5),
         ScheduleConfig(warmup_steps=2, decay="cosine", min_lr_ratio=0.1),
         PrecisionConfig(compute_dtype="fp32"),
-        EngineConfig(deterministic=True, seed=123),
+        StepConfig(deterministic=True, seed=123),
         total_steps=args.steps,
     )
     manager = CheckpointManager(args.run_dir, CheckpointConfig(every_n_steps=args.every, keep_last_k=2))

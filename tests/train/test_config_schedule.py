@@ -10,10 +10,10 @@ import torch
 from polyrl.errors import ConfigError
 from polyrl.train import (
     CheckpointConfig,
-    EngineConfig,
     OptimConfig,
     PrecisionConfig,
     ScheduleConfig,
+    StepConfig,
     lr_at,
     resolve_compute_dtype,
 )
@@ -57,9 +57,9 @@ def test_linear_and_constant_and_ratio():
         (lambda: ScheduleConfig(min_lr_ratio=2.0), "schedule.min_lr_ratio"),
         (lambda: CheckpointConfig(every_n_steps=-1), "checkpoint.every_n_steps"),
         (lambda: PrecisionConfig(compute_dtype="fp64"), "precision.compute_dtype"),
-        (lambda: EngineConfig(micro_batch_tokens=0), "engine.micro_batch_tokens"),
-        (lambda: EngineConfig(micro_batch_tokens=4096, step_tokens=1024), "raise step_tokens"),
-        (lambda: EngineConfig(nan_guard_max_consecutive=0), "engine.nan_guard_max_consecutive"),
+        (lambda: StepConfig(micro_batch_tokens=0), "engine.micro_batch_tokens"),
+        (lambda: StepConfig(micro_batch_tokens=4096, step_tokens=1024), "raise step_tokens"),
+        (lambda: StepConfig(nan_guard_max_consecutive=0), "engine.nan_guard_max_consecutive"),
     ],
 )
 def test_bad_configs_say_what_to_change(make, needle):
@@ -70,6 +70,6 @@ def test_bad_configs_say_what_to_change(make, needle):
 def test_config_normalisation():
     assert OptimConfig(betas=[0.8, 0.9]).betas == (0.8, 0.9)  # TOML lists become tuples
     assert OptimConfig(grad_clip=0).grad_clip is None
-    assert EngineConfig(micro_batch_tokens=1024, step_tokens=4096).accumulation_steps == 4
+    assert StepConfig(micro_batch_tokens=1024, step_tokens=4096).accumulation_steps == 4
     assert resolve_compute_dtype(PrecisionConfig(), "cpu") == torch.float32
     assert resolve_compute_dtype(PrecisionConfig(compute_dtype="bf16"), "cpu") == torch.bfloat16

@@ -9,11 +9,11 @@ from train_helpers import pack, random_seqs, tiny_lm
 from polyrl.errors import ConfigError, DataError
 from polyrl.platform import device
 from polyrl.train import (
-    EngineConfig,
     NonFiniteLossError,
     OptimConfig,
     PrecisionConfig,
     ScheduleConfig,
+    StepConfig,
     TrainEngine,
     causal_lm_loss,
 )
@@ -24,9 +24,7 @@ SGD_LIKE = OptimConfig(lr=0.5, eps=1.0, grad_clip=None)
 
 
 def _engine(model, optim: OptimConfig = SGD_LIKE, **engine_kw) -> TrainEngine:
-    return TrainEngine(
-        model, optim, ScheduleConfig(decay="constant"), PrecisionConfig("fp32"), EngineConfig(**engine_kw)
-    )
+    return TrainEngine(model, optim, ScheduleConfig(decay="constant"), PrecisionConfig("fp32"), StepConfig(**engine_kw))
 
 
 def _varlen_seqs(total: int, seed: int) -> list[torch.Tensor]:
@@ -139,7 +137,7 @@ def test_checkpoint_layers_reaches_the_model_and_keeps_steps_identical():
 )
 def test_checkpoint_layers_bad_values_say_what_to_fix(kwargs, match):
     with pytest.raises(ConfigError, match=match):
-        EngineConfig(**kwargs)
+        StepConfig(**kwargs)
 
 
 def test_a_compile_failure_at_run_time_falls_back_to_eager_under_checkpointing(monkeypatch):
@@ -241,7 +239,7 @@ def test_compiled_layers_match_eager_on_accelerator():
     for compile_ in (False, True):
         model = tiny_lm(seed=0).to(dev)
         engine = TrainEngine(
-            model, OptimConfig(lr=1e-2), ScheduleConfig(decay="constant"), engine=EngineConfig(compile=compile_)
+            model, OptimConfig(lr=1e-2), ScheduleConfig(decay="constant"), engine=StepConfig(compile=compile_)
         )
         runs.append([engine.step(batch).loss for _ in range(3)])
     assert runs[1] == pytest.approx(runs[0], rel=2e-2)
@@ -273,7 +271,7 @@ def test_fp16_loss_scale_absorbs_overflow_without_tripping_the_guard():
         OptimConfig(lr=1e-2),
         ScheduleConfig(decay="constant"),
         PrecisionConfig(compute_dtype="fp16", initial_loss_scale=2.0**40),  # fp16 grads overflow at first
-        EngineConfig(nan_guard_max_consecutive=2),
+        StepConfig(nan_guard_max_consecutive=2),
     )
     assert all(p.dtype == torch.float16 for p in model.parameters())
     batch = [pack(random_seqs(2, 16, 64, 0))]

@@ -12,7 +12,7 @@ from train_helpers import pack, random_seqs, tiny_lm
 from polyrl.errors import ConfigError, UserError
 from polyrl.models.lora import LoraConfig, apply_lora
 from polyrl.platform import device
-from polyrl.train import EngineConfig, OptimConfig, PrecisionConfig, ScheduleConfig, TrainEngine, causal_lm_loss
+from polyrl.train import OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig, TrainEngine, causal_lm_loss
 from polyrl.train.graphed_step import GraphedMicroStep, batch_signature, is_graph_safe, model_is_deterministic
 
 
@@ -41,9 +41,9 @@ def test_only_marked_losses_and_dropout_free_models_are_graphed():
 
 def test_config_rejects_unknown_mode_and_required_graphs_say_why():
     with pytest.raises(ConfigError, match="cuda_graphs must be true, false or unset"):
-        EngineConfig(cuda_graphs="always")
+        StepConfig(cuda_graphs="always")
     engine = TrainEngine(
-        tiny_lm(seed=0), OptimConfig(lr=1e-2), ScheduleConfig(decay="constant"), engine=EngineConfig(cuda_graphs=True)
+        tiny_lm(seed=0), OptimConfig(lr=1e-2), ScheduleConfig(decay="constant"), engine=StepConfig(cuda_graphs=True)
     )
     with pytest.raises(UserError, match="need a CUDA device, the model is on cpu"):
         engine.step([pack(random_seqs(2, 16, 64, 0))])
@@ -51,7 +51,7 @@ def test_config_rejects_unknown_mode_and_required_graphs_say_why():
 
 def test_a_failed_capture_warns_and_stays_eager_unless_graphs_are_required():
     def engine(graphs):
-        cfg = EngineConfig(cuda_graphs=graphs)
+        cfg = StepConfig(cuda_graphs=graphs)
         return TrainEngine(tiny_lm(seed=0), OptimConfig(lr=1e-2), ScheduleConfig(decay="constant"), engine=cfg)
 
     auto = engine(None)
@@ -101,7 +101,7 @@ def _run(make_model, graphs: bool | None, ckpt: bool, micro: int, steps: int = 4
         model,
         OptimConfig(lr=3e-3),
         ScheduleConfig(decay="constant"),
-        engine=EngineConfig(cuda_graphs=graphs, activation_checkpointing=ckpt),
+        engine=StepConfig(cuda_graphs=graphs, activation_checkpointing=ckpt),
     )
     batch_fn = batch_fn or (lambda seed: pack(random_seqs(4, 128, 64, seed=seed)))
     losses = []
