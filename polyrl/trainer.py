@@ -1,12 +1,6 @@
 """``polyrl.trainer.Trainer``: the Python API for writing your own post-training loop (in the spirit of Tinker).
 
 A GRPO step by hand::
-
-    from polyrl.trainer import Trainer, SamplingParams
-    from polyrl.train import OptimConfig
-    from polyrl.algorithms.advantages import group_advantages
-    from polyrl.algorithms.grpo import GRPOConfig, make_policy_loss
-
     tr = Trainer(model="runs/sft/final", optim=OptimConfig(lr=1e-6))   # HF folder (or a DecoderLM + tokenizer=)
     samples = tr.rollout_batch(prompts, n=8, sampling=SamplingParams(temperature=1.0, max_tokens=256))
     rewards = [my_reward(s.text) for s in samples]                      # Sample: prompt_ids, completion_ids,
@@ -30,8 +24,6 @@ A GRPO step by hand::
 - ``tokenizer``, ``model``, ``engine`` (``TrainEngine``), ``llm`` (the rollout engine).
 
 A whole recipe run (any registered algorithm, the same loop, checkpoints and outputs as ``polyrl train``)::
-
-    from polyrl.trainer import fit
     summary = fit("dpo", model="runs/sft/final", data="prefs.jsonl", out="runs/dpo",
                   optim={"lr": 5e-7}, train={"max_steps": 200}, dpo={"beta": 0.1})
     summary = fit("ppo", model="runs/sft/final", data="builtin:arithmetic", out="runs/ppo",
@@ -39,12 +31,13 @@ A whole recipe run (any registered algorithm, the same loop, checkpoints and out
 
 Colocated: the rollout engine holds the SAME module the optimizer updates (no copy, no sync step); its KV cache is
 freed while training and taken back for each rollout; its prefix cache is reset after every optimizer step. The
-implementation is ``polyrl.algorithms.colocated.ColocatedPolicy`` (shared with ``polyrl train --algo grpo``); this
-module adds loading by path and the public names. Not here: the CLI's run loop (``polyrl.algorithms.online``).
+implementation is ``polyrl.run.colocated.ColocatedPolicy`` (shared with ``polyrl train --algo grpo``); this
+module adds loading by path and the public names. Not here: the run loops (``polyrl.run``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -52,8 +45,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from polyrl.algorithms.colocated import ColocatedPolicy, RLBatch, Sample, completion_logprobs, pack_samples
-from polyrl.errors import CheckpointError
+import polyrl.agents  # noqa: F401 - registers the [agent] table, so fit(..., agent={"env": ...}) runs episodes
+from polyrl.algorithms.rl_batch import RLBatch, Sample, completion_logprobs, pack_samples
+from polyrl.errors import CheckpointError, ConfigError
+from polyrl.infer.config import RolloutConfig
+from polyrl.infer.sampling_params import SamplingParams
+from polyrl.models.checkpoint import load_model, load_tokenizer
+from polyrl.platform import device as dev
+from polyrl.run import run
+from polyrl.run.colocated import ColocatedPolicy
+from polyrl.run.config import build, load_file
+from polyrl.train.checkpoint import list_checkpoints
+from polyrl.train.config import OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig
 
 
 class Trainer(ColocatedPolicy):
@@ -69,20 +72,17 @@ class Trainer(ColocatedPolicy):
         self,
         model: str | Path | nn.Module,
         tokenizer: Any = None,
-        optim: Any = None,
-        schedule: Any = None,
-        precision: Any = None,
-        engine: Any = None,
-        rollout: Any = None,
+        optim: OptimConfig | None = None,
+        schedule: ScheduleConfig | None = None,
+        precision: PrecisionConfig | None = None,
+        engine: StepConfig | None = None,
+        rollout: RolloutConfig | None = None,
         total_steps: int | None = None,
         release_kv: bool | str = "auto",
         reference: bool = False,
         device: torch.device | str | None = None,
     ) -> None:
         if isinstance(model, (str, Path)):
-            from polyrl.models.checkpoint import load_model, load_tokenizer
-            from polyrl.platform import device as dev
-
             path = str(model)
             model = load_model(path, dtype=torch.float32, device=torch.device(device) if device else dev.torch_device())
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
@@ -134,7 +134,6 @@ class Trainer(ColocatedPolicy):
 
     def load(self, path: str | Path) -> Any:
         """Restore a checkpoint folder, or the latest checkpoint under ``path``; returns ``LoadedCheckpoint``."""
-        from polyrl.train.checkpoint import list_checkpoints
 
         p = Path(path)
         if not (p / "manifest.json").is_file():
@@ -159,16 +158,11 @@ def fit(
     """Run a registered algorithm (``sft``, ``dpo``, ``grpo``, ``gspo``, ``ppo``, ...) end to end and return its
     summary: the Python form of ``polyrl train``. ``data``: a data spec (path, ``builtin:NAME``, datasets name) or
     the ``[data]`` table; ``tables``: other tables of the run config by name (``optim``, ``schedule``, ``precision``,
-    ``engine``, ``train``, ``checkpoint``, ``data``, and the algorithm's own, e.g. ``grpo``), each a dict or the
-    dataclass itself; ``config``: a TOML file the arguments override; ``resume``: ``"latest"`` or a checkpoint.
-    Validation errors are ``polyrl.errors.ConfigError`` s that name the setting to fix."""
-    import dataclasses
+    ``engine``, ``train``, ``checkpoint``, ``data``, ``lora``, ``agent``, and the algorithm's own, e.g. ``grpo``),
+    each a dict or the dataclass itself; ``config``: a TOML file the arguments override; ``resume``: ``"latest"``
+    or a checkpoint. Validation errors are ``polyrl.errors.ConfigError`` s that name the setting to fix."""
 
-    from polyrl.algorithms import config as run_config
-    from polyrl.algorithms import runner
-    from polyrl.errors import ConfigError
-
-    raw: dict[str, Any] = run_config.load_file(config) if config else {}
+    raw: dict[str, Any] = load_file(config) if config else {}
     raw.update(algo=algo, model=str(model), out=str(out))
     if seed is not None:
         raw["seed"] = seed
@@ -183,12 +177,10 @@ def fit(
         if not isinstance(value, dict) and not dataclasses.is_dataclass(value):
             raise ConfigError(f"fit({name}=...) must be a dict or a config dataclass, got {type(value).__name__}")
         raw[name] = {**raw.get(name, {}), **_table(value)}
-    return runner.run(run_config.build(raw))
+    return run(build(raw))
 
 
 def _table(value: Any) -> dict[str, Any]:
-    import dataclasses
-
     if value is None:
         return {}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -196,12 +188,13 @@ def _table(value: Any) -> dict[str, Any]:
     return dict(value)
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("SamplingParams", "RolloutConfig"):
-        from polyrl import infer
-
-        return infer.SamplingParams if name == "SamplingParams" else infer.RolloutConfig
-    raise AttributeError(f"module 'polyrl.trainer' has no attribute {name!r}")
-
-
-__all__ = ["RLBatch", "Sample", "Trainer", "completion_logprobs", "fit", "pack_samples"]
+__all__ = [
+    "RLBatch",
+    "RolloutConfig",
+    "Sample",
+    "SamplingParams",
+    "Trainer",
+    "completion_logprobs",
+    "fit",
+    "pack_samples",
+]

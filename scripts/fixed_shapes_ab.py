@@ -56,7 +56,7 @@ def make_engine(cfg, args, dev, cuda_graphs):
 def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-1.7b", choices=list(sft.SHAPES))
-    ap.add_argument("--budget", type=int, default=8192, help="tokens per micro-batch (data.tokens_per_batch)")
+    ap.add_argument("--budget", type=int, default=8192, help="tokens per micro-batch (engine.micro_batch_tokens)")
     ap.add_argument("--batches", type=int, default=12, help="micro-batches per pass (one per optimizer step)")
     ap.add_argument("--median-len", type=int, default=600)
     ap.add_argument("--lora", default="r=16,alpha=32", help="LoRA spec; empty for full fine-tuning")

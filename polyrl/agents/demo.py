@@ -29,6 +29,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from polyrl.agents.builtin import calculator_transcripts
+from polyrl.agents.pool import EnvPool
+from polyrl.agents.render import ChatRenderer
+from polyrl.agents.rollout import EpisodeLimits, run_episodes
+from polyrl.data import builtin
+from polyrl.infer.config import RolloutConfig
+from polyrl.infer.llm import LLM
+from polyrl.infer.sampling_params import SamplingParams
+from polyrl.models.checkpoint import load_tokenizer
+from polyrl.models.presets import create_model_from_preset
+from polyrl.run import build, run
+
 # MEASURED with ``polyrl demo --agent --seed S`` on this project's 2-core CPU machine (2026-12-01, shared with other
 # jobs), held-out episodes (64 test prompts x 4) after the SFT warm-up -> after GRPO, and the wall time (about 1 min
 # tool-use SFT, 20 s mixed SFT, 8 s per held-out scoring, 1.5 min GRPO):
@@ -76,11 +88,10 @@ def _records(out: Path) -> list[dict[str, Any]]:
 
 def fit(algo: str, model: Any, data: str, out: Path, seed: int = 0, **tables: Any) -> dict[str, Any]:
     """A ``polyrl train`` run (the same RunConfig and runner as ``polyrl.trainer.fit``, from this layer)."""
-    from polyrl.algorithms import config, runner
 
     raw = {"algo": algo, "model": str(model), "out": str(out), "seed": seed, **tables}
     raw["data"] = {**tables.get("data", {}), "path": str(data)}
-    return runner.run(config.build(raw))
+    return run(build(raw))
 
 
 def held_out_metrics(
@@ -89,10 +100,6 @@ def held_out_metrics(
     """``samples`` calculator episodes per example with ``model_dir`` (temperature 1, seeds from ``seed``: the same
     numbers on every run): the fraction of episodes with a tool call, with a tool error (a malformed call or a
     failing tool), the mean episode reward and the mean number of assistant turns."""
-    from polyrl.agents.pool import EnvPool
-    from polyrl.agents.render import ChatRenderer
-    from polyrl.agents.rollout import EpisodeLimits, run_episodes
-    from polyrl.infer import LLM, RolloutConfig, SamplingParams
 
     n = len(examples) * samples
     engine = RolloutConfig(num_blocks=n * MAX_EPISODE_TOKENS // 16 + 64, max_model_len=1024, max_num_seqs=n)
@@ -121,11 +128,6 @@ def _mean(key: str, recs: list[dict[str, Any]]) -> float:
 def run_demo(root: str | Path, seed: int = 0, log: Any = print, **overrides: Any) -> dict[str, Any]:
     """Run the agent demo in ``root`` (replaced); returns the held-out metrics ``before`` and ``after`` RL, the
     sampled RL ``curve`` (per step: mean reward, tool-call rate) and ``wall_s``. ``overrides``: ``DEFAULTS`` keys."""
-    from polyrl.agents.builtin import calculator_transcripts
-    from polyrl.agents.render import ChatRenderer
-    from polyrl.data import builtin
-    from polyrl.models.checkpoint import load_tokenizer
-    from polyrl.models.presets import create_model_from_preset
 
     unknown = set(overrides) - set(DEFAULTS)
     if unknown:
@@ -171,9 +173,9 @@ def run_demo(root: str | Path, seed: int = 0, log: Any = print, **overrides: Any
         "grpo", model, p["task"], root / "grpo", seed=seed, train={"max_steps": p["rl_steps"], "log_every": 5},
         optim={"lr": p["rl_lr"], "weight_decay": 0.0}, schedule={"decay": "constant"},
         engine={"micro_batch_tokens": p["micro_batch_tokens"]}, checkpoint={"every_n_steps": 0, "keep_last_k": 1},
-        grpo={"env": "calculator", "env_workers": 1, "max_turns": MAX_TURNS, "max_new_tokens": p["max_new_tokens"],
-              "max_episode_tokens": MAX_EPISODE_TOKENS, "prompts_per_step": p["rl_prompts"],
+        grpo={"max_new_tokens": p["max_new_tokens"], "prompts_per_step": p["rl_prompts"],
               "samples_per_prompt": p["rl_samples"]},
+        agent={"env": "calculator", "env_workers": 1, "max_turns": MAX_TURNS, "max_episode_tokens": MAX_EPISODE_TOKENS},
     )  # fmt: skip
     recs = _records(root / "grpo")
     log("    sampled RL episodes (temperature 1) by steps:")

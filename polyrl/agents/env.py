@@ -19,6 +19,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from polyrl.algorithms.workers import load_user_module
 from polyrl.errors import ConfigError
 
 # name -> "module:Class"; add a builtin with a row here (or ``register_env`` at runtime).
@@ -90,8 +91,6 @@ def register_env(name: str, target: str) -> None:
 
 def resolve_env(spec: str) -> type:
     """The environment class of ``spec``: a builtin name, ``module:Class`` or ``path/to/file.py:Class``."""
-    from polyrl.algorithms.rewards import _load_module
-
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigError("no environment given; pass --env NAME (calculator, guessing) or --env file.py:Class")
     spec = spec.strip()
@@ -102,7 +101,7 @@ def resolve_env(spec: str) -> type:
             f"unknown environment {spec!r}; use a builtin ({', '.join(sorted(BUILTIN_ENVS))}) or path/to/file.py:Class"
         )
     if module_name.endswith(".py") or "/" in module_name:
-        module = _load_module(module_name, spec)
+        module = load_user_module(module_name, spec, "env")
     else:
         try:
             module = importlib.import_module(module_name)

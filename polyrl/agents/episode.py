@@ -80,7 +80,7 @@ class Episode:
             self.status, self.error = status, error
 
     def to_sample(self, text: str = "") -> Any:
-        from polyrl.algorithms.colocated import Sample
+        from polyrl.algorithms.rl_batch import Sample
 
         finish = "length" if self.status == "max_tokens" else "stop"
         return Sample(

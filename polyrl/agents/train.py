@@ -21,7 +21,13 @@ import time
 from contextlib import contextmanager
 from typing import Any
 
+from polyrl.agents.pool import EnvPool
+from polyrl.agents.render import ChatRenderer
+from polyrl.agents.rollout import EpisodeLimits, episode_metrics, run_episodes
+from polyrl.algorithms.workers import load_user_module
+from polyrl.data.dataset import chat_tokenizer
 from polyrl.errors import ConfigError
+from polyrl.run.online import rollout_seed
 
 
 @contextmanager
@@ -53,47 +59,43 @@ class EpisodeSteps:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        from polyrl.agents.pool import EnvPool
-        from polyrl.agents.render import ChatRenderer
-        from polyrl.agents.rollout import EpisodeLimits
 
-        a = self.a
+        a, ag = self.a, self.cfg.episodes
         if self.world.distributed:
             raise ConfigError("agentic runs (--env) train in one process for now; drop --nproc-per-node")
-        from polyrl.data.dataset import chat_tokenizer
 
         self.renderer = ChatRenderer(self.tokenizer, chat_tokenizer(self.cfg.data, self.tokenizer).template)
-        self.limits = EpisodeLimits(a.max_turns, a.max_new_tokens, a.max_episode_tokens)
+        self.limits = EpisodeLimits(ag.max_turns, a.max_new_tokens, ag.max_episode_tokens)
         self.env_pool, self.proxy, self.agent_fn = None, None, None
-        if a.agent:
+        if ag.agent:
             self._start_proxy()
-            source = f"agent {a.agent!r} through {self.proxy.url}"
+            source = f"agent {ag.agent!r} through {self.proxy.url}"
         else:
-            self.env_pool = EnvPool(a.env, a.env_workers, a.env_timeout)
-            source = f"env {a.env!r} ({len(self.env_pool.tools)} tool(s))"
+            self.env_pool = EnvPool(ag.env, ag.env_workers, ag.env_timeout)
+            source = f"env {ag.env!r} ({len(self.env_pool.tools)} tool(s))"
         self._apply_saved_failures(getattr(self, "_saved_env_failures", {}))
         self.print(
-            f"episodes: {source}, at most {a.max_turns} turns of {a.max_new_tokens} tokens, "
-            f"{a.max_episode_tokens} tokens per episode"
+            f"episodes: {source}, at most {ag.max_turns} turns of {a.max_new_tokens} tokens, "
+            f"{ag.max_episode_tokens} tokens per episode"
         )
 
     def _start_proxy(self) -> None:
+        # lazy: the proxy server imports FastAPI (the serve extra), needed only in proxy mode
         from polyrl.agents.proxy_server import AgentProxy
-        from polyrl.algorithms.rewards import _load_module
 
-        a = self.a
-        target, _, name = a.agent.rpartition(":")
-        self.agent_fn = getattr(_load_module(target, a.agent), name, None)
+        a, ag = self.a, self.cfg.episodes
+        target, _, name = ag.agent.rpartition(":")
+        self.agent_fn = getattr(load_user_module(target, ag.agent, "agent"), name, None)
         if not callable(self.agent_fn):
-            raise ConfigError(f"agent {a.agent!r}: {target} has no function {name!r}")
+            raise ConfigError(f"agent {ag.agent!r}: {target} has no function {name!r}")
         self.proxy = AgentProxy(
             self.policy.llm,
             self.sampling,
             a.max_new_tokens,
             self.renderer,
             request_sampling=False,
-            max_turns=a.max_turns,
-            max_episode_tokens=a.max_episode_tokens,
+            max_turns=ag.max_turns,
+            max_episode_tokens=ag.max_episode_tokens,
         ).start(drive=False)
 
     @property
@@ -103,8 +105,6 @@ class EpisodeSteps:
         return dict(self.env_pool.totals) if self.env_pool is not None else {}
 
     def episodes(self, examples: list[dict], n: int, sampling: Any, seeds: list[int] | None) -> list[Any]:
-        from polyrl.agents.rollout import run_episodes
-
         with rollout_window(self.policy) as llm:
             if self.proxy is None:
                 return run_episodes(
@@ -113,7 +113,7 @@ class EpisodeSteps:
             self.proxy.sampling = sampling
             with self.proxy.driving():
                 eps = self.proxy.run_agents(
-                    self.agent_fn, examples, n, seeds, self.a.env_timeout, self.a.failure_reward
+                    self.agent_fn, examples, n, seeds, self.cfg.episodes.env_timeout, self.a.failure_reward
                 )
             totals = getattr(self, "_agent_totals", {})
             for k, v in self.proxy.failures.items():
@@ -122,9 +122,6 @@ class EpisodeSteps:
             return eps
 
     def collect(self, step: int) -> tuple[list[Any], list[float], dict[str, float]]:
-        from polyrl.agents.rollout import episode_metrics
-        from polyrl.algorithms.online import rollout_seed
-
         t0 = time.perf_counter()
         idx = self.data.take(self.a.prompts_per_step)
         seeds = [rollout_seed(self.cfg.seed, step, k) for k in range(len(idx))]
@@ -157,8 +154,6 @@ class EpisodeSteps:
         return samples, rewards, m
 
     def evaluate(self) -> dict[str, float]:
-        from polyrl.agents.rollout import episode_metrics
-
         _, _, views = self.eval_set
         params = self.sampling.clone(temperature=0.0, max_tokens=self.a.eval_max_new_tokens or self.a.max_new_tokens)
         eps = self.episodes(list(views), 1, params, None)

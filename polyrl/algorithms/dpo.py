@@ -25,13 +25,11 @@ Not here: the step (``polyrl.train``), the loop (``runner.run_offline``), data p
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
-import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,8 +38,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from polyrl.algorithms import AlgorithmSpec
+from polyrl import kernels
+from polyrl.algorithms.spec import AlgorithmSpec, PrepareContext
+from polyrl.data.batch import pack_sequences, shifted_labels
+from polyrl.data.config import DataConfig
+from polyrl.data.dataset import TokenizedData, build_preference
+from polyrl.data.packing import pack_greedy
 from polyrl.errors import CheckpointError, ConfigError
+from polyrl.models.checkpoint import load_model
+from polyrl.models.lora import base_model_path
+from polyrl.platform import device
+from polyrl.train.losses import attention_metadata
+from polyrl.train.precision import resolve_compute_dtype
 
 LOSS_TYPES = ("sigmoid", "ipo")
 CACHE_NAME = "reference_logps.json"
@@ -108,8 +116,6 @@ def sequence_index(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 def sequence_logps(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence ``(sum of target-token log-probs [B] fp32, target-token count [B] fp32)`` of a packed
     batch, differentiable in the model's weights."""
-    from polyrl import kernels
-    from polyrl.train.losses import attention_metadata
 
     hidden = model(batch.input_ids, batch.position_ids, attention_metadata(batch))  # [T, H]
     mask = batch.labels != -100
@@ -164,8 +170,6 @@ class ReferenceLogps:
     @torch.no_grad()
     def compute(self, model: nn.Module, seqs: Iterable[Any], tokens_per_batch: int, device: torch.device) -> int:
         """Add every sequence of ``seqs`` (``TokenizedSeq``) not yet in the table; returns how many were added."""
-        from polyrl.data import pack_sequences, shifted_labels
-        from polyrl.data.packing import pack_greedy
 
         todo: dict[str, Any] = {}
         for s in seqs:
@@ -217,26 +221,17 @@ def _all_seqs(datasets: Iterable[Any]) -> list[Any]:
     return [s for data in datasets for unit in data.units for s in unit]
 
 
-def prepare_reference(cfg: Any, datasets: Sequence[Any], stream: Any = None, world: Any = None) -> ReferenceLogps:
-    """The reference table for ``datasets`` (``TokenizedData``) of run ``cfg``: read from the run's cache when it
-    covers them, else computed with the reference model (loaded here, freed on return) and cached. With a
-    data-parallel ``world`` every rank calls it and gets the whole table (each computes its share)."""
-    from polyrl.models.checkpoint import load_model
-    from polyrl.platform import device
-    from polyrl.train.parallel import World
-    from polyrl.train.precision import resolve_compute_dtype
-
-    world = world or World()
-    stream = (stream or sys.stdout) if world.is_main else open(os.devnull, "w")  # noqa: SIM115 - rank 0 reports
-    algo = cfg.algo_config
+def prepare_reference(ctx: PrepareContext, datasets: Sequence[TokenizedData]) -> ReferenceLogps:
+    """The reference table for ``datasets`` of the run ``ctx``: read from the run's cache when it covers them, else
+    computed with the reference model (loaded here, freed on return) and cached. With a data-parallel ``ctx.world``
+    every rank calls it and gets the whole table (each computes its share)."""
+    world, stream, algo = ctx.world, ctx.stream, ctx.algo_config
     dev = world.device if world.distributed else device.torch_device()
-    dtype = resolve_compute_dtype(cfg.precision, dev.type)
-    from polyrl.models.lora import base_model_path
-
+    dtype = resolve_compute_dtype(ctx.precision, dev.type)
     # LoRA from an adapter folder: the reference is its base with the adapter off (as TRL), not a second copy
-    reference = algo.reference_model or base_model_path(cfg.model)
+    reference = algo.reference_model or base_model_path(ctx.model)
     meta = {"reference_model": str(reference), "dtype": str(dtype).removeprefix("torch.")}
-    path = Path(cfg.out) / CACHE_NAME
+    path = Path(ctx.out) / CACHE_NAME
     table = ReferenceLogps(meta=meta)
     if path.is_file():
         cached = ReferenceLogps.load(path)
@@ -252,7 +247,7 @@ def prepare_reference(cfg: Any, datasets: Sequence[Any], stream: Any = None, wor
         if missing:
             model = load_model(meta["reference_model"], dtype=dtype, device=dev)
             model.requires_grad_(False)
-            budget = algo.reference_batch_tokens or cfg.data.tokens_per_batch
+            budget = algo.reference_batch_tokens or ctx.micro_batch_tokens
             before = len(table)
             part = ReferenceLogps()
             part.compute(model, missing[world.rank :: world.world_size], budget, dev)  # this rank's share
@@ -273,8 +268,6 @@ def prepare_reference(cfg: Any, datasets: Sequence[Any], stream: Any = None, wor
 
 
 def _key_of(seq: Any) -> str:
-    from polyrl.data import shifted_labels
-
     return sequence_key(seq.input_ids, shifted_labels(seq.input_ids, seq.loss_mask))
 
 
@@ -315,38 +308,16 @@ def normalizer(cfg: DPOConfig, micro_batches: Sequence[Any]) -> float:
     return float(sum((b.cu_seqlens.numel() - 1) // 2 for b in micro_batches))
 
 
-def build_data(data_cfg: Any, tokenizer: Any, part: str = "train") -> Any:
+def build_data(data_cfg: DataConfig, tokenizer: Any, part: str, micro_batch_tokens: int) -> TokenizedData:
     """Tokenised preference pairs (``polyrl.data.build_preference``)."""
-    from polyrl.data import build_preference
-
-    return build_preference(data_cfg, tokenizer, part)
+    return build_preference(data_cfg, tokenizer, part, micro_batch_tokens)
 
 
-def run(cfg: Any, stream: Any = None) -> dict[str, Any]:
-    """A DPO run: data, then the reference pass (or its cache), then the shared offline loop."""
-    from polyrl.algorithms import runner
-    from polyrl.models.checkpoint import load_tokenizer
-    from polyrl.train.parallel import init_world
-
-    runner.resume_point(cfg)  # a run-directory mistake is reported before any work
-    world = init_world()  # under torchrun: binds this rank's device first (run_offline reuses the group)
-    built: dict[tuple[str, str], Any] = {}
-
-    def cached_build(data_cfg: Any, tokenizer: Any, part: str = "train") -> Any:
-        key = (repr(data_cfg), part)
-        if key not in built:
-            built[key] = build_data(data_cfg, tokenizer, part)
-        return built[key]
-
-    inner = dataclasses.replace(SPEC, run=None, build_data=cached_build)
-    tokenizer = load_tokenizer(cfg.model)
-    datasets = [cached_build(cfg.data, tokenizer)]
-    eval_data = runner.eval_source(cfg, inner, tokenizer)
-    if eval_data is not None:
-        datasets.append(eval_data)
-    reference = prepare_reference(cfg, datasets, stream, world)
-    inner = dataclasses.replace(inner, make_loss=lambda algo_cfg: make_loss(algo_cfg, reference))
-    return runner.run_offline(dataclasses.replace(cfg, spec=inner), stream=stream)
+def prepare(ctx: PrepareContext) -> Callable[[DPOConfig], Any]:
+    """Before the model loads: the reference log-probs of every sequence the run will see (computed, or read from
+    the run's cache), bound into the loss factory."""
+    reference = prepare_reference(ctx, ctx.datasets)
+    return lambda algo_cfg: make_loss(algo_cfg, reference)
 
 
 SPEC = AlgorithmSpec(
@@ -356,6 +327,6 @@ SPEC = AlgorithmSpec(
     build_data=build_data,
     make_loss=make_loss,
     normalizer=normalizer,
-    run=run,
+    prepare=prepare,
     plot_series=("rewards/margins", "rewards/accuracies"),
 )

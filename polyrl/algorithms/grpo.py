@@ -1,7 +1,7 @@
 """GRPO as a registered online algorithm: the ``[grpo]`` config, group-normalised advantages and the clipped
 token-ratio loss against REAL old log-probs (the rollout engine's, or the trainer's recompute before the update).
 
-Per RL step (the loop is ``polyrl.algorithms.online``): sample ``samples_per_prompt`` completions per prompt, score
+Per RL step (the loop is ``polyrl.run.online``): sample ``samples_per_prompt`` completions per prompt, score
 them, ``A_i = (r_i - mean_group) / (std_group + eps)`` (``scale_rewards="none"``: no std division, Dr. GRPO),
 optionally drop groups whose rewards all agree (``filter_groups``), then ``ppo_epochs`` passes over ``mini_batches``
 optimizer steps of the loss ``max(-A r_t, -A clip(r_t, 1-clip_low, 1+clip_high))`` (+ ``kl_coef`` x KL(k1|k3) to
@@ -20,9 +20,12 @@ from typing import Any
 
 import torch
 
-from polyrl.algorithms import AlgorithmSpec
+from polyrl.algorithms.advantages import group_advantages, informative_groups
 from polyrl.algorithms.losses import AGGREGATIONS, KL_ESTIMATORS, aggregate, policy_loss
-from polyrl.algorithms.online import OnlineConfig, run_online
+from polyrl.algorithms.losses import normalizer as loss_normalizer
+from polyrl.algorithms.online_config import OnlineConfig
+from polyrl.algorithms.rl_batch import completion_logprobs
+from polyrl.algorithms.spec import AlgorithmSpec
 from polyrl.errors import ConfigError
 
 OLD_LOGPROBS = ("rollout", "recompute")
@@ -97,8 +100,6 @@ class GroupRelative:
 
     def advantages(self, rewards: list[float], groups: list[int]) -> tuple[list[float], list[int], dict[str, float]]:
         """(advantage per sample, indices of the samples to train on, metrics)."""
-        from polyrl.algorithms.advantages import group_advantages, informative_groups
-
         adv = group_advantages(rewards, groups, self.cfg.scale_rewards, self.cfg.adv_eps)
         all_groups = set(groups)
         keep_groups = informative_groups(rewards, groups) if self.cfg.filter_groups else all_groups
@@ -114,9 +115,7 @@ class GroupRelative:
         )
 
     def normalizer(self, tokens: float, sequences: int) -> float:
-        from polyrl.algorithms.losses import normalizer
-
-        return normalizer(self.cfg.loss_agg, tokens, sequences, self.cfg.max_new_tokens)
+        return loss_normalizer(self.cfg.loss_agg, tokens, sequences, self.cfg.max_new_tokens)
 
     measures_in_loss = True  # make_loss(..., measure=True) reports mismatch and entropy from the training forward
 
@@ -137,8 +136,6 @@ class PolicyLoss:
         self.mismatch_max: torch.Tensor | None = None
 
     def __call__(self, model: Any, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        from polyrl.algorithms.colocated import completion_logprobs
-
         cfg, scale = self.cfg, self.scale
         logp, ent = completion_logprobs(model, batch, cfg.temperature, entropy=self.measure)
         f = batch.fields
@@ -183,15 +180,11 @@ def make_policy_loss(cfg: GRPOConfig, tokens_in_step: float, step_normalizer: fl
     return PolicyLoss(cfg, tokens_in_step, step_normalizer, measure)
 
 
-def run(cfg: Any) -> dict[str, Any]:
-    """``polyrl train --algo grpo``."""
-    return run_online(cfg, GroupRelative(cfg.algo_config))
-
-
 SPEC = AlgorithmSpec(
     name="grpo",
     description="GRPO: group-normalised advantages, clipped token ratio vs real old log-probs, colocated rollout",
     config_cls=GRPOConfig,
-    run=run,
+    loop="online",
+    hooks=GroupRelative,
     plot_series=PLOT_SERIES,
 )

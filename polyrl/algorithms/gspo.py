@@ -9,11 +9,9 @@ per sequence (``seq-mean-token-mean``), which gives exactly the GSPO paper's gra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from polyrl.algorithms import AlgorithmSpec
 from polyrl.algorithms.grpo import PLOT_SERIES, GroupRelative, GRPOConfig
-from polyrl.algorithms.online import run_online
+from polyrl.algorithms.spec import AlgorithmSpec
 
 
 @dataclass
@@ -33,15 +31,11 @@ class GSPOConfig(GRPOConfig):
         return "gspo"
 
 
-def run(cfg: Any) -> dict[str, Any]:
-    """``polyrl train --algo gspo``."""
-    return run_online(cfg, GroupRelative(cfg.algo_config))
-
-
 SPEC = AlgorithmSpec(
     name="gspo",
     description="GSPO: GRPO with a length-normalised sequence-level ratio and its own clip range",
     config_cls=GSPOConfig,
-    run=run,
+    loop="online",
+    hooks=GroupRelative,
     plot_series=PLOT_SERIES,
 )

@@ -28,22 +28,26 @@ tokens, advantages or training.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
-import os
 import re
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from numbers import Real
-from pathlib import Path
 from typing import Any
 
-from polyrl.algorithms.workers import WorkerProcess, absolute_spec, close_workers, serve, start_context
+from polyrl.algorithms.workers import (
+    WorkerProcess,
+    absolute_spec,
+    close_workers,
+    load_user_module,
+    serve,
+    start_context,
+)
+from polyrl.data.builtin import check
+from polyrl.data.builtin.check import check_number, check_string, last_boxed
 from polyrl.errors import ConfigError, UserError
 
 RewardFn = Callable[[str, Mapping[str, Any]], Any]
@@ -55,23 +59,17 @@ STARTUP_TIMEOUT_S = 120.0
 def exact_match(completion: str, example: Mapping[str, Any]) -> float:
     """1.0 when the completion's answer equals the reference (the builtin task's checker, else a string match
     of the extracted answer: last ``\\boxed{}``, else last ``Answer: X``, else the whole text)."""
-    from polyrl.data.builtin import check
-
     return float(check(completion, example))
 
 
 def numeric(completion: str, example: Mapping[str, Any]) -> float:
     """1.0 when the last number of the extracted answer (``\\boxed{}`` / ``Answer:`` / text) equals the reference."""
-    from polyrl.data.builtin.check import check_number
-
     return float(check_number(completion, str(example["answer"])))
 
 
 def boxed(completion: str, example: Mapping[str, Any]) -> float:
     """1.0 when the completion has a ``\\boxed{...}`` whose content matches the reference (as a number or string)."""
-    from polyrl.data.builtin.check import _last_boxed, check_number, check_string
-
-    inner = _last_boxed(completion)
+    inner = last_boxed(completion)
     if inner is None:
         return 0.0
     text, ans = f"\\boxed{{{inner}}}", str(example["answer"])
@@ -144,33 +142,11 @@ def resolve(spec: str) -> RewardFn:
             f"unknown reward {spec!r}; use a builtin ({', '.join(sorted(BUILTINS))}), a sum such as "
             f"exact_match+0.2*think_format, or path/to/file.py:function"
         )
-    module = _load_module(target, spec)
+    module = load_user_module(target, spec)
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ConfigError(f"reward {spec!r}: {target} has no function {name!r}")
     return fn
-
-
-def _load_module(target: str, spec: str) -> Any:
-    if target.endswith(".py") or os.sep in target:
-        path = Path(target).resolve()
-        if not path.is_file():
-            raise ConfigError(f"reward file {target!r} does not exist (from --reward {spec!r})")
-        mod_name = f"polyrl_user_reward_{abs(hash(str(path)))}"
-        if mod_name in sys.modules:
-            return sys.modules[mod_name]
-        loader_spec = importlib.util.spec_from_file_location(mod_name, path)
-        module = importlib.util.module_from_spec(loader_spec)
-        try:
-            loader_spec.loader.exec_module(module)
-        except Exception as exc:  # noqa: BLE001 - the user's file: report what broke
-            raise ConfigError(f"reward file {target} failed to import: {type(exc).__name__}: {exc}") from None
-        sys.modules[mod_name] = module
-        return module
-    try:
-        return importlib.import_module(target)
-    except ImportError as exc:
-        raise ConfigError(f"reward module {target!r} cannot be imported ({exc}); give path/to/file.py:fn") from None
 
 
 # ---- one call -----------------------------------------------------------------------------------

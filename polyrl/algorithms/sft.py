@@ -5,7 +5,7 @@ chooses which assistant turns count), through the fused ``kernels.linear_cross_e
 ``[T, V]`` logits are materialised. ``normalize`` picks the step's divisor: every target token weighs
 the same ("tokens", the default and TRL's behaviour), or every sequence weighs the same ("sequences":
 each sequence's mean token loss, averaged over the step's sequences).
-The run loop is the shared offline one (``polyrl.algorithms.runner``); nothing here loads models or data.
+The run loop is the shared offline one (``polyrl.run.offline``); nothing here loads models or data.
 """
 
 from __future__ import annotations
@@ -17,8 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from polyrl.algorithms import AlgorithmSpec
+from polyrl import kernels
+from polyrl.algorithms.spec import AlgorithmSpec
+from polyrl.data.config import DataConfig
+from polyrl.data.dataset import TokenizedData, build_sft
 from polyrl.errors import ConfigError
+from polyrl.train.losses import attention_metadata, causal_lm_loss
 
 NORMALIZE = ("tokens", "sequences")
 
@@ -37,8 +41,6 @@ class SFTConfig:
 def sequence_mean_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Sum over the batch's sequences of each sequence's mean target-token cross-entropy (fp32 scalar).
     Sequences without target tokens contribute 0."""
-    from polyrl import kernels
-    from polyrl.train.losses import attention_metadata
 
     hidden = model(batch.input_ids, batch.position_ids, attention_metadata(batch))
     per_token = kernels.linear_cross_entropy(hidden, model.lm_head_weight, batch.labels, reduction="none")  # [T]
@@ -61,7 +63,6 @@ def make_loss(cfg: SFTConfig):
     """The engine loss function for ``cfg``."""
     if cfg.normalize == "sequences":
         return sequence_mean_loss
-    from polyrl.train.losses import causal_lm_loss
 
     return causal_lm_loss
 
@@ -78,11 +79,9 @@ def _sequences_with_targets(batch: Any) -> int:
     return int(torch.unique(seq_index[batch.labels != -100]).numel())
 
 
-def build_data(data_cfg: Any, tokenizer: Any, part: str = "train") -> Any:
+def build_data(data_cfg: DataConfig, tokenizer: Any, part: str, micro_batch_tokens: int) -> TokenizedData:
     """Tokenised, packable SFT data (``polyrl.data.build_sft``)."""
-    from polyrl.data import build_sft
-
-    return build_sft(data_cfg, tokenizer, part)
+    return build_sft(data_cfg, tokenizer, part, micro_batch_tokens)
 
 
 SPEC = AlgorithmSpec(

@@ -8,13 +8,18 @@ schedules calls and counts failures stay with each pool.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import multiprocessing as mp
 import os
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from polyrl.errors import ConfigError
 
 
 class WorkerProcess:
@@ -96,3 +101,27 @@ def serve(
                 conn.send(reply)
         except Exception:  # noqa: BLE001 - never let the worker die silently
             conn.send(fallback(job, traceback.format_exc(limit=1)[-300:]))
+
+
+def load_user_module(target: str, spec: str, what: str = "reward") -> Any:
+    """The module of a user spec ``target`` (``path/to/file.py`` or ``package.module``) from ``--<what> spec``; a
+    ConfigError says what is wrong. A file is imported once per process (cached in ``sys.modules``)."""
+    if target.endswith(".py") or os.sep in target:
+        path = Path(target).resolve()
+        if not path.is_file():
+            raise ConfigError(f"{what} file {target!r} does not exist (from --{what} {spec!r})")
+        mod_name = f"polyrl_user_{what}_{abs(hash(str(path)))}"
+        if mod_name in sys.modules:
+            return sys.modules[mod_name]
+        loader_spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(loader_spec)
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as exc:  # noqa: BLE001 - the user's file: report what broke
+            raise ConfigError(f"{what} file {target} failed to import: {type(exc).__name__}: {exc}") from None
+        sys.modules[mod_name] = module
+        return module
+    try:
+        return importlib.import_module(target)
+    except ImportError as exc:
+        raise ConfigError(f"{what} module {target!r} cannot be imported ({exc}); give path/to/file.py:fn") from None

@@ -12,12 +12,22 @@ from, so another stage is one function appended to the list. Not a benchmark: nu
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from polyrl import run as runner
+from polyrl.data.config import DataConfig
+from polyrl.data.dataset import load_prompts
+from polyrl.errors import ConfigError
+from polyrl.models.checkpoint import load_model, load_tokenizer
+from polyrl.models.presets import create_model_from_preset
+from polyrl.run import config as run_config
+from polyrl.run.evaluate import exact_match
 
 # Tuned on this project's 2-core CPU machine (2026-11-29): "What is 57 + 2?" problems (max 99, second operand
 # <= 2), 20% of the problem space held out by hash (57 problems), so every scored problem is one neither stage trained
@@ -68,7 +78,6 @@ class DemoState:
 
 def held_out(state: DemoState) -> list[Any]:
     """The held-out prompts of the task (never trained on: builtin @test problems)."""
-    from polyrl.data import DataConfig, load_prompts
 
     prompts, _ = load_prompts(DataConfig(path=state.args.task.split("@", 1)[0] + "@test"))
     return prompts[: state.args.eval_size]
@@ -76,8 +85,6 @@ def held_out(state: DemoState) -> list[Any]:
 
 def evaluate(state: DemoState, label: str, show: int = 0) -> float:
     """Greedy exact-match accuracy of ``state.model_dir`` on the held-out prompts; records and prints it."""
-    from polyrl.algorithms.evaluate import exact_match
-    from polyrl.models.checkpoint import load_model, load_tokenizer
 
     model = load_model(state.model_dir)
     result = exact_match(model, load_tokenizer(state.model_dir), held_out(state), max_tokens=8, keep_samples=show)
@@ -91,7 +98,6 @@ def evaluate(state: DemoState, label: str, show: int = 0) -> float:
 # ---- stages -------------------------------------------------------------------------------------
 def stage_init(state: DemoState) -> None:
     """Create the random model and measure the untrained accuracy."""
-    from polyrl.models.presets import create_model_from_preset
 
     state.model_dir = create_model_from_preset(state.args.preset, state.root / "base", seed=state.args.seed)
     state.log(f"created a random {state.args.preset} model in {state.model_dir} (polyrl init-model)")
@@ -100,8 +106,6 @@ def stage_init(state: DemoState) -> None:
 
 def stage_sft(state: DemoState) -> None:
     """SFT on the task's train split, then the accuracy and a few answers."""
-    from polyrl.algorithms import config as run_config
-    from polyrl.algorithms import runner
 
     a = state.args
     out = state.root / "sft"
@@ -110,7 +114,8 @@ def stage_sft(state: DemoState) -> None:
         "model": str(state.model_dir),
         "out": str(out),
         "seed": a.seed,
-        "data": {"path": a.task, "max_seq_len": 128, "tokens_per_batch": a.micro_batch_tokens},
+        "data": {"path": a.task, "max_seq_len": 128},
+        "engine": {"micro_batch_tokens": a.micro_batch_tokens},
         "optim": {"lr": a.lr, "weight_decay": 0.0},
         "schedule": {"warmup_steps": min(10, a.steps // 10), "decay": "constant"},
         "train": {"max_steps": a.steps, "log_every": max(1, a.steps // 6)},
@@ -138,10 +143,6 @@ def reward_curve(rewards: list[float], blocks: int = 8) -> list[tuple[int, int, 
 def stage_grpo(state: DemoState) -> None:
     """GRPO on the SFT'd model with the exact-match reward on the same task's train prompts: the mean sampled
     reward per step (printed coarsely, then first steps -> last steps), then the held-out accuracy."""
-    import json
-
-    from polyrl.algorithms import config as run_config
-    from polyrl.algorithms import runner
 
     a = state.args
     out = state.root / "grpo"
@@ -151,7 +152,8 @@ def stage_grpo(state: DemoState) -> None:
         "model": str(state.model_dir),
         "out": str(out),
         "seed": a.seed,
-        "data": {"path": a.task, "tokens_per_batch": a.micro_batch_tokens},  # the train split: no held-out prompt
+        "data": {"path": a.task},  # the train split: no held-out prompt
+        "engine": {"micro_batch_tokens": a.micro_batch_tokens},
         "optim": {"lr": a.rl_lr, "weight_decay": 0.0},
         "schedule": {"warmup_steps": min(DEFAULTS["rl_warmup"], steps // 4), "decay": "constant"},
         "train": {"max_steps": steps, "log_every": max(1, steps // 4)},
@@ -219,8 +221,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from polyrl.errors import ConfigError
-
     if getattr(args, "agent", False):
         from polyrl.agents.demo import run_demo
 

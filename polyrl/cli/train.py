@@ -1,7 +1,6 @@
 """``polyrl train``: post-train a model with a registered algorithm.
 
 Two ways to say what to run, combinable::
-
     polyrl train --algo sft --model DIR --data SPEC --out DIR [--max-steps N | --epochs E] [--lr ...] ...
     polyrl train --config run.toml [flags] [--set optim.lr=1e-4 --set data.max_seq_len=1024 ...]
 
@@ -18,7 +17,18 @@ This module parses and reports; it never branches on algorithm names (``polyrl.a
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 from typing import Any
+
+import polyrl.agents  # noqa: F401 - registers the [agent] table (--env / --agent) with the run config
+from polyrl import algorithms
+from polyrl.errors import ConfigError
+from polyrl.models.lora import parse_lora_spec
+from polyrl.platform import device
+from polyrl.run import run as run_training
+from polyrl.run.config import load_file, parse_set, resolve
+from polyrl.train.parallel import launched
 
 # argparse dest -> config key. A flag left out of the command line leaves the key alone.
 FLAG_KEYS: dict[str, str] = {
@@ -52,6 +62,13 @@ FLAG_KEYS: dict[str, str] = {
     "save_every": "checkpoint.every_n_steps",
     "keep_last": "checkpoint.keep_last_k",
     "resume": "resume",
+    # agentic RL: the [agent] table (polyrl.agents.AgentConfig)
+    "env": "agent.env",
+    "agent": "agent.agent",
+    "max_turns": "agent.max_turns",
+    "max_episode_tokens": "agent.max_episode_tokens",
+    "env_workers": "agent.env_workers",
+    "env_timeout": "agent.env_timeout",
 }
 
 DTYPE_ALIASES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
@@ -74,18 +91,10 @@ RL_FLAG_KEYS: dict[str, str] = {
     "old_logprobs": "old_logprobs",
     "tis_cap": "tis_cap",
     "filter_groups": "filter_groups",
-    "env": "env",
-    "agent": "agent",
-    "max_turns": "max_turns",
-    "max_episode_tokens": "max_episode_tokens",
-    "env_workers": "env_workers",
-    "env_timeout": "env_timeout",
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from polyrl import algorithms
-
     parser.epilog = (
         "Precedence: --config file < flags < --set. Example: polyrl train --algo sft --model runs/tiny "
         "--data builtin:arithmetic --out runs/sft --max-steps 100 --set optim.betas=[0.9,0.99]"
@@ -168,7 +177,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="train a LoRA adapter on a frozen base, e.g. --lora r=16,alpha=32,dropout=0,targets=q,k,v,o,gate,up,down",
     )
     g.add_argument("--qlora", action="store_true", default=None, help="LoRA on a 4-bit NF4 base (implies --lora)")
-    g = parser.add_argument_group("agentic RL (episodes against an environment; keys of the [<algo>] table)")
+    g = parser.add_argument_group("agentic RL (episodes against an environment; keys of the [agent] table)")
     g.add_argument("--env", metavar="SPEC", help="environment: calculator, guessing, or path/to/file.py:Class")
     g.add_argument(
         "--agent", metavar="FILE.py:FN", help="proxy mode: fn(base_url, example) -> reward runs an openai-client agent"
@@ -184,7 +193,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def overrides_from_args(args: argparse.Namespace) -> list[tuple[str, Any]]:
     """Flags that were given, as (config key, value), then the ``--set`` items."""
-    from polyrl.algorithms.config import parse_set
 
     out = []
     for dest, key in FLAG_KEYS.items():
@@ -205,7 +213,6 @@ def overrides_from_args(args: argparse.Namespace) -> list[tuple[str, Any]]:
 
 def _lora_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
     """``--lora SPEC`` sets the whole ``[lora]`` table; ``--qlora`` sets ``lora.quantize_base = "nf4"``."""
-    from polyrl.models.lora import parse_lora_spec
 
     out: list[tuple[str, Any]] = []
     if getattr(args, "lora", None) is not None:
@@ -220,8 +227,6 @@ def _algo_name(args: argparse.Namespace) -> str:
     if getattr(args, "algo", None):
         return args.algo
     if getattr(args, "config", None):
-        from polyrl.algorithms.config import load_file
-
         algo = load_file(args.config).get("algo")
         if isinstance(algo, str):
             return algo
@@ -229,16 +234,11 @@ def _algo_name(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from polyrl.algorithms import config as run_config
-    from polyrl.algorithms import runner
-
-    cfg = run_config.resolve(args.config, overrides_from_args(args))
+    cfg = resolve(args.config, overrides_from_args(args))
     if getattr(args, "nproc_per_node", None) is not None:
-        from polyrl.train.parallel import launched
-
         if not launched():
             return relaunch(args, args.nproc_per_node)
-    summary = runner.run(cfg)
+    summary = run_training(cfg)
     return 0 if summary.get("status", "finished") == "finished" else 1
 
 
@@ -266,11 +266,6 @@ def relaunch_argv(args: argparse.Namespace) -> list[str]:
 
 def relaunch(args: argparse.Namespace, nproc: int) -> int:
     """Run this training command on ``nproc`` local ranks through ``python -m torch.distributed.run``."""
-    import subprocess
-    import sys
-
-    from polyrl.errors import ConfigError
-    from polyrl.platform import device
 
     if nproc < 1:
         raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")

@@ -2,8 +2,8 @@
 
 Typical use (SFT)::
 
-    cfg = DataConfig(path="builtin:arithmetic?max=20", max_seq_len=512, tokens_per_batch=4096)
-    data = build_sft(cfg, tokenizer)          # DataError names file/row/problem; stats for the summary
+    cfg = DataConfig(path="builtin:arithmetic?max=20", max_seq_len=512)
+    data = build_sft(cfg, tokenizer, micro_batch_tokens=4096)  # DataError names file/row/problem; stats
     it = data.iterator()                      # resumable: it.state_dict() / it.load_state_dict(...)
     batch = next(it)                          # PackedBatch (see docs/dev/contracts.md)
 

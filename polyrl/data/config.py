@@ -30,9 +30,8 @@ class DataConfig:
     max_seq_len: int = 2048
     truncation: str = "right"  # right: keep the start; drop: skip long rows (both counted)
     loss_on: str = "assistant"  # assistant | last_assistant | all
-    tokens_per_batch: int = 8192  # micro-batch token budget for packing
-    packing: str = "ffd"  # ffd | greedy
-    # pad every micro-batch to tokens_per_batch tokens and a fixed sequence count, so that shapes repeat and the
+    packing: str = "ffd"  # ffd | greedy (into micro-batches of ``engine.micro_batch_tokens``, the run's budget)
+    # pad every micro-batch to micro_batch_tokens tokens and a fixed sequence count, so that shapes repeat and the
     # training step replays as a CUDA graph (engine.cuda_graphs); costs the padding's compute (ffd fills most of it)
     fixed_shapes: bool = False
     shuffle: bool = True
@@ -60,10 +59,6 @@ class DataConfig:
             f"data.max_seq_len={self.max_seq_len}: use an integer >= 2",
         )
         need(
-            isinstance(self.tokens_per_batch, int) and self.tokens_per_batch >= 2,
-            f"data.tokens_per_batch={self.tokens_per_batch}: use an integer >= 2 (e.g. 8192)",
-        )
-        need(
             self.limit is None or self.limit >= 1,
             f"data.limit={self.limit}: use a positive row count or leave it unset",
         )
@@ -82,11 +77,6 @@ class DataConfig:
         if body.endswith(FILE_SUFFIXES) and not os.path.exists(body):
             raise ConfigError(f"data file {body!r} does not exist; check data.path / --data")
 
-    @property
-    def max_len(self) -> int:
-        """Longest single sequence: no more than max_seq_len and the packing budget."""
-        return min(self.max_seq_len, self.tokens_per_batch)
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -97,3 +87,8 @@ class DataConfig:
         if unknown:
             raise ConfigError(f"unknown data setting(s) {unknown}; known: {', '.join(sorted(known))}")
         return cls(**data)
+
+
+def max_sequence_len(cfg: DataConfig, micro_batch_tokens: int) -> int:
+    """Longest single sequence: no more than ``max_seq_len`` and the packing budget."""
+    return min(cfg.max_seq_len, micro_batch_tokens)

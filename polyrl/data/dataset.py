@@ -16,8 +16,9 @@ from typing import Any
 
 from polyrl.data import formats
 from polyrl.data.chat import ChatTokenizer
-from polyrl.data.config import DataConfig
+from polyrl.data.config import DataConfig, max_sequence_len
 from polyrl.data.examples import ChatExample, PreferenceExample, PromptExample, TokenizedSeq, TokensExample
+from polyrl.data.packing import DEFAULT_MICRO_BATCH_TOKENS
 from polyrl.data.sampler import PackedBatchIterator
 from polyrl.data.sources import iter_rows
 from polyrl.errors import ConfigError, DataError
@@ -51,12 +52,14 @@ class TokenizedData:
     units: list[tuple[TokenizedSeq, ...]]
     stats: DataStats
     config: DataConfig
+    micro_batch_tokens: int  # the packing budget the units were fitted to (``engine.micro_batch_tokens`` of a run)
 
     def iterator(self, rank: int = 0, world_size: int = 1, max_epochs: int | None = None) -> PackedBatchIterator:
         c = self.config
         return PackedBatchIterator(
-            self.units, c.tokens_per_batch, c.packing, c.shuffle, c.seed, rank, world_size, max_epochs, c.fixed_shapes
-        )
+            self.units, self.micro_batch_tokens, c.packing, c.shuffle, c.seed, rank, world_size, max_epochs,
+            c.fixed_shapes,
+        )  # fmt: skip
 
 
 def _holdout_keep(n: int, cfg: DataConfig, part: str) -> set[int] | None:
@@ -159,12 +162,14 @@ def _tokenize(tok: ChatTokenizer, ex: Any) -> tuple[TokenizedSeq, ...]:
     return (tok.tokenize_messages(ex.messages),)
 
 
-def _build(cfg: DataConfig, tokenizer: Any, purpose: str, part: str) -> TokenizedData:
+def _build(cfg: DataConfig, tokenizer: Any, purpose: str, part: str, micro_batch_tokens: int) -> TokenizedData:
+    if not isinstance(micro_batch_tokens, int) or micro_batch_tokens < 2:
+        raise ConfigError(f"micro_batch_tokens={micro_batch_tokens!r}: use an integer >= 2 (e.g. 8192)")
     examples, stats = load_examples(cfg, purpose, part)
     tok = chat_tokenizer(cfg, tokenizer)
     per_unit = 2 if purpose == "dpo" else 1
-    max_len = cfg.max_seq_len if per_unit == 1 else min(cfg.max_seq_len, cfg.tokens_per_batch // 2)
-    max_len = min(max_len, cfg.tokens_per_batch)
+    max_len = cfg.max_seq_len if per_unit == 1 else min(cfg.max_seq_len, micro_batch_tokens // 2)
+    max_len = min(max_len, max_sequence_len(cfg, micro_batch_tokens))
     units = []
     for where, ex in examples:
         try:
@@ -185,17 +190,22 @@ def _build(cfg: DataConfig, tokenizer: Any, purpose: str, part: str) -> Tokenize
             f"{stats.dropped_no_target} without target tokens, {stats.bad_rows} bad); "
             "raise max_seq_len or check loss_on"
         )
-    return TokenizedData(units, stats, cfg)
+    return TokenizedData(units, stats, cfg, micro_batch_tokens)
 
 
-def build_sft(cfg: DataConfig, tokenizer: Any, part: str = "train") -> TokenizedData:
-    """Tokenised SFT data: one sequence per unit."""
-    return _build(cfg, tokenizer, "sft", part)
+def build_sft(
+    cfg: DataConfig, tokenizer: Any, part: str = "train", micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS
+) -> TokenizedData:
+    """Tokenised SFT data: one sequence per unit, packed into micro-batches of ``micro_batch_tokens`` (a sequence
+    is at most that long)."""
+    return _build(cfg, tokenizer, "sft", part, micro_batch_tokens)
 
 
-def build_preference(cfg: DataConfig, tokenizer: Any, part: str = "train") -> TokenizedData:
+def build_preference(
+    cfg: DataConfig, tokenizer: Any, part: str = "train", micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS
+) -> TokenizedData:
     """Tokenised DPO data: units are (chosen, rejected), packed together into the same micro-batch."""
-    return _build(cfg, tokenizer, "dpo", part)
+    return _build(cfg, tokenizer, "dpo", part, micro_batch_tokens)
 
 
 def load_prompts(cfg: DataConfig, part: str = "train") -> tuple[list[PromptExample], DataStats]:

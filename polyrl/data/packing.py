@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+# The micro-batch token budget when none is given. Its owner is ``StepConfig.micro_batch_tokens`` (``[engine]``):
+# a run passes that value to the builders; this default only serves library calls without a run.
+DEFAULT_MICRO_BATCH_TOKENS = 8192
+
 PACKING_METHODS = ("ffd", "greedy")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from polyrl.data.packing import DEFAULT_MICRO_BATCH_TOKENS
 from polyrl.errors import ConfigError
 
 DECAYS = ("cosine", "linear", "constant")
@@ -144,7 +145,7 @@ class StepConfig:
     all); the others keep their activations, trading memory for less recomputation (Megatron's
     ``recompute_num_layers``, block method). Larger than the model's layer count means all."""
 
-    micro_batch_tokens: int = 8192
+    micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS  # the one owner of the packing budget (data, RL batches)
     step_tokens: int | None = None
     activation_checkpointing: bool = False
     checkpoint_layers: int | None = None

@@ -118,8 +118,8 @@ def test_grpo_trains_on_an_openai_agent_through_the_proxy(tiny_model_dir, tmp_pa
     summary = fit(
         "grpo", tiny_model_dir, "builtin:arithmetic?max=9&n=16", out, train={"max_steps": 2},
         optim={"lr": 1e-2}, engine={"micro_batch_tokens": 512},
-        grpo={"agent": f"{path}:agent", "max_new_tokens": 6, "max_turns": 2, "max_episode_tokens": 200,
-              "samples_per_prompt": 3, "prompts_per_step": 2},
+        grpo={"max_new_tokens": 6, "samples_per_prompt": 3, "prompts_per_step": 2},
+        agent={"agent": f"{path}:agent", "max_turns": 2, "max_episode_tokens": 200},
     )  # fmt: skip
     assert summary["status"] == "finished"
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from polyrl.agents.episode import Episode
-from polyrl.algorithms.colocated import pack_samples
+from polyrl.algorithms.rl_batch import pack_samples
 from polyrl.errors import ConfigError
 
 
@@ -32,32 +32,29 @@ def test_pack_puts_the_loss_on_policy_tokens_only():
 
 
 def _raw(model_dir, out, steps=3, save_every=0, algo="grpo", **kw):
-    table = {
-        "env": "guessing",
-        "env_workers": 1,
-        "prompts_per_step": 2,
-        "samples_per_prompt": 3,
-        "max_new_tokens": 6,
-        "max_turns": 3,
-        "max_episode_tokens": 256,
-        **kw,
-    }
+    agent = {"env": "guessing", "env_workers": 1, "max_turns": 3, "max_episode_tokens": 256}
+    table = {"prompts_per_step": 2, "samples_per_prompt": 3, "max_new_tokens": 6}
+    for key, value in kw.items():
+        (agent if key in agent else table)[key] = value
     return {
         "algo": algo,
         "model": str(model_dir),
         "out": str(out),
         "seed": 0,
-        "data": {"path": "builtin:arithmetic?max=9&n=32", "tokens_per_batch": 512},
+        "data": {"path": "builtin:arithmetic?max=9&n=32"},
+        "engine": {"micro_batch_tokens": 512},
         "optim": {"lr": 1e-2, "weight_decay": 0.0},
         "schedule": {"decay": "constant"},
         "train": {"max_steps": steps, "log_every": 100},
         "checkpoint": {"every_n_steps": save_every, "keep_last_k": 0, "save_final": save_every > 0},
         algo: table,
+        "agent": agent,
     }
 
 
 def _run(raw):
-    from polyrl.algorithms import config, runner
+    from polyrl import run as runner
+    from polyrl.run import config
 
     return runner.run(config.build(raw))
 
@@ -103,12 +100,12 @@ def test_cli_and_fit_take_an_env(tiny_model_dir, tmp_path, capsys):
     ]  # fmt: skip
     assert main(argv) == 0
     saved = json.loads((tmp_path / "cli" / "run_config.json").read_text())
-    assert saved["gspo"]["env"] == "calculator" and saved["gspo"]["max_turns"] == 2
+    assert saved["agent"]["env"] == "calculator" and saved["agent"]["max_turns"] == 2
     assert "episodes: env 'calculator' (1 tool(s))" in capsys.readouterr().out
     summary = fit(
         "grpo", tiny_model_dir, "builtin:arithmetic?max=9&n=16", tmp_path / "fit", train={"max_steps": 1},
-        grpo={"env": "guessing", "env_workers": 0, "max_new_tokens": 5, "max_turns": 2, "max_episode_tokens": 200,
-              "samples_per_prompt": 2, "prompts_per_step": 2},
+        grpo={"max_new_tokens": 5, "samples_per_prompt": 2, "prompts_per_step": 2},
+        agent={"env": "guessing", "env_workers": 0, "max_turns": 2, "max_episode_tokens": 200},
     )  # fmt: skip
     assert summary["status"] == "finished"
     assert "episode/turns" in _records(tmp_path / "fit")[0]
@@ -119,15 +116,16 @@ def test_cli_and_fit_take_an_env(tiny_model_dir, tmp_path, capsys):
     [
         ({"env": " "}, "must name an environment"),
         ({"env": "calculator", "max_turns": 0}, "max_turns must be a positive integer"),
-        ({"env": "calculator", "max_episode_tokens": 8, "max_new_tokens": 16}, "must exceed max_new_tokens"),
+        ({"env": "calculator", "max_episode_tokens": 8}, "must exceed grpo.max_new_tokens"),
         ({"env": "calculator", "env_timeout": 0}, "env_timeout must be > 0"),
     ],
 )
 def test_bad_agent_settings_are_config_errors(kw, message):
+    from polyrl.agents import AgentConfig
     from polyrl.algorithms.grpo import GRPOConfig
 
     with pytest.raises(ConfigError, match=message):
-        GRPOConfig(**kw)
+        AgentConfig(**kw).check(GRPOConfig(max_new_tokens=16), "grpo")
 
 
 def test_unknown_env_is_a_config_error(tiny_model_dir, tmp_path):
@@ -145,8 +143,8 @@ def test_ppo_over_episodes(tiny_model_dir, tmp_path):
     out = tmp_path / "ppo"
     summary = fit(
         "ppo", tiny_model_dir, "builtin:arithmetic?max=9&n=16", out, train={"max_steps": 1},
-        ppo={"env": "guessing", "env_workers": 0, "max_new_tokens": 5, "max_turns": 2, "max_episode_tokens": 200,
-             "prompts_per_step": 4},
+        ppo={"max_new_tokens": 5, "prompts_per_step": 4},
+        agent={"env": "guessing", "env_workers": 0, "max_turns": 2, "max_episode_tokens": 200},
     )  # fmt: skip
     assert summary["status"] == "finished"
     (r,) = _records(out)
@@ -159,7 +157,7 @@ def test_resume_restores_the_cumulative_failure_counters():
     from types import SimpleNamespace
 
     from polyrl.agents.train import with_episodes
-    from polyrl.algorithms.online import OnlineRun
+    from polyrl.run.online import OnlineRun
 
     run = object.__new__(with_episodes(OnlineRun))  # only the counter plumbing, no model
     run.pool = SimpleNamespace(totals={"error": 0, "timeout": 0})

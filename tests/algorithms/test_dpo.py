@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from polyrl import algorithms
-from polyrl.algorithms import config as rc
-from polyrl.algorithms import runner
+from polyrl import run as runner
 from polyrl.algorithms.dpo import (
     CACHE_NAME,
     DPOConfig,
@@ -25,6 +24,7 @@ from polyrl.algorithms.dpo import (
 )
 from polyrl.data import TokenizedSeq, pack_sequences
 from polyrl.errors import ConfigError
+from polyrl.run import config as rc
 
 
 def _sig(x: float) -> float:
@@ -236,7 +236,7 @@ def test_chat_message_pairs_through_the_pipeline(tiny_model_dir, tmp_path):
     ]
     path = tmp_path / "pairs.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    data = build_data(DataConfig(path=str(path), tokens_per_batch=512, shuffle=False), load_tokenizer(tiny_model_dir))
+    data = build_data(DataConfig(path=str(path), shuffle=False), load_tokenizer(tiny_model_dir), "train", 512)
     assert len(data.units) == 2 and all(len(u) == 2 for u in data.units)
     batch = next(data.iterator())
     assert batch.num_sequences == 4

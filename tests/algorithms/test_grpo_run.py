@@ -55,7 +55,8 @@ def _raw(model_dir, out, reward, algo="grpo", steps=4, save_every=0, **algo_kw):
         "model": str(model_dir),
         "out": str(out),
         "seed": 0,
-        "data": {"path": "builtin:arithmetic?max=9&n=64", "tokens_per_batch": 256},
+        "data": {"path": "builtin:arithmetic?max=9&n=64"},
+        "engine": {"micro_batch_tokens": 256},
         "optim": {"lr": 5e-2, "weight_decay": 0.0},
         "schedule": {"decay": "constant"},
         "train": {"max_steps": steps, "log_every": 100},
@@ -65,7 +66,8 @@ def _raw(model_dir, out, reward, algo="grpo", steps=4, save_every=0, **algo_kw):
 
 
 def _run(raw):
-    from polyrl.algorithms import config, runner
+    from polyrl import run as runner
+    from polyrl.run import config
 
     return runner.run(config.build(raw))
 

@@ -118,14 +118,15 @@ def test_start_from_an_adapter_folder(lora_run, tmp_path):
 
 
 def test_dpo_with_lora_trains_the_adapter(tiny_model_dir, tmp_path):
-    from polyrl.algorithms import config as rc
-    from polyrl.algorithms import runner
+    from polyrl import run as runner
+    from polyrl.run import config as rc
 
     raw = {
         "algo": "dpo",
         "model": str(tiny_model_dir),
         "out": str(tmp_path / "dpo"),
-        "data": {"path": "builtin:arithmetic-pref?max=9&n=32", "max_seq_len": 64, "tokens_per_batch": 512},
+        "data": {"path": "builtin:arithmetic-pref?max=9&n=32", "max_seq_len": 64},
+        "engine": {"micro_batch_tokens": 512},
         "optim": {"lr": 2e-2, "weight_decay": 0.0},
         "schedule": {"decay": "constant"},
         "train": {"max_steps": 5, "log_every": 100},
@@ -145,7 +146,8 @@ def _grpo_raw(model_dir, out, reward, **lora):
         "model": str(model_dir),
         "out": str(out),
         "seed": 0,
-        "data": {"path": "builtin:arithmetic?max=9&n=32", "tokens_per_batch": 256},
+        "data": {"path": "builtin:arithmetic?max=9&n=32"},
+        "engine": {"micro_batch_tokens": 256},
         "optim": {"lr": 5e-2, "weight_decay": 0.0},
         "schedule": {"decay": "constant"},
         "train": {"max_steps": 2, "log_every": 100},
@@ -156,9 +158,9 @@ def _grpo_raw(model_dir, out, reward, **lora):
 
 
 def test_grpo_with_lora_runs_and_trains_adapters_only(tiny_model_dir, tmp_path):
-    from polyrl.algorithms import config as rc
-    from polyrl.algorithms import runner
+    from polyrl import run as runner
     from polyrl.models.lora import read_adapter_config
+    from polyrl.run import config as rc
 
     rewards = tmp_path / "rewards.py"
     rewards.write_text("def chars(completion, example):\n    return float(len(set(completion)))\n")
@@ -174,10 +176,11 @@ def test_grpo_with_lora_runs_and_trains_adapters_only(tiny_model_dir, tmp_path):
 
 
 def test_colocated_lora_reference_and_merge_for_rollout(tiny_model_dir):
-    from polyrl.algorithms.colocated import ColocatedPolicy, pack_samples
+    from polyrl.algorithms.rl_batch import pack_samples
     from polyrl.infer import SamplingParams
     from polyrl.models.checkpoint import load_model, load_tokenizer
     from polyrl.models.lora import AdapterDisabled, LoraConfig, adapter_parameters, apply_lora, lora_layers
+    from polyrl.run.colocated import ColocatedPolicy
     from polyrl.train import OptimConfig
 
     tok = load_tokenizer(tiny_model_dir)
@@ -199,7 +202,7 @@ def test_colocated_lora_reference_and_merge_for_rollout(tiny_model_dir):
         assert max((a - b).abs().max().item() for a, b in zip(lp, ref_lp)) > 1e-4  # adapter on vs off
 
         def loss_fn(m, b):
-            from polyrl.algorithms.colocated import completion_logprobs
+            from polyrl.algorithms.rl_batch import completion_logprobs
 
             tl, _ = completion_logprobs(m, b, 1.0, False)
             return -(tl * b.mask).sum(), {}
@@ -230,8 +233,8 @@ def test_qlora_sft_run_learns_and_resumes_exactly(tiny_model_dir, tmp_path):
 
 def test_ppo_from_an_adapter_folder(lora_run, tmp_path):
     """PPO with LoRA, started from a PEFT adapter: the policy continues the adapter, the critic starts from its base."""
-    from polyrl.algorithms import config as rc
-    from polyrl.algorithms import runner
+    from polyrl import run as runner
+    from polyrl.run import config as rc
 
     rewards = tmp_path / "rewards.py"
     rewards.write_text("def chars(completion, example):\n    return float(len(set(completion)))\n")
@@ -247,8 +250,8 @@ def test_ppo_from_an_adapter_folder(lora_run, tmp_path):
 def test_example_toml_and_bad_lora_tables(tiny_model_dir):
     from pathlib import Path
 
-    from polyrl.algorithms import config as rc
     from polyrl.errors import ConfigError
+    from polyrl.run import config as rc
 
     raw = rc.load_file(Path(__file__).resolve().parents[2] / "examples" / "sft_lora_arithmetic.toml")
     cfg = rc.build({**raw, "model": str(tiny_model_dir)})

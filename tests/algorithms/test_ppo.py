@@ -10,12 +10,12 @@ import math
 import pytest
 import torch
 
-from polyrl.algorithms import config as rc
-from polyrl.algorithms import runner
-from polyrl.algorithms.colocated import Sample, pack_samples
+from polyrl import run as runner
 from polyrl.algorithms.losses import clipped_token_loss
 from polyrl.algorithms.ppo import PPOConfig, explained_variance, make_policy_loss, make_value_loss, value_loss
+from polyrl.algorithms.rl_batch import Sample, pack_samples
 from polyrl.errors import ConfigError
+from polyrl.run import config as rc
 
 
 # ---- losses -------------------------------------------------------------------------------------
@@ -47,7 +47,7 @@ def _samples():
 
 
 def test_policy_loss_is_the_shared_clip_math(tiny_model):
-    from polyrl.algorithms.colocated import completion_logprobs
+    from polyrl.algorithms.rl_batch import completion_logprobs
 
     model = tiny_model("qwen3", seed=3)
     samples = _samples()
@@ -178,7 +178,8 @@ def _raw(model_dir, out, reward, steps=6, **ppo):
         "model": str(model_dir),
         "out": str(out),
         "seed": 0,
-        "data": {"path": "builtin:arithmetic?max=9&n=64", "tokens_per_batch": 512},
+        "data": {"path": "builtin:arithmetic?max=9&n=64"},
+        "engine": {"micro_batch_tokens": 512},
         "optim": {"lr": 2e-3, "weight_decay": 0.0},
         "schedule": {"decay": "constant"},
         "train": {"max_steps": steps, "log_every": 100},

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from polyrl.algorithms import colocated
 from polyrl.algorithms.grpo import GRPOConfig
 from polyrl.errors import ConfigError
+from polyrl.run import colocated
 
 
 def test_auto_resolution(monkeypatch):

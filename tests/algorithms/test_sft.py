@@ -11,17 +11,17 @@ import torch
 
 from polyrl import algorithms
 from polyrl.algorithms import AlgorithmSpec, NoConfig
-from polyrl.algorithms import config as rc
 from polyrl.algorithms.sft import SFTConfig, make_loss, normalizer, sequence_mean_loss
 from polyrl.data import TokenizedSeq, pack_sequences
 from polyrl.errors import ConfigError
+from polyrl.run import config as rc
 
 
 # ---- registry -----------------------------------------------------------------------------------
 def test_registry_lists_and_loads_sft():
     assert "sft" in algorithms.names()
     spec = algorithms.get("sft")
-    assert spec.name == "sft" and spec.config_cls is SFTConfig and spec.run is None
+    assert spec.name == "sft" and spec.config_cls is SFTConfig and spec.loop == "offline"
     with pytest.raises(ConfigError, match=r"unknown algorithm 'dpo-x'; choose one of: .*sft"):
         algorithms.get("dpo-x")
 
@@ -29,13 +29,17 @@ def test_registry_lists_and_loads_sft():
 def test_register_is_one_call_and_validates_the_spec(monkeypatch):
     monkeypatch.setattr(algorithms, "_REGISTERED", dict(algorithms._REGISTERED))
     calls = []
-    spec = algorithms.register(AlgorithmSpec("echo", "test algorithm", run=lambda cfg: calls.append(cfg) or {}))
+    spec = algorithms.register(
+        AlgorithmSpec("echo", "test algorithm", build_data=calls.append, make_loss=lambda cfg: calls.append)
+    )
     assert algorithms.get("echo") is spec and "echo" in algorithms.names()
     assert spec.make_config({}) == NoConfig()
     with pytest.raises(ConfigError, match="echo has no settings"):
         spec.make_config({"beta": 1})
-    with pytest.raises(ValueError, match="give run, or build_data and make_loss"):
+    with pytest.raises(ValueError, match="the offline loop needs build_data and make_loss"):
         AlgorithmSpec("broken", "no way to train")
+    with pytest.raises(ValueError, match="the online loop needs hooks"):
+        AlgorithmSpec("broken", "no hooks", loop="online")
 
 
 # ---- run config ---------------------------------------------------------------------------------
@@ -55,10 +59,12 @@ def test_build_defaults_seed_and_token_budget(model_dir):
     cfg = rc.build(_raw(model_dir, seed=7, engine={"micro_batch_tokens": 1024}))
     assert cfg.algo == "sft" and cfg.spec is algorithms.get("sft")
     assert cfg.data.seed == cfg.engine.seed == 7
-    assert cfg.data.tokens_per_batch == cfg.engine.micro_batch_tokens == 1024
-    cfg = rc.build(_raw(model_dir, data={"path": "builtin:arithmetic", "tokens_per_batch": 512, "seed": 1}))
+    assert cfg.engine.micro_batch_tokens == 1024 and not hasattr(cfg.data, "tokens_per_batch")  # one owner
+    cfg = rc.build(_raw(model_dir, data={"path": "builtin:arithmetic", "seed": 1}, engine={"micro_batch_tokens": 512}))
     assert cfg.engine.micro_batch_tokens == 512 and cfg.data.seed == 1 and cfg.engine.seed == 0
-    assert rc.build(_raw(model_dir)).data.tokens_per_batch == cfg.engine.__class__().micro_batch_tokens
+    assert rc.build(_raw(model_dir)).engine.micro_batch_tokens == cfg.engine.__class__().micro_batch_tokens == 8192
+    with pytest.raises(ConfigError, match="data.tokens_per_batch is now engine.micro_batch_tokens"):
+        rc.build(_raw(model_dir, data={"path": "builtin:arithmetic", "tokens_per_batch": 512}))
 
 
 def test_to_dict_round_trips_through_json(model_dir, tmp_path):
@@ -163,7 +169,7 @@ def test_sequence_mean_loss_gradient_flows(tiny_model):
 
 # ---- runner pieces ------------------------------------------------------------------------------
 def test_total_steps_from_epochs_and_accumulation(model_dir):
-    from polyrl.algorithms.runner import total_steps
+    from polyrl.run.offline import total_steps
 
     base = _raw(model_dir, engine={"micro_batch_tokens": 256, "step_tokens": 1024})
     assert total_steps(rc.build(base), batches_per_epoch=10) == 3  # 10 micro-batches / 4 per step, rounded up
@@ -172,8 +178,8 @@ def test_total_steps_from_epochs_and_accumulation(model_dir):
 
 
 def test_resume_point_rules(model_dir, tmp_path):
-    from polyrl.algorithms.runner import resume_point
     from polyrl.errors import CheckpointError
+    from polyrl.run.offline import resume_point
 
     out = tmp_path / "run"
     cfg = rc.build({**_raw(model_dir), "out": str(out)})
@@ -189,14 +195,14 @@ def test_resume_point_rules(model_dir, tmp_path):
 
 
 def test_eval_loss_is_the_token_mean(tiny_model):
-    from polyrl.algorithms.runner import evaluate_loss
     from polyrl.data import DataConfig
     from polyrl.data.dataset import DataStats, TokenizedData
+    from polyrl.run.offline import evaluate_loss
     from polyrl.train.losses import causal_lm_loss
 
     model = tiny_model()
     seqs = _batch([7, 9, 5, 11], [2, 2, 1, 3], model.config.vocab_size, seed=2)
-    data = TokenizedData([(s,) for s in seqs], DataStats(), DataConfig(tokens_per_batch=16, shuffle=False))
+    data = TokenizedData([(s,) for s in seqs], DataStats(), DataConfig(shuffle=False), 16)
     spec = algorithms.get("sft")
     got = evaluate_loss(model, data, causal_lm_loss, spec, SFTConfig(), torch.device("cpu"))
     packed = pack_sequences(seqs)

@@ -49,7 +49,7 @@ def test_outputs_of_a_run(finished_run):
     assert cfg["optim"]["betas"] == [0.9, 0.99]
     assert cfg["train"]["max_steps"] == 4 and cfg["checkpoint"]["every_n_steps"] == 2
     assert cfg["data"]["seed"] == 3 and cfg["engine"]["seed"] == 3
-    assert cfg["data"]["tokens_per_batch"] == cfg["engine"]["micro_batch_tokens"] == 256
+    assert cfg["engine"]["micro_batch_tokens"] == 256 and "tokens_per_batch" not in cfg["data"]
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert ckpts == ["step-00000002", "step-00000004"]
     state = json.loads((out / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
@@ -98,12 +98,14 @@ def test_existing_run_needs_resume(finished_run, capsys):
 
 def _no_model_load(monkeypatch):
     import polyrl.models.checkpoint as ckpt
+    import polyrl.run.offline as offline
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(ckpt, "load_model", boom)
-    monkeypatch.setattr(ckpt, "load_tokenizer", boom)
+    for module in (ckpt, offline):  # the defining module and the run that imported the names
+        monkeypatch.setattr(module, "load_model", boom)
+        monkeypatch.setattr(module, "load_tokenizer", boom)
 
 
 @pytest.mark.parametrize(
@@ -113,7 +115,7 @@ def _no_model_load(monkeypatch):
         (["--set", "optim.bogus=1"], "unknown optim setting(s) ['bogus']"),
         (["--algo", "nope"], "unknown algorithm 'nope'; choose one of: "),
         (["--tokens-per-step", "10"], "engine.step_tokens (10) must be an integer >= engine.micro_batch_tokens"),
-        (["--set", "data.tokens_per_batch=512"], "are the same budget"),
+        (["--set", "data.tokens_per_batch=512"], "data.tokens_per_batch is now engine.micro_batch_tokens"),
         (["--set", "sft.normalize=words"], "sft.normalize must be one of"),
         (["--dtype", "fp16", "--set", "precision.compute_dtype=int8"], "precision.compute_dtype must be one of"),
         (["--algo", "dpo", "--set", "data.fixed_shapes=true"], "data.fixed_shapes pads training batches to one shape"),

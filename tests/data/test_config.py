@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from polyrl.data import DataConfig, build_sft
+from polyrl.data.config import max_sequence_len
 from polyrl.errors import ConfigError
 
 
@@ -16,7 +17,6 @@ from polyrl.errors import ConfigError
         ({"loss_on": "user"}, "data.loss_on='user'"),
         ({"packing": "bfd"}, "data.packing='bfd'"),
         ({"max_seq_len": 1}, "max_seq_len=1"),
-        ({"tokens_per_batch": 0}, "tokens_per_batch=0"),
         ({"limit": 0}, "data.limit=0"),
         ({"holdout": 1.0}, "data.holdout=1.0"),
     ],
@@ -31,7 +31,13 @@ def test_dict_round_trip_and_unknown_keys():
     assert DataConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ConfigError, match=r"unknown data setting\(s\) \['max_len'\]"):
         DataConfig.from_dict({"path": "builtin:copy", "max_len": 3})
-    assert DataConfig(max_seq_len=4096, tokens_per_batch=1024).max_len == 1024
+    assert max_sequence_len(DataConfig(max_seq_len=4096), 1024) == 1024
+
+
+def test_micro_batch_budget_is_checked_by_the_builder(tokenizer):
+    """The packing budget belongs to the run (``engine.micro_batch_tokens``); the builders check what they get."""
+    with pytest.raises(ConfigError, match="micro_batch_tokens=0"):
+        build_sft(DataConfig(path="builtin:arithmetic"), tokenizer, micro_batch_tokens=0)
 
 
 def test_empty_path_and_template_file(tmp_path, tokenizer, plain_tokenizer):

@@ -61,8 +61,8 @@ def test_ranks_split_batches_evenly():
 
 
 def test_builtin_sft_end_to_end_batches_fit_budget(tokenizer):
-    cfg = DataConfig(path="builtin:arithmetic?n=64", tokens_per_batch=128, max_seq_len=64, seed=0)
-    data = build_sft(cfg, tokenizer)
+    cfg = DataConfig(path="builtin:arithmetic?n=64", max_seq_len=64, seed=0)
+    data = build_sft(cfg, tokenizer, micro_batch_tokens=128)
     assert data.stats.rows == 64 and data.stats.sequences == 64 and data.stats.bad_rows == 0
     it = data.iterator(max_epochs=1)
     batches = list(it)
@@ -78,7 +78,7 @@ def test_builtin_sft_end_to_end_batches_fit_budget(tokenizer):
 
 
 def test_preference_units_stay_together(tokenizer):
-    data = build_preference(DataConfig(path="builtin:arithmetic-pref?n=20", tokens_per_batch=200), tokenizer)
+    data = build_preference(DataConfig(path="builtin:arithmetic-pref?n=20"), tokenizer, micro_batch_tokens=200)
     assert len(data.units) == 20 and all(len(u) == 2 for u in data.units)
     batch = next(data.iterator())
     assert batch.num_sequences % 2 == 0

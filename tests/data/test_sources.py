@@ -101,7 +101,7 @@ def test_truncation_right_and_drop_are_counted(tmp_path, write_jsonl, tokenizer)
     kept = build_sft(DataConfig(path=str(path), max_seq_len=24, loss_on="all"), tokenizer)
     assert len(kept.units) == 2 and len(kept.units[1][0]) == 24 and kept.units[1][0].truncated
     # A sequence longer than the packing budget follows the same policy.
-    budget = build_sft(DataConfig(path=str(path), max_seq_len=512, tokens_per_batch=24, loss_on="all"), tokenizer)
+    budget = build_sft(DataConfig(path=str(path), max_seq_len=512, loss_on="all"), tokenizer, micro_batch_tokens=24)
     assert max(len(u[0]) for u in budget.units) == 24 and budget.stats.truncated == 1
 
 

@@ -62,8 +62,8 @@ def resume_worker(rank: int, world_size: int, whole: dict, resumed: dict, port: 
     import os
     import shutil
 
-    from polyrl.algorithms import config as rc
-    from polyrl.algorithms import runner
+    from polyrl import run as runner
+    from polyrl.run import config as rc
 
     runner.run(rc.build(whole))  # starts and ends its own process group
     os.environ["MASTER_PORT"] = str(port)

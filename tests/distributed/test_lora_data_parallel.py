@@ -59,8 +59,8 @@ def _sft_raw(model_dir, out, **extra) -> dict:
         "model": str(model_dir),
         "out": str(out),
         "seed": 1,
-        "data": {"path": "builtin:arithmetic?n=48", "max_seq_len": 64, "tokens_per_batch": 256},
-        "engine": {"step_tokens": 512, "deterministic": True},
+        "data": {"path": "builtin:arithmetic?n=48", "max_seq_len": 64},
+        "engine": {"micro_batch_tokens": 256, "step_tokens": 512, "deterministic": True},
         "optim": {"lr": 1e-2},
         "schedule": {"decay": "constant"},
         "train": {"max_steps": 3, "log_every": 1},
@@ -92,8 +92,8 @@ def test_two_rank_lora_run_checkpoints_and_resumes_exactly(tiny_model_dir, tmp_p
     assert any(float(t.abs().max()) > 0 for k, t in a.items() if "lora_B" in k)
 
     # The replicated checkpoint is the one-process layout: it resumes in one plain process too (step 3 of 3).
-    from polyrl.algorithms import config as rc
-    from polyrl.algorithms import runner
+    from polyrl import run as runner
+    from polyrl.run import config as rc
 
     single = tmp_path / "single"
     shutil.copytree(resumed, single)

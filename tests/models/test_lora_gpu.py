@@ -52,9 +52,9 @@ def test_bf16_base_frozen_adapters_mastered(tiny_model_dir, quantize):
 
 @pytest.mark.parametrize("merge", [False, True])
 def test_rollout_with_cuda_graphs_unmerged_and_merged(tiny_model_dir, merge):
-    from polyrl.algorithms.colocated import ColocatedPolicy
     from polyrl.infer import RolloutConfig, SamplingParams
     from polyrl.platform import device
+    from polyrl.run.colocated import ColocatedPolicy
     from polyrl.train import OptimConfig
 
     if not device.supports_graphs():

@@ -13,7 +13,7 @@ _ANSWER_RE = re.compile(r"answer\s*(?:is)?\s*[:=]\s*(.+)", re.IGNORECASE)
 _NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
 
 
-def _last_boxed(text: str) -> str | None:
+def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}``, with nested braces balanced; None when there is none."""
     start = text.rfind("\\boxed{")
     if start < 0:
@@ -32,7 +32,7 @@ def _last_boxed(text: str) -> str | None:
 
 def extract_answer(text: str) -> str:
     """The final answer in ``text``: last \\boxed{...}, else the last 'Answer: X', else the stripped text."""
-    boxed = _last_boxed(text)
+    boxed = last_boxed(text)
     if boxed is not None:
         return boxed.strip()
     matches = _ANSWER_RE.findall(text)

@@ -21,7 +21,7 @@ Pieces: ``world`` (process group from torchrun's variables), ``fsdp`` (``shard_m
 full-tensor gathering), ``replicate`` (DDP-style replicas: broadcast, gradient all-reduce), ``checkpoint`` (DCP and
 replicated checkpoints that resume at any world size, HF / PEFT export), ``rollout`` (data-parallel generation with
 gathered full weights). Not here: the run loop
-(``polyrl.algorithms.runner``), the launcher (torchrun; ``polyrl train --nproc-per-node`` re-launches
+(``polyrl.run``), the launcher (torchrun; ``polyrl train --nproc-per-node`` re-launches
 through it), a home-made cluster layer.
 """
 

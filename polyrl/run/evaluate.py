@@ -10,6 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from polyrl.data.builtin import check
+from polyrl.data.chat import ChatTokenizer
+from polyrl.infer.config import RolloutConfig
+from polyrl.infer.llm import LLM
+from polyrl.infer.sampling_params import SamplingParams
+
 
 @dataclass
 class ExactMatch:
@@ -33,8 +39,6 @@ def exact_match(
     max_model_len: int = 256,
 ) -> ExactMatch:
     """Greedy-decode every prompt (``PromptExample``: messages + answer) and check the answers."""
-    from polyrl.data import ChatTokenizer, check
-    from polyrl.infer import LLM, RolloutConfig, SamplingParams
 
     chat = ChatTokenizer(tokenizer)
     ids = [chat.encode_prompt(p.messages) for p in prompts]

@@ -1,4 +1,5 @@
-"""The online RL run loop (``polyrl train --algo grpo|gspo``; PPO reuses its pieces), over a colocated policy.
+"""The online RL run loop (``polyrl train --algo grpo|gspo``; PPO's ``actor_critic`` extends it), over a colocated
+policy.
 
 One RL step, each stage a method of ``OnlineRun`` so an algorithm can override one without copying the rest:
 
@@ -27,108 +28,51 @@ joins every FSDP collective), normalised by the global token count; metrics are 
 checkpoints (sharded, or replicated for LoRA) resume at any world size.
 
 ``hooks`` (e.g. ``grpo.GroupRelative``) provide ``needs_reference``, ``advantages(rewards, groups) -> (adv, keep,
-metrics)``, ``normalizer(tokens, sequences)`` and ``make_loss(tokens_in_step, normalizer)``. ``OnlineConfig`` holds
-the settings every online algorithm shares; an algorithm's ``[table]`` subclasses it. Not here: loss math
-(``losses``), advantages, reward functions, the colocated engines (``colocated``).
+metrics)``, ``normalizer(tokens, sequences)`` and ``make_loss(tokens_in_step, normalizer)`` (``OnlineHooks`` of
+``polyrl.algorithms.online_config``, whose ``OnlineConfig`` holds the settings every online algorithm shares). A
+registered episode producer (``cfg.episodes``, see ``polyrl.run.episodes``) puts its ``collect`` / ``evaluate`` in
+front of the run class: agentic RL without this package importing ``polyrl.agents``. Not here: loss math
+(``losses``), advantages, reward functions, the colocated engines (``colocated``), the critic (``actor_critic``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
+import torch.distributed as dist
 
-from polyrl.algorithms.data_parallel import DataParallelSteps
+from polyrl.algorithms.losses import kl_penalty, tis_weights
+from polyrl.algorithms.online_config import OnlineHooks
+from polyrl.algorithms.rewards import RewardPool, example_view
+from polyrl.algorithms.rl_batch import RLBatch, Sample, pack_samples
+from polyrl.data.builtin import check
+from polyrl.data.config import DataConfig
+from polyrl.data.dataset import chat_tokenizer, load_prompts
+from polyrl.data.examples import PromptExample
 from polyrl.errors import CheckpointError, ConfigError, DataError
-
-
-@dataclass
-class OnlineConfig:
-    """Rollout, reward and update-schedule settings shared by online algorithms."""
-
-    reward: str = "exact_match"  # builtin name, sum of builtins, or path/to/file.py:fn
-    reward_workers: int = 2  # processes; 0 = in this process (no timeout)
-    reward_timeout: float = 10.0  # seconds per call
-    failure_reward: float = 0.0  # reward of a call that raised, timed out or returned a non-number
-    samples_per_prompt: int = 8
-    prompts_per_step: int = 8
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_prompt_len: int = 1024  # longer prompts are skipped (counted)
-    ppo_epochs: int = 1  # passes over each rollout batch
-    mini_batches: int = 1  # optimizer steps per pass
-    eval_prompts: int = 200  # held-out prompts scored at each evaluation
-    eval_max_new_tokens: int | None = None  # default max_new_tokens
-    rollout_max_num_seqs: int = 512  # sequences decoded together (a whole 64 x 8 step in one wave)
-    rollout_num_blocks: int | None = None  # KV cache blocks; None = from free memory, at most what the run uses
-    rollout_gpu_memory_utilization: float = 0.85
-    # free the KV cache while training (True), keep it and its CUDA graphs across steps (False), or "auto": keep it
-    # on an accelerator when it takes at most a quarter of the device memory (colocated.KEEP_KV_FRACTION)
-    release_kv: bool | str = "auto"
-    # agentic RL (polyrl.agents): episodes against an environment instead of single completions; reward unused
-    env: str | None = None  # builtin environment (calculator, guessing) or path/to/file.py:Class
-    agent: str | None = None  # proxy mode: path/to/file.py:fn, fn(base_url, example) -> reward, an openai-client agent
-    max_turns: int = 4  # assistant turns per episode (max_new_tokens is per turn)
-    max_episode_tokens: int = 1024  # the whole episode, opening prompt included
-    env_workers: int = 2  # processes; 0 = in this process (no timeout)
-    env_timeout: float = 30.0  # seconds per reset/step call (proxy mode: per agent episode)
-
-    def table_name(self) -> str:
-        return "online"
-
-    def __post_init__(self) -> None:
-        name = self.table_name()
-        positive_ints = ("samples_per_prompt", "prompts_per_step", "max_new_tokens", "max_prompt_len", "ppo_epochs")
-        for key in (*positive_ints, "mini_batches", "eval_prompts", "rollout_max_num_seqs"):
-            v = getattr(self, key)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{name}.{key} must be a positive integer, got {v!r}")
-        if self.mini_batches > self.prompts_per_step * self.samples_per_prompt:
-            raise ConfigError(f"{name}.mini_batches ({self.mini_batches}) exceeds the samples per step")
-        if self.release_kv not in (True, False, "auto"):
-            raise ConfigError(f'{name}.release_kv must be true, false or "auto", got {self.release_kv!r}')
-        if not self.temperature > 0:
-            raise ConfigError(
-                f"{name}.temperature must be > 0 for RL sampling (the ratios need it), got {self.temperature}"
-            )
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"{name}.top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.reward_workers, int) or self.reward_workers < 0:
-            raise ConfigError(f"{name}.reward_workers must be >= 0, got {self.reward_workers!r}")
-        if not self.reward_timeout > 0:
-            raise ConfigError(f"{name}.reward_timeout must be > 0 seconds, got {self.reward_timeout}")
-        if not isinstance(self.reward, str) or not self.reward.strip():
-            raise ConfigError(f"{name}.reward is empty; pass --reward NAME or --reward path/to/file.py:fn")
-        if self.env is not None or self.agent is not None:
-            self._check_env(name)
-
-    def _check_env(self, name: str) -> None:
-        if self.env is not None and self.agent is not None:
-            raise ConfigError(f"{name}.env and {name}.agent are two ways to run episodes; set only one")
-        if self.agent is not None and (not isinstance(self.agent, str) or ":" not in self.agent):
-            raise ConfigError(f"{name}.agent must be path/to/file.py:function (an agent taking base_url, example)")
-        if self.env is not None and (not isinstance(self.env, str) or not self.env.strip()):
-            raise ConfigError(f"{name}.env must name an environment (calculator, guessing) or path/to/file.py:Class")
-        for key in ("max_turns", "max_episode_tokens"):
-            v = getattr(self, key)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{name}.{key} must be a positive integer, got {v!r}")
-        if self.max_episode_tokens <= self.max_new_tokens:
-            raise ConfigError(
-                f"{name}.max_episode_tokens ({self.max_episode_tokens}) must exceed max_new_tokens "
-                f"({self.max_new_tokens}, per turn); raise it"
-            )
-        if not isinstance(self.env_workers, int) or isinstance(self.env_workers, bool) or self.env_workers < 0:
-            raise ConfigError(f"{name}.env_workers must be >= 0, got {self.env_workers!r}")
-        if not self.env_timeout > 0:
-            raise ConfigError(f"{name}.env_timeout must be > 0 seconds, got {self.env_timeout}")
+from polyrl.infer.config import RolloutConfig
+from polyrl.infer.sampling_params import SamplingParams
+from polyrl.models.checkpoint import load_tokenizer
+from polyrl.run.colocated import ColocatedPolicy
+from polyrl.run.config import RunConfig, save_resolved
+from polyrl.run.data_parallel import DataParallelSteps
+from polyrl.run.offline import (
+    export_final,
+    open_checkpoints,
+    place_policy,
+    report_stream,
+    resume_note,
+    resume_point,
+    tokenizer_path,
+)
+from polyrl.train import parallel as par
+from polyrl.train.metrics import MetricsLogger
 
 
 class PromptStream:
@@ -178,22 +122,10 @@ def _mean(xs: list[float]) -> float:
 class OnlineRun(DataParallelSteps):
     """A whole online run (see the module docstring); ``run()`` returns the summary."""
 
-    def __init__(self, cfg: Any, hooks: Any, stream: Any = None) -> None:
-        from polyrl.algorithms.colocated import ColocatedPolicy
-        from polyrl.algorithms.rewards import RewardPool
-        from polyrl.algorithms.runner import load_policy, resume_point, tokenizer_path
-        from polyrl.infer import RolloutConfig, SamplingParams
-        from polyrl.models.checkpoint import load_tokenizer
-        from polyrl.platform import device
-        from polyrl.train import parallel as par
-
+    def __init__(self, cfg: RunConfig, hooks: OnlineHooks, stream: TextIO | None = None) -> None:
         self.cfg, self.hooks, self.a = cfg, hooks, cfg.algo_config
         self.world = par.init_world()
-        self.stream_out = stream or sys.stdout
-        if not self.world.is_main:
-            import os
-
-            self.stream_out = open(os.devnull, "w")  # noqa: SIM115 - one report, from rank 0
+        self.stream_out = report_stream(stream, self.world)
         self.out = Path(cfg.out)
         self.t_start = time.perf_counter()
         self.start_point = resume_point(cfg)
@@ -201,74 +133,73 @@ class OnlineRun(DataParallelSteps):
         self.prompts, self.prompt_ids, self.views, skipped = self._load(cfg.data, "train")
         self.eval_set = self._eval_set() if cfg.train.eval_every > 0 else None
         self.steps = self._total_steps()
+        a = self.a
+        self.print(
+            f"{cfg.algo}: {len(self.prompts)} prompts ({skipped} longer than max_prompt_len skipped), {self.steps} "
+            f"steps of {a.prompts_per_step} prompts x {a.samples_per_prompt} samples, "
+            f"{a.ppo_epochs * a.mini_batches} optimizer step(s) each; reward {a.reward!r}"
+        )
+        if self.world.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            save_resolved(cfg, self.out)
+        self.policy = self._make_policy()
+        self.sampling = SamplingParams(temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_new_tokens)
+        self.pool = None  # rank 0 scores every sample (one set of reward workers per run)
+        if self.world.is_main:
+            self.pool = RewardPool(a.reward, a.reward_workers, a.reward_timeout, a.failure_reward)
+        self.data = PromptStream(len(self.prompts), cfg.data.seed)
+        self.start = 0
+        if self.start_point is not None:
+            self._resume()
+
+    def rollout_config(self) -> RolloutConfig:
+        """The rollout engine sized for this run: the longest prompt plus the longest generation (an episode's
+        whole context in agentic runs), every sequence of a step (or of the eval set) in one wave."""
+        a = self.a
         longest = max(len(x) for x in self.prompt_ids + (self.eval_set[1] if self.eval_set else []))
-        gen = max(self.a.max_new_tokens, self.a.eval_max_new_tokens or 0)
-        if getattr(self.a, "env", None) or getattr(self.a, "agent", None):  # episodes: the context holds them whole
-            gen = max(gen, self.a.max_episode_tokens - longest)
+        gen = max(a.max_new_tokens, a.eval_max_new_tokens or 0)
+        if self.cfg.episodes is not None:  # episodes: the context holds them whole
+            gen = max(gen, self.cfg.episodes.max_episode_tokens - longest)
         seqs = min(
-            self.a.rollout_max_num_seqs,
-            max(self.a.prompts_per_step * self.a.samples_per_prompt, len(self.eval_set[0]) if self.eval_set else 1),
+            a.rollout_max_num_seqs,
+            max(a.prompts_per_step * a.samples_per_prompt, len(self.eval_set[0]) if self.eval_set else 1),
         )
         block = RolloutConfig.block_size
         # the most the rollout can hold at once (+1 block per sequence of slack), not all free memory: a smaller
         # cache is allocated and zeroed faster after every release
-        rollout = RolloutConfig(
-            num_blocks=self.a.rollout_num_blocks,
+        return RolloutConfig(
+            num_blocks=a.rollout_num_blocks,
             max_num_blocks=seqs * (-(-(longest + gen + 1) // block) + 1),
-            gpu_memory_utilization=self.a.rollout_gpu_memory_utilization,
+            gpu_memory_utilization=a.rollout_gpu_memory_utilization,
             max_num_seqs=seqs,
             max_model_len=longest + gen + 1,
             max_num_batched_tokens=max(8192, longest + gen + 1),
         )
-        self.print(
-            f"{cfg.algo}: {len(self.prompts)} prompts ({skipped} longer than max_prompt_len skipped), {self.steps} "
-            f"steps of {self.a.prompts_per_step} prompts x {self.a.samples_per_prompt} samples, "
-            f"{self.a.ppo_epochs * self.a.mini_batches} optimizer step(s) each; reward {self.a.reward!r}"
-        )
-        if self.world.is_main:
-            from polyrl.algorithms.config import save_resolved
 
-            self.out.mkdir(parents=True, exist_ok=True)
-            save_resolved(cfg, self.out)
-        dev = self.world.device if self.world.distributed else device.torch_device()
-        model = load_policy(cfg, dev, self.world)
-        if self.world.distributed:  # FSDP2-sharded; LoRA: replicated (every rank rolls out base + its adapter)
-            from polyrl.train import resolve_compute_dtype
-
-            par.distribute_model(model, self.world, resolve_compute_dtype(cfg.precision, dev.type))
-        self.policy = ColocatedPolicy(
+    def _make_policy(self) -> ColocatedPolicy:
+        """The policy (FSDP2-sharded under torchrun; LoRA: replicated, every rank rolls out base + its adapter) with
+        its rollout engine over the same weights."""
+        cfg, a = self.cfg, self.a
+        model, _ = place_policy(cfg, self.world)
+        return ColocatedPolicy(
             model,
             self.tokenizer,
             cfg.optim,
             cfg.schedule,
             cfg.precision,
             cfg.engine,
-            rollout,
-            total_steps=self.steps * self.a.ppo_epochs * self.a.mini_batches,
-            release_kv=self.a.release_kv,
-            reference=hooks.needs_reference,
+            self.rollout_config(),
+            total_steps=self.steps * a.ppo_epochs * a.mini_batches,
+            release_kv=a.release_kv,
+            reference=self.hooks.needs_reference,
             world=self.world,
         )
-        self.sampling = SamplingParams(
-            temperature=self.a.temperature, top_p=self.a.top_p, max_tokens=self.a.max_new_tokens
-        )
-        self.pool = None  # rank 0 scores every sample (one set of reward workers per run)
-        if self.world.is_main:
-            self.pool = RewardPool(self.a.reward, self.a.reward_workers, self.a.reward_timeout, self.a.failure_reward)
-        self.data = PromptStream(len(self.prompts), cfg.data.seed)
-        self.start = 0
-        if self.start_point is not None:
-            self._resume()
 
     def print(self, msg: str) -> None:
         print(msg, file=self.stream_out, flush=True)
 
     # ---- setup ------------------------------------------------------------------------------------
-    def _load(self, data_cfg: Any, part: str) -> tuple[list[Any], list[list[int]], list[dict], int]:
-        from polyrl.algorithms.rewards import example_view
-        from polyrl.data import load_prompts
-        from polyrl.data.dataset import chat_tokenizer
-
+    def _load(self, data_cfg: DataConfig, part: str) -> tuple[list[PromptExample], list[list[int]], list[dict], int]:
         prompts, _ = load_prompts(data_cfg, part)
         chat = chat_tokenizer(data_cfg, self.tokenizer)
         kept, ids = [], []
@@ -284,9 +215,7 @@ class OnlineRun(DataParallelSteps):
             )
         return kept, ids, [example_view(p) for p in kept], len(prompts) - len(kept)
 
-    def _eval_set(self) -> tuple[list[Any], list[list[int]], list[dict]]:
-        import dataclasses
-
+    def _eval_set(self) -> tuple[list[PromptExample], list[list[int]], list[dict]]:
         c = self.cfg
         if c.train.eval_data:
             dcfg = dataclasses.replace(c.data, path=c.train.eval_data, limit=None, split=None)
@@ -311,8 +240,6 @@ class OnlineRun(DataParallelSteps):
         return max(1, math.ceil(epochs * len(self.prompts) / self.a.prompts_per_step))
 
     def _resume(self) -> None:
-        from polyrl.algorithms.config import differences
-
         loaded = self.policy.load(self.start_point)
         if "prompts" not in loaded.data_state:
             raise CheckpointError(f"{self.start_point} has no prompt position; it was not written by an online run")
@@ -323,9 +250,7 @@ class OnlineRun(DataParallelSteps):
             raise ConfigError(
                 f"the checkpoint is at step {self.start}, past this run's {self.steps} steps; raise --max-steps"
             )
-        changed = differences(loaded.config, self.cfg.to_dict()) if loaded.config else []
-        note = f" (changed since: {', '.join(changed)})" if changed else ""
-        self.print(f"resumed from {self.start_point} at step {self.start}{note}")
+        self.print(f"resumed from {self.start_point} at step {self.start}{resume_note(loaded, self.cfg)}")
 
     def restore_counters(self, data_state: dict[str, Any]) -> None:
         """Cumulative counters saved by ``data_state`` (reward failures), back after a resume."""
@@ -337,7 +262,7 @@ class OnlineRun(DataParallelSteps):
         return {"prompts": self.data.state_dict(), "reward_failures": failures}
 
     # ---- one step -----------------------------------------------------------------------------------
-    def collect(self, step: int) -> tuple[list[Any], list[float], dict[str, float]]:
+    def collect(self, step: int) -> tuple[list[Sample], list[float], dict[str, float]]:
         """Rollout + rewards of RL step ``step`` (0-based): (samples, rewards, metrics)."""
         t0 = time.perf_counter()
         idx = self.data.take(self.a.prompts_per_step)
@@ -387,11 +312,9 @@ class OnlineRun(DataParallelSteps):
         )
 
     def prepare(
-        self, step: int, samples: list[Any], adv: list[float], keep: list[int]
-    ) -> tuple[list[list[Any]], dict[str, float]]:
+        self, step: int, samples: list[Sample], adv: list[float], keep: list[int]
+    ) -> tuple[list[list[RLBatch]], dict[str, float]]:
         """Mini-batches of packed ``RLBatch`` es with their per-token fields, and the measurement metrics."""
-        from polyrl.algorithms.colocated import pack_samples
-        from polyrl.algorithms.losses import tis_weights
 
         t0 = time.perf_counter()
         budget = self.policy.micro_batch_tokens
@@ -428,13 +351,11 @@ class OnlineRun(DataParallelSteps):
             "logprob_s": time.perf_counter() - t0,
         }
         if refs is not None:
-            from polyrl.algorithms.losses import kl_penalty
-
             kl = [kl_penalty(lps[i], refs[i], getattr(self.a, "kl_estimator", "k3")) for i in mine]
             m["kl_before"] = self.global_stats(kl)[0]
         return batches, m
 
-    def update(self, batches: list[list[Any]]) -> dict[str, float]:
+    def update(self, batches: list[list[RLBatch]]) -> dict[str, float]:
         """``ppo_epochs`` passes of one optimizer step per mini-batch; means of the engine's step stats."""
         t0 = time.perf_counter()
         recs = []
@@ -471,8 +392,6 @@ class OnlineRun(DataParallelSteps):
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Greedy completions of the held-out prompts: mean reward and exact-match accuracy (when answers exist)."""
-        from polyrl.data import check
-        from polyrl.infer import SamplingParams
 
         prompts, ids, views = self.eval_set
         params = SamplingParams(temperature=0.0, max_tokens=self.a.eval_max_new_tokens or self.a.max_new_tokens)
@@ -505,14 +424,8 @@ class OnlineRun(DataParallelSteps):
 
     # ---- the run ------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        from polyrl.algorithms.runner import FINAL_DIR
-        from polyrl.models.checkpoint import save_model
-        from polyrl.train import CheckpointManager, MetricsLogger
-
         cfg, world = self.cfg, self.world
-        ckpts = CheckpointManager(self.out, cfg.checkpoint) if world.is_main else None  # rank 0 cleans stale dirs
-        world.barrier()
-        ckpts = ckpts or CheckpointManager(self.out, cfg.checkpoint)
+        ckpts = open_checkpoints(self.out, cfg, world)
         series = ("loss", "lr", "grad_norm", *cfg.spec.plot_series)
         log = None
         if world.is_main:
@@ -548,13 +461,7 @@ class OnlineRun(DataParallelSteps):
                     save(step + 1)
             if ckpts.should_save(self.steps, final=True):
                 save(self.steps)
-            final = None
-            if cfg.train.save_final_model and world.distributed:
-                from polyrl.train.parallel import export_hf
-
-                final = export_hf(model, world, self.out / FINAL_DIR, tokenizer=self.tokenizer)
-            elif cfg.train.save_final_model:
-                final = save_model(model, self.out / FINAL_DIR, tokenizer=self.tokenizer)
+            final = export_final(cfg, model, world, self.tokenizer)
         except BaseException as exc:
             if log is not None:
                 log.close(extra={"status": f"failed: {type(exc).__name__}"}, print_table=False)
@@ -587,24 +494,19 @@ class OnlineRun(DataParallelSteps):
         return summary
 
 
-def run_online(cfg: Any, hooks: Any, stream: Any = None, run_cls: Any = None) -> dict[str, Any]:
-    """Train ``cfg`` (a ``RunConfig`` whose ``algo_config`` is an ``OnlineConfig``) with ``hooks`` (or with
-    ``run_cls(cfg, stream)``, an ``OnlineRun`` subclass that brings its own); the summary. Tears the process group
-    down at the end under torchrun."""
+def run_online(cfg: RunConfig, stream: TextIO | None = None, run_cls: type[OnlineRun] | None = None) -> dict[str, Any]:
+    """Train ``cfg`` (a ``RunConfig`` whose ``algo_config`` is an ``OnlineConfig``) with its algorithm's hooks, in
+    ``run_cls`` (default ``OnlineRun``; the actor-critic loop passes its subclass), with a registered episode
+    producer's steps in front when the run has one (``cfg.episodes``: agentic RL); the summary. Tears the process
+    group down at the end under torchrun."""
+    cls = run_cls or OnlineRun
+    if cfg.episodes is not None:
+        cls = cfg.episodes.run_class(cls)
     try:
-        if getattr(cfg.algo_config, "env", None) or getattr(cfg.algo_config, "agent", None):  # agentic RL: episodes
-            from polyrl.agents.train import with_episodes
-
-            cls = with_episodes(run_cls or OnlineRun)
-            run = cls(cfg, stream) if run_cls is not None else cls(cfg, hooks, stream)
-        else:
-            run = run_cls(cfg, stream) if run_cls is not None else OnlineRun(cfg, hooks, stream)
-        return run.run()
+        return cls(cfg, cfg.spec.hooks(cfg.algo_config), stream).run()
     finally:
-        import torch.distributed as dist
-
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 
 
-__all__ = ["OnlineConfig", "OnlineRun", "PromptStream", "rollout_seed", "run_online"]
+__all__ = ["OnlineRun", "PromptStream", "rollout_seed", "run_online"]

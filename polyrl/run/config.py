@@ -13,10 +13,12 @@ File layout (every table optional; see ``examples/sft_arithmetic.toml``)::
     [engine]     polyrl.train.StepConfig         [checkpoint] polyrl.train.CheckpointConfig
     [sft]        the algorithm's own table (its spec's config_cls)
     [lora]       polyrl.models.lora.LoraConfig (present = a LoRA run; ``--lora r=16,...`` / ``--qlora`` set it)
+    [agent]      a registered episode table (``polyrl.run.episodes``; ``polyrl.agents`` registers ``AgentConfig``)
 
 Overrides are dotted keys (``optim.lr``, ``train.max_steps``, ``model``) applied over the file in order.
-``engine.micro_batch_tokens`` and ``data.tokens_per_batch`` are one setting (either name sets both).
-Not here: reading data, loading models, or running anything (``runner.py``).
+Each setting has one name and one owner: the micro-batch budget is ``engine.micro_batch_tokens`` (``StepConfig``),
+which the run hands to the data packer and to ``pack_samples``.
+Not here: reading data, loading models, or running anything (``polyrl.run.offline`` / ``online``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
+from polyrl import algorithms
+from polyrl.algorithms.spec import AlgorithmSpec
+from polyrl.data.config import DataConfig
 from polyrl.errors import ConfigError
+from polyrl.models.lora import LoraConfig, base_model_path, is_adapter_dir, make_lora_config, read_adapter_config
+from polyrl.run.episodes import EpisodeConfig, episode_tables
+from polyrl.train.config import CheckpointConfig, OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig
 
 RESOLVED_NAME = "run_config.json"
 TOP_LEVEL = ("algo", "model", "out", "seed", "resume")
@@ -67,20 +80,16 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _sections() -> dict[str, type]:
-    from polyrl.data.config import DataConfig
-    from polyrl.train.config import CheckpointConfig, OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig
-
-    # Construction order = validation order: optimizer/engine values before paths on disk.
-    return {
-        "optim": OptimConfig,
-        "schedule": ScheduleConfig,
-        "precision": PrecisionConfig,
-        "engine": StepConfig,
-        "checkpoint": CheckpointConfig,
-        "train": LoopConfig,
-        "data": DataConfig,
-    }
+# table -> its config class. Construction order = validation order: optimizer/engine values before paths on disk.
+SECTIONS: dict[str, type] = {
+    "optim": OptimConfig,
+    "schedule": ScheduleConfig,
+    "precision": PrecisionConfig,
+    "engine": StepConfig,
+    "checkpoint": CheckpointConfig,
+    "train": LoopConfig,
+    "data": DataConfig,
+}
 
 
 @dataclass
@@ -92,26 +101,30 @@ class RunConfig:
     out: str
     seed: int
     resume: str | None
-    data: Any
-    optim: Any
-    schedule: Any
-    precision: Any
-    engine: Any
-    checkpoint: Any
+    data: DataConfig
+    optim: OptimConfig
+    schedule: ScheduleConfig
+    precision: PrecisionConfig
+    engine: StepConfig
+    checkpoint: CheckpointConfig
     train: LoopConfig
-    algo_config: Any
-    spec: Any
-    lora: Any = None  # polyrl.models.lora.LoraConfig for a LoRA / QLoRA run
+    algo_config: Any  # the algorithm's own table: an instance of ``spec.config_cls`` (any dataclass)
+    spec: AlgorithmSpec
+    lora: LoraConfig | None = None  # a LoRA / QLoRA run
+    episodes: EpisodeConfig | None = None  # a registered episode table (``[agent]``): multi-turn rollouts
+    episodes_table: str | None = None  # its table name
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-ready form; ``build(to_dict())`` gives the same run. ``resume`` is an action, not a
         setting, so it is left out (re-running a saved config never resumes by surprise)."""
         out: dict[str, Any] = {k: getattr(self, k) for k in TOP_LEVEL if k != "resume"}
-        for name in _sections():
+        for name in SECTIONS:
             out[name] = dataclasses.asdict(getattr(self, name))
         out[self.algo] = dataclasses.asdict(self.algo_config)
         if self.lora is not None:
             out["lora"] = dataclasses.asdict(self.lora)
+        if self.episodes is not None and self.episodes_table is not None:
+            out[self.episodes_table] = dataclasses.asdict(self.episodes)
         return out
 
 
@@ -126,7 +139,7 @@ def load_file(path: str | Path) -> dict[str, Any]:
         if p.suffix == ".json":
             data = json.loads(text)
         else:
-            data = _toml().loads(text)
+            data = tomllib.loads(text)
     except (ValueError, json.JSONDecodeError) as exc:
         raise ConfigError(f"cannot parse {p}: {exc}") from None
     if not isinstance(data, dict):
@@ -134,18 +147,10 @@ def load_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def _toml() -> Any:
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib
-    return tomllib
-
-
 def parse_value(text: str) -> Any:
     """A command-line value as TOML (``1e-4``, ``true``, ``[0.9, 0.95]``, ``"x"``), else the plain string."""
     try:
-        return _toml().loads(f"v = {text}")["v"]
+        return tomllib.loads(f"v = {text}")["v"]
     except Exception:  # noqa: BLE001 - anything that is not a TOML literal is a string
         return text
 
@@ -192,67 +197,42 @@ def _make(cls: type, table: Any, section: str) -> Any:
         raise ConfigError(f"[{section}]: {exc}") from None
 
 
-def _reconcile_tokens(raw: dict[str, Any]) -> None:
-    engine, data = raw.setdefault("engine", {}), raw.setdefault("data", {})
-    if not isinstance(engine, dict) or not isinstance(data, dict):
-        return  # reported by _make
-    a, b = engine.get("micro_batch_tokens"), data.get("tokens_per_batch")
-    if a is not None and b is not None and a != b:
-        raise ConfigError(
-            f"engine.micro_batch_tokens ({a}) and data.tokens_per_batch ({b}) are the same budget; set only one"
-        )
-    value = a if a is not None else b
-    if value is not None:
-        engine["micro_batch_tokens"] = data["tokens_per_batch"] = value
-    else:
-        from polyrl.train.config import StepConfig
-
-        data["tokens_per_batch"] = StepConfig().micro_batch_tokens
+# settings that moved, with where they live now: named in the error instead of a bare "unknown setting"
+MOVED: dict[str, str] = {
+    "data.tokens_per_batch": "engine.micro_batch_tokens",
+    **{f"<algo>.{k}": f"agent.{k}" for k in ("env", "agent", "max_turns", "max_episode_tokens", "env_workers")},
+    "<algo>.env_timeout": "agent.env_timeout",
+}
 
 
 def build(raw: dict[str, Any]) -> RunConfig:
     """Validate ``raw`` (file + overrides) into a RunConfig. Raises ConfigError with what to change; touches
     no model (only checks that the model folder has a config.json, after every value check)."""
-    from polyrl import algorithms
-
     raw = copy.deepcopy(raw)
     algo = raw.pop("algo", "sft")
     if not isinstance(algo, str):
         raise ConfigError(f"algo must be a name, got {algo!r}; choose one of: {', '.join(algorithms.names())}")
     spec = algorithms.get(algo)
     lora_raw = raw.pop("lora", None)
-    sections = _sections()
-    unknown = sorted(set(raw) - set(TOP_LEVEL) - set(sections) - {algo})
-    if unknown:
-        others = [k for k in unknown if k in algorithms.names()]
-        hint = f" ({', '.join(others)} tables belong to other algorithms)" if others else ""
-        raise ConfigError(
-            f"unknown setting(s) {unknown}{hint}; top-level keys are {', '.join(TOP_LEVEL)} and tables "
-            f"{', '.join(sections)}, {algo}"
-        )
+    episode_raw = {name: raw.pop(name) for name in episode_tables() if name in raw}
+    _check_tables(raw, algo)
+    _check_moved(raw, algo)
     seed = raw.get("seed", 0)
     if not _is_int(seed) or seed < 0:
         raise ConfigError(f"seed must be a non-negative integer, got {seed!r}")
     for name in ("data", "engine"):
         if isinstance(raw.setdefault(name, {}), dict):
             raw[name].setdefault("seed", seed)
-    _reconcile_tokens(raw)
-    built = {name: _make(cls, raw.get(name, {}), name) for name, cls in sections.items()}
+    built = {name: _make(cls, raw.get(name, {}), name) for name, cls in SECTIONS.items()}
     algo_cfg = spec.make_config(raw.get(algo))
+    episodes_table, episodes = _episodes(episode_raw, algo_cfg, algo)
     resume = raw.get("resume")
     if resume is not None and (not isinstance(resume, str) or not resume):
         raise ConfigError(f"resume must be 'latest' or a checkpoint path, got {resume!r}")
     for key in ("model", "out"):
         if not isinstance(raw.get(key), str) or not raw[key].strip():
             raise ConfigError(f'no {key} given; pass --{key} DIR (or set {key} = "..." in the config file)')
-    if not built["data"].path:
-        raise ConfigError("no dataset given; pass --data SPEC (a file, a datasets name or folder, or builtin:NAME)")
-    if built["data"].fixed_shapes and not spec.fixed_shapes:
-        able = [n for n in algorithms.names() if algorithms.get(n).fixed_shapes]
-        raise ConfigError(
-            f"data.fixed_shapes pads training batches to one shape, which {algo} does not support (its loss counts "
-            f"sequences); remove it, or use it with {', '.join(able)}"
-        )
+    _check_data(built["data"], spec)
     model = raw["model"]
     lora = _lora(lora_raw, model)
     if not (Path(model) / "config.json").is_file() and not (Path(model) / "adapter_config.json").is_file():
@@ -269,15 +249,58 @@ def build(raw: dict[str, Any]) -> RunConfig:
         algo_config=algo_cfg,
         spec=spec,
         lora=lora,
+        episodes=episodes,
+        episodes_table=episodes_table,
         **built,
     )
 
 
-def _lora(table: Any, model: str) -> Any:
+def _check_tables(raw: dict[str, Any], algo: str) -> None:
+    """Every key of ``raw`` is a top-level setting, a known table or the algorithm's own table."""
+    unknown = sorted(set(raw) - set(TOP_LEVEL) - set(SECTIONS) - {algo})
+    if unknown:
+        others = [k for k in unknown if k in algorithms.names()]
+        hint = f" ({', '.join(others)} tables belong to other algorithms)" if others else ""
+        tables = ", ".join([*SECTIONS, algo, "lora", *episode_tables()])
+        raise ConfigError(
+            f"unknown setting(s) {unknown}{hint}; top-level keys are {', '.join(TOP_LEVEL)} and tables {tables}"
+        )
+
+
+def _check_moved(raw: dict[str, Any], algo: str) -> None:
+    """A setting under its old name is an error that gives the new one."""
+    for old, new in MOVED.items():
+        table, key = old.replace("<algo>", algo).split(".")
+        if isinstance(raw.get(table), dict) and key in raw[table]:
+            flag = "--" + new.split(".")[1].replace("_", "-")
+            raise ConfigError(f"{table}.{key} is now {new} (one name per setting); set {new} or pass {flag}")
+
+
+def _check_data(data: DataConfig, spec: AlgorithmSpec) -> None:
+    if not data.path:
+        raise ConfigError("no dataset given; pass --data SPEC (a file, a datasets name or folder, or builtin:NAME)")
+    if data.fixed_shapes and not spec.fixed_shapes:
+        able = [n for n in algorithms.names() if algorithms.get(n).fixed_shapes]
+        raise ConfigError(
+            f"data.fixed_shapes pads training batches to one shape, which {spec.name} does not support (its loss "
+            f"counts sequences); remove it, or use it with {', '.join(able)}"
+        )
+
+
+def _episodes(tables: dict[str, Any], algo_cfg: Any, algo: str) -> tuple[str | None, EpisodeConfig | None]:
+    """The run's episode producer config (at most one registered table given), checked against the algorithm's."""
+    if len(tables) > 1:
+        raise ConfigError(f"tables {sorted(tables)} each choose an episode producer; keep one")
+    for name, table in tables.items():
+        cfg = _make(episode_tables()[name], table, name)
+        cfg.check(algo_cfg, algo)
+        return name, cfg
+    return None, None
+
+
+def _lora(table: Any, model: str) -> LoraConfig | None:
     """The run's ``LoraConfig``: the ``[lora]`` table (or ``--lora`` string); a PEFT adapter folder as ``model``
     makes it a LoRA run even without one (r, alpha and targets then come from the adapter)."""
-    from polyrl.models.lora import base_model_path, is_adapter_dir, make_lora_config, read_adapter_config
-
     adapter = is_adapter_dir(model)
     if table is None and not adapter:
         return None

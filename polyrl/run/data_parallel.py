@@ -4,7 +4,7 @@
 - ``score``: rank 0's reward pool scores every sample; the ``RewardResult`` is broadcast (one set of reward workers).
 - ``share``: this rank's part of a mini-batch (every ``world_size``-th sample), so the ranks split each update.
 - ``even_out``: pads each mini-batch to the largest micro-batch count over ranks with zero-weight micro-batches
-  (``colocated.padding_batch``): FSDP2 forwards and backwards are collectives, every rank must run as many.
+  (``rl_batch.padding_batch``): FSDP2 forwards and backwards are collectives, every rank must run as many.
 - ``global_stats`` / ``global_sums``: metrics and normalisers over every rank's tokens.
 
 Not here: the loop (``online``), sharding and checkpoints (``polyrl.train.parallel``).
@@ -15,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from polyrl.algorithms.rl_batch import pack_samples, padding_batch
 
 
 class DataParallelSteps:
@@ -47,7 +49,6 @@ class DataParallelSteps:
         (``padding_batch``), so every rank runs the same number of FSDP forwards/backwards."""
         if not self.world.distributed:
             return batches
-        from polyrl.algorithms.colocated import pack_samples, padding_batch
 
         counts = self.world.all_gather_object([len(mb) for mb in batches])
         keys = next((list(b.fields) for mb in batches for b in mb), [])

@@ -1,0 +1,96 @@
+"""What every online RL algorithm shares: ``OnlineConfig`` (the rollout, reward and update-schedule settings of the
+``[grpo]`` / ``[gspo]`` / ``[ppo]`` tables, which subclass it) and ``OnlineHooks`` (what an algorithm gives the
+online loop of ``polyrl.run.online``: advantages, the step normaliser, the loss).
+
+Not here: the loop itself (``polyrl.run.online``), agentic episodes (``polyrl.agents.config.AgentConfig``, the
+``[agent]`` table), loss math (``losses``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from polyrl.errors import ConfigError
+
+
+@dataclass
+class OnlineConfig:
+    """Rollout, reward and update-schedule settings shared by online algorithms."""
+
+    reward: str = "exact_match"  # builtin name, sum of builtins, or path/to/file.py:fn
+    reward_workers: int = 2  # processes; 0 = in this process (no timeout)
+    reward_timeout: float = 10.0  # seconds per call
+    failure_reward: float = 0.0  # reward of a call that raised, timed out or returned a non-number
+    samples_per_prompt: int = 8
+    prompts_per_step: int = 8
+    max_new_tokens: int = 128  # per completion (per assistant turn in an agentic run)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_prompt_len: int = 1024  # longer prompts are skipped (counted)
+    ppo_epochs: int = 1  # passes over each rollout batch
+    mini_batches: int = 1  # optimizer steps per pass
+    eval_prompts: int = 200  # held-out prompts scored at each evaluation
+    eval_max_new_tokens: int | None = None  # default max_new_tokens
+    rollout_max_num_seqs: int = 512  # sequences decoded together (a whole 64 x 8 step in one wave)
+    rollout_num_blocks: int | None = None  # KV cache blocks; None = from free memory, at most what the run uses
+    rollout_gpu_memory_utilization: float = 0.85
+    # free the KV cache while training (True), keep it and its CUDA graphs across steps (False), or "auto": keep it
+    # on an accelerator when it takes at most a quarter of the device memory (colocated.KEEP_KV_FRACTION)
+    release_kv: bool | str = "auto"
+
+    def table_name(self) -> str:
+        return "online"
+
+    def __post_init__(self) -> None:
+        name = self.table_name()
+        positive_ints = ("samples_per_prompt", "prompts_per_step", "max_new_tokens", "max_prompt_len", "ppo_epochs")
+        for key in (*positive_ints, "mini_batches", "eval_prompts", "rollout_max_num_seqs"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{name}.{key} must be a positive integer, got {v!r}")
+        if self.mini_batches > self.prompts_per_step * self.samples_per_prompt:
+            raise ConfigError(f"{name}.mini_batches ({self.mini_batches}) exceeds the samples per step")
+        if self.release_kv not in (True, False, "auto"):
+            raise ConfigError(f'{name}.release_kv must be true, false or "auto", got {self.release_kv!r}')
+        if not self.temperature > 0:
+            raise ConfigError(
+                f"{name}.temperature must be > 0 for RL sampling (the ratios need it), got {self.temperature}"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"{name}.top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.reward_workers, int) or self.reward_workers < 0:
+            raise ConfigError(f"{name}.reward_workers must be >= 0, got {self.reward_workers!r}")
+        if not self.reward_timeout > 0:
+            raise ConfigError(f"{name}.reward_timeout must be > 0 seconds, got {self.reward_timeout}")
+        if not isinstance(self.reward, str) or not self.reward.strip():
+            raise ConfigError(f"{name}.reward is empty; pass --reward NAME or --reward path/to/file.py:fn")
+
+
+LossFn = Callable[[Any, Any], Any]
+
+
+class OnlineHooks(Protocol):
+    """What an online algorithm gives the loop (``grpo.GroupRelative``, ``ppo.PPOHooks``).
+
+    - ``needs_reference``: keep a frozen reference model (a KL term).
+    - ``advantages(rewards, groups) -> (adv, keep, metrics)``: one advantage per sample, the samples to train on.
+    - ``normalizer(tokens, sequences)``: the step's loss divisor from global counts.
+    - ``make_loss(tokens_in_step, normalizer)``: the engine loss ``(model, RLBatch) -> (loss_sum, metric_sums)``;
+      hooks with ``measures_in_loss = True`` also take ``measure=True`` (the loss then records mismatch/entropy).
+    """
+
+    @property
+    def needs_reference(self) -> bool: ...
+
+    def advantages(
+        self, rewards: list[float], groups: list[int]
+    ) -> tuple[list[float], list[int], dict[str, float]]: ...
+
+    def normalizer(self, tokens: float, sequences: int) -> float: ...
+
+    def make_loss(self, tokens_in_step: float, normalizer: float) -> LossFn: ...
+
+
+__all__ = ["LossFn", "OnlineConfig", "OnlineHooks"]

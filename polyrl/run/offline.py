@@ -1,0 +1,369 @@
+"""The offline training loop (SFT, DPO, and any spec with ``build_data`` + ``make_loss``): ``run_offline(cfg)``.
+
+``OfflineRun`` goes in named steps: ``setup`` checks the run directory and the resume point, loads the tokenizer and
+builds the data (data errors come before the model is loaded) with the run's packing budget
+(``engine.micro_batch_tokens``), runs the algorithm's ``prepare`` hook (DPO's reference log-probs) and saves the
+resolved config; ``load_model`` loads (and under torchrun distributes) the model and builds the ``TrainEngine``;
+``resume`` restores a checkpoint and the data position; ``train`` loops ``TrainEngine.step`` over packed
+micro-batches (``engine.accumulation_steps`` per optimizer step) with metrics, optional eval loss and atomic
+checkpoints that carry the data position and data stats, so ``resume`` continues exactly. At the end it writes a
+last checkpoint, the final HF folder ``<out>/final``, ``summary.json`` and ``metrics.png``. A LoRA run
+(``cfg.lora``) trains adapters on a frozen base (``load_policy``); its checkpoints and ``final`` are PEFT adapter
+folders. Under torchrun the model is FSDP2-sharded, or for LoRA replicated with all-reduced adapter gradients
+(``parallel.distribute_model``).
+
+The helpers every run shares (``load_policy``, ``resume_point``, ``open_checkpoints``, ``export_final``,
+``report_stream``) live here too. Not here: the step itself (``polyrl.train.engine``), checkpoint files
+(``polyrl.train.checkpoint``), argument parsing (``polyrl.cli.train``), online (rollout) runs (``online``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from torch import nn
+
+from polyrl.algorithms.spec import AlgorithmSpec, PrepareContext
+from polyrl.data.dataset import DataStats, TokenizedData
+from polyrl.data.sampler import PackedBatchIterator
+from polyrl.errors import CheckpointError, ConfigError
+from polyrl.models.checkpoint import load_model, load_tokenizer, save_model
+from polyrl.models.lora import base_model_path, is_adapter_dir, load_lora_model
+from polyrl.platform import device
+from polyrl.run.config import RunConfig, differences, save_resolved
+from polyrl.train import parallel as par
+from polyrl.train.checkpoint import CheckpointManager, LoadedCheckpoint, list_checkpoints, load_checkpoint
+from polyrl.train.engine import TrainEngine
+from polyrl.train.metrics import MetricsLogger
+from polyrl.train.precision import resolve_compute_dtype
+
+FINAL_DIR = "final"
+
+
+# ---- shared by every run --------------------------------------------------------------------------
+def report_stream(stream: TextIO | None, world: par.World) -> TextIO:
+    """Where a run reports: ``stream`` (default stdout) on rank 0, nowhere on the other ranks."""
+    if not world.is_main:
+        return open(os.devnull, "w")  # noqa: SIM115 - one report, from rank 0
+    return stream or sys.stdout
+
+
+def load_policy(cfg: RunConfig, dev: torch.device) -> nn.Module:
+    """The model a run trains: the full model in fp32 (the engine takes fp32 masters and casts), or for a LoRA
+    run (``cfg.lora``) the frozen base in the compute dtype with adapters (fresh, or ``cfg.model``'s adapter): the
+    same on every rank of a data-parallel run (``distribute_model`` replicates it)."""
+    if cfg.lora is None:
+        return load_model(cfg.model, dtype=torch.float32, device=dev)
+    return load_lora_model(cfg.model, cfg.lora, resolve_compute_dtype(cfg.precision, dev.type), dev, seed=cfg.seed)
+
+
+def place_policy(cfg: RunConfig, world: par.World) -> tuple[nn.Module, torch.device]:
+    """``load_policy`` on this rank's device; under torchrun FSDP2-sharded (LoRA: replicated)."""
+    dev = world.device if world.distributed else device.torch_device()
+    model = load_policy(cfg, dev)
+    if world.distributed:
+        par.distribute_model(model, world, resolve_compute_dtype(cfg.precision, dev.type))
+    return model, dev
+
+
+def tokenizer_path(cfg: RunConfig) -> str:
+    """Where the run's tokenizer is: ``cfg.model``, or for an adapter folder without one, its base model."""
+    model = Path(cfg.model)
+    if is_adapter_dir(model) and not (model / "tokenizer_config.json").is_file():
+        return base_model_path(model)
+    return cfg.model
+
+
+def resume_point(cfg: RunConfig) -> Path | None:
+    """The checkpoint to resume from, or None for a fresh run. A run directory that already holds
+    checkpoints needs ``resume`` (so a finished run is never overwritten by accident)."""
+    out = Path(cfg.out)
+    found = list_checkpoints(Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints")
+    latest = found[-1] if found else None
+    if cfg.resume is None:
+        if latest is not None:
+            raise ConfigError(
+                f"{out} already holds a run (checkpoint {latest.name}); pass --resume to continue it, "
+                "or choose another --out"
+            )
+        return None
+    if cfg.resume == "latest":
+        if latest is None:
+            print(f"resume: no checkpoint in {out} yet; starting from step 0")
+        return latest
+    path = Path(cfg.resume)
+    if not (path / "manifest.json").is_file():
+        raise CheckpointError(
+            f"--resume {cfg.resume!r} is not a complete checkpoint folder (no manifest.json); give a "
+            f"checkpoints/step-* folder or --resume latest"
+        )
+    return path
+
+
+def resume_note(loaded: LoadedCheckpoint, cfg: RunConfig) -> str:
+    """`` (changed since: a, b)`` for the settings that differ from the checkpoint's saved config, else ''."""
+    changed = differences(loaded.config, cfg.to_dict()) if loaded.config else []
+    return f" (changed since: {', '.join(changed)})" if changed else ""
+
+
+def open_checkpoints(out: Path, cfg: RunConfig, world: par.World) -> CheckpointManager:
+    """The run's ``CheckpointManager``; rank 0 makes it first (it cleans stale folders), then the others."""
+    ckpts = CheckpointManager(out, cfg.checkpoint) if world.is_main else None
+    world.barrier()
+    return ckpts or CheckpointManager(out, cfg.checkpoint)
+
+
+def export_final(cfg: RunConfig, model: nn.Module, world: par.World, tokenizer: Any) -> Path | None:
+    """The final HF folder ``<out>/final`` (``train.save_final_model``), gathered from the shards under torchrun."""
+    if not cfg.train.save_final_model:
+        return None
+    out = Path(cfg.out) / FINAL_DIR
+    if world.distributed:
+        return par.export_hf(model, world, out, tokenizer=tokenizer)
+    return save_model(model, out, tokenizer=tokenizer)
+
+
+def total_steps(cfg: RunConfig, batches_per_epoch: int, accumulation: int | None = None) -> int:
+    """Optimizer steps of the run: ``train.max_steps``, else ``train.epochs`` (default 1) of the data.
+    ``accumulation``: micro-batches per step of this rank (default ``engine.accumulation_steps``)."""
+    if cfg.train.max_steps is not None:
+        return cfg.train.max_steps
+    epochs = cfg.train.epochs if cfg.train.epochs is not None else 1.0
+    return max(1, math.ceil(epochs * batches_per_epoch / (accumulation or cfg.engine.accumulation_steps)))
+
+
+def eval_source(cfg: RunConfig, spec: AlgorithmSpec, tokenizer: Any) -> TokenizedData | None:
+    """Held-out data for ``train.eval_every``: ``train.eval_data``, else the data's test part."""
+    if cfg.train.eval_every <= 0:
+        return None
+    budget = cfg.engine.micro_batch_tokens
+    if cfg.train.eval_data:
+        data = dataclasses.replace(cfg.data, path=cfg.train.eval_data, limit=None)
+        return spec.build_data(data, tokenizer, "train", budget)
+    if cfg.data.holdout > 0:
+        return spec.build_data(cfg.data, tokenizer, "test", budget)
+    if cfg.data.path.startswith("builtin:"):
+        path = cfg.data.path.split("@", 1)[0] + "@test"
+        return spec.build_data(dataclasses.replace(cfg.data, path=path, split=None), tokenizer, "train", budget)
+    raise ConfigError("train.eval_every is set but there is no eval data; pass --eval-data SPEC or set data.holdout")
+
+
+# ---- the offline loop -------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate_loss(
+    model: nn.Module, data: TokenizedData, loss_fn: Any, spec: AlgorithmSpec, algo_cfg: Any, dev: torch.device
+) -> float:
+    """Mean loss over one pass of ``data`` (the same normalisation as training)."""
+    was_training = model.training
+    model.eval()
+    total, norm = 0.0, 0.0
+    for batch in data.iterator(max_epochs=1):
+        batch = batch.to(dev)
+        loss_sum, _ = loss_fn(model, batch)
+        n = spec.normalizer(algo_cfg, [batch]) if spec.normalizer else None
+        total += float(loss_sum)
+        norm += float(batch.num_target_tokens if n is None else n)
+    model.train(was_training)
+    return total / max(norm, 1.0)
+
+
+def _data_summary(stats: DataStats) -> dict[str, Any]:
+    """The data counts a user checks after a run (skipped rows first), flat for the summary table."""
+    d = stats.as_dict()
+    out = {f"data_{k}": d[k] for k in ("sequences", "target_tokens", "bad_rows", "truncated")}
+    out["data_dropped"] = d["dropped_too_long"] + d["dropped_no_target"]
+    if d["bad_examples"]:
+        out["data_bad_examples"] = d["bad_examples"]
+    return out
+
+
+def rank_accumulation(cfg: RunConfig, world_size: int) -> int:
+    """Micro-batches per step on each rank: ``engine.step_tokens`` is the GLOBAL batch, split over ranks
+    (at least one micro-batch per rank, so a step is never smaller than ``world_size`` micro-batches)."""
+    accum = cfg.engine.accumulation_steps
+    if world_size > 1 and accum > world_size and accum % world_size:
+        raise ConfigError(
+            f"engine.step_tokens makes {accum} micro-batches per step, which {world_size} ranks cannot split "
+            f"evenly; set step_tokens to a multiple of {world_size} x micro_batch_tokens"
+        )
+    return max(1, accum // world_size)
+
+
+def _restore_position(
+    it: PackedBatchIterator, data: TokenizedData, data_state: dict[str, Any], world_size: int
+) -> None:
+    """Put the iterator where the checkpoint stopped, converting a position saved at another world size."""
+    saved_ws = int(data_state.get("world_size", 1))
+    if saved_ws == world_size:
+        it.load_state_dict(data_state["iterator"])
+        return
+    probe = data.iterator(0, saved_ws)
+    probe.load_state_dict(data_state["iterator"])  # checks it is the same data, seed and packing
+    epoch, position = par.convert_position(probe.epoch, probe.position, saved_ws, world_size)
+    it.load_state_dict({**it.state_dict(), "epoch": epoch, "position": position})
+
+
+class OfflineRun:
+    """One offline run in named steps (see the module docstring); ``train()`` returns the summary."""
+
+    def __init__(self, cfg: RunConfig, stream: TextIO | None, world: par.World) -> None:
+        self.cfg, self.spec, self.world = cfg, cfg.spec, world
+        self.out = Path(cfg.out)
+        self.stream = report_stream(stream, world)
+        self.t_start = time.perf_counter()
+        self.setup()
+        self.load_model()
+        self.start = self.resume() if self.start_point is not None else 0
+
+    def setup(self) -> None:
+        """Run directory, tokenizer, data (and eval data), the algorithm's prepare hook, the resolved config."""
+        cfg, spec, world = self.cfg, self.spec, self.world
+        self.start_point = resume_point(cfg)
+        self.tokenizer = load_tokenizer(tokenizer_path(cfg))
+        self.data = spec.build_data(cfg.data, self.tokenizer, "train", cfg.engine.micro_batch_tokens)
+        self.it = self.data.iterator(world.rank, world.world_size)
+        self.eval_data = eval_source(cfg, spec, self.tokenizer)
+        self.make_loss = spec.make_loss
+        if spec.prepare is not None:  # before the model loads: what the loss needs (DPO: reference log-probs)
+            self.make_loss = spec.prepare(self._prepare_context())
+        self.accum = rank_accumulation(cfg, world.world_size)
+        self.steps = total_steps(cfg, self.it.batches_per_epoch, self.accum)
+        s, ranks = self.data.stats, f" x {world.world_size} ranks" if world.distributed else ""
+        print(
+            f"{cfg.algo}: {s.sequences} sequences, {s.tokens} tokens ({s.target_tokens} trained), "
+            f"{self.it.batches_per_epoch} micro-batches per epoch{' per rank' if world.distributed else ''}, "
+            f"{self.steps} steps of {self.accum} micro-batch(es){ranks}; "
+            f"bad rows skipped: {s.bad_rows}, truncated: {s.truncated}",
+            file=self.stream,
+        )
+        if world.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            save_resolved(cfg, self.out)
+
+    def _prepare_context(self) -> PrepareContext:
+        cfg = self.cfg
+        datasets = [self.data] + ([self.eval_data] if self.eval_data is not None else [])
+        return PrepareContext(
+            algo_config=cfg.algo_config,
+            model=cfg.model,
+            out=self.out,
+            precision=cfg.precision,
+            micro_batch_tokens=cfg.engine.micro_batch_tokens,
+            datasets=datasets,
+            world=self.world,
+            stream=self.stream,
+        )
+
+    def load_model(self) -> None:
+        """The policy on this rank's device (fp32 masters; LoRA: a frozen base), its engine and loss."""
+        cfg = self.cfg
+        self.model, self.device = place_policy(cfg, self.world)
+        self.engine = TrainEngine(
+            self.model, cfg.optim, cfg.schedule, cfg.precision, cfg.engine, total_steps=self.steps, world=self.world
+        )
+        self.loss_fn = self.make_loss(cfg.algo_config)
+
+    def resume(self) -> int:
+        """Restore weights, optimizer, RNG and the data position of ``start_point``; the step it is at."""
+        path, world = self.start_point, self.world
+        if world.distributed or par.is_sharded_checkpoint(path):
+            loaded = par.load_any_checkpoint(path, self.model, self.engine, world)
+        else:
+            loaded = load_checkpoint(path, self.model, self.engine)
+        if "iterator" not in loaded.data_state:
+            raise CheckpointError(f"{path} has no data position; it was not written by `polyrl train`")
+        _restore_position(self.it, self.data, loaded.data_state, world.world_size)
+        print(f"resumed from {path} at step {loaded.step}{resume_note(loaded, self.cfg)}", file=self.stream)
+        if loaded.step > self.steps:
+            raise ConfigError(
+                f"the checkpoint is at step {loaded.step}, past this run's {self.steps} steps; raise --max-steps"
+            )
+        return loaded.step
+
+    def save(self, ckpts: CheckpointManager, step: int) -> None:
+        """An atomic checkpoint with the data position (a collective under torchrun)."""
+        state = {"iterator": self.it.state_dict(), "stats": self.data.stats.as_dict(), "world_size": self.it.world_size}
+        config = self.cfg.to_dict()
+        if not self.world.distributed:
+            ckpts.save(step, self.model, self.engine, data_state=state, config=config, tokenizer=self.tokenizer)
+            return
+        par.save_distributed_checkpoint(
+            ckpts.root, step, self.model, self.engine, self.world, data_state=state, config=config,
+            tokenizer=self.tokenizer,
+        )  # fmt: skip
+        if self.world.is_main:
+            ckpts.prune()
+        self.world.barrier()
+
+    def step(self, step: int) -> dict[str, Any]:
+        """One optimizer step over this rank's micro-batches; the metrics record."""
+        cfg, spec = self.cfg, self.spec
+        micro = [next(self.it) for _ in range(self.accum)]
+        norm = spec.normalizer(cfg.algo_config, micro) if spec.normalizer else None
+        if norm is not None and self.world.distributed:
+            norm = self.world.sum_float(norm)  # the spec counts this rank's share; the step divides by the global
+        rec = self.engine.step(micro, self.loss_fn, norm).to_dict()
+        rec["epoch"] = self.it.epoch + self.it.position / max(1, self.it.batches_per_epoch)
+        if self.eval_data is not None and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == self.steps):
+            rec["eval_loss"] = evaluate_loss(
+                self.model, self.eval_data, self.loss_fn, spec, cfg.algo_config, self.device
+            )
+        return rec
+
+    def train(self) -> dict[str, Any]:
+        """The loop from ``start`` to the last step, the final checkpoint and model; the summary."""
+        cfg, world = self.cfg, self.world
+        ckpts = open_checkpoints(self.out, cfg, world)
+        series = ("loss", "lr", "grad_norm", *(("eval_loss",) if self.eval_data is not None else ()))
+        log = None
+        if world.is_main:
+            log = MetricsLogger(
+                self.out, self.steps, log_every=cfg.train.log_every, start_step=self.start,
+                plot_series=(*series, *self.spec.plot_series), stream=self.stream,
+            )  # fmt: skip
+        try:
+            for step in range(self.start, self.steps):
+                rec = self.step(step)
+                if log is not None:
+                    log.log(rec)
+                if ckpts.should_save(step + 1) and step + 1 < self.steps:
+                    self.save(ckpts, step + 1)
+            if ckpts.should_save(self.steps, final=True):
+                self.save(ckpts, self.steps)
+            final = export_final(cfg, self.model, world, self.tokenizer)
+        except BaseException as exc:
+            if log is not None:
+                log.close(extra={"status": f"failed: {type(exc).__name__}"}, print_table=False)
+            raise
+        if log is None:
+            return {"status": "finished", "rank": world.rank}
+        extra = {
+            "algo": cfg.algo,
+            "status": "finished",
+            "resumed_from_step": self.start,
+            "world_size": world.world_size,
+            "wall_time_s": time.perf_counter() - self.t_start,
+            **_data_summary(self.data.stats),
+            "final_model": str(final) if final is not None else None,
+        }
+        summary = log.close(extra=extra)
+        out = self.out
+        print(f"final model: {final}  metrics: {out / 'metrics.jsonl'}  plot: {out / 'metrics.png'}", file=self.stream)
+        return summary
+
+
+def run_offline(cfg: RunConfig, stream: TextIO | None = None) -> dict[str, Any]:
+    """The offline training run described in the module docstring; returns the summary dict (rank 0's
+    under torchrun; the other ranks print nothing and return ``{"status": ...}``)."""
+    world = par.init_world()
+    try:
+        return OfflineRun(cfg, stream, world).train()
+    finally:
+        par.destroy_world(world)
