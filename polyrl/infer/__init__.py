@@ -45,6 +45,7 @@ Deliberately not here: HTTP (``polyrl.server``), training, weight loading (``pol
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __all__ = ["LLM", "RolloutConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
@@ -62,6 +63,4 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'polyrl.infer' has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(module), name)

@@ -15,6 +15,10 @@ A step copies its host arrays into the buffers with one H2D transfer, pads to th
 written, and a padded row never advances; context length 1 over block 0, so padded rows read a real slot and stay
 finite - their results are discarded) and replays. Nothing inside the captured region syncs the host.
 
+``DecodeBuffers`` is the view ``ModelRunner.execute_steps`` advances between queued decode steps: the step's
+device inputs (the graph's static buffers here, the eager step's own tensors in ``model_runner.py``) and how to run
+the step again.
+
 Graphs share one memory pool (they never run concurrently) and reference the KV-cache and weight tensors
 by address: after ``KVCache.release()`` or replacing parameter tensors (not in-place updates), drop them.
 Only ``polyrl.platform.device`` is asked for the graph API.
@@ -22,9 +26,14 @@ Only ``polyrl.platform.device`` is asked for the graph API.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
+from polyrl import kernels
 from polyrl.infer.config import RolloutConfig
 from polyrl.infer.kv_cache import KVCache
 from polyrl.infer.overlap import feed_input_ids
@@ -35,6 +44,27 @@ from polyrl.platform import device
 
 class GraphCaptureError(RuntimeError):
     """Capturing a decode graph failed (``device.graph_capture`` has already cleaned up); decode eagerly."""
+
+
+@dataclass
+class DecodeBuffers:
+    """The device inputs of the decode step just run (views of its ``[bs]`` rows) and how to run it again."""
+
+    input_ids: torch.Tensor  # int64 [bs]
+    positions: torch.Tensor  # int64 [bs]
+    slot_mapping: torch.Tensor  # int64 [bs]
+    context_lens: torch.Tensor  # int32 [bs]
+    block_tables: torch.Tensor  # int32 [bs, M]
+    run: Callable[[], torch.Tensor]  # -> logits [bs, V] (the model's dtype)
+
+    def advance(self, tokens: torch.Tensor, block_size: int) -> None:
+        """Inputs of the next decode step, on the device: each row's input is the token it just drew, one
+        position on, its slot looked up in its block table (the host allocated those blocks beforehand)."""
+        self.input_ids.copy_(tokens)
+        self.positions.add_(1)
+        self.context_lens.add_(1)
+        block = self.block_tables.gather(1, (self.positions // block_size).unsqueeze(1)).squeeze(1)
+        self.slot_mapping.copy_(block.to(torch.int64) * block_size + self.positions % block_size)
 
 
 class DecodeGraphs:
@@ -98,8 +128,6 @@ class DecodeGraphs:
         self.slot_mapping[:b].copy_(torch.where(live, slot, torch.full_like(slot, -1)))
 
     def _launch(self, b: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from polyrl import kernels
-
         tokens, logprobs = [], []
         for j in range(k):
             offsets = self.offsets[:b] + j if j else self.offsets[:b]
@@ -164,8 +192,6 @@ class DecodeGraphs:
             self._timed(f"batch-{b} x {k}-step decode launch", lambda: self._capture_launch(b, k))
 
     def _timed(self, what: str, capture) -> None:
-        import time
-
         t0 = time.perf_counter()
         try:
             capture()
@@ -173,10 +199,8 @@ class DecodeGraphs:
             raise GraphCaptureError(f"capturing the {what} graph failed: {exc}") from exc
         self.capture_s += time.perf_counter() - t0
 
-    def decode_buffers(self, bs: int):
+    def decode_buffers(self, bs: int) -> DecodeBuffers:
         """The static buffers' first ``bs`` rows and a replay of the bucket last run (for ``execute_steps``)."""
-        from polyrl.infer.model_runner import DecodeBuffers
-
         graph, out = self.graphs[self.bucket(bs)]
 
         def replay() -> torch.Tensor:

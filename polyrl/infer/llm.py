@@ -30,6 +30,9 @@ from polyrl.infer.sampling_params import SamplingParams
 from polyrl.infer.scheduler import Scheduler
 from polyrl.infer.sequence import CompletionOutput, RequestOutput, Sequence, Status
 from polyrl.infer.stopping import check_stop
+from polyrl.models.checkpoint import load_model, load_tokenizer
+from polyrl.models.lora.multi import attach_adapters
+from polyrl.platform import device as platform_device
 from polyrl.platform.host import gc_paused
 
 
@@ -96,14 +99,11 @@ class LLM:
         device: torch.device | str | None = None,
     ) -> LLM:
         """Load an HF checkpoint directory (weights + tokenizer) and build an engine over it."""
-        from polyrl.models.checkpoint import load_model, load_tokenizer
-        from polyrl.platform import device as dev_mod
-
-        dev = torch.device(device) if device is not None else dev_mod.torch_device()
+        dev = torch.device(device) if device is not None else platform_device.torch_device()
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         if dtype is None:
-            dtype = torch.bfloat16 if dev.type != "cpu" and dev_mod.supports_bf16() else torch.float32
+            dtype = torch.bfloat16 if dev.type != "cpu" and platform_device.supports_bf16() else torch.float32
         model = load_model(path, dtype=dtype, device=dev)
         model.eval()
         return cls(model, load_tokenizer(path), config)
@@ -152,8 +152,6 @@ class LLM:
         """Serve PEFT adapter folders (name -> folder) on this engine's base model; a request picks one with
         ``SamplingParams(adapter=name)``. Adapter steps run eagerly (no CUDA graphs) and prefix caching is turned
         off (cached KV of one adapter is wrong for another). Call before any request."""
-        from polyrl.models.lora.multi import attach_adapters
-
         bank = attach_adapters(self.model, adapters)
         self.block_manager.enable_prefix_caching = False
         self.runner.invalidate_graphs()

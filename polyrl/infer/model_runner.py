@@ -18,39 +18,19 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from polyrl import kernels
 from polyrl.infer.batch import StepInputs, host_arrays, to_device
 from polyrl.infer.config import RolloutConfig
+from polyrl.infer.cuda_graphs import DecodeBuffers, DecodeGraphs, GraphCaptureError
 from polyrl.infer.kv_cache import KVCache
 from polyrl.infer.overlap import feed_input_ids
-from polyrl.infer.sampler import SamplingRows
+from polyrl.infer.sampler import SamplingRows, host_to_device
 from polyrl.infer.scheduler import SchedulerOutput
 from polyrl.models.attention_metadata import AttnMetadata
 from polyrl.platform import device
-
-
-@dataclass
-class DecodeBuffers:
-    """The device inputs of the decode step just run (views of its ``[bs]`` rows) and how to run it again."""
-
-    input_ids: torch.Tensor  # int64 [bs]
-    positions: torch.Tensor  # int64 [bs]
-    slot_mapping: torch.Tensor  # int64 [bs]
-    context_lens: torch.Tensor  # int32 [bs]
-    block_tables: torch.Tensor  # int32 [bs, M]
-    run: Callable[[], torch.Tensor]  # -> logits [bs, V] (the model's dtype)
-
-    def advance(self, tokens: torch.Tensor, block_size: int) -> None:
-        """Inputs of the next decode step, on the device: each row's input is the token it just drew, one
-        position on, its slot looked up in its block table (the host allocated those blocks beforehand)."""
-        self.input_ids.copy_(tokens)
-        self.positions.add_(1)
-        self.context_lens.add_(1)
-        block = self.block_tables.gather(1, (self.positions // block_size).unsqueeze(1)).squeeze(1)
-        self.slot_mapping.copy_(block.to(torch.int64) * block_size + self.positions % block_size)
 
 
 class ModelRunner:
@@ -66,8 +46,6 @@ class ModelRunner:
         want = device.supports_graphs() if cfg.cuda_graphs is None else cfg.cuda_graphs
         self.use_graphs = bool(want) and self.device.type == "cuda" and device.supports_graphs()
         if self.use_graphs:
-            from polyrl import kernels
-
             head_dim = getattr(getattr(model, "config", None), "head_dim", None)
             # a decode step whose attention runs the host-syncing reference cannot be captured: run it eagerly
             self.use_graphs = head_dim is None or kernels.paged_attention_graph_safe("cuda", self.dtype, head_dim)
@@ -90,8 +68,6 @@ class ModelRunner:
         if bank is not None:  # LoRA adapters per request: each token's adapter slot (fixed across queued steps)
             bank.index = _adapter_index(sched, bank, self.device)
         if self._graph_step(sched):  # adapter steps run eagerly
-            from polyrl.infer.cuda_graphs import GraphCaptureError
-
             try:
                 logits = self.graphs.run(arrays, fed)
                 self.last_step_used_graph = True
@@ -129,8 +105,6 @@ class ModelRunner:
         # a rollout) takes the step path rather than capturing a graph per (bucket, steps) mid-run.
         full = steps == self.cfg.decode_steps and self.cfg.launch_graphs
         if rows is not None and full and self.kv.caches is not None and self._graph_step(sched):
-            from polyrl.infer.cuda_graphs import GraphCaptureError
-
             fed = self._fed(feed)
             try:
                 out = self.graphs.run_launch(host_arrays(sched.items, self.cfg.block_size), fed, rows, steps)
@@ -163,16 +137,12 @@ class ModelRunner:
         ok = bank is None and self.use_graphs and sched.is_decode_only
         ok = ok and len(sched.items) <= self.cfg.max_graph_batch_size
         if ok and self.graphs is None:
-            from polyrl.infer.cuda_graphs import DecodeGraphs
-
             self.graphs = DecodeGraphs(self.model, self.kv, self.cfg, self.max_blocks_per_seq)
         return ok
 
     def _fed(self, feed: tuple[list[int], torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         if feed is None:
             return None
-        from polyrl.infer.sampler import host_to_device
-
         return host_to_device(feed[0], torch.int64, self.device), feed[1]
 
     def capture_graphs(self, batch: int) -> None:
@@ -180,8 +150,6 @@ class ModelRunner:
         launch graphs (no-op without graphs)."""
         if not self.use_graphs or self.kv.caches is None:
             return
-        from polyrl.infer.cuda_graphs import DecodeGraphs, GraphCaptureError
-
         if self.graphs is None:
             self.graphs = DecodeGraphs(self.model, self.kv, self.cfg, self.max_blocks_per_seq)
         try:

@@ -26,6 +26,7 @@ import torch
 from polyrl.errors import CheckpointError
 from polyrl.models.config import ModelConfig
 from polyrl.models.decoder import DecoderLM
+from polyrl.models.hf_io import make_temp_dir, open_safetensors, save_tokenizer, write_json, write_safetensors
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -33,17 +34,6 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 # Tensors some checkpoints carry that the model recomputes; they are ignored on load.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 _PICKLE_PATTERNS = ("pytorch_model*.bin", "*.bin", "*.pt", "*.pth", "*.ckpt")
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "tokenizer.model",
-)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LIST_LIMIT = 20
 
@@ -83,7 +73,7 @@ def weight_files(path: Path) -> dict[str, Path]:
         return files
     shards = [path / SINGLE_FILE] if (path / SINGLE_FILE).is_file() else sorted(path.glob("*.safetensors"))
     if shards:
-        return {name: shard for shard in shards for name in _open(shard).keys()}
+        return {name: shard for shard in shards for name in open_safetensors(shard).keys()}
     pickled = sorted({p.name for pat in _PICKLE_PATTERNS for p in path.glob(pat)})
     if pickled:
         raise CheckpointError(
@@ -91,37 +81,6 @@ def weight_files(path: Path) -> dict[str, Path]:
             "them to safetensors first, e.g. in transformers: model.save_pretrained(dir, safe_serialization=True)"
         )
     raise CheckpointError(f"no weights in {path}: expected {SINGLE_FILE} or {INDEX_FILE} with its shards")
-
-
-class _Open:
-    """A safetensors file opened for lazy reads, with every failure turned into a CheckpointError naming it."""
-
-    def __init__(self, file: Path, device: str = "cpu") -> None:
-        from safetensors import safe_open
-
-        self.file = file
-        try:
-            self._f = safe_open(str(file), framework="pt", device=device)
-        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types and OSError
-            raise CheckpointError(
-                f"cannot read {file}: {exc}; the file is corrupted or truncated, re-download or re-save it"
-            ) from None
-
-    def keys(self) -> list[str]:
-        return list(self._f.keys())
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._f.get_slice(name).get_shape())
-
-    def tensor(self, name: str) -> torch.Tensor:
-        try:
-            return self._f.get_tensor(name)
-        except Exception as exc:  # noqa: BLE001
-            raise CheckpointError(f"cannot read tensor {name!r} from {self.file}: {exc}") from None
-
-
-def _open(file: Path, device: str = "cpu") -> _Open:
-    return _Open(file, device)
 
 
 def _problems(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], tied: bool) -> list[str]:
@@ -173,7 +132,7 @@ def load_model(
     model = model.to(dtype)
     expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
 
-    handles = {f: _open(f, _safetensors_device(device)) for f in sorted(set(files.values()))}
+    handles = {f: open_safetensors(f, _safetensors_device(device)) for f in sorted(set(files.values()))}
     found = {}
     for name, file in files.items():
         try:
@@ -208,6 +167,7 @@ def _safetensors_device(device: torch.device) -> str:
 
 def load_tokenizer(path: str | Path):
     """The folder's tokenizer through ``transformers.AutoTokenizer`` (chat template included)."""
+    # lazy: transformers is heavy and only needed to read a tokenizer (importing polyrl.models never loads it)
     from transformers import AutoTokenizer
 
     folder = _folder(path)
@@ -232,21 +192,21 @@ def save_model(
     ``save_pretrained`` or a folder whose tokenizer files are copied. ``dtype`` casts on the way out.
     A model with LoRA adapters is written as a PEFT adapter folder (``polyrl.models.lora.save_adapter``)."""
     if getattr(model, "lora_config", None) is not None:
-        from polyrl.models.lora import save_adapter
+        # lazy: polyrl.models.lora builds on this module (its package imports lora.load, which imports load_model)
+        from polyrl.models.lora.peft_io import save_adapter
 
         return save_adapter(model, out_dir, tokenizer=tokenizer, dtype=dtype)
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = make_temp_dir(out)
     try:
         state = {n: _cpu(t, dtype) for n, t in model.state_dict().items()}
         saved_dtype = dtype or _dominant_dtype(state)
         _write_weights(state, tmp, max_shard_bytes)
-        _write_json(tmp / "config.json", _hf_config(model.config, saved_dtype))
-        _write_json(tmp / "generation_config.json", _generation_config(model.config, generation_config))
+        write_json(tmp / "config.json", _hf_config(model.config, saved_dtype))
+        write_json(tmp / "generation_config.json", _generation_config(model.config, generation_config))
         if tokenizer is not None:
-            _save_tokenizer(tokenizer, tmp)
+            save_tokenizer(tokenizer, tmp)
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -269,8 +229,6 @@ def _dominant_dtype(state: dict[str, torch.Tensor]) -> torch.dtype:
 
 
 def _write_weights(state: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int) -> None:
-    from safetensors.torch import save_file
-
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in state.items():
@@ -280,17 +238,16 @@ def _write_weights(state: dict[str, torch.Tensor], folder: Path, max_shard_bytes
             size = 0
         shards[-1][name] = t
         size += nbytes
-    meta = {"format": "pt"}
     if len(shards) == 1:
-        save_file(shards[0], str(folder / SINGLE_FILE), metadata=meta)
+        write_safetensors(shards[0], folder / SINGLE_FILE)
         return
     weight_map = {}
     for i, shard in enumerate(shards, start=1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / fname), metadata=meta)
+        write_safetensors(shard, folder / fname)
         weight_map.update(dict.fromkeys(shard, fname))
     total = sum(t.numel() * t.element_size() for t in state.values())
-    _write_json(folder / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_json(folder / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
 def _hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
@@ -307,22 +264,6 @@ def _generation_config(cfg: ModelConfig, overrides: dict[str, Any] | None) -> di
         d["pad_token_id"] = cfg.pad_token_id
     d.update(overrides or {})
     return d
-
-
-def _save_tokenizer(tokenizer: Any, folder: Path) -> None:
-    if isinstance(tokenizer, (str, Path)):
-        src = Path(tokenizer)
-        copied = [f for f in _TOKENIZER_FILES if (src / f).is_file()]
-        if not copied:
-            raise CheckpointError(f"no tokenizer files in {src} to copy (expected tokenizer.json or similar)")
-        for f in copied:
-            shutil.copyfile(src / f, folder / f)
-        return
-    tokenizer.save_pretrained(str(folder))
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:

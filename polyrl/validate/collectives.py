@@ -47,6 +47,7 @@ def _free_port() -> int:
 
 
 def _checks_on_rank(rank: int, world: int, dev: Any, bench_numel: int) -> dict[str, Any]:
+    # lazy: torch loads only when the level runs (the validate CLI imports every level module for its parser)
     import torch
     import torch.distributed as dist
 
@@ -92,6 +93,7 @@ def _checks_on_rank(rank: int, world: int, dev: Any, bench_numel: int) -> dict[s
 
 
 def _bench(dev: Any, numel: int, world: int) -> dict[str, Any]:
+    # lazy: torch loads only when the level runs (the validate CLI imports every level module for its parser)
     import torch
     import torch.distributed as dist
 
@@ -115,6 +117,7 @@ def _bench(dev: Any, numel: int, world: int) -> dict[str, Any]:
 
 
 def _worker(rank: int, world: int, backend: str, port: int, use_cpu: bool, result_dir: str) -> None:
+    # lazy: torch loads only when the level runs (the validate CLI imports every level module for its parser)
     import torch
     import torch.distributed as dist
 
@@ -138,6 +141,7 @@ def _worker(rank: int, world: int, backend: str, port: int, use_cpu: bool, resul
 
 
 def _spawn(world: int, backend: str, use_cpu: bool) -> list[dict[str, Any]]:
+    # lazy: torch loads only when the level runs (the validate CLI imports every level module for its parser)
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="polyrl-coll-") as tmp:
@@ -161,6 +165,7 @@ def _spawn(world: int, backend: str, use_cpu: bool) -> list[dict[str, Any]]:
 
 
 def run_level(args: argparse.Namespace) -> dict[str, Any]:
+    # lazy: torch loads only when the level runs (the validate CLI imports every level module for its parser)
     from polyrl.platform import device
 
     procs = int(getattr(args, "collectives_cpu_procs", 0) or 0)

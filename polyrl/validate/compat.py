@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from polyrl.errors import DataError
+from polyrl.platform import kb
+from polyrl.validate import report
 
 LEVEL_ORDER = ("platform", "ops", "collectives", "sft", "rl", "serve")
 CI_TESTED = {"cpu": "`make test` on every push: CPU torch, Triton kernels under TRITON_INTERPRET=1 on tiny shapes"}
@@ -24,8 +26,6 @@ MARK = {"passed": "pass", "failed": "**FAIL**", "skipped": "skip", None: "-"}
 
 def load_reports(compat_dir: str | Path) -> list[tuple[str, dict[str, Any]]]:
     """(file name, document) for every ``*.json`` in ``compat_dir``, checked against the schema."""
-    from polyrl.validate import report
-
     folder = Path(compat_dir)
     if not folder.is_dir():
         raise DataError(f"{folder} is not a folder; give --compat-dir with the validation reports (compat/)")
@@ -80,8 +80,6 @@ def _table(rows: list[tuple[str, dict[str, Any]]], compat_link: str, kb_missing:
 
 def render(reports: list[tuple[str, dict[str, Any]]], compat_link: str = "../compat") -> str:
     """The whole ``docs/compatibility.md``."""
-    from polyrl.platform import kb
-
     rows = latest(reports)
     covered = {doc["matrix_row"]["platform"] for _, doc in rows}
     missing = [p for pid, p in kb.platforms().items() if pid not in covered]

@@ -11,17 +11,20 @@ Not here: judging the installation (``pitfalls``), any device work (levels do th
 from __future__ import annotations
 
 import functools
+import os
 import platform as _pyplatform
 import re
 from typing import Any
+
+from polyrl import __version__
+from polyrl.platform import pitfalls, probe, report, resolve
+from polyrl.validate import smi
 
 
 @functools.lru_cache(maxsize=1)
 def collect() -> dict[str, Any]:
     """``{"env": polyrl.env/1 doc without its snapshot, "check": polyrl.check/1 doc, "versions", "devices",
     "platform", "machine"}`` for this machine (cached: the torch probe subprocess runs once)."""
-    from polyrl.platform import pitfalls, probe, report, resolve
-
     snap = probe.collect(deep=False)
     res = resolve.resolve(snap)
     env_doc = report.env_report(snap, res)
@@ -45,10 +48,8 @@ def _dist_version(env_doc: dict[str, Any], name: str) -> str | None:
 
 
 def versions(env_doc: dict[str, Any]) -> dict[str, Any]:
+    # lazy: torch loads only when the report is gathered (validate modules stay torch-free on import)
     import torch
-
-    from polyrl import __version__
-    from polyrl.validate import smi
 
     providers = env_doc.get("triton") or []
     triton = None
@@ -69,11 +70,10 @@ def versions(env_doc: dict[str, Any]) -> dict[str, Any]:
 
 def devices() -> list[dict[str, Any]]:
     """Device facts from ``polyrl.platform.device`` (the CPU gives one entry with its processor name)."""
+    # lazy: torch loads only when the report is gathered (validate modules stay torch-free on import)
     from polyrl.platform import device
 
     if device.device_type() == "cpu":
-        import os
-
         return [{"index": 0, "type": "cpu", "name": device.name(), "cores": os.cpu_count()}]
     out = []
     current = device.current_index()

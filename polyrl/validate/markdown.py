@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from polyrl.validate import ops_level
 from polyrl.validate import result as res
 
 E2E_TITLES = {
@@ -101,8 +102,6 @@ def _ops(doc: dict[str, Any]) -> list[str]:
     if skipped:
         out += ["", f"Not run here: {', '.join(skipped)} (see the full table for the reasons)."]
     out += ["", *[f"_{n}_" for n in level.get("notes", [])]]
-    from polyrl.validate import ops_level
-
     out += ["", "<details><summary>Full operator table</summary>", "", *ops_level.table_markdown(level)]
     out += ["", "</details>", ""]
     return out

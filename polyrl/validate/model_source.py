@@ -41,6 +41,7 @@ def model_dir(args: argparse.Namespace) -> Path:
     preset, seed = getattr(args, "preset", "tiny") or "tiny", int(getattr(args, "seed", 0))
     key = (preset, seed)
     if key not in _CREATED:
+        # lazy: torch and polyrl.models load only when a level runs (the validate CLI imports this for its parser)
         from polyrl.models.presets import create_model_from_preset, get_preset
 
         get_preset(preset)  # unknown names: a UserError listing the presets
@@ -58,6 +59,7 @@ def describe(args: argparse.Namespace) -> str:
 
 def load(args: argparse.Namespace, dtype: Any = None) -> tuple[Any, Any, Path]:
     """(DecoderLM on the validation device, tokenizer, folder); fp32 weights unless ``dtype``."""
+    # lazy: torch and polyrl.models load only when a level runs (the validate CLI imports this for its parser)
     import torch
 
     from polyrl.models.checkpoint import load_model, load_tokenizer

@@ -1,6 +1,6 @@
 """The ``ops`` validation level: every op x available implementation x dtype x shape against the reference.
 
-Each op declares its cases in a registry (``CASES``, filled by ``ops_cases.py``): an input factory over
+Each op declares its cases in a registry (``ops_spec.CASES``, filled by ``ops_cases.py``): an input factory over
 named shapes (awkward sizes: 1, 7, 127, 1025, a vocab that is not a multiple of any block), which inputs
 get gradients, the names of its outputs, and a tolerance per dtype. For each combination the sweep runs
 the implementation on inputs of the test dtype and the op's reference on the *same values* upcast to
@@ -25,17 +25,24 @@ Deliberately not here: timing (``polyrl bench kernels``), multi-device checks, t
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import importlib
+import multiprocessing as mp
 import os
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from polyrl.errors import ConfigError
+from polyrl.kernels import registry
+from polyrl.platform import device as platform_device
+from polyrl.validate import ops_cases  # noqa: F401  importing it fills CASES
+from polyrl.validate.ops_spec import CASES, DEFAULT_TOL, Inputs, OpCases, Tol
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -43,60 +50,6 @@ SIZES = ("tiny", "small", "large")
 DEFAULT_SIZES = ("tiny", "small")
 # Kernel modules with a ``fixed_config()`` context (skip autotuning) used for the tiny and small shapes.
 QUICK_TUNING = ("polyrl.kernels.attention.triton",)
-
-
-@dataclass(frozen=True)
-class Tol:
-    """Pass when ``rel_l2 <= rel_l2`` and ``max_abs <= atol + rtol * max|reference|``."""
-
-    rel_l2: float
-    atol: float
-    rtol: float
-
-
-# Defaults for an implementation compared with an fp64 reference on the same inputs.
-DEFAULT_TOL = {
-    "float32": Tol(1e-5, 1e-5, 1e-4),
-    "float16": Tol(3e-3, 1e-3, 1e-2),
-    "bfloat16": Tol(2e-2, 1e-2, 6e-2),
-}
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A named shape set; ``size`` is "tiny" (interpreter-friendly), "small" (CPU) or "large" (device)."""
-
-    name: str
-    params: dict[str, Any]
-    size: str = "small"
-
-
-Inputs = dict[str, Any]  # ordered: the implementation is called with the values positionally
-
-
-@dataclass
-class OpCases:
-    """How to validate one op. ``make(params, dtype, device, gen)`` returns the inputs in call order."""
-
-    op: str
-    make: Callable[[dict[str, Any], torch.dtype, torch.device, torch.Generator], Inputs]
-    shapes: list[Shape]
-    outputs: tuple[str, ...]
-    grads: tuple[str, ...] = ()
-    tol: dict[str, Tol] = field(default_factory=lambda: dict(DEFAULT_TOL))
-    # fn, inputs -> output tensors (default: fn(*inputs.values()) normalised to a tuple)
-    call: Callable[[Callable[..., Any], Inputs], tuple[torch.Tensor, ...]] | None = None
-    # For ops outside the kernel registry: [(impl name, function)], the reference being the first.
-    torch_impls: list[tuple[str, Callable[..., Any]]] | None = None
-    bf16_dot: bool = False  # its Triton kernels feed bf16 to tl.dot (see interpreter_bf16_dot_ok)
-    note: str = ""
-
-
-CASES: dict[str, OpCases] = {}
-
-
-def register_cases(cases: OpCases) -> None:
-    CASES[cases.op] = cases
 
 
 def _call(cases: OpCases, fn: Callable[..., Any], inputs: Inputs) -> tuple[torch.Tensor, ...]:
@@ -179,6 +132,7 @@ def interpreter_active() -> bool:
     if os.environ.get("TRITON_INTERPRET") != "1":
         return False
     try:
+        # lazy: triton is optional, and importing it fixes interpreted or compiled mode for the whole process
         import triton.language as tl
         from triton.runtime.interpreter import InterpretedFunction
     except Exception:  # noqa: BLE001 - no (working) triton means no interpreter
@@ -193,6 +147,7 @@ def interpreter_bf16_dot_ok() -> bool:
     """Whether the Triton interpreter computes ``tl.dot`` on bf16 inputs correctly (3.9 does not: it keeps
     bf16 as uint16 and multiplies the bit patterns). Probed once on a 16x16 product."""
     if not _BF16_DOT_OK:
+        # lazy: triton is optional; only reached on the CPU under the interpreter
         import triton
         import triton.language as tl
 
@@ -219,8 +174,6 @@ def _implementations(cases: OpCases, device: torch.device, dtype_name: str, inte
         for name, fn in cases.torch_impls:
             yield name, (lambda fn=fn: fn), None, SIZES
         return
-    from polyrl.kernels import registry
-
     for impl in registry.implementations(cases.op):
         thunk = lambda name=impl.name: registry.load(cases.op, name)  # noqa: E731
         if impl.supports(device.type, dtype_name):
@@ -241,8 +194,6 @@ def _implementations(cases: OpCases, device: torch.device, dtype_name: str, inte
 def _reference_fn(cases: OpCases) -> Callable[..., Any]:
     if cases.torch_impls is not None:
         return cases.torch_impls[0][1]
-    from polyrl.kernels import registry
-
     return registry.load(cases.op, "reference")
 
 
@@ -393,13 +344,8 @@ def run_sweep(
     ``sizes`` defaults to tiny+small (add "large" for real widths on an accelerator). ``workers``: processes
     to spread the dtypes over (default: one per dtype on an accelerator, in-process on the CPU); the rows
     come back in the same order either way."""
-    from polyrl.errors import ConfigError
-    from polyrl.validate import ops_cases  # noqa: F401  registers CASES
-
     if device is None:
-        from polyrl.platform import device as dev
-
-        device = dev.torch_device()
+        device = platform_device.torch_device()
     unknown = [d for d in dtypes or [] if d not in DTYPES]
     if unknown:
         raise ConfigError(f"unknown dtype(s) {unknown}; use a comma list of {', '.join(DTYPES)}")
@@ -435,16 +381,11 @@ def _sweep(device, dtype_names, op_list, sizes, progress) -> list[dict[str, Any]
 
 def _sweep_worker(device: str, dtype_name: str, op_list: list[str], sizes: tuple[str, ...], show: bool):
     """One dtype's rows, in a fresh (spawned) process."""
-    from polyrl.validate import ops_cases  # noqa: F401  registers CASES
-
     return _sweep(torch.device(device), [dtype_name], op_list, sizes, print_progress if show else None)
 
 
 def _parallel_sweep(device, dtype_names, op_list, sizes, progress, workers) -> list[dict[str, Any]] | None:
     """The dtypes in parallel processes; None (the caller runs in-process) if the pool cannot run."""
-    import concurrent.futures as cf
-    import multiprocessing as mp
-
     show = progress is not None
     try:
         ctx = mp.get_context("spawn")

@@ -1,11 +1,11 @@
 """Validation cases for every op: input factories, shapes (awkward sizes), gradients, tolerances.
 
-Importing this module fills ``polyrl.validate.ops.CASES``. Each factory draws from a CPU generator (same
-values on every device) and returns the op's arguments in call order; the sweep rounds float inputs to
-the test dtype and gives the reference the same values in fp64. Shapes are "tiny" (fast enough for the
-Triton interpreter), "small" (CPU) or "large" (accelerators: real widths).
+Importing this module fills ``polyrl.validate.ops_spec.CASES`` (``polyrl.validate.ops`` imports it). Each
+factory draws from a CPU generator (same values on every device) and returns the op's arguments in call order;
+the sweep rounds float inputs to the test dtype and gives the reference the same values in fp64. Shapes are
+"tiny" (fast enough for the Triton interpreter), "small" (CPU) or "large" (accelerators: real widths).
 
-Tolerances: the defaults in ``ops.DEFAULT_TOL`` suit elementwise ops; ops with long reductions or matmuls
+Tolerances: the defaults in ``ops_spec.DEFAULT_TOL`` suit elementwise ops; ops with long reductions or matmuls
 (attention, linear + cross-entropy, token log-probs) allow more in fp32 because Triton's ``tl.dot`` uses
 TF32 for fp32 inputs by default, and bf16 gradients of long reductions drift further.
 
@@ -19,7 +19,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from polyrl.validate.ops import DEFAULT_TOL, OpCases, Shape, Tol, register_cases
+from polyrl.kernels.rope.reference import rope_cos_sin
+from polyrl.validate.ops_spec import DEFAULT_TOL, OpCases, Shape, Tol, register_cases
 
 MATMUL_TOL = {
     "float32": Tol(3e-3, 1e-3, 1e-2),  # TF32 in tl.dot; an exact fp32 path passes with room
@@ -67,8 +68,6 @@ def _rmsnorm_shapes():
 
 
 def _make_rope(p, dtype, device, gen):
-    from polyrl.kernels.rope.reference import rope_cos_sin
-
     t, hq, hk, d = p["T"], p["Hq"], p["Hk"], p["D"]
     # Packed sequences: positions restart at 0 every 97 tokens.
     pos = (torch.arange(t) % 97 + p.get("offset", 0)).to(device)
@@ -140,8 +139,6 @@ def _linear_shapes():
 
 
 def _make_qk_norm_rope(p, dtype, device, gen):
-    from polyrl.kernels.rope.reference import rope_cos_sin
-
     t, hq, hk, d = p["T"], p["Hq"], p["Hk"], p["D"]
     cos, sin = rope_cos_sin(torch.arange(t, device=device), d, 10000.0, dtype=torch.float32)
     return {

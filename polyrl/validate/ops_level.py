@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from polyrl.errors import ConfigError
+
 COLUMNS = ("op", "impl", "dtype", "shape", "check", "max_abs", "rel_l2", "tol_rel_l2", "finite", "status")
 
 
@@ -30,7 +32,7 @@ def _split(text: str) -> list[str]:
 
 
 def run_level(args: argparse.Namespace) -> dict[str, Any]:
-    from polyrl.errors import ConfigError
+    # lazy: torch loads only when the level runs (the validate CLI imports every level module for its parser)
     from polyrl.validate import ops
 
     sizes = tuple(_split(getattr(args, "sizes", ""))) or (("tiny",) if getattr(args, "quick", False) else None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from polyrl.validate import environment
 from polyrl.validate.result import check, level_result
 
 
@@ -19,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _smoke() -> tuple[bool, Any, str]:
+    # lazy: torch loads only when the level runs (the validate CLI imports every level module for its parser)
     import torch
 
     from polyrl.platform import device
@@ -33,8 +35,8 @@ def _smoke() -> tuple[bool, Any, str]:
 
 
 def run_level(args: argparse.Namespace) -> dict[str, Any]:
+    # lazy: torch loads only when the level runs (the validate CLI imports every level module for its parser)
     from polyrl.platform import device
-    from polyrl.validate import environment
 
     env = environment.collect()
     plat, chk = env["platform"], env["check"]

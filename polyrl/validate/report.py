@@ -21,6 +21,8 @@ import re
 import time
 from typing import Any
 
+from polyrl.validate.environment import slug
+
 SCHEMA = "polyrl.validate/1"
 
 # What polyrl never validates with this command, whatever the machine (the report lists them explicitly).
@@ -161,6 +163,4 @@ def _type_error(key: str, obj: dict[str, Any], typ: type) -> str:
 
 def file_name(doc: dict[str, Any]) -> str:
     """``<platform>-<device slug>-<date>.json``, the name of this report in ``compat/``."""
-    from polyrl.validate.environment import slug
-
     return f"{doc['platform']['id']}-{slug(doc['matrix_row']['device'])}-{doc['date']}.json"

@@ -22,6 +22,7 @@ import math
 import time
 from typing import Any
 
+from polyrl.validate import model_source
 from polyrl.validate.result import check, level_result
 
 CLIP_EPS = 0.2
@@ -37,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def reward(text: str, example: Any) -> float:
     """Exact-match (1.0) plus 0.1 x the share of the answer's distinct characters present in ``text``."""
+    # lazy: polyrl.data and torch load only when the level runs (the validate CLI imports every level for its parser)
     from polyrl.data import check as exact
 
     answer = str(example.answer)
@@ -45,6 +47,7 @@ def reward(text: str, example: Any) -> float:
 
 
 def _rollout(llm: Any, prompts: list[Any], args: argparse.Namespace, group: int):
+    # lazy: polyrl.infer loads only when the level runs (the validate CLI imports every level for its parser)
     from polyrl.infer import SamplingParams
 
     max_tokens = args.rl_max_tokens or (8 if args.quick else 16)
@@ -57,6 +60,7 @@ def _rollout(llm: Any, prompts: list[Any], args: argparse.Namespace, group: int)
 def _pack(outs: list[Any], adv: list[float], dev: Any):
     """PackedBatch of prompt + completion per sample (loss on the completion), the rollout log-probs and the
     per-target-token advantages, both ``[N]`` in the batch's target order."""
+    # lazy: polyrl.data and torch load only when the level runs (the validate CLI imports every level for its parser)
     import torch
 
     from polyrl.data import TokenizedSeq, pack_sequences
@@ -76,6 +80,7 @@ def _pack(outs: list[Any], adv: list[float], dev: Any):
 
 
 def _trainer_logprobs(model: Any, batch: Any):
+    # lazy: torch-based kernels and polyrl.train load only when the level runs (the CLI imports levels for its parser)
     from polyrl import kernels
     from polyrl.train.losses import attention_metadata
 
@@ -88,6 +93,7 @@ def _trainer_logprobs(model: Any, batch: Any):
 def _grpo_loss(old, adv):
     """The engine's loss form over the shared GRPO math: token-ratio clipped loss, summed (token mean after the
     engine divides by the generated-token normaliser)."""
+    # lazy: torch loads only when the level runs (the validate CLI imports every level module for its parser)
     import torch
 
     from polyrl.algorithms.losses import policy_loss
@@ -103,6 +109,7 @@ def _grpo_loss(old, adv):
 
 
 def run_level(args: argparse.Namespace) -> dict[str, Any]:
+    # lazy: torch loads only when the level runs (the validate CLI imports every level module for its parser)
     import torch
 
     from polyrl.algorithms.advantages import group_advantages
@@ -110,7 +117,6 @@ def run_level(args: argparse.Namespace) -> dict[str, Any]:
     from polyrl.infer import LLM, RolloutConfig
     from polyrl.platform import device
     from polyrl.train import OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig, TrainEngine
-    from polyrl.validate import model_source
 
     n_prompts = args.rl_prompts or (4 if args.quick else 8)
     group = args.rl_group

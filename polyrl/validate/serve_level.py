@@ -17,6 +17,7 @@ import importlib.util
 import time
 from typing import Any
 
+from polyrl.validate import model_source
 from polyrl.validate.result import LevelSkipped, check, level_result
 
 NEEDS = ("fastapi", "uvicorn", "openai")
@@ -43,6 +44,7 @@ def missing_dependency() -> str | None:
 
 
 def _exchange(base_url: str, name: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    # lazy: openai is optional (the level is skipped without it)
     import openai
 
     client = openai.OpenAI(base_url=base_url, api_key="validate", max_retries=0, timeout=120)
@@ -90,10 +92,10 @@ def run_level(args: argparse.Namespace) -> dict[str, Any]:
     reason = missing_dependency()
     if reason:
         raise LevelSkipped(reason)
+    # lazy: the server needs the optional fastapi/uvicorn, checked just above
     from polyrl.infer import RolloutConfig
     from polyrl.server import ServeConfig
     from polyrl.server.launch import load_llm, start_server
-    from polyrl.validate import model_source
 
     name = "polyrl-validate"
     llm = load_llm(str(model_source.model_dir(args)), RolloutConfig(num_blocks=256, max_graph_batch_size=8))

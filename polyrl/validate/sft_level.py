@@ -22,6 +22,7 @@ import tempfile
 import time
 from typing import Any
 
+from polyrl.validate import environment, model_source, smi
 from polyrl.validate.result import check, level_result
 
 STEPS, QUICK_STEPS = 40, 12
@@ -43,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _batches(args: argparse.Namespace, tokenizer: Any, dev: Any):
+    # lazy: polyrl.data and torch load only when the level runs (the validate CLI imports every level for its parser)
     from polyrl.data import DataConfig, build_sft
 
     tokens = args.sft_batch_tokens or (QUICK_BATCH_TOKENS if args.quick else BATCH_TOKENS)
@@ -53,6 +55,7 @@ def _batches(args: argparse.Namespace, tokenizer: Any, dev: Any):
 
 
 def _logits(model: Any, batch: Any) -> Any:
+    # lazy: torch loads only when the level runs (the validate CLI imports every level module for its parser)
     import torch
 
     from polyrl.train.losses import attention_metadata
@@ -62,6 +65,7 @@ def _logits(model: Any, batch: Any) -> Any:
 
 
 def _reload_check(model: Any, tokenizer: Any, batch: Any) -> dict[str, Any]:
+    # lazy: torch loads only when the level runs (the validate CLI imports every level module for its parser)
     import torch
 
     from polyrl.models.checkpoint import load_model, save_model
@@ -91,9 +95,9 @@ def _peak_rss() -> int:
 
 
 def run_level(args: argparse.Namespace) -> dict[str, Any]:
+    # lazy: torch loads only when the level runs (the validate CLI imports every level module for its parser)
     from polyrl.platform import device
     from polyrl.train import OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig, TrainEngine
-    from polyrl.validate import environment, model_source, smi
 
     steps = args.sft_steps or (QUICK_STEPS if args.quick else STEPS)
     model, tokenizer, path = model_source.load(args)

@@ -10,10 +10,13 @@ Not here: probing the machine (``polyrl.platform.probe``), judging it (``pitfall
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import threading
 from typing import Any
+
+from polyrl.platform import kb
 
 QUERIES: dict[str, dict[str, list[str]]] = {
     "nvidia-smi": {
@@ -26,8 +29,6 @@ TIMEOUT_S = 5.0
 
 def find_tool(platform_id: str, query: str) -> tuple[str | None, str]:
     """(path of the platform's smi tool that answers ``query``, or None; reason when None)."""
-    from polyrl.platform import kb
-
     tools = kb.platform(platform_id).smi_tools
     if not tools:
         return None, f"the {platform_id} platform has no smi tool"
@@ -42,8 +43,6 @@ def find_tool(platform_id: str, query: str) -> tuple[str | None, str]:
 
 
 def _ask(path: str, query: str) -> list[str]:
-    import os
-
     args = QUERIES[os.path.basename(path)][query]
     proc = subprocess.run([path, *args], capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
     if proc.returncode != 0:

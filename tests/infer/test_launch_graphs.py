@@ -29,7 +29,7 @@ class EagerGraphs(cuda_graphs.DecodeGraphs):
         return self._forward(b)[:bs]
 
     def decode_buffers(self, bs):
-        from polyrl.infer.model_runner import DecodeBuffers
+        from polyrl.infer.cuda_graphs import DecodeBuffers
 
         b = self.bucket(bs)
         return DecodeBuffers(self.input_ids[:bs], self.positions[:bs], self.slot_mapping[:bs], self.context_lens[:bs],

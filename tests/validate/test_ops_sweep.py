@@ -21,7 +21,8 @@ if "triton" not in sys.modules and _device.device_type() != "cuda":
 from polyrl.cli.main import main  # noqa: E402
 from polyrl.kernels import registry  # noqa: E402
 from polyrl.validate import LEVELS, ops, ops_level  # noqa: E402
-from polyrl.validate.ops import CASES, OpCases, Shape, Tol, compare  # noqa: E402
+from polyrl.validate.ops import compare  # noqa: E402
+from polyrl.validate.ops_spec import CASES, OpCases, Shape, Tol, register_cases  # noqa: E402
 
 KEYS = {"op", "impl", "dtype", "shape", "check", "max_abs", "rel_l2", "finite", "tol_rel_l2", "status", "reason"}
 
@@ -82,7 +83,7 @@ def scratch_cases():
 
     def add(cases: OpCases) -> OpCases:
         added.append(cases.op)
-        ops.register_cases(cases)
+        register_cases(cases)
         return cases
 
     yield add

@@ -27,7 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from polyrl import kernels
 from polyrl.errors import UserError
+from polyrl.kernels.lora_linear.fused import _zero, frozen_base_onto
+from polyrl.kernels.nf4.reference import dequantize_nf4, quantize_nf4
 
 
 class LoraLinear(nn.Module):
@@ -55,8 +58,6 @@ class LoraLinear(nn.Module):
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_shape is None:
             return F.linear(x, self.weight, self.bias)
-        from polyrl import kernels
-
         y = kernels.nf4_matmul(x, self.weight_nf4, self.weight_absmax, self.quant_shape)
         return y if self.bias is None else y + self.bias
 
@@ -69,8 +70,6 @@ class LoraLinear(nn.Module):
         # (no-grad NF4 steps, e.g. decoding, keep nf4_matmul: its fused kernel reads 4-bit weights for few rows)
         fused_ok = x.dtype == self.weight.dtype if dense else torch.is_grad_enabled()
         if not drop and x.dtype == a.dtype == b.dtype and fused_ok:
-            from polyrl import kernels
-
             base = self.weight if dense else kernels.NF4Weight(self.weight_nf4, self.weight_absmax, self.quant_shape)
             return kernels.lora_linear(x, base, self.bias, a, b, self.scaling)  # the training case
         y = self.base_forward(x)
@@ -96,8 +95,6 @@ class LoraLinear(nn.Module):
         a, b = self.lora_A.weight, self.lora_B.weight
         x2 = x.reshape(-1, x.shape[-1])
         if x.dtype == a.dtype == b.dtype:
-            from polyrl.kernels.lora_linear.fused import _zero
-
             y = torch.addmm(_zero(x2), x2 @ a.t(), b.t(), beta=0, alpha=self.scaling)
         else:
             y = (F.linear(F.linear(x2.to(a.dtype), a), b) * self.scaling).to(x.dtype)
@@ -105,9 +102,6 @@ class LoraLinear(nn.Module):
 
     def base_onto(self, acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
         """``acc + x W^T (+ b)`` with the frozen base, saving no activation (``lora_linear.frozen_base_onto``)."""
-        from polyrl import kernels
-        from polyrl.kernels.lora_linear.fused import frozen_base_onto
-
         dense = self.quant_shape is None
         base = self.weight if dense else kernels.NF4Weight(self.weight_nf4, self.weight_absmax, self.quant_shape)
         return frozen_base_onto(acc, x, base, self.bias)
@@ -144,8 +138,6 @@ class LoraLinear(nn.Module):
     @torch.no_grad()
     def quantize_nf4(self) -> None:
         """Replace the frozen base weight by its NF4 quantization (frees the full-precision weight)."""
-        from polyrl.kernels.nf4.reference import quantize_nf4
-
         if self.quant_shape is not None:
             return
         if self.merged:
@@ -161,8 +153,6 @@ class LoraLinear(nn.Module):
         """The frozen base weight ``[out, in]`` as a dense tensor (dequantized for NF4)."""
         if self.quant_shape is None:
             return self.weight.detach().to(dtype)
-        from polyrl.kernels.nf4.reference import dequantize_nf4
-
         return dequantize_nf4(self.weight_nf4, self.weight_absmax, self.quant_shape, dtype)
 
     def extra_repr(self) -> str:

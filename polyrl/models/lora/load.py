@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from polyrl.errors import CheckpointError
+from polyrl.models.checkpoint import load_model
 from polyrl.models.lora.apply import apply_lora, lora_layers
 from polyrl.models.lora.config import LoraConfig
 from polyrl.models.lora.peft_io import is_adapter_dir, load_adapter, read_adapter_config
@@ -46,8 +47,6 @@ def load_lora_model(
     """A ``DecoderLM`` with adapters. ``path``: an HF folder (fresh adapters from ``lora``) or a PEFT adapter
     folder (its adapters; ``lora``'s dropout, quantize_base and merge_for_rollout apply, r/alpha/targets come from
     the adapter). ``model.lora_base`` records the base folder for the saved adapter_config.json."""
-    from polyrl.models.checkpoint import load_model
-
     base = base_model_path(path)
     model = load_model(base, dtype=dtype, device=device)
     if is_adapter_dir(path):

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from polyrl.errors import ConfigError
-from polyrl.models.lora.peft_io import ADAPTER_WEIGHTS, PREFIX, _our_name, read_adapter_config
+from polyrl.models.hf_io import open_safetensors
+from polyrl.models.lora.peft_io import ADAPTER_WEIGHTS, PREFIX, our_name, read_adapter_config
 
 
 class AdapterBank:
@@ -77,8 +78,6 @@ class MultiLoraLinear(nn.Module):
 @torch.no_grad()
 def attach_adapters(model: nn.Module, adapters: dict[str, str | Path]) -> AdapterBank:
     """Load the PEFT adapter folders ``adapters`` (name -> folder) onto ``model`` for per-token selection."""
-    from polyrl.models.checkpoint import _open
-
     if not adapters:
         raise ConfigError("attach_adapters needs at least one name=folder")
     if getattr(model, "lora_config", None) is not None or getattr(model, "lora_bank", None) is not None:
@@ -98,8 +97,8 @@ def attach_adapters(model: nn.Module, adapters: dict[str, str | Path]) -> Adapte
                     layers[f"model.layers.{li}.{pname}.{target}"] = multi
     for slot, name in enumerate(names):
         cfg, file = configs[name], Path(adapters[name]) / ADAPTER_WEIGHTS
-        handle = _open(file)
-        found = {_our_name(k): k for k in handle.keys() if k.startswith(PREFIX)}
+        handle = open_safetensors(file)
+        found = {our_name(k): k for k in handle.keys() if k.startswith(PREFIX)}
         for module, multi in layers.items():
             key_a, key_b = f"{module}.lora_A.weight", f"{module}.lora_B.weight"
             if module.rpartition(".")[2] not in cfg.targets:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 from polyrl.errors import CheckpointError, ConfigError
+from polyrl.models.hf_io import make_temp_dir, open_safetensors, save_tokenizer, write_json, write_safetensors
 from polyrl.models.lora.apply import adapter_parameters, apply_lora, has_lora
 from polyrl.models.lora.config import ALL_TARGETS, LoraConfig
 
@@ -70,26 +70,21 @@ def save_adapter(
     """Write ``model``'s adapter as a PEFT folder (atomically). ``base_model`` goes to
     ``base_model_name_or_path`` (default: ``model.lora_base``, set when the run loaded the base); ``tokenizer`` an
     object with ``save_pretrained`` or a folder to copy the tokenizer files from; ``dtype`` casts (default fp32)."""
-    from safetensors.torch import save_file
-
-    from polyrl.models.checkpoint import _save_tokenizer, _write_json
-
     if not has_lora(model):
         raise ConfigError("this model has no LoRA adapters to save")
     base_model = base_model or getattr(model, "lora_base", None)
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = make_temp_dir(out)
     try:
         tensors = {
             PREFIX + name: p.detach().to(dtype or torch.float32).cpu().contiguous()
             for name, p in adapter_parameters(model).items()
         }
-        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        _write_json(tmp / ADAPTER_CONFIG, adapter_config_dict(model.lora_config, base_model))
+        write_safetensors(tensors, tmp / ADAPTER_WEIGHTS)
+        write_json(tmp / ADAPTER_CONFIG, adapter_config_dict(model.lora_config, base_model))
         if tokenizer is not None:
-            _save_tokenizer(tokenizer, tmp)
+            save_tokenizer(tokenizer, tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -141,7 +136,8 @@ def read_adapter_config(path: str | Path) -> tuple[LoraConfig, str | None]:
     return cfg, d.get("base_model_name_or_path")
 
 
-def _our_name(key: str) -> str:
+def our_name(key: str) -> str:
+    """A saved adapter tensor's name in our model (no ``base_model.model.`` prefix, no ``.default`` adapter name)."""
     name = key.removeprefix(PREFIX)
     for part in ("lora_A", "lora_B"):
         name = name.replace(f".{part}.default.weight", f".{part}.weight")
@@ -152,8 +148,6 @@ def _our_name(key: str) -> str:
 def load_adapter(model: nn.Module, path: str | Path, quantize_base: str | None = None) -> nn.Module:
     """Load the adapter folder ``path`` into ``model`` (adding adapters first when the model has none). Every
     adapter tensor must be present with its shape; values are cast to the adapter parameters' dtype in place."""
-    from polyrl.models.checkpoint import _open
-
     cfg, _ = read_adapter_config(path)
     if not has_lora(model):
         cfg.quantize_base = quantize_base
@@ -166,8 +160,8 @@ def load_adapter(model: nn.Module, path: str | Path, quantize_base: str | None =
     file = Path(path) / ADAPTER_WEIGHTS
     if not file.is_file():
         raise CheckpointError(f"{path} has no {ADAPTER_WEIGHTS} (adapters saved as .bin are not read; re-save them)")
-    handle = _open(file)
-    found = {_our_name(k): k for k in handle.keys()}
+    handle = open_safetensors(file)
+    found = {our_name(k): k for k in handle.keys()}
     own = adapter_parameters(model)
     missing = sorted(set(own) - set(found))
     unexpected = sorted(set(found) - set(own))

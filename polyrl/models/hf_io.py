@@ -1,0 +1,95 @@
+"""File-level I/O of Hugging Face folders, shared by full checkpoints (``checkpoint.py``) and PEFT adapter folders
+(``lora/peft_io.py``, ``lora/multi.py``).
+
+``open_safetensors`` opens a safetensors file for lazy reads, with every failure turned into a ``CheckpointError``
+naming the file; ``write_safetensors`` writes one (metadata ``format = pt``, as transformers and PEFT write);
+``write_json`` writes an indented JSON file; ``save_tokenizer`` puts a tokenizer into a folder (an object with
+``save_pretrained``, or a folder whose ``TOKENIZER_FILES`` are copied); ``make_temp_dir`` creates the hidden
+temporary folder next to a target that an atomic write fills before renaming it into place.
+
+Not here: what goes into a folder (tensor names, config.json fields: the callers), pickled weights (never read).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from polyrl.errors import CheckpointError
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "tokenizer.model",
+)
+
+
+class SafetensorsFile:
+    """A safetensors file opened for lazy reads, with every failure turned into a CheckpointError naming it."""
+
+    def __init__(self, file: Path, device: str = "cpu") -> None:
+        self.file = file
+        try:
+            self._f = safe_open(str(file), framework="pt", device=device)
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types and OSError
+            raise CheckpointError(
+                f"cannot read {file}: {exc}; the file is corrupted or truncated, re-download or re-save it"
+            ) from None
+
+    def keys(self) -> list[str]:
+        return list(self._f.keys())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._f.get_slice(name).get_shape())
+
+    def tensor(self, name: str) -> torch.Tensor:
+        try:
+            return self._f.get_tensor(name)
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(f"cannot read tensor {name!r} from {self.file}: {exc}") from None
+
+
+def open_safetensors(file: Path, device: str = "cpu") -> SafetensorsFile:
+    return SafetensorsFile(file, device)
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], file: Path) -> None:
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def save_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """``tokenizer.save_pretrained(folder)``, or copy the tokenizer files of the folder ``tokenizer`` names."""
+    if isinstance(tokenizer, (str, Path)):
+        src = Path(tokenizer)
+        copied = [f for f in TOKENIZER_FILES if (src / f).is_file()]
+        if not copied:
+            raise CheckpointError(f"no tokenizer files in {src} to copy (expected tokenizer.json or similar)")
+        for f in copied:
+            shutil.copyfile(src / f, folder / f)
+        return
+    tokenizer.save_pretrained(str(folder))
+
+
+def make_temp_dir(out: Path) -> Path:
+    """A new hidden folder next to ``out`` (same file system, so the final rename is atomic)."""
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
