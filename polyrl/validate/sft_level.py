@@ -48,8 +48,8 @@ def _batches(args: argparse.Namespace, tokenizer: Any, dev: Any):
     from polyrl.data import DataConfig, build_sft
 
     tokens = args.sft_batch_tokens or (QUICK_BATCH_TOKENS if args.quick else BATCH_TOKENS)
-    cfg = DataConfig(path=args.task, max_seq_len=128, tokens_per_batch=tokens, seed=args.seed)
-    it = build_sft(cfg, tokenizer).iterator()
+    cfg = DataConfig(path=args.task, max_seq_len=128, seed=args.seed)
+    it = build_sft(cfg, tokenizer, micro_batch_tokens=tokens).iterator()
     while True:
         yield next(it).to(dev)
 

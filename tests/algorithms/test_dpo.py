@@ -180,7 +180,7 @@ def _records(out):
 def test_tiny_dpo_run_raises_margin_and_accuracy_then_resumes_from_cache(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "run"
     cfg = _cfg(tiny_model_dir, out)
-    assert algorithms.get("dpo").run is not None
+    assert algorithms.get("dpo").prepare is not None  # the reference pass before the offline loop
     runner.run(cfg)
     recs = _records(out)
     assert len(recs) == 15
