@@ -19,6 +19,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from polyrl.agents.tools import call_arguments
 from polyrl.algorithms.workers import load_user_module
 from polyrl.errors import ConfigError
 
@@ -62,8 +63,6 @@ class ToolEnvironment(Environment):
         raise NotImplementedError
 
     def step(self, message: dict[str, Any]) -> EnvStep:
-        from polyrl.agents.tools import call_arguments
-
         calls = message.get("tool_calls") or []
         invalid = message.get("invalid_tool_calls") or []
         if not calls and not invalid:

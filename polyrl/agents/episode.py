@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from polyrl.algorithms.rl_batch import Sample
+
 STATUSES = ("running", "done", "max_turns", "max_tokens", "env_error")
 
 
@@ -80,8 +82,6 @@ class Episode:
             self.status, self.error = status, error
 
     def to_sample(self, text: str = "") -> Any:
-        from polyrl.algorithms.rl_batch import Sample
-
         finish = "length" if self.status == "max_tokens" else "stop"
         return Sample(
             list(self.prompt_ids), list(self.ids), list(self.logprobs), finish, text, self.group, self.index,

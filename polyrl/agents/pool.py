@@ -21,6 +21,7 @@ from multiprocessing.connection import wait
 from numbers import Real
 from typing import Any
 
+from polyrl.agents.env import BUILTIN_ENVS, EnvStep, env_tools, resolve_env
 from polyrl.algorithms.workers import WorkerProcess, absolute_spec, close_workers, serve, start_context
 from polyrl.errors import ConfigError, UserError
 
@@ -55,7 +56,6 @@ def _messages(value: Any, what: str) -> list[dict[str, Any]]:
 
 def normalise_step(value: Any) -> Any:
     """An ``EnvStep`` from what ``step`` returned: an ``EnvStep`` or ``(messages, reward, done[, metrics])``."""
-    from polyrl.agents.env import EnvStep
 
     if isinstance(value, tuple) and len(value) in (3, 4):
         value = EnvStep(value[0] or [], value[1], value[2], dict(value[3]) if len(value) == 4 else {})
@@ -95,7 +95,6 @@ class LocalEnvs:
 
 def _worker_main(conn: Any, spec: str) -> None:
     """Worker process: the environments of the episodes pinned here, answering ``(op, episode, payload)`` jobs."""
-    from polyrl.agents.env import resolve_env
 
     def handle(envs: LocalEnvs, job: tuple) -> tuple | None:
         op, eid, payload = job
@@ -118,8 +117,6 @@ class EnvPool:
     """Environment ``spec`` (see ``env.resolve_env``) in ``workers`` processes, ``timeout`` seconds per call."""
 
     def __init__(self, spec: str, workers: int = 2, timeout: float = 30.0, start_method: str | None = None) -> None:
-        from polyrl.agents.env import BUILTIN_ENVS, env_tools, resolve_env
-
         if not isinstance(workers, int) or workers < 0:
             raise ConfigError(f"environment workers must be >= 0, got {workers!r}")
         if not timeout > 0:

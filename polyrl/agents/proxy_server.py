@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import socket
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -251,9 +254,6 @@ class AgentProxy:
     # ---- lifecycle ------------------------------------------------------------------------------------
     def start(self, host: str = "127.0.0.1", port: int = 0, drive: bool = True) -> AgentProxy:
         """Serve in a background thread (port 0: a free one) and (``drive``) start driving the engine."""
-        import socket
-
-        import uvicorn
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -279,7 +279,6 @@ class AgentProxy:
 
     def driving(self) -> Any:
         """Context manager: drive the engine only inside it (training releases the KV cache between rollouts)."""
-        from contextlib import contextmanager
 
         @contextmanager
         def window():

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from polyrl.errors import UserError
+from polyrl.platform import pitfalls, probe, report, resolve
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,8 +35,6 @@ def load_snapshot(path: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from polyrl.platform import pitfalls, probe, report, resolve
-
     snap = load_snapshot(args.snapshot) if args.snapshot else probe.collect(deep=args.deep)
     res = resolve.resolve(snap)
     rows = pitfalls.evaluate(snap, res)

@@ -7,6 +7,8 @@ import argparse
 import os
 from pathlib import Path
 
+from polyrl.validate import compat
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=("render",), help="render: write the matrix page")
@@ -15,8 +17,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from polyrl.validate import compat
-
     reports = compat.load_reports(args.compat_dir)
     out = Path(args.out)
     link = os.path.relpath(Path(args.compat_dir).resolve(), out.resolve().parent)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from polyrl.platform import probe, report, resolve
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the versioned JSON document (schema polyrl.env/1)")
@@ -13,8 +15,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from polyrl.platform import probe, report, resolve
-
     snap = probe.collect(deep=args.deep)
     doc = report.env_report(snap, resolve.resolve(snap))
     if args.json:

@@ -10,6 +10,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
+
+import torch
+
+from polyrl.errors import ConfigError
+from polyrl.models.checkpoint import dtype_from_name, load_config, load_model, save_model
+from polyrl.models.lora import base_model_path, is_adapter_dir, load_adapter, unwrap_lora
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,12 +28,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from polyrl.errors import ConfigError
-    from polyrl.models.checkpoint import dtype_from_name, load_config, load_model, save_model
-    from polyrl.models.lora import base_model_path, is_adapter_dir, load_adapter, unwrap_lora
-
     if not args.adapter or not args.merge:
         raise ConfigError("polyrl export writes a merged model: pass --adapter DIR --merge (and --out DIR)")
     if not is_adapter_dir(args.adapter):
@@ -45,6 +46,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _has_tokenizer(folder: str) -> bool:
-    from pathlib import Path
-
     return (Path(folder) / "tokenizer_config.json").is_file() or (Path(folder) / "tokenizer.json").is_file()

@@ -10,6 +10,8 @@ import argparse
 import sys
 import time
 
+from polyrl.infer import LLM, RolloutConfig, SamplingParams
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="HF checkpoint folder (config.json, safetensors, tokenizer)")
@@ -30,8 +32,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from polyrl.infer import LLM, RolloutConfig, SamplingParams
-
     params = SamplingParams(
         n=args.n,
         temperature=args.temperature,

@@ -8,10 +8,11 @@ from __future__ import annotations
 import argparse
 import time
 
+from polyrl.models.checkpoint import dtype_from_name
+from polyrl.models.presets import PRESETS, create_model_from_preset
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from polyrl.models.presets import PRESETS
-
     names = ", ".join(f"{n} ({p.description})" for n, p in PRESETS.items())
     parser.add_argument("--preset", required=True, choices=list(PRESETS), metavar="NAME", help=f"one of: {names}")
     parser.add_argument("--out", required=True, help="output folder (replaced atomically if it exists)")
@@ -22,9 +23,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from polyrl.models.checkpoint import dtype_from_name
-    from polyrl.models.presets import create_model_from_preset
-
     start = time.perf_counter()
     dtype = dtype_from_name(args.dtype) if args.dtype else None
     out = create_model_from_preset(args.preset, args.out, seed=args.seed, dtype=dtype)

@@ -12,6 +12,7 @@ import importlib
 import os
 import sys
 
+from polyrl import __version__
 from polyrl.errors import UserError
 
 # name -> (module, one-line help). Add a command by adding a row and a module.
@@ -31,8 +32,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from polyrl import __version__
-
     parser = argparse.ArgumentParser(prog="polyrl", description="LLM post-training on any accelerator.")
     parser.add_argument("--version", action="version", version=f"polyrl {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")

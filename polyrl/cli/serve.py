@@ -10,6 +10,13 @@ from __future__ import annotations
 import argparse
 import os
 
+from polyrl.errors import UserError
+from polyrl.infer import RolloutConfig
+from polyrl.models.lora import is_adapter_dir
+from polyrl.platform import envvars
+from polyrl.server import ServeConfig, run_server
+from polyrl.server.launch import load_llm
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="HF checkpoint folder (config.json, safetensors, tokenizer)")
@@ -39,9 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_configs(args: argparse.Namespace):
     """(ServeConfig, RolloutConfig) from the parsed arguments; ConfigError for bad values."""
-    from polyrl.infer import RolloutConfig
-    from polyrl.platform import envvars
-    from polyrl.server import ServeConfig
 
     api_key = args.api_key if args.api_key is not None else envvars.get(envvars.POLYRL_API_KEY)
     serve = ServeConfig(
@@ -65,9 +69,6 @@ def build_configs(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from polyrl.errors import UserError
-    from polyrl.server import run_server
-
     if not os.path.isdir(args.model):
         raise UserError(f"--model {args.model!r} is not a folder; give an HF checkpoint folder (config.json, weights)")
     serve, engine = build_configs(args)
@@ -75,7 +76,6 @@ def run(args: argparse.Namespace) -> int:
     if not adapters:
         run_server(args.model, serve, engine_config=engine, dtype=args.dtype, device=args.device)
         return 0
-    from polyrl.server.launch import load_llm
 
     llm = load_llm(args.model, engine, dtype=args.dtype, device=args.device)
     names = llm.load_adapters(adapters)
@@ -86,8 +86,6 @@ def run(args: argparse.Namespace) -> int:
 
 def parse_adapters(items: list[str]) -> dict[str, str]:
     """``["name=dir", ...]`` -> ``{name: dir}``; each folder must be a PEFT adapter folder."""
-    from polyrl.errors import UserError
-    from polyrl.models.lora import is_adapter_dir
 
     out: dict[str, str] = {}
     for item in items:

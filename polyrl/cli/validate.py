@@ -5,7 +5,6 @@ writes ``report.json`` (schema ``polyrl.validate/1``), ``report.md`` and ``matri
 (``--json FILE`` / ``--md FILE`` write single files too). Each level reports passed / failed / skipped with a
 reason; an unexpected error inside a level fails that level and the run goes on. Exit 0 when no level
 failed, 1 when one did, 2 for a usage error. Examples::
-
     polyrl validate --preset tiny --out runs/validate                  # everything this machine can do
     polyrl validate --levels platform,ops,sft --quick                  # the CI subset
     polyrl validate ops --dtypes fp32,bf16 --ops rmsnorm --sizes large # one level, its own options
@@ -18,17 +17,18 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 from polyrl.errors import ConfigError, UserError
-from polyrl.validate import LEVELS
+from polyrl.validate import LEVELS, environment, markdown, model_source, report
+from polyrl.validate import result as res
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from polyrl.validate import model_source
-
     parser.add_argument("level", nargs="*", help=f"levels to run (default: all): {', '.join(LEVELS)}")
     parser.add_argument("--levels", default="", help="comma list of levels (same as the positional form)")
     parser.add_argument("--out", metavar="DIR", help="write report.json, report.md and matrix_row.json here")
@@ -50,7 +50,6 @@ def _chosen(args: argparse.Namespace) -> list[str]:
 
 def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Run one level; skips and unexpected errors become results, user errors propagate (exit 2)."""
-    from polyrl.validate import result as res
 
     module = importlib.import_module(LEVELS[name][0])
     t0 = time.perf_counter()
@@ -61,9 +60,6 @@ def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 - one broken level must not hide the others' results
-        import os
-        import traceback
-
         if os.environ.get("POLYRL_DEBUG") == "1":
             traceback.print_exc()
         out = res.errored(name, exc)
@@ -74,8 +70,6 @@ def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _render_text(name: str, result: dict[str, Any], show: str) -> str:
-    from polyrl.validate import result as res
-
     module = importlib.import_module(LEVELS[name][0])
     if result["status"] != "skipped" and hasattr(module, "render_text"):
         return module.render_text(result, show) + f"\n{res.headline(result)}"
@@ -83,8 +77,6 @@ def _render_text(name: str, result: dict[str, Any], show: str) -> str:
 
 
 def _options(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
-    from polyrl.validate import model_source
-
     return {
         "levels": names,
         "model": model_source.describe(args),
@@ -102,8 +94,6 @@ def _write(path: str | Path, text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from polyrl.validate import environment, markdown, report
-
     names = _chosen(args)
     if not args.sizes and not args.quick and len(names) > 1:
         args.sizes = "tiny,small"  # the full validate keeps the sweep short; --sizes large for real widths

@@ -1,7 +1,6 @@
 """polyrl.data: dataset sources and formats, chat-template tokenisation with loss masks, packing, builtin tasks.
 
 Typical use (SFT)::
-
     cfg = DataConfig(path="builtin:arithmetic?max=20", max_seq_len=512)
     data = build_sft(cfg, tokenizer, micro_batch_tokens=4096)  # DataError names file/row/problem; stats
     it = data.iterator()                      # resumable: it.state_dict() / it.load_state_dict(...)

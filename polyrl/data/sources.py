@@ -114,6 +114,7 @@ def _checked(data: Any, source: str, row: int, unit: str) -> RawRow:
 
 def _iter_parquet(path: Path) -> Iterator[RawRow]:
     try:
+        # lazy: pyarrow is optional (the data extra), needed only for Parquet files
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError(
@@ -147,6 +148,7 @@ def _iter_dir(path: Path, split: str | None) -> Iterator[RawRow]:
 
 def _import_datasets(what: str):
     try:
+        # lazy: datasets is optional (the data extra) and slow to import
         import datasets
     except ImportError:
         raise DataError(
