@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from polyrl import run as runner
+from polyrl.agents.demo import run_demo
 from polyrl.data.config import DataConfig
 from polyrl.data.dataset import load_prompts
 from polyrl.errors import ConfigError
@@ -222,8 +223,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "agent", False):
-        from polyrl.agents.demo import run_demo
-
         run_demo(args.out if args.out != "runs/demo" else "runs/demo-agent", seed=args.seed)
         return 0
     wanted = [s.strip() for s in args.stages.split(",") if s.strip()]

@@ -11,6 +11,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from polyrl.data import builtin
 from polyrl.data.chat import LOSS_POLICIES
 from polyrl.data.formats import FORMATS
 from polyrl.data.packing import PACKING_METHODS
@@ -68,8 +69,6 @@ class DataConfig:
 
     def _check_path(self) -> None:
         if self.path.startswith("builtin:"):
-            from polyrl.data import builtin
-
             name, params, spec_split = builtin.parse_spec(self.path)
             builtin._resolve(name, params)
             return

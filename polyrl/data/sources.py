@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from polyrl.data import builtin
 from polyrl.errors import DataError
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -48,8 +49,6 @@ def split_spec(spec: str) -> tuple[str, str | None]:
 def iter_rows(spec: str, split: str | None = None) -> Iterator[RawRow]:
     """Rows of ``spec``. ``split`` overrides a ``@split`` in the spec."""
     if spec.startswith("builtin:"):
-        from polyrl.data import builtin
-
         label = spec.split("@", 1)[0]
         for i, row in enumerate(builtin.generate(spec, split=split), start=1):
             yield RawRow(row, label, i)
