@@ -91,7 +91,11 @@ class Trainer(ColocatedPolicy):
         )
 
     def rollout_batch(
-        self, prompts: Sequence[Any], n: int = 1, sampling: Any = None, seeds: Sequence[int] | None = None
+        self,
+        prompts: Sequence[Any],
+        n: int = 1,
+        sampling: SamplingParams | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> list[Sample]:
         """``n`` completions per prompt from the rollout engine (see the module docstring)."""
         return self.rollout(prompts, n, sampling, seeds)

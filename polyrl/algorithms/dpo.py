@@ -40,9 +40,10 @@ from torch import nn
 
 from polyrl import kernels
 from polyrl.algorithms.spec import AlgorithmSpec, PrepareContext
-from polyrl.data.batch import pack_sequences, shifted_labels
+from polyrl.data.batch import PackedBatch, pack_sequences, shifted_labels
 from polyrl.data.config import DataConfig
 from polyrl.data.dataset import TokenizedData, build_preference
+from polyrl.data.examples import TokenizedSeq
 from polyrl.data.packing import pack_greedy
 from polyrl.errors import CheckpointError, ConfigError
 from polyrl.models.checkpoint import load_model
@@ -113,7 +114,7 @@ def sequence_index(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths, output_size=total)
 
 
-def sequence_logps(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logps(model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence ``(sum of target-token log-probs [B] fp32, target-token count [B] fp32)`` of a packed
     batch, differentiable in the model's weights."""
 
@@ -138,7 +139,7 @@ def sequence_key(input_ids: Sequence[int], labels: Sequence[int]) -> str:
     return h.hexdigest()
 
 
-def batch_keys(batch: Any) -> list[str]:
+def batch_keys(batch: PackedBatch) -> list[str]:
     """Content keys of every sequence of a packed batch, in order."""
     ids, labels = batch.input_ids.cpu(), batch.labels.cpu()
     cu = batch.cu_seqlens.tolist()
@@ -155,7 +156,7 @@ class ReferenceLogps:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def lookup(self, batch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(self, batch: PackedBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sums [B], counts [B])`` fp32 on ``device`` for the sequences of ``batch``."""
         try:
             rows = [self.entries[k] for k in batch_keys(batch)]
@@ -267,7 +268,7 @@ def prepare_reference(ctx: PrepareContext, datasets: Sequence[TokenizedData]) ->
     return table
 
 
-def _key_of(seq: Any) -> str:
+def _key_of(seq: TokenizedSeq) -> str:
     return sequence_key(seq.input_ids, shifted_labels(seq.input_ids, seq.loss_mask))
 
 
@@ -277,7 +278,7 @@ def make_loss(cfg: DPOConfig, reference: ReferenceLogps | None = None):
     if reference is None:
         raise ConfigError("the DPO loss needs reference log-probs; run DPO through `polyrl train --algo dpo`")
 
-    def loss_fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_fn(model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if (batch.cu_seqlens.numel() - 1) % 2:
             raise RuntimeError("a DPO batch must hold (chosen, rejected) pairs: an even number of sequences")
         sums, counts = sequence_logps(model, batch)

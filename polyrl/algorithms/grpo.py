@@ -16,15 +16,15 @@ rewards, checkpointing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+from torch import nn
 
 from polyrl.algorithms.advantages import group_advantages, informative_groups
 from polyrl.algorithms.losses import AGGREGATIONS, KL_ESTIMATORS, aggregate, policy_loss
 from polyrl.algorithms.losses import normalizer as loss_normalizer
 from polyrl.algorithms.online_config import OnlineConfig
-from polyrl.algorithms.rl_batch import completion_logprobs
+from polyrl.algorithms.rl_batch import RLBatch, completion_logprobs
 from polyrl.algorithms.spec import AlgorithmSpec
 from polyrl.errors import ConfigError
 
@@ -135,7 +135,7 @@ class PolicyLoss:
         self.measure = measure
         self.mismatch_max: torch.Tensor | None = None
 
-    def __call__(self, model: Any, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(self, model: nn.Module, batch: RLBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg, scale = self.cfg, self.scale
         logp, ent = completion_logprobs(model, batch, cfg.temperature, entropy=self.measure)
         f = batch.fields

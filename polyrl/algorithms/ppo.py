@@ -28,14 +28,14 @@ Not here: the loop and the critic (``polyrl.run.actor_critic``), rewards, the po
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+from torch import nn
 
 from polyrl.algorithms.losses import AGGREGATIONS, KL_ESTIMATORS, aggregate, policy_loss
 from polyrl.algorithms.losses import normalizer as loss_normalizer
 from polyrl.algorithms.online_config import OnlineConfig
-from polyrl.algorithms.rl_batch import completion_logprobs
+from polyrl.algorithms.rl_batch import RLBatch, completion_logprobs
 from polyrl.algorithms.spec import AlgorithmSpec
 from polyrl.errors import ConfigError
 from polyrl.train.losses import attention_metadata
@@ -113,7 +113,7 @@ def make_value_loss(cfg: PPOConfig, tokens_in_step: float, step_normalizer: floa
     """The critic's engine loss ``(critic, RLBatch) -> (loss_sum, metric_sums)`` (token mean over the step)."""
     scale = step_normalizer / max(tokens_in_step, 1.0)
 
-    def loss_fn(model: Any, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_fn(model: nn.Module, batch: RLBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         v = model.value(batch.input_ids, batch.position_ids, attention_metadata(batch))  # [T]
         f, m = batch.fields, batch.mask
         per_tok, clipped = value_loss(v, f["old_value"], f["returns"], cfg.value_clip or None)
@@ -129,7 +129,7 @@ def make_policy_loss(cfg: PPOConfig, tokens_in_step: float, step_normalizer: flo
     ``old_logp`` fields, aggregated by ``loss_agg``; clip fraction and ratio as means over the step's tokens."""
     scale = step_normalizer / max(tokens_in_step, 1.0)
 
-    def loss_fn(model: Any, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_fn(model: nn.Module, batch: RLBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logp, _ = completion_logprobs(model, batch, cfg.temperature)
         f, m, b = batch.fields, batch.mask, batch.num_sequences
         per_tok, info = policy_loss(

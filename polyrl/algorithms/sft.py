@@ -19,6 +19,7 @@ from torch import nn
 
 from polyrl import kernels
 from polyrl.algorithms.spec import AlgorithmSpec
+from polyrl.data.batch import PackedBatch
 from polyrl.data.config import DataConfig
 from polyrl.data.dataset import TokenizedData, build_sft
 from polyrl.errors import ConfigError
@@ -38,7 +39,7 @@ class SFTConfig:
             raise ConfigError(f"sft.normalize must be one of {', '.join(NORMALIZE)}, got {self.normalize!r}")
 
 
-def sequence_mean_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def sequence_mean_loss(model: nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Sum over the batch's sequences of each sequence's mean target-token cross-entropy (fp32 scalar).
     Sequences without target tokens contribute 0."""
 
@@ -74,7 +75,7 @@ def normalizer(cfg: SFTConfig, micro_batches: Sequence[Any]) -> float | None:
     return None
 
 
-def _sequences_with_targets(batch: Any) -> int:
+def _sequences_with_targets(batch: PackedBatch) -> int:
     seq_index = _sequence_index(batch.cu_seqlens, batch.labels.numel())
     return int(torch.unique(seq_index[batch.labels != -100]).numel())
 

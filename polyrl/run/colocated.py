@@ -133,7 +133,11 @@ class ColocatedPolicy:
     # ---- rollout ----------------------------------------------------------------------------------
     @torch.no_grad()
     def rollout(
-        self, prompts: Sequence[Any], n: int = 1, sampling: Any = None, seeds: Sequence[int] | None = None
+        self,
+        prompts: Sequence[Any],
+        n: int = 1,
+        sampling: SamplingParams | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> list[Sample]:
         """``n`` completions of each prompt, grouped by prompt (``group`` = prompt index). ``seeds[i]`` seeds prompt
         i's samples (reproducible whatever else is in the batch); ``sampling.seed`` is used otherwise."""
@@ -224,7 +228,9 @@ class ColocatedPolicy:
         return stats
 
     # ---- checkpoints ------------------------------------------------------------------------------
-    def save(self, root: str | Path, step: int, data_state: dict | None = None, config: Any = None) -> Path:
+    def save(
+        self, root: str | Path, step: int, data_state: dict | None = None, config: dict[str, Any] | None = None
+    ) -> Path:
         """Atomic checkpoint ``<root>/step-%08d`` (weights, optimizer, RNG, counters, ``data_state``); when
         data-parallel sharded (every rank writes its shards) or replicated (rank 0 writes, every rank its RNG), a
         collective."""

@@ -30,6 +30,7 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
+from polyrl.algorithms.online_config import LossFn
 from polyrl.algorithms.spec import AlgorithmSpec, PrepareContext
 from polyrl.data.dataset import DataStats, TokenizedData
 from polyrl.data.sampler import PackedBatchIterator
@@ -158,7 +159,12 @@ def eval_source(cfg: RunConfig, spec: AlgorithmSpec, tokenizer: Any) -> Tokenize
 # ---- the offline loop -------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate_loss(
-    model: nn.Module, data: TokenizedData, loss_fn: Any, spec: AlgorithmSpec, algo_cfg: Any, dev: torch.device
+    model: nn.Module,
+    data: TokenizedData,
+    loss_fn: LossFn,
+    spec: AlgorithmSpec,
+    algo_cfg: Any,
+    dev: torch.device,
 ) -> float:
     """Mean loss over one pass of ``data`` (the same normalisation as training)."""
     was_training = model.training
