@@ -15,8 +15,10 @@ from __future__ import annotations
 import torch
 
 from polyrl.kernels import registry
+from polyrl.kernels.attention.cudnn import capture_keeps_fast_path as _capture_keeps_fast_path
 from polyrl.kernels.nf4.reference import NF4Weight
 from polyrl.kernels.registry import KernelUnavailable
+from polyrl.kernels.rope.reference import rope_cos_sin as _rope_cos_sin
 
 # Importing each op package registers its implementations.
 from polyrl.kernels import (  # noqa: E402,F401  isort: skip
@@ -84,9 +86,7 @@ def rope_cos_sin(
     dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[T, D]`` for rotate-half RoPE at explicit positions (Llama-3 / linear scaling by ``scaling``)."""
-    from polyrl.kernels.rope.reference import rope_cos_sin as _f
-
-    return _f(position_ids, head_dim, theta, scaling, dtype)
+    return _rope_cos_sin(position_ids, head_dim, theta, scaling, dtype)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -119,9 +119,7 @@ def capture_keeps_fast_paths():
     after an eager warm-up on the very same input tensors (the training step, ``train/graphed_step.py``): inside,
     fast paths gated on a per-tensor host check (the uniform-length SDPA attention) keep the verdict cached for
     those tensors instead of handing over to their capturable fallback."""
-    from polyrl.kernels.attention.cudnn import capture_keeps_fast_path
-
-    return capture_keeps_fast_path()
+    return _capture_keeps_fast_path()
 
 
 def paged_attention(

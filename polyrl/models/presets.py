@@ -14,7 +14,10 @@ from typing import Any
 import torch
 
 from polyrl.errors import UserError
+from polyrl.models import tokenizer as tk
+from polyrl.models.checkpoint import save_model
 from polyrl.models.config import ModelConfig
+from polyrl.models.decoder import build_model
 
 
 @dataclass(frozen=True)
@@ -137,8 +140,6 @@ def get_preset(name: str) -> Preset:
 
 def preset_config(name: str, tokenizer: Any = None) -> ModelConfig:
     """The preset's ``ModelConfig``; special-token ids come from ``tokenizer`` (the ChatML one when None)."""
-    from polyrl.models import tokenizer as tk
-
     hf = dict(get_preset(name).hf)
     if tokenizer is None:  # ids are fixed by the trainer: special tokens first, in SPECIAL_TOKENS order
         ids = {t: i for i, t in enumerate(tk.SPECIAL_TOKENS)}
@@ -158,12 +159,8 @@ def create_model_from_preset(
 ) -> Path:
     """Write a random-initialised HF checkpoint (weights, config, generation config, tokenizer with chat
     template) for ``preset`` to ``out_dir`` (atomically) and return the folder. Deterministic per seed."""
-    from polyrl.models.checkpoint import save_model
-    from polyrl.models.decoder import build_model
-    from polyrl.models.tokenizer import build_tokenizer
-
     spec = get_preset(preset)
-    tokenizer = build_tokenizer(
+    tokenizer = tk.build_tokenizer(
         spec.hf["vocab_size"],
         trained_vocab=spec.trained_vocab,
         seed=0,

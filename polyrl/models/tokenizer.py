@@ -15,6 +15,9 @@ from __future__ import annotations
 import json
 import random
 
+from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors, trainers
+from tokenizers import models as tokenizer_models
+
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
 EOS_TOKEN, PAD_TOKEN = IM_END, ENDOFTEXT
@@ -71,12 +74,10 @@ def generate_corpus(lines: int = 6000, seed: int = 0) -> list[str]:
 def train_bpe(vocab_size: int, trained_vocab: int = 4096, seed: int = 0):
     """A ``tokenizers.Tokenizer`` with exactly ``vocab_size`` ids: a byte-level BPE trained up to
     ``min(trained_vocab, vocab_size)`` ids, then filler entries ``<filler_N>`` up to ``vocab_size``."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
     target = min(trained_vocab, vocab_size)
     if target < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)} for a byte-level BPE")
-    tok = Tokenizer(models.BPE())
+    tok = Tokenizer(tokenizer_models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
@@ -97,8 +98,6 @@ def train_bpe(vocab_size: int, trained_vocab: int = 4096, seed: int = 0):
 
 
 def _pad_vocab(tok, vocab_size: int):
-    from tokenizers import Tokenizer
-
     n = tok.get_vocab_size(with_added_tokens=True)
     if n >= vocab_size:
         return tok
@@ -112,6 +111,7 @@ def _pad_vocab(tok, vocab_size: int):
 
 def build_tokenizer(vocab_size: int, trained_vocab: int = 4096, seed: int = 0, model_max_length: int = 4096):
     """A ``transformers.PreTrainedTokenizerFast`` with ChatML special tokens and chat template."""
+    # lazy: transformers is slow to import; `import polyrl.models` never loads it (package docstring)
     from transformers import PreTrainedTokenizerFast
 
     tok = train_bpe(vocab_size, trained_vocab, seed)

@@ -22,8 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
+from polyrl.errors import CheckpointError
+from polyrl.models.checkpoint import save_model
 from polyrl.models.config import ModelConfig
 from polyrl.models.decoder import DecoderLM
 
@@ -55,12 +58,8 @@ def zero_head(model: ValueModel) -> ValueModel:
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        from polyrl.errors import CheckpointError
-
         raise CheckpointError(f"no *.safetensors weights in {folder}; give a model folder saved by polyrl or HF")
     out: dict[str, torch.Tensor] = {}
     for f in files:
@@ -72,8 +71,6 @@ def load_value_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> ValueModel:
     """A critic from ``path``: a saved critic (with ``score.*``) or a causal LM whose backbone starts the critic."""
-    from polyrl.errors import CheckpointError
-
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"critic model folder {folder} has no config.json; give an HF model folder")
@@ -102,8 +99,6 @@ def load_value_model(
 
 def save_value_model(model: ValueModel, out_dir: str | Path, tokenizer: Any = None) -> Path:
     """An HF ``<Family>ForTokenClassification`` folder (``num_labels = 1``) holding the critic, atomically."""
-    from polyrl.models.checkpoint import save_model
-
     return mark_token_classification(save_model(model, out_dir, tokenizer=tokenizer))
 
 

@@ -11,11 +11,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import platform as _pl
 import random
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from polyrl.platform import kb
+
+try:
+    import numpy as np
+except ImportError:  # numpy is optional under torch; its RNG is seeded and saved only when present
+    np = None
 
 # Device types probed in order; vendor extensions first because their shims make torch.cuda answer.
 _VENDOR_MODULES = ("npu", "musa", "mlu", "xpu")
@@ -133,8 +142,6 @@ def mem_get_info() -> tuple[int, int]:
 def name(index: int = 0) -> str:
     dt = device_type()
     if dt == "cpu":
-        import platform as _pl
-
         return _pl.processor() or _pl.machine() or "cpu"
     fn = getattr(_mod(), "get_device_name", None)
     return str(fn(index)) if fn else dt
@@ -175,10 +182,6 @@ def visible_devices() -> dict[str, str]:
     On ``cuda`` the HIP stacks (ROCm, Hygon) and the CUDA stacks honour different variables; torch.version.hip
     tells them apart. Variables of other platforms are ignored here (``polyrl check`` warns about them).
     """
-    import os
-
-    from polyrl.platform import kb
-
     dt = device_type()
     hip = bool(getattr(torch.version, "hip", None))
     names: set[str] = set()
@@ -191,12 +194,8 @@ def visible_devices() -> dict[str, str]:
 def manual_seed_all(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
-    try:
-        import numpy as np
-
+    if np is not None:
         np.random.seed(seed % (2**32))
-    except ImportError:
-        pass
     dt = device_type()
     if dt != "cpu" and hasattr(_mod(), "manual_seed_all"):
         _mod().manual_seed_all(seed)
@@ -204,12 +203,8 @@ def manual_seed_all(seed: int) -> None:
 
 def get_rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-
+    if np is not None:
         state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
     dt = device_type()
     if dt != "cpu" and hasattr(_mod(), "get_rng_state_all"):
         state["device"] = _mod().get_rng_state_all()
@@ -220,8 +215,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "numpy" in state:
-        import numpy as np
-
         np.random.set_state(state["numpy"])
     dt = device_type()
     if "device" in state and dt != "cpu" and hasattr(_mod(), "set_rng_state_all"):

@@ -8,6 +8,7 @@ beyond short facts. Pure: no probing, no I/O. Deciding the platform is ``resolve
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -99,8 +100,6 @@ def _label(version: str | None) -> str:
 
 def _hardware(ctx: Ctx) -> list[str]:
     """Signs of this platform's hardware that do not depend on torch: its device nodes and smi tools."""
-    import fnmatch
-
     nodes = [n for n in ctx.snap.get("device_nodes") or [] if any(fnmatch.fnmatch(n, g) for g in ctx.p.device_nodes)]
     tools = [t for t in ctx.snap.get("smi") or {} if t in ctx.p.smi_tools]
     return nodes[:2] + [f"{t} on PATH" for t in tools[:1]]

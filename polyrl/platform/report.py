@@ -10,6 +10,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from polyrl import __version__
 from polyrl.platform import envvars, kb
 from polyrl.platform.pitfalls import Row, ready
 from polyrl.platform.resolve import Resolution, torch_info
@@ -20,8 +24,6 @@ _ORDER = {"FAIL": 0, "WARN": 1, "SKIP": 2, "OK": 3}
 
 
 def _polyrl_version() -> str:
-    from polyrl import __version__
-
     return __version__
 
 
@@ -164,9 +166,6 @@ _STYLE = {"OK": "green", "WARN": "yellow", "FAIL": "bold red", "SKIP": "dim"}
 
 
 def print_check_rich(doc: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     plat = doc["platform"]
     console = Console()
     console.print(f"[bold]polyrl check[/]: {plat['name']} ({plat['id']}), confidence {plat['confidence']}")
@@ -186,9 +185,6 @@ def print_check_rich(doc: dict[str, Any]) -> None:
 
 
 def print_env_rich(doc: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(show_header=False, box=None)
     table.add_column(style="bold")
     table.add_column(overflow="fold")

@@ -23,27 +23,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from polyrl.errors import UserError
+from polyrl.server import launch
 from polyrl.server.config import ServeConfig
+from polyrl.server.launch import ServerHandle, require_serve_deps
 
 __all__ = ["ServeConfig", "build_app", "start_server", "run_server", "ServerHandle"]
 
 
-def _require_serve_deps() -> None:
-    import importlib
-
-    for name in ("fastapi", "uvicorn", "pydantic"):
-        try:
-            importlib.import_module(name)
-        except ImportError as exc:
-            raise UserError(
-                f"serving needs {name}, which is not installed ({exc}); run `pip install 'polyrl[serve]'`"
-            ) from exc
-
-
 def build_app(llm: Any, config: ServeConfig | None = None) -> Any:
     """The FastAPI app serving ``llm`` (its lifespan starts and stops the engine thread)."""
-    _require_serve_deps()
+    require_serve_deps()
+    # lazy: app.py imports fastapi (the [serve] extra), checked just above
     from polyrl.server.app import build_app as _build
 
     return _build(llm, config)
@@ -51,23 +41,11 @@ def build_app(llm: Any, config: ServeConfig | None = None) -> Any:
 
 def start_server(llm: Any, config: ServeConfig | None = None, wait_s: float = 60.0) -> Any:
     """Run the server in a background thread (port 0 = a free one); returns a ``ServerHandle`` once healthy."""
-    _require_serve_deps()
-    from polyrl.server.launch import start_server as _start
-
-    return _start(llm, config, wait_s)
+    require_serve_deps()
+    return launch.start_server(llm, config, wait_s)
 
 
 def run_server(llm_or_dir: Any, config: ServeConfig | None = None, **load_kwargs: Any) -> None:
     """Serve in the foreground until interrupted (graceful shutdown)."""
-    _require_serve_deps()
-    from polyrl.server.launch import run_server as _run
-
-    _run(llm_or_dir, config, **load_kwargs)
-
-
-def __getattr__(name: str) -> Any:
-    if name == "ServerHandle":
-        from polyrl.server.launch import ServerHandle
-
-        return ServerHandle
-    raise AttributeError(f"module 'polyrl.server' has no attribute {name!r}")
+    require_serve_deps()
+    launch.run_server(llm_or_dir, config, **load_kwargs)

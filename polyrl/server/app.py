@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from polyrl import __version__
 from polyrl.server.api_errors import APIError, error_body, invalid_api_key, model_not_found, validation_message
 from polyrl.server.async_engine import AsyncEngine
 from polyrl.server.chat import create_chat_completion
@@ -37,8 +38,6 @@ class ServerState:
     """What the endpoints share: the engine, its bridge, config, metrics and the model's public name."""
 
     def __init__(self, llm: Any, config: ServeConfig) -> None:
-        from polyrl import __version__
-
         self.llm = llm
         self.config = config
         self.metrics = ServerMetrics()

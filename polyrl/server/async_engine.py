@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from polyrl.errors import UserError
+from polyrl.platform import device
 from polyrl.server.api_errors import bad_request, queue_full, unavailable
 
 log = logging.getLogger("polyrl.server")
@@ -235,8 +236,6 @@ class AsyncEngine:
 
 def _use_engine_device(llm: Any) -> None:
     """A new thread starts on device 0; kernels must launch on the device that holds the engine's weights."""
-    from polyrl.platform import device
-
     param = next(llm.model.parameters(), None)
     if param is not None and param.device.type != "cpu" and param.device.index is not None:
         device.set_device(param.device.index)

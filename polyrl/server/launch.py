@@ -9,6 +9,7 @@ its thread stops). Not here: routes (``app.py``), argument parsing (``polyrl.cli
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import socket
@@ -25,8 +26,20 @@ from polyrl.server.config import ServeConfig
 log = logging.getLogger("polyrl.server")
 
 
+def require_serve_deps() -> None:
+    """Raise a ``UserError`` naming the install command when a [serve] extra is missing."""
+    for name in ("fastapi", "uvicorn", "pydantic"):
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise UserError(
+                f"serving needs {name}, which is not installed ({exc}); run `pip install 'polyrl[serve]'`"
+            ) from exc
+
+
 def load_llm(model_dir: str, engine_config: Any = None, dtype: Any = None, device: Any = None) -> Any:
     """The engine over an HF checkpoint folder (weights + tokenizer)."""
+    # lazy: the engine (torch) loads only when a model is served; `import polyrl.server` stays torch-free
     from polyrl.infer import LLM
 
     return LLM.from_pretrained(model_dir, engine_config, dtype=dtype, device=device)
@@ -47,9 +60,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def _uvicorn_server(llm: Any, config: ServeConfig) -> Any:
+    require_serve_deps()
+    # lazy: uvicorn and the FastAPI app (the [serve] extra) load only when a server starts, after the check above
     import uvicorn
 
-    from polyrl.server import build_app
+    from polyrl.server.app import build_app
 
     app = build_app(llm, config)
     ucfg = uvicorn.Config(

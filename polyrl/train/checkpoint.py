@@ -31,11 +31,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from polyrl.errors import CheckpointError
+from polyrl.models.checkpoint import save_model
+from polyrl.models.lora import has_lora, load_adapter
 from polyrl.platform import device
 from polyrl.train.config import CheckpointConfig
+
+try:
+    import numpy as np
+except ImportError:  # numpy is optional under torch (see polyrl.platform.device); its RNG state is saved only with it
+    np = None
 
 FORMAT = "polyrl-checkpoint"
 VERSION = 1
@@ -100,8 +108,6 @@ def write_checkpoint_files(
     the manifest, written last) and fsync them; the caller publishes it with ``_commit``."""
     _write_model(tmp / "model", model, tokenizer)
     if engine is not None:
-        from safetensors.torch import save_file
-
         save_file(_contiguous(engine.optimizer.state_dict()), str(tmp / "optimizer.safetensors"))
     torch.save(_rng_to_saveable(device.get_rng_state()), tmp / "rng.pt")
     state = {"step": step, "engine": engine.state_dict() if engine is not None else None, "data": data_state or {}}
@@ -127,17 +133,9 @@ def _commit(tmp: Path, final: Path) -> None:
 
 
 def _write_model(out: Path, model: nn.Module, tokenizer: Any) -> None:
-    save_model = None
     if hasattr(getattr(model, "config", None), "to_hf_dict"):
-        try:
-            from polyrl.models.checkpoint import save_model
-        except ImportError:
-            save_model = None
-    if save_model is not None:
         save_model(model, str(out), tokenizer=tokenizer)
         return
-    from safetensors.torch import save_file
-
     out.mkdir(parents=True)
     save_file(_contiguous(_dedup_aliases(model.state_dict())), str(out / "model.safetensors"))
 
@@ -204,8 +202,6 @@ def _rng_to_saveable(state: dict[str, Any]) -> dict[str, Any]:
 def _rng_from_saved(state: dict[str, Any]) -> dict[str, Any]:
     out = dict(state)
     if "numpy" in out:
-        import numpy as np
-
         kind, keys, pos, has_gauss, cached = out["numpy"]
         out["numpy"] = (kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
     return out
@@ -314,8 +310,6 @@ def load_checkpoint(
     if engine is not None:
         if state.get("engine") is None or not (path / "optimizer.safetensors").is_file():
             raise CheckpointError(f"{path} holds weights only (no optimizer state); it cannot resume training")
-        from safetensors.torch import load_file
-
         try:
             engine.optimizer.load_state_dict(load_file(str(path / "optimizer.safetensors")))
         except KeyError as exc:
@@ -352,12 +346,8 @@ def _read_manifest(path: Path) -> dict[str, Any]:
 def load_model_weights(model_dir: str | Path, model: nn.Module) -> None:
     """Copy every ``*.safetensors`` tensor in ``model_dir`` into ``model``'s parameters/buffers of the same
     name (dtype cast, in place). Names missing from the files are allowed only for tied aliases."""
-    from safetensors.torch import load_file
-
     model_dir = Path(model_dir)
     if (model_dir / "adapter_config.json").is_file():  # a LoRA run: the checkpoint holds the adapter only
-        from polyrl.models.lora import has_lora, load_adapter
-
         if not has_lora(model):
             raise CheckpointError(
                 f"{model_dir} holds a LoRA adapter but the model has none; resume with the [lora] table"

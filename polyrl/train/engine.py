@@ -33,6 +33,8 @@ from polyrl.train.config import OptimConfig, PrecisionConfig, ScheduleConfig, St
 from polyrl.train.graphed_step import GraphedMicroStep, batch_signature, is_graph_safe, model_is_deterministic
 from polyrl.train.losses import causal_lm_loss
 from polyrl.train.optim import MasterAdamW
+from polyrl.train.parallel.fsdp import grad_sum_factor, is_sharded
+from polyrl.train.parallel.replicate import all_reduce_grads_, is_replicated
 from polyrl.train.precision import DTYPE_NAMES, LossScaler, resolve_compute_dtype
 from polyrl.train.schedule import lr_at
 
@@ -132,9 +134,6 @@ class TrainEngine:
 
     def _check_distributed(self, model: nn.Module) -> bool:
         """True for a replicated model, False for a sharded one; raises for a plain model."""
-        from polyrl.train.parallel.fsdp import is_sharded
-        from polyrl.train.parallel.replicate import is_replicated
-
         if is_replicated(model):
             return True
         if not is_sharded(model):
@@ -236,8 +235,6 @@ class TrainEngine:
         # real tokens: a fixed-shape batch's padding (``PackedBatch.padding_tokens``) is not throughput
         tokens = sum(int(b.input_ids.numel()) - getattr(b, "padding_tokens", 0) for b in micro_batches)
         if self.replicated:
-            from polyrl.train.parallel.replicate import all_reduce_grads_
-
             all_reduce_grads_(self.optimizer.masters, self.world)  # every rank's share: the global batch's gradient
         if self.world is not None:
             loss_total, metric_sums, tokens = self._reduce_over_ranks(loss_total, metric_sums, tokens)
@@ -283,8 +280,6 @@ class TrainEngine:
         metric_sums: dict[str, torch.Tensor] = {}
         scale = self.scaler.scale / norm
         if self.world is not None and not self.replicated:
-            from polyrl.train.parallel.fsdp import grad_sum_factor
-
             scale *= grad_sum_factor(self.world)  # FSDP averages over ranks; we want the global sum / norm
         graphs = self._graphs_allowed(loss_fn)
         for mb in micro_batches:

@@ -38,6 +38,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from polyrl import kernels
+from polyrl.platform import device
+
 Signature = tuple[Any, ...]
 
 
@@ -140,9 +143,6 @@ class GraphedMicroStep:
 
     def capture(self, model: nn.Module) -> None:
         """Record the forward + backward (nothing executes). Raises what the capture raises."""
-        from polyrl import kernels
-        from polyrl.platform import device
-
         held = [m.grad for m in self.masters]  # the step's gradients so far (the warm-up's included)
         for m in self.masters:
             m.grad = None  # the captured backward allocates and writes fresh gradient buffers

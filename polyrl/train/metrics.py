@@ -3,7 +3,7 @@ progress bar with ETA (a plain line every N steps when stdout is not a terminal)
 ``summary.json`` + printed table and a ``metrics.png`` plot of loss, lr and any other named series.
 
 It only records what it is handed (``StepStats`` or plain dicts); it computes no training numbers.
-rich, matplotlib and tensorboard are imported lazily, so importing this module stays cheap.
+matplotlib and tensorboard (optional) are imported lazily, so importing this module stays cheap.
 """
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
 
 DEFAULT_PLOT_SERIES = ("loss", "lr", "grad_norm")
 
@@ -68,22 +72,13 @@ class MetricsLogger:
 
     def _open_tensorboard(self) -> Any:
         try:
+            # lazy: TensorBoard is optional (and pulls in torch); loaded only when a run logs to it
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             return None
         return SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
 
     def _open_bar(self, start_step: int) -> Any:
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-
         bar = Progress(
             TextColumn("[bold]train"),
             BarColumn(),
@@ -172,9 +167,11 @@ def plot_metrics(
     present = [s for s in series if any(_finite(r.get(s)) for r in history)]
     if not present:
         return None
+    # lazy: matplotlib is the optional [plot] extra, loaded only to draw
     import matplotlib
 
     matplotlib.use("Agg", force=False)
+    # lazy: pyplot only after the Agg backend is chosen
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(present), 1, figsize=(7, 2.4 * len(present)), sharex=True, squeeze=False)
@@ -192,9 +189,6 @@ def plot_metrics(
 
 
 def _print_table(summary: dict[str, Any], stream: Any) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title="training summary", show_header=False)
     for key, value in summary.items():
         table.add_row(key, _fmt(value))

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from polyrl.train.config import OptimConfig
+from polyrl.train.parallel.fsdp import scale_sharded_, sharded_grad_norm
 
 
 class MasterAdamW:
@@ -110,8 +111,6 @@ class MasterAdamW:
         if not grads:
             return torch.zeros((), dtype=torch.float32, device=_local(self.masters[0]).device)
         if _sharded(grads):
-            from polyrl.train.parallel.fsdp import sharded_grad_norm
-
             return sharded_grad_norm(grads)  # FSDP2 DTensor grads: local squares + one all-reduce
         norms = torch._foreach_norm(grads)
         return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
@@ -120,8 +119,6 @@ class MasterAdamW:
         """Multiply every gradient by ``factor`` in place (clipping, loss-scale removal)."""
         grads = self.grads()
         if grads and _sharded(grads):
-            from polyrl.train.parallel.fsdp import scale_sharded_
-
             scale_sharded_(grads, factor)
         elif grads:
             torch._foreach_mul_(grads, factor)
@@ -189,7 +186,7 @@ class MasterAdamW:
 
 
 def _sharded(tensors: list[torch.Tensor]) -> bool:
-    """True for FSDP2 (DTensor) gradients; checked by type name so torch.distributed is never imported here."""
+    """True for FSDP2 (DTensor) gradients; checked by type name so torch.distributed.tensor is never imported here."""
     return type(tensors[0]).__name__ == "DTensor"
 
 

@@ -42,6 +42,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from polyrl.kernels.attention.reference import varlen_attention as reference
+from polyrl.kernels.attention.sdpa import varlen_attention as sdpa_attention
+from polyrl.platform import device as dev
 
 # (device str, dtype, Hq, Hk, D) -> winning backend name ("CUDNN_ATTENTION" / "FLASH_ATTENTION") or None.
 _BACKEND: dict[tuple[Any, ...], str | None] = {}
@@ -75,8 +80,6 @@ def _warn_once(key: str, message: str) -> None:
 def _capturing(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
-    from polyrl.platform import device as dev
-
     streams = dev.stream_api()
     return bool(streams is not None and streams.is_current_stream_capturing())
 
@@ -137,8 +140,6 @@ def _sdpa(q, k, v, b: int, scale: float, backend: str | None) -> torch.Tensor:
     if backend is None:
         out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         with sdpa_kernel([getattr(SDPBackend, backend)]):
             out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2).reshape(t, hq, d)
@@ -153,8 +154,6 @@ def _probe(device: torch.device, dtype: torch.dtype, hq: int, hk: int, d: int, s
     """The first backend of ``PROBE_BACKENDS`` whose fwd+bwd runs and matches the reference here, or None.
 
     Two sequences of ``seq`` tokens (192: not a multiple of 128, so tile tails are exercised)."""
-    from polyrl.kernels.attention.reference import varlen_attention as reference
-
     b = 2
     scale = d**-0.5
     # Outside inference mode even when the caller is in it: the probe needs autograd.
@@ -218,13 +217,12 @@ def _probe_apart(device: torch.device, dtype: torch.dtype, hq: int, hk: int, d: 
 def _fallback(device_type: str) -> Callable[..., torch.Tensor]:
     if device_type == "cuda":
         try:
+            # lazy: triton loads only when the CUDA fallback is needed, and may be missing
             from polyrl.kernels.attention.triton import varlen_attention as triton_attention
 
             return triton_attention
         except Exception:  # noqa: BLE001 - no triton here: the portable path
             pass
-    from polyrl.kernels.attention.sdpa import varlen_attention as sdpa_attention
-
     return sdpa_attention
 
 

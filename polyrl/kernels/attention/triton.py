@@ -22,8 +22,10 @@ from collections.abc import Iterator
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 from polyrl.errors import ConfigError
+from polyrl.kernels.attention.sdpa import varlen_attention as _sdpa
 
 LOG2E = 1.4426950408889634
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -31,8 +33,6 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 def interpreting() -> bool:
     """True when Triton runs kernels on the CPU through its interpreter (``TRITON_INTERPRET=1``)."""
-    from triton import knobs
-
     return bool(knobs.runtime.interpret)
 
 
@@ -417,8 +417,6 @@ def varlen_attention(
     Head dims outside ``SUPPORTED_HEAD_DIMS`` fall back to the SDPA implementation (same result).
     """
     if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-        from polyrl.kernels.attention.sdpa import varlen_attention as _sdpa
-
         return _sdpa(q, k, v, cu_seqlens, max_seqlen, scale, window)
     _check(q, k, v, window)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)

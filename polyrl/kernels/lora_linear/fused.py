@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import torch
 
+from polyrl import kernels
 from polyrl.kernels.nf4.reference import NF4Weight
 
 
 def _dense(weight: torch.Tensor | NF4Weight, dtype: torch.dtype) -> torch.Tensor:
     """The base as a dense ``[N, K]`` tensor: itself, or (NF4) a transient dequantized copy, never saved."""
     if isinstance(weight, NF4Weight):
-        from polyrl import kernels
-
         return kernels.nf4_dequantize(weight.packed, weight.absmax, weight.shape, dtype)
     return weight
 

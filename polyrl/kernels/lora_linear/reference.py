@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from polyrl import kernels
 from polyrl.kernels.nf4.reference import NF4Weight
 
 
@@ -18,8 +19,6 @@ def lora_linear(
     scaling: float,
 ) -> torch.Tensor:
     if isinstance(weight, NF4Weight):
-        from polyrl import kernels
-
         y = kernels.nf4_matmul(x, weight.packed, weight.absmax, weight.shape)
         y = y if bias is None else y + bias
     else:

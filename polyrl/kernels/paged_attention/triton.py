@@ -21,6 +21,7 @@ import triton.language as tl
 
 from polyrl.errors import ConfigError
 from polyrl.kernels.attention.triton import LOG2E, interpreting
+from polyrl.kernels.paged_attention.reference import paged_attention as _reference
 
 # Partial-output splits stop once a split would cover fewer keys than this.
 _MIN_KEYS_PER_SPLIT = 256
@@ -298,8 +299,6 @@ def paged_attention(
     Head dims that are not a power of two in 16..256 use the reference (correct, but it syncs the host).
     """
     if q.shape[-1] not in (16, 32, 64, 128, 256):  # = kernels.PAGED_ATTENTION_GRAPH_HEAD_DIMS
-        from polyrl.kernels.paged_attention.reference import paged_attention as _reference
-
         return _reference(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q, scale, window)
     return _paged_attention(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q, scale, window)
 

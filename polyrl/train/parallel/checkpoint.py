@@ -31,9 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from polyrl.errors import CheckpointError
+from polyrl.models.checkpoint import save_model
 from polyrl.platform import device
 from polyrl.train.checkpoint import (
     _TMP_PREFIX,
@@ -47,6 +49,7 @@ from polyrl.train.checkpoint import (
     _rng_from_saved,
     _rng_to_saveable,
     _write_json,
+    load_checkpoint,
     step_dir_name,
     write_checkpoint_files,
 )
@@ -119,6 +122,7 @@ def save_sharded_checkpoint(
 ) -> Path:
     """Write the checkpoint of ``step`` under ``root`` from every rank (collective) and return its path.
     ``data_state`` is rank 0's; ``world_size`` is recorded so a resume at another size can convert it."""
+    # lazy: torch.distributed.checkpoint takes ~2 s to import; only sharded checkpoints use it
     import torch.distributed.checkpoint as dcp
 
     root = Path(root)
@@ -226,6 +230,7 @@ def load_sharded_checkpoint(
 ) -> LoadedCheckpoint:
     """Load a sharded checkpoint into ``model`` (sharded at any world size, or plain in one process) and
     ``engine`` (masters, moments, counters), in place. Every rank calls it."""
+    # lazy: torch.distributed.checkpoint takes ~2 s to import; only sharded checkpoints use it
     import torch.distributed.checkpoint as dcp
 
     world = world or World()
@@ -268,6 +273,7 @@ def _distribute_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     full = full.to(device=_local_device(like), dtype=like.dtype)
     if not is_dtensor(like):
         return full
+    # lazy: torch.distributed.tensor takes ~1 s to import; only DTensor targets get here
     from torch.distributed.tensor import distribute_tensor
 
     return distribute_tensor(full, like.device_mesh, list(like.placements))
@@ -284,10 +290,6 @@ def load_full_checkpoint(
     ``engine`` (every rank reads the full tensors and keeps its shard; fp32 masters win over the maybe bf16 model
     folder) or into a plain / replicated one (every rank loads it whole and restores its own RNG). Every rank
     calls it."""
-    from safetensors.torch import load_file
-
-    from polyrl.train.checkpoint import load_checkpoint
-
     world = world or World()
     path = Path(path)
     if not is_dtensor(next(model.parameters())):
@@ -373,8 +375,6 @@ def export_hf(
     the folder on rank 0, None elsewhere. ``dtype`` casts on the way out (default: as trained, fp32). A model
     that is not sharded (replicated: rank 0 holds it whole) is written as it is: a LoRA model as its PEFT
     adapter folder."""
-    from polyrl.models.checkpoint import save_model
-
     out = None
     if not is_sharded(model):
         if world.is_main:

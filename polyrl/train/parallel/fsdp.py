@@ -18,25 +18,32 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
+from polyrl.errors import ConfigError
 from polyrl.train.parallel.world import World
 
 
 def fsdp_api() -> tuple[Any, Any]:
     """``(fully_shard, MixedPrecisionPolicy)``: public since torch 2.6, the composable path before."""
     try:
+        # lazy: torch.distributed.fsdp takes ~1 s to import and only sharded runs need it
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     except ImportError:  # torch < 2.6
+        # lazy: the pre-2.6 location of the same API
         from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
     return fully_shard, MixedPrecisionPolicy
 
 
 def _dtensor_cls() -> type | None:
     try:
+        # lazy: torch.distributed.tensor takes ~1 s to import; it is needed only once DTensors may exist
         from torch.distributed.tensor import DTensor
     except ImportError:
         try:
+            # lazy: the pre-2.5 location of DTensor
             from torch.distributed._tensor import DTensor
         except ImportError:
             return None
@@ -67,14 +74,11 @@ def shard_model(
     if not world.distributed:
         raise ValueError("shard_model needs a process group; call polyrl.train.parallel.init_world() under torchrun")
     if getattr(model, "lora_config", None) is not None:
-        from polyrl.errors import ConfigError
-
         raise ConfigError(
             "sharding a LoRA model (its frozen base) with FSDP2 is not supported yet; replicate it instead "
             "(polyrl.train.parallel.replicate_model, what `polyrl train --lora --nproc-per-node N` does)"
         )
     fully_shard, policy_cls = fsdp_api()
-    from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(world.device.type, (world.world_size,), mesh_dim_names=("dp",))
     kwargs: dict[str, Any] = {"mesh": mesh}
@@ -99,6 +103,7 @@ def sharded_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """Global L2 norm (fp32 scalar) of DTensor gradients: each rank sums the squares of its local shards,
     one all-reduce adds them. Placements must be ``Shard`` (FSDP's); replicated ones go through
     ``full_tensor`` so no element is counted twice."""
+    # lazy: torch.distributed.tensor takes ~1 s to import; only sharded (DTensor) gradients get here
     from torch.distributed.tensor import Shard
 
     local_sq = torch.zeros((), dtype=torch.float32, device=grads[0].to_local().device)
@@ -111,8 +116,6 @@ def sharded_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
                 local_sq += torch.linalg.vector_norm(local, dtype=torch.float32).square()
         else:
             replicated.append(g.full_tensor())
-    import torch.distributed as dist
-
     dist.all_reduce(local_sq, op=dist.ReduceOp.SUM, group=mesh.get_group())
     for full in replicated:
         local_sq += torch.linalg.vector_norm(full, dtype=torch.float32).square()

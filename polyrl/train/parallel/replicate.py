@@ -20,8 +20,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from polyrl.train.parallel.fsdp import is_sharded, shard_model
 from polyrl.train.parallel.world import World
 
 _MARK = "_polyrl_replicated"
@@ -39,12 +41,8 @@ def replicate_model(model: nn.Module, world: World) -> nn.Module:
     Collective: every rank calls it. Returns ``model``."""
     if not world.distributed:
         raise ValueError("replicate_model needs a process group; call parallel.init_world() under torchrun")
-    from polyrl.train.parallel.fsdp import is_sharded
-
     if is_sharded(model):
         raise ValueError("this model is already FSDP2-sharded; replicate a plain model instead")
-    import torch.distributed as dist
-
     for p in model.parameters():
         if p.requires_grad:
             dist.broadcast(p.data, src=0)
@@ -87,6 +85,4 @@ def distribute_model(model: nn.Module, world: World, compute_dtype: torch.dtype 
     all-reduced), any other model FSDP2-sharded (``shard_model``, fp32 masters, ``compute_dtype`` for compute)."""
     if getattr(model, "lora_config", None) is not None:
         return replicate_model(model, world)
-    from polyrl.train.parallel.fsdp import shard_model
-
     return shard_model(model, world, compute_dtype)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from polyrl.models.decoder import build_model
 from polyrl.train.parallel.fsdp import full_tensors
 from polyrl.train.parallel.world import World
 
@@ -29,8 +30,6 @@ from polyrl.train.parallel.world import World
 def rollout_model(sharded: nn.Module, dtype: torch.dtype | None = None, dev: torch.device | None = None) -> nn.Module:
     """A plain ``DecoderLM`` with the same config, on ``dev`` (default: where the shards live) in ``dtype``
     (default fp32), filled with the full weights of ``sharded``. Collective: every rank calls it."""
-    from polyrl.models.decoder import build_model
-
     first = next(sharded.parameters())
     local = first.to_local() if hasattr(first, "to_local") else first
     plain = build_model(sharded.config, dtype=dtype or torch.float32, device=dev or local.device, init=False)

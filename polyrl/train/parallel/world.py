@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from polyrl.errors import ConfigError
 from polyrl.platform import device
@@ -47,15 +48,11 @@ class World:
     # ---- collectives (no-ops in one process) ---------------------------------------------------
     def barrier(self) -> None:
         if self.distributed:
-            import torch.distributed as dist
-
             dist.barrier()
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over ranks in place and return it (fp32/fp64/int tensors on ``self.device``)."""
         if self.distributed:
-            import torch.distributed as dist
-
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
@@ -70,8 +67,6 @@ class World:
         """``[obj of rank 0, obj of rank 1, ...]`` (picklable objects)."""
         if not self.distributed:
             return [obj]
-        import torch.distributed as dist
-
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
@@ -80,8 +75,6 @@ class World:
         """Rank ``src``'s ``obj`` on every rank."""
         if not self.distributed:
             return obj
-        import torch.distributed as dist
-
         box = [obj]
         dist.broadcast_object_list(box, src=src)
         return box[0]
@@ -107,8 +100,6 @@ def _env_int(name: str, default: int | None = None) -> int:
 def init_world(backend: str | None = None, timeout_s: float = 1800.0) -> World:
     """The ``World`` of this process: starts the default process group when launched by torchrun (or
     returns the existing one), else the single-process world. ``backend`` overrides the platform's."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return _current_world()
     if not launched():
@@ -142,8 +133,6 @@ def _bind_device(local_rank: int) -> torch.device:
 
 
 def _current_world() -> World:
-    import torch.distributed as dist
-
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     dev = torch.device("cpu") if not device.is_accelerator() else device.torch_device(local_rank)
@@ -153,7 +142,5 @@ def _current_world() -> World:
 def destroy_world(world: World) -> None:
     """Tear the process group down (call once at the end of a run; harmless in one process)."""
     if world.distributed:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
