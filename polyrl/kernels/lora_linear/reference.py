@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from polyrl import kernels
+from polyrl.kernels import ops as kernels
 from polyrl.kernels.nf4.reference import NF4Weight
 
 

@@ -16,8 +16,9 @@ autograd is off (the rollout engine's batch-1 decode graphs); training never com
 """
 
 from polyrl.kernels.registry import register
+from polyrl.kernels.skinny_linear.reference import MAX_ROWS
 
-MAX_ROWS = 8  # what the kernel takes
+__all__ = ["MAX_ROWS", "ROUTE_MAX_ROWS"]
 # What the decoder routes to it: measured on the H200 (bench kernels --ops skinny_linear, graph replays, qwen3-0.6b
 # projections, 2026-12-01) it beats cuBLAS at 1 row (e.g. o_proj 7.4 vs 15.3 us, k/v 5.5 vs 10.1 us; batch-1 decode
 # 2.38 -> 1.77 ms/token in one bench rollout run) but not at 8 rows (26-49 vs 7-10 us), where cuBLAS's tensor-core

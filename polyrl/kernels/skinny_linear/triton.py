@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from polyrl.kernels.skinny_linear import MAX_ROWS
+from polyrl.kernels.skinny_linear.reference import MAX_ROWS
 
 
 @triton.jit
