@@ -98,22 +98,22 @@ for s in "$@"; do
     # Paged-attention decode launch settings at the engine's shapes (block_n x warps x stages x splits), for the
     # heuristics in kernels/paged_attention/triton.py (issue 14: 78% of copy bandwidth at 256-token contexts)
     paged-sweep) TAIL=40 stage paged-sweep 300 python3 scripts/paged_attention_sweep.py ;;
-    # The decode-path candidates that are off until measured (decoder.GROUP_PROJECTIONS, PARALLEL_PROJECTIONS,
-    # FUSED_QK_NORM_ROPE): their GPU tests, then bench rollout B256 and B512 with --compare-parts (interleaved on/off
-    # medians of every part, batch 1 included); promote the winners in polyrl/models/decoder.py (issue 14)
+    # The decode-path candidates (DecoderOptions.group_projections, parallel_projections, fused_qk_norm_rope): their
+    # GPU tests, then bench rollout B256 and B512 with --compare-parts (interleaved on/off medians of every part, batch
+    # 1 included); the winners are the defaults in polyrl/models/decoder.py (issue 14)
     decode-candidates) TAIL=60 stage decode-candidates 420 bash -c "python3 -m pytest -m gpu -q -x -p no:cacheprovider \
       tests/kernels/test_skinny_linear.py tests/kernels/test_qk_norm_rope.py 2>&1 | tail -3; \
       $PR bench rollout --shape qwen3-0.6b --batch 256 --prompt-len 128 --gen-len 256 --baselines none --compare-parts \
       --logprob-seqs 1 | grep -E 'decode|A/B|\\('; $PR bench rollout --shape qwen3-0.6b --batch 512 --prompt-len 64 \
       --gen-len 256 --baselines none --skip-batch1 --compare-parts --logprob-seqs 1 | grep -E 'decode|A/B'" ;;
-    # decoder.SKIP_FROZEN_DOWN_RECOMPUTE (off until measured): its GPU tests, then the 8b LoRA / QLoRA step with the
-    # flag off and on, back to back in one call (the 8b rows are device-bound and repeat within 1%) (issue 17)
+    # DecoderOptions.skip_frozen_down_recompute: its GPU tests, then the 8b LoRA / QLoRA step with the option off and
+    # on (bench sft --decoder-options), back to back in one call (the 8b rows are device-bound and repeat within 1%)
+    # (issue 17)
     frozen-down) TAIL=40 stage frozen-down 560 bash -c "python3 -m pytest -m gpu -q -x -p no:cacheprovider \
         tests/models/test_skip_frozen_down.py tests/train/test_graphed_step.py -k 'frozen_down or lora_variants' 2>&1 | tail -3; \
       A='--shape qwen3-8b --seq 4096 --batch 2 --steps 4 --warmup 2 --activation-checkpointing --baselines none'; \
-      for m in '--lora r=16,alpha=32' --qlora; do for skip in False True; do echo \"# SKIP_FROZEN_DOWN_RECOMPUTE=\$skip \$m\"; \
-        python3 -c \"import sys; from polyrl.models import decoder; decoder.SKIP_FROZEN_DOWN_RECOMPUTE = \$skip; \
-from polyrl.cli.main import main; sys.exit(main(sys.argv[1:]))\" bench sft \$A \$m | grep -E '^polyrl|ratio'; done; done" ;;
+      for m in '--lora r=16,alpha=32' --qlora; do for skip in off on; do echo \"# skip_frozen_down_recompute=\$skip \$m\"; \
+        $PR bench sft \$A \$m --decoder-options skip_frozen_down_recompute=\$skip | grep -E '^polyrl|ratio'; done; done" ;;
     # data.fixed_shapes on chat-like batches: packed + eager vs padded + eager vs padded + graphed, 1.7b LoRA and
     # 0.6b full, with its GPU test first (issues 15, 17)
     fixed-shapes) TAIL=30 stage fixed-shapes 400 bash -c "python3 -m pytest -m gpu -q -x -p no:cacheprovider \

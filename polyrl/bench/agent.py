@@ -21,6 +21,13 @@ import time
 import torch
 
 from polyrl.agents.env import Environment, EnvStep
+from polyrl.agents.pool import EnvPool
+from polyrl.agents.render import ChatRenderer
+from polyrl.agents.rollout import EpisodeLimits, episode_metrics, run_episodes
+from polyrl.bench.rollout import _model
+from polyrl.infer import LLM, RolloutConfig, SamplingParams
+from polyrl.models.tokenizer import build_tokenizer
+from polyrl.platform import device
 
 
 class EchoEnv(Environment):
@@ -49,21 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _sync(dev: torch.device) -> None:
-    from polyrl.platform import device
-
     if dev.type != "cpu":
         device.synchronize()
 
 
 def run(args: argparse.Namespace) -> int:
-    from polyrl.agents.pool import EnvPool
-    from polyrl.agents.render import ChatRenderer
-    from polyrl.agents.rollout import EpisodeLimits, episode_metrics, run_episodes
-    from polyrl.bench.rollout import _model
-    from polyrl.infer import LLM, RolloutConfig, SamplingParams
-    from polyrl.models.tokenizer import build_tokenizer
-    from polyrl.platform import device
-
     dev = torch.device(args.device) if args.device else device.torch_device()
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if dev.type != "cpu" else torch.float32)
     model = _model(args.shape, dtype, dev)

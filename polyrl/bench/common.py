@@ -8,13 +8,18 @@ warm-up on a side stream) and times replays, which is the device time alone; whe
 or the capture fails (a host sync inside, say) it says why and the caller keeps the eager number. Copy
 bandwidth counts bytes read + written, the same convention as the kernel targets ("85% of copy
 bandwidth"). Peak memory is the allocator's peak above
-what was allocated when the callable started.
+what was allocated when the callable started; ``free_memory`` clears the device between configs. Also the setup the
+SFT benches share (``sft.py`` and ``sft_lora.py``): ``enable_hf_checkpointing``; and ``--decoder-options``, the
+``DecoderOptions`` of the model a bench builds (``add_decoder_options`` / ``decoder_options``).
 
 Deliberately not here: what to benchmark (``kernels.py``, ``sft.py``, ...) and any pass/fail policy.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import gc
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +27,8 @@ from typing import Any
 
 import torch
 
+from polyrl.errors import ConfigError
+from polyrl.models.decoder import DecoderOptions
 from polyrl.platform import device as dev
 
 _FLUSH: dict[str, torch.Tensor] = {}
@@ -180,6 +187,56 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], headers
 
 def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], headers: Sequence[str] | None = None) -> None:
     print(format_table(rows, columns, headers))
+
+
+def free_memory() -> None:
+    """Collect garbage, release the allocator's cached device memory and restart the peak counter, so the next
+    config's peak is its own (its resident model and steps, not what ran before or its loading temporaries)."""
+    gc.collect()
+    dev.empty_cache()
+    dev.reset_peak_memory_stats()
+
+
+def enable_hf_checkpointing(model: Any) -> None:
+    """Every decoder layer of an HF model recomputed in the backward, non-reentrant (what ``--activation-checkpointing``
+    gives our side): ``activation_checkpointing_enable`` where transformers has it, the older name before that."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+_BOOLS = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
+
+
+def add_decoder_options(parser: argparse.ArgumentParser) -> None:
+    """``--decoder-options name=on|off,...``: the ``DecoderOptions`` of the polyrl model the bench builds."""
+    names = ", ".join(f.name for f in dataclasses.fields(DecoderOptions))
+    parser.add_argument(
+        "--decoder-options",
+        default="",
+        metavar="SPEC",
+        help=f"polyrl's model: DecoderOptions fields to change from their defaults, e.g. "
+        f"skip_frozen_down_recompute=off (fields: {names})",
+    )
+
+
+def decoder_options(spec: str | None) -> DecoderOptions:
+    """``DecoderOptions`` from a ``--decoder-options`` spec (``"name=on,other=off"``; "" for the defaults)."""
+    fields = {f.name for f in dataclasses.fields(DecoderOptions)}
+    changes: dict[str, bool] = {}
+    for item in (spec or "").split(","):
+        if not item.strip():
+            continue
+        name, _, value = item.partition("=")
+        name, value = name.strip(), value.strip().lower()
+        if name not in fields or value not in _BOOLS:
+            raise ConfigError(
+                f"--decoder-options: {item.strip()!r} is not NAME=on|off with NAME one of {', '.join(sorted(fields))}"
+            )
+        changes[name] = _BOOLS[value]
+    return DecoderOptions(**changes)
 
 
 def gib(nbytes: int | None) -> float | None:

@@ -19,6 +19,7 @@ over ``--steps`` timed steps after ``--warmup``. Measures; asserts nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -27,6 +28,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from polyrl.algorithms.advantages import group_advantages
+from polyrl.algorithms.colocated import pack_samples
+from polyrl.algorithms.grpo import GRPOConfig, make_policy_loss
+from polyrl.bench.common import measure_copy_bandwidth, measure_matmul_flops
+from polyrl.bench.profile import kernel_table, print_kernel_table
+from polyrl.bench.rollout import roofline_tokens_per_s
+from polyrl.infer import RolloutConfig, SamplingParams
+from polyrl.models.presets import create_model_from_preset
+from polyrl.platform import device
+from polyrl.train import OptimConfig, StepConfig
+from polyrl.trainer import Trainer
 
 SHAPES = {"tiny": "tiny", "small": "small", "qwen3-0.6b": "qwen3-0.6b-shape", "qwen3-1.7b": "qwen3-1.7b-shape"}
 
@@ -72,14 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _sync() -> None:
-    from polyrl.platform import device
-
     device.synchronize()
 
 
 def _on_accelerator() -> bool:
-    from polyrl.platform import device
-
     return device.torch_device().type != "cpu"
 
 
@@ -95,13 +104,6 @@ def prompt_texts(count: int, prompt_len: int) -> list[str]:
 
 # ---- ours ----------------------------------------------------------------------------------------
 def ours(model_dir: Path, args: argparse.Namespace, keep_kv: bool = False) -> dict[str, Any]:
-    from polyrl.algorithms.advantages import group_advantages
-    from polyrl.algorithms.colocated import pack_samples
-    from polyrl.algorithms.grpo import GRPOConfig, make_policy_loss
-    from polyrl.infer import RolloutConfig, SamplingParams
-    from polyrl.train import OptimConfig, StepConfig
-    from polyrl.trainer import Trainer
-
     max_len = args.prompt_len * 2 + args.gen_len + 16
     tr = Trainer(
         model=str(model_dir),
@@ -156,8 +158,6 @@ def ours(model_dir: Path, args: argparse.Namespace, keep_kv: bool = False) -> di
     timed = rows[args.warmup :] or rows
     res = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
     if args.profile and _on_accelerator():
-        from polyrl.bench.profile import kernel_table, print_kernel_table
-
         table = kernel_table(lambda: tr.train(batches, loss_fn, normalizer=tokens), args.profile)
         print_kernel_table(table, f"ours ({'keep' if keep_kv else 'release'} KV) training phase profile")
         res["train_profile"] = table
@@ -168,10 +168,6 @@ def ours(model_dir: Path, args: argparse.Namespace, keep_kv: bool = False) -> di
 
 def roofline(model: Any, args: argparse.Namespace, dev: torch.device) -> dict[str, float]:
     """Seconds the step would take at the copy-bandwidth / peak-FLOP/s limits, by phase."""
-    from polyrl.bench.common import measure_copy_bandwidth, measure_matmul_flops
-    from polyrl.bench.rollout import roofline_tokens_per_s
-    from polyrl.platform import device
-
     bw = measure_copy_bandwidth(dev)
     peak = device.peak_bf16_flops() if dev.type != "cpu" else None
     peak = peak or measure_matmul_flops(dev)
@@ -192,6 +188,7 @@ def roofline(model: Any, args: argparse.Namespace, dev: torch.device) -> dict[st
 # ---- TRL -----------------------------------------------------------------------------------------
 def trl_step_times(model_dir: Path, args: argparse.Namespace, dev: torch.device, micro_batch: int) -> list[float]:
     """Per-step wall times of TRL's GRPOTrainer on the same model, prompts and lengths (transformers generate)."""
+    # lazy: TRL and what it runs on (datasets, transformers) are the optional baseline, imported only when it runs
     import datasets
     import transformers
     from trl import GRPOConfig as TRLConfig
@@ -237,8 +234,6 @@ def trl_step_times(model_dir: Path, args: argparse.Namespace, dev: torch.device,
         use_cpu=dev.type == "cpu",
         generation_kwargs={"min_new_tokens": args.gen_len},
     )
-    import dataclasses
-
     known = {f.name for f in dataclasses.fields(TRLConfig)}
     dropped = sorted(set(wanted) - known)
     if dropped:
@@ -259,9 +254,6 @@ def trl_step_times(model_dir: Path, args: argparse.Namespace, dev: torch.device,
 
 # ---- the run -------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
-    from polyrl.models.presets import create_model_from_preset
-    from polyrl.platform import device
-
     dev = device.torch_device()
     tmp = None
     if args.model_dir and (Path(args.model_dir) / "config.json").is_file():
@@ -294,6 +286,7 @@ def run(args: argparse.Namespace) -> int:
     baselines = [b for b in args.baselines.split(",") if b and b != "none"]
     if "trl" in baselines:
         try:
+            # lazy: whether the optional TRL baseline can run here is this import
             import trl  # noqa: F401
         except ImportError:
             print("# trl is not importable: TRL baseline skipped (pip install trl)")

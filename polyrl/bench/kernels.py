@@ -19,6 +19,7 @@ there. Deliberately not here: correctness (``polyrl validate ops``), end-to-end 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,8 +28,21 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import polyrl.kernels as K
 from polyrl.bench import common
+from polyrl.errors import ConfigError
+from polyrl.infer.sampler import Sampler
+from polyrl.infer.sampling_params import SamplingParams
+from polyrl.infer.sequence import Sequence
+from polyrl.kernels import _DTYPE_NAMES, registry
+from polyrl.kernels.attention.reference import varlen_attention as attention_ref
+from polyrl.kernels.paged_attention.reference import paged_attention as paged_attention_ref
+from polyrl.kernels.rmsnorm.reference import rmsnorm as rmsnorm_ref
+from polyrl.kernels.rope.reference import apply_rope as rope_ref
+from polyrl.kernels.swiglu.reference import swiglu as swiglu_ref
+from polyrl.platform import device as dev
 
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": {"hidden": 64, "inter": 128, "hq": 4, "hk": 2, "d": 32, "vocab": 1000, "seq": 64, "ctx": 64, "batch": 4},
@@ -169,8 +183,6 @@ def _bw_target(fraction: float):
 
 
 def _impl_name(op: str, t: torch.Tensor) -> str:
-    from polyrl.kernels import _DTYPE_NAMES, registry
-
     try:
         return registry.select(op, t.device.type, _DTYPE_NAMES.get(t.dtype, str(t.dtype)))[0]
     except Exception as exc:  # noqa: BLE001
@@ -182,24 +194,27 @@ def _impl_name(op: str, t: torch.Tensor) -> str:
 
 @bench("rmsnorm")
 def bench_rmsnorm(ctx: Ctx) -> list[Case]:
-    import polyrl.kernels as K
-    from polyrl.kernels.rmsnorm.reference import rmsnorm as ref
-
     t, h, e = ctx.tokens, ctx.shape["hidden"], torch.finfo(ctx.dtype).bits // 8
     x, r, w = _rand(ctx, t, h), _rand(ctx, t, h), _rand(ctx, h) * 0.1 + 1
 
     def liger():
-        import inspect
-
+        # lazy: Liger-Kernel is an optional baseline, imported only when its row runs
         from liger_kernel.transformers.functional import liger_rms_norm
 
         # By default Liger writes dx into dy in place, which would change our fixed cotangent every rep.
         kw = {"in_place": False} if "in_place" in inspect.signature(liger_rms_norm).parameters else {}
         return lambda x, w: liger_rms_norm(x, w, 1e-6, **kw)
 
-    plain = _candidates(ctx, lambda x, w: K.rmsnorm(x, w, 1e-6), lambda x, w: ref(x, w, 1e-6), [x, w], {0, 1}, liger)
+    plain = _candidates(
+        ctx, lambda x, w: K.rmsnorm(x, w, 1e-6), lambda x, w: rmsnorm_ref(x, w, 1e-6), [x, w], {0, 1}, liger
+    )
     fused = _candidates(
-        ctx, lambda x, r, w: K.rmsnorm(x, w, 1e-6, r), lambda x, r, w: ref(x, w, 1e-6, r), [x, r, w], {0, 1, 2}, None
+        ctx,
+        lambda x, r, w: K.rmsnorm(x, w, 1e-6, r),
+        lambda x, r, w: rmsnorm_ref(x, w, 1e-6, r),
+        [x, r, w],
+        {0, 1, 2},
+        None,
     )
     note = {"impl": _impl_name("rmsnorm", x)}
     return [
@@ -218,18 +233,16 @@ def bench_rmsnorm(ctx: Ctx) -> list[Case]:
 
 @bench("swiglu")
 def bench_swiglu(ctx: Ctx) -> list[Case]:
-    import polyrl.kernels as K
-    from polyrl.kernels.swiglu.reference import swiglu as ref
-
     t, i, e = ctx.tokens, ctx.shape["inter"], torch.finfo(ctx.dtype).bits // 8
     g, u = _rand(ctx, t, i), _rand(ctx, t, i)
 
     def liger():
+        # lazy: Liger-Kernel is an optional baseline, imported only when its row runs
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
         return LigerSiLUMulFunction.apply
 
-    cands = _candidates(ctx, K.swiglu, ref, [g, u], {0, 1}, liger)
+    cands = _candidates(ctx, K.swiglu, swiglu_ref, [g, u], {0, 1}, liger)
     return [
         Case("swiglu", f"fwd+bwd T={t} I={i}", cands, 8 * t * i * e, target=_bw_target(0.85),
              extra={"impl": _impl_name("swiglu", g)}, graph=True)
@@ -238,9 +251,6 @@ def bench_swiglu(ctx: Ctx) -> list[Case]:
 
 @bench("rope")
 def bench_rope(ctx: Ctx) -> list[Case]:
-    import polyrl.kernels as K
-    from polyrl.kernels.rope.reference import apply_rope as ref
-
     t, hq, hk, d = ctx.tokens, ctx.shape["hq"], ctx.shape["hk"], ctx.shape["d"]
     e = torch.finfo(ctx.dtype).bits // 8
     pos = torch.arange(t, device=ctx.device) % ctx.shape.get("seq", DEFAULTS["seq"])
@@ -248,6 +258,7 @@ def bench_rope(ctx: Ctx) -> list[Case]:
     q, k = _rand(ctx, t, hq, d), _rand(ctx, t, hk, d)
 
     def liger():
+        # lazy: Liger-Kernel is an optional baseline, imported only when its row runs
         from liger_kernel.transformers.functional import liger_rope
 
         def fn(q, k, cos, sin):  # Liger wants [B, H, S, D] and cos/sin [1, S, D]
@@ -256,7 +267,7 @@ def bench_rope(ctx: Ctx) -> list[Case]:
 
         return fn
 
-    cands = _candidates(ctx, K.apply_rope, ref, [q, k, cos, sin], {0, 1}, liger)
+    cands = _candidates(ctx, K.apply_rope, rope_ref, [q, k, cos, sin], {0, 1}, liger)
     moved = 2 * (2 * t * (hq + hk) * d * e + 2 * t * d * 4)  # fwd and bwd: q, k in and out + cos/sin (fp32)
     return [Case("rope", f"fwd+bwd T={t} Hq={hq} Hk={hk} D={d}", cands, moved, target=_bw_target(0.85),
                  extra={"impl": _impl_name("rope", q)}, graph=True)]  # fmt: skip
@@ -264,8 +275,6 @@ def bench_rope(ctx: Ctx) -> list[Case]:
 
 def _sdpa(q, k, v, lens: list[int], causal: bool = True, backend: str = "FLASH_ATTENTION"):
     """SDPA (``backend`` on CUDA, math elsewhere) on padded [B, H, L, D] built from packed q/k/v."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     b, lmax = len(lens), max(lens)
 
     def pad(x):
@@ -284,9 +293,6 @@ def _sdpa(q, k, v, lens: list[int], causal: bool = True, backend: str = "FLASH_A
 
 
 def _attention_case(ctx: Ctx, lens: list[int], label: str) -> Case:
-    import polyrl.kernels as K
-    from polyrl.kernels.attention.reference import varlen_attention as ref
-
     hq, hk, d, t = ctx.shape["hq"], ctx.shape["hk"], ctx.shape["d"], sum(lens)
     q, k, v = _rand(ctx, t, hq, d), _rand(ctx, t, hk, d), _rand(ctx, t, hk, d)
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
@@ -302,14 +308,15 @@ def _attention_case(ctx: Ctx, lens: list[int], label: str) -> Case:
         cudnn = lambda q, k, v: _sdpa(q, k, v, lens, backend="CUDNN_ATTENTION")  # noqa: E731
         cands.append(_try("sdpa_cudnn", lambda: fwd_bwd(cudnn, args, {0, 1, 2})))
         if impl_name != "triton":  # what the registry would run without the fast path, for comparison
-            from polyrl.kernels import registry
 
             def triton_only(q, k, v):
                 return registry.load("attention", "triton")(q, k, v, cu, max(lens))
 
             cands.append(_try("polyrl_triton", lambda: fwd_bwd(triton_only, args, {0, 1, 2})))
     if "eager" in ctx.baselines:
-        cands.append(_try("eager", lambda: fwd_bwd(lambda q, k, v: ref(q, k, v, cu, max(lens)), args, {0, 1, 2})))
+        cands.append(
+            _try("eager", lambda: fwd_bwd(lambda q, k, v: attention_ref(q, k, v, cu, max(lens)), args, {0, 1, 2}))
+        )
     flops = sum(7.0 * hq * d * n * n for n in lens)  # causal fwd (2 L^2 D H) + bwd (2.5x)
 
     def target(rows, ctx):
@@ -336,9 +343,6 @@ def bench_attention(ctx: Ctx) -> list[Case]:
 
 @bench("paged_attention")
 def bench_paged(ctx: Ctx) -> list[Case]:
-    import polyrl.kernels as K
-    from polyrl.kernels.paged_attention.reference import paged_attention as ref
-
     b, c = ctx.shape.get("batch", DEFAULTS["batch"]), ctx.shape.get("ctx", DEFAULTS["ctx"])
     hq, hk, d, bs = ctx.shape["hq"], ctx.shape["hk"], ctx.shape["d"], 16
     nblk = b * (c // bs + 1)
@@ -355,7 +359,9 @@ def bench_paged(ctx: Ctx) -> list[Case]:
     cands = [_try("polyrl", lambda: forward_only(lambda q: K.paged_attention(q, kc, vc, tables, lens, cu, 1), [q]))]
     cands.append(_try("sdpa_dense", lambda: forward_only(dense, [q, kd, vd])))
     if "eager" in ctx.baselines:
-        cands.append(_try("eager", lambda: forward_only(lambda q: ref(q, kc, vc, tables, lens, cu, 1), [q])))
+        cands.append(
+            _try("eager", lambda: forward_only(lambda q: paged_attention_ref(q, kc, vc, tables, lens, cu, 1), [q]))
+        )
     e = torch.finfo(ctx.dtype).bits // 8
     moved = 2 * b * c * hk * d * e + 2 * b * hq * d * e
     return [Case("paged_attention", f"decode B={b} ctx={c}", cands, moved, target=_bw_target(0.70),
@@ -374,8 +380,6 @@ def _loss_target(rows: dict[str, dict[str, Any]], ctx: Ctx) -> tuple[str, bool |
 
 @bench("linear_cross_entropy")
 def bench_lce(ctx: Ctx) -> list[Case]:
-    import polyrl.kernels as K
-
     t, h, v = ctx.tokens, ctx.shape["hidden"], ctx.shape["vocab"]
     hid, w = _rand(ctx, t, h), _rand(ctx, v, h, scale=h**-0.5)
     labels = torch.randint(0, v, (t,), device=ctx.device)
@@ -385,6 +389,7 @@ def bench_lce(ctx: Ctx) -> list[Case]:
         return F.cross_entropy((hid @ w.t()).float(), labels, ignore_index=-100, reduction="sum")
 
     def liger():
+        # lazy: Liger-Kernel is an optional baseline, imported only when its row runs
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
         return lambda hid, w: liger_fused_linear_cross_entropy(hid, w, labels, ignore_index=-100, reduction="sum")
@@ -400,8 +405,6 @@ def bench_lce(ctx: Ctx) -> list[Case]:
 
 @bench("token_logprobs")
 def bench_tlp(ctx: Ctx) -> list[Case]:
-    import polyrl.kernels as K
-
     t, h, v = ctx.tokens, ctx.shape["hidden"], ctx.shape["vocab"]
     hid, w = _rand(ctx, t, h), _rand(ctx, v, h, scale=h**-0.5)
     tokens = torch.randint(0, v, (t,), device=ctx.device)
@@ -421,11 +424,6 @@ def bench_tlp(ctx: Ctx) -> list[Case]:
 @bench("sampling")
 def bench_sampling(ctx: Ctx) -> list[Case]:
     """Next-token sampling of a rollout decode step: B = min(512, tokens) rows of fp32 logits over the vocab."""
-    import polyrl.kernels as K
-    from polyrl.infer.sampler import Sampler
-    from polyrl.infer.sampling_params import SamplingParams
-    from polyrl.infer.sequence import Sequence
-
     b, v = min(512, ctx.tokens), ctx.shape["vocab"]
     logits = torch.randn(b, v, device=ctx.device, dtype=torch.float32) * 3
     temps = torch.full((b,), 0.9, device=ctx.device)
@@ -479,8 +477,6 @@ def bench_sampling(ctx: Ctx) -> list[Case]:
 def bench_skinny_linear(ctx: Ctx) -> list[Case]:
     """The decode step's projections at batch 1 and 8 (weights read once): ``skinny_linear`` against cuBLAS
     (``F.linear``), both also timed as graph replays (the decode graph's device time)."""
-    import polyrl.kernels as K
-
     h, inter, hq, hk, d = (ctx.shape[k] for k in ("hidden", "inter", "hq", "hk", "d"))
     shapes = {"q": (hq * d, h), "kv": (hk * d, h), "o": (h, hq * d), "gate/up": (inter, h), "down": (h, inter)}
     e = torch.finfo(ctx.dtype).bits // 8
@@ -574,9 +570,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from polyrl.errors import ConfigError
-    from polyrl.platform import device as dev
-
     device = dev.torch_device()
     on_cpu = device.type == "cpu"
     preset = args.shape or ("tiny" if on_cpu else "qwen3-0.6b")

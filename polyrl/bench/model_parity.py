@@ -40,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _hf_model(cfg, dtype: torch.dtype, dev: torch.device, attn: str = "sdpa"):
+    # lazy: transformers is an optional dependency, imported only when the comparison runs
     import transformers
 
     hcfg = transformers.AutoConfig.for_model(**cfg.to_hf_dict())

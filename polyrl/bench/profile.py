@@ -13,14 +13,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from torch.profiler import ProfilerActivity, profile
+
+from polyrl.platform import device
+
 
 def kernel_table(fn: Any, top: int = 20) -> dict[str, Any]:
     """{"wall_ms", "kernel_ms", "rows": [{"kernel", "calls", "ms", "share"}], "ops": [{"op", "calls", "ms",
     "share"}]} for one call of ``fn``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from polyrl.platform import device
-
     activities = [ProfilerActivity.CPU]
     if device.device_type() == "cuda":
         activities.append(ProfilerActivity.CUDA)

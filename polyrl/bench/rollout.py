@@ -15,16 +15,31 @@ token ids, every sample generating exactly ``--gen-len`` tokens (EOS ignored). P
 - bf16 log-prob agreement: the engine's sampled-token log-probs vs a training-style packed forward
   (``kernels.token_logprobs`` over ``lm_head_weight``) on the same tokens: max / mean abs difference.
 
-Copy bandwidth comes from ``bench/common.py``. This module measures; it asserts nothing.
+``--decoder-options`` sets the built model's ``DecoderOptions``; ``--compare-parts`` times the decode path's parts
+(``PARTS``) on and off, the ``DecoderOptions`` ones by replacing the model's options. Copy bandwidth comes from
+``bench/common.py``. This module measures; it asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
+import statistics
 import time
 
 import torch
+
+from polyrl import kernels
+from polyrl.bench.common import add_decoder_options, decoder_options, measure_copy_bandwidth
+from polyrl.infer import LLM, RolloutConfig, SamplingParams
+from polyrl.kernels import registry
+from polyrl.models.attention_metadata import AttnMetadata
+from polyrl.models.decoder import DecoderLM, DecoderOptions, build_model
+from polyrl.models.presets import PRESETS, preset_config
+from polyrl.platform import device
+from polyrl.platform.host import gc_paused
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,28 +62,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also time the engine without launch graphs (batch and batch-1) and without skinny_linear (batch-1)",
     )
+    add_decoder_options(parser)
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
 
 def _sync(dev: torch.device) -> None:
-    from polyrl.platform import device
-
     if dev.type != "cpu":
         device.synchronize()
 
 
-def _model(shape: str, dtype: torch.dtype, dev: torch.device):
-    from polyrl.models.decoder import build_model
-    from polyrl.models.presets import PRESETS, preset_config
-
+def _model(shape: str, dtype: torch.dtype, dev: torch.device, options: DecoderOptions | None = None) -> DecoderLM:
     name = shape if shape in PRESETS else f"{shape}-shape"
     cfg = preset_config(name)
-    return build_model(cfg, dtype=dtype, device=dev, seed=0).eval()
+    return build_model(cfg, dtype=dtype, device=dev, seed=0, options=options).eval()
 
 
 def _run_engine(llm, prompts: list[list[int]], gen: int, dev: torch.device, seed: int | None = None):
-    from polyrl.infer import SamplingParams
-
     params = SamplingParams(temperature=1.0, max_tokens=gen, ignore_eos=True, seed=seed)
     _sync(dev)
     t = time.perf_counter()
@@ -82,9 +91,6 @@ def _run_engine_phased(llm, prompts: list[list[int]], gen: int, dev: torch.devic
     at the first step after which no sequence waits or has prompt tokens left to compute, and counts the tokens
     drawn from then on (launched ones included). A separate prefill-only run to subtract is noisier than the decode
     phase itself when the prefill dominates (the 4k-context case: 64 x 4032 prompt tokens)."""
-    from polyrl.infer import SamplingParams
-    from polyrl.platform.host import gc_paused
-
     params = SamplingParams(temperature=1.0, max_tokens=gen, ignore_eos=True)
     ids = [llm.add_request(p, params) for p in prompts]
     done: dict[str, object] = {}
@@ -116,6 +122,7 @@ def _run_engine_phased(llm, prompts: list[list[int]], gen: int, dev: torch.devic
 
 
 def _hf_model(model, dev: torch.device):
+    # lazy: transformers is the optional HF baseline, imported only when that row runs
     import transformers
 
     cfg = transformers.AutoConfig.for_model(**model.config.to_hf_dict())
@@ -150,9 +157,6 @@ def _run_hf(hf, prompts: list[list[int]], gen: int, dev: torch.device) -> float:
 @torch.inference_mode()
 def logprob_agreement(model, outs, count: int) -> tuple[float, float]:
     """Max / mean |engine log-prob - training forward log-prob| over the first ``count`` samples."""
-    from polyrl import kernels
-    from polyrl.models.attention_metadata import AttnMetadata
-
     dev = next(model.parameters()).device
     diffs = []
     for out in outs[:count]:
@@ -170,8 +174,6 @@ def logprob_agreement(model, outs, count: int) -> tuple[float, float]:
 def graph_replay_ms(llm, batch: int, reps: int = 20) -> float | None:
     """Device time of one replay of the decode graph for ``batch`` (its buffers hold the last step's inputs),
     or None without graphs: what a decode step costs when the host adds nothing."""
-    from polyrl.platform import device
-
     graphs = llm.runner.graphs
     if graphs is None:
         return None
@@ -200,13 +202,10 @@ def roofline_tokens_per_s(model, batch: int, prompt_len: int, gen_len: int, kv_d
 
 
 def run(args: argparse.Namespace) -> int:
-    from polyrl.infer import LLM, RolloutConfig
-    from polyrl.platform import device
-
     dev = torch.device(args.device) if args.device else device.torch_device()
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if dev.type != "cpu" else torch.float32)
     baselines = [b for b in args.baselines.split(",") if b and b != "none"]
-    model = _model(args.shape, dtype, dev)
+    model = _model(args.shape, dtype, dev, decoder_options(args.decoder_options))
     cfg = model.config
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, cfg.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
@@ -242,8 +241,6 @@ def run(args: argparse.Namespace) -> int:
     graph_ms = graph_replay_ms(llm, args.batch)
     if graph_ms is not None:
         res["graph_replay_ms"] = graph_ms
-    from polyrl.bench.common import measure_copy_bandwidth
-
     bw = measure_copy_bandwidth(dev)
     kv_bytes = llm.kv.caches[0][0].element_size()
     res["copy_bandwidth_gb_s"] = bw / 1e9
@@ -295,10 +292,10 @@ def run(args: argparse.Namespace) -> int:
 # The decode path's parts --compare-parts switches on and off: (name, what it is, measured at the batch, at batch 1)
 PARTS = (
     ("launch_graphs", "a launch of decode_steps steps as one graph, sampling inside", True, True),
-    ("parallel_proj", "q/k/v and gate/up as concurrent GEMMs (decoder.PARALLEL_PROJECTIONS)", True, False),
-    ("fused_qk", "q/k norms + RoPE in one kernel (decoder.FUSED_QK_NORM_ROPE)", True, True),
+    ("parallel_proj", "q/k/v and gate/up as concurrent GEMMs (DecoderOptions.parallel_projections)", True, False),
+    ("fused_qk", "q/k norms + RoPE in one kernel (DecoderOptions.fused_qk_norm_rope)", True, True),
     ("skinny", "batch-1 projections by kernels.skinny_linear instead of cuBLAS", False, True),
-    ("grouped", "q/k/v and gate/up in one skinny_linear launch each (decoder.GROUP_PROJECTIONS)", False, True),
+    ("grouped", "q/k/v and gate/up in one skinny_linear launch each (DecoderOptions.group_projections)", False, True),
 )
 
 
@@ -306,12 +303,6 @@ def _compare_parts(llm, prompts: list[list[int]], args: argparse.Namespace, dev:
     """The same runs with each of ``PARTS`` on and off, interleaved (on, off, on, off, ...; medians of 3 each, so
     drift between runs does not read as a difference). A part that changes what the graphs hold recaptures them in
     an untimed short run after every switch. Each part is left as it was found."""
-    import os
-    import statistics
-
-    from polyrl.kernels import registry
-    from polyrl.models import decoder
-
     reps = 3
     kernels_env = os.environ.get("POLYRL_KERNELS")
 
@@ -324,21 +315,21 @@ def _compare_parts(llm, prompts: list[list[int]], args: argparse.Namespace, dev:
             os.environ["POLYRL_KERNELS"] = kernels_env
         registry.reset_cache()
 
-    def flag(attr: str):
+    def flag(field: str):  # a DecoderOptions field of the engine's model (read at each forward, so at each capture)
         def set_flag(on: bool) -> None:
-            setattr(decoder, attr, on)
+            llm.model.options = dataclasses.replace(llm.model.options, **{field: on})
 
-        return set_flag, getattr(decoder, attr)
+        return set_flag, getattr(llm.model.options, field)
 
     def set_launch(on: bool) -> None:
         llm.config.launch_graphs = on
 
     switches = {  # name -> (setter, the value found, whether the captured graphs change with it)
         "launch_graphs": (set_launch, llm.config.launch_graphs, False),
-        "parallel_proj": (*flag("PARALLEL_PROJECTIONS"), True),
-        "fused_qk": (*flag("FUSED_QK_NORM_ROPE"), True),
+        "parallel_proj": (*flag("parallel_projections"), True),
+        "fused_qk": (*flag("fused_qk_norm_rope"), True),
         "skinny": (set_skinny, True, True),
-        "grouped": (*flag("GROUP_PROJECTIONS"), True),
+        "grouped": (*flag("group_projections"), True),
     }
     t_prefill1 = None
     if not args.skip_batch1:

@@ -22,13 +22,22 @@ reported as such. This module does not check targets; the numbers go to docs/per
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+
+from polyrl.bench import sft_lora
+from polyrl.bench.common import add_decoder_options, decoder_options, enable_hf_checkpointing, free_memory
+from polyrl.bench.profile import kernel_table, print_kernel_table
+from polyrl.data import TokenizedSeq, pack_sequences
+from polyrl.errors import ConfigError
+from polyrl.models.decoder import DecoderLM, build_model
+from polyrl.models.presets import preset_config
+from polyrl.platform import device
+from polyrl.train import OptimConfig, ScheduleConfig, StepConfig, TrainEngine
 
 SHAPES = {
     "tiny": "tiny",
@@ -108,14 +117,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="LoRA configs instead (polyrl-lora vs hf-peft[-liger]), e.g. --lora r=16,alpha=32 (sft_lora.py)",
     )
     parser.add_argument("--qlora", action="store_true", help="QLoRA: NF4 base (polyrl-qlora vs hf-qlora)")
+    add_decoder_options(parser)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--seed", type=int, default=0)
 
 
 # ---- shared setup -------------------------------------------------------------------------------
 def model_config(shape: str) -> Any:
-    from polyrl.models.presets import preset_config
-
     return preset_config(SHAPES[shape])
 
 
@@ -126,26 +134,14 @@ def random_tokens(vocab: int, batch: int, seq: int, seed: int) -> torch.Tensor:
 
 
 def initial_weights(cfg: Any, dev: torch.device, seed: int) -> Any:
-    from polyrl.models.decoder import build_model
-
     return build_model(cfg, dtype=torch.float32, device=dev, seed=seed)
 
 
 def flops_per_token(cfg: Any, seq: int) -> float:
     """6N + 6 * layers * seq * heads * head_dim, N with the (tied) LM head counted once."""
     with torch.device("meta"):
-        from polyrl.models.decoder import DecoderLM
-
         n = DecoderLM(cfg).num_parameters()
     return 6.0 * n + 6.0 * cfg.num_layers * seq * cfg.num_heads * cfg.head_dim
-
-
-def _free() -> None:
-    from polyrl.platform import device
-
-    gc.collect()
-    device.empty_cache()
-    device.reset_peak_memory_stats()
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -154,8 +150,6 @@ def _is_oom(exc: BaseException) -> bool:
 
 def time_steps(step_fn: Any, warmup: int, steps: int) -> tuple[float, float]:
     """Seconds per timed step and the last loss; ``step_fn()`` returns the loss (a float)."""
-    from polyrl.platform import device
-
     loss = float("nan")
     for _ in range(warmup):
         loss = step_fn()
@@ -171,10 +165,8 @@ def time_steps(step_fn: Any, warmup: int, steps: int) -> tuple[float, float]:
 def ours_step_fn(
     cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: torch.device, cuda_graphs: bool | None = None
 ) -> Any:
-    from polyrl.data import TokenizedSeq, pack_sequences
-    from polyrl.train import OptimConfig, ScheduleConfig, StepConfig, TrainEngine
-
     model = initial_weights(cfg, dev, args.seed)
+    model.options = decoder_options(args.decoder_options)
     ecfg = StepConfig(
         micro_batch_tokens=tokens.numel(),
         activation_checkpointing=args.activation_checkpointing,
@@ -195,18 +187,9 @@ def ours_step_fn(
     return lambda: engine.step([batch]).loss
 
 
-def enable_hf_checkpointing(model: Any) -> None:
-    """Every decoder layer of an HF model recomputed in the backward, non-reentrant (what ``--activation-checkpointing``
-    gives our side): ``activation_checkpointing_enable`` where transformers has it, the older name before that."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
 def hf_step_fn(cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: torch.device, variant: str) -> Any:
     """One HF training step closure; ``variant`` is e.g. "hf-liger-bf16"."""
+    # lazy: transformers is an optional baseline, imported only when an HF config runs
     import transformers
 
     hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf_dict())
@@ -221,6 +204,7 @@ def hf_step_fn(cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: to
     if cfg.tie_word_embeddings:
         model.tie_weights()
     if "liger" in variant:
+        # lazy: Liger-Kernel is optional, imported only for the hf-liger configs (``liger_available`` says when not)
         import liger_kernel.transformers as liger
 
         getattr(liger, f"apply_liger_kernel_to_{cfg.model_type}")(model=model)
@@ -250,6 +234,7 @@ def hf_step_fn(cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: to
 def liger_available() -> str | None:
     """None when Liger-Kernel imports, else why not."""
     try:
+        # lazy: the point of this function is to try the optional import
         import liger_kernel.transformers  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - any import failure means "not here"
         return f"liger_kernel not importable ({type(exc).__name__})"
@@ -258,20 +243,14 @@ def liger_available() -> str | None:
 
 def configs(args: argparse.Namespace) -> list[str]:
     if getattr(args, "lora", None) is not None or getattr(args, "qlora", False):
-        from polyrl.bench import sft_lora
-
         configs_check = [b.strip() for b in args.baselines.split(",") if b.strip() and b.strip() != "none"]
         if any(b not in BASELINES for b in configs_check):
-            from polyrl.errors import ConfigError
-
             raise ConfigError(f"unknown baseline(s) {configs_check}; choose from {', '.join(BASELINES)} or none")
         return _with_eager_rows(sft_lora.config_names(args), args)
     names = [] if args.no_ours else ["polyrl"]
     wanted = [b.strip() for b in args.baselines.split(",") if b.strip() and b.strip() != "none"]
     unknown = [b for b in wanted if b not in BASELINES]
     if unknown:
-        from polyrl.errors import ConfigError
-
         raise ConfigError(f"unknown baseline(s) {unknown}; choose from {', '.join(BASELINES)} or none")
     for b in wanted:
         for v in BASELINES[b]:
@@ -315,14 +294,11 @@ def graphs_mode(name: str, args: argparse.Namespace) -> bool | None:
 
 
 def measure(name: str, cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: torch.device) -> Result:
-    from polyrl.bench import sft_lora
-    from polyrl.platform import device
-
     if name in sft_lora.LORA_CONFIGS and (why := sft_lora.unavailable(name)):
         return Result(name, f"skipped: {why}")
     if "liger" in name and (why := liger_available()):
         return Result(name, f"skipped: {why}")
-    _free()
+    free_memory()
     step_fn = None
     try:
         base_name = name.removesuffix(EAGER_SUFFIX)
@@ -337,20 +313,18 @@ def measure(name: str, cfg: Any, tokens: torch.Tensor, args: argparse.Namespace,
         step_s, loss = time_steps(step_fn, warmup_steps(name, args, dev), args.steps)
         table = None
         if _profiled(name, args) and dev.type != "cpu":
-            from polyrl.bench.profile import kernel_table, print_kernel_table
-
             table = kernel_table(step_fn, args.profile)
             print_kernel_table(table, f"{name} step profile")
     except Exception as exc:
         if not _is_oom(exc):
             raise
         step_fn = None
-        _free()
+        free_memory()
         return Result(name, "oom")
     finally:
         step_fn = None
         peak = device.max_memory_allocated()
-        _free()
+        free_memory()
     tps = tokens.numel() / step_s
     peak_flops = device.peak_bf16_flops()
     mfu = tps * flops_per_token(cfg, tokens.shape[1]) / peak_flops if peak_flops else None
@@ -397,9 +371,6 @@ def print_table(results: list[Result], header: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from polyrl.errors import ConfigError
-    from polyrl.platform import device
-
     if min(args.seq, args.batch, args.steps) < 1 or args.warmup < 0:
         raise ConfigError("--seq, --batch and --steps must be >= 1 and --warmup >= 0")
     names = configs(args)

@@ -14,7 +14,7 @@
 ``gradient_checkpointing_enable``). Peak memory of these configs is measured from after construction (model resident
 + training steps); loading transients are excluded, e.g. the bf16 weights a 4-bit base is quantized from (16.4 GB
 at the 8b shape; ``polyrl train --qlora`` holds them briefly while loading).
-Not here: timing and reporting (``sft.py``).
+Not here: timing and reporting (``sft.py``, which imports this module; helpers both use are in ``common.py``).
 """
 
 from __future__ import annotations
@@ -25,12 +25,18 @@ from typing import Any
 
 import torch
 
+from polyrl.bench.common import decoder_options, enable_hf_checkpointing, free_memory
+from polyrl.data import TokenizedSeq, pack_sequences
+from polyrl.models.checkpoint import save_model
+from polyrl.models.decoder import build_model
+from polyrl.models.lora import apply_lora, make_lora_config
+from polyrl.train import OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig, TrainEngine
+from polyrl.train.precision import resolve_compute_dtype
+
 LORA_CONFIGS = ("hf-peft", "hf-peft-liger", "hf-qlora")
 
 
 def lora_config(args: argparse.Namespace) -> Any:
-    from polyrl.models.lora import make_lora_config
-
     cfg = make_lora_config(args.lora or "")
     if args.qlora:
         cfg.quantize_base = "nf4"
@@ -50,14 +56,9 @@ def config_names(args: argparse.Namespace) -> list[str]:
 def ours_step_fn(
     cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: torch.device, cuda_graphs: bool | None = None
 ) -> Any:
-    from polyrl.data import TokenizedSeq, pack_sequences
-    from polyrl.models.decoder import build_model
-    from polyrl.models.lora import apply_lora
-    from polyrl.train import OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig, TrainEngine
-    from polyrl.train.precision import resolve_compute_dtype
-
     dtype = resolve_compute_dtype(PrecisionConfig(), dev.type)
-    model = apply_lora(build_model(cfg, dtype=dtype, device=dev, seed=args.seed), lora_config(args), seed=args.seed)
+    base = build_model(cfg, dtype=dtype, device=dev, seed=args.seed, options=decoder_options(args.decoder_options))
+    model = apply_lora(base, lora_config(args), seed=args.seed)
     ecfg = StepConfig(
         micro_batch_tokens=tokens.numel(),
         activation_checkpointing=args.activation_checkpointing,
@@ -76,13 +77,7 @@ def ours_step_fn(
 def _settled() -> None:
     """Free construction temporaries (the bf16 copy a 4-bit base is made from, the weights HF copied from) and
     restart the peak counter, so every LoRA config reports its resident model + training step, not its loading."""
-    import gc
-
-    from polyrl.platform import device
-
-    gc.collect()
-    device.empty_cache()
-    device.reset_peak_memory_stats()
+    free_memory()
 
 
 def unavailable(name: str) -> str | None:
@@ -98,9 +93,8 @@ def unavailable(name: str) -> str | None:
 
 
 def _hf_model(cfg: Any, args: argparse.Namespace, dev: torch.device, qlora: bool) -> Any:
+    # lazy: transformers is an optional baseline, imported only when an HF config runs
     import transformers
-
-    from polyrl.models.decoder import build_model
 
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16  # as polyrl's base (fp32 compute on the CPU)
     ours = build_model(cfg, dtype=dtype, device=dev, seed=args.seed)  # the same initial weights
@@ -113,8 +107,6 @@ def _hf_model(cfg: Any, args: argparse.Namespace, dev: torch.device, qlora: bool
         if cfg.tie_word_embeddings:
             model.tie_weights()
         return model
-    from polyrl.models.checkpoint import save_model
-
     with tempfile.TemporaryDirectory(prefix="polyrl-bench-qlora-") as tmp:
         save_model(ours, tmp)
         del ours
@@ -127,17 +119,17 @@ def _hf_model(cfg: Any, args: argparse.Namespace, dev: torch.device, qlora: bool
 
 
 def hf_step_fn(cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: torch.device, name: str) -> Any:
+    # lazy: peft is an optional baseline, imported only when its config runs (``unavailable`` says when it cannot)
     import peft
 
     lcfg = lora_config(args)
     model = _hf_model(cfg, args, dev, qlora=name == "hf-qlora")
     if "liger" in name:
+        # lazy: Liger-Kernel is optional, imported only for the -liger config
         import liger_kernel.transformers as liger
 
         getattr(liger, f"apply_liger_kernel_to_{cfg.model_type}")(model=model)
     if args.activation_checkpointing:
-        from polyrl.bench.sft import enable_hf_checkpointing
-
         enable_hf_checkpointing(model)
         model.enable_input_require_grads()
     pcfg = peft.LoraConfig(

@@ -8,7 +8,7 @@ loading and building import it, lazily).
 from polyrl.models.attention_metadata import AttnMetadata
 from polyrl.models.checkpoint import load_config, load_model, load_tokenizer, save_model
 from polyrl.models.config import ModelConfig
-from polyrl.models.decoder import DecoderLM, build_model, init_weights
+from polyrl.models.decoder import DecoderLM, DecoderOptions, build_model, init_weights
 from polyrl.models.presets import PRESETS, create_model_from_preset, preset_config
 from polyrl.models.registry import FAMILIES, get_family, supported_model_types
 
@@ -17,6 +17,7 @@ __all__ = [
     "PRESETS",
     "AttnMetadata",
     "DecoderLM",
+    "DecoderOptions",
     "ModelConfig",
     "build_model",
     "create_model_from_preset",

@@ -11,6 +11,10 @@ Projections (``project``, ``project_group``): a plain ``nn.Linear`` fed at most 
 with autograd off (a batch-1 decode step) runs ``kernels.skinny_linear``, which streams the weight where cuBLAS's
 small-M tiles leave bandwidth unused, q/k/v in one launch and gate/up in one; everything else is the module's call.
 
+Where there is more than one way to run a part (grouped or concurrent projections, the fused q/k norms + RoPE, the
+frozen down projection after a checkpoint), ``DecoderOptions`` picks it: held by the model (``DecoderLM.options``),
+read at each forward and handed to every layer, never module state.
+
 The residual stream runs through the fused ``rmsnorm(x, w, residual=r)`` op: each layer hands on
 ``(branch_output, residual)`` and the next norm adds them, which is bit-identical to HF's ``h = r + f(h)``
 because float addition is commutative.
@@ -23,6 +27,7 @@ weight loading (``checkpoint.py``), sharding (``polyrl.train.parallel``).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,31 +35,44 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from polyrl import kernels
+from polyrl.kernels.rope.reference import inv_frequencies
 from polyrl.kernels.skinny_linear import ROUTE_MAX_ROWS as SKINNY_ROWS
 from polyrl.models.attention_metadata import AttnMetadata
 from polyrl.models.config import ModelConfig
 from polyrl.platform import device
 
-# One skinny_linear launch for q/k/v and one for gate/up at batch 1 (False: one launch per projection). H200,
-# bench rollout --compare-parts (gpu_stage.sh decode-candidates, run24): batch-1 decode 1.41 vs 1.55 ms/token.
-GROUP_PROJECTIONS = True
-# q/k/v (and gate/up) as concurrent GEMMs on forked streams when autograd is off (parallel branches of a decode
-# graph): the same cuBLAS kernels, so the same numbers, overlapping their launch and tail latency (each small GEMM
-# of a decode step takes ~5 us however wide it is, H200 profile). Off: measured mixed (run24, interleaved medians):
-# B256 48.3k vs 46.0k tokens/s, B512 72.7k vs 74.8k (the concurrent GEMMs contend for the SMs at large batches).
-PARALLEL_PROJECTIONS = False
-# Qwen3's q/k norms and RoPE as one kernel (kernels.qk_norm_rope) when autograd is off: 2 of every layer's decode
-# launches fewer. H200 (run24, interleaved medians): B256 51.1k vs 47.8k tokens/s, B512 78.0k vs 74.5k, batch-1
-# decode 1.47 vs 1.55 ms/token.
-FUSED_QK_NORM_ROPE = True
-# Under activation checkpointing, a layer whose down_proj is a LoRA / QLoRA layer on a frozen base runs that base
-# GEMM after the checkpoint instead of inside it: the recomputed forward stops at the adapter's product (the
-# non-reentrant checkpoint stops once every saved tensor is back), so the layer's largest frozen GEMM (and, for QLoRA,
-# its dequantization) runs twice per step instead of three times. Nothing more is saved (the base's backward needs
-# only the weight). A frozen down_proj without an adapter saves nothing and is not recomputed anyway. H200, qwen3-8b
-# shape, 2 x 4096 tokens, checkpointed, back to back in one call (scripts/gpu_stage.sh frozen-down, run29): LoRA
-# 11,317 vs 10,783 tokens/s (+5.0%), QLoRA 10,985 vs 10,331 (+6.3%), peak memory the same (19.7 / 10.5 GiB).
-SKIP_FROZEN_DOWN_RECOMPUTE = True
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    """Which implementation the decoder's forward takes where there is a choice; every choice gives the same numbers
+    (up to float rounding) and only speed differs. Held by the model (``DecoderLM.options``) and read at each forward,
+    so ``model.options = dataclasses.replace(model.options, ...)`` reaches every layer. Set it before an ``LLM``
+    captures its CUDA graphs: a captured graph replays the path taken at capture (``LLM`` recaptures after
+    ``runner.invalidate_graphs()``)."""
+
+    # One skinny_linear launch for q/k/v and one for gate/up, only at decode batch 1 with autograd off (False: one
+    # launch per projection). H200, bench rollout --compare-parts (gpu_stage.sh decode-candidates, run24): batch-1
+    # decode 1.41 vs 1.55 ms/token.
+    group_projections: bool = True
+    # q/k/v (and gate/up) as concurrent GEMMs on forked streams when autograd is off and the grouped launch does not
+    # apply (parallel branches of a decode graph): the same cuBLAS kernels, so the same numbers, overlapping their
+    # launch and tail latency (each small GEMM of a decode step takes ~5 us however wide it is, H200 profile). Off:
+    # measured mixed (run24, interleaved medians): B256 48.3k vs 46.0k tokens/s, B512 72.7k vs 74.8k (the concurrent
+    # GEMMs contend for the SMs at large batches).
+    parallel_projections: bool = False
+    # Qwen3's q/k norms and RoPE as one kernel (kernels.qk_norm_rope), only for models with q/k norms and with
+    # autograd off: 2 of every layer's decode launches fewer. H200 (run24, interleaved medians): B256 51.1k vs 47.8k
+    # tokens/s, B512 78.0k vs 74.5k, batch-1 decode 1.47 vs 1.55 ms/token.
+    fused_qk_norm_rope: bool = True
+    # Only under activation checkpointing: a layer whose down_proj is a LoRA / QLoRA layer on a frozen base
+    # (``down_splits``) runs that base GEMM after the checkpoint instead of inside it: the recomputed forward stops at
+    # the adapter's product (the non-reentrant checkpoint stops once every saved tensor is back), so the layer's
+    # largest frozen GEMM (and, for QLoRA, its dequantization) runs twice per step instead of three times. Nothing
+    # more is saved (the base's backward needs only the weight). A frozen down_proj without an adapter saves nothing
+    # and is not recomputed anyway. H200, qwen3-8b shape, 2 x 4096 tokens, checkpointed, back to back in one call
+    # (scripts/gpu_stage.sh frozen-down, run29): LoRA 11,317 vs 10,783 tokens/s (+5.0%), QLoRA 10,985 vs 10,331
+    # (+6.3%), peak memory the same (19.7 / 10.5 GiB).
+    skip_frozen_down_recompute: bool = True
 
 
 def _skinny_ok(linears: tuple[nn.Module, ...], x: torch.Tensor) -> bool:
@@ -80,14 +98,15 @@ def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return linear(x)
 
 
-def project_group(linears: tuple[nn.Module, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``tuple(l(x) for l in linears)``; at batch 1 (``_skinny_ok``) one ``skinny_linear`` launch computes them all
-    side by side and the results are its column slices (contiguous: one row)."""
-    if GROUP_PROJECTIONS and x.shape[0] == 1 and _skinny_ok(linears, x):
+def project_group(linears: tuple[nn.Module, ...], x: torch.Tensor, options: DecoderOptions) -> tuple[torch.Tensor, ...]:
+    """``tuple(l(x) for l in linears)``; at batch 1 (``_skinny_ok``) with ``options.group_projections`` one
+    ``skinny_linear`` launch computes them all side by side and the results are its column slices (contiguous: one
+    row); otherwise, with ``options.parallel_projections`` and autograd off, concurrent GEMMs."""
+    if options.group_projections and x.shape[0] == 1 and _skinny_ok(linears, x):
         biases = None if linears[0].bias is None else tuple(lin.bias for lin in linears)
         y = kernels.skinny_linear(x, tuple(lin.weight for lin in linears), biases)
         return tuple(y.split([lin.out_features for lin in linears], dim=-1))
-    if PARALLEL_PROJECTIONS and not torch.is_grad_enabled():
+    if options.parallel_projections and not torch.is_grad_enabled():
         return tuple(device.run_concurrently([functools.partial(project, lin, x) for lin in linears]))
     return tuple(project(lin, x) for lin in linears)
 
@@ -119,8 +138,6 @@ class Rotary:
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         cached = self._inv_freq.get(device)
         if cached is None:
-            from polyrl.kernels.rope.reference import inv_frequencies
-
             cached = inv_frequencies(self.head_dim, self.theta, self.scaling).to(device)
             self._inv_freq[device] = cached
         return cached
@@ -149,13 +166,15 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata, options: DecoderOptions
+    ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = project_group((self.q_proj, self.k_proj, self.v_proj), x)
+        q, k, v = project_group((self.q_proj, self.k_proj, self.v_proj), x, options)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and FUSED_QK_NORM_ROPE and not torch.is_grad_enabled():
+        if self.q_norm is not None and options.fused_qk_norm_rope and not torch.is_grad_enabled():
             q, k = kernels.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
         else:
             if self.q_norm is not None:
@@ -187,13 +206,13 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def activation(self, x: torch.Tensor) -> torch.Tensor:
+    def activation(self, x: torch.Tensor, options: DecoderOptions) -> torch.Tensor:
         """``swiglu(gate(x), up(x))``: the down projection's input."""
-        gate, up = project_group((self.gate_proj, self.up_proj), x)
+        gate, up = project_group((self.gate_proj, self.up_proj), x, options)
         return kernels.swiglu(gate, up)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(self.down_proj, self.activation(x))
+    def forward(self, x: torch.Tensor, options: DecoderOptions) -> torch.Tensor:
+        return project(self.down_proj, self.activation(x, options))
 
 
 class DecoderLayer(nn.Module):
@@ -204,8 +223,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, residual, cos, sin, meta: AttnMetadata, split_down: bool = False):
-        """``h + residual`` is the stream entering the layer (``residual`` None at layer 0).
+    def forward(self, h, residual, cos, sin, meta: AttnMetadata, options: DecoderOptions, split_down: bool = False):
+        """``h + residual`` is the stream entering the layer (``residual`` None at layer 0); ``options`` are the
+        model's (``DecoderLM.options``).
         Returns ``(mlp_out, residual)`` whose sum is the stream leaving it. ``split_down`` (``down_splits``): returns
         ``(act, adapter, residual)`` instead, the down projection's input and its adapter's product; ``down_onto``
         finishes the layer."""
@@ -213,10 +233,10 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(h), h
         else:
             x, residual = self.input_layernorm(h, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, meta), residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, meta, options), residual)
         if not split_down:
-            return self.mlp(x), residual
-        act = self.mlp.activation(x)
+            return self.mlp(x, options), residual
+        act = self.mlp.activation(x, options)
         return act, self.mlp.down_proj.adapter_product(act), residual
 
 
@@ -224,15 +244,16 @@ def _sharded(module: nn.Module) -> bool:
     """Whether ``module`` holds distributed tensors (FSDP2 shards, gathered only inside its owner's forward)."""
     if not torch.distributed.is_available():
         return False
+    # lazy: torch.distributed.tensor exists only where torch.distributed is available (checked just above)
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(t, DTensor) for t in (*module.parameters(), *module.buffers()))
 
 
 def down_splits(layer: DecoderLayer) -> bool:
-    """Whether ``layer``'s down projection can run after the layer's checkpoint (``SKIP_FROZEN_DOWN_RECOMPUTE``): a
-    LoRA layer (``splits_at_checkpoint``: an active dropout-free adapter on a frozen base, dense or NF4) on
-    unsharded weights."""
+    """Whether ``layer``'s down projection can run after the layer's checkpoint
+    (``DecoderOptions.skip_frozen_down_recompute``): a LoRA layer (``splits_at_checkpoint``: an active dropout-free
+    adapter on a frozen base, dense or NF4) on unsharded weights."""
     down = layer.mlp.down_proj
     return hasattr(down, "splits_at_checkpoint") and down.splits_at_checkpoint() and not _sharded(down)
 
@@ -255,11 +276,15 @@ class Backbone(nn.Module):
 
 class DecoderLM(nn.Module):
     """Causal LM over packed tokens. ``forward`` returns the final-norm hidden states ``[T, H]``; logits are
-    ``compute_logits`` (or a fused loss/log-prob kernel over ``lm_head_weight``)."""
+    ``compute_logits`` (or a fused loss/log-prob kernel over ``lm_head_weight``). ``options`` (``DecoderOptions``,
+    default all defaults) picks the implementation where there is a choice; it is read at each forward, so
+    ``model.options = dataclasses.replace(model.options, fused_qk_norm_rope=False)`` reaches every layer (before an
+    ``LLM`` captures its CUDA graphs: a graph replays what was captured)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, options: DecoderOptions | None = None) -> None:
         super().__init__()
         self.config = cfg
+        self.options = DecoderOptions() if options is None else options
         self.model = Backbone(cfg)
         # Tied: no lm_head module at all (HF checkpoints omit lm_head.weight too), the embedding is the head.
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -268,6 +293,16 @@ class DecoderLM(nn.Module):
         # With gradient_checkpointing: recompute only the first this-many layers (None: all), the rest keep their
         # activations (Megatron's recompute_num_layers, block method): less recomputation for the memory it costs.
         self.checkpoint_layers: int | None = None
+
+    @property
+    def options(self) -> DecoderOptions:
+        return self._options
+
+    @options.setter
+    def options(self, options: DecoderOptions) -> None:
+        if not isinstance(options, DecoderOptions):
+            raise TypeError(f"DecoderLM.options takes a DecoderOptions, got {type(options).__name__}")
+        self._options = options
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -279,6 +314,7 @@ class DecoderLM(nn.Module):
         h = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rotary(position_ids, h.dtype)  # [T, D], shared by every layer
         residual = None
+        options = self.options  # one read per forward: every layer takes the same options
         ckpt = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         capturing = ckpt and device.is_capturing(h)
         n_ckpt = len(self.model.layers) if self.checkpoint_layers is None else self.checkpoint_layers
@@ -289,18 +325,26 @@ class DecoderLM(nn.Module):
                 stream = h if residual is None else h + residual
                 # Under CUDA-graph capture (train/graphed_step.py, deterministic models only) the RNG state cannot be
                 # read; there is no randomness to preserve then.
-                if SKIP_FROZEN_DOWN_RECOMPUTE and down_splits(layer):
+                if options.skip_frozen_down_recompute and down_splits(layer):
                     act, adapter, residual = checkpoint(
-                        layer, stream, None, cos, sin, meta, split_down=True, use_reentrant=False,
+                        layer, stream, None, cos, sin, meta, options, split_down=True, use_reentrant=False,
                         preserve_rng_state=not capturing,
                     )  # fmt: skip
                     h = down_onto(layer, adapter, act)
                 else:
                     h, residual = checkpoint(
-                        layer, stream, None, cos, sin, meta, use_reentrant=False, preserve_rng_state=not capturing
+                        layer,
+                        stream,
+                        None,
+                        cos,
+                        sin,
+                        meta,
+                        options,
+                        use_reentrant=False,
+                        preserve_rng_state=not capturing,
                     )
             else:
-                h, residual = layer(h, residual, cos, sin, meta)
+                h, residual = layer(h, residual, cos, sin, meta, options)
         h, _ = self.model.norm(h, residual)
         return h
 
@@ -349,10 +393,12 @@ def build_model(
     device: torch.device | str = "cpu",
     seed: int | None = None,
     init: bool = True,
+    options: DecoderOptions | None = None,
 ) -> DecoderLM:
-    """A randomly initialised (or, ``init=False``, uninitialised) model, allocated once on ``device`` in ``dtype``."""
+    """A randomly initialised (or, ``init=False``, uninitialised) model, allocated once on ``device`` in ``dtype``;
+    ``options`` as ``DecoderLM``'s."""
     with torch.device("meta"):
-        model = DecoderLM(cfg)
+        model = DecoderLM(cfg, options)
     model = model.to(dtype).to_empty(device=device)  # dtype cast on meta is free: one allocation
     if init:
         init_weights(model, seed)

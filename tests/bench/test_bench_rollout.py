@@ -9,18 +9,21 @@ import os
 from polyrl.cli.main import main
 
 
-def test_bench_rollout_tiny_cpu_compare_parts(tmp_path, capsys):
+def test_bench_rollout_tiny_cpu_compare_parts(tmp_path, capsys, monkeypatch):
     out = tmp_path / "rollout.json"
     argv = ["bench", "rollout", "--shape", "tiny", "--batch", "3", "--prompt-len", "6", "--gen-len", "5"]
-    from polyrl.models import decoder
+    from polyrl.bench import rollout
 
-    flags = ("GROUP_PROJECTIONS", "PARALLEL_PROJECTIONS", "FUSED_QK_NORM_ROPE")
-    found = {f: getattr(decoder, f) for f in flags}
+    built, real_model = [], rollout._model
+    monkeypatch.setattr(rollout, "_model", lambda *a, **k: built.append(real_model(*a, **k)) or built[-1])
+    flags = ("group_projections", "parallel_projections", "fused_qk_norm_rope")
     before = os.environ.get("POLYRL_KERNELS")
     assert main([*argv, "--baselines", "none", "--compare-parts", "--json", str(out)]) == 0
-    # every switch is left as found
+    # every switch is left as found (the DecoderOptions ones on the model the bench built)
     assert os.environ.get("POLYRL_KERNELS") == before
-    assert {f: getattr(decoder, f) for f in flags} == found
+    (model,) = built
+    found = {f: getattr(rollout.DecoderOptions(), f) for f in flags}
+    assert {f: getattr(model.options, f) for f in flags} == found
     text = capsys.readouterr().out
     assert "A/B launch_graphs off: tokens/s" in text and "(fused_qk: q/k norms + RoPE in one kernel" in text
     res = json.loads(out.read_text())

@@ -122,15 +122,14 @@ def test_capture_graphs_ahead_of_time_covers_every_bucket_up_to_the_batch():
 def test_greedy_equals_transformers_on_the_device(batch):
     """fp32 on the device, with the decode path as the benches run it (CUDA graphs, launch graphs, the fused q/k
     norms + RoPE, grouped skinny projections at batch 1): greedy tokens equal transformers' generate."""
-    from polyrl.models import decoder
     from polyrl.platform import device
 
     from .conftest import hf_twin
     from .test_engine import prompts
 
-    assert decoder.FUSED_QK_NORM_ROPE and decoder.GROUP_PROJECTIONS  # the defaults this test is about
     dev = device.torch_device()
     model = _model(torch.float32)
+    assert model.options.fused_qk_norm_rope and model.options.group_projections  # the defaults this test is about
     hf = hf_twin(model).to(dev)
     ps = prompts(batch, seed=3, lo=2, hi=40)
     new = 24

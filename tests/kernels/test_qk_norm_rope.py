@@ -1,5 +1,5 @@
 """qk_norm_rope: the Triton kernel against the reference composition (rmsnorm then rope) for fp32 and bf16, odd head
-counts, strided inputs; no autograd; the decoder's FUSED_QK_NORM_ROPE path gives the unfused decode's tokens."""
+counts, strided inputs; no autograd; the decoder's fused_qk_norm_rope path gives the unfused decode's tokens."""
 
 from __future__ import annotations
 
@@ -49,8 +49,11 @@ def test_triton_strided_views_and_no_backward(triton_kernels, kernel_check):
 
 
 def test_decoder_fused_path_decodes_as_the_unfused_one(monkeypatch):
+    """The option is set on the built model (``model.options``) and reaches every layer: the fused op runs only with
+    it on."""
+    import dataclasses
+
     from polyrl.infer import LLM, RolloutConfig, SamplingParams
-    from polyrl.models import decoder
     from polyrl.models.decoder import build_model, init_weights
     from polyrl.models.presets import preset_config
 
@@ -61,13 +64,17 @@ def test_decoder_fused_path_decodes_as_the_unfused_one(monkeypatch):
 
     real = K.qk_norm_rope
     monkeypatch.setattr(K, "qk_norm_rope", lambda *a: calls.append(1) or real(*a))
-    outs = {}
+    outs, runs = {}, {}
     for fused in (False, True):
-        monkeypatch.setattr(decoder, "FUSED_QK_NORM_ROPE", fused)
+        model.options = dataclasses.replace(model.options, fused_qk_norm_rope=fused)
         llm = LLM(model, None, RolloutConfig(num_blocks=64, max_num_seqs=4))
+        before = len(calls)
         done = llm.generate([[5, 6, 7], [9, 10]], SamplingParams(temperature=0, max_tokens=6))
+        runs[fused] = len(calls) - before
         outs[fused] = [o.outputs[0] for o in done]
     assert calls  # the fused op ran (the CPU selects its reference)
+    # off: never; on: once per layer and forward (every layer sees the model's options)
+    assert runs[False] == 0 and runs[True] > 0 and runs[True] % model.config.num_layers == 0
     for a, b in zip(outs[False], outs[True]):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)

@@ -86,19 +86,17 @@ def test_decoder_groups_qkv_and_gate_up_at_batch_one(monkeypatch):
     from polyrl.models import decoder
 
     calls = _spy_skinny(monkeypatch, fast=True)
-    monkeypatch.setattr(decoder, "GROUP_PROJECTIONS", True)
+    grouped = decoder.DecoderOptions(group_projections=True)
     qkv = (nn.Linear(16, 12), nn.Linear(16, 4), nn.Linear(16, 4))
     x = torch.randn(1, 16)
     with torch.no_grad():
-        q, k, v = decoder.project_group(qkv, x)
+        q, k, v = decoder.project_group(qkv, x, grouped)
         for out, lin in zip((q, k, v), qkv):
             torch.testing.assert_close(out, lin(x), rtol=0, atol=0)
             assert out.is_contiguous()
-        monkeypatch.setattr(decoder, "GROUP_PROJECTIONS", False)
-        decoder.project_group(qkv, x)  # one launch per projection
-        monkeypatch.setattr(decoder, "GROUP_PROJECTIONS", True)
+        decoder.project_group(qkv, x, decoder.DecoderOptions(group_projections=False))  # one launch per projection
         mixed = (nn.Linear(16, 4), nn.Linear(16, 4, bias=False))
-        decoder.project_group(mixed, x)  # bias on one only: one launch each
+        decoder.project_group(mixed, x, grouped)  # bias on one only: one launch each
     assert [n for _, n in calls] == [3, 1, 1, 1, 1, 1]
 
 
@@ -108,7 +106,7 @@ def test_decoder_keeps_the_module_where_only_the_reference_exists(monkeypatch):
     calls = _spy_skinny(monkeypatch, fast=False)
     with torch.no_grad():
         decoder.project(nn.Linear(16, 12), torch.randn(1, 16))
-        decoder.project_group((nn.Linear(16, 4), nn.Linear(16, 4)), torch.randn(1, 16))
+        decoder.project_group((nn.Linear(16, 4), nn.Linear(16, 4)), torch.randn(1, 16), decoder.DecoderOptions())
     assert calls == []
 
 
@@ -187,17 +185,16 @@ def test_gpu_grouped_qkv_and_gate_up_match_linear(triton_kernels, kernel_check):
         kernel_check.assert_close(fn(x, tuple(ws)), want, torch.bfloat16, f"{sizes}")
 
 
-def test_parallel_projections_flag_gives_the_sequential_result(monkeypatch):
-    """PARALLEL_PROJECTIONS forks the projections onto streams where there are any; on the CPU it runs them in order:
+def test_parallel_projections_flag_gives_the_sequential_result():
+    """parallel_projections forks the projections onto streams where there are any; on the CPU it runs them in order:
     either way the outputs are the modules' own, in order."""
     from polyrl.models import decoder
     from polyrl.platform import device
 
-    monkeypatch.setattr(decoder, "PARALLEL_PROJECTIONS", True)
     lins = (nn.Linear(16, 12), nn.Linear(16, 4), nn.Linear(16, 4))
     x = torch.randn(5, 16)
     with torch.no_grad():
-        outs = decoder.project_group(lins, x)
+        outs = decoder.project_group(lins, x, decoder.DecoderOptions(parallel_projections=True))
     assert [tuple(o.shape) for o in outs] == [(5, 12), (5, 4), (5, 4)]
     for out, lin in zip(outs, lins):
         torch.testing.assert_close(out, lin(x).detach(), rtol=0, atol=0)
@@ -205,11 +202,12 @@ def test_parallel_projections_flag_gives_the_sequential_result(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_parallel_projections_decode_equals_sequential(monkeypatch):
+def test_gpu_parallel_projections_decode_equals_sequential():
     """Decode (CUDA graphs, launch graphs) with q/k/v and gate/up forked onto streams gives the same tokens and
     log-probs as one stream: the same kernels run, only concurrently."""
+    import dataclasses
+
     from polyrl.infer import LLM, RolloutConfig, SamplingParams
-    from polyrl.models import decoder
     from polyrl.models.decoder import build_model, init_weights
     from polyrl.models.presets import preset_config
     from polyrl.platform import device
@@ -223,7 +221,7 @@ def test_gpu_parallel_projections_decode_equals_sequential(monkeypatch):
     ]
     outs = {}
     for parallel in (False, True):
-        monkeypatch.setattr(decoder, "PARALLEL_PROJECTIONS", parallel)
+        model.options = dataclasses.replace(model.options, parallel_projections=parallel)
         llm = LLM(model, None, RolloutConfig(num_blocks=256, max_num_seqs=32))
         outs[parallel] = [o.outputs[0] for o in llm.generate(prompts, params)]
     for a, b in zip(outs[False], outs[True]):

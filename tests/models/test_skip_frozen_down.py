@@ -1,10 +1,11 @@
-"""decoder.SKIP_FROZEN_DOWN_RECOMPUTE: under activation checkpointing a frozen down projection (LoRA, QLoRA, or no
-adapter there) runs after the layer's checkpoint. Same outputs and adapter gradients as the checkpointed layer, one
-frozen-base GEMM fewer per layer and step, and nothing more saved."""
+"""DecoderOptions.skip_frozen_down_recompute: under activation checkpointing a frozen down projection (LoRA, QLoRA,
+or no adapter there) runs after the layer's checkpoint. Same outputs and adapter gradients as the checkpointed layer,
+one frozen-base GEMM fewer per layer and step, and nothing more saved."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -30,8 +31,8 @@ def _lora_model(tiny_model, quantize=None, targets=None, dtype=torch.float32, de
     return model.train()
 
 
-def _step(model, skip: bool, monkeypatch, lens=(9, 5, 12)):
-    monkeypatch.setattr(decoder, "SKIP_FROZEN_DOWN_RECOMPUTE", skip)
+def _step(model, skip: bool, lens=(9, 5, 12)):
+    model.options = dataclasses.replace(model.options, skip_frozen_down_recompute=skip)
     dev = next(model.parameters()).device
     ids, pos, meta = packed(list(lens), model.config.vocab_size)
     ids, pos, meta = ids.to(dev), pos.to(dev), meta.to(dev)
@@ -44,11 +45,11 @@ def _step(model, skip: bool, monkeypatch, lens=(9, 5, 12)):
 
 
 @pytest.mark.parametrize("quantize", [None, "nf4"], ids=["lora", "qlora"])
-def test_same_output_and_adapter_gradients(tiny_model, monkeypatch, quantize):
+def test_same_output_and_adapter_gradients(tiny_model, quantize):
     model = _lora_model(tiny_model, quantize)
     assert all(decoder.down_splits(layer) for layer in model.model.layers)
-    h_off, g_off = _step(model, False, monkeypatch)
-    h_on, g_on = _step(model, True, monkeypatch)
+    h_off, g_off = _step(model, False)
+    h_on, g_on = _step(model, True)
     torch.testing.assert_close(h_on, h_off, rtol=1e-6, atol=1e-6)
     assert g_off.keys() == g_on.keys() and len(g_on) > 0
     for n in g_off:
@@ -72,13 +73,13 @@ class _WeightUses(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_the_frozen_down_gemm_is_not_recomputed(tiny_model, monkeypatch):
+def test_the_frozen_down_gemm_is_not_recomputed(tiny_model):
     model = _lora_model(tiny_model)
     downs = [layer.mlp.down_proj.weight for layer in model.model.layers]
     uses = {}
     for skip in (False, True):
         with _WeightUses(downs) as mode:
-            _step(model, skip, monkeypatch)
+            _step(model, skip)
         uses[skip] = mode.count
     layers = len(downs)
     # forward, recomputed forward, input gradient -> forward, input gradient
@@ -134,19 +135,19 @@ def test_which_down_projections_split(tiny_model):
     assert decoder.down_splits(model.model.layers[0])
 
 
-def test_full_training_is_unchanged_with_the_flag_on(tiny_model, monkeypatch):
+def test_full_training_is_unchanged_with_the_flag_on(tiny_model):
     model = tiny_model(seed=0).train()
     model.gradient_checkpointing = True
     twin = copy.deepcopy(model)
-    h_off, g_off = _step(model, False, monkeypatch)
-    h_on, g_on = _step(twin, True, monkeypatch)
+    h_off, g_off = _step(model, False)
+    h_on, g_on = _step(twin, True)
     assert torch.equal(h_on, h_off)
     assert all(torch.equal(g_on[n], g_off[n]) for n in g_off)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("quantize", [None, "nf4"])
-def test_gpu_bf16_same_gradients_and_no_more_memory(tiny_model, monkeypatch, quantize):
+def test_gpu_bf16_same_gradients_and_no_more_memory(tiny_model, quantize):
     from polyrl.platform import device
 
     dev = device.torch_device()
@@ -157,7 +158,7 @@ def test_gpu_bf16_same_gradients_and_no_more_memory(tiny_model, monkeypatch, qua
         device.synchronize()
         device.reset_peak_memory_stats()
         base = device.memory_allocated()
-        outs[skip] = _step(model, skip, monkeypatch, lens)
+        outs[skip] = _step(model, skip, lens)
         device.synchronize()
         peaks[skip] = device.max_memory_allocated() - base
     h_off, g_off = outs[False]

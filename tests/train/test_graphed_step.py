@@ -4,6 +4,8 @@ checkpointing and gradient accumulation."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -138,15 +140,13 @@ def test_graphed_steps_equal_eager_steps(lora, ckpt, micro):
     [("nf4", False), (None, True), ("nf4", True)],
     ids=["qlora", "lora-frozen-down-after-ckpt", "qlora-frozen-down-after-ckpt"],
 )
-def test_graphed_lora_variants_equal_eager(monkeypatch, quantize, skip_down):
-    """QLoRA, and decoder.SKIP_FROZEN_DOWN_RECOMPUTE (the down projection's frozen base after each checkpoint),
+def test_graphed_lora_variants_equal_eager(quantize, skip_down):
+    """QLoRA, and DecoderOptions.skip_frozen_down_recompute (the down projection's frozen base after each checkpoint),
     captured: the replayed steps give the eager losses and adapters."""
-    from polyrl.models import decoder
-
-    monkeypatch.setattr(decoder, "SKIP_FROZEN_DOWN_RECOMPUTE", skip_down)
 
     def make():
         model = tiny_lm(seed=0, hidden=256, heads=8, layers=2)
+        model.options = dataclasses.replace(model.options, skip_frozen_down_recompute=skip_down)
         return apply_lora(model, LoraConfig(r=8, alpha=16, quantize_base=quantize))
 
     eager, eager_params, _ = _run(make, False, True, 1, steps=3)

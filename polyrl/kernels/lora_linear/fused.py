@@ -162,7 +162,8 @@ def frozen_base_onto(
 ) -> torch.Tensor:
     """``acc + x W^T (+ b)`` (``acc`` None: no addend) with ``W`` frozen (no weight gradient), saving no activation:
     the decoder runs a LoRA layer's frozen base this way after the layer's activation checkpoint, so the recomputed
-    forward skips that GEMM (``decoder.SKIP_FROZEN_DOWN_RECOMPUTE``). ``weight [out, in]`` dense or ``NF4Weight``."""
+    forward skips that GEMM (``DecoderOptions.skip_frozen_down_recompute``). ``weight [out, in]`` dense or
+    ``NF4Weight``."""
     if isinstance(weight, NF4Weight):
         return _FrozenBaseOnto.apply(acc, x, None, bias, weight)
     if weight.requires_grad:

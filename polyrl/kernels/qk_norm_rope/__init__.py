@@ -9,8 +9,8 @@ The unfused decode step launches three kernels per layer for this (two norms, on
 ~430 launches at qwen3-0.6b. The Triton kernel rounds where the unfused Triton kernels round (the normalised value
 to the dtype, its product with the weight to the dtype, the rotation once), so it gives their bits.
 
-Used by ``polyrl.models.decoder`` only with ``decoder.FUSED_QK_NORM_ROPE`` (off until measured on the GPU) and only
-when autograd is off.
+Used by ``polyrl.models.decoder`` with ``DecoderOptions.fused_qk_norm_rope`` (on by default: measured faster on the
+GPU, docs/performance.md) and only when autograd is off.
 """
 
 from polyrl.kernels.registry import register

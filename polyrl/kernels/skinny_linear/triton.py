@@ -5,8 +5,8 @@ over K; no tensor cores - at M <= 8 the work is the weight read). N / BLOCK_N pr
 keep the memory system busy where cuBLAS's small-M tiles leave it idle. fp32 accumulation, one rounding.
 
 ``_skinny_group_kernel``: the same over up to 3 weights in one launch (outputs side by side), each reached from the
-first weight's pointer by its element distance - no concatenated copy of the weights. Not yet measured on the GPU:
-the decoder uses it only with ``decoder.GROUP_PROJECTIONS`` (off by default).
+first weight's pointer by its element distance - no concatenated copy of the weights. The decoder uses it at batch 1
+with ``DecoderOptions.group_projections`` (on by default: measured faster on the GPU, docs/performance.md).
 """
 
 from __future__ import annotations

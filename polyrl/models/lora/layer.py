@@ -81,7 +81,7 @@ class LoraLinear(nn.Module):
             return y
         return y + F.linear(xa, b).to(y.dtype) * self.scaling  # fp32 adapters on a bf16 base (inference)
 
-    # ---- the frozen base after a layer's checkpoint (decoder.SKIP_FROZEN_DOWN_RECOMPUTE) ----------------------
+    # ---- the frozen base after a layer's checkpoint (DecoderOptions.skip_frozen_down_recompute) ---------------
     def splits_at_checkpoint(self) -> bool:
         """Whether ``forward(x)`` may run as ``base_onto(adapter_product(x), x)``: the adapter's product inside a
         layer's activation checkpoint, the frozen base GEMM after it (so the recomputed forward skips that GEMM).
