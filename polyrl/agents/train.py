@@ -1,6 +1,6 @@
 """GRPO / GSPO / PPO over episodes: ``polyrl train --algo grpo --env calculator`` (or ``fit(..., grpo={"env": ...})``).
 
-``with_episodes(run_cls)`` makes an ``OnlineRun`` class (``OnlineRun`` itself for GRPO/GSPO, ``PPORun`` for PPO)
+``with_episodes(run_cls)`` makes an ``OnlineRun`` class (``OnlineRun`` itself for GRPO/GSPO, ``ActorCriticRun`` for PPO)
 whose ``collect`` rolls out episodes instead of single completions; everything after it is the online loop as it
 is: each episode is ONE training ``Sample`` (opening prompt + every later token, ``mask`` on the policy's sampled
 tokens only, ``logprobs`` = the engine's log-probs of exactly those tokens: the old log-probs, no re-tokenisation),

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from polyrl.algorithms.advantages import group_advantages
-from polyrl.algorithms.colocated import pack_samples
 from polyrl.algorithms.grpo import GRPOConfig, make_policy_loss
+from polyrl.algorithms.rl_batch import pack_samples
 from polyrl.bench.common import measure_copy_bandwidth, measure_matmul_flops
 from polyrl.bench.profile import kernel_table, print_kernel_table
 from polyrl.bench.rollout import roofline_tokens_per_s

@@ -36,8 +36,9 @@ from polyrl.errors import ConfigError
 from polyrl.infer.sampler import Sampler
 from polyrl.infer.sampling_params import SamplingParams
 from polyrl.infer.sequence import Sequence
-from polyrl.kernels import _DTYPE_NAMES, registry
+from polyrl.kernels import registry
 from polyrl.kernels.attention.reference import varlen_attention as attention_ref
+from polyrl.kernels.ops import dtype_name
 from polyrl.kernels.paged_attention.reference import paged_attention as paged_attention_ref
 from polyrl.kernels.rmsnorm.reference import rmsnorm as rmsnorm_ref
 from polyrl.kernels.rope.reference import apply_rope as rope_ref
@@ -184,7 +185,7 @@ def _bw_target(fraction: float):
 
 def _impl_name(op: str, t: torch.Tensor) -> str:
     try:
-        return registry.select(op, t.device.type, _DTYPE_NAMES.get(t.dtype, str(t.dtype)))[0]
+        return registry.select(op, t.device.type, dtype_name(t.dtype))[0]
     except Exception as exc:  # noqa: BLE001
         return f"unavailable ({type(exc).__name__})"
 

@@ -86,9 +86,7 @@ def _skinny_ok(linears: tuple[nn.Module, ...], x: torch.Tensor) -> bool:
             return False
     if len({lin.bias is None for lin in linears}) != 1:
         return False
-    return kernels.registry.select("skinny_linear", x.device.type, kernels._DTYPE_NAMES.get(x.dtype, ""))[0] != (
-        "reference"
-    )
+    return kernels.registry.select("skinny_linear", x.device.type, kernels.dtype_name(x.dtype))[0] != ("reference")
 
 
 def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 - ``lora_step_worker``: LoRA (and QLoRA) replicas of the tiny model (``replicate_model``), ``STEPS`` engine steps on
   the rank-strided share of each step's 4 micro-batches (fp32, grad clip on); every rank writes its adapter weights to
   ``<workdir>/<kind>-rank<r>.safetensors`` and its step stats (loss, grad norm, tokens) to ``<kind>-rank<r>.json``.
-- ``resume_worker``: two ``polyrl.algorithms.runner`` runs from raw config dicts, an uninterrupted one and a resume of
+- ``resume_worker``: two ``polyrl.run`` runs from raw config dicts, an uninterrupted one and a resume of
   its checkpoint (the torchrun path without the launcher: ``init_world`` reads the variables ``dist_helpers.spawn``
   sets).
 """
