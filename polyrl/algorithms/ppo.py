@@ -147,8 +147,7 @@ def make_policy_loss(cfg: PPOConfig, tokens_in_step: float, step_normalizer: flo
 
 class PPOHooks:
     """The ``OnlineRun`` hooks of PPO: the score passes through as the per-sample "advantage"
-    (``ActorCriticRun.prepare``
-    turns it into token advantages), every sample is trained on."""
+    (``ActorCriticRun.prepare`` turns it into token advantages), every sample is trained on."""
 
     def __init__(self, cfg: PPOConfig) -> None:
         self.cfg = cfg
