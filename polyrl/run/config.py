@@ -12,6 +12,7 @@ File layout (every table optional; see ``examples/sft_arithmetic.toml``)::
     [schedule]   polyrl.train.ScheduleConfig       [precision]  polyrl.train.PrecisionConfig
     [engine]     polyrl.train.StepConfig         [checkpoint] polyrl.train.CheckpointConfig
     [sft]        the algorithm's own table (its spec's config_cls)
+    [decoder]    polyrl.models.DecoderOptions (implementation switches; defaults are the measured fastest)
     [lora]       polyrl.models.lora.LoraConfig (present = a LoRA run; ``--lora r=16,...`` / ``--qlora`` set it)
     [agent]      a registered episode table (``polyrl.run.episodes``; ``polyrl.agents`` registers ``AgentConfig``)
 
@@ -40,6 +41,7 @@ from polyrl import algorithms
 from polyrl.algorithms.spec import AlgorithmSpec
 from polyrl.data.config import DataConfig
 from polyrl.errors import ConfigError
+from polyrl.models.decoder import DecoderOptions
 from polyrl.models.lora import LoraConfig, base_model_path, is_adapter_dir, make_lora_config, read_adapter_config
 from polyrl.run.episodes import EpisodeConfig, episode_tables
 from polyrl.train.config import CheckpointConfig, OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig
@@ -89,6 +91,7 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "train": LoopConfig,
     "data": DataConfig,
+    "decoder": DecoderOptions,
 }
 
 
@@ -108,6 +111,7 @@ class RunConfig:
     engine: StepConfig
     checkpoint: CheckpointConfig
     train: LoopConfig
+    decoder: DecoderOptions  # the decoder's implementation choices (same numbers, different speed)
     algo_config: Any  # the algorithm's own table: an instance of ``spec.config_cls`` (any dataclass)
     spec: AlgorithmSpec
     lora: LoraConfig | None = None  # a LoRA / QLoRA run

@@ -59,10 +59,15 @@ def report_stream(stream: TextIO | None, world: par.World) -> TextIO:
 def load_policy(cfg: RunConfig, dev: torch.device) -> nn.Module:
     """The model a run trains: the full model in fp32 (the engine takes fp32 masters and casts), or for a LoRA
     run (``cfg.lora``) the frozen base in the compute dtype with adapters (fresh, or ``cfg.model``'s adapter): the
-    same on every rank of a data-parallel run (``distribute_model`` replicates it)."""
+    same on every rank of a data-parallel run (``distribute_model`` replicates it). Its ``DecoderOptions`` are the
+    run's ``[decoder]`` table."""
     if cfg.lora is None:
-        return load_model(cfg.model, dtype=torch.float32, device=dev)
-    return load_lora_model(cfg.model, cfg.lora, resolve_compute_dtype(cfg.precision, dev.type), dev, seed=cfg.seed)
+        model = load_model(cfg.model, dtype=torch.float32, device=dev)
+    else:
+        dtype = resolve_compute_dtype(cfg.precision, dev.type)
+        model = load_lora_model(cfg.model, cfg.lora, dtype, dev, seed=cfg.seed)
+    model.options = cfg.decoder  # the [decoder] table, before any engine captures a graph
+    return model
 
 
 def place_policy(cfg: RunConfig, world: par.World) -> tuple[nn.Module, torch.device]:

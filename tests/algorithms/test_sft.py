@@ -55,6 +55,23 @@ def _raw(model_dir, **top):
     return {"model": str(model_dir), "out": "runs/x", "data": {"path": "builtin:arithmetic"}, **top}
 
 
+def test_decoder_table_reaches_the_policy(tiny_model_dir, tmp_path):
+    """``[decoder]`` (``DecoderOptions``) is a run setting: built, saved with the run, and set on the loaded model."""
+    from polyrl.models import DecoderOptions
+    from polyrl.run.offline import load_policy
+
+    raw = {"model": str(tiny_model_dir), "out": str(tmp_path), "data": {"path": "builtin:arithmetic"}}
+    assert rc.build(raw).decoder == DecoderOptions()
+    cfg = rc.build({**raw, "decoder": {"fused_qk_norm_rope": False}})
+    assert (
+        cfg.decoder == DecoderOptions(fused_qk_norm_rope=False)
+        and cfg.to_dict()["decoder"]["fused_qk_norm_rope"] is False
+    )
+    assert load_policy(cfg, torch.device("cpu")).options == cfg.decoder
+    with pytest.raises(ConfigError, match=r"unknown decoder setting\(s\) \['fused'\]"):
+        rc.build({**raw, "decoder": {"fused": True}})
+
+
 def test_build_defaults_seed_and_token_budget(model_dir):
     cfg = rc.build(_raw(model_dir, seed=7, engine={"micro_batch_tokens": 1024}))
     assert cfg.algo == "sft" and cfg.spec is algorithms.get("sft")

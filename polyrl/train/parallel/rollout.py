@@ -32,7 +32,9 @@ def rollout_model(sharded: nn.Module, dtype: torch.dtype | None = None, dev: tor
     (default fp32), filled with the full weights of ``sharded``. Collective: every rank calls it."""
     first = next(sharded.parameters())
     local = first.to_local() if hasattr(first, "to_local") else first
-    plain = build_model(sharded.config, dtype=dtype or torch.float32, device=dev or local.device, init=False)
+    plain = build_model(
+        sharded.config, dtype=dtype or torch.float32, device=dev or local.device, init=False, options=sharded.options
+    )
     sync_rollout_weights(sharded, plain)
     plain.eval()
     return plain
