@@ -15,6 +15,7 @@ from polyrl.infer import RolloutConfig
 from polyrl.models.lora import is_adapter_dir
 from polyrl.platform import envvars
 from polyrl.server import ServeConfig, run_server
+from polyrl.server.config import DEFAULT_MAX_TOKENS, MAX_REQUEST_BYTES
 from polyrl.server.launch import load_llm
 
 
@@ -25,6 +26,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="the `model` name clients use (default: --model)")
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or POLYRL_API_KEY)")
     parser.add_argument("--max-queue", type=int, default=None, help="requests allowed to wait; more get 429")
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=MAX_REQUEST_BYTES,
+        help=f"largest request body accepted; larger is 413 (default {MAX_REQUEST_BYTES} = 8 MiB)",
+    )
+    parser.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"reply length of a chat request without max_tokens, within the context (default {DEFAULT_MAX_TOKENS})",
+    )
+    parser.add_argument(
+        "--allow-request-chat-template",
+        action="store_true",
+        help="render a request's own chat_template (sandboxed, time- and size-limited); refused (400) by default",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences batched in one engine step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens computed in one step")
     parser.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens (default: model's)")
@@ -54,6 +72,9 @@ def build_configs(args: argparse.Namespace):
         served_model_name=args.served_model_name or args.model,
         api_key=api_key,
         max_queue=args.max_queue,
+        max_request_bytes=args.max_request_bytes,
+        default_max_tokens=args.default_max_tokens,
+        allow_request_chat_template=args.allow_request_chat_template,
         log_level=args.log_level,
     )
     engine = RolloutConfig(

@@ -1,7 +1,8 @@
 """OpenAI-style API errors: the exception handlers raise and the JSON body clients expect.
 
 Body: ``{"error": {"message", "type", "param", "code"}}``. Bad requests are 400 (never 422 or 500),
-an unknown model 404, a missing or wrong API key 401, a full queue 429, a stopped engine 503. This
+an unknown model 404, a missing or wrong API key 401, a body too large 413 or too slow 408, a full queue
+429 (with ``Retry-After``), a stopped engine 503. This
 module builds bodies only; ``app.py`` turns them into responses.
 """
 
@@ -69,6 +70,27 @@ def queue_full(limit: int) -> APIError:
         None,
         "rate_limit_exceeded",
         headers={"Retry-After": "1"},
+    )
+
+
+def body_too_large(size: int, limit: int, at_least: bool = False) -> APIError:
+    got = f"more than {limit}" if at_least else str(size)
+    return APIError(
+        f"The request body is {got} bytes; this server accepts at most {limit} (--max-request-bytes).",
+        413,
+        "invalid_request_error",
+        None,
+        "request_too_large",
+    )
+
+
+def body_timeout(timeout_s: float) -> APIError:
+    return APIError(
+        f"The request body did not arrive within {timeout_s:g}s; send the whole body promptly.",
+        408,
+        "invalid_request_error",
+        None,
+        "request_timeout",
     )
 
 

@@ -148,18 +148,31 @@ class AsyncEngine:
     def new_group(self) -> StreamGroup:
         return StreamGroup(self)
 
-    def submit(
-        self, group: StreamGroup, prompt: str | list[int], params: Any, stream: bool, request_id: str | None = None
-    ) -> RequestStream:
-        """Admit one request into the engine (event-loop thread). 503 when the engine is down or stopping,
-        429 when ``max_queue`` requests already wait, 400 when the engine rejects the prompt."""
+    def admit(self, count: int = 1) -> None:
+        """503 when the engine is down or stopping; 429 (with Retry-After) when ``count`` more waiting requests
+        would exceed ``max_queue``. A batch calls this once, then ``submit(..., admitted=True)`` per prompt."""
         if self.error is not None:
             raise unavailable(f"the engine stopped after an error: {self.error}; restart the server")
         if self._stopping or self._thread is None:
             raise unavailable("the server is shutting down")
         waiting = self.snapshot["waiting_requests"] + self._unseen()
-        if self.max_queue is not None and waiting >= self.max_queue:
+        if self.max_queue is not None and waiting + count > self.max_queue:
             raise queue_full(self.max_queue)
+
+    def submit(
+        self,
+        group: StreamGroup,
+        prompt: str | list[int],
+        params: Any,
+        stream: bool,
+        request_id: str | None = None,
+        admitted: bool = False,
+    ) -> RequestStream:
+        """Admit one request into the engine (event-loop thread). 503 when the engine is down or stopping,
+        429 when ``max_queue`` requests already wait (unless ``admitted`` by ``admit``), 400 when the engine
+        rejects the prompt."""
+        if not admitted:
+            self.admit(1)
         rid = request_id or f"{self._prefix}{next(self._ids)}"
         rs = RequestStream(rid, group, stream)
         with self._lock:

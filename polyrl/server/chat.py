@@ -1,6 +1,11 @@
 """``POST /v1/chat/completions``: messages -> chat template -> engine -> OpenAI ``chat.completion`` (or
 ``chat.completion.chunk`` SSE stream).
 
+Every parameter is checked before the prompt is built; the template is rendered and the prompt tokenised in
+the server's prep pool (off the event loop), with early refusal once it exceeds the context minus
+``max_tokens``. Without ``max_tokens`` a reply is at most ``ServeConfig.default_max_tokens`` tokens (and the
+context left).
+
 Streams send, per choice, a first chunk with ``delta.role``, one chunk per engine step that produced tokens
 (``delta.content`` may be "" while text is held back for a possible stop string; ``logprobs`` cover exactly
 that chunk's tokens), then a chunk with ``finish_reason``; with ``stream_options.include_usage`` every chunk
@@ -15,9 +20,19 @@ from typing import Any
 
 from polyrl.errors import UserError
 from polyrl.infer.sampling_params import MAX_TOP_LOGPROBS
-from polyrl.server.api_errors import bad_request
+from polyrl.server.api_errors import APIError, bad_request
 from polyrl.server.logprobs import chat_logprobs
-from polyrl.server.params import check_max_tokens, check_n, reject_unsupported, sampling_params
+from polyrl.server.params import (
+    check_max_tokens,
+    check_n,
+    check_ranges,
+    default_max_tokens,
+    prompt_budget,
+    prompt_too_long,
+    reject_unsupported,
+    sampling_params,
+)
+from polyrl.server.prompts import PromptTooLong, render_request_template, template_kwargs, tokenize_capped
 from polyrl.server.protocol import ChatCompletionRequest
 from polyrl.server.streaming import DONE, final_outputs, guarded_stream, sse
 
@@ -44,20 +59,37 @@ def render_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def prompt_ids(llm: Any, req: ChatCompletionRequest) -> list[int]:
-    messages = render_messages(req)
+def prompt_ids(
+    state: Any, messages: list[dict[str, Any]], template: str | None, kwargs: dict[str, Any], limit: int
+) -> list[int]:
+    """The chat prompt's token ids, at most ``limit`` of them (``PromptTooLong`` otherwise). Runs in the prep
+    pool: templating and tokenising a large conversation must not hold the event loop."""
+    tok = state.llm.tokenizer
     try:
-        return llm.apply_chat_template(messages, **(req.chat_template_kwargs or {}))
+        if template is not None:
+            cfg = state.config
+            text = render_request_template(
+                template, messages, kwargs, tok, cfg.chat_template_timeout_s, cfg.max_request_bytes
+            )
+        else:
+            if tok is None or getattr(tok, "chat_template", None) is None:
+                raise UserError("this tokenizer has no chat template; use generate() with plain prompts")
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    except APIError:
+        raise
     except UserError as exc:
         raise bad_request(f"{exc} (or call /v1/completions)", "messages") from exc
     except Exception as exc:  # jinja TemplateError: the template refused these messages
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from exc
+    return tokenize_capped(tok, text, limit, add_special_tokens=False)
 
 
 async def create_chat_completion(state: Any, req: ChatCompletionRequest, request: Any) -> Any:
     model = state.resolve_model(req.model)
+    ctx = state.llm.max_model_len
     reject_unsupported(req)
     check_n(req.n, state.config.max_n)
+    check_ranges(req, state.llm.vocab_size, ctx)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
@@ -66,12 +98,20 @@ async def create_chat_completion(state: Any, req: ChatCompletionRequest, request
             "top_logprobs",
             "invalid_value",
         )
-    ids = prompt_ids(state.llm, req)
     use_mct = req.max_completion_tokens is not None
     max_tokens = req.max_completion_tokens if use_mct else req.max_tokens
     param = "max_completion_tokens" if use_mct else "max_tokens"
-    check_max_tokens(max_tokens, param, len(ids), state.llm.max_model_len, "messages")
+    check_max_tokens(max_tokens, param, 0, ctx, "messages")
     k = (req.top_logprobs or 0) if req.logprobs else None
+    sampling_params(req, max_tokens, k)  # every value checked before any templating or tokenising
+    template, kwargs = template_kwargs(req, state.config.allow_request_chat_template)
+    messages = render_messages(req)
+    try:
+        ids = await state.prep(prompt_ids, state, messages, template, kwargs, prompt_budget(max_tokens, ctx))
+    except PromptTooLong as exc:
+        raise prompt_too_long(exc, max_tokens, ctx, "messages") from None
+    check_max_tokens(max_tokens, param, len(ids), ctx, "messages")
+    max_tokens = default_max_tokens(max_tokens, state.config.default_max_tokens, len(ids), ctx)
     params = sampling_params(req, max_tokens, k)
     params = state.with_adapter(params, model)
     rid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -3,7 +3,11 @@ SSE stream).
 
 ``prompt`` may be a string, a list of strings, a list of token ids or a list of id lists; choice ``i * n + j``
 is sample ``j`` of prompt ``i``. ``echo`` prepends the prompt text (without prompt log-probs, which the
-engine does not compute: ``echo`` with ``logprobs`` is a 400). Not here: chat templates (``chat.py``).
+engine does not compute: ``echo`` with ``logprobs`` is a 400). ``prompt: ""`` is accepted, as the OpenAI API
+accepts it: it is generated from the tokenizer's BOS token (EOS when it has none, like OpenAI's
+<|endoftext|>). Prompts are tokenised in the server's prep pool, refused early once over the context minus
+``max_tokens``; a batch with more prompts than ``--max-queue`` is a 400 (it could never be admitted).
+Not here: chat templates (``chat.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +19,17 @@ from typing import Any
 from polyrl.errors import UserError
 from polyrl.server.api_errors import bad_request
 from polyrl.server.logprobs import completion_logprobs
-from polyrl.server.params import check_max_tokens, check_n, reject_unsupported, sampling_params
+from polyrl.server.params import (
+    check_max_tokens,
+    check_n,
+    check_ranges,
+    default_max_tokens,
+    prompt_budget,
+    prompt_too_long,
+    reject_unsupported,
+    sampling_params,
+)
+from polyrl.server.prompts import PromptTooLong, tokenize_capped
 from polyrl.server.protocol import CompletionRequest
 from polyrl.server.streaming import DONE, final_outputs, guarded_stream, sse
 
@@ -30,13 +44,30 @@ def split_prompts(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
-def encode(llm: Any, prompts: list[str | list[int]]) -> list[tuple[str, list[int]]]:
+def start_token(tokenizer: Any) -> int | None:
+    """What an empty text prompt is generated from: BOS, else EOS (OpenAI's models read "" as <|endoftext|>)."""
+    for name in ("bos_token_id", "eos_token_id"):
+        t = getattr(tokenizer, name, None)
+        if isinstance(t, int):
+            return t
+    return None
+
+
+def encode(llm: Any, prompts: list[str | list[int]], limit: int) -> list[tuple[str, list[int]]]:
+    """(text, ids) of each prompt, at most ``limit`` tokens each (``PromptTooLong`` otherwise). Runs in the prep
+    pool: tokenising a large prompt must not hold the event loop."""
     out = []
     for p in prompts:
         try:
-            text, ids = llm.encode_prompt(p)
+            if isinstance(p, str) and llm.tokenizer is not None:
+                text, ids = p, tokenize_capped(llm.tokenizer, p, limit, add_special_tokens=True)
+            else:
+                text, ids = llm.encode_prompt(p)
         except UserError as exc:
             raise bad_request(str(exc), "prompt") from exc
+        if not ids and p == "" and start_token(llm.tokenizer) is not None:
+            # Like the OpenAI API, an empty prompt is valid: the model continues from the start of a text.
+            ids = [start_token(llm.tokenizer)]
         if not ids:
             raise bad_request("the prompt is empty; give at least one token", "prompt")
         if text is None:
@@ -47,22 +78,46 @@ def encode(llm: Any, prompts: list[str | list[int]]) -> list[tuple[str, list[int
 
 async def create_completion(state: Any, req: CompletionRequest, request: Any) -> Any:
     model = state.resolve_model(req.model)
+    ctx = state.llm.max_model_len
     reject_unsupported(req)
     check_n(req.n, state.config.max_n)
+    check_ranges(req, state.llm.vocab_size, ctx)
     if req.echo and req.logprobs is not None:
         raise bad_request("echo with logprobs is not supported (no prompt log-probs); drop one", "echo", "unsupported")
-    prompts = encode(state.llm, split_prompts(req.prompt))
+    check_max_tokens(req.max_tokens, "max_tokens", 0, ctx, "prompt")
+    sampling_params(req, req.max_tokens, req.logprobs)  # every value checked before any tokenising
+    items = split_prompts(req.prompt)
+    max_queue = state.config.max_queue
+    if max_queue is not None and len(items) > max_queue:
+        # Never admissible, however idle the server: a 400, not a 429 that a client would retry forever.
+        raise bad_request(
+            f"this request has {len(items)} prompts but the server queues at most {max_queue} requests "
+            f"(--max-queue {max_queue}); send at most {max_queue} prompts per request",
+            "prompt",
+            "invalid_value",
+        )
+    limit = prompt_budget(req.max_tokens, ctx)
+    for p in items:
+        if isinstance(p, list) and len(p) > limit:  # token ids: counted before any other work
+            raise prompt_too_long(PromptTooLong(len(p), exact=True), req.max_tokens, ctx, "prompt")
+    try:
+        prompts = await state.prep(encode, state.llm, items, limit)
+    except PromptTooLong as exc:
+        raise prompt_too_long(exc, req.max_tokens, ctx, "prompt") from None
     for _, ids in prompts:
-        check_max_tokens(req.max_tokens, "max_tokens", len(ids), state.llm.max_model_len, "prompt")
-    params = sampling_params(req, req.max_tokens, req.logprobs)
+        check_max_tokens(req.max_tokens, "max_tokens", len(ids), ctx, "prompt")
+    longest = max(len(ids) for _, ids in prompts)
+    max_tokens = default_max_tokens(req.max_tokens, state.config.default_max_tokens, longest, ctx)
+    params = sampling_params(req, max_tokens, req.logprobs)
     params = state.with_adapter(params, model)
+    state.engine.admit(len(prompts))  # the whole batch or none of it: 429 (Retry-After) when the queue is full
     base_id = f"cmpl-{uuid.uuid4().hex}"
     group = state.engine.new_group()
     rids = []
     try:
         for i, (_, ids) in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            state.engine.submit(group, ids, params, stream=req.stream, request_id=rid)
+            state.engine.submit(group, ids, params, stream=req.stream, request_id=rid, admitted=True)
             rids.append(rid)
     except Exception:
         group.abort()

@@ -1,8 +1,10 @@
 """From an OpenAI request body to the engine's ``SamplingParams``, with the checks that make bad requests 400s.
 
 Checks here: fields polyrl cannot honour (non-neutral penalties, logit_bias, tools, structured output,
-best_of != n, suffix), ``n`` and ``max_tokens`` ranges, and the context check (prompt + max_tokens must fit
-the engine's ``max_model_len``, OpenAI's ``context_length_exceeded``). Value checks of the sampling knobs
+best_of != n, suffix), the ranges of ``n``, ``max_tokens``, ``top_k``, ``seed``, ``min_tokens`` and
+``stop_token_ids`` (non-finite floats never get here: ``protocol.py`` refuses them), the prompt's token budget
+and the context check (prompt + max_tokens must fit the engine's ``max_model_len``, OpenAI's
+``context_length_exceeded``), and the default completion length. Value checks of the sampling knobs
 themselves stay in ``SamplingParams`` (its ``UserError`` becomes a 400 naming the parameter). Prompt
 building (chat template, tokenisation) is the endpoints' job.
 """
@@ -40,6 +42,55 @@ def reject_unsupported(req: Any) -> None:
 def check_n(n: int, max_n: int) -> None:
     if not 1 <= n <= max_n:
         raise bad_request(f"n must be between 1 and {max_n}, got {n}", "n", "invalid_value")
+
+
+INT32_MAX = 2**31 - 1
+
+
+def check_ranges(req: Any, vocab_size: int, max_model_len: int) -> None:
+    """Integer knobs within what the engine can hold (a JSON integer has no size limit)."""
+    if req.top_k is not None and not -1 <= req.top_k <= INT32_MAX:
+        raise bad_request(f"top_k must be -1, 0 (off) or a positive integer, got {req.top_k}", "top_k", "invalid_value")
+    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
+        raise bad_request(f"seed must fit in 64 bits, got {req.seed}", "seed", "invalid_value")
+    if not 0 <= req.min_tokens <= max_model_len:
+        raise bad_request(
+            f"min_tokens must be between 0 and the context length {max_model_len}, got {req.min_tokens}",
+            "min_tokens",
+            "invalid_value",
+        )
+    for i, t in enumerate(req.stop_token_ids or []):
+        if not 0 <= t < vocab_size:
+            raise bad_request(
+                f"stop_token_ids[{i}] = {t} is outside the vocabulary [0, {vocab_size})",
+                f"stop_token_ids.{i}",
+                "invalid_value",
+            )
+
+
+def prompt_budget(max_tokens: int | None, max_model_len: int) -> int:
+    """The most prompt tokens a request may have: the context minus its completion (at least one token)."""
+    return max_model_len - (max_tokens or 1)
+
+
+def prompt_too_long(exc: Any, max_tokens: int | None, max_model_len: int, param: str) -> APIError:
+    """The 400 for a prompt over ``prompt_budget`` (``exc``: a ``prompts.PromptTooLong``), naming the numbers."""
+    limit = prompt_budget(max_tokens, max_model_len)
+    has = f"{exc.at_least}" if exc.exact else f"more than {exc.at_least}"
+    return bad_request(
+        f"This model's maximum context length is {max_model_len} tokens and the completion needs "
+        f"{max_tokens or 1}, so the prompt may have at most {limit} tokens; it has {has}. "
+        f"Please reduce the length of the {param} or the completion.",
+        param,
+        "context_length_exceeded",
+    )
+
+
+def default_max_tokens(max_tokens: int | None, default: int, prompt_len: int, max_model_len: int) -> int:
+    """``max_tokens`` or, when the request gave none, the server default bounded by the context left."""
+    if max_tokens is not None:
+        return max_tokens
+    return max(1, min(default, max_model_len - prompt_len))
 
 
 def check_max_tokens(max_tokens: int | None, param: str, prompt_len: int, max_model_len: int, what: str) -> None:

@@ -1,9 +1,11 @@
 """Request bodies of the OpenAI API the server speaks, as strict pydantic models.
 
-Strict: a string where a number belongs is a 400, not a silent conversion. Fields the OpenAI API defines
-but polyrl cannot honour (penalties, logit_bias, tools, ...) are accepted only at their neutral value, and
-``params.py`` says so in a 400 otherwise. Unknown fields are ignored (as vLLM does), so clients that send
-newer OpenAI fields keep working. Responses are built as plain dicts in ``chat.py`` / ``completions.py``.
+Strict: a string where a number belongs is a 400, not a silent conversion, and so is a number that is not
+finite (Python's JSON parser reads ``NaN``, ``Infinity`` and ``1e400`` as floats; they stop here). Fields the
+OpenAI API defines but polyrl cannot honour (penalties, logit_bias, tools, ...) are accepted only at their
+neutral value, and ``params.py`` says so in a 400 otherwise. Unknown fields are ignored (as vLLM does), so
+clients that send newer OpenAI fields keep working. Responses are built as plain dicts in ``chat.py`` /
+``completions.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -22,13 +24,13 @@ class StreamOptions(_Strict):
 
 
 class ContentPart(_Strict):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
     type: str
     text: str | None = None
 
 
 class ChatMessage(_Strict):
-    model_config = ConfigDict(strict=True, extra="allow")  # tool_calls, refusal, ... pass through
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)  # tool_calls, refusal, ... pass through
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -68,12 +70,27 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # refused unless the server allows request templates (see prompts.py)
 
 
 class CompletionRequest(_Sampling):
+    # "" is accepted, as the OpenAI API does: it is generated from the start-of-text token (completions.py)
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every non-200 answer of the API (400, 401, 404, 405, 408, 413, 429, 500, 503): OpenAI's error body."""
+
+    error: ErrorDetail

@@ -30,7 +30,19 @@ def test_import_without_fastapi_then_clear_error_on_build():
 
 
 @pytest.mark.parametrize(
-    "kw", [dict(port=70000), dict(served_model_name=""), dict(api_key="  "), dict(max_queue=-1), dict(max_n=0)]
+    "kw",
+    [
+        dict(port=70000),
+        dict(served_model_name=""),
+        dict(api_key="  "),
+        dict(max_queue=-1),
+        dict(max_queue=0),
+        dict(max_n=0),
+        dict(max_request_bytes=10),
+        dict(body_timeout_s=0),
+        dict(default_max_tokens=0),
+        dict(chat_template_timeout_s=-1),
+    ],
 )
 def test_serve_config_rejects(kw):
     from polyrl.server import ServeConfig
@@ -80,6 +92,13 @@ def test_serve_cli_arguments(monkeypatch):
     )
     cfg, eng = serve.build_configs(args)
     assert cfg.api_key == "flag" and cfg.served_model_name == "nice" and not eng.enable_prefix_caching
+    assert cfg.max_request_bytes == 8 * 1024 * 1024 and cfg.default_max_tokens == 1024
+    assert not cfg.allow_request_chat_template
+    args = parser.parse_args(
+        ["--model", "m", "--max-request-bytes", "4096", "--default-max-tokens", "7", "--allow-request-chat-template"]
+    )
+    cfg, _ = serve.build_configs(args)
+    assert cfg.max_request_bytes == 4096 and cfg.default_max_tokens == 7 and cfg.allow_request_chat_template
     from polyrl.platform import envvars
 
     assert envvars.POLYRL_API_KEY in envvars.ALL
