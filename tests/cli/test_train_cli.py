@@ -97,15 +97,23 @@ def test_existing_run_needs_resume(finished_run, capsys):
 
 
 def _no_model_load(monkeypatch):
+    import sys
+
     import polyrl.models.checkpoint as ckpt
-    import polyrl.run.offline as offline
+    import polyrl.run  # noqa: F401 - the loops, imported before patching (they bind the real functions)
+    from polyrl import algorithms
+
+    for name in algorithms.names():  # every algorithm module too, so none binds the stand-in for later tests
+        algorithms.get(name)
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded")
 
-    for module in (ckpt, offline):  # the defining module and the run that imported the names
-        monkeypatch.setattr(module, "load_model", boom)
-        monkeypatch.setattr(module, "load_tokenizer", boom)
+    for fn in ("load_model", "load_tokenizer"):  # wherever polyrl bound them (the defining module and its importers)
+        real = getattr(ckpt, fn)
+        for module in [m for name, m in sys.modules.items() if name.startswith("polyrl")]:
+            if getattr(module, fn, None) is real:
+                monkeypatch.setattr(module, fn, boom)
 
 
 @pytest.mark.parametrize(
