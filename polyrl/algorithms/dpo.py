@@ -230,7 +230,7 @@ def prepare_reference(ctx: PrepareContext, datasets: Sequence[TokenizedData]) ->
     dev = world.device if world.distributed else device.torch_device()
     dtype = resolve_compute_dtype(ctx.precision, dev.type)
     # LoRA from an adapter folder: the reference is its base with the adapter off (as TRL), not a second copy
-    reference = algo.reference_model or base_model_path(ctx.model)
+    reference = algo.reference_model or base_model_path(ctx.model, ctx.base)
     meta = {"reference_model": str(reference), "dtype": str(dtype).removeprefix("torch.")}
     path = Path(ctx.out) / CACHE_NAME
     table = ReferenceLogps(meta=meta)

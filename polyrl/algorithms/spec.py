@@ -36,6 +36,7 @@ class PrepareContext:
     datasets: list[Any]  # the ``TokenizedData`` the run will train and evaluate on
     world: World
     stream: TextIO  # where to report (rank 0's stdout; devnull on other ranks)
+    base: str | None = None  # ``lora.base``: the base of an adapter folder given as ``model``, repointed by the user
 
 
 @dataclass(frozen=True)

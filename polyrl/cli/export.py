@@ -1,9 +1,11 @@
-"""``polyrl export --adapter DIR [--model BASE] --merge --out DIR``: a LoRA adapter merged into its base, written
+"""``polyrl export --adapter DIR [--base BASE] --merge --out DIR``: a LoRA adapter merged into its base, written
 as a plain Hugging Face folder (safetensors, config, tokenizer) that transformers and ``polyrl serve`` load.
 
-The base comes from ``--model`` or the adapter's ``base_model_name_or_path``; it is loaded in fp32, ``W + s * B @ A``
-is formed there and the result saved in the base's dtype (or ``--dtype``). An adapter trained on a 4-bit (QLoRA)
-base is merged into the full-precision base, as PEFT does. Not here: training, un-merged adapter copies.
+The base comes from ``--base`` (alias ``--model``) or the adapter's ``base_model_name_or_path`` (as given when it was
+trained; a relative path is looked up from the current directory, then beside the adapter folder); it is loaded in
+fp32, ``W + s * B @ A`` is formed there and the result saved in the base's dtype (or ``--dtype``). An adapter
+trained on a 4-bit (QLoRA) base is merged into the full-precision base, as PEFT does. Not here: training,
+un-merged adapter copies.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ from polyrl.models.lora import base_model_path, is_adapter_dir, load_adapter, un
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapter", metavar="DIR", help="PEFT adapter folder (adapter_config.json)")
-    parser.add_argument("--model", metavar="DIR", help="base model folder (default: the adapter's base)")
+    parser.add_argument(
+        "--base",
+        "--model",
+        dest="model",
+        metavar="DIR",
+        help="base model folder (default: the base_model_name_or_path in the adapter's adapter_config.json)",
+    )
     parser.add_argument("--merge", action="store_true", help="merge the adapter into the base (required)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output HF folder (replaced atomically)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="saved dtype (default: the base's)")
@@ -33,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     if not is_adapter_dir(args.adapter):
         raise ConfigError(f"--adapter {args.adapter} has no adapter_config.json; give a PEFT adapter folder")
     start = time.perf_counter()
-    base = args.model or base_model_path(args.adapter)
+    base = base_model_path(args.adapter, args.model)
     saved = dtype_from_name(args.dtype or load_config(base).torch_dtype)
     model = load_model(base, dtype=torch.float32)
     load_adapter(model, args.adapter)

@@ -177,6 +177,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="train a LoRA adapter on a frozen base, e.g. --lora r=16,alpha=32,dropout=0,targets=q,k,v,o,gate,up,down",
     )
     g.add_argument("--qlora", action="store_true", default=None, help="LoRA on a 4-bit NF4 base (implies --lora)")
+    g.add_argument(
+        "--base",
+        metavar="DIR",
+        help="the base model folder of the adapter folder given as --model, instead of the base_model_name_or_path "
+        "in its adapter_config.json (lora.base)",
+    )
     g = parser.add_argument_group("agentic RL (episodes against an environment; keys of the [agent] table)")
     g.add_argument("--env", metavar="SPEC", help="environment: calculator, guessing, or path/to/file.py:Class")
     g.add_argument(
@@ -212,13 +218,16 @@ def overrides_from_args(args: argparse.Namespace) -> list[tuple[str, Any]]:
 
 
 def _lora_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:
-    """``--lora SPEC`` sets the whole ``[lora]`` table; ``--qlora`` sets ``lora.quantize_base = "nf4"``."""
+    """``--lora SPEC`` sets the whole ``[lora]`` table; ``--qlora`` sets ``lora.quantize_base = "nf4"``; ``--base
+    DIR`` sets ``lora.base`` (after ``--lora``, which would replace it)."""
 
     out: list[tuple[str, Any]] = []
     if getattr(args, "lora", None) is not None:
         out.append(("lora", parse_lora_spec(args.lora)))
     if getattr(args, "qlora", None):
         out.append(("lora.quantize_base", "nf4"))
+    if getattr(args, "base", None) is not None:
+        out.append(("lora.base", args.base))
     return out
 
 
@@ -259,6 +268,8 @@ def relaunch_argv(args: argparse.Namespace) -> list[str]:
         argv.append(f"--lora={args.lora}")  # "--lora=" for the bare flag (all defaults)
     if getattr(args, "qlora", None):
         argv.append("--qlora")
+    if getattr(args, "base", None) is not None:
+        argv += ["--base", args.base]
     for item in args.set:
         argv += ["--set", item]
     return argv

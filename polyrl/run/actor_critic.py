@@ -56,7 +56,8 @@ class Critic:
         dev = self.world.device if self.world is not None else device.torch_device()
 
         # a LoRA run started from an adapter folder: the critic starts from its base (a full-parameter critic)
-        self.model = load_value_model(a.critic_model or base_model_path(cfg.model), torch.float32, dev)
+        critic = a.critic_model or base_model_path(cfg.model, cfg.lora.base if cfg.lora is not None else None)
+        self.model = load_value_model(critic, torch.float32, dev)
         if self.world is not None:
             par.shard_model(self.model, self.world, resolve_compute_dtype(cfg.precision, dev.type))
         optim = dataclasses.replace(cfg.optim, lr=a.critic_lr if a.critic_lr is not None else cfg.optim.lr)

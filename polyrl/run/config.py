@@ -312,9 +312,13 @@ def _lora(table: Any, model: str) -> LoraConfig | None:
     if adapter:
         saved, _ = read_adapter_config(model)
         cfg = dataclasses.replace(
-            saved, dropout=cfg.dropout, quantize_base=cfg.quantize_base, merge_for_rollout=cfg.merge_for_rollout
+            saved,
+            dropout=cfg.dropout,
+            quantize_base=cfg.quantize_base,
+            merge_for_rollout=cfg.merge_for_rollout,
+            base=cfg.base,
         )
-        base_model_path(model)  # the base must be reachable before anything else runs
+    base_model_path(model, cfg.base)  # the base must be reachable (and lora.base only given for an adapter) first
     return cfg
 
 

@@ -83,7 +83,7 @@ def tokenizer_path(cfg: RunConfig) -> str:
     """Where the run's tokenizer is: ``cfg.model``, or for an adapter folder without one, its base model."""
     model = Path(cfg.model)
     if is_adapter_dir(model) and not (model / "tokenizer_config.json").is_file():
-        return base_model_path(model)
+        return base_model_path(model, cfg.lora.base if cfg.lora is not None else None)
     return cfg.model
 
 
@@ -270,6 +270,7 @@ class OfflineRun:
             datasets=datasets,
             world=self.world,
             stream=self.stream,
+            base=cfg.lora.base if cfg.lora is not None else None,
         )
 
     def load_model(self) -> None:

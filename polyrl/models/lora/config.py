@@ -11,6 +11,7 @@ Not here: building or applying adapters (``apply.py``), reading or writing adapt
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,7 @@ class LoraConfig:
     rslora: bool = False
     quantize_base: str | None = None
     merge_for_rollout: bool = False
+    base: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
@@ -62,6 +64,10 @@ class LoraConfig:
         for name in ("rslora", "merge_for_rollout"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"lora.{name} must be true or false, got {getattr(self, name)!r}")
+        if isinstance(self.base, os.PathLike):
+            self.base = os.fspath(self.base)
+        if self.base is not None and (not isinstance(self.base, str) or not self.base):
+            raise ConfigError(f"lora.base must be a model folder (a path), got {self.base!r}; e.g. --base runs/tiny")
 
     @property
     def scaling(self) -> float:
@@ -87,7 +93,7 @@ def normalize_targets(targets: Any) -> list[str]:
     return [t for t in ALL_TARGETS if t in resolved]
 
 
-_SPEC_KEYS = {"r", "alpha", "dropout", "targets", "rslora", "quantize_base", "merge_for_rollout"}
+_SPEC_KEYS = {"r", "alpha", "dropout", "targets", "rslora", "quantize_base", "merge_for_rollout", "base"}
 
 
 def parse_lora_spec(text: str) -> dict[str, Any]:

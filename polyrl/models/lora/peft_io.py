@@ -68,11 +68,14 @@ def save_adapter(
     dtype: torch.dtype | None = None,
 ) -> Path:
     """Write ``model``'s adapter as a PEFT folder (atomically). ``base_model`` goes to
-    ``base_model_name_or_path`` (default: ``model.lora_base``, set when the run loaded the base); ``tokenizer`` an
-    object with ``save_pretrained`` or a folder to copy the tokenizer files from; ``dtype`` casts (default fp32)."""
+    ``base_model_name_or_path`` as given (default: ``model.lora_base``, the base as the run was given it): a hub id or
+    a path, never made absolute, so the folder does not carry this machine's layout (``base_model_path`` says how it
+    is found again); ``tokenizer`` an object with ``save_pretrained`` or a folder to copy the tokenizer files from;
+    ``dtype`` casts (default fp32)."""
     if not has_lora(model):
         raise ConfigError("this model has no LoRA adapters to save")
     base_model = base_model or getattr(model, "lora_base", None)
+    base_model = str(base_model) if base_model is not None else None
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = make_temp_dir(out)
