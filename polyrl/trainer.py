@@ -47,6 +47,7 @@ from torch import nn
 
 import polyrl.agents  # noqa: F401 - registers the [agent] table, so fit(..., agent={"env": ...}) runs episodes
 from polyrl.algorithms.rl_batch import RLBatch, Sample, completion_logprobs, pack_samples
+from polyrl.algorithms.workers import exit_if_bootstrapping
 from polyrl.errors import CheckpointError, ConfigError
 from polyrl.infer.config import RolloutConfig
 from polyrl.infer.sampling_params import SamplingParams
@@ -164,8 +165,11 @@ def fit(
     the ``[data]`` table; ``tables``: other tables of the run config by name (``optim``, ``schedule``, ``precision``,
     ``engine``, ``train``, ``checkpoint``, ``data``, ``lora``, ``agent``, and the algorithm's own, e.g. ``grpo``),
     each a dict or the dataclass itself; ``config``: a TOML file the arguments override; ``resume``: ``"latest"``
-    or a checkpoint. Validation errors are ``polyrl.errors.ConfigError`` s that name the setting to fix."""
+    or a checkpoint. Validation errors are ``polyrl.errors.ConfigError`` s that name the setting to fix.
 
+    Call it under ``if __name__ == "__main__":`` in a script: reward and environment workers re-import the main
+    script, and a worker that reaches this call stops at once (the run fails with a ``UserError`` saying so)."""
+    exit_if_bootstrapping("fit(...) was called")
     raw: dict[str, Any] = load_file(config) if config else {}
     raw.update(algo=algo, model=str(model), out=str(out))
     if seed is not None:

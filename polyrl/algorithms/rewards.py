@@ -39,6 +39,8 @@ from numbers import Real
 from typing import Any
 
 from polyrl.algorithms.workers import (
+    REIMPORT_EXIT_CODE,
+    REIMPORT_MESSAGE,
     WorkerProcess,
     absolute_spec,
     close_workers,
@@ -312,7 +314,7 @@ class RewardPool:
         try:
             msg = w.conn.recv()
         except (EOFError, OSError):
-            self._replace(w, outcomes, "crash", f"worker process died (exit code {w.proc.exitcode})")
+            self._replace(w, outcomes, "crash", f"the reward worker running {self.spec} died ({w.exit_status()})")
             return
         if msg[0] == "ready":
             w.ready = True
@@ -326,7 +328,12 @@ class RewardPool:
 
     def _replace(self, w: _Worker, outcomes: list, kind: str, message: str) -> None:
         if w.job is None and not w.ready:
+            code = w.proc.exitcode
             self.close()
+            if code == REIMPORT_EXIT_CODE:
+                raise UserError(REIMPORT_MESSAGE)
+            if kind == "crash":
+                raise UserError(f"a reward worker exited before it started: {message}")
             raise UserError(f"a reward worker did not start within {STARTUP_TIMEOUT_S:g}s ({message})")
         if w.job is not None:
             outcomes[w.job] = (kind, message, {})

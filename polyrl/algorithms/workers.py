@@ -4,6 +4,11 @@ each, killed and replaced by their pool on a timeout or crash.
 Shared by ``rewards.RewardPool`` (stateless calls) and ``polyrl.agents.pool.EnvPool`` (stateful episodes): the
 process handle, the start context, the spec resolution and the shutdown. What a worker runs and how a pool
 schedules calls and counts failures stay with each pool.
+
+spawn and forkserver run the parent's main script again in each new worker (as ``__mp_main__``) before the
+worker's own code; a script that calls ``fit(...)`` (or starts workers) at its top level, without
+``if __name__ == "__main__":``, would start a second run there. ``exit_if_bootstrapping`` stops such a worker at once
+with ``REIMPORT_EXIT_CODE``, which its pool reports as ``REIMPORT_MESSAGE``.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import importlib
 import importlib.util
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 import traceback
@@ -21,6 +27,39 @@ from typing import Any
 
 from polyrl.errors import ConfigError
 
+REIMPORT_EXIT_CODE = 87
+REIMPORT_MESSAGE = (
+    "worker processes import your main script again, and it starts a run at its top level: put the fit(...) call "
+    '(and anything else that should run once) under `if __name__ == "__main__":`'
+)
+
+
+def bootstrapping() -> bool:
+    """True in a spawn/forkserver worker that is still importing the parent's main script."""
+    return bool(getattr(mp.process.current_process(), "_inheriting", False))
+
+
+def exit_if_bootstrapping(what: str) -> None:
+    """Called where a run or a worker starts: in a worker still importing the main script, say so on stderr and
+    exit with ``REIMPORT_EXIT_CODE`` (the parent's pool turns it into ``REIMPORT_MESSAGE``); else nothing."""
+    if bootstrapping():
+        print(f"polyrl: {what} in a worker process re-importing the main script; {REIMPORT_MESSAGE}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(REIMPORT_EXIT_CODE)
+
+
+def exit_status(exitcode: int | None) -> str:
+    """``exit code 3`` / ``killed by signal 9, SIGKILL`` / ``still running``."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+        return f"killed by signal {-exitcode}, {name}"
+    return f"exit code {exitcode}"
+
 
 class WorkerProcess:
     """One daemon process running ``target(conn, spec)`` with the other end of ``conn``; ``job`` and ``deadline``
@@ -28,6 +67,7 @@ class WorkerProcess:
     worker that has not said "ready" by then counts as crashed)."""
 
     def __init__(self, ctx: Any, target: Callable[[Any, str], None], spec: str, startup_timeout: float) -> None:
+        exit_if_bootstrapping("a worker pool was started")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=target, args=(child, spec), daemon=True)
         self.proc.start()
@@ -35,6 +75,11 @@ class WorkerProcess:
         self.ready = False
         self.job: Any = None
         self.deadline = time.monotonic() + startup_timeout
+
+    def exit_status(self, wait: float = 5.0) -> str:
+        """How the process ended (its pipe closed first: give it ``wait`` seconds to be reaped)."""
+        self.proc.join(timeout=wait)
+        return exit_status(self.proc.exitcode)
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -117,6 +162,11 @@ def load_user_module(target: str, spec: str, what: str = "reward") -> Any:
         module = importlib.util.module_from_spec(loader_spec)
         try:
             loader_spec.loader.exec_module(module)
+        except SystemExit as exc:  # sys.exit()/exit() at import would end the run without a word
+            raise ConfigError(
+                f"{what} file {target} failed to import: SystemExit: {exc.code} (it exits when imported; put that "
+                'code under `if __name__ == "__main__":`)'
+            ) from None
         except Exception as exc:  # noqa: BLE001 - the user's file: report what broke
             raise ConfigError(f"{what} file {target} failed to import: {type(exc).__name__}: {exc}") from None
         sys.modules[mod_name] = module

@@ -2,9 +2,10 @@
 
 ``load_examples`` reads and parses rows for a purpose ("sft", "dpo" or "rl"), raising a DataError that names the
 file, row and problem, or skipping and counting bad rows with ``skip_bad_rows``. ``build_sft`` / ``build_preference``
-tokenise, truncate (``right``) or drop over-long rows, and return units ready for ``PackedBatchIterator``;
-``load_prompts`` gives RL its prompt-only view. ``DataStats`` carries the counts for the run summary.
-Everything is in memory; there is no streaming or multi-process tokenisation.
+tokenise, check every token id against the model's vocabulary (``vocab_limit``: a row with an id the embedding
+cannot look up is a bad row, not an IndexError mid-training), truncate (``right``) or drop over-long rows, and
+return units ready for ``PackedBatchIterator``; ``load_prompts`` gives RL its prompt-only view. ``DataStats``
+carries the counts for the run summary. Everything is in memory; there is no streaming or multi-process tokenisation.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from polyrl.data.examples import ChatExample, PreferenceExample, PromptExample, 
 from polyrl.data.packing import DEFAULT_MICRO_BATCH_TOKENS
 from polyrl.data.sampler import PackedBatchIterator
 from polyrl.data.sources import iter_rows
-from polyrl.errors import ConfigError, DataError
+from polyrl.errors import ConfigError, DataError, UserError
+from polyrl.models.config import ModelConfig
 
 PURPOSES = {"sft": formats.as_sft, "dpo": formats.as_preference, "rl": formats.as_prompt}
 MAX_REPORTED_BAD_ROWS = 5
@@ -154,6 +156,39 @@ def _fit(seq: TokenizedSeq, max_len: int, cfg: DataConfig, stats: DataStats) -> 
     return seq
 
 
+def vocab_limit(tokenizer: Any, vocab_size: int | None = None) -> tuple[int, str] | None:
+    """The exclusive bound on token ids, and what it is: ``vocab_size`` when given (the model's embedding rows),
+    else the ``vocab_size`` of the model config.json beside the tokenizer (the folder it was loaded from, which a
+    run's model folder is), else ``len(tokenizer)``. The model's embedding may be larger than the tokenizer."""
+    if vocab_size is not None:
+        return vocab_size, "the model's vocab_size"
+    folder = Path(str(getattr(tokenizer, "name_or_path", "") or ""))
+    if str(folder) and (folder / "config.json").is_file():
+        try:
+            return ModelConfig.from_pretrained(folder).vocab_size, f"vocab_size in {folder / 'config.json'}"
+        except UserError:  # not a model config this package reads: fall back to the tokenizer
+            pass
+    try:
+        return len(tokenizer), "the tokenizer's vocabulary"
+    except TypeError:
+        return None
+
+
+def _out_of_vocab(seqs: tuple[TokenizedSeq, ...], limit: tuple[int, str] | None) -> str | None:
+    """The first id that the model's embedding cannot look up, as a row problem; None when all fit."""
+    if limit is None:
+        return None
+    bound, what = limit
+    for seq in seqs:
+        for t, i in enumerate(seq.input_ids):
+            if not 0 <= i < bound:
+                return (
+                    f"input_ids[{t}]={i} is outside the vocabulary [0, {bound}) ({what}); "
+                    "tokenize with this model's tokenizer"
+                )
+    return None
+
+
 def _tokenize(tok: ChatTokenizer, ex: Any) -> tuple[TokenizedSeq, ...]:
     if isinstance(ex, TokensExample):
         return (TokenizedSeq(ex.input_ids, ex.loss_mask),)
@@ -162,11 +197,14 @@ def _tokenize(tok: ChatTokenizer, ex: Any) -> tuple[TokenizedSeq, ...]:
     return (tok.tokenize_messages(ex.messages),)
 
 
-def _build(cfg: DataConfig, tokenizer: Any, purpose: str, part: str, micro_batch_tokens: int) -> TokenizedData:
+def _build(
+    cfg: DataConfig, tokenizer: Any, purpose: str, part: str, micro_batch_tokens: int, vocab_size: int | None
+) -> TokenizedData:
     if not isinstance(micro_batch_tokens, int) or micro_batch_tokens < 2:
         raise ConfigError(f"micro_batch_tokens={micro_batch_tokens!r}: use an integer >= 2 (e.g. 8192)")
     examples, stats = load_examples(cfg, purpose, part)
     tok = chat_tokenizer(cfg, tokenizer)
+    limit = vocab_limit(tokenizer, vocab_size)
     per_unit = 2 if purpose == "dpo" else 1
     max_len = cfg.max_seq_len if per_unit == 1 else min(cfg.max_seq_len, micro_batch_tokens // 2)
     max_len = min(max_len, max_sequence_len(cfg, micro_batch_tokens))
@@ -176,6 +214,10 @@ def _build(cfg: DataConfig, tokenizer: Any, purpose: str, part: str, micro_batch
             seqs = _tokenize(tok, ex)
         except formats.RowError as exc:
             _bad(stats, cfg, where, str(exc))
+            continue
+        problem = _out_of_vocab(seqs, limit)  # an id past the embedding would crash the step mid-training
+        if problem is not None:
+            _bad(stats, cfg, where, problem)
             continue
         fitted = [_fit(s, max_len, cfg, stats) for s in seqs]
         if any(s is None for s in fitted):
@@ -194,18 +236,28 @@ def _build(cfg: DataConfig, tokenizer: Any, purpose: str, part: str, micro_batch
 
 
 def build_sft(
-    cfg: DataConfig, tokenizer: Any, part: str = "train", micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS
+    cfg: DataConfig,
+    tokenizer: Any,
+    part: str = "train",
+    micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
+    *,
+    vocab_size: int | None = None,
 ) -> TokenizedData:
     """Tokenised SFT data: one sequence per unit, packed into micro-batches of ``micro_batch_tokens`` (a sequence
-    is at most that long)."""
-    return _build(cfg, tokenizer, "sft", part, micro_batch_tokens)
+    is at most that long). Token ids must be below ``vocab_size`` (default: see ``vocab_limit``)."""
+    return _build(cfg, tokenizer, "sft", part, micro_batch_tokens, vocab_size)
 
 
 def build_preference(
-    cfg: DataConfig, tokenizer: Any, part: str = "train", micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS
+    cfg: DataConfig,
+    tokenizer: Any,
+    part: str = "train",
+    micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
+    *,
+    vocab_size: int | None = None,
 ) -> TokenizedData:
     """Tokenised DPO data: units are (chosen, rejected), packed together into the same micro-batch."""
-    return _build(cfg, tokenizer, "dpo", part, micro_batch_tokens)
+    return _build(cfg, tokenizer, "dpo", part, micro_batch_tokens, vocab_size)
 
 
 def load_prompts(cfg: DataConfig, part: str = "train") -> tuple[list[PromptExample], DataStats]:

@@ -4,11 +4,13 @@ Specs: a local ``.jsonl`` / ``.json`` (a list, or ``{"data": [...]}``) / ``.parq
 (saved with ``datasets``' ``save_to_disk``, or holding such files); a Hugging Face ``load_dataset`` name with
 optional ``name:config`` (``hf:`` prefix optional); ``builtin:<name>?k=v``. Any spec may end in ``@split``.
 Rows are loaded into memory (no streaming). This module does not interpret row keys (see ``formats.py``);
-unreadable rows are yielded with an ``error`` so the caller can raise or skip them in one place.
+unreadable rows (invalid JSON, a JSONL line that is not UTF-8) are yielded with an ``error`` so the caller can
+raise or skip them in one place. Text files are UTF-8; a leading byte-order mark is accepted.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from collections.abc import Iterator
@@ -78,9 +80,26 @@ def _iter_file(path: Path) -> Iterator[RawRow]:
         raise DataError(f"{path}: unsupported file type {suffix!r}; use one of {', '.join(FILE_SUFFIXES)}")
 
 
+def _not_utf8(raw: bytes, exc: UnicodeDecodeError, offset: int) -> str:
+    """The problem of undecodable ``raw`` (starting at byte ``offset`` of its file)."""
+    return (
+        f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at byte offset {offset + exc.start}); re-save the file as UTF-8"
+    )
+
+
 def _iter_jsonl(path: Path) -> Iterator[RawRow]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    """Lines read as bytes and decoded one by one, so a line that is not UTF-8 is a bad row like any other."""
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            start, offset = offset, offset + len(raw)
+            if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw, start = raw[len(codecs.BOM_UTF8) :], start + len(codecs.BOM_UTF8)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield RawRow(None, str(path), lineno, "line", _not_utf8(raw, exc, start))
+                continue
             if not line.strip():
                 continue
             try:
@@ -92,9 +111,14 @@ def _iter_jsonl(path: Path) -> Iterator[RawRow]:
 
 
 def _iter_json(path: Path) -> Iterator[RawRow]:
+    raw = path.read_bytes()
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        text = raw.decode("utf-8-sig")  # a leading byte-order mark is dropped
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise DataError(f"{path}: line {line}: {_not_utf8(raw, exc, 0)}") from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise DataError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
     if isinstance(data, dict) and isinstance(data.get("data"), list):

@@ -40,7 +40,13 @@ from polyrl.models.lora import base_model_path, is_adapter_dir, load_lora_model
 from polyrl.platform import device
 from polyrl.run.config import RunConfig, differences, save_resolved
 from polyrl.train import parallel as par
-from polyrl.train.checkpoint import CheckpointManager, LoadedCheckpoint, list_checkpoints, load_checkpoint
+from polyrl.train.checkpoint import (
+    CheckpointManager,
+    LoadedCheckpoint,
+    checkpoint_problem,
+    list_checkpoints,
+    load_checkpoint,
+)
 from polyrl.train.engine import TrainEngine
 from polyrl.train.metrics import MetricsLogger
 from polyrl.train.precision import resolve_compute_dtype
@@ -89,9 +95,12 @@ def tokenizer_path(cfg: RunConfig) -> str:
 
 def resume_point(cfg: RunConfig) -> Path | None:
     """The checkpoint to resume from, or None for a fresh run. A run directory that already holds
-    checkpoints needs ``resume`` (so a finished run is never overwritten by accident)."""
+    checkpoints needs ``resume`` (so a finished run is never overwritten by accident). ``latest`` is the newest
+    complete checkpoint: a truncated or corrupted newer one (``checkpoint_problem``) is skipped with a warning
+    that names it, and left in place."""
     out = Path(cfg.out)
-    found = list_checkpoints(Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints")
+    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
+    found = list_checkpoints(root)
     latest = found[-1] if found else None
     if cfg.resume is None:
         if latest is not None:
@@ -103,13 +112,28 @@ def resume_point(cfg: RunConfig) -> Path | None:
     if cfg.resume == "latest":
         if latest is None:
             print(f"resume: no checkpoint in {out} yet; starting from step 0")
-        return latest
+            return None
+        skipped: list[tuple[Path, str]] = []
+        for path in reversed(found):
+            problem = checkpoint_problem(path)
+            if problem is None:
+                for bad, why in skipped:
+                    print(f"warning: resume: skipping {bad}: {why}; resuming from {path.name} instead", file=sys.stderr)
+                return path
+            skipped.append((path, problem))
+        whys = "; ".join(f"{bad.name}: {why}" for bad, why in skipped)
+        raise CheckpointError(
+            f"no complete checkpoint in {root} ({whys}); move them away to start from step 0, or give --resume PATH"
+        )
     path = Path(cfg.resume)
     if not (path / "manifest.json").is_file():
         raise CheckpointError(
             f"--resume {cfg.resume!r} is not a complete checkpoint folder (no manifest.json); give a "
             f"checkpoints/step-* folder or --resume latest"
         )
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise CheckpointError(f"--resume {cfg.resume!r}: {path.name} is corrupted: {problem}; give another step-*")
     return path
 
 

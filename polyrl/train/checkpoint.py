@@ -10,7 +10,9 @@ A checkpoint is a directory ``<root>/step-00000042/`` holding
   ``weights_only=True``);
 - ``trainer_state.json``: step, engine counters (skips, loss scale), the caller's opaque data position;
 - ``config.json``: the resolved run config the caller passes;
-- ``manifest.json``: written last; lists every file and its size. No manifest means not a checkpoint.
+- ``manifest.json``: written last; lists every file and its size. No manifest means not a checkpoint;
+  ``checkpoint_problem`` checks a checkpoint against it (sizes, safetensors headers, ``.pt`` CRCs) without
+  loading it, so a resume can skip a truncated or corrupted one.
 
 Writes go to ``<root>/.tmp-step-...`` in the same parent, every file and directory is fsynced, then one
 ``os.rename`` publishes it, so a crash at any point leaves the previous checkpoints loadable; stale
@@ -25,7 +27,9 @@ import json
 import os
 import re
 import shutil
+import struct
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -242,6 +246,61 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot be resumed, or None when it looks complete. Cheap checks, no
+    tensor is read: the manifest parses, every file it lists is there with its size, every ``*.safetensors``
+    header is whole and matches its file's length, and every ``*.pt`` archive passes its CRC check."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError) as exc:
+        return f"unreadable manifest.json ({exc})"
+    files = manifest.get("files", {}) if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        return "manifest.json lists no files"
+    missing = [n for n in files if not (path / n).is_file()]
+    if missing:
+        return f"missing files: {', '.join(missing[:5])}"
+    truncated = [f"{n} ({(path / n).stat().st_size} of {size} bytes)" for n, size in files.items()
+                 if (path / n).stat().st_size != size]  # fmt: skip
+    if truncated:
+        return f"truncated files: {', '.join(truncated[:5])}"
+    for name in files:
+        problem = _file_problem(path / name)
+        if problem:
+            return f"corrupted file {name} ({problem})"
+    return None
+
+
+def _file_problem(file: Path) -> str | None:
+    """A safetensors header that is not whole JSON or does not end where the file does; a zip (``torch.save``)
+    whose CRC fails."""
+    if file.suffix == ".safetensors":
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return "no safetensors header"
+            (n,) = struct.unpack("<Q", head)
+            if n > file.stat().st_size - 8:
+                return "safetensors header longer than the file"
+            try:
+                header = json.loads(f.read(n))
+                end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+                return f"unreadable safetensors header: {exc}"
+        if 8 + n + end != file.stat().st_size:
+            return "safetensors data does not match its header"
+    elif file.suffix == ".pt":
+        try:
+            with zipfile.ZipFile(file) as z:
+                bad = z.testzip()
+        except (zipfile.BadZipFile, OSError) as exc:
+            return str(exc)
+        if bad is not None:
+            return f"CRC error in {bad}"
+    return None
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint in ``run_dir/checkpoints`` or ``run_dir`` itself, or None."""
     run_dir = Path(run_dir)
@@ -275,8 +334,10 @@ class CheckpointManager:
         return path
 
     def prune(self) -> list[Path]:
+        """Delete all but the newest ``keep_last_k`` complete checkpoints; a broken one (``checkpoint_problem``,
+        e.g. after a resume fell back past it) is left alone and never counts, so it cannot crowd out a good one."""
         k = self.cfg.keep_last_k
-        found = list_checkpoints(self.root)
+        found = [p for p in list_checkpoints(self.root) if checkpoint_problem(p) is None]
         doomed = found[:-k] if k > 0 else []
         for path in doomed:
             # Rename first so a crash mid-delete never leaves a half-deleted dir that looks complete.

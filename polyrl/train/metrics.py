@@ -3,7 +3,10 @@ progress bar with ETA (a plain line every N steps when stdout is not a terminal)
 ``summary.json`` + printed table and a ``metrics.png`` plot of loss, lr and any other named series.
 
 It only records what it is handed (``StepStats`` or plain dicts); it computes no training numbers.
-matplotlib and tensorboard (optional) are imported lazily, so importing this module stays cheap.
+matplotlib and tensorboard (optional) are imported lazily, so importing this module stays cheap; without
+matplotlib (the ``plot`` extra) the run ends with a one-line notice instead of the plot. The progress line (bar
+or plain) fits the console width (80 columns off a terminal): the step numbers first, then as many of loss,
+SKIPPED, lr, grad norm, tokens/s and MFU as fit.
 """
 
 from __future__ import annotations
@@ -17,10 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 DEFAULT_PLOT_SERIES = ("loss", "lr", "grad_norm")
+LINE_WIDTH = 80  # the plain progress line's width (a log file or a pipe has no terminal width)
+BAR_WIDTH = 12  # the rich bar's own columns
+NO_PLOT_NOTICE = (
+    "metrics.png not drawn: matplotlib is not installed (pip install 'polyrl[plot]'); the numbers are in metrics.jsonl"
+)
 
 
 class MetricsLogger:
@@ -79,15 +87,18 @@ class MetricsLogger:
         return SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
 
     def _open_bar(self, start_step: int) -> Any:
+        console = Console(file=self.stream)
+        steps = len(str(self.total_steps or 0))
+        # "train" BAR M/N "eta" H:MM:SS, a space between columns, one spare column: the rest is the info's
+        self._info_width = max(0, console.width - (5 + BAR_WIDTH + 2 * steps + 1 + 3 + 7 + 5 + 1))
         bar = Progress(
             TextColumn("[bold]train"),
-            BarColumn(),
+            BarColumn(bar_width=BAR_WIDTH),
             MofNCompleteColumn(),
-            TimeElapsedColumn(),
             TextColumn("eta"),
             TimeRemainingColumn(),
             TextColumn("{task.fields[info]}"),
-            console=Console(file=self.stream),
+            console=console,
         )
         bar.start()
         self._task = bar.add_task("train", total=self.total_steps, completed=start_step, info="")
@@ -107,19 +118,20 @@ class MetricsLogger:
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
                     self._tb.add_scalar(f"train/{key}", value, step)
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, info=_short(rec))
+            self._bar.update(self._task, completed=step, info=_short(rec, self._info_width))
         elif step % self.log_every == 0 or step == self.total_steps:
             print(self._plain_line(step, rec), file=self.stream, flush=True)
         return rec
 
     def _plain_line(self, step: int, rec: dict[str, Any]) -> str:
         total = f"/{self.total_steps}" if self.total_steps else ""
-        line = f"step {step}{total} {_short(rec)}"
+        head, tail = f"step {step}{total}", ""
         done = step - self._start_step
         if self.total_steps and done > 0:
             eta = (time.perf_counter() - self._t0) / done * (self.total_steps - step)
-            line += f" eta {_duration(eta)}"
-        return line
+            tail = f" eta {_duration(eta)}"
+        info = _short(rec, LINE_WIDTH - len(head) - len(tail) - 1)
+        return f"{head} {info}{tail}" if info else head + tail
 
     # ---- end of run ---------------------------------------------------------------------------
     def summary(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -154,7 +166,10 @@ class MetricsLogger:
         self._file.close()
         summary = self.summary(extra)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-        plot_metrics(self.history, self.run_dir / "metrics.png", self.plot_series)
+        try:
+            plot_metrics(self.history, self.run_dir / "metrics.png", self.plot_series)
+        except ImportError:  # the optional plot extra: the run itself is done
+            print(NO_PLOT_NOTICE, file=self.stream)
         if print_table:
             _print_table(summary, self.stream)
         return summary
@@ -163,7 +178,8 @@ class MetricsLogger:
 def plot_metrics(
     history: list[dict[str, Any]], out: str | Path, series: Sequence[str] = DEFAULT_PLOT_SERIES
 ) -> Path | None:
-    """A PNG with one panel per named series present in ``history`` (x = step). None if nothing to plot."""
+    """A PNG with one panel per named series present in ``history`` (x = step). None if nothing to plot;
+    ImportError without matplotlib."""
     present = [s for s in series if any(_finite(r.get(s)) for r in history)]
     if not present:
         return None
@@ -195,16 +211,37 @@ def _print_table(summary: dict[str, Any], stream: Any) -> None:
     Console(file=stream).print(table)
 
 
-def _short(rec: dict[str, Any]) -> str:
+def _short(rec: dict[str, Any], width: int | None = None) -> str:
+    """The step's numbers in one line of at most ``width`` characters, most important first (later ones are left
+    out when they do not fit)."""
     parts = []
-    for key, fmt in (("loss", "{:.4f}"), ("lr", "{:.2e}"), ("grad_norm", "{:.3f}"), ("tokens_per_s", "{:.0f}")):
-        if _finite(rec.get(key)):
-            parts.append(f"{key.replace('tokens_per_s', 'tok/s')} " + fmt.format(rec[key]))
-    if rec.get("mfu") is not None and _finite(rec.get("mfu")):
-        parts.append(f"mfu {100 * rec['mfu']:.1f}%")
+    if _finite(rec.get("loss")):
+        parts.append(f"loss {rec['loss']:.4f}")
     if rec.get("skipped"):
         parts.append("SKIPPED")
-    return " ".join(parts)
+    if _finite(rec.get("lr")):
+        parts.append(f"lr {rec['lr']:.2e}")
+    if _finite(rec.get("grad_norm")):
+        parts.append(f"gnorm {rec['grad_norm']:.3g}")
+    if _finite(rec.get("tokens_per_s")):
+        parts.append(f"tok/s {_count(rec['tokens_per_s'])}")
+    if _finite(rec.get("mfu")):
+        parts.append(f"mfu {100 * rec['mfu']:.1f}%")
+    line = ""
+    for part in parts:
+        candidate = f"{line} {part}" if line else part
+        if width is not None and len(candidate) > width:
+            break
+        line = candidate
+    return line
+
+
+def _count(value: float) -> str:
+    """``1234567`` -> ``1.23M``; below ten thousand as is."""
+    if abs(value) < 1e4:
+        return f"{value:.0f}"
+    scale, suffix = next((s, x) for s, x in ((1e9, "G"), (1e6, "M"), (1e3, "k")) if abs(value) >= s)
+    return f"{value / scale:.3g}{suffix}"
 
 
 def _fmt(value: Any) -> str:

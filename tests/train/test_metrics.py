@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 
 import pytest
 from train_helpers import pack, random_seqs, tiny_lm
@@ -71,3 +72,50 @@ def test_logs_engine_step_stats_with_rich_bar(tmp_path):
     assert "2/2" in out.getvalue()  # the bar's M/N column
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2]
+
+
+# ---- issue 33: plotting is optional; the progress line fits 80 columns ---------------------------------
+LONG_RECORD = {
+    "loss": 12.345678,
+    "lr": 1.5e-5,
+    "grad_norm": 123.456,
+    "tokens_per_s": 1234567.0,
+    "mfu": 0.456,
+    "skipped": True,
+}
+
+
+def test_missing_matplotlib_is_a_one_line_notice(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    out = io.StringIO()
+    log = MetricsLogger(tmp_path, total_steps=2, progress=False, stream=out, tensorboard=False)
+    for step in (1, 2):
+        log.log({"step": step, "loss": 1.0 / step})
+    summary = log.close(print_table=False)
+    assert summary["steps"] == 2 and (tmp_path / "summary.json").is_file()
+    assert not (tmp_path / "metrics.png").exists()
+    notice = [line for line in out.getvalue().splitlines() if "matplotlib" in line]
+    assert notice == ["metrics.png not drawn: matplotlib is not installed (pip install 'polyrl[plot]'); "
+                      "the numbers are in metrics.jsonl"]  # fmt: skip
+
+
+def test_plain_progress_line_fits_80_columns(tmp_path):
+    out = io.StringIO()
+    log = MetricsLogger(tmp_path, total_steps=100000, progress=False, stream=out, tensorboard=False, log_every=1)
+    log.log({"step": 12345, **LONG_RECORD})
+    line = out.getvalue().rstrip("\n")
+    assert "\n" not in line and len(line) <= 80, line
+    assert line.startswith("step 12345/100000 loss 12.3457") and "SKIPPED" in line and "eta" in line
+
+
+def test_rich_progress_bar_fits_80_columns(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    out = io.StringIO()
+    log = MetricsLogger(tmp_path, total_steps=100000, progress=True, stream=out, tensorboard=False)
+    log.log({"step": 12345, **LONG_RECORD})
+    log.close(print_table=False)
+    lines = [x for x in out.getvalue().splitlines() if x.strip()]
+    bar = [x for x in lines if "12345/100000" in x]
+    assert len(bar) == 1 and "loss 12.3457" in bar[0] and "eta" in bar[0], lines
+    assert all(len(x) <= 80 for x in lines), [len(x) for x in lines]
