@@ -22,7 +22,15 @@ from numbers import Real
 from typing import Any
 
 from polyrl.agents.env import BUILTIN_ENVS, EnvStep, env_tools, resolve_env
-from polyrl.algorithms.workers import WorkerProcess, absolute_spec, close_workers, serve, start_context
+from polyrl.algorithms.workers import (
+    REIMPORT_EXIT_CODE,
+    REIMPORT_MESSAGE,
+    WorkerProcess,
+    absolute_spec,
+    close_workers,
+    serve,
+    start_context,
+)
 from polyrl.errors import ConfigError, UserError
 
 FAILURE_KINDS = ("error", "invalid", "timeout", "crash", "lost")
@@ -227,7 +235,12 @@ class EnvPool:
 
     def _replace(self, w: _Worker, out: dict[Any, Outcome], kind: str, message: str) -> None:
         if w.job is None and not w.ready:
+            code = w.proc.exitcode
             self.close()
+            if code == REIMPORT_EXIT_CODE:  # the worker re-ran the user's unguarded main script
+                raise UserError(REIMPORT_MESSAGE)
+            if kind == "crash":
+                raise UserError(f"an environment worker exited before it started: {message}")
             raise UserError(f"an environment worker did not start within {STARTUP_TIMEOUT_S:g}s ({message})")
         culprit = w.job[1] if w.job is not None else None
         if culprit is not None:

@@ -141,7 +141,7 @@ def _iter_parquet(path: Path) -> Iterator[RawRow]:
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError(
-            f"{path}: reading Parquet needs pyarrow; install it with `pip install 'polyrl[data]'`"
+            f"{path}: reading Parquet needs pyarrow; install it with `pip install -e '.[data]'` in the polyrl clone"
         ) from None
     try:
         table = pq.read_table(path)
@@ -175,7 +175,8 @@ def _import_datasets(what: str):
         import datasets
     except ImportError:
         raise DataError(
-            f"{what} needs the Hugging Face `datasets` package; install it with `pip install 'polyrl[data]'`"
+            f"{what} needs the Hugging Face `datasets` package; install it with `pip install -e '.[data]'` in the "
+            "polyrl clone"
         ) from None
     return datasets
 

@@ -391,7 +391,8 @@ class OfflineRun:
         }
         summary = log.close(extra=extra)
         out = self.out
-        print(f"final model: {final}  metrics: {out / 'metrics.jsonl'}  plot: {out / 'metrics.png'}", file=self.stream)
+        plot = f"  plot: {log.plot}" if log.plot is not None else ""
+        print(f"final model: {final}  metrics: {out / 'metrics.jsonl'}{plot}", file=self.stream)
         return summary
 
 

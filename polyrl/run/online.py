@@ -490,7 +490,8 @@ class OnlineRun(DataParallelSteps):
             if vals:
                 extra[f"final_{key}"] = vals[-1]
         summary = log.close(extra=extra)
-        self.print(f"final model: {final}  metrics: {self.out / 'metrics.jsonl'}  plot: {self.out / 'metrics.png'}")
+        plot = f"  plot: {log.plot}" if log.plot is not None else ""
+        self.print(f"final model: {final}  metrics: {self.out / 'metrics.jsonl'}{plot}")
         return summary
 
 

@@ -15,7 +15,7 @@ API::
     run_server("path/to/model", ServeConfig(port=8000), engine_config=RolloutConfig(...))   # foreground
 
 One engine thread drives ``llm.step()``; do not call ``llm.generate`` on the same engine while it serves.
-FastAPI and uvicorn are imported only when an app is built (``pip install 'polyrl[serve]'``). Not here:
+FastAPI and uvicorn are imported only when an app is built (``pip install -e '.[serve]'`` in the clone). Not here:
 the engine (``polyrl.infer``), argument parsing (``polyrl.cli.serve``).
 """
 

@@ -26,9 +26,7 @@ from rich.table import Table
 DEFAULT_PLOT_SERIES = ("loss", "lr", "grad_norm")
 LINE_WIDTH = 80  # the plain progress line's width (a log file or a pipe has no terminal width)
 BAR_WIDTH = 12  # the rich bar's own columns
-NO_PLOT_NOTICE = (
-    "metrics.png not drawn: matplotlib is not installed (pip install 'polyrl[plot]'); the numbers are in metrics.jsonl"
-)
+NO_PLOT_NOTICE = "metrics.png not drawn: matplotlib is not installed (pip install -e '.[plot]' in the polyrl clone); the numbers are in metrics.jsonl"
 
 
 class MetricsLogger:
@@ -166,8 +164,9 @@ class MetricsLogger:
         self._file.close()
         summary = self.summary(extra)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        self.plot = None  # the drawn metrics.png, if any
         try:
-            plot_metrics(self.history, self.run_dir / "metrics.png", self.plot_series)
+            self.plot = plot_metrics(self.history, self.run_dir / "metrics.png", self.plot_series)
         except ImportError:  # the optional plot extra: the run itself is done
             print(NO_PLOT_NOTICE, file=self.stream)
         if print_table:

@@ -37,7 +37,7 @@ def missing_dependency() -> str | None:
         except ImportError:
             absent.append(name)
     if absent:
-        return f"{', '.join(absent)} not installed (pip install 'polyrl[serve]' openai)"
+        return f"{', '.join(absent)} not installed (pip install -e '.[serve]' openai in the polyrl clone)"
     if importlib.util.find_spec("polyrl.server.launch") is None:
         return "polyrl.server is not part of this build"
     return None

@@ -26,7 +26,7 @@ def test_import_without_fastapi_then_clear_error_on_build():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "ERR" in out.stdout and "pip install 'polyrl[serve]'" in out.stdout and "fastapi" in out.stdout
+    assert "ERR" in out.stdout and "pip install -e '.[serve]'" in out.stdout and "fastapi" in out.stdout
 
 
 @pytest.mark.parametrize(

@@ -96,8 +96,9 @@ def test_missing_matplotlib_is_a_one_line_notice(tmp_path, monkeypatch):
     assert summary["steps"] == 2 and (tmp_path / "summary.json").is_file()
     assert not (tmp_path / "metrics.png").exists()
     notice = [line for line in out.getvalue().splitlines() if "matplotlib" in line]
-    assert notice == ["metrics.png not drawn: matplotlib is not installed (pip install 'polyrl[plot]'); "
-                      "the numbers are in metrics.jsonl"]  # fmt: skip
+    assert notice == ["metrics.png not drawn: matplotlib is not installed (pip install -e '.[plot]' in the polyrl "
+                      "clone); the numbers are in metrics.jsonl"]  # fmt: skip
+    assert log.plot is None  # the run's last line names no plot
 
 
 def test_plain_progress_line_fits_80_columns(tmp_path):
