@@ -33,7 +33,8 @@ def require_serve_deps() -> None:
             importlib.import_module(name)
         except ImportError as exc:
             raise UserError(
-                f"serving needs {name}, which is not installed ({exc}); run `pip install -e '.[serve]'` in the polyrl clone"
+                f"serving needs {name}, which is not installed ({exc}); run `pip install -e '.[serve]'` in the polyrl "
+                "clone"
             ) from exc
 
 
