@@ -26,7 +26,8 @@ from rich.table import Table
 DEFAULT_PLOT_SERIES = ("loss", "lr", "grad_norm")
 LINE_WIDTH = 80  # the plain progress line's width (a log file or a pipe has no terminal width)
 BAR_WIDTH = 12  # the rich bar's own columns
-NO_PLOT_NOTICE = "metrics.png not drawn: matplotlib is not installed (pip install -e '.[plot]' in the polyrl clone); the numbers are in metrics.jsonl"
+_PLOT_EXTRA = "pip install -e '.[plot]' in the polyrl clone"
+NO_PLOT_NOTICE = f"metrics.png not drawn: matplotlib is not installed ({_PLOT_EXTRA}); the numbers are in metrics.jsonl"
 
 
 class MetricsLogger:
