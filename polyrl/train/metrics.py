@@ -1,9 +1,10 @@
-"""Run metrics: ``metrics.jsonl`` (one flushed JSON object per step), TensorBoard when installed, a rich
-progress bar with ETA (a plain line every N steps when stdout is not a terminal), and at the end a
-``summary.json`` + printed table and a ``metrics.png`` plot of loss, lr and any other named series.
+"""Run metrics: ``metrics.jsonl`` (one flushed JSON object per step), the trackers ``report_to`` names
+(TensorBoard, W&B, MLflow: ``polyrl.train.tracking``; by default TensorBoard when installed), a rich progress
+bar with ETA (a plain line every N steps when stdout is not a terminal), and at the end a ``summary.json`` +
+printed table and a ``metrics.png`` plot of loss, lr and any other named series.
 
 It only records what it is handed (``StepStats`` or plain dicts); it computes no training numbers.
-matplotlib and tensorboard (optional) are imported lazily, so importing this module stays cheap; without
+matplotlib and the trackers' libraries (optional) are imported lazily, so importing this module stays cheap; without
 matplotlib (the ``plot`` extra) the run ends with a one-line notice instead of the plot. The progress line (bar
 or plain) fits the console width (80 columns off a terminal): the step numbers first, then as many of loss,
 SKIPPED, lr, grad norm, tokens/s and MFU as fit.
@@ -23,6 +24,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from polyrl.train.tracking import numeric, open_trackers, parse_report_to
+
 DEFAULT_PLOT_SERIES = ("loss", "lr", "grad_norm")
 LINE_WIDTH = 80  # the plain progress line's width (a log file or a pipe has no terminal width)
 BAR_WIDTH = 12  # the rich bar's own columns
@@ -33,7 +36,10 @@ NO_PLOT_NOTICE = f"metrics.png not drawn: matplotlib is not installed ({_PLOT_EX
 class MetricsLogger:
     """Write per-step metrics into ``run_dir``. ``start_step``: resuming after this step, so records of
     later steps (written by the interrupted run) are dropped from ``metrics.jsonl`` first.
-    ``progress``: None = a rich bar when stdout is a terminal, else a plain line every ``log_every``."""
+    ``progress``: None = a rich bar when stdout is a terminal, else a plain line every ``log_every``.
+    ``report_to``: the trackers (``train.report_to``: a comma list, ``none`` or ``auto``), checked here before
+    anything is written (a ConfigError for an unknown name or a missing library); ``config``: the run config they
+    record (``RunConfig.to_dict()``). ``tensorboard=False`` leaves TensorBoard out whatever ``report_to`` says."""
 
     def __init__(
         self,
@@ -43,10 +49,13 @@ class MetricsLogger:
         log_every: int = 10,
         start_step: int = 0,
         progress: bool | None = None,
+        report_to: str | Sequence[str] = "auto",
+        config: dict[str, Any] | None = None,
         tensorboard: bool = True,
         plot_series: Sequence[str] = DEFAULT_PLOT_SERIES,
         stream: Any = None,
     ) -> None:
+        trackers = [n for n in parse_report_to(report_to) if tensorboard or n != "tensorboard"]
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -58,7 +67,7 @@ class MetricsLogger:
         self._file = self.path.open("a")
         self._t0 = time.perf_counter()
         self._start_step = start_step
-        self._tb = self._open_tensorboard() if tensorboard else None
+        self._trackers = open_trackers(self.run_dir, trackers, config, start_step)
         use_bar = progress if progress is not None else bool(getattr(self.stream, "isatty", lambda: False)())
         self._bar = self._open_bar(start_step) if use_bar else None
 
@@ -76,14 +85,6 @@ class MetricsLogger:
                 kept.append(rec)
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         return kept
-
-    def _open_tensorboard(self) -> Any:
-        try:
-            # lazy: TensorBoard is optional (and pulls in torch); loaded only when a run logs to it
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            return None
-        return SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
 
     def _open_bar(self, start_step: int) -> Any:
         console = Console(file=self.stream)
@@ -106,16 +107,16 @@ class MetricsLogger:
     # ---- per step -----------------------------------------------------------------------------
     def log(self, record: Any) -> dict[str, Any]:
         """Append one step's record (``StepStats`` or a dict with ``step``); returns the dict written."""
-        rec = record.to_dict() if hasattr(record, "to_dict") else dict(record)
-        rec = {k: _jsonable(v) for k, v in rec.items()}
+        raw = record.to_dict() if hasattr(record, "to_dict") else dict(record)
+        rec = {k: _jsonable(v) for k, v in raw.items()}
         self._file.write(json.dumps(rec) + "\n")
         self._file.flush()
         self.history.append(rec)
         step = int(rec.get("step", len(self.history)))
-        if self._tb is not None:
-            for key, value in rec.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
-                    self._tb.add_scalar(f"train/{key}", value, step)
+        if self._trackers:
+            values = numeric(raw)  # before _jsonable: a NaN stays a number here
+            for tracker in self._trackers:
+                tracker.log(values, step)
         if self._bar is not None:
             self._bar.update(self._task, completed=step, info=_short(rec, self._info_width))
         elif step % self.log_every == 0 or step == self.total_steps:
@@ -155,16 +156,18 @@ class MetricsLogger:
         return out
 
     def close(self, extra: dict[str, Any] | None = None, print_table: bool = True) -> dict[str, Any]:
-        """Stop the bar, write ``summary.json`` and ``metrics.png``, print the summary table."""
+        """Stop the bar, write ``summary.json`` and ``metrics.png``, hand the summary to the trackers and end their
+        runs (failed when ``extra``'s status says so), print the summary table."""
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
         self._file.close()
         summary = self.summary(extra)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        ok = not str(summary.get("status", "finished")).startswith("failed")
+        trackers, self._trackers = self._trackers, []
+        for tracker in trackers:
+            tracker.finish(summary, ok)
         self.plot = None  # the drawn metrics.png, if any
         try:
             self.plot = plot_metrics(self.history, self.run_dir / "metrics.png", self.plot_series)
