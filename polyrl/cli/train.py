@@ -42,6 +42,7 @@ FLAG_KEYS: dict[str, str] = {
     "eval_every": "train.eval_every",
     "eval_data": "train.eval_data",
     "log_every": "train.log_every",
+    "report_to": "train.report_to",
     "lr": "optim.lr",
     "weight_decay": "optim.weight_decay",
     "grad_clip": "optim.grad_clip",
@@ -122,6 +123,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-every", type=int, help="eval loss every N steps (on --eval-data or the held-out part)")
     g.add_argument("--eval-data", metavar="SPEC", help="dataset for the eval loss")
     g.add_argument("--log-every", type=int, help="print a progress line every N steps when not on a terminal")
+    g.add_argument(
+        "--report-to",
+        metavar="LIST",
+        help="experiment trackers: a comma list of tensorboard, wandb, mlflow, or none (default auto: tensorboard "
+        "when installed)",
+    )
     g = parser.add_argument_group("optimizer")
     g.add_argument("--lr", type=float, help="peak learning rate (default 1e-5)")
     g.add_argument("--weight-decay", type=float)

@@ -7,7 +7,7 @@ File layout (every table optional; see ``examples/sft_arithmetic.toml``)::
     model = "path/to/hf"    # HF folder
     out = "runs/name"       # run directory
     seed = 0                # default for data.seed and engine.seed
-    [train]      max_steps / epochs, eval_every, eval_data, log_every      (LoopConfig)
+    [train]      max_steps / epochs, eval_every, eval_data, log_every, report_to      (LoopConfig)
     [data]       polyrl.data.DataConfig            [optim]      polyrl.train.OptimConfig
     [schedule]   polyrl.train.ScheduleConfig       [precision]  polyrl.train.PrecisionConfig
     [engine]     polyrl.train.StepConfig         [checkpoint] polyrl.train.CheckpointConfig
@@ -45,6 +45,7 @@ from polyrl.models.decoder import DecoderOptions
 from polyrl.models.lora import LoraConfig, base_model_path, is_adapter_dir, make_lora_config, read_adapter_config
 from polyrl.run.episodes import EpisodeConfig, episode_tables
 from polyrl.train.config import CheckpointConfig, OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig
+from polyrl.train.tracking import parse_report_to
 
 RESOLVED_NAME = "run_config.json"
 TOP_LEVEL = ("algo", "model", "out", "seed", "resume")
@@ -54,7 +55,10 @@ TOP_LEVEL = ("algo", "model", "out", "seed", "resume")
 class LoopConfig:
     """The ``[train]`` table. ``max_steps`` (optimizer steps) wins over ``epochs`` when both are set (as in
     TRL); neither means one epoch. ``eval_every`` > 0 computes the loss on ``eval_data`` (a data spec; None:
-    the held-out part, ``data.holdout`` or a builtin's ``@test``) every that many steps."""
+    the held-out part, ``data.holdout`` or a builtin's ``@test``) every that many steps. ``report_to``: the
+    experiment trackers (``polyrl.train.tracking``): a comma list of tensorboard, wandb, mlflow (a TOML list works
+    too), ``none``, or ``auto`` (TensorBoard when installed); each named library is checked here, before any model
+    loads."""
 
     max_steps: int | None = None
     epochs: float | None = None
@@ -62,6 +66,7 @@ class LoopConfig:
     eval_data: str | None = None
     log_every: int = 10
     save_final_model: bool = True
+    report_to: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_steps is not None and (not _is_int(self.max_steps) or self.max_steps < 1):
@@ -76,6 +81,9 @@ class LoopConfig:
             raise ConfigError(f"train.eval_every must be a non-negative integer, got {self.eval_every!r}")
         if not _is_int(self.log_every) or self.log_every < 1:
             raise ConfigError(f"train.log_every must be a positive integer, got {self.log_every!r}")
+        if not isinstance(self.report_to, str) or self.report_to.strip() != "auto":
+            names = parse_report_to(self.report_to)
+            self.report_to = ",".join(names) or "none"
 
 
 def _is_int(v: Any) -> bool:

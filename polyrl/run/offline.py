@@ -363,6 +363,7 @@ class OfflineRun:
             log = MetricsLogger(
                 self.out, self.steps, log_every=cfg.train.log_every, start_step=self.start,
                 plot_series=(*series, *self.spec.plot_series), stream=self.stream,
+                report_to=cfg.train.report_to, config=cfg.to_dict(),
             )  # fmt: skip
         try:
             for step in range(self.start, self.steps):

@@ -436,6 +436,8 @@ class OnlineRun(DataParallelSteps):
                 start_step=self.start,
                 plot_series=series,
                 stream=self.stream_out,
+                report_to=cfg.train.report_to,
+                config=cfg.to_dict(),
             )
         config_dict = cfg.to_dict()
         model = self.policy.model
