@@ -219,12 +219,14 @@ h1{font-size:20px;margin:0}h2{font-size:16px;margin:14px 0 8px}
  font-size:11px;padding:2px 6px;border-radius:4px;pointer-events:none;display:none;white-space:pre}
 #step-bar{display:flex;gap:8px;align-items:center;margin-bottom:8px}
 #step-note{color:var(--muted);font-size:12px}
-#browser{display:grid;grid-template-columns:minmax(280px,380px) 1fr;gap:12px;align-items:start}
+#browser{display:grid;grid-template-columns:minmax(0,440px) minmax(0,1fr);gap:12px;align-items:start}
+#sample-list{overflow-x:auto}
 #sample-list table{border-collapse:collapse;width:100%;font-size:12px}
 #sample-list th,#sample-list td{border-bottom:1px solid var(--line);padding:3px 6px;text-align:left}
 #sample-list tr.row{cursor:pointer}#sample-list tr.row:hover{background:var(--panel)}
 #sample-list tr.open{background:#ddf4ff}
-#sample-list td.snippet{max-width:160px;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;color:var(--muted)}
+#sample-list td{white-space:nowrap}
+#sample-list td.snippet{max-width:130px;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;color:var(--muted)}
 #sample-view{border:1px solid var(--line);border-radius:6px;padding:8px 12px;min-height:120px}
 #sample-view .facts{display:flex;gap:14px;flex-wrap:wrap;font-size:13px;margin-bottom:6px}
 #sample-view .facts b{font-weight:600}

@@ -90,6 +90,7 @@ def _grpo(model_dir, out, **kw):
 
 @pytest.fixture(scope="module")
 def grpo_run(tiny_model_dir, tmp_path_factory):
+    _chromium()  # no browser: fail before training
     out = tmp_path_factory.mktemp("viewer") / "grpo"
     _grpo(tiny_model_dir, out)
     return out
@@ -111,6 +112,7 @@ def test_rollout_sample_is_bounded_seeded_and_resume_safe(tmp_path):
 
 
 def test_viewer_draws_curves_and_opens_a_sample_in_chromium(grpo_run, tiny_model_dir, tmp_path):
+    _chromium()  # before any run: no browser fails at once
     rows = read_rows(grpo_run / "rollouts.jsonl")
     assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2]  # 3 of the 4 samples of each step
     r = next(r for r in rows if r["step"] == 2)
@@ -152,6 +154,7 @@ def test_viewer_draws_curves_and_opens_a_sample_in_chromium(grpo_run, tiny_model
 
 
 def test_viewer_opens_an_agent_episode_in_chromium(tiny_model_dir, tmp_path):
+    _chromium()
     out = tmp_path / "agent"
     fit(
         "grpo", tiny_model_dir, "builtin:arithmetic?max=9&n=16", out, seed=0,
