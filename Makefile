@@ -25,8 +25,14 @@ lint: $(STAMP)
 	$(PY) -m ruff check polyrl tests
 	$(PY) -m ruff format --check polyrl tests
 
+# The run viewer's test drives a headless chromium and fails (never skips) without one: installed here where apt-get
+# works (Debian CI runs as root); elsewhere a notice, and tests/run/test_viewer.py says how to install it.
+BROWSER_CHECK := command -v chromium || command -v chromium-browser || command -v google-chrome
 # pytest exits 5 when a selection holds no test (e.g. `make gpu-test` on a CPU-only machine): reported, not failed.
 test: lint
+	@($(BROWSER_CHECK)) >/dev/null || (command -v apt-get >/dev/null && (apt-get update -qq && \
+	apt-get install -y -qq chromium) >/dev/null 2>&1) || echo "no chromium and apt-get could not install it: \
+	tests/run/test_viewer.py will fail (install chromium, or set POLYRL_CHROMIUM)"
 	$(PY) -m pytest -q --timeout=900 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no test for this selection"; exit 0; fi; exit $$rc
 

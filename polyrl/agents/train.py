@@ -6,7 +6,8 @@ is: each episode is ONE training ``Sample`` (opening prompt + every later token,
 tokens only, ``logprobs`` = the engine's log-probs of exactly those tokens: the old log-probs, no re-tokenisation),
 ``group`` = its prompt, so GRPO's group advantages compare the ``samples_per_prompt`` episodes of one prompt, and the
 loss, the mismatch measurement, checkpoints and exact resume are the online loop's. The episode reward is the
-environment's (``reward`` is unused). Metrics per step: ``reward``, ``episode/turns``, ``episode/tool_calls``,
+environment's (``reward`` is unused). ``rollout_row`` puts an episode's turns, tool calls and observations into
+the run's ``rollouts.jsonl`` (``polyrl view``). Metrics per step: ``reward``, ``episode/turns``, ``episode/tool_calls``,
 ``episode/tool_call_rate`` (episodes with at least one call), ``episode/invalid_tool_calls``,
 ``episode/tool_errors``, ``episode/length``, status fractions, ``env_failures``; evaluation (``train.eval_every``)
 runs greedy episodes on the held-out prompts (``eval_reward``, ``eval_tool_call_rate``).
@@ -129,6 +130,7 @@ class EpisodeSteps:
         eps = self.episodes([self.views[i] for i in idx], self.a.samples_per_prompt, self.sampling, seeds)
         t1 = time.perf_counter()
         kept = [e for e in eps if e.trainable]
+        self._step_episodes = kept  # sample i is kept[i]: rollout_row describes it
         samples = [e.to_sample() for e in kept]
         rewards = [e.reward for e in kept]
         policy_tokens = [float(sum(e.mask)) for e in kept]
@@ -152,6 +154,23 @@ class EpisodeSteps:
         if not samples:
             raise ConfigError(f"step {step + 1}: no episode could start (every reset failed: {bad and bad.error})")
         return samples, rewards, m
+
+    def rollout_row(self, i: int, sample: Any) -> dict[str, Any]:
+        """Episode ``i`` of this step for ``rollouts.jsonl``: the transcript after the opening prompt as tokens (with
+        the policy mask) and as OpenAI messages (assistant turns, tool calls, tool observations)."""
+        e = self._step_episodes[i]
+        row = super().rollout_row(i, sample)
+        row.update(
+            kind="episode",
+            completion=self.tokenizer.decode(e.ids),
+            finish_reason=e.status,
+            mask=list(e.mask),
+            messages=e.messages,
+            status=e.status,
+            error=e.error,
+            metrics=dict(e.metrics),
+        )
+        return row
 
     def evaluate(self) -> dict[str, float]:
         _, _, views = self.eval_set

@@ -39,6 +39,7 @@ class OnlineConfig:
     # free the KV cache while training (True), keep it and its CUDA graphs across steps (False), or "auto": keep it
     # on an accelerator when it takes at most a quarter of the device memory (colocated.KEEP_KV_FRACTION)
     release_kv: bool | str = "auto"
+    rollouts_to_save: int = 8  # samples per step written to rollouts.jsonl for `polyrl view` (seeded); 0 = none
 
     def table_name(self) -> str:
         return "online"
@@ -52,6 +53,10 @@ class OnlineConfig:
                 raise ConfigError(f"{name}.{key} must be a positive integer, got {v!r}")
         if self.mini_batches > self.prompts_per_step * self.samples_per_prompt:
             raise ConfigError(f"{name}.mini_batches ({self.mini_batches}) exceeds the samples per step")
+        if not isinstance(self.rollouts_to_save, int) or isinstance(self.rollouts_to_save, bool):
+            raise ConfigError(f"{name}.rollouts_to_save must be an integer >= 0, got {self.rollouts_to_save!r}")
+        if self.rollouts_to_save < 0:
+            raise ConfigError(f"{name}.rollouts_to_save must be >= 0 (0 = none), got {self.rollouts_to_save}")
         if self.release_kv not in (True, False, "auto"):
             raise ConfigError(f'{name}.release_kv must be true, false or "auto", got {self.release_kv!r}')
         if not self.temperature > 0:

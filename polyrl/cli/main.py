@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("polyrl.cli.validate", "run the validation levels and write a compatibility report"),
     "bench": ("polyrl.cli.bench", "benchmark polyrl against baselines in one run"),
     "compat": ("polyrl.cli.compat", "render the compatibility matrix from compat/*.json"),
+    "view": ("polyrl.cli.view", "the run viewer: curves and sampled rollouts of a run as one HTML page"),
     "demo": ("polyrl.cli.demo", "the embedded demo: tiny model, bundled data, CPU is fine"),
 }
 

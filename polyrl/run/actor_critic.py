@@ -149,6 +149,7 @@ class ActorCriticRun(OnlineRun):
         mine = [i for g in groups for i in g]
         plain = [b for g in groups for b in pack_samples(samples, None, budget, g)]
         lps, ents = self.policy.logprobs(samples, a.temperature, entropy=True, batches=plain)
+        self.measured_logprobs = lps  # rollouts.jsonl's trainer log-probs
         rollout_lp = [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples]
         old = rollout_lp if a.old_logprobs == "rollout" else lps
         values = self.critic.values(self.even_out([plain], samples, keep[0])[0], len(samples))

@@ -17,7 +17,9 @@ One RL step, each stage a method of ``OnlineRun`` so an algorithm can override o
 4. ``update(...)``: ``ppo_epochs`` x ``mini_batches`` optimizer steps, loss from ``hooks.make_loss``.
 5. metrics (reward, response length, truncation, KL, mismatch, entropy, clip fraction, time split rollout /
    reward / logprob / train), evaluation every ``train.eval_every`` steps on held-out prompts (greedy mean reward and
-   exact-match accuracy), atomic checkpoints with the data position (exact resume), ``metrics.png``, summary.
+   exact-match accuracy), atomic checkpoints with the data position (exact resume), ``metrics.png``, summary, and a
+   seeded sample of ``rollouts_to_save`` rollouts per step in ``rollouts.jsonl`` for ``polyrl view``
+   (``polyrl.run.rollout_log``: texts, rewards, the rollout's and, when measured, the trainer's per-token log-probs).
 
 Under torchrun (``polyrl train --nproc-per-node N``) the policy is FSDP2-sharded (a LoRA policy: replicated, see
 ``polyrl.train.parallel.replicate``) and the run is data-parallel: the prompt stream, the seeds and so the sampled
@@ -71,6 +73,7 @@ from polyrl.run.offline import (
     resume_point,
     tokenizer_path,
 )
+from polyrl.run.rollout_log import RolloutLog, chosen, spread, token_strings
 from polyrl.train import parallel as par
 from polyrl.train.metrics import MetricsLogger
 
@@ -151,6 +154,11 @@ class OnlineRun(DataParallelSteps):
         self.start = 0
         if self.start_point is not None:
             self._resume()
+        # the sampled rollouts for `polyrl view` (rank 0); rows of steps after a resumed checkpoint are dropped
+        self.rollout_log = None
+        if self.world.is_main and a.rollouts_to_save > 0:
+            self.rollout_log = RolloutLog(self.out, self.start)
+        self.measured_logprobs: list[Any] | None = None  # the trainer's per-sample log-probs of this step, if measured
 
     def rollout_config(self) -> RolloutConfig:
         """The rollout engine sized for this run: the longest prompt plus the longest generation (an episode's
@@ -328,6 +336,7 @@ class OnlineRun(DataParallelSteps):
         plain = [b for g in groups for b in pack_samples(samples, None, budget, g)]
         T = self.a.temperature
         lps, ents = self.policy.logprobs(samples, T, entropy=True, batches=plain)
+        self.measured_logprobs = lps
         refs = None
         if self.policy.ref_model is not None:
             refs, _ = self.policy.logprobs(samples, T, model=self.policy.ref_model, batches=plain)
@@ -408,12 +417,15 @@ class OnlineRun(DataParallelSteps):
         samples, rewards, rec = self.collect(step)
         adv, keep, adv_metrics = self.hooks.advantages(rewards, [s.group for s in samples])
         rec.update(adv_metrics)
+        self.measured_logprobs = None
         if keep:
             batches, m = self.prepare(step, samples, adv, keep)
             rec.update(m)
             rec.update(self.update(batches))
         else:
             rec["update_skipped"] = 1.0
+        self.save_rollouts(step, samples, rewards, adv)
+        self.measured_logprobs = None
         rec["step"] = step + 1
         rec["epoch"] = self.data.epochs
         e = self.cfg.train.eval_every
@@ -421,6 +433,40 @@ class OnlineRun(DataParallelSteps):
             rec.update(self.evaluate())
         rec["time_s"] = time.perf_counter() - t0
         return rec
+
+    # ---- the sampled rollouts (rollouts.jsonl) -------------------------------------------------------------
+    def save_rollouts(self, step: int, samples: list[Sample], rewards: list[float], adv: list[Any]) -> None:
+        """Write ``rollouts_to_save`` seeded samples of step ``step`` (0-based) to ``rollouts.jsonl`` (rank 0)."""
+        if self.rollout_log is None:
+            return
+        lps = self.measured_logprobs
+        rows = []
+        for i in chosen(self.cfg.seed, step, len(samples), self.a.rollouts_to_save):
+            s = samples[i]
+            a = adv[i] if i < len(adv) else None
+            row = {
+                "step": step + 1,
+                "sample": i,
+                "group": s.group,
+                "reward": float(rewards[i]),
+                "advantage": float(a) if isinstance(a, (int, float)) else None,
+                **self.rollout_row(i, s),
+            }
+            measured = lps[i] if lps is not None and i < len(lps) else None
+            row["trainer_logprobs"] = spread(measured, s.mask, len(s.completion_ids))
+            rows.append(row)
+        self.rollout_log.write(rows)
+
+    def rollout_row(self, i: int, sample: Sample) -> dict[str, Any]:
+        """The text and per-token fields of sample ``i`` of this step (an episode producer adds its turns)."""
+        return {
+            "kind": "completion",
+            "prompt": self.tokenizer.decode(sample.prompt_ids),
+            "completion": sample.text or self.tokenizer.decode(sample.completion_ids),
+            "finish_reason": sample.finish_reason,
+            "tokens": token_strings(self.tokenizer, sample.completion_ids),
+            "logprobs": spread(sample.logprobs, sample.mask, len(sample.completion_ids)),
+        }
 
     # ---- the run ------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -471,6 +517,8 @@ class OnlineRun(DataParallelSteps):
         finally:
             if self.pool is not None:
                 self.pool.close()
+            if self.rollout_log is not None:
+                self.rollout_log.close()
         if log is None:
             return {"status": "finished", "rank": world.rank}
         h = log.history

@@ -1,0 +1,36 @@
+"""``polyrl view RUN_DIR [--out FILE.html] [--serve [--port P]]``: the run viewer.
+
+Writes one self-contained HTML page (default ``RUN_DIR/viewer.html``): curves of the run's metrics and a browser of
+the rollouts and agent episodes it sampled (``rollouts.jsonl``). ``--serve`` serves the page on localhost instead
+(re-rendered per request: a reload shows a live run's new steps) until Ctrl-C. A thin wrapper over
+``polyrl.run.viewer``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from polyrl.run.viewer import MAX_ROLLOUT_STEPS, serve, write_page
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run's --out directory (metrics.jsonl, rollouts.jsonl)")
+    parser.add_argument("--out", default=None, help="the HTML file to write (default RUN_DIR/viewer.html)")
+    parser.add_argument("--serve", action="store_true", help="serve the page on localhost until Ctrl-C")
+    parser.add_argument("--port", type=int, default=8765, help="--serve's port (default 8765; 0 = any free one)")
+    parser.add_argument("--host", default="127.0.0.1", help="--serve's address (default 127.0.0.1: this machine)")
+    parser.add_argument(
+        "--rollout-steps",
+        type=int,
+        default=MAX_ROLLOUT_STEPS,
+        help=f"at most this many steps of rollouts in the page, evenly spaced (default {MAX_ROLLOUT_STEPS})",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.serve:
+        serve(args.run_dir, args.port, args.host, args.rollout_steps)
+        return 0
+    path = write_page(args.run_dir, args.out, args.rollout_steps)
+    print(f"wrote {path} (open it in a browser)")
+    return 0
