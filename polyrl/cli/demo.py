@@ -1,8 +1,9 @@
-"""``polyrl demo`` (``make demo``): SFT then GRPO on the CPU in about three minutes.
+"""``polyrl demo`` (``make demo``): SFT on flawed demonstrations, then GRPO fixes them, on the CPU in a few minutes.
 
 It creates a small random model with polyrl's own ``init-model`` (ChatML tokenizer), measures held-out
 exact-match accuracy on a builtin arithmetic task with greedy decoding through the rollout engine, trains
-it with ``polyrl train --algo sft`` machinery (the same RunConfig and runner) part of the way, measures again,
+it with ``polyrl train --algo sft`` machinery (the same RunConfig and runner) on demonstrations of which 60% are
+off by one (the task's ``noise``), measures again,
 then trains it further with ``polyrl train --algo grpo`` (exact-match reward on the same task's train prompts),
 prints the mean sampled reward curve, and measures a last time. The demo is a list of stages (``STAGES``); each
 takes the ``DemoState``, trains or evaluates, and moves ``state.model_dir`` on to the model the next stage starts
@@ -22,6 +23,7 @@ from typing import Any
 
 from polyrl import run as runner
 from polyrl.agents.demo import run_demo
+from polyrl.data import builtin
 from polyrl.data.config import DataConfig
 from polyrl.data.dataset import load_prompts
 from polyrl.errors import ConfigError
@@ -30,26 +32,23 @@ from polyrl.models.presets import create_model_from_preset
 from polyrl.run import config as run_config
 from polyrl.run.evaluate import exact_match
 
-# Tuned on this project's 2-core CPU machine (2026-11-29): "What is 57 + 2?" problems (max 99, second operand
-# <= 2), 20% of the problem space held out by hash (57 problems), so every scored problem is one neither stage trained
-# on. SFT is stopped part of the way (125 steps of 1024 tokens, constant lr 1e-3 after 10 warmup steps) so GRPO has
-# room: 40 steps of 32 prompts x 8 samples, two optimizer steps per batch, lr 3e-4 after 5 warmup steps. Measured
-# with ``polyrl demo --seed S`` (held-out exact match after SFT; GRPO mean sampled reward, first 5 -> last 5 steps;
-# held-out after GRPO; wall time, on a machine shared with other jobs):
-#   seed 0: SFT 56.1%, reward 0.545 -> 0.764 (+0.219), GRPO 71.9%, 2m29s
-#   seed 1: SFT 45.6%, reward 0.436 -> 0.685 (+0.249), GRPO 70.2%, 2m01s (7m10s beside another job's tests)
-#   seed 2: SFT 38.6%, reward 0.594 -> 0.825 (+0.231), GRPO 70.2%, 2m43s
-# Why these settings: the SFT recipe of the SFT-only demo (250 steps, cosine lr 2e-3) reached 82-91% and left GRPO
-# nothing to do (reward 0.925 -> 0.950); cosine lr 2e-3 stopped at 100-160 steps was unstable (loss spikes; 3.5-79%
-# across seeds), constant lr 1e-3 gives 39-56% at 125 steps for seeds 0-2. GRPO lr 1e-3 collapsed the reward, 5e-4
-# was unstable, 16 prompts x 8 samples at 2e-4 rose only +0.08..+0.19 in 50 steps; one optimizer step per batch at
-# 4e-4 with 32 prompts gave +0.16..+0.18. RL on a wider task (second operand up to 4 after SFT on <= 2) learned
-# nothing in 30 steps (reward 0.61 -> 0.60): the SFT'd model almost never samples a right answer for an unseen b.
-# (Operands up to 20 with unrestricted second operands stayed under 10% after SFT: unseen sums need real
-# generalisation that a 4M-parameter model does not reach in minutes.)
+# The story: SFT on flawed demonstrations, then RL with a verifier fixes what SFT imitated. The task is "What is
+# 57 + 2?" (max 99, second operand <= 2), 20% of the problem space held out by hash (57 problems neither stage trains
+# on); 60% of the SFT rows demonstrate an answer one too high (``noise=0.6``; the ``answer`` the reward checks stays
+# right), so the SFT'd model's most likely answer is mostly the wrong one while it still samples the right one about
+# 40% of the time: GRPO's exact-match reward has a strong signal and the greedy answer flips. SFT: 125 steps of 1024
+# tokens, constant lr 1e-3 after 10 warmup steps; GRPO: 40 steps of 32 prompts x 8 samples, two optimizer steps per
+# batch, lr 3e-4 after 5 warmup steps. Measured with ``polyrl demo --seed S`` on this project's 2-core CPU machine
+# (2026-12-02; held-out exact match after SFT -> after GRPO, GRPO mean sampled reward first 5 -> last 5 steps):
+#   seed 0: 38.6% -> 89.5%, reward 0.393 -> 0.879
+# Why: without the noise (2026-11-29 recipe) SFT alone reached 39-81% depending on the seed AND the machine (float
+# differences between CPUs change the SFT trajectory), and where it reached ~80% GRPO had nothing left to fix (80.7%
+# -> 78.9% on one machine). With flawed demonstrations SFT's greedy accuracy is capped by what it imitated, whatever
+# the machine, and the gain is RL's own. (Earlier findings still hold: GRPO lr 1e-3 collapsed the reward, 5e-4 was
+# unstable; a wider task than SFT saw gives RL nothing to sample right.)
 DEFAULTS = {
     "preset": "small",
-    "task": "builtin:arithmetic?max=99&max_b=2&ops=+&test=0.2",
+    "task": "builtin:arithmetic?max=99&max_b=2&ops=+&test=0.2&noise=0.6",
     "steps": 125,
     "lr": 1e-3,
     "micro_batch_tokens": 1024,
@@ -105,6 +104,12 @@ def stage_init(state: DemoState) -> None:
     evaluate(state, "before training", show=2)
 
 
+def _noise(task: str) -> float:
+    """The task's fraction of flawed demonstrations (``noise``), 0 when it has none."""
+    _, params, _ = builtin.parse_spec(task)
+    return float(params.get("noise", 0.0))
+
+
 def stage_sft(state: DemoState) -> None:
     """SFT on the task's train split, then the accuracy and a few answers."""
 
@@ -123,7 +128,9 @@ def stage_sft(state: DemoState) -> None:
         "checkpoint": {"every_n_steps": 0, "keep_last_k": 1},
     }
     cfg = run_config.build(raw)
-    state.log(f"SFT: {a.steps} steps on {a.task}, lr {a.lr} (polyrl train --algo sft, run dir {out})")
+    flawed = _noise(a.task)
+    shown = f", {100 * flawed:.0f}% of its demonstrations off by one" if flawed else ""
+    state.log(f"SFT: {a.steps} steps on {a.task}{shown}, lr {a.lr} (polyrl train --algo sft, run dir {out})")
     runner.run(cfg)
     state.model_dir = out / runner.FINAL_DIR
     evaluate(state, "after SFT", show=a.show)

@@ -145,8 +145,8 @@ def generate(spec: str, split: str | None = None, **overrides: Any) -> list[dict
         if pref:
             row["chosen"] = ex["answer"]
             row["rejected"] = task.wrong_answer(rng, ex)
-        else:
-            row["completion"] = ex["answer"]
+        else:  # a task may demonstrate a flawed completion in training rows (arithmetic's noise); tests stay exact
+            row["completion"] = ex.get("completion", ex["answer"]) if not want_test else ex["answer"]
         rows.append(row)
     return rows
 
