@@ -24,6 +24,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -158,6 +159,38 @@ def export_final(cfg: RunConfig, model: nn.Module, world: par.World, tokenizer: 
     if world.distributed:
         return par.export_hf(model, world, out, tokenizer=tokenizer)
     return save_model(model, out, tokenizer=tokenizer)
+
+
+def open_metrics(
+    cfg: RunConfig, out: Path, world: par.World, steps: int, start: int, series: tuple[str, ...], stream: TextIO
+) -> MetricsLogger | None:
+    """Rank 0's ``MetricsLogger`` for a run (None on the other ranks): ``series`` drawn in ``metrics.png``."""
+    if not world.is_main:
+        return None
+    return MetricsLogger(
+        out, steps, log_every=cfg.train.log_every, start_step=start, plot_series=series, stream=stream,
+        report_to=cfg.train.report_to, config=cfg.to_dict(),
+    )  # fmt: skip
+
+
+def run_steps(
+    start: int,
+    steps: int,
+    step: Callable[[int], dict[str, Any]],
+    log: MetricsLogger | None,
+    ckpts: CheckpointManager,
+    save: Callable[[int], None],
+) -> None:
+    """The loop every run shares: ``step(i)`` for i in [start, steps), each record logged, a checkpoint whenever
+    ``ckpts`` asks for one, and the final one."""
+    for i in range(start, steps):
+        rec = step(i)
+        if log is not None:
+            log.log(rec)
+        if ckpts.should_save(i + 1) and i + 1 < steps:
+            save(i + 1)
+    if ckpts.should_save(steps, final=True):
+        save(steps)
 
 
 def total_steps(cfg: RunConfig, batches_per_epoch: int, accumulation: int | None = None) -> int:
@@ -358,22 +391,9 @@ class OfflineRun:
         cfg, world = self.cfg, self.world
         ckpts = open_checkpoints(self.out, cfg, world)
         series = ("loss", "lr", "grad_norm", *(("eval_loss",) if self.eval_data is not None else ()))
-        log = None
-        if world.is_main:
-            log = MetricsLogger(
-                self.out, self.steps, log_every=cfg.train.log_every, start_step=self.start,
-                plot_series=(*series, *self.spec.plot_series), stream=self.stream,
-                report_to=cfg.train.report_to, config=cfg.to_dict(),
-            )  # fmt: skip
+        log = open_metrics(cfg, self.out, world, self.steps, self.start, (*series, *self.spec.plot_series), self.stream)
         try:
-            for step in range(self.start, self.steps):
-                rec = self.step(step)
-                if log is not None:
-                    log.log(rec)
-                if ckpts.should_save(step + 1) and step + 1 < self.steps:
-                    self.save(ckpts, step + 1)
-            if ckpts.should_save(self.steps, final=True):
-                self.save(ckpts, self.steps)
+            run_steps(self.start, self.steps, self.step, log, ckpts, lambda step: self.save(ckpts, step))
             final = export_final(cfg, self.model, world, self.tokenizer)
         except BaseException as exc:
             if log is not None:

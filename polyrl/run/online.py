@@ -67,15 +67,16 @@ from polyrl.run.data_parallel import DataParallelSteps
 from polyrl.run.offline import (
     export_final,
     open_checkpoints,
+    open_metrics,
     place_policy,
     report_stream,
     resume_note,
     resume_point,
+    run_steps,
     tokenizer_path,
 )
 from polyrl.run.rollout_log import RolloutLog, chosen, spread, token_strings
 from polyrl.train import parallel as par
-from polyrl.train.metrics import MetricsLogger
 
 
 class PromptStream:
@@ -473,18 +474,7 @@ class OnlineRun(DataParallelSteps):
         cfg, world = self.cfg, self.world
         ckpts = open_checkpoints(self.out, cfg, world)
         series = ("loss", "lr", "grad_norm", *cfg.spec.plot_series)
-        log = None
-        if world.is_main:
-            log = MetricsLogger(
-                self.out,
-                self.steps,
-                log_every=cfg.train.log_every,
-                start_step=self.start,
-                plot_series=series,
-                stream=self.stream_out,
-                report_to=cfg.train.report_to,
-                config=cfg.to_dict(),
-            )
+        log = open_metrics(cfg, self.out, world, self.steps, self.start, series, self.stream_out)
         config_dict = cfg.to_dict()
         model = self.policy.model
 
@@ -501,14 +491,7 @@ class OnlineRun(DataParallelSteps):
             world.barrier()
 
         try:
-            for step in range(self.start, self.steps):
-                rec = self.step(step)
-                if log is not None:
-                    log.log(rec)
-                if ckpts.should_save(step + 1) and step + 1 < self.steps:
-                    save(step + 1)
-            if ckpts.should_save(self.steps, final=True):
-                save(self.steps)
+            run_steps(self.start, self.steps, self.step, log, ckpts, save)
             final = export_final(cfg, model, world, self.tokenizer)
         except BaseException as exc:
             if log is not None:
