@@ -30,6 +30,7 @@ from polyrl.kernels import (  # noqa: E402,F401  isort: skip
     lora_linear as _lora_linear_pkg,
     skinny_linear as _skinny_linear_pkg,
     qk_norm_rope as _qk_norm_rope_pkg,
+    moe as _moe_pkg,
 )
 
 # The op functions, bound after the op packages so that ``kernels.rmsnorm`` is the function, not its folder.
@@ -40,6 +41,7 @@ from polyrl.kernels.ops import (  # noqa: E402  isort: skip
     dtype_name,
     linear_cross_entropy,
     lora_linear,
+    moe_experts,
     nf4_dequantize,
     nf4_matmul,
     paged_attention,
@@ -78,4 +80,5 @@ __all__ = [
     "lora_linear",
     "skinny_linear",
     "qk_norm_rope",
+    "moe_experts",
 ]

@@ -60,6 +60,19 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _impl("swiglu", gate)(gate, up)
 
 
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """A MoE block's routed experts: x ``[T, H]``, topk_ids int ``[T, k]``, topk_weights ``[T, k]``, gate_up
+    ``[E, 2I, H]`` (gate rows, then up rows), down ``[E, H, I]`` -> ``[T, H]``, each token's k expert SwiGLU MLPs
+    weighted by topk_weights and summed. Spec: ``polyrl/kernels/moe/reference.py``."""
+    return _impl("moe_experts", x)(x, topk_ids, topk_weights, gate_up, down)
+
+
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
