@@ -1,0 +1,505 @@
+"""moe_experts in Triton: grouped GEMMs over tokens sorted by expert, forward and backward, no host sync.
+
+Routing (all on the device, capturable in a CUDA graph): the ``T*k`` (token, slot) pairs are sorted by expert
+(``argsort``, stable), per-expert row counts come from ``scatter_add`` and their ``cumsum`` gives each expert's
+row range in sorted order. Every grouped GEMM is ONE launch over a fixed, host-known grid of
+``cdiv(T*k, BLOCK_M) + min(T*k, E)`` m-tiles (times the n-tiles): a small device-side schedule maps each m-tile
+to (expert, first row); tiles past the last expert's rows run an empty K loop and store nothing.
+
+Forward (three launches after the routing):
+
+1. ``h = x[token] @ gate_up[e]^T`` with SwiGLU fused: each program computes a gate tile and the matching up
+   tile (two accumulators sharing the gathered x tile) and writes ``act = silu(g) * u``; when a gradient is
+   needed it also writes ``h`` (pre-activation) for the backward.
+2. ``y = act @ down[e]^T`` (unweighted rows in sorted order; kept for d topk_weights).
+3. Un-permute fused with the routing weights: ``out[t] = sum_j w[t, j] * y[pos(t, j)]``, gathering each
+   token's k rows (deterministic: no atomics), fp32 sum.
+
+Backward:
+
+- one row pass: ``dys[r] = w[slot] * dy[token]`` and ``d w[slot] = <y[r], dy[token]>``;
+- ``d act = dys @ down[e]`` with the SwiGLU backward fused into the epilogue (reads ``h``, writes ``dh``);
+- ``d down[e] = dys_e^T @ act_e`` and ``d gate_up[e] = dh_e^T @ x[token]_e``: variable-K grouped GEMMs, one
+  program per (expert, output tile) walking that expert's rows (an expert with no rows gets zeros);
+- ``dx_rows = dh @ gate_up[e]`` then the un-permute gather (unweighted) sums each token's k rows.
+
+fp32 inputs use ``input_precision="ieee"`` dots unless ``torch.backends.cuda.matmul.allow_tf32`` is on. Under
+the Triton interpreter (CPU tests) 16-bit operands are upcast to fp32 before ``tl.dot`` (the interpreter's
+bf16 dot multiplies raw bits); on the device they go to the tensor cores as they are.
+
+Not here: expert parallelism, fp8, a persistent/stream-K schedule.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+from polyrl.errors import UserError
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU through its interpreter (``TRITON_INTERPRET=1``)."""
+    return bool(knobs.runtime.interpret)
+
+
+# --- tile configurations ------------------------------------------------------------------------------
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per GEMM; "small" when rows per expert are few (decode).
+# Tuned on the H200 at the Qwen3-30B-A3B expert shapes (see docs/kernels.md, moe_experts).
+CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
+    "up": (128, 64, 64, 8, 4),  # x @ gate_up^T + SwiGLU (two accumulators: BLOCK_N gate + BLOCK_N up columns)
+    "down": (128, 128, 64, 8, 4),  # act @ down^T
+    "dact": (128, 128, 64, 8, 4),  # dys @ down (+ SwiGLU backward)
+    "dx": (128, 128, 64, 8, 4),  # dh @ gate_up
+    "wgrad": (128, 128, 64, 8, 4),  # d down, d gate_up (BLOCK_K = rows per step)
+    "up_small": (16, 64, 128, 4, 4),
+    "rows_small": (16, 128, 128, 4, 4),
+    "wgrad_small": (64, 64, 32, 4, 3),
+}
+_INTERP = (16, 16, 16, 1, 1)
+
+
+def _cfg(name: str, rows_per_expert: float) -> tuple[int, int, int, int, int]:
+    if interpreting():
+        return _INTERP
+    if rows_per_expert < 48:
+        small = {"up": "up_small", "wgrad": "wgrad_small"}.get(name, "rows_small")
+        return CONFIGS[small]
+    return CONFIGS[name]
+
+
+def _prec(dtype: torch.dtype) -> str:
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+# --- kernels -------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _grouped_rows_kernel(
+    a_ptr,  # [rows, K] (gathered through a_idx when GATHER_A)
+    a_idx_ptr,
+    b_ptr,  # per expert: B[e, k, n] at b_ptr + e*stride_be + k*stride_bk + n*stride_bn
+    c_ptr,  # [rows, N] (EPI 0, 1: act) or [rows, 2N] (EPI 2: dh)
+    h_ptr,  # [rows, 2N] pre-activation (EPI 1 writes it when STORE_H, EPI 2 reads it)
+    tile_expert_ptr,
+    tile_row_ptr,
+    offsets_ptr,
+    N,
+    K,
+    stride_am,
+    stride_be,
+    stride_bk,
+    stride_bn,
+    b_up,  # element offset from the gate block to the up block of B (EPI 1)
+    stride_cm,
+    stride_hm,
+    NUM_N,
+    GATHER_A: tl.constexpr,
+    EPI: tl.constexpr,  # 0: store C; 1: SwiGLU forward; 2: SwiGLU backward
+    STORE_H: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_m = pid // NUM_N
+    pid_n = pid % NUM_N
+    e = tl.load(tile_expert_ptr + pid_m)
+    row0 = tl.load(tile_row_ptr + pid_m)
+    row_end = tl.load(offsets_ptr + e + 1)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    if GATHER_A:
+        arows = tl.load(a_idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    else:
+        arows = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + arows[:, None] * stride_am + ks[None, :]
+    b_ptrs = b_ptr + e.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    num_k = tl.where(row0 < row_end, tl.cdiv(K, BLOCK_K), 0)
+    for kk in range(0, num_k):
+        kmask = (kk * BLOCK_K + ks) < K
+        a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if DOT_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+        if EPI == 1:
+            bu = tl.load(b_ptrs + b_up, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            if DOT_F32:
+                bu = bu.to(tl.float32)
+            acc_u = tl.dot(a, bu, acc_u, input_precision=PREC)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+    r64 = rows.to(tl.int64)[:, None]
+    mask = rmask[:, None] & nmask[None, :]
+    if EPI == 0:
+        tl.store(c_ptr + r64 * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+    elif EPI == 1:
+        g16 = acc.to(c_ptr.dtype.element_ty)
+        u16 = acc_u.to(c_ptr.dtype.element_ty)
+        if STORE_H:
+            tl.store(h_ptr + r64 * stride_hm + cols[None, :], g16, mask=mask)
+            tl.store(h_ptr + r64 * stride_hm + N + cols[None, :], u16, mask=mask)
+        g = g16.to(tl.float32)
+        act = g * tl.sigmoid(g) * u16.to(tl.float32)
+        tl.store(c_ptr + r64 * stride_cm + cols[None, :], act.to(c_ptr.dtype.element_ty), mask=mask)
+    else:
+        g = tl.load(h_ptr + r64 * stride_hm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h_ptr + r64 * stride_hm + N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(g)
+        dg = acc * u * sig * (1.0 + g * (1.0 - sig))
+        du = acc * g * sig
+        tl.store(c_ptr + r64 * stride_cm + cols[None, :], dg.to(c_ptr.dtype.element_ty), mask=mask)
+        tl.store(c_ptr + r64 * stride_cm + N + cols[None, :], du.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _grouped_wgrad_kernel(
+    a_ptr,  # [rows, M] row-major (contiguous in m)
+    b_ptr,  # [rows', N] (rows gathered through b_idx when GATHER_B)
+    b_idx_ptr,
+    c_ptr,  # [E, M, N]
+    offsets_ptr,
+    M,
+    N,
+    stride_am,
+    stride_bm,
+    stride_ce,
+    stride_cm,
+    NUM_N,
+    GATHER_B: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``C[e] = A[rows of e]^T @ B[rows of e]``: K is the expert's (variable) row count."""
+    pid = tl.program_id(0)
+    e = tl.program_id(1)
+    pid_m = pid // NUM_N
+    pid_n = pid % NUM_N
+    start = tl.load(offsets_ptr + e)
+    end = tl.load(offsets_ptr + e + 1)
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = ms < M
+    nmask = ns < N
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_K):
+        r = r0 + ks
+        rmask = r < end
+        at = tl.load(
+            a_ptr + r.to(tl.int64)[None, :] * stride_am + ms[:, None], mask=mmask[:, None] & rmask[None, :], other=0.0
+        )
+        if GATHER_B:
+            brows = tl.load(b_idx_ptr + r, mask=rmask, other=0).to(tl.int64)
+        else:
+            brows = r.to(tl.int64)
+        b = tl.load(b_ptr + brows[:, None] * stride_bm + ns[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
+        if DOT_F32:
+            at = at.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(at, b, acc, input_precision=PREC)
+    c = c_ptr + e.to(tl.int64) * stride_ce + ms.to(tl.int64)[:, None] * stride_cm + ns[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr,  # [rows, H] in sorted order
+    pos_ptr,  # [T*k]: sorted position of each (token, slot)
+    w_ptr,  # [T*k] routing weights (HAS_W)
+    out_ptr,  # [T, H]
+    H,
+    k,
+    stride_y,
+    stride_o,
+    HAS_W: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in range(0, k):
+        slot = t.to(tl.int64) * k + j
+        r = tl.load(pos_ptr + slot).to(tl.int64)
+        v = tl.load(y_ptr + r * stride_y + cols, mask=cmask, other=0.0).to(tl.float32)
+        if HAS_W:
+            v = v * tl.load(w_ptr + slot).to(tl.float32)
+        acc += v
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _bwd_rows_kernel(
+    dy_ptr,  # [T, H]
+    y_ptr,  # [rows, H] unweighted expert outputs, sorted order
+    tok_ptr,  # [rows] token of each sorted row
+    order_ptr,  # [rows] (token, slot) index of each sorted row
+    w_ptr,  # [T*k]
+    dys_ptr,  # [rows, H] out: w * dy[token]
+    dw_ptr,  # [T*k] out: <y[r], dy[token]>
+    H,
+    stride_dy,
+    stride_y,
+    stride_dys,
+    NEED_DW: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    tok = tl.load(tok_ptr + r).to(tl.int64)
+    slot = tl.load(order_ptr + r).to(tl.int64)
+    w = tl.load(w_ptr + slot).to(tl.float32)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        cmask = cols < H
+        dy = tl.load(dy_ptr + tok * stride_dy + cols, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(dys_ptr + r * stride_dys + cols, (w * dy).to(dys_ptr.dtype.element_ty), mask=cmask)
+        if NEED_DW:
+            y = tl.load(y_ptr + r * stride_y + cols, mask=cmask, other=0.0).to(tl.float32)
+            acc += dy * y
+    if NEED_DW:
+        tl.store(dw_ptr + slot, tl.sum(acc, axis=0).to(dw_ptr.dtype.element_ty))
+
+
+# --- host side (no host reads: every size below is known from shapes) -------------------------------------
+
+
+class _Routing:
+    """Sorted order of the (token, slot) pairs and per-expert row ranges, all device tensors."""
+
+    def __init__(self, topk_ids: torch.Tensor, num_experts: int):
+        t, k = topk_ids.shape
+        self.n = t * k
+        self.k = k
+        self.num_experts = num_experts
+        flat = topk_ids.reshape(-1).to(torch.int64)
+        order = torch.argsort(flat, stable=True)
+        self.order = order
+        self.token = torch.div(order, k, rounding_mode="floor").to(torch.int32)
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        self.counts = counts
+        offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+        offsets[1:] = torch.cumsum(counts, 0)
+        self.offsets = offsets
+        pos = torch.empty_like(order)
+        pos.scatter_(0, order, torch.arange(self.n, device=flat.device))
+        self.pos = pos
+        self.rows_per_expert = self.n / max(num_experts, 1)
+        self._tiles: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+    def tiles(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(expert of each m-tile, its first sorted row, number of m-tiles) for ``block_m``; the grid is the
+        host-known bound ``cdiv(n, block_m) + min(n, E)``; tiles past the end point at an empty range."""
+        if block_m in self._tiles:
+            return self._tiles[block_m]
+        e_count = self.num_experts
+        max_tiles = triton.cdiv(self.n, block_m) + min(self.n, e_count)
+        dev = self.offsets.device
+        per = torch.div(self.counts + block_m - 1, block_m, rounding_mode="floor")
+        tile_end = torch.cumsum(per, 0)
+        p = torch.arange(max_tiles, device=dev)
+        expert = torch.searchsorted(tile_end, p, right=True)
+        valid = expert < e_count
+        ecl = expert.clamp(max=e_count - 1)
+        first_tile = tile_end[ecl] - per[ecl]
+        row = self.offsets[ecl] + (p - first_tile) * block_m
+        row = torch.where(valid, row, torch.full_like(row, self.n))
+        expert = torch.where(valid, ecl, torch.full_like(ecl, e_count - 1))
+        out = (expert.to(torch.int32), row.to(torch.int32), max_tiles)
+        self._tiles[block_m] = out
+        return out
+
+
+def _rows_gemm(
+    route: _Routing,
+    a: torch.Tensor,
+    a_idx: torch.Tensor | None,
+    b: torch.Tensor,
+    b_strides: tuple[int, int, int],
+    n: int,
+    k: int,
+    out: torch.Tensor,
+    *,
+    cfg: str,
+    epi: int = 0,
+    h: torch.Tensor | None = None,
+    store_h: bool = False,
+    b_up: int = 0,
+) -> None:
+    bm, bn, bk, warps, stages = _cfg(cfg, route.rows_per_expert)
+    tile_expert, tile_row, m_tiles = route.tiles(bm)
+    num_n = triton.cdiv(n, bn)
+    h_arg = h if h is not None else out
+    _grouped_rows_kernel[(m_tiles * num_n,)](
+        a, a_idx if a_idx is not None else tile_row, b, out, h_arg, tile_expert, tile_row, route.offsets,
+        n, k, a.stride(0), *b_strides, b_up, out.stride(0), h_arg.stride(0), num_n,
+        GATHER_A=a_idx is not None, EPI=epi, STORE_H=store_h, DOT_F32=interpreting() and a.dtype != torch.float32,
+        PREC=_prec(a.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
+def _wgrad_gemm(
+    route: _Routing, a: torch.Tensor, b: torch.Tensor, b_idx: torch.Tensor | None, m: int, n: int, out: torch.Tensor
+) -> None:
+    bm, bn, bk, warps, stages = _cfg("wgrad", route.rows_per_expert)
+    num_n = triton.cdiv(n, bn)
+    grid = (triton.cdiv(m, bm) * num_n, route.num_experts)
+    _grouped_wgrad_kernel[grid](
+        a, b, b_idx if b_idx is not None else route.offsets, out, route.offsets, m, n, a.stride(0), b.stride(0),
+        out.stride(0), out.stride(1), num_n, GATHER_B=b_idx is not None,
+        DOT_F32=interpreting() and a.dtype != torch.float32, PREC=_prec(a.dtype),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
+def _combine(y: torch.Tensor, route: _Routing, w: torch.Tensor | None, t: int, h: int, dtype) -> torch.Tensor:
+    out = torch.empty(t, h, device=y.device, dtype=dtype)
+    if t == 0:
+        return out
+    block_h = 128 if interpreting() else 1024
+    _combine_kernel[(t, triton.cdiv(h, block_h))](
+        y, route.pos, w if w is not None else y, out, h, route.k, y.stride(0), out.stride(0),
+        HAS_W=w is not None, BLOCK_H=block_h, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def _forward(x, topk_ids, w_flat, gate_up, down, need_h: bool):
+    t, hidden = x.shape
+    num_experts, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    route = _Routing(topk_ids, num_experts)
+    n = route.n
+    act = torch.empty(n, inter, device=x.device, dtype=x.dtype)
+    h = torch.empty(n, two_i, device=x.device, dtype=x.dtype) if need_h else None
+    y = torch.empty(n, hidden, device=x.device, dtype=x.dtype)
+    if n:
+        # B[e][k, n] = gate_up[e][n, k]; the up block starts I rows further down gate_up[e].
+        _rows_gemm(route, x, route.token, gate_up, (gate_up.stride(0), gate_up.stride(2), gate_up.stride(1)),
+                   inter, hidden, act, cfg="up", epi=1, h=h, store_h=need_h, b_up=inter * gate_up.stride(1))  # fmt: skip
+        _rows_gemm(route, act, None, down, (down.stride(0), down.stride(2), down.stride(1)), hidden, inter, y,
+                   cfg="down")  # fmt: skip
+    out = _combine(y, route, w_flat, t, hidden, x.dtype)
+    return out, route, act, h, y
+
+
+class _MoEExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_ids, topk_weights, gate_up, down):
+        w_flat = topk_weights.reshape(-1).contiguous()
+        need_grad = any(ctx.needs_input_grad)
+        out, route, act, h, y = _forward(x, topk_ids, w_flat, gate_up, down, need_h=need_grad)
+        if need_grad:
+            ctx.route = route
+            ctx.save_for_backward(x, w_flat, gate_up, down, act, h, y)
+        ctx.w_shape, ctx.w_dtype = topk_weights.shape, topk_weights.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w_flat, gate_up, down, act, h, y = ctx.saved_tensors
+        route: _Routing = ctx.route
+        need_x, _, need_w, need_gu, need_down = ctx.needs_input_grad
+        t, hidden = x.shape
+        num_experts, two_i, _ = gate_up.shape
+        inter = two_i // 2
+        n = route.n
+        dy = dy.contiguous()
+        dx = dw = dgu = ddown = None
+        dys = torch.empty(n, hidden, device=x.device, dtype=x.dtype)
+        dw_flat = torch.empty(n, device=x.device, dtype=w_flat.dtype)
+        if n:
+            _bwd_rows_kernel[(n,)](
+                dy, y, route.token, route.order, w_flat, dys, dw_flat, hidden, dy.stride(0), y.stride(0),
+                dys.stride(0), NEED_DW=need_w, BLOCK_H=128 if interpreting() else 1024, num_warps=4,
+            )  # fmt: skip
+        if need_w:
+            dw = dw_flat.reshape(ctx.w_shape).to(ctx.w_dtype)
+        if need_down:
+            ddown = torch.empty(num_experts, hidden, inter, device=x.device, dtype=down.dtype)
+            _wgrad_gemm(route, dys, act, None, hidden, inter, ddown)
+        if need_x or need_gu:
+            dh = torch.empty(n, two_i, device=x.device, dtype=x.dtype)
+            if n:
+                # B[e][k, n] = down[e][k, n]: K = H, N = I; the epilogue turns d act into (d gate, d up).
+                _rows_gemm(route, dys, None, down, (down.stride(0), down.stride(1), down.stride(2)), inter, hidden,
+                           dh, cfg="dact", epi=2, h=h)  # fmt: skip
+            if need_gu:
+                dgu = torch.empty(num_experts, two_i, hidden, device=x.device, dtype=gate_up.dtype)
+                _wgrad_gemm(route, dh, x, route.token, two_i, hidden, dgu)
+            if need_x:
+                dx_rows = torch.empty(n, hidden, device=x.device, dtype=x.dtype)
+                if n:
+                    # B[e][k, n] = gate_up[e][k, n]: K = 2I, N = H.
+                    _rows_gemm(route, dh, None, gate_up, (gate_up.stride(0), gate_up.stride(1), gate_up.stride(2)),
+                               hidden, two_i, dx_rows, cfg="dx")  # fmt: skip
+                dx = _combine(dx_rows, route, None, t, hidden, x.dtype)
+        return dx, None, dw, dgu, ddown
+
+
+def _check(x, topk_ids, topk_weights, gate_up, down) -> None:
+    if x.dim() != 2 or topk_ids.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
+        raise UserError(
+            "moe_experts wants x [T, H], topk_ids [T, k], topk_weights [T, k], gate_up [E, 2I, H], down [E, H, I]; "
+            f"got x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, gate_up {tuple(gate_up.shape)}, "
+            f"down {tuple(down.shape)}"
+        )
+    t, hidden = x.shape
+    num_experts, two_i, h2 = gate_up.shape
+    if (
+        topk_ids.shape[0] != t
+        or tuple(topk_weights.shape) != tuple(topk_ids.shape)
+        or h2 != hidden
+        or two_i % 2
+        or tuple(down.shape) != (num_experts, hidden, two_i // 2)
+    ):
+        raise UserError(
+            f"moe_experts shapes disagree: x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, topk_weights "
+            f"{tuple(topk_weights.shape)}, gate_up {tuple(gate_up.shape)} (want [E, 2I, H]), down "
+            f"{tuple(down.shape)} (want [E, H, I])"
+        )
+    if topk_ids.is_floating_point() or topk_ids.is_complex():
+        raise UserError(f"moe_experts: topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if x.dtype not in _DTYPES or gate_up.dtype != x.dtype or down.dtype != x.dtype:
+        raise UserError(
+            f"moe_experts (triton) wants x, gate_up and down in one of fp32/bf16/fp16, got {x.dtype}, "
+            f"{gate_up.dtype}, {down.dtype}; cast the expert weights to the activation dtype"
+        )
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """Same contract as ``polyrl.kernels.moe.reference.moe_experts``; topk_ids must lie in ``[0, E)`` (not
+    checked: checking would read the device). Differentiable in x, topk_weights, gate_up and down."""
+    _check(x, topk_ids, topk_weights, gate_up, down)
+    # The kernels index rows with a unit inner stride: make the last dims contiguous (no copy when they are).
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    down = down if down.stride(-1) == 1 else down.contiguous()
+    return _MoEExperts.apply(x, topk_ids, topk_weights, gate_up, down)

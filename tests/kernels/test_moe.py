@@ -1,0 +1,279 @@
+"""moe_experts: the reference against a per-token closed form, the Triton grouped-GEMM kernel (forward and the
+four gradients) against the reference in fp64, awkward routings (experts with no tokens, k=1, k=8, T=1),
+non-contiguous inputs, no host reads (CUDA-graph safe), and on the GPU a Qwen3-30B-A3B-like shape and a CUDA
+graph replayed with changing routing.
+
+Under the Triton interpreter fp32 -> bf16 conversions truncate (the device rounds to nearest even), which
+roughly doubles the bf16 error of a chain of roundings; the bf16 checks allow twice the tolerance there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from polyrl.errors import UserError
+from polyrl.kernels import registry
+from polyrl.kernels.moe.reference import moe_experts as ref_moe
+
+GRAD_NAMES = ("y", "dx", "dtopk_weights", "dgate_up", "ddown")
+
+
+def _problem(t, h, inter, e, k, dtype, device, seed=0, empty_experts=()):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g)
+    allowed = torch.tensor([i for i in range(e) if i not in empty_experts])
+    # k distinct experts per token (as top-k routing gives), drawn from the allowed ones
+    ids = torch.stack([allowed[torch.randperm(len(allowed), generator=g)[:k]] for _ in range(t)]).to(torch.int32)
+    w = torch.softmax(torch.randn(t, k, generator=g), -1)
+    gate_up = torch.randn(e, 2 * inter, h, generator=g) * h**-0.5
+    down = torch.randn(e, h, inter, generator=g) * inter**-0.5
+    cast = [v.to(device, dtype) for v in (x, w, gate_up, down)]
+    return cast[0], ids.to(device), cast[1], cast[2], cast[3]
+
+
+def _fwd_bwd(fn, x, ids, w, gate_up, down, dtype=None, seed=1):
+    leaves = [v.detach().clone().to(dtype or v.dtype).requires_grad_(True) for v in (x, w, gate_up, down)]
+    y = fn(leaves[0], ids, leaves[1], leaves[2], leaves[3])
+    gen = torch.Generator().manual_seed(seed)
+    dy = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(y.device, y.dtype)
+    y.backward(dy)
+    return [y.detach()] + [v.grad for v in leaves]
+
+
+def _scale(triton_kernels, dtype):
+    return 2.0 if triton_kernels.interpreted and dtype == torch.bfloat16 else 1.0
+
+
+def _check_all(kernel_check, got, want, dtype, scale=1.0, label=""):
+    for name, a, b in zip(GRAD_NAMES, got, want):
+        assert a is not None, f"{label}{name}: no gradient"
+        assert a.dtype == dtype, f"{label}{name}: dtype {a.dtype} != {dtype}"
+        kernel_check.assert_close(a, b, dtype, f"{label}{name}", scale)
+
+
+# --- the reference -------------------------------------------------------------------------------------------
+
+
+def test_reference_matches_per_token_closed_form():
+    x, ids, w, gu, dn = _problem(6, 16, 8, 5, 3, torch.float64, "cpu", seed=3, empty_experts=(2,))
+    y = ref_moe(x, ids, w, gu, dn)
+    want = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            g, u = (gu[e] @ x[t]).split(8)
+            want[t] += w[t, j] * (dn[e] @ (F.silu(g) * u))
+    torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+
+
+def test_reference_gradients_match_autograd_of_the_closed_form():
+    x, ids, w, gu, dn = _problem(4, 8, 4, 3, 2, torch.float64, "cpu", seed=4)
+
+    def closed(x, ids, w, gu, dn):
+        rows = []
+        for t in range(x.shape[0]):
+            acc = 0
+            for j in range(ids.shape[1]):
+                e = int(ids[t, j])
+                g, u = (gu[e] @ x[t]).split(4)
+                acc = acc + w[t, j] * (dn[e] @ (F.silu(g) * u))
+            rows.append(acc)
+        return torch.stack(rows)
+
+    for a, b, name in zip(_fwd_bwd(ref_moe, x, ids, w, gu, dn), _fwd_bwd(closed, x, ids, w, gu, dn), GRAD_NAMES):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+
+
+# --- the Triton kernel ---------------------------------------------------------------------------------------
+
+CASES = {
+    # name: (T, H, I, E, k, empty experts)
+    "basic": (7, 32, 16, 4, 2, ()),
+    "empty_experts": (9, 32, 24, 6, 2, (0, 3, 5)),
+    "k1": (5, 48, 16, 3, 1, ()),
+    "k8": (6, 32, 16, 10, 8, ()),
+    "decode_T1": (1, 64, 32, 16, 8, ()),
+    "odd_sizes": (11, 40, 20, 5, 3, (4,)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_forward_and_grads_match_reference(triton_kernels, kernel_check, case, dtype):
+    fn = triton_kernels.load("moe", "moe_experts")
+    t, h, inter, e, k, empty = CASES[case]
+    x, ids, w, gu, dn = _problem(t, h, inter, e, k, dtype, triton_kernels.device, seed=len(case), empty_experts=empty)
+    got = _fwd_bwd(fn, x, ids, w, gu, dn)
+    want = _fwd_bwd(ref_moe, x, ids, w, gu, dn, dtype=torch.float64)
+    _check_all(kernel_check, got, want, dtype, _scale(triton_kernels, dtype), f"{case}: ")
+    if empty:
+        assert got[3][list(empty)].abs().max().item() == 0.0, "an expert without tokens must get a zero dgate_up"
+        assert got[4][list(empty)].abs().max().item() == 0.0, "an expert without tokens must get a zero ddown"
+
+
+def test_triton_non_contiguous_inputs(triton_kernels, kernel_check):
+    """Strided x rows, transposed-then-transposed-back weights, routing from a wider [T, 2k] tensor."""
+    fn = triton_kernels.load("moe", "moe_experts")
+    dev = triton_kernels.device
+    x, ids, w, gu, dn = _problem(7, 32, 16, 5, 2, torch.float32, dev, seed=9)
+    x_wide = torch.zeros(7, 64, device=dev)
+    x_wide[:, ::2] = x
+    ids_wide = torch.zeros(7, 4, dtype=torch.int64, device=dev)
+    ids_wide[:, 1::2] = ids
+    w_t = w.t().contiguous().t()  # column-major [T, k]
+    gu_t = gu.transpose(1, 2).contiguous().transpose(1, 2)  # [E, 2I, H] with H not the inner dim
+    dn_t = dn.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not (x_wide[:, ::2].is_contiguous() or ids_wide[:, 1::2].is_contiguous() or gu_t.is_contiguous())
+    got = _fwd_bwd(fn, x_wide[:, ::2], ids_wide[:, 1::2], w_t, gu_t, dn_t)
+    want = _fwd_bwd(ref_moe, x, ids, w, gu, dn, dtype=torch.float64)
+    _check_all(kernel_check, got, want, torch.float32)
+
+
+def test_triton_no_grad_forward_and_partial_grads(triton_kernels, kernel_check):
+    """Inference (no autograd) and a backward where only the weights need gradients (frozen x, fixed routing)."""
+    fn = triton_kernels.load("moe", "moe_experts")
+    x, ids, w, gu, dn = _problem(5, 32, 16, 4, 2, torch.float32, triton_kernels.device, seed=11)
+    with torch.no_grad():
+        kernel_check.assert_close(fn(x, ids, w, gu, dn), ref_moe(x.double(), ids, w.double(), gu.double(),
+                                                                 dn.double()), torch.float32, "no_grad y")  # fmt: skip
+    gu_l, dn_l = gu.clone().requires_grad_(True), dn.clone().requires_grad_(True)
+    y = fn(x, ids, w, gu_l, dn_l)
+    y.sum().backward()
+    gu_r, dn_r = gu.double().requires_grad_(True), dn.double().requires_grad_(True)
+    ref_moe(x.double(), ids, w.double(), gu_r, dn_r).sum().backward()
+    kernel_check.assert_close(gu_l.grad, gu_r.grad, torch.float32, "dgate_up")
+    kernel_check.assert_close(dn_l.grad, dn_r.grad, torch.float32, "ddown")
+
+
+def test_triton_is_deterministic(triton_kernels):
+    fn = triton_kernels.load("moe", "moe_experts")
+    x, ids, w, gu, dn = _problem(9, 32, 16, 3, 3, torch.float32, triton_kernels.device, seed=12)
+    a, b = _fwd_bwd(fn, x, ids, w, gu, dn), _fwd_bwd(fn, x, ids, w, gu, dn)
+    for name, p, q in zip(GRAD_NAMES, a, b):
+        assert torch.equal(p, q), f"{name} differs between two identical calls"
+
+
+def test_triton_reads_nothing_back_to_the_host(triton_kernels, host_reads):
+    fn = triton_kernels.load("moe", "moe_experts")
+    x, ids, w, gu, dn = _problem(6, 32, 16, 4, 2, torch.float32, triton_kernels.device, seed=13, empty_experts=(1,))
+    leaves = [v.clone().requires_grad_(True) for v in (x, w, gu, dn)]
+    with host_reads() as reads:
+        y = fn(leaves[0], ids, leaves[1], leaves[2], leaves[3])
+        y.backward(torch.ones_like(y))
+    assert reads.seen == [], f"host reads (a sync; breaks CUDA-graph capture): {reads.seen}"
+    with host_reads() as reads:
+        ref_moe(x, ids, w, gu, dn)
+    assert "tolist" in reads.seen, "the probe must see the reference's per-expert counts read back"
+
+
+def test_triton_rejects_bad_shapes_and_dtypes(triton_kernels):
+    fn = triton_kernels.load("moe", "moe_experts")
+    x, ids, w, gu, dn = _problem(3, 16, 8, 2, 1, torch.float32, triton_kernels.device)
+    with pytest.raises(UserError, match="down"):
+        fn(x, ids, w, gu, dn[:, :8])
+    with pytest.raises(UserError, match="integer"):
+        fn(x, ids.float(), w, gu, dn)
+    with pytest.raises(UserError, match="cast the expert weights"):
+        fn(x, ids, w, gu.double(), dn)
+
+
+def test_tile_schedule_covers_every_row_once():
+    """The m-tile schedule (host-known grid, device-side expert lookup) visits each expert's rows exactly once
+    and points spare tiles at an empty range."""
+    pytest.importorskip("triton")
+    from polyrl.kernels.moe.triton import _Routing
+
+    ids = torch.tensor([[3, 0], [3, 1], [3, 0], [3, 1], [3, 0]])
+    route = _Routing(ids, 5)
+    assert route.counts.tolist() == [3, 2, 0, 5, 0]
+    expert, row, n_tiles = route.tiles(2)
+    assert n_tiles == 5 + 5  # cdiv(10, 2) + min(10, 5)
+    seen = []
+    for e, r in zip(expert.tolist(), row.tolist()):
+        end = route.offsets[e + 1].item()
+        if r < end:
+            assert route.offsets[e].item() <= r
+            seen.extend(range(r, min(r + 2, end)))
+        else:
+            assert r == 10
+    assert sorted(seen) == list(range(10))
+    # each sorted row's token really routes to the expert that owns the row
+    flat = ids.reshape(-1)
+    assert torch.equal(flat[route.order], torch.repeat_interleave(torch.arange(5), route.counts))
+    assert torch.equal(route.pos[route.order], torch.arange(10))
+
+
+def test_registry_declares_triton_for_cuda_and_reference_everywhere():
+    names = {i.name: i for i in registry.implementations("moe_experts")}
+    assert names["triton"].devices == {"cuda"} and names["triton"].dtypes == {"float32", "bfloat16", "float16"}
+    assert names["triton"].priority > names["grouped_mm"].priority > names["reference"].priority
+    assert registry.select("moe_experts", "cpu", "float32")[0] == "reference"
+
+
+def test_grouped_mm_forward_matches_reference(kernel_check):
+    """The torch._grouped_mm path (registered for CUDA bf16) on whatever device torch runs it on here."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip(f"torch {torch.__version__} has no _grouped_mm")
+    from polyrl.kernels.moe.grouped_mm import moe_experts as gmm
+
+    x, ids, w, gu, dn = _problem(9, 32, 16, 4, 2, torch.bfloat16, "cpu", seed=14, empty_experts=(2,))
+    try:
+        y = gmm(x, ids, w, gu, dn)
+    except RuntimeError as exc:
+        pytest.skip(f"torch._grouped_mm does not run on the CPU here: {exc}")
+    want = ref_moe(x.double(), ids, w.double(), gu.double(), dn.double())
+    kernel_check.assert_close(y, want, torch.bfloat16, "y")
+
+
+# --- GPU ------------------------------------------------------------------------------------------------------
+
+
+def _qwen3_30b_problem(t, dev, seed=0):
+    """Qwen3-30B-A3B's expert block: H=2048, I=768, E=128, k=8; routing from a softmax over random logits."""
+    h, inter, e, k = 2048, 768, 128, 8
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g).to(dev, torch.bfloat16)
+    logits = torch.randn(t, e, generator=g).to(dev)
+    w, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+    w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
+    gu = (torch.randn(e, 2 * inter, h, generator=g) * h**-0.5).to(dev, torch.bfloat16)
+    dn = (torch.randn(e, h, inter, generator=g) * inter**-0.5).to(dev, torch.bfloat16)
+    return x, ids, w, gu, dn
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_qwen3_30b_shape_matches_reference(triton_kernels, kernel_check):
+    fn = triton_kernels.load("moe", "moe_experts")
+    x, ids, w, gu, dn = _qwen3_30b_problem(4096, triton_kernels.device)
+    got = _fwd_bwd(fn, x, ids, w, gu, dn)
+    want = _fwd_bwd(ref_moe, x, ids, w, gu, dn, dtype=torch.float32)
+    _check_all(kernel_check, got, want, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 64])
+def test_gpu_cuda_graph_replay_with_changing_routing(triton_kernels, kernel_check, t):
+    """Capture the forward once (decode: T=1 and a batch of 64), then change the routing and activations in place
+    and replay: the output follows the new routing."""
+    fn = triton_kernels.load("moe", "moe_experts")
+    dev = triton_kernels.device
+    x, ids, w, gu, dn = _qwen3_30b_problem(t, dev, seed=1)
+    with torch.no_grad():
+        fn(x, ids, w, gu, dn)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn(x, ids, w, gu, dn)
+        for seed in (2, 3, 4):
+            x2, ids2, w2, _, _ = _qwen3_30b_problem(t, dev, seed=seed)
+            if seed == 4:  # every token to the same k experts: the other experts get no rows
+                ids2 = torch.arange(8, device=dev).repeat(t, 1) * 3
+            x.copy_(x2)
+            ids.copy_(ids2)
+            w.copy_(w2)
+            graph.replay()
+            torch.cuda.synchronize()
+            want = ref_moe(x.float(), ids, w.float(), gu.float(), dn.float())
+            kernel_check.assert_close(out, want, torch.bfloat16, f"replay seed {seed}")
