@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
 if not hasattr(torch, "_grouped_mm"):  # the registry skips an implementation that fails to load
     raise ImportError(f"torch {torch.__version__} has no torch._grouped_mm (needs torch >= 2.8)")
 

@@ -396,8 +396,9 @@ def _forward(x, topk_ids, w_flat, gate_up, down, need_h: bool):
     y = torch.empty(n, hidden, device=x.device, dtype=x.dtype)
     if n:
         # B[e][k, n] = gate_up[e][n, k]; the up block starts I rows further down gate_up[e].
-        _rows_gemm(route, x, route.token, gate_up, (gate_up.stride(0), gate_up.stride(2), gate_up.stride(1)),
-                   inter, hidden, act, cfg="up", epi=1, h=h, store_h=need_h, b_up=inter * gate_up.stride(1))  # fmt: skip
+        gu_strides = (gate_up.stride(0), gate_up.stride(2), gate_up.stride(1))
+        _rows_gemm(route, x, route.token, gate_up, gu_strides, inter, hidden, act, cfg="up", epi=1, h=h,
+                   store_h=need_h, b_up=inter * gate_up.stride(1))  # fmt: skip
         _rows_gemm(route, act, None, down, (down.stride(0), down.stride(2), down.stride(1)), hidden, inter, y,
                    cfg="down")  # fmt: skip
     out = _combine(y, route, w_flat, t, hidden, x.dtype)
