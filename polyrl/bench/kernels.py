@@ -493,6 +493,66 @@ def bench_skinny_linear(ctx: Ctx) -> list[Case]:
     return cases
 
 
+# Qwen3-30B-A3B's routed experts: hidden, expert intermediate, experts, experts per token; and the tokens of one
+# bench call (a 4096-token micro-batch) whatever --tokens says (the tiny preset on the CPU uses --tokens).
+MOE_SHAPE = {"hidden": 2048, "inter": 768, "experts": 128, "topk": 8}
+MOE_TINY = {"hidden": 64, "inter": 32, "experts": 8, "topk": 2}
+MOE_TOKENS = 4096
+
+
+def _moe_target(fraction: float):
+    def check(rows: dict[str, dict[str, Any]], ctx: Ctx) -> tuple[str, bool | None]:
+        p, d = rows.get("polyrl", {}).get("ms"), rows.get("dense", {}).get("ms")
+        return f">= {fraction:.0%} of a dense GEMM's TFLOP/s", (None if p is None or d is None else d / p >= fraction)
+
+    return check
+
+
+@bench("moe_experts")
+def bench_moe(ctx: Ctx) -> list[Case]:
+    """The routed experts of a Qwen3-30B-A3B layer (bf16): polyrl (the registry's pick: the Triton grouped GEMMs),
+    ``grouped_mm`` (torch._grouped_mm), ``eager`` (the reference: a Python loop over experts) and ``dense``: the
+    same FLOPs as two plain GEMMs ([T*k, H] x [H, 2I], SwiGLU, [T*k, I] x [I, H], one expert's weights, no
+    routing): the "x base" column of polyrl is its fraction of the dense GEMMs' throughput (target >= 70%)."""
+    tiny = ctx.device.type == "cpu" or ctx.shape["hidden"] <= 64
+    h, inter, e, k = (MOE_TINY if tiny else MOE_SHAPE).values()
+    t = ctx.tokens if tiny else MOE_TOKENS
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    x = _rand(ctx, t, h)
+    w, ids = torch.topk(torch.softmax(torch.randn(t, e, device=ctx.device, generator=gen), -1), k, dim=-1)
+    w = (w / w.sum(-1, keepdim=True)).to(ctx.dtype)
+    gate_up, down = _rand(ctx, e, 2 * inter, h, scale=h**-0.5), _rand(ctx, e, h, inter, scale=inter**-0.5)
+    rows = _rand(ctx, t * k, h)
+
+    def dense(rows, gu0, dn0):
+        hh = F.linear(rows, gu0)
+        return F.linear(F.silu(hh[:, :inter]) * hh[:, inter:], dn0)
+
+    def moe_ref(*args):
+        # lazy: the reference is this case's baseline only
+        from polyrl.kernels.moe.reference import moe_experts
+
+        return moe_experts(*args)
+
+    args = [x, ids, w, gate_up, down]
+    impl = _impl_name("moe_experts", x)
+
+    def make(fn, a, grads):
+        return fwd_bwd(fn, a, grads) if grads is not None else forward_only(fn, a)
+
+    cases = []
+    for grads, dense_grads, label, mult in ((None, None, "fwd", 1), ({0, 2, 3, 4}, {0, 1, 2}, "fwd+bwd", 3)):
+        cands = [_try("polyrl", lambda g=grads: make(K.moe_experts, args, g))]
+        cands.append(_try("grouped_mm", lambda g=grads: make(registry.load("moe_experts", "grouped_mm"), args, g)))
+        cands.append(_try("dense", lambda g=dense_grads: make(dense, [rows, gate_up[0], down[0]], g)))
+        if "eager" in ctx.baselines:
+            cands.append(_try("eager", lambda g=grads: make(moe_ref, args, g)))
+        flops = float(mult * 2 * t * k * 3 * h * inter)
+        cases.append(Case("moe_experts", f"{label} T={t} H={h} I={inter} E={e} k={k}", cands, flops=flops,
+                          target=_moe_target(0.7), extra={"impl": impl}, base="dense"))  # fmt: skip
+    return cases
+
+
 # --- running and printing ----------------------------------------------------------------------------
 
 
