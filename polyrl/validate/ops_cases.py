@@ -324,6 +324,34 @@ def _tlp_shapes():
     ]
 
 
+# --- moe_experts --------------------------------------------------------------------------------------------
+
+
+def _make_moe(p, dtype, device, gen):
+    """Top-k routing (k distinct experts per token) from random logits, softmax-normalised weights; experts listed
+    in ``empty`` get no tokens."""
+    t, h, inter, e, k = p["T"], p["H"], p["I"], p["E"], p["k"]
+    logits = torch.randn(t, e, generator=gen)
+    logits[:, list(p.get("empty", ()))] = -float("inf")
+    w, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+    return {
+        "x": _randn(gen, t, h, device=device),
+        "topk_ids": ids.to(device),
+        "topk_weights": (w / w.sum(-1, keepdim=True)).to(device),
+        "gate_up": _randn(gen, e, 2 * inter, h, device=device, scale=h**-0.5),
+        "down": _randn(gen, e, h, inter, device=device, scale=inter**-0.5),
+    }
+
+
+def _moe_shapes():
+    return [
+        Shape("T=7,H=32,I=16,E=4,k=2", {"T": 7, "H": 32, "I": 16, "E": 4, "k": 2, "empty": (3,)}, "tiny"),
+        Shape("T=1,H=64,I=32,E=16,k=8", {"T": 1, "H": 64, "I": 32, "E": 16, "k": 8}, "tiny"),
+        Shape("T=127,H=128,I=64,E=8,k=2", {"T": 127, "H": 128, "I": 64, "E": 8, "k": 2}),
+        Shape("T=1024,H=2048,I=768,E=128,k=8", {"T": 1024, "H": 2048, "I": 768, "E": 128, "k": 8}, "large"),
+    ]
+
+
 def _register_all() -> None:
     register_cases(OpCases("rmsnorm", _make_rmsnorm, _rmsnorm_shapes(), ("y", "sum"), ("x", "weight", "residual")))
     register_cases(OpCases("rope", _make_rope, _rope_shapes(), ("q", "k"), ("q", "k"), call=_rope_call))
@@ -362,6 +390,10 @@ def _register_all() -> None:
     register_cases(
         OpCases("linear", _make_linear, _linear_shapes(), ("y",), ("x", "weight", "bias"), tol=dict(MATMUL_TOL),
                 torch_impls=[("torch", F.linear)], note="matmul + bias on this device vs fp64")
+    )  # fmt: skip
+    register_cases(
+        OpCases("moe_experts", _make_moe, _moe_shapes(), ("y",), ("x", "topk_weights", "gate_up", "down"),
+                tol=dict(MATMUL_TOL), note="routed SwiGLU experts (Qwen3-MoE layout), weighted sum per token")
     )  # fmt: skip
 
 
