@@ -48,28 +48,31 @@ def interpreting() -> bool:
 
 
 # --- tile configurations ------------------------------------------------------------------------------
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per GEMM; "small" when rows per expert are few (decode).
-# Tuned on the H200 at the Qwen3-30B-A3B expert shapes (see docs/kernels.md, moe_experts).
-CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
-    "up": (128, 64, 64, 8, 4),  # x @ gate_up^T + SwiGLU (two accumulators: BLOCK_N gate + BLOCK_N up columns)
-    "down": (128, 128, 64, 8, 4),  # act @ down^T
-    "dact": (128, 128, 64, 8, 4),  # dys @ down (+ SwiGLU backward)
-    "dx": (128, 128, 64, 8, 4),  # dh @ gate_up
-    "wgrad": (128, 128, 64, 8, 4),  # d down, d gate_up (BLOCK_K = rows per step)
-    "up_small": (16, 64, 128, 4, 4),
-    "rows_small": (16, 128, 128, 4, 4),
-    "wgrad_small": (64, 64, 32, 4, 3),
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M) per GEMM for 16-bit inputs; "*_small" when an expert
+# has few rows (decode). fp32 inputs halve BLOCK_K and cap BLOCK_N at 128 (shared memory). Picked by a sweep on the
+# H200 at Qwen3-30B-A3B's expert shapes, T=4096 (docs/kernels.md, moe_experts).
+CONFIGS: dict[str, tuple[int, int, int, int, int, int]] = {
+    "up": (128, 128, 64, 8, 3, 8),  # x @ gate_up^T + SwiGLU (two accumulators: BLOCK_N gate + BLOCK_N up columns)
+    "down": (128, 256, 64, 8, 3, 8),  # act @ down^T
+    "dact": (64, 128, 64, 4, 4, 8),  # dys @ down (+ SwiGLU backward)
+    "dx": (128, 256, 64, 8, 3, 8),  # dh @ gate_up
+    "wgrad": (128, 128, 64, 4, 3, 1),  # d down, d gate_up (BLOCK_K = rows per step)
+    "up_small": (16, 64, 128, 4, 4, 1),
+    "rows_small": (16, 128, 128, 4, 4, 1),
+    "wgrad_small": (64, 64, 32, 4, 3, 1),
 }
-_INTERP = (16, 16, 16, 1, 1)
+_INTERP = (16, 16, 16, 1, 1, 2)
 
 
-def _cfg(name: str, rows_per_expert: float) -> tuple[int, int, int, int, int]:
+def _cfg(name: str, rows_per_expert: float, dtype: torch.dtype) -> tuple[int, int, int, int, int, int]:
     if interpreting():
         return _INTERP
     if rows_per_expert < 48:
-        small = {"up": "up_small", "wgrad": "wgrad_small"}.get(name, "rows_small")
-        return CONFIGS[small]
-    return CONFIGS[name]
+        name = {"up": "up_small", "wgrad": "wgrad_small"}.get(name, "rows_small")
+    bm, bn, bk, warps, stages, group_m = CONFIGS[name]
+    if dtype == torch.float32:
+        bn, bk = min(bn, 128), max(16, bk // 2)
+    return bm, bn, bk, warps, stages, group_m
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -100,6 +103,7 @@ def _grouped_rows_kernel(
     b_up,  # element offset from the gate block to the up block of B (EPI 1)
     stride_cm,
     stride_hm,
+    NUM_M,
     NUM_N,
     GATHER_A: tl.constexpr,
     EPI: tl.constexpr,  # 0: store C; 1: SwiGLU forward; 2: SwiGLU backward
@@ -109,10 +113,17 @@ def _grouped_rows_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
+    # GROUP_M consecutive m-tiles (an expert's few tiles and its neighbours') sweep the n-tiles together, m fastest:
+    # the programs sharing an expert's weight tile run side by side and read it from L2, not HBM.
     pid = tl.program_id(0)
-    pid_m = pid // NUM_N
-    pid_n = pid % NUM_N
+    per_group = GROUP_M * NUM_N
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(NUM_M - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
     e = tl.load(tile_expert_ptr + pid_m)
     row0 = tl.load(tile_row_ptr + pid_m)
     row_end = tl.load(offsets_ptr + e + 1)
@@ -131,7 +142,10 @@ def _grouped_rows_kernel(
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     num_k = tl.where(row0 < row_end, tl.cdiv(K, BLOCK_K), 0)
     for kk in range(0, num_k):
-        kmask = (kk * BLOCK_K + ks) < K
+        if EVEN_K:
+            kmask = ks < BLOCK_K
+        else:
+            kmask = (kk * BLOCK_K + ks) < K
         a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
         if DOT_F32:
@@ -347,22 +361,23 @@ def _rows_gemm(
     store_h: bool = False,
     b_up: int = 0,
 ) -> None:
-    bm, bn, bk, warps, stages = _cfg(cfg, route.rows_per_expert)
+    bm, bn, bk, warps, stages, group_m = _cfg(cfg, route.rows_per_expert, a.dtype)
     tile_expert, tile_row, m_tiles = route.tiles(bm)
     num_n = triton.cdiv(n, bn)
     h_arg = h if h is not None else out
     _grouped_rows_kernel[(m_tiles * num_n,)](
         a, a_idx if a_idx is not None else tile_row, b, out, h_arg, tile_expert, tile_row, route.offsets,
-        n, k, a.stride(0), *b_strides, b_up, out.stride(0), h_arg.stride(0), num_n,
+        n, k, a.stride(0), *b_strides, b_up, out.stride(0), h_arg.stride(0), m_tiles, num_n,
         GATHER_A=a_idx is not None, EPI=epi, STORE_H=store_h, DOT_F32=interpreting() and a.dtype != torch.float32,
-        PREC=_prec(a.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+        PREC=_prec(a.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, EVEN_K=k % bk == 0,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
 
 def _wgrad_gemm(
     route: _Routing, a: torch.Tensor, b: torch.Tensor, b_idx: torch.Tensor | None, m: int, n: int, out: torch.Tensor
 ) -> None:
-    bm, bn, bk, warps, stages = _cfg("wgrad", route.rows_per_expert)
+    bm, bn, bk, warps, stages, _ = _cfg("wgrad", route.rows_per_expert, a.dtype)
     num_n = triton.cdiv(n, bn)
     grid = (triton.cdiv(m, bm) * num_n, route.num_experts)
     _grouped_wgrad_kernel[grid](
