@@ -52,10 +52,10 @@ def interpreting() -> bool:
 # has few rows (decode). fp32 inputs halve BLOCK_K and cap BLOCK_N at 128 (shared memory). Picked by a sweep on the
 # H200 at Qwen3-30B-A3B's expert shapes, T=4096 (docs/kernels.md, moe_experts).
 CONFIGS: dict[str, tuple[int, int, int, int, int, int]] = {
-    "up": (128, 128, 64, 8, 3, 8),  # x @ gate_up^T + SwiGLU (two accumulators: BLOCK_N gate + BLOCK_N up columns)
-    "down": (128, 256, 64, 8, 3, 8),  # act @ down^T
-    "dact": (64, 128, 64, 4, 4, 8),  # dys @ down (+ SwiGLU backward)
-    "dx": (128, 256, 64, 8, 3, 8),  # dh @ gate_up
+    "up": (128, 128, 64, 8, 4, 8),  # x @ gate_up^T + SwiGLU (two accumulators: BLOCK_N gate + BLOCK_N up columns)
+    "down": (128, 256, 64, 8, 4, 8),  # act @ down^T
+    "dact": (64, 128, 64, 4, 4, 4),  # dys @ down (+ SwiGLU backward)
+    "dx": (128, 256, 64, 8, 4, 8),  # dh @ gate_up
     "wgrad": (128, 128, 64, 4, 3, 1),  # d down, d gate_up (BLOCK_K = rows per step)
     "up_small": (16, 64, 128, 4, 4, 1),
     "rows_small": (16, 128, 128, 4, 4, 1),
