@@ -12,8 +12,8 @@ register(
     priority=10,
     description="grouped GEMMs over expert-sorted tokens, SwiGLU and the weighted un-permute fused; sync-free",
 )
-# torch._grouped_mm (cuBLAS grouped GEMMs; torch >= 2.8 on sm90, bf16 only): below the Triton path, which the
-# H200 bench measured faster at the Qwen3-30B-A3B expert shapes (docs/kernels.md); POLYRL_KERNELS=moe_experts:grouped_mm
+# torch._grouped_mm (grouped GEMMs; torch >= 2.8 on sm90, bf16 only): below the Triton path, which the H200 bench
+# measured 1.5x faster at Qwen3-30B-A3B's expert shapes (docs/performance.md); POLYRL_KERNELS=moe_experts:grouped_mm
 # picks it.
 register(
     "moe_experts",

@@ -50,7 +50,7 @@ def interpreting() -> bool:
 # --- tile configurations ------------------------------------------------------------------------------
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M) per GEMM for 16-bit inputs; "*_small" when an expert
 # has few rows (decode). fp32 inputs halve BLOCK_K and cap BLOCK_N at 128 (shared memory). Picked by a sweep on the
-# H200 at Qwen3-30B-A3B's expert shapes, T=4096 (docs/kernels.md, moe_experts).
+# H200 at Qwen3-30B-A3B's expert shapes, T=4096 (docs/performance.md, "MoE experts").
 CONFIGS: dict[str, tuple[int, int, int, int, int, int]] = {
     "up": (128, 128, 64, 8, 4, 8),  # x @ gate_up^T + SwiGLU (two accumulators: BLOCK_N gate + BLOCK_N up columns)
     "down": (128, 256, 64, 8, 4, 8),  # act @ down^T
