@@ -25,7 +25,9 @@ import torch
 from polyrl.models.config import ModelConfig
 
 _GATE_UP, _DOWN, _ROUTER = "mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"
-_PER_EXPERT = re.compile(r"^(?P<layer>.*layers\.\d+)\.(?P<prefix>mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\.(?P<m>\w+)\.weight$")
+_PER_EXPERT = re.compile(
+    r"^(?P<layer>.*layers\.\d+)\.(?P<prefix>mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\.(?P<m>\w+)\.weight$"
+)
 
 
 @dataclass(frozen=True)
