@@ -37,11 +37,17 @@ BASE = dict(
 )
 FAMILIES = {
     # layer 1 dense through mlp_only_layers; top-k renormalised
-    "qwen3_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
-                      mlp_only_layers=[1]),  # fmt: skip
+    "qwen3_moe": dict(
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True, mlp_only_layers=[1]
+    ),  # fmt: skip
     # layers 0 and 2 dense through decoder_sparse_step=2; shared expert; q/k/v bias (qkv_bias defaults to true)
-    "qwen2_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
-                      shared_expert_intermediate_size=24, decoder_sparse_step=2),  # fmt: skip
+    "qwen2_moe": dict(
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        decoder_sparse_step=2,
+    ),  # fmt: skip
     # q/k norm over the projection; experts sized by intermediate_size; no renormalisation
     "olmoe": dict(num_experts=6, num_experts_per_tok=2, head_dim=None),
     # softmax -> top-k -> renormalised, fp32 weights; a sliding window shorter than the longest sequence
