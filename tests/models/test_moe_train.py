@@ -68,7 +68,7 @@ def test_step_adds_and_reports_the_aux_loss(override):
     )
     stats = engine.step(batches)
     coef = 0.01 if override is None else override
-    assert aux > 0.9  # ~1 for a near-uniform router; never below 1 * (k/E) * E / k
+    assert 1.9 < aux < 3.0  # k = 2 for a balanced router (HF's scaling), more when unbalanced
     assert stats.metrics["moe/aux_loss"] == pytest.approx(aux, rel=1e-5)
     assert stats.metrics["moe/z_loss"] > 0
     assert stats.loss == pytest.approx(ce + coef * aux, rel=1e-5)
