@@ -6,7 +6,8 @@ is named in a ``CheckpointError`` too. Weights go straight to the target device 
 built on the meta device, so nothing is allocated twice). Pickled ``.bin``/``.pt`` files are never
 opened. ``save_model`` writes config.json, generation_config.json, (sharded) safetensors and tokenizer
 files into a temporary folder next to the target and renames it into place, so a crash never leaves a
-half-written checkpoint under the target name.
+half-written checkpoint under the target name. MoE experts load from the hub's per-expert layout or the fused one and
+are saved per expert (``moe_layout.py``).
 
 Not here: training-state checkpoints (optimizer, RNG, step: ``polyrl.train``), gathering sharded
 (FSDP) parameters before saving (callers pass a model with full tensors), downloading from a hub.

@@ -1,4 +1,5 @@
-"""``DecoderLM``: one config-driven decoder for Llama / Mistral / Qwen2 / Qwen2.5 / Qwen3, built on
+"""``DecoderLM``: one config-driven decoder for Llama / Mistral / Qwen2 / Qwen2.5 / Qwen3 and the MoE families
+(Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral: each MoE layer's MLP is a ``moe.SparseMoeBlock``), built on
 ``polyrl.kernels``.
 
 Parameter names equal the Hugging Face ones, so checkpoints load by name. Two input paths share all
