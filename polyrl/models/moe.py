@@ -76,6 +76,17 @@ class Routing:
             old = self.topk_ids.get(layer)
             self.topk_ids[layer] = ids if old is None else torch.cat([old, ids])
 
+    def first_rows(self, rows: int) -> Routing:
+        """A view of the record keeping each layer's first ``rows`` tokens (a fixed-shape batch's real tokens, whose
+        padding comes last)."""
+        return Routing(
+            record=self.record,
+            keep_logits=self.keep_logits,
+            replay=self.replay,
+            router_logits={k: v[:rows] for k, v in self.router_logits.items()},
+            topk_ids={k: v[:rows] for k, v in self.topk_ids.items()},
+        )
+
     @property
     def layers(self) -> list[int]:
         return sorted(self.router_logits or self.topk_ids)

@@ -32,7 +32,7 @@ from polyrl.platform.host import gc_paused
 from polyrl.train.config import OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig
 from polyrl.train.graphed_step import GraphedMicroStep, batch_signature, is_graph_safe, model_is_deterministic
 from polyrl.train.losses import causal_lm_loss
-from polyrl.train.moe_loss import MoELoss
+from polyrl.train.moe_loss import MoELoss, real_tokens
 from polyrl.train.optim import MasterAdamW
 from polyrl.train.parallel.fsdp import grad_sum_factor, is_sharded
 from polyrl.train.parallel.replicate import all_reduce_grads_, is_replicated
@@ -307,11 +307,11 @@ class TrainEngine:
     def _moe_weights(self, micro_batches: Sequence[Any], norm: float) -> list[float]:
         """Per micro-batch: ``norm * its tokens / the step's tokens`` (global when data-parallel), so the MoE
         aux losses enter the step's loss as their token-weighted mean (``train/moe_loss.py``)."""
-        counts = [float(b.input_ids.numel()) for b in micro_batches]
+        counts = [float(real_tokens(b)) for b in micro_batches]
         total = sum(counts)
         if self.world is not None:
             total = self.world.sum_float(total)
-        return [norm * c / total for c in counts]
+        return [norm * c / max(total, 1.0) for c in counts]
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
     def _graphs_allowed(self, loss_fn: LossFn) -> bool:

@@ -10,8 +10,10 @@ and only then); ``StepConfig.moe_aux_loss_coef`` overrides that (0 turns it off)
 ``wrap(loss_fn, weight)`` runs a micro-batch's loss function under a recording ``Routing`` (``models.moe
 .routing_scope``: every forward of the model inside it records, whatever the loss function) and adds
 ``weight * (aux_coef * aux + z_coef * z)`` to its summed loss. The engine divides the step's sums by one normaliser,
-so ``weight = normaliser * tokens_of_micro_batch / tokens_of_step``: the step's loss gets the coefficient times the
-token-weighted mean of the micro-batches' aux losses, as one HF forward over the whole batch would (the metrics too).
+so ``weight = normaliser * tokens_of_micro_batch / tokens_of_step`` (real tokens: a fixed-shape batch's padding
+routes through the experts but counts in neither the weights nor the losses): the step's loss gets the coefficient
+times the token-weighted mean of the micro-batches' aux losses, as one HF forward over the whole batch would (the
+metrics too).
 Not here: the loss formulas (``polyrl.models.moe``), the step itself (``engine.py``).
 """
 
@@ -57,6 +59,7 @@ class MoELoss:
                 loss_sum, metrics = loss_fn(model, batch)
             if not routing.router_logits:  # the loss ran no forward of this model (e.g. a frozen reference only)
                 return loss_sum, metrics
+            routing = _without_padding(routing, batch)
             aux = load_balancing_loss(routing, self.num_experts)
             z = router_z_loss(routing)
             metrics = dict(metrics)
@@ -69,3 +72,17 @@ class MoELoss:
 
         moe_loss_fn.__name__ = f"moe({getattr(loss_fn, '__name__', 'loss')})"
         return moe_loss_fn
+
+
+def real_tokens(batch: Any) -> int:
+    """A packed batch's tokens less a fixed-shape batch's trailing padding (``PackedBatch.padding_tokens``)."""
+    return int(batch.input_ids.numel()) - int(getattr(batch, "padding_tokens", 0) or 0)
+
+
+def _without_padding(routing: Routing, batch: Any) -> Routing:
+    """The record of the batch's real tokens: the padding of a fixed-shape batch (its last rows) routes too, but
+    must not count in the balance. Only for a loss that ran one forward over the batch (rows = its tokens)."""
+    total, real = int(batch.input_ids.numel()), real_tokens(batch)
+    if real == total or any(t.shape[0] != total for t in routing.router_logits.values()):
+        return routing
+    return routing.first_rows(real)

@@ -84,6 +84,23 @@ def test_output_router_logits_false_adds_nothing_but_reports():
     assert stats.metrics["moe/aux_loss"] == pytest.approx(aux, rel=1e-5)
 
 
+def test_fixed_shape_padding_does_not_count_in_the_aux_loss():
+    """A fixed-shape batch's trailing padding routes through the experts but the step's aux metric and loss are
+    those of the real tokens: equal to the unpadded batch's."""
+    stats = []
+    for pad_to in (None, 48):
+        model = _model()
+        seqs = [TokenizedSeq(list(range(3, 3 + n)), [0] + [1] * (n - 1)) for n in (7, 12)]
+        batch = pack_sequences(seqs, pad_to=pad_to)
+        engine = TrainEngine(
+            model, OptimConfig(lr=1e-3), precision=PrecisionConfig(compute_dtype="fp32"), total_steps=1
+        )
+        stats.append(engine.step([batch]))
+    assert stats[1].tokens == stats[0].tokens == 19
+    assert stats[1].metrics["moe/aux_loss"] == pytest.approx(stats[0].metrics["moe/aux_loss"], rel=1e-6)
+    assert stats[1].loss == pytest.approx(stats[0].loss, rel=1e-6)
+
+
 def test_aux_loss_gradient_reaches_the_router():
     """The aux loss backpropagates through the recorded router logits into the router weight."""
     model = _model()
