@@ -419,12 +419,18 @@ class DecoderLM(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward) for sequences of ``seq_len``:
-        ``6 * N + 6 * layers * seq_len * heads * head_dim``, N = ``active_parameters()`` (all parameters for a dense
-        model; an MoE model counts the k routed experts a token uses, not all E; LM head included; tied counts once).
+        ``6 * N + 6 * layers * seq_len * heads * head_dim``, N = ``num_parameters()`` for a dense model (LM head
+        included; tied counts once); for an MoE model ``active_parameters()`` (the k routed experts a token uses, not
+        all E) less an untied input embedding.
         The second term is causal attention (QK^T and PV: 2 matmuls x 2 FLOPs x 3 for fwd+bwd, halved by
         causality). Same formula as the project's baseline measurements (BASELINES.md), so MFU compares."""
         c = self.config
-        return 6.0 * self.active_parameters() + 6.0 * c.num_layers * seq_len * c.num_heads * c.head_dim
+        n = self.active_parameters()
+        if c.is_moe and self.lm_head is not None:
+            # MoE: matmul parameters only, as issue 32's baseline MFU counts them (q/k/v/o, router, the k experts,
+            # LM head): an untied input embedding is a lookup, no FLOPs. Dense models keep BASELINES.md's 6N.
+            n -= self.model.embed_tokens.weight.numel()
+        return 6.0 * n + 6.0 * c.num_layers * seq_len * c.num_heads * c.head_dim
 
 
 @torch.no_grad()
