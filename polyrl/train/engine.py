@@ -287,12 +287,13 @@ class TrainEngine:
         graphs = self._graphs_allowed(loss_fn)
         moe_weights = self._moe_weights(micro_batches, norm) if self.moe_loss is not None else None
         for i, mb in enumerate(micro_batches):
+            replay = getattr(mb, "routing_replay", None)  # MoE rollout-routing replay (train/moe_loss.py)
             mb = mb.to(self.device) if hasattr(mb, "to") else mb
             graphed = self._graphed(mb, loss_fn, scale) if graphs else None
             if graphed is not None:
                 loss_sum, metrics = graphed
             else:
-                fn = loss_fn if moe_weights is None else self.moe_loss.wrap(loss_fn, moe_weights[i])
+                fn = loss_fn if moe_weights is None else self.moe_loss.wrap(loss_fn, moe_weights[i], replay)
                 loss_sum, metrics = fn(self.model, mb)
                 (loss_sum * scale).backward()
             loss_total += loss_sum.detach().float()

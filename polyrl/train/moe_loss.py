@@ -14,6 +14,8 @@ so ``weight = normaliser * tokens_of_micro_batch / tokens_of_step`` (real tokens
 routes through the experts but counts in neither the weights nor the losses): the step's loss gets the coefficient
 times the token-weighted mean of the micro-batches' aux losses, as one HF forward over the whole batch would (the
 metrics too).
+A micro-batch with a ``routing_replay`` attribute (layer -> ``topk_ids [T, k]`` of its packed tokens, e.g. what
+the rollout engine chose) is trained with those experts forced (rollout-routing replay, ``models.moe.Routing``).
 Not here: the loss formulas (``polyrl.models.moe``), the step itself (``engine.py``).
 """
 
@@ -49,12 +51,13 @@ class MoELoss:
             z = cfg.router_z_loss_coef
         return cls(cfg.num_experts, aux, z)
 
-    def wrap(self, loss_fn: LossFn, weight: float) -> LossFn:
+    def wrap(self, loss_fn: LossFn, weight: float, replay: dict[int, torch.Tensor] | None = None) -> LossFn:
         """``loss_fn`` plus ``weight * (aux_coef * aux + z_coef * z)``, with metrics ``moe/aux_loss`` and
-        ``moe/z_loss`` (sums weighted like the loss: the engine reports them divided by its normaliser)."""
+        ``moe/z_loss`` (sums weighted like the loss: the engine reports them divided by its normaliser); ``replay``:
+        the micro-batch's ``routing_replay`` (forced experts per MoE layer), if any."""
 
         def moe_loss_fn(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
-            routing = Routing(record=True, keep_logits=True)
+            routing = Routing(record=True, keep_logits=True, replay=replay)
             with routing_scope(model, routing):
                 loss_sum, metrics = loss_fn(model, batch)
             if not routing.router_logits:  # the loss ran no forward of this model (e.g. a frozen reference only)

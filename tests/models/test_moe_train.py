@@ -101,6 +101,27 @@ def test_fixed_shape_padding_does_not_count_in_the_aux_loss():
     assert stats[1].loss == pytest.approx(stats[0].loss, rel=1e-6)
 
 
+def test_a_batch_routing_replay_forces_the_experts_in_the_step():
+    """A micro-batch carrying ``routing_replay`` trains with those experts: its own record gives the plain step's
+    loss, other experts another loss."""
+    losses = {}
+    for case in ("plain", "own", "other"):
+        model = _model()
+        b = _batches(model.config.vocab_size)[1]
+        if case != "plain":
+            rec = Routing()
+            with torch.no_grad():
+                model(b.input_ids, b.position_ids, attention_metadata(b), routing=rec)
+            shift = 0 if case == "own" else 3
+            b.routing_replay = {layer: (ids + shift) % 8 for layer, ids in rec.topk_ids.items()}
+        engine = TrainEngine(
+            model, OptimConfig(lr=1e-3), precision=PrecisionConfig(compute_dtype="fp32"), total_steps=1
+        )
+        losses[case] = engine.step([b]).loss
+    assert losses["own"] == losses["plain"]
+    assert abs(losses["other"] - losses["plain"]) > 1e-4
+
+
 def test_aux_loss_gradient_reaches_the_router():
     """The aux loss backpropagates through the recorded router logits into the router weight."""
     model = _model()
