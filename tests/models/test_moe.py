@@ -315,3 +315,23 @@ def test_mfu_matches_the_issue_baseline_numbers():
     with torch.device("meta"):
         full_model = DecoderLM(full)
     assert round(full_model.num_parameters() / 1e9, 1) == 30.5 and round(full_model.active_parameters() / 1e9, 1) == 3.4
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral"])
+def test_paged_decode_steps_match_varlen(family):
+    """The rollout engine's path (paged KV, chunked prefill + decode steps; Qwen3-MoE's fused q/k-norm + RoPE under
+    no_grad) gives the packed forward's logits: routing is per token, so a token routes alike in both."""
+    from test_paged_decode import BLOCK_TABLES, STEPS, _caches, _step_inputs
+
+    model = _ours(family, seed=5, sliding_window=5 if family == "mixtral" else None)
+    total = [sum(s[b] for s in STEPS) for b in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, BASE["vocab_size"], (n,), generator=gen) for n in total]
+    full = [logits(model, t, torch.arange(len(t)), AttnMetadata.from_seqlens([len(t)])) for t in tokens]
+    caches = _caches(model.config, num_blocks=int(BLOCK_TABLES.max()) + 1)
+    done = [0, 0]
+    for new in STEPS:
+        ids, pos, meta = _step_inputs(tokens, done, new, caches)
+        want = torch.cat([full[b][done[b] : done[b] + new[b]] for b in range(2)])
+        torch.testing.assert_close(logits(model, ids, pos, meta), want, rtol=0, atol=1e-5)
+        done = [d + n for d, n in zip(done, new)]
