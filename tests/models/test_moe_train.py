@@ -185,3 +185,34 @@ def test_sft_cli_on_tiny_moe_reduces_loss_and_reports_aux(tmp_path):
     assert cfg["engine"]["moe_aux_loss_coef"] == 0.02
     final = json.loads((out / "final" / "config.json").read_text())
     assert final["model_type"] == "qwen3_moe" and final["num_experts"] == 8
+
+
+def test_peft_loads_our_qwen2_moe_adapter_with_our_logits(tmp_path):
+    """An adapter on every default target of a Qwen2-MoE (attention, the dense layers' MLP and the shared expert,
+    which PEFT matches by name too) loads in PEFT on transformers' own model with our logits."""
+    peft = pytest.importorskip("peft")
+    import transformers
+    from model_helpers import hf_logits, logits, packed, randomize_
+    from test_moe import hf_dict
+
+    from polyrl.models import load_model
+    from polyrl.models.lora import adapter_parameters, save_adapter
+
+    hf = randomize_(transformers.Qwen2MoeForCausalLM(transformers.AutoConfig.for_model(**hf_dict("qwen2_moe"))))
+    hf.save_pretrained(str(tmp_path / "base"))
+    ours = load_model(tmp_path / "base", dtype=torch.float32)
+    apply_lora(ours, LoraConfig(r=4, alpha=8))
+    names = {n for n, m in ours.named_modules() if isinstance(m, LoraLinear)}
+    assert "model.layers.1.mlp.shared_expert.gate_proj" in names and "model.layers.0.mlp.gate_proj" in names
+    assert not any(n.endswith("mlp.gate") for n in names)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in adapter_parameters(ours).values():
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    save_adapter(ours, tmp_path / "adapter", base_model=str(tmp_path / "base"))
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), attn_implementation="eager")
+    theirs = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    lens = [6, 9]
+    ids, pos, meta = packed(lens, ours.config.vocab_size, seed=1)
+    got = logits(ours.eval(), ids, pos, meta)
+    assert (got - hf_logits(theirs, ids, lens)).abs().max().item() <= 1e-4
