@@ -335,3 +335,147 @@ def test_paged_decode_steps_match_varlen(family):
         want = torch.cat([full[b][done[b] : done[b] + new[b]] for b in range(2)])
         torch.testing.assert_close(logits(model, ids, pos, meta), want, rtol=0, atol=1e-5)
         done = [d + n for d, n in zip(done, new)]
+
+
+# config.json of released MoE checkpoints (Qwen3-30B-A3B, Mixtral-8x7B-v0.1, OLMoE-1B-7B-0924, Qwen1.5-MoE-A2.7B) ->
+# (total, active) parameters in billions as their model cards give them.
+HUB_CONFIGS = {
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "decoder_sparse_step": 1,
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 6144,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 48,
+        "mlp_only_layers": [],
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "num_attention_heads": 32,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 4,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+    "mixtral": {
+        "architectures": ["MixtralForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 32768,
+        "model_type": "mixtral",
+        "num_attention_heads": 32,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.02,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": 32000,
+    },
+    "olmoe": {
+        "architectures": ["OlmoeForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "clip_qkv": None,
+        "eos_token_id": 50279,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 1024,
+        "max_position_embeddings": 4096,
+        "model_type": "olmoe",
+        "norm_topk_prob": False,
+        "num_attention_heads": 16,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 16,
+        "num_key_value_heads": 16,
+        "output_router_logits": False,
+        "pad_token_id": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "rope_theta": 10000.0,
+        "router_aux_loss_coef": 0.01,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "vocab_size": 50304,
+    },
+    "qwen2_moe": {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 5632,
+        "max_position_embeddings": 8192,
+        "max_window_layers": 21,
+        "model_type": "qwen2_moe",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 16,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 32768,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+        "decoder_sparse_step": 1,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "num_experts_per_tok": 4,
+        "num_experts": 60,
+        "norm_topk_prob": False,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+    },
+}
+PUBLISHED = {"qwen3_moe": (30.5, 3.3), "mixtral": (46.7, 12.9), "olmoe": (6.9, 1.3), "qwen2_moe": (14.3, 2.7)}
+
+
+@pytest.mark.parametrize("family", list(HUB_CONFIGS))
+def test_released_configs_parse_with_published_parameter_counts(family):
+    from polyrl.models.decoder import DecoderLM
+
+    cfg = ModelConfig.from_hf_dict(HUB_CONFIGS[family])
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    total, active = PUBLISHED[family]
+    assert abs(model.num_parameters() / 1e9 - total) < 0.06  # model cards round (or cut: "3.3B" for 3.35B)
+    assert abs(model.active_parameters() / 1e9 - active) < 0.06
+    assert cfg.sliding_window is None and not cfg.extra.get("num_experts")
+    back = cfg.to_hf_dict()
+    for key in ("num_experts_per_tok", "router_aux_loss_coef", "output_router_logits"):
+        assert back[key] == HUB_CONFIGS[family][key], key
