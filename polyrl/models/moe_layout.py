@@ -8,8 +8,8 @@ The model holds transformers 5's in-memory layout (``mlp.experts.gate_up_proj [E
 ``read_plan`` maps a checkpoint's tensor names onto the model's: a fused name present in the file is read as is, a
 per-expert group becomes one ``Stack`` recipe (its shape known before any data is read, so ``checkpoint.py`` reports
 every mismatch up front); ``fill`` copies one expert at a time into the destination tensor (no second full copy).
-``hub_state`` splits a state dict into the per-expert layout for saving: what transformers 4.x and 5.x
-(``save_pretrained`` of 5.24 writes the same) and vLLM all read.
+``hub_state`` splits a state dict into the per-expert layout for saving (views, no copies): what transformers 4.x and
+5.x (``save_pretrained`` of 5.24 writes the same) and vLLM all read.
 
 Not here: opening files or the other tensors (``checkpoint.py``).
 """
@@ -103,8 +103,8 @@ def fill(dest: torch.Tensor, stack: Stack, read: Callable[[str], torch.Tensor]) 
 
 
 def hub_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """A state dict in the hub's per-expert layout (each expert matrix a contiguous copy: safetensors refuses
-    tensors that share storage). The fused tensors are dropped from the result as they are split."""
+    """A state dict in the hub's per-expert layout. Each expert matrix is a view into the fused tensor (a contiguous,
+    non-overlapping slice, which safetensors writes as is): splitting costs no memory."""
     if cfg.family.moe is None:
         return state
     prefix, (g, u, d) = _names(cfg)
@@ -114,12 +114,12 @@ def hub_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, tor
         if name.endswith(_GATE_UP):
             layer = name[: -len(_GATE_UP) - 1]
             for e in range(t.shape[0]):
-                out[f"{layer}.{prefix}.experts.{e}.{g}.weight"] = t[e, :inter].clone()
-                out[f"{layer}.{prefix}.experts.{e}.{u}.weight"] = t[e, inter:].clone()
+                out[f"{layer}.{prefix}.experts.{e}.{g}.weight"] = t[e, :inter]
+                out[f"{layer}.{prefix}.experts.{e}.{u}.weight"] = t[e, inter:]
         elif name.endswith(_DOWN):
             layer = name[: -len(_DOWN) - 1]
             for e in range(t.shape[0]):
-                out[f"{layer}.{prefix}.experts.{e}.{d}.weight"] = t[e].clone()
+                out[f"{layer}.{prefix}.experts.{e}.{d}.weight"] = t[e]
         elif name.endswith(_ROUTER) and prefix != "mlp":
             out[name[: -len(_ROUTER)] + f"{prefix}.gate.weight"] = t
         else:
