@@ -63,8 +63,9 @@ class MoELoss:
             if not routing.router_logits:  # the loss ran no forward of this model (e.g. a frozen reference only)
                 return loss_sum, metrics
             routing = _without_padding(routing, batch)
-            aux = load_balancing_loss(routing, self.num_experts)
-            z = router_z_loss(routing)
+            with torch.set_grad_enabled(torch.is_grad_enabled() and bool(self.aux_coef or self.z_coef)):
+                aux = load_balancing_loss(routing, self.num_experts)  # metrics only (no graph) at zero coefficients
+                z = router_z_loss(routing)
             metrics = dict(metrics)
             metrics["moe/aux_loss"] = aux.detach() * weight
             metrics["moe/z_loss"] = z.detach() * weight
