@@ -193,7 +193,7 @@ def test_peft_loads_our_qwen2_moe_adapter_with_our_logits(tmp_path):
     peft = pytest.importorskip("peft")
     import transformers
     from model_helpers import hf_logits, logits, packed, randomize_
-    from test_moe import hf_dict
+    from test_moe_model import hf_dict
 
     from polyrl.models import load_model
     from polyrl.models.lora import adapter_parameters, save_adapter
