@@ -14,7 +14,10 @@ from polyrl.models.presets import PRESETS, create_model_from_preset
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     names = ", ".join(f"{n} ({p.description})" for n, p in PRESETS.items())
-    parser.add_argument("--preset", required=True, choices=list(PRESETS), metavar="NAME", help=f"one of: {names}")
+    # choices=PRESETS (not a list): its `in` also takes a -LN layer-prefix name (qwen3-30b-a3b-L8)
+    parser.add_argument(
+        "--preset", required=True, choices=PRESETS, metavar="NAME", help=f"one of: {names} (-LN: first N layers)"
+    )
     parser.add_argument("--out", required=True, help="output folder (replaced atomically if it exists)")
     parser.add_argument("--seed", type=int, default=0, help="random seed for the weights (default 0)")
     parser.add_argument(

@@ -6,7 +6,8 @@ is named in a ``CheckpointError`` too. Weights go straight to the target device 
 built on the meta device, so nothing is allocated twice). Pickled ``.bin``/``.pt`` files are never
 opened. ``save_model`` writes config.json, generation_config.json, (sharded) safetensors and tokenizer
 files into a temporary folder next to the target and renames it into place, so a crash never leaves a
-half-written checkpoint under the target name.
+half-written checkpoint under the target name. MoE experts load from the hub's per-expert layout or the fused one and
+are saved per expert (``moe_layout.py``).
 
 Not here: training-state checkpoints (optimizer, RNG, step: ``polyrl.train``), gathering sharded
 (FSDP) parameters before saving (callers pass a model with full tensors), downloading from a hub.
@@ -27,6 +28,7 @@ from polyrl.errors import CheckpointError
 from polyrl.models.config import ModelConfig
 from polyrl.models.decoder import DecoderLM
 from polyrl.models.hf_io import make_temp_dir, open_safetensors, save_tokenizer, write_json, write_safetensors
+from polyrl.models.moe_layout import Stack, fill, hub_state, missing_parts, read_plan
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -143,13 +145,28 @@ def load_model(
             raise CheckpointError(
                 f"{INDEX_FILE} in {folder} maps {name!r} to {file.name}, which does not hold it"
             ) from None
-    problems = _problems(expected, found, cfg.tie_word_embeddings)
+    # MoE: per-expert keys (the hub layout) become one fused tensor each, by name and shape before any read.
+    virtual, sources = read_plan(found, cfg)
+    problems = _problems(expected, virtual, cfg.tie_word_embeddings)
+    parts = [k for n in sorted(set(expected) - set(virtual)) for k in missing_parts(n, found, cfg)]
+    if parts:
+        problems.append(f"missing expert tensors ({len(parts)}): {', '.join(parts[:_LIST_LIMIT])}")
     if problems:
         raise CheckpointError(
             f"checkpoint {folder} does not match its config.json ({cfg.model_type}, {cfg.num_layers} layers, "
             f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}): " + "; ".join(problems)
         )
-    state = {name: handles[files[name]].tensor(name).to(device=device, dtype=dtype) for name in expected}
+
+    def read(key: str) -> torch.Tensor:
+        return handles[files[key]].tensor(key)
+
+    state = {}
+    for name in expected:
+        src = sources[name]
+        if isinstance(src, Stack):  # assembled in place on the target device, one expert matrix at a time
+            state[name] = fill(torch.empty(src.shape, dtype=dtype, device=device), src, read)
+        else:
+            state[name] = read(src).to(device=device, dtype=dtype)
     model.load_state_dict(state, assign=True, strict=True)
     # Non-persistent parts (none today) and any parameter the state dict did not assign stay on meta: check.
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
@@ -200,7 +217,8 @@ def save_model(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = make_temp_dir(out)
     try:
-        state = {n: _cpu(t, dtype) for n, t in model.state_dict().items()}
+        # MoE experts are written per expert (the hub layout every reader takes; see moe_layout.hub_state).
+        state = hub_state({n: _cpu(t, dtype) for n, t in model.state_dict().items()}, model.config)
         saved_dtype = dtype or _dominant_dtype(state)
         _write_weights(state, tmp, max_shard_bytes)
         write_json(tmp / "config.json", _hf_config(model.config, saved_dtype))

@@ -46,6 +46,17 @@ class ModelConfig:
     layer_types: list[str] | None = None  # per layer FULL / SLIDING; None = all FULL (or all SLIDING with a window)
     initializer_range: float = 0.02
     torch_dtype: str | None = None  # dtype the checkpoint was saved in ("bfloat16", ...)
+    # Mixture of experts (families with ``FamilySpec.moe``; ``polyrl/models/moe.py``). 0 experts = a dense model.
+    num_experts: int = 0  # routed experts per MoE layer (Mixtral's num_local_experts)
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int | None = None  # each expert's SwiGLU width (OLMoE/Mixtral: intermediate_size)
+    norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum 1 (Mixtral always does)
+    shared_expert_intermediate_size: int | None = None  # Qwen2-MoE's shared expert (None/0: none)
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 and i not in mlp_only_layers
+    mlp_only_layers: list[int] = field(default_factory=list)  # dense layers (intermediate_size MLP)
+    router_aux_loss_coef: float = 0.001  # load-balancing loss coefficient (added when output_router_logits)
+    output_router_logits: bool = False  # HF: training adds router_aux_loss_coef * aux_loss to the loss
+    router_z_loss_coef: float = 0.0  # router z-loss coefficient (config.json ``router_z_loss_coef`` where present)
     extra: dict[str, Any] = field(default_factory=dict, repr=False)  # unknown config.json keys, written back as-is
 
     def __post_init__(self) -> None:
@@ -78,6 +89,42 @@ class ModelConfig:
             bad = sorted(set(self.layer_types) - {FULL, SLIDING})
             if bad:
                 raise ConfigError(f"unsupported layer_types {bad}; supported: {FULL}, {SLIDING}")
+        self._check_moe(family)
+
+    def _check_moe(self, family: FamilySpec) -> None:
+        moe = family.moe
+        if moe is None:
+            if self.num_experts:
+                raise ConfigError(f"model_type {self.model_type!r} is dense; num_experts must be 0")
+            return
+        if moe.expert_size_key == "intermediate_size" and self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
+        if moe.topk_norm == "always":
+            self.norm_topk_prob = True
+        self.mlp_only_layers = sorted(int(i) for i in self.mlp_only_layers)
+        if self.num_experts <= 0:
+            raise ConfigError(f"{self.model_type}: {moe.experts_key} must be positive, got {self.num_experts}")
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(
+                f"{self.model_type}: num_experts_per_tok must be in 1..{moe.experts_key} ({self.num_experts}), "
+                f"got {self.num_experts_per_tok}"
+            )
+        if not self.moe_intermediate_size or self.moe_intermediate_size <= 0:
+            raise ConfigError(f"{self.model_type}: {moe.expert_size_key} must be positive")
+        if not isinstance(self.decoder_sparse_step, int) or self.decoder_sparse_step < 1:
+            raise ConfigError(f"decoder_sparse_step must be an integer >= 1, got {self.decoder_sparse_step!r}")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ConfigError(f"mlp_only_layers {bad} are not layers of this {self.num_layers}-layer model")
+        if (self.decoder_sparse_step != 1 or self.mlp_only_layers) and not moe.sparse_step:
+            raise ConfigError(f"{self.model_type} has no dense layers; drop decoder_sparse_step / mlp_only_layers")
+        if self.shared_expert_intermediate_size and not moe.shared_expert:
+            raise ConfigError(f"{self.model_type} has no shared expert; drop shared_expert_intermediate_size")
+        if moe.shared_expert and not self.shared_expert_intermediate_size:
+            raise ConfigError(f"{self.model_type} needs a positive shared_expert_intermediate_size")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            if float(getattr(self, name)) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     # ----- derived facts -------------------------------------------------------------------------
     @property
@@ -88,6 +135,20 @@ class ModelConfig:
     def o_bias(self) -> bool:
         spec = self.family.o_bias
         return self.attention_bias if spec == "config" else bool(spec)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.family.moe is not None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether ``layer`` holds a sparse MoE block (HF: not in mlp_only_layers and (i + 1) % step == 0)."""
+        if not self.is_moe:
+            return False
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` (keys with q_pos - k_pos < window), or None for full attention."""
@@ -112,6 +173,7 @@ class ModelConfig:
             raise ConfigError(f"hidden_act {d['hidden_act']!r} is not supported; only silu (SwiGLU) decoders are")
         if d.get("mlp_bias"):
             raise ConfigError("mlp_bias=true is not supported; only bias-free MLPs (Llama/Qwen/Mistral) are")
+        _check_unsupported_moe(d, family)
         try:
             hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
             layers = int(d["num_hidden_layers"])
@@ -143,7 +205,8 @@ class ModelConfig:
             }
         except KeyError as exc:
             raise CheckpointError(f"config.json lacks the required key {exc.args[0]!r}") from None
-        extra = {k: v for k, v in d.items() if k not in _HF_KEYS_WE_WRITE}
+        known.update(_moe_from_hf(d, family))
+        extra = {k: v for k, v in d.items() if k not in _HF_KEYS_WE_WRITE and k not in _MOE_KEYS}
         return cls(**known, extra=extra)
 
     @classmethod
@@ -186,10 +249,13 @@ class ModelConfig:
             rope_parameters={"rope_theta": self.rope_theta, "rope_type": "default", **(self.rope_scaling or {})},
         )
         if family.qkv_bias == "config":
-            d["attention_bias"] = self.attention_bias
+            d[family.qkv_bias_key] = self.attention_bias
         if self.model_type == "llama":
             d["mlp_bias"] = False
         if family.sliding == "all":
+            d["sliding_window"] = self.sliding_window
+        elif family.sliding == "flag":
+            d["use_sliding_window"] = self.sliding_window is not None
             d["sliding_window"] = self.sliding_window
         elif family.sliding == "layer_types":
             types = self.layer_types or [FULL] * self.num_layers
@@ -198,6 +264,33 @@ class ModelConfig:
             d["sliding_window"] = self.sliding_window if uses else None
             d["max_window_layers"] = types.index(SLIDING) if uses else self.num_layers
             d["layer_types"] = list(types) if uses else [FULL] * self.num_layers
+        if family.moe is not None:
+            d.update(self._moe_to_hf(family))
+        return d
+
+    def _moe_to_hf(self, family: FamilySpec) -> dict[str, Any]:
+        moe = family.moe
+        d: dict[str, Any] = {
+            moe.experts_key: self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "router_aux_loss_coef": self.router_aux_loss_coef,
+            "output_router_logits": self.output_router_logits,
+        }
+        if moe.expert_size_key != "intermediate_size":
+            d[moe.expert_size_key] = self.moe_intermediate_size
+        if moe.topk_norm == "config":
+            d["norm_topk_prob"] = self.norm_topk_prob
+        if moe.sparse_step:
+            d["decoder_sparse_step"] = self.decoder_sparse_step
+            d["mlp_only_layers"] = list(self.mlp_only_layers)
+        if moe.shared_expert:
+            d["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+        if self.router_z_loss_coef:
+            d["router_z_loss_coef"] = self.router_z_loss_coef
+        if self.model_type == "olmoe":
+            d["clip_qkv"] = None
+        if self.model_type == "mixtral":
+            d["router_jitter_noise"] = 0.0
         return d
 
 
@@ -237,6 +330,73 @@ _HF_KEYS_WE_WRITE = {
 }
 
 
+# MoE keys read into ModelConfig fields (never kept in ``extra``; written back by ``_moe_to_hf``).
+_MOE_KEYS = {
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "shared_expert_intermediate_size",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "router_aux_loss_coef",
+    "output_router_logits",
+    "router_z_loss_coef",
+    "qkv_bias",
+    "clip_qkv",
+    "router_jitter_noise",
+}
+
+
+def _check_unsupported_moe(d: dict[str, Any], family: FamilySpec) -> None:
+    """Options of the MoE families that the decoder does not implement: a clear error, not a silent mismatch."""
+    if d.get("clip_qkv") is not None:
+        raise ConfigError(
+            f"clip_qkv={d['clip_qkv']} (OLMoE's q/k/v clamping) is not supported; use a checkpoint trained without it "
+            "(clip_qkv: null, as the released OLMoE models are)"
+        )
+    if float(d.get("router_jitter_noise") or 0.0) != 0.0:
+        raise ConfigError(
+            f"router_jitter_noise={d['router_jitter_noise']} is not supported; set it to 0.0 in config.json "
+            "(the routing is then deterministic, as in the released Mixtral models)"
+        )
+    if family.moe is None:
+        return
+    extra_experts = {"n_shared_experts", "first_k_dense_replace", "moe_layer_freq", "n_group", "topk_group"} & set(d)
+    if extra_experts:
+        raise ConfigError(
+            f"{d['model_type']} config has {sorted(extra_experts)}, which this family does not define; "
+            "is the model_type right?"
+        )
+
+
+def _moe_from_hf(d: dict[str, Any], family: FamilySpec) -> dict[str, Any]:
+    moe = family.moe
+    if moe is None:
+        return {}
+    experts = d.get(moe.experts_key, d.get("num_experts", d.get("num_local_experts")))
+    if experts is None:
+        raise CheckpointError(f"config.json of a {d['model_type']} model lacks {moe.experts_key!r}")
+    size = d.get(moe.expert_size_key)
+    return {
+        "num_experts": int(experts),
+        "num_experts_per_tok": int(d.get("num_experts_per_tok", 0)),
+        "moe_intermediate_size": None if size is None else int(size),
+        "norm_topk_prob": bool(d.get("norm_topk_prob", False)) or moe.topk_norm == "always",
+        "shared_expert_intermediate_size": (
+            int(d["shared_expert_intermediate_size"])
+            if moe.shared_expert and d.get("shared_expert_intermediate_size")
+            else None
+        ),
+        "decoder_sparse_step": int(d.get("decoder_sparse_step") or 1) if moe.sparse_step else 1,
+        "mlp_only_layers": [int(i) for i in (d.get("mlp_only_layers") or [])] if moe.sparse_step else [],
+        "router_aux_loss_coef": float(d.get("router_aux_loss_coef", 0.001)),
+        "output_router_logits": bool(d.get("output_router_logits", False)),
+        "router_z_loss_coef": float(d.get("router_z_loss_coef") or 0.0),
+    }
+
+
 def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict | None]:
     params = d.get("rope_parameters")
     if isinstance(params, dict) and params:
@@ -255,7 +415,10 @@ def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict | None]:
 
 
 def _qkv_bias(d: dict[str, Any], family: FamilySpec) -> bool:
-    return bool(d.get("attention_bias", False)) if family.qkv_bias == "config" else bool(family.qkv_bias)
+    if family.qkv_bias != "config":
+        return bool(family.qkv_bias)
+    default = family.qkv_bias_key == "qkv_bias"  # Qwen2-MoE's qkv_bias defaults to true
+    return bool(d.get(family.qkv_bias_key, default))
 
 
 def _sliding_from_hf(d: dict[str, Any], family: FamilySpec, layers: int) -> tuple[int | None, list[str] | None]:
@@ -265,11 +428,16 @@ def _sliding_from_hf(d: dict[str, Any], family: FamilySpec, layers: int) -> tupl
     window = d.get("sliding_window", family.default_sliding_window)
     if family.sliding == "all":
         return (int(window) if window else None), None
+    if family.sliding == "flag":  # Qwen3-MoE: every layer, only with use_sliding_window
+        return (int(window) if d.get("use_sliding_window", False) and window else None), None
     # Qwen: the window applies only with use_sliding_window, to the layers layer_types (or max_window_layers) name.
     if not d.get("use_sliding_window", False) or not window:
         return None, None
     types = d.get("layer_types")
     if not types:
         first = int(d.get("max_window_layers", layers))
-        types = [SLIDING if i >= first else FULL for i in range(layers)]
+        if family.window_rule == "odd_below_max":  # Qwen2-MoE: 1st, 3rd, ... layer below max_window_layers
+            types = [SLIDING if (i + 1) % 2 and i < first else FULL for i in range(layers)]
+        else:
+            types = [SLIDING if i >= first else FULL for i in range(layers)]
     return int(window), list(types)

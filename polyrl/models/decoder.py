@@ -1,4 +1,5 @@
-"""``DecoderLM``: one config-driven decoder for Llama / Mistral / Qwen2 / Qwen2.5 / Qwen3, built on
+"""``DecoderLM``: one config-driven decoder for Llama / Mistral / Qwen2 / Qwen2.5 / Qwen3 and the MoE families
+(Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral: each MoE layer's MLP is a ``moe.SparseMoeBlock``), built on
 ``polyrl.kernels``.
 
 Parameter names equal the Hugging Face ones, so checkpoints load by name. Two input paths share all
@@ -39,6 +40,7 @@ from polyrl.kernels.rope.reference import inv_frequencies
 from polyrl.kernels.skinny_linear import ROUTE_MAX_ROWS as SKINNY_ROWS
 from polyrl.models.attention_metadata import AttnMetadata
 from polyrl.models.config import ModelConfig
+from polyrl.models.moe import Experts, Routing, SparseMoeBlock
 from polyrl.platform import device
 
 
@@ -158,9 +160,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, kv_out, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, kv_out, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q_out, h, bias=cfg.o_bias)
-        if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim of each head, before RoPE
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        # Qwen3: RMSNorm over head_dim of each head, before RoPE; OLMoE ("proj"): over the whole q / k projection.
+        self.norm_per_head = cfg.family.qk_norm_scope == "head"
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim if self.norm_per_head else q_out, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim if self.norm_per_head else kv_out, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
@@ -169,13 +173,16 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = project_group((self.q_proj, self.k_proj, self.v_proj), x, options)
+        if self.q_norm is not None and not self.norm_per_head:  # OLMoE: norm over [T, Hq * D] before the heads split
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and options.fused_qk_norm_rope and not torch.is_grad_enabled():
+        per_head = self.q_norm is not None and self.norm_per_head
+        if per_head and options.fused_qk_norm_rope and not torch.is_grad_enabled():
             q, k = kernels.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
         else:
-            if self.q_norm is not None:
+            if per_head:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = kernels.apply_rope(q, k, cos, sin)
         if meta.kv_caches is None:
@@ -198,11 +205,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, size: int | None = None) -> None:
+        """A SwiGLU MLP of width ``size`` (default ``cfg.intermediate_size``; a shared expert passes its own)."""
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        size = cfg.intermediate_size if size is None else size
+        self.gate_proj = nn.Linear(cfg.hidden_size, size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, size, bias=False)
+        self.down_proj = nn.Linear(size, cfg.hidden_size, bias=False)
 
     def activation(self, x: torch.Tensor, options: DecoderOptions) -> torch.Tensor:
         """``swiglu(gate(x), up(x))``: the down projection's input."""
@@ -216,22 +225,44 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
+        self.layer_index = layer
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        # MoE families: a sparse block on the layers HF makes sparse (decoder_sparse_step, mlp_only_layers).
+        self.is_moe = cfg.is_moe_layer(layer)
+        if self.is_moe:
+            shared = cfg.shared_expert_intermediate_size
+            self.mlp = SparseMoeBlock(cfg, MLP(cfg, shared) if shared else None)
+        else:
+            self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, residual, cos, sin, meta: AttnMetadata, options: DecoderOptions, split_down: bool = False):
+    def forward(
+        self,
+        h,
+        residual,
+        cos,
+        sin,
+        meta: AttnMetadata,
+        options: DecoderOptions,
+        split_down: bool = False,
+        routing: Routing | None = None,
+    ):
         """``h + residual`` is the stream entering the layer (``residual`` None at layer 0); ``options`` are the
         model's (``DecoderLM.options``).
         Returns ``(mlp_out, residual)`` whose sum is the stream leaving it. ``split_down`` (``down_splits``): returns
         ``(act, adapter, residual)`` instead, the down projection's input and its adapter's product; ``down_onto``
-        finishes the layer."""
+        finishes the layer. An MoE layer given a ``routing`` (read only: its ``replay``) returns
+        ``(mlp_out, residual, router_logits, topk_ids)``; the caller records them (outside any checkpoint)."""
         if residual is None:
             x, residual = self.input_layernorm(h), h
         else:
             x, residual = self.input_layernorm(h, residual)
         x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, meta, options), residual)
+        if self.is_moe:
+            replay = None if routing is None else routing.replay_ids(self.layer_index, x.shape[0])
+            out, logits, ids = self.mlp(x, options, replay)
+            return (out, residual) if routing is None else (out, residual, logits, ids)
         if not split_down:
             return self.mlp(x, options), residual
         act = self.mlp.activation(x, options)
@@ -252,7 +283,7 @@ def down_splits(layer: DecoderLayer) -> bool:
     """Whether ``layer``'s down projection can run after the layer's checkpoint
     (``DecoderOptions.skip_frozen_down_recompute``): a LoRA layer (``splits_at_checkpoint``: an active dropout-free
     adapter on a frozen base, dense or NF4) on unsharded weights."""
-    down = layer.mlp.down_proj
+    down = getattr(layer.mlp, "down_proj", None)  # an MoE block has none
     return hasattr(down, "splits_at_checkpoint") and down.splits_at_checkpoint() and not _sharded(down)
 
 
@@ -291,6 +322,8 @@ class DecoderLM(nn.Module):
         # With gradient_checkpointing: recompute only the first this-many layers (None: all), the rest keep their
         # activations (Megatron's recompute_num_layers, block method): less recomputation for the memory it costs.
         self.checkpoint_layers: int | None = None
+        # MoE: the Routing a forward without a ``routing`` argument uses (``moe.routing_scope``; the training engine)
+        self.default_routing: Routing | None = None
 
     @property
     def options(self) -> DecoderOptions:
@@ -307,8 +340,18 @@ class DecoderLM(nn.Module):
         """``[V, H]``: the output projection (the embedding matrix when embeddings are tied)."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        """input_ids, position_ids int64 ``[T]`` (packed; positions restart per sequence) -> hidden ``[T, H]``."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        meta: AttnMetadata,
+        routing: Routing | None = None,
+    ) -> torch.Tensor:
+        """input_ids, position_ids int64 ``[T]`` (packed; positions restart per sequence) -> hidden ``[T, H]``.
+        ``routing`` (MoE models; default ``self.default_routing``): records each MoE layer's router logits and experts
+        and/or replays given experts (``polyrl.models.moe.Routing``); dense models ignore it."""
+        if routing is None:
+            routing = self.default_routing
         h = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rotary(position_ids, h.dtype)  # [T, D], shared by every layer
         residual = None
@@ -317,6 +360,7 @@ class DecoderLM(nn.Module):
         capturing = ckpt and device.is_capturing(h)
         n_ckpt = len(self.model.layers) if self.checkpoint_layers is None else self.checkpoint_layers
         for index, layer in enumerate(self.model.layers):
+            moe_routing = routing if layer.is_moe else None
             if ckpt and index < n_ckpt:
                 # One stream crosses each checkpoint: it keeps [T, H] per layer, not the (h, residual) pair; the
                 # add is rounded as the fused residual-norm rounds it, so the result is the same.
@@ -330,7 +374,7 @@ class DecoderLM(nn.Module):
                     )  # fmt: skip
                     h = down_onto(layer, adapter, act)
                 else:
-                    h, residual = checkpoint(
+                    out = checkpoint(
                         layer,
                         stream,
                         None,
@@ -338,11 +382,18 @@ class DecoderLM(nn.Module):
                         sin,
                         meta,
                         options,
+                        routing=moe_routing,
                         use_reentrant=False,
                         preserve_rng_state=not capturing,
                     )
+                    h, residual = out[:2]
             else:
-                h, residual = layer(h, residual, cos, sin, meta, options)
+                out = layer(h, residual, cos, sin, meta, options, routing=moe_routing)
+                h, residual = out[:2]
+            if moe_routing is not None:
+                # Recorded here, from the layer's outputs: a checkpointed layer's recomputation (in backward) returns
+                # nothing to this loop, so it never records twice.
+                moe_routing.add(index, out[2], out[3])
         h, _ = self.model.norm(h, residual)
         return h
 
@@ -357,13 +408,29 @@ class DecoderLM(nn.Module):
         """Unique parameters (a tied embedding/head counts once)."""
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
+    def active_parameters(self) -> int:
+        """Parameters one token goes through: ``num_parameters()`` less, in every MoE layer, the ``E - k`` routed
+        experts it does not use (router, shared expert, attention, embeddings and head all count). Dense: all."""
+        c = self.config
+        if not c.is_moe:
+            return self.num_parameters()
+        per_expert = 3 * c.hidden_size * c.moe_intermediate_size  # gate, up, down
+        return self.num_parameters() - len(c.moe_layers) * (c.num_experts - c.num_experts_per_tok) * per_expert
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward) for sequences of ``seq_len``:
-        ``6 * N + 6 * layers * seq_len * heads * head_dim``, N = ``num_parameters()`` (LM head included; tied
-        counts once). The second term is causal attention (QK^T and PV: 2 matmuls x 2 FLOPs x 3 for fwd+bwd,
-        halved by causality). Same formula as the project's baseline measurements (BASELINES.md), so MFU compares."""
+        ``6 * N + 6 * layers * seq_len * heads * head_dim``, N = ``num_parameters()`` for a dense model (LM head
+        included; tied counts once); for an MoE model ``active_parameters()`` (the k routed experts a token uses, not
+        all E) less an untied input embedding.
+        The second term is causal attention (QK^T and PV: 2 matmuls x 2 FLOPs x 3 for fwd+bwd, halved by
+        causality). Same formula as the project's baseline measurements (BASELINES.md), so MFU compares."""
         c = self.config
-        return 6.0 * self.num_parameters() + 6.0 * c.num_layers * seq_len * c.num_heads * c.head_dim
+        n = self.active_parameters()
+        if c.is_moe and self.lm_head is not None:
+            # MoE: matmul parameters only, as issue 32's baseline MFU counts them (q/k/v/o, router, the k experts,
+            # LM head): an untied input embedding is a lookup, no FLOPs. Dense models keep BASELINES.md's 6N.
+            n -= self.model.embed_tokens.weight.numel()
+        return 6.0 * n + 6.0 * c.num_layers * seq_len * c.num_heads * c.head_dim
 
 
 @torch.no_grad()
@@ -382,6 +449,8 @@ def init_weights(model: DecoderLM, seed: int | None = None, std: float | None = 
                 module.bias.zero_()
         elif isinstance(module, RMSNorm):
             module.weight.fill_(1.0)
+        elif isinstance(module, Experts):
+            module.reset_parameters(std, gen)
     return model
 
 

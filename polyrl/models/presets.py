@@ -1,13 +1,17 @@
 """Named model shapes for ``polyrl init-model``: random-initialised HF checkpoints the project makes itself.
 
-``tiny`` and ``small`` are for CPU tests and demos (seconds to train on CPU); the ``*-shape`` presets keep
+``tiny`` and ``small`` are for CPU tests and demos (seconds to train on CPU), ``tiny-moe`` is their
+mixture-of-experts sibling (Qwen3-MoE, 8 experts, top-2); the ``*-shape`` presets and ``qwen3-30b-a3b`` keep
 the real dimensions and vocabulary size of public models for benchmarks (random weights, our own BPE
-tokenizer padded to the real vocab size, ChatML template). Not here: training, or any real weights.
+tokenizer padded to the real vocab size, ChatML template). Any preset name with a ``-LN`` suffix keeps only its
+first N layers (``qwen3-30b-a3b-L8``: a shape that fits one GPU for full training); ``PRESETS[name]`` and
+``name in PRESETS`` resolve such names. Not here: training, or any real weights.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,86 +50,152 @@ def _qwen3(**kw: Any) -> dict[str, Any]:
     return base
 
 
-PRESETS: dict[str, Preset] = {
-    "tiny": Preset(
-        _qwen3(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            vocab_size=2048,
-            rope_theta=10000.0,
-            max_position_embeddings=2048,
+class _Presets(dict):
+    """The preset table; a name ``<preset>-L<N>`` (N from 1 to the preset's layer count) is that preset with its
+    first N layers, resolved on lookup (``PRESETS["qwen3-30b-a3b-L8"]``, ``"qwen3-30b-a3b-L8" in PRESETS``) and
+    never listed."""
+
+    def __missing__(self, name: str) -> Preset:
+        m = re.fullmatch(r"(.+)-L(\d+)", name) if isinstance(name, str) else None
+        if m is None or not dict.__contains__(self, m[1]):
+            raise KeyError(name)
+        base, layers = dict.__getitem__(self, m[1]), int(m[2])
+        if not 1 <= layers <= base.hf["num_hidden_layers"]:
+            raise KeyError(name)
+        hf = {**base.hf, "num_hidden_layers": layers}
+        return replace(base, hf=hf, description=f"{base.description}; first {layers} layers only")
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            self[name]
+        except KeyError:
+            return False
+        return True
+
+
+PRESETS: dict[str, Preset] = _Presets(
+    {
+        "tiny": Preset(
+            _qwen3(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                vocab_size=2048,
+                rope_theta=10000.0,
+                max_position_embeddings=2048,
+            ),
+            torch.float32,
+            "qwen3 family, hidden 64, 2 layers, vocab 2048 (~0.2M params): CPU tests",
+            trained_vocab=2048,
         ),
-        torch.float32,
-        "qwen3 family, hidden 64, 2 layers, vocab 2048 (~0.2M params): CPU tests",
-        trained_vocab=2048,
-    ),
-    "small": Preset(
-        _qwen3(
-            hidden_size=256,
-            intermediate_size=768,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            vocab_size=4096,
-            rope_theta=10000.0,
-            max_position_embeddings=4096,
+        "tiny-moe": Preset(
+            _qwen3(
+                model_type="qwen3_moe",
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                vocab_size=2048,
+                rope_theta=10000.0,
+                max_position_embeddings=2048,
+                num_experts=8,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                norm_topk_prob=True,
+                router_aux_loss_coef=0.01,
+                output_router_logits=True,
+            ),
+            torch.float32,
+            "qwen3_moe family, hidden 64, 2 layers, 8 experts top-2, vocab 2048 (~0.2M params, aux loss on): CPU tests",
+            trained_vocab=2048,
         ),
-        torch.float32,
-        "qwen3 family, hidden 256, 4 layers, vocab 4096 (~4M params): CPU demos",
-    ),
-    "qwen3-0.6b-shape": Preset(
-        _qwen3(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28),
-        torch.bfloat16,
-        "Qwen3-0.6B dimensions (596M params, vocab 151936), random weights",
-    ),
-    "qwen3-1.7b-shape": Preset(
-        _qwen3(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28),
-        torch.bfloat16,
-        "Qwen3-1.7B dimensions (1.7B params, vocab 151936), random weights",
-    ),
-    "qwen3-8b-shape": Preset(
-        _qwen3(
-            hidden_size=4096,
-            intermediate_size=12288,
-            num_hidden_layers=36,
-            num_attention_heads=32,
-            tie_word_embeddings=False,
+        "small": Preset(
+            _qwen3(
+                hidden_size=256,
+                intermediate_size=768,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=64,
+                vocab_size=4096,
+                rope_theta=10000.0,
+                max_position_embeddings=4096,
+            ),
+            torch.float32,
+            "qwen3 family, hidden 256, 4 layers, vocab 4096 (~4M params): CPU demos",
         ),
-        torch.bfloat16,
-        "Qwen3-8B dimensions (8.2B params, vocab 151936, untied head), random weights",
-    ),
-    "llama3.2-1b-shape": Preset(
-        dict(
-            model_type="llama",
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=64,
-            rms_norm_eps=1e-5,
-            rope_theta=500000.0,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 32.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192,
-            },
-            max_position_embeddings=131072,
-            tie_word_embeddings=True,
-            vocab_size=128256,
-            initializer_range=0.02,
+        "qwen3-0.6b-shape": Preset(
+            _qwen3(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28),
+            torch.bfloat16,
+            "Qwen3-0.6B dimensions (596M params, vocab 151936), random weights",
         ),
-        torch.bfloat16,
-        "Llama-3.2-1B dimensions (1.24B params, vocab 128256), random weights",
-    ),
-}
+        "qwen3-1.7b-shape": Preset(
+            _qwen3(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28),
+            torch.bfloat16,
+            "Qwen3-1.7B dimensions (1.7B params, vocab 151936), random weights",
+        ),
+        "qwen3-8b-shape": Preset(
+            _qwen3(
+                hidden_size=4096,
+                intermediate_size=12288,
+                num_hidden_layers=36,
+                num_attention_heads=32,
+                tie_word_embeddings=False,
+            ),
+            torch.bfloat16,
+            "Qwen3-8B dimensions (8.2B params, vocab 151936, untied head), random weights",
+        ),
+        "llama3.2-1b-shape": Preset(
+            dict(
+                model_type="llama",
+                hidden_size=2048,
+                intermediate_size=8192,
+                num_hidden_layers=16,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                head_dim=64,
+                rms_norm_eps=1e-5,
+                rope_theta=500000.0,
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "factor": 32.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                },
+                max_position_embeddings=131072,
+                tie_word_embeddings=True,
+                vocab_size=128256,
+                initializer_range=0.02,
+            ),
+            torch.bfloat16,
+            "Llama-3.2-1B dimensions (1.24B params, vocab 128256), random weights",
+        ),
+        "qwen3-30b-a3b": Preset(
+            _qwen3(
+                model_type="qwen3_moe",
+                hidden_size=2048,
+                intermediate_size=6144,
+                num_hidden_layers=48,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                tie_word_embeddings=False,
+                num_experts=128,
+                num_experts_per_tok=8,
+                moe_intermediate_size=768,
+                norm_topk_prob=True,
+                router_aux_loss_coef=0.001,
+            ),
+            torch.bfloat16,
+            "Qwen3-30B-A3B dimensions (30.5B params, 3.3B active, 128 experts top-8, vocab 151936), random weights",
+        ),
+    }
+)
 
 
 def preset_names() -> list[str]:
@@ -134,7 +204,10 @@ def preset_names() -> list[str]:
 
 def get_preset(name: str) -> Preset:
     if name not in PRESETS:
-        raise UserError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}")
+        raise UserError(
+            f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)} (a -LN suffix, e.g. "
+            "qwen3-30b-a3b-L8, keeps the first N layers)"
+        )
     return PRESETS[name]
 
 

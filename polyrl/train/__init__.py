@@ -44,6 +44,10 @@ Pieces (one concept per module):
   CPU), weight decay on >= 2-D weights by default. Gradients land in fp32 ``master.grad`` during
   backward (``param.grad`` is None afterwards for bf16 params): read them via ``engine.optimizer.grads()``.
 - ``schedule.lr_at(step, base_lr, cfg, total_steps)``: pure function (exact resume, no state).
+- ``moe_loss.MoELoss``: for an MoE model, each micro-batch's loss runs under a recording ``models.moe.Routing``;
+  the router load-balancing loss and z-loss are reported (``moe/aux_loss``, ``moe/z_loss``) and added with HF's
+  coefficients (``router_aux_loss_coef`` when ``output_router_logits``; ``StepConfig.moe_aux_loss_coef`` /
+  ``moe_z_loss_coef`` override); a micro-batch's ``routing_replay`` forces its experts.
 - ``losses.causal_lm_loss``: summed token cross-entropy via ``kernels.linear_cross_entropy``;
   ``losses.attention_metadata(batch)`` builds the training ``AttnMetadata`` of a packed batch.
 - ``checkpoint``: ``CheckpointManager``, ``save_checkpoint`` (atomic), ``latest_checkpoint``,

@@ -143,7 +143,11 @@ class StepConfig:
     possible, eager elsewhere; False: never; True: required (an error says why a step cannot be captured).
     ``checkpoint_layers``: with ``activation_checkpointing``, recompute only the first this-many decoder layers (None:
     all); the others keep their activations, trading memory for less recomputation (Megatron's
-    ``recompute_num_layers``, block method). Larger than the model's layer count means all."""
+    ``recompute_num_layers``, block method). Larger than the model's layer count means all.
+    ``moe_aux_loss_coef`` / ``moe_z_loss_coef`` (MoE models only; ``train/moe_loss.py``): the coefficients of the
+    router's load-balancing loss and z-loss added to the loss. None (default): the model's config.json decides, as in
+    transformers (``router_aux_loss_coef`` only when ``output_router_logits`` is true; ``router_z_loss_coef``,
+    0 unless set); a number overrides it (0: report the losses as metrics, add nothing)."""
 
     micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS  # the one owner of the packing budget (data, RL batches)
     step_tokens: int | None = None
@@ -155,8 +159,16 @@ class StepConfig:
     seed: int = 0
     pause_gc: bool = True
     cuda_graphs: bool | None = None
+    moe_aux_loss_coef: float | None = None
+    moe_z_loss_coef: float | None = None
 
     def __post_init__(self) -> None:
+        for name in ("moe_aux_loss_coef", "moe_z_loss_coef"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+            ):
+                raise ConfigError(f"engine.{name} must be a number >= 0 or unset (the model config's), got {value!r}")
         if self.checkpoint_layers is not None:
             if isinstance(self.checkpoint_layers, bool) or not isinstance(self.checkpoint_layers, int):
                 raise ConfigError(

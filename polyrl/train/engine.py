@@ -32,6 +32,7 @@ from polyrl.platform.host import gc_paused
 from polyrl.train.config import OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig
 from polyrl.train.graphed_step import GraphedMicroStep, batch_signature, is_graph_safe, model_is_deterministic
 from polyrl.train.losses import causal_lm_loss
+from polyrl.train.moe_loss import MoELoss, real_tokens
 from polyrl.train.optim import MasterAdamW
 from polyrl.train.parallel.fsdp import grad_sum_factor, is_sharded
 from polyrl.train.parallel.replicate import all_reduce_grads_, is_replicated
@@ -131,6 +132,8 @@ class TrainEngine:
         self._graph: GraphedMicroStep | None = None
         self._graphs_failed = False
         self.graph_captures = 0
+        # MoE models: router aux / z losses added per micro-batch and reported (None for a dense model)
+        self.moe_loss = MoELoss.for_model(model, self.cfg)
 
     def _check_distributed(self, model: nn.Module) -> bool:
         """True for a replicated model, False for a sharded one; raises for a plain model."""
@@ -282,13 +285,16 @@ class TrainEngine:
         if self.world is not None and not self.replicated:
             scale *= grad_sum_factor(self.world)  # FSDP averages over ranks; we want the global sum / norm
         graphs = self._graphs_allowed(loss_fn)
-        for mb in micro_batches:
+        moe_weights = self._moe_weights(micro_batches, norm) if self.moe_loss is not None else None
+        for i, mb in enumerate(micro_batches):
+            replay = getattr(mb, "routing_replay", None)  # MoE rollout-routing replay (train/moe_loss.py)
             mb = mb.to(self.device) if hasattr(mb, "to") else mb
             graphed = self._graphed(mb, loss_fn, scale) if graphs else None
             if graphed is not None:
                 loss_sum, metrics = graphed
             else:
-                loss_sum, metrics = loss_fn(self.model, mb)
+                fn = loss_fn if moe_weights is None else self.moe_loss.wrap(loss_fn, moe_weights[i], replay)
+                loss_sum, metrics = fn(self.model, mb)
                 (loss_sum * scale).backward()
             loss_total += loss_sum.detach().float()
             for key, value in metrics.items():
@@ -298,6 +304,15 @@ class TrainEngine:
             # stream) alive into the next one: a CUDA-graph capture there would sync with it and fail.
             del loss_sum, metrics
         return loss_total, metric_sums
+
+    def _moe_weights(self, micro_batches: Sequence[Any], norm: float) -> list[float]:
+        """Per micro-batch: ``norm * its tokens / the step's tokens`` (global when data-parallel), so the MoE
+        aux losses enter the step's loss as their token-weighted mean (``train/moe_loss.py``)."""
+        counts = [float(real_tokens(b)) for b in micro_batches]
+        total = sum(counts)
+        if self.world is not None:
+            total = self.world.sum_float(total)
+        return [norm * c / max(total, 1.0) for c in counts]
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
     def _graphs_allowed(self, loss_fn: LossFn) -> bool:
@@ -319,6 +334,8 @@ class TrainEngine:
             return f"the loss {getattr(loss_fn, '__name__', loss_fn)!r} is not marked graph_safe"
         if not model_is_deterministic(self.model):
             return "the model has active dropout"
+        if self.moe_loss is not None:
+            return "MoE models route tokens per step (expert counts vary; the router losses are added eagerly)"
         return None
 
     def _graphed(self, mb: Any, loss_fn: LossFn, scale: float):

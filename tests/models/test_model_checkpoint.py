@@ -151,7 +151,7 @@ def test_unsupported_model_type(saved):
     config = json.loads((saved / "config.json").read_text())
     config["model_type"] = "gpt_neox"
     (saved / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UserError, match="gpt_neox.*llama, mistral, qwen2, qwen3"):
+    with pytest.raises(UserError, match="gpt_neox.*llama, mistral, mixtral, olmoe, qwen2, qwen2_moe, qwen3, qwen3_moe"):
         load_model(saved)
 
 

@@ -32,6 +32,17 @@ def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoraLinear]]:
             yield name, module
 
 
+def adapted_parents(layer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name in the layer, module) of the modules whose ``*_proj`` linears LoRA targets: attention, the MLP, and an
+    MoE layer's shared expert (Qwen2-MoE; PEFT matches ``mlp.shared_expert.gate_proj`` by its name too). An MoE
+    layer's router (``mlp.gate``) and routed experts (3-D tensors) are never targets."""
+    parents = [("self_attn", layer.self_attn), ("mlp", layer.mlp)]
+    shared = getattr(layer.mlp, "shared_expert", None)
+    if shared is not None:
+        parents.append(("mlp.shared_expert", shared))
+    return parents
+
+
 def has_lora(model: nn.Module) -> bool:
     return getattr(model, "lora_config", None) is not None
 
@@ -52,7 +63,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int | None = 0) -> nn.Mo
     model.requires_grad_(False)
     count = 0
     for layer in layers:
-        for parent in (layer.self_attn, layer.mlp):
+        for _, parent in adapted_parents(layer):
             for target in cfg.targets:
                 base = getattr(parent, target, None)
                 if not isinstance(base, nn.Linear):

@@ -22,6 +22,7 @@ from torch import nn
 
 from polyrl.errors import ConfigError
 from polyrl.models.hf_io import open_safetensors
+from polyrl.models.lora.apply import adapted_parents
 from polyrl.models.lora.peft_io import ADAPTER_WEIGHTS, PREFIX, our_name, read_adapter_config
 
 
@@ -88,7 +89,7 @@ def attach_adapters(model: nn.Module, adapters: dict[str, str | Path]) -> Adapte
     bank = AdapterBank(names, next(model.parameters()).device)
     layers: dict[str, MultiLoraLinear] = {}
     for li, layer in enumerate(model.model.layers):
-        for pname, parent in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
+        for pname, parent in adapted_parents(layer):
             for target in sorted(targets):
                 base = getattr(parent, target, None)
                 if isinstance(base, nn.Linear):
