@@ -239,6 +239,29 @@ def decoder_options(spec: str | None) -> DecoderOptions:
     return DecoderOptions(**changes)
 
 
+def shape_preset(shape: str, shapes: dict[str, str]) -> str:
+    """The model preset a bench ``--shape`` names: a key of ``shapes`` (``qwen3-0.6b`` -> ``qwen3-0.6b-shape``), or
+    one with a ``-LN`` suffix keeping the first N layers (``qwen3-30b-a3b-L8``); a clear error otherwise."""
+    if shape in shapes:
+        return shapes[shape]
+    base, sep, layers = shape.rpartition("-L")
+    if sep and layers.isdigit() and base in shapes:
+        return f"{shapes[base]}-L{layers}"
+    raise ConfigError(
+        f"unknown --shape {shape!r}; choose one of {', '.join(shapes)} (a -LN suffix keeps the first N layers, "
+        "e.g. qwen3-30b-a3b-L8)"
+    )
+
+
+def hf_moe_kwargs(cfg: Any, variant: str) -> dict[str, Any]:
+    """transformers' ``from_config`` kwargs for an MoE shape: its experts through ``torch._grouped_mm`` (transformers
+    5's default and fastest training path), or the per-expert loop for an ``*eager-experts*`` variant; nothing for a
+    dense shape."""
+    if not getattr(cfg, "is_moe", False):
+        return {}
+    return {"experts_implementation": "eager" if "eager-experts" in variant else "grouped_mm"}
+
+
 def gib(nbytes: int | None) -> float | None:
     return None if nbytes is None else nbytes / 2**30
 

@@ -32,7 +32,7 @@ import torch
 from polyrl.algorithms.advantages import group_advantages
 from polyrl.algorithms.grpo import GRPOConfig, make_policy_loss
 from polyrl.algorithms.rl_batch import pack_samples
-from polyrl.bench.common import measure_copy_bandwidth, measure_matmul_flops
+from polyrl.bench.common import measure_copy_bandwidth, measure_matmul_flops, shape_preset
 from polyrl.bench.profile import kernel_table, print_kernel_table
 from polyrl.bench.rollout import roofline_tokens_per_s
 from polyrl.infer import RolloutConfig, SamplingParams
@@ -41,11 +41,22 @@ from polyrl.platform import device
 from polyrl.train import OptimConfig, StepConfig
 from polyrl.trainer import Trainer
 
-SHAPES = {"tiny": "tiny", "small": "small", "qwen3-0.6b": "qwen3-0.6b-shape", "qwen3-1.7b": "qwen3-1.7b-shape"}
+SHAPES = {
+    "tiny": "tiny",
+    "small": "small",
+    "qwen3-0.6b": "qwen3-0.6b-shape",
+    "qwen3-1.7b": "qwen3-1.7b-shape",
+    "tiny-moe": "tiny-moe",
+    "qwen3-30b-a3b": "qwen3-30b-a3b",  # MoE; with -LN the first N layers
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", default="qwen3-0.6b", choices=list(SHAPES), help="model shape (random weights)")
+    parser.add_argument(
+        "--shape",
+        default="qwen3-0.6b",
+        help=f"model shape (random weights): {', '.join(SHAPES)}; a -LN suffix keeps the first N layers",
+    )
     parser.add_argument("--prompts", type=int, default=64, help="prompts per step")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (about)")
@@ -260,7 +271,8 @@ def run(args: argparse.Namespace) -> int:
         model_dir = Path(args.model_dir)
     else:
         tmp = tempfile.TemporaryDirectory(prefix="polyrl-bench-grpo-")
-        model_dir = create_model_from_preset(SHAPES[args.shape], Path(args.model_dir or tmp.name) / "model", seed=0)
+        preset = shape_preset(args.shape, SHAPES)
+        model_dir = create_model_from_preset(preset, Path(args.model_dir or tmp.name) / "model", seed=0)
     print(
         f"# GRPO step: {args.shape} on {device.name() if dev.type != 'cpu' else 'cpu'}, {args.prompts} prompts x "
         f"{args.n} samples x {args.gen_len} new tokens (prompt ~{args.prompt_len}); {args.warmup} warm-up + "

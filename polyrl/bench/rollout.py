@@ -32,7 +32,7 @@ import time
 import torch
 
 from polyrl import kernels
-from polyrl.bench.common import add_decoder_options, decoder_options, measure_copy_bandwidth
+from polyrl.bench.common import add_decoder_options, decoder_options, hf_moe_kwargs, measure_copy_bandwidth
 from polyrl.infer import LLM, RolloutConfig, SamplingParams
 from polyrl.kernels import registry
 from polyrl.models.attention_metadata import AttnMetadata
@@ -129,7 +129,7 @@ def _hf_model(model, dev: torch.device):
     cfg._attn_implementation = "sdpa"
     dtype = next(model.parameters()).dtype
     with torch.device(dev):
-        hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, **hf_moe_kwargs(model.config, "hf"))
     hf.load_state_dict(model.state_dict(), strict=False)
     return hf.eval()
 
@@ -192,9 +192,16 @@ def graph_replay_ms(llm, batch: int, reps: int = 20) -> float | None:
 
 
 def roofline_tokens_per_s(model, batch: int, prompt_len: int, gen_len: int, kv_dtype_bytes: int, bw: float) -> float:
-    """Decode tokens/s if each step only had to read weights once plus the KV cache at the mean context."""
+    """Decode tokens/s if each step only had to read weights once plus the KV cache at the mean context. An MoE
+    model's step reads only the experts its ``batch`` tokens pick: with uniform routing the expected number per layer
+    is ``E * (1 - (1 - k/E) ** batch)`` (all of them at batch 256 with 8 of 128, about 8 at batch 1)."""
     cfg = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if cfg.is_moe:
+        e, k = cfg.num_experts, cfg.num_experts_per_tok
+        expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * next(model.parameters()).element_size()
+        unread = e - e * (1 - (1 - k / e) ** batch)
+        weight_bytes -= len(cfg.moe_layers) * unread * expert_bytes
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_dtype_bytes
     mean_ctx = prompt_len + gen_len / 2
     step_bytes = weight_bytes + batch * mean_ctx * kv_per_token

@@ -30,7 +30,14 @@ from typing import Any
 import torch
 
 from polyrl.bench import sft_lora
-from polyrl.bench.common import add_decoder_options, decoder_options, enable_hf_checkpointing, free_memory
+from polyrl.bench.common import (
+    add_decoder_options,
+    decoder_options,
+    enable_hf_checkpointing,
+    free_memory,
+    hf_moe_kwargs,
+    shape_preset,
+)
 from polyrl.bench.profile import kernel_table, print_kernel_table
 from polyrl.data import TokenizedSeq, pack_sequences
 from polyrl.errors import ConfigError
@@ -46,10 +53,14 @@ SHAPES = {
     "qwen3-1.7b": "qwen3-1.7b-shape",
     "qwen3-8b": "qwen3-8b-shape",
     "llama3.2-1b": "llama3.2-1b-shape",
+    "tiny-moe": "tiny-moe",
+    "qwen3-30b-a3b": "qwen3-30b-a3b",  # MoE; with -LN (qwen3-30b-a3b-L8) the first N layers
 }
 BASELINES = {
     "hf": ("hf-autocast", "hf-bf16"),
     "hf-liger": ("hf-liger-autocast", "hf-liger-bf16"),
+    # MoE shapes: transformers' per-expert loop (experts_implementation="eager") next to its grouped_mm default
+    "hf-eager-experts": ("hf-eager-experts-autocast", "hf-eager-experts-bf16"),
 }
 GIB = 1024**3
 
@@ -67,7 +78,11 @@ class Result:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", default="qwen3-0.6b", choices=list(SHAPES), help="model shape (random weights)")
+    parser.add_argument(
+        "--shape",
+        default="qwen3-0.6b",
+        help=f"model shape (random weights): {', '.join(SHAPES)}; a -LN suffix keeps the first N layers",
+    )
     parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per config")
@@ -124,7 +139,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ---- shared setup -------------------------------------------------------------------------------
 def model_config(shape: str) -> Any:
-    return preset_config(SHAPES[shape])
+    return preset_config(shape_preset(shape, SHAPES))
 
 
 def random_tokens(vocab: int, batch: int, seq: int, seed: int) -> torch.Tensor:
@@ -138,10 +153,10 @@ def initial_weights(cfg: Any, dev: torch.device, seed: int) -> Any:
 
 
 def flops_per_token(cfg: Any, seq: int) -> float:
-    """6N + 6 * layers * seq * heads * head_dim, N with the (tied) LM head counted once."""
+    """``DecoderLM.flops_per_token``: 6N + 6 * layers * seq * heads * head_dim, N with the (tied) LM head counted once
+    (an MoE shape: the parameters one token's matmuls use)."""
     with torch.device("meta"):
-        n = DecoderLM(cfg).num_parameters()
-    return 6.0 * n + 6.0 * cfg.num_layers * seq * cfg.num_heads * cfg.head_dim
+        return DecoderLM(cfg).flops_per_token(seq)
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -195,7 +210,9 @@ def hf_step_fn(cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: to
     hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf_dict())
     hf_cfg._attn_implementation = "sdpa"
     with torch.device(dev):
-        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa")
+        model = transformers.AutoModelForCausalLM.from_config(
+            hf_cfg, attn_implementation="sdpa", **hf_moe_kwargs(cfg, variant)
+        )
     ref = initial_weights(cfg, dev, args.seed)
     missing, unexpected = model.load_state_dict(ref.state_dict(), strict=False)
     del ref
@@ -298,6 +315,8 @@ def measure(name: str, cfg: Any, tokens: torch.Tensor, args: argparse.Namespace,
         return Result(name, f"skipped: {why}")
     if "liger" in name and (why := liger_available()):
         return Result(name, f"skipped: {why}")
+    if "eager-experts" in name and not cfg.is_moe:
+        return Result(name, "skipped: a dense shape has no experts")
     free_memory()
     step_fn = None
     try:
@@ -356,10 +375,10 @@ def _fmt(v: float | None, spec: str, scale: float = 1.0) -> str:
 
 def print_table(results: list[Result], header: str) -> None:
     print(header)
-    print(f"{'config':20} {'tokens/s':>10} {'step s':>8} {'MFU':>7} {'peak GiB':>9} {'loss':>8}  status")
+    print(f"{'config':24} {'tokens/s':>10} {'step s':>8} {'MFU':>7} {'peak GiB':>9} {'loss':>8}  status")
     for r in results:
         print(
-            f"{r.name:20} {_fmt(r.tokens_per_s, ',.0f'):>10} {_fmt(r.step_s, '.3f'):>8} "
+            f"{r.name:24} {_fmt(r.tokens_per_s, ',.0f'):>10} {_fmt(r.step_s, '.3f'):>8} "
             f"{_fmt(r.mfu, '.1f', 100) + ('%' if r.mfu is not None else ''):>7} "
             f"{_fmt(r.peak_memory_gib, '.1f'):>9} {_fmt(r.loss, '.4f'):>8}  {r.status}"
         )
