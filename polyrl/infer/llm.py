@@ -88,6 +88,7 @@ class LLM:
         self._inflight: InflightStep | None = None  # a decode step launched ahead and not yet read
         self.num_steps_ahead = 0  # decode steps launched before the previous launch was read
         self.num_launches_ahead = 0  # launches of those steps (decode_steps per launch where possible)
+        self._grammars: Any = None  # structured outputs: GrammarCache, made on the first request that has one
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -142,8 +143,11 @@ class LLM:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = _Request(rid, text, ids, params, stream)
         now = time.monotonic()
+        guides = [self.grammar_cache().guide(params.structured) for _ in range(params.n)] if params.structured else None
         for i in range(params.n):
             req.seqs.append(Sequence(next(self._seq_ids), rid, i, ids, params, now, stream))
+            if guides:
+                req.seqs[-1].guide = guides[i]
         self._inbox.put(("add", req))
         return rid
 
@@ -162,6 +166,15 @@ class LLM:
         if bank is None:
             raise UserError(f"this engine serves no LoRA adapters, so adapter {name!r} is unknown")
         return bank.slot(name)
+
+    def grammar_cache(self) -> Any:
+        """The engine's compiled structured-output grammars (``infer/structured.py``), made on first use."""
+        if self._grammars is None:
+            # lazy: structured.py needs llguidance, an optional package, only when a request asks for a grammar
+            from polyrl.infer.structured import GrammarCache
+
+            self._grammars = GrammarCache(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request (thread-safe); it is reported once more with finish_reason "abort"."""
@@ -270,7 +283,11 @@ class LLM:
         overlap = self.config.overlap_decode
         if overlap is None:
             overlap = self.runner.device.type != "cpu"
-        return overlap and sched.is_decode_only and not any(it.seq.params.logprobs for it in sched.items)
+        return (
+            overlap
+            and sched.is_decode_only
+            and not any(it.seq.params.logprobs or it.seq.guide is not None for it in sched.items)
+        )
 
     def _steps_per_launch(self, sched) -> int:
         """Decode steps to queue in this launch: ``decode_steps`` when no row needs the host between steps (a

@@ -85,6 +85,7 @@ class Sequence:
         "pending",
         "pending_row",
         "draw",
+        "guide",
     )
 
     def __init__(
@@ -123,6 +124,7 @@ class Sequence:
         self.pending = 0  # how many of them
         self.pending_row = -1
         self.draw: tuple[float, bool, int] | None = None  # the sampler's (temperature, greedy, seed), made once
+        self.guide: Any = None  # structured outputs: this sample's grammar matcher (infer/structured.py)
 
     @property
     def num_tokens(self) -> int:

@@ -59,6 +59,12 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    # structured outputs, vLLM's names (polyrl/server/tool_calls.py): the legacy guided_* and structured_outputs
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -68,9 +74,41 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # refused unless the server allows request templates (see prompts.py)
+
+
+class ResponsesRequest(_Strict):
+    """``POST /v1/responses`` (``responses.py``). ``input``: a string or a list of items (messages, function_call,
+    function_call_output); ``text.format`` is the structured-output field; ``previous_response_id`` is refused
+    (the server keeps no state)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
+    background: bool | None = None
+    top_logprobs: int | None = None
+    # vLLM-style extras
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
 
 
 class CompletionRequest(_Sampling):
