@@ -10,7 +10,8 @@ grammar constrains the output), or an OpenAI-shaped 400 naming the field.
 - Structured outputs (one of): ``response_format`` ``{"type": "json_object"}`` / ``{"type": "json_schema",
   "json_schema": {"name", "schema", "strict"}}`` (chat only; ``strict`` or not, the schema is enforced), and vLLM's
   ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` or ``structured_outputs`` ``{json,
-  regex, choice, grammar, json_object}``. A forced tool call's grammar and a structured output together are a 400.
+  regex, choice, grammar, json_object}``. While a tool call is forced, its grammar replaces the structured output
+  (which shapes text, and a forced reply has none): OpenAI accepts both together, and agents send both.
 Compilation happens in the engine (``polyrl.infer.structured``, cached per schema); its errors come back as 400s
 from ``AsyncEngine.submit``. Not here: parsing replies (``polyrl.agents.tool_parsers``), HTTP.
 """
@@ -205,13 +206,8 @@ def plan_tools(
         return ToolPlan(None, None, parallel, structured, param)
     parser = get_parser(server_parser) if server_parser else detect_parser(template)
     if mode in ("required", "named"):
-        if structured is not None:
-            raise bad_request(
-                f"tool_choice {mode if mode == 'required' else repr(name)} constrains the output to tool calls; "
-                "drop response_format (or the structured-output field) or set tool_choice to auto",
-                "tool_choice",
-                "invalid_value",
-            )
+        # A forced call's grammar replaces any response_format: that one shapes text, and a forced reply has none
+        # (OpenAI accepts both together; the openai-agents SDK sends both when an agent has an output_type).
         forced = tools if mode == "required" else [t for t in tools if t["function"]["name"] == name]
         structured = StructuredOutputs("lark", parser.grammar(forced, parallel and mode == "required", tokenizer))
         param = "tool_choice"
