@@ -408,6 +408,7 @@ class LLM:
             top_logprobs=list(s.top_logprobs) if s.top_logprobs is not None else None,
             new_token_ids=new_ids,
             new_text=new_text,
+            masked_logmass=s.guide.masked_logmass if s.guide is not None else None,
         )
 
     # ---- batch API ----------------------------------------------------------------------------------

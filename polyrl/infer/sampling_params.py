@@ -52,6 +52,44 @@ class StructuredOutputs:
         return cls("json", json.dumps(schema, separators=(",", ":")))  # property order kept: it is the output's
 
     @classmethod
+    def from_spec(cls, text: str) -> StructuredOutputs | None:
+        """A config string as a grammar (RL rollouts: ``--set grpo.rollout_response_format=...``): "" = none,
+        ``json_object``, ``json_schema:<file.json>`` or ``json_schema:{...}``, ``regex:<pattern>``,
+        ``choice:a|b|c``, ``grammar:<file.lark>`` or ``grammar:<Lark text>``."""
+        text = (text or "").strip()
+        if not text:
+            return None
+        if text == "json_object":
+            return cls("json_object")
+        kind, sep, rest = text.partition(":")
+        if not sep or kind not in ("json_schema", "regex", "choice", "grammar") or not rest:
+            raise UserError(
+                f"response format {text!r} is not one of json_object, json_schema:<file or JSON>, regex:<pattern>, "
+                "choice:a|b|c, grammar:<file or Lark>"
+            )
+        if kind == "regex":
+            return cls("regex", rest)
+        if kind == "choice":
+            return cls.choice(rest.split("|"))
+        body = rest
+        if kind == "json_schema" and not rest.lstrip().startswith("{") or kind == "grammar" and "\n" not in rest:
+            try:
+                with open(rest) as f:
+                    body = f.read()
+            except OSError as exc:
+                if kind == "json_schema":
+                    raise UserError(f"cannot read the JSON schema file {rest!r}: {exc.strerror}") from None
+        if kind == "grammar":
+            return cls("grammar", body)
+        try:
+            schema = json.loads(body)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"the JSON schema {rest[:60]!r} is not valid JSON: {exc.msg}") from None
+        if not isinstance(schema, dict):
+            raise UserError("a JSON schema must be a JSON object")
+        return cls.json_schema(schema)
+
+    @classmethod
     def choice(cls, options: list[str]) -> StructuredOutputs:
         if not options or not all(isinstance(o, str) and o for o in options):
             raise UserError("a choice needs a non-empty list of non-empty strings")

@@ -40,6 +40,8 @@ class CompletionOutput:
     top_logprobs: list[dict[int, float]] | None = None
     new_token_ids: list[int] = field(default_factory=list)  # streaming: tokens since the last step's output
     new_text: str = ""  # streaming: text since the last step's output
+    # structured outputs: sum over the tokens of log(probability mass the grammar allowed); None when unconstrained
+    masked_logmass: float | None = None
 
 
 @dataclass
