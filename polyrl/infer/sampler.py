@@ -271,10 +271,15 @@ class Sampler:
         cache.fill_bitmask([g.matcher for g in guides], host)
         dev = logits.device
         bitmask = host if dev.type == "cpu" else host.pin_memory().to(dev, non_blocking=True)
+        inv = plan.rows.inv_temps[:, None]
+        if len(guides) == logits.shape[0]:  # every row guided (a constrained rollout): no gathers
+            out = apply_bitmask(inp, None, bitmask)
+            plan.masked_logmass = torch.logsumexp(out * inv, -1) - torch.logsumexp(logits * inv, -1)
+            return out
         idx = host_to_device(plan.guided, torch.int64, dev)
         out = apply_bitmask(inp, idx, bitmask)
-        z = logits[idx] * plan.rows.inv_temps[idx, None]
-        plan.masked_logmass = torch.logsumexp(out[idx] * plan.rows.inv_temps[idx, None], -1) - torch.logsumexp(z, -1)
+        inv = inv[idx]
+        plan.masked_logmass = torch.logsumexp(out[idx] * inv, -1) - torch.logsumexp(logits[idx] * inv, -1)
         return out
 
     def _top_logprobs(

@@ -175,11 +175,13 @@ def allowed_mask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab]
 
 
-def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """``logits`` (fp32 ``[B, V]``) with rows ``rows`` (int64 ``[G]``) masked to -inf where ``bitmask`` (``[G, words]``
-    on the logits' device) has a 0 bit. Returns a new tensor; the input is left as it was (the sampler reports
-    log-probs of the unmasked distribution from it)."""
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` (fp32 ``[B, V]``) with rows ``rows`` (int64 ``[G]``; None = every row) masked to -inf where
+    ``bitmask`` (``[G, words]`` on the logits' device) has a 0 bit. Returns a new tensor; the input is left as it
+    was (the sampler reports log-probs of the unmasked distribution from it)."""
     allowed = allowed_mask(bitmask, logits.shape[1])
+    if rows is None:
+        return logits.masked_fill(~allowed, float("-inf"))
     out = logits.clone()
     out[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
     return out
