@@ -25,133 +25,38 @@ response.completed (or response.incomplete). Not here: the HTTP app.
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from typing import Any
 
 from pydantic import ValidationError
 
+from polyrl.agents.responses_items import (
+    ItemError,
+    ResponseShell,
+    call_item,
+    chat_tool_choice,
+    chat_tools,
+    input_messages,
+    message_item,
+    output_items,
+    usage,
+)
 from polyrl.agents.tool_parsers import ToolCallStream
 from polyrl.server.api_errors import bad_request, validation_message
 from polyrl.server.chat import call_prefix, parse_calls, submit_chat
 from polyrl.server.protocol import ChatCompletionRequest, ResponsesRequest
 from polyrl.server.streaming import final_outputs, guarded_stream
 
-_TEXT_PARTS = ("input_text", "output_text", "text")
-
-
-def _text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(f"{where} must be a string or a list of text parts", where, "invalid_value")
-    out = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise bad_request(
-                f"{where}[{j}]: content parts of type {kind!r} are not supported; send input_text", f"{where}.{j}",
-                "unsupported",
-            )  # fmt: skip
-        out.append(part["text"])
-    return "".join(out)
-
-
-def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """The conversation as chat messages (see the module docstring)."""
-    messages: list[dict[str, Any]] = []
-    if body.instructions:
-        messages.append({"role": "system", "content": body.instructions})
-    if isinstance(body.input, str):
-        messages.append({"role": "user", "content": body.input})
-        return messages
-    open_turn = False  # the last message is an assistant turn that function_call items may join
-    for i, item in enumerate(body.input):
-        where = f"input.{i}"
-        if not isinstance(item, dict):
-            raise bad_request(f"{where} must be an object (a message or a function_call item)", where, "invalid_value")
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise bad_request(
-                    f"{where}.role must be user, system, developer or assistant, got {role!r}", f"{where}.role",
-                    "invalid_value",
-                )  # fmt: skip
-            role = "system" if role == "developer" else role
-            messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
-            open_turn = role == "assistant"
-        elif kind == "function_call":
-            name, args, call_id = item.get("name"), item.get("arguments", ""), item.get("call_id")
-            if not isinstance(name, str) or not isinstance(args, str) or not isinstance(call_id, str):
-                raise bad_request(
-                    f"{where}: a function_call item needs string name, arguments and call_id", where, "invalid_value"
-                )
-            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
-            if not open_turn:
-                messages.append({"role": "assistant", "content": ""})
-                open_turn = True
-            messages[-1].setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
-            call_id = item.get("call_id")
-            if not isinstance(call_id, str):
-                raise bad_request(f"{where}.call_id must be a string", f"{where}.call_id", "invalid_value")
-            output = item.get("output", "")
-            output = output if isinstance(output, str) else _text(output, f"{where}.output")
-            messages.append({"role": "tool", "content": output, "tool_call_id": call_id})
-            open_turn = False
-        elif kind == "reasoning":
-            continue
-        elif kind == "item_reference":
-            raise bad_request(
-                f"{where}: item references need stored responses, which polyrl serve does not keep; send the items",
-                f"{where}.type",
-                "unsupported",
-            )
-        else:
-            raise bad_request(
-                f"{where}: input items of type {kind!r} are not supported; send messages, function_call and "
-                "function_call_output items",
-                f"{where}.type",
-                "unsupported",
-            )
-    if not messages:
-        raise bad_request("input is empty; give at least one message", "input", "invalid_value")
-    return messages
-
-
-def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
-    if tools is None:
-        return None
-    out = []
-    for i, t in enumerate(tools):
-        kind = t.get("type") if isinstance(t, dict) else None
-        if kind != "function":
-            raise bad_request(
-                f"tools.{i}: only function tools are supported on polyrl serve, got type {kind!r}", f"tools.{i}",
-                "unsupported",
-            )  # fmt: skip
-        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}
-        out.append({"type": "function", "function": fn})
-    return out
-
-
-def _tool_choice(choice: Any) -> Any:
-    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    if isinstance(choice, dict) and choice.get("type") not in (None, "function"):
-        raise bad_request(
-            f"tool_choice of type {choice.get('type')!r} is not supported; use none, auto, required or a function",
-            "tool_choice",
-            "unsupported",
-        )
-    return choice
-
 
 def to_chat(body: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, Any] | None]:
     """(the chat request this Responses request runs as, its ``text.format``) or a 400."""
+    try:
+        return _to_chat(body)
+    except ItemError as exc:
+        raise bad_request(str(exc), exc.param, exc.code) from None
+
+
+def _to_chat(body: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, Any] | None]:
     if body.previous_response_id is not None:
         raise bad_request(
             "previous_response_id is not supported: polyrl serve keeps no response state; send the whole "
@@ -168,9 +73,9 @@ def to_chat(body: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, An
         raise bad_request("text.format must be an object", "text.format", "invalid_value")
     chat = {
         "model": body.model,
-        "messages": input_messages(body),
+        "messages": input_messages(body.input, body.instructions),
         "tools": chat_tools(body.tools),
-        "tool_choice": _tool_choice(body.tool_choice),
+        "tool_choice": chat_tool_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls,
         "max_tokens": body.max_output_tokens,
         "temperature": body.temperature,
@@ -188,75 +93,6 @@ def to_chat(body: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, An
     return req, fmt
 
 
-def _usage(num_prompt: int, num_output: int) -> dict[str, Any]:
-    return {
-        "input_tokens": num_prompt,
-        "input_tokens_details": {"cached_tokens": 0},
-        "output_tokens": num_output,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": num_prompt + num_output,
-    }
-
-
-def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    content = (
-        [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
-    )
-    return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
-
-
-def _call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
-    fn = call["function"]
-    arguments = fn["arguments"] if status == "completed" else ""
-    return {
-        "type": "function_call",
-        "id": "fc_" + call["id"].removeprefix("call_"),
-        "call_id": call["id"],
-        "name": fn["name"],
-        "arguments": arguments,
-        "status": status,
-    }
-
-
-class _Shell:
-    """The response object around its output items."""
-
-    def __init__(self, body: ResponsesRequest, model: str) -> None:
-        self.body, self.model = body, model
-        self.id = f"resp_{uuid.uuid4().hex}"
-        self.created = int(time.time())
-
-    def build(self, status: str, output: list, usage: dict | None, incomplete: str | None = None) -> dict[str, Any]:
-        b = self.body
-        fmt = (b.text or {}).get("format") or {"type": "text"}
-        return {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created,
-            "status": status,
-            "background": False,
-            "error": None,
-            "incomplete_details": {"reason": incomplete} if incomplete else None,
-            "instructions": b.instructions,
-            "max_output_tokens": b.max_output_tokens,
-            "metadata": b.metadata or {},
-            "model": self.model,
-            "output": output,
-            "parallel_tool_calls": b.parallel_tool_calls is not False,
-            "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None},
-            "store": False,
-            "temperature": b.temperature if b.temperature is not None else 1.0,
-            "text": {"format": fmt},
-            "tool_choice": b.tool_choice if b.tool_choice is not None else "auto",
-            "tools": b.tools or [],
-            "top_p": b.top_p if b.top_p is not None else 1.0,
-            "truncation": "disabled",
-            "usage": usage,
-            "user": b.user,
-        }
-
-
 def _output_items(plan: Any, text: str) -> tuple[str, list[dict[str, Any]]]:
     """(the reply's content text, its function calls) as the Responses output holds them."""
     if plan.parser is None:
@@ -271,17 +107,15 @@ async def create_response(state: Any, body: ResponsesRequest, request: Any) -> A
         req = req.model_copy(update={"response_format": fmt})
     rid = f"resp-{uuid.uuid4().hex}"
     model, ids, plan, group = await submit_chat(state, req, rid, "text.format")
-    shell = _Shell(body, model)
+    shell = ResponseShell(body, model)
     if body.stream:
         return guarded_stream(group, _stream(state, group, shell, plan, len(ids)))
     out = (await final_outputs(group, request))[rid].outputs[0]
     text, calls = _output_items(plan, out.text)
-    output = ([_message_item(f"msg_{uuid.uuid4().hex}", text)] if text or not calls else []) + [
-        _call_item(c) for c in calls
-    ]
+    output = output_items(text, calls)
     cut = out.finish_reason == "length"
-    usage = _usage(len(ids), len(out.token_ids))
-    return shell.build("incomplete" if cut else "completed", output, usage, "max_output_tokens" if cut else None)
+    counts = usage(len(ids), len(out.token_ids))
+    return shell.build("incomplete" if cut else "completed", output, counts, "max_output_tokens" if cut else None)
 
 
 def event(kind: str, seq: int, **fields: Any) -> str:
@@ -289,7 +123,7 @@ def event(kind: str, seq: int, **fields: Any) -> str:
     return f"event: {kind}\ndata: {data}\n\n"
 
 
-async def _stream(state: Any, group: Any, shell: _Shell, plan: Any, num_prompt: int):
+async def _stream(state: Any, group: Any, shell: ResponseShell, plan: Any, num_prompt: int):
     seq = 0
 
     def ev(kind: str, **fields: Any) -> str:
@@ -306,7 +140,7 @@ async def _stream(state: Any, group: Any, shell: _Shell, plan: Any, num_prompt: 
     final = None
 
     def open_message():
-        yield ev("response.output_item.added", output_index=0, item=_message_item(msg_id, "", "in_progress"))
+        yield ev("response.output_item.added", output_index=0, item=message_item(msg_id, "", "in_progress"))
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         yield ev("response.content_part.added", item_id=msg_id, output_index=0, content_index=0, part=part)
 
@@ -348,12 +182,12 @@ async def _stream(state: Any, group: Any, shell: _Shell, plan: Any, num_prompt: 
         part = {"type": "output_text", "text": sent, "annotations": [], "logprobs": []}
         yield ev("response.output_text.done", item_id=msg_id, output_index=0, content_index=0, text=sent, logprobs=[])
         yield ev("response.content_part.done", item_id=msg_id, output_index=0, content_index=0, part=part)
-        item = _message_item(msg_id, sent)
+        item = message_item(msg_id, sent)
         yield ev("response.output_item.done", output_index=0, item=item)
         output.append(item)
     for call in calls:
         k = len(output)
-        item = _call_item(call, "in_progress")
+        item = call_item(call, "in_progress")
         yield ev("response.output_item.added", output_index=k, item=item)
         args = call["function"]["arguments"]
         yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=k, delta=args)
@@ -364,14 +198,14 @@ async def _stream(state: Any, group: Any, shell: _Shell, plan: Any, num_prompt: 
             arguments=args,
             name=call["function"]["name"],
         )
-        done = _call_item(call)
+        done = call_item(call)
         yield ev("response.output_item.done", output_index=k, item=done)
         output.append(done)
     cut = final.finish_reason == "length"
-    usage = _usage(num_prompt, len(final.token_ids))
+    counts = usage(num_prompt, len(final.token_ids))
     status = "incomplete" if cut else "completed"
-    response = shell.build(status, output, usage, "max_output_tokens" if cut else None)
+    response = shell.build(status, output, counts, "max_output_tokens" if cut else None)
     yield ev(f"response.{status}", response=response)
 
 
-__all__ = ["create_response", "input_messages", "to_chat"]
+__all__ = ["create_response", "to_chat"]
