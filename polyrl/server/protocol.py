@@ -2,10 +2,11 @@
 
 Strict: a string where a number belongs is a 400, not a silent conversion, and so is a number that is not
 finite (Python's JSON parser reads ``NaN``, ``Infinity`` and ``1e400`` as floats; they stop here). Fields the
-OpenAI API defines but polyrl cannot honour (penalties, logit_bias, tools, ...) are accepted only at their
-neutral value, and ``params.py`` says so in a 400 otherwise. Unknown fields are ignored (as vLLM does), so
+OpenAI API defines but polyrl cannot honour (penalties, logit_bias, ...) are accepted only at their
+neutral value, and ``params.py`` says so in a 400 otherwise; tools and structured outputs are checked by
+``tool_calls.py``. Unknown fields are ignored (as vLLM does), so
 clients that send newer OpenAI fields keep working. Responses are built as plain dicts in ``chat.py`` /
-``completions.py``.
+``completions.py`` / ``responses.py``.
 """
 
 from __future__ import annotations
