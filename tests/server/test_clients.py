@@ -93,13 +93,16 @@ def test_langchain_bind_tools_and_structured_output(server):
     llm = langchain_openai.ChatOpenAI(
         model="tiny", base_url=server.base_url, api_key=API_KEY, max_tokens=80, max_retries=0, temperature=0.8
     )
-    msg = llm.bind_tools([get_weather], tool_choice="required").invoke("Weather in Rome?")
-    assert len(msg.tool_calls) >= 1
+    msg = llm.bind_tools([get_weather], tool_choice="required", parallel_tool_calls=False, strict=True).invoke(
+        "Weather in Rome?"
+    )
+    assert len(msg.tool_calls) == 1
     assert msg.tool_calls[0]["name"] == "get_weather" and msg.tool_calls[0]["args"]["city"] in ("Paris", "Rome")
     assert msg.response_metadata["finish_reason"] == "tool_calls"
     report = llm.with_structured_output(Report).invoke("Report the weather.")
     assert isinstance(report, Report)
-    streamed = list(llm.bind_tools([get_weather], tool_choice="get_weather").stream("Weather?"))
+    forced = llm.bind_tools([get_weather], tool_choice="get_weather", parallel_tool_calls=False, strict=True)
+    streamed = list(forced.stream("Weather?"))
     merged = streamed[0]
     for chunk in streamed[1:]:
         merged = merged + chunk
