@@ -36,7 +36,9 @@ def _fn(tool: dict[str, Any]) -> dict[str, Any]:
 
 def _params_schema(tool: dict[str, Any]) -> dict[str, Any]:
     params = _fn(tool).get("parameters")
-    return params if isinstance(params, dict) and params else {"type": "object", "properties": {}}
+    if isinstance(params, dict) and params:
+        return params
+    return {"type": "object", "properties": {}, "additionalProperties": False}  # no parameters: the call takes none
 
 
 def call_schema(tools: list[dict[str, Any]], args_key: str = "arguments") -> dict[str, Any]:
