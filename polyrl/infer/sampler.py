@@ -16,10 +16,11 @@ noise comes from the same hash. Greedy rows (T == 0) take ``argmax(logits)``.
 
 Structured outputs: rows whose sequence has a ``guide`` (a grammar matcher, ``infer/structured.py``) get the
 grammar's token bitmask applied to their logits before top-k/top-p and the draw (greedy rows take the argmax of the
-masked logits), and the drawn token is fed to the matcher. Their reported log-prob is, as for truncated rows, the
-one of the unmasked distribution (what the trainer recomputes); what the mask removed is measured per token as
-``log(allowed probability mass)`` and summed on the guide (``Guide.masked_logmass``), the rollout's mismatch.
-Guided batches never run inside a launch graph or ahead of the host (the next mask needs this token).
+masked logits); the engine feeds the drawn token to the matcher when it reads it (``LLM._accept``). Their reported
+log-prob is, as for truncated rows, the one of the unmasked distribution (what the trainer recomputes); what the
+mask removed is measured per token as ``log(allowed probability mass)`` (``DrawPlan.masked_logmass``) and summed
+on the guide (``Guide.masked_logmass``), the rollout's mismatch. Guided rows never run inside a multi-step launch
+or a launch graph (the next mask needs this token on the host).
 
 This module does not decide when a sequence stops; it only applies the min_tokens mask it is given.
 """
@@ -44,6 +45,7 @@ class SamplerOutput:
     tokens: list[int]
     logprobs: list[float]
     top_logprobs: list[dict[int, float] | None]
+    masses: list[float] | None = None  # structured outputs: per row, log(mass the grammar allowed) (0 unguided)
 
 
 def apply_top_k_top_p_min_p(
@@ -179,7 +181,7 @@ class DrawPlan:
     trunc: tuple | None  # (top_k, top_p, min_p) of the truncated rows
     guided: list[int] | None = None  # rows with a grammar (structured outputs)
     guides: list | None = None  # their ``Guide`` s, in that order
-    masked_logmass: torch.Tensor | None = None  # after a draw: log(allowed mass) of each guided row
+    masked_logmass: torch.Tensor | None = None  # after a draw: [B] log(allowed mass) per row (0 on unguided rows)
 
 
 class Sampler:
@@ -193,11 +195,8 @@ class Sampler:
         plan = self.plan(seqs, logits.device)
         tokens, logprobs = self.draw_planned(logits, plan, suppress)
         top = self._top_logprobs(logits, plan.rows.inv_temps, seqs)
-        out = SamplerOutput(tokens.tolist(), logprobs.tolist(), top)
-        if plan.guided:
-            for b, g, mass in zip(plan.guided, plan.guides, plan.masked_logmass.tolist()):
-                g.advance(out.tokens[b], mass)
-        return out
+        masses = plan.masked_logmass.tolist() if plan.guided else None
+        return SamplerOutput(tokens.tolist(), logprobs.tolist(), top, masses)
 
     def draw(
         self, logits: torch.Tensor, seqs: list[Sequence], suppress: list[list[int] | None] | None = None
@@ -264,7 +263,7 @@ class Sampler:
         return tokens, logprobs
 
     def _apply_grammar(self, inp: torch.Tensor, logits: torch.Tensor, plan: DrawPlan) -> torch.Tensor:
-        """``inp`` with each guided row's disallowed tokens at -inf; sets ``plan.masked_logmass``."""
+        """``inp`` with each guided row's disallowed tokens at -inf; sets ``plan.masked_logmass`` ([B])."""
         guides = plan.guides
         cache = guides[0].cache
         host = torch.zeros((len(guides), cache.words), dtype=torch.int32)
@@ -279,7 +278,8 @@ class Sampler:
         idx = host_to_device(plan.guided, torch.int64, dev)
         out = apply_bitmask(inp, idx, bitmask)
         inv = inv[idx]
-        plan.masked_logmass = torch.logsumexp(out[idx] * inv, -1) - torch.logsumexp(logits[idx] * inv, -1)
+        mass = torch.logsumexp(out[idx] * inv, -1) - torch.logsumexp(logits[idx] * inv, -1)
+        plan.masked_logmass = torch.zeros(logits.shape[0], device=dev).index_copy_(0, idx, mass)
         return out
 
     def _top_logprobs(

@@ -16,8 +16,10 @@ tokenizers with any vocabulary through its token trie, and its wheel installs wi
   host buffer, computed in parallel by llguidance's executor (it releases the GIL).
 - ``apply_bitmask(logits, rows, bitmask)``: ``logits[rows]`` set to -inf where the bit is 0, in torch, batched,
   on the logits' device (CPU or CUDA). The mask is applied to the logits *after* the model's forward (and after
-  a CUDA graph replay of it), so captured graphs stay valid; guided batches take the engine's synchronous path
-  (the mask of step N+1 depends on the token of step N, which the host must read first).
+  a CUDA graph replay of it), so captured graphs stay valid. The mask of step N+1 depends on the token of step
+  N, so guided batches decode one step per launch: with ``overlap_decode`` the forward of step N+1 is queued
+  before step N's tokens are read, the host consumes them and computes the masks while the device runs that
+  forward, and only the draw waits (``LLM._launch_guided``); no multi-step launches or launch graphs.
 
 JSON grammars use one fixed layout (``JSON_STYLE``: ``{"a": 1, "b": [2, 3]}``, as ``json.dumps`` and chat templates
 write it): llguidance's default allows any run of whitespace, which an untrained or weakly trained model fills until

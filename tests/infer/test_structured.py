@@ -138,3 +138,25 @@ def test_structured_on_cuda_with_graphs(tiny_model_dir):
             assert c.finish_reason == "stop"
             jsonschema.validate(json.loads(c.text), SCHEMA)
     assert llm.runner.graphs is not None and llm.runner.last_step_used_graph  # decode replayed graphs, mask after
+
+
+def test_overlapped_guided_steps_equal_synchronous_ones(tiny_model_dir):
+    """Decoding one step ahead (the forward of step N+1 queued before step N's tokens are read, the masked draw
+    after the matchers consumed them) gives the synchronous engine's tokens, log-probs and mask mismatch exactly."""
+    outs = []
+    for overlap in (False, True):
+        cfg = RolloutConfig(block_size=16, num_blocks=256, max_num_seqs=64, max_model_len=256, overlap_decode=overlap)
+        llm = LLM.from_pretrained(str(tiny_model_dir), cfg, dtype="float32", device="cpu")
+        guided = SamplingParams(n=6, temperature=1.0, max_tokens=80, structured=StructuredOutputs.json_schema(SCHEMA))
+        free = SamplingParams(n=2, temperature=1.0, max_tokens=20, min_tokens=5)
+        launched, real = [], llm._launch_guided
+        llm._launch_guided = lambda *a, n=launched, f=real: n.append(1) or f(*a)
+        res = llm.generate(["a", "b", "c"], [guided.clone(seed=1), free.clone(seed=2), guided.clone(seed=3)])
+        outs.append([c for o in res for c in o.outputs])
+        assert (len(launched) > 20) == overlap  # the guided rows' decode steps ran ahead (or never did)
+    for sync, ahead in zip(*outs):
+        assert ahead.token_ids == sync.token_ids and ahead.text == sync.text
+        assert ahead.logprobs == pytest.approx(sync.logprobs, abs=1e-6)
+        if sync.masked_logmass is not None:
+            assert ahead.masked_logmass == pytest.approx(sync.masked_logmass, abs=1e-4)
+            jsonschema.validate(json.loads(ahead.text), SCHEMA)
