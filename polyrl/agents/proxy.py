@@ -9,7 +9,8 @@ engine sampled, and turned into ``Episode`` s to train on.
   re-tokenisation of earlier turns, and the prefix cache serves them. Otherwise (the agent rewrote its history) the
   conversation is rendered in full and a new *segment* starts.
 - ``record(prompt_ids, token_ids, logprobs, text, finish_reason)``: appends the call to its segment and returns
-  the OpenAI assistant message (``tools.parse_reply``: ``content`` and ``tool_calls``).
+  the OpenAI assistant message (``content`` and ``tool_calls``, parsed by the template's family parser from
+  ``tool_parsers``, the one ``polyrl serve`` uses).
 - ``episodes()``: one ``Episode`` per segment (sampled ids masked 1 with their log-probs, template and tool/user
   tokens masked 0), each with the session's reward (given by ``set_reward``: an HTTP call or the agent function's
   return value).
@@ -23,7 +24,7 @@ import threading
 from typing import Any
 
 from polyrl.agents.episode import Episode
-from polyrl.agents.tools import parse_reply
+from polyrl.agents.tool_parsers import detect_parser
 
 
 def _norm_calls(calls: Any) -> list[tuple[str, Any]]:
@@ -58,6 +59,8 @@ class AgentSession:
         self.num_calls = 0
         self.failed: str | None = None
         self._last_messages: list[tuple] | None = None  # normalised messages of the last call + its reply
+        # the model family's tool-call format, as polyrl serve parses it (tool_parsers; hermes for the fallback)
+        self.parser = detect_parser(getattr(renderer, "template", None))
         self._lock = threading.Lock()
 
     def prompt_for(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> tuple[list[int], bool]:
@@ -92,7 +95,7 @@ class AgentSession:
         """Append one call (its prompt from ``prompt_for``) and return the reply as an OpenAI assistant message."""
         with self._lock:
             self.num_calls += 1
-            reply = parse_reply(text, f"call_{self.num_calls}")
+            reply = self.parser.parse(text, f"call_{self.num_calls}")
             seg = self.segments[-1] if self.segments else None
             # a concurrent call of the same episode may have grown the segment since prompt_for: then start anew
             continues = continues and seg is not None and prompt_ids[: len(seg.context)] == seg.context

@@ -10,6 +10,9 @@ tools=...)``, executes the ``tool_calls`` it gets back, appends ``tool`` message
   ``temperature``, ``top_p``, ``max_tokens`` / ``max_completion_tokens`` (capped by the proxy's), ``seed``,
   ``logprobs``. The reply's ``<tool_call>`` blocks come back as OpenAI ``tool_calls`` (``finish_reason
   "tool_calls"``). Extra fields ``prompt_token_ids`` and ``choices[0].token_ids`` show what was recorded.
+- ``POST /agents/{id}/v1/responses``: the Responses API (``input`` items, ``instructions``, function ``tools``,
+  ``max_output_tokens``, ...; not streamed, stateless) over the same recording; its items are those of
+  ``polyrl serve`` (``responses_items``), so an agent written against the Responses API trains unchanged.
 - ``POST /agents/{id}/reward`` ``{"reward": 1.0}``: the episode's reward (or the agent function returns it).
 - ``GET /agents/{id}/v1/models``, ``GET /health``.
 The prompts are built token-exactly by ``polyrl.agents.proxy.AgentSession``; one engine thread drives
@@ -38,6 +41,15 @@ from fastapi.responses import JSONResponse
 
 from polyrl.agents.proxy import AgentSession
 from polyrl.agents.render import ChatRenderer
+from polyrl.agents.responses_items import (
+    ItemError,
+    ResponseShell,
+    chat_tool_choice,
+    chat_tools,
+    input_messages,
+    output_items,
+    usage,
+)
 from polyrl.agents.rollout import turn_seed
 from polyrl.errors import UserError
 from polyrl.infer import SamplingParams
@@ -177,6 +189,10 @@ class AgentProxy:
         async def chat(eid: str, request: Request) -> Any:
             return await self._chat(eid, await request.json())
 
+        @app.post("/agents/{eid}/v1/responses")
+        async def responses(eid: str, request: Request) -> Any:
+            return await self._responses(eid, await request.json())
+
         return app
 
     async def _chat(self, eid: str, body: Any) -> Any:
@@ -250,6 +266,44 @@ class AgentProxy:
             },
             "prompt_token_ids": ids,
         }
+
+    async def _responses(self, eid: str, body: Any) -> Any:
+        """The Responses API over ``_chat`` (same recording), with the items of ``responses_items``; stateless and
+        not streamed, as the proxy's chat route."""
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object")
+        refused = {
+            "stream": "streaming is not recorded in proxy mode; send stream=false",
+            "previous_response_id": "the proxy keeps no response state; send the whole input",
+        }
+        for field, why in refused.items():
+            if body.get(field):
+                return _error(400, why, field)
+        try:
+            chat = {
+                "messages": input_messages(body.get("input", ""), body.get("instructions")),
+                "tools": chat_tools(body.get("tools")),
+                "tool_choice": chat_tool_choice(body.get("tool_choice")),
+            }
+        except ItemError as exc:
+            return _error(400, str(exc), exc.param)
+        for src, dst in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p")):
+            if body.get(src) is not None:
+                chat[dst] = body[src]
+        if body.get("seed") is not None:
+            chat["seed"] = body["seed"]
+        out = await self._chat(eid, chat)
+        if not isinstance(out, dict):
+            return out  # an error response
+        choice = out["choices"][0]
+        msg = choice["message"]
+        cut = choice["finish_reason"] == "length"
+        counts = usage(out["usage"]["prompt_tokens"], out["usage"]["completion_tokens"])
+        shell = ResponseShell(body, self.model_name)
+        items = output_items(msg.get("content"), msg.get("tool_calls") or [])
+        result = shell.build("incomplete" if cut else "completed", items, counts, "max_output_tokens" if cut else None)
+        result["prompt_token_ids"], result["token_ids"] = out["prompt_token_ids"], choice["token_ids"]
+        return result
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     def start(self, host: str = "127.0.0.1", port: int = 0, drive: bool = True) -> AgentProxy:

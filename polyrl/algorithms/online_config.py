@@ -40,6 +40,10 @@ class OnlineConfig:
     # on an accelerator when it takes at most a quarter of the device memory (colocated.KEEP_KV_FRACTION)
     release_kv: bool | str = "auto"
     rollouts_to_save: int = 8  # samples per step written to rollouts.jsonl for `polyrl view` (seeded); 0 = none
+    # constrain rollouts (and evaluations) to a grammar: "" = none, json_object, json_schema:<file.json or {...}>,
+    # regex:<pattern>, choice:a|b, grammar:<file.lark> (SamplingParams.structured; docs/serving.md). The trainer
+    # learns from the model's unmasked log-probs; metric rollout_mask_logmass says how much the mask removed
+    rollout_response_format: str = ""
 
     def table_name(self) -> str:
         return "online"
@@ -69,6 +73,15 @@ class OnlineConfig:
             raise ConfigError(f"{name}.reward_workers must be >= 0, got {self.reward_workers!r}")
         if not self.reward_timeout > 0:
             raise ConfigError(f"{name}.reward_timeout must be > 0 seconds, got {self.reward_timeout}")
+        if self.rollout_response_format:
+            # lazy: the spec parser lives with SamplingParams (infer), needed only when rollouts are constrained
+            from polyrl.errors import UserError
+            from polyrl.infer.sampling_params import StructuredOutputs
+
+            try:
+                StructuredOutputs.from_spec(self.rollout_response_format)
+            except UserError as exc:
+                raise ConfigError(f"{name}.rollout_response_format: {exc}") from None
         if not isinstance(self.reward, str) or not self.reward.strip():
             raise ConfigError(f"{name}.reward is empty; pass --reward NAME or --reward path/to/file.py:fn")
 

@@ -40,6 +40,7 @@ class Sample:
     group: int = 0
     index: int = 0
     mask: list[int] | None = None  # per completion id, 1 = a policy token (trained); None = all of them
+    masked_logmass: float | None = None  # constrained rollouts: sum of log(mass the grammar allowed) over its tokens
 
     @property
     def num_tokens(self) -> int:

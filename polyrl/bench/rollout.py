@@ -15,6 +15,11 @@ token ids, every sample generating exactly ``--gen-len`` tokens (EOS ignored). P
 - bf16 log-prob agreement: the engine's sampled-token log-probs vs a training-style packed forward
   (``kernels.token_logprobs`` over ``lm_head_weight``) on the same tokens: max / mean abs difference.
 
+``--response-format json_schema`` (or ``json_object``) also times the same run with every sample constrained by a
+grammar (``SamplingParams.structured``: an array of records that cannot close within ``--gen-len``, so every token
+is masked), built with the preset's tokenizer: constrained tokens/s, its cost against the free run's decode phase
+(the issue's budget: at most 10% at batch 256 on the H200) and the grammar compilations (1: cached per schema).
+
 ``--decoder-options`` sets the built model's ``DecoderOptions``; ``--compare-parts`` times the decode path's parts
 (``PARTS``) on and off, the ``DecoderOptions`` ones by replacing the model's options. Copy bandwidth comes from
 ``bench/common.py``. This module measures; it asserts nothing.
@@ -33,7 +38,7 @@ import torch
 
 from polyrl import kernels
 from polyrl.bench.common import add_decoder_options, decoder_options, hf_moe_kwargs, measure_copy_bandwidth
-from polyrl.infer import LLM, RolloutConfig, SamplingParams
+from polyrl.infer import LLM, RolloutConfig, SamplingParams, StructuredOutputs
 from polyrl.kernels import registry
 from polyrl.models.attention_metadata import AttnMetadata
 from polyrl.models.decoder import DecoderLM, DecoderOptions, build_model
@@ -62,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also time the engine without launch graphs (batch and batch-1) and without skinny_linear (batch-1)",
     )
+    parser.add_argument(
+        "--response-format",
+        choices=["none", "json_schema", "json_object"],
+        default="none",
+        help="also time the run with every sample constrained to this structured output (llguidance mask)",
+    )
     add_decoder_options(parser)
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
@@ -86,12 +97,30 @@ def _run_engine(llm, prompts: list[list[int]], gen: int, dev: torch.device, seed
     return time.perf_counter() - t, outs
 
 
-def _run_engine_phased(llm, prompts: list[list[int]], gen: int, dev: torch.device) -> dict:
+# --response-format json_schema: records in an array that cannot close within the run (every token is constrained)
+BENCH_SCHEMA = {
+    "type": "array",
+    "minItems": 100000,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "score": {"type": "number"},
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["name", "score", "tags", "ok"],
+        "additionalProperties": False,
+    },
+}
+
+
+def _run_engine_phased(llm, prompts: list[list[int]], gen: int, dev: torch.device, structured=None) -> dict:
     """``generate`` stepped by hand, timing the decode phase inside the same run: it starts (after one device sync)
     at the first step after which no sequence waits or has prompt tokens left to compute, and counts the tokens
     drawn from then on (launched ones included). A separate prefill-only run to subtract is noisier than the decode
     phase itself when the prefill dominates (the 4k-context case: 64 x 4032 prompt tokens)."""
-    params = SamplingParams(temperature=1.0, max_tokens=gen, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, max_tokens=gen, ignore_eos=True, structured=structured)
     ids = [llm.add_request(p, params) for p in prompts]
     done: dict[str, object] = {}
     sched = llm.scheduler
@@ -223,7 +252,15 @@ def run(args: argparse.Namespace) -> int:
         cuda_graphs=False if args.no_graphs else None,
         **({"decode_steps": args.decode_steps} if args.decode_steps else {}),
     )
-    llm = LLM(model, None, ecfg)
+    tokenizer = None
+    if args.response_format != "none":  # structured outputs need the vocabulary as text: the preset's own tokenizer
+        # lazy: the preset tokenizer (transformers) is built only for the constrained run
+        from polyrl.models.presets import get_preset
+        from polyrl.models.tokenizer import build_tokenizer
+
+        spec = get_preset(args.shape if args.shape in PRESETS else f"{args.shape}-shape")
+        tokenizer = build_tokenizer(cfg.vocab_size, trained_vocab=spec.trained_vocab, seed=0)
+    llm = LLM(model, tokenizer, ecfg)
     res: dict[str, float | str] = {"shape": args.shape, "device": device.name() if dev.type != "cpu" else "cpu"}
     print(
         f"# {args.shape} on {res['device']}: {model.num_parameters() / 1e6:.0f}M params, {dtype}, "
@@ -274,6 +311,8 @@ def run(args: argparse.Namespace) -> int:
         llm.config.overlap_decode = before
     if args.compare_parts:
         _compare_parts(llm, prompts, args, dev, res)
+    if args.response_format != "none":
+        _constrained(llm, prompts, args, dev, res)
     llm.release()
 
     if "hf" in baselines:
@@ -378,6 +417,21 @@ def _compare_parts(llm, prompts: list[list[int]], args: argparse.Namespace, dev:
                 llm.runner.invalidate_graphs()
 
 
+def _constrained(llm, prompts: list[list[int]], args: argparse.Namespace, dev: torch.device, res: dict) -> None:
+    """The same run with every sample constrained (``--response-format``): tokens/s and cost vs the free run."""
+    kind = args.response_format
+    so = StructuredOutputs.json_schema(BENCH_SCHEMA) if kind == "json_schema" else StructuredOutputs("json_object")
+    llm.reset_prefix_cache()
+    _run_engine_phased(llm, prompts[: min(8, len(prompts))], 8, dev, so)  # warm-up: the one compilation
+    llm.reset_prefix_cache()
+    run = _run_engine_phased(llm, prompts, args.gen_len, dev, so)
+    res["response_format"] = kind
+    res["constrained_tok_s"] = args.batch * args.gen_len / run["total_s"]
+    res["constrained_decode_tok_s"] = run["decode_tokens"] / run["decode_s"]
+    res["constrained_decode_cost"] = 1.0 - res["constrained_decode_tok_s"] / res["engine_decode_tok_s"]
+    res["grammar_compiles"] = llm.grammar_cache().compiles
+
+
 def _print(res: dict) -> None:
     rows = [
         ("engine output tokens/s", "engine_tok_s", "{:,.0f}"),
@@ -397,6 +451,10 @@ def _print(res: dict) -> None:
         ("log-prob |engine - train fwd| max", "logprob_max_abs_diff", "{:.2e}"),
         ("log-prob |engine - train fwd| mean", "logprob_mean_abs_diff", "{:.2e}"),
         ("engine preemptions", "engine_preemptions", "{}"),
+        ("constrained output tokens/s", "constrained_tok_s", "{:,.0f}"),
+        ("constrained decode-phase tokens/s", "constrained_decode_tok_s", "{:,.0f}"),
+        ("constrained decode cost vs free", "constrained_decode_cost", "{:.1%}"),
+        ("grammar compilations", "grammar_compiles", "{}"),
         ("graph capture s (all buckets, once)", "graph_capture_s", "{:.2f}"),
     ]
     for label, key, fmt in rows:

@@ -43,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="render a request's own chat_template (sandboxed, time- and size-limited); refused (400) by default",
     )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes", "qwen", "llama3_json", "mistral"],
+        help="tool-call format the model writes (default: detected from its chat template; hermes when it has none)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences batched in one engine step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens computed in one step")
     parser.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens (default: model's)")
@@ -75,6 +81,7 @@ def build_configs(args: argparse.Namespace):
         max_request_bytes=args.max_request_bytes,
         default_max_tokens=args.default_max_tokens,
         allow_request_chat_template=args.allow_request_chat_template,
+        tool_call_parser=args.tool_call_parser,
         log_level=args.log_level,
     )
     engine = RolloutConfig(

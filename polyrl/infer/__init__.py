@@ -48,7 +48,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["LLM", "RolloutConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "RolloutConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "StructuredOutputs"]
 
 _EXPORTS = {
     "LLM": "polyrl.infer.llm",
@@ -56,6 +56,7 @@ _EXPORTS = {
     "SamplingParams": "polyrl.infer.sampling_params",
     "RequestOutput": "polyrl.infer.sequence",
     "CompletionOutput": "polyrl.infer.sequence",
+    "StructuredOutputs": "polyrl.infer.sampling_params",
 }
 
 

@@ -88,6 +88,7 @@ class LLM:
         self._inflight: InflightStep | None = None  # a decode step launched ahead and not yet read
         self.num_steps_ahead = 0  # decode steps launched before the previous launch was read
         self.num_launches_ahead = 0  # launches of those steps (decode_steps per launch where possible)
+        self._grammars: Any = None  # structured outputs: GrammarCache, made on the first request that has one
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -142,8 +143,11 @@ class LLM:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = _Request(rid, text, ids, params, stream)
         now = time.monotonic()
+        guides = [self.grammar_cache().guide(params.structured) for _ in range(params.n)] if params.structured else None
         for i in range(params.n):
             req.seqs.append(Sequence(next(self._seq_ids), rid, i, ids, params, now, stream))
+            if guides:
+                req.seqs[-1].guide = guides[i]
         self._inbox.put(("add", req))
         return rid
 
@@ -162,6 +166,15 @@ class LLM:
         if bank is None:
             raise UserError(f"this engine serves no LoRA adapters, so adapter {name!r} is unknown")
         return bank.slot(name)
+
+    def grammar_cache(self) -> Any:
+        """The engine's compiled structured-output grammars (``infer/structured.py``), made on first use."""
+        if self._grammars is None:
+            # lazy: structured.py needs llguidance, an optional package, only when a request asks for a grammar
+            from polyrl.infer.structured import GrammarCache
+
+            self._grammars = GrammarCache(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request (thread-safe); it is reported once more with finish_reason "abort"."""
@@ -241,6 +254,8 @@ class LLM:
             self.num_steps += k
             self.num_steps_ahead += k
             self.num_launches_ahead += 1
+        elif sched.items and ahead and self._can_guide_ahead(sched):
+            self._launch_guided(sched, prev, touched)
         else:
             if prev is not None:
                 self._read(prev, touched)
@@ -252,7 +267,7 @@ class LLM:
                     it.seq.num_computed = it.start + it.num_new
                 if sampling:
                     out = self.sampler(logits, sampling, self._suppress(sampling))
-                    self._accept(sampling, out.tokens, out.logprobs, out.top_logprobs, touched)
+                    self._accept(sampling, out.tokens, out.logprobs, out.top_logprobs, touched, out.masses)
                 self.num_steps += 1
         return self._report(touched)
 
@@ -270,7 +285,41 @@ class LLM:
         overlap = self.config.overlap_decode
         if overlap is None:
             overlap = self.runner.device.type != "cpu"
+        return (
+            overlap
+            and sched.is_decode_only
+            and not any(it.seq.params.logprobs or it.seq.guide is not None for it in sched.items)
+        )
+
+    def _can_guide_ahead(self, sched) -> bool:
+        """A decode-only batch with structured-output rows that can still run one step ahead: the forward of step
+        N+1 is queued before step N's tokens are read; its draw waits for the masks (``_launch_guided``)."""
+        overlap = self.config.overlap_decode
+        if overlap is None:
+            overlap = self.runner.device.type != "cpu"
         return overlap and sched.is_decode_only and not any(it.seq.params.logprobs for it in sched.items)
+
+    def _launch_guided(self, sched, prev: InflightStep | None, touched: dict[str, _Request]) -> None:
+        """One decode step of a batch with grammar rows, overlapped: queue the forward (its input ids fed on the
+        device from the step in flight), read that step's tokens meanwhile (the matchers consume them), compute the
+        masks on the host while the device runs the forward, then queue the masked draw. Sequences that stopped at
+        the step read keep their row; its draw is dropped when read, as in ``overlap.py``."""
+        seqs = [it.seq for it in sched.items]
+        rows = feed_rows(seqs)
+        logits = self.runner.execute(sched, (rows, prev.tokens) if rows is not None else None)
+        for it in sched.items:
+            it.seq.num_computed = it.start + 1
+        if prev is not None:
+            self._read(prev, touched)
+        plan = self.sampler.plan(seqs, self.runner.device)
+        tokens, logprobs = self.sampler.draw_planned(logits, plan, self._suppress(seqs))
+        masses = plan.masked_logmass[None] if plan.masked_logmass is not None else None
+        launched = InflightStep(seqs, tokens[None], logprobs[None], masses)
+        launched.mark_pending()
+        self._inflight = launched
+        self.num_steps += 1
+        self.num_steps_ahead += 1
+        self.num_launches_ahead += 1
 
     def _steps_per_launch(self, sched) -> int:
         """Decode steps to queue in this launch: ``decode_steps`` when no row needs the host between steps (a
@@ -308,10 +357,12 @@ class LLM:
             del s.tokens[-s.pending :]  # the placeholders; _accept appends the real tokens
             s.pending = 0
             live.append((row, s))
-        for toks, lps in zip(tokens, logprobs):
+        masses = step.masses or [None] * len(tokens)
+        for toks, lps, ms in zip(tokens, logprobs, masses):
             if not live:
                 break
-            self._accept([s for _, s in live], [toks[r] for r, _ in live], [lps[r] for r, _ in live], None, touched)
+            seqs, got, lp = [s for _, s in live], [toks[r] for r, _ in live], [lps[r] for r, _ in live]
+            self._accept(seqs, got, lp, None, touched, [ms[r] for r, _ in live] if ms is not None else None)
             live = [(r, s) for r, s in live if s.status is not finished]
 
     def _flush(self) -> list[RequestOutput]:
@@ -337,13 +388,16 @@ class LLM:
                 suppress.append(None)
         return suppress
 
-    def _accept(self, seqs: list[Sequence], tokens, logprobs, tops, touched: dict[str, _Request]) -> None:
+    def _accept(self, seqs: list[Sequence], tokens, logprobs, tops, touched: dict[str, _Request], masses=None) -> None:
         """Append each sequence's new token, check its stops, finish the stopped ones (``tops``: per-row top-k
-        alternatives, or None when no row asked for them)."""
+        alternatives, or None when no row asked for them; ``masses``: per-row log(mass the grammar allowed) when
+        a row has a grammar, whose matcher consumes the token here)."""
         # Per sequence per step: keep this loop lean (it is host time at large batches).
         eos_ids, max_len, tokenizer, finish = self.eos_token_ids, self.max_model_len, self.tokenizer, None
         requests = self._requests
-        for s, tok, lp, top in zip(seqs, tokens, logprobs, tops or [None] * len(seqs)):
+        for i, (s, tok, lp, top) in enumerate(zip(seqs, tokens, logprobs, tops or [None] * len(seqs))):
+            if s.guide is not None:
+                s.guide.advance(tok, masses[i] if masses is not None else 0.0)
             s.tokens.append(tok)
             s.logprobs.append(lp)
             s.cumulative_logprob += lp
@@ -391,6 +445,7 @@ class LLM:
             top_logprobs=list(s.top_logprobs) if s.top_logprobs is not None else None,
             new_token_ids=new_ids,
             new_text=new_text,
+            masked_logmass=s.guide.masked_logmass if s.guide is not None else None,
         )
 
     # ---- batch API ----------------------------------------------------------------------------------

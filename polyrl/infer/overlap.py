@@ -34,17 +34,26 @@ class InflightStep:
     """Launched decode steps (``K`` in a row, ``model_runner.execute_steps``): their sequences in row order and
     their tokens, on the device and on their way to pinned host memory."""
 
-    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+    def __init__(
+        self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor, masses: torch.Tensor | None = None
+    ) -> None:
         self.seqs = seqs
         self.steps = tokens.shape[0]
         self.tokens = tokens[-1]  # int64 [B] on the device: the last step's draws, the next launch's input ids
+        # structured outputs (one step per launch): [1, B] log(mass the grammar allowed) per row, read with the tokens
+        self.masses: list[list[float]] | None = None
         if tokens.device.type == "cpu":
             self._host, self._event = (tokens, logprobs), None
+            self._masses = masses
             return
         host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host_logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
         host_tokens.copy_(tokens, non_blocking=True)
         host_logprobs.copy_(logprobs, non_blocking=True)
+        self._masses = None
+        if masses is not None:
+            self._masses = torch.empty(masses.shape, dtype=masses.dtype, pin_memory=True)
+            self._masses.copy_(masses, non_blocking=True)
         self._host = (host_tokens, host_logprobs)
         self._event = device.event(enable_timing=False)
         if self._event is not None:
@@ -65,6 +74,8 @@ class InflightStep:
             self._event.synchronize()
         else:
             device.synchronize()
+        if self._masses is not None:
+            self.masses = self._masses.tolist()
         return self._host[0].tolist(), self._host[1].tolist()
 
 

@@ -14,6 +14,14 @@ drawn per step from torch's global RNG (plus the row index). Rows with top-k / t
 first in torch (``apply_top_k_top_p_min_p`` on ``z``) and then drawn by the same kernel at T = 1, so the
 noise comes from the same hash. Greedy rows (T == 0) take ``argmax(logits)``.
 
+Structured outputs: rows whose sequence has a ``guide`` (a grammar matcher, ``infer/structured.py``) get the
+grammar's token bitmask applied to their logits before top-k/top-p and the draw (greedy rows take the argmax of the
+masked logits); the engine feeds the drawn token to the matcher when it reads it (``LLM._accept``). Their reported
+log-prob is, as for truncated rows, the one of the unmasked distribution (what the trainer recomputes); what the
+mask removed is measured per token as ``log(allowed probability mass)`` (``DrawPlan.masked_logmass``) and summed
+on the guide (``Guide.masked_logmass``), the rollout's mismatch. Guided rows never run inside a multi-step launch
+or a launch graph (the next mask needs this token on the host).
+
 This module does not decide when a sequence stops; it only applies the min_tokens mask it is given.
 """
 
@@ -27,6 +35,7 @@ import torch
 from polyrl import kernels
 from polyrl.infer.sampling_params import sample_seed
 from polyrl.infer.sequence import Sequence
+from polyrl.infer.structured import apply_bitmask
 
 SEED_RANGE = 2**62  # unseeded rows: base seed in [0, 2^62) plus the row index stays a valid int64
 
@@ -36,6 +45,7 @@ class SamplerOutput:
     tokens: list[int]
     logprobs: list[float]
     top_logprobs: list[dict[int, float] | None]
+    masses: list[float] | None = None  # structured outputs: per row, log(mass the grammar allowed) (0 unguided)
 
 
 def apply_top_k_top_p_min_p(
@@ -169,6 +179,9 @@ class DrawPlan:
     trunc_rows: list[int]  # rows with top-k / top-p / min-p
     trunc_idx: torch.Tensor | None
     trunc: tuple | None  # (top_k, top_p, min_p) of the truncated rows
+    guided: list[int] | None = None  # rows with a grammar (structured outputs)
+    guides: list | None = None  # their ``Guide`` s, in that order
+    masked_logmass: torch.Tensor | None = None  # after a draw: [B] log(allowed mass) per row (0 on unguided rows)
 
 
 class Sampler:
@@ -182,7 +195,8 @@ class Sampler:
         plan = self.plan(seqs, logits.device)
         tokens, logprobs = self.draw_planned(logits, plan, suppress)
         top = self._top_logprobs(logits, plan.rows.inv_temps, seqs)
-        return SamplerOutput(tokens.tolist(), logprobs.tolist(), top)
+        masses = plan.masked_logmass.tolist() if plan.guided else None
+        return SamplerOutput(tokens.tolist(), logprobs.tolist(), top, masses)
 
     def draw(
         self, logits: torch.Tensor, seqs: list[Sequence], suppress: list[list[int] | None] | None = None
@@ -194,7 +208,7 @@ class Sampler:
     def rows(self, seqs: list[Sequence]):
         """The rows' draw parameters on the host (``cuda_graphs.SamplingRows``, what a decode launch graph samples
         with), or None when a row truncates (top-k / top-p / min-p: drawn by ``draw_planned`` instead)."""
-        if any(s.params.truncates for s in seqs):
+        if any(s.params.truncates or s.guide is not None for s in seqs):
             return None
         temps, seeds, offsets, greedy = _row_values(seqs)
         return SamplingRows(
@@ -205,10 +219,13 @@ class Sampler:
     def plan(self, seqs: list[Sequence], dev: torch.device) -> DrawPlan:
         rows = _row_tensors(seqs, dev)
         trunc = [b for b, s in enumerate(seqs) if s.params.truncates]
+        guided = [b for b, s in enumerate(seqs) if s.guide is not None] or None
+        guides = [seqs[b].guide for b in guided] if guided else None
         if not trunc:
-            return DrawPlan(rows, rows.temps, [], None, None)
+            return DrawPlan(rows, rows.temps, [], None, None, guided, guides)
         idx = host_to_device(trunc, torch.int64, dev)
-        return DrawPlan(rows, rows.temps.index_fill(0, idx, 1.0), trunc, idx, _truncation(seqs, trunc, dev))
+        temps = rows.temps.index_fill(0, idx, 1.0)
+        return DrawPlan(rows, temps, trunc, idx, _truncation(seqs, trunc, dev), guided, guides)
 
     def draw_planned(
         self,
@@ -220,10 +237,14 @@ class Sampler:
         """Draw one token per row; ``step`` = how many tokens each row has drawn since ``plan`` was made. ``logits``
         in any float dtype: ``sample_tokens`` reads bf16 as fp32 (no fp32 copy); masked or truncated rows upcast."""
         masks = bool(suppress and any(suppress)) or plan.trunc_idx is not None or bool(plan.trunc_rows)
-        if masks:
+        if masks or plan.guided:
             logits = logits.float()
         rows = plan.rows
         inp, suppressed = _suppress_mask(logits, suppress)
+        if plan.guided:
+            if step:
+                raise RuntimeError("guided rows cannot be drawn inside a multi-step launch")
+            inp = self._apply_grammar(inp, logits, plan)
         if plan.trunc_idx is not None:
             # Truncated rows enter the kernel as their masked z at T = 1 (z * 1 == z, same noise, same draw).
             idx = plan.trunc_idx
@@ -232,7 +253,7 @@ class Sampler:
             inp[idx] = z
         offsets = rows.offsets + step if step else rows.offsets
         tokens, logprobs = kernels.sample_tokens(inp, plan.temps, rows.seeds, offsets, rows.greedy)
-        fix = sorted(set(plan.trunc_rows) | set(suppressed))
+        fix = sorted(set(plan.trunc_rows) | set(suppressed) | set(plan.guided or ()))
         if fix:
             # The kernel's log-prob is of what it was handed; these rows report the unmasked distribution.
             idx = host_to_device(fix, torch.int64, logits.device)
@@ -240,6 +261,26 @@ class Sampler:
             lp = z.gather(-1, tokens[idx, None])[:, 0] - torch.logsumexp(z, dim=-1)
             logprobs = logprobs.index_copy(0, idx, lp)
         return tokens, logprobs
+
+    def _apply_grammar(self, inp: torch.Tensor, logits: torch.Tensor, plan: DrawPlan) -> torch.Tensor:
+        """``inp`` with each guided row's disallowed tokens at -inf; sets ``plan.masked_logmass`` ([B])."""
+        guides = plan.guides
+        cache = guides[0].cache
+        host = torch.zeros((len(guides), cache.words), dtype=torch.int32)
+        cache.fill_bitmask([g.matcher for g in guides], host)
+        dev = logits.device
+        bitmask = host if dev.type == "cpu" else host.pin_memory().to(dev, non_blocking=True)
+        inv = plan.rows.inv_temps[:, None]
+        if len(guides) == logits.shape[0]:  # every row guided (a constrained rollout): no gathers
+            out = apply_bitmask(inp, None, bitmask)
+            plan.masked_logmass = torch.logsumexp(out * inv, -1) - torch.logsumexp(logits * inv, -1)
+            return out
+        idx = host_to_device(plan.guided, torch.int64, dev)
+        out = apply_bitmask(inp, idx, bitmask)
+        inv = inv[idx]
+        mass = torch.logsumexp(out[idx] * inv, -1) - torch.logsumexp(logits[idx] * inv, -1)
+        plan.masked_logmass = torch.zeros(logits.shape[0], device=dev).index_copy_(0, idx, mass)
+        return out
 
     def _top_logprobs(
         self, logits: torch.Tensor, inv_temps: torch.Tensor, seqs: list[Sequence]

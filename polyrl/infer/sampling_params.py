@@ -10,6 +10,8 @@ Semantics follow the OpenAI / vLLM conventions an experienced user expects:
   stop strings' tokens) until that many tokens were generated.
 - ``stop`` strings are matched on the detokenised text; the text is cut before the stop string, the
   token ids (and their log-probs) are kept whole, because RL trains on the tokens that were sampled.
+- ``structured`` constrains the output to a grammar (``StructuredOutputs``: JSON schema, regex, choice, Lark);
+  the reported log-probs stay those of the unmasked distribution, like top-k/top-p (``sampler.py``).
 - ``logprobs = k`` asks for the top-``k`` alternatives per generated token (the sampled token's own
   log-prob is always returned).
 
@@ -18,11 +20,80 @@ This module only describes a request; it does not sample (``sampler.py``) or det
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 
 from polyrl.errors import UserError
 
 MAX_TOP_LOGPROBS = 20
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "lark")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A grammar the output must match (``infer/structured.py`` compiles it; equal specs share one compilation).
+
+    ``kind``: ``json`` (``spec`` = a JSON schema as JSON text), ``json_object`` (any JSON object; ``spec`` ""),
+    ``regex``, ``choice`` (``spec`` = a JSON list of strings), ``grammar`` (Lark, or llama.cpp GBNF, detected) or
+    ``lark`` (llguidance's Lark, ``%json`` included: what forced tool calls use)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise UserError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.spec, str) or (self.kind != "json_object" and not self.spec):
+            raise UserError(f"a structured output of kind {self.kind!r} needs a non-empty spec string")
+
+    @classmethod
+    def json_schema(cls, schema: dict) -> StructuredOutputs:
+        return cls("json", json.dumps(schema, separators=(",", ":")))  # property order kept: it is the output's
+
+    @classmethod
+    def from_spec(cls, text: str) -> StructuredOutputs | None:
+        """A config string as a grammar (RL rollouts: ``--set grpo.rollout_response_format=...``): "" = none,
+        ``json_object``, ``json_schema:<file.json>`` or ``json_schema:{...}``, ``regex:<pattern>``,
+        ``choice:a|b|c``, ``grammar:<file.lark>`` or ``grammar:<Lark text>``."""
+        text = (text or "").strip()
+        if not text:
+            return None
+        if text == "json_object":
+            return cls("json_object")
+        kind, sep, rest = text.partition(":")
+        if not sep or kind not in ("json_schema", "regex", "choice", "grammar") or not rest:
+            raise UserError(
+                f"response format {text!r} is not one of json_object, json_schema:<file or JSON>, regex:<pattern>, "
+                "choice:a|b|c, grammar:<file or Lark>"
+            )
+        if kind == "regex":
+            return cls("regex", rest)
+        if kind == "choice":
+            return cls.choice(rest.split("|"))
+        body = rest
+        if kind == "json_schema" and not rest.lstrip().startswith("{") or kind == "grammar" and "\n" not in rest:
+            try:
+                with open(rest) as f:
+                    body = f.read()
+            except OSError as exc:
+                if kind == "json_schema":
+                    raise UserError(f"cannot read the JSON schema file {rest!r}: {exc.strerror}") from None
+        if kind == "grammar":
+            return cls("grammar", body)
+        try:
+            schema = json.loads(body)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"the JSON schema {rest[:60]!r} is not valid JSON: {exc.msg}") from None
+        if not isinstance(schema, dict):
+            raise UserError("a JSON schema must be a JSON object")
+        return cls.json_schema(schema)
+
+    @classmethod
+    def choice(cls, options: list[str]) -> StructuredOutputs:
+        if not options or not all(isinstance(o, str) and o for o in options):
+            raise UserError("a choice needs a non-empty list of non-empty strings")
+        return cls("choice", json.dumps(list(options)))
 
 
 @dataclass
@@ -41,6 +112,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     adapter: str | None = None  # LoRA adapter (a name given to LLM.load_adapters) to run with; None = the base
+    structured: StructuredOutputs | None = None  # a grammar the output must match (infer/structured.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,6 +158,11 @@ class SamplingParams:
                 raise bad(f"stop strings must be non-empty strings, got {s!r}")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutputs):
+                raise bad(f"structured must be a StructuredOutputs or None, got {type(self.structured).__name__}")
+            if self.min_tokens:
+                raise bad("min_tokens cannot be combined with a structured output (the grammar decides when it ends)")
 
     @property
     def greedy(self) -> bool:

@@ -40,6 +40,8 @@ class CompletionOutput:
     top_logprobs: list[dict[int, float]] | None = None
     new_token_ids: list[int] = field(default_factory=list)  # streaming: tokens since the last step's output
     new_text: str = ""  # streaming: text since the last step's output
+    # structured outputs: sum over the tokens of log(probability mass the grammar allowed); None when unconstrained
+    masked_logmass: float | None = None
 
 
 @dataclass
@@ -85,6 +87,7 @@ class Sequence:
         "pending",
         "pending_row",
         "draw",
+        "guide",
     )
 
     def __init__(
@@ -123,6 +126,7 @@ class Sequence:
         self.pending = 0  # how many of them
         self.pending_row = -1
         self.draw: tuple[float, bool, int] | None = None  # the sampler's (temperature, greedy, seed), made once
+        self.guide: Any = None  # structured outputs: this sample's grammar matcher (infer/structured.py)
 
     @property
     def num_tokens(self) -> int:

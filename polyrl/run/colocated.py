@@ -170,6 +170,7 @@ class ColocatedPolicy:
                     Sample(list(out.prompt_token_ids), list(c.token_ids), list(c.logprobs), c.finish_reason, c.text, g)
                 )
                 samples[-1].index = c.index
+                samples[-1].masked_logmass = getattr(c, "masked_logmass", None)
         return samples
 
     def _merge_for_rollout(self) -> Any:

@@ -59,7 +59,7 @@ from polyrl.data.dataset import chat_tokenizer, load_prompts
 from polyrl.data.examples import PromptExample
 from polyrl.errors import CheckpointError, ConfigError, DataError
 from polyrl.infer.config import RolloutConfig
-from polyrl.infer.sampling_params import SamplingParams
+from polyrl.infer.sampling_params import SamplingParams, StructuredOutputs
 from polyrl.models.checkpoint import load_tokenizer
 from polyrl.run.colocated import ColocatedPolicy
 from polyrl.run.config import RunConfig, save_resolved
@@ -147,7 +147,10 @@ class OnlineRun(DataParallelSteps):
             self.out.mkdir(parents=True, exist_ok=True)
             save_resolved(cfg, self.out)
         self.policy = self._make_policy()
-        self.sampling = SamplingParams(temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_new_tokens)
+        self.structured = StructuredOutputs.from_spec(getattr(a, "rollout_response_format", ""))
+        self.sampling = SamplingParams(
+            temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_new_tokens, structured=self.structured
+        )
         self.pool = None  # rank 0 scores every sample (one set of reward workers per run)
         if self.world.is_main:
             self.pool = RewardPool(a.reward, a.reward_workers, a.reward_timeout, a.failure_reward)
@@ -295,6 +298,8 @@ class OnlineRun(DataParallelSteps):
             "reward_failures_total": float(sum(self.pool.totals.values())) if self.pool is not None else 0.0,
             **res.metrics(),
         }
+        if self.structured is not None:  # what the grammar mask removed: 0 = the policy already follows the format
+            m["rollout_mask_logmass"] = sum(s.masked_logmass or 0.0 for s in samples) / max(1, sum(lengths))
         for msg in res.messages[:1]:
             self.print(f"step {step + 1}: reward function failure ({res.num_failures} this step): {msg}")
         return samples, res.rewards, m
@@ -404,7 +409,9 @@ class OnlineRun(DataParallelSteps):
         """Greedy completions of the held-out prompts: mean reward and exact-match accuracy (when answers exist)."""
 
         prompts, ids, views = self.eval_set
-        params = SamplingParams(temperature=0.0, max_tokens=self.a.eval_max_new_tokens or self.a.max_new_tokens)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=self.a.eval_max_new_tokens or self.a.max_new_tokens, structured=self.structured
+        )
         samples = self.policy.rollout(ids, 1, params)
         res = self.score([s.text for s in samples], views)
         out = {"eval_reward": _mean(res.rewards)}

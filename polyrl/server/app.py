@@ -43,12 +43,13 @@ from polyrl.server.completions import create_completion
 from polyrl.server.config import ServeConfig
 from polyrl.server.logprobs import TokenText
 from polyrl.server.metrics import ServerMetrics
-from polyrl.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from polyrl.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ResponsesRequest
+from polyrl.server.responses import create_response
 from polyrl.server.streaming import ClientGone
 
 log = logging.getLogger("polyrl.server")
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics")
 
 
 class ServerState:
@@ -310,6 +311,12 @@ def build_app(llm: Any, config: ServeConfig | None = None) -> FastAPI:
     @app.post("/v1/completions", responses={200: {"description": ok_text}, **_V1_ERRORS})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return respond(await create_completion(state, body, request))
+
+    ok_resp = "A response object; with stream: true a text/event-stream of typed response.* events"
+
+    @app.post("/v1/responses", responses={200: {"description": ok_resp}, **_V1_ERRORS})
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return respond(await create_response(state, body, request))
 
     def openapi() -> dict[str, Any]:
         """FastAPI's schema without the 422 it adds to every route with a body: this server answers 400."""

@@ -9,7 +9,15 @@ context left).
 Streams send, per choice, a first chunk with ``delta.role``, one chunk per engine step that produced tokens
 (``delta.content`` may be "" while text is held back for a possible stop string; ``logprobs`` cover exactly
 that chunk's tokens), then a chunk with ``finish_reason``; with ``stream_options.include_usage`` every chunk
-carries ``usage: null`` and a last chunk with no choices carries the usage. Not here: the HTTP app, auth.
+carries ``usage: null`` and a last chunk with no choices carries the usage.
+
+Tools (``tool_calls.py`` checks them): rendered by the chat template's own ``tools`` argument, or described in the
+system prompt when the template has no tool support (``polyrl.agents.render.prepare_messages``, the agent proxy's
+renderer too); assistant ``tool_calls`` and ``tool`` messages (``tool_call_id``) are passed to the template. The
+reply is parsed by the model family's parser (``polyrl.agents.tool_parsers``): ``message.tool_calls`` and
+``finish_reason: "tool_calls"`` when it called any. Streams send the content before a call as it comes and each
+call, once complete, as two ``delta.tool_calls`` chunks (``{index, id, type, function: {name, arguments: ""}}``,
+then ``{index, function: {arguments}}``). Not here: the HTTP app, auth.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ import time
 import uuid
 from typing import Any
 
+from polyrl.agents.render import prepare_messages
+from polyrl.agents.tool_parsers import ToolCallStream
 from polyrl.errors import UserError
 from polyrl.infer.sampling_params import MAX_TOP_LOGPROBS
 from polyrl.server.api_errors import APIError, bad_request
@@ -35,6 +45,7 @@ from polyrl.server.params import (
 from polyrl.server.prompts import PromptTooLong, render_request_template, template_kwargs, tokenize_capped
 from polyrl.server.protocol import ChatCompletionRequest
 from polyrl.server.streaming import DONE, final_outputs, guarded_stream, sse
+from polyrl.server.tool_calls import ToolPlan, compile_plan, plan_tools
 
 
 def render_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -55,16 +66,58 @@ def render_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         msg: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name:
             msg["name"] = m.name
+        extra = m.model_extra or {}
+        if m.role == "assistant" and extra.get("tool_calls"):
+            msg["tool_calls"] = _check_calls(extra["tool_calls"], i)
+        if m.role == "tool":
+            call_id = extra.get("tool_call_id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise bad_request(f"messages[{i}].tool_call_id must be a string", f"messages.{i}.tool_call_id")
+            msg["tool_call_id"] = call_id or ""
         out.append(msg)
     return out
 
 
+def _check_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` in the OpenAI shape (or a 400 naming the message)."""
+    where = f"messages.{i}.tool_calls"
+    if not isinstance(calls, list):
+        raise bad_request(f"messages[{i}].tool_calls must be a list", where, "invalid_value")
+    out = []
+    for k, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(
+                f"messages[{i}].tool_calls[{k}] must be {{id, type: function, function: {{name, arguments}}}}",
+                f"{where}.{k}",
+                "invalid_value",
+            )
+        args = fn.get("arguments", "")
+        if not isinstance(args, (str, dict)):
+            raise bad_request(f"messages[{i}].tool_calls[{k}].function.arguments must be a JSON string", f"{where}.{k}")
+        out.append(
+            {"id": c.get("id") or f"call_{k}", "type": "function", "function": {"name": fn["name"], "arguments": args}}
+        )
+    return out
+
+
 def prompt_ids(
-    state: Any, messages: list[dict[str, Any]], template: str | None, kwargs: dict[str, Any], limit: int
+    state: Any,
+    messages: list[dict[str, Any]],
+    template: str | None,
+    kwargs: dict[str, Any],
+    limit: int,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The chat prompt's token ids, at most ``limit`` of them (``PromptTooLong`` otherwise). Runs in the prep
-    pool: templating and tokenising a large conversation must not hold the event loop."""
+    pool: templating and tokenising a large conversation must not hold the event loop. ``tools`` are rendered
+    by the template's ``tools`` argument, or into the system message when it has none (``prepare_messages``)."""
     tok = state.llm.tokenizer
+    if tools:
+        messages, native = prepare_messages(messages, tools, template or getattr(tok, "chat_template", None))
+        kwargs = {**kwargs, "tools": native} if native else kwargs
+    else:
+        messages, _ = prepare_messages(messages, None, template or getattr(tok, "chat_template", None))
     try:
         if template is not None:
             cfg = state.config
@@ -85,6 +138,29 @@ def prompt_ids(
 
 
 async def create_chat_completion(state: Any, req: ChatCompletionRequest, request: Any) -> Any:
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    model, ids, plan, group = await submit_chat(state, req, rid)
+    created = int(time.time())
+    head = {"id": rid, "created": created, "model": model, "system_fingerprint": state.fingerprint}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return guarded_stream(group, _stream(state, group, req, head, len(ids), include_usage, plan))
+    out = (await final_outputs(group, request))[rid]
+    choices = []
+    for c in out.outputs:
+        lp = None
+        if req.logprobs:
+            lp = chat_logprobs(state.token_text, c.token_ids, c.logprobs, c.top_logprobs, req.top_logprobs or 0)
+        message, finish = reply_message(plan, c.text, c.finish_reason)
+        choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
+    return {"object": "chat.completion", **head, "choices": choices, "usage": _usage(len(ids), out.outputs)}
+
+
+async def submit_chat(
+    state: Any, req: ChatCompletionRequest, rid: str, format_param: str = "response_format"
+) -> tuple[str, list[int], ToolPlan, Any]:
+    """Check ``req``, build its prompt and submit it to the engine as request ``rid``: (model name, prompt ids, tool
+    plan, stream group). Shared with the Responses API (``responses.py``)."""
     model = state.resolve_model(req.model)
     ctx = state.llm.max_model_len
     reject_unsupported(req)
@@ -105,39 +181,68 @@ async def create_chat_completion(state: Any, req: ChatCompletionRequest, request
     k = (req.top_logprobs or 0) if req.logprobs else None
     sampling_params(req, max_tokens, k)  # every value checked before any templating or tokenising
     template, kwargs = template_kwargs(req, state.config.allow_request_chat_template)
+    tok = state.llm.tokenizer
+    template_text = template or getattr(tok, "chat_template", None)
+    plan = plan_tools(req, state.config.tool_call_parser, template_text, tok, req.response_format, format_param)
     messages = render_messages(req)
+    await compile_plan(state, plan)
     try:
-        ids = await state.prep(prompt_ids, state, messages, template, kwargs, prompt_budget(max_tokens, ctx))
+        budget = prompt_budget(max_tokens, ctx)
+        ids = await state.prep(prompt_ids, state, messages, template, kwargs, budget, plan.tools)
     except PromptTooLong as exc:
         raise prompt_too_long(exc, max_tokens, ctx, "messages") from None
     check_max_tokens(max_tokens, param, len(ids), ctx, "messages")
     max_tokens = default_max_tokens(max_tokens, state.config.default_max_tokens, len(ids), ctx)
-    params = sampling_params(req, max_tokens, k)
+    params = apply_plan(sampling_params(req, max_tokens, k), plan)
     params = state.with_adapter(params, model)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
     group = state.engine.new_group()
     state.engine.submit(group, ids, params, stream=req.stream, request_id=rid)
     state.metrics.prompt_tokens.inc(len(ids))
-    created = int(time.time())
-    head = {"id": rid, "created": created, "model": model, "system_fingerprint": state.fingerprint}
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return guarded_stream(group, _stream(state, group, req, head, len(ids), include_usage))
-    out = (await final_outputs(group, request))[rid]
-    choices = []
-    for c in out.outputs:
-        lp = None
-        if req.logprobs:
-            lp = chat_logprobs(state.token_text, c.token_ids, c.logprobs, c.top_logprobs, req.top_logprobs or 0)
-        choices.append(
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text, "refusal": None},
-                "logprobs": lp,
-                "finish_reason": _finish(c.finish_reason),
-            }
-        )
-    return {"object": "chat.completion", **head, "choices": choices, "usage": _usage(len(ids), out.outputs)}
+    return model, ids, plan, group
+
+
+def apply_plan(params: Any, plan: ToolPlan) -> Any:
+    """``params`` with the plan's grammar, keeping special tokens in the text where the call marker is one."""
+    changes: dict[str, Any] = {}
+    if plan.structured is not None:
+        changes["structured"] = plan.structured
+    if plan.parser is not None and plan.parser.keep_special_tokens:
+        changes["skip_special_tokens"] = False
+    return params.clone(**changes) if changes else params
+
+
+def call_prefix() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parse_calls(plan: ToolPlan, text: str) -> dict[str, Any]:
+    """The reply as an assistant message dict with ``content`` and (when any) ``tool_calls``; malformed call blocks
+    stay in the content, so the client sees what the model wrote."""
+    msg = plan.parser.parse(text, call_prefix())
+    calls = msg.get("tool_calls") or []
+    if not plan.parallel:
+        calls = calls[:1]
+    content = msg.get("content")
+    if msg.get("invalid_tool_calls"):
+        bad = "\n".join(x["text"] for x in msg["invalid_tool_calls"])
+        content = f"{content}\n{bad}" if content else bad
+    if not calls:
+        content = text
+    return {"content": content, "tool_calls": calls}
+
+
+def reply_message(plan: ToolPlan, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """(the chat ``message``, the ``finish_reason``) of one choice."""
+    finish = _finish(reason)
+    if plan.parser is None:
+        return {"role": "assistant", "content": text, "refusal": None}, finish
+    parsed = parse_calls(plan, text)
+    message = {"role": "assistant", "content": parsed["content"], "refusal": None}
+    if parsed["tool_calls"]:
+        message["tool_calls"] = parsed["tool_calls"]
+        if finish == "stop":
+            finish = "tool_calls"
+    return message, finish
 
 
 def _finish(reason: str | None) -> str | None:
@@ -149,7 +254,9 @@ def _usage(num_prompt: int, outputs: list[Any]) -> dict[str, int]:
     return {"prompt_tokens": num_prompt, "completion_tokens": completion, "total_tokens": num_prompt + completion}
 
 
-async def _stream(state: Any, group: Any, req: ChatCompletionRequest, head: dict, num_prompt: int, usage: bool):
+async def _stream(
+    state: Any, group: Any, req: ChatCompletionRequest, head: dict, num_prompt: int, usage: bool, plan: ToolPlan
+):
     base = {"object": "chat.completion.chunk", **head}
     extra = {"usage": None} if usage else {}
 
@@ -161,6 +268,8 @@ async def _stream(state: Any, group: Any, req: ChatCompletionRequest, head: dict
         yield chunk(i, {"role": "assistant", "content": ""})
     finished: set[int] = set()
     last = None
+    texts = [""] * req.n
+    parsers = [ToolCallStream(plan.parser, call_prefix(), plan.parallel) for _ in range(req.n)] if plan.parser else None
     async for _, out in group:
         last = out
         for c in out.outputs:
@@ -173,10 +282,29 @@ async def _stream(state: Any, group: Any, req: ChatCompletionRequest, head: dict
                     n = len(new)
                     tops = c.top_logprobs[-n:] if (c.top_logprobs is not None and n) else None
                     lp = chat_logprobs(state.token_text, new, c.logprobs[-n:] if n else [], tops, req.top_logprobs or 0)
-                yield chunk(c.index, {"content": c.new_text}, lp)
+                delta = c.new_text
+                if parsers is not None:
+                    texts[c.index] += c.new_text
+                    delta = parsers[c.index].feed(texts[c.index])
+                if parsers is None or delta or lp is not None:
+                    yield chunk(c.index, {"content": delta}, lp)
             if c.finish_reason is not None:
                 finished.add(c.index)
-                yield chunk(c.index, {}, None, _finish(c.finish_reason))
+                finish = _finish(c.finish_reason)
+                if parsers is not None:
+                    rest, msg = parsers[c.index].finish(c.text)
+                    if rest:
+                        yield chunk(c.index, {"content": rest})
+                    for k, call in enumerate(msg.get("tool_calls") or []):
+                        fn = call["function"]
+                        head_call = {"index": k, "id": call["id"], "type": "function"}
+                        yield chunk(
+                            c.index, {"tool_calls": [{**head_call, "function": {"name": fn["name"], "arguments": ""}}]}
+                        )
+                        yield chunk(c.index, {"tool_calls": [{"index": k, "function": {"arguments": fn["arguments"]}}]})
+                    if msg.get("tool_calls") and finish == "stop":
+                        finish = "tool_calls"
+                yield chunk(c.index, {}, None, finish)
     if usage and last is not None:
         yield sse({**base, "choices": [], "usage": _usage(num_prompt, last.outputs)})
     yield DONE

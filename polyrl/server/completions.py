@@ -32,6 +32,7 @@ from polyrl.server.params import (
 from polyrl.server.prompts import PromptTooLong, tokenize_capped
 from polyrl.server.protocol import CompletionRequest
 from polyrl.server.streaming import DONE, final_outputs, guarded_stream, sse
+from polyrl.server.tool_calls import ToolPlan, compile_plan, extra_structured
 
 
 def split_prompts(prompt: Any) -> list[str | list[int]]:
@@ -86,6 +87,8 @@ async def create_completion(state: Any, req: CompletionRequest, request: Any) ->
         raise bad_request("echo with logprobs is not supported (no prompt log-probs); drop one", "echo", "unsupported")
     check_max_tokens(req.max_tokens, "max_tokens", 0, ctx, "prompt")
     sampling_params(req, req.max_tokens, req.logprobs)  # every value checked before any tokenising
+    structured, structured_param = extra_structured(req)  # vLLM's guided_* / structured_outputs (tool_calls.py)
+    await compile_plan(state, ToolPlan(None, None, True, structured, structured_param))
     items = split_prompts(req.prompt)
     max_queue = state.config.max_queue
     if max_queue is not None and len(items) > max_queue:
@@ -109,6 +112,7 @@ async def create_completion(state: Any, req: CompletionRequest, request: Any) ->
     longest = max(len(ids) for _, ids in prompts)
     max_tokens = default_max_tokens(req.max_tokens, state.config.default_max_tokens, longest, ctx)
     params = sampling_params(req, max_tokens, req.logprobs)
+    params = params.clone(structured=structured) if structured is not None else params
     params = state.with_adapter(params, model)
     state.engine.admit(len(prompts))  # the whole batch or none of it: 429 (Retry-After) when the queue is full
     base_id = f"cmpl-{uuid.uuid4().hex}"

@@ -30,6 +30,8 @@ class ServeConfig:
     max_n: int = MAX_N
     log_level: str = "info"
     drain_timeout_s: float = 600.0  # on shutdown, how long to let in-flight requests finish
+    # tool-call format (polyrl.agents.tool_parsers: hermes/qwen, llama3_json, mistral); None = from the chat template
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= int(self.port) <= 65535:
@@ -51,5 +53,14 @@ class ServeConfig:
             raise ConfigError(f"chat_template_timeout_s must be > 0, got {self.chat_template_timeout_s}")
         if not 1 <= self.max_n <= 4096:
             raise ConfigError(f"max_n must be in [1, 4096], got {self.max_n}")
+        if self.tool_call_parser is not None:
+            # lazy: the parser registry lives in polyrl.agents (a higher layer than this config's users need)
+            from polyrl.agents.tool_parsers import TOOL_PARSERS
+
+            if self.tool_call_parser not in TOOL_PARSERS:
+                raise ConfigError(
+                    f"tool_call_parser must be one of {', '.join(sorted(TOOL_PARSERS))} (or unset to detect it "
+                    f"from the chat template), got {self.tool_call_parser!r}"
+                )
         if self.drain_timeout_s < 0:
             raise ConfigError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")

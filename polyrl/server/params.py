@@ -1,7 +1,7 @@
 """From an OpenAI request body to the engine's ``SamplingParams``, with the checks that make bad requests 400s.
 
-Checks here: fields polyrl cannot honour (non-neutral penalties, logit_bias, tools, structured output,
-best_of != n, suffix), the ranges of ``n``, ``max_tokens``, ``top_k``, ``seed``, ``min_tokens`` and
+Checks here: fields polyrl cannot honour (non-neutral penalties, logit_bias, best_of != n, suffix; tools and
+structured outputs: ``tool_calls.py``), the ranges of ``n``, ``max_tokens``, ``top_k``, ``seed``, ``min_tokens`` and
 ``stop_token_ids`` (non-finite floats never get here: ``protocol.py`` refuses them), the prompt's token budget
 and the context check (prompt + max_tokens must fit the engine's ``max_model_len``, OpenAI's
 ``context_length_exceeded``), and the default completion length. Value checks of the sampling knobs
@@ -25,13 +25,6 @@ def reject_unsupported(req: Any) -> None:
             raise bad_request(f"{name} is not supported by polyrl serve; leave it unset or 0", name, "unsupported")
     if getattr(req, "logit_bias", None):
         raise bad_request("logit_bias is not supported by polyrl serve; leave it unset", "logit_bias", "unsupported")
-    if getattr(req, "tools", None):
-        raise bad_request("tool calling is not supported by polyrl serve; leave tools unset", "tools", "unsupported")
-    fmt = getattr(req, "response_format", None)
-    if fmt and fmt.get("type", "text") != "text":
-        raise bad_request(
-            f"response_format {fmt.get('type')!r} is not supported; only 'text'", "response_format", "unsupported"
-        )
     best_of = getattr(req, "best_of", None)
     if best_of is not None and best_of != req.n:
         raise bad_request("best_of other than n is not supported; leave it unset", "best_of", "unsupported")

@@ -2,10 +2,11 @@
 
 Strict: a string where a number belongs is a 400, not a silent conversion, and so is a number that is not
 finite (Python's JSON parser reads ``NaN``, ``Infinity`` and ``1e400`` as floats; they stop here). Fields the
-OpenAI API defines but polyrl cannot honour (penalties, logit_bias, tools, ...) are accepted only at their
-neutral value, and ``params.py`` says so in a 400 otherwise. Unknown fields are ignored (as vLLM does), so
+OpenAI API defines but polyrl cannot honour (penalties, logit_bias, ...) are accepted only at their
+neutral value, and ``params.py`` says so in a 400 otherwise; tools and structured outputs are checked by
+``tool_calls.py``. Unknown fields are ignored (as vLLM does), so
 clients that send newer OpenAI fields keep working. Responses are built as plain dicts in ``chat.py`` /
-``completions.py``.
+``completions.py`` / ``responses.py``.
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    # structured outputs, vLLM's names (polyrl/server/tool_calls.py): the legacy guided_* and structured_outputs
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -68,9 +75,41 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # refused unless the server allows request templates (see prompts.py)
+
+
+class ResponsesRequest(_Strict):
+    """``POST /v1/responses`` (``responses.py``). ``input``: a string or a list of items (messages, function_call,
+    function_call_output); ``text.format`` is the structured-output field; ``previous_response_id`` is refused
+    (the server keeps no state)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
+    background: bool | None = None
+    top_logprobs: int | None = None
+    # vLLM-style extras
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
 
 
 class CompletionRequest(_Sampling):

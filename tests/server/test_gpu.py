@@ -47,3 +47,54 @@ def test_serving_on_the_accelerator(tiny_model_dir):
                 return await asyncio.gather(*(one(ac, i) for i in range(32)))
 
         assert asyncio.run(main()) == [32] * 32
+
+
+def test_tools_and_structured_outputs_on_the_accelerator(tiny_model_dir):
+    """Forced tool calls and a pydantic schema, mixed with free requests in one batch, on the accelerator: the mask
+    is applied after the CUDA-graph forward; every constrained reply is valid, the free ones run alongside."""
+    import json
+
+    import openai
+    from pydantic import BaseModel, Field
+
+    from polyrl.infer import LLM, RolloutConfig
+    from polyrl.platform import device
+    from polyrl.server import ServeConfig, start_server
+
+    class Item(BaseModel):
+        name: str = Field(max_length=8)
+        count: int = Field(ge=0, le=99)
+
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "pick",
+            "parameters": {"type": "object", "properties": {"x": {"enum": ["a", "b"]}}, "required": ["x"],
+                           "additionalProperties": False},
+        },
+    }  # fmt: skip
+    cfg = RolloutConfig(num_blocks=1024, max_num_seqs=64, max_model_len=512)
+    llm = LLM.from_pretrained(str(tiny_model_dir), cfg, dtype="bfloat16", device=device.torch_device())
+    with start_server(llm, ServeConfig(port=0, served_model_name=MODEL, log_level="warning")) as h:
+
+        async def main():
+            async with openai.AsyncOpenAI(base_url=h.base_url, api_key="x", max_retries=0, timeout=120) as ac:
+                msgs = [{"role": "user", "content": "go"}]
+                chat = ac.chat.completions
+                parsed = [
+                    chat.parse(model=MODEL, messages=msgs, response_format=Item, n=8, max_tokens=80) for _ in range(4)
+                ]
+                forced = {"tools": [tool], "tool_choice": "required", "parallel_tool_calls": False}
+                calls = [chat.create(model=MODEL, messages=msgs, n=8, max_tokens=80, **forced) for _ in range(2)]
+                extra = {"ignore_eos": True}
+                free = [chat.create(model=MODEL, messages=msgs, n=8, max_tokens=64, extra_body=extra) for _ in range(2)]
+                return await asyncio.gather(*parsed), await asyncio.gather(*calls), await asyncio.gather(*free)
+
+        parsed, calls, free = asyncio.run(main())
+    assert all(isinstance(c.message.parsed, Item) for r in parsed for c in r.choices)
+    for r in calls:
+        for c in r.choices:
+            assert c.finish_reason == "tool_calls"
+            assert json.loads(c.message.tool_calls[0].function.arguments)["x"] in ("a", "b")
+    assert all(c.finish_reason == "length" for r in free for c in r.choices)
+    assert llm.grammar_cache().compiles == 2 and llm.runner.use_graphs == device.supports_graphs()

@@ -1,0 +1,299 @@
+"""Tool-call formats per model family: parse a reply into OpenAI ``tool_calls``, stream them, and constrain a
+forced call to the tools' parameter schemas. Shared by ``polyrl serve`` and the agent proxy.
+
+Registry (``TOOL_PARSERS``, ``get_parser(name)``, ``detect_parser(chat_template)``):
+- ``hermes`` (alias ``qwen``): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks anywhere in
+  the reply (Qwen2.5 / Qwen3, Hermes, and what ``render.py``'s system-prompt fallback asks a template-less model
+  for). Parsing is ``tools.parse_reply``.
+- ``llama3_json``: the whole reply is ``{"name": ..., "parameters": {...}}`` (optionally after ``<|python_tag|>``),
+  several separated by ``;`` (Llama 3.1 / 3.2 JSON tool calling).
+- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` after optional content (Mistral v3
+  tokenizers; ``[TOOL_CALLS]`` is a special token, so requests keep special tokens in the text).
+
+Each parser: ``parse(text, call_prefix)`` -> an OpenAI assistant message (``content``, ``tool_calls``,
+``invalid_tool_calls`` for malformed ones, as ``tools.parse_reply``); ``call_start(text)`` / ``holdback(text)`` for
+streaming (``ToolCallStream``: text before a call streams as content, a call is sent once it is complete);
+``grammar(tools, parallel, tokenizer)``: a Lark grammar (llguidance's dialect, ``%json`` for the arguments) that
+only admits calls of ``tools`` in this format, for ``tool_choice: required`` or a named function.
+Not here: rendering tools into prompts (``render.py``), HTTP (``polyrl.server.chat``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from polyrl.agents.tools import CLOSE, OPEN, parse_reply
+from polyrl.errors import UserError
+
+# JSON layout of forced calls: the one chat templates render (Python's json.dumps), see infer/structured.py
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _fn(tool: dict[str, Any]) -> dict[str, Any]:
+    return tool.get("function", tool)
+
+
+def _params_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    params = _fn(tool).get("parameters")
+    if isinstance(params, dict) and params:
+        return params
+    return {"type": "object", "properties": {}, "additionalProperties": False}  # no parameters: the call takes none
+
+
+def call_schema(tools: list[dict[str, Any]], args_key: str = "arguments") -> dict[str, Any]:
+    """A JSON schema admitting ``{"name": <one tool's name>, args_key: <that tool's parameters>}``."""
+    options = []
+    for t in tools:
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": _fn(t)["name"]}, args_key: _params_schema(t)},
+                "required": ["name", args_key],
+                "additionalProperties": False,
+            }
+        )
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "x-guidance": _JSON_STYLE}
+
+
+def _literal(text: str, tokenizer: Any) -> str:
+    """``text`` in a Lark rule: a quoted string, or ``<[id]>`` when the tokenizer has it as one special token (a
+    special token never matches text bytes in llguidance)."""
+    special = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    if tokenizer is not None and text in special:
+        return f"<[{int(tokenizer.convert_tokens_to_ids(text))}]>"
+    return json.dumps(text)
+
+
+def _holdback_marker(text: str, marker: str) -> int:
+    """Where the longest suffix of ``text`` that could begin ``marker`` starts (``len(text)`` if none)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
+
+
+class ToolParser:
+    name = ""
+    keep_special_tokens = False  # the call marker is a special token: detokenise with skip_special_tokens=False
+
+    def parse(self, text: str, call_prefix: str = "call") -> dict[str, Any]:
+        raise NotImplementedError
+
+    def call_start(self, text: str) -> int | None:
+        """Where a tool call begins in ``text`` (None: no call has begun)."""
+        raise NotImplementedError
+
+    def holdback(self, text: str) -> int:
+        """While no call has begun: the position from which ``text`` must be held back (it may begin one)."""
+        raise NotImplementedError
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool, tokenizer: Any = None) -> str:
+        raise NotImplementedError
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+
+    def parse(self, text: str, call_prefix: str = "call") -> dict[str, Any]:
+        return parse_reply(text, call_prefix)
+
+    def call_start(self, text: str) -> int | None:
+        i = text.find(OPEN)
+        return i if i >= 0 else None
+
+    def holdback(self, text: str) -> int:
+        return _holdback_marker(text, OPEN)
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool, tokenizer: Any = None) -> str:
+        schema = json.dumps(call_schema(tools))
+        call = f'{_literal(OPEN, tokenizer)} "\\n" %json {schema} "\\n" {_literal(CLOSE, tokenizer)}'
+        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+        return f"{start}\ncall: {call}\n"
+
+
+def _decode_calls(body: str, args_key: str, sep: str) -> list[Any] | None:
+    """The JSON values in ``body`` separated by ``sep`` / whitespace, or None when it is not such a sequence."""
+    dec = json.JSONDecoder()
+    out, i, n = [], 0, len(body)
+    while True:
+        while i < n and (body[i].isspace() or body[i] == sep):
+            i += 1
+        if i >= n:
+            return out
+        try:
+            value, i = dec.raw_decode(body, i)
+        except json.JSONDecodeError:
+            return None
+        out.append(value)
+
+
+def _to_calls(objs: list[Any], args_keys: tuple[str, ...], call_prefix: str) -> tuple[list, list]:
+    calls, invalid = [], []
+    for obj in objs:
+        name = obj.get("name") if isinstance(obj, dict) else None
+        args = next((obj[k] for k in args_keys if isinstance(obj, dict) and k in obj), {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                args = None
+        if not isinstance(name, str) or not name.strip() or not isinstance(args, dict):
+            invalid.append({"text": json.dumps(obj, ensure_ascii=False), "error": "not a {name, arguments} object"})
+            continue
+        fn = {"name": name.strip(), "arguments": json.dumps(args, ensure_ascii=False)}
+        calls.append({"id": f"{call_prefix}_{len(calls)}", "type": "function", "function": fn})
+    return calls, invalid
+
+
+def _message(content: str | None, calls: list, invalid: list) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": (content or "").strip() or None}
+    if calls:
+        msg["tool_calls"] = calls
+    if invalid:
+        msg["invalid_tool_calls"] = invalid
+    return msg
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+
+    def _body(self, text: str) -> str | None:
+        s = text.lstrip()
+        if s.startswith(self.TAG):
+            s = s[len(self.TAG) :].lstrip()
+        return s if s.startswith("{") else None
+
+    def parse(self, text: str, call_prefix: str = "call") -> dict[str, Any]:
+        body = self._body(text)
+        objs = _decode_calls(body, "parameters", ";") if body is not None else None
+        if not objs:
+            return _message(text, [], [])
+        calls, invalid = _to_calls(objs, ("parameters", "arguments"), call_prefix)
+        if not calls:
+            return _message(text, [], invalid)
+        return _message(None, calls, invalid)
+
+    def call_start(self, text: str) -> int | None:
+        return 0 if self._body(text) is not None else None
+
+    def holdback(self, text: str) -> int:
+        s = text.lstrip()
+        if not s or self.TAG.startswith(s) or (s.startswith(self.TAG) and not s[len(self.TAG) :].strip()):
+            return 0  # may still become a call
+        return len(text) if s[0] != "{" else 0
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool, tokenizer: Any = None) -> str:
+        call = f"%json {json.dumps(call_schema(tools, 'parameters'))}"
+        start = 'start: call ("; " call)*' if parallel else "start: call"
+        return f"{start}\ncall: {call}\n"
+
+
+class MistralParser(ToolParser):
+    name = "mistral"
+    MARK = "[TOOL_CALLS]"
+    keep_special_tokens = True
+
+    def parse(self, text: str, call_prefix: str = "call") -> dict[str, Any]:
+        i = text.find(self.MARK)
+        if i < 0:
+            return _message(text, [], [])
+        content, body = text[:i], text[i + len(self.MARK) :]
+        objs = _decode_calls(body, "arguments", ",")
+        if objs is None or not objs:
+            return _message(content, [], [{"text": text[i:], "error": "the tool calls are not a JSON array"}])
+        flat = [o for v in objs for o in (v if isinstance(v, list) else [v])]
+        calls, invalid = _to_calls(flat, ("arguments", "parameters"), call_prefix)
+        return _message(content, calls, invalid)
+
+    def call_start(self, text: str) -> int | None:
+        i = text.find(self.MARK)
+        return i if i >= 0 else None
+
+    def holdback(self, text: str) -> int:
+        return _holdback_marker(text, self.MARK)
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool, tokenizer: Any = None) -> str:
+        one = call_schema(tools)
+        style = one.pop("x-guidance")
+        array = {"type": "array", "items": one, "minItems": 1, "x-guidance": style}
+        if not parallel:
+            array["maxItems"] = 1
+        return f"start: {_literal(self.MARK, tokenizer)} %json {json.dumps(array)}\n"
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesParser,
+    "qwen": HermesParser,
+    "llama3_json": Llama3JsonParser,
+    "mistral": MistralParser,
+}
+
+
+def get_parser(name: str) -> ToolParser:
+    cls = TOOL_PARSERS.get(name)
+    if cls is None:
+        raise UserError(f"unknown tool-call parser {name!r}; choose one of {', '.join(sorted(TOOL_PARSERS))}")
+    return cls()
+
+
+def detect_parser(chat_template: str | None) -> ToolParser:
+    """The format a chat template teaches: ``[TOOL_CALLS]`` -> mistral, ``<|python_tag|>`` / ``"parameters"`` with
+    ``ipython`` -> llama3_json, anything else (``<tool_call>``, or no tool support: the fallback) -> hermes."""
+    t = chat_template or ""
+    if MistralParser.MARK in t:
+        return MistralParser()
+    if Llama3JsonParser.TAG in t or ("ipython" in t and "parameters" in t and OPEN not in t):
+        return Llama3JsonParser()
+    return HermesParser()
+
+
+class ToolCallStream:
+    """Streams one reply: ``feed(text_so_far)`` returns the content delta that is safe to send now (text before any
+    tool call, minus what could still begin one); ``finish(text)`` returns ``(content delta, message)``: the rest of
+    the content and the parsed message whose ``tool_calls`` are then sent."""
+
+    def __init__(self, parser: ToolParser, call_prefix: str, parallel: bool = True) -> None:
+        self.parser, self.call_prefix, self.parallel = parser, call_prefix, parallel
+        self.sent = 0  # characters of the text already sent as content
+        self.in_call = False
+
+    def feed(self, text: str) -> str:
+        if self.in_call:
+            return ""
+        start = self.parser.call_start(text)
+        if start is not None:
+            self.in_call = True
+            upto = start
+        else:
+            upto = self.parser.holdback(text)
+        upto = max(upto, self.sent)
+        delta, self.sent = text[self.sent : upto], upto
+        return delta
+
+    def finish(self, text: str) -> tuple[str, dict[str, Any]]:
+        msg = self.parser.parse(text, self.call_prefix)
+        if not self.parallel and len(msg.get("tool_calls") or []) > 1:
+            msg["tool_calls"] = msg["tool_calls"][:1]
+        if not msg.get("tool_calls"):
+            rest = text[self.sent :]  # no call after all: everything held back is content
+            return rest, msg
+        start = self.parser.call_start(text)
+        tail = self.parser.parse(text[start:], self.call_prefix).get("content") if start is not None else None
+        pre = text[self.sent : start] if start is not None and start > self.sent else ""
+        return pre + (tail or ""), msg
+
+
+__all__ = [
+    "TOOL_PARSERS",
+    "HermesParser",
+    "Llama3JsonParser",
+    "MistralParser",
+    "ToolCallStream",
+    "ToolParser",
+    "call_schema",
+    "detect_parser",
+    "get_parser",
+]

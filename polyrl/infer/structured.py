@@ -1,0 +1,200 @@
+"""Structured outputs: a request's grammar (JSON schema, any JSON object, regex, choice, Lark grammar) as a token
+mask applied to its rows' logits in the sampler, so every completion that ends by EOS matches the grammar.
+
+Engine: llguidance (the ``llguidance`` package: a Rust core behind an abi3 wheel, no torch dependency, the grammar
+engine vLLM and SGLang offer). Chosen over xgrammar because it computes masks lazily per step (no per-schema
+precompilation over the whole vocabulary, so a new schema costs ~1 ms, not seconds, which matters when every
+request may bring its own schema), supports JSON schema, regex, Lark and choices through one API, handles
+tokenizers with any vocabulary through its token trie, and its wheel installs without a matching torch build.
+
+- ``GrammarCache(tokenizer, vocab_size, eos_ids)``: the llguidance tokenizer (built once per engine) and, per
+  distinct ``StructuredOutputs`` (kind, spec), a compiled matcher kept as a template (an LRU of ``max_entries``):
+  a request's sequences get ``deep_copy()`` s of it, which share the compiled grammar. ``compiles`` / ``hits``
+  count how often a schema was compiled or reused. A grammar llguidance refuses is a ``UserError`` naming what
+  it found, raised in ``LLM.add_request`` (the caller's thread: the server answers 400).
+- ``fill_bitmask(matchers, bitmask)``: each guided row's allowed tokens as bits (int32 words, LSB first) in a
+  host buffer, computed in parallel by llguidance's executor (it releases the GIL).
+- ``apply_bitmask(logits, rows, bitmask)``: ``logits[rows]`` set to -inf where the bit is 0, in torch, batched,
+  on the logits' device (CPU or CUDA). The mask is applied to the logits *after* the model's forward (and after
+  a CUDA graph replay of it), so captured graphs stay valid. The mask of step N+1 depends on the token of step
+  N, so guided batches decode one step per launch: with ``overlap_decode`` the forward of step N+1 is queued
+  before step N's tokens are read, the host consumes them and computes the masks while the device runs that
+  forward, and only the draw waits (``LLM._launch_guided``); no multi-step launches or launch graphs.
+
+JSON grammars use one fixed layout (``JSON_STYLE``: ``{"a": 1, "b": [2, 3]}``, as ``json.dumps`` and chat templates
+write it): llguidance's default allows any run of whitespace, which an untrained or weakly trained model fills until
+``max_tokens``; a schema's own ``x-guidance`` options override it.
+Not here: which rows are guided (``sampler.py``), request fields (``polyrl.server``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from polyrl.errors import UserError
+from polyrl.infer.sampling_params import StructuredOutputs
+
+# JSON as Python's json.dumps writes it (and as chat templates render tool calls): ", " and ": ", no other whitespace
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def json_schema_grammar_text(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with llguidance's compact-whitespace option (``x-guidance``) added at its top level."""
+    out = dict(schema)
+    out["x-guidance"] = {**JSON_STYLE, **(schema.get("x-guidance") or {})}
+    return out
+
+
+def _llg() -> Any:
+    try:
+        # lazy: llguidance is an optional dependency (the `serve` extra), needed only for structured outputs
+        import llguidance
+    except ImportError as exc:
+        raise UserError(
+            "structured outputs need the llguidance package: pip install 'polyrl[serve]' (or llguidance)"
+        ) from exc
+    return llguidance
+
+
+def to_grammar(so: StructuredOutputs) -> str:
+    """The llguidance grammar (its JSON form) of a structured-output spec; ``UserError`` for a malformed one."""
+    llg = _llg()
+    try:
+        if so.kind == "json":
+            schema = json.loads(so.spec)
+            if not isinstance(schema, dict):
+                raise UserError("a JSON schema must be a JSON object")
+            return llg.LLMatcher.grammar_from_json_schema(json_schema_grammar_text(schema))
+        if so.kind == "json_object":
+            return llg.LLMatcher.grammar_from_json_schema(json_schema_grammar_text({"type": "object"}))
+        if so.kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(so.spec)
+        if so.kind == "choice":
+            choices = json.loads(so.spec)
+            lark = "start: " + " | ".join(json.dumps(c) for c in choices)
+            return llg.LLMatcher.grammar_from_lark(lark)
+        if so.kind == "lark":
+            return llg.LLMatcher.grammar_from_lark(so.spec)
+        if so.kind == "grammar":
+            return llg.grammar_from("grammar", so.spec)  # Lark, or GBNF (converted)
+    except UserError:
+        raise
+    except Exception as exc:  # llguidance's ValueError / RuntimeError for what it cannot parse
+        raise UserError(f"invalid {so.kind} for structured output: {exc}") from None
+    raise UserError(f"unknown structured output kind {so.kind!r}")
+
+
+class GrammarCache:
+    """Compiled grammars per structured-output spec for one engine (one tokenizer). Thread-safe."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: list[int] | frozenset[int], max_entries: int = 256):
+        if tokenizer is None:
+            raise UserError("structured outputs need a tokenizer; build the LLM with one")
+        llg = _llg()
+        # lazy: llguidance.hf imports transformers, which only engines with a tokenizer have loaded anyway
+        import llguidance.hf
+
+        try:
+            self.lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids))
+        except ValueError as exc:
+            raise UserError(f"structured outputs need a fast (Rust) tokenizer: {exc}") from None
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self.max_entries = max_entries
+        self.compiles = 0
+        self.hits = 0
+        self._cache: OrderedDict[StructuredOutputs, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self._executor = llg.LLExecutor()
+        self._llg = llg
+
+    def matcher(self, so: StructuredOutputs) -> Any:
+        """A fresh matcher (its own state) for one sequence of a request with ``so``."""
+        with self._lock:
+            template = self._cache.get(so)
+            if template is not None:
+                self._cache.move_to_end(so)
+                self.hits += 1
+                return template.deep_copy()
+        grammar = to_grammar(so)
+        template = self._llg.LLMatcher(self.lltok, grammar, log_level=0)
+        if template.is_error():
+            raise UserError(f"invalid {so.kind} for structured output: {template.get_error()}")
+        with self._lock:
+            self.compiles += 1
+            self._cache[so] = template
+            while len(self._cache) > self.max_entries:
+                self._cache.popitem(last=False)
+        return template.deep_copy()
+
+    def guide(self, so: StructuredOutputs) -> Guide:
+        return Guide(self.matcher(so), self)
+
+    def fill_bitmask(self, matchers: list[Any], bitmask: torch.Tensor) -> None:
+        """Row ``i`` of ``bitmask`` (int32 ``[>= len(matchers), words]``, CPU, contiguous) = the tokens matcher ``i``
+        allows next. A matcher in an error state (it cannot happen for tokens drawn under its own mask) allows only
+        EOS, so the sequence ends."""
+        self._executor.unsafe_compute_mask_ptr(
+            [(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), self.words * 4, bitmask.shape[0]
+        )
+
+
+class Guide:
+    """One sequence's grammar state: its matcher, the cache that made it (for the batched mask), and the mismatch
+    the mask caused so far: the sum over its tokens of log(probability mass the grammar allowed)."""
+
+    __slots__ = ("matcher", "cache", "masked_logmass", "num_tokens")
+
+    def __init__(self, matcher: Any, cache: GrammarCache) -> None:
+        self.matcher, self.cache = matcher, cache
+        self.masked_logmass = 0.0
+        self.num_tokens = 0
+
+    def advance(self, token: int, logmass: float) -> None:
+        self.matcher.consume_token(token)
+        self.masked_logmass += logmass
+        self.num_tokens += 1
+
+
+_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_values(dev: torch.device) -> torch.Tensor:
+    bits = _BITS.get(dev)
+    if bits is None:
+        bits = _BITS[dev] = (torch.ones(32, dtype=torch.int64) << torch.arange(32)).to(torch.int32).to(dev)
+    return bits
+
+
+def allowed_mask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool ``[B, vocab]``: which tokens a bitmask ``[B, words]`` (int32 words, LSB first) allows."""
+    bits = (bitmask.unsqueeze(-1) & _bit_values(bitmask.device)) != 0  # [B, words, 32]
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab]
+
+
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` (fp32 ``[B, V]``) with rows ``rows`` (int64 ``[G]``; None = every row) masked to -inf where
+    ``bitmask`` (``[G, words]`` on the logits' device) has a 0 bit. Returns a new tensor; the input is left as it
+    was (the sampler reports log-probs of the unmasked distribution from it)."""
+    allowed = allowed_mask(bitmask, logits.shape[1])
+    if rows is None:
+        return logits.masked_fill(~allowed, float("-inf"))
+    out = logits.clone()
+    out[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return out
+
+
+__all__ = [
+    "GrammarCache",
+    "Guide",
+    "apply_bitmask",
+    "allowed_mask",
+    "to_grammar",
+    "json_schema_grammar_text",
+    "JSON_STYLE",
+]

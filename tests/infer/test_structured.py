@@ -1,0 +1,162 @@
+"""Structured outputs in the engine: the llguidance bitmask in the sampler (greedy = argmax over allowed tokens,
+log-probs of the unmasked distribution, the mask's mismatch measured), grammars compiled once per schema, every
+output of the random tiny model valid against its schema, max_tokens cuts reported as "length", unguided rows of
+the same batch unchanged; and the same on CUDA (graph replay of the forward, mask after it)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from polyrl.errors import UserError
+from polyrl.infer import LLM, RolloutConfig, SamplingParams, StructuredOutputs
+from polyrl.infer.structured import allowed_mask
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "ok": {"type": "boolean"},
+        "tag": {"enum": ["a", "b"]},
+    },
+    "required": ["name", "age", "ok", "tag"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    cfg = RolloutConfig(block_size=16, num_blocks=256, max_num_seqs=64, max_model_len=256)
+    return LLM.from_pretrained(str(tiny_model_dir), cfg, dtype="float32", device="cpu")
+
+
+def test_every_output_matches_the_schema_and_compiles_once(llm):
+    so = StructuredOutputs.json_schema(SCHEMA)
+    cache = llm.grammar_cache()
+    before = cache.compiles
+    out = llm.generate(["a", "b"], SamplingParams(n=12, temperature=1.0, max_tokens=120, structured=so, seed=5))
+    texts = [c.text for o in out for c in o.outputs]
+    assert len(texts) == 24
+    for o in out:
+        for c in o.outputs:
+            assert c.finish_reason == "stop" and c.token_ids[-1] in llm.eos_token_ids
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+            assert list(json.loads(c.text)) == ["name", "age", "ok", "tag"]  # the schema's property order
+    assert cache.compiles == before + 1  # 24 sequences, one compilation
+    hits = cache.hits
+    llm.generate(["c"], SamplingParams(max_tokens=120, structured=StructuredOutputs.json_schema(SCHEMA)))
+    assert cache.compiles == before + 1 and cache.hits == hits + 1
+
+
+def test_greedy_logprobs_and_mismatch(llm):
+    so = StructuredOutputs.choice(["yes", "no"])
+    ref = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=3, logprobs=0))[0].outputs[0]
+    out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=8, structured=so, logprobs=0))[0]
+    c = out.outputs[0]
+    assert c.text in ("yes", "no") and c.finish_reason == "stop"
+    # the first token: the argmax over the grammar's allowed tokens, its log-prob from the UNMASKED distribution
+    logits = _first_logits(llm, out.prompt_token_ids)
+    guide = llm.grammar_cache().guide(so)
+    mask = torch.zeros((1, llm.grammar_cache().words), dtype=torch.int32)
+    llm.grammar_cache().fill_bitmask([guide.matcher], mask)
+    allowed = allowed_mask(mask, logits.shape[-1])[0]
+    assert c.token_ids[0] == int(logits.masked_fill(~allowed, float("-inf")).argmax())
+    assert c.logprobs[0] == pytest.approx(float(torch.log_softmax(logits, -1)[c.token_ids[0]]), abs=1e-4)
+    assert c.token_ids[0] != ref.token_ids[0] or allowed[ref.token_ids[0]]
+    assert 1 < int(allowed.sum()) < 10  # "y"/"ye"/"yes"/"n"/"no" ...: a few of 2048
+
+
+def _first_logits(llm, ids):
+    probe = LLM(llm.model, llm.tokenizer, RolloutConfig(block_size=16, num_blocks=32, max_model_len=256))
+    seen = {}
+    real = probe.sampler.__call__
+
+    def spy(logits, seqs, suppress=None):
+        seen.setdefault("logits", logits[0].float().clone())
+        return real(logits, seqs, suppress)
+
+    probe.sampler = type("S", (), {"__call__": staticmethod(spy), "rows": probe.sampler.rows})()
+    probe.generate([ids], SamplingParams(temperature=0, max_tokens=1))
+    return seen["logits"]
+
+
+def test_mismatch_is_measured_on_the_guide(llm):
+    so = StructuredOutputs("regex", "[0-9]{4}")
+    llm.generate(["x"], SamplingParams(temperature=1.0, max_tokens=10, structured=so, seed=1))
+    guide = llm.grammar_cache().guide(so)
+    assert guide.masked_logmass == 0.0  # a fresh guide
+    # run one sequence by hand to read its guide after the draws
+    rid = llm.add_request("x", SamplingParams(temperature=1.0, max_tokens=10, structured=so, seed=1))
+    llm.step()  # admits it (and prefills)
+    seqs = list(llm._requests[rid].seqs)
+    while llm.has_unfinished_requests():
+        llm.step()
+    g = seqs[0].guide
+    assert g.num_tokens == 5 and g.masked_logmass < 0  # 4 digits + EOS; the mask removed probability mass
+    assert len(seqs[0].output_token_ids) == 5
+
+
+def test_length_cut_and_unguided_rows_unchanged(llm):
+    so = StructuredOutputs.json_schema(SCHEMA)
+    cut = llm.generate(["x"], SamplingParams(temperature=1.0, max_tokens=6, structured=so, seed=3))[0].outputs[0]
+    assert cut.finish_reason == "length" and cut.text.startswith("{")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cut.text)
+    plain = SamplingParams(temperature=1.0, max_tokens=12, seed=9)
+    alone = llm.generate(["hi there"], plain)[0].outputs[0].token_ids
+    guided = SamplingParams(temperature=1.0, max_tokens=40, structured=StructuredOutputs.json_schema(SCHEMA), seed=2)
+    mixed = llm.generate(["hi there", "q"], [plain, guided])
+    assert mixed[0].outputs[0].token_ids == alone
+    jsonschema.validate(json.loads(mixed[1].outputs[0].text), SCHEMA)
+
+
+def test_bad_grammars_are_user_errors(llm):
+    with pytest.raises(UserError, match="regex"):
+        llm.add_request("x", SamplingParams(structured=StructuredOutputs("regex", "[a-")))
+    with pytest.raises(UserError, match="json"):
+        llm.add_request("x", SamplingParams(structured=StructuredOutputs.json_schema({"type": "objectx"})))
+    with pytest.raises(UserError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured=StructuredOutputs("json_object"))
+    with pytest.raises(UserError, match="kind"):
+        StructuredOutputs("xml", "<a/>")
+
+
+@pytest.mark.gpu
+def test_structured_on_cuda_with_graphs(tiny_model_dir):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfg = RolloutConfig(block_size=16, num_blocks=512, max_num_seqs=128, max_model_len=256)
+    llm = LLM.from_pretrained(str(tiny_model_dir), cfg, dtype="bfloat16", device="cuda")
+    so = StructuredOutputs.json_schema(SCHEMA)
+    out = llm.generate(["a"] * 8, SamplingParams(n=8, temperature=1.0, max_tokens=120, structured=so, seed=1))
+    for o in out:
+        for c in o.outputs:
+            assert c.finish_reason == "stop"
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert llm.runner.graphs is not None and llm.runner.last_step_used_graph  # decode replayed graphs, mask after
+
+
+def test_overlapped_guided_steps_equal_synchronous_ones(tiny_model_dir):
+    """Decoding one step ahead (the forward of step N+1 queued before step N's tokens are read, the masked draw
+    after the matchers consumed them) gives the synchronous engine's tokens, log-probs and mask mismatch exactly."""
+    outs = []
+    for overlap in (False, True):
+        cfg = RolloutConfig(block_size=16, num_blocks=256, max_num_seqs=64, max_model_len=256, overlap_decode=overlap)
+        llm = LLM.from_pretrained(str(tiny_model_dir), cfg, dtype="float32", device="cpu")
+        guided = SamplingParams(n=6, temperature=1.0, max_tokens=80, structured=StructuredOutputs.json_schema(SCHEMA))
+        free = SamplingParams(n=2, temperature=1.0, max_tokens=20, min_tokens=5)
+        launched, real = [], llm._launch_guided
+        llm._launch_guided = lambda *a, n=launched, f=real: n.append(1) or f(*a)
+        res = llm.generate(["a", "b", "c"], [guided.clone(seed=1), free.clone(seed=2), guided.clone(seed=3)])
+        outs.append([c for o in res for c in o.outputs])
+        assert (len(launched) > 20) == overlap  # the guided rows' decode steps ran ahead (or never did)
+    for sync, ahead in zip(*outs):
+        assert ahead.token_ids == sync.token_ids and ahead.text == sync.text
+        assert ahead.logprobs == pytest.approx(sync.logprobs, abs=1e-6)
+        if sync.masked_logmass is not None:
+            assert ahead.masked_logmass == pytest.approx(sync.masked_logmass, abs=1e-4)
+            jsonschema.validate(json.loads(ahead.text), SCHEMA)

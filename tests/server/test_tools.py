@@ -1,0 +1,129 @@
+"""Tool calling in /v1/chat/completions with the official openai client against the real server and the tiny random
+model: forced calls (required / named) are valid calls of the given tools every time, streamed in the OpenAI shape;
+tool messages render; bad tools / tool_choice are 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from polyrl.agents.render import prepare_messages
+
+from .conftest import MODEL
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "description": "Current time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def test_required_calls_are_valid_every_time(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+        n=8, max_tokens=120, temperature=1.0, seed=1,
+    )  # fmt: skip
+    assert len(r.choices) == 8
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls", c.message.content
+        (call,) = c.message.tool_calls  # parallel_tool_calls=False: exactly one
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        assert c.message.content is None
+
+
+def test_named_tool_choice_and_streaming_deltas(client):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    # a response_format alongside a forced call is accepted (as OpenAI does) and the call's grammar wins
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=60, temperature=1.0, seed=2,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    assert r.choices[0].finish_reason == "tool_calls"
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+
+    stream = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=60, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    deltas = [ch.choices[0].delta for ch in chunks]
+    assert deltas[0].role == "assistant"
+    call_deltas = [d.tool_calls[0] for d in deltas if d.tool_calls]
+    assert len(call_deltas) == 2
+    first, second = call_deltas
+    assert first.index == 0 and first.id.startswith("call_") and first.type == "function"
+    assert first.function.name == "get_time" and first.function.arguments == ""
+    assert second.index == 0 and second.id is None and second.function.name is None
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # the stream carries the same call a non-streamed greedy request returns
+    whole = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=60, temperature=0
+    )
+    assert second.function.arguments == whole.choices[0].message.tool_calls[0].function.arguments
+
+
+def test_tool_messages_render_through_the_shared_renderer(client, served):
+    llm = served[1]
+    history = ASK + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21C"},
+    ]
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=4, temperature=0)
+    # the prompt is exactly the fallback rendering (the tiny ChatML template has no tool support)
+    msgs, native = prepare_messages(history, TOOLS, llm.tokenizer.chat_template)
+    assert native is None and "get_weather(city, days)" in msgs[0]["content"]
+    text = llm.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}</tool_call>' in text
+    assert r.usage.prompt_tokens == len(llm.tokenizer.encode(text, add_special_tokens=False))
+    # tool_choice none: tools are not rendered at all
+    r2 = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=4)
+    plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4)
+    assert r2.usage.prompt_tokens == plain.usage.prompt_tokens < r.usage.prompt_tokens
+    assert r2.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools.0"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ],
+)
+def test_bad_tool_requests_are_400_naming_the_field(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, **kw)
+    assert info.value.status_code == 400
+    assert info.value.body["param"] == param, info.value.body
