@@ -16,7 +16,7 @@ A dict result must hold ``"reward"``; its other numeric keys are averaged into t
 timeout is killed and replaced, one that dies (segfault, ``os._exit``) is replaced.
 
 Specs (``resolve``): a builtin name (``BUILTINS``: ``exact_match``, ``numeric``, ``boxed``, ``think_format``,
-``length_penalty``), ``path/to/file.py:fn``, ``package.module:fn``, or a weighted sum of builtins such as
+``length_penalty``, ``code_exec``: the pass fraction of the row's tests run in a sandbox), ``path/to/file.py:fn``, ``package.module:fn``, or a weighted sum of builtins such as
 ``exact_match+0.2*think_format``. ``register_reward(name, fn)`` adds a builtin (in the parent process; workers
 started afterwards by forking see it, spawned ones only see module-level registrations).
 
@@ -48,6 +48,7 @@ from polyrl.algorithms.workers import (
     serve,
     start_context,
 )
+from polyrl.algorithms.sandbox import example_tests, extract_code, run_tests
 from polyrl.data.builtin import check
 from polyrl.data.builtin.check import check_number, check_string, last_boxed
 from polyrl.errors import ConfigError, UserError
@@ -86,6 +87,25 @@ def think_format(completion: str, example: Mapping[str, Any]) -> float:
     return float(bool(_THINK_RE.match(completion)))
 
 
+CODE_EXEC_TIMEOUT_S = 5.0  # wall-clock seconds per completion in the sandbox (keep it below reward_timeout)
+CODE_EXEC_MEMORY_MB = 512
+
+
+def code_exec(completion: str, example: Mapping[str, Any]) -> dict[str, float]:
+    """The fraction of the row's tests that the completion's code passes, run in the sandbox of
+    ``polyrl.algorithms.sandbox`` (code: the last fenced ``python`` block, else the whole completion; tests: the
+    row's ``tests`` / ``test_list`` list or ``test`` program, see ``sandbox.example_tests``). Also reports
+    ``code_timeout`` (1 when the time limit killed it) and ``code_error`` (1 when the code raised before any test)."""
+    result = run_tests(
+        extract_code(completion), example_tests(example), timeout=CODE_EXEC_TIMEOUT_S, memory_mb=CODE_EXEC_MEMORY_MB
+    )
+    return {
+        "reward": result.fraction,
+        "code_timeout": float(result.timed_out),
+        "code_error": float(result.code_error is not None),
+    }
+
+
 def length_penalty(completion: str, example: Mapping[str, Any]) -> float:
     """``-len(completion) / 1000``: minus one per thousand characters (weight it, e.g. ``0.1*length_penalty``)."""
     return -len(completion) / 1000.0
@@ -97,6 +117,7 @@ BUILTINS: dict[str, RewardFn] = {
     "boxed": boxed,
     "think_format": think_format,
     "length_penalty": length_penalty,
+    "code_exec": code_exec,
 }
 
 
