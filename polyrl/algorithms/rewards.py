@@ -16,7 +16,8 @@ A dict result must hold ``"reward"``; its other numeric keys are averaged into t
 timeout is killed and replaced, one that dies (segfault, ``os._exit``) is replaced.
 
 Specs (``resolve``): a builtin name (``BUILTINS``: ``exact_match``, ``numeric``, ``boxed``, ``think_format``,
-``length_penalty``, ``code_exec``: the pass fraction of the row's tests run in a sandbox), ``path/to/file.py:fn``, ``package.module:fn``, or a weighted sum of builtins such as
+``length_penalty``, ``code_exec``: the pass fraction of the row's tests run in a sandbox), ``path/to/file.py:fn``,
+``package.module:fn``, or a weighted sum of builtins such as
 ``exact_match+0.2*think_format``. ``register_reward(name, fn)`` adds a builtin (in the parent process; workers
 started afterwards by forking see it, spawned ones only see module-level registrations).
 
@@ -38,6 +39,7 @@ from multiprocessing.connection import wait
 from numbers import Real
 from typing import Any
 
+from polyrl.algorithms.sandbox import example_tests, extract_code, run_tests
 from polyrl.algorithms.workers import (
     REIMPORT_EXIT_CODE,
     REIMPORT_MESSAGE,
@@ -48,7 +50,6 @@ from polyrl.algorithms.workers import (
     serve,
     start_context,
 )
-from polyrl.algorithms.sandbox import example_tests, extract_code, run_tests
 from polyrl.data.builtin import check
 from polyrl.data.builtin.check import check_number, check_string, last_boxed
 from polyrl.errors import ConfigError, UserError
