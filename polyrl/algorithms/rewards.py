@@ -29,6 +29,7 @@ tokens, advantages or training.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import time
@@ -88,8 +89,15 @@ def think_format(completion: str, example: Mapping[str, Any]) -> float:
     return float(bool(_THINK_RE.match(completion)))
 
 
-CODE_EXEC_TIMEOUT_S = 5.0  # wall-clock seconds per completion in the sandbox (keep it below reward_timeout)
-CODE_EXEC_MEMORY_MB = 512
+CODE_EXEC = {"timeout": 5.0, "memory_mb": 512}  # sandbox limits per completion ([reward.code_exec], ``configure``)
+
+
+def configure(options: Mapping[str, Any] | None) -> None:
+    """Set the sandbox limits of ``code_exec`` in this process (``{"timeout": s, "memory_mb": n}``)."""
+    for key, value in (options or {}).items():
+        if key not in CODE_EXEC:
+            raise ConfigError(f"unknown code_exec option {key!r}; known: {', '.join(CODE_EXEC)}")
+        CODE_EXEC[key] = value
 
 
 def code_exec(completion: str, example: Mapping[str, Any]) -> dict[str, float]:
@@ -98,7 +106,7 @@ def code_exec(completion: str, example: Mapping[str, Any]) -> dict[str, float]:
     row's ``tests`` / ``test_list`` list or ``test`` program, see ``sandbox.example_tests``). Also reports
     ``code_timeout`` (1 when the time limit killed it) and ``code_error`` (1 when the code raised before any test)."""
     result = run_tests(
-        extract_code(completion), example_tests(example), timeout=CODE_EXEC_TIMEOUT_S, memory_mb=CODE_EXEC_MEMORY_MB
+        extract_code(completion), example_tests(example), timeout=CODE_EXEC["timeout"], memory_mb=CODE_EXEC["memory_mb"]
     )
     return {
         "reward": result.fraction,
@@ -210,14 +218,19 @@ def call_once(fn: RewardFn, completion: str, example: Mapping[str, Any]) -> tupl
         return "non_number", str(exc), {}
 
 
-def _worker_main(conn: Any, spec: str) -> None:
-    """Worker process: resolve ``spec``, say ready, then answer ``(index, completion, example)`` jobs forever."""
+def _worker_main(conn: Any, spec: str, options: Mapping[str, Any] | None = None) -> None:
+    """Worker process: apply ``options`` (``configure``), resolve ``spec``, say ready, then answer
+    ``(index, completion, example)`` jobs forever."""
 
     def handle(fn: RewardFn, job: tuple) -> tuple:
         idx, completion, example = job
         return (idx, *call_once(fn, completion, example))
 
-    serve(conn, lambda: resolve(spec), handle, lambda job, tb: (job[0], "error", tb, {}))
+    def setup() -> RewardFn:
+        configure(options)
+        return resolve(spec)
+
+    serve(conn, setup, handle, lambda job, tb: (job[0], "error", tb, {}))
 
 
 # ---- the pool -----------------------------------------------------------------------------------
@@ -229,6 +242,7 @@ class RewardResult:
     failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_KINDS, 0))
     messages: list[str] = field(default_factory=list)
     extras: dict[str, list[float]] = field(default_factory=dict)
+    failed: set[int] = field(default_factory=set)  # indices of the completions whose call failed
 
     @property
     def num_failures(self) -> int:
@@ -245,8 +259,8 @@ class RewardResult:
 
 
 class _Worker(WorkerProcess):
-    def __init__(self, ctx: Any, spec: str) -> None:
-        super().__init__(ctx, _worker_main, spec, STARTUP_TIMEOUT_S)
+    def __init__(self, ctx: Any, spec: str, options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(ctx, functools.partial(_worker_main, options=options), spec, STARTUP_TIMEOUT_S)
 
 
 class RewardPool:
@@ -261,12 +275,16 @@ class RewardPool:
         timeout: float = 10.0,
         failure_reward: float = 0.0,
         start_method: str | None = None,
+        options: Mapping[str, Any] | None = None,
     ) -> None:
         if workers < 0:
             raise ConfigError(f"reward workers must be >= 0, got {workers}")
         if not timeout > 0:
             raise ConfigError(f"reward timeout must be > 0 seconds, got {timeout}")
         self.spec = absolute_spec(spec)
+        self.options = dict(options or {})  # builtin settings for the workers (code_exec's sandbox limits)
+        if self.options:
+            configure(self.options)  # this process too (workers=0) and a bad option fails here
         self.fn = resolve(self.spec)  # fails early, in the parent, for a bad spec
         self.num_workers = workers
         self.timeout = float(timeout)
@@ -287,7 +305,7 @@ class RewardPool:
         self._workers = []
 
     def _start(self) -> _Worker:
-        return _Worker(self._ctx, self.spec)
+        return _Worker(self._ctx, self.spec, self.options or None)
 
     def score(self, completions: Sequence[str], examples: Sequence[Mapping[str, Any]]) -> RewardResult:
         """One reward per completion (``examples[i]`` belongs to ``completions[i]``), failures replaced."""
@@ -307,6 +325,7 @@ class RewardPool:
                     result.extras.setdefault(k, []).append(v)
                 continue
             result.failures[kind] += 1
+            result.failed.add(i)
             self.totals[kind] += 1
             if len(result.messages) < 5:
                 result.messages.append(f"{kind}: {value}")
@@ -387,6 +406,8 @@ __all__ = [
     "RewardPool",
     "RewardResult",
     "call_once",
+    "code_exec",
+    "configure",
     "example_view",
     "register_reward",
     "resolve",
