@@ -242,7 +242,7 @@ def build(raw: dict[str, Any]) -> RunConfig:
     built = {name: _make(cls, raw.get(name, {}), name) for name, cls in SECTIONS.items()}
     algo_cfg = spec.make_config(raw.get(algo))
     if isinstance(getattr(algo_cfg, "reward", None), str):  # an online algorithm: its spec fits the [reward] table
-        check_spec(algo_cfg.reward, built["reward"])
+        check_spec(algo_cfg.reward, built["reward"], getattr(algo_cfg, "reward_timeout", None))
     episodes_table, episodes = _episodes(episode_raw, algo_cfg, algo)
     resume = raw.get("resume")
     if resume is not None and (not isinstance(resume, str) or not resume):

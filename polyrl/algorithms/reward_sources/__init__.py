@@ -109,9 +109,14 @@ def parse_spec(spec: str) -> list[Term]:
     return ([Term("functions", 1.0, "+".join(functions))] if functions else []) + sources
 
 
-def check_spec(spec: str, cfg: RewardConfig) -> None:
-    """ConfigError when the spec and the ``[reward]`` table disagree (before any model loads)."""
+def check_spec(spec: str, cfg: RewardConfig, reward_timeout: float | None = None) -> None:
+    """ConfigError when the spec, the ``[reward]`` table and the reward timeout disagree (before any model loads)."""
     terms = parse_spec(spec)
+    if reward_timeout is not None and "code_exec" in spec and cfg.code_exec.timeout + 1.0 >= reward_timeout:
+        raise ConfigError(
+            f"reward.code_exec.timeout ({cfg.code_exec.timeout:g}s) must stay below the reward timeout "
+            f"({reward_timeout:g}s) by a second or more; raise --reward-timeout or lower reward.code_exec.timeout"
+        )
     kinds = [t.kind for t in terms]
     for kind in ("judge", "model"):
         if kinds.count(kind) > 1:
@@ -130,11 +135,7 @@ def check_spec(spec: str, cfg: RewardConfig) -> None:
 
 def _configure_pool(spec: str, workers: int, timeout: float, failure: float, cfg: RewardConfig) -> RewardPool:
     options = dataclasses.asdict(cfg.code_exec)
-    if "code_exec" in spec and cfg.code_exec.timeout + 1.0 >= timeout:
-        raise ConfigError(
-            f"reward.code_exec.timeout ({cfg.code_exec.timeout:g}s) must stay below the reward timeout "
-            f"({timeout:g}s) by a second or more; raise --reward-timeout or lower reward.code_exec.timeout"
-        )
+    check_spec(spec, cfg, timeout)
     return RewardPool(spec, workers, timeout, failure, options=options)
 
 
