@@ -9,7 +9,8 @@ The signature every reward function has::
         # example["metadata"] any other fields of the data row (dict)
         return 1.0                                   # or {"reward": 1.0, "other_metric": 0.3}
 
-A dict result must hold ``"reward"``; its other numeric keys are averaged into the step metrics as
+The function may be ``async def`` (an awaitable result is run to completion in its worker). A dict result must
+hold ``"reward"``; its other numeric keys are averaged into the step metrics as
 ``reward/<key>``. Booleans count as 0/1. Anything else (an exception, a timeout, None, a string, NaN or inf) is a
 *failure*: the completion gets ``failure_reward`` and the failure is counted by kind (``error``, ``timeout``,
 ``non_number``, ``crash``). The run never stops because of a reward function: a worker that hangs past the
@@ -29,7 +30,9 @@ tokens, advantages or training.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import inspect
 import math
 import re
 import time
@@ -206,10 +209,16 @@ def _extras(value: Any) -> dict[str, float]:
     return out
 
 
+async def _awaited(value: Any) -> Any:
+    return await value
+
+
 def call_once(fn: RewardFn, completion: str, example: Mapping[str, Any]) -> tuple[str, Any, dict[str, float]]:
     """``("ok", reward, extras)`` or ``(failure kind, message, {})`` for one call, in this process."""
     try:
         value = fn(completion, example)
+        if inspect.isawaitable(value):  # an ``async def`` reward: run to completion in this process
+            value = asyncio.run(_awaited(value))
     except Exception as exc:  # noqa: BLE001 - any user exception is a counted failure
         return "error", f"{type(exc).__name__}: {exc}"[:300], {}
     try:
