@@ -14,8 +14,10 @@ temporary directory as its cwd and ``HOME``, an environment of ``PATH`` only, st
    kernel does not apply it to root) and every process it left behind can be found and killed by uid; as another
    user, ``RLIMIT_NPROC`` is that user's current process count plus ``extra_processes`` (best-effort);
 4. the solution is executed as a module named ``solution`` (so an ``if __name__ == "__main__":`` block does not
-   run), then each test in the same namespace; each result is streamed to the parent over a private pipe as it
-   finishes, tagged with a per-run nonce, so a test that hangs still leaves the results before it.
+   run), then each test in the same namespace; or, for stdin/stdout tests, the solution runs as ``__main__`` once
+   per case with that case's stdin (``sys.stdin``, ``sys.stdin.buffer``) and its printed output compared. Each
+   result is streamed to the parent over a private pipe as it finishes, tagged with a per-run nonce, so a test that
+   hangs still leaves the results before it.
 
 On the wall-clock ``timeout`` (or when the tests finish), the whole process group (and, as root, every process of
 the sandbox uid) is killed with SIGKILL. A limit that stops the code (memory, CPU, a fork bomb hitting
@@ -59,11 +61,18 @@ def extract_code(completion: str) -> str:
     return completion
 
 
-def example_tests(example: Mapping[str, Any]) -> list[str]:
+def example_tests(example: Mapping[str, Any]) -> list[str] | list[dict[str, str]]:
     """The tests of a data row (or of the example dict a reward function gets, whose ``metadata`` holds the row's
-    other fields). Read, first found wins: ``tests`` or ``test_list`` (a list of snippets, each one test, e.g.
-    ``"assert add(1, 2) == 3"``; a single string is one test), else ``test`` (one test program, HumanEval-style: with
-    ``entry_point``, ``check(<entry_point>)`` is appended). ValueError when there are none."""
+    other fields). Read, first found wins:
+
+    - ``tests`` or ``test_list``: a list of snippets, each one test run after the solution in its namespace (e.g.
+      ``"assert add(1, 2) == 3"``, MBPP's field); a single string is one test;
+    - ``test``: one test program (HumanEval's field; with ``entry_point``, ``check(<entry_point>)`` is appended);
+    - ``input_output`` (APPS' field: a dict or its JSON text) or ``inputs`` + ``outputs``: lists of stdin texts and
+      the stdout each must print; each pair is one test, the whole program run as ``__main__`` per pair, outputs
+      compared token by token (whitespace-insensitive).
+
+    ValueError when there are none."""
     sources = [example, example.get("metadata") or {}]
     for src in sources:
         for key in ("tests", "test_list"):
@@ -79,7 +88,35 @@ def example_tests(example: Mapping[str, Any]) -> list[str]:
         if isinstance(test, str) and test.strip():
             entry = src.get("entry_point")
             return [f"{test}\ncheck({entry})\n" if isinstance(entry, str) and entry else test]
-    raise ValueError("the row has no tests: code_exec reads a 'tests' or 'test_list' list, or a 'test' program")
+    for src in sources:
+        io_pairs = src.get("input_output")
+        if isinstance(io_pairs, str) and io_pairs.strip():
+            try:
+                io_pairs = json.loads(io_pairs)
+            except ValueError:
+                raise ValueError("the row's 'input_output' is not JSON with 'inputs' and 'outputs' lists") from None
+        if not isinstance(io_pairs, Mapping):
+            io_pairs = {"inputs": src.get("inputs"), "outputs": src.get("outputs")}
+        ins, outs = io_pairs.get("inputs"), io_pairs.get("outputs")
+        if ins is None and outs is None:
+            continue
+        if (
+            not (isinstance(ins, Sequence) and isinstance(outs, Sequence))
+            or isinstance(ins, str)
+            or len(ins) != len(outs)
+        ):
+            raise ValueError("the row's stdin/stdout tests need 'inputs' and 'outputs' lists of the same length")
+        return [{"stdin": _text(i), "stdout": _text(o)} for i, o in zip(ins, outs)]
+    raise ValueError(
+        "the row has no tests: code_exec reads a 'tests' or 'test_list' list, a 'test' program, or 'input_output' "
+        "/ 'inputs' + 'outputs' (stdin/stdout pairs)"
+    )
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, list):  # APPS stores some cases as lists of lines
+        return "\n".join(str(v) for v in value)
+    return str(value)
 
 
 @dataclass
@@ -148,6 +185,33 @@ socket.socket = socket.create_connection = socket.socketpair = _blocked
 out.write(f"{nonce} net {isolated}\n")
 code, tests = cfg["code"], cfg["tests"]
 del cfg
+def msg(e):
+    return json.dumps(type(e).__name__ + ": " + str(e)[:120])
+if tests and isinstance(tests[0], dict):  # stdin/stdout cases: the code runs as __main__ once per case
+    import io
+    program = compile(code, "solution.py", "exec")
+    for i, case in enumerate(tests):
+        buf = io.BytesIO()
+        sys.stdin = io.TextIOWrapper(io.BytesIO(case["stdin"].encode()))
+        sys.stdout = io.TextIOWrapper(buf, write_through=True)
+        try:
+            try:
+                exec(program, {"__name__": "__main__", "__builtins__": __builtins__})
+            except SystemExit as e:
+                if e.code not in (None, 0):
+                    raise
+            sys.stdout.flush()
+            got = buf.getvalue().decode(errors="replace")
+            sys.stdout = sys.__stdout__
+            if got.split() == case["stdout"].split():
+                out.write(f"{nonce} test {i} 1\n")
+            else:
+                out.write(f"{nonce} test {i} 0 {json.dumps('wrong output: ' + got[:80])}\n")
+        except BaseException as e:
+            sys.stdout = sys.__stdout__
+            out.write(f"{nonce} test {i} 0 {msg(e)}\n")
+    out.write(f"{nonce} done\n")
+    os._exit(0)
 env = {"__name__": "solution", "__builtins__": __builtins__}
 try:
     exec(compile(code, "solution.py", "exec"), env)
@@ -159,7 +223,7 @@ for i, t in enumerate(tests):
         exec(compile(t, f"test_{i}.py", "exec"), env)
         out.write(f"{nonce} test {i} 1\n")
     except BaseException as e:
-        out.write(f"{nonce} test {i} 0 {json.dumps(type(e).__name__ + ': ' + str(e)[:120])}\n")
+        out.write(f"{nonce} test {i} 0 {msg(e)}\n")
 out.write(f"{nonce} done\n")
 os._exit(0)
 """
@@ -214,14 +278,15 @@ def _user_processes() -> int:
 
 def run_tests(
     code: str,
-    tests: Sequence[str],
+    tests: Sequence[str] | Sequence[dict[str, str]],
     timeout: float = 5.0,
     memory_mb: int = 512,
     max_file_mb: int = 16,
     extra_processes: int = 16,
 ) -> SandboxResult:
-    """Run ``code`` then each of ``tests`` in the sandbox (see the module docstring); ``timeout``: wall-clock seconds
-    for the whole run (the CPU limit is the same, rounded up)."""
+    """Run ``code`` then each of ``tests`` in the sandbox (see the module docstring): snippets run after the code in
+    its namespace, or ``{"stdin", "stdout"}`` cases each run the code as ``__main__`` (``example_tests``).
+    ``timeout``: wall-clock seconds for the whole run (the CPU limit is the same, rounded up)."""
     tests = list(tests)
     is_root = hasattr(os, "geteuid") and os.geteuid() == 0
     uid = UID_BASE + random.SystemRandom().randrange(100_000) if is_root else 0

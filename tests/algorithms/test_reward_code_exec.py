@@ -117,8 +117,29 @@ def test_fields_read_from_the_row():
     assert example_tests({"metadata": {"test": "def check(f):\n    assert f()\n", "entry_point": "g"}}) == [
         "def check(f):\n    assert f()\n\ncheck(g)\n"
     ]
-    with pytest.raises(ValueError, match="'tests' or 'test_list' list, or a 'test' program"):
+    assert example_tests({"metadata": {"input_output": '{"inputs": ["1 2\\n"], "outputs": ["3\\n"]}'}}) == [
+        {"stdin": "1 2\n", "stdout": "3\n"}
+    ]
+    assert example_tests({"inputs": [["1", "2"]], "outputs": ["3"]}) == [{"stdin": "1\n2", "stdout": "3"}]
+    with pytest.raises(ValueError, match="the same length"):
+        example_tests({"inputs": ["1"], "outputs": []})
+    with pytest.raises(ValueError, match="'tests' or 'test_list' list, a 'test' program, or 'input_output'"):
         example_tests({"metadata": {}})
+
+
+def test_stdin_stdout_cases():
+    cases = [{"stdin": "1 2\n", "stdout": "3\n"}, {"stdin": "5 5\n", "stdout": "10"}, {"stdin": "2 2", "stdout": "5"}]
+    programs = {
+        "input": "a, b = map(int, input().split())\nprint(a + b)\n",
+        "buffer": "import sys\n\ndef main():\n    a, b = map(int, sys.stdin.buffer.read().split())\n"
+        "    sys.stdout.write(str(a + b) + '\\n')\n    sys.exit(0)\n\nif __name__ == '__main__':\n    main()\n",
+    }
+    for name, code in programs.items():
+        r = run_tests(code, cases, timeout=5)
+        assert (r.passed, r.total) == (2, 3), (name, r)
+        assert r.failures == ["test 2: wrong output: 4\n"]
+    out = R.code_exec("```python\nprint(int(input()) * 2)\n```", {"metadata": {"inputs": ["4"], "outputs": ["8"]}})
+    assert out["reward"] == 1.0
 
 
 def test_code_exec_in_the_worker_pool_counts_a_row_without_tests():
