@@ -10,9 +10,12 @@ temporary directory as its cwd and ``HOME``, an environment of ``PATH`` only, st
    the kernel allows it). Where neither works, the network guard is only best-effort: ``socket.socket`` and
    ``socket.create_connection`` raise (code that reaches ``_socket`` or ``ctypes`` directly gets past that);
    ``SandboxResult.network_isolated`` says which one held;
-3. as root: it drops to a fresh unprivileged uid (``UID_BASE`` + a random offset) so ``RLIMIT_NPROC`` holds (the
-   kernel does not apply it to root) and every process it left behind can be found and killed by uid; as another
-   user, ``RLIMIT_NPROC`` is that user's current process count plus ``extra_processes`` (best-effort);
+3. as root: it drops to a fresh unprivileged uid (``UID_BASE`` + a random offset), keeping only
+   ``CAP_DAC_READ_SEARCH`` so it can still read the interpreter's files, so ``RLIMIT_NPROC`` holds (the kernel does
+   not apply it to root) and every process it left behind can be found and killed by uid. Where root lacks those
+   capabilities (a default Docker container) it stays root: then only the process-group kill stops a fork bomb, at
+   the timeout (``SandboxResult.own_uid`` says which). As another user, ``RLIMIT_NPROC`` is that user's current
+   process count plus ``extra_processes`` (best-effort);
 4. the solution is executed as a module named ``solution`` (so an ``if __name__ == "__main__":`` block does not
    run), then each test in the same namespace; or, for stdin/stdout tests, the solution runs as ``__main__`` once
    per case with that case's stdin (``sys.stdin``, ``sys.stdin.buffer``) and its printed output compared. Each
@@ -129,6 +132,7 @@ class SandboxResult:
     timed_out: bool = False
     code_error: str | None = None
     network_isolated: bool = False
+    own_uid: bool = False  # ran under its own unprivileged uid (as root, where the capabilities allow it)
     seconds: float = 0.0
     failures: list[str] = field(default_factory=list)
 
@@ -159,7 +163,10 @@ try:
         isolated = 1
 except Exception:
     pass
-if os.geteuid() == 0 and cfg["uid"]:
+with open("/proc/self/status") as f:
+    cap_eff = int(next((ln.split()[1] for ln in f if ln.startswith("CapEff:")), "0"), 16)
+drop = os.geteuid() == 0 and cfg["uid"] and all(cap_eff >> bit & 1 for bit in (2, 6, 7))  # DAC_READ_SEARCH, SETGID/UID
+if drop:
     # keep only CAP_DAC_READ_SEARCH (read the interpreter's files wherever they are) across the uid change
     libc.prctl(8, 1, 0, 0, 0)  # PR_SET_KEEPCAPS
     os.setgroups([])
@@ -182,7 +189,7 @@ import socket
 def _blocked(*a, **k):
     raise PermissionError("network access is disabled in the polyrl sandbox")
 socket.socket = socket.create_connection = socket.socketpair = _blocked
-out.write(f"{nonce} net {isolated}\n")
+out.write(f"{nonce} net {isolated} {int(bool(drop))}\n")
 code, tests = cfg["code"], cfg["tests"]
 del cfg
 def msg(e):
@@ -369,7 +376,9 @@ def _parse_line(line: str, nonce: str, result: SandboxResult) -> None:
     if len(parts) < 2 or parts[0] != nonce:
         return
     if parts[1] == "net":
-        result.network_isolated = parts[2:3] == ["1"]
+        flags = line.split()[2:]
+        result.network_isolated = flags[:1] == ["1"]
+        result.own_uid = flags[1:2] == ["1"]
     elif parts[1] == "code_error":
         result.code_error = json.loads(line.split(" ", 2)[2])
     elif parts[1] == "test" and len(parts) >= 3:
