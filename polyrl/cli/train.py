@@ -202,7 +202,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "in its adapter_config.json (lora.base)",
     )
     g = parser.add_argument_group("agentic RL (episodes against an environment; keys of the [agent] table)")
-    g.add_argument("--env", metavar="SPEC", help="environment: calculator, guessing, or path/to/file.py:Class")
+    g.add_argument(
+        "--env",
+        metavar="SPEC",
+        help="environment: calculator, guessing, path/to/file.py:Class, or gymnasium:ID (a Gymnasium text env)",
+    )
     g.add_argument(
         "--agent", metavar="FILE.py:FN", help="proxy mode: fn(base_url, example) -> reward runs an openai-client agent"
     )
