@@ -89,10 +89,16 @@ def register_env(name: str, target: str) -> None:
 
 
 def resolve_env(spec: str) -> type:
-    """The environment class of ``spec``: a builtin name, ``module:Class`` or ``path/to/file.py:Class``."""
+    """The environment class of ``spec``: a builtin name, ``module:Class``, ``path/to/file.py:Class``, or
+    ``gymnasium:TARGET`` (a Gymnasium text environment, ``polyrl.agents.adapters``)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigError("no environment given; pass --env NAME (calculator, guessing) or --env file.py:Class")
     spec = spec.strip()
+    if spec.startswith("gymnasium:"):
+        # lazy: the adapter module holds environments of other libraries (it imports this module)
+        from polyrl.agents.adapters import PREFIX, gymnasium_env
+
+        return gymnasium_env(spec[len(PREFIX) :])
     target = BUILTIN_ENVS.get(spec, spec)
     module_name, sep, name = target.rpartition(":")
     if not sep or not module_name or not name:

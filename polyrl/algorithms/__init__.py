@@ -26,6 +26,7 @@ ALGORITHMS: dict[str, str] = {
     "gspo": "polyrl.algorithms.gspo",
     "dpo": "polyrl.algorithms.dpo",
     "ppo": "polyrl.algorithms.ppo",
+    "rm": "polyrl.algorithms.rm",
 }
 
 _REGISTERED: dict[str, AlgorithmSpec] = {}

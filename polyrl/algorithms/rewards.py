@@ -9,14 +9,16 @@ The signature every reward function has::
         # example["metadata"] any other fields of the data row (dict)
         return 1.0                                   # or {"reward": 1.0, "other_metric": 0.3}
 
-A dict result must hold ``"reward"``; its other numeric keys are averaged into the step metrics as
+The function may be ``async def`` (an awaitable result is run to completion in its worker). A dict result must
+hold ``"reward"``; its other numeric keys are averaged into the step metrics as
 ``reward/<key>``. Booleans count as 0/1. Anything else (an exception, a timeout, None, a string, NaN or inf) is a
 *failure*: the completion gets ``failure_reward`` and the failure is counted by kind (``error``, ``timeout``,
 ``non_number``, ``crash``). The run never stops because of a reward function: a worker that hangs past the
 timeout is killed and replaced, one that dies (segfault, ``os._exit``) is replaced.
 
 Specs (``resolve``): a builtin name (``BUILTINS``: ``exact_match``, ``numeric``, ``boxed``, ``think_format``,
-``length_penalty``), ``path/to/file.py:fn``, ``package.module:fn``, or a weighted sum of builtins such as
+``length_penalty``, ``code_exec``: the pass fraction of the row's tests run in a sandbox), ``path/to/file.py:fn``,
+``package.module:fn``, or a weighted sum of builtins such as
 ``exact_match+0.2*think_format``. ``register_reward(name, fn)`` adds a builtin (in the parent process; workers
 started afterwards by forking see it, spawned ones only see module-level registrations).
 
@@ -28,6 +30,9 @@ tokens, advantages or training.
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import inspect
 import math
 import re
 import time
@@ -38,6 +43,7 @@ from multiprocessing.connection import wait
 from numbers import Real
 from typing import Any
 
+from polyrl.algorithms.sandbox import example_tests, extract_code, run_tests
 from polyrl.algorithms.workers import (
     REIMPORT_EXIT_CODE,
     REIMPORT_MESSAGE,
@@ -86,6 +92,32 @@ def think_format(completion: str, example: Mapping[str, Any]) -> float:
     return float(bool(_THINK_RE.match(completion)))
 
 
+CODE_EXEC = {"timeout": 5.0, "memory_mb": 512}  # sandbox limits per completion ([reward.code_exec], ``configure``)
+
+
+def configure(options: Mapping[str, Any] | None) -> None:
+    """Set the sandbox limits of ``code_exec`` in this process (``{"timeout": s, "memory_mb": n}``)."""
+    for key, value in (options or {}).items():
+        if key not in CODE_EXEC:
+            raise ConfigError(f"unknown code_exec option {key!r}; known: {', '.join(CODE_EXEC)}")
+        CODE_EXEC[key] = value
+
+
+def code_exec(completion: str, example: Mapping[str, Any]) -> dict[str, float]:
+    """The fraction of the row's tests that the completion's code passes, run in the sandbox of
+    ``polyrl.algorithms.sandbox`` (code: the last fenced ``python`` block, else the whole completion; tests: the
+    row's ``tests`` / ``test_list`` list or ``test`` program, see ``sandbox.example_tests``). Also reports
+    ``code_timeout`` (1 when the time limit killed it) and ``code_error`` (1 when the code raised before any test)."""
+    result = run_tests(
+        extract_code(completion), example_tests(example), timeout=CODE_EXEC["timeout"], memory_mb=CODE_EXEC["memory_mb"]
+    )
+    return {
+        "reward": result.fraction,
+        "code_timeout": float(result.timed_out),
+        "code_error": float(result.code_error is not None),
+    }
+
+
 def length_penalty(completion: str, example: Mapping[str, Any]) -> float:
     """``-len(completion) / 1000``: minus one per thousand characters (weight it, e.g. ``0.1*length_penalty``)."""
     return -len(completion) / 1000.0
@@ -97,6 +129,7 @@ BUILTINS: dict[str, RewardFn] = {
     "boxed": boxed,
     "think_format": think_format,
     "length_penalty": length_penalty,
+    "code_exec": code_exec,
 }
 
 
@@ -176,10 +209,16 @@ def _extras(value: Any) -> dict[str, float]:
     return out
 
 
+async def _awaited(value: Any) -> Any:
+    return await value
+
+
 def call_once(fn: RewardFn, completion: str, example: Mapping[str, Any]) -> tuple[str, Any, dict[str, float]]:
     """``("ok", reward, extras)`` or ``(failure kind, message, {})`` for one call, in this process."""
     try:
         value = fn(completion, example)
+        if inspect.isawaitable(value):  # an ``async def`` reward: run to completion in this process
+            value = asyncio.run(_awaited(value))
     except Exception as exc:  # noqa: BLE001 - any user exception is a counted failure
         return "error", f"{type(exc).__name__}: {exc}"[:300], {}
     try:
@@ -188,14 +227,19 @@ def call_once(fn: RewardFn, completion: str, example: Mapping[str, Any]) -> tupl
         return "non_number", str(exc), {}
 
 
-def _worker_main(conn: Any, spec: str) -> None:
-    """Worker process: resolve ``spec``, say ready, then answer ``(index, completion, example)`` jobs forever."""
+def _worker_main(conn: Any, spec: str, options: Mapping[str, Any] | None = None) -> None:
+    """Worker process: apply ``options`` (``configure``), resolve ``spec``, say ready, then answer
+    ``(index, completion, example)`` jobs forever."""
 
     def handle(fn: RewardFn, job: tuple) -> tuple:
         idx, completion, example = job
         return (idx, *call_once(fn, completion, example))
 
-    serve(conn, lambda: resolve(spec), handle, lambda job, tb: (job[0], "error", tb, {}))
+    def setup() -> RewardFn:
+        configure(options)
+        return resolve(spec)
+
+    serve(conn, setup, handle, lambda job, tb: (job[0], "error", tb, {}))
 
 
 # ---- the pool -----------------------------------------------------------------------------------
@@ -207,6 +251,7 @@ class RewardResult:
     failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_KINDS, 0))
     messages: list[str] = field(default_factory=list)
     extras: dict[str, list[float]] = field(default_factory=dict)
+    failed: set[int] = field(default_factory=set)  # indices of the completions whose call failed
 
     @property
     def num_failures(self) -> int:
@@ -223,8 +268,8 @@ class RewardResult:
 
 
 class _Worker(WorkerProcess):
-    def __init__(self, ctx: Any, spec: str) -> None:
-        super().__init__(ctx, _worker_main, spec, STARTUP_TIMEOUT_S)
+    def __init__(self, ctx: Any, spec: str, options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(ctx, functools.partial(_worker_main, options=options), spec, STARTUP_TIMEOUT_S)
 
 
 class RewardPool:
@@ -239,12 +284,16 @@ class RewardPool:
         timeout: float = 10.0,
         failure_reward: float = 0.0,
         start_method: str | None = None,
+        options: Mapping[str, Any] | None = None,
     ) -> None:
         if workers < 0:
             raise ConfigError(f"reward workers must be >= 0, got {workers}")
         if not timeout > 0:
             raise ConfigError(f"reward timeout must be > 0 seconds, got {timeout}")
         self.spec = absolute_spec(spec)
+        self.options = dict(options or {})  # builtin settings for the workers (code_exec's sandbox limits)
+        if self.options:
+            configure(self.options)  # this process too (workers=0) and a bad option fails here
         self.fn = resolve(self.spec)  # fails early, in the parent, for a bad spec
         self.num_workers = workers
         self.timeout = float(timeout)
@@ -265,7 +314,7 @@ class RewardPool:
         self._workers = []
 
     def _start(self) -> _Worker:
-        return _Worker(self._ctx, self.spec)
+        return _Worker(self._ctx, self.spec, self.options or None)
 
     def score(self, completions: Sequence[str], examples: Sequence[Mapping[str, Any]]) -> RewardResult:
         """One reward per completion (``examples[i]`` belongs to ``completions[i]``), failures replaced."""
@@ -285,6 +334,7 @@ class RewardPool:
                     result.extras.setdefault(k, []).append(v)
                 continue
             result.failures[kind] += 1
+            result.failed.add(i)
             self.totals[kind] += 1
             if len(result.messages) < 5:
                 result.messages.append(f"{kind}: {value}")
@@ -365,6 +415,8 @@ __all__ = [
     "RewardPool",
     "RewardResult",
     "call_once",
+    "code_exec",
+    "configure",
     "example_view",
     "register_reward",
     "resolve",

@@ -53,6 +53,9 @@ class AlgorithmSpec:
       loss factory to use instead of ``make_loss``.
     - Online: ``hooks(algo_cfg) -> OnlineHooks`` (``polyrl.algorithms.online_config``).
     - ``plot_series``: metric names drawn in the run's ``metrics.png`` besides loss / lr / grad norm.
+    - Offline, optional: ``model_loader(path, dtype, device, seed) -> model`` loads the model the run trains instead
+      of the causal LM (``rm``: a reward model); ``finalize(folder, tokenizer) -> folder`` rewrites the saved final
+      folder (``rm``: marks it as a sequence classifier). Neither supports LoRA.
     - ``fixed_shapes``: whether its batches may be padded to one shape (``data.fixed_shapes``): the loss and
       normaliser must ignore padding-only and empty sequences (SFT's do; DPO counts sequences as pairs).
     """
@@ -68,6 +71,8 @@ class AlgorithmSpec:
     hooks: Callable[[Any], OnlineHooks] | None = None
     plot_series: tuple[str, ...] = ()
     fixed_shapes: bool = False
+    model_loader: Callable[..., Any] | None = None
+    finalize: Callable[[Path, Any], Path] | None = None
 
     def __post_init__(self) -> None:
         if self.loop == "offline" and (self.build_data is None or self.make_loss is None):

@@ -70,6 +70,7 @@ FLAG_KEYS: dict[str, str] = {
     "max_episode_tokens": "agent.max_episode_tokens",
     "env_workers": "agent.env_workers",
     "env_timeout": "agent.env_timeout",
+    "reward_model": "reward.model",
 }
 
 DTYPE_ALIASES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
@@ -159,7 +160,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="train on N processes of this node (one per device; re-launches through torchrun, FSDP2)",
     )
     g = parser.add_argument_group("RL (online algorithms: grpo, gspo, ppo; keys of the [<algo>] table)")
-    g.add_argument("--reward", metavar="SPEC", help="builtin reward (exact_match, numeric, ...) or file.py:function")
+    g.add_argument(
+        "--reward",
+        metavar="SPEC",
+        help="builtin reward (exact_match, numeric, code_exec, ...), file.py:function, judge:URL (an LLM judge), model "
+        "(the --reward-model), or a weighted sum such as exact_match+0.5*judge:http://localhost:8000/v1",
+    )
+    g.add_argument(
+        "--reward-model",
+        metavar="DIR",
+        help="sequence-classification reward model folder (reward.model); the reward when --reward is not given",
+    )
     g.add_argument("--n", "--samples-per-prompt", dest="samples_per_prompt", type=int, help="completions per prompt")
     g.add_argument("--prompts-per-step", type=int, help="prompts per RL step")
     g.add_argument("--max-new-tokens", type=int, help="longest completion")
@@ -191,7 +202,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "in its adapter_config.json (lora.base)",
     )
     g = parser.add_argument_group("agentic RL (episodes against an environment; keys of the [agent] table)")
-    g.add_argument("--env", metavar="SPEC", help="environment: calculator, guessing, or path/to/file.py:Class")
+    g.add_argument(
+        "--env",
+        metavar="SPEC",
+        help="environment: calculator, guessing, path/to/file.py:Class, or gymnasium:ID (a Gymnasium text env)",
+    )
     g.add_argument(
         "--agent", metavar="FILE.py:FN", help="proxy mode: fn(base_url, example) -> reward runs an openai-client agent"
     )
@@ -217,6 +232,8 @@ def overrides_from_args(args: argparse.Namespace) -> list[tuple[str, Any]]:
         out.append((key, value))
     rl = [(key, getattr(args, dest, None)) for dest, key in RL_FLAG_KEYS.items()]
     rl = [(key, value) for key, value in rl if value is not None]
+    if getattr(args, "reward_model", None) is not None and getattr(args, "reward", None) is None:
+        rl.append(("reward", "model"))  # --reward-model alone: the reward model is the reward
     if rl:
         table = _algo_name(args)
         out.extend((f"{table}.{key}", value) for key, value in rl)

@@ -13,6 +13,7 @@ File layout (every table optional; see ``examples/sft_arithmetic.toml``)::
     [engine]     polyrl.train.StepConfig         [checkpoint] polyrl.train.CheckpointConfig
     [sft]        the algorithm's own table (its spec's config_cls)
     [decoder]    polyrl.models.DecoderOptions (implementation switches; defaults are the measured fastest)
+    [reward]     polyrl.algorithms.reward_sources.RewardConfig (reward model, [reward.judge], [reward.code_exec])
     [lora]       polyrl.models.lora.LoraConfig (present = a LoRA run; ``--lora r=16,...`` / ``--qlora`` set it)
     [agent]      a registered episode table (``polyrl.run.episodes``; ``polyrl.agents`` registers ``AgentConfig``)
 
@@ -38,6 +39,7 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 
 from polyrl import algorithms
+from polyrl.algorithms.reward_sources import RewardConfig, check_spec
 from polyrl.algorithms.spec import AlgorithmSpec
 from polyrl.data.config import DataConfig
 from polyrl.errors import ConfigError
@@ -100,6 +102,7 @@ SECTIONS: dict[str, type] = {
     "train": LoopConfig,
     "data": DataConfig,
     "decoder": DecoderOptions,
+    "reward": RewardConfig,
 }
 
 
@@ -125,6 +128,7 @@ class RunConfig:
     lora: LoraConfig | None = None  # a LoRA / QLoRA run
     episodes: EpisodeConfig | None = None  # a registered episode table (``[agent]``): multi-turn rollouts
     episodes_table: str | None = None  # its table name
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)  # reward sources (judge, model, sandbox)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-ready form; ``build(to_dict())`` gives the same run. ``resume`` is an action, not a
@@ -237,6 +241,8 @@ def build(raw: dict[str, Any]) -> RunConfig:
             raw[name].setdefault("seed", seed)
     built = {name: _make(cls, raw.get(name, {}), name) for name, cls in SECTIONS.items()}
     algo_cfg = spec.make_config(raw.get(algo))
+    if isinstance(getattr(algo_cfg, "reward", None), str):  # an online algorithm: its spec fits the [reward] table
+        check_spec(algo_cfg.reward, built["reward"], getattr(algo_cfg, "reward_timeout", None))
     episodes_table, episodes = _episodes(episode_raw, algo_cfg, algo)
     resume = raw.get("resume")
     if resume is not None and (not isinstance(resume, str) or not resume):

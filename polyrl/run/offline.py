@@ -68,7 +68,12 @@ def load_policy(cfg: RunConfig, dev: torch.device) -> nn.Module:
     run (``cfg.lora``) the frozen base in the compute dtype with adapters (fresh, or ``cfg.model``'s adapter): the
     same on every rank of a data-parallel run (``distribute_model`` replicates it). Its ``DecoderOptions`` are the
     run's ``[decoder]`` table."""
-    if cfg.lora is None:
+    loader = getattr(cfg.spec, "model_loader", None)
+    if loader is not None:  # the algorithm trains another kind of model (rm: a reward model)
+        if cfg.lora is not None:
+            raise ConfigError(f"{cfg.algo} trains the whole model; remove --lora / [lora]")
+        model = loader(cfg.model, torch.float32, dev, seed=cfg.seed)
+    elif cfg.lora is None:
         model = load_model(cfg.model, dtype=torch.float32, device=dev)
     else:
         dtype = resolve_compute_dtype(cfg.precision, dev.type)
@@ -395,6 +400,8 @@ class OfflineRun:
         try:
             run_steps(self.start, self.steps, self.step, log, ckpts, lambda step: self.save(ckpts, step))
             final = export_final(cfg, self.model, world, self.tokenizer)
+            if final is not None and self.spec.finalize is not None and world.is_main:
+                final = self.spec.finalize(final, self.tokenizer)  # rm: a sequence-classification folder
         except BaseException as exc:
             if log is not None:
                 log.close(extra={"status": f"failed: {type(exc).__name__}"}, print_table=False)

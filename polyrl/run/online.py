@@ -51,7 +51,8 @@ import torch.distributed as dist
 
 from polyrl.algorithms.losses import kl_penalty, tis_weights
 from polyrl.algorithms.online_config import OnlineHooks
-from polyrl.algorithms.rewards import RewardPool, example_view
+from polyrl.algorithms.reward_sources import open_rewards
+from polyrl.algorithms.rewards import example_view
 from polyrl.algorithms.rl_batch import RLBatch, Sample, pack_samples
 from polyrl.data.builtin import check
 from polyrl.data.config import DataConfig
@@ -153,7 +154,10 @@ class OnlineRun(DataParallelSteps):
         )
         self.pool = None  # rank 0 scores every sample (one set of reward workers per run)
         if self.world.is_main:
-            self.pool = RewardPool(a.reward, a.reward_workers, a.reward_timeout, a.failure_reward)
+            self.pool = open_rewards(
+                a.reward, cfg.reward, a.reward_workers, a.reward_timeout, a.failure_reward,
+                device=self.policy.device, dtype=self.policy.engine.compute_dtype,
+            )  # fmt: skip
         self.data = PromptStream(len(self.prompts), cfg.data.seed)
         self.start = 0
         if self.start_point is not None:

@@ -1,0 +1,245 @@
+"""Where an online run's rewards come from: reward functions (``polyrl.algorithms.rewards``, isolated workers; the
+sandboxed ``code_exec`` among them), an LLM judge (``judge``) and a sequence-classification reward model
+(``model``), alone or summed with weights.
+
+The reward spec (``--reward`` / ``<algo>.reward``) is a ``+``-joined sum of terms, each ``[weight*]term``:
+
+- a reward function spec (``exact_match``, ``code_exec``, ``0.2*think_format``, ``path/to/file.py:fn``, ...);
+- ``judge`` or ``judge:URL``: the judge of the ``[reward.judge]`` table (``judge:URL`` sets its ``url``);
+- ``model`` or ``model:PATH``: the reward model at ``reward.model`` (``--reward-model PATH`` sets it, and
+  ``--reward model`` when no ``--reward`` is given).
+
+A spec without ``judge`` / ``model`` terms is a plain ``RewardPool`` (as before). Otherwise ``RewardSources``
+scores every term and sums; a sample whose any term failed gets ``failure_reward``, each failure counted by kind
+(``error``, ``timeout``, ``non_number``, ``crash``) as a reward function's would be. The per-term means are logged as
+``reward/judge`` and ``reward/model``. ``[reward]`` is a top-level table of the run config (``RewardConfig``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from polyrl.algorithms.reward_sources.judge import JudgeConfig, JudgeScorer
+from polyrl.algorithms.rewards import FAILURE_KINDS, RewardPool, RewardResult
+from polyrl.errors import ConfigError
+
+_TERM = re.compile(r"^\s*(?:([0-9.eE+-]+)\s*\*\s*)?(judge|model)(?::(.+))?\s*$")
+
+
+@dataclass
+class CodeExecConfig:
+    """The ``[reward.code_exec]`` table: the sandbox limits of the ``code_exec`` reward (per completion)."""
+
+    timeout: float = 5.0  # wall-clock seconds (the CPU limit too); keep it below <algo>.reward_timeout
+    memory_mb: int = 512  # RLIMIT_AS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
+            raise ConfigError(f"reward.code_exec.timeout must be > 0 seconds, got {self.timeout!r}")
+        if not isinstance(self.memory_mb, int) or self.memory_mb < 64:
+            raise ConfigError(f"reward.code_exec.memory_mb must be an integer >= 64, got {self.memory_mb!r}")
+
+
+@dataclass
+class RewardConfig:
+    """The ``[reward]`` table: settings of the reward sources the spec names (see the module docstring).
+    ``model``: a sequence-classification reward model folder; ``model_batch_size`` sequences per forward;
+    ``model_max_len`` tokens kept per sequence (its end); ``model_dtype``: ``auto`` (the run's compute dtype) or
+    fp32 / bf16 / fp16."""
+
+    model: str | None = None
+    model_batch_size: int = 16
+    model_max_len: int = 4096
+    model_dtype: str = "auto"
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    code_exec: CodeExecConfig = field(default_factory=CodeExecConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in (("judge", JudgeConfig), ("code_exec", CodeExecConfig)):
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                known = {f.name for f in dataclasses.fields(cls)}
+                unknown = sorted(set(value) - known)
+                if unknown:
+                    raise ConfigError(f"unknown reward.{name} setting(s) {unknown}; known: {', '.join(sorted(known))}")
+                setattr(self, name, cls(**value))
+            elif not isinstance(value, cls):
+                raise ConfigError(f"[reward.{name}] must be a table of settings, got {value!r}")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
+            raise ConfigError(f"reward.model must be a reward model folder, got {self.model!r}")
+        for key in ("model_batch_size", "model_max_len"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"reward.{key} must be a positive integer, got {v!r}")
+        if self.model_dtype not in ("auto", "fp32", "bf16", "fp16"):
+            raise ConfigError(f"reward.model_dtype must be auto, fp32, bf16 or fp16, got {self.model_dtype!r}")
+
+
+@dataclass
+class Term:
+    """One term of a reward spec: ``kind`` is ``functions`` (``arg``: their spec), ``judge`` (``arg``: URL or None)
+    or ``model`` (``arg``: path or None)."""
+
+    kind: str
+    weight: float = 1.0
+    arg: str | None = None
+
+
+def parse_spec(spec: str) -> list[Term]:
+    """The terms of a reward spec; every non-judge, non-model term is gathered into one ``functions`` term (the
+    ``RewardPool`` spec, weights kept) placed first."""
+    parts = re.split(r"\s*\+\s*(?=[A-Za-z0-9./])", spec.strip())
+    sources, functions = [], []
+    for part in parts:
+        m = _TERM.match(part)
+        if m is None:
+            functions.append(part)
+            continue
+        try:
+            weight = float(m.group(1)) if m.group(1) else 1.0
+        except ValueError:
+            raise ConfigError(f"reward term {part!r}: {m.group(1)!r} is not a weight") from None
+        sources.append(Term(m.group(2), weight, m.group(3).strip() if m.group(3) else None))
+    if not sources:
+        return [Term("functions", 1.0, spec.strip())]
+    return ([Term("functions", 1.0, "+".join(functions))] if functions else []) + sources
+
+
+def check_spec(spec: str, cfg: RewardConfig, reward_timeout: float | None = None) -> None:
+    """ConfigError when the spec, the ``[reward]`` table and the reward timeout disagree (before any model loads)."""
+    terms = parse_spec(spec)
+    if reward_timeout is not None and "code_exec" in spec and cfg.code_exec.timeout + 1.0 >= reward_timeout:
+        raise ConfigError(
+            f"reward.code_exec.timeout ({cfg.code_exec.timeout:g}s) must stay below the reward timeout "
+            f"({reward_timeout:g}s) by a second or more; raise --reward-timeout or lower reward.code_exec.timeout"
+        )
+    kinds = [t.kind for t in terms]
+    for kind in ("judge", "model"):
+        if kinds.count(kind) > 1:
+            raise ConfigError(f"the reward spec {spec!r} names {kind!r} twice; keep one term (weight it instead)")
+    for t in terms:
+        if t.kind == "judge" and t.arg is None and not cfg.judge.url:
+            raise ConfigError("the reward 'judge' needs a URL: --reward judge:http://HOST:PORT/v1 or reward.judge.url")
+        if t.kind == "model" and t.arg is None and not cfg.model:
+            raise ConfigError("the reward 'model' needs a reward model folder: --reward-model PATH (reward.model)")
+    if cfg.model and "model" not in kinds:
+        raise ConfigError(
+            f"reward.model is set but the reward spec {spec!r} does not use it; add the term: --reward model (or "
+            f'"{spec}+model")'
+        )
+
+
+def _configure_pool(spec: str, workers: int, timeout: float, failure: float, cfg: RewardConfig) -> RewardPool:
+    options = dataclasses.asdict(cfg.code_exec)
+    check_spec(spec, cfg, timeout)
+    return RewardPool(spec, workers, timeout, failure, options=options)
+
+
+class RewardSources:
+    """The sum of a spec's terms (see the module docstring); ``score``, ``totals`` and ``close`` as a pool's."""
+
+    def __init__(
+        self,
+        spec: str,
+        cfg: RewardConfig,
+        workers: int = 2,
+        timeout: float = 10.0,
+        failure_reward: float = 0.0,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        check_spec(spec, cfg)
+        self.failure_reward = float(failure_reward)
+        self.totals = dict.fromkeys(FAILURE_KINDS, 0)
+        self.terms: list[tuple[Term, Any]] = []
+        try:
+            for t in parse_spec(spec):
+                if t.kind == "functions":
+                    scorer: Any = _configure_pool(t.arg or "", workers, timeout, failure_reward, cfg)
+                elif t.kind == "judge":
+                    jcfg = dataclasses.replace(cfg.judge, url=t.arg) if t.arg else cfg.judge
+                    scorer = JudgeScorer(jcfg)
+                else:
+                    # lazy: the reward model needs torch and the decoder; runs without one never load them
+                    from polyrl.algorithms.reward_sources.model import ModelScorer
+
+                    scorer = ModelScorer(t.arg or cfg.model, cfg, device=device, dtype=dtype)
+                self.terms.append((t, scorer))
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> RewardSources:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for _, scorer in self.terms:
+            scorer.close()
+
+    def score(self, completions: Sequence[str], examples: Sequence[Mapping[str, Any]]) -> RewardResult:
+        if len(completions) != len(examples):
+            raise ValueError(f"{len(completions)} completions for {len(examples)} examples")
+        n = len(completions)
+        total = [0.0] * n
+        failed = [False] * n
+        result = RewardResult([self.failure_reward] * n)
+        for term, scorer in self.terms:
+            if term.kind == "functions":
+                part = scorer.score(completions, examples)
+                bad = part.failed
+                for i in range(n):
+                    total[i] += part.rewards[i]
+                for kind, count in part.failures.items():
+                    result.failures[kind] += count
+                    self.totals[kind] += count
+                result.messages += part.messages[: 5 - len(result.messages)]
+                result.extras.update(part.extras)
+                for i in bad:
+                    failed[i] = True
+                continue
+            values = []
+            for i, (kind, value, _) in enumerate(scorer.outcomes(completions, examples)):
+                if kind == "ok":
+                    total[i] += term.weight * value
+                    values.append(value)
+                    continue
+                failed[i] = True
+                result.failures[kind] += 1
+                self.totals[kind] += 1
+                if len(result.messages) < 5:
+                    result.messages.append(f"{kind}: {term.kind}: {value}")
+            if values:
+                result.extras[term.kind] = values
+        for i in range(n):
+            if not failed[i]:
+                result.rewards[i] = total[i]
+        return result
+
+
+def open_rewards(
+    spec: str,
+    cfg: RewardConfig | None = None,
+    workers: int = 2,
+    timeout: float = 10.0,
+    failure_reward: float = 0.0,
+    device: Any = None,
+    dtype: Any = None,
+) -> RewardPool | RewardSources:
+    """The scorer of ``spec`` (``score(completions, examples) -> RewardResult``, ``totals``, ``close``): a
+    ``RewardPool`` when it names reward functions only, else ``RewardSources``."""
+    cfg = cfg if cfg is not None else RewardConfig()
+    terms = parse_spec(spec)
+    if len(terms) == 1 and terms[0].kind == "functions":
+        check_spec(spec, cfg)
+        return _configure_pool(spec, workers, timeout, failure_reward, cfg)
+    return RewardSources(spec, cfg, workers, timeout, failure_reward, device=device, dtype=dtype)
+
+
+__all__ = ["CodeExecConfig", "JudgeConfig", "RewardConfig", "RewardSources", "Term", "open_rewards", "parse_spec"]
