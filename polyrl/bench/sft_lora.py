@@ -137,6 +137,7 @@ def hf_step_fn(cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: to
         lora_alpha=lcfg.alpha,
         lora_dropout=lcfg.dropout,
         target_modules=list(lcfg.targets),
+        target_parameters=list(lcfg.target_parameters) or None,
         use_rslora=lcfg.rslora,
         task_type="CAUSAL_LM",
     )

@@ -192,7 +192,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         const="",
         metavar="SPEC",
-        help="train a LoRA adapter on a frozen base, e.g. --lora r=16,alpha=32,dropout=0,targets=q,k,v,o,gate,up,down",
+        help="train a LoRA adapter on a frozen base, e.g. --lora r=16,alpha=32,dropout=0,targets=q,k,v,o,gate,up,down "
+        "(MoE models: add experts for the routed experts, PEFT's target_parameters)",
     )
     g.add_argument("--qlora", action="store_true", default=None, help="LoRA on a 4-bit NF4 base (implies --lora)")
     g.add_argument(

@@ -1,6 +1,7 @@
 """LoRA and QLoRA for ``DecoderLM``: ``LoraConfig`` (+ the ``--lora`` string parser), ``LoraLinear``,
-``apply_lora`` and the merge / disable switches, PEFT adapter folders in and out, and loading a model for a LoRA
-run. See ``docs/dev/contracts.md`` (Models) for the interface; the NF4 base of QLoRA is ``polyrl.kernels.nf4``.
+``LoraExperts`` (routed experts of MoE layers), ``apply_lora`` and the merge / disable switches, PEFT adapter
+folders in and out, and loading a model for a LoRA run. See ``docs/dev/contracts.md`` (Models) for the interface;
+the NF4 base of QLoRA is ``polyrl.kernels.nf4``.
 """
 
 from polyrl.models.lora.apply import (
@@ -17,6 +18,7 @@ from polyrl.models.lora.apply import (
     unwrap_lora,
 )
 from polyrl.models.lora.config import LoraConfig, make_lora_config, parse_lora_spec
+from polyrl.models.lora.experts import LoraExperts
 from polyrl.models.lora.layer import LoraLinear
 from polyrl.models.lora.load import base_model_path, load_lora_model
 from polyrl.models.lora.peft_io import is_adapter_dir, load_adapter, read_adapter_config, save_adapter
@@ -24,6 +26,7 @@ from polyrl.models.lora.peft_io import is_adapter_dir, load_adapter, read_adapte
 __all__ = [
     "AdapterDisabled",
     "LoraConfig",
+    "LoraExperts",
     "LoraLinear",
     "adapter_parameters",
     "adapters_disabled",

@@ -1,15 +1,17 @@
 """Putting LoRA adapters into a ``DecoderLM`` in place, and the model-wide switches over them.
 
 ``apply_lora(model, cfg, seed)`` replaces every targeted ``nn.Linear`` of the decoder layers by a ``LoraLinear``
-that keeps the same base ``Parameter`` (so HF names, identity and any holder of the tensor stay valid), freezes
-everything else, and records ``model.lora_config``. Adapter parameters are created in fp32; the training engine
-casts them to the compute dtype with fp32 masters like any trainable parameter, while the frozen base keeps the
-dtype it was loaded in (bf16 on accelerators) and gets no optimizer state.
+that keeps the same base ``Parameter`` (so HF names, identity and any holder of the tensor stay valid), and with
+``cfg.target_parameters`` every MoE layer's routed ``Experts`` by a ``LoraExperts`` (per-expert adapters on
+``gate_up_proj`` / ``down_proj``, same base Parameters), freezes everything else, and records
+``model.lora_config``. Adapter parameters are created in fp32; the training engine casts them to the compute dtype
+with fp32 masters like any trainable parameter, while the frozen base keeps the dtype it was loaded in (bf16 on
+accelerators) and gets no optimizer state.
 
 Switches: ``merge_lora`` / ``unmerge_lora`` (in place), ``merged(model)`` and ``adapters_disabled(model)``
 (context managers), ``AdapterDisabled(model)`` (the base model as a module, for a KL or DPO reference without a
 second copy of the weights), ``merged_state_dict`` (the plain HF state dict of base + adapter).
-Not here: file formats (``peft_io.py``), the layer arithmetic (``layer.py``).
+Not here: file formats (``peft_io.py``), the layer arithmetic (``layer.py``, ``experts.py``).
 """
 
 from __future__ import annotations
@@ -22,20 +24,23 @@ from torch import nn
 
 from polyrl.errors import ConfigError
 from polyrl.models.lora.config import LoraConfig
+from polyrl.models.lora.experts import LoraExperts
 from polyrl.models.lora.layer import LoraLinear
+from polyrl.models.moe import Experts
 
 
-def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoraLinear]]:
-    """(module name, layer) of every ``LoraLinear`` in ``model``, in module order."""
+def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoraLinear | LoraExperts]]:
+    """(module name, layer) of every adapted module in ``model`` (``LoraLinear`` and ``LoraExperts``), in module
+    order. Both have ``merge(exact)`` / ``unmerge()`` / ``merged`` / ``disabled`` / ``dropout`` / ``quant_shape``."""
     for name, module in model.named_modules():
-        if isinstance(module, LoraLinear):
+        if isinstance(module, (LoraLinear, LoraExperts)):
             yield name, module
 
 
 def adapted_parents(layer: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name in the layer, module) of the modules whose ``*_proj`` linears LoRA targets: attention, the MLP, and an
     MoE layer's shared expert (Qwen2-MoE; PEFT matches ``mlp.shared_expert.gate_proj`` by its name too). An MoE
-    layer's router (``mlp.gate``) and routed experts (3-D tensors) are never targets."""
+    layer's router (``mlp.gate``) is never a target; its routed experts (3-D tensors) are ``target_parameters``."""
     parents = [("self_attn", layer.self_attn), ("mlp", layer.mlp)]
     shared = getattr(layer.mlp, "shared_expert", None)
     if shared is not None:
@@ -48,8 +53,9 @@ def has_lora(model: nn.Module) -> bool:
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int | None = 0) -> nn.Module:
-    """Add adapters to the layers named in ``cfg.targets`` (see the module docstring); with
-    ``cfg.quantize_base == "nf4"`` the frozen base weights of those layers are quantized (QLoRA)."""
+    """Add adapters to the layers named in ``cfg.targets`` and the routed-expert tensors in
+    ``cfg.target_parameters`` (see the module docstring); with ``cfg.quantize_base == "nf4"`` the frozen base weights
+    of the targeted linear layers are quantized (QLoRA; routed experts keep their dtype)."""
     if has_lora(model):
         raise ConfigError("this model already has LoRA adapters; apply LoRA once")
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -74,16 +80,39 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int | None = 0) -> nn.Mo
                     lora.quantize_nf4()
                 setattr(parent, target, lora)
                 count += 1
-    if count == 0:
+    experts = [t.rpartition(".")[2] for t in cfg.target_parameters]
+    n_experts = 0
+    if experts:
+        for layer in layers:
+            base = getattr(getattr(layer, "mlp", None), "experts", None)
+            if isinstance(base, Experts):
+                lora = LoraExperts(base, experts, cfg.r, cfg.scaling)
+                lora.reset_adapter(gen)
+                layer.mlp.experts = lora
+                n_experts += 1
+        if n_experts == 0:
+            raise ConfigError(
+                f"lora.target_parameters {cfg.target_parameters} name routed experts, but this model has no MoE layer; "
+                "drop experts from the LoRA targets"
+            )
+    if count + n_experts == 0:
         raise ConfigError(f"lora.targets {cfg.targets} matched no linear layer of this model")
     model.lora_config = cfg
     return model
 
 
 def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Our names (``model.layers.0.self_attn.q_proj.lora_A.weight``) -> adapter parameters."""
+    """PEFT's saved names without the ``base_model.model.`` prefix -> adapter parameters:
+    ``model.layers.0.self_attn.q_proj.lora_A.weight``; routed experts as PEFT nests its ``ParamWrapper``s,
+    ``model.layers.0.mlp.experts.base_layer.lora_A.weight`` (``gate_up_proj``, when ``down_proj`` is targeted too)
+    and ``model.layers.0.mlp.experts.lora_A.weight`` (the last targeted tensor)."""
     out = {}
     for name, layer in lora_layers(model):
+        if isinstance(layer, LoraExperts):
+            for tensor, prefix in layer.peft_names().items():
+                out[f"{name}.{prefix}lora_A.weight"] = layer.lora_A[tensor]
+                out[f"{name}.{prefix}lora_B.weight"] = layer.lora_B[tensor]
+            continue
         out[f"{name}.lora_A.weight"] = layer.lora_A.weight
         out[f"{name}.lora_B.weight"] = layer.lora_B.weight
     return out
@@ -165,9 +194,13 @@ class AdapterDisabled(nn.Module):
 @torch.no_grad()
 def unwrap_lora(model: nn.Module, merge: bool = True) -> nn.Module:
     """Turn ``model`` back into a plain model in place: every ``LoraLinear`` becomes an ``nn.Linear`` holding its
-    base weight (with the adapter merged in when ``merge``; NF4 bases are dequantized to bf16)."""
+    base weight (with the adapter merged in when ``merge``; NF4 bases are dequantized to bf16), every
+    ``LoraExperts`` an ``Experts``."""
     for name, layer in list(lora_layers(model)):
         parent = model.get_submodule(name.rpartition(".")[0])
+        if isinstance(layer, LoraExperts):
+            setattr(parent, name.rpartition(".")[2], layer.to_experts(merge))
+            continue
         if merge and layer.quant_shape is None:
             layer.merge()
         w = layer.base_weight(torch.bfloat16) if layer.quant_shape is not None else layer.weight.detach()
@@ -184,13 +217,16 @@ def unwrap_lora(model: nn.Module, merge: bool = True) -> nn.Module:
 
 @torch.no_grad()
 def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The HF state dict of base + adapter (``W + s * B @ A`` in fp32, cast to ``dtype`` or the base dtype):
-    adapter tensors dropped, NF4 bases dequantized. The model is not changed."""
+    """The HF state dict of base + adapter (``W + s * B @ A`` in fp32, per expert for routed experts, cast to
+    ``dtype`` or the base dtype): adapter tensors dropped, NF4 bases dequantized. The model is not changed."""
     state = {}
     lora = dict(lora_layers(model))
     for name, t in model.state_dict().items():
         module, _, leaf = name.rpartition(".")
         owner = lora.get(module)
+        if isinstance(owner, LoraExperts):
+            state[name] = owner.merged_weight(leaf, dtype or t.dtype)
+            continue
         if owner is None:
             if ".lora_A." not in name and ".lora_B." not in name:
                 state[name] = t if dtype is None else t.to(dtype)

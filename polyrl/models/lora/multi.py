@@ -8,6 +8,10 @@ forward the caller sets ``bank.index`` (int64 ``[T]``, the adapter slot of each 
 each layer adds ``s_a * B_a(A_a(x))`` on the tokens of slot ``a``: every adapter runs on all tokens and a mask
 keeps its own (no host sync; the cost is one rank-r pair per adapter and layer, small next to the base matmul).
 
+Adapters on routed experts (``target_parameters``) are refused here: per-token selection would need one pass of the
+experts per adapter; merge such an adapter into its base (``polyrl export --adapter DIR --merge``) and serve the
+merged model.
+
 Not here: training several adapters (``apply.py`` has the one trainable adapter), unloading adapters, routing
 requests to slots (``polyrl.infer.llm``).
 """
@@ -85,6 +89,13 @@ def attach_adapters(model: nn.Module, adapters: dict[str, str | Path]) -> Adapte
         raise ConfigError("this model already has LoRA adapters; attach serving adapters to a plain base model")
     names = list(adapters)
     configs = {name: read_adapter_config(path)[0] for name, path in adapters.items()}
+    experts = [name for name, cfg in configs.items() if cfg.target_parameters]
+    if experts:
+        raise ConfigError(
+            f"LoRA adapter(s) {', '.join(experts)} adapt routed experts (target_parameters), which multi-adapter "
+            "serving does not support; merge it into its base (polyrl export --adapter DIR --merge --out OUT) and "
+            "serve the merged folder"
+        )
     targets = {t for cfg in configs.values() for t in cfg.targets}
     bank = AdapterBank(names, next(model.parameters()).device)
     layers: dict[str, MultiLoraLinear] = {}

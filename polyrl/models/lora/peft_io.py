@@ -3,11 +3,16 @@
 Written so that ``peft.PeftModel.from_pretrained(hf_model, folder)`` loads it: tensor names
 ``base_model.model.<our name>`` (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), config fields
 ``peft_type = "LORA"``, ``task_type = "CAUSAL_LM"``, ``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``,
-``use_rslora``, ``bias = "none"``, ``base_model_name_or_path``. Read: the same, from PEFT or from us (names with an
-adapter name such as ``.lora_A.default.weight`` are accepted too). Writes are atomic (temp folder + rename).
+``use_rslora``, ``bias = "none"``, ``base_model_name_or_path``, and for routed experts ``target_parameters``
+(``["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``, tensors named as PEFT's nested ``ParamWrapper``s save
+them: ``mlp.experts.base_layer.lora_A.weight [E * r, H]`` / ``lora_B.weight [2I, E * r]`` for ``gate_up_proj`` and
+``mlp.experts.lora_A.weight [E * r, I]`` / ``lora_B.weight [H, E * r]`` for ``down_proj``; see
+``experts.py``). Read: the same, from PEFT or from us (names with an adapter name such as
+``.lora_A.default.weight`` are accepted too). Writes are atomic (temp folder + rename).
 
 Refused with a ``CheckpointError`` that says why: DoRA, per-layer rank/alpha patterns, trained biases, extra saved
-modules, regex targets, targets other than the seven decoder projections. Not here: quantized bases (an adapter
+modules, regex targets, targets other than the seven decoder projections, target parameters other than the routed
+experts' two tensors, dropout with target parameters (PEFT refuses it too). Not here: quantized bases (an adapter
 never holds base weights), merging (``apply.py``), the training checkpoint around it (``polyrl.train``).
 """
 
@@ -45,6 +50,7 @@ def adapter_config_dict(cfg: LoraConfig, base_model: str | None) -> dict[str, An
         "lora_alpha": cfg.alpha,
         "lora_dropout": cfg.dropout,
         "target_modules": list(cfg.targets),
+        "target_parameters": list(cfg.target_parameters) or None,
         "use_rslora": cfg.rslora,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -133,6 +139,7 @@ def read_adapter_config(path: str | Path) -> tuple[LoraConfig, str | None]:
             dropout=d.get("lora_dropout", 0.0),
             targets=list(targets or []),
             rslora=bool(d.get("use_rslora", False)),
+            target_parameters=list(d.get("target_parameters") or []),
         )
     except ConfigError as exc:
         raise CheckpointError(f"{file}: {exc}") from None
@@ -155,11 +162,18 @@ def load_adapter(model: nn.Module, path: str | Path, quantize_base: str | None =
     if not has_lora(model):
         cfg.quantize_base = quantize_base
         apply_lora(model, cfg, seed=None)
-    elif (model.lora_config.r, list(model.lora_config.targets)) != (cfg.r, list(cfg.targets)):
-        raise CheckpointError(
-            f"adapter {path} (r={cfg.r}, targets {cfg.targets}) does not match the model's adapters "
-            f"(r={model.lora_config.r}, targets {model.lora_config.targets})"
-        )
+    else:
+        have = model.lora_config
+        if (have.r, list(have.targets), list(have.target_parameters)) != (
+            cfg.r,
+            list(cfg.targets),
+            list(cfg.target_parameters),
+        ):
+            raise CheckpointError(
+                f"adapter {path} (r={cfg.r}, targets {cfg.targets}, target_parameters {cfg.target_parameters}) does "
+                f"not match the model's adapters (r={have.r}, targets {have.targets}, target_parameters "
+                f"{have.target_parameters})"
+            )
     file = Path(path) / ADAPTER_WEIGHTS
     if not file.is_file():
         raise CheckpointError(f"{path} has no {ADAPTER_WEIGHTS} (adapters saved as .bin are not read; re-save them)")

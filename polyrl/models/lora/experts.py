@@ -1,0 +1,167 @@
+"""``LoraExperts``: an MoE layer's frozen routed experts plus one low-rank adapter per expert and per targeted tensor,
+in PEFT's layout (``LoraConfig(target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])``).
+
+The math, per expert ``e`` of a targeted 3-D tensor ``W [E, out, in]`` (``gate_up_proj [E, 2I, H]``: out = 2I, in =
+H; ``down_proj [E, H, I]``: out = H, in = I): ``W'_e = W_e + s * B_e @ A_e`` with ``A_e [r, in]``, ``B_e [out, r]``
+and the scale ``s`` of the config (``alpha / r``). The adapter is held exactly as PEFT's ``ParamWrapper`` holds
+(and saves) it, so save and load are plain copies:
+
+- ``lora_A[name]``: ``[E * r, in]``, expert-major: ``A_e = lora_A.view(E, r, in)[e]``;
+- ``lora_B[name]``: ``[out, E * r]``, rank-major: ``B_e = lora_B.view(out, r, E)[:, :, e]``.
+
+Init as PEFT: ``A ~ U(-1/sqrt(in), 1/sqrt(in))``, ``B = 0`` (a fresh adapter changes nothing). The base tensors stay
+the very ``Parameter`` objects of the ``Experts`` module this replaces (``mlp.experts.gate_up_proj`` keeps its name).
+
+Forward (the simple correct path): the adapted weights are materialised, ``W' = baddbmm(W, B, A, alpha=s)``, and the
+op ``kernels.moe_experts`` runs on them; autograd reaches ``A`` and ``B`` through the ``baddbmm``. Cost per MoE layer
+and forward: one temporary the size of each targeted tensor (``[E, 2I, H]`` + ``[E, H, I]``, in the base dtype), and
+in backward the op's full weight gradient of the same size (only reduced to ``A``/``B`` afterwards): at
+Qwen3-30B-A3B's shape 403M + 201M elements per layer (1.2 GB in bf16), held one layer at a time under activation
+checkpointing. A fused path would instead add ``s * (x_e A_e^T) B_e^T`` inside the grouped GEMM on each expert's
+routed rows (rank-r products, no ``[E, out, in]`` temporaries): a ``moe_experts_lora`` op with the same reference
+semantics, not built yet.
+
+PEFT refuses dropout on a parameter adapter (it cannot be factored out of ``W'``), and so does ``LoraConfig``.
+Merging adds ``s * B_e @ A_e`` into ``W`` in place, one expert at a time in fp32 (no fp32 copy of the whole tensor);
+``merge(exact=True)`` keeps a backup for a bit-exact unmerge. The base is never quantized: under QLoRA the routed
+experts stay in the load dtype (bf16), only the targeted linear layers become NF4.
+Not here: choosing the layers (``apply.py``), file names (``peft_io.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from polyrl import kernels
+from polyrl.errors import UserError
+from polyrl.models.moe import Experts
+
+# the tensors of ``Experts`` in registration order: PEFT nests one ParamWrapper per targeted tensor in this order
+# (the first targeted innermost), which decides the saved names (see ``peft_names``)
+EXPERT_TENSORS = ("gate_up_proj", "down_proj")
+
+
+class LoraExperts(nn.Module):
+    def __init__(self, base: Experts, targets: list[str] | tuple[str, ...], r: int, scaling: float) -> None:
+        super().__init__()
+        bad = [t for t in targets if t not in EXPERT_TENSORS]
+        if bad or not targets:
+            raise UserError(f"LoraExperts targets must be some of {EXPERT_TENSORS}, got {list(targets)}")
+        self.gate_up_proj = base.gate_up_proj  # the same Parameters: HF names and identity kept
+        self.down_proj = base.down_proj
+        self.num_experts = base.gate_up_proj.shape[0]
+        self.targets = tuple(t for t in EXPERT_TENSORS if t in targets)
+        self.r, self.scaling, self.dropout = r, float(scaling), 0.0
+        self.merged = False
+        self.disabled = False
+        self.quant_shape = None  # the experts' base is never quantized (see the module docstring)
+        self.lora_A = nn.ParameterDict()
+        self.lora_B = nn.ParameterDict()
+        dev = base.gate_up_proj.device
+        for name in self.targets:
+            e, out_f, in_f = getattr(self, name).shape
+            self.lora_A[name] = nn.Parameter(torch.zeros(e * r, in_f, device=dev, dtype=torch.float32))
+            self.lora_B[name] = nn.Parameter(torch.zeros(out_f, e * r, device=dev, dtype=torch.float32))
+        self._backup: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def reset_adapter(self, generator: torch.Generator | None = None) -> None:
+        """PEFT's init: A ~ kaiming_uniform(a=sqrt(5)) (= U(-1/sqrt(in), 1/sqrt(in))), B = 0."""
+        for name in self.targets:
+            a = self.lora_A[name]
+            bound = 1.0 / math.sqrt(a.shape[1])
+            a.uniform_(-bound, bound, generator=generator)
+            self.lora_B[name].zero_()
+
+    def peft_names(self) -> dict[str, str]:
+        """Tensor -> its adapter's name prefix inside this module as PEFT saves it: the last targeted tensor's
+        wrapper is outermost (``lora_A``), each earlier one sits one ``base_layer.`` deeper."""
+        k = len(self.targets)
+        return {name: "base_layer." * (k - 1 - i) for i, name in enumerate(self.targets)}
+
+    def factors(self, name: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``B [E, out, r]``, ``A [E, r, in]``) of tensor ``name`` in ``dtype`` (views of the PEFT layout, with
+        autograd)."""
+        e = self.num_experts
+        a, b = self.lora_A[name], self.lora_B[name]
+        a3 = a.view(e, self.r, a.shape[1])
+        b3 = b.view(b.shape[0], self.r, e).permute(2, 0, 1)
+        return b3.to(dtype), a3.to(dtype)
+
+    def adapted(self, name: str) -> torch.Tensor:
+        """``W + s * B @ A`` for every expert (``[E, out, in]``, the base's dtype; differentiable in A and B)."""
+        w = getattr(self, name)
+        if name not in self.lora_A or self.merged or self.disabled:
+            return w
+        b, a = self.factors(name, w.dtype)
+        return torch.baddbmm(w, b, a, alpha=self.scaling)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return kernels.moe_experts(x, ids, weights, self.adapted("gate_up_proj"), self.adapted("down_proj"))
+
+    # ---- merge ----------------------------------------------------------------------------------
+    def delta(self, name: str, expert: int | None = None) -> torch.Tensor:
+        """``s * B_e @ A_e`` in fp32: ``[E, out, in]``, or ``[out, in]`` of one ``expert``."""
+        b, a = self.factors(name, torch.float32)
+        if expert is not None:
+            return (b[expert] @ a[expert]) * self.scaling
+        return torch.bmm(b, a) * self.scaling
+
+    @torch.no_grad()
+    def merge(self, exact: bool = False) -> None:
+        """``W_e += s * B_e @ A_e`` in place, expert by expert (fp32 arithmetic, one rounding to W's dtype).
+        ``exact``: keep a copy of each targeted tensor for a bit-exact ``unmerge``."""
+        if self.merged:
+            return
+        for name in self.targets:
+            w = getattr(self, name)
+            if exact:
+                self._backup[name] = w.detach().clone()
+            for e in range(self.num_experts):
+                w[e].copy_(w[e].float() + self.delta(name, e))
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        if not self.merged:
+            return
+        for name in self.targets:
+            w = getattr(self, name)
+            backup = self._backup.pop(name, None)
+            if backup is not None:
+                w.copy_(backup)
+                continue
+            for e in range(self.num_experts):
+                w[e].copy_(w[e].float() - self.delta(name, e))
+        self.merged = False
+
+    @torch.no_grad()
+    def merged_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Base + adapter of tensor ``name`` (a new tensor in ``dtype`` or W's dtype; W is not changed)."""
+        w = getattr(self, name)
+        dtype = dtype or w.dtype
+        if self.merged or name not in self.lora_A:
+            return w.detach().to(dtype, copy=True)
+        out = torch.empty(w.shape, dtype=dtype, device=w.device)
+        for e in range(self.num_experts):
+            out[e] = w[e].float() + self.delta(name, e)
+        return out
+
+    @torch.no_grad()
+    def to_experts(self, merge: bool = True) -> Experts:
+        """A plain ``Experts`` with this module's tensors (the adapter merged in when ``merge``)."""
+        if not merge and self.merged:
+            raise UserError("unmerge the expert adapters before unwrapping them without merging")
+        with torch.device("meta"):
+            plain = Experts(*self.down_proj.shape)  # [E, H, I]
+        for name in EXPERT_TENSORS:
+            w = self.merged_weight(name) if merge else getattr(self, name).detach()
+            setattr(plain, name, nn.Parameter(w, requires_grad=False))
+        return plain
+
+    def extra_repr(self) -> str:
+        e, h, i = self.down_proj.shape
+        return f"experts={e}, hidden={h}, inter={i}, targets={list(self.targets)}, r={self.r}, scaling={self.scaling:g}"
