@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
 	$(PY) -c "import triton" 2>/dev/null || $(PIP) install -q "$(TRITON_SPEC)" || echo "triton not installable here: Triton kernels are tested only where it is"
-	$(PIP) install -q -e ".[serve,data,plot,track,envs,dev,agents]"
+	$(PIP) install -q -e ".[serve,data,plot,track,envs,eval,dev,agents]"
 	touch $(STAMP)
 
 venv: $(STAMP)

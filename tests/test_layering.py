@@ -50,13 +50,13 @@ LAYERS = [
     {"run"},
     {"agents"},
     {"trainer"},
-    {"server"},
+    {"server", "eval"},
     {"validate", "bench"},
     {"cli"},
 ]
 FREE = {"__init__", "__main__"}
 # Same layer, but neither imports the other.
-SEPARATE = [{"validate", "bench"}]
+SEPARATE = [{"validate", "bench"}, {"server", "eval"}]
 LAZY_MARK = "# lazy:"
 
 

@@ -27,6 +27,7 @@ ALGORITHMS: dict[str, str] = {
     "dpo": "polyrl.algorithms.dpo",
     "ppo": "polyrl.algorithms.ppo",
     "rm": "polyrl.algorithms.rm",
+    "distill": "polyrl.algorithms.distill",
 }
 
 _REGISTERED: dict[str, AlgorithmSpec] = {}

@@ -33,6 +33,8 @@ class OnlineConfig:
     mini_batches: int = 1  # optimizer steps per pass
     eval_prompts: int = 200  # held-out prompts scored at each evaluation
     eval_max_new_tokens: int | None = None  # default max_new_tokens
+    eval_n: int = 1  # > 1: also sample this many completions per eval prompt -> eval_pass@k, eval_length
+    eval_pass_threshold: float = 1.0  # a sampled eval completion passes when its reward is at least this
     rollout_max_num_seqs: int = 512  # sequences decoded together (a whole 64 x 8 step in one wave)
     rollout_num_blocks: int | None = None  # KV cache blocks; None = from free memory, at most what the run uses
     rollout_gpu_memory_utilization: float = 0.85
@@ -51,7 +53,7 @@ class OnlineConfig:
     def __post_init__(self) -> None:
         name = self.table_name()
         positive_ints = ("samples_per_prompt", "prompts_per_step", "max_new_tokens", "max_prompt_len", "ppo_epochs")
-        for key in (*positive_ints, "mini_batches", "eval_prompts", "rollout_max_num_seqs"):
+        for key in (*positive_ints, "mini_batches", "eval_prompts", "rollout_max_num_seqs", "eval_n"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{name}.{key} must be a positive integer, got {v!r}")

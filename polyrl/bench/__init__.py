@@ -9,5 +9,6 @@ BENCHES: dict[str, tuple[str, str]] = {
     "sft": ("polyrl.bench.sft", "SFT step throughput vs HF transformers (+Liger)"),
     "rollout": ("polyrl.bench.rollout", "generation throughput vs HF generate"),
     "grpo": ("polyrl.bench.grpo", "GRPO step time split vs TRL GRPOTrainer"),
+    "eval": ("polyrl.bench.eval", "lm-eval log-likelihood scoring: polyrl in-process / serve vs the hf backend"),
     "agent": ("polyrl.bench.agent", "multi-turn episodes vs single-turn rollout at the same token count"),
 }

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("polyrl.cli.export", "merge a LoRA adapter into its base: --adapter DIR --merge --out DIR"),
     "serve": ("polyrl.cli.serve", "serve a model over an OpenAI-compatible HTTP API"),
     "generate": ("polyrl.cli.generate", "generate completions for prompts with the rollout engine"),
+    "eval": ("polyrl.cli.eval", "evaluate a model: lm-eval tasks (--tasks) or rewards and pass@k (--data --reward)"),
     "validate": ("polyrl.cli.validate", "run the validation levels and write a compatibility report"),
     "bench": ("polyrl.cli.bench", "benchmark polyrl against baselines in one run"),
     "compat": ("polyrl.cli.compat", "render the compatibility matrix from compat/*.json"),

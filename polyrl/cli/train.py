@@ -93,6 +93,8 @@ RL_FLAG_KEYS: dict[str, str] = {
     "old_logprobs": "old_logprobs",
     "tis_cap": "tis_cap",
     "filter_groups": "filter_groups",
+    "teacher": "teacher",
+    "eval_n": "eval_n",
 }
 
 
@@ -186,6 +188,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--old-logprobs", choices=["rollout", "recompute"], help="source of the ratio's old log-probs")
     g.add_argument("--tis-cap", type=float, help="truncated importance sampling cap (with --old-logprobs recompute)")
     g.add_argument("--filter-groups", action="store_true", default=None, help="drop groups whose rewards all agree")
+    g.add_argument("--eval-n", type=int, help="samples per eval prompt: eval_pass@k, eval_length")
+    g.add_argument("--teacher", metavar="DIR", help="--algo distill: the frozen teacher (same tokenizer as --model)")
     g = parser.add_argument_group("LoRA (the [lora] table; output and checkpoints are PEFT adapter folders)")
     g.add_argument(
         "--lora",

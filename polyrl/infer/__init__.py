@@ -16,6 +16,12 @@ Log-probs: ``c.logprobs[i] = log_softmax(logits / T)[token_ids[i]]`` with T the 
 truncation and without the min_tokens EOS mask: the "old log-probs" RL ratios need. Token ids include
 the EOS / stop token that ended a sample (its log-prob too); the text excludes it and any stop string.
 
+Prompt log-probs (scoring, lm-eval, distillation teachers): ``SamplingParams(prompt_logprobs=k)`` fills
+``out.prompt_logprobs`` (``PromptLogprobs``: per prompt token its log-prob under the raw distribution, the first
+``None``, and the top-``k`` alternatives), computed in the prefill (``prompt_logprobs.py``: chunked, prefix-cache
+aware, equal to the training forward's ``kernels.token_logprobs``). ``prompt_logprobs_from=i`` scores positions
+``i..`` only, so a shared context may come from the prefix cache.
+
 Colocated training (RL): the engine keeps a reference to the training ``DecoderLM`` (never a copy), so
 in-place optimizer updates are seen by the next rollout. After the weights change call
 ``llm.reset_prefix_cache()`` (cached KV of old weights would be reused otherwise). ``llm.release()``
@@ -48,7 +54,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["LLM", "RolloutConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "StructuredOutputs"]
+__all__ = [
+    "LLM",
+    "RolloutConfig",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "StructuredOutputs",
+    "PromptLogprobs",
+]
 
 _EXPORTS = {
     "LLM": "polyrl.infer.llm",
@@ -57,6 +71,7 @@ _EXPORTS = {
     "RequestOutput": "polyrl.infer.sequence",
     "CompletionOutput": "polyrl.infer.sequence",
     "StructuredOutputs": "polyrl.infer.sampling_params",
+    "PromptLogprobs": "polyrl.infer.sequence",
 }
 
 

@@ -6,7 +6,8 @@ its blocks in order; token ``i`` lives in slot ``block_table[i // block_size] * 
 Prefix caching: once a block is full of known tokens it is registered under the key
 ``hash((parent_key, tokens_of_block))``, so a key names the whole prefix up to that block. A new sequence
 whose leading full blocks match registered keys takes those blocks (reference count + 1) and skips
-computing them: the ``n`` samples of a GRPO prompt and repeated system prompts share their KV. Only full
+computing them: the ``n`` samples of a GRPO prompt and repeated system prompts share their KV. A sequence
+that still needs prompt log-probs takes only the cached blocks below the first position it must score. Only full
 blocks are ever shared and a shared block is never written again, so no copy-on-write is needed. A block
 is registered when it is allocated for tokens that this step computes; other sequences scheduled later
 in the same step may already hit it, which is safe because every layer writes the step's keys/values
@@ -74,6 +75,10 @@ class BlockManager:
             return []
         bs = self.block_size
         limit = (seq.num_tokens - seq.pending - 1) // bs
+        pl = seq.prompt_lps
+        if pl is not None and len(pl.logprobs) < seq.num_prompt:
+            # prompt log-probs still missing from position len - 1 on: those hidden states must be computed
+            limit = min(limit, (len(pl.logprobs) - 1) // bs)
         hits: list[int] = []
         parent: int | None = None
         for i in range(limit):

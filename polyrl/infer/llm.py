@@ -28,7 +28,7 @@ from polyrl.infer.overlap import InflightStep, feed_rows
 from polyrl.infer.sampler import Sampler
 from polyrl.infer.sampling_params import SamplingParams
 from polyrl.infer.scheduler import Scheduler
-from polyrl.infer.sequence import CompletionOutput, RequestOutput, Sequence, Status
+from polyrl.infer.sequence import CompletionOutput, PromptLogprobs, RequestOutput, Sequence, Status
 from polyrl.infer.stopping import check_stop
 from polyrl.models.checkpoint import load_model, load_tokenizer
 from polyrl.models.lora.multi import attach_adapters
@@ -415,7 +415,11 @@ class LLM:
     def _output(self, req: _Request) -> RequestOutput:
         outs = [self._completion(s) for s in req.seqs]
         finished = all(s.is_finished for s in req.seqs)
-        return RequestOutput(req.request_id, req.prompt_token_ids, outs, finished, req.prompt)
+        out = RequestOutput(req.request_id, req.prompt_token_ids, outs, finished, req.prompt)
+        pl = req.seqs[0].prompt_lps
+        if pl is not None and len(pl.logprobs) >= len(req.prompt_token_ids):  # complete (prompt_logprobs.py)
+            out.prompt_logprobs = PromptLogprobs(list(pl.logprobs), list(pl.top_logprobs), list(pl.ranks))
+        return out
 
     def _completion(self, s: Sequence) -> CompletionOutput:
         ids = s.output_token_ids

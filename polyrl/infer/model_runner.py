@@ -5,6 +5,9 @@ Eager path (any device, any batch): build ``StepInputs`` (``batch.py``), run ``D
 paged ``AttnMetadata``, gather the hidden state of each sampling sequence's last token and call
 ``compute_logits`` on those rows only (never ``[T, V]``).
 
+Prompt log-probs (``prompt_logprobs.py``): a step whose prefill chunks cover prompt positions a request asked
+to score also scores those rows of the hidden state (chunked; never ``[T, V]``) and stores them on the sequence.
+
 Decode-only steps with at most ``max_graph_batch_size`` sequences replay a CUDA graph where
 ``polyrl.platform.device.supports_graphs()``: ``cuda_graphs.py`` captures forward + logits per batch-size
 bucket over static buffers; the batch is padded to the bucket. A capture that fails (the model does something a
@@ -27,6 +30,7 @@ from polyrl.infer.config import RolloutConfig
 from polyrl.infer.cuda_graphs import DecodeBuffers, DecodeGraphs, GraphCaptureError
 from polyrl.infer.kv_cache import KVCache
 from polyrl.infer.overlap import feed_input_ids
+from polyrl.infer.prompt_logprobs import compute_and_store, plan_step
 from polyrl.infer.sampler import SamplingRows, host_to_device
 from polyrl.infer.scheduler import SchedulerOutput
 from polyrl.models.attention_metadata import AttnMetadata
@@ -53,6 +57,7 @@ class ModelRunner:
         self.last_step_used_graph = False
         self.last_decode: DecodeBuffers | None = None  # inputs of the last step run, for execute_steps
         self.released_capture_s = 0.0  # capture time of graph sets dropped by invalidate_graphs
+        self._prompt_plan = None  # the step's prompt log-prob rows (prompt_logprobs.py), consumed by _eager
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, feed: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
@@ -77,6 +82,7 @@ class ModelRunner:
                 self._decode_eagerly_from_now_on(exc)
         self.last_step_used_graph = False
         inputs = to_device(arrays, self.device)
+        self._prompt_plan = plan_step(sched.items)  # prompt log-probs this step computes (never on a decode graph)
         if fed is not None:
             feed_input_ids(inputs.input_ids, *fed)
         x = inputs
@@ -168,6 +174,9 @@ class ModelRunner:
             context_lens=x.context_lens,
         )
         hidden = self.model(x.input_ids, x.positions, meta)  # [T, H]
+        plan, self._prompt_plan = self._prompt_plan, None
+        if plan is not None:
+            compute_and_store(hidden, self.model.lm_head_weight, plan)
         if x.sample_rows.numel() == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         if x.sample_rows.numel() != x.num_tokens:

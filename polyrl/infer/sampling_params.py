@@ -14,6 +14,9 @@ Semantics follow the OpenAI / vLLM conventions an experienced user expects:
   the reported log-probs stay those of the unmasked distribution, like top-k/top-p (``sampler.py``).
 - ``logprobs = k`` asks for the top-``k`` alternatives per generated token (the sampled token's own
   log-prob is always returned).
+- ``prompt_logprobs = k`` (vLLM's name) asks for every prompt token's log-prob and its top-``k`` alternatives,
+  under the raw distribution (T = 1, no truncation), from ``prompt_logprobs_from`` on (earlier positions are
+  ``None``; the first token always is). Computed in the prefill (``infer/prompt_logprobs.py``).
 
 This module only describes a request; it does not sample (``sampler.py``) or detokenise.
 """
@@ -113,6 +116,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     adapter: str | None = None  # LoRA adapter (a name given to LLM.load_adapters) to run with; None = the base
     structured: StructuredOutputs | None = None  # a grammar the output must match (infer/structured.py)
+    prompt_logprobs: int | None = None  # top-k alternatives per prompt token (0 = the token's own log-prob only)
+    prompt_logprobs_from: int = 1  # first prompt position scored (a scorer's context before it may hit the cache)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -153,6 +158,17 @@ class SamplingParams:
             raise bad(
                 f"logprobs (top alternatives per token) must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}"
             )
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int)
+            or isinstance(self.prompt_logprobs, bool)
+            or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise bad(
+                f"prompt_logprobs (top alternatives per prompt token) must be in [0, {MAX_TOP_LOGPROBS}], "
+                f"got {self.prompt_logprobs!r}"
+            )
+        if not isinstance(self.prompt_logprobs_from, int) or self.prompt_logprobs_from < 1:
+            raise bad(f"prompt_logprobs_from must be an integer >= 1, got {self.prompt_logprobs_from!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise bad(f"stop strings must be non-empty strings, got {s!r}")

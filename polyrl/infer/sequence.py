@@ -45,12 +45,25 @@ class CompletionOutput:
 
 
 @dataclass
+class PromptLogprobs:
+    """Per prompt token (``SamplingParams.prompt_logprobs``): ``logprobs[i]`` is ``log p(prompt[i] | prompt[:i])``
+    (None for position 0 and before ``prompt_logprobs_from``); ``top_logprobs[i]`` maps token id -> log-prob for
+    the top-k alternatives there (None where ``logprobs[i]`` is; ``{}`` when k = 0); ``ranks[i]`` is the rank of
+    ``prompt[i]`` in that distribution (1 = likeliest), known when k > 0 (None otherwise)."""
+
+    logprobs: list[float | None]
+    top_logprobs: list[dict[int, float] | None]
+    ranks: list[int | None] = field(default_factory=list)
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
     prompt: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs was set
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -88,6 +101,7 @@ class Sequence:
         "pending_row",
         "draw",
         "guide",
+        "prompt_lps",
     )
 
     def __init__(
@@ -127,6 +141,12 @@ class Sequence:
         self.pending_row = -1
         self.draw: tuple[float, bool, int] | None = None  # the sampler's (temperature, greedy, seed), made once
         self.guide: Any = None  # structured outputs: this sample's grammar matcher (infer/structured.py)
+        # Prompt log-probs (sample 0 of a request asking for them; ``prompt_logprobs.py``): filled position by
+        # position as the prefill chunks run; None when not wanted.
+        self.prompt_lps: PromptLogprobs | None = None
+        if params.prompt_logprobs is not None and index == 0:
+            first = min(params.prompt_logprobs_from, self.num_prompt)
+            self.prompt_lps = PromptLogprobs([None] * first, [None] * first, [None] * first)
 
     @property
     def num_tokens(self) -> int:

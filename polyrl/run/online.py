@@ -17,7 +17,8 @@ One RL step, each stage a method of ``OnlineRun`` so an algorithm can override o
 4. ``update(...)``: ``ppo_epochs`` x ``mini_batches`` optimizer steps, loss from ``hooks.make_loss``.
 5. metrics (reward, response length, truncation, KL, mismatch, entropy, clip fraction, time split rollout /
    reward / logprob / train), evaluation every ``train.eval_every`` steps on held-out prompts (greedy mean reward and
-   exact-match accuracy), atomic checkpoints with the data position (exact resume), ``metrics.png``, summary, and a
+   exact-match accuracy; with ``eval_n`` > 1 also sampled mean reward, unbiased pass@k and length), atomic
+   checkpoints with the data position (exact resume), ``metrics.png``, summary, and a
    seeded sample of ``rollouts_to_save`` rollouts per step in ``rollouts.jsonl`` for ``polyrl view``
    (``polyrl.run.rollout_log``: texts, rewards, the rollout's and, when measured, the trainer's per-token log-probs).
 
@@ -65,6 +66,7 @@ from polyrl.models.checkpoint import load_tokenizer
 from polyrl.run.colocated import ColocatedPolicy
 from polyrl.run.config import RunConfig, save_resolved
 from polyrl.run.data_parallel import DataParallelSteps
+from polyrl.run.evaluate import sampled_metrics
 from polyrl.run.offline import (
     export_final,
     open_checkpoints,
@@ -421,13 +423,26 @@ class OnlineRun(DataParallelSteps):
         out = {"eval_reward": _mean(res.rewards)}
         if all(p.answer is not None for p in prompts):
             out["eval_accuracy"] = _mean([float(check(s.text, p)) for s, p in zip(samples, prompts)])
+        n = getattr(self.a, "eval_n", 1)
+        if n > 1:  # sampled as in training, the same seeds at every evaluation: mean reward, pass@k, length
+            sampling = params.clone(temperature=self.a.temperature, top_p=self.a.top_p)
+            seeds = [rollout_seed(self.cfg.seed, -1, k) for k in range(len(ids))]
+            drawn = self.policy.rollout(ids, n, sampling, seeds)
+            res = self.score([s.text for s in drawn], [views[s.group] for s in drawn])
+            lengths = [len(s.completion_ids) for s in drawn]
+            groups = [s.group for s in drawn]
+            out.update(sampled_metrics(res.rewards, groups, lengths, n, self.a.eval_pass_threshold))
         return out
 
     def step(self, step: int) -> dict[str, Any]:
         """RL step ``step`` (0-based) end to end; the metrics record (``step`` 1-based)."""
         t0 = time.perf_counter()
         samples, rewards, rec = self.collect(step)
-        adv, keep, adv_metrics = self.hooks.advantages(rewards, [s.group for s in samples])
+        groups = [s.group for s in samples]
+        if hasattr(self.hooks, "sample_advantages"):  # per-token advantages from the samples (distill)
+            adv, keep, adv_metrics = self.hooks.sample_advantages(samples, rewards, groups, self.tokenizer)
+        else:
+            adv, keep, adv_metrics = self.hooks.advantages(rewards, groups)
         rec.update(adv_metrics)
         self.measured_logprobs = None
         if keep:

@@ -31,10 +31,11 @@ from polyrl.agents.tool_parsers import ToolCallStream
 from polyrl.errors import UserError
 from polyrl.infer.sampling_params import MAX_TOP_LOGPROBS
 from polyrl.server.api_errors import APIError, bad_request
-from polyrl.server.logprobs import chat_logprobs
+from polyrl.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from polyrl.server.params import (
     check_max_tokens,
     check_n,
+    check_prompt_logprobs,
     check_ranges,
     default_max_tokens,
     prompt_budget,
@@ -153,7 +154,10 @@ async def create_chat_completion(state: Any, req: ChatCompletionRequest, request
             lp = chat_logprobs(state.token_text, c.token_ids, c.logprobs, c.top_logprobs, req.top_logprobs or 0)
         message, finish = reply_message(plan, c.text, c.finish_reason)
         choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
-    return {"object": "chat.completion", **head, "choices": choices, "usage": _usage(len(ids), out.outputs)}
+    body = {"object": "chat.completion", **head, "choices": choices, "usage": _usage(len(ids), out.outputs)}
+    if req.prompt_logprobs is not None:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(state.token_text, ids, out.prompt_logprobs, req.prompt_logprobs)
+    return body
 
 
 async def submit_chat(
@@ -179,6 +183,7 @@ async def submit_chat(
     param = "max_completion_tokens" if use_mct else "max_tokens"
     check_max_tokens(max_tokens, param, 0, ctx, "messages")
     k = (req.top_logprobs or 0) if req.logprobs else None
+    check_prompt_logprobs(getattr(req, "prompt_logprobs", None), req.stream)
     sampling_params(req, max_tokens, k)  # every value checked before any templating or tokenising
     template, kwargs = template_kwargs(req, state.config.allow_request_chat_template)
     tok = state.llm.tokenizer
@@ -194,6 +199,8 @@ async def submit_chat(
     check_max_tokens(max_tokens, param, len(ids), ctx, "messages")
     max_tokens = default_max_tokens(max_tokens, state.config.default_max_tokens, len(ids), ctx)
     params = apply_plan(sampling_params(req, max_tokens, k), plan)
+    if getattr(req, "prompt_logprobs", None) is not None:  # vLLM's extra: the templated prompt's log-probs
+        params = params.clone(prompt_logprobs=req.prompt_logprobs)
     params = state.with_adapter(params, model)
     group = state.engine.new_group()
     state.engine.submit(group, ids, params, stream=req.stream, request_id=rid)

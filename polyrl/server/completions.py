@@ -2,9 +2,12 @@
 SSE stream).
 
 ``prompt`` may be a string, a list of strings, a list of token ids or a list of id lists; choice ``i * n + j``
-is sample ``j`` of prompt ``i``. ``echo`` prepends the prompt text (without prompt log-probs, which the
-engine does not compute: ``echo`` with ``logprobs`` is a 400). ``prompt: ""`` is accepted, as the OpenAI API
-accepts it: it is generated from the tokenizer's BOS token (EOS when it has none, like OpenAI's
+is sample ``j`` of prompt ``i``. ``echo`` prepends the prompt text; with ``logprobs: k`` the log-probs block starts
+with the prompt's tokens (the first one's log-prob ``null``), as OpenAI's legacy API and lm-eval-harness expect, and
+``max_tokens: 0`` with ``echo`` scores the prompt without generating. vLLM's ``prompt_logprobs: k`` adds a
+``prompt_logprobs`` list to each choice. Prompt log-probs come from the engine's prefill
+(``polyrl/infer/prompt_logprobs.py``) and are not streamed (a 400 says so). ``prompt: ""`` is accepted, as the
+OpenAI API accepts it: it is generated from the tokenizer's BOS token (EOS when it has none, like OpenAI's
 <|endoftext|>). Prompts are tokenised in the server's prep pool, refused early once over the context minus
 ``max_tokens``; a batch with more prompts than ``--max-queue`` is a 400 (it could never be admitted).
 Not here: chat templates (``chat.py``).
@@ -17,11 +20,12 @@ import uuid
 from typing import Any
 
 from polyrl.errors import UserError
-from polyrl.server.api_errors import bad_request
-from polyrl.server.logprobs import completion_logprobs
+from polyrl.server.api_errors import APIError, bad_request
+from polyrl.server.logprobs import completion_logprobs, echo_logprobs, join_logprobs, vllm_prompt_logprobs
 from polyrl.server.params import (
     check_max_tokens,
     check_n,
+    check_prompt_logprobs,
     check_ranges,
     default_max_tokens,
     prompt_budget,
@@ -77,16 +81,40 @@ def encode(llm: Any, prompts: list[str | list[int]], limit: int) -> list[tuple[s
     return out
 
 
+def prompt_logprobs_k(req: CompletionRequest) -> int | None:
+    """Top-k the engine computes per prompt token (None: no prompt log-probs); a 400 when out of range."""
+    k = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:
+        k = max(k or 0, req.logprobs)
+    check_prompt_logprobs(k, req.stream)
+    return k
+
+
+def engine_max_tokens(req: CompletionRequest) -> int | None:
+    """``max_tokens`` for the engine: ``max_tokens: 0`` (score the prompt only) runs one step and drops its token."""
+    if req.max_tokens != 0:
+        return req.max_tokens
+    if not req.echo and req.prompt_logprobs is None:
+        raise bad_request(
+            "max_tokens 0 only scores the prompt: set echo: true (with logprobs) or prompt_logprobs, or ask for at "
+            "least 1 token",
+            "max_tokens",
+            "invalid_value",
+        )
+    return 1
+
+
 async def create_completion(state: Any, req: CompletionRequest, request: Any) -> Any:
     model = state.resolve_model(req.model)
     ctx = state.llm.max_model_len
     reject_unsupported(req)
     check_n(req.n, state.config.max_n)
     check_ranges(req, state.llm.vocab_size, ctx)
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs is not supported (no prompt log-probs); drop one", "echo", "unsupported")
-    check_max_tokens(req.max_tokens, "max_tokens", 0, ctx, "prompt")
-    sampling_params(req, req.max_tokens, req.logprobs)  # every value checked before any tokenising
+    score_only = req.max_tokens == 0
+    req_max_tokens = engine_max_tokens(req)
+    prompt_k = prompt_logprobs_k(req)
+    check_max_tokens(req_max_tokens, "max_tokens", 0, ctx, "prompt")
+    sampling_params(req, req_max_tokens, req.logprobs)  # every value checked before any tokenising
     structured, structured_param = extra_structured(req)  # vLLM's guided_* / structured_outputs (tool_calls.py)
     await compile_plan(state, ToolPlan(None, None, True, structured, structured_param))
     items = split_prompts(req.prompt)
@@ -99,20 +127,22 @@ async def create_completion(state: Any, req: CompletionRequest, request: Any) ->
             "prompt",
             "invalid_value",
         )
-    limit = prompt_budget(req.max_tokens, ctx)
+    limit = prompt_budget(req_max_tokens, ctx)
     for p in items:
         if isinstance(p, list) and len(p) > limit:  # token ids: counted before any other work
-            raise prompt_too_long(PromptTooLong(len(p), exact=True), req.max_tokens, ctx, "prompt")
+            raise prompt_too_long(PromptTooLong(len(p), exact=True), req_max_tokens, ctx, "prompt")
     try:
         prompts = await state.prep(encode, state.llm, items, limit)
     except PromptTooLong as exc:
-        raise prompt_too_long(exc, req.max_tokens, ctx, "prompt") from None
+        raise prompt_too_long(exc, req_max_tokens, ctx, "prompt") from None
     for _, ids in prompts:
-        check_max_tokens(req.max_tokens, "max_tokens", len(ids), ctx, "prompt")
+        check_max_tokens(req_max_tokens, "max_tokens", len(ids), ctx, "prompt")
     longest = max(len(ids) for _, ids in prompts)
-    max_tokens = default_max_tokens(req.max_tokens, state.config.default_max_tokens, longest, ctx)
+    max_tokens = default_max_tokens(req_max_tokens, state.config.default_max_tokens, longest, ctx)
     params = sampling_params(req, max_tokens, req.logprobs)
     params = params.clone(structured=structured) if structured is not None else params
+    if prompt_k is not None:
+        params = params.clone(prompt_logprobs=prompt_k)
     params = state.with_adapter(params, model)
     state.engine.admit(len(prompts))  # the whole batch or none of it: 429 (Retry-After) when the queue is full
     base_id = f"cmpl-{uuid.uuid4().hex}"
@@ -139,22 +169,40 @@ async def create_completion(state: Any, req: CompletionRequest, request: Any) ->
     for rid in rids:
         pi = order[rid]
         prefix = prompts[pi][0] if req.echo else ""
-        for c in done[rid].outputs:
-            completion_tokens += len(c.token_ids)
+        out = done[rid]
+        echoed = None
+        if prompt_k is not None and out.prompt_logprobs is None:
+            raise APIError("the engine returned no prompt log-probs for this request", 500, "server_error")
+        if req.echo and req.logprobs is not None:
+            echoed = echo_logprobs(state.token_text, out.prompt_token_ids, out.prompt_logprobs, req.logprobs)
+        for c in out.outputs:
+            ids, text, lps, tops = c.token_ids, c.text, c.logprobs, c.top_logprobs
+            if score_only:  # the one token the engine had to sample is not part of the answer
+                ids, text, lps, tops = [], "", [], []
+            completion_tokens += len(ids)
             lp = None
             if req.logprobs is not None:
-                lp = completion_logprobs(state.token_text, c.token_ids, c.logprobs, c.top_logprobs, req.logprobs)
-            choices.append(
-                {
-                    "index": pi * req.n + c.index,
-                    "text": prefix + c.text,
-                    "logprobs": lp,
-                    "finish_reason": "stop" if c.finish_reason == "abort" else c.finish_reason,
-                }
-            )
+                start = sum(len(t) for t in echoed["tokens"]) if echoed is not None else 0
+                lp = completion_logprobs(state.token_text, ids, lps, tops, req.logprobs, start)
+                lp = join_logprobs(echoed, lp) if echoed is not None else lp
+            choice = {
+                "index": pi * req.n + c.index,
+                "text": prefix + text,
+                "logprobs": lp,
+                "finish_reason": "length" if score_only else _finish(c.finish_reason),
+            }
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                    state.token_text, out.prompt_token_ids, out.prompt_logprobs, req.prompt_logprobs
+                )
+            choices.append(choice)
     usage = {"prompt_tokens": num_prompt, "completion_tokens": completion_tokens}
     usage["total_tokens"] = num_prompt + completion_tokens
     return {"object": "text_completion", **head, "choices": choices, "usage": usage}
+
+
+def _finish(reason: str | None) -> str | None:
+    return "stop" if reason == "abort" else reason
 
 
 async def _stream(state, group, req, head, prompts, order, num_prompt: int, usage: bool):

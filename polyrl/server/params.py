@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from polyrl.errors import UserError
-from polyrl.infer.sampling_params import SamplingParams
+from polyrl.infer.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from polyrl.server.api_errors import APIError, bad_request
 
 
@@ -104,6 +104,23 @@ def check_max_tokens(max_tokens: int | None, param: str, prompt_len: int, max_mo
             f"Please reduce the length of the {what} or the completion.",
             "messages" if what == "messages" else "prompt",
             "context_length_exceeded",
+        )
+
+
+def check_prompt_logprobs(k: int | None, stream: bool) -> None:
+    """400 unless ``prompt_logprobs`` (vLLM's extra) is unset or in [0, MAX_TOP_LOGPROBS] on a non-streaming request
+    (prompt log-probs are computed in the prefill and returned with the whole response)."""
+    if k is None:
+        return
+    if not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise bad_request(
+            f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {k}", "prompt_logprobs", "invalid_value"
+        )
+    if stream:
+        raise bad_request(
+            "prompt log-probs (echo with logprobs, or prompt_logprobs) are not streamed; set stream: false",
+            "stream",
+            "unsupported",
         )
 
 

@@ -79,6 +79,7 @@ class ChatCompletionRequest(_Sampling):
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # refused unless the server allows request templates (see prompts.py)
+    prompt_logprobs: int | None = None  # vLLM's extra: the prompt tokens' log-probs with top-k alternatives
 
 
 class ResponsesRequest(_Strict):
@@ -120,6 +121,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra: the prompt tokens' log-probs with top-k alternatives
 
 
 class ErrorDetail(BaseModel):

@@ -49,7 +49,10 @@ BAD_REQUESTS = [
     ("completions", completion(prompt=[5, 999_999]), "prompt"),
     ("completions", completion(prompt=[]), "prompt"),
     ("completions", completion(logprobs=21), "logprobs"),
-    ("completions", completion(echo=True, logprobs=1), "echo"),
+    ("completions", completion(echo=True, logprobs=1, stream=True), "stream"),
+    ("completions", completion(prompt_logprobs=21), "prompt_logprobs"),
+    ("completions", completion(max_tokens=0), "max_tokens"),
+    ("chat", chat(prompt_logprobs=-1), "prompt_logprobs"),
     ("completions", completion(best_of=3), "best_of"),
     ("completions", completion(max_tokens=-1), "max_tokens"),
 ]

@@ -1,0 +1,255 @@
+"""``PolyrlLM``: lm-eval-harness's model interface over polyrl's rollout engine, registered as ``polyrl``.
+
+- ``loglikelihood``: each (context, continuation) pair becomes one engine request ``context + continuation`` with
+  ``prompt_logprobs=1`` scored from the continuation's first token on (``prompt_logprobs_from``), so the context's
+  full KV blocks may come from the prefix cache: the choices of a multiple-choice document share their context,
+  computed once. All requests go to the engine at once (continuous batching; no padding, no ``[B, T, V]`` logits:
+  ``infer/prompt_logprobs.py``). ``is_greedy``: every continuation token is the argmax of its distribution.
+- ``loglikelihood_rolling``: lm-eval's disjoint rolling windows of ``max_length`` tokens, each scored as above.
+- ``generate_until``: greedy (or sampled, when ``do_sample``) generation through the engine, cut at the stop
+  strings (the engine stops on them and on EOS).
+
+Tokenisation follows lm-eval's ``hf`` backend (the tokenizer's default special tokens; ``prefix_token_id`` = BOS,
+else EOS), so per-sample log-likelihoods match it (``tests/eval``). Imports lm-eval at module level: import this
+module only when lm-eval is wanted (the ``eval`` extra). Not here: the CLI (``cli/eval.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lm_eval.models  # noqa: F401  (the builtin backends first: lm-eval loads them only into an empty registry)
+import lm_eval.utils as lm_utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from tqdm import tqdm
+
+from polyrl.errors import UserError
+from polyrl.eval.bundled import BUNDLED_TASKS, bundled_task_dir
+from polyrl.eval.loading import eval_engine, load_eval_model
+from polyrl.infer.llm import LLM
+from polyrl.infer.sampling_params import SamplingParams
+
+CHUNK_REQUESTS = 4096  # requests handed to the engine per progress-bar update
+
+
+def _truthy(v: Any) -> bool:
+    return v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes")
+
+
+@register_model("polyrl")
+class PolyrlLM(TemplateLM):
+    """lm-eval model ``polyrl``. ``pretrained``: an HF or PEFT adapter folder (``--model_args pretrained=DIR``,
+    optional ``dtype``, ``device``, ``max_length``, ``base``); or ``llm``: an engine already built (``polyrl eval``,
+    in-training evaluation)."""
+
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        llm: LLM | None = None,
+        dtype: str | None = None,
+        device: str | None = None,
+        max_length: int | None = None,
+        base: str | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        batch_size: Any = None,  # lm-eval passes these; the engine batches by tokens instead
+        max_batch_size: Any = None,
+        show_progress: Any = True,
+        **unused: Any,
+    ) -> None:
+        super().__init__()
+        if llm is None:
+            if pretrained is None:
+                raise UserError("the polyrl lm-eval model needs pretrained=DIR (an HF or PEFT adapter folder)")
+            model, tokenizer = load_eval_model(pretrained, dtype, device, base)
+            llm = eval_engine(
+                model,
+                tokenizer,
+                max_model_len=int(max_length) if max_length else None,
+                max_num_seqs=int(max_num_seqs),
+                max_num_batched_tokens=int(max_num_batched_tokens),
+            )
+        if llm.tokenizer is None:
+            raise UserError("the polyrl lm-eval model needs an engine with a tokenizer")
+        self.llm = llm
+        self.tokenizer = llm.tokenizer
+        self._max_length = llm.max_model_len
+        self.show_progress = _truthy(show_progress)
+
+    # ---- what TemplateLM needs ----------------------------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        eos = self.tokenizer.eos_token_id
+        return int(eos) if eos is not None else next(iter(self.llm.eos_token_ids))
+
+    @property
+    def prefix_token_id(self) -> int:
+        bos = self.tokenizer.bos_token_id
+        return int(bos) if bos is not None else self.eot_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.tokenizer, "name_or_path", "polyrl")).replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        if add_special_tokens is None:
+            return list(self.tokenizer.encode(string))
+        return list(self.tokenizer.encode(string, add_special_tokens=add_special_tokens))
+
+    def tok_decode(self, tokens: list[int], **kwargs: Any) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    # ---- scoring ------------------------------------------------------------------------------------
+    def _score(self, pairs: list[tuple[list[int], list[int]]], desc: str) -> list[tuple[float, bool]]:
+        """(sum of continuation log-probs, whether every continuation token is the argmax) per (context,
+        continuation) pair of token ids; contexts are cut from the left to fit the engine's context."""
+        prompts, params = [], []
+        limit = self.max_length - 1  # the engine samples one token after the prompt
+        for ctx, cont in pairs:
+            if not cont:
+                raise UserError("lm-eval asked to score an empty continuation; check the task's doc_to_choice")
+            whole = (ctx + cont)[-limit:]
+            start = max(1, len(whole) - len(cont))
+            prompts.append(whole)
+            params.append(SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, prompt_logprobs_from=start))
+        out: list[tuple[float, bool]] = []
+        bar = tqdm(total=len(prompts), desc=desc, disable=not self.show_progress)
+        for lo in range(0, len(prompts), CHUNK_REQUESTS):
+            results = self.llm.generate(prompts[lo : lo + CHUNK_REQUESTS], params[lo : lo + CHUNK_REQUESTS])
+            for r, sp in zip(results, params[lo : lo + CHUNK_REQUESTS]):
+                pl = r.prompt_logprobs
+                ids = r.prompt_token_ids
+                first = sp.prompt_logprobs_from
+                total = sum(pl.logprobs[first:])
+                greedy = all(ids[i] in pl.top_logprobs[i] for i in range(first, len(ids)))
+                out.append((float(total), bool(greedy)))
+            bar.update(len(results))
+        bar.close()
+        return out
+
+    def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any) -> list:
+        pairs = [(list(ctx), list(cont)) for _, ctx, cont in requests]
+        results = self._score(pairs, "polyrl loglikelihood")
+        for (key, _, _), res in zip(requests, results):
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, res)
+        return results
+
+    def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
+        windows, owner = [], []
+        for i, req in enumerate(requests):
+            (string,) = req.args
+            for w in lm_utils.get_rolling_token_windows(
+                token_list=self.tok_encode(string),
+                prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length - 1,
+                context_len=1,
+            ):
+                windows.append(lm_utils.make_disjoint_window(w))
+                owner.append(i)
+        totals = [0.0] * len(requests)
+        for i, (lp, _) in zip(owner, self._score(windows, "polyrl loglikelihood_rolling")):
+            totals[i] += lp
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), total)
+        return totals
+
+    # ---- generation ---------------------------------------------------------------------------------
+    def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+        prompts, params = [], []
+        eos_text = self.tok_decode([self.eot_token_id])
+        for req in requests:
+            context, gen_kwargs = req.args
+            kw = dict(gen_kwargs or {})
+            until = kw.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            if eos_text and eos_text not in until:
+                until.append(eos_text)
+            max_gen = int(kw.pop("max_gen_toks", 256))
+            do_sample = _truthy(kw.pop("do_sample", False))
+            temperature = float(kw.pop("temperature", 0.0)) if do_sample else 0.0
+            ids = self.tok_encode(context)
+            ids = ids[-max(1, self.max_length - max_gen) :]
+            max_gen = max(1, min(max_gen, self.max_length - len(ids)))
+            until = [s for s in until if s]
+            prompts.append(ids)
+            params.append(SamplingParams(temperature=temperature, max_tokens=max_gen, stop=until or None))
+        texts: list[str] = []
+        bar = tqdm(total=len(prompts), desc="polyrl generate_until", disable=not self.show_progress)
+        for lo in range(0, len(prompts), CHUNK_REQUESTS):
+            results = self.llm.generate(prompts[lo : lo + CHUNK_REQUESTS], params[lo : lo + CHUNK_REQUESTS])
+            texts.extend(r.outputs[0].text for r in results)
+            bar.update(len(results))
+        bar.close()
+        for req, text in zip(requests, texts):
+            self.cache_hook.add_partial("generate_until", req.args, text)
+        return texts
+
+
+def _task_names(folder: Path) -> set[str]:
+    """The ``task:`` names of the YAML files under ``folder``."""
+    names = set()
+    for p in folder.rglob("*.yaml"):
+        for line in p.read_text(errors="replace").splitlines():
+            if line.startswith("task:"):
+                names.add(line.split(":", 1)[1].strip().strip("'\""))
+    return names
+
+
+def run_tasks(
+    llm: LLM,
+    tasks: list[str],
+    include_path: str | None = None,
+    limit: int | float | None = None,
+    num_fewshot: int | None = None,
+    apply_chat_template: bool = False,
+    log_samples: bool = False,
+) -> dict[str, Any]:
+    """lm-eval's ``simple_evaluate`` of ``tasks`` on ``llm`` (the ``polyrl`` model), the bundled tasks and
+    ``include_path`` searchable by name. lm-eval's own task index (thousands of YAMLs, seconds to build) is read
+    only when a task is not found in those folders."""
+    # lazy: lm-eval's evaluator and task index load only when tasks are run
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    paths = [bundled_task_dir()]
+    if include_path is not None:
+        if not Path(include_path).is_dir():
+            raise UserError(f"--include-path {include_path!r} is not a folder of lm-eval task YAML files")
+        paths.append(Path(include_path))
+    local = set().union(*(_task_names(p) for p in paths))
+    tm = TaskManager(include_path=[str(p) for p in paths], include_defaults=not set(tasks) <= local)
+    unknown = [t for t in tasks if t not in tm.all_tasks]
+    if unknown:
+        raise UserError(
+            f"unknown lm-eval task(s) {', '.join(unknown)}; bundled: {', '.join(BUNDLED_TASKS)} "
+            f"(or give --include-path DIR with their YAML files)"
+        )
+    return lm_eval.simple_evaluate(
+        model=PolyrlLM(llm=llm),
+        tasks=tasks,
+        task_manager=tm,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        apply_chat_template=apply_chat_template,
+        log_samples=log_samples,
+    )
+
+
+def result_rows(results: dict[str, Any]) -> list[tuple[str, str, float, float | None]]:
+    """(task, metric, value, stderr) rows of a ``simple_evaluate`` result, for a table or JSON."""
+    rows = []
+    for task, metrics in results["results"].items():
+        for key, value in metrics.items():
+            if not isinstance(value, (int, float)) or "_stderr" in key or key in ("sample_len",):
+                continue
+            metric, _, _ = key.partition(",")
+            err = metrics.get(key.replace(",", "_stderr,", 1))
+            rows.append((task, metric, float(value), float(err) if isinstance(err, (int, float)) else None))
+    return rows

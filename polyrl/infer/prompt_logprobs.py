@@ -1,0 +1,132 @@
+"""Prompt log-probs in the prefill: ``log p(prompt[i] | prompt[:i])`` and the top-k alternatives, per prompt token.
+
+A sequence asking for them (``SamplingParams.prompt_logprobs``, sample 0 of its request) carries a
+``PromptLogprobs`` whose lists grow as its prefill chunks run: the hidden state at position ``p`` scores token
+``p + 1``, so a chunk covering positions ``[start, start + n)`` fills the entries ``start + 1 .. start + n`` that
+are still missing (the last prompt position scores the first generated token: that is the sampler's job). Only the
+selected rows of the step's ``[T, H]`` hidden states reach the LM head:
+
+- without alternatives (k = 0) the chosen token's log-prob is ``kernels.token_logprobs`` (the op the training
+  forward uses for its log-probs), called on row chunks of at most ``ROW_CHUNK_ELEMS`` logits (its CPU reference
+  holds 4096 rows x V at once), so scores equal the trainer's;
+- with top-k alternatives one pass over row chunks of logits (``[rows, V]`` fp32, at most ``ROW_CHUNK_ELEMS`` =
+  64 MiB; never ``[T, V]`` at once) gives the alternatives, the token's rank and its log-prob (the op reference's
+  arithmetic: logits in the model's dtype, upcast, log-softmax), so the LM head runs once per row; the chosen
+  token's entry among the alternatives is that same number, so a greedy check (``logprob == max(top)``) is exact.
+
+Prefix cache: positions whose log-probs are still missing are always recomputed; ``BlockManager.lookup_prefix``
+lets a sequence take cached blocks only below the first position it still needs (``prompt_logprobs_from`` lets a
+scorer that wants only a continuation's log-probs keep the cache hit on its context). Preemption keeps what was
+filled. Log-probs are of the raw distribution (temperature 1, no truncation), as vLLM reports prompt log-probs.
+
+This module only computes and stores; scheduling and formatting (``server/logprobs.py``) live elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from polyrl import kernels
+from polyrl.infer.scheduler import ScheduledSeq
+from polyrl.infer.sequence import Sequence
+
+ROW_CHUNK_ELEMS = 1 << 24  # logits elements per top-k chunk: [rows, V] fp32 = 64 MiB
+
+
+def first_needed(seq: Sequence) -> int | None:
+    """The first prompt position whose hidden state ``seq`` still needs for its prompt log-probs, or None."""
+    pl = seq.prompt_lps
+    if pl is None or len(pl.logprobs) >= seq.num_prompt:
+        return None
+    return len(pl.logprobs) - 1
+
+
+@dataclass
+class PromptPlan:
+    rows: list[int]  # rows of the step's [T, H] hidden states
+    targets: list[int]  # the prompt token each row scores
+    spans: list[tuple[Sequence, int]]  # (sequence, rows of it), in row order
+    top_k: int  # the largest k asked for in this step
+
+
+def plan_step(items: list[ScheduledSeq]) -> PromptPlan | None:
+    """Which hidden rows of this step score which prompt tokens; None when no item needs any."""
+    rows: list[int] = []
+    targets: list[int] = []
+    spans: list[tuple[Sequence, int]] = []
+    top_k, lo = 0, 0
+    for it in items:
+        s = it.seq
+        need = first_needed(s)
+        if need is not None and need < it.start + it.num_new:
+            if need < it.start:
+                raise RuntimeError(f"prompt log-probs of {s!r} skipped position {need} (a cached prefix was taken)")
+            end = min(it.start + it.num_new, s.num_prompt - 1)  # positions [need, end) score tokens need+1 .. end
+            if end > need:
+                rows.extend(range(lo + need - it.start, lo + end - it.start))
+                targets.extend(s.tokens[need + 1 : end + 1])
+                spans.append((s, end - need))
+                top_k = max(top_k, s.params.prompt_logprobs or 0)
+        lo += it.num_new
+    return PromptPlan(rows, targets, spans, top_k) if rows else None
+
+
+def compute_and_store(hidden: torch.Tensor, weight: torch.Tensor, plan: PromptPlan) -> None:
+    """Score ``plan``'s rows of ``hidden`` ``[T, H]`` against the LM head ``weight`` ``[V, H]`` and append the
+    results to each sequence's ``prompt_lps``."""
+    dev = hidden.device
+    rows = torch.tensor(plan.rows, dtype=torch.long, device=dev)
+    targets = torch.tensor(plan.targets, dtype=torch.long, device=dev)
+    h = hidden.index_select(0, rows)  # [R, H]
+    tv = ti = ranks = None
+    if plan.top_k:  # one pass over the logits gives the alternatives, the ranks and the chosen tokens' log-probs
+        top_v, top_i, rank, chosen = top_logprobs(h, weight, plan.top_k, targets)
+        tv, ti, ranks = top_v.tolist(), top_i.tolist(), rank.tolist()
+    else:
+        chunk = max(1, ROW_CHUNK_ELEMS // weight.shape[0])  # bounded logits whatever the op's own chunking
+        parts = [
+            kernels.token_logprobs(h[lo : lo + chunk], weight, targets[lo : lo + chunk])
+            for lo in range(0, len(rows), chunk)
+        ]
+        chosen = torch.cat(parts).float()  # [R]
+    lps = chosen.tolist()
+    r = 0
+    for seq, count in plan.spans:
+        pl = seq.prompt_lps
+        k = seq.params.prompt_logprobs or 0
+        for j in range(r, r + count):
+            pl.logprobs.append(lps[j])
+            top: dict[int, float] = {}
+            if k:
+                top = dict(zip(ti[j][:k], tv[j][:k]))
+                if plan.targets[j] in top:  # the same number as the token's own log-prob (an exact greedy test)
+                    top[plan.targets[j]] = lps[j]
+            pl.top_logprobs.append(top)
+            pl.ranks.append(ranks[j] if k else None)
+        r += count
+
+
+def top_logprobs(
+    h: torch.Tensor, weight: torch.Tensor, k: int, targets: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(log-probs fp32 ``[R, k]``, token ids int64 ``[R, k]``, rank int64 ``[R]`` and log-prob fp32 ``[R]`` of
+    ``targets``, the last two None without targets) of the ``k`` likeliest tokens of each row of ``h`` ``[R, H]``,
+    over row chunks (never more than ``ROW_CHUNK_ELEMS`` logits at once). Logits are computed in the model's dtype
+    and upcast, as ``kernels.token_logprobs``' reference does. A rank counts the tokens strictly likelier, plus one."""
+    chunk = max(1, ROW_CHUNK_ELEMS // weight.shape[0])
+    vals, ids, ranks, own_lp = [], [], [], []
+    for lo in range(0, h.shape[0], chunk):
+        logits = (h[lo : lo + chunk] @ weight.t()).float()  # [r, V]
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        v, i = logits.topk(k, dim=-1)
+        vals.append(v - lse)
+        ids.append(i)
+        if targets is not None:
+            own = logits.gather(-1, targets[lo : lo + chunk, None])  # [r, 1]
+            ranks.append((logits > own).sum(-1) + 1)
+            own_lp.append((own - lse)[:, 0])
+    if targets is None:
+        return torch.cat(vals), torch.cat(ids), None, None
+    return torch.cat(vals), torch.cat(ids), torch.cat(ranks), torch.cat(own_lp)

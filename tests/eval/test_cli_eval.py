@@ -1,0 +1,117 @@
+"""``polyrl eval``: lm-eval tasks in-process (accuracy equal to an independent scoring with the model's forward),
+reward evaluation (mean reward, pass@k from per-prompt pass counts, mean length), PEFT adapter folders, errors."""
+
+from __future__ import annotations
+
+import json
+from math import comb
+
+import pytest
+import torch
+
+from polyrl.cli.main import main
+from polyrl.eval.bundled import TASK_DIR
+from polyrl.models.attention_metadata import AttnMetadata
+from polyrl.run.evaluate import pass_at_k
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def cli(*argv: str) -> int:
+    return main(["eval", "--device", "cpu", "--dtype", "float32", "--max-model-len", "256", *argv])
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_pass_at_k_is_the_unbiased_estimator(n):
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            assert pass_at_k(n, c, k) == pytest.approx(1 - comb(n - c, k) / comb(n, k), abs=1e-12)
+
+
+@torch.no_grad()
+def continuation_logprob(model, tok, context: str, continuation: str) -> float:
+    """Sum of log p(continuation | context) by a plain forward, split as lm-eval's causal models split."""
+    whole = tok.encode(context + continuation)
+    ctx = len(tok.encode(context))
+    hidden = model(torch.tensor(whole), torch.arange(len(whole)), AttnMetadata.from_seqlens([len(whole)]))
+    logp = torch.log_softmax(model.compute_logits(hidden), -1)
+    return sum(logp[i - 1, whole[i]].item() for i in range(ctx, len(whole)))
+
+
+def test_tasks_accuracy_equals_an_independent_scoring(tiny_model_dir, tmp_path, capsys):
+    from polyrl.models.checkpoint import load_model, load_tokenizer
+
+    out = tmp_path / "eval.json"
+    assert cli("--model", str(tiny_model_dir), "--tasks", "polyrl_arith_mc", "--limit", "10", "--output", str(out)) == 0
+    report = json.loads(out.read_text())
+    assert report["mode"] == "lm-eval" and report["n_samples"]["polyrl_arith_mc"]["effective"] == 10
+    assert "acc" in capsys.readouterr().out  # the table
+    model, tok = load_model(str(tiny_model_dir), dtype=torch.float32).eval(), load_tokenizer(str(tiny_model_dir))
+    docs = [json.loads(line) for line in (TASK_DIR / "polyrl_arith_mc.jsonl").read_text().splitlines()[:10]]
+    right = 0
+    for d in docs:
+        context = f"Question: {d['question']}\nAnswer:"
+        scores = [continuation_logprob(model, tok, context, " " + c) for c in d["choices"]]
+        right += int(max(range(4), key=scores.__getitem__) == d["label"])
+    assert report["results"]["polyrl_arith_mc"]["acc"] == pytest.approx(right / 10)
+
+
+def test_rewards_pass_at_k_and_length(tiny_model_dir, tmp_path):
+    reward = tmp_path / "parity.py"
+    reward.write_text("def parity(completion, example):\n    return float(len(completion) % 2 == 0)\n")
+    out = tmp_path / "eval.json"
+    argv = ["--model", str(tiny_model_dir), "--data", "builtin:arithmetic", "--reward", f"{reward}:parity"]
+    assert cli(*argv, "--n", "4", "--limit", "6", "--max-tokens", "6", "--output", str(out)) == 0
+    r = json.loads(out.read_text())
+    assert r["mode"] == "reward" and r["num_prompts"] == 6 and r["n"] == 4 and r["temperature"] == 1.0
+    passed = r["passed"]
+    assert len(passed) == 6 and 0 < sum(passed) < 24  # a mix of passing and failing samples
+    assert r["mean_reward"] == pytest.approx(sum(passed) / 24)  # binary rewards: mean reward = pass@1
+    for k in (1, 2, 4):
+        want = sum(1 - comb(4 - c, k) / comb(4, k) for c in passed) / 6
+        assert r["pass_at"][f"pass@{k}"] == pytest.approx(want)
+    assert r["pass_at"]["pass@1"] <= r["pass_at"]["pass@2"] <= r["pass_at"]["pass@4"]
+    assert 1 <= r["mean_length"] <= 6 and len(r["samples"]) == 5
+
+
+def test_peft_adapter_folder_evaluates_base_plus_adapter(tiny_model_dir, tmp_path):
+    from polyrl.eval.loading import load_eval_model
+    from polyrl.models.checkpoint import load_model
+    from polyrl.models.lora import LoraConfig, adapter_parameters, apply_lora, save_adapter
+
+    model = apply_lora(load_model(tiny_model_dir), LoraConfig(r=4, alpha=8, targets=["q", "v", "down"]))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in adapter_parameters(model).values():
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    folder = save_adapter(model, tmp_path / "adapter", base_model=str(tiny_model_dir), tokenizer=tiny_model_dir)
+    merged, tok = load_eval_model(folder, "float32", "cpu")
+    base, _ = load_eval_model(tiny_model_dir, "float32", "cpu")
+    ids = torch.tensor(tok.encode("What is 2 + 3?"))
+    meta = AttnMetadata.from_seqlens([len(ids)])
+    with torch.no_grad():
+        want = model.eval().compute_logits(model(ids, torch.arange(len(ids)), meta))
+        got = merged.compute_logits(merged(ids, torch.arange(len(ids)), meta))
+        plain = base.compute_logits(base(ids, torch.arange(len(ids)), meta))
+    assert torch.allclose(got, want, atol=1e-4)
+    assert (got - plain).abs().max() > 1e-2  # the adapter is really applied
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        ([], "either --tasks"),
+        (["--tasks", "a", "--data", "builtin:arithmetic"], "either --tasks"),
+        (["--data", "builtin:arithmetic"], "--data needs --reward"),
+        (["--tasks", "polyrl_arith_mc", "--include-path", "/no/such/dir"], "--include-path"),
+    ],
+)
+def test_bad_arguments_say_what_to_fix(tiny_model_dir, tmp_path, capsys, argv, message):
+    assert cli("--model", str(tiny_model_dir), "--output", str(tmp_path / "e.json"), *argv) == 2
+    assert message in capsys.readouterr().err
