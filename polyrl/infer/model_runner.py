@@ -30,6 +30,7 @@ from polyrl.infer.overlap import feed_input_ids
 from polyrl.infer.sampler import SamplingRows, host_to_device
 from polyrl.infer.scheduler import SchedulerOutput
 from polyrl.models.attention_metadata import AttnMetadata
+from polyrl.models.moe import Routing
 from polyrl.platform import device
 
 
@@ -167,7 +168,12 @@ class ModelRunner:
             block_tables=x.block_tables,
             context_lens=x.context_lens,
         )
-        hidden = self.model(x.input_ids, x.positions, meta)  # [T, H]
+        if self.kv.routing is None:
+            hidden = self.model(x.input_ids, x.positions, meta)  # [T, H]
+        else:  # record the chosen experts by slot (kv_cache.py)
+            routing = Routing(record=True, keep_logits=False)
+            hidden = self.model(x.input_ids, x.positions, meta, routing=routing)
+            self.kv.write_routing(x.slot_mapping, routing.topk_ids)
         if x.sample_rows.numel() == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         if x.sample_rows.numel() != x.num_tokens:

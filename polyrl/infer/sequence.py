@@ -42,6 +42,10 @@ class CompletionOutput:
     new_text: str = ""  # streaming: text since the last step's output
     # structured outputs: sum over the tokens of log(probability mass the grammar allowed); None when unconstrained
     masked_logmass: float | None = None
+    # RolloutConfig.record_routing (MoE): int [prompt + output tokens, MoE layers, k], the experts each MoE layer chose
+    # for every token the engine fed (prefix-cache hits included); the last token was never fed: its row is -1.
+    # On the engine's device from step(), on the host from generate().
+    routed_experts: Any = None
 
 
 @dataclass
@@ -88,6 +92,7 @@ class Sequence:
         "pending_row",
         "draw",
         "guide",
+        "routed_experts",
     )
 
     def __init__(
@@ -127,6 +132,7 @@ class Sequence:
         self.pending_row = -1
         self.draw: tuple[float, bool, int] | None = None  # the sampler's (temperature, greedy, seed), made once
         self.guide: Any = None  # structured outputs: this sample's grammar matcher (infer/structured.py)
+        self.routed_experts: Any = None  # record_routing: gathered when it finishes (kv_cache.read_routing)
 
     @property
     def num_tokens(self) -> int:

@@ -41,7 +41,8 @@ class Routing:
 
     ``record``: keep each MoE layer's ``topk_ids [T, k]`` (int64, detached). ``keep_logits``: keep each layer's
     ``router_logits [T, E]`` (hidden dtype, with autograd: the auxiliary losses backpropagate through them).
-    ``replay``: layer -> ``topk_ids [T, k]`` to use instead of the router's top-k (the forward's T tokens, in order).
+    ``replay``: layer -> ``topk_ids [T, k]`` to use instead of the router's top-k (the forward's T tokens, in order;
+    a row of -1 is missing: that token takes the router's own top-k).
     Several forwards with one ``Routing`` append along the token axis (a loss that runs the model twice)."""
 
     record: bool = True
@@ -100,13 +101,15 @@ def route(
     replay_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits ``[T, E]`` -> (weights ``[T, k]``, expert ids int64 ``[T, k]``): fp32 softmax, top-k (or the
-    ``replay_ids``' probabilities), renormalised to sum 1 when ``normalize``, cast to the logits' dtype unless
-    ``weights_fp32``."""
+    ``replay_ids``' probabilities; a replayed row of -1 is missing and takes the top-k), renormalised to sum 1 when
+    ``normalize``, cast to the logits' dtype unless ``weights_fp32``."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     if replay_ids is None:
         weights, ids = torch.topk(probs, top_k, dim=-1)
     else:
         ids = replay_ids.to(device=probs.device, dtype=torch.long)
+        # rows marked missing (-1: a token the rollout never computed) take the router's own top-k
+        ids = torch.where(ids < 0, torch.topk(probs, top_k, dim=-1).indices, ids)
         weights = probs.gather(1, ids)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
