@@ -17,10 +17,10 @@ from polyrl.cli.main import main
 from polyrl.infer import RolloutConfig, SamplingParams
 from polyrl.models import build_model, create_model_from_preset, load_model, preset_config
 from polyrl.models.checkpoint import load_tokenizer, save_model
-from polyrl.models.moe import Routing
-from polyrl.run.colocated import ColocatedPolicy
+from polyrl.models.moe import Routing, replay_flips
 from polyrl.train import PrecisionConfig
 from polyrl.train.losses import attention_metadata
+from polyrl.trainer import Trainer
 
 
 def _rec(n: int, fill: int) -> torch.Tensor:
@@ -59,7 +59,12 @@ def test_missing_rows_take_the_routers_own_choice():
         assert torch.equal(model(b.input_ids, b.position_ids, meta, routing=Routing(replay=missing)), plain)
         forced = {i: v.clone() for i, v in missing.items()}
         forced[0][-1] = (own.topk_ids[0][-1] + 1) % 8  # only the last token's layer-0 experts differ
-        out = model(b.input_ids, b.position_ids, meta, routing=Routing(replay=forced))
+        forcing = Routing(replay=forced)
+        out = model(b.input_ids, b.position_ids, meta, routing=forcing)
+        itself = Routing(replay={i: v.clone() for i, v in own.topk_ids.items()})
+        model(b.input_ids, b.position_ids, meta, routing=itself)
+    assert replay_flips(forcing).item() == 1.0  # the one given row (layer 0, last token) was overridden
+    assert replay_flips(itself).item() == 0.0 and replay_flips(own) is None
     assert (out[:-1] - plain[:-1]).abs().max().item() < 1e-5
     assert (out[-1] - plain[-1]).abs().max().item() > 1e-2
 
@@ -75,7 +80,7 @@ def _near_tie(model):
 
 def test_replay_removes_the_mismatch_that_near_tied_routing_causes():
     model = _near_tie(build_model(preset_config("tiny-moe"), seed=3))
-    policy = ColocatedPolicy(
+    policy = Trainer(
         model, None, precision=PrecisionConfig(compute_dtype="fp32"), release_kv=False,
         rollout=RolloutConfig(num_blocks=128, block_size=4, record_routing=True),
     )  # fmt: skip
@@ -91,6 +96,10 @@ def test_replay_removes_the_mismatch_that_near_tied_routing_causes():
     with_replay = mismatch(samples)
     without = mismatch([dataclasses.replace(s, routed_experts=None) for s in samples])
     assert with_replay < 1e-5
+    batch = policy.make_batch(samples, max_tokens=128)  # Trainer.forward_logprobs on RLBatches replays too
+    for b, lp in zip(batch, policy.forward_logprobs(batch)):
+        for j, got in zip(b.sample_ids, b.per_sample(lp)):
+            assert (got - torch.tensor(samples[j].logprobs)).abs().max().item() < 1e-5
     assert without > 1e-3  # 7e-3 when written: flipped experts change the token's distribution
 
 
@@ -122,6 +131,8 @@ def test_grpo_cli_reports_the_mismatch_with_and_without_routing_replay(tmp_path,
     assert len(recs) == 2 and all(0 <= r["mismatch_mean"] <= r["mismatch_max"] for r in recs)
     top = max(r["mismatch_max"] for r in recs)
     assert top < 1e-5 if replay else top > 1e-3, top
+    flips = [r.get("moe/replay_flips") for r in recs]  # replay only: how much routing the replay overrode
+    assert all(0 < f < 0.5 for f in flips) if replay else flips == [None, None], flips
     assert json.loads((out / "run_config.json").read_text())["grpo"]["routing_replay"] is replay
 
 
