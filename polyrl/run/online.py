@@ -194,6 +194,11 @@ class OnlineRun(DataParallelSteps):
         """The policy (FSDP2-sharded under torchrun; LoRA: replicated, every rank rolls out base + its adapter) with
         its rollout engine over the same weights."""
         cfg, a = self.cfg, self.a
+        if getattr(a, "routing_replay", False) and cfg.episodes is not None:
+            raise ConfigError(
+                f"{a.table_name()}.routing_replay does not reach agentic episodes yet (their samples carry no routing "
+                f"record, so nothing would be replayed); remove {a.table_name()}.routing_replay"
+            )
         model, _ = place_policy(cfg, self.world)
         if getattr(a, "routing_replay", False) and not model.config.is_moe:
             raise ConfigError(
