@@ -22,6 +22,9 @@ A GRPO step by hand::
   differentiable log-probs inside it.
 - ``save(dir)`` / ``load(dir)``: atomic checkpoints (weights, fp32 masters, AdamW moments, RNG, counters).
 - ``tokenizer``, ``model``, ``engine`` (``TrainEngine``), ``llm`` (the rollout engine).
+- MoE rollout-routing replay: ``Trainer(..., rollout=RolloutConfig(record_routing=True))`` gives each ``Sample`` the
+  experts the rollout chose (``routed_experts``); batches made of them replay those experts in ``forward_logprobs``
+  and ``train`` (docs/models.md).
 
 A whole recipe run (any registered algorithm, the same loop, checkpoints and outputs as ``polyrl train``)::
     summary = fit("dpo", model="runs/sft/final", data="prefs.jsonl", out="runs/dpo",
@@ -37,6 +40,7 @@ module adds loading by path and the public names. Not here: the run loops (``pol
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,6 +56,7 @@ from polyrl.errors import CheckpointError, ConfigError
 from polyrl.infer.config import RolloutConfig
 from polyrl.infer.sampling_params import SamplingParams
 from polyrl.models.checkpoint import load_model, load_tokenizer
+from polyrl.models.moe import Routing, routing_scope
 from polyrl.platform import device as dev
 from polyrl.run import run
 from polyrl.run.colocated import ColocatedPolicy
@@ -120,7 +125,13 @@ class Trainer(ColocatedPolicy):
             out = []
             with torch.no_grad():
                 for b in batch:
-                    lp, ent = completion_logprobs(model or self.model, b.to(self.device), temperature, entropy)
+                    b = b.to(self.device)
+                    replay = b.routing_replay if model is None else None  # the policy replays the rollout's experts
+                    scope = contextlib.nullcontext()
+                    if replay is not None:
+                        scope = routing_scope(self.model, Routing(record=False, keep_logits=False, replay=replay))
+                    with scope:
+                        lp, ent = completion_logprobs(model or self.model, b, temperature, entropy)
                     out.append((lp, ent) if entropy else lp)
             return out
         lps, ents = self.logprobs(batch, temperature, model, entropy)  # type: ignore[arg-type]

@@ -153,6 +153,15 @@ for s in "$@"; do
     validate) stage validate 220 $PR validate --preset tiny --levels platform,ops,sft,rl,serve --out "$OUT/validate" ;;
     bench-grpo-trl) stage bench-grpo-trl 560 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 --warmup 1 --steps 2 --json "$OUT/bench_grpo.json" ;;
     bench-rollout-512) stage bench-rollout-512 150 $PR bench rollout --shape qwen3-0.6b --batch 512 --prompt-len 64 --gen-len 512 --baselines none --compare-sync --json "$OUT/bench_rollout_512.json" ;;
+    # MoE (issue 32): full SFT at qwen3-30b-a3b-L8 vs transformers' grouped_mm (+ Liger) and its per-expert loop, then
+    # polyrl with pure-bf16 weights and moments (the HF rows' numerics); rollout vs HF generate
+    bench-sft-moe) stage bench-sft-moe 300 bash -c "A='--shape qwen3-30b-a3b-L8 --seq 4096 --batch 4 --warmup 2 --steps 4'; \
+      $PR bench sft \$A --baselines hf,hf-liger,hf-eager-experts --numerics bf16 --json $OUT/bench_sft_moe.json; \
+      $PR bench sft \$A --baselines none --master-dtype none --json $OUT/bench_sft_moe_bf16.json" ;;
+    bench-sft-moe-liger) stage bench-sft-moe-liger 150 $PR bench sft --shape qwen3-30b-a3b-L8 --seq 4096 --batch 4 --warmup 2 --steps 4 --no-ours --baselines hf-liger --numerics bf16 --json "$OUT/bench_sft_moe_liger.json" ;;
+    bench-rollout-moe) stage bench-rollout-moe 150 $PR bench rollout --shape qwen3-30b-a3b-L8 --batch 256 --prompt-len 128 --gen-len 256 --baselines hf --skip-batch1 --json "$OUT/bench_rollout_moe.json" ;;
+    # constrained decoding (issue 35): the same batch free and under a JSON schema, cost printed
+    bench-rollout-structured) stage bench-rollout-structured 150 $PR bench rollout --shape qwen3-0.6b --batch 256 --prompt-len 128 --gen-len 256 --baselines none --skip-batch1 --response-format json_schema --json "$OUT/bench_rollout_structured.json" ;;
     multi-gpu) TAIL=60 stage multi-gpu 590 bash tests/distributed/run_multi_gpu.sh ;;
     # The whole single-GPU marked suite in one go (issue 13: < 8 min on a cold Triton cache); slowest tests listed.
     gpu-tests) TAIL=60 stage gpu-tests 590 python3 -m pytest -m "gpu and not multi_gpu" -q -rfE --timeout=300 \

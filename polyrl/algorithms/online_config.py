@@ -46,6 +46,10 @@ class OnlineConfig:
     # regex:<pattern>, choice:a|b, grammar:<file.lark> (SamplingParams.structured; docs/serving.md). The trainer
     # learns from the model's unmasked log-probs; metric rollout_mask_logmass says how much the mask removed
     rollout_response_format: str = ""
+    # MoE rollout-routing replay: the rollout engine records the experts it chose per token and the trainer's
+    # forwards (the log-prob recompute and the training step) reuse them, so both score the same sub-network
+    # (docs/models.md); the mismatch_* metrics then measure what is left. Needs an MoE model
+    routing_replay: bool = False
 
     def table_name(self) -> str:
         return "online"
@@ -84,6 +88,8 @@ class OnlineConfig:
                 StructuredOutputs.from_spec(self.rollout_response_format)
             except UserError as exc:
                 raise ConfigError(f"{name}.rollout_response_format: {exc}") from None
+        if not isinstance(self.routing_replay, bool):
+            raise ConfigError(f"{name}.routing_replay must be true or false, got {self.routing_replay!r}")
         if not isinstance(self.reward, str) or not self.reward.strip():
             raise ConfigError(f"{name}.reward is empty; pass --reward NAME or --reward path/to/file.py:fn")
 

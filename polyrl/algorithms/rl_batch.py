@@ -10,7 +10,9 @@ log-probs of a batch's completion tokens, through the fused ``kernels.token_logp
 - ``RLBatch``: a packed micro-batch of samples (``PackedBatch`` fields: labels are the completion tokens, -100 on
   the prompt) plus ``mask [T]`` (1.0 where ``labels`` is a completion token), ``seq_index [T]`` (sample within the
   micro-batch), ``sample_ids`` (positions in the caller's sample list) and ``fields``: per-token float tensors
-  aligned with ``labels`` (``fields["adv"][t]`` belongs to the token predicted at t).
+  aligned with ``labels`` (``fields["adv"][t]`` belongs to the token predicted at t). Samples that carry the
+  rollout's routing record (``routed_experts``, MoE) give the batch ``routing`` ``[T, L, k]`` and so its
+  ``routing_replay`` (layer -> ``[T, k]``), which the training engine and ``ColocatedPolicy.logprobs`` force.
 
 Not here: generating samples or training on batches (``polyrl.run.colocated``), the loss math (``losses``).
 """
@@ -41,6 +43,10 @@ class Sample:
     index: int = 0
     mask: list[int] | None = None  # per completion id, 1 = a policy token (trained); None = all of them
     masked_logmass: float | None = None  # constrained rollouts: sum of log(mass the grammar allowed) over its tokens
+    # rollout-routing replay (MoE): the experts the rollout engine chose, int [num_tokens, L, k] (-1: a missing row,
+    # e.g. the last token), L = the MoE layers ``routing_layers`` in order; None = not recorded
+    routed_experts: torch.Tensor | None = None
+    routing_layers: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -65,10 +71,20 @@ class RLBatch:
     seq_index: torch.Tensor  # int64 [T]
     sample_ids: list[int]
     fields: dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 [T] each
+    routing: torch.Tensor | None = None  # int [T, L, k]: the samples' routed_experts packed (-1: missing rows)
+    routing_layers: tuple[int, ...] = ()  # the MoE layer of each of routing's L columns
 
     @property
     def num_sequences(self) -> int:
         return len(self.sample_ids)
+
+    @property
+    def routing_replay(self) -> dict[int, torch.Tensor] | None:
+        """MoE layer -> int64 ``[T, k]`` experts to force (rollout-routing replay; ``models.moe.Routing.replay``), on
+        the batch's device; None when its samples carry no record."""
+        if self.routing is None:
+            return None
+        return {layer: self.routing[:, j].long() for j, layer in enumerate(self.routing_layers)}
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RLBatch:
         def mv(t: torch.Tensor) -> torch.Tensor:
@@ -85,6 +101,8 @@ class RLBatch:
             mv(self.seq_index),
             list(self.sample_ids),
             {k: mv(v) for k, v in self.fields.items()},
+            mv(self.routing) if self.routing is not None else None,
+            self.routing_layers,
         )
 
     def per_sample(self, values: torch.Tensor) -> list[torch.Tensor]:
@@ -152,6 +170,7 @@ def _pack(samples: Sequence[Sample], ids: list[int], fields: dict[str, Sequence[
             vals[k].extend([0.0] * (p - 1) + per_tok + [0.0])
     labels_t = torch.tensor(labels, dtype=torch.int64)
     mask = (labels_t != -100).float()
+    routing, layers = _pack_routing(samples, ids)
     return RLBatch(
         input_ids=torch.tensor(tokens, dtype=torch.int64),
         labels=labels_t,
@@ -163,7 +182,32 @@ def _pack(samples: Sequence[Sample], ids: list[int], fields: dict[str, Sequence[
         seq_index=torch.tensor(seq_index, dtype=torch.int64),
         sample_ids=list(ids),
         fields={k: torch.tensor(v, dtype=torch.float32) for k, v in vals.items()},
+        routing=routing,
+        routing_layers=layers,
     )
+
+
+def _pack_routing(samples: Sequence[Sample], ids: list[int]) -> tuple[torch.Tensor | None, tuple[int, ...]]:
+    """The packed samples' routing records ``[T, L, k]`` (a sample without one: rows of -1, its tokens keep the
+    router's own choice), or (None, ()) when none has one."""
+    recs = [samples[i] for i in ids if samples[i].routed_experts is not None]
+    if not recs:
+        return None, ()
+    first = recs[0]
+    layers, shape, dtype = tuple(first.routing_layers), first.routed_experts.shape[1:], first.routed_experts.dtype
+    parts = []
+    for i in ids:
+        s = samples[i]
+        r = s.routed_experts
+        if r is None:
+            parts.append(torch.full((s.num_tokens, *shape), -1, dtype=dtype))
+            continue
+        if tuple(s.routing_layers) != layers or r.shape[1:] != shape:
+            raise ValueError(f"sample {i}'s routing record (layers {s.routing_layers}) does not match the others'")
+        if r.shape[0] != s.num_tokens:
+            raise ValueError(f"sample {i} has a routing record of {r.shape[0]} rows for {s.num_tokens} tokens")
+        parts.append(r.to(device="cpu", dtype=dtype))
+    return torch.cat(parts), layers
 
 
 def padding_batch(like: RLBatch, keys: Sequence[str] | None = None) -> RLBatch:
@@ -181,6 +225,8 @@ def padding_batch(like: RLBatch, keys: Sequence[str] | None = None) -> RLBatch:
         seq_index=like.seq_index,
         sample_ids=list(like.sample_ids),
         fields={k: torch.zeros_like(like.mask) for k in (like.fields if keys is None else keys)},
+        routing=like.routing,
+        routing_layers=like.routing_layers,
     )
 
 

@@ -91,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="after timing, profile one more training phase (an update on the last step's batches): top N kernels "
         "and framework ops, with its wall time (accelerators only)",
     )
+    parser.add_argument(
+        "--routing-replay",
+        action="store_true",
+        help="MoE: record the rollout's experts and replay them in training (grpo.routing_replay), to time its "
+        "cost and see the mismatch it leaves",
+    )
     parser.add_argument("--model-dir", default=None, help="reuse this model folder (default: a temp folder)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
@@ -124,6 +130,7 @@ def ours(model_dir: Path, args: argparse.Namespace, keep_kv: bool = False) -> di
             max_num_seqs=args.prompts * args.n,
             max_model_len=max_len,
             max_num_blocks=args.prompts * args.n * (-(-max_len // 16) + 1),  # as `polyrl train` sizes it
+            record_routing=getattr(args, "routing_replay", False),
         ),
         release_kv=not keep_kv,
     )
@@ -154,6 +161,7 @@ def ours(model_dir: Path, args: argparse.Namespace, keep_kv: bool = False) -> di
         loss_fn = make_policy_loss(cfg, tokens, tokens, measure=True)
         stats = tr.train(batches, loss_fn, normalizer=tokens)
         mismatch = stats.to_dict()["mismatch_mean"]
+        flips = stats.metrics.get("moe/replay_flips")  # with --routing-replay: the routing the replay overrode
         _sync()
         t3 = time.perf_counter()
         capture = tr.llm.stats()["graph_capture_s"] - capture0
@@ -164,7 +172,8 @@ def ours(model_dir: Path, args: argparse.Namespace, keep_kv: bool = False) -> di
             f"# ours ({'keep' if keep_kv else 'release'} KV) step {step + 1}: rollout {t1 - t0:.2f}s "
             f"(graph capture {capture:.2f}s), log-prob {t2 - t1:.2f}s, "
             f"train {t3 - t2:.2f}s "
-            f"(loss {stats.loss:.4f}, mismatch mean {mismatch:.2e}){' [warm-up]' if step < args.warmup else ''}"
+            f"(loss {stats.loss:.4f}, mismatch mean {mismatch:.2e}"
+            f"{f', replay flips {flips:.2%}' if flips is not None else ''}){' [warm-up]' if step < args.warmup else ''}"
         )
     timed = rows[args.warmup :] or rows
     res = {k: statistics.median(r[k] for r in timed) for k in timed[0]}

@@ -10,6 +10,8 @@ Batch API (RL rollouts, ``polyrl generate``)::
     c = out.outputs[j]                                    # CompletionOutput, j < params.n
     c.token_ids, c.text, c.logprobs, c.cumulative_logprob, c.finish_reason ("stop" | "length" | "abort"),
     c.stop_reason (stop token id / stop string / None), c.top_logprobs (list[dict[id, logprob]] if asked)
+    c.routed_experts (MoE with RolloutConfig(record_routing=True): int [prompt + output tokens, MoE layers, k], the
+    experts each MoE layer chose per token, prefix-cache hits included; the last token's row -1: never fed)
 
 Log-probs: ``c.logprobs[i] = log_softmax(logits / T)[token_ids[i]]`` with T the request's temperature
 (1 for greedy), computed from the fp32 logits of the model the engine holds, WITHOUT top-k/top-p/min-p

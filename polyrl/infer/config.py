@@ -42,6 +42,9 @@ class RolloutConfig:
     # scripts/engine_host_overhead.py (B512 x 256 tokens) it ran 82 young and 8 middle-generation passes inside
     # generate(), ~2% of the host time, each a pause of up to a few ms between launches
     pause_gc: bool = True
+    # MoE models: record the experts every MoE layer chose for each token a sequence computed
+    # (``CompletionOutput.routed_experts``, rollout-routing replay; ``kv_cache.py``). Off: no cost at all
+    record_routing: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

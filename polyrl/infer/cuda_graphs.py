@@ -19,6 +19,10 @@ finite - their results are discarded) and replays. Nothing inside the captured r
 device inputs (the graph's static buffers here, the eager step's own tensors in ``model_runner.py``) and how to run
 the step again.
 
+With ``RolloutConfig.record_routing`` (MoE) every captured forward also writes its rows' chosen experts into the
+cache's routing table by slot (``KVCache.write_routing``: a padded row's slot -1 goes to its spare row), in the step
+and the launch graphs alike, so nothing is copied out between replays.
+
 Graphs share one memory pool (they never run concurrently) and reference the KV-cache and weight tensors
 by address: after ``KVCache.release()`` or replacing parameter tensors (not in-place updates), drop them.
 Only ``polyrl.platform.device`` is asked for the graph API.
@@ -39,6 +43,7 @@ from polyrl.infer.kv_cache import KVCache
 from polyrl.infer.overlap import feed_input_ids
 from polyrl.infer.sampler import SamplingRows
 from polyrl.models.attention_metadata import AttnMetadata
+from polyrl.models.moe import Routing
 from polyrl.platform import device
 
 
@@ -113,7 +118,12 @@ class DecodeGraphs:
             block_tables=self.block_tables[:b],
             context_lens=self.context_lens[:b],
         )
-        hidden = self.model(self.input_ids[:b], self.positions[:b], meta)
+        if self.kv.routing is None:
+            hidden = self.model(self.input_ids[:b], self.positions[:b], meta)
+        else:  # the chosen experts, written by slot inside the graph (padded rows: slot -1, the spare row)
+            routing = Routing(record=True, keep_logits=False)
+            hidden = self.model(self.input_ids[:b], self.positions[:b], meta, routing=routing)
+            self.kv.write_routing(self.slot_mapping[:b], routing.topk_ids)
         return self.model.compute_logits(hidden, upcast=False)  # the sampler reads them as fp32
 
     def _advance(self, b: int, tokens: torch.Tensor) -> None:

@@ -6,6 +6,13 @@ minus an estimate of the step's activations; else on the CPU ``cpu_kv_cache_byte
 ``release()`` frees the tensors (colocated training gets the memory back) and ``allocate()`` takes it
 again with the same shape, so block ids stay meaningful for the block manager after a reset.
 
+Routing record (``RolloutConfig.record_routing``, MoE models): ``routing`` ``[num_slots + 1, L, k]`` (L = the MoE
+layers, in order; int8 / int16 / int32 as the expert count allows) holds, per cache slot, the experts each MoE layer
+chose for the token whose keys sit there; every forward writes its tokens' rows by slot (``write_routing``, inside
+CUDA graphs too; slot -1, a padded row, lands in the spare last row). A token served from the prefix cache so has
+the row its block's first computation wrote, and ``read_routing`` gathers a sequence's rows before its blocks are
+freed.
+
 This module owns tensors only; which block holds what is ``block_manager.py``'s business.
 """
 
@@ -47,6 +54,13 @@ class KVCache:
         self.block_bytes = bytes_per_block(
             self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
         )
+        self.routing_shape: tuple[int, int] | None = None  # (MoE layers, k) when recording routing
+        self.routing: torch.Tensor | None = None
+        if cfg.record_routing and getattr(model_cfg, "is_moe", False) and model_cfg.moe_layers:
+            self.routing_shape = (len(model_cfg.moe_layers), model_cfg.num_experts_per_tok)
+            self.routing_dtype = routing_dtype(model_cfg.num_experts)
+            elem = torch.empty((), dtype=self.routing_dtype).element_size()
+            self.block_bytes += self.block_size * self.routing_shape[0] * self.routing_shape[1] * elem
         self.num_blocks = self._size(model_cfg, model_dtype)
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.allocate()
@@ -93,7 +107,29 @@ class KVCache:
             )
             for _ in range(self.num_layers)
         ]
+        if self.routing_shape is not None:
+            rows = self.num_blocks * self.block_size + 1  # + the row padded slots (-1) write into
+            self.routing = torch.full((rows, *self.routing_shape), -1, dtype=self.routing_dtype, device=self.device)
 
     def release(self) -> None:
         self.caches = None
+        self.routing = None
         device.empty_cache()
+
+    def write_routing(self, slot_mapping: torch.Tensor, topk_ids: dict[int, torch.Tensor]) -> None:
+        """Store one forward's chosen experts (``Routing.topk_ids``: MoE layer -> ``[T, k]``) at its tokens' slots
+        ``[T]`` (-1: a padded row, into the spare row). Device ops only: capturable in a CUDA graph."""
+        ids = torch.stack([topk_ids[i] for i in sorted(topk_ids)], dim=1).to(self.routing.dtype)  # [T, L, k]
+        spare = self.routing.shape[0] - 1
+        self.routing.index_copy_(0, torch.where(slot_mapping < 0, spare, slot_mapping), ids)
+
+    def read_routing(self, slots: torch.Tensor) -> torch.Tensor:
+        """The stored rows of ``slots`` (int64 ``[n]`` on the device): ``[n, L, k]``, a new tensor."""
+        return self.routing.index_select(0, slots)
+
+
+def routing_dtype(num_experts: int) -> torch.dtype:
+    """The smallest signed int that holds every expert id and -1 (a missing row)."""
+    if num_experts <= 128:
+        return torch.int8
+    return torch.int16 if num_experts <= 32768 else torch.int32

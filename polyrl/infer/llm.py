@@ -17,6 +17,7 @@ import queue
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from polyrl.errors import UserError
@@ -410,7 +411,21 @@ class LLM:
             touched[s.request_id] = requests[s.request_id]
         self.num_generated_tokens += len(seqs)
         for s, stop in finish or ():
+            if self.kv.routing is not None:  # before its blocks are freed (a later step may reuse them)
+                s.routed_experts = self._read_routing(s)
             self.scheduler.finish(s, *stop)
+
+    def _read_routing(self, s: Sequence) -> torch.Tensor:
+        """``s``'s recorded experts ``[tokens, L, k]`` on the device, gathered by slot (queued, no sync); the last
+        token's row -1 (never fed to the model)."""
+        n, bs = len(s.tokens) - 1, self.config.block_size
+        pos = np.arange(n, dtype=np.int64)
+        slots = np.asarray(s.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs
+        dev = self.runner.device
+        idx = torch.from_numpy(slots)
+        idx = idx if dev.type == "cpu" else idx.pin_memory().to(dev, non_blocking=True)
+        rows = self.kv.read_routing(idx)
+        return torch.cat([rows, rows.new_full((1, *rows.shape[1:]), -1)])
 
     def _output(self, req: _Request) -> RequestOutput:
         outs = [self._completion(s) for s in req.seqs]
@@ -450,6 +465,7 @@ class LLM:
             new_token_ids=new_ids,
             new_text=new_text,
             masked_logmass=s.guide.masked_logmass if s.guide is not None else None,
+            routed_experts=s.routed_experts,
         )
 
     # ---- batch API ----------------------------------------------------------------------------------
@@ -473,7 +489,14 @@ class LLM:
                     if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
         self._flush()  # rows of finished sequences only, unless another thread's requests share the engine
-        return [done[i] for i in ids]
+        outs = [done[i] for i in ids]
+        if self.kv.routing is not None:  # the recorded experts to the host, in one transfer
+            recs = [c for o in outs for c in o.outputs if c.routed_experts is not None]
+            if recs:
+                host = torch.cat([c.routed_experts for c in recs]).cpu().split([len(c.routed_experts) for c in recs])
+                for c, h in zip(recs, host):
+                    c.routed_experts = h
+        return outs
 
     def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> list[int]:
         if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:

@@ -34,6 +34,7 @@ from polyrl.infer.prompt_logprobs import compute_and_store, plan_step
 from polyrl.infer.sampler import SamplingRows, host_to_device
 from polyrl.infer.scheduler import SchedulerOutput
 from polyrl.models.attention_metadata import AttnMetadata
+from polyrl.models.moe import Routing
 from polyrl.platform import device
 
 
@@ -173,7 +174,12 @@ class ModelRunner:
             block_tables=x.block_tables,
             context_lens=x.context_lens,
         )
-        hidden = self.model(x.input_ids, x.positions, meta)  # [T, H]
+        if self.kv.routing is None:
+            hidden = self.model(x.input_ids, x.positions, meta)  # [T, H]
+        else:  # record the chosen experts by slot (kv_cache.py)
+            routing = Routing(record=True, keep_logits=False)
+            hidden = self.model(x.input_ids, x.positions, meta, routing=routing)
+            self.kv.write_routing(x.slot_mapping, routing.topk_ids)
         plan, self._prompt_plan = self._prompt_plan, None
         if plan is not None:
             compute_and_store(hidden, self.model.lm_head_weight, plan)

@@ -42,6 +42,10 @@ class CompletionOutput:
     new_text: str = ""  # streaming: text since the last step's output
     # structured outputs: sum over the tokens of log(probability mass the grammar allowed); None when unconstrained
     masked_logmass: float | None = None
+    # RolloutConfig.record_routing (MoE): int [prompt + output tokens, MoE layers, k], the experts each MoE layer chose
+    # for every token the engine fed (prefix-cache hits included); the last token was never fed: its row is -1.
+    # On the engine's device from step(), on the host from generate().
+    routed_experts: Any = None
 
 
 @dataclass
@@ -102,6 +106,7 @@ class Sequence:
         "draw",
         "guide",
         "prompt_lps",
+        "routed_experts",
     )
 
     def __init__(
@@ -147,6 +152,7 @@ class Sequence:
         if params.prompt_logprobs is not None and index == 0:
             first = min(params.prompt_logprobs_from, self.num_prompt)
             self.prompt_lps = PromptLogprobs([None] * first, [None] * first, [None] * first)
+        self.routed_experts: Any = None  # record_routing: gathered when it finishes (kv_cache.read_routing)
 
     @property
     def num_tokens(self) -> int:

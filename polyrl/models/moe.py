@@ -14,7 +14,8 @@ kept fp32 (Mixtral, which multiplies in fp32).
 reports its router logits and chosen experts, which ``DecoderLM.forward`` stores outside any activation checkpoint
 (so a recomputed layer never records twice); ``replay`` forces each layer's experts (rollout-routing replay), their
 weights recomputed from the current router's probabilities at those experts and normalised as the family does.
-``load_balancing_loss`` / ``router_z_loss`` turn a record into the auxiliary losses.
+``load_balancing_loss`` / ``router_z_loss`` turn a record into the auxiliary losses; ``replay_flips`` says how
+much of a replayed forward's routing the replay overrode.
 
 Not here: the expert kernels (``polyrl.kernels.moe``), the training loss plumbing (``polyrl.train.engine``),
 checkpoint layouts (``checkpoint.py``).
@@ -41,7 +42,8 @@ class Routing:
 
     ``record``: keep each MoE layer's ``topk_ids [T, k]`` (int64, detached). ``keep_logits``: keep each layer's
     ``router_logits [T, E]`` (hidden dtype, with autograd: the auxiliary losses backpropagate through them).
-    ``replay``: layer -> ``topk_ids [T, k]`` to use instead of the router's top-k (the forward's T tokens, in order).
+    ``replay``: layer -> ``topk_ids [T, k]`` to use instead of the router's top-k (the forward's T tokens, in order;
+    a row of -1 is missing: that token takes the router's own top-k).
     Several forwards with one ``Routing`` append along the token axis (a loss that runs the model twice)."""
 
     record: bool = True
@@ -100,13 +102,15 @@ def route(
     replay_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits ``[T, E]`` -> (weights ``[T, k]``, expert ids int64 ``[T, k]``): fp32 softmax, top-k (or the
-    ``replay_ids``' probabilities), renormalised to sum 1 when ``normalize``, cast to the logits' dtype unless
-    ``weights_fp32``."""
+    ``replay_ids``' probabilities; a replayed row of -1 is missing and takes the top-k), renormalised to sum 1 when
+    ``normalize``, cast to the logits' dtype unless ``weights_fp32``."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     if replay_ids is None:
         weights, ids = torch.topk(probs, top_k, dim=-1)
     else:
         ids = replay_ids.to(device=probs.device, dtype=torch.long)
+        # rows marked missing (-1: a token the rollout never computed) take the router's own top-k
+        ids = torch.where(ids < 0, torch.topk(probs, top_k, dim=-1).indices, ids)
         weights = probs.gather(1, ids)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -190,6 +194,29 @@ def router_z_loss(routing: Routing) -> torch.Tensor:
     total = sum(torch.logsumexp(routing.router_logits[i].float(), dim=-1).square().sum() for i in layers)
     rows = sum(routing.router_logits[i].shape[0] for i in layers)
     return total / rows
+
+
+def replay_flips(routing: Routing) -> torch.Tensor | None:
+    """The fraction of replayed (token, MoE layer) rows (missing rows, -1, left out) whose router would have chosen
+    another set of experts than the replayed one, from the kept logits (fp32 scalar): how much of the routing the
+    replay overrode. None without a replay or kept logits."""
+    if routing.replay is None or not routing.router_logits:
+        return None
+    differ = rows = None
+    for layer, logits in routing.router_logits.items():
+        want = routing.replay.get(layer)
+        if want is None or want.shape[0] != logits.shape[0]:  # e.g. a loss that ran the model twice
+            continue
+        probs = torch.softmax(logits.detach(), dim=-1, dtype=torch.float32)
+        own = torch.topk(probs, want.shape[1], dim=-1).indices.sort(dim=-1).values
+        want = want.to(device=own.device, dtype=torch.long)
+        given = (want >= 0).all(dim=-1)
+        d = ((own != want.sort(dim=-1).values).any(dim=-1) & given).sum()
+        differ = d if differ is None else differ + d
+        rows = given.sum() if rows is None else rows + given.sum()
+    if differ is None:
+        return None
+    return differ.float() / rows.clamp(min=1).float()
 
 
 @contextmanager

@@ -206,7 +206,9 @@ class ActorCriticRun(OnlineRun):
             for mb in batches:
                 tokens = self.world.sum_float(sum(b.num_target_tokens for b in mb))  # every rank's share
                 loss_fn = make_value_loss(a, tokens, tokens)
-                recs.append(self.critic.engine.step(mb, loss_fn, tokens).to_dict())
+                # the policy's recorded routing is no record of the critic's own router: it routes itself
+                plain = [dataclasses.replace(b, routing=None, routing_layers=()) for b in mb]
+                recs.append(self.critic.engine.step(plain, loss_fn, tokens).to_dict())
         n = len(recs)
         out = {
             "value_loss": sum(r["loss"] for r in recs) / n,

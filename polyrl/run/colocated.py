@@ -41,6 +41,7 @@ from polyrl.infer.config import RolloutConfig
 from polyrl.infer.llm import LLM
 from polyrl.infer.sampling_params import SamplingParams
 from polyrl.models.lora import AdapterDisabled, merged
+from polyrl.models.moe import Routing, routing_scope
 from polyrl.platform import device
 from polyrl.train import parallel as par
 from polyrl.train.checkpoint import load_checkpoint, save_checkpoint
@@ -171,6 +172,9 @@ class ColocatedPolicy:
                 )
                 samples[-1].index = c.index
                 samples[-1].masked_logmass = getattr(c, "masked_logmass", None)
+                if getattr(c, "routed_experts", None) is not None:  # RolloutConfig.record_routing (MoE)
+                    samples[-1].routed_experts = c.routed_experts
+                    samples[-1].routing_layers = tuple(self.rollout_net.config.moe_layers)
         return samples
 
     def _merge_for_rollout(self) -> Any:
@@ -198,7 +202,10 @@ class ColocatedPolicy:
         """Per sample: the completion tokens' log-probs (fp32 CPU ``[c]``) under ``model`` (default the policy) and,
         with ``entropy``, the entropies. Pass the training ``batches`` to recompute with the exact packing the loss
         will use (so an unchanged model gives a ratio of exactly 1). Data-parallel: the default model is the plain
-        full copy (``rollout_net``, the model itself when replicated); samples in no given batch get None."""
+        full copy (``rollout_net``, the model itself when replicated); samples in no given batch get None.
+        Batches carrying a routing record (``RLBatch.routing_replay``, MoE) are recomputed with the rollout's experts
+        forced when ``model`` is the policy (rollout-routing replay); another model (the reference) routes itself."""
+        policy = model is None or model is self.rollout_net or model is self.model
         model = model or self.rollout_net
         was_training = model.training
         model.eval()
@@ -208,7 +215,12 @@ class ColocatedPolicy:
         try:
             for b in batches:
                 b = b.to(self.device)
-                lp, ent = completion_logprobs(model, b, temperature, entropy)
+                replay = b.routing_replay if policy else None
+                scope = contextlib.nullcontext()
+                if replay is not None:
+                    scope = routing_scope(model, Routing(record=False, keep_logits=False, replay=replay))
+                with scope:
+                    lp, ent = completion_logprobs(model, b, temperature, entropy)
                 for j, v in zip(b.sample_ids, b.per_sample(lp)):
                     lps[j] = v.cpu()
                 if ent is not None:

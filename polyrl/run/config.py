@@ -231,6 +231,9 @@ def build(raw: dict[str, Any]) -> RunConfig:
     spec = algorithms.get(algo)
     lora_raw = raw.pop("lora", None)
     episode_raw = {name: raw.pop(name) for name in episode_tables() if name in raw}
+    if isinstance(raw.get("rl"), dict) and "rl" != algo:  # a common spelling (rl.routing_replay): say ours
+        keys = ", ".join(f"{algo}.{k}" for k in raw["rl"])
+        raise ConfigError(f"there is no [rl] table: RL settings live in the algorithm's table; set {keys} instead")
     _check_tables(raw, algo)
     _check_moved(raw, algo)
     seed = raw.get("seed", 0)

@@ -9,7 +9,8 @@ One RL step, each stage a method of ``OnlineRun`` so an algorithm can override o
 2. ``hooks.advantages(rewards, groups)`` -> one advantage per sample and the samples to train on.
 3. ``prepare(step, samples, adv, keep)``: shuffle (seeded) and split into ``mini_batches``; pack each exactly as the
    loss will see it; one no-grad pass of the trainer over those packs measures the trainer's log-probs and entropy
-   BEFORE the update, hence the rollout/train mismatch (mean and max |rollout - trainer| per token), the old
+   BEFORE the update, hence the rollout/train mismatch (mean and max |rollout - trainer| per token; with
+   ``routing_replay`` on an MoE model both trainer forwards use the rollout's recorded experts), the old
    log-probs (``old_logprobs = "rollout" | "recompute"``), truncated IS weights (``tis_cap``) and the reference
    log-probs (only when a reference model exists). Per-token values ride in ``RLBatch.fields``. When that pass
    could only measure (``single_pass``: one optimizer step per batch, rollout old log-probs, no reference, no IS),
@@ -192,13 +193,24 @@ class OnlineRun(DataParallelSteps):
             max_num_seqs=seqs,
             max_model_len=longest + gen + 1,
             max_num_batched_tokens=max(8192, longest + gen + 1),
+            record_routing=bool(getattr(a, "routing_replay", False)),
         )
 
     def _make_policy(self) -> ColocatedPolicy:
         """The policy (FSDP2-sharded under torchrun; LoRA: replicated, every rank rolls out base + its adapter) with
         its rollout engine over the same weights."""
         cfg, a = self.cfg, self.a
+        if getattr(a, "routing_replay", False) and cfg.episodes is not None:
+            raise ConfigError(
+                f"{a.table_name()}.routing_replay does not reach agentic episodes yet (their samples carry no routing "
+                f"record, so nothing would be replayed); remove {a.table_name()}.routing_replay"
+            )
         model, _ = place_policy(cfg, self.world)
+        if getattr(a, "routing_replay", False) and not model.config.is_moe:
+            raise ConfigError(
+                f"{a.table_name()}.routing_replay replays the experts of a mixture-of-experts model, and "
+                f"{cfg.model} is dense ({model.config.model_type}); remove {a.table_name()}.routing_replay"
+            )
         return ColocatedPolicy(
             model,
             self.tokenizer,

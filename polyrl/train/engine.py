@@ -289,6 +289,7 @@ class TrainEngine:
         for i, mb in enumerate(micro_batches):
             replay = getattr(mb, "routing_replay", None)  # MoE rollout-routing replay (train/moe_loss.py)
             mb = mb.to(self.device) if hasattr(mb, "to") else mb
+            replay = getattr(mb, "routing_replay", replay)  # an RLBatch's, moved with it
             graphed = self._graphed(mb, loss_fn, scale) if graphs else None
             if graphed is not None:
                 loss_sum, metrics = graphed

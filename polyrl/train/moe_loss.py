@@ -15,7 +15,9 @@ routes through the experts but counts in neither the weights nor the losses): th
 times the token-weighted mean of the micro-batches' aux losses, as one HF forward over the whole batch would (the
 metrics too).
 A micro-batch with a ``routing_replay`` attribute (layer -> ``topk_ids [T, k]`` of its packed tokens, e.g. what
-the rollout engine chose) is trained with those experts forced (rollout-routing replay, ``models.moe.Routing``).
+the rollout engine chose) is trained with those experts forced (rollout-routing replay, ``models.moe.Routing``);
+metric ``moe/replay_flips``: the fraction of its (token, MoE layer) rows whose router alone would have chosen other
+experts (token-weighted like the aux loss).
 Not here: the loss formulas (``polyrl.models.moe``), the step itself (``engine.py``).
 """
 
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from polyrl.models.moe import Routing, load_balancing_loss, router_z_loss, routing_scope
+from polyrl.models.moe import Routing, load_balancing_loss, replay_flips, router_z_loss, routing_scope
 
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, Any]]]
 
@@ -69,6 +71,9 @@ class MoELoss:
             metrics = dict(metrics)
             metrics["moe/aux_loss"] = aux.detach() * weight
             metrics["moe/z_loss"] = z.detach() * weight
+            flips = replay_flips(routing)
+            if flips is not None:  # the rows whose router alone would have picked other experts than the replayed
+                metrics["moe/replay_flips"] = flips * weight
             extra = self.aux_coef * aux + self.z_coef * z
             if self.aux_coef or self.z_coef:
                 loss_sum = loss_sum + weight * extra.to(loss_sum.dtype)

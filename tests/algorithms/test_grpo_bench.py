@@ -33,3 +33,11 @@ def test_bench_grpo_profile_runs_one_more_training_phase_under_the_profiler(tmp_
     assert "ours (keep KV) training phase profile: wall" in capsys.readouterr().out
     profile = json.loads(out.read_text())["train_profile"]
     assert profile["wall_ms"] > 0 and isinstance(profile["rows"], list)
+
+
+def test_bench_grpo_routing_replay_on_tiny_moe_reports_the_replay(tmp_path, capsys):
+    argv = ["bench", "grpo", "--shape", "tiny-moe", "--prompts", "2", "--n", "2", "--gen-len", "4"]
+    argv += ["--prompt-len", "6", "--steps", "1", "--warmup", "0", "--micro-batch-tokens", "128", "--baselines", "none"]
+    assert main([*argv, "--kv", "keep", "--routing-replay"]) == 0
+    flips = re.findall(r"mismatch mean ([\d.e+-]+), replay flips ([\d.]+)%\)", capsys.readouterr().out)
+    assert len(flips) == 1 and float(flips[0][0]) < 1e-5 and 0 <= float(flips[0][1]) <= 100
