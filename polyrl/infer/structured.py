@@ -114,23 +114,22 @@ class GrammarCache:
         self._llg = llg
 
     def matcher(self, so: StructuredOutputs) -> Any:
-        """A fresh matcher (its own state) for one sequence of a request with ``so``."""
+        """A fresh matcher (its own state) for one sequence of a request with ``so``. The compile runs under the
+        cache's lock, so concurrent requests with one schema compile it once (the others wait for it: milliseconds)."""
         with self._lock:
             template = self._cache.get(so)
             if template is not None:
                 self._cache.move_to_end(so)
                 self.hits += 1
                 return template.deep_copy()
-        grammar = to_grammar(so)
-        template = self._llg.LLMatcher(self.lltok, grammar, log_level=0)
-        if template.is_error():
-            raise UserError(f"invalid {so.kind} for structured output: {template.get_error()}")
-        with self._lock:
+            template = self._llg.LLMatcher(self.lltok, to_grammar(so), log_level=0)
+            if template.is_error():
+                raise UserError(f"invalid {so.kind} for structured output: {template.get_error()}")
             self.compiles += 1
             self._cache[so] = template
             while len(self._cache) > self.max_entries:
                 self._cache.popitem(last=False)
-        return template.deep_copy()
+            return template.deep_copy()
 
     def guide(self, so: StructuredOutputs) -> Guide:
         return Guide(self.matcher(so), self)

@@ -18,6 +18,7 @@ from .test_engine import prompts
 def trainer_logprobs(model, prompt: list[int]) -> torch.Tensor:
     """The training forward's log-probs of prompt[1:] (a Sample whose completion is the rest of the prompt)."""
     (batch,) = pack_samples([Sample(prompt[:1], prompt[1:], [0.0] * (len(prompt) - 1), "length", "")])
+    batch = batch.to(model.lm_head_weight.device)
     full, _ = completion_logprobs(model, batch)
     return full[batch.mask > 0]
 

@@ -52,6 +52,19 @@ def test_every_output_matches_the_schema_and_compiles_once(llm):
     assert cache.compiles == before + 1 and cache.hits == hits + 1
 
 
+def test_concurrent_requests_with_one_schema_compile_it_once(llm):
+    """The server adds requests from many threads: a schema first seen by several at once compiles once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cache = llm.grammar_cache()
+    so = StructuredOutputs.json_schema({**SCHEMA, "title": "concurrent"})  # a schema no other test compiled
+    before, hits = cache.compiles, cache.hits
+    with ThreadPoolExecutor(8) as pool:
+        guides = list(pool.map(lambda _: cache.guide(so), range(16)))
+    assert cache.compiles == before + 1 and cache.hits == hits + 15
+    assert len({id(g.matcher) for g in guides}) == 16  # each sequence its own matcher state
+
+
 def test_greedy_logprobs_and_mismatch(llm):
     so = StructuredOutputs.choice(["yes", "no"])
     ref = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=3, logprobs=0))[0].outputs[0]

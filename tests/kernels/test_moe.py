@@ -230,16 +230,21 @@ def test_grouped_mm_forward_matches_reference(kernel_check):
 # --- GPU ------------------------------------------------------------------------------------------------------
 
 
-def _qwen3_30b_problem(t, dev, seed=0):
-    """Qwen3-30B-A3B's expert block: H=2048, I=768, E=128, k=8; routing from a softmax over random logits."""
+def _qwen3_30b_problem(t, dev, seed=0, weights=True):
+    """Qwen3-30B-A3B's expert block: H=2048, I=768, E=128, k=8; routing from a softmax over random logits. The expert
+    weights (600M values) are drawn on ``dev`` (a host generator takes seconds for them); ``weights=False`` returns
+    None for them (a new routing for the same experts)."""
     h, inter, e, k = 2048, 768, 128, 8
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, h, generator=g).to(dev, torch.bfloat16)
     logits = torch.randn(t, e, generator=g).to(dev)
     w, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
     w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
-    gu = (torch.randn(e, 2 * inter, h, generator=g) * h**-0.5).to(dev, torch.bfloat16)
-    dn = (torch.randn(e, h, inter, generator=g) * inter**-0.5).to(dev, torch.bfloat16)
+    if not weights:
+        return x, ids, w, None, None
+    gd = torch.Generator(device=dev).manual_seed(seed)
+    gu = (torch.randn(e, 2 * inter, h, generator=gd, device=dev) * h**-0.5).to(torch.bfloat16)
+    dn = (torch.randn(e, h, inter, generator=gd, device=dev) * inter**-0.5).to(torch.bfloat16)
     return x, ids, w, gu, dn
 
 
@@ -266,8 +271,9 @@ def test_gpu_cuda_graph_replay_with_changing_routing(triton_kernels, kernel_chec
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = fn(x, ids, w, gu, dn)
+        gu32, dn32 = gu.float(), dn.float()
         for seed in (2, 3, 4):
-            x2, ids2, w2, _, _ = _qwen3_30b_problem(t, dev, seed=seed)
+            x2, ids2, w2, _, _ = _qwen3_30b_problem(t, dev, seed=seed, weights=False)
             if seed == 4:  # every token to the same k experts: the other experts get no rows
                 ids2 = torch.arange(8, device=dev).repeat(t, 1) * 3
             x.copy_(x2)
@@ -275,5 +281,5 @@ def test_gpu_cuda_graph_replay_with_changing_routing(triton_kernels, kernel_chec
             w.copy_(w2)
             graph.replay()
             torch.cuda.synchronize()
-            want = ref_moe(x.float(), ids, w.float(), gu.float(), dn.float())
+            want = ref_moe(x.float(), ids, w.float(), gu32, dn32)
             kernel_check.assert_close(out, want, torch.bfloat16, f"replay seed {seed}")
