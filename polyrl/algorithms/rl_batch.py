@@ -41,6 +41,7 @@ class Sample:
     index: int = 0
     mask: list[int] | None = None  # per completion id, 1 = a policy token (trained); None = all of them
     masked_logmass: float | None = None  # constrained rollouts: sum of log(mass the grammar allowed) over its tokens
+    policy_version: int | None = None  # RL steps applied to the weights that generated it (async RL: staleness)
 
     @property
     def num_tokens(self) -> int:

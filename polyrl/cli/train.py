@@ -93,6 +93,8 @@ RL_FLAG_KEYS: dict[str, str] = {
     "old_logprobs": "old_logprobs",
     "tis_cap": "tis_cap",
     "filter_groups": "filter_groups",
+    "max_staleness": "max_staleness",
+    "async_producer": "async_producer",
 }
 
 
@@ -186,6 +188,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--old-logprobs", choices=["rollout", "recompute"], help="source of the ratio's old log-probs")
     g.add_argument("--tis-cap", type=float, help="truncated importance sampling cap (with --old-logprobs recompute)")
     g.add_argument("--filter-groups", action="store_true", default=None, help="drop groups whose rewards all agree")
+    g.add_argument(
+        "--max-staleness",
+        type=int,
+        metavar="K",
+        help="asynchronous RL: generate rollouts K steps ahead of training, train no sample older than K policy "
+        "versions, with the decoupled off-policy loss (0: synchronous, the default)",
+    )
+    g.add_argument(
+        "--async-producer",
+        choices=["inline", "thread"],
+        help="async rollouts in the trainer's thread on the shared weights (inline) or in a background thread on "
+        "a copy of the weights, overlapping training (thread)",
+    )
     g = parser.add_argument_group("LoRA (the [lora] table; output and checkpoints are PEFT adapter folders)")
     g.add_argument(
         "--lora",
