@@ -62,6 +62,7 @@ class RolloutBatch:
     epochs: float
     t_start: float = 0.0
     t_end: float = 0.0
+    extra: Any = None  # the run's batch_state() (episode transcripts for rollouts.jsonl); not checkpointed
 
     def to_state(self) -> dict[str, Any]:
         return {
@@ -77,7 +78,7 @@ class RolloutBatch:
     def from_state(cls, d: dict[str, Any]) -> RolloutBatch:
         return cls(
             int(d["step"]), int(d["version"]), [Sample(**s) for s in d["samples"]], [float(r) for r in d["rewards"]],
-            dict(d["metrics"]), float(d["epochs"]),
+            dict(d["metrics"]), float(d["epochs"]), extra=None,
         )  # fmt: skip
 
 

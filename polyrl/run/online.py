@@ -239,7 +239,7 @@ class OnlineRun(DataParallelSteps):
 
         def produce(step: int, v: int) -> RolloutBatch:
             samples, rewards, m = self.collect(step)
-            return RolloutBatch(step, v, samples, rewards, m, self.data.epochs)
+            return RolloutBatch(step, v, samples, rewards, m, self.data.epochs, extra=self.batch_state())
 
         if self.a.async_producer == "thread":
             source: InlineRollouts = ThreadedRollouts(produce, k, self.policy.sync_rollout_weights, version)
@@ -251,6 +251,14 @@ class OnlineRun(DataParallelSteps):
         elif self.start > 0:
             self.print(f"note: {self.start_point} holds no rollout queue (a synchronous run's); generating afresh")
         return source
+
+    def batch_state(self) -> Any:
+        """What ``collect`` left for this step's ``rollout_row`` beyond the samples (an episode producer: the
+        transcripts); it travels with an async batch (not checkpointed: None after a resume)."""
+        return None
+
+    def restore_batch_state(self, state: Any) -> None:
+        """Put back ``batch_state()`` of the batch this step trains (async runs)."""
 
     @property
     def decoupled(self) -> bool:
@@ -495,6 +503,7 @@ class OnlineRun(DataParallelSteps):
             for ahead in range(step + 1, min(step + self.max_staleness, self.steps - 1) + 1):
                 self.source.submit(ahead)
             samples, rewards, rec = batch.samples, batch.rewards, dict(batch.metrics)
+            self.restore_batch_state(batch.extra)
         adv, keep, adv_metrics = self.hooks.advantages(rewards, [s.group for s in samples])
         rec.update(adv_metrics)
         self.measured_logprobs = None

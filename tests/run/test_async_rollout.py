@@ -187,3 +187,45 @@ def test_config_and_cli_errors():
     GRPOConfig(max_staleness=1, tis_cap=3.0)  # async always recomputes: tis_cap needs no old_logprobs
     with pytest.raises(ConfigError, match="old_logprobs"):
         GRPOConfig(tis_cap=3.0)  # synchronous: as before
+
+
+@pytest.mark.parametrize("algo", ["grpo", "gspo", "ppo"])
+def test_cli_max_staleness(tiny_model_dir, tmp_path, reward, algo):
+    from polyrl.cli.main import main
+
+    out = tmp_path / algo
+    argv = ["train", "--algo", algo, "--model", str(tiny_model_dir), "--data", "builtin:arithmetic?max=9&n=32"]
+    argv += ["--out", str(out), "--max-steps", "2", "--reward", reward, "--reward-workers", "0", "--n", "2"]
+    argv += ["--prompts-per-step", "4", "--max-new-tokens", "4", "--micro-batch-tokens", "256", "--max-staleness", "1"]
+    argv += [
+        "--async-producer",
+        "thread",
+        "--set",
+        "train.save_final_model=false",
+        "--set",
+        "checkpoint.save_final=false",
+    ]
+    assert main(argv) == 0
+    cfg = json.loads((out / "run_config.json").read_text())
+    assert cfg[algo]["max_staleness"] == 1 and cfg[algo]["async_producer"] == "thread"
+    assert [r["async/staleness_max"] for r in _records(out)] == [0.0, 1.0]
+
+
+def test_agentic_grpo_runs_asynchronously(tiny_model_dir, tmp_path):
+    import polyrl.agents  # noqa: F401  (registers the [agent] table)
+
+    out = tmp_path / "agent"
+    raw = _raw(tiny_model_dir, out, "exact_match", steps=3, max_staleness=1, prompts_per_step=2, samples_per_prompt=3,
+               max_new_tokens=6, rollouts_to_save=2)  # fmt: skip
+    raw["agent"] = {"env": "guessing", "env_workers": 1, "max_turns": 3, "max_episode_tokens": 256}
+    raw["engine"]["micro_batch_tokens"] = 512
+    _run(raw)
+    recs = _records(out)
+    assert [r["async/staleness_max"] for r in recs] == [0.0, 1.0, 1.0]
+    assert all(r["async/tokens_lag1"] == r["response_length"] * 6 for r in recs[1:])  # 6 episodes' policy tokens
+    rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 1, 2, 2, 3, 3] and all(r["kind"] == "episode" for r in rows)
+    # each row's transcript (kept by the run) is the episode of its own sample, not of the batch generated since
+    for r in rows:
+        first = r["mask"].index(0)
+        assert "".join(r["tokens"][:first]).strip() == r["messages"][1]["content"].strip()
