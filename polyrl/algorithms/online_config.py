@@ -50,7 +50,8 @@ class OnlineConfig:
     # thread on the shared weights; "thread": a background thread on a separate copy of the weights (one more
     # copy in memory), synced after every step, so generation of step t+K overlaps training on step t
     max_staleness: int = 0
-    async_producer: str = "inline"
+    async_producer: str = "inline"  # inline | thread | process (rollout worker processes over gloo)
+    rollout_workers: int = 1  # async_producer = "process": worker processes, prompts split over them
 
     def table_name(self) -> str:
         return "online"
@@ -71,8 +72,16 @@ class OnlineConfig:
         k = self.max_staleness
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise ConfigError(f"{name}.max_staleness must be an integer >= 0 (0 = synchronous), got {k!r}")
-        if self.async_producer not in ("inline", "thread"):
-            raise ConfigError(f'{name}.async_producer must be "inline" or "thread", got {self.async_producer!r}')
+        if self.async_producer not in ("inline", "thread", "process"):
+            raise ConfigError(
+                f'{name}.async_producer must be "inline", "thread" or "process", got {self.async_producer!r}'
+            )
+        if (
+            not isinstance(self.rollout_workers, int)
+            or isinstance(self.rollout_workers, bool)
+            or self.rollout_workers < 1
+        ):
+            raise ConfigError(f"{name}.rollout_workers must be a positive integer, got {self.rollout_workers!r}")
         if self.release_kv not in (True, False, "auto"):
             raise ConfigError(f'{name}.release_kv must be true, false or "auto", got {self.release_kv!r}')
         if not self.temperature > 0:

@@ -95,6 +95,7 @@ RL_FLAG_KEYS: dict[str, str] = {
     "filter_groups": "filter_groups",
     "max_staleness": "max_staleness",
     "async_producer": "async_producer",
+    "rollout_workers": "rollout_workers",
 }
 
 
@@ -197,10 +198,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--async-producer",
-        choices=["inline", "thread"],
-        help="async rollouts in the trainer's thread on the shared weights (inline) or in a background thread on "
-        "a copy of the weights, overlapping training (thread)",
+        choices=["inline", "thread", "process"],
+        help="async rollouts in the trainer's thread on the shared weights (inline), in a background thread on "
+        "a copy of the weights, overlapping training (thread), or in --rollout-workers processes fed over gloo "
+        "(process)",
     )
+    g.add_argument("--rollout-workers", type=int, help="rollout worker processes (--async-producer process)")
     g = parser.add_argument_group("LoRA (the [lora] table; output and checkpoints are PEFT adapter folders)")
     g.add_argument(
         "--lora",

@@ -113,6 +113,7 @@ class ColocatedPolicy:
         if self.release_kv:
             self.llm.release()
         self.separate_rollout = separate_rollout and not self.sharded
+        self.remote: Any = None  # rollout worker processes (run.rollout_workers); this engine is their fallback
         self.device = self.engine.device
         self.micro_batch_tokens = (engine or StepConfig()).micro_batch_tokens  # the packing budget of RL batches
 
@@ -160,6 +161,8 @@ class ColocatedPolicy:
         try:
             if self.world is not None:
                 outs = par.generate_data_parallel(self.llm, ids, plist, self.world)
+            elif self.remote is not None:
+                outs = self.remote.generate(ids, plist, self.llm.generate)
             else:
                 outs = self.llm.generate(ids, plist)
         except BaseException:
@@ -246,6 +249,8 @@ class ColocatedPolicy:
             for name, t in [*self.rollout_net.named_parameters(), *self.rollout_net.named_buffers()]:
                 t.copy_(src[name])
             self.llm.reset_prefix_cache()
+            if self.remote is not None:
+                self.remote.push_weights(self.model)
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def save(

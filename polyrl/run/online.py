@@ -68,6 +68,7 @@ from polyrl.errors import CheckpointError, ConfigError, DataError
 from polyrl.infer.config import RolloutConfig
 from polyrl.infer.sampling_params import SamplingParams, StructuredOutputs
 from polyrl.models.checkpoint import load_tokenizer
+from polyrl.models.lora import is_adapter_dir
 from polyrl.run.async_rollout import InlineRollouts, RolloutBatch, ThreadedRollouts, staleness_metrics
 from polyrl.run.colocated import ColocatedPolicy
 from polyrl.run.config import RunConfig, save_resolved
@@ -221,7 +222,7 @@ class OnlineRun(DataParallelSteps):
             release_kv=a.release_kv,
             reference=self.hooks.needs_reference,
             world=self.world,
-            separate_rollout=self.max_staleness > 0 and a.async_producer == "thread",
+            separate_rollout=self.max_staleness > 0 and a.async_producer in ("thread", "process"),
         )
 
     # ---- asynchronous RL (polyrl.run.async_rollout) ---------------------------------------------------
@@ -232,7 +233,20 @@ class OnlineRun(DataParallelSteps):
                 f"{self.a.table_name()}.max_staleness > 0 is built for one process only so far; drop "
                 "--nproc-per-node or run synchronously (max_staleness = 0)"
             )
-        if k > 0 and self.a.async_producer == "thread" and self.cfg.episodes is not None:
+        if (
+            k > 0
+            and self.a.async_producer == "process"
+            and (
+                self.cfg.lora is not None
+                or getattr(self.a, "rollout_response_format", "")
+                or is_adapter_dir(Path(self.cfg.model))
+            )
+        ):
+            raise ConfigError(
+                'async_producer = "process" sends full weights of a plain model folder: no LoRA, no structured '
+                'rollouts yet; use async_producer = "thread"'
+            )
+        if k > 0 and self.a.async_producer != "inline" and self.cfg.episodes is not None:
             raise ConfigError(
                 f'agentic runs generate in the trainer\'s thread: set {self.a.table_name()}.async_producer = "inline"'
             )
@@ -247,7 +261,15 @@ class OnlineRun(DataParallelSteps):
             samples, rewards, m = self.collect(step)
             return RolloutBatch(step, v, samples, rewards, m, self.data.epochs, extra=self.batch_state())
 
-        if self.a.async_producer == "thread":
+        if self.a.async_producer == "process":  # rollout engines in worker processes, fed over gloo
+            # lazy: worker processes and their process group exist only in runs that ask for them
+            from polyrl.run.rollout_workers import RolloutWorkers
+
+            self.policy.remote = RolloutWorkers(
+                self.cfg.model, tokenizer_path(self.cfg), self.rollout_config(), self.a.rollout_workers
+            )
+            self.policy.remote.push_weights(self.policy.model)  # version `start` (after a resume's load)
+        if self.a.async_producer in ("thread", "process"):
             source: InlineRollouts = ThreadedRollouts(produce, k, self.policy.sync_rollout_weights, version)
         else:
             source = InlineRollouts(produce, k, version)
@@ -524,6 +546,9 @@ class OnlineRun(DataParallelSteps):
             rec.update(self._async_record(batch, t_train, time.perf_counter()))
             self.source.weights_updated(step + 1)  # waits for the producer, syncs its weights (thread)
             rec["async/sync_s"] = self.source.sync_s
+            if self.policy.remote is not None:
+                rec["async/rollout_workers_alive"] = float(self.policy.remote.num_alive)
+                rec["async/rollout_worker_failures_total"] = float(self.policy.remote.failures)
         self.save_rollouts(step, samples, rewards, adv)
         self.measured_logprobs = None
         rec["step"] = step + 1
@@ -614,6 +639,8 @@ class OnlineRun(DataParallelSteps):
         finally:
             if self.source is not None:
                 self.source.close()
+            if self.policy.remote is not None:
+                self.policy.remote.close()
             if self.pool is not None:
                 self.pool.close()
             if self.rollout_log is not None:

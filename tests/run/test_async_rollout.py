@@ -229,3 +229,46 @@ def test_agentic_grpo_runs_asynchronously(tiny_model_dir, tmp_path):
     for r in rows:
         first = r["mask"].index(0)
         assert "".join(r["tokens"][:first]).strip() == r["messages"][1]["content"].strip()
+
+
+def test_rollout_worker_process_equals_the_thread(tiny_model_dir, tmp_path, reward):
+    _run(_raw(tiny_model_dir, tmp_path / "thread", reward, steps=4, max_staleness=1, async_producer="thread"))
+    _run(_raw(tiny_model_dir, tmp_path / "proc", reward, steps=4, max_staleness=1, async_producer="process"))
+    thread, proc = _records(tmp_path / "thread"), _records(tmp_path / "proc")
+    # the worker process loads the same folder, gets the trainer's weights over gloo, draws the same tokens
+    assert [_plain(r) for r in thread] == [
+        {k: v for k, v in _plain(r).items() if "rollout_worker" not in k} for r in proc
+    ]
+    assert all(r["async/rollout_workers_alive"] == 1.0 for r in proc)
+
+
+def test_a_killed_rollout_worker_does_not_stop_training(tiny_model_dir, tmp_path, reward):
+    import os
+    import signal
+
+    from polyrl.run import online
+
+    _run(_raw(tiny_model_dir, tmp_path / "thread", reward, steps=4, max_staleness=1, async_producer="thread"))
+    thread = _records(tmp_path / "thread")
+    # the worker is killed after step 2's update: step 3's batch (already generated) and the later ones still come
+    original = online.OnlineRun._async_record
+
+    def kill_after_step_2(self, batch, t_train, t_end):
+        if batch.step == 1:
+            self.source.drain()
+            os.kill(self.policy.remote.procs[0].pid, signal.SIGKILL)
+            self.policy.remote.procs[0].join()
+        return original(self, batch, t_train, t_end)
+
+    online.OnlineRun._async_record = kill_after_step_2
+    try:
+        _run(_raw(tiny_model_dir, tmp_path / "killed", reward, steps=4, max_staleness=1, async_producer="process"))
+    finally:
+        online.OnlineRun._async_record = original
+    killed = _records(tmp_path / "killed")
+    assert [r["step"] for r in killed] == [1, 2, 3, 4]
+    assert [r["async/rollout_workers_alive"] for r in killed] == [1.0, 0.0, 0.0, 0.0]
+    assert killed[-1]["async/rollout_worker_failures_total"] == 1.0
+    # the trainer's own engine took over with the same weights and seeds: the same rewards and losses
+    assert [_plain(r)["reward"] for r in killed] == [r["reward"] for r in thread]
+    assert [r["loss"] for r in killed] == [r["loss"] for r in thread]
