@@ -18,6 +18,8 @@ token).
 - ``ThreadedRollouts``: a background thread generates on a separate copy of the weights (``ColocatedPolicy(...,
   separate_rollout=True)``); ``weights_updated`` joins it and copies the trainer's weights in. Generation of step
   s+K overlaps training of step s. Same samples, bit for bit, as ``InlineRollouts`` (same versions, same seeds).
+  With ``async_producer = "process"`` the same thread drives rollout worker processes (``rollout_workers``: the
+  policy's ``remote``; weights pushed over gloo by ``sync``), falling back to the trainer's engine for a dead one.
 
 The loop (``OnlineRun.step``): ``get(s)``; ``submit(s+1 .. s+K)`` (those not yet submitted, below the run's last
 step); prepare + update; ``weights_updated(s+1)``. With K = 0 the loop does not use a source at all (today's

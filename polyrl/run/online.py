@@ -265,6 +265,11 @@ class OnlineRun(DataParallelSteps):
             # lazy: worker processes and their process group exist only in runs that ask for them
             from polyrl.run.rollout_workers import RolloutWorkers
 
+            if self.policy.device.type != "cpu":
+                raise ConfigError(
+                    'async_producer = "process" runs its workers on the CPU (gloo) only so far; on an accelerator '
+                    'use async_producer = "thread" or "inline"'
+                )
             self.policy.remote = RolloutWorkers(
                 self.cfg.model, tokenizer_path(self.cfg), self.rollout_config(), self.a.rollout_workers
             )

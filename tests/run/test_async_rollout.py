@@ -146,7 +146,7 @@ def test_staleness_metrics_count_tokens_per_lag():
     assert m["async/is_truncated_fraction"] == pytest.approx(1 / 6)
 
 
-@pytest.mark.parametrize("producer", ["inline", "thread"])
+@pytest.mark.parametrize("producer", ["inline", "thread", "process"])
 def test_async_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, reward, producer):
     full = tmp_path / "full"
     raw = _raw(tiny_model_dir, full, reward, algo="gspo", steps=4, save_every=2, max_staleness=2)
