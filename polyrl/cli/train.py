@@ -203,7 +203,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "a copy of the weights, overlapping training (thread), or in --rollout-workers processes fed over gloo "
         "(process)",
     )
-    g.add_argument("--rollout-workers", type=int, help="rollout worker processes (--async-producer process)")
+    g.add_argument(
+        "--rollout-workers", type=int, metavar="N", help="rollout worker processes (--async-producer process)"
+    )
     g = parser.add_argument_group("LoRA (the [lora] table; output and checkpoints are PEFT adapter folders)")
     g.add_argument(
         "--lora",

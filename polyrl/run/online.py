@@ -21,11 +21,12 @@ One RL step, each stage a method of ``OnlineRun`` so an algorithm can override o
    seeded sample of ``rollouts_to_save`` rollouts per step in ``rollouts.jsonl`` for ``polyrl view``
    (``polyrl.run.rollout_log``: texts, rewards, the rollout's and, when measured, the trainer's per-token log-probs).
 
-Asynchronous RL (``max_staleness`` K > 0, ``polyrl.run.async_rollout``, docs/async-rl.md): step 1 takes its batch
-from a ``RolloutSource`` (a policy-versioned queue), which then starts the batches up to step + K with the current
-weights (inline, or in a background thread on a copy of the weights); ``prepare`` uses the decoupled objective
-(recomputed proximal log-probs, truncated ``pi_prox / pi_behaviour`` weights, ``async/*`` metrics); after the update
-the source gets the new version (the thread's weights are synced); checkpoints hold the queue. K = 0: no source.
+Asynchronous RL (``max_staleness`` K > 0, ``polyrl.run.async_rollout``, docs/async-rl.md): step s takes its batch from
+a ``RolloutSource`` (a policy-versioned queue), which then starts the batches up to s + K with the current weights
+(inline; in a background thread on a copy of the weights; or in rollout worker processes); ``prepare`` uses the
+decoupled objective (recomputed proximal log-probs, truncated ``pi_prox / pi_behaviour`` weights, ``async/*``
+metrics); after the update the source gets the new version (the thread's weights are synced); checkpoints hold the
+queue. K = 0: no source.
 
 Under torchrun (``polyrl train --nproc-per-node N``) the policy is FSDP2-sharded (a LoRA policy: replicated, see
 ``polyrl.train.parallel.replicate``) and the run is data-parallel: the prompt stream, the seeds and so the sampled

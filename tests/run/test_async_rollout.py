@@ -184,6 +184,8 @@ def test_config_and_cli_errors():
         GRPOConfig(max_staleness=-1)
     with pytest.raises(ConfigError, match="async_producer"):
         GRPOConfig(max_staleness=1, async_producer="gpu")
+    with pytest.raises(ConfigError, match="rollout_workers must be a positive integer"):
+        GRPOConfig(max_staleness=1, async_producer="process", rollout_workers=0)
     GRPOConfig(max_staleness=1, tis_cap=3.0)  # async always recomputes: tis_cap needs no old_logprobs
     with pytest.raises(ConfigError, match="old_logprobs"):
         GRPOConfig(tis_cap=3.0)  # synchronous: as before
