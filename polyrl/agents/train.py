@@ -155,11 +155,19 @@ class EpisodeSteps:
             raise ConfigError(f"step {step + 1}: no episode could start (every reset failed: {bad and bad.error})")
         return samples, rewards, m
 
+    def batch_state(self) -> Any:
+        return self._step_episodes
+
+    def restore_batch_state(self, state: Any) -> None:
+        self._step_episodes = state
+
     def rollout_row(self, i: int, sample: Any) -> dict[str, Any]:
         """Episode ``i`` of this step for ``rollouts.jsonl``: the transcript after the opening prompt as tokens (with
         the policy mask) and as OpenAI messages (assistant turns, tool calls, tool observations)."""
-        e = self._step_episodes[i]
         row = super().rollout_row(i, sample)
+        if self._step_episodes is None:  # an async run's batch restored from a checkpoint: no transcript kept
+            return row
+        e = self._step_episodes[i]
         row.update(
             kind="episode",
             completion=self.tokenizer.decode(e.ids),

@@ -56,7 +56,9 @@ class GRPOConfig(OnlineConfig):
     kl_coef: float = 0.0  # > 0 keeps a frozen copy of the initial weights as the reference
     kl_estimator: str = "k3"
     old_logprobs: str = "rollout"  # rollout (the engine's) | recompute (the trainer's, before the update)
-    tis_cap: float | None = None  # truncated importance sampling cap (needs old_logprobs="recompute")
+    # truncated importance sampling cap (needs old_logprobs="recompute"; an async run, max_staleness > 0, always
+    # recomputes and caps pi_prox / pi_behaviour at tis_cap, default 2.0: the decoupled objective)
+    tis_cap: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -78,7 +80,7 @@ class GRPOConfig(OnlineConfig):
         if self.tis_cap is not None:
             if not self.tis_cap > 0:
                 raise ConfigError(f"{name}.tis_cap must be > 0 (e.g. 2.0) or unset")
-            if self.old_logprobs != "recompute":
+            if self.old_logprobs != "recompute" and self.max_staleness == 0:  # async: always the recompute
                 raise ConfigError(
                     f"{name}.tis_cap corrects the trainer's old log-probs towards the rollout engine's; "
                     f'set {name}.old_logprobs = "recompute" with it'

@@ -50,6 +50,14 @@ class OnlineConfig:
     # forwards (the log-prob recompute and the training step) reuse them, so both score the same sub-network
     # (docs/models.md); the mismatch_* metrics then measure what is left. Needs an MoE model
     routing_replay: bool = False
+    # asynchronous RL (polyrl.run.async_rollout): the most policy versions (RL steps) a trained sample may lag the
+    # weights it is trained on. 0 = synchronous (generate, then train, on the same weights); K >= 1 = rollouts are
+    # generated K steps ahead; staler ones are regenerated (counted). "inline": the producer runs in the trainer's
+    # thread on the shared weights; "thread": a background thread on a separate copy of the weights (one more
+    # copy in memory), synced after every step, so generation of step t+K overlaps training on step t
+    max_staleness: int = 0
+    async_producer: str = "inline"  # inline | thread | process (rollout worker processes over gloo)
+    rollout_workers: int = 1  # async_producer = "process": worker processes, prompts split over them
 
     def table_name(self) -> str:
         return "online"
@@ -67,6 +75,19 @@ class OnlineConfig:
             raise ConfigError(f"{name}.rollouts_to_save must be an integer >= 0, got {self.rollouts_to_save!r}")
         if self.rollouts_to_save < 0:
             raise ConfigError(f"{name}.rollouts_to_save must be >= 0 (0 = none), got {self.rollouts_to_save}")
+        k = self.max_staleness
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ConfigError(f"{name}.max_staleness must be an integer >= 0 (0 = synchronous), got {k!r}")
+        if self.async_producer not in ("inline", "thread", "process"):
+            raise ConfigError(
+                f'{name}.async_producer must be "inline", "thread" or "process", got {self.async_producer!r}'
+            )
+        if (
+            not isinstance(self.rollout_workers, int)
+            or isinstance(self.rollout_workers, bool)
+            or self.rollout_workers < 1
+        ):
+            raise ConfigError(f"{name}.rollout_workers must be a positive integer, got {self.rollout_workers!r}")
         if self.release_kv not in (True, False, "auto"):
             raise ConfigError(f'{name}.release_kv must be true, false or "auto", got {self.release_kv!r}')
         if not self.temperature > 0:

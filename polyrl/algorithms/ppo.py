@@ -133,7 +133,15 @@ def make_policy_loss(cfg: PPOConfig, tokens_in_step: float, step_normalizer: flo
         logp, _ = completion_logprobs(model, batch, cfg.temperature)
         f, m, b = batch.fields, batch.mask, batch.num_sequences
         per_tok, info = policy_loss(
-            logp, f["old_logp"], f["adv"], m, batch.seq_index, b, clip_low=cfg.clip_low, clip_high=cfg.clip_high
+            logp,
+            f["old_logp"],
+            f["adv"],
+            m,
+            batch.seq_index,
+            b,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            is_weights=f.get("is_w"),  # async runs: the decoupled objective's truncated pi_prox / pi_behaviour
         )
         loss_sum, _ = aggregate(per_tok, m, batch.seq_index, b, cfg.loss_agg, cfg.max_new_tokens)
         metrics = {

@@ -47,6 +47,7 @@ class Sample:
     # e.g. the last token), L = the MoE layers ``routing_layers`` in order; None = not recorded
     routed_experts: torch.Tensor | None = None
     routing_layers: tuple[int, ...] = ()
+    policy_version: int | None = None  # RL steps applied to the weights that generated it (async RL: staleness)
 
     @property
     def num_tokens(self) -> int:

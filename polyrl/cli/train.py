@@ -95,6 +95,9 @@ RL_FLAG_KEYS: dict[str, str] = {
     "filter_groups": "filter_groups",
     "teacher": "teacher",
     "eval_n": "eval_n",
+    "max_staleness": "max_staleness",
+    "async_producer": "async_producer",
+    "rollout_workers": "rollout_workers",
 }
 
 
@@ -190,6 +193,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--filter-groups", action="store_true", default=None, help="drop groups whose rewards all agree")
     g.add_argument("--eval-n", type=int, help="samples per eval prompt: eval_pass@k, eval_length")
     g.add_argument("--teacher", metavar="DIR", help="--algo distill: the frozen teacher (same tokenizer as --model)")
+    g.add_argument(
+        "--max-staleness",
+        type=int,
+        metavar="K",
+        help="asynchronous RL: generate rollouts K steps ahead of training, train no sample older than K policy "
+        "versions, with the decoupled off-policy loss (0: synchronous, the default)",
+    )
+    g.add_argument(
+        "--async-producer",
+        choices=["inline", "thread", "process"],
+        help="async rollouts in the trainer's thread on the shared weights (inline), in a background thread on "
+        "a copy of the weights, overlapping training (thread), or in --rollout-workers processes fed over gloo "
+        "(process)",
+    )
+    g.add_argument(
+        "--rollout-workers", type=int, metavar="N", help="rollout worker processes (--async-producer process)"
+    )
     g = parser.add_argument_group("LoRA (the [lora] table; output and checkpoints are PEFT adapter folders)")
     g.add_argument(
         "--lora",

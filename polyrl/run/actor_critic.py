@@ -26,7 +26,7 @@ from typing import Any, TextIO
 import torch
 
 from polyrl.algorithms.gae import gae, pad_rows, token_rewards, unpad_rows, whiten
-from polyrl.algorithms.losses import kl_penalty
+from polyrl.algorithms.losses import kl_penalty, tis_weights
 from polyrl.algorithms.online_config import OnlineHooks
 from polyrl.algorithms.ppo import make_value_loss
 from polyrl.algorithms.rl_batch import RLBatch, Sample, pack_samples
@@ -34,6 +34,7 @@ from polyrl.errors import CheckpointError
 from polyrl.models.lora import base_model_path
 from polyrl.models.value_head import load_value_model, mark_token_classification, save_value_model
 from polyrl.platform import device
+from polyrl.run.async_rollout import staleness_metrics
 from polyrl.run.config import RunConfig
 from polyrl.run.online import OnlineRun, run_online
 from polyrl.train import parallel as par
@@ -151,7 +152,7 @@ class ActorCriticRun(OnlineRun):
         lps, ents = self.policy.logprobs(samples, a.temperature, entropy=True, batches=plain)
         self.measured_logprobs = lps  # rollouts.jsonl's trainer log-probs
         rollout_lp = [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples]
-        old = rollout_lp if a.old_logprobs == "rollout" else lps
+        old = rollout_lp if a.old_logprobs == "rollout" and not self.decoupled else lps
         values = self.critic.values(self.even_out([plain], samples, keep[0])[0], len(samples))
         old_pad, mask = pad_rows([old[i] for i in mine])
         kl_pad = None
@@ -176,6 +177,10 @@ class ActorCriticRun(OnlineRun):
         for i, ad, ret in zip(mine, unpad_rows(adv, mask), unpad_rows(returns, mask)):
             fields["adv"][i], fields["returns"][i] = ad.tolist(), ret.tolist()
             fields["old_logp"][i], fields["old_value"][i] = old[i].tolist(), values[i].tolist()
+        cap = self.is_cap()  # async: truncated pi_prox / pi_behaviour weights (the decoupled objective)
+        if cap:
+            fields["is_w"] = [tis_weights(lps[i], rollout_lp[i], cap).tolist() if i in set(mine) else None
+                              for i in range(len(samples))]  # fmt: skip
         batches = self.even_out([pack_samples(samples, fields, budget, g) for g in groups], samples, keep[0])
         mismatch_mean, mismatch_max = self.global_stats([(rollout_lp[i] - lps[i]).abs() for i in mine])
         v, r = v_pad[sel], returns[sel]
@@ -194,6 +199,8 @@ class ActorCriticRun(OnlineRun):
         }
         if kl_pad is not None:
             m["kl"] = self.global_stats([kl_pad[sel]])[0]
+        if self.source is not None:
+            m.update(staleness_metrics(step, samples, mine, rollout_lp, lps, cap))
         return batches, m
 
     def update(self, batches: list[list[RLBatch]]) -> dict[str, float]:

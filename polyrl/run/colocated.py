@@ -11,6 +11,9 @@ The building block of every online run (GRPO, GSPO, PPO, agentic RL) and of the 
   ``reference=True`` keeps a frozen copy of the initial weights (``ref_model``) for a KL penalty; for a LoRA model
   (``polyrl.models.lora``) the reference is the same model with its adapters off (no copy), and with
   ``lora_config.merge_for_rollout`` rollouts run with the adapters merged in place (unmerged afterwards).
+  ``separate_rollout=True`` (async RL's threaded producer, one process): the rollout engine gets a copy of the
+  weights of its own, refreshed only by ``sync_rollout_weights()`` (so it can generate while the trainer updates);
+  log-prob recomputes then run on the trained model itself.
 - Data-parallel (``world`` of ``polyrl.train.parallel``, under torchrun): the trained model is FSDP2-sharded, so the
   rollout engine runs a plain full copy in the compute dtype (``rollout_net``, refreshed in place after every
   optimizer step with one all-gather per tensor), each rank generates for its share of the prompts and every rank
@@ -79,6 +82,7 @@ class ColocatedPolicy:
         release_kv: bool | str = "auto",
         reference: bool = False,
         world: par.World | None = None,
+        separate_rollout: bool = False,
     ) -> None:
         if schedule is None and total_steps is None:
             schedule = ScheduleConfig(decay="constant")  # an open-ended Python session has no length
@@ -92,7 +96,9 @@ class ColocatedPolicy:
             # before any update or hook: the initial weights (LoRA: the frozen base itself, adapters off, no copy)
             initial = copy.deepcopy(model) if reference and not lora else None
             self.engine = TrainEngine(model, optim, schedule, precision, engine, total_steps, world=self.world)
-            self.rollout_net = model  # colocated: the very tensors the optimizer updates
+            # colocated: the very tensors the optimizer updates; separate_rollout (async RL's threaded producer): a
+            # copy of its own, refreshed by sync_rollout_weights() only
+            self.rollout_net = copy.deepcopy(model).requires_grad_(False) if separate_rollout else model
             self.ref_model: nn.Module | None = None
             if initial is not None:
                 self.ref_model = initial.to(self.engine.compute_dtype).eval().requires_grad_(False)
@@ -107,6 +113,8 @@ class ColocatedPolicy:
         self.release_kv = keeps_kv_released(release_kv, self.llm.kv.total_bytes)
         if self.release_kv:
             self.llm.release()
+        self.separate_rollout = separate_rollout and not self.sharded
+        self.remote: Any = None  # rollout worker processes (run.rollout_workers); this engine is their fallback
         self.device = self.engine.device
         self.micro_batch_tokens = (engine or StepConfig()).micro_batch_tokens  # the packing budget of RL batches
 
@@ -154,6 +162,8 @@ class ColocatedPolicy:
         try:
             if self.world is not None:
                 outs = par.generate_data_parallel(self.llm, ids, plist, self.world)
+            elif self.remote is not None:
+                outs = self.remote.generate(ids, plist, self.llm.generate)
             else:
                 outs = self.llm.generate(ids, plist)
         except BaseException:
@@ -205,8 +215,8 @@ class ColocatedPolicy:
         full copy (``rollout_net``, the model itself when replicated); samples in no given batch get None.
         Batches carrying a routing record (``RLBatch.routing_replay``, MoE) are recomputed with the rollout's experts
         forced when ``model`` is the policy (rollout-routing replay); another model (the reference) routes itself."""
-        policy = model is None or model is self.rollout_net or model is self.model
-        model = model or self.rollout_net
+        model = model or (self.model if self.separate_rollout else self.rollout_net)
+        policy = model is self.rollout_net or model is self.model
         was_training = model.training
         model.eval()
         batches = batches if batches is not None else pack_samples(samples, max_tokens=self.micro_batch_tokens)
@@ -237,8 +247,22 @@ class ColocatedPolicy:
         stats = self.engine.step(list(batches), loss_fn, normalizer)
         if self.sharded:
             par.sync_rollout_weights(self.model, self.rollout_net)
-        self.llm.reset_prefix_cache()
+        if not self.separate_rollout:  # a separate copy (maybe generating now) changes in sync_rollout_weights only
+            self.llm.reset_prefix_cache()
         return stats
+
+    @torch.no_grad()
+    def sync_rollout_weights(self) -> None:
+        """Copy the trained weights into a separate rollout copy (``separate_rollout``; the rollout engine must be
+        idle) and reset its prefix cache; nothing to do when the rollout shares the trained tensors."""
+        if self.separate_rollout:
+            src = dict(self.model.named_parameters())
+            src.update(self.model.named_buffers())
+            for name, t in [*self.rollout_net.named_parameters(), *self.rollout_net.named_buffers()]:
+                t.copy_(src[name])
+            self.llm.reset_prefix_cache()
+            if self.remote is not None:
+                self.remote.push_weights(self.model)
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def save(
@@ -267,6 +291,7 @@ class ColocatedPolicy:
                 par.sync_rollout_weights(self.model, self.rollout_net)
         else:
             loaded = load_checkpoint(path, self.model, self.engine)
+        self.sync_rollout_weights()
         self.llm.reset_prefix_cache()
         return loaded
 

@@ -23,6 +23,13 @@ One RL step, each stage a method of ``OnlineRun`` so an algorithm can override o
    seeded sample of ``rollouts_to_save`` rollouts per step in ``rollouts.jsonl`` for ``polyrl view``
    (``polyrl.run.rollout_log``: texts, rewards, the rollout's and, when measured, the trainer's per-token log-probs).
 
+Asynchronous RL (``max_staleness`` K > 0, ``polyrl.run.async_rollout``, docs/async-rl.md): step s takes its batch from
+a ``RolloutSource`` (a policy-versioned queue), which then starts the batches up to s + K with the current weights
+(inline; in a background thread on a copy of the weights; or in rollout worker processes); ``prepare`` uses the
+decoupled objective (recomputed proximal log-probs, truncated ``pi_prox / pi_behaviour`` weights, ``async/*``
+metrics); after the update the source gets the new version (the thread's weights are synced); checkpoints hold the
+queue. K = 0: no source.
+
 Under torchrun (``polyrl train --nproc-per-node N``) the policy is FSDP2-sharded (a LoRA policy: replicated, see
 ``polyrl.train.parallel.replicate``) and the run is data-parallel: the prompt stream, the seeds and so the sampled
 tokens are the same as in one process; each rank generates for its share of the prompts (``ColocatedPolicy`` with a
@@ -64,6 +71,8 @@ from polyrl.errors import CheckpointError, ConfigError, DataError
 from polyrl.infer.config import RolloutConfig
 from polyrl.infer.sampling_params import SamplingParams, StructuredOutputs
 from polyrl.models.checkpoint import load_tokenizer
+from polyrl.models.lora import is_adapter_dir
+from polyrl.run.async_rollout import InlineRollouts, RolloutBatch, ThreadedRollouts, staleness_metrics
 from polyrl.run.colocated import ColocatedPolicy
 from polyrl.run.config import RunConfig, save_resolved
 from polyrl.run.data_parallel import DataParallelSteps
@@ -81,6 +90,8 @@ from polyrl.run.offline import (
 )
 from polyrl.run.rollout_log import RolloutLog, chosen, spread, token_strings
 from polyrl.train import parallel as par
+
+DEFAULT_ASYNC_IS_CAP = 2.0  # an async run's importance-weight cap when tis_cap is unset
 
 
 class PromptStream:
@@ -137,11 +148,13 @@ class OnlineRun(DataParallelSteps):
         self.out = Path(cfg.out)
         self.t_start = time.perf_counter()
         self.start_point = resume_point(cfg)
+        self._resumed_async: dict[str, Any] | None = None  # the checkpointed rollout queue of an async run
         self.tokenizer = load_tokenizer(tokenizer_path(cfg))
         self.prompts, self.prompt_ids, self.views, skipped = self._load(cfg.data, "train")
         self.eval_set = self._eval_set() if cfg.train.eval_every > 0 else None
         self.steps = self._total_steps()
         a = self.a
+        self.max_staleness = self._check_async()
         self.print(
             f"{cfg.algo}: {len(self.prompts)} prompts ({skipped} longer than max_prompt_len skipped), {self.steps} "
             f"steps of {a.prompts_per_step} prompts x {a.samples_per_prompt} samples, "
@@ -170,6 +183,7 @@ class OnlineRun(DataParallelSteps):
         if self.world.is_main and a.rollouts_to_save > 0:
             self.rollout_log = RolloutLog(self.out, self.start)
         self.measured_logprobs: list[Any] | None = None  # the trainer's per-sample log-probs of this step, if measured
+        self.source = self._make_source()  # async RL (max_staleness > 0): rollouts generated ahead; None: synchronous
 
     def rollout_config(self) -> RolloutConfig:
         """The rollout engine sized for this run: the longest prompt plus the longest generation (an episode's
@@ -223,7 +237,88 @@ class OnlineRun(DataParallelSteps):
             release_kv=a.release_kv,
             reference=self.hooks.needs_reference,
             world=self.world,
+            separate_rollout=self.max_staleness > 0 and a.async_producer in ("thread", "process"),
         )
+
+    # ---- asynchronous RL (polyrl.run.async_rollout) ---------------------------------------------------
+    def _check_async(self) -> int:
+        k = getattr(self.a, "max_staleness", 0)
+        if k > 0 and self.world.distributed:
+            raise ConfigError(
+                f"{self.a.table_name()}.max_staleness > 0 is built for one process only so far; drop "
+                "--nproc-per-node or run synchronously (max_staleness = 0)"
+            )
+        if (
+            k > 0
+            and self.a.async_producer == "process"
+            and (
+                self.cfg.lora is not None
+                or getattr(self.a, "rollout_response_format", "")
+                or is_adapter_dir(Path(self.cfg.model))
+            )
+        ):
+            raise ConfigError(
+                'async_producer = "process" sends full weights of a plain model folder: no LoRA, no structured '
+                'rollouts yet; use async_producer = "thread"'
+            )
+        if k > 0 and self.a.async_producer != "inline" and self.cfg.episodes is not None:
+            raise ConfigError(
+                f'agentic runs generate in the trainer\'s thread: set {self.a.table_name()}.async_producer = "inline"'
+            )
+        return k
+
+    def _make_source(self) -> InlineRollouts | None:
+        if self.max_staleness == 0:
+            return None
+        k, version = self.max_staleness, self.start
+
+        def produce(step: int, v: int) -> RolloutBatch:
+            samples, rewards, m = self.collect(step)
+            return RolloutBatch(step, v, samples, rewards, m, self.data.epochs, extra=self.batch_state())
+
+        if self.a.async_producer == "process":  # rollout engines in worker processes, fed over gloo
+            # lazy: worker processes and their process group exist only in runs that ask for them
+            from polyrl.run.rollout_workers import RolloutWorkers
+
+            if self.policy.device.type != "cpu":
+                raise ConfigError(
+                    'async_producer = "process" runs its workers on the CPU (gloo) only so far; on an accelerator '
+                    'use async_producer = "thread" or "inline"'
+                )
+            self.policy.remote = RolloutWorkers(
+                self.cfg.model, tokenizer_path(self.cfg), self.rollout_config(), self.a.rollout_workers
+            )
+            self.policy.remote.push_weights(self.policy.model)  # version `start` (after a resume's load)
+        if self.a.async_producer in ("thread", "process"):
+            source: InlineRollouts = ThreadedRollouts(produce, k, self.policy.sync_rollout_weights, version)
+        else:
+            source = InlineRollouts(produce, k, version)
+        state = self._resumed_async
+        if state is not None:
+            source.load_state_dict(state)
+        elif self.start > 0:
+            self.print(f"note: {self.start_point} holds no rollout queue (a synchronous run's); generating afresh")
+        return source
+
+    def batch_state(self) -> Any:
+        """What ``collect`` left for this step's ``rollout_row`` beyond the samples (an episode producer: the
+        transcripts); it travels with an async batch (not checkpointed: None after a resume)."""
+        return None
+
+    def restore_batch_state(self, state: Any) -> None:
+        """Put back ``batch_state()`` of the batch this step trains (async runs)."""
+
+    @property
+    def decoupled(self) -> bool:
+        """The decoupled off-policy objective (async runs): the proximal policy (the trainer's recompute at the start
+        of the step) anchors the clipped ratio; truncated ``pi_prox / pi_behaviour`` weights correct for the
+        behaviour (rollout) policy's staleness."""
+        return self.max_staleness > 0
+
+    def is_cap(self) -> float | None:
+        """The truncation cap of the importance weights: ``tis_cap``, else 2.0 in an async run."""
+        cap = getattr(self.a, "tis_cap", None)
+        return cap if cap is not None or not self.decoupled else DEFAULT_ASYNC_IS_CAP
 
     def print(self, msg: str) -> None:
         print(msg, file=self.stream_out, flush=True)
@@ -275,6 +370,7 @@ class OnlineRun(DataParallelSteps):
             raise CheckpointError(f"{self.start_point} has no prompt position; it was not written by an online run")
         self.data.load_state_dict(loaded.data_state["prompts"])
         self.restore_counters(loaded.data_state)
+        self._resumed_async = loaded.data_state.get("async")
         self.start = loaded.step
         if self.start > self.steps:
             raise ConfigError(
@@ -289,7 +385,10 @@ class OnlineRun(DataParallelSteps):
 
     def data_state(self) -> dict[str, Any]:
         failures = dict(self.pool.totals) if self.pool is not None else {}
-        return {"prompts": self.data.state_dict(), "reward_failures": failures}
+        state = {"prompts": self.data.state_dict(), "reward_failures": failures}
+        if self.source is not None:  # the rollouts generated ahead: checkpointed (their weights are gone)
+            state["async"] = self.source.state_dict()
+        return state
 
     # ---- one step -----------------------------------------------------------------------------------
     def collect(self, step: int) -> tuple[list[Sample], list[float], dict[str, float]]:
@@ -341,6 +440,7 @@ class OnlineRun(DataParallelSteps):
             and getattr(a, "old_logprobs", "recompute") == "rollout"
             and self.policy.ref_model is None
             and not getattr(a, "tis_cap", None)
+            and not self.decoupled
         )
 
     def prepare(
@@ -367,13 +467,14 @@ class OnlineRun(DataParallelSteps):
         rollout_lp = [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples]
         mismatch_mean, mismatch_max = self.global_stats([(rollout_lp[i] - lps[i]).abs() for i in mine])
         fields: dict[str, list[Any]] = {"adv": adv, "rollout_logp": [x.tolist() for x in rollout_lp]}
-        old = rollout_lp if self.a.old_logprobs == "rollout" else lps
+        old = rollout_lp if self.a.old_logprobs == "rollout" and not self.decoupled else lps
         fields["old_logp"] = [x.tolist() if x is not None else None for x in old]
         if refs is not None:
             fields["ref_logp"] = [x.tolist() if x is not None else None for x in refs]
-        if getattr(self.a, "tis_cap", None):
+        cap = self.is_cap()
+        if cap:
             fields["is_w"] = [
-                tis_weights(lps[i], rollout_lp[i], self.a.tis_cap).tolist() if lps[i] is not None else None
+                tis_weights(lps[i], rollout_lp[i], cap).tolist() if lps[i] is not None else None
                 for i in range(len(samples))
             ]
         batches = self.even_out([pack_samples(samples, fields, budget, g) for g in groups], samples, keep[0])
@@ -386,6 +487,8 @@ class OnlineRun(DataParallelSteps):
         if refs is not None:
             kl = [kl_penalty(lps[i], refs[i], getattr(self.a, "kl_estimator", "k3")) for i in mine]
             m["kl_before"] = self.global_stats(kl)[0]
+        if self.source is not None:
+            m.update(staleness_metrics(step, samples, mine, rollout_lp, lps, cap))
         return batches, m
 
     def update(self, batches: list[list[RLBatch]]) -> dict[str, float]:
@@ -449,7 +552,15 @@ class OnlineRun(DataParallelSteps):
     def step(self, step: int) -> dict[str, Any]:
         """RL step ``step`` (0-based) end to end; the metrics record (``step`` 1-based)."""
         t0 = time.perf_counter()
-        samples, rewards, rec = self.collect(step)
+        batch = None
+        if self.source is None:
+            samples, rewards, rec = self.collect(step)
+        else:  # async: this step's batch (generated ahead), then the next ones are started before training
+            batch = self.source.get(step)
+            for ahead in range(step + 1, min(step + self.max_staleness, self.steps - 1) + 1):
+                self.source.submit(ahead)
+            samples, rewards, rec = batch.samples, batch.rewards, dict(batch.metrics)
+            self.restore_batch_state(batch.extra)
         groups = [s.group for s in samples]
         if hasattr(self.hooks, "sample_advantages"):  # per-token advantages from the samples (distill)
             adv, keep, adv_metrics = self.hooks.sample_advantages(samples, rewards, groups, self.tokenizer)
@@ -457,21 +568,44 @@ class OnlineRun(DataParallelSteps):
             adv, keep, adv_metrics = self.hooks.advantages(rewards, groups)
         rec.update(adv_metrics)
         self.measured_logprobs = None
+        t_train = time.perf_counter()
         if keep:
             batches, m = self.prepare(step, samples, adv, keep)
             rec.update(m)
             rec.update(self.update(batches))
         else:
             rec["update_skipped"] = 1.0
+        if batch is not None:
+            rec.update(self._async_record(batch, t_train, time.perf_counter()))
+            self.source.weights_updated(step + 1)  # waits for the producer, syncs its weights (thread)
+            rec["async/sync_s"] = self.source.sync_s
+            if self.policy.remote is not None:
+                rec["async/rollout_workers_alive"] = float(self.policy.remote.num_alive)
+                rec["async/rollout_worker_failures_total"] = float(self.policy.remote.failures)
         self.save_rollouts(step, samples, rewards, adv)
         self.measured_logprobs = None
         rec["step"] = step + 1
-        rec["epoch"] = self.data.epochs
+        rec["epoch"] = self.data.epochs if batch is None else batch.epochs
         e = self.cfg.train.eval_every
         if self.eval_set is not None and ((step + 1) % e == 0 or step + 1 == self.steps):
             rec.update(self.evaluate())
         rec["time_s"] = time.perf_counter() - t0
         return rec
+
+    def _async_record(self, batch: RolloutBatch, t_train: float, t_end: float) -> dict[str, float]:
+        """Counters and the wall-clock intervals (seconds since the run started) of this batch's generation and
+        of this step's training (prepare + update): with the threaded producer, the next batch's generation
+        overlaps the training."""
+        src, t = self.source, self.t_start
+        return {
+            "async/stale_dropped_total": float(src.stale_dropped_total),
+            "async/stale_dropped_samples_total": float(src.stale_dropped_samples),
+            "async/wait_s": src.wait_s,
+            "async/gen_start_s": batch.t_start - t,
+            "async/gen_end_s": batch.t_end - t,
+            "async/train_start_s": t_train - t,
+            "async/train_end_s": t_end - t,
+        }
 
     # ---- the sampled rollouts (rollouts.jsonl) -------------------------------------------------------------
     def save_rollouts(self, step: int, samples: list[Sample], rewards: list[float], adv: list[Any]) -> None:
@@ -536,6 +670,10 @@ class OnlineRun(DataParallelSteps):
                 log.close(extra={"status": f"failed: {type(exc).__name__}"}, print_table=False)
             raise
         finally:
+            if self.source is not None:
+                self.source.close()
+            if self.policy.remote is not None:
+                self.policy.remote.close()
             if self.pool is not None:
                 self.pool.close()
             if self.rollout_log is not None:
