@@ -248,13 +248,15 @@ def hf_step_fn(cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: to
     return lambda: float(step())
 
 
-def liger_available() -> str | None:
-    """None when Liger-Kernel imports, else why not."""
+def liger_available(model_type: str | None = None) -> str | None:
+    """None when Liger-Kernel imports (and, given ``model_type``, patches that family), else why not."""
     try:
         # lazy: the point of this function is to try the optional import
-        import liger_kernel.transformers  # noqa: F401
+        import liger_kernel.transformers as liger
     except Exception as exc:  # noqa: BLE001 - any import failure means "not here"
         return f"liger_kernel not importable ({type(exc).__name__})"
+    if model_type is not None and not hasattr(liger, f"apply_liger_kernel_to_{model_type}"):
+        return f"this liger_kernel has no patch for {model_type}"
     return None
 
 
@@ -313,7 +315,7 @@ def graphs_mode(name: str, args: argparse.Namespace) -> bool | None:
 def measure(name: str, cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: torch.device) -> Result:
     if name in sft_lora.LORA_CONFIGS and (why := sft_lora.unavailable(name)):
         return Result(name, f"skipped: {why}")
-    if "liger" in name and (why := liger_available()):
+    if "liger" in name and (why := liger_available(cfg.model_type)):
         return Result(name, f"skipped: {why}")
     if "eager-experts" in name and not cfg.is_moe:
         return Result(name, "skipped: a dense shape has no experts")
