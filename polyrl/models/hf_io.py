@@ -2,7 +2,8 @@
 (``lora/peft_io.py``, ``lora/multi.py``).
 
 ``open_safetensors`` opens a safetensors file for lazy reads, with every failure turned into a ``CheckpointError``
-naming the file; ``write_safetensors`` writes one (metadata ``format = pt``, as transformers and PEFT write);
+naming the file; ``read_safetensors_folder`` reads every ``*.safetensors`` file of a small folder at once (a value or
+reward model); ``write_safetensors`` writes one (metadata ``format = pt``, as transformers and PEFT write);
 ``write_json`` writes an indented JSON file; ``save_tokenizer`` puts a tokenizer into a folder (an object with
 ``save_pretrained``, or a folder whose ``TOKENIZER_FILES`` are copied); ``make_temp_dir`` creates the hidden
 temporary folder next to a target that an atomic write fills before renaming it into place.
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from polyrl.errors import CheckpointError
 
@@ -65,6 +66,18 @@ class SafetensorsFile:
 
 def open_safetensors(file: Path, device: str = "cpu") -> SafetensorsFile:
     return SafetensorsFile(file, device)
+
+
+def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every ``*.safetensors`` file in ``folder``, on the CPU; a ``CheckpointError`` when there is
+    none."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {folder}; give a model folder saved by polyrl or HF")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], file: Path) -> None:

@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from polyrl.errors import CheckpointError
 from polyrl.models.checkpoint import save_model
 from polyrl.models.config import ModelConfig
 from polyrl.models.decoder import DecoderLM
+from polyrl.models.hf_io import read_safetensors_folder
 
 HEAD_PREFIX = "score."
 _IGNORED = ("lm_head.weight", ".rotary_emb.inv_freq")
@@ -57,16 +57,6 @@ def zero_head(model: ValueModel) -> ValueModel:
     return model
 
 
-def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors weights in {folder}; give a model folder saved by polyrl or HF")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(str(f)))
-    return out
-
-
 def load_value_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> ValueModel:
@@ -75,7 +65,7 @@ def load_value_model(
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"critic model folder {folder} has no config.json; give an HF model folder")
     cfg = ModelConfig.from_pretrained(folder)
-    tensors = {k: v for k, v in _read_tensors(folder).items() if not k.endswith(_IGNORED)}
+    tensors = {k: v for k, v in read_safetensors_folder(folder).items() if not k.endswith(_IGNORED)}
     with torch.device("meta"):
         model = ValueModel(cfg)
     model = model.to(dtype)

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from polyrl.data.batch import pack_sequences
@@ -32,6 +31,7 @@ from polyrl.errors import CheckpointError, ConfigError
 from polyrl.models.checkpoint import load_tokenizer, save_model
 from polyrl.models.config import ModelConfig
 from polyrl.models.decoder import DecoderLM
+from polyrl.models.hf_io import read_safetensors_folder
 from polyrl.platform import device as pdevice
 from polyrl.train.losses import attention_metadata
 
@@ -59,16 +59,6 @@ class RewardModel(DecoderLM):
         return self.sequence_rewards(hidden, batch.cu_seqlens)
 
 
-def _tensors(folder: Path) -> dict[str, torch.Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors weights in {folder}; give a model folder saved by polyrl or HF")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(str(f)))
-    return out
-
-
 def load_reward_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", seed: int = 0
 ) -> RewardModel:
@@ -81,7 +71,7 @@ def load_reward_model(
     raw = json.loads((folder / "config.json").read_text())
     if raw.get("num_labels", 1) != 1 and any("SequenceClassification" in a for a in raw.get("architectures", [])):
         raise CheckpointError(f"{folder} has num_labels={raw['num_labels']}; a reward model has one score (1)")
-    tensors = {k: v for k, v in _tensors(folder).items() if not k.endswith(_IGNORED)}
+    tensors = {k: v for k, v in read_safetensors_folder(folder).items() if not k.endswith(_IGNORED)}
     with torch.device("meta"):
         model = RewardModel(cfg)
     own = model.state_dict()
