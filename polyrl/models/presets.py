@@ -33,6 +33,20 @@ class Preset:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+# the tiny preset's shape, shared by its MoE sibling
+_TINY: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=2048,
+    rope_theta=10000.0,
+    max_position_embeddings=2048,
+)
+
+
 def _qwen3(**kw: Any) -> dict[str, Any]:
     base = dict(
         model_type="qwen3",
@@ -76,33 +90,15 @@ class _Presets(dict):
 PRESETS: dict[str, Preset] = _Presets(
     {
         "tiny": Preset(
-            _qwen3(
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=16,
-                vocab_size=2048,
-                rope_theta=10000.0,
-                max_position_embeddings=2048,
-            ),
+            _qwen3(**_TINY),
             torch.float32,
             "qwen3 family, hidden 64, 2 layers, vocab 2048 (~0.2M params): CPU tests",
             trained_vocab=2048,
         ),
         "tiny-moe": Preset(
             _qwen3(
+                **_TINY,
                 model_type="qwen3_moe",
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=16,
-                vocab_size=2048,
-                rope_theta=10000.0,
-                max_position_embeddings=2048,
                 num_experts=8,
                 num_experts_per_tok=2,
                 moe_intermediate_size=32,
