@@ -162,6 +162,8 @@ for s in "$@"; do
     bench-rollout-moe) stage bench-rollout-moe 150 $PR bench rollout --shape qwen3-30b-a3b-L8 --batch 256 --prompt-len 128 --gen-len 256 --baselines hf --skip-batch1 --json "$OUT/bench_rollout_moe.json" ;;
     # constrained decoding (issue 35): the same batch free and under a JSON schema, cost printed
     bench-rollout-structured) stage bench-rollout-structured 150 $PR bench rollout --shape qwen3-0.6b --batch 256 --prompt-len 128 --gen-len 256 --baselines none --skip-batch1 --response-format json_schema --json "$OUT/bench_rollout_structured.json" ;;
+    # evaluation (issue 34): lm-eval's hf backend vs the in-process engine vs local-completions against polyrl serve
+    bench-eval) TAIL=40 stage bench-eval 300 $PR bench eval --shape qwen3-0.6b --docs 2000 --serve --json "$OUT/bench_eval.json" ;;
     multi-gpu) TAIL=60 stage multi-gpu 590 bash tests/distributed/run_multi_gpu.sh ;;
     # The whole single-GPU marked suite in one go (issue 13: < 8 min on a cold Triton cache); slowest tests listed.
     gpu-tests) TAIL=60 stage gpu-tests 590 python3 -m pytest -m "gpu and not multi_gpu" -q -rfE --timeout=300 \
