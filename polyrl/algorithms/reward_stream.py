@@ -14,7 +14,8 @@ to the next free worker (or called in the thread, ``workers = 0``; async reward 
 the result in input order: the very ``RewardResult`` batch scoring gives. Any other scorer (``RewardSources`` with a
 judge or a reward model, a user object with ``score``) is called on chunks, whatever finished since its last call;
 rewards, failures and the failed set equal batch scoring's, while the first failure messages and the per-key extras
-follow chunk order (a ``reward/<key>`` mean may differ in its last bits).
+follow chunk order (a ``reward/<key>`` mean may differ in its last bits). A scorer whose ``streams`` is False
+(``RewardSources`` with a reward model: its forwards would share the rollout's device) is called once, at ``finish``.
 
 Not here: the reward functions and their workers (``rewards``), where the completions come from (``polyrl.run``).
 """
@@ -43,13 +44,17 @@ class RewardStream:
         self._outcomes: dict[int, Any] = {}
         self._chunks: list[tuple[list[int], RewardResult]] = []
         self._error: BaseException | None = None
+        # a scorer that must not run during generation (``streams`` False: a reward model on the rollout's device)
+        # gets everything at ``finish``, in one chunk
+        self.live = bool(getattr(scorer, "streams", True))
         self._thread = threading.Thread(target=self._run, name="polyrl-rewards", daemon=True)
-        self._thread.start()
+        if self.live:
+            self._thread.start()
 
     # ---- the submitting side ------------------------------------------------------------------------------
     def submit(self, i: int, completion: str, example: Mapping[str, Any]) -> None:
         """Score completion ``i`` (its ``example``) as soon as a worker is free."""
-        if self._t_first is None:
+        if self._t_first is None and self.live:
             self._t_first = time.perf_counter()
         self._texts[i] = completion
         self.inbox.put((i, completion, example))
@@ -67,6 +72,8 @@ class RewardStream:
         for i in range(n):
             if i not in self._texts:
                 self.submit(i, completions[i], examples[i])
+        if not self.live:
+            self._thread.start()
         self.close()
         if self._error is not None:
             raise self._error
@@ -84,7 +91,8 @@ class RewardStream:
         """No more completions: let the thread end once what was submitted is scored, and wait for it."""
         if not self.inbox.closed:
             self.inbox.close()
-        self._thread.join()
+        if self._thread.ident is not None:  # started (a stream that is not live starts at finish)
+            self._thread.join()
         self.inbox.release()
 
     # ---- the scoring thread -------------------------------------------------------------------------------

@@ -131,3 +131,31 @@ def test_slow_rewards_overlap_generation(tmp_path, fn):
     assert stream.scoring_s >= 0.6  # the span of the generation at least
     assert stream.wait_s < 0.4 * stream.scoring_s, (stream.wait_s, stream.scoring_s)
     assert stream.overlap_frac > 0.6
+
+
+def test_a_scorer_that_does_not_stream_is_called_once_at_finish(tmp_path):
+    """``streams = False`` (a reward model on the rollout's device): nothing runs before ``finish``."""
+    f = tmp_path / "r.py"
+    f.write_text(MIXED)
+    texts, views = _texts(6)
+    with R.RewardPool(f"{f}:mixed", workers=0) as pool:
+        scorer = _Chunked(pool)
+        scorer.streams = False
+        stream = RewardStream(scorer)
+        for i in range(4):
+            stream.submit(i, texts[i], views[i])
+        time.sleep(0.05)
+        assert scorer.calls == []
+        res = stream.finish(texts, views)
+        assert scorer.calls == [6] and res.rewards == pool.score(texts, views).rewards
+    assert stream.overlap_frac == 0.0 and stream.wait_s == stream.scoring_s > 0
+
+
+def test_reward_sources_with_a_reward_model_do_not_stream():
+    from polyrl.algorithms.reward_sources import RewardSources, Term
+
+    sources = RewardSources.__new__(RewardSources)  # the terms only: no model to load for this property
+    sources.terms = [(Term("functions"), None), (Term("judge"), None)]
+    assert sources.streams
+    sources.terms.append((Term("model"), None))
+    assert not sources.streams
