@@ -19,7 +19,7 @@ One RL step, each stage a method of ``OnlineRun`` so an algorithm can override o
    it is skipped and the training forward measures mismatch and entropy itself (same values, one forward less).
 4. ``update(...)``: ``ppo_epochs`` x ``mini_batches`` optimizer steps, loss from ``hooks.make_loss``.
 5. metrics (reward, response length, truncation, KL, mismatch, entropy, clip fraction, time split rollout /
-   reward / reward wait / logprob / train), evaluation every ``train.eval_every`` steps on held-out prompts (greedy mean reward and
+   reward / logprob / train), evaluation every ``train.eval_every`` steps on held-out prompts (greedy mean reward and
    exact-match accuracy; with ``eval_n`` > 1 also sampled mean reward, unbiased pass@k and length), atomic
    checkpoints with the data position (exact resume), ``metrics.png``, summary, and a
    seeded sample of ``rollouts_to_save`` rollouts per step in ``rollouts.jsonl`` for ``polyrl view``

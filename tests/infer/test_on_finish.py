@@ -29,7 +29,9 @@ def _key(c) -> tuple:
     return (list(c.token_ids), [round(x, 6) for x in c.logprobs], c.finish_reason, c.stop_reason, c.text)
 
 
-@pytest.mark.parametrize("overlap,decode_steps,blocks", [(False, 1, 256), (True, 1, 256), (True, 4, 256), (True, 4, 24)])
+@pytest.mark.parametrize(
+    "overlap,decode_steps,blocks", [(False, 1, 256), (True, 1, 256), (True, 4, 256), (True, 4, 24)]
+)
 def test_on_finish_once_per_sequence_early_and_same_outputs(tiny_model, overlap, decode_steps, blocks):
     prompts, params = _prompts(8), _params(8)
     cfg = RolloutConfig(

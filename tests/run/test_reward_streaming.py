@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-REWARDS = '''
+REWARDS = """
 import time
 
 def digits(completion, example):
@@ -22,7 +22,7 @@ def digits(completion, example):
 def slow(completion, example):
     time.sleep(0.05)
     return float(len(completion) % 3)
-'''
+"""
 
 
 def _raw(model_dir, out, reward, steps, stream, **algo_kw):
