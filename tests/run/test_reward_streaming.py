@@ -109,3 +109,32 @@ def test_slow_reward_overlaps_generation(tiny_model_dir, tmp_path, reward_file):
     assert scoring >= 16 * 0.05 / 2  # 16 samples x 50 ms on 2 workers, at least
     assert wait < 0.5 * scoring, [(r["reward_wait_s"], r["reward_s"], r["rollout_s"]) for r in recs]
     assert all(0.0 < r["reward/overlap_frac"] <= 1.0 for r in last)
+
+
+@pytest.mark.parametrize("path", ["local", "dead_workers"])
+def test_rollout_on_finish_gives_each_sample_at_its_position(tiny_model, path):
+    """``ColocatedPolicy.rollout(on_finish=...)``: sample ``(group, index)`` is ``samples[group * n + index]``; with
+    every rollout worker dead, the trainer's engine generates their prompts and still reports each by prompt."""
+    from polyrl.infer.config import RolloutConfig
+    from polyrl.infer.sampling_params import SamplingParams
+    from polyrl.run.colocated import ColocatedPolicy
+    from polyrl.run.rollout_workers import RolloutWorkers
+
+    policy = ColocatedPolicy(tiny_model(), rollout=RolloutConfig(num_blocks=64, block_size=4, max_num_seqs=3))
+    if path == "dead_workers":
+        remote = RolloutWorkers.__new__(RolloutWorkers)  # two workers that died: no process to spawn
+        remote.procs, remote.alive, remote.failures = [None, None], [False, False], 2
+        policy.remote = remote
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+    seen = {}
+
+    def hook(g, j, sample):
+        assert (g, j) not in seen
+        seen[(g, j)] = (sample.group, sample.index, sample.prompt_ids, sample.completion_ids, sample.logprobs)
+
+    sampling = SamplingParams(temperature=1.0, max_tokens=6)
+    samples = policy.rollout(prompts, 3, sampling, seeds=[1, 2, 3, 4], on_finish=hook)
+    assert len(seen) == len(samples) == 12
+    for (g, j), got in seen.items():
+        s = samples[g * 3 + j]
+        assert got == (s.group, s.index, s.prompt_ids, s.completion_ids, s.logprobs) and s.prompt_ids == prompts[g]
