@@ -504,7 +504,7 @@ class LLM:
                         if out.finished and out.request_id in wanted:
                             done[out.request_id] = out
                     if self._finished:
-                        self._report_finished(on_finish, index)
+                        self._report_finished(on_finish, index, done)
         finally:
             self._finished = None
         self._flush()  # rows of finished sequences only, unless another thread's requests share the engine
@@ -517,17 +517,27 @@ class LLM:
                     c.routed_experts = h
         return outs
 
-    def _report_finished(self, on_finish: Callable[[int, int, CompletionOutput], None], index: dict[str, int]) -> None:
+    def _report_finished(
+        self,
+        on_finish: Callable[[int, int, CompletionOutput], None],
+        index: dict[str, int],
+        done: dict[str, RequestOutput],
+    ) -> None:
         """Hand the sequences finished since the last call to ``on_finish`` (``generate``); another thread's
-        requests sharing the engine are skipped. A non-streaming request's emitted counters stay untouched."""
+        requests sharing the engine are skipped. A sequence whose request is done already has its output (decoded
+        once); the others' are built here, leaving a non-streaming request's emitted counters untouched."""
         seqs, self._finished = self._finished, []
         for s in seqs:
             k = index.get(s.request_id)
             if k is None:
                 continue
-            emitted = s.emitted_tokens, s.emitted_text
-            out = self._completion(s)
-            s.emitted_tokens, s.emitted_text = emitted
+            req = done.get(s.request_id)
+            if req is not None:
+                out = req.outputs[s.index]
+            else:
+                emitted = s.emitted_tokens, s.emitted_text
+                out = self._completion(s)
+                s.emitted_tokens, s.emitted_text = emitted
             on_finish(k, s.index, out)
 
     def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> list[int]:

@@ -71,3 +71,26 @@ def test_on_finish_error_ends_generate(tiny_model):
     out = llm.generate(_prompts(2), SamplingParams(temperature=0.0, max_tokens=4))  # the engine still works
     assert len(out) == 2 and all(o.finished and 1 <= len(o.outputs[0].token_ids) <= 4 for o in out)
     assert llm._finished is None
+
+
+def test_on_finish_text_with_a_tokenizer_and_stop_strings():
+    """Decoded text (plain and stop-string-cut) handed over equals the returned text, n > 1 included."""
+    from polyrl.models.decoder import build_model, init_weights
+    from polyrl.models.tokenizer import build_tokenizer
+
+    from .conftest import tiny_config
+
+    tok = build_tokenizer(320, trained_vocab=300)
+    model = build_model(tiny_config(vocab_size=320, eos_token_id=tok.eos_token_id), seed=1)
+    init_weights(model, seed=1, std=0.2)
+    llm = LLM(model.eval(), tok, RolloutConfig(block_size=4, num_blocks=256, max_num_batched_tokens=32))
+    params = [
+        SamplingParams(temperature=1.0, seed=3, max_tokens=4 + 10 * k, n=2, stop=["e"] if k == 1 else None)
+        for k in range(3)
+    ]
+    seen = {}
+    outs = llm.generate(
+        ["hello there", "a b c", "zz"], params, on_finish=lambda k, j, c: seen.setdefault((k, j), c.text)
+    )
+    want = {(k, c.index): c.text for k, o in enumerate(outs) for c in o.outputs}
+    assert seen == want and any(want.values())
