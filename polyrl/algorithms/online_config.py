@@ -23,6 +23,9 @@ class OnlineConfig:
     reward_workers: int = 2  # processes; 0 = in this process (no timeout)
     reward_timeout: float = 10.0  # seconds per call
     failure_reward: float = 0.0  # reward of a call that raised, timed out or returned a non-number
+    # score each completion as soon as the rollout finishes it, while the rest still generate (polyrl.algorithms.
+    # reward_stream); false = after the whole batch. Same rewards either way; metrics reward_wait_s, overlap_frac
+    stream_rewards: bool = True
     samples_per_prompt: int = 8
     prompts_per_step: int = 8
     max_new_tokens: int = 128  # per completion (per assistant turn in an agentic run)
@@ -109,6 +112,8 @@ class OnlineConfig:
                 StructuredOutputs.from_spec(self.rollout_response_format)
             except UserError as exc:
                 raise ConfigError(f"{name}.rollout_response_format: {exc}") from None
+        if not isinstance(self.stream_rewards, bool):
+            raise ConfigError(f"{name}.stream_rewards must be true or false, got {self.stream_rewards!r}")
         if not isinstance(self.routing_replay, bool):
             raise ConfigError(f"{name}.routing_replay must be true or false, got {self.routing_replay!r}")
         if not isinstance(self.reward, str) or not self.reward.strip():

@@ -35,6 +35,7 @@ import functools
 import inspect
 import math
 import re
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -47,6 +48,7 @@ from polyrl.algorithms.sandbox import example_tests, extract_code, run_tests
 from polyrl.algorithms.workers import (
     REIMPORT_EXIT_CODE,
     REIMPORT_MESSAGE,
+    JobInbox,
     WorkerProcess,
     absolute_spec,
     close_workers,
@@ -302,6 +304,7 @@ class RewardPool:
         self.replaced = 0
         self._ctx = start_context(start_method) if workers else None
         self._workers: list[_Worker] = []
+        self._busy = threading.Lock()  # one score_jobs at a time (the workers and their pipes are not shared)
 
     def __enter__(self) -> RewardPool:
         return self
@@ -320,12 +323,32 @@ class RewardPool:
         """One reward per completion (``examples[i]`` belongs to ``completions[i]``), failures replaced."""
         if len(completions) != len(examples):
             raise ValueError(f"{len(completions)} completions for {len(examples)} examples")
-        result = RewardResult([self.failure_reward] * len(completions))
-        outcomes: list[tuple[str, Any, dict[str, float]] | None] = [None] * len(completions)
-        if self.num_workers == 0:
-            outcomes = [call_once(self.fn, c, e) for c, e in zip(completions, examples)]
-        else:
-            self._run_pool(completions, examples, outcomes)
+        outcomes = self.score_jobs(JobInbox(zip(range(len(completions)), completions, examples)))
+        return self.assemble([outcomes.get(i) for i in range(len(completions))])
+
+    def score_jobs(self, inbox: JobInbox) -> dict[int, tuple[str, Any, dict[str, float]]]:
+        """The outcome (``call_once``'s triple) of every ``(index, completion, example)`` job of ``inbox``, by index,
+        once the inbox is closed and every job is answered. Jobs may arrive while this runs (another thread puts
+        them; ``polyrl.algorithms.reward_stream``): each goes to the next free worker as soon as it is taken. One
+        caller at a time (a lock serialises callers)."""
+        outcomes: dict[int, tuple[str, Any, dict[str, float]]] = {}
+        with self._busy:
+            if self.num_workers == 0:
+                while True:
+                    jobs, closed = inbox.take()
+                    for idx, completion, example in jobs:
+                        outcomes[idx] = call_once(self.fn, completion, example)
+                    if closed:
+                        return outcomes
+                    if not jobs:
+                        inbox.wait()
+            self._run_pool(inbox, outcomes)
+        return outcomes
+
+    def assemble(self, outcomes: Sequence[tuple[str, Any, dict[str, float]] | None]) -> RewardResult:
+        """The ``RewardResult`` of per-completion outcomes in input order (None: no result, a crash); failures
+        counted into ``totals``."""
+        result = RewardResult([self.failure_reward] * len(outcomes))
         for i, out in enumerate(outcomes):
             kind, value, extras = out if out is not None else ("crash", "no result", {})
             if kind == "ok":
@@ -340,20 +363,29 @@ class RewardPool:
                 result.messages.append(f"{kind}: {value}")
         return result
 
-    def _run_pool(self, completions: Sequence[str], examples: Sequence[Mapping[str, Any]], outcomes: list) -> None:
+    def _run_pool(self, inbox: JobInbox, outcomes: dict) -> None:
+        """Dispatch the inbox's jobs to the workers until it is closed and every job is answered; while it is
+        open, a new job wakes the wait (its ``waker`` pipe)."""
         while len(self._workers) < self.num_workers:
             self._workers.append(self._start())
-        pending = deque(range(len(completions)))
-        while pending or any(w.job is not None for w in self._workers):
+        pending: deque = deque()
+        closed = False
+        while True:
+            if not closed:
+                jobs, closed = inbox.take()
+                pending.extend(jobs)
+            if closed and not pending and all(w.job is None for w in self._workers):
+                return
             now = time.monotonic()
             for w in self._workers:
                 if w.ready and w.job is None and pending:
-                    w.job = pending.popleft()
+                    w.job, completion, example = pending.popleft()
                     w.deadline = now + self.timeout
-                    w.conn.send((w.job, completions[w.job], dict(examples[w.job])))
+                    w.conn.send((w.job, completion, dict(example)))
             waiting = [w for w in self._workers if w.job is not None or not w.ready]
-            next_deadline = min(w.deadline for w in waiting)
-            ready = wait([w.conn for w in waiting], timeout=max(0.0, next_deadline - time.monotonic()))
+            conns = [w.conn for w in waiting] + ([inbox.waker] if not closed else [])
+            timeout = max(0.0, min(w.deadline for w in waiting) - time.monotonic()) if waiting else None
+            ready = wait(conns, timeout=timeout)
             for w in list(waiting):
                 if w.conn in ready:
                     self._receive(w, outcomes)

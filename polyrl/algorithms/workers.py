@@ -2,8 +2,9 @@
 each, killed and replaced by their pool on a timeout or crash.
 
 Shared by ``rewards.RewardPool`` (stateless calls) and ``polyrl.agents.pool.EnvPool`` (stateful episodes): the
-process handle, the start context, the spec resolution and the shutdown. What a worker runs and how a pool
-schedules calls and counts failures stay with each pool.
+process handle, the start context, the spec resolution and the shutdown, and ``JobInbox`` (jobs fed to a pool's
+dispatch loop from another thread while it runs: rewards scored as the rollout finishes them). What a worker runs and
+how a pool schedules calls and counts failures stay with each pool.
 
 spawn and forkserver run the parent's main script again in each new worker (as ``__mp_main__``) before the
 worker's own code; a script that calls ``fit(...)`` (or starts workers) at its top level, without
@@ -19,6 +20,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -86,6 +88,59 @@ class WorkerProcess:
             self.proc.kill()
         self.proc.join(timeout=5)
         self.conn.close()
+
+
+class JobInbox:
+    """Jobs handed to a pool's dispatch loop, which may already be running in another thread: ``put`` (any thread;
+    cheap: an append and, when the loop may be asleep, one byte on a pipe), ``close`` (no more jobs), ``take`` (the
+    loop: every job queued so far and whether the inbox is closed). ``waker`` is the pipe end the loop adds to its
+    ``multiprocessing.connection.wait`` list so a new job wakes it; ``JobInbox(jobs)`` is closed from the start and
+    has no pipe (a batch known in full)."""
+
+    def __init__(self, jobs: Any = None) -> None:
+        self._jobs: list[Any] = list(jobs) if jobs is not None else []
+        self._lock = threading.Lock()
+        self.closed = jobs is not None
+        self._signalled = False
+        self.waker, self._wake = mp.Pipe(duplex=False) if jobs is None else (None, None)
+
+    def put(self, job: Any) -> None:
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("a job was put into a closed inbox")
+            self._jobs.append(job)
+            self._signal()
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            self._signal()
+
+    def _signal(self) -> None:
+        if self._wake is not None and not self._signalled:
+            self._signalled = True
+            self._wake.send_bytes(b"1")
+
+    def take(self) -> tuple[list[Any], bool]:
+        """(the jobs queued since the last take, closed): nothing is put after ``closed`` was seen."""
+        with self._lock:
+            if self._signalled:
+                while self.waker.poll():
+                    self.waker.recv_bytes()
+                self._signalled = False
+            jobs, self._jobs = self._jobs, []
+            return jobs, self.closed
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until a job or the close arrives (at most ``timeout`` seconds); returns at once when closed."""
+        if self.waker is not None and not self.closed:
+            self.waker.poll(timeout)
+
+    def release(self) -> None:
+        """Close the pipe (after the loop has seen the inbox closed)."""
+        for conn in (self.waker, self._wake):
+            if conn is not None:
+                conn.close()
 
 
 def close_workers(workers: list[WorkerProcess]) -> None:

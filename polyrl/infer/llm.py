@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import queue
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -90,6 +91,7 @@ class LLM:
         self.num_steps_ahead = 0  # decode steps launched before the previous launch was read
         self.num_launches_ahead = 0  # launches of those steps (decode_steps per launch where possible)
         self._grammars: Any = None  # structured outputs: GrammarCache, made on the first request that has one
+        self._finished: list[Sequence] | None = None  # sequences finished since generate() last looked (on_finish)
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -414,6 +416,8 @@ class LLM:
             if self.kv.routing is not None:  # before its blocks are freed (a later step may reuse them)
                 s.routed_experts = self._read_routing(s)
             self.scheduler.finish(s, *stop)
+        if finish and self._finished is not None:  # generate(on_finish=...) reports them after this step
+            self._finished.extend(s for s, _ in finish)
 
     def _read_routing(self, s: Sequence) -> torch.Tensor:
         """``s``'s recorded experts ``[tokens, L, k]`` on the device, gathered by slot (queued, no sync); the last
@@ -473,8 +477,16 @@ class LLM:
         self,
         prompts: list[str] | list[list[int]] | str,
         params: SamplingParams | list[SamplingParams] | None = None,
+        on_finish: Callable[[int, int, CompletionOutput], None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids) until all finish; outputs in prompt order."""
+        """Generate for every prompt (text or token ids) until all finish; outputs in prompt order.
+
+        ``on_finish(request_index, sample_index, output)`` is called once per sequence, right after the engine step
+        in which it finished (before the other sequences of the batch are done), from the thread driving this call:
+        ``request_index`` is the prompt's position, ``sample_index`` the sequence's index among its prompt's ``n``,
+        ``output`` its finished ``CompletionOutput`` (text decoded; ``routed_experts`` may still be on the device).
+        It runs between decode steps, so it must be cheap (hand the output to another thread or process); an
+        exception it raises ends this call."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -483,11 +495,18 @@ class LLM:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
-        with gc_paused(self.config.pause_gc):  # its full passes would stall the launches (platform/host.py)
-            while len(done) < len(ids):
-                for out in self.step(ahead=True):
-                    if out.finished and out.request_id in wanted:
-                        done[out.request_id] = out
+        index = {rid: k for k, rid in enumerate(ids)} if on_finish is not None else None
+        self._finished = [] if on_finish is not None else None
+        try:
+            with gc_paused(self.config.pause_gc):  # its full passes would stall the launches (platform/host.py)
+                while len(done) < len(ids):
+                    for out in self.step(ahead=True):
+                        if out.finished and out.request_id in wanted:
+                            done[out.request_id] = out
+                    if self._finished:
+                        self._report_finished(on_finish, index, done)
+        finally:
+            self._finished = None
         self._flush()  # rows of finished sequences only, unless another thread's requests share the engine
         outs = [done[i] for i in ids]
         if self.kv.routing is not None:  # the recorded experts to the host, in one transfer
@@ -497,6 +516,29 @@ class LLM:
                 for c, h in zip(recs, host):
                     c.routed_experts = h
         return outs
+
+    def _report_finished(
+        self,
+        on_finish: Callable[[int, int, CompletionOutput], None],
+        index: dict[str, int],
+        done: dict[str, RequestOutput],
+    ) -> None:
+        """Hand the sequences finished since the last call to ``on_finish`` (``generate``); another thread's
+        requests sharing the engine are skipped. A sequence whose request is done already has its output (decoded
+        once); the others' are built here, leaving a non-streaming request's emitted counters untouched."""
+        seqs, self._finished = self._finished, []
+        for s in seqs:
+            k = index.get(s.request_id)
+            if k is None:
+                continue
+            req = done.get(s.request_id)
+            if req is not None:
+                out = req.outputs[s.index]
+            else:
+                emitted = s.emitted_tokens, s.emitted_text
+                out = self._completion(s)
+                s.emitted_tokens, s.emitted_text = emitted
+            on_finish(k, s.index, out)
 
     def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> list[int]:
         if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:

@@ -2,7 +2,8 @@
 The building block of every online run (GRPO, GSPO, PPO, agentic RL) and of the public ``polyrl.trainer.Trainer``
 (which adds model loading by path on top).
 
-- ``ColocatedPolicy(model, tokenizer, ...)``: ``rollout(prompts, n, sampling, seeds)`` -> ``Sample`` s;
+- ``ColocatedPolicy(model, tokenizer, ...)``: ``rollout(prompts, n, sampling, seeds, on_finish)`` -> ``Sample`` s
+  (``on_finish(group, index, sample)``: each sample as soon as it finishes, for rewards scored meanwhile);
   ``logprobs(samples, temperature, model=None, entropy=False)`` (no-grad recompute, same packing as training);
   ``step(batches, loss_fn, normalizer)`` (one optimizer step; the prefix cache is reset afterwards);
   ``save`` / ``load`` (polyrl.train.checkpoint). The LLM holds the very module the engine trains: no copy, no
@@ -147,9 +148,15 @@ class ColocatedPolicy:
         n: int = 1,
         sampling: SamplingParams | None = None,
         seeds: Sequence[int] | None = None,
+        on_finish: Callable[[int, int, Sample], None] | None = None,
     ) -> list[Sample]:
         """``n`` completions of each prompt, grouped by prompt (``group`` = prompt index). ``seeds[i]`` seeds prompt
-        i's samples (reproducible whatever else is in the batch); ``sampling.seed`` is used otherwise."""
+        i's samples (reproducible whatever else is in the batch); ``sampling.seed`` is used otherwise.
+
+        ``on_finish(group, index, sample)`` gets each sample as soon as the engine finishes it (``LLM.generate``'s
+        hook; the sample is ``samples[group * n + index]`` of the returned list, without its routing record): it
+        must be cheap, e.g. hand the text to a reward stream. Data-parallel: this rank's own share only (the others'
+        samples arrive with the gather); rollout worker processes: a worker's share when its whole reply arrives."""
 
         base = (sampling or SamplingParams()).clone(n=n)
         plist = [base.clone(seed=int(s)) for s in seeds] if seeds is not None else [base] * len(prompts)
@@ -159,13 +166,19 @@ class ColocatedPolicy:
         if not self.llm.kv.allocated:
             self.llm.reallocate()
         merge = self._merge_for_rollout()
+        hook = None
+        if on_finish is not None:
+
+            def hook(g: int, j: int, c: Any) -> None:
+                on_finish(g, j, self._sample(ids[g], c, g, routing=False))
+
         try:
             if self.world is not None:
-                outs = par.generate_data_parallel(self.llm, ids, plist, self.world)
+                outs = par.generate_data_parallel(self.llm, ids, plist, self.world, on_finish=hook)
             elif self.remote is not None:
-                outs = self.remote.generate(ids, plist, self.llm.generate)
+                outs = self.remote.generate(ids, plist, self.llm.generate, on_finish=hook)
             else:
-                outs = self.llm.generate(ids, plist)
+                outs = self.llm.generate(ids, plist, on_finish=hook)
         except BaseException:
             self.llm.abort_all()  # a failed generate leaves requests behind; the cache must still be freed
             raise
@@ -174,18 +187,17 @@ class ColocatedPolicy:
             if self.release_kv:
                 self.llm.release()
             self.rollout_net.train(was_training)
-        samples = []
-        for g, out in enumerate(outs):
-            for c in out.outputs:
-                samples.append(
-                    Sample(list(out.prompt_token_ids), list(c.token_ids), list(c.logprobs), c.finish_reason, c.text, g)
-                )
-                samples[-1].index = c.index
-                samples[-1].masked_logmass = getattr(c, "masked_logmass", None)
-                if getattr(c, "routed_experts", None) is not None:  # RolloutConfig.record_routing (MoE)
-                    samples[-1].routed_experts = c.routed_experts
-                    samples[-1].routing_layers = tuple(self.rollout_net.config.moe_layers)
-        return samples
+        return [self._sample(out.prompt_token_ids, c, g) for g, out in enumerate(outs) for c in out.outputs]
+
+    def _sample(self, prompt_ids: Sequence[int], c: Any, group: int, routing: bool = True) -> Sample:
+        """The ``Sample`` of completion output ``c`` of prompt ``group`` (with its routing record when asked)."""
+        s = Sample(list(prompt_ids), list(c.token_ids), list(c.logprobs), c.finish_reason, c.text, group)
+        s.index = c.index
+        s.masked_logmass = getattr(c, "masked_logmass", None)
+        if routing and getattr(c, "routed_experts", None) is not None:  # RolloutConfig.record_routing (MoE)
+            s.routed_experts = c.routed_experts
+            s.routing_layers = tuple(self.rollout_net.config.moe_layers)
+        return s
 
     def _merge_for_rollout(self) -> Any:
         """Entered context: with ``lora.merge_for_rollout`` the adapters are merged into the base weights in place

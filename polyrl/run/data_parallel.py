@@ -2,6 +2,8 @@
 ``self.pool``, ``self.policy``): in one process every method is the identity (or a plain local computation).
 
 - ``score``: rank 0's reward pool scores every sample; the ``RewardResult`` is broadcast (one set of reward workers).
+  ``reward_stream`` / ``finish_scoring``: the same, with rank 0 scoring its own samples as they finish (its share
+  of the rollout; the other ranks' samples arrive with the gather and are scored after it), timings broadcast too.
 - ``share``: this rank's part of a mini-batch (every ``world_size``-th sample), so the ranks split each update.
 - ``even_out``: pads each mini-batch to the largest micro-batch count over ranks with zero-weight micro-batches
   (``rl_batch.padding_batch``): FSDP2 forwards and backwards are collectives, every rank must run as many.
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 
+from polyrl.algorithms.reward_stream import RewardStream
 from polyrl.algorithms.rl_batch import pack_samples, padding_batch
 
 
@@ -31,6 +34,27 @@ class DataParallelSteps:
         """Rewards of ``texts``: scored by rank 0's pool, the same ``RewardResult`` on every rank."""
         res = self.pool.score(texts, views) if self.pool is not None else None
         return self.world.broadcast_object(res) if self.world.distributed else res
+
+    def reward_stream(self) -> RewardStream | None:
+        """Rank 0: a ``RewardStream`` over its pool, for the rollout to feed as samples finish (``collect``); None on
+        the other ranks (rank 0 scores every sample)."""
+        return RewardStream(self.pool) if self.pool is not None else None
+
+    def finish_scoring(
+        self, stream: RewardStream | None, texts: list[str], views: list[dict]
+    ) -> tuple[Any, dict[str, float]]:
+        """The rewards of ``texts`` (rank 0's stream: those not streamed are scored now) and the timings
+        ``reward_s`` / ``reward_wait_s`` / ``reward/overlap_frac`` (``RewardStream``); the same on every rank."""
+        out = None
+        if stream is not None:
+            res = stream.finish(texts, views)
+            timing = {
+                "reward_s": stream.scoring_s,
+                "reward_wait_s": stream.wait_s,
+                "reward/overlap_frac": stream.overlap_frac,
+            }
+            out = (res, timing)
+        return self.world.broadcast_object(out) if self.world.distributed else out
 
     def share(self, ids: list[int]) -> list[int]:
         """This rank's part of a mini-batch (sample ids): every ``world_size``-th, from ``rank``."""

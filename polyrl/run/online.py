@@ -5,7 +5,9 @@ One RL step, each stage a method of ``OnlineRun`` so an algorithm can override o
 
 1. ``collect(step)``: the next ``prompts_per_step`` prompts (``PromptStream``: seeded shuffle per epoch, resumable)
    -> ``samples_per_prompt`` completions each from the rollout engine, sampling seeded from ``(seed, step, prompt)``
-   so a resumed run draws the same tokens -> rewards from the ``RewardPool`` (isolated workers, timeouts).
+   so a resumed run draws the same tokens -> rewards from the ``RewardPool`` (isolated workers, timeouts), each
+   sample handed to it as soon as the engine finishes it (``RewardStream``; ``stream_rewards = false``: after the
+   batch), so scoring overlaps generation; the step then waits only for the last rewards (``reward_wait_s``).
 2. ``hooks.advantages(rewards, groups)`` -> one advantage per sample and the samples to train on.
 3. ``prepare(step, samples, adv, keep)``: shuffle (seeded) and split into ``mini_batches``; pack each exactly as the
    loss will see it; one no-grad pass of the trainer over those packs measures the trainer's log-probs and entropy
@@ -396,12 +398,22 @@ class OnlineRun(DataParallelSteps):
         t0 = time.perf_counter()
         idx = self.data.take(self.a.prompts_per_step)
         seeds = [rollout_seed(self.cfg.seed, step, k) for k in range(len(idx))]
-        samples = self.policy.rollout(
-            [self.prompt_ids[i] for i in idx], self.a.samples_per_prompt, self.sampling, seeds
-        )
+        n, views = self.a.samples_per_prompt, [self.views[i] for i in idx]
+        stream = self.reward_stream()  # rank 0: scores each sample as it finishes, while the rest generate
+        hook = None
+        if stream is not None and getattr(self.a, "stream_rewards", True):
+
+            def hook(g: int, j: int, sample: Sample) -> None:
+                stream.submit(g * n + j, sample.text, views[g])
+
+        try:
+            samples = self.policy.rollout([self.prompt_ids[i] for i in idx], n, self.sampling, seeds, on_finish=hook)
+        except BaseException:
+            if stream is not None:
+                stream.close()
+            raise
         t1 = time.perf_counter()
-        res = self.score([s.text for s in samples], [self.views[idx[s.group]] for s in samples])
-        t2 = time.perf_counter()
+        res, timing = self.finish_scoring(stream, [s.text for s in samples], [views[s.group] for s in samples])
         lengths = [len(s.completion_ids) for s in samples]
         m = {
             "reward": _mean(res.rewards),
@@ -411,7 +423,7 @@ class OnlineRun(DataParallelSteps):
             "truncated_fraction": _mean([float(s.finish_reason == "length") for s in samples]),
             "rollout_s": t1 - t0,
             "rollout_tokens_per_s": sum(lengths) / max(t1 - t0, 1e-9),
-            "reward_s": t2 - t1,
+            **timing,  # reward_s (scoring wall time, overlapping the rollout), reward_wait_s, reward/overlap_frac
             "reward_failures_total": float(sum(self.pool.totals.values())) if self.pool is not None else 0.0,
             **res.metrics(),
         }

@@ -44,7 +44,7 @@ CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("clip fraction", ("clip_fraction",)),
     ("grad norm", ("grad_norm",)),
     ("learning rate", ("lr",)),
-    ("time per step (s)", ("time_s", "rollout_s", "reward_s", "logprob_s", "train_s")),
+    ("time per step (s)", ("time_s", "rollout_s", "reward_s", "reward_wait_s", "logprob_s", "train_s")),
     ("episodes", ("episode/turns", "episode/tool_calls", "episode/tool_call_rate")),
     ("DPO reward margin", ("rewards/margins",)),
     ("MFU", ("mfu",)),

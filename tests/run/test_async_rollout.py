@@ -17,6 +17,7 @@ def has_digit(completion, example):
     return float(any(ch.isdigit() for ch in completion))
 '''
 TIMING = ("time_s", "rollout_s", "reward_s", "logprob_s", "train_s", "rollout_tokens_per_s", "tokens_per_s")
+TIMING += ("reward/overlap_frac",)  # from the reward stream's wall-clock timings
 
 
 @pytest.fixture()

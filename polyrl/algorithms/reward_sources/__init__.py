@@ -173,6 +173,13 @@ class RewardSources:
             self.close()
             raise
 
+    @property
+    def streams(self) -> bool:
+        """Whether completions may be scored while the rollout still generates (``reward_stream``): not with a
+        reward model, whose forwards on the rollout's device would contend with the engine (its memory, its CUDA
+        graph captures); then they are scored after the batch."""
+        return all(t.kind != "model" for t, _ in self.terms)
+
     def __enter__(self) -> RewardSources:
         return self
 

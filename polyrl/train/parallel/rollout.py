@@ -17,6 +17,7 @@ rewards or advantages.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,13 +59,17 @@ def shard_indices(n: int, world: World) -> list[int]:
     return list(range(world.rank, n, world.world_size))
 
 
-def generate_data_parallel(llm: Any, prompts: list[Any], params: Any, world: World) -> list[Any]:
+def generate_data_parallel(
+    llm: Any, prompts: list[Any], params: Any, world: World, on_finish: Callable | None = None
+) -> list[Any]:
     """``llm.generate`` over this rank's share of ``prompts`` (``params``: one SamplingParams or one per
     prompt), then every rank's outputs gathered back into prompt order. Returns the outputs of ALL prompts
-    on every rank. Ranks with no prompts (fewer prompts than ranks) still take part in the gather."""
+    on every rank. Ranks with no prompts (fewer prompts than ranks) still take part in the gather.
+    ``on_finish(prompt_index, sample_index, output)``: this rank's sequences as they finish (``LLM.generate``)."""
     mine = shard_indices(len(prompts), world)
     plist = params if isinstance(params, list) else None
-    outs = llm.generate([prompts[i] for i in mine], [plist[i] for i in mine] if plist else params) if mine else []
+    kw = {"on_finish": lambda k, j, c: on_finish(mine[k], j, c)} if on_finish is not None else {}
+    outs = llm.generate([prompts[i] for i in mine], [plist[i] for i in mine] if plist else params, **kw) if mine else []
     gathered = world.all_gather_object(list(zip(mine, outs)))
     result: list[Any] = [None] * len(prompts)
     for part in gathered:
