@@ -19,7 +19,9 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, n_cols, stride_x, FLOOR: tl.constexpr, QMAX: tl.constexpr, BLOCK: tl.constexpr):
+def _quant_rows_kernel(
+    x_ptr, q_ptr, s_ptr, n_cols, stride_x, FLOOR: tl.constexpr, QMAX: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     x_row = x_ptr + row * stride_x

@@ -93,7 +93,7 @@ def _one(dev: torch.device) -> torch.Tensor:
     return one
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def rowwise_supported(dev: torch.device) -> bool:
     """Whether ``_scaled_mm`` takes row-wise scales on ``dev`` (asked once per device)."""
     cap = device.capability(dev.index or 0)
