@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from polyrl.infer.fp8_weights import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
-
 _BLOCK = 1024
 
 
@@ -40,14 +38,15 @@ def _quant_rows_kernel(
         tl.store(q_row + c + offs, y.to(tl.float8e4nv), mask=mask)
 
 
-def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` (float) -> (e4m3 ``[M, K]`` contiguous, fp32 scales ``[M]``), equal to ``quantize_rows(x)``."""
+def quantize_rows_triton(x: torch.Tensor, qmax: float, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` (float) -> (e4m3 ``[M, K]`` contiguous, fp32 scales ``[M]``), equal to ``quantize_rows(x)`` for
+    its ``qmax`` (448) and amax ``floor`` (1e-12), which the caller passes (``fp8_weights`` owns them)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
         block = min(_BLOCK, triton.next_power_of_2(k))
-        _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, BLOCK=block, num_warps=4)
+        _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), FLOOR=floor, QMAX=qmax, BLOCK=block, num_warps=4)
     return q, s

@@ -13,12 +13,13 @@ import sys
 import pytest
 import torch
 
-from polyrl.infer.fp8_weights import quantize_rows
+from polyrl.infer.fp8_weights import AMAX_FLOOR, FP8_MAX, quantize_rows
 
 
 def _load():
     sys.modules.pop("polyrl.infer.fp8_quant_triton", None)  # bind to the triton this fixture prepared
-    return importlib.import_module("polyrl.infer.fp8_quant_triton").quantize_rows_triton
+    fn = importlib.import_module("polyrl.infer.fp8_quant_triton").quantize_rows_triton
+    return lambda x: fn(x, FP8_MAX, AMAX_FLOOR)
 
 
 @pytest.mark.parametrize("shape", [(1, 16), (7, 48), (5, 1040), (3, 2100)])
