@@ -24,7 +24,8 @@ the RL run's mismatch / TIS metrics measure exactly what FP8 sampling changes. `
 tensors (captured graphs stay valid); the engine marks the copies stale whenever its weights change
 (``LLM.reset_prefix_cache``, which every weight update of the RL runs calls) and requantises before its next
 forward. Memory: one byte per projection weight (plus 4 bytes per output channel), about half the bf16 weights,
-on top of them (colocated RL shares the trainer's bf16 weights and adds this copy).
+on top of them (colocated RL shares the trainer's bf16 weights and adds this copy); ``LLM.release()`` (the KV cache
+freed for training) frees the copies too (``free``), and the next rollout quantises them anew.
 
 Deliberately not here: the LM head and embeddings (kept in the model's dtype, as vLLM's FP8 checkpoints do), MoE
 routed experts (their grouped kernels take the model's dtype), LoRA layers (refused), an FP8 KV cache, FP8 training
@@ -49,6 +50,10 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 AMAX_FLOOR = 1e-12  # an all-zero row gets this amax: its scale stays finite and its values 0
 ALIGN = 16  # torch._scaled_mm wants K and N multiples of 16; a projection that is not stays in the model's dtype
 ROWWISE_CAPABILITY = (9, 0)  # _scaled_mm's row-wise scales (CUTLASS) run on compute capability >= 9.0
+# _scaled_mm's fast accumulation (Hopper: the tensor cores' own accumulator, no periodic promotion to fp32 registers):
+# forward-only inference is where torchao (float8 inference, the forward GEMM of training) and vLLM take it; the
+# GPU test holds it to the fp32-accumulated reference within 2% (scale-relative)
+USE_FAST_ACCUM = True
 QUANT_CHUNK_ROWS = 4096  # weight rows quantised at once: bounds the fp32 temporary (4096 x K x 4 bytes)
 
 registry.register(OP, "reference", "polyrl.infer.fp8_weights:reference_linear", priority=0)
@@ -114,12 +119,21 @@ def scaled_mm_linear(
     if rowwise_supported(x.device):
         sa = xs[:, None]  # [M, 1]
         for w, s in zip(weights, scales):
-            y = torch._scaled_mm(xq, w.t(), scale_a=sa, scale_b=s[None, :], out_dtype=torch.bfloat16)
+            y = torch._scaled_mm(
+                xq,
+                w.t(),
+                scale_a=sa,
+                scale_b=s[None, :],
+                out_dtype=torch.bfloat16,
+                use_fast_accum=USE_FAST_ACCUM,
+            )
             outs.append(y if x.dtype == torch.bfloat16 else y.to(x.dtype))
     else:  # Ada (8.9), ROCm: tensor-wise scales only; apply the row and column scales to the fp32 product
         one = _one(x.device)
         for w, s in zip(weights, scales):
-            y = torch._scaled_mm(xq, w.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+            y = torch._scaled_mm(
+                xq, w.t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=USE_FAST_ACCUM
+            )
             outs.append((y * xs[:, None] * s[None, :]).to(x.dtype))
     return tuple(outs)
 
@@ -207,18 +221,30 @@ class Fp8Weights:
 
     @property
     def nbytes(self) -> int:
-        return sum(q.numel() * q.element_size() + s.numel() * 4 for q, s in self.entries.values())
+        """Bytes the copies hold now (0 after ``free``)."""
+        return sum(e[0].numel() + e[1].numel() * 4 for e in self.entries.values() if e is not None)
 
     def mark_stale(self) -> None:
         """The source weights changed: requantise before the next forward (``refresh``)."""
         self.stale = True
 
+    def free(self) -> None:
+        """Drop the copies' memory (the engine released its KV cache and graphs, e.g. while colocated training runs);
+        the next ``refresh`` quantises into new tensors."""
+        self.entries = dict.fromkeys(self.entries)  # type: ignore[arg-type]
+        self.stale = True
+
     @torch.no_grad()
     def refresh(self) -> bool:
-        """Requantise if stale; returns whether it did. In place: captured graphs keep reading the same tensors."""
+        """Requantise if stale; returns whether it did. In place (captured graphs keep reading the same tensors),
+        except after ``free``, which left no tensors to write into."""
         if not self.stale:
             return False
-        for lin, (q, s) in self.entries.items():
+        for lin, entry in self.entries.items():
+            if entry is None:
+                self.entries[lin] = quantize_rows(lin.weight)
+                continue
+            q, s = entry
             _, fresh = quantize_rows(lin.weight, out=q)
             s.copy_(fresh)
         self.stale = False

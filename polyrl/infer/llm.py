@@ -532,6 +532,7 @@ class LLM:
             raise UserError("cannot release the KV cache while requests are running; finish or abort them first")
         self._flush()
         self.runner.invalidate_graphs()
+        self.runner.release_weights()  # FP8 rollout copies, made again at the next forward
         self.kv.release()
         self.block_manager.reset()
 

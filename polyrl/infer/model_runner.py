@@ -80,6 +80,12 @@ class ModelRunner:
         if self.fp8 is not None:
             self.fp8.mark_stale()
 
+    def release_weights(self) -> None:
+        """Free the FP8 copies with the KV cache (``LLM.release``; the graphs that read them are dropped there too);
+        the next forward quantises them again. Nothing to do without FP8 weights."""
+        if self.fp8 is not None:
+            self.fp8.free()
+
     def _precision(self) -> contextlib.AbstractContextManager:
         """Entered around every forward of the engine: the FP8 copies, refreshed if stale, as the decoder's
         projection override (nothing without FP8 weights)."""

@@ -147,6 +147,20 @@ def test_fp8_copies_are_requantised_after_a_weight_update(reference):
     assert llm.runner.fp8.requantizations == 1
 
 
+def test_release_frees_the_fp8_copies_and_the_next_rollout_remakes_them(reference):
+    model = _model()
+    llm = LLM(model, None, RolloutConfig(num_blocks=64, block_size=4, weight_precision="fp8"))
+    held = llm.runner.fp8.nbytes
+    assert held == sum(lin.weight.numel() + lin.out_features * 4 for lin in llm.runner.fp8.entries)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    before = [o.outputs[0].token_ids for o in llm.generate(_prompts(3), params)]
+    llm.release()  # colocated training: the KV cache and the FP8 copies go
+    assert llm.runner.fp8.nbytes == 0
+    llm.reallocate()
+    after = [o.outputs[0].token_ids for o in llm.generate(_prompts(3), params)]
+    assert llm.runner.fp8.nbytes == held and after == before
+
+
 def test_colocated_rollout_shows_the_fp8_mismatch(reference):
     """The RL run's mismatch metric (rollout log-prob vs the trainer's recompute) sees FP8 sampling: ~0 for the
     fp32 engine, clearly larger for FP8 on the same module; the trainer's forward stays fp32."""
@@ -155,7 +169,7 @@ def test_colocated_rollout_shows_the_fp8_mismatch(reference):
 
     def mismatch(precision: str | None) -> float:
         policy = ColocatedPolicy(
-            _model(), None, precision=PrecisionConfig(compute_dtype="fp32"), release_kv=False,
+            _model(), None, precision=PrecisionConfig(compute_dtype="fp32"), release_kv=True,
             rollout=RolloutConfig(num_blocks=128, block_size=4, weight_precision=precision),
         )  # fmt: skip
         samples = policy.rollout(_prompts(4), 2, SamplingParams(max_tokens=8, ignore_eos=True), seeds=[1, 2, 3, 4])
