@@ -234,12 +234,20 @@ class Fp8Weights:
         self.entries = dict.fromkeys(self.entries)  # type: ignore[arg-type]
         self.stale = True
 
-    @torch.no_grad()
     def refresh(self) -> bool:
         """Requantise if stale; returns whether it did. In place (captured graphs keep reading the same tensors),
-        except after ``free``, which left no tensors to write into."""
+        except after ``free``, which left no tensors to write into. Always outside inference mode, so the copies
+        are plain tensors that a later refresh may update from anywhere (the engine's forwards run in inference mode,
+        ``capture_graphs`` does not)."""
         if not self.stale:
             return False
+        with torch.inference_mode(False), torch.no_grad():
+            self._requantize()
+        self.stale = False
+        self.requantizations += 1
+        return True
+
+    def _requantize(self) -> None:
         for lin, entry in self.entries.items():
             if entry is None:
                 self.entries[lin] = quantize_rows(lin.weight)
@@ -247,9 +255,6 @@ class Fp8Weights:
             q, s = entry
             _, fresh = quantize_rows(lin.weight, out=q)
             s.copy_(fresh)
-        self.stale = False
-        self.requantizations += 1
-        return True
 
     def project(self, linears: tuple[nn.Module, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """``tuple(l(x) for l in linears)`` through the FP8 copies (one activation quantisation for all), or None

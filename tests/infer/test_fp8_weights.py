@@ -159,6 +159,10 @@ def test_release_frees_the_fp8_copies_and_the_next_rollout_remakes_them(referenc
     llm.reallocate()
     after = [o.outputs[0].token_ids for o in llm.generate(_prompts(3), params)]
     assert llm.runner.fp8.nbytes == held and after == before
+    assert not any(q.is_inference() for q, _ in llm.runner.fp8.entries.values())  # remade inside generate()
+    llm.reset_prefix_cache()
+    llm.runner.fp8.refresh()  # outside inference mode (as capture_graphs refreshes): in place on plain tensors
+    assert llm.runner.fp8.requantizations == 2
 
 
 def test_colocated_rollout_shows_the_fp8_mismatch(reference):
