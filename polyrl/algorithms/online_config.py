@@ -41,6 +41,10 @@ class OnlineConfig:
     rollout_max_num_seqs: int = 512  # sequences decoded together (a whole 64 x 8 step in one wave)
     rollout_num_blocks: int | None = None  # KV cache blocks; None = from free memory, at most what the run uses
     rollout_gpu_memory_utilization: float = 0.85
+    # "model": the rollout samples with the trained weights themselves; "fp8": with FP8 copies of the projection
+    # weights, requantised after every update (RolloutConfig.weight_precision, docs/fp8-rollout.md): faster decode,
+    # ~half the weights' bytes more memory; mismatch_* / TIS metrics show what it changes
+    rollout_precision: str = "model"
     # free the KV cache while training (True), keep it and its CUDA graphs across steps (False), or "auto": keep it
     # on an accelerator when it takes at most a quarter of the device memory (colocated.KEEP_KV_FRACTION)
     release_kv: bool | str = "auto"
@@ -114,6 +118,8 @@ class OnlineConfig:
                 raise ConfigError(f"{name}.rollout_response_format: {exc}") from None
         if not isinstance(self.stream_rewards, bool):
             raise ConfigError(f"{name}.stream_rewards must be true or false, got {self.stream_rewards!r}")
+        if self.rollout_precision not in ("model", "fp8"):
+            raise ConfigError(f'{name}.rollout_precision must be "model" or "fp8", got {self.rollout_precision!r}')
         if not isinstance(self.routing_replay, bool):
             raise ConfigError(f"{name}.routing_replay must be true or false, got {self.routing_replay!r}")
         if not isinstance(self.reward, str) or not self.reward.strip():

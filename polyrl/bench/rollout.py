@@ -20,6 +20,9 @@ grammar (``SamplingParams.structured``: an array of records that cannot close wi
 is masked), built with the preset's tokenizer: constrained tokens/s, its cost against the free run's decode phase
 (the issue's budget: at most 10% at batch 256 on the H200) and the grammar compilations (1: cached per schema).
 
+``--precision fp8`` also times the engine with FP8 projection weights in the same run, with greedy agreement against
+the model's precision (``bench/rollout_fp8.py``).
+
 ``--decoder-options`` sets the built model's ``DecoderOptions``; ``--compare-parts`` times the decode path's parts
 (``PARTS``) on and off, the ``DecoderOptions`` ones by replacing the model's options. Copy bandwidth comes from
 ``bench/common.py``. This module measures; it asserts nothing.
@@ -37,6 +40,7 @@ import time
 import torch
 
 from polyrl import kernels
+from polyrl.bench import rollout_fp8
 from polyrl.bench.common import add_decoder_options, decoder_options, hf_moe_kwargs, measure_copy_bandwidth
 from polyrl.infer import LLM, RolloutConfig, SamplingParams, StructuredOutputs
 from polyrl.kernels import registry
@@ -74,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also time the run with every sample constrained to this structured output (llguidance mask)",
     )
     add_decoder_options(parser)
+    rollout_fp8.add_arguments(parser)  # --precision fp8 (bench/rollout_fp8.py)
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
 
@@ -313,6 +318,11 @@ def run(args: argparse.Namespace) -> int:
         _compare_parts(llm, prompts, args, dev, res)
     if args.response_format != "none":
         _constrained(llm, prompts, args, dev, res)
+    if args.precision == "fp8":  # the same engine with FP8 projection weights, same run (bench/rollout_fp8.py)
+        base_greedy = rollout_fp8.greedy(llm, prompts[: args.agree_seqs], args.agree_tokens)
+        llm.release()
+        timed = lambda e: _run_engine_phased(e, prompts, args.gen_len, dev)  # noqa: E731 - the bench's own timing
+        rollout_fp8.run_fp8(model, prompts, args, dev, ecfg, res, base_greedy, timed)
     llm.release()
 
     if "hf" in baselines:
@@ -460,6 +470,7 @@ def _print(res: dict) -> None:
     for label, key, fmt in rows:
         if key in res:
             print(f"{label:<36} {fmt.format(res[key])}")
+    rollout_fp8.print_rows(res)  # --precision fp8
     for name, what, _, _ in PARTS:  # --compare-parts
         for on, tag in ((True, "on"), (False, "off")):
             prefix = f"engine_{'' if on else 'no_'}{name}"

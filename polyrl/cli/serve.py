@@ -2,7 +2,8 @@
 
 Loads the checkpoint into the rollout engine and serves it with ``polyrl.server.run_server`` until Ctrl-C /
 SIGTERM (in-flight requests finish first). ``--lora NAME=DIR`` (repeatable) adds PEFT adapters on the base that a
-request selects with ``"model": NAME``. A thin wrapper: argument parsing only.
+request selects with ``"model": NAME``. ``--quantize fp8`` serves FP8 projection weights
+(``RolloutConfig.weight_precision``, docs/fp8-rollout.md). A thin wrapper: argument parsing only.
 """
 
 from __future__ import annotations
@@ -65,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=DIR",
         help="serve a PEFT LoRA adapter on the base (repeatable); requests pick it with model=NAME",
     )
+    parser.add_argument(
+        "--quantize",
+        choices=["fp8"],
+        default=None,
+        help="fp8: projection weights quantised to FP8 per output channel (activations per token) for serving; "
+        "needs an FP8 GEMM (compute capability >= 8.9, MI300); docs/fp8-rollout.md",
+    )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -92,6 +100,7 @@ def build_configs(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        weight_precision=getattr(args, "quantize", None),
     )
     return serve, engine
 
@@ -101,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--model {args.model!r} is not a folder; give an HF checkpoint folder (config.json, weights)")
     serve, engine = build_configs(args)
     adapters = parse_adapters(args.lora)
+    if adapters and engine.weight_precision is not None:
+        raise UserError(f"--quantize {engine.weight_precision} does not combine with --lora yet; drop one of them")
     if not adapters:
         run_server(args.model, serve, engine_config=engine, dtype=args.dtype, device=args.device)
         return 0

@@ -98,6 +98,7 @@ RL_FLAG_KEYS: dict[str, str] = {
     "max_staleness": "max_staleness",
     "async_producer": "async_producer",
     "rollout_workers": "rollout_workers",
+    "rollout_precision": "rollout_precision",
 }
 
 
@@ -209,6 +210,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--rollout-workers", type=int, metavar="N", help="rollout worker processes (--async-producer process)"
+    )
+    g.add_argument(
+        "--rollout-precision",
+        choices=["model", "fp8"],
+        help="weights the rollout samples with: the trained ones (model, default) or FP8 copies requantised after "
+        "every step (fp8: needs an FP8 GEMM; docs/fp8-rollout.md)",
     )
     g = parser.add_argument_group("LoRA (the [lora] table; output and checkpoints are PEFT adapter folders)")
     g.add_argument(

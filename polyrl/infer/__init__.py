@@ -29,7 +29,9 @@ in-place optimizer updates are seen by the next rollout. After the weights chang
 ``llm.reset_prefix_cache()`` (cached KV of old weights would be reused otherwise). ``llm.release()``
 frees the KV cache memory for the training phase, ``llm.reallocate()`` takes it back (same block count);
 CUDA graphs are re-captured lazily after a release. If parameter *tensors* are replaced (not updated in
-place), call ``llm.runner.invalidate_graphs()``.
+place), call ``llm.runner.invalidate_graphs()``. With ``RolloutConfig(weight_precision="fp8")`` the engine samples
+with FP8 copies of the projection weights (``fp8_weights.py``, docs/fp8-rollout.md), which
+``llm.reset_prefix_cache()`` marks for requantisation before the next forward; the training forward never sees them.
 
 Streaming API (the OpenAI server)::
 

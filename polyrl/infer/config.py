@@ -45,6 +45,11 @@ class RolloutConfig:
     # MoE models: record the experts every MoE layer chose for each token a sequence computed
     # (``CompletionOutput.routed_experts``, rollout-routing replay; ``kv_cache.py``). Off: no cost at all
     record_routing: bool = False
+    # The projection weights the engine samples with: None = the model's own (shared with colocated training); "fp8" =
+    # its own float8_e4m3fn copies, per-output-channel scales, activations quantised per token at run time
+    # (``fp8_weights.py``), requantised after every weight update; about half the bf16 weights' bytes of extra memory.
+    # Needs an FP8 GEMM (``platform.device.supports_fp8_gemm``) unless POLYRL_KERNELS forces fp8_weight_linear:reference
+    weight_precision: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -63,6 +68,8 @@ class RolloutConfig:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_dtype not in (None, "bfloat16", "float16", "float32"):
             raise ConfigError(f"kv_cache_dtype must be bfloat16, float16, float32 or None, got {self.kv_cache_dtype!r}")
+        if self.weight_precision not in (None, "fp8"):
+            raise ConfigError(f"weight_precision must be None (the model's) or 'fp8', got {self.weight_precision!r}")
         if self.decode_steps < 1:
             raise ConfigError(f"decode_steps must be >= 1 (1 = one decode step per launch), got {self.decode_steps}")
         if self.max_graph_batch_size < 1:

@@ -13,12 +13,16 @@ Decode-only steps with at most ``max_graph_batch_size`` sequences replay a CUDA 
 bucket over static buffers; the batch is padded to the bucket. A capture that fails (the model does something a
 capture forbids) is cleaned up by ``device.graph_capture``; the runner then warns once and decodes eagerly.
 
-The runner holds a reference to the model (colocated training shares its weights: no copy). It does
-not schedule, sample or own the cache's block accounting.
+The runner holds a reference to the model (colocated training shares its weights: no copy). With FP8 weights
+(``RolloutConfig.weight_precision = "fp8"``, ``fp8_weights.py``) it also holds their FP8 copies: every forward of
+``execute`` / ``execute_steps`` / ``capture_graphs`` runs inside the decoder's ``projection_override`` with them,
+after requantising them if ``weights_changed()`` was called since (the trainer's own forwards never see them).
+It does not schedule, sample or own the cache's block accounting.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 
@@ -28,19 +32,29 @@ from polyrl import kernels
 from polyrl.infer.batch import StepInputs, host_arrays, to_device
 from polyrl.infer.config import RolloutConfig
 from polyrl.infer.cuda_graphs import DecodeBuffers, DecodeGraphs, GraphCaptureError
+from polyrl.infer.fp8_weights import Fp8Weights
 from polyrl.infer.kv_cache import KVCache
 from polyrl.infer.overlap import feed_input_ids
 from polyrl.infer.prompt_logprobs import compute_and_store, plan_step
 from polyrl.infer.sampler import SamplingRows, host_to_device
 from polyrl.infer.scheduler import SchedulerOutput
 from polyrl.models.attention_metadata import AttnMetadata
+from polyrl.models.decoder import projection_override
 from polyrl.models.moe import Routing
 from polyrl.platform import device
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVCache, cfg: RolloutConfig, max_model_len: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv: KVCache,
+        cfg: RolloutConfig,
+        max_model_len: int,
+        fp8: Fp8Weights | None = None,
+    ) -> None:
         self.model = model
+        self.fp8 = fp8  # the engine's FP8 projection weights (RolloutConfig.weight_precision), or None
         self.kv = kv
         self.cfg = cfg
         param = next(model.parameters())
@@ -60,12 +74,36 @@ class ModelRunner:
         self.released_capture_s = 0.0  # capture time of graph sets dropped by invalidate_graphs
         self._prompt_plan = None  # the step's prompt log-prob rows (prompt_logprobs.py), consumed by _eager
 
+    def weights_changed(self) -> None:
+        """The model's weights were updated (a training step, a sync, a load): FP8 copies are requantised before the
+        next forward (in place, so captured graphs stay valid). Nothing to do without FP8 weights."""
+        if self.fp8 is not None:
+            self.fp8.mark_stale()
+
+    def release_weights(self) -> None:
+        """Free the FP8 copies with the KV cache (``LLM.release``; the graphs that read them are dropped there too);
+        the next forward quantises them again. Nothing to do without FP8 weights."""
+        if self.fp8 is not None:
+            self.fp8.free()
+
+    def _precision(self) -> contextlib.AbstractContextManager:
+        """Entered around every forward of the engine: the FP8 copies, refreshed if stale, as the decoder's
+        projection override (nothing without FP8 weights)."""
+        if self.fp8 is None:
+            return contextlib.nullcontext()
+        self.fp8.refresh()
+        return projection_override(self.fp8)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, feed: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
         """Logits ``[S, V]`` (the model's dtype) for the scheduled sequences that sample, in scheduling order.
 
         ``feed = (rows, prev_tokens)``: item ``i`` with ``rows[i] >= 0`` takes its input id from the device tensor
         ``prev_tokens[rows[i]]`` (one-step-ahead decoding, ``overlap.py``); only for one-token items."""
+        with self._precision():
+            return self._execute(sched, feed)
+
+    def _execute(self, sched: SchedulerOutput, feed: tuple[list[int], torch.Tensor] | None) -> torch.Tensor:
         if self.kv.caches is None:
             raise RuntimeError("the KV cache is released; call LLM.reallocate() before generating")
         arrays = host_arrays(sched.items, self.cfg.block_size)
@@ -108,6 +146,10 @@ class ModelRunner:
         With ``rows`` (the draws need only temperature, seed, offset, greedy) on the graph path and ``steps`` =
         ``decode_steps``: one replay of the launch graph (``cuda_graphs.py``), sampling included. Otherwise the
         first step as ``execute``, then ``DecodeBuffers.advance`` and run again; ``draw(logits, j)`` samples step j."""
+        with self._precision():
+            return self._execute_steps(sched, feed, steps, draw, rows)
+
+    def _execute_steps(self, sched, feed, steps, draw, rows) -> tuple[torch.Tensor, torch.Tensor]:
         # Launch graphs of decode_steps steps only (captured ahead with the step graphs); a shorter launch (the tail of
         # a rollout) takes the step path rather than capturing a graph per (bucket, steps) mid-run.
         full = steps == self.cfg.decode_steps and self.cfg.launch_graphs
@@ -157,6 +199,10 @@ class ModelRunner:
         launch graphs (no-op without graphs)."""
         if not self.use_graphs or self.kv.caches is None:
             return
+        with self._precision():
+            self._capture_graphs(batch)
+
+    def _capture_graphs(self, batch: int) -> None:
         if self.graphs is None:
             self.graphs = DecodeGraphs(self.model, self.kv, self.cfg, self.max_blocks_per_seq)
         try:

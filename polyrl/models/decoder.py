@@ -11,6 +11,8 @@ module, so the rollout engine can capture decode in a CUDA graph.
 Projections (``project``, ``project_group``): a plain ``nn.Linear`` fed at most ``skinny_linear.ROUTE_MAX_ROWS`` rows
 with autograd off (a batch-1 decode step) runs ``kernels.skinny_linear``, which streams the weight where cuBLAS's
 small-M tiles leave bandwidth unused, q/k/v in one launch and gate/up in one; everything else is the module's call.
+Inside ``projection_override(o)`` (this thread only; the rollout engine's FP8 weights, ``polyrl.infer.fp8_weights``)
+``o.project(linears, x)`` runs first and its result, unless None, replaces all of that (skinny path included).
 
 Where there is more than one way to run a part (grouped or concurrent projections, the fused q/k norms + RoPE, the
 frozen down projection after a checkpoint), ``DecoderOptions`` picks it: held by the model (``DecoderLM.options``),
@@ -27,8 +29,12 @@ weight loading (``checkpoint.py``), sharding (``polyrl.train.parallel``).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -91,8 +97,29 @@ def _skinny_ok(linears: tuple[nn.Module, ...], x: torch.Tensor) -> bool:
     return kernels.registry.select("skinny_linear", x.device.type, kernels.dtype_name(x.dtype))[0] != ("reference")
 
 
+# The projection override of this thread (``projection_override``); None: the decoder's own path, at one lookup's cost.
+_OVERRIDE: contextvars.ContextVar[Any] = contextvars.ContextVar("polyrl_projection_override", default=None)
+
+
+@contextlib.contextmanager
+def projection_override(override: Any) -> Iterator[None]:
+    """Within the block (this thread), ``project`` / ``project_group`` first ask ``override.project(linears, x)`` (a
+    tuple of outputs, or None to run as usual); ``override`` None changes nothing. The rollout engine enters it around
+    its forwards (and graph captures) with its FP8 weights; the training forward of the same module never sees it."""
+    token = _OVERRIDE.set(override)
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
+
+
 def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``linear(x)`` for ``x [T, in]``; a batch-1 decode input goes to ``kernels.skinny_linear`` (``_skinny_ok``)."""
+    override = _OVERRIDE.get()
+    if override is not None:
+        out = override.project((linear,), x)
+        if out is not None:
+            return out[0]
     if _skinny_ok((linear,), x):
         return kernels.skinny_linear(x, linear.weight, linear.bias)
     return linear(x)
@@ -102,6 +129,11 @@ def project_group(linears: tuple[nn.Module, ...], x: torch.Tensor, options: Deco
     """``tuple(l(x) for l in linears)``; at batch 1 (``_skinny_ok``) with ``options.group_projections`` one
     ``skinny_linear`` launch computes them all side by side and the results are its column slices (contiguous: one
     row); otherwise, with ``options.parallel_projections`` and autograd off, concurrent GEMMs."""
+    override = _OVERRIDE.get()
+    if override is not None:
+        out = override.project(linears, x)
+        if out is not None:
+            return out
     if options.group_projections and x.shape[0] == 1 and _skinny_ok(linears, x):
         biases = None if linears[0].bias is None else tuple(lin.bias for lin in linears)
         y = kernels.skinny_linear(x, tuple(lin.weight for lin in linears), biases)

@@ -210,6 +210,7 @@ class OnlineRun(DataParallelSteps):
             max_model_len=longest + gen + 1,
             max_num_batched_tokens=max(8192, longest + gen + 1),
             record_routing=bool(getattr(a, "routing_replay", False)),
+            weight_precision="fp8" if getattr(a, "rollout_precision", "model") == "fp8" else None,
         )
 
     def _make_policy(self) -> ColocatedPolicy:
