@@ -108,8 +108,8 @@ def answer_rule(structured: Any) -> str:
     if kind == "regex":
         return "/" + re.sub(r"(?<!\\)/", r"\/", spec) + "/"
     raise NoCallGrammar(
-        f"a {kind} structured output cannot be combined with tool calls (tool_choice auto); give a JSON schema, "
-        "json_object, regex or choice, or set tool_choice to none or required"
+        f"a {kind} structured output cannot be combined with tool calls; give a JSON schema, json_object, regex or "
+        "choice, or set tool_choice to none or required"
     )
 
 

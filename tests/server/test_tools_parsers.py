@@ -177,11 +177,16 @@ def mistral_tokenizer(tiny_model_dir):
     return tok
 
 
+_CACHES: dict = {}
+
+
 def _matcher(tok, lark):
     from polyrl.infer.sampling_params import StructuredOutputs
     from polyrl.infer.structured import GrammarCache
 
-    return GrammarCache(tok, len(tok), [tok.eos_token_id]).matcher(StructuredOutputs("lark", lark))
+    if id(tok) not in _CACHES:  # the llguidance tokenizer is built once per tokenizer
+        _CACHES[id(tok)] = GrammarCache(tok, len(tok), [tok.eos_token_id])
+    return _CACHES[id(tok)].matcher(StructuredOutputs("lark", lark))
 
 
 def _accepts(tok, lark, text) -> bool:
@@ -213,3 +218,64 @@ def test_mistral_v11_grammar_uses_the_special_tokens(mistral_tokenizer):
     listed = detect_parser("{{ '[TOOL_CALLS]' + tool_calls | tojson }}")
     assert listed.form == "list" and "%json" in listed.grammar(TOOLS, parallel=False, tokenizer=tok)
     assert _accepts(tok, listed.grammar(TOOLS, True, tok), '[TOOL_CALLS][{"name": "noop", "arguments": {}}]')
+
+
+# ---- tool_choice "auto" with a response format: a call OR an answer in the format ------------------------------
+
+ANSWER = {
+    "type": "object",
+    "properties": {"verdict": {"enum": ["yes", "no"]}, "score": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["verdict", "score"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    "name, call",
+    [
+        ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}\n</tool_call>'),
+        ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Rome", "days": 2}}'),
+        ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}]'),
+        ("mistral_v11", '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome", "days": 2}'),
+    ],
+)
+def test_union_grammar_admits_a_call_or_the_answer(mistral_tokenizer, name, call):
+    pytest.importorskip("llguidance")
+    from polyrl.agents.tool_parsers import MistralParser, answer_rule
+    from polyrl.infer.sampling_params import StructuredOutputs
+
+    tok = mistral_tokenizer
+    p = MistralParser("v11") if name == "mistral_v11" else get_parser(name)
+    if name == "mistral":
+        p.form = "list"
+    lark = p.union_grammar(TOOLS, False, answer_rule(StructuredOutputs.json_schema(ANSWER)), tok)
+    assert _accepts(tok, lark, call)
+    assert calls(p.parse(call)) == [("get_weather", {"city": "Rome", "days": 2})]
+    answer = '{"verdict": "yes", "score": 7}'
+    assert _accepts(tok, lark, answer)
+    assert "tool_calls" not in p.parse(answer) and p.parse(answer)["content"] == answer
+    for bad in ('{"verdict": "maybe", "score": 7}', '{"verdict": "yes", "score": 70}', "Hello", answer + call):
+        assert not _accepts(tok, lark, bad), bad
+    assert not _accepts(tok, lark, call.replace("Rome", "Oslo"))  # a call still follows its tool's schema
+
+
+def test_answer_rule_kinds(mistral_tokenizer):
+    pytest.importorskip("llguidance")
+    from polyrl.agents.tool_parsers import NoCallGrammar, answer_rule
+    from polyrl.infer.sampling_params import StructuredOutputs
+
+    tok, p = mistral_tokenizer, get_parser("hermes")
+
+    def union(so):
+        return p.union_grammar(TOOLS[1:], True, answer_rule(so), tok)
+
+    assert _accepts(tok, union(StructuredOutputs("json_object")), '{"a": [1, 2]}')
+    assert not _accepts(tok, union(StructuredOutputs("json_object")), "[1, 2]")
+    assert _accepts(tok, union(StructuredOutputs.choice(["red", "green"])), "green")
+    assert not _accepts(tok, union(StructuredOutputs.choice(["red", "green"])), "blue")
+    regex = union(StructuredOutputs("regex", "[0-9]{2}/[a-z]"))  # a slash in the pattern is escaped for Lark
+    assert _accepts(tok, regex, "12/x") and not _accepts(tok, regex, "123/x")
+    one = '<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>'
+    assert _accepts(tok, regex, one + "\n" + one)  # parallel calls
+    with pytest.raises(NoCallGrammar, match="grammar structured output cannot be combined"):
+        answer_rule(StructuredOutputs("grammar", 'start: "a"'))
