@@ -16,6 +16,8 @@ rollout parses, arguments constrained to the tools' parameter schemas) OR answer
 one call per turn when the environment sets ``parallel_tool_calls = False``); a whole Lark grammar cannot be
 combined with tools (ConfigError). The trainer learns from the engine's unmasked
 log-probs and reports what the masks removed (``rollout_mask_logmass``), as for single-turn rollouts.
+The agent proxy (``--agent``) applies the same to each call: the request's ``response_format`` (``text.format``),
+else the run's, with the request's tools in the session's parser syntax.
 Not here: the episode loop (``rollout``), compiling grammars (``polyrl.infer.structured``).
 """
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from polyrl.agents.tool_parsers import HermesParser, NoCallGrammar, answer_rule
+from polyrl.agents.tool_parsers import HermesParser, NoCallGrammar, ToolParser, answer_rule
 from polyrl.errors import ConfigError, UserError
 from polyrl.infer.sampling_params import StructuredOutputs
 
@@ -73,16 +75,21 @@ def pick(*declared: StructuredOutputs | str | None) -> StructuredOutputs | None:
 
 
 def turn_grammar(
-    fmt: StructuredOutputs | None, tools: list[dict[str, Any]], tokenizer: Any, parallel: bool = True
+    fmt: StructuredOutputs | None,
+    tools: list[dict[str, Any]],
+    tokenizer: Any,
+    parallel: bool = True,
+    parser: ToolParser | None = None,
 ) -> StructuredOutputs | None:
     """The grammar of a turn with format ``fmt``: ``fmt`` itself, or with ``tools`` a call of them (several when
-    ``parallel``) OR ``fmt``."""
+    ``parallel``; in ``parser``'s syntax, Hermes by default: what ``rollout`` parses) OR ``fmt``."""
     if fmt is None or not tools:
         return fmt
+    parser = parser or HermesParser()
     try:
-        return StructuredOutputs("lark", HermesParser().union_grammar(tools, parallel, answer_rule(fmt), tokenizer))
+        return StructuredOutputs("lark", parser.union_grammar(tools, parallel, answer_rule(fmt), tokenizer))
     except NoCallGrammar as exc:
-        raise ConfigError(f"an environment with tools: {exc}") from None
+        raise ConfigError(f"a format with tools: {exc}") from None
 
 
 __all__ = ["TEXT", "pick", "to_format", "turn_grammar"]

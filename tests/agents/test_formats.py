@@ -208,3 +208,45 @@ def test_grpo_over_episodes_with_a_run_format(tiny_model_dir, env_file, tmp_path
     rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     replies = [m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant"]
     assert rows and len(replies) == 2 * len(rows) and set(replies) <= {"yes", "no"}, replies
+
+
+def test_agent_proxy_applies_the_request_or_run_format(tiny_llm):
+    """Proxy mode: the agent's own response_format (with its tools: a call or the JSON answer), else the run's."""
+    openai = pytest.importorskip("openai")
+    from polyrl.agents.proxy_server import AgentProxy
+
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": KEY}}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+    replies = []
+
+    def agent(base_url, example):
+        client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+        msgs = [{"role": "user", "content": example["prompt"]}]
+        for kw in ({"tools": tools, "response_format": fmt, "parallel_tool_calls": False}, {}):
+            r = client.chat.completions.create(model="polyrl-policy", messages=msgs, max_tokens=60, **kw)
+            replies.append((bool(kw), r.choices[0].message))
+            msgs += [
+                {"role": "assistant", "content": r.choices[0].message.content or ""},
+                {"role": "user", "content": "?"},
+            ]
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="polyrl-policy", messages=msgs, response_format={"type": "xml"})
+        return 1.0
+
+    run_fmt = SamplingParams(temperature=1.0, structured=StructuredOutputs("regex", "[a-c]{2}"))
+    with AgentProxy(tiny_llm, run_fmt, max_tokens=60) as proxy:
+        eps = proxy.run_agents(agent, [{"prompt": f"p{i}"} for i in range(3)], n=2, seeds=[1, 2, 3], timeout=300.0)
+    assert len(eps) >= 6 and len(replies) == 12  # a call whose tool_calls the agent drops starts a new segment
+    assert all(e.masked_logmass < 0 and e.metrics["constrained_turns"] == e.num_turns for e in eps)
+    kinds = set()
+    for own, msg in replies:
+        if own and msg.tool_calls:
+            (call,) = msg.tool_calls
+            jsonschema.validate(json.loads(call.function.arguments), KEY)
+            kinds.add("call")
+        elif own:
+            jsonschema.validate(json.loads(msg.content), ANSWER)
+            kinds.add("answer")
+        else:
+            assert re.fullmatch("[a-c]{2}", msg.content), msg.content
+    assert kinds == {"call", "answer"}, replies
