@@ -246,9 +246,8 @@ class AgentProxy:
         if isinstance(out, BaseException):
             return _error(500, f"the engine failed: {out}")
         c = out.outputs[0]
-        reply = sess.record(
-            messages, tools, ids, continues, list(c.token_ids), list(c.logprobs), c.text, c.masked_logmass
-        )
+        mass = getattr(c, "masked_logmass", None)  # None: unconstrained
+        reply = sess.record(messages, tools, ids, continues, list(c.token_ids), list(c.logprobs), c.text, mass)
         msg = {"role": "assistant", "content": reply.get("content")}
         if reply.get("tool_calls"):
             msg["tool_calls"] = reply["tool_calls"]

@@ -93,8 +93,9 @@ def run_episodes(
             e, c = eps[k], out.outputs[0]
             e.add_turn(c.token_ids, c.logprobs)
             e.count("turns")
-            if c.masked_logmass is not None:
-                e.masked_logmass = (e.masked_logmass or 0.0) + c.masked_logmass
+            mass = getattr(c, "masked_logmass", None)  # None: an unconstrained turn
+            if mass is not None:
+                e.masked_logmass = (e.masked_logmass or 0.0) + mass
                 e.count("constrained_turns")
             msg = parse_reply(c.text, f"call_{e.num_turns}")
             e.count("tool_calls", len(msg.get("tool_calls", [])))
