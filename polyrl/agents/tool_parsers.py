@@ -6,7 +6,8 @@ Registry (``TOOL_PARSERS``, ``get_parser(name)``, ``detect_parser(chat_template)
   the reply (Qwen2.5 / Qwen3, Hermes, and what ``render.py``'s system-prompt fallback asks a template-less model
   for). Parsing is ``tools.parse_reply``.
 - ``llama3_json``: the whole reply is ``{"name": ..., "parameters": {...}}`` (optionally after ``<|python_tag|>``),
-  several separated by ``;`` (Llama 3.1 / 3.2 JSON tool calling).
+  several separated by ``;`` (Llama 3.1 / 3.2 JSON tool calling). Without the tag, JSON whose objects lack
+  ``parameters`` / ``arguments`` is content (an answer in a response format), not a call.
 - ``mistral``: after optional content, either the JSON-list form ``[TOOL_CALLS][{"name": ..., "arguments": {...}},
   ...]`` (Mistral v3 tokenizers: Mistral 7B v0.3, Mixtral, Nemo) or the form of tokenizer v11+ (Mistral Small 3.1+,
   Magistral, Devstral): ``[TOOL_CALLS]name[ARGS]{...}`` per call, optionally ``[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}``,
@@ -227,6 +228,10 @@ class Llama3JsonParser(ToolParser):
         body = self._body(text)
         objs = _decode_calls(body, "parameters", ";") if body is not None else None
         if not objs:
+            return _message(text, [], [])
+        tagged = text.lstrip().startswith(self.TAG)
+        if not tagged and not all(isinstance(o, dict) and ("parameters" in o or "arguments" in o) for o in objs):
+            # untagged JSON without arguments is an answer (e.g. a response_format's {"name": ..., "age": ...})
             return _message(text, [], [])
         calls, invalid = _to_calls(objs, ("parameters", "arguments"), call_prefix)
         if not calls:

@@ -54,6 +54,10 @@ def test_llama3_json_and_mistral():
     assert calls(msg) == [("get_weather", {"city": "Rome", "days": 1}), ("noop", {})] and msg["content"] is None
     plain = llama.parse("The answer is {not a call}")
     assert plain["content"] == "The answer is {not a call}" and "tool_calls" not in plain
+    # JSON without arguments is an answer (a response_format's object), unless the python tag says it is a call
+    person = '{"name": "Bob", "age": 3}'
+    assert llama.parse(person) == {"role": "assistant", "content": person}
+    assert calls(llama.parse("<|python_tag|>" + person)) == [("Bob", {})]
     mistral = get_parser("mistral")
     msg = mistral.parse('Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]')
     assert msg["content"] == "Sure." and calls(msg) == [("get_weather", {"city": "Paris", "days": 3})]
