@@ -13,7 +13,8 @@ Registry (``TOOL_PARSERS``, ``get_parser(name)``, ``detect_parser(chat_template)
   Magistral, Devstral): ``[TOOL_CALLS]name[ARGS]{...}`` per call, optionally ``[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}``,
   several calls one after another. Both parse; a forced call is written in the v11 form when the chat template
   writes ``[ARGS]`` or the tokenizer has ``[ARGS]`` as a special token, else in the list form. ``[TOOL_CALLS]`` and
-  ``[ARGS]`` are special tokens, so requests keep special tokens in the text.
+  ``[ARGS]`` are special tokens, so requests keep special tokens in the text. Call ids are 9 alphanumeric characters
+  (a hash of the caller's id), the only ids Mistral's chat templates accept back in the history.
 
 Each parser: ``parse(text, call_prefix)`` -> an OpenAI assistant message (``content``, ``tool_calls``,
 ``invalid_tool_calls`` for malformed ones, as ``tools.parse_reply``); ``call_start(text)`` / ``holdback(text)`` for
@@ -28,6 +29,7 @@ Not here: rendering tools into prompts (``render.py``), HTTP (``polyrl.server.ch
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import Any
@@ -282,6 +284,8 @@ class MistralParser(ToolParser):
                 invalid.append({"text": self.MARK + seg, "error": error})
             objs.extend(found or [])
         calls, bad = _to_calls(objs, ("arguments", "parameters"), call_prefix)
+        for c in calls:  # Mistral's templates refuse other ids when the call comes back in the history
+            c["id"] = hashlib.sha256(c["id"].encode()).hexdigest()[:9]
         return _message(text[:i], calls, invalid + bad)
 
     def _segment(self, seg: str) -> tuple[list[Any] | None, str]:

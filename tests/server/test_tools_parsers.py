@@ -4,6 +4,7 @@ shared message preparation (native tools vs the system-prompt fallback). No serv
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -141,7 +142,9 @@ def test_mistral_v11_parses_beside_the_list_form():
     text = 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}[TOOL_CALLS]noop[ARGS]{}'
     msg = p.parse(text, "call_m")
     assert msg["content"] == "Sure." and calls(msg) == [("get_weather", {"city": "Paris", "days": 3}), ("noop", {})]
-    assert [c["id"] for c in msg["tool_calls"]] == ["call_m_0", "call_m_1"]
+    ids = [c["id"] for c in msg["tool_calls"]]  # 9 alphanumerics, as Mistral's templates require, one per call
+    assert all(re.fullmatch("[a-z0-9]{9}", i) for i in ids) and len(set(ids)) == 2
+    assert ids == [c["id"] for c in p.parse(text, "call_m")["tool_calls"]]  # from the caller's prefix: stable
     # with the model's own call id, and with [ARGS] dropped (special tokens skipped by a client-side detokeniser)
     assert calls(p.parse('[TOOL_CALLS]noop[CALL_ID]a1b2c3d4e[ARGS]{"x": 1}')) == [("noop", {"x": 1})]
     assert calls(p.parse('hi{hi[TOOL_CALLS]noop{"q": "{}"}')) == [("noop", {"q": "{}"})]
