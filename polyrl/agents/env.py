@@ -6,7 +6,8 @@ An episode: ``reset`` gets the prompt example (``{"prompt", "messages", "answer"
 dict a reward function receives) and returns the opening messages (system/user); the policy replies; ``step``
 gets that reply as an OpenAI assistant message (``content``, ``tool_calls``, and ``invalid_tool_calls`` for blocks
 that did not parse, see ``polyrl.agents.tools``) and returns the next observation messages (``tool`` or ``user``
-role), a reward, whether the episode is over, and metrics. The episode's reward is the sum of its step rewards.
+role), a reward, whether the episode is over, metrics, and optionally the next turn's ``response_format``. The
+episode's reward is the sum of its step rewards.
 One instance serves one episode (a fresh instance per ``reset``), so an environment may keep state in ``self``.
 Instances live in worker processes (``polyrl.agents.pool``): an environment that raises or hangs ends its episode
 with the failure reward and is counted, never fatal.
@@ -38,13 +39,20 @@ class EnvStep:
     reward: float = 0.0
     done: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
+    # the format of the next assistant turn (``polyrl.agents.formats``); None: the environment's / the run's
+    response_format: Any = None
 
 
 class Environment:
     """Base class of an environment (see the module docstring). ``tools``: OpenAI tool schemas the policy is
-    offered (rendered into the prompt by the chat template, or a system block when the template has no tools)."""
+    offered (rendered into the prompt by the chat template, or a system block when the template has no tools).
+    ``response_format``: the format every assistant turn must match (an OpenAI ``response_format`` dict or a spec
+    string, see ``polyrl.agents.formats``; with tools, a turn may call one instead); None = free (or the run's).
+    ``parallel_tool_calls``: under a format, whether a turn may make several calls (False: one call or the answer)."""
 
     tools: list[dict[str, Any]] = []
+    response_format: Any = None
+    parallel_tool_calls: bool = True
 
     def reset(self, example: dict[str, Any]) -> list[dict[str, Any]]:
         raise NotImplementedError

@@ -3,7 +3,8 @@
 ``prompt_ids`` (the opening prompt from ``Environment.reset``) + ``ids`` (everything after it, in order: the tokens
 the engine sampled for each assistant turn, and the template/observation tokens appended between turns). ``mask``
 (one per ``ids`` entry) is 1 exactly on sampled tokens; ``logprobs`` holds the engine's log-prob of each sampled
-token (one per masked position, in order: the RL old log-probs). ``turns`` are the ``(start, end)`` spans of the
+token (one per masked position, in order: the RL old log-probs; unmasked by any output format, whose cost is
+``masked_logmass``). ``turns`` are the ``(start, end)`` spans of the
 sampled turns in ``ids``. ``to_sample()`` gives the ``colocated.Sample`` the RL loop packs (its ``mask`` keeps the
 loss on the policy's own tokens; tool outputs and user turns are context only).
 ``status``: ``done`` (the environment ended it), ``max_turns``, ``max_tokens`` (the episode token budget),
@@ -36,6 +37,7 @@ class Episode:
     status: str = "running"
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    masked_logmass: float | None = None  # constrained turns: sum of log(mass the grammar allowed) over their tokens
 
     @property
     def context(self) -> list[int]:
@@ -85,7 +87,7 @@ class Episode:
         finish = "length" if self.status == "max_tokens" else "stop"
         return Sample(
             list(self.prompt_ids), list(self.ids), list(self.logprobs), finish, text, self.group, self.index,
-            mask=list(self.mask),
+            mask=list(self.mask), masked_logmass=self.masked_logmass,
         )  # fmt: skip
 
 

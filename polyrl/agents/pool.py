@@ -22,6 +22,7 @@ from numbers import Real
 from typing import Any
 
 from polyrl.agents.env import BUILTIN_ENVS, EnvStep, env_tools, resolve_env
+from polyrl.agents.formats import to_format
 from polyrl.algorithms.workers import (
     REIMPORT_EXIT_CODE,
     REIMPORT_MESSAGE,
@@ -72,7 +73,11 @@ def normalise_step(value: Any) -> Any:
     if not isinstance(value.reward, Real) or not math.isfinite(float(value.reward)):
         raise TypeError(f"step() returned reward {value.reward!r}, not a finite number")
     metrics = {str(k): float(v) for k, v in (value.metrics or {}).items() if isinstance(v, Real)}
-    return EnvStep(_messages(value.messages or [], "step()"), float(value.reward), bool(value.done), metrics)
+    try:
+        fmt = to_format(value.response_format, "step() response_format")
+    except UserError as exc:
+        raise ValueError(str(exc)) from None
+    return EnvStep(_messages(value.messages or [], "step()"), float(value.reward), bool(value.done), metrics, fmt)
 
 
 class LocalEnvs:
@@ -134,6 +139,8 @@ class EnvPool:
         self.spec = absolute_spec(BUILTIN_ENVS.get(spec.strip(), spec) if isinstance(spec, str) else spec)
         self.cls = resolve_env(self.spec)  # fails early, in the parent, for a bad spec
         self.tools = env_tools(self.cls)
+        self.response_format = to_format(getattr(self.cls, "response_format", None), f"{spec}: response_format")
+        self.parallel_tool_calls = getattr(self.cls, "parallel_tool_calls", True) is not False
         self.num_workers, self.timeout = workers, float(timeout)
         self.totals = dict.fromkeys(FAILURE_KINDS, 0)
         self.local = LocalEnvs(self.cls) if workers == 0 else None

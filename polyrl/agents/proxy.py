@@ -91,8 +91,10 @@ class AgentSession:
         token_ids: list[int],
         logprobs: list[float],
         text: str,
+        masked_logmass: float | None = None,
     ) -> dict[str, Any]:
-        """Append one call (its prompt from ``prompt_for``) and return the reply as an OpenAI assistant message."""
+        """Append one call (its prompt from ``prompt_for``) and return the reply as an OpenAI assistant message.
+        ``masked_logmass``: what an output format's masks removed from this call's tokens (None: unconstrained)."""
         with self._lock:
             self.num_calls += 1
             reply = self.parser.parse(text, f"call_{self.num_calls}")
@@ -109,6 +111,9 @@ class AgentSession:
                 seg.messages.extend(dict(m) for m in messages[len(self._last_messages or []) :])
             seg.add_turn(token_ids, logprobs)
             seg.count("turns")
+            if masked_logmass is not None:
+                seg.masked_logmass = (seg.masked_logmass or 0.0) + masked_logmass
+                seg.count("constrained_turns")
             seg.count("tool_calls", len(reply.get("tool_calls", [])))
             seg.count("invalid_tool_calls", len(reply.get("invalid_tool_calls", [])))
             seg.messages.append(reply)

@@ -8,8 +8,10 @@ tools=...)``, executes the ``tool_calls`` it gets back, appends ``tool`` message
 
 - ``POST /agents/{id}/v1/chat/completions``: messages (system/user/assistant/tool, ``tool_calls``), ``tools``,
   ``temperature``, ``top_p``, ``max_tokens`` / ``max_completion_tokens`` (capped by the proxy's), ``seed``,
-  ``logprobs``. The reply's ``<tool_call>`` blocks come back as OpenAI ``tool_calls`` (``finish_reason
-  "tool_calls"``). Extra fields ``prompt_token_ids`` and ``choices[0].token_ids`` show what was recorded.
+  ``logprobs``, ``response_format`` / ``parallel_tool_calls`` (with tools: a call or an answer in the format; without
+  a request format, the run's ``rollout_response_format``). The reply's ``<tool_call>`` blocks come back as OpenAI
+  ``tool_calls`` (``finish_reason "tool_calls"``). Extra fields ``prompt_token_ids`` and ``choices[0].token_ids``
+  show what was recorded.
 - ``POST /agents/{id}/v1/responses``: the Responses API (``input`` items, ``instructions``, function ``tools``,
   ``max_output_tokens``, ...; not streamed, stateless) over the same recording; its items are those of
   ``polyrl serve`` (``responses_items``), so an agent written against the Responses API trains unchanged.
@@ -39,6 +41,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from polyrl.agents.formats import pick, to_format, turn_grammar
 from polyrl.agents.proxy import AgentSession
 from polyrl.agents.render import ChatRenderer
 from polyrl.agents.responses_items import (
@@ -221,6 +224,11 @@ class AgentProxy:
             if seed is None and self.seeds.get(eid) is not None:
                 seed = turn_seed(self.seeds[eid], sess.index, sess.num_calls)
             changes["seed"] = seed
+            # the agent's own response_format (part of its program, honoured in training too), else the run's; with
+            # tools, a call in the session's parser syntax OR the format (formats.turn_grammar)
+            fmt = pick(to_format(body.get("response_format"), "response_format"), self.sampling.structured)
+            parallel = body.get("parallel_tool_calls") is not False
+            changes["structured"] = turn_grammar(fmt, tools or [], self.llm.tokenizer, parallel, sess.parser)
             params = self.sampling.clone(**changes)
         except (UserError, ValueError, TypeError) as exc:
             return _error(400, str(exc))
@@ -238,7 +246,8 @@ class AgentProxy:
         if isinstance(out, BaseException):
             return _error(500, f"the engine failed: {out}")
         c = out.outputs[0]
-        reply = sess.record(messages, tools, ids, continues, list(c.token_ids), list(c.logprobs), c.text)
+        mass = getattr(c, "masked_logmass", None)  # None: unconstrained
+        reply = sess.record(messages, tools, ids, continues, list(c.token_ids), list(c.logprobs), c.text, mass)
         msg = {"role": "assistant", "content": reply.get("content")}
         if reply.get("tool_calls"):
             msg["tool_calls"] = reply["tool_calls"]
@@ -292,6 +301,8 @@ class AgentProxy:
                 chat[dst] = body[src]
         if body.get("seed") is not None:
             chat["seed"] = body["seed"]
+        if (body.get("text") or {}).get("format") is not None:
+            chat["response_format"] = body["text"]["format"]  # flat json_schema: formats.to_format reads both shapes
         out = await self._chat(eid, chat)
         if not isinstance(out, dict):
             return out  # an error response

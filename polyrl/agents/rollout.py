@@ -13,8 +13,13 @@ the episode's ids so far, so the prefix cache serves the conversation already co
    sampled) and counts in ``truncated_turns``; the environment still answers it. The observation is appended as
    ``renderer.observation_ids`` (mask 0), then the episode goes back to 2, unless it is done, at ``max_turns``, out
    of tokens or its env failed.
+Output formats (``formats``): each turn's request carries the grammar of its format (the last ``EnvStep``'s, else
+the environment's, else the run's ``sampling.structured``; with tools, a call OR the format), so every assistant
+turn is constrained; the engine's log-probs stay unmasked and ``Episode.masked_logmass`` sums what the masks removed.
+A format an environment returns that does not compile ends its episode as ``env_error`` (``invalid``).
 Per-episode metrics: ``turns``, ``tool_calls``, ``invalid_tool_calls`` (unparseable ``<tool_call>`` blocks),
-``tool_errors`` and whatever the environment reports. Not here: training, the proxy (``proxy``).
+``tool_errors``, ``constrained_turns`` and whatever the environment reports. Not here: training, the proxy
+(``proxy``).
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from polyrl.agents.episode import Episode
+from polyrl.agents.formats import pick, turn_grammar
 from polyrl.agents.tools import parse_reply
-from polyrl.errors import ConfigError
+from polyrl.errors import ConfigError, UserError
 
 
 @dataclass
@@ -60,6 +66,10 @@ def run_episodes(
     limits = limits or EpisodeLimits()
     eps = [Episode(g, j) for g in range(len(examples)) for j in range(n)]
     tools = list(pool.tools)
+    grammars = _TurnGrammars(
+        tools, renderer.tokenizer, getattr(pool, "response_format", None), getattr(sampling, "structured", None),
+        getattr(pool, "parallel_tool_calls", True),
+    )  # fmt: skip
     opened = pool.reset([(k, examples[e.group]) for k, e in enumerate(eps)])
     pending: dict[str, int] = {}
     for k, e in enumerate(eps):
@@ -73,7 +83,7 @@ def run_episodes(
             e.end("max_tokens", f"the opening prompt has {len(e.prompt_ids)} tokens")
             pool.release(k)
             continue
-        _submit(llm, e, k, sampling, seeds, limits, pending)
+        _submit(llm, e, k, sampling.clone(structured=grammars.get(None)), seeds, limits, pending)
     while pending:
         # ahead: the device decodes the next launch while this loop runs the environments for the last one
         finished = [o for o in llm.step(ahead=True) if o.finished and o.request_id in pending]
@@ -83,6 +93,10 @@ def run_episodes(
             e, c = eps[k], out.outputs[0]
             e.add_turn(c.token_ids, c.logprobs)
             e.count("turns")
+            mass = getattr(c, "masked_logmass", None)  # None: an unconstrained turn
+            if mass is not None:
+                e.masked_logmass = (e.masked_logmass or 0.0) + mass
+                e.count("constrained_turns")
             msg = parse_reply(c.text, f"call_{e.num_turns}")
             e.count("tool_calls", len(msg.get("tool_calls", [])))
             e.count("invalid_tool_calls", len(msg.get("invalid_tool_calls", [])))
@@ -118,10 +132,33 @@ def run_episodes(
                     e.end("max_tokens")
                 else:
                     e.add_observation(obs)
-                    _submit(llm, e, k, sampling, seeds, limits, pending)
+                    try:
+                        params = sampling.clone(structured=grammars.get(st.response_format))
+                        _submit(llm, e, k, params, seeds, limits, pending)
+                    except UserError as exc:  # the format the environment asked for does not compile: its failure
+                        e.reward = failure_reward
+                        e.count("env_failures")
+                        e.end("env_error", f"invalid: the response_format of step() does not compile: {exc}")
+                        if hasattr(pool, "totals"):
+                            pool.totals["invalid"] = pool.totals.get("invalid", 0) + 1
             if e.finished:
                 pool.release(k)
     return eps
+
+
+class _TurnGrammars:
+    """The grammar of a turn per declared step format (``formats.pick`` order), each built once per call."""
+
+    def __init__(self, tools: list, tokenizer: Any, env_format: Any, run_format: Any, parallel: bool) -> None:
+        self.tools, self.tokenizer, self.parallel = tools, tokenizer, parallel
+        self.env_format, self.run_format = env_format, run_format
+        self._built: dict[Any, Any] = {}
+
+    def get(self, step_format: Any) -> Any:
+        if step_format not in self._built:
+            fmt = pick(step_format, self.env_format, self.run_format)
+            self._built[step_format] = turn_grammar(fmt, self.tools, self.tokenizer, self.parallel)
+        return self._built[step_format]
 
 
 def _budget(llm: Any, limits: EpisodeLimits) -> int:

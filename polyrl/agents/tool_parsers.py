@@ -6,21 +6,32 @@ Registry (``TOOL_PARSERS``, ``get_parser(name)``, ``detect_parser(chat_template)
   the reply (Qwen2.5 / Qwen3, Hermes, and what ``render.py``'s system-prompt fallback asks a template-less model
   for). Parsing is ``tools.parse_reply``.
 - ``llama3_json``: the whole reply is ``{"name": ..., "parameters": {...}}`` (optionally after ``<|python_tag|>``),
-  several separated by ``;`` (Llama 3.1 / 3.2 JSON tool calling).
-- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` after optional content (Mistral v3
-  tokenizers; ``[TOOL_CALLS]`` is a special token, so requests keep special tokens in the text).
+  several separated by ``;`` (Llama 3.1 / 3.2 JSON tool calling). Without the tag, JSON whose objects lack
+  ``parameters`` / ``arguments`` is content (an answer in a response format), not a call.
+- ``mistral``: after optional content, either the JSON-list form ``[TOOL_CALLS][{"name": ..., "arguments": {...}},
+  ...]`` (Mistral v3 tokenizers: Mistral 7B v0.3, Mixtral, Nemo) or the form of tokenizer v11+ (Mistral Small 3.1+,
+  Magistral, Devstral): ``[TOOL_CALLS]name[ARGS]{...}`` per call, optionally ``[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}``,
+  several calls one after another. Both parse; a forced call is written in the v11 form when the chat template
+  writes ``[ARGS]`` or the tokenizer has ``[ARGS]`` as a special token, else in the list form. ``[TOOL_CALLS]`` and
+  ``[ARGS]`` are special tokens, so requests keep special tokens in the text. Call ids are 9 alphanumeric characters
+  (a hash of the caller's id), the only ids Mistral's chat templates accept back in the history.
 
 Each parser: ``parse(text, call_prefix)`` -> an OpenAI assistant message (``content``, ``tool_calls``,
 ``invalid_tool_calls`` for malformed ones, as ``tools.parse_reply``); ``call_start(text)`` / ``holdback(text)`` for
 streaming (``ToolCallStream``: text before a call streams as content, a call is sent once it is complete);
-``grammar(tools, parallel, tokenizer)``: a Lark grammar (llguidance's dialect, ``%json`` for the arguments) that
-only admits calls of ``tools`` in this format, for ``tool_choice: required`` or a named function.
+``call_rules(tools, parallel, tokenizer)``: Lark rules (llguidance's dialect, ``%json`` for the arguments) whose
+rule ``calls`` admits only calls of ``tools`` in this format. From them, ``grammar(...)`` (``start: calls``: for
+``tool_choice: required`` or a named function) and ``union_grammar(tools, parallel, answer, ...)`` (``start: calls |
+answer``: ``tool_choice: auto`` with a ``response_format``: a call, or an answer in the format; ``answer_rule`` writes
+a structured output as that rule). A parser that cannot say its syntax raises ``NoCallGrammar``.
 Not here: rendering tools into prompts (``render.py``), HTTP (``polyrl.server.chat``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from typing import Any
 
 from polyrl.agents.tools import CLOSE, OPEN, parse_reply
@@ -57,13 +68,52 @@ def call_schema(tools: list[dict[str, Any]], args_key: str = "arguments") -> dic
     return {**schema, "x-guidance": _JSON_STYLE}
 
 
+def _special_id(tokenizer: Any, text: str) -> int | None:
+    """The id of ``text`` when ``tokenizer`` has it as one special token (named, or an added token marked special,
+    as Mistral's ``[TOOL_CALLS]`` / ``[ARGS]`` are), else None."""
+    if tokenizer is None:
+        return None
+    if text in set(getattr(tokenizer, "all_special_tokens", []) or []):
+        return int(tokenizer.convert_tokens_to_ids(text))
+    for i, tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(tok, "content", None) == text and getattr(tok, "special", False):
+            return int(i)
+    return None
+
+
 def _literal(text: str, tokenizer: Any) -> str:
     """``text`` in a Lark rule: a quoted string, or ``<[id]>`` when the tokenizer has it as one special token (a
     special token never matches text bytes in llguidance)."""
-    special = set(getattr(tokenizer, "all_special_tokens", []) or [])
-    if tokenizer is not None and text in special:
-        return f"<[{int(tokenizer.convert_tokens_to_ids(text))}]>"
-    return json.dumps(text)
+    i = _special_id(tokenizer, text)
+    return f"<[{i}]>" if i is not None else json.dumps(text)
+
+
+def _styled(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with the compact JSON layout (its own ``x-guidance`` options win)."""
+    return {**schema, "x-guidance": {**_JSON_STYLE, **(schema.get("x-guidance") or {})}}
+
+
+class NoCallGrammar(UserError):
+    """A parser (or a structured output) that cannot be written as a Lark rule for constrained tool calls."""
+
+
+def answer_rule(structured: Any) -> str:
+    """A structured output (``StructuredOutputs``: ``kind``, ``spec``) as the right side of a Lark rule, for the
+    ``answer`` branch of ``union_grammar``: ``json`` / ``json_object`` as ``%json``, ``choice`` as alternatives,
+    ``regex`` as a regex literal. A whole grammar (``grammar`` / ``lark``) cannot be nested: ``NoCallGrammar``."""
+    kind, spec = structured.kind, structured.spec
+    if kind == "json":
+        return f"%json {json.dumps(_styled(json.loads(spec)))}"
+    if kind == "json_object":
+        return f"%json {json.dumps(_styled({'type': 'object'}))}"
+    if kind == "choice":
+        return " | ".join(json.dumps(c) for c in json.loads(spec))
+    if kind == "regex":
+        return "/" + re.sub(r"(?<!\\)/", r"\/", spec) + "/"
+    raise NoCallGrammar(
+        f"a {kind} structured output cannot be combined with tool calls; give a JSON schema, json_object, regex or "
+        "choice, or set tool_choice to none or required"
+    )
 
 
 def _holdback_marker(text: str, marker: str) -> int:
@@ -89,8 +139,18 @@ class ToolParser:
         """While no call has begun: the position from which ``text`` must be held back (it may begin one)."""
         raise NotImplementedError
 
+    def call_rules(self, tools: list[dict[str, Any]], parallel: bool, tokenizer: Any = None) -> str:
+        """Lark rules whose rule ``calls`` admits one call of ``tools`` (several when ``parallel``) in this format."""
+        raise NoCallGrammar(f"the {self.name or type(self).__name__} tool-call parser cannot constrain calls")
+
     def grammar(self, tools: list[dict[str, Any]], parallel: bool, tokenizer: Any = None) -> str:
-        raise NotImplementedError
+        """Only calls of ``tools`` (``tool_choice: required`` or a named function)."""
+        return "start: calls\n" + self.call_rules(tools, parallel, tokenizer)
+
+    def union_grammar(self, tools: list[dict[str, Any]], parallel: bool, answer: str, tokenizer: Any = None) -> str:
+        """Calls of ``tools``, or ``answer`` (a Lark rule's right side, see ``answer_rule``): ``tool_choice: auto``
+        with a response format."""
+        return f"start: calls | answer\nanswer: {answer}\n" + self.call_rules(tools, parallel, tokenizer)
 
 
 class HermesParser(ToolParser):
@@ -106,11 +166,11 @@ class HermesParser(ToolParser):
     def holdback(self, text: str) -> int:
         return _holdback_marker(text, OPEN)
 
-    def grammar(self, tools: list[dict[str, Any]], parallel: bool, tokenizer: Any = None) -> str:
+    def call_rules(self, tools: list[dict[str, Any]], parallel: bool, tokenizer: Any = None) -> str:
         schema = json.dumps(call_schema(tools))
         call = f'{_literal(OPEN, tokenizer)} "\\n" %json {schema} "\\n" {_literal(CLOSE, tokenizer)}'
-        start = 'start: call ("\\n" call)*' if parallel else "start: call"
-        return f"{start}\ncall: {call}\n"
+        calls = 'calls: call ("\\n" call)*' if parallel else "calls: call"
+        return f"{calls}\ncall: {call}\n"
 
 
 def _decode_calls(body: str, args_key: str, sep: str) -> list[Any] | None:
@@ -171,6 +231,10 @@ class Llama3JsonParser(ToolParser):
         objs = _decode_calls(body, "parameters", ";") if body is not None else None
         if not objs:
             return _message(text, [], [])
+        tagged = text.lstrip().startswith(self.TAG)
+        if not tagged and not all(isinstance(o, dict) and ("parameters" in o or "arguments" in o) for o in objs):
+            # untagged JSON without arguments is an answer (e.g. a response_format's {"name": ..., "age": ...})
+            return _message(text, [], [])
         calls, invalid = _to_calls(objs, ("parameters", "arguments"), call_prefix)
         if not calls:
             return _message(text, [], invalid)
@@ -185,28 +249,64 @@ class Llama3JsonParser(ToolParser):
             return 0  # may still become a call
         return len(text) if s[0] != "{" else 0
 
-    def grammar(self, tools: list[dict[str, Any]], parallel: bool, tokenizer: Any = None) -> str:
+    def call_rules(self, tools: list[dict[str, Any]], parallel: bool, tokenizer: Any = None) -> str:
         call = f"%json {json.dumps(call_schema(tools, 'parameters'))}"
-        start = 'start: call ("; " call)*' if parallel else "start: call"
-        return f"{start}\ncall: {call}\n"
+        calls = 'calls: call ("; " call)*' if parallel else "calls: call"
+        return f"{calls}\ncall: {call}\n"
 
 
 class MistralParser(ToolParser):
+    """Both Mistral forms (see the module docstring). ``form``: how a forced call is written, ``"list"`` (v3) or
+    ``"v11"``; None = from the tokenizer (v11 when it has ``[ARGS]`` as a special token)."""
+
     name = "mistral"
     MARK = "[TOOL_CALLS]"
+    ARGS = "[ARGS]"
+    CALL_ID = "[CALL_ID]"
     keep_special_tokens = True
+    # v11: name, then optionally [CALL_ID]id, then [ARGS] (absent when special tokens were skipped), then the JSON
+    _V11 = re.compile(r"\s*([^\s\[{]+)\s*(?:\[CALL_ID\]\s*([^\s\[{]*)\s*)?(?:\[ARGS\])?", re.DOTALL)
+
+    def __init__(self, form: str | None = None) -> None:
+        if form not in (None, "list", "v11"):
+            raise UserError(f"mistral tool-call form must be 'list' or 'v11', got {form!r}")
+        self.form = form
 
     def parse(self, text: str, call_prefix: str = "call") -> dict[str, Any]:
         i = text.find(self.MARK)
         if i < 0:
             return _message(text, [], [])
-        content, body = text[:i], text[i + len(self.MARK) :]
-        objs = _decode_calls(body, "arguments", ",")
-        if objs is None or not objs:
-            return _message(content, [], [{"text": text[i:], "error": "the tool calls are not a JSON array"}])
-        flat = [o for v in objs for o in (v if isinstance(v, list) else [v])]
-        calls, invalid = _to_calls(flat, ("arguments", "parameters"), call_prefix)
-        return _message(content, calls, invalid)
+        objs: list[Any] = []
+        invalid: list[dict[str, str]] = []
+        for seg in text[i + len(self.MARK) :].split(self.MARK):  # one call (v11) or one list (v3) per marker
+            found, error = self._segment(seg)
+            if found is None:
+                invalid.append({"text": self.MARK + seg, "error": error})
+            objs.extend(found or [])
+        calls, bad = _to_calls(objs, ("arguments", "parameters"), call_prefix)
+        for c in calls:  # Mistral's templates refuse other ids when the call comes back in the history
+            c["id"] = hashlib.sha256(c["id"].encode()).hexdigest()[:9]
+        return _message(text[:i], calls, invalid + bad)
+
+    def _segment(self, seg: str) -> tuple[list[Any] | None, str]:
+        """The call objects after one ``[TOOL_CALLS]`` (None and why when they do not parse)."""
+        body = seg.strip()
+        if body[:1] in ("[", "{"):  # v3: a JSON list of {name, arguments} (or one object)
+            values = _decode_calls(body, "arguments", ",")
+            if not values:
+                return None, "the tool calls are not a JSON array"
+            return [o for v in values for o in (v if isinstance(v, list) else [v])], ""
+        m = self._V11.match(seg)
+        if m is None:
+            return None, "a [TOOL_CALLS] without a function name"
+        name, rest = m.group(1), seg[m.end() :]
+        try:
+            args, end = json.JSONDecoder().raw_decode(rest.lstrip())
+        except json.JSONDecodeError as exc:
+            return None, f"the arguments of {name!r} are not valid JSON ({exc.msg})"
+        if rest.lstrip()[end:].strip():
+            return None, f"text after the arguments of {name!r}"
+        return [{"name": name, "arguments": args}], ""
 
     def call_start(self, text: str) -> int | None:
         i = text.find(self.MARK)
@@ -215,13 +315,26 @@ class MistralParser(ToolParser):
     def holdback(self, text: str) -> int:
         return _holdback_marker(text, self.MARK)
 
-    def grammar(self, tools: list[dict[str, Any]], parallel: bool, tokenizer: Any = None) -> str:
+    def _form(self, tokenizer: Any) -> str:
+        if self.form is not None:
+            return self.form
+        return "v11" if _special_id(tokenizer, self.ARGS) is not None else "list"
+
+    def call_rules(self, tools: list[dict[str, Any]], parallel: bool, tokenizer: Any = None) -> str:
+        mark = _literal(self.MARK, tokenizer)
+        if self._form(tokenizer) == "v11":
+            args = _literal(self.ARGS, tokenizer)
+            fns = " | ".join(
+                f"{json.dumps(_fn(t)['name'])} {args} %json {json.dumps(_styled(_params_schema(t)))}" for t in tools
+            )
+            calls = "calls: call+" if parallel else "calls: call"
+            return f"{calls}\ncall: {mark} fn\nfn: {fns}\n"
         one = call_schema(tools)
         style = one.pop("x-guidance")
         array = {"type": "array", "items": one, "minItems": 1, "x-guidance": style}
         if not parallel:
             array["maxItems"] = 1
-        return f"start: {_literal(self.MARK, tokenizer)} %json {json.dumps(array)}\n"
+        return f"calls: {mark} %json {json.dumps(array)}\n"
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
@@ -244,7 +357,7 @@ def detect_parser(chat_template: str | None) -> ToolParser:
     ``ipython`` -> llama3_json, anything else (``<tool_call>``, or no tool support: the fallback) -> hermes."""
     t = chat_template or ""
     if MistralParser.MARK in t:
-        return MistralParser()
+        return MistralParser("v11" if MistralParser.ARGS in t else "list")
     if Llama3JsonParser.TAG in t or ("ipython" in t and "parameters" in t and OPEN not in t):
         return Llama3JsonParser()
     return HermesParser()
@@ -289,8 +402,10 @@ class ToolCallStream:
 __all__ = [
     "TOOL_PARSERS",
     "HermesParser",
+    "answer_rule",
     "Llama3JsonParser",
     "MistralParser",
+    "NoCallGrammar",
     "ToolCallStream",
     "ToolParser",
     "call_schema",

@@ -9,7 +9,8 @@ loss, the mismatch measurement, checkpoints and exact resume are the online loop
 environment's (``reward`` is unused). ``rollout_row`` puts an episode's turns, tool calls and observations into
 the run's ``rollouts.jsonl`` (``polyrl view``). Metrics per step: ``reward``, ``episode/turns``, ``episode/tool_calls``,
 ``episode/tool_call_rate`` (episodes with at least one call), ``episode/invalid_tool_calls``,
-``episode/tool_errors``, ``episode/length``, status fractions, ``env_failures``; evaluation (``train.eval_every``)
+``episode/tool_errors``, ``episode/length``, status fractions, ``env_failures``, ``rollout_mask_logmass`` when turns
+are constrained (``formats``: the environment's or ``grpo.rollout_response_format``); evaluation (``train.eval_every``)
 runs greedy episodes on the held-out prompts (``eval_reward``, ``eval_tool_call_rate``).
 Proxy mode (``--agent file.py:fn``): the episodes come from an openai-client agent program driven through
 ``polyrl.agents.proxy_server.AgentProxy`` (one Sample per recorded segment, the agent's reward on each).
@@ -22,6 +23,7 @@ import time
 from contextlib import contextmanager
 from typing import Any
 
+from polyrl.agents.formats import pick, turn_grammar
 from polyrl.agents.pool import EnvPool
 from polyrl.agents.render import ChatRenderer
 from polyrl.agents.rollout import EpisodeLimits, episode_metrics, run_episodes
@@ -74,11 +76,20 @@ class EpisodeSteps:
         else:
             self.env_pool = EnvPool(ag.env, ag.env_workers, ag.env_timeout)
             source = f"env {ag.env!r} ({len(self.env_pool.tools)} tool(s))"
+            self._check_turn_format()
         self._apply_saved_failures(getattr(self, "_saved_env_failures", {}))
         self.print(
             f"episodes: {source}, at most {ag.max_turns} turns of {a.max_new_tokens} tokens, "
             f"{ag.max_episode_tokens} tokens per episode"
         )
+
+    def _check_turn_format(self) -> None:
+        """The environment's / the run's turn format with the environment's tools compiles (a UserError now, not at
+        the first rollout)."""
+        fmt = pick(self.env_pool.response_format, self.structured)
+        grammar = turn_grammar(fmt, self.env_pool.tools, self.tokenizer, self.env_pool.parallel_tool_calls)
+        if grammar is not None:
+            self.policy.llm.grammar_cache().matcher(grammar)
 
     def _start_proxy(self) -> None:
         # lazy: the proxy server imports FastAPI (the serve extra), needed only in proxy mode
@@ -148,6 +159,8 @@ class EpisodeSteps:
             "episodes_untrainable": float(len(eps) - len(kept)),
             **episode_metrics(eps),
         }
+        if any(e.masked_logmass is not None for e in kept):  # what the format masks removed, per policy token
+            m["rollout_mask_logmass"] = sum(e.masked_logmass or 0.0 for e in kept) / max(1.0, sum(policy_tokens))
         bad = next((e for e in eps if e.status == "env_error"), None)
         if bad is not None:
             self.print(f"step {step + 1}: environment failure ({int(m['env_failures'])} this step): {bad.error}")

@@ -12,6 +12,10 @@ grammar constrains the output), or an OpenAI-shaped 400 naming the field.
   ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` or ``structured_outputs`` ``{json,
   regex, choice, grammar, json_object}``. While a tool call is forced, its grammar replaces the structured output
   (which shapes text, and a forced reply has none): OpenAI accepts both together, and agents send both.
+  With ``tool_choice: "auto"`` (the default with tools) the reply may call a tool OR answer in the format: the grammar
+  is the union of the parser's call syntax (its tools' parameter schemas) and the format (``union_grammar``); a JSON
+  schema, json_object, regex or choice can be combined, a whole grammar cannot (400, as is a parser that cannot
+  write its call syntax as a grammar).
 Compilation happens in the engine (``polyrl.infer.structured``, cached per schema); its errors come back as 400s
 from ``AsyncEngine.submit``. Not here: parsing replies (``polyrl.agents.tool_parsers``), HTTP.
 """
@@ -23,7 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from polyrl.agents.tool_parsers import ToolParser, detect_parser, get_parser
+from polyrl.agents.tool_parsers import NoCallGrammar, ToolParser, answer_rule, detect_parser, get_parser
 from polyrl.errors import UserError
 from polyrl.infer.sampling_params import StructuredOutputs
 from polyrl.server.api_errors import bad_request
@@ -209,9 +213,33 @@ def plan_tools(
         # A forced call's grammar replaces any response_format: that one shapes text, and a forced reply has none
         # (OpenAI accepts both together; the openai-agents SDK sends both when an agent has an output_type).
         forced = tools if mode == "required" else [t for t in tools if t["function"]["name"] == name]
-        structured = StructuredOutputs("lark", parser.grammar(forced, parallel and mode == "required", tokenizer))
+        try:
+            structured = StructuredOutputs("lark", parser.grammar(forced, parallel and mode == "required", tokenizer))
+        except NoCallGrammar as exc:
+            raise bad_request(f"tool_choice {mode}: {exc}", "tool_choice", "unsupported") from None
         param = "tool_choice"
+    elif structured is not None:
+        structured = call_or_answer(parser, tools, parallel, structured, tokenizer, param)
     return ToolPlan(tools, parser, parallel, structured, param)
+
+
+def call_or_answer(
+    parser: ToolParser, tools: list[dict[str, Any]], parallel: bool, fmt: StructuredOutputs, tokenizer: Any, param: str
+) -> StructuredOutputs:
+    """``tool_choice: "auto"`` with a structured output: calls of ``tools`` in the parser's syntax, or ``fmt``. A
+    format that cannot be nested is a 400 naming ``param``; a parser that cannot write its calls, naming tool_choice."""
+    try:
+        answer = answer_rule(fmt)
+    except NoCallGrammar as exc:
+        raise bad_request(f'{param} with tools and tool_choice "auto": {exc}', param, "unsupported") from None
+    try:
+        return StructuredOutputs("lark", parser.union_grammar(tools, parallel, answer, tokenizer))
+    except NoCallGrammar as exc:
+        raise bad_request(
+            f'tool_choice "auto" with {param}: {exc}; send tool_choice "none" (the format only) or "required" (a call)',
+            "tool_choice",
+            "unsupported",
+        ) from None
 
 
 async def compile_plan(state: Any, plan: ToolPlan) -> None:
@@ -225,4 +253,12 @@ async def compile_plan(state: Any, plan: ToolPlan) -> None:
         raise bad_request(str(exc), plan.param, "invalid_value") from None
 
 
-__all__ = ["ToolPlan", "check_tools", "compile_plan", "extra_structured", "plan_tools", "response_format_output"]
+__all__ = [
+    "ToolPlan",
+    "call_or_answer",
+    "check_tools",
+    "compile_plan",
+    "extra_structured",
+    "plan_tools",
+    "response_format_output",
+]

@@ -88,6 +88,32 @@ def test_forced_call_and_text_format(client):
     assert r.text.format.type == "json_schema"
 
 
+def test_auto_tools_with_text_format_call_or_answer(client):
+    """What the openai-agents SDK sends for an agent with tools and an output_type: each reply is a valid call or a
+    valid answer in the schema (tool_choice auto: the grammar is their union)."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}
+    kinds = set()
+    for seed in range(6):
+        r = client.responses.create(
+            model=MODEL, input="Weather?", tools=[TOOL], text={"format": fmt}, parallel_tool_calls=False,
+            max_output_tokens=80, temperature=1.0, extra_body={"seed": seed},
+        )  # fmt: skip
+        assert r.status == "completed"
+        (item,) = r.output
+        if item.type == "function_call":
+            assert json.loads(item.arguments)["city"] in ("Paris", "Rome")
+        else:
+            assert isinstance(json.loads(r.output_text)["ok"], bool)
+        kinds.add(item.type)
+    assert kinds == {"function_call", "message"}
+
+
 def test_stream_events(client):
     stream = client.responses.create(model=MODEL, input="Hello", max_output_tokens=6, temperature=0, stream=True)
     events = list(stream)

@@ -112,6 +112,85 @@ def test_tool_messages_render_through_the_shared_renderer(client, served):
     assert r2.choices[0].message.tool_calls is None
 
 
+ANSWER = {
+    "type": "object",
+    "properties": {"verdict": {"enum": ["sunny", "rainy"]}, "score": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["verdict", "score"],
+    "additionalProperties": False,
+}
+ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+
+
+def test_auto_with_response_format_is_a_call_or_the_schema(client):
+    """tool_choice auto + json_schema: the random model either calls a tool (valid against its parameters) or answers
+    in the schema, every one of 20 samples; both happen."""
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto", parallel_tool_calls=False,
+        response_format=ANSWER_FORMAT, n=20, max_tokens=150, temperature=1.0, seed=5,
+    )  # fmt: skip
+    kinds = []
+    for c in r.choices:
+        if c.message.tool_calls:
+            assert c.finish_reason == "tool_calls" and c.message.content is None
+            (call,) = c.message.tool_calls
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+            kinds.append("call")
+        else:
+            assert c.finish_reason == "stop", c.message.content
+            jsonschema.validate(json.loads(c.message.content), ANSWER)
+            kinds.append("answer")
+    assert len(kinds) == 20 and set(kinds) == {"call", "answer"}, kinds
+    # streamed: the same union, parsed as the stream ends
+    stream = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, response_format=ANSWER_FORMAT, n=4, max_tokens=150,
+        temperature=1.0, seed=6, stream=True, parallel_tool_calls=False,
+    )  # fmt: skip
+    content, calls, finish = {}, {}, {}
+    for ch in stream:
+        for c in ch.choices:
+            content[c.index] = content.get(c.index, "") + (c.delta.content or "")
+            for d in c.delta.tool_calls or []:
+                calls.setdefault(c.index, []).append(d)
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    assert 0 < len(calls) < 4, (calls, content)  # both kinds
+    for i in range(4):
+        if i in calls:
+            assert finish[i] == "tool_calls" and content[i] == ""
+            name = next(d.function.name for d in calls[i] if d.function.name)
+            args = "".join(d.function.arguments or "" for d in calls[i])
+            jsonschema.validate(json.loads(args), SCHEMAS[name])
+        else:
+            assert finish[i] == "stop"
+            jsonschema.validate(json.loads(content[i]), ANSWER)
+
+
+def test_auto_with_a_grammar_or_a_parser_without_call_syntax_is_400(client, monkeypatch):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, max_tokens=4, extra_body={"guided_grammar": 'start: "a"'}
+        )
+    assert info.value.body["param"] == "guided_grammar" and "cannot be combined" in info.value.body["message"]
+    # a registered parser that cannot write its call syntax as a grammar: 400 naming tool_choice
+    from types import SimpleNamespace
+
+    from polyrl.agents import tool_parsers
+    from polyrl.server.api_errors import APIError
+    from polyrl.server.tool_calls import plan_tools
+
+    class Prose(tool_parsers.HermesParser):
+        name = "prose"
+
+        def call_rules(self, tools, parallel, tokenizer=None):
+            return tool_parsers.ToolParser.call_rules(self, tools, parallel, tokenizer)
+
+    monkeypatch.setitem(tool_parsers.TOOL_PARSERS, "prose", Prose)
+    req = SimpleNamespace(tools=TOOLS, tool_choice="auto")
+    with pytest.raises(APIError) as err:
+        plan_tools(req, "prose", None, None, {"type": "json_object"})
+    assert err.value.status == 400 and err.value.param == "tool_choice" and "prose" in str(err.value)
+    assert plan_tools(SimpleNamespace(tools=TOOLS), "prose", None, None, None).structured is None  # free auto: fine
+
+
 @pytest.mark.parametrize(
     "kw, param",
     [
