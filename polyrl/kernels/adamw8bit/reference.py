@@ -29,7 +29,7 @@ both give the same bits; no fused multiply-add):
     v = v * beta2 + (g * g) * (1 - beta2)
     s = sqrt(v)
     p = p * (1 - lr * wd)                       # decoupled weight decay
-    p = p - (m / (s * rsqrt_bc2 + eps)) * step_size   # step_size = lr / (1 - beta1^t), rsqrt_bc2 = 1 / sqrt(1 - beta2^t)
+    p = p - (m / (s * rsqrt_bc2 + eps)) * step_size  # lr / (1 - beta1^t); rsqrt_bc2 = 1 / sqrt(1 - beta2^t)
     am = max|m| over the block, qm = nearest(m / am) ; the same for s (absmax 0: divide by 1)
 
 The scalars are computed in float64 on the host and rounded once to fp32 (``StepScalars``). This module does not
