@@ -16,8 +16,10 @@ staging buffers are pinned (the copies read and write nothing else); pinning the
 masters and moments would lock most of the host's memory for nothing. On a CPU "device" the same code runs with
 plain copies, so its behaviour is testable there.
 
-With one micro-batch per step the update equals the on-device optimizer's for the same ``optim.name`` (bit for bit
-with the same implementation on both: the CPU one); with k micro-batches the gradient sum is rounded to the
+The host runs torch's fused CPU AdamW by default (``optim.impl = auto``; one pass over its memory) or the CPU
+implementation of the 8-bit update (the reference: correct, but several passes and a binary search per element,
+so slower). With one micro-batch per step the update equals the on-device optimizer's for the same ``optim.name``
+(bit for bit with the same implementation on both, e.g. ``optim.impl = foreach`` on a CPU device); with k micro-batches the gradient sum is rounded to the
 compute dtype k - 1 times, as in pure-bf16 training. Not here: overlapping the update with the next step's
 forward (a delayed update changes the numerics), FSDP2 shards (``MasterAdamW`` refuses them).
 """
@@ -110,7 +112,7 @@ class HostOffload:
             {"params": [views[c] for c in chunks if self.decays[c.i] > 0], "weight_decay": self.opt.cfg.weight_decay},
             {"params": [views[c] for c in chunks if self.decays[c.i] == 0], "weight_decay": 0.0},
         ]
-        inner = make_torch_adamw([g for g in groups if g["params"]], self.opt.cfg, "cpu")
+        inner = make_torch_adamw([g for g in groups if g["params"]], self.opt.cfg, "cpu", cpu_auto="fused")
         for c, v in views.items():  # the moments are views of whole per-parameter tensors (one state_dict entry each)
             m, s = self.moments[c.i]
             inner.state[v] = {"step": torch.tensor(0.0), "exp_avg": self._view(m, c), "exp_avg_sq": self._view(s, c)}

@@ -73,11 +73,14 @@ class TorchAdamW:
         opt.sync_params()
 
 
-def make_torch_adamw(groups: list[dict[str, Any]], cfg: OptimConfig, device_type: str) -> torch.optim.AdamW:
-    """torch AdamW over ``groups`` with ``cfg.impl`` (auto: fused on accelerators, foreach on the CPU)."""
+def make_torch_adamw(
+    groups: list[dict[str, Any]], cfg: OptimConfig, device_type: str, cpu_auto: str = "foreach"
+) -> torch.optim.AdamW:
+    """torch AdamW over ``groups`` with ``cfg.impl`` (auto: fused on accelerators, ``cpu_auto`` on the CPU; the
+    offloaded host update asks for fused, one pass over its memory)."""
     kind = cfg.impl
     if kind == "auto":
-        kind = "foreach" if device_type == "cpu" else "fused"
+        kind = cpu_auto if device_type == "cpu" else "fused"
     kwargs = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps}
     flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}
     try:

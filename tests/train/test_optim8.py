@@ -90,7 +90,8 @@ def test_adamw8bit_on_bf16_weights(master):
 
 def _engine(name: str, offload: str, seed: int = 0, clip: float | None = 1.0) -> tuple[nn.Module, TrainEngine]:
     model = tiny_lm(seed=seed)
-    cfg = OptimConfig(lr=1e-2, weight_decay=0.1, name=name, offload=offload, grad_clip=clip)
+    impl = "foreach" if name == "adamw" else "auto"  # the same torch AdamW on the CPU device and on the host
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1, name=name, offload=offload, grad_clip=clip, impl=impl)
     return model, TrainEngine(model, cfg, ScheduleConfig(decay="linear"), PrecisionConfig("bf16"), total_steps=20)
 
 
@@ -192,11 +193,12 @@ def test_config_choices_and_refusals():
 def test_offloaded_step_equals_on_device_step_cuda(name):
     """On CUDA: adamw8bit's Triton kernel and its CPU reference give the same bits, so the offloaded step equals the
     on-device one exactly; torch's fused CUDA AdamW and its CPU foreach AdamW differ in the last fp32 bits (the CPU's
-    vectorised sqrt is not correctly rounded), so there the bf16 weights agree to one ulp."""
+    vectorised sqrt is not correctly rounded), so there the bf16 weights agree to one ulp. No clipping: the device's
+    grad norm of fp32 grads and the offloaded one of bf16 grads need not reduce in the same order on CUDA."""
 
     def build(offload: str):
         model = tiny_lm(seed=0).cuda()
-        cfg = OptimConfig(lr=1e-2, weight_decay=0.1, name=name, offload=offload, grad_clip=0.05)
+        cfg = OptimConfig(lr=1e-2, weight_decay=0.1, name=name, offload=offload, grad_clip=None)
         return model, TrainEngine(model, cfg, ScheduleConfig(decay="constant"), PrecisionConfig("bf16"))
 
     (ref_model, ref), (model, off) = build("none"), build("cpu")
