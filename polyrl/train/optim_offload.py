@@ -19,9 +19,10 @@ plain copies, so its behaviour is testable there.
 The host runs torch's fused CPU AdamW by default (``optim.impl = auto``; one pass over its memory) or the CPU
 implementation of the 8-bit update (the reference: correct, but several passes and a binary search per element,
 so slower). With one micro-batch per step the update equals the on-device optimizer's for the same ``optim.name``
-(bit for bit with the same implementation on both, e.g. ``optim.impl = foreach`` on a CPU device); with k micro-batches the gradient sum is rounded to the
-compute dtype k - 1 times, as in pure-bf16 training. Not here: overlapping the update with the next step's
-forward (a delayed update changes the numerics), FSDP2 shards (``MasterAdamW`` refuses them).
+(bit for bit with the same implementation on both, e.g. ``optim.impl = foreach`` on a CPU device); with k
+micro-batches the gradient sum is rounded to the compute dtype k - 1 times, as in pure-bf16 training. Not here:
+overlapping the update with the next step's forward (a delayed update changes the numerics), FSDP2 shards
+(``MasterAdamW`` refuses them).
 """
 
 from __future__ import annotations
