@@ -10,6 +10,11 @@ else the compute dtype) and the moments of ``optim.name`` (torch AdamW's fp32 mo
         staging -> fp32, times the pending clip factor, update of the host weights and moments on the CPU
         host weights -> pinned staging in the compute dtype -> device weights (non_blocking, in place)
 
+With ``optim.name = "adamw8bit"`` on an accelerator the host only stores (pinned: masters and 8-bit states, ~6
+bytes per parameter): each bucket's host weights and states are copied to a device staging buffer, updated there by
+the fused kernel (which also writes the compute weights) and copied back, all on the current stream. That moves 12
+bytes per parameter over the bus instead of running several CPU passes, and gives the on-device optimizer's bits.
+
 Two staging buffers per direction alternate, so the copies of one bucket overlap the CPU update of another; the
 host waits on a device event before it reads a staging buffer or writes one the device still reads. Only the
 staging buffers are pinned (the copies read and write nothing else); pinning the ~12 bytes per parameter of
@@ -39,6 +44,7 @@ from polyrl.train.optim_8bit import STATE_KEYS, check_8bit
 from polyrl.train.optim_torch import make_torch_adamw
 
 BUCKET_ELEMS = 32 * 1024 * 1024  # 64 MiB of bf16 gradient per bucket; a multiple of BLOCK
+STREAM_ON_CPU = False  # tests: run the streamed 8-bit path (made for accelerators) with a CPU "device"
 
 
 @dataclass(frozen=True)
@@ -94,13 +100,35 @@ class HostOffload:
         self.out_stage = [torch.empty(width, dtype=cdtype, pin_memory=pin) for _ in range(2)]
         self.g32 = torch.empty(width, dtype=torch.float32)
         self._out_ready: list = [None, None]  # device events: the H2D copy out of out_stage[k] finished
+        # 8-bit on an accelerator: the host only stores (pinned); each bucket streams through the device kernel
+        self.streamed = self.eight_bit and (dev.type != "cpu" or STREAM_ON_CPU)
         if self.eight_bit:
             self.states = [init_state(n, "cpu") for n in sizes]
             self.steps = [0] * len(sizes)
-        else:
+        if self.streamed:
+            self._init_streaming(width, dev)
+        elif not self.eight_bit:
             self.moments = [(torch.zeros_like(h), torch.zeros_like(h)) for h in self.host]
             self.views: dict[Chunk, torch.Tensor] = {}  # the host weights' chunk views torch's AdamW steps
             self.inners = [self._bucket_adamw(b) for b in self.buckets]
+
+    def _init_streaming(self, width: int, dev: torch.device) -> None:
+        if dev.type != "cpu":  # the copies below are asynchronous only from and to pinned memory
+            self.host = [h.pin_memory() for h in self.host]
+            self.states = [{k: t.pin_memory() for k, t in st.items()} for st in self.states]
+        blocks = max(sum(-(-(c.end - c.start) // BLOCK) for c in b) for b in self.buckets)
+        hdt = self.host[0].dtype
+        self.dev_stage = [
+            {
+                "w": torch.empty(width, dtype=hdt, device=dev),
+                "g": torch.empty(width, dtype=torch.float32, device=dev),
+                "qm": torch.empty(width, dtype=torch.uint8, device=dev),
+                "qs": torch.empty(width, dtype=torch.uint8, device=dev),
+                "am": torch.empty(blocks, dtype=torch.float32, device=dev),
+                "as": torch.empty(blocks, dtype=torch.float32, device=dev),
+            }
+            for _ in range(2)
+        ]
 
     # ---- torch AdamW over the chunk views of one bucket ---------------------------------------
     def _view(self, t: torch.Tensor, c: Chunk) -> torch.Tensor:
@@ -128,6 +156,11 @@ class HostOffload:
             self.steps = [s + int(a) for s, a in zip(self.steps, active)]
         work = [(k, [c for c in b if active[c.i]]) for k, b in enumerate(self.buckets)]
         work = [(k, b) for k, b in work if b]
+        if self.streamed:
+            for j, (_, chunks) in enumerate(work):
+                self._stream_bucket(chunks, self.dev_stage[j % 2], lr)
+            self.grad_scale = 1.0
+            return
         ready = [self._to_host(work[j][1], j % 2) for j in range(min(2, len(work)))]
         for j, (k, chunks) in enumerate(work):
             slot = j % 2
@@ -143,6 +176,38 @@ class HostOffload:
             self._update(k, chunks, g32, lr)
             self._to_device(chunks, slot)
         self.grad_scale = 1.0
+
+    def _stream_bucket(self, chunks: list[Chunk], stage: dict[str, torch.Tensor], lr: float) -> None:
+        """Host weights + 8-bit states of ``chunks`` -> device staging, the fused kernel (which also writes the compute
+        weights), and back; all on the current stream, whose order keeps the two alternating stagings safe."""
+        cfg = self.opt.cfg
+        b1, b2 = cfg.betas
+        boff = 0
+        for c in chunks:
+            n, nb = c.end - c.start, -(-(c.end - c.start) // BLOCK)
+            p = self.opt.params[c.i]
+            host_st = {key: self._state_view(t, key, c) for key, t in self.states[c.i].items()}
+            dev_st = {key: stage[key][c.off : c.off + n] for key in ("qm", "qs")}
+            dev_st.update({key: stage[key][boff : boff + nb] for key in ("am", "as")})
+            for key, t in dev_st.items():
+                t.copy_(host_st[key], non_blocking=True)
+            g = stage["g"][c.off : c.off + n]
+            g.copy_(p.grad.reshape(-1)[c.start : c.end])
+            if self.grad_scale != 1.0:
+                g.mul_(self.grad_scale)
+            sc = StepScalars.at(self.steps[c.i], lr, b1, b2, cfg.eps, self.decays[c.i])
+            pv = self._view(p.data, c)
+            if self._separate(c.i):
+                w = stage["w"][c.off : c.off + n]
+                w.copy_(self._view(self.host[c.i], c), non_blocking=True)
+                adamw8bit_step(w, g, dev_st, sc, pv)
+                self._view(self.host[c.i], c).copy_(w, non_blocking=True)
+            else:  # the compute weights are the masters: update them in place, keep the host copy in step
+                adamw8bit_step(pv, g, dev_st, sc)
+                self._view(self.host[c.i], c).copy_(pv, non_blocking=True)
+            for key, t in dev_st.items():
+                host_st[key].copy_(t, non_blocking=True)
+            boff += nb
 
     def _to_host(self, chunks: list[Chunk], slot: int):
         stage = self.grad_stage[slot]
@@ -192,6 +257,8 @@ class HostOffload:
         return self.host[i].dtype != self.opt.params[i].dtype
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        if self.streamed:
+            device.synchronize()  # the last step's copies back to the host have landed
         out: dict[str, torch.Tensor] = {}
         for i, name in enumerate(self.opt.names):
             if self._separate(i):
@@ -216,6 +283,8 @@ class HostOffload:
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         opt = self.opt
+        if self.streamed:
+            device.synchronize()
         missing = [n for i, n in enumerate(opt.names) if self._separate(i) and f"master/{n}" not in state]
         if missing:
             raise KeyError(f"optimizer state lacks master weights for: {', '.join(missing[:5])}")

@@ -95,8 +95,12 @@ def _engine(name: str, offload: str, seed: int = 0, clip: float | None = 1.0) ->
     return model, TrainEngine(model, cfg, ScheduleConfig(decay="linear"), PrecisionConfig("bf16"), total_steps=20)
 
 
-@pytest.mark.parametrize("name, offload", [("adamw8bit", "none"), ("adamw8bit", "cpu"), ("adamw", "cpu")])
-def test_checkpoint_resume_is_bit_exact(tmp_path, name, offload):
+@pytest.mark.parametrize(
+    "name, offload, streamed",
+    [("adamw8bit", "none", False), ("adamw8bit", "cpu", False), ("adamw8bit", "cpu", True), ("adamw", "cpu", False)],
+)
+def test_checkpoint_resume_is_bit_exact(tmp_path, name, offload, streamed, monkeypatch):
+    monkeypatch.setattr(optim_offload, "STREAM_ON_CPU", streamed)
     model, engine = _engine(name, offload)
     for _ in range(3):
         engine.step(BATCH)
@@ -124,15 +128,18 @@ def test_resume_with_another_optimizer_is_refused(tmp_path):
         load_checkpoint(latest_checkpoint(tmp_path), other_model, other)
 
 
-@pytest.mark.parametrize("name", ["adamw", "adamw8bit"])
-def test_offloaded_step_equals_on_device_step(name, monkeypatch):
+@pytest.mark.parametrize("name, streamed", [("adamw", False), ("adamw8bit", False), ("adamw8bit", True)])
+def test_offloaded_step_equals_on_device_step(name, streamed, monkeypatch):
     """CPU "device" and host: the same code path as on a GPU (staging copies, buckets, the clip factor applied on
-    the host). Buckets of 2 blocks split the embedding and the MLP weights across buckets. With clipping active
-    (max norm 0.05) and one micro-batch per step, weights, losses and states are equal bit for bit."""
+    the host; streamed: the 8-bit path of accelerators, states through device staging). Buckets of 2 blocks split the
+    embedding and the MLP weights across buckets. With clipping active (max norm 0.05) and one micro-batch per
+    step, weights, losses and states are equal bit for bit."""
     monkeypatch.setattr(optim_offload, "BUCKET_ELEMS", 2 * BLOCK)
+    monkeypatch.setattr(optim_offload, "STREAM_ON_CPU", streamed)
     ref_model, ref = _engine(name, "none", clip=0.05)
     model, off = _engine(name, "cpu", clip=0.05)
     assert isinstance(off.optimizer.updater, optim_offload.HostOffload)
+    assert off.optimizer.updater.streamed == streamed
     assert len(off.optimizer.updater.buckets) > 10
     for _ in range(3):
         a, b = ref.step(BATCH), off.step(BATCH)
