@@ -198,7 +198,7 @@ def test_config_choices_and_refusals():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["adamw", "adamw8bit"])
 def test_offloaded_step_equals_on_device_step_cuda(name):
-    """On CUDA: adamw8bit's Triton kernel and its CPU reference give the same bits, so the offloaded step equals the
+    """On CUDA: the offloaded adamw8bit step streams each bucket through the same Triton kernel, so it equals the
     on-device one exactly; torch's fused CUDA AdamW and its CPU foreach AdamW differ in the last fp32 bits (the CPU's
     vectorised sqrt is not correctly rounded), so there the bf16 weights agree to one ulp. No clipping: the device's
     grad norm of fp32 grads and the offloaded one of bf16 grads need not reduce in the same order on CUDA."""
