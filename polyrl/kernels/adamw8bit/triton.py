@@ -24,12 +24,10 @@ ROWS = 4
 def _nearest(x, mid_ptr):
     """Index of the nearest code value: the number of midpoints strictly below ``x`` (255 sorted midpoints)."""
     lo = tl.zeros(x.shape, dtype=tl.int32)
-    step = 128
-    for _ in tl.static_range(8):
-        cand = lo + step
+    for i in tl.static_range(8):
+        cand = lo + (128 >> i)  # steps 128, 64, ..., 1: lo ends as the count (0..255)
         t = tl.load(mid_ptr + cand - 1)
         lo = tl.where(t < x, cand, lo)
-        step = step // 2
     return lo
 
 
