@@ -158,6 +158,8 @@ class MasterAdamW:
         for m, p in zip(self.masters, self.params):
             m.grad = None
             p.grad = None
+        if getattr(self.updater, "grad_scale", None) is not None:
+            self.updater.grad_scale = 1.0  # a skipped step's pending factor must not reach the next one
 
     # ---- update -------------------------------------------------------------------------------
     @torch.no_grad()

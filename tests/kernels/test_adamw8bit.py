@@ -143,3 +143,17 @@ def test_triton_matches_reference_on_cuda_large():
     assert torch.equal(pk, pr) and torch.equal(ok, orf)
     for key in ("qm", "am", "qs", "as"):
         assert torch.equal(sk[key], sr[key]), key
+
+
+def test_registry_picks_triton_on_cuda_and_the_reference_elsewhere(monkeypatch):
+    from polyrl.kernels import registry
+
+    impls = {i.name: i for i in registry.implementations("adamw8bit")}
+    assert impls["reference"].supports("cpu", "float32") and impls["reference"].supports("npu", "bfloat16")
+    assert impls["triton"].supports("cuda", "bfloat16") and not impls["triton"].supports("cpu", "float32")
+    registry.reset_cache()
+    assert registry.select("adamw8bit", "cpu", "float32")[0] == "reference"
+    monkeypatch.setenv("POLYRL_KERNELS", "adamw8bit:triton")
+    with pytest.raises(registry.KernelUnavailable, match="does not support cpu"):
+        registry.select("adamw8bit", "cpu", "float32")
+    registry.reset_cache()

@@ -162,6 +162,20 @@ def test_offload_with_micro_batches_is_close():
     assert diff < 0.05  # a few bf16 ulps of weights ~1: the 2 updates of lr 1e-2 agree
 
 
+def test_offload_pending_grad_scale_is_norm_aware_and_dropped_by_zero_grad():
+    """The clip / unscale factor of offloaded bf16 grads is applied on the host; until then grad_norm includes it,
+    and a skipped step (zero_grad without step) forgets it."""
+    model = nn.Linear(16, 4)
+    opt = MasterAdamW(model.named_parameters(), OptimConfig(offload="cpu"), torch.bfloat16)
+    model(torch.randn(3, 16).bfloat16()).float().sum().backward()
+    norm = opt.grad_norm().item()
+    opt.scale_grads_(0.25)
+    assert opt.grad_norm().item() == pytest.approx(0.25 * norm, rel=1e-6)
+    assert model.weight.grad.dtype == torch.bfloat16  # the bf16 grads themselves are untouched
+    opt.zero_grad()
+    assert opt.updater.grad_scale == 1.0
+
+
 def test_plan_buckets_covers_every_element_once_on_block_boundaries():
     sizes = [5, 3 * BLOCK + 7, 1, 2 * BLOCK, 4 * BLOCK - 1]
     buckets = plan_buckets(sizes, 2 * BLOCK)
