@@ -61,6 +61,8 @@ BASELINES = {
     "hf-liger": ("hf-liger-autocast", "hf-liger-bf16"),
     # MoE shapes: transformers' per-expert loop (experts_implementation="eager") next to its grouped_mm default
     "hf-eager-experts": ("hf-eager-experts-autocast", "hf-eager-experts-bf16"),
+    # HF + bitsandbytes' 8-bit AdamW (docs/optim8.md), next to polyrl --optim adamw8bit
+    "hf-bnb8bit": ("hf-bnb8bit-autocast", "hf-bnb8bit-bf16"),
 }
 GIB = 1024**3
 
@@ -109,6 +111,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="fp32",
         help="polyrl full SFT (optim.master_dtype): fp32 master weights and moments, or none (pure bf16 weights and "
         "moments, the numerics of the HF pure-bf16 baselines; what fits a full 8b step on one 141 GB GPU)",
+    )
+    parser.add_argument(
+        "--optim", choices=["adamw", "adamw8bit"], default="adamw", help="polyrl full SFT: optim.name (docs/optim8.md)"
+    )
+    parser.add_argument(
+        "--optim-offload", choices=["none", "cpu"], default="none", help="polyrl full SFT: optim.offload"
     )
     parser.add_argument("--compile", action="store_true", help="polyrl: torch.compile the decoder layers")
     parser.add_argument("--no-ours", action="store_true", help="run the baselines only")
@@ -192,7 +200,12 @@ def ours_step_fn(
     )
     engine = TrainEngine(
         model,
-        OptimConfig(lr=args.lr, master_dtype=args.master_dtype),
+        OptimConfig(
+            lr=args.lr,
+            master_dtype=args.master_dtype,
+            name=getattr(args, "optim", "adamw"),
+            offload=getattr(args, "optim_offload", "none"),
+        ),
         ScheduleConfig(decay="constant"),
         engine=ecfg,
         total_steps=None,
@@ -232,7 +245,13 @@ def hf_step_fn(cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: to
         enable_hf_checkpointing(model)
     model.train()
     fused = dev.type != "cpu"
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=fused)
+    if "bnb8bit" in variant:
+        # lazy: bitsandbytes is an optional baseline (``bnb_available`` says when it is not importable)
+        import bitsandbytes as bnb
+
+        opt = bnb.optim.AdamW8bit(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=fused)
     ids = tokens.to(dev)
     autocast = not pure_bf16 and dev.type != "cpu"
 
@@ -257,6 +276,16 @@ def liger_available(model_type: str | None = None) -> str | None:
         return f"liger_kernel not importable ({type(exc).__name__})"
     if model_type is not None and not hasattr(liger, f"apply_liger_kernel_to_{model_type}"):
         return f"this liger_kernel has no patch for {model_type}"
+    return None
+
+
+def bnb_available() -> str | None:
+    """None when bitsandbytes imports, else why not (the hf-bnb8bit rows are then skipped)."""
+    try:
+        # lazy: the point of this function is to try the optional import
+        import bitsandbytes  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not here"
+        return f"bitsandbytes not importable ({type(exc).__name__})"
     return None
 
 
@@ -316,6 +345,8 @@ def measure(name: str, cfg: Any, tokens: torch.Tensor, args: argparse.Namespace,
     if name in sft_lora.LORA_CONFIGS and (why := sft_lora.unavailable(name)):
         return Result(name, f"skipped: {why}")
     if "liger" in name and (why := liger_available(cfg.model_type)):
+        return Result(name, f"skipped: {why}")
+    if "bnb8bit" in name and (why := bnb_available()):
         return Result(name, f"skipped: {why}")
     if "eager-experts" in name and not cfg.is_moe:
         return Result(name, "skipped: a dense shape has no experts")
@@ -411,6 +442,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.master_dtype != "fp32" and not (args.lora is not None or args.qlora):
         header += f", polyrl optim.master_dtype={args.master_dtype}"
+    if getattr(args, "optim", "adamw") != "adamw" or getattr(args, "optim_offload", "none") != "none":
+        header += f", polyrl optim.name={args.optim} optim.offload={args.optim_offload}"
     print(header, flush=True)
     results = []
     for name in names:

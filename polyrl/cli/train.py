@@ -46,6 +46,8 @@ FLAG_KEYS: dict[str, str] = {
     "lr": "optim.lr",
     "weight_decay": "optim.weight_decay",
     "grad_clip": "optim.grad_clip",
+    "optim": "optim.name",
+    "optim_offload": "optim.offload",
     "warmup_steps": "schedule.warmup_steps",
     "warmup_ratio": "schedule.warmup_ratio",
     "lr_decay": "schedule.decay",
@@ -140,6 +142,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, help="peak learning rate (default 1e-5)")
     g.add_argument("--weight-decay", type=float)
     g.add_argument("--grad-clip", type=float, help="max global grad norm (0 disables)")
+    g.add_argument(
+        "--optim",
+        choices=["adamw", "adamw8bit"],
+        help="optim.name: adamw (fp32 moments) or adamw8bit (blockwise 8-bit moments, docs/optim8.md)",
+    )
+    g.add_argument(
+        "--optim-offload",
+        choices=["none", "cpu"],
+        help="optim.offload: cpu keeps master weights and moments in host memory and updates there",
+    )
     g.add_argument("--warmup-steps", type=int)
     g.add_argument("--warmup-ratio", type=float)
     g.add_argument("--lr-decay", choices=["cosine", "linear", "constant"])

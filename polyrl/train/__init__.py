@@ -43,6 +43,9 @@ Pieces (one concept per module):
 - ``optim.MasterAdamW``: fp32 masters + moments, torch AdamW (fused on accelerators, foreach on
   CPU), weight decay on >= 2-D weights by default. Gradients land in fp32 ``master.grad`` during
   backward (``param.grad`` is None afterwards for bf16 params): read them via ``engine.optimizer.grads()``.
+  Its update rule is an updater from ``optim.UPDATERS``: ``optim_torch`` (torch AdamW), ``optim_8bit``
+  (``optim.name = "adamw8bit"``: blockwise 8-bit moments, ``kernels.adamw8bit``), ``optim_offload``
+  (``optim.offload = "cpu"``: masters and moments in host memory; docs/optim8.md).
 - ``schedule.lr_at(step, base_lr, cfg, total_steps)``: pure function (exact resume, no state).
 - ``moe_loss.MoELoss``: for an MoE model, each micro-batch's loss runs under a recording ``models.moe.Routing``;
   the router load-balancing loss and z-loss are reported (``moe/aux_loss``, ``moe/z_loss``) and added with HF's

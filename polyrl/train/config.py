@@ -19,6 +19,8 @@ COMPUTE_DTYPES = ("auto", "bf16", "fp32", "fp16")
 MASTER_DTYPES = ("fp32", "none")
 DECAY_PARAMS = ("matrices", "all")
 OPTIM_IMPLS = ("auto", "fused", "foreach", "loop")
+OPTIM_NAMES = ("adamw", "adamw8bit")
+OPTIM_OFFLOADS = ("none", "cpu")
 
 
 def _positive(section: str, name: str, value: float, hint: str) -> None:
@@ -42,7 +44,11 @@ class OptimConfig:
     linear layers and embeddings; norms and biases are not decayed) or "all". ``grad_clip`` is the max
     global L2 norm (None or 0 disables clipping; the norm is still reported). ``master_dtype`` "fp32"
     keeps fp32 master weights and moments when the compute weights are bf16/fp16; "none" updates the
-    compute weights directly (moments in the compute dtype). ``impl``: torch AdamW kernel choice."""
+    compute weights directly (moments in the compute dtype). ``impl``: torch AdamW kernel choice.
+    ``name``: "adamw" (fp32 moments, torch's AdamW) or "adamw8bit" (both moments blockwise 8-bit, the fused
+    ``kernels.adamw8bit`` update; docs/optim8.md). ``offload``: "cpu" keeps master weights and moments in host
+    memory and runs the update there (grads copied out in buckets, new weights copied back); "none" keeps all on
+    the device."""
 
     lr: float = 1e-5
     betas: tuple[float, float] = (0.9, 0.95)
@@ -52,6 +58,8 @@ class OptimConfig:
     grad_clip: float | None = 1.0
     master_dtype: str = "fp32"
     impl: str = "auto"
+    name: str = "adamw"
+    offload: str = "none"
 
     def __post_init__(self) -> None:
         _positive("optim", "lr", self.lr, "use e.g. lr = 1e-5 for full fine-tuning")
@@ -73,6 +81,14 @@ class OptimConfig:
                 self.grad_clip = None
         _choice("optim", "master_dtype", self.master_dtype, MASTER_DTYPES)
         _choice("optim", "impl", self.impl, OPTIM_IMPLS)
+        _choice("optim", "name", self.name, OPTIM_NAMES)
+        _choice("optim", "offload", self.offload, OPTIM_OFFLOADS)
+        if self.name == "adamw8bit" and self.impl != "auto":
+            raise ConfigError(
+                f"optim.impl = {self.impl!r} picks torch's AdamW kernel, which optim.name = adamw8bit does not use "
+                "(its kernel comes from the registry; POLYRL_KERNELS=adamw8bit:reference forces the reference); leave "
+                "optim.impl = auto"
+            )
 
 
 @dataclass
