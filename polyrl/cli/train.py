@@ -56,6 +56,8 @@ FLAG_KEYS: dict[str, str] = {
     "compile": "engine.compile",
     "deterministic": "engine.deterministic",
     "dtype": "precision.compute_dtype",
+    "precision": "precision.linear",
+    "fp8_scaling": "precision.fp8_scaling",
     "max_seq_len": "data.max_seq_len",
     "format": "data.format",
     "loss_on": "data.loss_on",
@@ -147,6 +149,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch-tokens", type=int, help="tokens per forward/backward (packing budget)")
     g.add_argument("--max-seq-len", type=int, help="longest sequence; longer rows are truncated (data.truncation)")
     g.add_argument("--dtype", choices=["auto", "bf16", "fp32", "fp16", *DTYPE_ALIASES], help="compute dtype")
+    g.add_argument(
+        "--precision",
+        choices=["default", "fp8"],
+        help="fp8: the decoder's linear layers run forward and backward GEMMs in FP8 (needs an FP8 GPU: "
+        "`polyrl env`; docs/fp8.md); default: in the compute dtype",
+    )
+    g.add_argument(
+        "--fp8-scaling", choices=["tensorwise", "rowwise"], help="with --precision fp8: the forward GEMM's scaling"
+    )
     g.add_argument("--activation-checkpointing", action="store_true", default=None)
     g.add_argument(
         "--checkpoint-layers", type=int, help="with --activation-checkpointing: recompute only the first N layers"

@@ -1,0 +1,129 @@
+"""FP8 training (``precision.linear = "fp8"``) on the CPU with the reference GEMM forced (``POLYRL_KERNELS``):
+the whole step runs FP8-emulated. Against the same model trained in fp32: losses within 1% (the issue's bar for the
+final loss), every weight gradient at cosine > 0.99; activation checkpointing recomputes the same FP8 values
+(bit-equal gradients); the refusal where the device has no FP8 GEMM; the CLI flag end to end, whose saved model is
+the same safetensors (names, dtypes, shapes) as a bf16/fp32 run's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from train_helpers import pack, random_seqs, tiny_lm
+
+from polyrl.errors import ConfigError
+from polyrl.models.fp8_linear import FP8_TARGETS, Fp8Linear
+from polyrl.train import OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig, TrainEngine, causal_lm_loss
+
+EMULATE = "fp8_scaled_mm:reference"
+
+
+def _engine(model, linear="default", scaling="tensorwise", **step_kw):
+    return TrainEngine(
+        model,
+        OptimConfig(lr=3e-3, grad_clip=None),
+        ScheduleConfig(decay="constant"),
+        PrecisionConfig("fp32", linear=linear, fp8_scaling=scaling),
+        StepConfig(**step_kw),
+    )
+
+
+def _grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss, _ = causal_lm_loss(model, batch)
+    loss.backward()
+    return loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_fp8_step_tracks_fp32(monkeypatch, scaling):
+    monkeypatch.setenv("POLYRL_KERNELS", EMULATE)
+    ref_model, fp8_model = tiny_lm(seed=0, hidden=64), tiny_lm(seed=0, hidden=64)
+    batches = [pack(random_seqs(2, 48, 64, seed=0))] * 5  # one batch, memorised: the loss must fall
+    ref_eng, fp8_eng = _engine(ref_model), _engine(fp8_model, "fp8", scaling)
+    assert fp8_eng.fp8_linears == 7 * 2 and ref_eng.fp8_linears == 0
+    assert isinstance(fp8_model.model.layers[0].mlp.down_proj, Fp8Linear)
+    # gradients of one micro-batch, same weights: the whole gradient and every FP8 projection's weight gradient at
+    # cosine > 0.99; the small norm weights (16 elements, fed by every GEMM's noise) > 0.95
+    _, g_ref = _grads(ref_model, batches[0])
+    _, g_fp8 = _grads(fp8_model, batches[0])
+
+    def cos(a, b):
+        return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+    assert cos(torch.cat([g.flatten() for g in g_ref.values()]), torch.cat([g_fp8[n].flatten() for n in g_ref])) > 0.99
+    for name, g in g_ref.items():
+        is_proj = name.rsplit(".", 2)[-2] in FP8_TARGETS
+        assert cos(g, g_fp8[name]) > (0.99 if is_proj else 0.95), (name, cos(g, g_fp8[name]))
+    assert not torch.equal(g_ref["model.layers.0.mlp.down_proj.weight"], g_fp8["model.layers.0.mlp.down_proj.weight"])
+    ref_model.zero_grad(set_to_none=True)
+    fp8_model.zero_grad(set_to_none=True)
+    # five optimizer steps: the losses stay within 1% of fp32's (and are not the same numbers: FP8 really ran)
+    ref_losses = [ref_eng.step([b]).loss for b in batches]
+    fp8_losses = [fp8_eng.step([b]).loss for b in batches]
+    assert ref_losses[-1] < ref_losses[0] - 0.3  # it trains
+    for r, f in zip(ref_losses, fp8_losses):
+        assert abs(f - r) <= 0.01 * r, (ref_losses, fp8_losses)
+    assert ref_losses != fp8_losses
+
+
+def test_checkpointing_recomputes_the_same_fp8_values(monkeypatch):
+    monkeypatch.setenv("POLYRL_KERNELS", EMULATE)
+    a, b = tiny_lm(seed=1), tiny_lm(seed=1)
+    _engine(a, "fp8")
+    _engine(b, "fp8", activation_checkpointing=True)
+    batch = pack(random_seqs(3, 40, 64, seed=9))
+    la, ga = _grads(a, batch)
+    lb, gb = _grads(b, batch)
+    assert la == lb and all(torch.equal(ga[n], gb[n]) for n in ga)
+
+
+def test_refused_without_fp8_gemm(monkeypatch):
+    monkeypatch.delenv("POLYRL_KERNELS", raising=False)
+    model = tiny_lm(seed=0)
+    with pytest.raises(ConfigError, match="needs FP8 GEMMs.*polyrl env"):
+        _engine(model, "fp8")
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+
+
+def test_config_choices():
+    with pytest.raises(ConfigError, match="precision.linear must be one of default, fp8"):
+        PrecisionConfig(linear="int8")
+    with pytest.raises(ConfigError, match="precision.fp8_scaling must be one of tensorwise, rowwise"):
+        PrecisionConfig(fp8_scaling="delayed")
+
+
+def _safetensors_layout(folder):
+    from safetensors import safe_open
+
+    layout = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                t = st.get_tensor(k)
+                layout[k] = (str(t.dtype), tuple(t.shape))
+    return layout
+
+
+def test_cli_precision_fp8_end_to_end(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from polyrl.cli.main import main
+
+    common = ["train", "--model", str(tiny_model_dir), "--data", "builtin:arithmetic?n=16", "--max-steps", "2"]
+    common += ["--micro-batch-tokens", "128", "--max-seq-len", "64", "--lr", "1e-3", "--save-every", "0"]
+    monkeypatch.delenv("POLYRL_KERNELS", raising=False)
+    assert main([*common, "--out", str(tmp_path / "refused"), "--precision", "fp8"]) == 2
+    assert "needs FP8 GEMMs" in capsys.readouterr().err
+    monkeypatch.setenv("POLYRL_KERNELS", EMULATE)
+    assert main([*common, "--out", str(tmp_path / "fp8"), "--precision", "fp8", "--fp8-scaling", "rowwise"]) == 0
+    assert main([*common, "--out", str(tmp_path / "base")]) == 0
+    cfg = json.loads((tmp_path / "fp8" / "run_config.json").read_text())
+    assert cfg["precision"]["linear"] == "fp8" and cfg["precision"]["fp8_scaling"] == "rowwise"
+    finals = [p.parent for p in (tmp_path / "fp8").rglob("config.json") if list(p.parent.glob("*.safetensors"))]
+    bases = [p.parent for p in (tmp_path / "base").rglob("config.json") if list(p.parent.glob("*.safetensors"))]
+    assert finals and bases
+    fp8_layout, base_layout = _safetensors_layout(finals[0]), _safetensors_layout(bases[0])
+    assert fp8_layout == base_layout and all("float8" not in d for d, _ in fp8_layout.values())
+    loss = [json.loads(x)["loss"] for x in (tmp_path / "fp8" / "metrics.jsonl").read_text().splitlines()]
+    base = [json.loads(x)["loss"] for x in (tmp_path / "base" / "metrics.jsonl").read_text().splitlines()]
+    assert abs(loss[0] - base[0]) <= 0.01 * base[0] and loss != base
