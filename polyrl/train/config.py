@@ -121,7 +121,7 @@ class PrecisionConfig:
     """``compute_dtype`` of the weights and activations: "auto" is bf16 on accelerators that support it
     and fp32 on the CPU. Master weights are fp32 unless ``optim.master_dtype = "none"``. fp16 uses a
     dynamic loss scale starting at ``initial_loss_scale``. ``linear = "fp8"`` (CLI ``--precision fp8``) runs the
-    decoder's q/k/v/o/gate/up/down projections' forward and backward GEMMs in FP8 (``models/fp8_linear.py``, docs/fp8.md)
+    decoder's q/k/v/o/gate/up/down projections' forward and backward GEMMs in FP8 (``models/fp8_linear.py``, fp8.md)
     with ``fp8_scaling`` "tensorwise" or "rowwise" (forward only; the gradients' GEMMs are tensor-wise); the rest
     (lm_head, attention, norms, loss), the master weights and the optimizer stay as they are. Refused where the
     device has no FP8 GEMM (``polyrl env``), unless ``POLYRL_KERNELS`` forces the reference (emulation)."""

@@ -24,6 +24,7 @@ from polyrl.kernels.fp8 import EPS, FP8_MAX
 # (mantissa bits, smallest normal exponent) of each format
 _GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 
+
 @triton.jit
 def _pow2(k):
     """2^k as fp32 for an int32 exponent k in the normal range (built from the bits: exact)."""
@@ -129,7 +130,5 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = False) -> 
     blocks = triton.cdiv(max(n, 1), block)
     iters = triton.cdiv(blocks, _programs(x.device))
     _amax_kernel[(triton.cdiv(blocks, iters),)](xc, amax, n, iters, BLOCK=block)
-    _cast_kernel[(blocks,)](
-        xc, q, amax, scale, n, FMAX=fmax, EPS=EPS, BLOCK=block, MBITS=mbits, EMIN=emin
-    )
+    _cast_kernel[(blocks,)](xc, q, amax, scale, n, FMAX=fmax, EPS=EPS, BLOCK=block, MBITS=mbits, EMIN=emin)
     return q, scale
