@@ -164,6 +164,16 @@ for s in "$@"; do
     bench-rollout-structured) stage bench-rollout-structured 150 $PR bench rollout --shape qwen3-0.6b --batch 256 --prompt-len 128 --gen-len 256 --baselines none --skip-batch1 --response-format json_schema --json "$OUT/bench_rollout_structured.json" ;;
     # evaluation (issue 34): lm-eval's hf backend vs the in-process engine vs local-completions against polyrl serve
     bench-eval) TAIL=40 stage bench-eval 300 $PR bench eval --shape qwen3-0.6b --docs 2000 --serve --json "$OUT/bench_eval.json" ;;
+    # FP8 training (issue 28): ours bf16 and FP8 vs HF + Liger bf16 and torchao float8 (eager and compiled), same run;
+    # then 8b full SFT with checkpointing (pure-bf16 weights and moments, what fits one H200, as the HF bf16 rows)
+    bench-sft-fp8) TAIL=40 stage bench-sft-fp8 560 $PR bench sft --shape qwen3-1.7b --seq 4096 --batch 4 --warmup 2 \
+      --steps 5 --precision both --baselines hf-liger,torchao-fp8 --numerics bf16 --json "$OUT/bench_sft_fp8.json" ;;
+    bench-sft-fp8-8b) TAIL=40 stage bench-sft-fp8-8b 590 $PR bench sft --shape qwen3-8b --seq 4096 --batch 2 --warmup 2 \
+      --steps 4 --activation-checkpointing --master-dtype none --precision both --baselines hf-liger,torchao-fp8 \
+      --numerics bf16 --json "$OUT/bench_sft_fp8_8b.json" ;;
+    # FP8 numerics evidence (issue 28): 300 SFT steps of the 0.6b shape in bf16 and FP8, one PNG, final-loss diff
+    fp8-loss-curves) TAIL=10 stage fp8-loss-curves 590 python3 scripts/fp8_loss_curves.py --preset qwen3-0.6b-shape \
+      --steps 300 --out "$OUT/fp8_loss_curves" ;;
     multi-gpu) TAIL=60 stage multi-gpu 590 bash tests/distributed/run_multi_gpu.sh ;;
     # The whole single-GPU marked suite in one go (issue 13: < 8 min on a cold Triton cache); slowest tests listed.
     gpu-tests) TAIL=60 stage gpu-tests 590 python3 -m pytest -m "gpu and not multi_gpu" -q -rfE --timeout=300 \
