@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         model = Path(args.model)
     else:
+        # lazy: as train() above
         from polyrl.models.presets import create_model_from_preset
 
         model = out / "init"

@@ -19,6 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from polyrl.kernels.fp8.reference import quantize as fp8_quantize_ref
 from polyrl.kernels.rope.reference import rope_cos_sin
 from polyrl.validate.ops_spec import DEFAULT_TOL, OpCases, Shape, Tol, register_cases
 
@@ -384,11 +385,9 @@ def _make_fp8_mm(p, dtype, device, gen):
 def _fp8_mm_call(fn, inputs):
     """Quantise ``a`` and the weight ``w [N, K]`` with the reference (e4m3; per row / per output channel when
     row-wise), then ``fn(aq, wq^T, ...)``: bf16 out for bf16 inputs, fp32 otherwise (the fp64 reference included)."""
-    from polyrl.kernels.fp8.reference import quantize
-
     rowwise = inputs["rowwise"]
-    aq, sa = quantize(inputs["a"], torch.float8_e4m3fn, rowwise)
-    wq, sw = quantize(inputs["w"], torch.float8_e4m3fn, rowwise)
+    aq, sa = fp8_quantize_ref(inputs["a"], torch.float8_e4m3fn, rowwise)
+    wq, sw = fp8_quantize_ref(inputs["w"], torch.float8_e4m3fn, rowwise)
     out_dtype = torch.bfloat16 if inputs["a"].dtype == torch.bfloat16 else torch.float32
     return (fn(aq, wq.t(), sa, sw.reshape(1, -1) if rowwise else sw, out_dtype, False),)
 

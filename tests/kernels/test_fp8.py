@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from polyrl import kernels
-from polyrl.kernels.fp8 import FP8_MAX, emulation_forced
+from polyrl.kernels.fp8 import emulation_forced
 from polyrl.kernels.fp8 import reference as ref
+from polyrl.kernels.fp8.reference import FP8_MAX
 from polyrl.platform import device
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -22,13 +22,8 @@ Not here: which GEMMs of a layer run in FP8 and with which scaling (``polyrl/mod
 
 from __future__ import annotations
 
-import torch
-
 from polyrl.kernels.registry import ANY, parse_forced, register
 from polyrl.platform import envvars
-
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-EPS = 1e-12  # amax floor: an all-zero tensor gets a finite scale (and quantises to zeros)
 
 register("fp8_quantize", "reference", "polyrl.kernels.fp8.reference:quantize", priority=0)
 register(

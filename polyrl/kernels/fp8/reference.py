@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from polyrl.kernels.fp8 import EPS, FP8_MAX
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+EPS = 1e-12  # amax floor: an all-zero tensor gets a finite scale (and quantises to zeros)
 
 
 def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

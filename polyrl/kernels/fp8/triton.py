@@ -15,11 +15,13 @@ delayed scaling (amax history), block-wise (1 x 128) scales.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from polyrl.kernels.fp8 import EPS, FP8_MAX
+from polyrl.kernels.fp8.reference import EPS, FP8_MAX
 
 # (mantissa bits, smallest normal exponent) of each format
 _GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
@@ -95,9 +97,12 @@ def _rowwise_kernel(
         tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
+@functools.lru_cache(maxsize=16)
 def _programs(device: torch.device) -> int:
-    if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    """Programs of the amax pass: four per multiprocessor (4 on the CPU), asked once per device."""
+    backend = getattr(torch, device.type, None)
+    if device.type != "cpu" and backend is not None and hasattr(backend, "get_device_properties"):
+        return 4 * int(getattr(backend.get_device_properties(device), "multi_processor_count", 1))
     return 4
 
 
