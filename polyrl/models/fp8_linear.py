@@ -31,8 +31,12 @@ names, so checkpoints, FSDP2 sharding, the optimizer's masters and the rollout e
 It runs FP8 only in training mode (``module.train()``); in eval mode (evaluation, rollout in the same process) it is
 the plain bf16 ``nn.Linear`` (FP8 inference is the rollout engine's own switch).
 
+A LoRA layer (``models/lora/layer.py``) on a dense frozen base gets ``fp8_rowwise`` set instead: its base GEMMs run
+in FP8 (forward and input gradient; no weight gradient) and the adapter in the compute dtype. A QLoRA (NF4) base is
+left alone (``fp8_candidates`` reports it).
+
 Not here: the quantisation and GEMM kernels (``polyrl.kernels.fp8``), deciding whether the device can run FP8
-(``polyrl.train.precision``), LoRA layers (their frozen base keeps its own fused path).
+(``polyrl.train.precision``).
 """
 
 from __future__ import annotations
@@ -112,15 +116,24 @@ def fp8_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if n.rpartition(".")[2] in FP8_TARGETS]
 
 
+def is_fp8_lora(module: nn.Module) -> bool:
+    """A LoRA layer whose base can run in FP8: it has the ``fp8_rowwise`` switch and a dense base."""
+    return hasattr(module, "lora_A") and hasattr(module, "fp8_rowwise") and getattr(module, "quant_shape", 0) is None
+
+
 def convert_to_fp8(model: nn.Module, scaling: str = "tensorwise") -> int:
-    """Swap every plain ``nn.Linear`` among ``fp8_candidates`` to ``Fp8Linear`` in place (parameters kept); returns
-    how many. Converting twice only updates the scaling."""
+    """Swap every plain ``nn.Linear`` among ``fp8_candidates`` to ``Fp8Linear`` in place (parameters kept) and switch
+    on the FP8 base of every dense LoRA layer among them; returns how many. Converting twice only updates the
+    scaling."""
     if scaling not in SCALINGS:
         raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
     n = 0
     for _, module in fp8_candidates(model):
         if type(module) in (nn.Linear, Fp8Linear):
             module.__class__ = Fp8Linear
+            module.fp8_rowwise = scaling == "rowwise"
+            n += 1
+        elif is_fp8_lora(module):
             module.fp8_rowwise = scaling == "rowwise"
             n += 1
     return n
@@ -133,5 +146,8 @@ def convert_from_fp8(model: nn.Module) -> int:
         if type(module) is Fp8Linear:
             module.__class__ = nn.Linear
             module.__dict__.pop("fp8_rowwise", None)
+            n += 1
+        elif is_fp8_lora(module) and module.fp8_rowwise is not None:
+            module.fp8_rowwise = None
             n += 1
     return n

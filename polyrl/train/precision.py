@@ -16,7 +16,7 @@ from torch import nn
 
 from polyrl.errors import ConfigError
 from polyrl.kernels.fp8 import emulation_forced
-from polyrl.models.fp8_linear import convert_to_fp8, fp8_candidates
+from polyrl.models.fp8_linear import convert_to_fp8, fp8_candidates, is_fp8_lora
 from polyrl.platform import device
 from polyrl.train.config import PrecisionConfig
 
@@ -63,11 +63,13 @@ def apply_linear_precision(model: nn.Module, cfg: PrecisionConfig, device_type: 
     if cfg.linear != "fp8":
         return 0
     check_fp8_supported(device_type)
-    others = sorted({type(m).__name__ for _, m in fp8_candidates(model) if not isinstance(m, nn.Linear)})
+    others = sorted(
+        {type(m).__name__ for _, m in fp8_candidates(model) if not isinstance(m, nn.Linear) and not is_fp8_lora(m)}
+    )
     if others:
         raise ConfigError(
-            f"--precision fp8 runs plain linear projections in FP8, but this model's are {', '.join(others)} "
-            "(LoRA / QLoRA adapters: not supported with FP8 yet); drop --precision fp8 or train without adapters"
+            f"--precision fp8 runs linear projections and LoRA layers on a dense base in FP8, but this model has "
+            f"{', '.join(others)} (a QLoRA / NF4 base has no FP8 path); drop --precision fp8 or --qlora"
         )
     n = convert_to_fp8(model, cfg.fp8_scaling)
     if n == 0:

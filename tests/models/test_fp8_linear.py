@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from polyrl.kernels.fp8 import reference as ref
@@ -86,3 +87,27 @@ def test_eval_mode_is_the_plain_linear():
     holder.train()
     assert not torch.equal(lin(x), ref_lin(x))
     torch.testing.assert_close(lin(x), ref_lin(x), rtol=0.1, atol=0.05)
+
+
+def test_lora_layer_on_an_fp8_base():
+    """A LoRA layer with the FP8 base switched on: forward = FP8 base + adapter in train mode, the plain composition
+    in eval mode; ``base_onto`` (the frozen down projection after a checkpoint) adds the FP8 base too."""
+    from polyrl.models.lora.layer import LoraLinear
+
+    g = torch.Generator().manual_seed(0)
+    base = nn.Linear(32, 48)
+    base.weight.requires_grad_(False)
+    lora = LoraLinear(base, r=4, scaling=2.0)
+    lora.reset_adapter(g)
+    nn.init.normal_(lora.lora_B.weight, std=0.1, generator=g)
+    holder = nn.ModuleDict({"down_proj": lora})
+    assert convert_to_fp8(holder, "rowwise") == 1 and lora.fp8_rowwise is True
+    x = torch.randn(10, 32, generator=g)
+    expect = fp8_linear(x, lora.weight, lora.bias, True) + lora.adapter_product(x)
+    torch.testing.assert_close(lora(x), expect)
+    acc = torch.randn(10, 48, generator=g)
+    torch.testing.assert_close(lora.base_onto(acc, x), acc + fp8_linear(x, lora.weight, lora.bias, True))
+    holder.eval()
+    plain = F.linear(x, lora.weight, lora.bias) + lora.adapter_product(x)
+    torch.testing.assert_close(lora(x), plain)
+    assert convert_from_fp8(holder) == 1 and lora.fp8_rowwise is None
