@@ -171,6 +171,10 @@ for s in "$@"; do
     bench-sft-fp8-8b) TAIL=40 stage bench-sft-fp8-8b 590 $PR bench sft --shape qwen3-8b --seq 4096 --batch 2 --warmup 2 \
       --steps 4 --activation-checkpointing --master-dtype none --precision both --baselines hf-liger,torchao-fp8 \
       --numerics bf16 --json "$OUT/bench_sft_fp8_8b.json" ;;
+    # 8b LoRA with FP8 base GEMMs vs bf16 base and HF + peft + Liger (issue 28 target: >= 1.5x HF + peft + Liger)
+    bench-sft-lora-fp8-8b) TAIL=40 stage bench-sft-lora-fp8-8b 590 $PR bench sft --shape qwen3-8b --seq 4096 --batch 2 \
+      --warmup 2 --steps 5 --lora r=16,alpha=32 --activation-checkpointing --precision both --baselines hf-liger \
+      --json "$OUT/bench_sft_lora_fp8_8b.json" ;;
     # FP8 numerics evidence (issue 28): 300 SFT steps of the 0.6b shape in bf16 and FP8, one PNG, final-loss diff
     fp8-loss-curves) TAIL=10 stage fp8-loss-curves 590 python3 scripts/fp8_loss_curves.py --preset qwen3-0.6b-shape \
       --steps 300 --out "$OUT/fp8_loss_curves" ;;

@@ -11,11 +11,12 @@ Every config trains the same model shape, from the same initial weights, on the 
 - ``hf-liger-autocast`` / ``hf-liger-bf16``: the same with Liger-Kernel applied to the model instance,
   when ``liger_kernel`` is importable (skipped otherwise). Liger patches transformers globally, so
   these run last.
-- ``polyrl-fp8`` (``--precision fp8`` or ``both``): our engine with ``precision.linear = "fp8"`` (the decoder's
-  projections in FP8, ``--fp8-scaling``); ``torchao-fp8-bf16`` / ``torchao-fp8-compile-bf16`` (baseline
-  ``torchao-fp8``): the pure-bf16 HF model with torchao's ``convert_to_float8_training`` (tensor-wise, its default
-  recipe; every linear but the lm_head, as ours), eager and under ``torch.compile`` (the setting torchao documents
-  for speed: its casts fuse into the surrounding kernels), torch AdamW.
+- ``polyrl-fp8`` (``--precision fp8`` or ``both``; ``polyrl-lora-fp8`` with ``--lora``): our engine with
+  ``precision.linear = "fp8"`` (the decoder's projections in FP8, ``--fp8-scaling``; LoRA: the frozen base's GEMMs);
+  ``torchao-fp8-bf16`` / ``torchao-fp8-compile-bf16`` (baseline ``torchao-fp8``): the pure-bf16 HF model with
+  torchao's ``convert_to_float8_training`` (tensor-wise, its default recipe; every linear but the lm_head, as ours),
+  eager and under ``torch.compile`` (the setting torchao documents for speed: its casts fuse into the surrounding
+  kernels), torch AdamW.
 
 Configs run sequentially in this process; memory is freed and the peak counter reset in between;
 ``--warmup`` steps are not timed. Reports tokens/s, MFU (6N + causal attention FLOPs per token, as
@@ -385,7 +386,7 @@ def measure(name: str, cfg: Any, tokens: torch.Tensor, args: argparse.Namespace,
         return Result(name, "skipped: a dense shape has no experts")
     if name.startswith("torchao-fp8") and (why := torchao_available()):
         return Result(name, f"skipped: {why}")
-    if name.startswith("polyrl-fp8") and (why := fp8_unavailable(dev)):
+    if name.startswith("polyrl") and "-fp8" in name and (why := fp8_unavailable(dev)):
         return Result(name, f"skipped: {why}")
     free_memory()
     step_fn = None
@@ -393,8 +394,9 @@ def measure(name: str, cfg: Any, tokens: torch.Tensor, args: argparse.Namespace,
         base_name = name.removesuffix(EAGER_SUFFIX)
         if base_name in ("polyrl", "polyrl-fp8"):
             step_fn = ours_step_fn(cfg, tokens, args, dev, graphs_mode(name, args), fp8=base_name == "polyrl-fp8")
-        elif base_name in ("polyrl-lora", "polyrl-qlora"):
-            step_fn = sft_lora.ours_step_fn(cfg, tokens, args, dev, graphs_mode(name, args))
+        elif base_name in ("polyrl-lora", "polyrl-qlora", "polyrl-lora-fp8"):
+            fp8 = base_name == "polyrl-lora-fp8"
+            step_fn = sft_lora.ours_step_fn(cfg, tokens, args, dev, graphs_mode(name, args), fp8=fp8)
         elif name in sft_lora.LORA_CONFIGS:
             step_fn = sft_lora.hf_step_fn(cfg, tokens, args, dev, name)
         else:

@@ -140,3 +140,19 @@ def test_bench_sft_precision_both_adds_an_fp8_row(tmp_path, monkeypatch, capsys)
     assert by_name["polyrl-fp8"]["loss"] == pytest.approx(by_name["polyrl"]["loss"], rel=0.01)
     assert by_name["polyrl-fp8"]["loss"] != by_name["polyrl"]["loss"]
     assert "rowwise FP8 forward" in report["header"]
+
+
+def test_bench_sft_lora_precision_both_adds_an_fp8_base_row(tmp_path, monkeypatch):
+    argv = ["bench", "sft", "--shape", "tiny", "--seq", "64", "--batch", "2", "--steps", "1", "--warmup", "0"]
+    argv += ["--lora", "r=8", "--precision", "both", "--baselines", "none"]
+    monkeypatch.delenv("POLYRL_KERNELS", raising=False)
+    out = tmp_path / "lora.json"
+    assert main([*argv, "--json", str(out)]) == 0
+    by_name = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(by_name) == ["polyrl-lora", "polyrl-lora-fp8"]
+    assert by_name["polyrl-lora-fp8"]["status"].startswith("skipped: precision.linear = 'fp8'")
+    monkeypatch.setenv("POLYRL_KERNELS", "fp8_scaled_mm:reference")
+    assert main([*argv, "--json", str(out)]) == 0
+    by_name = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    assert by_name["polyrl-lora-fp8"]["status"] == "ok"
+    assert by_name["polyrl-lora-fp8"]["loss"] == pytest.approx(by_name["polyrl-lora"]["loss"], rel=0.01)
