@@ -20,6 +20,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from polyrl.platform import device
+
+if device.device_type() == "cuda" and not device.supports_fp8_gemm():
+    # the registry reports this implementation "unavailable" here and picks the reference
+    raise ImportError("torch._scaled_mm needs FP8 tensor cores (CUDA capability >= 8.9 or ROCm gfx94x+)")
+
 
 def _pad_to(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     if t.shape == (rows, cols):

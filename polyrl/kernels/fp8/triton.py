@@ -22,6 +22,11 @@ import triton
 import triton.language as tl
 
 from polyrl.kernels.fp8.reference import EPS, FP8_MAX
+from polyrl.platform import device
+
+if device.device_type() == "cuda" and not device.supports_fp8_gemm():
+    # Triton has no fp8e4nv conversion below sm89: the registry reports this implementation "unavailable" here
+    raise ImportError("Triton's FP8 casts need CUDA capability >= 8.9 (or ROCm gfx94x+)")
 
 # (mantissa bits, smallest normal exponent) of each format
 _GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
