@@ -122,6 +122,38 @@ def test_ops_dispatch_reference_on_cpu():
     assert y.shape == (5, 5) and torch.allclose(y, ref.scaled_mm(q, q.t(), s, s.reshape(1, -1), torch.float32))
 
 
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_torch_scaled_mm_wrapper_layouts_and_padding_on_cpu(rowwise):
+    """The ``torch._scaled_mm`` wrapper (torch >= 2.10 has a CPU kernel too) on the operand layouts the FP8 linear
+    hands it: the forward's ``w.t()`` view, the input gradient's row-major weight (copied column-major), the weight
+    gradient's transposed dY with 18 tokens as the reduction dim (padded to 32), N = 20 (padded, row-wise scales
+    padded with ones). bf16 results are bit-equal to the reference's; fp32 within fp32 summation order."""
+    if not hasattr(torch, "_scaled_mm"):
+        pytest.skip("this torch has no _scaled_mm")
+    from polyrl.kernels.fp8.scaled_mm import scaled_mm
+
+    g = torch.Generator().manual_seed(0)
+    x, w, dy = torch.randn(18, 40, generator=g), torch.randn(20, 40, generator=g), torch.randn(18, 20, generator=g)
+    xq, xs = ref.quantize(x, E4M3, rowwise)
+    wq, ws = ref.quantize(w, E4M3, rowwise)
+    gq, gs = ref.quantize(dy, E5M2)
+    wt, xt = ref.quantize(w, E4M3), ref.quantize(x, E4M3)
+    calls = [
+        (xq, wq.t(), xs, ws.reshape(1, -1) if rowwise else ws),  # forward [18, 40] @ [40, 20]
+        (gq, wt[0], gs, wt[1]),  # input gradient [18, 20] @ [20, 40]
+        (gq.t(), xt[0], gs, xt[1]),  # weight gradient [20, 18] @ [18, 40]
+    ]
+    for a, b, sa, sb in calls:
+        try:
+            out = scaled_mm(a, b, sa, sb, torch.bfloat16)
+        except (RuntimeError, NotImplementedError) as exc:
+            pytest.skip(f"this torch's CPU _scaled_mm cannot: {exc}")
+        assert torch.equal(out, ref.scaled_mm(a, b, sa, sb, torch.bfloat16))
+        if not rowwise or a is not xq:  # (row-wise fp32 output is computed in bf16: checked above)
+            expect = ref.scaled_mm(a, b, sa, sb, torch.float32)
+            torch.testing.assert_close(scaled_mm(a, b, sa, sb, torch.float32), expect)
+
+
 # --- GPU: the fast paths at real shapes ----------------------------------------------------------------------------
 
 needs_fp8 = pytest.mark.skipif(not device.supports_fp8_gemm(), reason="needs a GPU with FP8 GEMMs (sm89+)")
