@@ -164,6 +164,11 @@ for s in "$@"; do
     bench-rollout-structured) stage bench-rollout-structured 150 $PR bench rollout --shape qwen3-0.6b --batch 256 --prompt-len 128 --gen-len 256 --baselines none --skip-batch1 --response-format json_schema --json "$OUT/bench_rollout_structured.json" ;;
     # evaluation (issue 34): lm-eval's hf backend vs the in-process engine vs local-completions against polyrl serve
     bench-eval) TAIL=40 stage bench-eval 300 $PR bench eval --shape qwen3-0.6b --docs 2000 --serve --json "$OUT/bench_eval.json" ;;
+    # FP8 training (issue 28) checks first: its GPU tests (Triton casts and _scaled_mm vs the references, train steps vs
+    # bf16 with a CUDA-graph capture), the ops sweep at real shapes, the kernels bench (cast bandwidth, FP8 vs bf16 linear)
+    fp8-check) TAIL=60 stage fp8-check 400 bash -c "python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+      tests/kernels/test_fp8.py tests/train/test_fp8_train.py; $PR validate ops --ops fp8_quantize,fp8_scaled_mm \
+      --sizes tiny,small,large --show failures; $PR bench kernels --ops fp8 --baselines eager,compile" ;;
     # FP8 training (issue 28): ours bf16 and FP8 vs HF + Liger bf16 and torchao float8 (eager and compiled), same run;
     # then 8b full SFT with checkpointing (pure-bf16 weights and moments, what fits one H200, as the HF bf16 rows)
     bench-sft-fp8) TAIL=40 stage bench-sft-fp8 560 $PR bench sft --shape qwen3-1.7b --seq 4096 --batch 4 --warmup 2 \
