@@ -29,6 +29,7 @@ from polyrl.platform import device
 from polyrl.run import run as run_training
 from polyrl.run.config import load_file, parse_set, resolve
 from polyrl.train.parallel import launched
+from polyrl.train.precision import check_fp8_supported
 
 # argparse dest -> config key. A flag left out of the command line leaves the key alone.
 FLAG_KEYS: dict[str, str] = {
@@ -304,6 +305,8 @@ def _algo_name(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     cfg = resolve(args.config, overrides_from_args(args))
+    if cfg.precision.linear == "fp8":  # refused before any model loads (the engine checks again, for fit())
+        check_fp8_supported(device.device_type())
     if getattr(args, "nproc_per_node", None) is not None:
         if not launched():
             return relaunch(args, args.nproc_per_node)

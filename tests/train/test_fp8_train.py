@@ -106,6 +106,17 @@ def _safetensors_layout(folder):
     return layout
 
 
+def test_cli_refuses_fp8_before_the_run_starts(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from polyrl.cli.main import main
+
+    monkeypatch.delenv("POLYRL_KERNELS", raising=False)
+    argv = ["train", "--model", str(tiny_model_dir), "--data", "builtin:arithmetic?n=16", "--out", str(tmp_path / "o")]
+    assert main([*argv, "--precision", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: precision.linear = 'fp8' (--precision fp8) needs FP8 GEMMs")
+    assert not (tmp_path / "o").exists()  # refused from the config: no run directory, no model loaded
+
+
 def test_cli_precision_fp8_end_to_end(tiny_model_dir, tmp_path, monkeypatch, capsys):
     from polyrl.cli.main import main
 
