@@ -183,6 +183,25 @@ for s in "$@"; do
     bench-sft-optim8-offload) TAIL=30 stage bench-sft-optim8-offload 300 $PR bench sft --shape qwen3-8b --seq 4096 --batch 1 \
       --activation-checkpointing --steps 3 --warmup 1 --baselines none --optim adamw8bit --optim-offload cpu \
       --json "$OUT/optim8_8bit_offload.json" ;;
+    # FP8 training (issue 28) checks first: its GPU tests (Triton casts and _scaled_mm vs the references, train steps vs
+    # bf16 with a CUDA-graph capture), the ops sweep at real shapes, the kernels bench (cast bandwidth, FP8 vs bf16 linear)
+    fp8-check) TAIL=60 stage fp8-check 400 bash -c "python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+      tests/kernels/test_fp8.py tests/train/test_fp8_train.py; $PR validate ops --ops fp8_quantize,fp8_scaled_mm \
+      --sizes tiny,small,large --show failures; $PR bench kernels --ops fp8 --baselines eager,compile" ;;
+    # FP8 training (issue 28): ours bf16 and FP8 vs HF + Liger bf16 and torchao float8 (eager and compiled), same run;
+    # then 8b full SFT with checkpointing (pure-bf16 weights and moments, what fits one H200, as the HF bf16 rows)
+    bench-sft-fp8) TAIL=40 stage bench-sft-fp8 560 $PR bench sft --shape qwen3-1.7b --seq 4096 --batch 4 --warmup 2 \
+      --steps 5 --precision both --baselines hf-liger,torchao-fp8 --numerics bf16 --json "$OUT/bench_sft_fp8.json" ;;
+    bench-sft-fp8-8b) TAIL=40 stage bench-sft-fp8-8b 590 $PR bench sft --shape qwen3-8b --seq 4096 --batch 2 --warmup 2 \
+      --steps 4 --activation-checkpointing --master-dtype none --precision both --baselines hf-liger,torchao-fp8 \
+      --numerics bf16 --json "$OUT/bench_sft_fp8_8b.json" ;;
+    # 8b LoRA with FP8 base GEMMs vs bf16 base and HF + peft + Liger (issue 28 target: >= 1.5x HF + peft + Liger)
+    bench-sft-lora-fp8-8b) TAIL=40 stage bench-sft-lora-fp8-8b 590 $PR bench sft --shape qwen3-8b --seq 4096 --batch 2 \
+      --warmup 2 --steps 5 --lora r=16,alpha=32 --activation-checkpointing --precision both --baselines hf-liger \
+      --json "$OUT/bench_sft_lora_fp8_8b.json" ;;
+    # FP8 numerics evidence (issue 28): 300 SFT steps of the 0.6b shape in bf16 and FP8, one PNG, final-loss diff
+    fp8-loss-curves) TAIL=10 stage fp8-loss-curves 590 python3 scripts/fp8_loss_curves.py --preset qwen3-0.6b-shape \
+      --steps 300 --out "$OUT/fp8_loss_curves" ;;
     multi-gpu) TAIL=60 stage multi-gpu 590 bash tests/distributed/run_multi_gpu.sh ;;
     # The whole single-GPU marked suite in one go (issue 13: < 8 min on a cold Triton cache); slowest tests listed.
     # pytest-xdist (on the device image) runs test files in GPU_TEST_WORKERS processes sharing the one GPU: the suite's

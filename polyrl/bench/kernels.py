@@ -493,6 +493,39 @@ def bench_skinny_linear(ctx: Ctx) -> list[Case]:
     return cases
 
 
+@bench("fp8")
+def bench_fp8(ctx: Ctx) -> list[Case]:
+    """FP8 training pieces at the preset's widths: the current-scaling cast of an activation ``[tokens, hidden]``
+    (tensor-wise: two reads, row-wise: one pass per row) against the reference in eager and compiled torch, and one
+    decoder projection (``hidden -> inter``, the gate/up shape) forward + backward as ``fp8_linear`` (three FP8 GEMMs
+    plus the casts, ``models/fp8_linear.py``) against the bf16 ``F.linear`` it replaces."""
+    # lazy: the FP8 linear lives in models (bench may import anything; the kernels bench needs it only here)
+    from polyrl.kernels.fp8.reference import quantize as quantize_ref
+    from polyrl.models.fp8_linear import fp8_linear
+
+    t, h, inter = ctx.tokens, ctx.shape["hidden"], ctx.shape["inter"]
+    e = torch.finfo(ctx.dtype).bits // 8
+    x = _rand(ctx, t, h)
+    e4m3 = torch.float8_e4m3fn
+    cases = []
+    for rowwise in (False, True):
+        cands = _candidates(
+            ctx, lambda x, r=rowwise: K.fp8_quantize(x, e4m3, r), lambda x, r=rowwise: quantize_ref(x, e4m3, r), [x],
+            None, None,
+        )  # fmt: skip
+        label = "rowwise" if rowwise else "tensorwise"
+        cases.append(Case("fp8_quantize", f"{label} T={t} H={h} e4m3", cands, bytes_moved=float(t * h * (e + 1)),
+                          extra={"impl": _impl_name("fp8_quantize", x)}))  # fmt: skip
+    w = _rand(ctx, inter, h, scale=h**-0.5)
+    for rowwise in (False, True):
+        cands = [_try("polyrl", lambda r=rowwise: fwd_bwd(lambda x, w: fp8_linear(x, w, None, r), [x, w], {0, 1}))]
+        cands.append(_try("bf16", lambda: fwd_bwd(F.linear, [x, w], {0, 1})))
+        label = "rowwise" if rowwise else "tensorwise"
+        cases.append(Case("fp8_linear", f"{label} fwd+bwd T={t} {h}->{inter}", cands, flops=6.0 * t * h * inter,
+                          base="bf16", extra={"impl": _impl_name("fp8_scaled_mm", x[:1].to(e4m3))}))  # fmt: skip
+    return cases
+
+
 # Qwen3-30B-A3B's routed experts: hidden, expert intermediate, experts, experts per token; and the tokens of one
 # bench call (a 4096-token micro-batch) whatever --tokens says (the tiny preset on the CPU uses --tokens).
 MOE_SHAPE = {"hidden": 2048, "inter": 768, "experts": 128, "topk": 8}

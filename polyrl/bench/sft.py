@@ -11,6 +11,12 @@ Every config trains the same model shape, from the same initial weights, on the 
 - ``hf-liger-autocast`` / ``hf-liger-bf16``: the same with Liger-Kernel applied to the model instance,
   when ``liger_kernel`` is importable (skipped otherwise). Liger patches transformers globally, so
   these run last.
+- ``polyrl-fp8`` (``--precision fp8`` or ``both``; ``polyrl-lora-fp8`` with ``--lora``): our engine with
+  ``precision.linear = "fp8"`` (the decoder's projections in FP8, ``--fp8-scaling``; LoRA: the frozen base's GEMMs);
+  ``torchao-fp8-bf16`` / ``torchao-fp8-compile-bf16`` (baseline ``torchao-fp8``): the pure-bf16 HF model with
+  torchao's ``convert_to_float8_training`` (tensor-wise, its default recipe; every linear but the lm_head, as ours),
+  eager and under ``torch.compile`` (the setting torchao documents for speed: its casts fuse into the surrounding
+  kernels), torch AdamW.
 
 Configs run sequentially in this process; memory is freed and the peak counter reset in between;
 ``--warmup`` steps are not timed. Reports tokens/s, MFU (6N + causal attention FLOPs per token, as
@@ -44,7 +50,8 @@ from polyrl.errors import ConfigError
 from polyrl.models.decoder import DecoderLM, build_model
 from polyrl.models.presets import preset_config
 from polyrl.platform import device
-from polyrl.train import OptimConfig, ScheduleConfig, StepConfig, TrainEngine
+from polyrl.train import OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig, TrainEngine
+from polyrl.train.precision import check_fp8_supported
 
 SHAPES = {
     "tiny": "tiny",
@@ -63,7 +70,10 @@ BASELINES = {
     "hf-eager-experts": ("hf-eager-experts-autocast", "hf-eager-experts-bf16"),
     # HF + bitsandbytes' 8-bit AdamW (docs/optim8.md), next to polyrl --optim adamw8bit
     "hf-bnb8bit": ("hf-bnb8bit-autocast", "hf-bnb8bit-bf16"),
+    # torchao float8 training (pinned torchao==0.18.0, pyproject's bench extra) on the pure-bf16 HF model
+    "torchao-fp8": ("torchao-fp8-bf16", "torchao-fp8-compile-bf16"),
 }
+PRECISIONS = {"bf16": ("polyrl",), "fp8": ("polyrl-fp8",), "both": ("polyrl", "polyrl-fp8")}
 GIB = 1024**3
 
 
@@ -117,6 +127,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--optim-offload", choices=["none", "cpu"], default="none", help="polyrl full SFT: optim.offload"
+    )
+    parser.add_argument(
+        "--precision",
+        choices=list(PRECISIONS),
+        default="bf16",
+        help="polyrl rows: bf16 (the compute dtype), fp8 (precision.linear = 'fp8': the decoder projections' GEMMs in "
+        "FP8), or both",
+    )
+    parser.add_argument(
+        "--fp8-scaling", choices=["tensorwise", "rowwise"], default="tensorwise", help="polyrl-fp8's forward scaling"
     )
     parser.add_argument("--compile", action="store_true", help="polyrl: torch.compile the decoder layers")
     parser.add_argument("--no-ours", action="store_true", help="run the baselines only")
@@ -186,7 +206,12 @@ def time_steps(step_fn: Any, warmup: int, steps: int) -> tuple[float, float]:
 
 # ---- the configs --------------------------------------------------------------------------------
 def ours_step_fn(
-    cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: torch.device, cuda_graphs: bool | None = None
+    cfg: Any,
+    tokens: torch.Tensor,
+    args: argparse.Namespace,
+    dev: torch.device,
+    cuda_graphs: bool | None = None,
+    fp8: bool = False,
 ) -> Any:
     model = initial_weights(cfg, dev, args.seed)
     model.options = decoder_options(args.decoder_options)
@@ -207,6 +232,7 @@ def ours_step_fn(
             offload=getattr(args, "optim_offload", "none"),
         ),
         ScheduleConfig(decay="constant"),
+        PrecisionConfig(linear="fp8" if fp8 else "default", fp8_scaling=getattr(args, "fp8_scaling", "tensorwise")),
         engine=ecfg,
         total_steps=None,
     )
@@ -243,6 +269,8 @@ def hf_step_fn(cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: to
         model = model.to(torch.bfloat16)
     if args.activation_checkpointing:
         enable_hf_checkpointing(model)
+    if variant.startswith("torchao-fp8"):
+        model = torchao_float8(model, compile_model="compile" in variant)
     model.train()
     fused = dev.type != "cpu"
     if "bnb8bit" in variant:
@@ -265,6 +293,43 @@ def hf_step_fn(cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: to
         return loss.detach()
 
     return lambda: float(step())
+
+
+def torchao_float8(model: Any, compile_model: bool) -> Any:
+    """torchao's float8 training on an HF model, as its README sets it up: ``convert_to_float8_training`` with the
+    default (tensor-wise, dynamic) config on every ``nn.Linear`` except the lm_head and those whose dims are not
+    multiples of 16 (``torch._scaled_mm``'s constraint), then ``torch.compile`` of the whole model when asked."""
+    # lazy: torchao is an optional bench baseline (pinned in pyproject's bench extra)
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def keep(module: torch.nn.Module, fqn: str) -> bool:
+        if fqn.endswith("lm_head") or not isinstance(module, torch.nn.Linear):
+            return False
+        return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+    convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=keep)
+    return torch.compile(model) if compile_model else model
+
+
+def torchao_available() -> str | None:
+    """None when torchao's float8 training imports and this device has FP8 GEMMs, else why not."""
+    if not device.supports_fp8_gemm():
+        return "this device has no FP8 GEMM (polyrl env: fp8 gemm)"
+    try:
+        # lazy: the point of this function is to try the optional import
+        from torchao.float8 import convert_to_float8_training  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not here"
+        return f"torchao.float8 not importable ({type(exc).__name__}: {exc})"
+    return None
+
+
+def fp8_unavailable(dev: torch.device) -> str | None:
+    """None when polyrl's FP8 training runs here (an FP8 GPU, or emulation forced by POLYRL_KERNELS), else why not."""
+    try:
+        check_fp8_supported(dev.type)
+    except ConfigError as exc:
+        return str(exc).split(";")[0]
+    return None
 
 
 def liger_available(model_type: str | None = None) -> str | None:
@@ -295,7 +360,7 @@ def configs(args: argparse.Namespace) -> list[str]:
         if any(b not in BASELINES for b in configs_check):
             raise ConfigError(f"unknown baseline(s) {configs_check}; choose from {', '.join(BASELINES)} or none")
         return _with_eager_rows(sft_lora.config_names(args), args)
-    names = [] if args.no_ours else ["polyrl"]
+    names = [] if args.no_ours else list(PRECISIONS[getattr(args, "precision", "bf16")])
     wanted = [b.strip() for b in args.baselines.split(",") if b.strip() and b.strip() != "none"]
     unknown = [b for b in wanted if b not in BASELINES]
     if unknown:
@@ -350,14 +415,19 @@ def measure(name: str, cfg: Any, tokens: torch.Tensor, args: argparse.Namespace,
         return Result(name, f"skipped: {why}")
     if "eager-experts" in name and not cfg.is_moe:
         return Result(name, "skipped: a dense shape has no experts")
+    if name.startswith("torchao-fp8") and (why := torchao_available()):
+        return Result(name, f"skipped: {why}")
+    if name.startswith("polyrl") and "-fp8" in name and (why := fp8_unavailable(dev)):
+        return Result(name, f"skipped: {why}")
     free_memory()
     step_fn = None
     try:
         base_name = name.removesuffix(EAGER_SUFFIX)
-        if base_name == "polyrl":
-            step_fn = ours_step_fn(cfg, tokens, args, dev, graphs_mode(name, args))
-        elif base_name in ("polyrl-lora", "polyrl-qlora"):
-            step_fn = sft_lora.ours_step_fn(cfg, tokens, args, dev, graphs_mode(name, args))
+        if base_name in ("polyrl", "polyrl-fp8"):
+            step_fn = ours_step_fn(cfg, tokens, args, dev, graphs_mode(name, args), fp8=base_name == "polyrl-fp8")
+        elif base_name in ("polyrl-lora", "polyrl-qlora", "polyrl-lora-fp8"):
+            fp8 = base_name == "polyrl-lora-fp8"
+            step_fn = sft_lora.ours_step_fn(cfg, tokens, args, dev, graphs_mode(name, args), fp8=fp8)
         elif name in sft_lora.LORA_CONFIGS:
             step_fn = sft_lora.hf_step_fn(cfg, tokens, args, dev, name)
         else:
@@ -391,9 +461,12 @@ def _profiled(name: str, args: argparse.Namespace) -> bool:
 
 
 # ---- report -------------------------------------------------------------------------------------
-def ratios(results: list[Result]) -> dict[str, float]:
-    """polyrl tokens/s divided by each measured baseline's, and by the fastest one's (key "fastest")."""
-    ours = next((r for r in results if r.name.startswith("polyrl") and r.status == "ok"), None)
+def ratios(results: list[Result], ours_name: str | None = None) -> dict[str, float]:
+    """polyrl tokens/s (the first polyrl row, or the row ``ours_name``) divided by each measured baseline's, and by
+    the fastest one's (key "fastest")."""
+    ours = next(
+        (r for r in results if r.name.startswith("polyrl") and r.status == "ok" and ours_name in (None, r.name)), None
+    )
     base = [r for r in results if not r.name.startswith("polyrl") and r.status == "ok"]
     if ours is None or not base:
         return {}
@@ -420,6 +493,13 @@ def print_table(results: list[Result], header: str) -> None:
         fastest = rs.pop("fastest")
         print("polyrl tokens/s ratio: " + ", ".join(f"{k} {v:.2f}x" for k, v in rs.items()))
         print(f"polyrl vs the fastest baseline: {fastest:.2f}x")
+    first = next((r.name for r in results if r.name.startswith("polyrl") and r.status == "ok"), None)
+    for r in results:  # further polyrl rows (polyrl-fp8 next to polyrl): their own ratios
+        if r.name.startswith("polyrl") and r.status == "ok" and r.name != first and (more := ratios(results, r.name)):
+            more.pop("fastest")
+            ours_bf16 = next((x for x in results if x.name == first), None)
+            vs_ours = f", {first} {r.tokens_per_s / ours_bf16.tokens_per_s:.2f}x" if ours_bf16 else ""
+            print(f"{r.name} tokens/s ratio: " + ", ".join(f"{k} {v:.2f}x" for k, v in more.items()) + vs_ours)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -440,6 +520,8 @@ def run(args: argparse.Namespace) -> int:
         header += ", activation checkpointing" + (
             "" if args.checkpoint_layers is None else f" (polyrl: the first {args.checkpoint_layers} layers)"
         )
+    if getattr(args, "precision", "bf16") != "bf16":
+        header += f", polyrl precision {args.precision} ({args.fp8_scaling} FP8 forward)"
     if args.master_dtype != "fp32" and not (args.lora is not None or args.qlora):
         header += f", polyrl optim.master_dtype={args.master_dtype}"
     if getattr(args, "optim", "adamw") != "adamw" or getattr(args, "optim_offload", "none") != "none":
@@ -455,6 +537,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         payload = {"header": header, "args": vars(args), "results": [asdict(r) for r in results]}
         payload["ratios"] = ratios(results)
+        payload["ratios_by_config"] = {
+            r.name: ratios(results, r.name) for r in results if r.name.startswith("polyrl") and r.status == "ok"
+        }
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=2, default=str)
     return 0

@@ -46,6 +46,9 @@ def lora_config(args: argparse.Namespace) -> Any:
 def config_names(args: argparse.Namespace) -> list[str]:
     """polyrl's LoRA config and the matching baselines (``--baselines`` hf -> hf-peft, hf-liger -> hf-peft-liger)."""
     names = [] if args.no_ours else ["polyrl-qlora" if args.qlora else "polyrl-lora"]
+    precision = getattr(args, "precision", "bf16")
+    if names and not args.qlora and precision != "bf16":  # --precision fp8 / both: LoRA on FP8 base GEMMs
+        names = ["polyrl-lora-fp8"] if precision == "fp8" else ["polyrl-lora", "polyrl-lora-fp8"]
     wanted = {b.strip() for b in args.baselines.split(",")}
     if args.qlora:
         return names + (["hf-qlora"] if "hf" in wanted else [])
@@ -54,7 +57,12 @@ def config_names(args: argparse.Namespace) -> list[str]:
 
 
 def ours_step_fn(
-    cfg: Any, tokens: torch.Tensor, args: argparse.Namespace, dev: torch.device, cuda_graphs: bool | None = None
+    cfg: Any,
+    tokens: torch.Tensor,
+    args: argparse.Namespace,
+    dev: torch.device,
+    cuda_graphs: bool | None = None,
+    fp8: bool = False,
 ) -> Any:
     dtype = resolve_compute_dtype(PrecisionConfig(), dev.type)
     base = build_model(cfg, dtype=dtype, device=dev, seed=args.seed, options=decoder_options(args.decoder_options))
@@ -67,7 +75,9 @@ def ours_step_fn(
         seed=args.seed,
         cuda_graphs=cuda_graphs,
     )
-    engine = TrainEngine(model, OptimConfig(lr=args.lr), ScheduleConfig(decay="constant"), engine=ecfg)
+    scaling = getattr(args, "fp8_scaling", "tensorwise")
+    precision = PrecisionConfig(linear="fp8" if fp8 else "default", fp8_scaling=scaling)
+    engine = TrainEngine(model, OptimConfig(lr=args.lr), ScheduleConfig(decay="constant"), precision, engine=ecfg)
     seqs = [TokenizedSeq(row.tolist(), [1] * row.numel()) for row in tokens]
     batch = pack_sequences(seqs).to(dev)
     _settled()

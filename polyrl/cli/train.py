@@ -29,6 +29,7 @@ from polyrl.platform import device
 from polyrl.run import run as run_training
 from polyrl.run.config import load_file, parse_set, resolve
 from polyrl.train.parallel import launched
+from polyrl.train.precision import check_fp8_supported
 
 # argparse dest -> config key. A flag left out of the command line leaves the key alone.
 FLAG_KEYS: dict[str, str] = {
@@ -58,6 +59,8 @@ FLAG_KEYS: dict[str, str] = {
     "compile": "engine.compile",
     "deterministic": "engine.deterministic",
     "dtype": "precision.compute_dtype",
+    "precision": "precision.linear",
+    "fp8_scaling": "precision.fp8_scaling",
     "max_seq_len": "data.max_seq_len",
     "format": "data.format",
     "loss_on": "data.loss_on",
@@ -160,6 +163,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch-tokens", type=int, help="tokens per forward/backward (packing budget)")
     g.add_argument("--max-seq-len", type=int, help="longest sequence; longer rows are truncated (data.truncation)")
     g.add_argument("--dtype", choices=["auto", "bf16", "fp32", "fp16", *DTYPE_ALIASES], help="compute dtype")
+    g.add_argument(
+        "--precision",
+        choices=["default", "fp8"],
+        help="fp8: the decoder's linear layers run forward and backward GEMMs in FP8 (needs an FP8 GPU: "
+        "`polyrl env`; docs/fp8.md); default: in the compute dtype",
+    )
+    g.add_argument(
+        "--fp8-scaling", choices=["tensorwise", "rowwise"], help="with --precision fp8: the forward GEMM's scaling"
+    )
     g.add_argument("--activation-checkpointing", action="store_true", default=None)
     g.add_argument(
         "--checkpoint-layers", type=int, help="with --activation-checkpointing: recompute only the first N layers"
@@ -312,6 +324,8 @@ def _algo_name(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     cfg = resolve(args.config, overrides_from_args(args))
+    if cfg.precision.linear == "fp8":  # refused before any model loads (the engine checks again, for fit())
+        check_fp8_supported(device.device_type())
     if getattr(args, "nproc_per_node", None) is not None:
         if not launched():
             return relaunch(args, args.nproc_per_node)

@@ -31,6 +31,7 @@ from polyrl.kernels import (  # noqa: E402,F401  isort: skip
     skinny_linear as _skinny_linear_pkg,
     qk_norm_rope as _qk_norm_rope_pkg,
     moe as _moe_pkg,
+    fp8 as _fp8_pkg,
 )
 
 # The op functions, bound after the op packages so that ``kernels.rmsnorm`` is the function, not its folder.
@@ -39,6 +40,8 @@ from polyrl.kernels.ops import (  # noqa: E402  isort: skip
     apply_rope,
     capture_keeps_fast_paths,
     dtype_name,
+    fp8_quantize,
+    fp8_scaled_mm,
     linear_cross_entropy,
     lora_linear,
     moe_experts,
@@ -81,4 +84,6 @@ __all__ = [
     "skinny_linear",
     "qk_norm_rope",
     "moe_experts",
+    "fp8_quantize",
+    "fp8_scaled_mm",
 ]

@@ -232,3 +232,23 @@ def qk_norm_rope(
     """``apply_rope(rmsnorm(q, q_weight), rmsnorm(k, k_weight), cos, sin)`` in one pass, no autograd (Qwen3's q/k
     norms of a decode step). Contract in ``polyrl/kernels/qk_norm_rope/__init__.py``."""
     return _impl("qk_norm_rope", q)(q, k, q_weight, k_weight, cos, sin, eps)
+
+
+def fp8_quantize(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Current-scaling FP8 quantisation of ``x [M, K]`` -> ``(q fp8 [M, K], scale fp32)``, ``x ~= q * scale``; scale
+    ``[]`` (tensor-wise) or ``[M, 1]`` (row-wise). No autograd. Contract in ``polyrl/kernels/fp8/__init__.py``."""
+    return _impl("fp8_quantize", x)(x, fp8_dtype, rowwise)
+
+
+def fp8_scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    use_fast_accum: bool = False,
+) -> torch.Tensor:
+    """``(a * scale_a) @ (b * scale_b)`` for fp8 ``a [M, K]``, ``b [K, N]``, fp32 accumulation, ``out_dtype`` result;
+    scales tensor-wise ``[]`` or row-wise (``[M, 1]`` and ``[1, N]``). No autograd. Contract in
+    ``polyrl/kernels/fp8/__init__.py``."""
+    return _impl("fp8_scaled_mm", a)(a, b, scale_a, scale_b, out_dtype, use_fast_accum)

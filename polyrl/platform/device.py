@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from polyrl.platform import kb
+from polyrl.platform.fp8 import fp8_gemm_from_facts
 
 try:
     import numpy as np
@@ -165,6 +166,20 @@ def supports_bf16() -> bool:
         return bool(fn()) if fn else True
     except Exception:  # noqa: BLE001
         return False
+
+
+def supports_fp8_gemm(index: int = 0) -> bool:
+    """Whether this device runs FP8 GEMMs (``torch._scaled_mm``): ``fp8_gemm_from_facts`` on the live device."""
+    if device_type() != "cuda":
+        return False
+    hip = getattr(torch.version, "hip", None) is not None
+    arch = None
+    if hip:
+        try:
+            arch = getattr(torch.cuda.get_device_properties(index), "gcnArchName", None)
+        except Exception:  # noqa: BLE001
+            arch = None
+    return fp8_gemm_from_facts("cuda", capability(index), hip, arch)
 
 
 def supports_graphs() -> bool:

@@ -272,6 +272,10 @@ try:
                     d["total_memory"] = int(mod.get_device_properties(i).total_memory)
                 except Exception:
                     d["total_memory"] = None
+                try:
+                    d["arch"] = getattr(mod.get_device_properties(i), "gcnArchName", None)
+                except Exception:
+                    d["arch"] = None
                 devices.append(d)
             try:
                 out["bf16"] = bool(mod.is_bf16_supported())

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from polyrl import __version__
 from polyrl.platform import envvars, kb
+from polyrl.platform.fp8 import fp8_gemm_from_facts
 from polyrl.platform.pitfalls import Row, ready
 from polyrl.platform.resolve import Resolution, torch_info
 
@@ -42,6 +43,15 @@ def platform_dict(res: Resolution) -> dict[str, Any]:
     }
 
 
+def _fp8_gemm(runtime: dict[str, Any], t: dict[str, Any]) -> bool | None:
+    """FP8 GEMM support of the first device the probe saw (None when torch did not import)."""
+    if not runtime.get("ok"):
+        return None
+    devices = runtime.get("devices") or [{}]
+    d = devices[0]
+    return fp8_gemm_from_facts(runtime.get("device_type"), d.get("capability"), bool(t.get("hip")), d.get("arch"))
+
+
 def env_report(snap: dict[str, Any], res: Resolution) -> dict[str, Any]:
     """The ``polyrl env --json`` document (schema ``polyrl.env/1``)."""
     p = kb.platform(res.platform)
@@ -64,6 +74,7 @@ def env_report(snap: dict[str, Any], res: Resolution) -> dict[str, Any]:
             "error": runtime.get("error"),
             "device_type": runtime.get("device_type"),
             "bf16": runtime.get("bf16"),
+            "fp8_gemm": _fp8_gemm(runtime, t),
         },
         "devices": runtime.get("devices") or [],
         "vendor_packages": [
@@ -126,6 +137,8 @@ def env_text(doc: dict[str, Any]) -> str:
     else:
         torch_s = f"{t['version'] or 'not installed'} -- import failed: {(t['error'] or '').splitlines()[-1:]}"
     lines.append(f"torch        {torch_s}")
+    fp8 = {True: "yes (--precision fp8 runs)", False: "no (--precision fp8 is refused)", None: "unknown"}
+    lines.append(f"fp8 gemm     {fp8[t.get('fp8_gemm')]}")
     devices = doc["devices"]
     lines.append(f"devices      {len(devices) or 'none'}")
     lines += [f"  [{i}]        {_device_line(d)}" for i, d in enumerate(devices)]

@@ -16,6 +16,8 @@ from polyrl.errors import ConfigError
 
 DECAYS = ("cosine", "linear", "constant")
 COMPUTE_DTYPES = ("auto", "bf16", "fp32", "fp16")
+LINEAR_PRECISIONS = ("default", "fp8")
+FP8_SCALINGS = ("tensorwise", "rowwise")
 MASTER_DTYPES = ("fp32", "none")
 DECAY_PARAMS = ("matrices", "all")
 OPTIM_IMPLS = ("auto", "fused", "foreach", "loop")
@@ -134,13 +136,21 @@ class CheckpointConfig:
 class PrecisionConfig:
     """``compute_dtype`` of the weights and activations: "auto" is bf16 on accelerators that support it
     and fp32 on the CPU. Master weights are fp32 unless ``optim.master_dtype = "none"``. fp16 uses a
-    dynamic loss scale starting at ``initial_loss_scale``."""
+    dynamic loss scale starting at ``initial_loss_scale``. ``linear = "fp8"`` (CLI ``--precision fp8``) runs the
+    decoder's q/k/v/o/gate/up/down projections' forward and backward GEMMs in FP8 (``models/fp8_linear.py``, fp8.md)
+    with ``fp8_scaling`` "tensorwise" or "rowwise" (forward only; the gradients' GEMMs are tensor-wise); the rest
+    (lm_head, attention, norms, loss), the master weights and the optimizer stay as they are. Refused where the
+    device has no FP8 GEMM (``polyrl env``), unless ``POLYRL_KERNELS`` forces the reference (emulation)."""
 
     compute_dtype: str = "auto"
     initial_loss_scale: float = 2.0**16
+    linear: str = "default"
+    fp8_scaling: str = "tensorwise"
 
     def __post_init__(self) -> None:
         _choice("precision", "compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
+        _choice("precision", "linear", self.linear, LINEAR_PRECISIONS)
+        _choice("precision", "fp8_scaling", self.fp8_scaling, FP8_SCALINGS)
         _positive("precision", "initial_loss_scale", self.initial_loss_scale, "use e.g. 65536")
 
 

@@ -36,7 +36,7 @@ from polyrl.train.moe_loss import MoELoss, real_tokens
 from polyrl.train.optim import MasterAdamW
 from polyrl.train.parallel.fsdp import grad_sum_factor, is_sharded
 from polyrl.train.parallel.replicate import all_reduce_grads_, is_replicated
-from polyrl.train.precision import DTYPE_NAMES, LossScaler, resolve_compute_dtype
+from polyrl.train.precision import DTYPE_NAMES, LossScaler, apply_linear_precision, resolve_compute_dtype
 from polyrl.train.schedule import lr_at
 
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, Any]]]
@@ -117,6 +117,7 @@ class TrainEngine:
         first = next(model.parameters())
         self.device = first.device
         self.compute_dtype = resolve_compute_dtype(self.precision_cfg, self.device.type)
+        self.fp8_linears = apply_linear_precision(model, self.precision_cfg, self.device.type)  # 0 unless fp8
         # Sharded (FSDP2) params stay fp32 and are their own masters; FSDP's policy casts for compute.
         cast_to = self.compute_dtype
         if self.world is not None:

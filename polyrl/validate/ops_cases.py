@@ -19,6 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from polyrl.kernels.fp8.reference import quantize as fp8_quantize_ref
 from polyrl.kernels.rope.reference import rope_cos_sin
 from polyrl.validate.ops_spec import DEFAULT_TOL, OpCases, Shape, Tol, register_cases
 
@@ -352,6 +353,55 @@ def _moe_shapes():
     ]
 
 
+# --- fp8_quantize / fp8_scaled_mm ----------------------------------------------------------------------------------
+
+
+def _make_fp8_quantize(p, dtype, device, gen):
+    x = _randn(gen, p["M"], p["K"], device=device, scale=3.0)
+    x[0, 0] = 40.0  # an outlier: it sets its row's (or the tensor's) scale
+    return {"x": x, "fp8_dtype": p["fp8"], "rowwise": p["rowwise"]}
+
+
+def _fp8_quantize_shapes():
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    return [
+        Shape("M=7,K=127,e4m3", {"M": 7, "K": 127, "fp8": e4m3, "rowwise": False}, "tiny"),
+        Shape("M=7,K=127,e5m2,rowwise", {"M": 7, "K": 127, "fp8": e5m2, "rowwise": True}, "tiny"),
+        Shape("M=1025,K=1025,e4m3,rowwise", {"M": 1025, "K": 1025, "fp8": e4m3, "rowwise": True}),
+        Shape("M=127,K=4097,e5m2", {"M": 127, "K": 4097, "fp8": e5m2, "rowwise": False}),
+        Shape("M=8192,K=2048,e4m3,rowwise", {"M": 8192, "K": 2048, "fp8": e4m3, "rowwise": True}, "large"),
+        Shape("M=8192,K=6144,e5m2", {"M": 8192, "K": 6144, "fp8": e5m2, "rowwise": False}, "large"),
+    ]
+
+
+def _make_fp8_mm(p, dtype, device, gen):
+    return {
+        "a": _randn(gen, p["M"], p["K"], device=device),
+        "w": _randn(gen, p["N"], p["K"], device=device, scale=p["K"] ** -0.5),
+        "rowwise": p["rowwise"],
+    }
+
+
+def _fp8_mm_call(fn, inputs):
+    """Quantise ``a`` and the weight ``w [N, K]`` with the reference (e4m3; per row / per output channel when
+    row-wise), then ``fn(aq, wq^T, ...)``: bf16 out for bf16 inputs, fp32 otherwise (the fp64 reference included)."""
+    rowwise = inputs["rowwise"]
+    aq, sa = fp8_quantize_ref(inputs["a"], torch.float8_e4m3fn, rowwise)
+    wq, sw = fp8_quantize_ref(inputs["w"], torch.float8_e4m3fn, rowwise)
+    out_dtype = torch.bfloat16 if inputs["a"].dtype == torch.bfloat16 else torch.float32
+    return (fn(aq, wq.t(), sa, sw.reshape(1, -1) if rowwise else sw, out_dtype, False),)
+
+
+def _fp8_mm_shapes():
+    return [
+        Shape("M=7,K=32,N=48", {"M": 7, "K": 32, "N": 48, "rowwise": False}, "tiny"),
+        Shape("M=127,K=1000,N=72,rowwise", {"M": 127, "K": 1000, "N": 72, "rowwise": True}),
+        Shape("M=1025,K=1025,N=127", {"M": 1025, "K": 1025, "N": 127, "rowwise": False}),
+        Shape("M=4096,K=2048,N=6144,rowwise", {"M": 4096, "K": 2048, "N": 6144, "rowwise": True}, "large"),
+        Shape("M=4096,K=2048,N=6144", {"M": 4096, "K": 2048, "N": 6144, "rowwise": False}, "large"),
+    ]
+
+
 def _register_all() -> None:
     register_cases(OpCases("rmsnorm", _make_rmsnorm, _rmsnorm_shapes(), ("y", "sum"), ("x", "weight", "residual")))
     register_cases(OpCases("rope", _make_rope, _rope_shapes(), ("q", "k"), ("q", "k"), call=_rope_call))
@@ -394,6 +444,15 @@ def _register_all() -> None:
     register_cases(
         OpCases("moe_experts", _make_moe, _moe_shapes(), ("y",), ("x", "topk_weights", "gate_up", "down"),
                 tol=dict(MATMUL_TOL), note="routed SwiGLU experts (Qwen3-MoE layout), weighted sum per token")
+    )  # fmt: skip
+
+    register_cases(
+        OpCases("fp8_quantize", _make_fp8_quantize, _fp8_quantize_shapes(), ("q", "scale"), tol=dict(EXACT_TOL),
+                note="current-scaling FP8 cast (tensor-/row-wise): bit-equal to the reference")
+    )  # fmt: skip
+    register_cases(
+        OpCases("fp8_scaled_mm", _make_fp8_mm, _fp8_mm_shapes(), ("y",), call=_fp8_mm_call, tol=dict(MATMUL_TOL),
+                note="scaled FP8 GEMM (e4m3 operands quantised by the reference) vs dequantise + matmul")
     )  # fmt: skip
 
 

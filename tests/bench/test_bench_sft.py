@@ -116,3 +116,43 @@ def test_bench_sft_qwen3_shape_gpu(tmp_path):
     assert ours["status"] == "ok" and hf["status"] == "ok"
     assert ours["mfu"] is not None and ours["peak_memory_gib"] > 0
     assert ours["loss"] == pytest.approx(hf["loss"], rel=0.05)  # bf16 numerics differ slightly
+
+
+def test_bench_sft_precision_both_adds_an_fp8_row(tmp_path, monkeypatch, capsys):
+    """``--precision both``: polyrl and polyrl-fp8 rows; on the CPU the FP8 row is skipped with the reason unless the
+    reference GEMM is forced, then it runs FP8-emulated and its loss is the bf16 row's within 1%; torchao-fp8 rows
+    are skipped here (no FP8 GEMM) with the reason."""
+    argv = ["bench", "sft", "--shape", "tiny", "--seq", "64", "--batch", "2", "--steps", "1", "--warmup", "0"]
+    argv += ["--precision", "both", "--baselines", "torchao-fp8"]
+    monkeypatch.delenv("POLYRL_KERNELS", raising=False)
+    out = tmp_path / "skip.json"
+    assert main([*argv, "--json", str(out)]) == 0
+    by_name = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(by_name) == ["polyrl", "polyrl-fp8", "torchao-fp8-bf16", "torchao-fp8-compile-bf16"]
+    assert by_name["polyrl-fp8"]["status"].startswith("skipped: precision.linear = 'fp8'")
+    assert by_name["torchao-fp8-bf16"]["status"] == "skipped: this device has no FP8 GEMM (polyrl env: fp8 gemm)"
+    monkeypatch.setenv("POLYRL_KERNELS", "fp8_scaled_mm:reference")
+    out = tmp_path / "emulated.json"
+    assert main([*argv, "--fp8-scaling", "rowwise", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    by_name = {r["name"]: r for r in report["results"]}
+    assert by_name["polyrl-fp8"]["status"] == "ok"
+    assert by_name["polyrl-fp8"]["loss"] == pytest.approx(by_name["polyrl"]["loss"], rel=0.01)
+    assert by_name["polyrl-fp8"]["loss"] != by_name["polyrl"]["loss"]
+    assert "rowwise FP8 forward" in report["header"]
+
+
+def test_bench_sft_lora_precision_both_adds_an_fp8_base_row(tmp_path, monkeypatch):
+    argv = ["bench", "sft", "--shape", "tiny", "--seq", "64", "--batch", "2", "--steps", "1", "--warmup", "0"]
+    argv += ["--lora", "r=8", "--precision", "both", "--baselines", "none"]
+    monkeypatch.delenv("POLYRL_KERNELS", raising=False)
+    out = tmp_path / "lora.json"
+    assert main([*argv, "--json", str(out)]) == 0
+    by_name = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(by_name) == ["polyrl-lora", "polyrl-lora-fp8"]
+    assert by_name["polyrl-lora-fp8"]["status"].startswith("skipped: precision.linear = 'fp8'")
+    monkeypatch.setenv("POLYRL_KERNELS", "fp8_scaled_mm:reference")
+    assert main([*argv, "--json", str(out)]) == 0
+    by_name = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    assert by_name["polyrl-lora-fp8"]["status"] == "ok"
+    assert by_name["polyrl-lora-fp8"]["loss"] == pytest.approx(by_name["polyrl-lora"]["loss"], rel=0.01)

@@ -128,6 +128,7 @@ def _no_model_load(monkeypatch):
         (["--dtype", "fp16", "--set", "precision.compute_dtype=int8"], "precision.compute_dtype must be one of"),
         (["--algo", "dpo", "--set", "data.fixed_shapes=true"], "data.fixed_shapes pads training batches to one shape"),
         (["--checkpoint-layers", "4"], "set engine.activation_checkpointing = true"),
+        (["--set", "precision.linear=int8"], "precision.linear must be one of default, fp8"),
     ],
 )
 def test_config_errors_exit_2_before_loading(tmp_path, monkeypatch, capsys, extra, message):

@@ -16,7 +16,9 @@ adapters on a lower-precision base (inference) compose in the adapter's dtype.
 Merging adds ``s * B @ A`` into the base weight IN PLACE (fp32 arithmetic, one rounding to the weight's dtype) and
 unmerging subtracts it again (within one ulp per element and cycle), or with ``merge(exact=True)`` copies back a
 backup taken at merge time (bit-exact, one extra copy of the weight while merged). While merged the adapter branch
-is skipped. Not here: choosing which layers get adapters (``apply.py``), file formats.
+is skipped. With ``fp8_rowwise`` set (``models/fp8_linear.convert_to_fp8``, ``--precision fp8``), a dense frozen base
+runs its GEMMs in FP8 while training (no weight-gradient GEMM: it is frozen) and the adapter stays in the compute
+dtype. Not here: choosing which layers get adapters (``apply.py``), file formats.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from polyrl import kernels
 from polyrl.errors import UserError
 from polyrl.kernels.lora_linear.fused import _zero, frozen_base_onto
 from polyrl.kernels.nf4.reference import dequantize_nf4, quantize_nf4
+from polyrl.models.fp8_linear import fp8_linear
 
 
 class LoraLinear(nn.Module):
@@ -46,6 +49,7 @@ class LoraLinear(nn.Module):
         self.merged = False
         self.disabled = False
         self.quant_shape: tuple[int, int] | None = None  # (out, in) when the base is NF4
+        self.fp8_rowwise: bool | None = None  # FP8 base GEMMs while training (convert_to_fp8); None: off
 
     @torch.no_grad()
     def reset_adapter(self, generator: torch.Generator | None = None) -> None:
@@ -67,6 +71,8 @@ class LoraLinear(nn.Module):
         a, b = self.lora_A.weight, self.lora_B.weight
         drop = self.dropout > 0 and self.training
         dense = self.quant_shape is None
+        if self._fp8_base() and not drop:
+            return fp8_linear(x, self.weight, self.bias, self.fp8_rowwise) + self.adapter_product(x)
         # (no-grad NF4 steps, e.g. decoding, keep nf4_matmul: its fused kernel reads 4-bit weights for few rows)
         fused_ok = x.dtype == self.weight.dtype if dense else torch.is_grad_enabled()
         if not drop and x.dtype == a.dtype == b.dtype and fused_ok:
@@ -100,8 +106,16 @@ class LoraLinear(nn.Module):
             y = (F.linear(F.linear(x2.to(a.dtype), a), b) * self.scaling).to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
+    def _fp8_base(self) -> bool:
+        """Whether the base GEMMs run in FP8 now: switched on, dense, training."""
+        return self.fp8_rowwise is not None and self.quant_shape is None and self.training
+
     def base_onto(self, acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-        """``acc + x W^T (+ b)`` with the frozen base, saving no activation (``lora_linear.frozen_base_onto``)."""
+        """``acc + x W^T (+ b)`` with the frozen base, saving no activation (``lora_linear.frozen_base_onto``; an FP8
+        base saves its FP8 input)."""
+        if self._fp8_base():
+            y = fp8_linear(x, self.weight, self.bias, self.fp8_rowwise)
+            return y if acc is None else acc + y
         dense = self.quant_shape is None
         base = self.weight if dense else kernels.NF4Weight(self.weight_nf4, self.weight_absmax, self.quant_shape)
         return frozen_base_onto(acc, x, base, self.bias)

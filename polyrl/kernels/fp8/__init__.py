@@ -1,0 +1,45 @@
+"""fp8: current-scaling quantisation to float8 (``fp8_quantize``) and the scaled FP8 GEMM (``fp8_scaled_mm``).
+
+Format (the contract every implementation keeps; ``reference.py`` is the spec):
+
+- ``fp8_quantize(x [M, K], fp8_dtype, rowwise) -> (q [M, K] fp8_dtype, scale fp32)``: ``amax = max|x|`` over the
+  whole tensor (tensor-wise, ``scale`` shape ``[]``) or over each row (row-wise, ``scale`` ``[M, 1]``),
+  ``inv = FP8_MAX / max(amax, 1e-12)`` in fp32, ``q = clamp(x_fp32 * inv, -FP8_MAX, FP8_MAX)`` rounded to nearest
+  even, ``scale = 1 / inv``: the *dequantisation* scale, so ``x ~= q.float() * scale`` (what ``torch._scaled_mm``
+  takes). FP8_MAX is 448 for ``float8_e4m3fn`` and 57344 for ``float8_e5m2``.
+- ``fp8_scaled_mm(a [M, K] fp8, b [K, N] fp8, scale_a, scale_b, out_dtype, use_fast_accum) -> [M, N]``:
+  ``(a.float() * scale_a) @ (b.float() * scale_b)`` accumulated in fp32, rounded once to ``out_dtype``. Scales are
+  tensor-wise (``[]``) or row-wise (``scale_a [M, 1]`` with ``scale_b [1, N]``). ``b`` may be any layout (the fast
+  path wants it column-major, i.e. ``w.t()`` of a row-major ``w [N, K]``, and makes it so).
+
+Implementations: quantisation in Triton (CUDA) and plain PyTorch (everywhere); the GEMM through
+``torch._scaled_mm`` (CUDA capability >= 8.9 / ROCm gfx94x+, ``platform.device.supports_fp8_gemm``) and the
+reference, which dequantises and multiplies in fp32 and runs on the CPU: forcing it (``POLYRL_KERNELS=reference``
+or ``fp8_scaled_mm:reference``) emulates FP8 training anywhere, which is how the CPU tests run it.
+
+Not here: which GEMMs of a layer run in FP8 and with which scaling (``polyrl/models/fp8_linear.py``).
+"""
+
+from __future__ import annotations
+
+from polyrl.kernels.registry import ANY, parse_forced, register
+from polyrl.platform import envvars
+
+register("fp8_quantize", "reference", "polyrl.kernels.fp8.reference:quantize", priority=0)
+register(
+    "fp8_quantize",
+    "triton",
+    "polyrl.kernels.fp8.triton:quantize",
+    devices=("cuda",),
+    dtypes=("float32", "bfloat16", "float16"),
+    priority=10,
+)
+register("fp8_scaled_mm", "reference", "polyrl.kernels.fp8.reference:scaled_mm", priority=0)
+register("fp8_scaled_mm", "torch", "polyrl.kernels.fp8.scaled_mm:scaled_mm", devices=("cuda",), priority=10)
+
+
+def emulation_forced() -> bool:
+    """Whether ``POLYRL_KERNELS`` forces the reference FP8 GEMM (``reference`` or ``fp8_scaled_mm:reference``): FP8
+    training then runs emulated (dequantise + fp32 matmul) on any device, the CPU included."""
+    forced = parse_forced(envvars.get(envvars.POLYRL_KERNELS))
+    return forced.get("fp8_scaled_mm", forced.get(ANY)) == "reference"

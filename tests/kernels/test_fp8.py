@@ -1,0 +1,192 @@
+"""FP8 kernels: the quantisation contract (scales, rounding, saturation, zeros) on the reference, the Triton kernel
+bit-equal to it (under the interpreter on the CPU, compiled on the GPU), the scaled GEMM's reference against an
+explicit dequantised product, and ``torch._scaled_mm`` against the reference on an FP8 GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from polyrl import kernels
+from polyrl.kernels.fp8 import emulation_forced
+from polyrl.kernels.fp8 import reference as ref
+from polyrl.kernels.fp8.reference import FP8_MAX
+from polyrl.platform import device
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+SHAPES = [(1, 16), (7, 127), (33, 1025)]
+
+
+def _x(shape, dtype=torch.float32, seed=0, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_reference_quantize_contract(fp8, rowwise):
+    x = _x((7, 127))
+    x[3, 5] = 1000.0  # an outlier: tensor-wise, it sets everyone's scale; row-wise, only row 3's
+    q, s = ref.quantize(x, fp8, rowwise)
+    assert q.dtype == fp8 and s.dtype == torch.float32
+    assert s.shape == ((7, 1) if rowwise else ())
+    fmax = FP8_MAX[fp8]
+    amax = x.abs().amax(-1, keepdim=True) if rowwise else x.abs().amax()
+    torch.testing.assert_close(s, amax / fmax, rtol=2e-7, atol=0)
+    # the largest |x| of each scaling group lands exactly on the format's max
+    qa = q.float().abs()
+    assert torch.equal(qa.amax(-1, keepdim=True) if rowwise else qa.amax(), torch.full_like(s, fmax))
+    # round to nearest: |x - q*s| <= half a step; relative step of e4m3 is 2^-3, of e5m2 2^-2
+    rel = {E4M3: 2.0**-4, E5M2: 2.0**-3}[fp8]
+    deq = q.float() * s
+    normal = x.abs() / s >= {E4M3: 2.0**-6, E5M2: 2.0**-14}[fp8]
+    assert ((deq - x).abs() <= rel * x.abs() * (1 + 1e-6))[normal].all()
+    # small values fall below the format's normal range and keep only an absolute precision of half the smallest
+    # subnormal step: that is where tensor-wise scaling loses to row-wise next to an outlier
+    sub = {E4M3: 2.0**-10, E5M2: 2.0**-17}[fp8]
+    assert ((deq - x).abs() <= sub * s * (1 + 1e-6))[~normal].all()
+    if rowwise:  # the outlier sets only its own row's scale
+        assert s[3].item() == pytest.approx(1000.0 / fmax) and (s[torch.arange(7) != 3] < 12.0 / fmax).all()
+
+
+def test_reference_quantize_zeros_and_saturation():
+    q, s = ref.quantize(torch.zeros(4, 8), E4M3, True)
+    assert torch.equal(q.float(), torch.zeros(4, 8)) and torch.isfinite(s).all() and (s > 0).all()
+    x = torch.tensor([[1.0, -2.0, 3.0, -448.0 * 2]])
+    q, s = ref.quantize(x, E4M3)
+    assert q.float().abs().max().item() == 448.0 and torch.isfinite(q.float()).all()
+
+
+def _quant_impls():
+    impls = ["reference"]
+    if device.supports_fp8_gemm() or os.environ.get("TRITON_INTERPRET") == "1":
+        impls.append("triton")
+    return impls
+
+
+def _triton_device():
+    return "cuda" if device.device_type() == "cuda" else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_triton_quantize_bit_equal_to_reference(dtype, fp8, rowwise):
+    if "triton" not in _quant_impls():
+        pytest.skip("needs an FP8 GPU or TRITON_INTERPRET=1 (tests/kernels/test_fp8.py runs it both ways)")
+    from polyrl.kernels.fp8 import triton as tri
+
+    for i, shape in enumerate(SHAPES):
+        x = _x(shape, dtype, seed=i).to(_triton_device())
+        x[0, 0] = 0.0
+        q1, s1 = tri.quantize(x, fp8, rowwise)
+        q2, s2 = ref.quantize(x, fp8, rowwise)
+        assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)), shape
+        assert torch.equal(s1, s2), shape
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_reference_scaled_mm_is_the_dequantised_product(rowwise):
+    a, b = _x((7, 48), seed=1), _x((40, 48), seed=2)  # b as a weight [N, K]
+    aq, sa = ref.quantize(a, E4M3, rowwise)
+    bq, sb = ref.quantize(b, E4M3, rowwise)
+    sb_t = sb.reshape(1, -1) if rowwise else sb
+    out = ref.scaled_mm(aq, bq.t(), sa, sb_t, torch.float32)
+    expect = (aq.double() * sa.double()) @ (bq.double() * sb.double()).t()
+    torch.testing.assert_close(out.double(), expect, rtol=1e-6, atol=1e-5)
+    # and it approximates the unquantised product to FP8 accuracy (a few percent, not more)
+    rel = (out - a @ b.t()).norm() / (a @ b.t()).norm()
+    assert 1e-3 < rel.item() < 0.08, rel
+    assert ref.scaled_mm(aq, bq.t(), sa, sb_t, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_emulation_switch_reads_polyrl_kernels(monkeypatch):
+    monkeypatch.delenv("POLYRL_KERNELS", raising=False)
+    assert not emulation_forced()
+    monkeypatch.setenv("POLYRL_KERNELS", "fp8_scaled_mm:reference")
+    assert emulation_forced()
+    monkeypatch.setenv("POLYRL_KERNELS", "reference")
+    assert emulation_forced()
+    monkeypatch.setenv("POLYRL_KERNELS", "rmsnorm:reference")
+    assert not emulation_forced()
+
+
+def test_ops_dispatch_reference_on_cpu():
+    x = _x((5, 32))
+    q, s = kernels.fp8_quantize(x, E4M3, True)
+    q2, s2 = ref.quantize(x, E4M3, True)
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+    y = kernels.fp8_scaled_mm(q, q.t(), s, s.reshape(1, -1), torch.float32)
+    assert y.shape == (5, 5) and torch.allclose(y, ref.scaled_mm(q, q.t(), s, s.reshape(1, -1), torch.float32))
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_torch_scaled_mm_wrapper_layouts_and_padding_on_cpu(rowwise):
+    """The ``torch._scaled_mm`` wrapper (torch >= 2.10 has a CPU kernel too) on the operand layouts the FP8 linear
+    hands it: the forward's ``w.t()`` view, the input gradient's row-major weight (copied column-major), the weight
+    gradient's transposed dY with 18 tokens as the reduction dim (padded to 32), N = 20 (padded, row-wise scales
+    padded with ones). bf16 results are bit-equal to the reference's; fp32 within fp32 summation order."""
+    if not hasattr(torch, "_scaled_mm"):
+        pytest.skip("this torch has no _scaled_mm")
+    from polyrl.kernels.fp8.scaled_mm import scaled_mm
+
+    g = torch.Generator().manual_seed(0)
+    x, w, dy = torch.randn(18, 40, generator=g), torch.randn(20, 40, generator=g), torch.randn(18, 20, generator=g)
+    xq, xs = ref.quantize(x, E4M3, rowwise)
+    wq, ws = ref.quantize(w, E4M3, rowwise)
+    gq, gs = ref.quantize(dy, E5M2)
+    wt, xt = ref.quantize(w, E4M3), ref.quantize(x, E4M3)
+    calls = [
+        (xq, wq.t(), xs, ws.reshape(1, -1) if rowwise else ws),  # forward [18, 40] @ [40, 20]
+        (gq, wt[0], gs, wt[1]),  # input gradient [18, 20] @ [20, 40]
+        (gq.t(), xt[0], gs, xt[1]),  # weight gradient [20, 18] @ [18, 40]
+    ]
+    for a, b, sa, sb in calls:
+        try:
+            out = scaled_mm(a, b, sa, sb, torch.bfloat16)
+        except (RuntimeError, NotImplementedError) as exc:
+            pytest.skip(f"this torch's CPU _scaled_mm cannot: {exc}")
+        assert torch.equal(out, ref.scaled_mm(a, b, sa, sb, torch.bfloat16))
+        if not rowwise or a is not xq:  # (row-wise fp32 output is computed in bf16: checked above)
+            expect = ref.scaled_mm(a, b, sa, sb, torch.float32)
+            torch.testing.assert_close(scaled_mm(a, b, sa, sb, torch.float32), expect)
+
+
+# --- GPU: the fast paths at real shapes ----------------------------------------------------------------------------
+
+needs_fp8 = pytest.mark.skipif(not device.supports_fp8_gemm(), reason="needs a GPU with FP8 GEMMs (sm89+)")
+
+
+@pytest.mark.gpu
+@needs_fp8
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_gpu_triton_quantize_real_shapes(fp8, rowwise):
+    from polyrl.kernels.fp8 import triton as tri
+
+    for shape in [(8192, 2048), (4097, 6144), (1, 151936)]:
+        x = _x(shape, torch.bfloat16, seed=3).cuda()
+        q1, s1 = tri.quantize(x, fp8, rowwise)
+        q2, s2 = ref.quantize(x, fp8, rowwise)
+        assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s1, s2), shape
+
+
+@pytest.mark.gpu
+@needs_fp8
+@pytest.mark.parametrize("case", ["tensorwise", "rowwise", "e5m2_x_e4m3", "padded"])
+def test_gpu_scaled_mm_matches_reference(case):
+    from polyrl.kernels.fp8.scaled_mm import scaled_mm
+
+    m, k, n = (4096, 2048, 6144) if case != "padded" else (1000, 1000, 72)
+    a, w = _x((m, k), torch.bfloat16, seed=4).cuda(), _x((n, k), torch.bfloat16, seed=5, scale=0.02).cuda()
+    rowwise = case == "rowwise"
+    aq, sa = ref.quantize(a, E5M2 if case == "e5m2_x_e4m3" else E4M3, rowwise)
+    wq, sw = ref.quantize(w, E4M3, rowwise)
+    sw = sw.reshape(1, -1) if rowwise else sw
+    for fast in (False, True):
+        out = scaled_mm(aq, wq.t(), sa, sw, torch.bfloat16, fast)
+        expect = ref.scaled_mm(aq, wq.t(), sa, sw, torch.float32)
+        rel = ((out.float() - expect).norm() / expect.norm()).item()
+        assert out.shape == (m, n) and rel < (3e-3 if not fast else 6e-3), (case, fast, rel)
