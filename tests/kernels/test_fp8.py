@@ -95,7 +95,8 @@ def test_reference_scaled_mm_is_the_dequantised_product(rowwise):
     sb_t = sb.reshape(1, -1) if rowwise else sb
     out = ref.scaled_mm(aq, bq.t(), sa, sb_t, torch.float32)
     expect = (aq.double() * sa.double()) @ (bq.double() * sb.double()).t()
-    torch.testing.assert_close(out.double(), expect, rtol=1e-6, atol=1e-5)
+    # fp32 accumulation over K = 48 terms (the order depends on the thread count): ~1e-5 relative; FP8 itself errs by %
+    torch.testing.assert_close(out.double(), expect, rtol=1e-5, atol=1e-4)
     # and it approximates the unquantised product to FP8 accuracy (a few percent, not more)
     rel = (out - a @ b.t()).norm() / (a @ b.t()).norm()
     assert 1e-3 < rel.item() < 0.08, rel

@@ -76,6 +76,7 @@ def test_module_swap_keeps_parameters_and_targets_only_projections(tiny_model):
 
 
 def test_eval_mode_is_the_plain_linear():
+    torch.manual_seed(0)
     lin = nn.Linear(32, 24)
     ref_lin = nn.Linear(32, 24)
     ref_lin.load_state_dict(lin.state_dict())
@@ -86,7 +87,8 @@ def test_eval_mode_is_the_plain_linear():
     assert torch.equal(lin(x), ref_lin(x))
     holder.train()
     assert not torch.equal(lin(x), ref_lin(x))
-    torch.testing.assert_close(lin(x), ref_lin(x), rtol=0.1, atol=0.05)
+    # e4m3 rounds each operand by up to 2^-4 relative: the product's error is a few percent of its norm, not per element
+    assert (lin(x) - ref_lin(x)).norm() / ref_lin(x).norm() < 0.08
 
 
 def test_lora_layer_on_an_fp8_base():
