@@ -17,8 +17,9 @@ token ids, every sample generating exactly ``--gen-len`` tokens (EOS ignored). P
 
 ``--response-format json_schema`` (or ``json_object``) also times the same run with every sample constrained by a
 grammar (``SamplingParams.structured``: an array of tool calls that cannot close within ``--gen-len``, so every
-token is masked: ``BENCH_SCHEMA``), built with the preset's tokenizer: constrained tokens/s, its cost against the free run's decode phase
-(the issue's budget: at most 10% at batch 256 on the H200) and the grammar compilations (1: cached per schema).
+token is masked: ``BENCH_SCHEMA``), built with the preset's tokenizer: constrained tokens/s, its cost against the free
+run's decode phase (the issue's budget: at most 10% at batch 256 on the H200) and the grammar compilations (1: cached
+per schema).
 
 ``--decoder-options`` sets the built model's ``DecoderOptions``; ``--compare-parts`` times the decode path's parts
 (``PARTS``) on and off, the ``DecoderOptions`` ones by replacing the model's options. Copy bandwidth comes from

@@ -14,9 +14,12 @@ tokenizers with any vocabulary through its token trie, and its wheel installs wi
   it found, raised in ``LLM.add_request`` (the caller's thread: the server answers 400).
 - ``fill_bitmask(matchers, bitmask)``: each guided row's allowed tokens as bits (int32 words, LSB first) in a
   host buffer, computed in parallel by llguidance's executor (it releases the GIL).
-- ``apply_bitmask(logits, rows, bitmask)``: ``logits[rows]`` set to -inf where the bit is 0, in torch, batched,
-  on the logits' device (CPU or CUDA). The mask is applied to the logits *after* the model's forward (and after
-  a CUDA graph replay of it), so captured graphs stay valid. The mask of step N+1 depends on the token of step
+- ``MaskBuffers``: the persistent pinned host buffer those bits are computed into and the device buffer they are
+  copied to (queued, no host wait, no allocation per step). The sampler applies them with
+  ``kernels.apply_token_bitmask`` (one pass per guided row on the device: the masked logits and the logsumexps
+  of the unmasked and the masked rows; Triton on CUDA, torch reference elsewhere); ``apply_bitmask`` /
+  ``allowed_mask`` are that op's mask alone. The mask is applied to the logits *after* the model's forward (and
+  after a CUDA graph replay of it), so captured graphs stay valid. The mask of step N+1 depends on the token of step
   N, so guided batches decode one step per launch: with ``overlap_decode`` the forward of step N+1 is queued
   before step N's tokens are read, the host consumes them and computes the masks while the device runs that
   forward, and only the draw waits (``LLM._launch_guided``); no multi-step launches or launch graphs.
@@ -36,8 +39,11 @@ from typing import Any
 
 import torch
 
+from polyrl import kernels
 from polyrl.errors import UserError
 from polyrl.infer.sampling_params import StructuredOutputs
+from polyrl.kernels.token_bitmask.reference import unpack_bitmask
+from polyrl.platform import device as platform_device
 
 # JSON as Python's json.dumps writes it (and as chat templates render tool calls): ", " and ": ", no other whitespace
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -136,8 +142,8 @@ class GrammarCache:
 
     def fill_bitmask(self, matchers: list[Any], bitmask: torch.Tensor) -> None:
         """Row ``i`` of ``bitmask`` (int32 ``[>= len(matchers), words]``, CPU, contiguous) = the tokens matcher ``i``
-        allows next. A matcher in an error state (it cannot happen for tokens drawn under its own mask) allows only
-        EOS, so the sequence ends."""
+        allows next (every word of the row is written). A matcher in an error state (it cannot happen for tokens
+        drawn under its own mask) allows only EOS, so the sequence ends."""
         self._executor.unsafe_compute_mask_ptr(
             [(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), self.words * 4, bitmask.shape[0]
         )
@@ -160,37 +166,69 @@ class Guide:
         self.num_tokens += 1
 
 
-_BITS: dict[torch.device, torch.Tensor] = {}
+class MaskBuffers:
+    """The guided rows' bitmask of one step, made on the host and handed to the device without new allocations:
+    a persistent pinned host buffer that llguidance fills in place, and a persistent device buffer it is copied to
+    (queued, no wait). Before the host buffer is refilled, the host waits for the previous copy out of it (an event;
+    long done by then: the engine has read that step's tokens). Grows (to the next power of two rows) when a batch
+    has more guided rows than it holds. On the CPU the host buffer is the mask."""
 
+    def __init__(self) -> None:
+        self._host: torch.Tensor | None = None
+        self._dev: torch.Tensor | None = None
+        self._event: Any = None
 
-def _bit_values(dev: torch.device) -> torch.Tensor:
-    bits = _BITS.get(dev)
-    if bits is None:
-        bits = _BITS[dev] = (torch.ones(32, dtype=torch.int64) << torch.arange(32)).to(torch.int32).to(dev)
-    return bits
+    def fill(self, cache: GrammarCache, guides: list[Guide], dev: torch.device) -> torch.Tensor:
+        """int32 ``[len(guides), words]`` on ``dev``: the tokens each guide allows next."""
+        n, words = len(guides), cache.words
+        pinned = dev.type != "cpu"
+        host = self._host
+        if (
+            host is None
+            or host.shape[0] < n
+            or host.shape[1] != words
+            or (self._dev is not None) != pinned
+            or (pinned and self._dev.device != dev)
+        ):
+            cap = 1 << max(n - 1, 0).bit_length()
+            self._wait()
+            host = self._host = torch.empty((cap, words), dtype=torch.int32, pin_memory=pinned)
+            self._dev = torch.empty((cap, words), dtype=torch.int32, device=dev) if pinned else None
+        self._wait()
+        cache.fill_bitmask([g.matcher for g in guides], host[:n])
+        if not pinned:
+            return host[:n]
+        out = self._dev[:n]
+        out.copy_(host[:n], non_blocking=True)
+        self._event = platform_device.event(enable_timing=False)
+        if self._event is not None:
+            self._event.record()
+        return out
+
+    def _wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
 
 
 def allowed_mask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """bool ``[B, vocab]``: which tokens a bitmask ``[B, words]`` (int32 words, LSB first) allows."""
-    bits = (bitmask.unsqueeze(-1) & _bit_values(bitmask.device)) != 0  # [B, words, 32]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab]
+    return unpack_bitmask(bitmask, vocab)
 
 
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor) -> torch.Tensor:
-    """``logits`` (fp32 ``[B, V]``) with rows ``rows`` (int64 ``[G]``; None = every row) masked to -inf where
+    """``logits`` (``[B, V]``) with rows ``rows`` (int64 ``[G]``; None = every row) masked to -inf where
     ``bitmask`` (``[G, words]`` on the logits' device) has a 0 bit. Returns a new tensor; the input is left as it
-    was (the sampler reports log-probs of the unmasked distribution from it)."""
-    allowed = allowed_mask(bitmask, logits.shape[1])
-    if rows is None:
-        return logits.masked_fill(~allowed, float("-inf"))
-    out = logits.clone()
-    out[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-    return out
+    was (the sampler reports log-probs of the unmasked distribution from it). ``kernels.apply_token_bitmask``
+    does this and the two logsumexps the sampler needs in one pass."""
+    ones = torch.ones(logits.shape[0], device=logits.device)
+    return kernels.apply_token_bitmask(logits, bitmask, rows, ones)[0]
 
 
 __all__ = [
     "GrammarCache",
     "Guide",
+    "MaskBuffers",
     "apply_bitmask",
     "allowed_mask",
     "to_grammar",

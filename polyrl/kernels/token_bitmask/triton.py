@@ -87,7 +87,9 @@ def apply_token_bitmask(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(masked logits, lse, lse_masked); see ``polyrl.kernels.token_bitmask``."""
     if logits.dim() != 2 or bitmask.dim() != 2:
-        raise ValueError(f"expected logits [B, V] and bitmask [G, W], got {tuple(logits.shape)}, {tuple(bitmask.shape)}")
+        raise ValueError(
+            f"expected logits [B, V] and bitmask [G, W], got {tuple(logits.shape)}, {tuple(bitmask.shape)}"
+        )
     B, V = logits.shape
     G, W = bitmask.shape
     if 32 * W < V:
