@@ -17,8 +17,8 @@ tokenizers with any vocabulary through its token trie, and its wheel installs wi
 - ``MaskBuffers``: the persistent pinned host buffer those bits are computed into and the device buffer they are
   copied to (queued, no host wait, no allocation per step). The sampler applies them with
   ``kernels.apply_token_bitmask`` (one pass per guided row on the device: the masked logits and the logsumexps
-  of the unmasked and the masked rows; Triton on CUDA, torch reference elsewhere); ``apply_bitmask`` /
-  ``allowed_mask`` are that op's mask alone. The mask is applied to the logits *after* the model's forward (and
+  of the unmasked and the masked rows; Triton on CUDA, torch reference elsewhere); ``allowed_mask`` is
+  that op's mask alone, as booleans. The mask is applied to the logits *after* the model's forward (and
   after a CUDA graph replay of it), so captured graphs stay valid. The mask of step N+1 depends on the token of step
   N, so guided batches decode one step per launch: with ``overlap_decode`` the forward of step N+1 is queued
   before step N's tokens are read, the host consumes them and computes the masks while the device runs that
@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 
-from polyrl import kernels
 from polyrl.errors import UserError
 from polyrl.infer.sampling_params import StructuredOutputs
 from polyrl.kernels.token_bitmask.reference import unpack_bitmask
@@ -216,20 +215,10 @@ def allowed_mask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return unpack_bitmask(bitmask, vocab)
 
 
-def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor) -> torch.Tensor:
-    """``logits`` (``[B, V]``) with rows ``rows`` (int64 ``[G]``; None = every row) masked to -inf where
-    ``bitmask`` (``[G, words]`` on the logits' device) has a 0 bit. Returns a new tensor; the input is left as it
-    was (the sampler reports log-probs of the unmasked distribution from it). ``kernels.apply_token_bitmask``
-    does this and the two logsumexps the sampler needs in one pass."""
-    ones = torch.ones(logits.shape[0], device=logits.device)
-    return kernels.apply_token_bitmask(logits, bitmask, rows, ones)[0]
-
-
 __all__ = [
     "GrammarCache",
     "Guide",
     "MaskBuffers",
-    "apply_bitmask",
     "allowed_mask",
     "to_grammar",
     "json_schema_grammar_text",
