@@ -18,8 +18,8 @@ token ids, every sample generating exactly ``--gen-len`` tokens (EOS ignored). P
 ``--response-format json_schema`` (or ``json_object``) also times the same run with every sample constrained by a
 grammar (``SamplingParams.structured``: an array of tool calls that cannot close within ``--gen-len``, so every
 token is masked: ``BENCH_SCHEMA``), built with the preset's tokenizer: constrained tokens/s, its cost against the free
-run's decode phase (the issue's budget: at most 10% at batch 256 on the H200) and the grammar compilations (1: cached
-per schema).
+run's decode phase (the issue's budget: at most 10% at batch 256 on the H200), the grammar compilations (1: cached
+per schema) and the host time of the batched grammar masks per step (mean and slowest).
 
 ``--decoder-options`` sets the built model's ``DecoderOptions``; ``--compare-parts`` times the decode path's parts
 (``PARTS``) on and off, the ``DecoderOptions`` ones by replacing the model's options. Copy bandwidth comes from
@@ -439,8 +439,12 @@ def _constrained(llm, prompts: list[list[int]], args: argparse.Namespace, dev: t
     llm.reset_prefix_cache()
     _run_engine_phased(llm, prompts[: min(8, len(prompts))], 8, dev, so)  # warm-up: the one compilation
     llm.reset_prefix_cache()
+    cache = llm.grammar_cache()
+    cache.mask_calls, cache.mask_s, cache.mask_max_s = 0, 0.0, 0.0
     run = _run_engine_phased(llm, prompts, args.gen_len, dev, so)
     res["response_format"] = kind
+    res["grammar_mask_ms_mean"] = 1e3 * cache.mask_s / max(cache.mask_calls, 1)
+    res["grammar_mask_ms_max"] = 1e3 * cache.mask_max_s
     res["constrained_tok_s"] = args.batch * args.gen_len / run["total_s"]
     res["constrained_decode_tok_s"] = run["decode_tokens"] / run["decode_s"]
     res["constrained_decode_cost"] = 1.0 - res["constrained_decode_tok_s"] / res["engine_decode_tok_s"]
@@ -470,6 +474,8 @@ def _print(res: dict) -> None:
         ("constrained decode-phase tokens/s", "constrained_decode_tok_s", "{:,.0f}"),
         ("constrained decode cost vs free", "constrained_decode_cost", "{:.1%}"),
         ("grammar compilations", "grammar_compiles", "{}"),
+        ("grammar mask ms/step (host, mean)", "grammar_mask_ms_mean", "{:.2f}"),
+        ("grammar mask ms/step (host, max)", "grammar_mask_ms_max", "{:.2f}"),
         ("graph capture s (all buckets, once)", "graph_capture_s", "{:.2f}"),
     ]
     for label, key, fmt in rows:

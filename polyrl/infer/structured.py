@@ -10,8 +10,9 @@ tokenizers with any vocabulary through its token trie, and its wheel installs wi
 - ``GrammarCache(tokenizer, vocab_size, eos_ids)``: the llguidance tokenizer (built once per engine) and, per
   distinct ``StructuredOutputs`` (kind, spec), a compiled matcher kept as a template (an LRU of ``max_entries``):
   a request's sequences get ``deep_copy()`` s of it, which share the compiled grammar. ``compiles`` / ``hits``
-  count how often a schema was compiled or reused. A grammar llguidance refuses is a ``UserError`` naming what
-  it found, raised in ``LLM.add_request`` (the caller's thread: the server answers 400).
+  count how often a schema was compiled or reused; ``mask_calls`` / ``mask_s`` / ``mask_max_s`` the host time of
+  the batched masks (what a guided step waits for when it exceeds the forward). A grammar llguidance refuses is a
+  ``UserError`` naming what it found, raised in ``LLM.add_request`` (the caller's thread: the server answers 400).
 - ``fill_bitmask(matchers, bitmask)``: each guided row's allowed tokens as bits (int32 words, LSB first) in a
   host buffer, computed in parallel by llguidance's executor (it releases the GIL).
 - ``MaskBuffers``: the persistent pinned host buffer those bits are computed into and the device buffer they are
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -113,6 +115,9 @@ class GrammarCache:
         self.max_entries = max_entries
         self.compiles = 0
         self.hits = 0
+        self.mask_calls = 0  # fill_bitmask calls (one per guided step), their total and slowest host seconds
+        self.mask_s = 0.0
+        self.mask_max_s = 0.0
         self._cache: OrderedDict[StructuredOutputs, Any] = OrderedDict()
         self._lock = threading.Lock()
         self._executor = llg.LLExecutor()
@@ -143,9 +148,14 @@ class GrammarCache:
         """Row ``i`` of ``bitmask`` (int32 ``[>= len(matchers), words]``, CPU, contiguous) = the tokens matcher ``i``
         allows next (every word of the row is written). A matcher in an error state (it cannot happen for tokens
         drawn under its own mask) allows only EOS, so the sequence ends."""
+        t0 = time.perf_counter()
         self._executor.unsafe_compute_mask_ptr(
             [(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), self.words * 4, bitmask.shape[0]
         )
+        dt = time.perf_counter() - t0
+        self.mask_calls += 1
+        self.mask_s += dt
+        self.mask_max_s = max(self.mask_max_s, dt)
 
 
 class Guide:

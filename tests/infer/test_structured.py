@@ -188,7 +188,9 @@ def test_mask_buffers_are_persistent_and_every_word_is_written(llm):
         assert g.matcher.consume_tokens(llm.tokenizer.encode(text, add_special_tokens=False))
     bufs = MaskBuffers()
     cpu = torch.device("cpu")
+    calls, spent = cache.mask_calls, cache.mask_s
     first = bufs.fill(cache, guides, cpu)
+    assert cache.mask_calls == calls + 1 and cache.mask_s > spent and cache.mask_max_s > 0  # the bench reads these
     assert first.shape == (3, cache.words)
     fresh = torch.zeros((3, cache.words), dtype=torch.int32)
     cache.fill_bitmask([g.matcher for g in guides], fresh)
