@@ -16,7 +16,10 @@ noise comes from the same hash. Greedy rows (T == 0) take ``argmax(logits)``.
 
 Structured outputs: rows whose sequence has a ``guide`` (a grammar matcher, ``infer/structured.py``) get the
 grammar's token bitmask applied to their logits before top-k/top-p and the draw (greedy rows take the argmax of the
-masked logits); the engine feeds the drawn token to the matcher when it reads it (``LLM._accept``). Their reported
+masked logits): computed on the host into persistent buffers (``structured.MaskBuffers``), applied on the device by
+``kernels.apply_token_bitmask``, one pass per guided row that also gives the logsumexps of the unmasked and masked
+rows (so the unmasked log-prob of the drawn token is one gather, and logits stay in their dtype); the engine feeds
+the drawn token to the matcher when it reads it (``LLM._accept``). Their reported
 log-prob is, as for truncated rows, the one of the unmasked distribution (what the trainer recomputes); what the
 mask removed is measured per token as ``log(allowed probability mass)`` (``DrawPlan.masked_logmass``) and summed
 on the guide (``Guide.masked_logmass``), the rollout's mismatch. Guided rows never run inside a multi-step launch
@@ -35,7 +38,6 @@ import torch
 from polyrl import kernels
 from polyrl.infer.sampling_params import sample_seed
 from polyrl.infer.sequence import Sequence
-from polyrl.infer.structured import apply_bitmask
 
 SEED_RANGE = 2**62  # unseeded rows: base seed in [0, 2^62) plus the row index stays a valid int64
 
@@ -182,10 +184,24 @@ class DrawPlan:
     guided: list[int] | None = None  # rows with a grammar (structured outputs)
     guides: list | None = None  # their ``Guide`` s, in that order
     masked_logmass: torch.Tensor | None = None  # after a draw: [B] log(allowed mass) per row (0 on unguided rows)
+    guided_idx: torch.Tensor | None = None  # after a draw: the guided rows on the device (None: every row)
 
 
 class Sampler:
-    """Stateless: everything a row's draw depends on is in its sequence (seed, index, tokens generated)."""
+    """Stateless: everything a row's draw depends on is in its sequence (seed, index, tokens generated). It keeps
+    only buffers: the structured-output masks' (``MaskBuffers``, made on the first guided draw)."""
+
+    def __init__(self) -> None:
+        self._mask_buffers = None
+
+    @property
+    def _masks(self):
+        if self._mask_buffers is None:
+            # lazy: structured.py is imported only once a guided row is drawn (llguidance itself is optional)
+            from polyrl.infer.structured import MaskBuffers
+
+            self._mask_buffers = MaskBuffers()
+        return self._mask_buffers
 
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence], suppress: list[list[int] | None] | None = None
@@ -237,14 +253,15 @@ class Sampler:
         """Draw one token per row; ``step`` = how many tokens each row has drawn since ``plan`` was made. ``logits``
         in any float dtype: ``sample_tokens`` reads bf16 as fp32 (no fp32 copy); masked or truncated rows upcast."""
         masks = bool(suppress and any(suppress)) or plan.trunc_idx is not None or bool(plan.trunc_rows)
-        if masks or plan.guided:
+        if masks:
             logits = logits.float()
         rows = plan.rows
         inp, suppressed = _suppress_mask(logits, suppress)
+        lse = None
         if plan.guided:
             if step:
                 raise RuntimeError("guided rows cannot be drawn inside a multi-step launch")
-            inp = self._apply_grammar(inp, logits, plan)
+            inp, lse = self._apply_grammar(inp, logits, plan)
         if plan.trunc_idx is not None:
             # Truncated rows enter the kernel as their masked z at T = 1 (z * 1 == z, same noise, same draw).
             idx = plan.trunc_idx
@@ -253,6 +270,9 @@ class Sampler:
             inp[idx] = z
         offsets = rows.offsets + step if step else rows.offsets
         tokens, logprobs = kernels.sample_tokens(inp, plan.temps, rows.seeds, offsets, rows.greedy)
+        if lse is not None and not masks:
+            # Guided rows (nothing else masked): their unmasked log-prob from the logsumexp the mask pass computed.
+            return tokens, self._guided_logprobs(logits, tokens, logprobs, plan, lse)
         fix = sorted(set(plan.trunc_rows) | set(suppressed) | set(plan.guided or ()))
         if fix:
             # The kernel's log-prob is of what it was handed; these rows report the unmasked distribution.
@@ -262,25 +282,45 @@ class Sampler:
             logprobs = logprobs.index_copy(0, idx, lp)
         return tokens, logprobs
 
-    def _apply_grammar(self, inp: torch.Tensor, logits: torch.Tensor, plan: DrawPlan) -> torch.Tensor:
-        """``inp`` with each guided row's disallowed tokens at -inf; sets ``plan.masked_logmass`` ([B])."""
+    @staticmethod
+    def _guided_logprobs(
+        logits: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor, plan: DrawPlan, lse: torch.Tensor
+    ) -> torch.Tensor:
+        """``logprobs`` with each guided row's replaced by ``z[token] - lse`` (``lse``: logsumexp of its unmasked
+        z, ``[G]``): a gather of one logit per row, no second pass over the vocabulary."""
+        inv = plan.rows.inv_temps
+        if plan.guided_idx is None:  # every row guided
+            return logits.gather(-1, tokens[:, None])[:, 0].float() * inv - lse
+        idx = plan.guided_idx
+        lp = logits[idx, tokens[idx]].float() * inv[idx] - lse
+        return logprobs.index_copy(0, idx, lp)
+
+    def _apply_grammar(
+        self, inp: torch.Tensor, logits: torch.Tensor, plan: DrawPlan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``inp`` with each guided row's disallowed tokens at -inf, logsumexp ``[G]`` of each guided row's unmasked
+        z = ``logits / T``); sets ``plan.masked_logmass`` ([B]). The masks are computed on the host (llguidance, in
+        parallel) into persistent buffers and applied on the device in one pass (``kernels.apply_token_bitmask``)."""
         guides = plan.guides
-        cache = guides[0].cache
-        host = torch.zeros((len(guides), cache.words), dtype=torch.int32)
-        cache.fill_bitmask([g.matcher for g in guides], host)
         dev = logits.device
-        bitmask = host if dev.type == "cpu" else host.pin_memory().to(dev, non_blocking=True)
-        inv = plan.rows.inv_temps[:, None]
+        bitmask = self._masks.fill(guides[0].cache, guides, dev)
+        inv = plan.rows.inv_temps
         if len(guides) == logits.shape[0]:  # every row guided (a constrained rollout): no gathers
-            out = apply_bitmask(inp, None, bitmask)
-            plan.masked_logmass = torch.logsumexp(out * inv, -1) - torch.logsumexp(logits * inv, -1)
-            return out
-        idx = host_to_device(plan.guided, torch.int64, dev)
-        out = apply_bitmask(inp, idx, bitmask)
-        inv = inv[idx]
-        mass = torch.logsumexp(out[idx] * inv, -1) - torch.logsumexp(logits[idx] * inv, -1)
-        plan.masked_logmass = torch.zeros(logits.shape[0], device=dev).index_copy_(0, idx, mass)
-        return out
+            plan.guided_idx = None
+            out, lse, lse_masked = kernels.apply_token_bitmask(inp, bitmask, None, inv)
+        else:
+            plan.guided_idx = host_to_device(plan.guided, torch.int64, dev)
+            out, lse, lse_masked = kernels.apply_token_bitmask(inp, bitmask, plan.guided_idx, inv)
+        if inp is not logits:  # min_tokens suppressed ids in inp: the unmasked distribution is logits'
+            idx = plan.guided_idx
+            z = (logits if idx is None else logits[idx]) * (inv if idx is None else inv[idx])[:, None]
+            lse = torch.logsumexp(z, dim=-1)
+        mass = lse_masked - lse
+        if plan.guided_idx is None:
+            plan.masked_logmass = mass
+        else:
+            plan.masked_logmass = torch.zeros(logits.shape[0], device=dev).index_copy_(0, plan.guided_idx, mass)
+        return out, lse
 
     def _top_logprobs(
         self, logits: torch.Tensor, inv_temps: torch.Tensor, seqs: list[Sequence]

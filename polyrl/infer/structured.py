@@ -10,13 +10,17 @@ tokenizers with any vocabulary through its token trie, and its wheel installs wi
 - ``GrammarCache(tokenizer, vocab_size, eos_ids)``: the llguidance tokenizer (built once per engine) and, per
   distinct ``StructuredOutputs`` (kind, spec), a compiled matcher kept as a template (an LRU of ``max_entries``):
   a request's sequences get ``deep_copy()`` s of it, which share the compiled grammar. ``compiles`` / ``hits``
-  count how often a schema was compiled or reused. A grammar llguidance refuses is a ``UserError`` naming what
-  it found, raised in ``LLM.add_request`` (the caller's thread: the server answers 400).
+  count how often a schema was compiled or reused; ``mask_calls`` / ``mask_s`` / ``mask_max_s`` the host time of
+  the batched masks (what a guided step waits for when it exceeds the forward). A grammar llguidance refuses is a
+  ``UserError`` naming what it found, raised in ``LLM.add_request`` (the caller's thread: the server answers 400).
 - ``fill_bitmask(matchers, bitmask)``: each guided row's allowed tokens as bits (int32 words, LSB first) in a
   host buffer, computed in parallel by llguidance's executor (it releases the GIL).
-- ``apply_bitmask(logits, rows, bitmask)``: ``logits[rows]`` set to -inf where the bit is 0, in torch, batched,
-  on the logits' device (CPU or CUDA). The mask is applied to the logits *after* the model's forward (and after
-  a CUDA graph replay of it), so captured graphs stay valid. The mask of step N+1 depends on the token of step
+- ``MaskBuffers``: the persistent pinned host buffer those bits are computed into and the device buffer they are
+  copied to (queued, no host wait, no allocation per step). The sampler applies them with
+  ``kernels.apply_token_bitmask`` (one pass per guided row on the device: the masked logits and the logsumexps
+  of the unmasked and the masked rows; Triton on CUDA, torch reference elsewhere); ``allowed_mask`` is
+  that op's mask alone, as booleans. The mask is applied to the logits *after* the model's forward (and
+  after a CUDA graph replay of it), so captured graphs stay valid. The mask of step N+1 depends on the token of step
   N, so guided batches decode one step per launch: with ``overlap_decode`` the forward of step N+1 is queued
   before step N's tokens are read, the host consumes them and computes the masks while the device runs that
   forward, and only the draw waits (``LLM._launch_guided``); no multi-step launches or launch graphs.
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -38,6 +43,8 @@ import torch
 
 from polyrl.errors import UserError
 from polyrl.infer.sampling_params import StructuredOutputs
+from polyrl.kernels.token_bitmask.reference import unpack_bitmask
+from polyrl.platform import device as platform_device
 
 # JSON as Python's json.dumps writes it (and as chat templates render tool calls): ", " and ": ", no other whitespace
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -108,6 +115,9 @@ class GrammarCache:
         self.max_entries = max_entries
         self.compiles = 0
         self.hits = 0
+        self.mask_calls = 0  # fill_bitmask calls (one per guided step), their total and slowest host seconds
+        self.mask_s = 0.0
+        self.mask_max_s = 0.0
         self._cache: OrderedDict[StructuredOutputs, Any] = OrderedDict()
         self._lock = threading.Lock()
         self._executor = llg.LLExecutor()
@@ -136,11 +146,16 @@ class GrammarCache:
 
     def fill_bitmask(self, matchers: list[Any], bitmask: torch.Tensor) -> None:
         """Row ``i`` of ``bitmask`` (int32 ``[>= len(matchers), words]``, CPU, contiguous) = the tokens matcher ``i``
-        allows next. A matcher in an error state (it cannot happen for tokens drawn under its own mask) allows only
-        EOS, so the sequence ends."""
+        allows next (every word of the row is written). A matcher in an error state (it cannot happen for tokens
+        drawn under its own mask) allows only EOS, so the sequence ends."""
+        t0 = time.perf_counter()
         self._executor.unsafe_compute_mask_ptr(
             [(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), self.words * 4, bitmask.shape[0]
         )
+        dt = time.perf_counter() - t0
+        self.mask_calls += 1
+        self.mask_s += dt
+        self.mask_max_s = max(self.mask_max_s, dt)
 
 
 class Guide:
@@ -160,38 +175,60 @@ class Guide:
         self.num_tokens += 1
 
 
-_BITS: dict[torch.device, torch.Tensor] = {}
+class MaskBuffers:
+    """The guided rows' bitmask of one step, made on the host and handed to the device without new allocations:
+    a persistent pinned host buffer that llguidance fills in place, and a persistent device buffer it is copied to
+    (queued, no wait). Before the host buffer is refilled, the host waits for the previous copy out of it (an event;
+    long done by then: the engine has read that step's tokens). Grows (to the next power of two rows) when a batch
+    has more guided rows than it holds. On the CPU the host buffer is the mask."""
 
+    def __init__(self) -> None:
+        self._host: torch.Tensor | None = None
+        self._dev: torch.Tensor | None = None
+        self._event: Any = None
 
-def _bit_values(dev: torch.device) -> torch.Tensor:
-    bits = _BITS.get(dev)
-    if bits is None:
-        bits = _BITS[dev] = (torch.ones(32, dtype=torch.int64) << torch.arange(32)).to(torch.int32).to(dev)
-    return bits
+    def fill(self, cache: GrammarCache, guides: list[Guide], dev: torch.device) -> torch.Tensor:
+        """int32 ``[len(guides), words]`` on ``dev``: the tokens each guide allows next."""
+        n, words = len(guides), cache.words
+        pinned = dev.type != "cpu"
+        host = self._host
+        if (
+            host is None
+            or host.shape[0] < n
+            or host.shape[1] != words
+            or (self._dev is not None) != pinned
+            or (pinned and self._dev.device != dev)
+        ):
+            cap = 1 << max(n - 1, 0).bit_length()
+            self._wait()
+            host = self._host = torch.empty((cap, words), dtype=torch.int32, pin_memory=pinned)
+            self._dev = torch.empty((cap, words), dtype=torch.int32, device=dev) if pinned else None
+        self._wait()
+        cache.fill_bitmask([g.matcher for g in guides], host[:n])
+        if not pinned:
+            return host[:n]
+        out = self._dev[:n]
+        out.copy_(host[:n], non_blocking=True)
+        self._event = platform_device.event(enable_timing=False)
+        if self._event is not None:
+            self._event.record()
+        return out
+
+    def _wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
 
 
 def allowed_mask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """bool ``[B, vocab]``: which tokens a bitmask ``[B, words]`` (int32 words, LSB first) allows."""
-    bits = (bitmask.unsqueeze(-1) & _bit_values(bitmask.device)) != 0  # [B, words, 32]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab]
-
-
-def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor) -> torch.Tensor:
-    """``logits`` (fp32 ``[B, V]``) with rows ``rows`` (int64 ``[G]``; None = every row) masked to -inf where
-    ``bitmask`` (``[G, words]`` on the logits' device) has a 0 bit. Returns a new tensor; the input is left as it
-    was (the sampler reports log-probs of the unmasked distribution from it)."""
-    allowed = allowed_mask(bitmask, logits.shape[1])
-    if rows is None:
-        return logits.masked_fill(~allowed, float("-inf"))
-    out = logits.clone()
-    out[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-    return out
+    return unpack_bitmask(bitmask, vocab)
 
 
 __all__ = [
     "GrammarCache",
     "Guide",
-    "apply_bitmask",
+    "MaskBuffers",
     "allowed_mask",
     "to_grammar",
     "json_schema_grammar_text",

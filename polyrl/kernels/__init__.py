@@ -32,12 +32,14 @@ from polyrl.kernels import (  # noqa: E402,F401  isort: skip
     qk_norm_rope as _qk_norm_rope_pkg,
     moe as _moe_pkg,
     fp8 as _fp8_pkg,
+    token_bitmask as _token_bitmask_pkg,
 )
 
 # The op functions, bound after the op packages so that ``kernels.rmsnorm`` is the function, not its folder.
 from polyrl.kernels.ops import (  # noqa: E402  isort: skip
     PAGED_ATTENTION_GRAPH_HEAD_DIMS,
     apply_rope,
+    apply_token_bitmask,
     capture_keeps_fast_paths,
     dtype_name,
     fp8_quantize,
@@ -68,6 +70,7 @@ __all__ = [
     "registry",
     "rmsnorm",
     "apply_rope",
+    "apply_token_bitmask",
     "rope_cos_sin",
     "swiglu",
     "varlen_attention",

@@ -180,6 +180,17 @@ def sample_tokens(
     return _impl("sample_tokens", logits)(logits, temperature, seeds, offsets, greedy)
 
 
+def apply_token_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None, inv_temps: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A grammar's packed token bitmask on rows of logits: logits ``[B, V]`` (any float dtype), bitmask int32
+    ``[G, W]`` (bit ``v % 32`` of word ``v // 32``, LSB first; 0 forbids token v), rows int64 ``[G]`` (None: every
+    row, G == B), inv_temps fp32 ``[B]`` -> (masked logits ``[B, V]`` (a new tensor, -inf where forbidden), lse fp32
+    ``[G]`` of ``logits * inv_temps``, lse_masked fp32 ``[G]`` of the masked rows). Contract in
+    ``polyrl/kernels/token_bitmask/__init__.py``."""
+    return _impl("apply_token_bitmask", logits)(logits, bitmask, rows, inv_temps)
+
+
 def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     """``x [..., K] @ W^T -> [..., N]`` where ``W [N, K] = shape`` is stored as NF4: ``packed`` uint8 ``[N, Kp/2]``
     and ``absmax`` fp32 ``[N, Kp/64]`` (``Kp`` = K rounded up to 64; layout in ``kernels/nf4/reference.py``).

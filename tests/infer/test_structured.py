@@ -13,6 +13,7 @@ import torch
 
 from polyrl.errors import UserError
 from polyrl.infer import LLM, RolloutConfig, SamplingParams, StructuredOutputs
+from polyrl.infer.sampling_params import sample_seed
 from polyrl.infer.structured import allowed_mask
 
 SCHEMA = {
@@ -173,3 +174,72 @@ def test_overlapped_guided_steps_equal_synchronous_ones(tiny_model_dir):
         if sync.masked_logmass is not None:
             assert ahead.masked_logmass == pytest.approx(sync.masked_logmass, abs=1e-4)
             jsonschema.validate(json.loads(ahead.text), SCHEMA)
+
+
+def test_mask_buffers_are_persistent_and_every_word_is_written(llm):
+    """The host mask buffer is reused step after step (no allocation per step) and grows when a batch needs more
+    rows; llguidance writes every word of a row, so a reused buffer needs no clearing."""
+    from polyrl.infer.structured import MaskBuffers
+
+    cache = llm.grammar_cache()
+    so = StructuredOutputs.json_schema(SCHEMA)
+    guides = [cache.guide(so) for _ in range(3)]
+    for g, text in zip(guides[1:], ['{"name": "', '{"name": "ab", "age": 1']):
+        assert g.matcher.consume_tokens(llm.tokenizer.encode(text, add_special_tokens=False))
+    bufs = MaskBuffers()
+    cpu = torch.device("cpu")
+    calls, spent = cache.mask_calls, cache.mask_s
+    first = bufs.fill(cache, guides, cpu)
+    assert cache.mask_calls == calls + 1 and cache.mask_s > spent and cache.mask_max_s > 0  # the bench reads these
+    assert first.shape == (3, cache.words)
+    fresh = torch.zeros((3, cache.words), dtype=torch.int32)
+    cache.fill_bitmask([g.matcher for g in guides], fresh)
+    assert torch.equal(first, fresh)
+    dirty = torch.full((3, cache.words), -1, dtype=torch.int32)  # every bit set before the fill
+    cache.fill_bitmask([g.matcher for g in guides], dirty)
+    assert torch.equal(dirty, fresh)
+    n_allowed = allowed_mask(fresh, llm.vocab_size).sum(1).tolist()
+    assert n_allowed[0] == 1 and n_allowed[1] > 100 and 1 < n_allowed[2] < 100  # '{', any string token, digits
+    again = bufs.fill(cache, guides[::-1], cpu)
+    assert again.data_ptr() == first.data_ptr() and torch.equal(again, fresh.flip(0))
+    more = [cache.guide(so) for _ in range(6)] + guides  # a matcher appears once per batch (llguidance borrows it)
+    grown = bufs.fill(cache, more, cpu)
+    assert grown.shape == (9, cache.words) and torch.equal(grown[6:], fresh)
+
+
+def test_guided_draw_equals_the_plain_torch_computation(llm):
+    """The sampler's guided draw (mask op, then sample_tokens, unmasked log-prob from the op's logsumexp) against
+    the same draw written out in torch: tokens, log-probs and masked mass, with unguided rows in the batch."""
+    from polyrl.infer.sampler import Sampler
+    from polyrl.infer.sequence import Sequence
+    from polyrl.kernels.sampling.reference import sample_tokens
+
+    cache = llm.grammar_cache()
+    so = StructuredOutputs.json_schema(SCHEMA)
+    seqs = []
+    for i, (t, guided) in enumerate([(1.0, True), (0.7, False), (0.0, True), (1.3, True)]):
+        s = Sequence(i, f"r{i}", 0, [1, 2, 3], SamplingParams(temperature=t, seed=10 + i, max_tokens=5), 0.0, False)
+        if guided:
+            s.guide = cache.guide(so)
+        seqs.append(s)
+    seqs[3].guide.matcher.consume_tokens(llm.tokenizer.encode('{"name": "', add_special_tokens=False))
+    logits = torch.randn(4, llm.vocab_size, generator=torch.Generator().manual_seed(0)) * 4
+    out = Sampler()(logits, seqs)
+    bm = torch.zeros((4, cache.words), dtype=torch.int32)
+    cache.fill_bitmask([s.guide.matcher if s.guide else cache.guide(so).matcher for s in seqs], bm)
+    allowed = allowed_mask(bm, llm.vocab_size)
+    allowed[1] = True  # the unguided row
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    temps = torch.tensor([1.0, 0.7, 1.0, 1.3])
+    seeds = torch.tensor([sample_seed(10 + i, 0) for i in range(4)])
+    tokens, _ = sample_tokens(
+        masked, temps, seeds, torch.zeros(4, dtype=torch.int64), torch.tensor([0, 0, 1, 0]).bool()
+    )
+    assert out.tokens == tokens.tolist()
+    z = logits / temps[:, None]
+    want_lp = torch.log_softmax(z, -1).gather(1, tokens[:, None])[:, 0]
+    assert out.logprobs == pytest.approx(want_lp.tolist(), abs=1e-5)
+    mass = torch.logsumexp(masked / temps[:, None], -1) - torch.logsumexp(z, -1)
+    assert out.masses == pytest.approx(mass.tolist(), abs=1e-5)
+    assert out.masses[1] == 0.0 and out.masses[0] < 0 and out.masses[3] > -1.0  # the string state allows most
+    assert bool(allowed[0, out.tokens[0]]) and bool(allowed[3, out.tokens[3]])
