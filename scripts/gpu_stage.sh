@@ -205,9 +205,11 @@ for s in "$@"; do
     multi-gpu) TAIL=60 stage multi-gpu 590 bash tests/distributed/run_multi_gpu.sh ;;
     # The whole single-GPU marked suite in one go (issue 13: < 8 min on a cold Triton cache); slowest tests listed.
     # pytest-xdist (on the device image) runs test files in GPU_TEST_WORKERS processes sharing the one GPU: the suite's
-    # time is mostly compiles (Triton, inductor) and host work, which overlap; no test asserts a timing.
+    # time is mostly compiles (Triton, inductor) and host work, which overlap; no test asserts a timing. Each worker
+    # sizes its engines' KV caches from its share of the GPU's memory (POLYRL_DEVICE_MEMORY_SHARE).
     gpu-tests) TAIL=60 stage gpu-tests 590 bash -c "W=\${GPU_TEST_WORKERS:-3}; X=''; \
-      python3 -c 'import xdist' 2>/dev/null && [ \"\$W\" -gt 1 ] && X=\"-n \$W --dist loadfile\"; \
+      python3 -c 'import xdist' 2>/dev/null && [ \"\$W\" -gt 1 ] && X=\"-n \$W --dist loadfile\" \
+        && export POLYRL_DEVICE_MEMORY_SHARE=\$(python3 -c \"print(round(0.95 / \$W, 3))\"); \
       python3 -m pytest -m 'gpu and not multi_gpu' -q -rfE --timeout=300 --durations=25 -p no:cacheprovider \$X tests" ;;
     *) echo "unknown stage $s" ;;
   esac

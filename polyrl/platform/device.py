@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from polyrl.platform import kb
+from polyrl.errors import UserError
+from polyrl.platform import envvars, kb
 from polyrl.platform.fp8 import fp8_gemm_from_facts
 
 try:
@@ -134,10 +135,34 @@ def reset_peak_memory_stats() -> None:
 
 
 def mem_get_info() -> tuple[int, int]:
-    """(free, total) bytes on the current device; (0, 0) where unknown."""
+    """(free, total) bytes on the current device; (0, 0) where unknown. With ``POLYRL_DEVICE_MEMORY_SHARE`` = s, the
+    device looks s times its size to this process: total * s, and free = what of that share this process has not
+    reserved yet (at most the device's real free memory)."""
     dt = device_type()
     fn = getattr(_mod(), "mem_get_info", None) if dt != "cpu" else None
-    return tuple(int(x) for x in fn()) if fn else (0, 0)  # type: ignore[return-value]
+    if not fn:
+        return (0, 0)
+    free, total = (int(x) for x in fn())
+    share = memory_share()
+    if share < 1.0:
+        total = int(total * share)
+        reserved = getattr(_mod(), "memory_reserved", None)
+        free = max(0, min(free, total - (int(reserved()) if reserved else 0)))
+    return free, total
+
+
+def memory_share() -> float:
+    """``POLYRL_DEVICE_MEMORY_SHARE`` as a fraction in (0, 1] (1 when unset); anything else is a ``UserError``."""
+    raw = envvars.get(envvars.POLYRL_DEVICE_MEMORY_SHARE)
+    if raw is None:
+        return 1.0
+    try:
+        share = float(raw)
+    except ValueError:
+        share = -1.0
+    if not 0.0 < share <= 1.0:
+        raise UserError(f"POLYRL_DEVICE_MEMORY_SHARE must be a fraction in (0, 1], e.g. 0.3; got {raw!r}")
+    return share
 
 
 def name(index: int = 0) -> str:

@@ -31,7 +31,13 @@ POLYRL_API_KEY = EnvVar(
     "POLYRL_API_KEY", "API key `polyrl serve` requires (as `Authorization: Bearer KEY`); --api-key wins."
 )
 
-ALL: tuple[EnvVar, ...] = (POLYRL_KERNELS, POLYRL_PLATFORM, POLYRL_DEBUG, POLYRL_API_KEY)
+POLYRL_DEVICE_MEMORY_SHARE = EnvVar(
+    "POLYRL_DEVICE_MEMORY_SHARE",
+    "A fraction in (0, 1]: each process sizes its memory (the KV cache, colocated budgets) as if the device had only "
+    "that share of its memory, for several processes sharing one device (e.g. test workers).",
+)
+
+ALL: tuple[EnvVar, ...] = (POLYRL_KERNELS, POLYRL_PLATFORM, POLYRL_DEBUG, POLYRL_API_KEY, POLYRL_DEVICE_MEMORY_SHARE)
 
 
 def get(var: EnvVar, default: str | None = None) -> str | None:
