@@ -209,7 +209,7 @@ for s in "$@"; do
     # sizes its engines' KV caches from its share of the GPU's memory (POLYRL_DEVICE_MEMORY_SHARE).
     gpu-tests) TAIL=60 stage gpu-tests 590 bash -c "W=\${GPU_TEST_WORKERS:-3}; X=''; \
       python3 -c 'import xdist' 2>/dev/null && [ \"\$W\" -gt 1 ] && X=\"-n \$W --dist loadfile\" \
-        && export POLYRL_DEVICE_MEMORY_SHARE=\$(python3 -c \"print(round(0.95 / \$W, 3))\"); \
+        && export POLYRL_DEVICE_MEMORY_SHARE=\$(python3 -c \"print(round(0.85 / \$W, 3))\"); \
       python3 -m pytest -m 'gpu and not multi_gpu' -q -rfE --timeout=300 --durations=25 -p no:cacheprovider \$X tests" ;;
     *) echo "unknown stage $s" ;;
   esac

@@ -7,6 +7,8 @@
 - ``tiny_model``: a factory ``tiny_model(family="qwen3", seed=0, **hf_overrides) -> DecoderLM`` (fp32, CPU,
   random HF-style init).
 
+- ``_return_gpu_memory_between_parallel_tests`` (autouse): under pytest-xdist, each test's cached GPU memory is
+  returned to the device when it ends (several workers share one GPU in the GPU suite).
 - ``_restore_torch_global_modes`` (autouse): a test that builds a deterministic ``TrainEngine`` turns on
   ``torch.use_deterministic_algorithms`` for the process (what a run wants); the flag is put back after each
   test (to torch's default, off) so that later tests see the default.
@@ -27,6 +29,23 @@ def _restore_torch_global_modes():
 
     yield
     torch.use_deterministic_algorithms(False)
+
+
+@pytest.fixture(autouse=True)
+def _return_gpu_memory_between_parallel_tests():
+    """Under pytest-xdist (the GPU suite runs test files in several processes on one GPU), memory a finished test
+    freed goes back to the device, so the next test of another worker can have it (torch's allocator keeps it)."""
+    import os
+
+    yield
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import gc
+
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            gc.collect()
+            torch.cuda.empty_cache()
 
 
 # Per family: config.json fields that exercise what the family adds over plain Llama.

@@ -70,7 +70,10 @@ def quantize_rows(t: torch.Tensor, out: torch.Tensor | None = None) -> tuple[tor
     scales = torch.empty(t.shape[0], dtype=torch.float32, device=t.device)
     for r in range(0, t.shape[0], QUANT_CHUNK_ROWS):
         part = t[r : r + QUANT_CHUNK_ROWS].float()
-        s = part.abs().amax(dim=1).clamp_min(AMAX_FLOOR) / FP8_MAX
+        amax = part.abs().amax(dim=1).clamp_min(AMAX_FLOOR)
+        # a tensor divisor: CUDA turns ``tensor / python_float`` into a multiply by the rounded reciprocal (two
+        # roundings), the CPU divides; this is the correctly rounded quotient on every device (and the Triton kernel's)
+        s = amax.div(torch.full_like(amax, FP8_MAX))
         q[r : r + QUANT_CHUNK_ROWS] = (part / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         scales[r : r + QUANT_CHUNK_ROWS] = s
     return q, scales

@@ -137,7 +137,7 @@ def reset_peak_memory_stats() -> None:
 def mem_get_info() -> tuple[int, int]:
     """(free, total) bytes on the current device; (0, 0) where unknown. With ``POLYRL_DEVICE_MEMORY_SHARE`` = s, the
     device looks s times its size to this process: total * s, and free = what of that share this process has not
-    reserved yet (at most the device's real free memory)."""
+    allocated yet (at most the device's free memory plus the unused memory its allocator holds)."""
     dt = device_type()
     fn = getattr(_mod(), "mem_get_info", None) if dt != "cpu" else None
     if not fn:
@@ -146,8 +146,12 @@ def mem_get_info() -> tuple[int, int]:
     share = memory_share()
     if share < 1.0:
         total = int(total * share)
-        reserved = getattr(_mod(), "memory_reserved", None)
-        free = max(0, min(free, total - (int(reserved()) if reserved else 0)))
+        mod = _mod()
+        allocated = int(mod.memory_allocated()) if hasattr(mod, "memory_allocated") else 0
+        cached = int(mod.memory_reserved()) - allocated if hasattr(mod, "memory_reserved") else 0
+        # what this process can still take: its share minus what it uses; the device's free memory plus what this
+        # process's allocator holds unused (free blocks it reuses before asking the device) caps it
+        free = max(0, min(free + cached, total - allocated))
     return free, total
 
 

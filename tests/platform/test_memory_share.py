@@ -7,7 +7,8 @@ from polyrl.platform import device
 
 
 class _FakeAccel:
-    """The two calls mem_get_info reads, with fixed numbers (a 100 GiB device, 80 free, 10 reserved by us)."""
+    """The calls mem_get_info reads, with fixed numbers (a 100 GiB device, 80 free; this process's allocator holds
+    10 GiB, of which 6 are allocated and 4 cached for reuse)."""
 
     @staticmethod
     def mem_get_info():
@@ -16,6 +17,10 @@ class _FakeAccel:
     @staticmethod
     def memory_reserved():
         return 10 * 2**30
+
+    @staticmethod
+    def memory_allocated():
+        return 6 * 2**30
 
 
 @pytest.fixture
@@ -33,7 +38,7 @@ def test_a_share_scales_total_and_counts_what_this_process_holds(fake_accelerato
     monkeypatch.setenv("POLYRL_DEVICE_MEMORY_SHARE", "0.3")
     free, total = device.mem_get_info()
     assert total == int(100 * 2**30 * 0.3)
-    assert free == total - 10 * 2**30  # 30 GiB share minus our 10 reserved; below the device's 80 free
+    assert free == total - 6 * 2**30  # the 30 GiB share minus our 6 allocated (the 4 cached ones are reusable)
 
 
 def test_a_share_never_reports_more_free_than_the_device_has(fake_accelerator, monkeypatch):
@@ -41,7 +46,7 @@ def test_a_share_never_reports_more_free_than_the_device_has(fake_accelerator, m
     assert device.mem_get_info() == (80 * 2**30, 100 * 2**30)
     monkeypatch.setattr(_FakeAccel, "mem_get_info", staticmethod(lambda: (5 * 2**30, 100 * 2**30)))
     monkeypatch.setenv("POLYRL_DEVICE_MEMORY_SHARE", "0.5")
-    assert device.mem_get_info() == (5 * 2**30, 50 * 2**30)
+    assert device.mem_get_info() == ((5 + 4) * 2**30, 50 * 2**30)  # the device's 5 free plus our 4 cached
 
 
 @pytest.mark.parametrize("bad", ["0", "1.5", "half", "-0.2"])

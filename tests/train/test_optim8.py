@@ -214,7 +214,7 @@ def test_config_choices_and_refusals():
 def test_offloaded_step_equals_on_device_step_cuda(name):
     """On CUDA: the offloaded adamw8bit step streams each bucket through the same Triton kernel, so it equals the
     on-device one exactly; torch's fused CUDA AdamW and its CPU foreach AdamW differ in the last fp32 bits (the CPU's
-    vectorised sqrt is not correctly rounded), so there the bf16 weights agree to one ulp. No clipping: the device's
+    vectorised sqrt is not correctly rounded), so there the bf16 weights agree to two ulps (1% of a step near 0). No clipping: the device's
     grad norm of fp32 grads and the offloaded one of bf16 grads need not reduce in the same order on CUDA."""
 
     def build(offload: str):
@@ -230,5 +230,7 @@ def test_offloaded_step_equals_on_device_step_cuda(name):
         if name == "adamw8bit":
             assert torch.equal(p, q)
         else:
-            ulp = torch.finfo(torch.bfloat16).eps * p.float().abs().clamp_min(1e-6) * 2
-            assert bool(((p.float() - q.float()).abs() <= ulp).all())
+            # two bf16 ulps of the weight, or 1% of one lr-sized Adam step for weights near 0 (where a last-bit
+            # difference in m / sqrt(v) moves the update by more than the weight's own ulp)
+            ulp = torch.finfo(torch.bfloat16).eps * p.float().abs() * 2
+            assert bool(((p.float() - q.float()).abs() <= ulp + 1e-2 * 1e-2).all())

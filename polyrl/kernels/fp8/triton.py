@@ -43,11 +43,14 @@ def _fp8_round(v, MBITS: tl.constexpr, EMIN: tl.constexpr):
     """``v`` (fp32, already clamped to the fp8 range) rounded to nearest-even on the fp8 grid of ``MBITS`` mantissa
     bits and smallest normal exponent ``EMIN``, still fp32. The cast to fp8 is then exact, whatever rounding that
     conversion does (the Triton 3.9 interpreter's fp32 -> e4m3 cast drops the carry into the exponent: 125.9 -> 64)."""
-    e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    bits = v.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
     k = tl.maximum(e, EMIN) - MBITS  # the grid step is 2^k
-    y = v * _pow2(-k)  # |y| <= 2^(MBITS+1): exact
+    y = tl.abs(v) * _pow2(-k)  # |y| <= 2^(MBITS+1): exact
     magic = 12582912.0  # 1.5 * 2^23: (y + magic) - magic rounds y to an integer, ties to even
-    return ((y + magic) - magic) * _pow2(k)
+    r = ((y + magic) - magic) * _pow2(k)
+    # the sign put back from v's sign bit: a tiny negative value rounds to -0 (as torch's cast gives), not +0
+    return tl.where(bits < 0, -r, r)
 
 
 @triton.jit
