@@ -47,6 +47,7 @@ class DistillDemo:
     seed: int = 0
     task: str = TASK
     noise: float = 0.6  # the student's flawed demonstrations
+    teacher_preset: str = "small"
     teacher_steps: int = 300
     teacher_lr: float = 1e-3
     student_steps: int = 60
@@ -132,7 +133,7 @@ def _distill(student: Path, teacher: Path, out: Path, d: DistillDemo) -> Path:
 def teacher_model(d: DistillDemo, t0: float) -> Path:
     """The SFT'd ``small`` teacher, trained once and cached under ``<out>/teacher`` (keyed by its settings)."""
     root = Path(d.out) / "teacher"
-    key = {"task": d.task, "steps": d.teacher_steps, "lr": d.teacher_lr, "seed": d.seed}
+    key = {"preset": d.teacher_preset, "task": d.task, "steps": d.teacher_steps, "lr": d.teacher_lr, "seed": d.seed}
     final = root / "sft" / runner.FINAL_DIR
     stamp = root / "settings.json"
     if final.is_dir() and stamp.is_file() and json.loads(stamp.read_text()) == key:
@@ -140,8 +141,8 @@ def teacher_model(d: DistillDemo, t0: float) -> Path:
         return final
     if root.exists():
         shutil.rmtree(root)
-    base = create_model_from_preset("small", root / "base", seed=d.seed)
-    _log(t0, f"teacher: SFT of a random small model, {d.teacher_steps} steps on {d.task}, lr {d.teacher_lr}")
+    base = create_model_from_preset(d.teacher_preset, root / "base", seed=d.seed)
+    _log(t0, f"teacher: SFT of a random {d.teacher_preset} model, {d.teacher_steps} steps on {d.task}, lr {d.teacher_lr}")
     final = _sft(base, root / "sft", d.task, d.teacher_steps, d.teacher_lr, d)
     stamp.write_text(json.dumps(key))
     return final
