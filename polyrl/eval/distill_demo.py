@@ -41,7 +41,7 @@ TASK = "builtin:arithmetic?max=99&max_b=2&ops=+&test=0.2"
 
 @dataclass
 class DistillDemo:
-    """The demo's settings (the defaults are the measured recipe; see docs/evaluation.md)."""
+    """The demo's settings (the defaults are the measured recipe; its numbers are in the README)."""
 
     out: str = "runs/demo-distill"
     seed: int = 0
@@ -50,7 +50,7 @@ class DistillDemo:
     teacher_preset: str = "small"
     teacher_steps: int = 300
     teacher_lr: float = 1e-3
-    student_steps: int = 60
+    student_steps: int = 300
     student_lr: float = 3e-3
     distill_steps: int = 40
     distill_lr: float = 1e-3
