@@ -8,10 +8,10 @@ advantages (``grpo.make_policy_loss``), so with one optimizer step per batch it 
 ``-KL(student || teacher)`` on the student's own samples (on-policy distillation, as in GKD / Tinker's recipe).
 
 The teacher (``polyrl.algorithms.teacher``) runs in-process on the default device, frozen, in its own rollout engine
-(its log-probs: the engine's prompt log-probs of ``prompt + completion``), or behind a server. The student's log-probs are the
-rollout engine's (at the sampling temperature, which must be 1 so both are of the raw distributions). Student and
-teacher must share a tokenizer (checked on the first step against the run's tokenizer: same vocabulary). A remote
-teacher (``--teacher-url``: ``polyrl serve`` or vLLM) is ``polyrl.algorithms.remote_teacher``.
+(its log-probs: the engine's prompt log-probs of ``prompt + completion``), or behind a server. The student's
+log-probs are the rollout engine's (at the sampling temperature, which must be 1 so both are of the raw
+distributions). Student and teacher must share a tokenizer (checked on the first step against the run's tokenizer).
+A remote teacher (``--teacher-url``: ``polyrl serve`` or vLLM) is ``polyrl.algorithms.remote_teacher``.
 
 ``TeacherTerm`` is the per-token term on its own: GRPO / GSPO / PPO runs given ``--teacher`` / ``--teacher-url`` add
 it, times ``teacher_coef``, to their task-reward advantages (``OnlineRun.step``; PPO after GAE and whitening).
@@ -43,7 +43,8 @@ class DistillConfig(GRPOConfig):
         name = self.table_name()
         if not self.has_teacher:
             raise ConfigError(
-                f"{name}.teacher is empty; give the teacher model folder (--teacher DIR) or a server (--teacher-url URL)"
+                f"{name}.teacher is empty; give the teacher model folder (--teacher DIR) or a server "
+                "(--teacher-url URL)"
             )
         if self.teacher_coef < 0 or self.reward_coef < 0 or self.teacher_coef + self.reward_coef == 0:
             raise ConfigError(f"{name}.teacher_coef and reward_coef must be >= 0 and not both 0")

@@ -128,7 +128,6 @@ class OnlineConfig:
         if not isinstance(self.reward, str) or not self.reward.strip():
             raise ConfigError(f"{name}.reward is empty; pass --reward NAME or --reward path/to/file.py:fn")
 
-
     @property
     def has_teacher(self) -> bool:
         return bool(self.teacher or self.teacher_url)

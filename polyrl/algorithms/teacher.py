@@ -137,6 +137,4 @@ def add_token_term(adv: list[Any], term: list[list[float]]) -> list[list[float]]
     return out
 
 
-
-
 __all__ = ["TeacherScorer", "TeacherTerm", "add_token_term"]

@@ -243,8 +243,15 @@ def _row_line(r: dict[str, Any]) -> str:
     )
 
 
-def _row(backend: str, load: float, total: float, box: dict[str, float], outs: list[Any], ref: list[Any] | None,
-         kind: str = "ll") -> dict[str, Any]:
+def _row(
+    backend: str,
+    load: float,
+    total: float,
+    box: dict[str, float],
+    outs: list[Any],
+    ref: list[Any] | None,
+    kind: str = "ll",
+) -> dict[str, Any]:
     """One backend's row: ``phase_s`` is the log-likelihood (``kind="ll"``) or generation (``"gen"``) phase;
     against the reference run, the max abs log-likelihood difference or the fraction of identical texts."""
     phase = box.get("phase_s", 0.0)

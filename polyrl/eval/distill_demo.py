@@ -1,4 +1,4 @@
-"""``polyrl demo --distill``: on-policy distillation of a ``small`` arithmetic teacher into a ``tiny`` student, on the CPU.
+"""``polyrl demo --distill``: on-policy distillation of a ``small`` arithmetic teacher into a ``tiny`` student (CPU).
 
 Stages (each through the same RunConfig + runner as ``polyrl train``):
 
@@ -30,8 +30,8 @@ from polyrl.data.config import DataConfig
 from polyrl.data.dataset import load_prompts
 from polyrl.models import tokenizer as tk
 from polyrl.models.checkpoint import load_model, load_tokenizer, save_model
-from polyrl.models.decoder import build_model
 from polyrl.models.config import ModelConfig
+from polyrl.models.decoder import build_model
 from polyrl.models.presets import create_model_from_preset, get_preset
 from polyrl.run import config as run_config
 from polyrl.run.evaluate import exact_match
@@ -142,7 +142,9 @@ def teacher_model(d: DistillDemo, t0: float) -> Path:
     if root.exists():
         shutil.rmtree(root)
     base = create_model_from_preset(d.teacher_preset, root / "base", seed=d.seed)
-    _log(t0, f"teacher: SFT of a random {d.teacher_preset} model, {d.teacher_steps} steps on {d.task}, lr {d.teacher_lr}")
+    _log(
+        t0, f"teacher: SFT of a random {d.teacher_preset} model, {d.teacher_steps} steps on {d.task}, lr {d.teacher_lr}"
+    )
     final = _sft(base, root / "sft", d.task, d.teacher_steps, d.teacher_lr, d)
     stamp.write_text(json.dumps(key))
     return final

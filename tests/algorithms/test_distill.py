@@ -131,8 +131,8 @@ def test_distill_gradient_is_the_reverse_kl_gradient(tiny_model_dir, sharp_teach
 
 
 def test_teacher_scores_equal_a_plain_forward(teacher_dir):
-    from polyrl.algorithms.teacher import TeacherScorer
     from polyrl.algorithms.rl_batch import Sample
+    from polyrl.algorithms.teacher import TeacherScorer
     from polyrl.models.attention_metadata import AttnMetadata
 
     torch.set_num_threads(1)

@@ -75,7 +75,7 @@ def test_unreachable_teacher_fails_after_retries():
     remote = RemoteTeacher(f"http://127.0.0.1:{port}/v1", timeout=2, retries=2, backoff=0.01)
     t0 = time.perf_counter()
     with pytest.raises(TeacherServerError, match="failed 3 time"):
-        remote.model
+        _ = remote.model
     assert remote.requests == 3 and remote.retried == 2 and time.perf_counter() - t0 < 10
 
 

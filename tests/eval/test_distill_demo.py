@@ -23,7 +23,9 @@ def test_short_distill_demo_reverse_kl_falls(tmp_path, capsys):
         eval_size=10,
     )
     res = run_distill_demo(d)
-    kl = [json.loads(x)["reverse_kl"] for x in (tmp_path / "demo" / "distill" / "metrics.jsonl").read_text().splitlines()]
+    kl = [
+        json.loads(x)["reverse_kl"] for x in (tmp_path / "demo" / "distill" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert len(kl) == 10 and all(k > 0 for k in kl)
     # a 150-step tiny teacher measured 0.81, 0.64 (first) -> 0.57, 0.32 (last); 0.85 x leaves room for the noise
     assert res["kl_last"] < 0.85 * res["kl_first"], kl
