@@ -6,9 +6,10 @@ Stages (each through the same RunConfig + runner as ``polyrl train``):
    second run with the same settings reuses it); its own held-out accuracy is measured first, since a student
    can only be pulled towards what the teacher knows.
 2. student: a random ``tiny``-shaped model (hidden 64, 2 layers) with the TEACHER's tokenizer (so its vocabulary is
-   the small preset's 4096: distillation compares log-probs of the same token ids), SFT'd briefly on flawed
-   demonstrations (``noise``: most answers off by one), so it samples the right answer sometimes and greedily
-   prefers a wrong one.
+   the small preset's 4096: distillation compares log-probs of the same token ids), SFT'd on flawed demonstrations
+   (``noise``: most answers off by one), so it samples the right answer sometimes and greedily often prefers a wrong
+   one. 600 steps: at 300 one seed of three stayed on the loss plateau (3.5% held-out), where the student's samples
+   hold no answer for the teacher to sharpen and distillation moved nothing.
 3. distill: ``polyrl train --algo distill --teacher <teacher>``: the student samples, the teacher scores those exact
    tokens, per-token reverse KL as the negative advantage. Held-out exact match before and after, the reverse KL
    per step.
@@ -41,7 +42,8 @@ TASK = "builtin:arithmetic?max=99&max_b=2&ops=+&test=0.2"
 
 @dataclass
 class DistillDemo:
-    """The demo's settings (the defaults are the measured recipe; its numbers are in the README)."""
+    """The demo's settings (the defaults are the measured recipe; its numbers, seeds 0-2, are in the README:
+    held-out exact match 43.9/24.6/36.8% -> 82.5/71.9/89.5% after 40 distillation steps)."""
 
     out: str = "runs/demo-distill"
     seed: int = 0
@@ -50,7 +52,7 @@ class DistillDemo:
     teacher_preset: str = "small"
     teacher_steps: int = 300
     teacher_lr: float = 1e-3
-    student_steps: int = 300
+    student_steps: int = 600
     student_lr: float = 3e-3
     distill_steps: int = 40
     distill_lr: float = 1e-3
