@@ -26,6 +26,7 @@ from polyrl.algorithms.losses import normalizer as loss_normalizer
 from polyrl.algorithms.online_config import OnlineConfig
 from polyrl.algorithms.rl_batch import RLBatch, completion_logprobs
 from polyrl.algorithms.spec import AlgorithmSpec
+from polyrl.algorithms.teacher import TeacherTerm
 from polyrl.errors import ConfigError
 
 OLD_LOGPROBS = ("rollout", "recompute")
@@ -38,6 +39,7 @@ PLOT_SERIES = (
     "mismatch_mean",
     "entropy",
     "clip_fraction",
+    "distill/reverse_kl",
 )
 
 
@@ -95,6 +97,8 @@ class GroupRelative:
 
     def __init__(self, cfg: GRPOConfig) -> None:
         self.cfg = cfg
+        # --teacher / --teacher-url: the per-token distillation term added to the advantages (OnlineRun.step)
+        self.teacher = TeacherTerm(cfg) if cfg.has_teacher else None
 
     @property
     def needs_reference(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from polyrl.errors import ConfigError
@@ -65,6 +66,18 @@ class OnlineConfig:
     max_staleness: int = 0
     async_producer: str = "inline"  # inline | thread | process (rollout worker processes over gloo)
     rollout_workers: int = 1  # async_producer = "process": worker processes, prompts split over them
+    # on-policy distillation term (polyrl.algorithms.distill.TeacherTerm; --teacher DIR / --teacher-url URL): a frozen
+    # teacher scores the sampled tokens and teacher_coef x (log p_teacher - log p_student), minus its step mean, is
+    # added to every token's advantage (metrics distill/*). teacher: an HF folder run in-process; teacher_url: an
+    # OpenAI-compatible server returning prompt log-probs (polyrl serve, vLLM). Both "" = off. teacher_coef 1.0 is
+    # the unscaled teacher-minus-student log-prob advantage of NeMo-RL's on-policy distillation (MOPD)
+    teacher: str = ""
+    teacher_url: str = ""
+    teacher_coef: float = 1.0
+    teacher_dtype: str | None = None  # in-process teacher; None: the device's default compute dtype
+    teacher_timeout: float = 120.0  # teacher_url: seconds per request
+    teacher_retries: int = 3  # teacher_url: retries of a failed request (connection error, timeout, 429, 5xx)
+    teacher_concurrency: int = 4  # teacher_url: requests in flight (16 samples each)
 
     def table_name(self) -> str:
         return "online"
@@ -122,8 +135,35 @@ class OnlineConfig:
             raise ConfigError(f'{name}.rollout_precision must be "model" or "fp8", got {self.rollout_precision!r}')
         if not isinstance(self.routing_replay, bool):
             raise ConfigError(f"{name}.routing_replay must be true or false, got {self.routing_replay!r}")
+        self._check_teacher(name)
         if not isinstance(self.reward, str) or not self.reward.strip():
             raise ConfigError(f"{name}.reward is empty; pass --reward NAME or --reward path/to/file.py:fn")
+
+    @property
+    def has_teacher(self) -> bool:
+        return bool(self.teacher or self.teacher_url)
+
+    def _check_teacher(self, name: str) -> None:
+        if self.teacher and self.teacher_url:
+            raise ConfigError(f"{name}.teacher and {name}.teacher_url are both set; give one teacher")
+        if self.teacher and not (Path(self.teacher) / "config.json").is_file():
+            raise ConfigError(f"{name}.teacher={self.teacher!r}: no config.json there; give an HF checkpoint folder")
+        if self.teacher_url and not self.teacher_url.startswith(("http://", "https://")):
+            raise ConfigError(f"{name}.teacher_url={self.teacher_url!r} must start with http:// or https://")
+        if not self.teacher_coef >= 0:
+            raise ConfigError(f"{name}.teacher_coef must be >= 0, got {self.teacher_coef}")
+        if not self.teacher_timeout > 0:
+            raise ConfigError(f"{name}.teacher_timeout must be > 0 seconds, got {self.teacher_timeout}")
+        for key in ("teacher_retries", "teacher_concurrency"):
+            v = getattr(self, key)
+            low = 0 if key == "teacher_retries" else 1
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ConfigError(f"{name}.{key} must be an integer >= {low}, got {v!r}")
+        if self.has_teacher and self.temperature != 1.0:
+            raise ConfigError(
+                f"{name}.temperature must be 1.0 with a teacher: the student's and the teacher's log-probs are "
+                f"compared on the raw distributions, got {self.temperature}"
+            )
 
 
 LossFn = Callable[[Any, Any], Any]

@@ -37,11 +37,21 @@ from polyrl.algorithms.losses import normalizer as loss_normalizer
 from polyrl.algorithms.online_config import OnlineConfig
 from polyrl.algorithms.rl_batch import RLBatch, completion_logprobs
 from polyrl.algorithms.spec import AlgorithmSpec
+from polyrl.algorithms.teacher import TeacherTerm
 from polyrl.errors import ConfigError
 from polyrl.train.losses import attention_metadata
 
 OLD_LOGPROBS = ("rollout", "recompute")
-PLOT_SERIES = ("reward", "eval_reward", "value_loss", "explained_variance", "kl", "mismatch_mean", "clip_fraction")
+PLOT_SERIES = (
+    "reward",
+    "eval_reward",
+    "value_loss",
+    "explained_variance",
+    "kl",
+    "mismatch_mean",
+    "clip_fraction",
+    "distill/reverse_kl",
+)
 
 
 @dataclass
@@ -159,6 +169,8 @@ class PPOHooks:
 
     def __init__(self, cfg: PPOConfig) -> None:
         self.cfg = cfg
+        # --teacher / --teacher-url: the per-token distillation term, added after GAE and whitening (ActorCriticRun)
+        self.teacher = TeacherTerm(cfg) if cfg.has_teacher else None
 
     @property
     def needs_reference(self) -> bool:

@@ -10,7 +10,14 @@ building, tokenisation) as total - model load - log-likelihood phase:
 - ``hf`` at each ``--hf-batch-sizes`` (lm-eval pads a batch and takes a full-vocabulary log-softmax per position);
 - ``polyrl``: the in-process engine (``polyrl.eval.harness``: prefill-only scoring, a document's choices sharing
   their context through the prefix cache);
-- ``serve`` (with ``--serve``): lm-eval's ``local-completions`` against ``polyrl serve`` in this process.
+- ``serve`` (with ``--serve``): lm-eval's ``local-completions`` against ``polyrl serve`` in this process;
+- generation (``--gen-docs``, default 256): a generate-until task of the same contexts, greedy, ``--gen-tokens`` new
+  tokens (a stop string that never occurs), through ``hf`` (at the last ``--hf-batch-sizes``) and the in-process
+  engine (continuous batching): the generation phase is timed the same way, texts compared with hf's.
+
+The harness's own time of the first hf run is printed as a row of its own. Each row is printed as soon as it is
+measured; a row that fails (e.g. ``--serve`` without lm-eval's API dependencies) is printed with its error and the
+bench goes on.
 
 It also times a prefill of the same prompts with and without prompt log-probs (the engine's extra cost of scoring:
 every position, or only the continuation's). Scoring every position runs the LM head on every token: at the
@@ -44,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--docs", type=int, default=2000, help="multiple-choice documents (4 requests each)")
     parser.add_argument("--context-words", type=int, default=60, help="words per context (~90 tokens at 60)")
     parser.add_argument("--hf-batch-sizes", default="64,256", help="comma-separated batch sizes of the hf backend")
+    parser.add_argument("--gen-docs", type=int, default=256, help="generation-task documents (0: no generation rows)")
+    parser.add_argument("--gen-tokens", type=int, default=32, help="new tokens per generation (greedy)")
     parser.add_argument("--serve", action="store_true", help="also time local-completions against polyrl serve")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -67,19 +76,36 @@ def write_task(root: Path, docs: int, words: int, seed: int = 0) -> str:
     return "polyrl_bench_mc"
 
 
-def _timed_loglikelihood(lm: Any, box: dict[str, float]) -> None:
-    """Make ``lm.loglikelihood`` record its wall time in ``box["ll_s"]``."""
-    inner = lm.loglikelihood
+def write_gen_task(root: Path, docs: int, words: int, new_tokens: int, seed: int = 1) -> str:
+    """A synthetic generation task in ``root`` (greedy, ``new_tokens`` new tokens, a stop string that never occurs);
+    returns its name."""
+    rng = random.Random(seed)
+    rows = [{"context": " ".join(rng.choice(WORDS) for _ in range(words)), "target": "x"} for _ in range(docs)]
+    (root / "bench_gen.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "bench_gen.yaml").write_text(
+        "task: polyrl_bench_gen\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f'    test: "{root / "bench_gen.jsonl"}"\ntest_split: test\noutput_type: generate_until\n'
+        'doc_to_text: "{{context}}"\ndoc_to_target: "{{target}}"\n'
+        f'generation_kwargs:\n  until: ["<never-stop>"]\n  do_sample: false\n  max_gen_toks: {new_tokens}\n'
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+        "metadata:\n  version: 1.0\n"
+    )
+    return "polyrl_bench_gen"
+
+
+def _timed(lm: Any, box: dict[str, float], method: str = "loglikelihood") -> None:
+    """Make ``lm.<method>`` (``loglikelihood`` or ``generate_until``) add its wall time to ``box["phase_s"]``."""
+    inner = getattr(lm, method)
 
     def timed(requests, *a, **k):
         _sync()
         t0 = time.perf_counter()
         out = inner(requests, *a, **k)
         _sync()
-        box["ll_s"] = box.get("ll_s", 0.0) + time.perf_counter() - t0
+        box["phase_s"] = box.get("phase_s", 0.0) + time.perf_counter() - t0
         return out
 
-    lm.loglikelihood = timed
+    setattr(lm, method, timed)
 
 
 def _sync() -> None:
@@ -88,7 +114,8 @@ def _sync() -> None:
 
 
 def _evaluate(lm: Any, task: str, root: Path) -> tuple[float, list[float]]:
-    """(seconds of simple_evaluate, per-request log-likelihoods in document and choice order)."""
+    """(seconds of simple_evaluate, per request in document (and choice) order: the log-likelihood, or the generated
+    text of a generation task)."""
     # lazy: lm-eval is the optional `eval` extra
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -97,8 +124,9 @@ def _evaluate(lm: Any, task: str, root: Path) -> tuple[float, list[float]]:
     tm = TaskManager(include_path=str(root), include_defaults=False)
     res = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=tm, log_samples=True)
     total = time.perf_counter() - t0
-    lls = [r[0][0] for s in sorted(res["samples"][task], key=lambda s: s["doc_id"]) for r in s["resps"]]
-    return total, lls
+    docs = sorted(res["samples"][task], key=lambda s: s["doc_id"])
+    outs = [r[0] if isinstance(r[0], str) else r[0][0] for s in docs for r in s["resps"]]
+    return total, outs
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,61 +146,134 @@ def run(args: argparse.Namespace) -> int:
     name = args.shape if args.shape in PRESETS else f"{args.shape}-shape"
     rows: list[dict[str, Any]] = []
     res: dict[str, Any] = {"shape": name, "docs": args.docs, "dtype": dtype, "device": str(dev)}
+    batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b]
+    ref: dict[str, list[Any] | None] = {"ll": None, "gen": None}
+
+    def measure(backend: str, fn: Any) -> dict[str, Any] | None:
+        """Run one row; print it as soon as it is measured; a failing row is printed with its error and skipped."""
+        try:
+            row = fn()
+        except Exception as exc:  # a row that cannot run (a missing extra, a server error) must not lose the rest
+            row = {"backend": backend, "error": f"{type(exc).__name__}: {exc}"}
+        rows.append(row)
+        print(_row_line(row), flush=True)
+        return row if "error" not in row else None
+
+    def hf_row(bs: int, kind: str, task: str, root: Path) -> dict[str, Any]:
+        box: dict[str, float] = {}
+        t0 = time.perf_counter()
+        lm = hf_mod.HFLM(pretrained=str(model_dir), dtype=dtype, batch_size=bs, device=str(dev))
+        load = time.perf_counter() - t0
+        _timed(lm, box, "generate_until" if kind == "gen" else "loglikelihood")
+        total, outs = _evaluate(lm, task, root)
+        ref[kind] = ref[kind] or outs
+        return _row(f"hf bs={bs}" + (" generate" if kind == "gen" else ""), load, total, box, outs, ref[kind], kind)
+
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model_dir = create_model_from_preset(name, root / "model", seed=0, dtype=getattr(torch, dtype))
         task = write_task(root, args.docs, args.context_words)
-        reference: list[float] | None = None
-        for bs in [int(b) for b in args.hf_batch_sizes.split(",") if b]:
-            box: dict[str, float] = {}
-            t0 = time.perf_counter()
-            lm = hf_mod.HFLM(pretrained=str(model_dir), dtype=dtype, batch_size=bs, device=str(dev))
-            load = time.perf_counter() - t0
-            _timed_loglikelihood(lm, box)
-            total, lls = _evaluate(lm, task, root)
-            reference = reference or lls
-            rows.append(_row(f"hf bs={bs}", load, total, box["ll_s"], len(lls), lls, reference))
-            del lm
-        box = {}
+        gen_task = write_gen_task(root, args.gen_docs, args.context_words, args.gen_tokens) if args.gen_docs else None
+        for bs in batch_sizes:
+            measure(f"hf bs={bs}", lambda bs=bs: hf_row(bs, "ll", task, root))
+        harness = [r for r in rows if "harness_s" in r]
+        if harness:  # lm-eval's own share of the first hf run (start-up, task building, tokenisation)
+            h = harness[0]
+            rows.append({"backend": f"lm-eval harness itself ({h['backend']} run)", "harness_s": h["harness_s"]})
+            print(_row_line(rows[-1]), flush=True)
         t0 = time.perf_counter()
         model, tok = load_eval_model(str(model_dir), dtype, str(dev))
         llm = eval_engine(model, tok)
         lm = PolyrlLM(llm=llm, show_progress=False)
         load = time.perf_counter() - t0
-        _timed_loglikelihood(lm, box)
-        total, lls = _evaluate(lm, task, root)
-        rows.append(_row("polyrl (in-process)", load, total, box["ll_s"], len(lls), lls, reference))
-        res["prefix_cache_hit_rate"] = llm.stats()["prefix_cache_hit_rate"]
-        res["prompt_logprobs_overhead"] = _prefill_overhead(llm, lm, task, root, SamplingParams)
+
+        def polyrl_row(kind: str, task: str) -> dict[str, Any]:
+            box: dict[str, float] = {}
+            _timed(lm, box, "generate_until" if kind == "gen" else "loglikelihood")
+            total, outs = _evaluate(lm, task, root)
+            label = "polyrl (in-process)" + (" generate" if kind == "gen" else "")
+            return _row(label, load, total, box, outs, ref[kind], kind)
+
+        if measure("polyrl (in-process)", lambda: polyrl_row("ll", task)) is not None:
+            res["prefix_cache_hit_rate"] = llm.stats()["prefix_cache_hit_rate"]
+            res["prompt_logprobs_overhead"] = _prefill_overhead(llm, lm, task, root, SamplingParams)
         if args.serve:
-            rows.append(_serve_row(llm, model_dir, task, root, reference))
-    hf_best = min((r["loglikelihood_s"] for r in rows if r["backend"].startswith("hf")), default=None)
-    for r in rows:
-        r["speedup_vs_best_hf"] = hf_best / r["loglikelihood_s"] if hf_best and r["loglikelihood_s"] else None
+            measure("serve (local-completions)", lambda: _serve_row(llm, model_dir, task, root, ref["ll"]))
+        if gen_task is not None:
+            measure(f"hf bs={batch_sizes[-1]} generate", lambda: hf_row(batch_sizes[-1], "gen", gen_task, root))
+            measure("polyrl (in-process) generate", lambda: polyrl_row("gen", gen_task))
+    _speedups(rows)
     res["rows"] = rows
-    cols = ["backend", "load_s", "harness_s", "loglikelihood_s", "requests_per_s", "speedup_vs_best_hf"]
-    print_table(rows, cols + ["max_abs_diff_vs_hf"])
-    over = res["prompt_logprobs_overhead"]
-    print(
-        f"prompt log-probs add {100 * over['all_positions']:.1f}% to a prefill of the same prompts when every position "
-        f"is scored, {100 * over['continuation']:.1f}% when only the choices' tokens are (as lm-eval asks)"
-    )
+    cols = ["backend", "load_s", "harness_s", "phase_s", "requests_per_s", "speedup_vs_best_hf"]
+    print()
+    print_table(rows, cols + ["max_abs_diff_vs_hf", "same_as_hf", "error"])
+    over = res.get("prompt_logprobs_overhead")
+    if over is not None:
+        print(
+            f"prompt log-probs add {100 * over['all_positions']:.1f}% to a prefill of the same prompts when every "
+            f"position is scored, {100 * over['continuation']:.1f}% when only the choices' tokens are (as lm-eval asks)"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     return 0
 
 
-def _row(backend: str, load: float, total: float, ll: float, n: int, lls: list[float], ref: list[float] | None):
-    diff = max(abs(a - b) for a, b in zip(lls, ref)) if ref is not None and len(ref) == len(lls) else None
-    return {
+def _speedups(rows: list[dict[str, Any]]) -> None:
+    """``speedup_vs_best_hf``: the fastest hf row's phase time over each row's, per phase (log-likelihood, generate)."""
+    for kind in ("ll", "gen"):
+        mine = [r for r in rows if r.get("phase") == kind and r.get("phase_s")]
+        hf = [r["phase_s"] for r in mine if r["backend"].startswith("hf")]
+        for r in mine:
+            r["speedup_vs_best_hf"] = min(hf) / r["phase_s"] if hf else None
+
+
+def _row_line(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"{r['backend']}: FAILED ({r['error']}); continuing with the other rows"
+    if "phase_s" not in r:
+        return f"{r['backend']}: {r['harness_s']:.2f} s"
+    phase = "generation" if r["phase"] == "gen" else "log-likelihood"
+    diff = r.get("max_abs_diff_vs_hf")
+    same = r.get("same_as_hf")
+    extra = f", max |diff| vs hf {diff:.2e}" if diff is not None else ""
+    extra += f", {100 * same:.0f}% of texts as hf's" if same is not None else ""
+    return (
+        f"{r['backend']}: load {r['load_s']:.2f} s, harness {r['harness_s']:.2f} s, {phase} {r['phase_s']:.3f} s "
+        f"({r['requests_per_s']:.1f} requests/s){extra}"
+    )
+
+
+def _row(
+    backend: str,
+    load: float,
+    total: float,
+    box: dict[str, float],
+    outs: list[Any],
+    ref: list[Any] | None,
+    kind: str = "ll",
+) -> dict[str, Any]:
+    """One backend's row: ``phase_s`` is the log-likelihood (``kind="ll"``) or generation (``"gen"``) phase;
+    against the reference run, the max abs log-likelihood difference or the fraction of identical texts."""
+    phase = box.get("phase_s", 0.0)
+    n = len(outs)
+    row = {
         "backend": backend,
+        "phase": kind,
         "load_s": load,
         "total_s": total,
-        "loglikelihood_s": ll,
-        "harness_s": total - ll,
-        "requests_per_s": n / ll if ll else None,
-        "max_abs_diff_vs_hf": diff,
+        "phase_s": phase,
+        "harness_s": total - phase,
+        "requests_per_s": n / phase if phase else None,
     }
+    if kind == "ll":
+        row["loglikelihood_s"] = phase
+        same = ref is not None and len(ref) == len(outs)
+        row["max_abs_diff_vs_hf"] = max(abs(a - b) for a, b in zip(outs, ref)) if same else None
+    else:
+        row["generate_s"] = phase
+        same = ref is not None and len(ref) == len(outs)
+        row["same_as_hf"] = sum(a == b for a, b in zip(outs, ref)) / max(n, 1) if same else None
+    return row
 
 
 def _prefill_overhead(llm: Any, lm: Any, task: str, root: Path, SamplingParams: Any) -> dict[str, float]:
@@ -223,8 +324,8 @@ def _serve_row(llm: Any, model_dir: Path, task: str, root: Path, ref: list[float
         t0 = time.perf_counter()
         lm = get_model("local-completions").create_from_arg_string(args, {"batch_size": 64})
         load = time.perf_counter() - t0
-        _timed_loglikelihood(lm, box)
+        _timed(lm, box)
         total, lls = _evaluate(lm, task, root)
     finally:
         handle.stop()
-    return _row("serve (local-completions)", load, total, box["ll_s"], len(lls), lls, ref)
+    return _row("serve (local-completions)", load, total, box, lls, ref)

@@ -27,6 +27,7 @@ from polyrl.data import builtin
 from polyrl.data.config import DataConfig
 from polyrl.data.dataset import load_prompts
 from polyrl.errors import ConfigError
+from polyrl.eval.distill_demo import DistillDemo, run_distill_demo
 from polyrl.models.checkpoint import load_model, load_tokenizer
 from polyrl.models.presets import create_model_from_preset
 from polyrl.run import config as run_config
@@ -230,11 +231,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "calculator; prints held-out tool-call rate, tool-error rate, reward and turns before and after RL "
         "(polyrl.agents.demo; --out, --seed apply)",
     )
+    parser.add_argument(
+        "--distill",
+        action="store_true",
+        help="the distillation demo instead: a small teacher SFT'd on the arithmetic task (cached under --out), a "
+        "tiny student SFT'd on flawed demonstrations, then on-policy distillation; prints held-out accuracy before "
+        "and after (polyrl.eval.distill_demo; --out, --seed apply)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "agent", False):
         run_demo(args.out if args.out != "runs/demo" else "runs/demo-agent", seed=args.seed)
+        return 0
+    if getattr(args, "distill", False):
+        run_distill_demo(DistillDemo(out=args.out if args.out != "runs/demo" else "runs/demo-distill", seed=args.seed))
         return 0
     wanted = [s.strip() for s in args.stages.split(",") if s.strip()]
     known = dict(STAGES)

@@ -99,6 +99,8 @@ RL_FLAG_KEYS: dict[str, str] = {
     "tis_cap": "tis_cap",
     "filter_groups": "filter_groups",
     "teacher": "teacher",
+    "teacher_url": "teacher_url",
+    "teacher_coef": "teacher_coef",
     "eval_n": "eval_n",
     "max_staleness": "max_staleness",
     "async_producer": "async_producer",
@@ -217,7 +219,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tis-cap", type=float, help="truncated importance sampling cap (with --old-logprobs recompute)")
     g.add_argument("--filter-groups", action="store_true", default=None, help="drop groups whose rewards all agree")
     g.add_argument("--eval-n", type=int, help="samples per eval prompt: eval_pass@k, eval_length")
-    g.add_argument("--teacher", metavar="DIR", help="--algo distill: the frozen teacher (same tokenizer as --model)")
+    g.add_argument(
+        "--teacher",
+        metavar="DIR",
+        help="on-policy distillation: a frozen teacher (same tokenizer as --model) scores the sampled tokens; "
+        "--algo distill trains on its per-token reverse KL alone, grpo/gspo/ppo add it to the reward's advantage",
+    )
+    g.add_argument(
+        "--teacher-url",
+        metavar="URL",
+        help="the teacher behind an OpenAI-compatible server returning prompt log-probs (polyrl serve, vLLM)",
+    )
+    g.add_argument(
+        "--teacher-coef", type=float, help="weight of the teacher's per-token reverse-KL advantage (default 1.0)"
+    )
     g.add_argument(
         "--max-staleness",
         type=int,

@@ -100,6 +100,7 @@ class ActorCriticRun(OnlineRun):
         self.critic_ckpts = self.critic_ckpts or self._critic_manager()
         self._step = self.start  # RL steps finished (the step a checkpoint is written for)
         self._current = self.start  # the RL step being prepared / updated (0-based)
+        self.teacher_term: list[list[float]] | None = None  # this step's per-token distillation term (--teacher)
         if self.start_point is not None:
             self._load_critic()
 
@@ -173,6 +174,8 @@ class ActorCriticRun(OnlineRun):
                 adv = torch.where(sel, (adv - mean) * (var + 1e-8) ** -0.5, torch.zeros_like(adv))
             else:
                 adv = whiten(adv, mask)
+        if self.teacher_term is not None:  # --teacher: the distillation term, after GAE and whitening
+            adv = adv + pad_rows([torch.tensor(self.teacher_term[i], dtype=adv.dtype) for i in mine])[0]
         fields: dict[str, list[Any]] = {k: [None] * len(samples) for k in ("adv", "old_logp", "old_value", "returns")}
         for i, ad, ret in zip(mine, unpad_rows(adv, mask), unpad_rows(returns, mask)):
             fields["adv"][i], fields["returns"][i] = ad.tolist(), ret.tolist()
@@ -202,6 +205,10 @@ class ActorCriticRun(OnlineRun):
         if self.source is not None:
             m.update(staleness_metrics(step, samples, mine, rollout_lp, lps, cap))
         return batches, m
+
+    def add_teacher_term(self, adv: list[Any], term: list[list[float]]) -> list[Any]:
+        self.teacher_term = term  # prepare adds it to the GAE advantages
+        return adv
 
     def update(self, batches: list[list[RLBatch]]) -> dict[str, float]:
         """Critic steps, then (after ``critic_warmup_steps`` RL steps) ``OnlineRun.update``'s policy steps."""

@@ -65,6 +65,7 @@ from polyrl.algorithms.online_config import OnlineHooks
 from polyrl.algorithms.reward_sources import open_rewards
 from polyrl.algorithms.rewards import example_view
 from polyrl.algorithms.rl_batch import RLBatch, Sample, pack_samples
+from polyrl.algorithms.teacher import add_token_term
 from polyrl.data.builtin import check
 from polyrl.data.config import DataConfig
 from polyrl.data.dataset import chat_tokenizer, load_prompts
@@ -580,6 +581,11 @@ class OnlineRun(DataParallelSteps):
         else:
             adv, keep, adv_metrics = self.hooks.advantages(rewards, groups)
         rec.update(adv_metrics)
+        teacher = getattr(self.hooks, "teacher", None)
+        if teacher is not None:  # --teacher on GRPO / GSPO / PPO: the per-token distillation term
+            term, teacher_metrics = teacher(samples, self.tokenizer)
+            rec.update(teacher_metrics)
+            adv = self.add_teacher_term(adv, term)
         self.measured_logprobs = None
         t_train = time.perf_counter()
         if keep:
@@ -604,6 +610,10 @@ class OnlineRun(DataParallelSteps):
             rec.update(self.evaluate())
         rec["time_s"] = time.perf_counter() - t0
         return rec
+
+    def add_teacher_term(self, adv: list[Any], term: list[list[float]]) -> list[Any]:
+        """The advantages with the teacher's per-token term added (PPO's run adds it after GAE instead)."""
+        return add_token_term(adv, term)
 
     def _async_record(self, batch: RolloutBatch, t_train: float, t_end: float) -> dict[str, float]:
         """Counters and the wall-clock intervals (seconds since the run started) of this batch's generation and

@@ -20,4 +20,5 @@ LEVELS: dict[str, tuple[str, str]] = {
     "sft": ("polyrl.validate.sft_level", "SFT steps: finite falling loss, throughput, memory, save/reload logits"),
     "rl": ("polyrl.validate.rl_level", "rollout + GRPO step: rollout/trainer log-prob agreement, finite loss"),
     "serve": ("polyrl.validate.serve_level", "OpenAI server: chat and streaming through the openai client"),
+    "eval": ("polyrl.validate.eval_level", "model-level gate: a bundled log-likelihood task, fast path vs reference"),
 }

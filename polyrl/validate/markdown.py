@@ -20,6 +20,7 @@ E2E_TITLES = {
     "sft": "End-to-end SFT",
     "rl": "Rollout and GRPO step",
     "serve": "Serving (OpenAI API)",
+    "eval": "Model-level eval gate (fast path vs reference)",
 }
 
 

@@ -131,8 +131,8 @@ def test_distill_gradient_is_the_reverse_kl_gradient(tiny_model_dir, sharp_teach
 
 
 def test_teacher_scores_equal_a_plain_forward(teacher_dir):
-    from polyrl.algorithms.distill import TeacherScorer
     from polyrl.algorithms.rl_batch import Sample
+    from polyrl.algorithms.teacher import TeacherScorer
     from polyrl.models.attention_metadata import AttnMetadata
 
     torch.set_num_threads(1)
@@ -155,7 +155,8 @@ def test_teacher_scores_equal_a_plain_forward(teacher_dir):
 
 
 def test_bad_configs_say_what_to_fix(tiny_model_dir, teacher_dir, tmp_path):
-    from polyrl.algorithms.distill import DistillConfig, TeacherScorer
+    from polyrl.algorithms.distill import DistillConfig
+    from polyrl.algorithms.teacher import TeacherScorer
 
     with pytest.raises(ConfigError, match="distill.teacher is empty"):
         DistillConfig()

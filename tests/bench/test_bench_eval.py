@@ -1,5 +1,7 @@
 """`polyrl bench eval` smoke on the CPU at the tiny shape: every backend row is timed, the engine's log-likelihoods
-equal the hf backend's, and the report carries the prompt log-prob overhead and the prefix-cache hit rate."""
+equal the hf backend's, the generation rows produce hf's greedy texts, the harness's own time is a row, and the
+report carries the prompt log-prob overhead and the prefix-cache hit rate. A row that fails is printed with its error
+and the others still run."""
 
 from __future__ import annotations
 
@@ -9,18 +11,48 @@ import torch
 
 from polyrl.cli.main import main
 
+ARGV = ["bench", "eval", "--shape", "tiny", "--docs", "6", "--context-words", "30", "--hf-batch-sizes", "8"]
+GEN = ["--gen-docs", "4", "--gen-tokens", "8"]
+
 
 def test_bench_eval_tiny_cpu(tmp_path, capsys):
     torch.set_num_threads(1)
     out = tmp_path / "eval.json"
-    argv = ["bench", "eval", "--shape", "tiny", "--docs", "6", "--context-words", "30", "--hf-batch-sizes", "8"]
-    assert main([*argv, "--serve", "--json", str(out)]) == 0
+    assert main([*ARGV, *GEN, "--serve", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     rows = {r["backend"]: r for r in res["rows"]}
-    assert set(rows) == {"hf bs=8", "polyrl (in-process)", "serve (local-completions)"}
-    for r in rows.values():
+    ll = {"hf bs=8", "polyrl (in-process)", "serve (local-completions)"}
+    gen = {"hf bs=8 generate", "polyrl (in-process) generate"}
+    assert set(rows) == ll | gen | {"lm-eval harness itself (hf bs=8 run)"}
+    for name in ll:
+        r = rows[name]
         assert r["loglikelihood_s"] > 0 and r["harness_s"] > 0 and r["requests_per_s"] > 0
         assert r["max_abs_diff_vs_hf"] <= 1e-3  # fp32: the same numbers as lm-eval's hf backend
+    for name in gen:
+        r = rows[name]
+        assert r["generate_s"] > 0 and r["requests_per_s"] == 4 / r["generate_s"]
+        assert r["same_as_hf"] == 1.0  # fp32 greedy: hf's texts exactly
+    assert rows["lm-eval harness itself (hf bs=8 run)"]["harness_s"] == rows["hf bs=8"]["harness_s"] > 0
     assert res["prefix_cache_hit_rate"] > 0  # the four choices of a document share their ~40-token context
     assert set(res["prompt_logprobs_overhead"]) == {"all_positions", "continuation"}
-    assert "speedup_vs_best_hf" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "speedup_vs_best_hf" in printed
+    # each row is printed as it is measured, before the final table
+    assert printed.index("hf bs=8: load") < printed.index("polyrl (in-process): load") < printed.index("backend")
+
+
+def test_bench_eval_survives_a_failing_row(tmp_path, capsys, monkeypatch):
+    from polyrl.bench import eval as bench_eval
+
+    def broken(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'tenacity'")
+
+    monkeypatch.setattr(bench_eval, "_serve_row", broken)  # what the GPU box without lm-eval[api] hit
+    torch.set_num_threads(1)
+    out = tmp_path / "eval.json"
+    argv = [*ARGV[:-1], "", "--gen-docs", "0", "--serve", "--json", str(out)]  # no hf row: the engine and serve
+    assert main(argv) == 0
+    rows = {r["backend"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["serve (local-completions)"]["error"] == "ModuleNotFoundError: No module named 'tenacity'"
+    assert rows["polyrl (in-process)"]["loglikelihood_s"] > 0
+    assert "serve (local-completions): FAILED (ModuleNotFoundError" in capsys.readouterr().out
