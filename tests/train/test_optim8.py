@@ -214,7 +214,7 @@ def test_config_choices_and_refusals():
 def test_offloaded_step_equals_on_device_step_cuda(name):
     """On CUDA: the offloaded adamw8bit step streams each bucket through the same Triton kernel, so it equals the
     on-device one exactly; torch's fused CUDA AdamW and its CPU foreach AdamW differ in the last fp32 bits (the CPU's
-    vectorised sqrt is not correctly rounded), so there the bf16 weights agree to two ulps (1% of a step near 0). No clipping: the device's
+    vectorised sqrt is not correctly rounded), so there the bf16 weights agree to one ulp after a step. No clipping: the device's
     grad norm of fp32 grads and the offloaded one of bf16 grads need not reduce in the same order on CUDA."""
 
     def build(offload: str):
@@ -224,13 +224,14 @@ def test_offloaded_step_equals_on_device_step_cuda(name):
 
     (ref_model, ref), (model, off) = build("none"), build("cpu")
     batch = [b.to("cuda") for b in BATCH]
-    for _ in range(3):
+    # adamw: one step. After it the bf16 weights may differ by an ulp, the next step's gradients then differ in the
+    # last bits, and Adam's m / sqrt(v) turns a near-zero gradient's last bits into a step of up to +-lr (seen on the
+    # H200 over 3 steps): the trajectories are only comparable after the first step.
+    for _ in range(3 if name == "adamw8bit" else 1):
         ref.step(batch), off.step(batch)
     for p, q in zip(ref_model.parameters(), model.parameters()):
         if name == "adamw8bit":
             assert torch.equal(p, q)
         else:
-            # two bf16 ulps of the weight, or 1% of one lr-sized Adam step for weights near 0 (where a last-bit
-            # difference in m / sqrt(v) moves the update by more than the weight's own ulp)
-            ulp = torch.finfo(torch.bfloat16).eps * p.float().abs() * 2
-            assert bool(((p.float() - q.float()).abs() <= ulp + 1e-2 * 1e-2).all())
+            ulp = torch.finfo(torch.bfloat16).eps * torch.maximum(p.float().abs(), q.float().abs())
+            assert bool(((p.float() - q.float()).abs() <= ulp + 1e-6).all())
