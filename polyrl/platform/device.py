@@ -216,17 +216,6 @@ def supports_graphs() -> bool:
     return device_type() == "cuda"
 
 
-def supports_fp8_gemm() -> bool:
-    """FP8 (e4m3) matrix multiply in hardware: NVIDIA compute capability >= 8.9 (Ada, Hopper, Blackwell) or AMD
-    gfx94x / gfx95x (MI300, MI350)."""
-    if not torch.cuda.is_available():
-        return False
-    if torch.version.hip:
-        arch = getattr(torch.cuda.get_device_properties(0), "gcnArchName", "")
-        return arch.startswith(("gfx94", "gfx95"))
-    return torch.cuda.get_device_capability() >= (8, 9)
-
-
 def collective_backend() -> str:
     return _COLLECTIVE.get(device_type(), "gloo")
 

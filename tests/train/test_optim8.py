@@ -214,8 +214,8 @@ def test_config_choices_and_refusals():
 def test_offloaded_step_equals_on_device_step_cuda(name):
     """On CUDA: the offloaded adamw8bit step streams each bucket through the same Triton kernel, so it equals the
     on-device one exactly; torch's fused CUDA AdamW and its CPU foreach AdamW differ in the last fp32 bits (the CPU's
-    vectorised sqrt is not correctly rounded), so there the bf16 weights agree to one ulp after a step. No clipping: the device's
-    grad norm of fp32 grads and the offloaded one of bf16 grads need not reduce in the same order on CUDA."""
+    vectorised sqrt is not correctly rounded), so there the bf16 weights agree to one ulp after a step. No clipping:
+    the device's grad norm of fp32 grads and the offloaded one of bf16 grads need not reduce in the same order."""
 
     def build(offload: str):
         model = tiny_lm(seed=0).cuda()
