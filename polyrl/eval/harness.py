@@ -30,6 +30,7 @@ from polyrl.eval.bundled import BUNDLED_TASKS, bundled_task_dir
 from polyrl.eval.loading import eval_engine, load_eval_model
 from polyrl.infer.llm import LLM
 from polyrl.infer.sampling_params import SamplingParams
+from polyrl.platform.host import gc_paused
 
 CHUNK_REQUESTS = 4096  # requests handed to the engine per progress-bar update
 
@@ -133,8 +134,45 @@ class PolyrlLM(TemplateLM):
         bar.close()
         return out
 
+    def _encode_many(self, strings: list[str]) -> dict[str, list[int]]:
+        """``tok_encode`` of each distinct string, in one batched tokenizer call (Rust, several threads)."""
+        uniq = list(dict.fromkeys(strings))
+        if not uniq:
+            return {}
+        if callable(self.tokenizer):  # a HF tokenizer: a list in, ``input_ids`` per string out
+            ids = self.tokenizer(uniq)["input_ids"]
+        else:
+            ids = [self.tokenizer.encode(u) for u in uniq]
+        return {u: list(i) for u, i in zip(uniq, ids)}
+
+    def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """``TemplateLM.loglikelihood``'s tokenisation (its ``_encode_pair``: trailing context spaces move to the
+        continuation; the whole string is encoded and the context's token count cut off; an empty context becomes
+        ``prefix_token_id``), with every distinct string encoded once in one batched call: a document's choices
+        share their context, and per-string ``encode`` calls were ~20% of this phase (``docs/evaluation.md``)."""
+        args = [req.args for req in requests]
+        parts: list[tuple[str, str] | None] = []  # (context, continuation) after the space move; None: empty context
+        for context, continuation in args:
+            n = len(context) - len(context.rstrip())
+            parts.append(
+                None if context == "" else (context[:-n], context[-n:] + continuation) if n else (context, continuation)
+            )
+        with gc_paused():  # the many small lists would trigger full collections over lm-eval's live objects
+            pairs = [p for p in parts if p is not None]
+            enc = self._encode_many([c + k for c, k in pairs] + [c for c, _ in pairs])
+            bare = {k: self.tok_encode(k, add_special_tokens=False) for (c, k), p in zip(args, parts) if p is None}
+            new_reqs = []
+            for (context, continuation), p in zip(args, parts):
+                if p is None:
+                    ctx, cont = [self.prefix_token_id], bare[continuation]
+                else:
+                    ctx = enc[p[0]]
+                    cont = enc[p[0] + p[1]][len(ctx) :]
+                new_reqs.append(((context, continuation), ctx, cont))
+            return self._loglikelihood_tokens(new_reqs, disable_tqdm=disable_tqdm)
+
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any) -> list:
-        pairs = [(list(ctx), list(cont)) for _, ctx, cont in requests]
+        pairs = [(ctx, cont) for _, ctx, cont in requests]
         results = self._score(pairs, "polyrl loglikelihood")
         for (key, _, _), res in zip(requests, results):
             if key is not None:
