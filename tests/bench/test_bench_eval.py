@@ -32,6 +32,7 @@ def test_bench_eval_tiny_cpu(tmp_path, capsys):
         r = rows[name]
         assert r["generate_s"] > 0 and r["requests_per_s"] == 4 / r["generate_s"]
         assert r["same_as_hf"] == 1.0  # fp32 greedy: hf's texts exactly
+    assert rows["polyrl (in-process)"]["warmup_s"] > 0  # kernels compiled before the timed phase
     assert rows["lm-eval harness itself (hf bs=8 run)"]["harness_s"] == rows["hf bs=8"]["harness_s"] > 0
     assert res["prefix_cache_hit_rate"] > 0  # the four choices of a document share their ~40-token context
     assert set(res["prompt_logprobs_overhead"]) == {"all_positions", "continuation"}
