@@ -9,7 +9,8 @@ building, tokenisation) as total - model load - log-likelihood phase:
 
 - ``hf`` at each ``--hf-batch-sizes`` (lm-eval pads a batch and takes a full-vocabulary log-softmax per position);
 - ``polyrl``: the in-process engine (``polyrl.eval.harness``: prefill-only scoring, a document's choices sharing
-  their context through the prefix cache);
+  their context through the prefix cache), after an untimed warm-up on 16 documents (``warmup_s``: the Triton
+  kernels compile on first use);
 - ``serve`` (with ``--serve``): lm-eval's ``local-completions`` against ``polyrl serve`` in this process;
 - generation (``--gen-docs``, default 256): a generate-until task of the same contexts, greedy, ``--gen-tokens`` new
   tokens (a stop string that never occurs), through ``hf`` (at the last ``--hf-batch-sizes``) and the in-process
@@ -23,7 +24,9 @@ It also times a prefill of the same prompts with and without prompt log-probs (t
 every position, or only the continuation's). Scoring every position runs the LM head on every token: at the
 qwen3-0.6b shape that head is ~40% of a token's forward FLOPs, so that overhead cannot be small; lm-eval's requests
 score only the continuation.
-Per-document log-likelihoods of every backend are compared with the first ``hf`` run (max abs difference). This
+Per-document log-likelihoods of every backend are compared with the first ``hf`` run (max abs difference; in bf16
+that run takes its log-softmax and sum in bf16, ~0.3 off an fp32 run where polyrl is ~0.007 off:
+``docs/performance.md``). This
 module measures; it asserts nothing. Needs the ``eval`` extra.
 """
 
