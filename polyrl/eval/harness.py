@@ -5,6 +5,8 @@
   full KV blocks may come from the prefix cache: the choices of a multiple-choice document share their context,
   computed once. All requests go to the engine at once (continuous batching; no padding, no ``[B, T, V]`` logits:
   ``infer/prompt_logprobs.py``). ``is_greedy``: every continuation token is the argmax of its distribution.
+  Tokenisation is lm-eval's ``_encode_pair`` with each distinct string (a document's context, each context +
+  choice) encoded once in one batched tokenizer call.
 - ``loglikelihood_rolling``: lm-eval's disjoint rolling windows of ``max_length`` tokens, each scored as above.
 - ``generate_until``: greedy (or sampled, when ``do_sample``) generation through the engine, cut at the stop
   strings (the engine stops on them and on EOS).
