@@ -98,8 +98,9 @@ def test_streamed_rewards_give_the_same_run(tiny_model_dir, tmp_path, reward_fil
 
 
 def test_slow_reward_overlaps_generation(tiny_model_dir, tmp_path, reward_file):
-    """50 ms per sample, two workers, samples finishing in waves of 4 over the rollout: after generation ends the
-    step waits for (about) the last wave's scoring, well below the scoring's wall time."""
+    """50 ms per sample, two workers, samples finishing in waves of 4 over the rollout: scoring runs while the later
+    waves generate. What can overlap is bounded by the shorter of the two phases (an unloaded CPU generates faster
+    than the workers score): at least 30% of that must have overlapped (scored after the batch: 0%)."""
     out = tmp_path / "slow"
     _run(_raw(tiny_model_dir, out, f"{reward_file}:slow", 2, True, reward_workers=2, max_new_tokens=32))
     recs = _records(out)
@@ -107,7 +108,10 @@ def test_slow_reward_overlaps_generation(tiny_model_dir, tmp_path, reward_file):
     wait = sum(r["reward_wait_s"] for r in last)
     scoring = sum(r["reward_s"] for r in last)
     assert scoring >= 16 * 0.05 / 2  # 16 samples x 50 ms on 2 workers, at least
-    assert wait < 0.5 * scoring, [(r["reward_wait_s"], r["reward_s"], r["rollout_s"]) for r in recs]
+    rollout = sum(r["rollout_s"] for r in last)
+    overlapped = scoring - wait
+    seen = [(r["reward_wait_s"], r["reward_s"], r["rollout_s"]) for r in recs]
+    assert overlapped >= 0.3 * min(rollout, scoring), seen
     assert all(0.0 < r["reward/overlap_frac"] <= 1.0 for r in last)
 
 
