@@ -243,3 +243,59 @@ def test_guided_draw_equals_the_plain_torch_computation(llm):
     assert out.masses == pytest.approx(mass.tolist(), abs=1e-5)
     assert out.masses[1] == 0.0 and out.masses[0] < 0 and out.masses[3] > -1.0  # the string state allows most
     assert bool(allowed[0, out.tokens[0]]) and bool(allowed[3, out.tokens[3]])
+
+
+def test_executor_is_sized_to_the_host_and_lanes_default_to_it(llm):
+    """llguidance's executor gets a thread per CPU this process may run on (its affinity, at most 32) unless told;
+    each spec is compiled once per lane (separate lexers: copies of one template share one lexer mutex)."""
+    import os
+
+    from polyrl.infer.structured import GrammarCache, host_threads
+
+    assert host_threads() == min(len(os.sched_getaffinity(0)), 32)
+    assert llm.grammar_cache().num_threads == host_threads() and llm.grammar_cache().lanes == host_threads()
+    cache = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, num_threads=3)
+    assert (cache.num_threads, cache.lanes) == (3, 3)
+    cache = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, num_threads=2, lanes=3)
+    so = StructuredOutputs.json_schema(SCHEMA)
+    guides = [cache.guide(so) for _ in range(7)]
+    assert [g.lane for g in guides] == [0, 1, 2, 0, 1, 2, 0]  # round-robin over the lanes
+    assert cache.compiles == 1 and cache.hits == 6
+    templates = cache._cache[so][0]
+    assert len(templates) == 3 and len({id(t) for t in templates}) == 3
+
+
+def test_batched_consume_and_lane_masks_equal_the_per_row_reference(llm):
+    """``GrammarCache.consume`` (one parallel call) and ``fill_guides`` (rows grouped by lane) against one-lane
+    guides advanced row by row (``Guide.advance``) and ``fill_bitmask``: the same masks at every step (tokens drawn
+    under them), the same mismatch sums; a token a matcher refuses leaves it allowing only EOS in both."""
+    from polyrl.infer.structured import GrammarCache
+
+    so = StructuredOutputs.json_schema(SCHEMA)
+    one = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, num_threads=1, lanes=1)
+    many = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, num_threads=2, lanes=3)
+    n = 10
+    ref, new = [one.guide(so) for _ in range(n)], [many.guide(so) for _ in range(n)]
+    gen = torch.Generator().manual_seed(0)
+    want = torch.empty((n, one.words), dtype=torch.int32)
+    got = torch.full((n, many.words), -1, dtype=torch.int32)
+    eos = sorted(llm.eos_token_ids)
+    for step in range(40):
+        one.fill_bitmask([g.matcher for g in ref], want)
+        many.fill_guides(new, got)
+        assert torch.equal(got, want), step
+        allowed = allowed_mask(want, llm.vocab_size)
+        if step > 5:
+            assert set(allowed[3].nonzero()[:, 0].tolist()) <= set(eos) and allowed[3].any()
+        toks = torch.multinomial(allowed.float(), 1, generator=gen)[:, 0].tolist()
+        if step == 5:
+            toks[3] = int(torch.nonzero(~allowed[3])[0])  # refused: the matcher errs, its mask is EOS only
+        masses = (-torch.rand(n, generator=gen)).tolist()
+        for g, t, m in zip(ref, toks, masses):
+            g.advance(t, m)
+        calls = many.consume_calls
+        many.consume(new, toks, masses)
+        assert many.consume_calls == calls + 1
+    assert [g.masked_logmass for g in new] == [g.masked_logmass for g in ref]
+    assert [g.num_tokens for g in new] == [g.num_tokens for g in ref] == [40] * n
+    assert ref[3].matcher.is_error() and new[3].matcher.is_error()
