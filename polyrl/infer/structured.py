@@ -13,8 +13,8 @@ tokenizers with any vocabulary through its token trie, and its wheel installs wi
   Lanes exist because a ``deep_copy`` shares its template's lexer (the lazily built DFA, behind one mutex in
   llguidance): the masks of all copies of one template are computed one at a time whatever the thread count, so one
   schema at batch 256 ran serially (~15 us per row). Copies of different lanes (separate compiles, ~0.5 ms each) run
-  in parallel; each lane warms its own DFA. ``compiles`` / ``hits`` count how often a spec was compiled (its lanes
-  once) or reused; ``mask_calls`` / ``mask_s`` / ``mask_max_s`` the host time of the batched masks (what a guided
+  in parallel; each lane warms its own DFA. A lane is compiled when the round-robin first reaches it (a lone
+  request compiles once). ``compiles`` / ``hits`` count how often a spec was new or reused; ``mask_calls`` / ``mask_s`` / ``mask_max_s`` the host time of the batched masks (what a guided
   step waits for when it exceeds the forward), ``consume_calls`` / ``consume_s`` that of the batched token consumes.
   A grammar llguidance refuses is a ``UserError`` naming what it found, raised in ``LLM.add_request`` (the caller's
   thread: the server answers 400).
@@ -151,7 +151,7 @@ class GrammarCache:
         self.mask_max_s = 0.0
         self.consume_calls = 0  # batched consumes (one per guided step), their total host seconds
         self.consume_s = 0.0
-        # per spec: its lanes' templates and the next lane to hand out
+        # per spec: its lanes' templates (compiled as copies reach them), its grammar, the next lane to hand out
         self._cache: OrderedDict[StructuredOutputs, list] = OrderedDict()
         self._lock = threading.Lock()
         self._executor = llg.LLExecutor(num_threads=self.num_threads)
@@ -167,19 +167,22 @@ class GrammarCache:
                 self.hits += 1
             else:
                 grammar = to_grammar(so)
-                templates = []
-                for _ in range(self.lanes):  # separate compiles: each lane has its own lexer (module docstring)
-                    template = self._llg.LLMatcher(self.lltok, grammar, log_level=0)
-                    if template.is_error():
-                        raise UserError(f"invalid {so.kind} for structured output: {template.get_error()}")
-                    templates.append(template)
+                entry = [[self._compile(so, grammar)], grammar, 0]
                 self.compiles += 1
-                entry = self._cache[so] = [templates, 0]
+                self._cache[so] = entry
                 while len(self._cache) > self.max_entries:
                     self._cache.popitem(last=False)
-            lane = entry[1]
-            entry[1] = (lane + 1) % len(entry[0])
-            return entry[0][lane].deep_copy(), lane
+            templates, grammar, lane = entry
+            entry[2] = (lane + 1) % self.lanes
+            if lane == len(templates):  # lanes are compiled as copies reach them: a lone request compiles once
+                templates.append(self._compile(so, grammar))
+            return templates[lane].deep_copy(), lane
+
+    def _compile(self, so: StructuredOutputs, grammar: str) -> Any:
+        template = self._llg.LLMatcher(self.lltok, grammar, log_level=0)
+        if template.is_error():
+            raise UserError(f"invalid {so.kind} for structured output: {template.get_error()}")
+        return template
 
     def matcher(self, so: StructuredOutputs) -> Any:
         """A fresh matcher (its own state) for one sequence of a request with ``so``."""
