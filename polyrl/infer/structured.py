@@ -14,8 +14,9 @@ tokenizers with any vocabulary through its token trie, and its wheel installs wi
   llguidance): the masks of all copies of one template are computed one at a time whatever the thread count, so one
   schema at batch 256 ran serially (~15 us per row). Copies of different lanes (separate compiles, ~0.5 ms each) run
   in parallel; each lane warms its own DFA. A lane is compiled when the round-robin first reaches it (a lone
-  request compiles once). ``compiles`` / ``hits`` count how often a spec was new or reused; ``mask_calls`` / ``mask_s`` / ``mask_max_s`` the host time of the batched masks (what a guided
-  step waits for when it exceeds the forward), ``consume_calls`` / ``consume_s`` that of the batched token consumes.
+  request compiles once). ``compiles`` / ``hits`` count how often a spec was new or reused; ``mask_calls`` /
+  ``mask_s`` / ``mask_max_s`` the host time of the batched masks (what a guided step waits for when it exceeds the
+  forward), ``consume_calls`` / ``consume_s`` that of the batched token consumes.
   A grammar llguidance refuses is a ``UserError`` naming what it found, raised in ``LLM.add_request`` (the caller's
   thread: the server answers 400).
 - The executor (llguidance's ``LLExecutor``: a rayon pool; its calls release the GIL) has ``num_threads`` threads,

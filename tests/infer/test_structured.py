@@ -301,3 +301,23 @@ def test_batched_consume_and_lane_masks_equal_the_per_row_reference(llm):
     assert [g.masked_logmass for g in new] == [g.masked_logmass for g in ref]
     assert [g.num_tokens for g in new] == [g.num_tokens for g in ref] == [40] * n
     assert ref[3].matcher.is_error() and new[3].matcher.is_error()
+
+
+def test_outputs_do_not_depend_on_lanes_or_threads(tiny_model_dir):
+    """The engine's guided outputs (tokens, log-probs, mask mismatch) are the same with one lane on one thread (every
+    row a copy of one template) as with several lanes and threads, overlapped or not."""
+    from polyrl.infer.structured import GrammarCache
+
+    outs = []
+    for lanes, threads, overlap in ((1, 1, False), (3, 2, True)):
+        cfg = RolloutConfig(block_size=16, num_blocks=256, max_num_seqs=64, max_model_len=256, overlap_decode=overlap)
+        llm = LLM.from_pretrained(str(tiny_model_dir), cfg, dtype="float32", device="cpu")
+        llm._grammars = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, num_threads=threads, lanes=lanes)
+        guided = SamplingParams(n=5, temperature=1.0, max_tokens=60, structured=StructuredOutputs.json_schema(SCHEMA))
+        res = llm.generate(["a", "b"], [guided.clone(seed=1), guided.clone(seed=2)])
+        outs.append([c for o in res for c in o.outputs])
+        assert llm.grammar_cache().consume_calls > 10
+    for one, many in zip(*outs):
+        assert many.token_ids == one.token_ids
+        assert many.logprobs == pytest.approx(one.logprobs, abs=1e-6)
+        assert many.masked_logmass == pytest.approx(one.masked_logmass, abs=1e-4)
