@@ -19,8 +19,8 @@ token ids, every sample generating exactly ``--gen-len`` tokens (EOS ignored). P
 grammar (``SamplingParams.structured``: an array of tool calls that cannot close within ``--gen-len``, so every
 token is masked: ``BENCH_SCHEMA``), built with the preset's tokenizer: constrained tokens/s, its cost against the free
 run's decode phase (the issue's budget: at most 10% at batch 256 on the H200), the grammar compilations (1: cached
-per schema), the host time of the batched grammar masks per step (mean and slowest) and of the batched token
-consumes, and the grammar executor's threads and lanes (``--grammar-lanes 1``: the serial layout, for an A/B).
+per schema), the host time of the batched grammar masks per step (mean and slowest), and the grammar executor's
+threads and lanes (``--grammar-lanes N``: N separate lexers, for an A/B).
 
 ``--precision fp8`` also times the engine with FP8 projection weights in the same run, with greedy agreement against
 the model's precision (``bench/rollout_fp8.py``).
@@ -83,8 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--grammar-lanes",
         type=int,
         default=None,
-        help="separately compiled matchers per schema (structured.GrammarCache; default: the executor's threads; "
-        "1 = every row copies one template, whose shared lexer serialises the masks)",
+        help="separately compiled matchers per schema (structured.GrammarCache.lanes; default 1: every row copies "
+        "one template and shares its lexer mutex; N gives rows N separate lexers, for an A/B)",
     )
     add_decoder_options(parser)
     rollout_fp8.add_arguments(parser)  # --precision fp8 (bench/rollout_fp8.py)
@@ -464,13 +464,11 @@ def _constrained(llm, prompts: list[list[int]], args: argparse.Namespace, dev: t
     llm.reset_prefix_cache()
     cache = llm.grammar_cache()
     cache.mask_calls, cache.mask_s, cache.mask_max_s = 0, 0.0, 0.0
-    cache.consume_calls, cache.consume_s = 0, 0.0
     run = _run_engine_phased(llm, prompts, args.gen_len, dev, so)
     res["response_format"] = kind
     res["grammar_threads"], res["grammar_lanes"] = cache.num_threads, cache.lanes
     res["grammar_mask_ms_mean"] = 1e3 * cache.mask_s / max(cache.mask_calls, 1)
     res["grammar_mask_ms_max"] = 1e3 * cache.mask_max_s
-    res["grammar_consume_ms_mean"] = 1e3 * cache.consume_s / max(cache.consume_calls, 1)
     res["constrained_tok_s"] = args.batch * args.gen_len / run["total_s"]
     res["constrained_decode_tok_s"] = run["decode_tokens"] / run["decode_s"]
     res["constrained_decode_cost"] = 1.0 - res["constrained_decode_tok_s"] / res["engine_decode_tok_s"]
@@ -502,7 +500,6 @@ def _print(res: dict) -> None:
         ("grammar compilations", "grammar_compiles", "{}"),
         ("grammar mask ms/step (host, mean)", "grammar_mask_ms_mean", "{:.2f}"),
         ("grammar mask ms/step (host, max)", "grammar_mask_ms_max", "{:.2f}"),
-        ("grammar consume ms/step (host, mean)", "grammar_consume_ms_mean", "{:.2f}"),
         ("grammar executor threads / lanes", "grammar_lanes", "{}"),
         ("graph capture s (all buckets, once)", "graph_capture_s", "{:.2f}"),
     ]

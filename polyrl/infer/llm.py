@@ -397,18 +397,13 @@ class LLM:
     def _accept(self, seqs: list[Sequence], tokens, logprobs, tops, touched: dict[str, _Request], masses=None) -> None:
         """Append each sequence's new token, check its stops, finish the stopped ones (``tops``: per-row top-k
         alternatives, or None when no row asked for them; ``masses``: per-row log(mass the grammar allowed) when
-        a row has a grammar, whose matcher consumes the token here: all rows' in one parallel call,
-        ``GrammarCache.consume``)."""
+        a row has a grammar, whose matcher consumes the token here)."""
         # Per sequence per step: keep this loop lean (it is host time at large batches).
         eos_ids, max_len, tokenizer, finish = self.eos_token_ids, self.max_model_len, self.tokenizer, None
         requests = self._requests
-        guided = None
         for i, (s, tok, lp, top) in enumerate(zip(seqs, tokens, logprobs, tops or [None] * len(seqs))):
             if s.guide is not None:
-                guided = guided or ([], [], [])
-                guided[0].append(s.guide)
-                guided[1].append(tok)
-                guided[2].append(masses[i] if masses is not None else 0.0)
+                s.guide.advance(tok, masses[i] if masses is not None else 0.0)
             s.tokens.append(tok)
             s.logprobs.append(lp)
             s.cumulative_logprob += lp
@@ -419,8 +414,6 @@ class LLM:
                 finish = finish or []
                 finish.append((s, stop))
             touched[s.request_id] = requests[s.request_id]
-        if guided is not None:  # stop checks never read a matcher, so the consumes can follow them
-            guided[0][0].cache.consume(*guided)
         self.num_generated_tokens += len(seqs)
         for s, stop in finish or ():
             if self.kv.routing is not None:  # before its blocks are freed (a later step may reuse them)

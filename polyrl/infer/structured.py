@@ -7,26 +7,29 @@ precompilation over the whole vocabulary, so a new schema costs ~1 ms, not secon
 request may bring its own schema), supports JSON schema, regex, Lark and choices through one API, handles
 tokenizers with any vocabulary through its token trie, and its wheel installs without a matching torch build.
 
-- ``GrammarCache(tokenizer, vocab_size, eos_ids, num_threads=None, lanes=None)``: the llguidance tokenizer (built
-  once per engine) and, per distinct ``StructuredOutputs`` (kind, spec), ``lanes`` compiled matchers kept as templates
-  (an LRU of ``max_entries`` specs): a request's sequences get ``deep_copy()`` s of them, round-robin over the lanes.
-  Lanes exist because a ``deep_copy`` shares its template's lexer (the lazily built DFA, behind one mutex in
-  llguidance): the masks of all copies of one template are computed one at a time whatever the thread count, so one
-  schema at batch 256 ran serially (~15 us per row). Copies of different lanes (separate compiles, ~0.5 ms each) run
-  in parallel; each lane warms its own DFA. A lane is compiled when the round-robin first reaches it (a lone
-  request compiles once). ``compiles`` / ``hits`` count how often a spec was new or reused; ``mask_calls`` /
-  ``mask_s`` / ``mask_max_s`` the host time of the batched masks (what a guided step waits for when it exceeds the
-  forward), ``consume_calls`` / ``consume_s`` that of the batched token consumes.
-  A grammar llguidance refuses is a ``UserError`` naming what it found, raised in ``LLM.add_request`` (the caller's
-  thread: the server answers 400).
+- ``GrammarCache(tokenizer, vocab_size, eos_ids, num_threads=None, lanes=1)``: the llguidance tokenizer (built once
+  per engine) and, per distinct ``StructuredOutputs`` (kind, spec), ``lanes`` compiled matchers kept as templates (an
+  LRU of ``max_entries`` specs): a request's sequences get ``deep_copy()`` s of them, round-robin over the lanes.
+  A ``deep_copy`` shares its template's lexer (the lazily built DFA behind one mutex in llguidance; measured: a copy
+  reuses the DFA states another copy built), so the masks of one schema's rows scale with threads only where their
+  lexer states are built already (B256, 2 threads: 3.0 -> 1.6 ms per step on a replay, 3.9 -> 3.4 ms the first
+  time). ``lanes`` > 1 gives rows separately compiled lexers (a compile each, ~0.5 ms for the bench schema, up to
+  ~100 ms for huge grammars; each lane builds its own DFA); no gain measured on 2 CPUs, hence the default 1
+  (``polyrl bench rollout --grammar-lanes N`` is the A/B for a larger host). A lane is compiled when the
+  round-robin first reaches it (a lone request compiles once). ``compiles`` / ``hits`` count how often a spec was
+  new or reused; ``mask_calls`` / ``mask_s`` / ``mask_max_s`` the host time of the batched masks (what a guided
+  step waits for when it exceeds the forward). A grammar llguidance refuses is a ``UserError`` naming what it
+  found, raised in ``LLM.add_request`` (the caller's thread: the server answers 400).
 - The executor (llguidance's ``LLExecutor``: a rayon pool; its calls release the GIL) has ``num_threads`` threads,
-  default ``host_threads()``: the CPUs this process may run on (``os.sched_getaffinity``), at most 32 (llguidance's
-  own default is 80% of them). ``lanes`` defaults to the thread count.
+  default ``host_threads()``: the CPUs this process may run on (``os.sched_getaffinity``), at most 32. llguidance's
+  own default is 80% of them (1 thread on a 2-CPU host: B256 masks 2.12 ms there vs 1.58 ms with 2 threads).
 - ``fill_guides(guides, bitmask)``: each guided row's allowed tokens as bits (int32 words, LSB first) in a host
   buffer, one executor call, the rows handed over grouped by lane (the pool splits the list into contiguous chunks,
   so threads mostly work on different lanes). ``fill_bitmask(matchers, bitmask)`` is the same for bare matchers.
-- ``consume(guides, tokens, masses)``: each guide's matcher consumes its row's token, one parallel executor call
-  (``consume_token_par``) instead of a Python call per row (``Guide.advance``, the one-row reference).
+- Tokens are consumed one row at a time (``Guide.advance`` in ``LLM._accept``): llguidance's parallel
+  ``LLExecutor.consume_token_par`` was slower at B256 on 2 CPUs (0.88-0.94 ms vs 0.73 ms per step: the consumes
+  of one schema's rows take its lexer mutex, and the call pays the pool's hand-off), and no llguidance call
+  consumes and computes the next mask at once.
 - ``MaskBuffers``: the persistent pinned host buffer those bits are computed into and the device buffer they are
   copied to (queued, no host wait, no allocation per step). The sampler applies them with
   ``kernels.apply_token_bitmask`` (one pass per guided row on the device: the masked logits and the logsumexps
@@ -128,7 +131,7 @@ class GrammarCache:
         eos_ids: list[int] | frozenset[int],
         max_entries: int = 256,
         num_threads: int | None = None,
-        lanes: int | None = None,
+        lanes: int = 1,
     ):
         if tokenizer is None:
             raise UserError("structured outputs need a tokenizer; build the LLM with one")
@@ -144,14 +147,12 @@ class GrammarCache:
         self.words = (vocab_size + 31) // 32
         self.max_entries = max_entries
         self.num_threads = max(1, num_threads or host_threads())
-        self.lanes = max(1, lanes or self.num_threads)
+        self.lanes = max(1, lanes)
         self.compiles = 0
         self.hits = 0
         self.mask_calls = 0  # fill calls (one per guided step), their total and slowest host seconds
         self.mask_s = 0.0
         self.mask_max_s = 0.0
-        self.consume_calls = 0  # batched consumes (one per guided step), their total host seconds
-        self.consume_s = 0.0
         # per spec: its lanes' templates (compiled as copies reach them), its grammar, the next lane to hand out
         self._cache: OrderedDict[StructuredOutputs, list] = OrderedDict()
         self._lock = threading.Lock()
@@ -201,7 +202,7 @@ class GrammarCache:
 
     def fill_guides(self, guides: list[Guide], bitmask: torch.Tensor) -> None:
         """``fill_bitmask`` of the guides' matchers, handed to the executor grouped by lane (module docstring)."""
-        self._fill([(guides[i].matcher, i) for i in _by_lane(guides)], bitmask)
+        self._fill([(guides[i].matcher, i) for i in self._order(guides)], bitmask)
 
     def _fill(self, pairs: list[tuple[Any, int]], bitmask: torch.Tensor) -> None:
         t0 = time.perf_counter()
@@ -211,31 +212,16 @@ class GrammarCache:
         self.mask_s += dt
         self.mask_max_s = max(self.mask_max_s, dt)
 
-    def consume(self, guides: list[Guide], tokens: list[int], masses: list[float] | None = None) -> None:
-        """``guides[i].advance(tokens[i], masses[i])`` for every ``i`` (``masses`` None: 0), the matchers' consumes in
-        one parallel executor call. A token a matcher refuses leaves it in an error state (its masks allow only EOS),
-        as ``advance`` does."""
-        t0 = time.perf_counter()
-        self._executor.consume_token_par([(guides[i].matcher, tokens[i]) for i in _by_lane(guides)])
-        if masses is None:
-            for g in guides:
-                g.num_tokens += 1
-        else:
-            for g, m in zip(guides, masses):
-                g.masked_logmass += m
-                g.num_tokens += 1
-        self.consume_calls += 1
-        self.consume_s += time.perf_counter() - t0
-
-
-def _by_lane(guides: list[Guide]) -> list[int]:
-    """The indices of ``guides`` ordered by lane (stable)."""
-    lanes = [g.lane for g in guides]
-    return sorted(range(len(guides)), key=lanes.__getitem__)
+    def _order(self, guides: list[Guide]) -> range | list[int]:
+        """The indices of ``guides`` grouped by lane (stable; no sort with one lane)."""
+        if self.lanes == 1:
+            return range(len(guides))
+        lanes = [g.lane for g in guides]
+        return sorted(range(len(guides)), key=lanes.__getitem__)
 
 
 class Guide:
-    """One sequence's grammar state: its matcher, the cache that made it (for the batched calls), its lane there, and
+    """One sequence's grammar state: its matcher, the cache that made it (for the batched mask), its lane there, and
     the mismatch the mask caused so far: the sum over its tokens of log(probability mass the grammar allowed)."""
 
     __slots__ = ("matcher", "cache", "lane", "masked_logmass", "num_tokens")
@@ -246,7 +232,6 @@ class Guide:
         self.num_tokens = 0
 
     def advance(self, token: int, logmass: float) -> None:
-        """One row's consume (the reference of ``GrammarCache.consume``)."""
         self.matcher.consume_token(token)
         self.masked_logmass += logmass
         self.num_tokens += 1

@@ -22,7 +22,7 @@ def test_bench_rollout_response_format(tmp_path, capsys):
     res = json.loads(out.read_text())
     assert res["response_format"] == fmt and res["grammar_compiles"] == 1
     assert res["grammar_threads"] == host_threads() and res["grammar_lanes"] == 2
-    assert res["grammar_mask_ms_mean"] > 0 and res["grammar_consume_ms_mean"] > 0
+    assert res["grammar_mask_ms_mean"] > 0
     assert res["constrained_tok_s"] > 0 and res["constrained_decode_tok_s"] > 0
     assert res["constrained_decode_cost"] == pytest.approx(
         1 - res["constrained_decode_tok_s"] / res["engine_decode_tok_s"]
