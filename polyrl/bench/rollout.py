@@ -19,7 +19,8 @@ token ids, every sample generating exactly ``--gen-len`` tokens (EOS ignored). P
 grammar (``SamplingParams.structured``: an array of tool calls that cannot close within ``--gen-len``, so every
 token is masked: ``BENCH_SCHEMA``), built with the preset's tokenizer: constrained tokens/s, its cost against the free
 run's decode phase (the issue's budget: at most 10% at batch 256 on the H200), the grammar compilations (1: cached
-per schema) and the host time of the batched grammar masks per step (mean and slowest).
+per schema), the host time of the batched grammar masks per step (mean and slowest), and the grammar executor's
+threads and lanes (``--grammar-lanes N``: N separate lexers, for an A/B).
 
 ``--precision fp8`` also times the engine with FP8 projection weights in the same run, with greedy agreement against
 the model's precision (``bench/rollout_fp8.py``).
@@ -77,6 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["none", "json_schema", "json_object"],
         default="none",
         help="also time the run with every sample constrained to this structured output (llguidance mask)",
+    )
+    parser.add_argument(
+        "--grammar-lanes",
+        type=int,
+        default=None,
+        help="separately compiled matchers per schema (structured.GrammarCache.lanes; default 1: every row copies "
+        "one template and shares its lexer mutex; N gives rows N separate lexers, for an A/B)",
     )
     add_decoder_options(parser)
     rollout_fp8.add_arguments(parser)  # --precision fp8 (bench/rollout_fp8.py)
@@ -446,6 +454,11 @@ def _constrained(llm, prompts: list[list[int]], args: argparse.Namespace, dev: t
     """The same run with every sample constrained (``--response-format``): tokens/s and cost vs the free run."""
     kind = args.response_format
     so = StructuredOutputs.json_schema(BENCH_SCHEMA) if kind == "json_schema" else StructuredOutputs("json_object")
+    if args.grammar_lanes is not None:
+        # lazy: structured.py needs llguidance, only for --response-format
+        from polyrl.infer.structured import GrammarCache
+
+        llm._grammars = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, lanes=args.grammar_lanes)
     llm.reset_prefix_cache()
     _run_engine_phased(llm, prompts[: min(8, len(prompts))], 8, dev, so)  # warm-up: the one compilation
     llm.reset_prefix_cache()
@@ -453,6 +466,7 @@ def _constrained(llm, prompts: list[list[int]], args: argparse.Namespace, dev: t
     cache.mask_calls, cache.mask_s, cache.mask_max_s = 0, 0.0, 0.0
     run = _run_engine_phased(llm, prompts, args.gen_len, dev, so)
     res["response_format"] = kind
+    res["grammar_threads"], res["grammar_lanes"] = cache.num_threads, cache.lanes
     res["grammar_mask_ms_mean"] = 1e3 * cache.mask_s / max(cache.mask_calls, 1)
     res["grammar_mask_ms_max"] = 1e3 * cache.mask_max_s
     res["constrained_tok_s"] = args.batch * args.gen_len / run["total_s"]
@@ -486,10 +500,13 @@ def _print(res: dict) -> None:
         ("grammar compilations", "grammar_compiles", "{}"),
         ("grammar mask ms/step (host, mean)", "grammar_mask_ms_mean", "{:.2f}"),
         ("grammar mask ms/step (host, max)", "grammar_mask_ms_max", "{:.2f}"),
+        ("grammar executor threads / lanes", "grammar_lanes", "{}"),
         ("graph capture s (all buckets, once)", "graph_capture_s", "{:.2f}"),
     ]
     for label, key, fmt in rows:
-        if key in res:
+        if key == "grammar_lanes" and key in res:
+            print(f"{label:<36} {res['grammar_threads']} / {res[key]}")
+        elif key in res:
             print(f"{label:<36} {fmt.format(res[key])}")
     rollout_fp8.print_rows(res)  # --precision fp8
     for name, what, _, _ in PARTS:  # --compare-parts

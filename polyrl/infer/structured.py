@@ -7,14 +7,29 @@ precompilation over the whole vocabulary, so a new schema costs ~1 ms, not secon
 request may bring its own schema), supports JSON schema, regex, Lark and choices through one API, handles
 tokenizers with any vocabulary through its token trie, and its wheel installs without a matching torch build.
 
-- ``GrammarCache(tokenizer, vocab_size, eos_ids)``: the llguidance tokenizer (built once per engine) and, per
-  distinct ``StructuredOutputs`` (kind, spec), a compiled matcher kept as a template (an LRU of ``max_entries``):
-  a request's sequences get ``deep_copy()`` s of it, which share the compiled grammar. ``compiles`` / ``hits``
-  count how often a schema was compiled or reused; ``mask_calls`` / ``mask_s`` / ``mask_max_s`` the host time of
-  the batched masks (what a guided step waits for when it exceeds the forward). A grammar llguidance refuses is a
-  ``UserError`` naming what it found, raised in ``LLM.add_request`` (the caller's thread: the server answers 400).
-- ``fill_bitmask(matchers, bitmask)``: each guided row's allowed tokens as bits (int32 words, LSB first) in a
-  host buffer, computed in parallel by llguidance's executor (it releases the GIL).
+- ``GrammarCache(tokenizer, vocab_size, eos_ids, num_threads=None, lanes=1)``: the llguidance tokenizer (built once
+  per engine) and, per distinct ``StructuredOutputs`` (kind, spec), ``lanes`` compiled matchers kept as templates (an
+  LRU of ``max_entries`` specs): a request's sequences get ``deep_copy()`` s of them, round-robin over the lanes.
+  A ``deep_copy`` shares its template's lexer (the lazily built DFA behind one mutex in llguidance; measured: a copy
+  reuses the DFA states another copy built), so the masks of one schema's rows scale with threads only where their
+  lexer states are built already (B256, 2 threads: 3.0 -> 1.6 ms per step on a replay, 3.9 -> 3.4 ms the first
+  time). ``lanes`` > 1 gives rows separately compiled lexers (a compile each, ~0.5 ms for the bench schema, up to
+  ~100 ms for huge grammars; each lane builds its own DFA); no gain measured on 2 CPUs, hence the default 1
+  (``polyrl bench rollout --grammar-lanes N`` is the A/B for a larger host). A lane is compiled when the
+  round-robin first reaches it (a lone request compiles once). ``compiles`` / ``hits`` count how often a spec was
+  new or reused; ``mask_calls`` / ``mask_s`` / ``mask_max_s`` the host time of the batched masks (what a guided
+  step waits for when it exceeds the forward). A grammar llguidance refuses is a ``UserError`` naming what it
+  found, raised in ``LLM.add_request`` (the caller's thread: the server answers 400).
+- The executor (llguidance's ``LLExecutor``: a rayon pool; its calls release the GIL) has ``num_threads`` threads,
+  default ``host_threads()``: the CPUs this process may run on (``os.sched_getaffinity``), at most 32. llguidance's
+  own default is 80% of them (1 thread on a 2-CPU host: B256 masks 2.12 ms there vs 1.58 ms with 2 threads).
+- ``fill_guides(guides, bitmask)``: each guided row's allowed tokens as bits (int32 words, LSB first) in a host
+  buffer, one executor call, the rows handed over grouped by lane (the pool splits the list into contiguous chunks,
+  so threads mostly work on different lanes). ``fill_bitmask(matchers, bitmask)`` is the same for bare matchers.
+- Tokens are consumed one row at a time (``Guide.advance`` in ``LLM._accept``): llguidance's parallel
+  ``LLExecutor.consume_token_par`` was slower at B256 on 2 CPUs (0.88-0.94 ms vs 0.73 ms per step: the consumes
+  of one schema's rows take its lexer mutex, and the call pays the pool's hand-off), and no llguidance call
+  consumes and computes the next mask at once.
 - ``MaskBuffers``: the persistent pinned host buffer those bits are computed into and the device buffer they are
   copied to (queued, no host wait, no allocation per step). The sampler applies them with
   ``kernels.apply_token_bitmask`` (one pass per guided row on the device: the masked logits and the logsumexps
@@ -34,6 +49,7 @@ Not here: which rows are guided (``sampler.py``), request fields (``polyrl.serve
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -55,6 +71,15 @@ def json_schema_grammar_text(schema: dict[str, Any]) -> dict[str, Any]:
     out = dict(schema)
     out["x-guidance"] = {**JSON_STYLE, **(schema.get("x-guidance") or {})}
     return out
+
+
+def host_threads() -> int:
+    """The CPUs this process may run on (its affinity mask, which container CPU sets also restrict), at most 32."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        n = os.cpu_count() or 1
+    return max(1, min(n, 32))
 
 
 def _llg() -> Any:
@@ -99,7 +124,15 @@ def to_grammar(so: StructuredOutputs) -> str:
 class GrammarCache:
     """Compiled grammars per structured-output spec for one engine (one tokenizer). Thread-safe."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: list[int] | frozenset[int], max_entries: int = 256):
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_ids: list[int] | frozenset[int],
+        max_entries: int = 256,
+        num_threads: int | None = None,
+        lanes: int = 1,
+    ):
         if tokenizer is None:
             raise UserError("structured outputs need a tokenizer; build the LLM with one")
         llg = _llg()
@@ -113,59 +146,88 @@ class GrammarCache:
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self.max_entries = max_entries
+        self.num_threads = max(1, num_threads or host_threads())
+        self.lanes = max(1, lanes)
         self.compiles = 0
         self.hits = 0
-        self.mask_calls = 0  # fill_bitmask calls (one per guided step), their total and slowest host seconds
+        self.mask_calls = 0  # fill calls (one per guided step), their total and slowest host seconds
         self.mask_s = 0.0
         self.mask_max_s = 0.0
-        self._cache: OrderedDict[StructuredOutputs, Any] = OrderedDict()
+        # per spec: its lanes' templates (compiled as copies reach them), its grammar, the next lane to hand out
+        self._cache: OrderedDict[StructuredOutputs, list] = OrderedDict()
         self._lock = threading.Lock()
-        self._executor = llg.LLExecutor()
+        self._executor = llg.LLExecutor(num_threads=self.num_threads)
         self._llg = llg
 
-    def matcher(self, so: StructuredOutputs) -> Any:
-        """A fresh matcher (its own state) for one sequence of a request with ``so``. The compile runs under the
-        cache's lock, so concurrent requests with one schema compile it once (the others wait for it: milliseconds)."""
+    def _copy(self, so: StructuredOutputs) -> tuple[Any, int]:
+        """(a fresh matcher for ``so``, its lane). The compile runs under the cache's lock, so concurrent requests
+        with one schema compile it once (the others wait for it: milliseconds)."""
         with self._lock:
-            template = self._cache.get(so)
-            if template is not None:
+            entry = self._cache.get(so)
+            if entry is not None:
                 self._cache.move_to_end(so)
                 self.hits += 1
-                return template.deep_copy()
-            template = self._llg.LLMatcher(self.lltok, to_grammar(so), log_level=0)
-            if template.is_error():
-                raise UserError(f"invalid {so.kind} for structured output: {template.get_error()}")
-            self.compiles += 1
-            self._cache[so] = template
-            while len(self._cache) > self.max_entries:
-                self._cache.popitem(last=False)
-            return template.deep_copy()
+            else:
+                grammar = to_grammar(so)
+                entry = [[self._compile(so, grammar)], grammar, 0]
+                self.compiles += 1
+                self._cache[so] = entry
+                while len(self._cache) > self.max_entries:
+                    self._cache.popitem(last=False)
+            templates, grammar, lane = entry
+            entry[2] = (lane + 1) % self.lanes
+            if lane == len(templates):  # lanes are compiled as copies reach them: a lone request compiles once
+                templates.append(self._compile(so, grammar))
+            return templates[lane].deep_copy(), lane
+
+    def _compile(self, so: StructuredOutputs, grammar: str) -> Any:
+        template = self._llg.LLMatcher(self.lltok, grammar, log_level=0)
+        if template.is_error():
+            raise UserError(f"invalid {so.kind} for structured output: {template.get_error()}")
+        return template
+
+    def matcher(self, so: StructuredOutputs) -> Any:
+        """A fresh matcher (its own state) for one sequence of a request with ``so``."""
+        return self._copy(so)[0]
 
     def guide(self, so: StructuredOutputs) -> Guide:
-        return Guide(self.matcher(so), self)
+        matcher, lane = self._copy(so)
+        return Guide(matcher, self, lane)
 
     def fill_bitmask(self, matchers: list[Any], bitmask: torch.Tensor) -> None:
         """Row ``i`` of ``bitmask`` (int32 ``[>= len(matchers), words]``, CPU, contiguous) = the tokens matcher ``i``
         allows next (every word of the row is written). A matcher in an error state (it cannot happen for tokens
         drawn under its own mask) allows only EOS, so the sequence ends."""
+        self._fill([(m, i) for i, m in enumerate(matchers)], bitmask)
+
+    def fill_guides(self, guides: list[Guide], bitmask: torch.Tensor) -> None:
+        """``fill_bitmask`` of the guides' matchers, handed to the executor grouped by lane (module docstring)."""
+        self._fill([(guides[i].matcher, i) for i in self._order(guides)], bitmask)
+
+    def _fill(self, pairs: list[tuple[Any, int]], bitmask: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        self._executor.unsafe_compute_mask_ptr(
-            [(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), self.words * 4, bitmask.shape[0]
-        )
+        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), self.words * 4, bitmask.shape[0])
         dt = time.perf_counter() - t0
         self.mask_calls += 1
         self.mask_s += dt
         self.mask_max_s = max(self.mask_max_s, dt)
 
+    def _order(self, guides: list[Guide]) -> range | list[int]:
+        """The indices of ``guides`` grouped by lane (stable; no sort with one lane)."""
+        if self.lanes == 1:
+            return range(len(guides))
+        lanes = [g.lane for g in guides]
+        return sorted(range(len(guides)), key=lanes.__getitem__)
+
 
 class Guide:
-    """One sequence's grammar state: its matcher, the cache that made it (for the batched mask), and the mismatch
-    the mask caused so far: the sum over its tokens of log(probability mass the grammar allowed)."""
+    """One sequence's grammar state: its matcher, the cache that made it (for the batched mask), its lane there, and
+    the mismatch the mask caused so far: the sum over its tokens of log(probability mass the grammar allowed)."""
 
-    __slots__ = ("matcher", "cache", "masked_logmass", "num_tokens")
+    __slots__ = ("matcher", "cache", "lane", "masked_logmass", "num_tokens")
 
-    def __init__(self, matcher: Any, cache: GrammarCache) -> None:
-        self.matcher, self.cache = matcher, cache
+    def __init__(self, matcher: Any, cache: GrammarCache, lane: int = 0) -> None:
+        self.matcher, self.cache, self.lane = matcher, cache, lane
         self.masked_logmass = 0.0
         self.num_tokens = 0
 
@@ -204,7 +266,7 @@ class MaskBuffers:
             host = self._host = torch.empty((cap, words), dtype=torch.int32, pin_memory=pinned)
             self._dev = torch.empty((cap, words), dtype=torch.int32, device=dev) if pinned else None
         self._wait()
-        cache.fill_bitmask([g.matcher for g in guides], host[:n])
+        cache.fill_guides(guides, host[:n])
         if not pinned:
             return host[:n]
         out = self._dev[:n]
@@ -230,6 +292,7 @@ __all__ = [
     "Guide",
     "MaskBuffers",
     "allowed_mask",
+    "host_threads",
     "to_grammar",
     "json_schema_grammar_text",
     "JSON_STYLE",

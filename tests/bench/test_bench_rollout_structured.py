@@ -1,5 +1,6 @@
 """`polyrl bench rollout --response-format json_schema` on the CPU: the constrained run is timed next to the free one,
-its cost reported, the schema compiled once for the warm-up and the timed run."""
+its cost reported, the schema compiled once for the warm-up and the timed run, the grammar executor's host time,
+threads and lanes reported (``--grammar-lanes`` sets the lanes)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,21 @@ from polyrl.cli.main import main
 
 
 def test_bench_rollout_response_format(tmp_path, capsys):
+    from polyrl.infer.structured import host_threads
+
     fmt = "json_schema"
     out = tmp_path / "rollout.json"
     argv = ["bench", "rollout", "--shape", "tiny", "--batch", "3", "--prompt-len", "6", "--gen-len", "6"]
-    assert main([*argv, "--baselines", "none", "--skip-batch1", "--response-format", fmt, "--json", str(out)]) == 0
+    argv += ["--baselines", "none", "--skip-batch1", "--response-format", fmt, "--grammar-lanes", "2"]
+    assert main([*argv, "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["response_format"] == fmt and res["grammar_compiles"] == 1
+    assert res["grammar_threads"] == host_threads() and res["grammar_lanes"] == 2
+    assert res["grammar_mask_ms_mean"] > 0
     assert res["constrained_tok_s"] > 0 and res["constrained_decode_tok_s"] > 0
     assert res["constrained_decode_cost"] == pytest.approx(
         1 - res["constrained_decode_tok_s"] / res["engine_decode_tok_s"]
     )
-    assert "constrained decode cost vs free" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "constrained decode cost vs free" in printed
+    assert f"grammar executor threads / lanes     {host_threads()} / 2" in printed

@@ -243,3 +243,77 @@ def test_guided_draw_equals_the_plain_torch_computation(llm):
     assert out.masses == pytest.approx(mass.tolist(), abs=1e-5)
     assert out.masses[1] == 0.0 and out.masses[0] < 0 and out.masses[3] > -1.0  # the string state allows most
     assert bool(allowed[0, out.tokens[0]]) and bool(allowed[3, out.tokens[3]])
+
+
+def test_executor_is_sized_to_the_host_and_lanes_round_robin(llm):
+    """llguidance's executor gets a thread per CPU this process may run on (its affinity, at most 32) unless told;
+    one lane by default; with more, each spec is compiled once per lane (separate lexers: copies of one template
+    share its lexer), as the round-robin reaches the lanes."""
+    import os
+
+    from polyrl.infer.structured import GrammarCache, host_threads
+
+    assert host_threads() == min(len(os.sched_getaffinity(0)), 32)
+    assert llm.grammar_cache().num_threads == host_threads() and llm.grammar_cache().lanes == 1
+    cache = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, num_threads=3)
+    assert (cache.num_threads, cache.lanes) == (3, 1)
+    cache = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, num_threads=2, lanes=3)
+    so = StructuredOutputs.json_schema(SCHEMA)
+    guides = [cache.guide(so)]
+    assert len(cache._cache[so][0]) == 1  # a lone request compiles once; the other lanes as copies reach them
+    guides += [cache.guide(so) for _ in range(6)]
+    assert [g.lane for g in guides] == [0, 1, 2, 0, 1, 2, 0]  # round-robin over the lanes
+    assert cache.compiles == 1 and cache.hits == 6
+    templates = cache._cache[so][0]
+    assert len(templates) == 3 and len({id(t) for t in templates}) == 3
+
+
+def test_lane_masks_equal_the_one_lane_reference(llm):
+    """``fill_guides`` over several lanes (rows grouped by lane, separate lexers) against one-lane guides and
+    ``fill_bitmask``: the same masks at every step (tokens drawn under them); a token a matcher refuses leaves it
+    allowing only EOS in both."""
+    from polyrl.infer.structured import GrammarCache
+
+    so = StructuredOutputs.json_schema(SCHEMA)
+    one = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, num_threads=1, lanes=1)
+    many = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, num_threads=2, lanes=3)
+    n = 10
+    ref, new = [one.guide(so) for _ in range(n)], [many.guide(so) for _ in range(n)]
+    gen = torch.Generator().manual_seed(0)
+    want = torch.empty((n, one.words), dtype=torch.int32)
+    got = torch.full((n, many.words), -1, dtype=torch.int32)
+    eos = sorted(llm.eos_token_ids)
+    for step in range(40):
+        one.fill_bitmask([g.matcher for g in ref], want)
+        many.fill_guides(new, got)
+        assert torch.equal(got, want), step
+        allowed = allowed_mask(want, llm.vocab_size)
+        if step > 5:
+            assert set(allowed[3].nonzero()[:, 0].tolist()) <= set(eos) and allowed[3].any()
+        toks = torch.multinomial(allowed.float(), 1, generator=gen)[:, 0].tolist()
+        if step == 5:
+            toks[3] = int(torch.nonzero(~allowed[3])[0])  # refused: the matcher errs, its mask is EOS only
+        for g, h, t in zip(ref, new, toks):
+            g.advance(t, -0.5)
+            h.advance(t, -0.5)
+    assert ref[3].matcher.is_error() and new[3].matcher.is_error()
+
+
+def test_outputs_do_not_depend_on_lanes_or_threads(tiny_model_dir):
+    """The engine's guided outputs (tokens, log-probs, mask mismatch) are the same with one lane on one thread (every
+    row a copy of one template) as with several lanes and threads, overlapped or not."""
+    from polyrl.infer.structured import GrammarCache
+
+    outs = []
+    for lanes, threads, overlap in ((1, 1, False), (3, 2, True)):
+        cfg = RolloutConfig(block_size=16, num_blocks=256, max_num_seqs=64, max_model_len=256, overlap_decode=overlap)
+        llm = LLM.from_pretrained(str(tiny_model_dir), cfg, dtype="float32", device="cpu")
+        llm._grammars = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, num_threads=threads, lanes=lanes)
+        guided = SamplingParams(n=5, temperature=1.0, max_tokens=60, structured=StructuredOutputs.json_schema(SCHEMA))
+        res = llm.generate(["a", "b"], [guided.clone(seed=1), guided.clone(seed=2)])
+        outs.append([c for o in res for c in o.outputs])
+        assert llm.grammar_cache().mask_calls > 10
+    for one, many in zip(*outs):
+        assert many.token_ids == one.token_ids
+        assert many.logprobs == pytest.approx(one.logprobs, abs=1e-6)
+        assert many.masked_logmass == pytest.approx(one.masked_logmass, abs=1e-4)
