@@ -19,7 +19,8 @@ from polyrl.errors import DataError
 from polyrl.platform import kb
 from polyrl.validate import report
 
-LEVEL_ORDER = ("platform", "ops", "collectives", "sft", "rl", "serve")
+# one column per validate level, in the order of polyrl.validate.LEVELS (a test keeps the two equal)
+LEVEL_ORDER = ("platform", "ops", "collectives", "sft", "rl", "serve", "eval")
 CI_TESTED = {"cpu": "`make test` on every push: CPU torch, Triton kernels under TRITON_INTERPRET=1 on tiny shapes"}
 MARK = {"passed": "pass", "failed": "**FAIL**", "skipped": "skip", None: "-"}
 
@@ -93,7 +94,8 @@ def render(reports: list[tuple[str, dict[str, Any]]], compat_link: str = "../com
         "",
         "What polyrl has been validated on, where and when. Each row comes from the report `polyrl validate` "
         "wrote on that machine; the levels are platform (install check), ops (kernels vs references), "
-        "collectives, sft, rl (rollout + GRPO step) and serve (OpenAI API). A report says what it did *not* "
+        "collectives, sft, rl (rollout + GRPO step), serve (OpenAI API) and eval (a log-likelihood task, fast path vs "
+        "reference). A report says what it did *not* "
         "validate; see its `not_validated` list.",
         "",
         "## Tested in our CI",

@@ -194,3 +194,10 @@ def test_committed_matrix_is_rendered_from_the_committed_reports():
     assert reports, "compat/ holds no report"
     committed = (root / "docs" / "compatibility.md").read_text()
     assert compat.render(reports) == committed, "re-run `polyrl compat render` after adding a report to compat/"
+
+
+def test_the_compatibility_matrix_has_a_column_per_validate_level():
+    from polyrl.validate import LEVELS
+    from polyrl.validate.compat import LEVEL_ORDER
+
+    assert LEVEL_ORDER == tuple(LEVELS)
