@@ -14,7 +14,7 @@ for n in 17 24 27 28 31 34 35 39; do PLAT="$PLAT --platform manylinux_2_${n}_x86
 dl() { python3 -m pip download -q --no-deps --only-binary=:all: $PLAT -d "$1" "${@:2}"; }
 mkdir -p .whl
 # server + client: polyrl serve, the openai client in the serving smoke tests, structured outputs
-dl .whl fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection sniffio \
+dl .whl fastapi starlette opentelemetry-api uvicorn pydantic pydantic-core annotated-types typing-inspection sniffio \
   openai distro jiter llguidance==1.9.1 jsonschema jsonschema-specifications referencing rpds-py
 # bench baselines: Liger kernels, torchao float8 training
 dl .whl liger-kernel==0.8.5 torchao==0.18.0
