@@ -36,7 +36,7 @@ from polyrl.algorithms.advantages import group_advantages
 from polyrl.algorithms.grpo import GRPOConfig, make_policy_loss
 from polyrl.algorithms.rl_batch import pack_samples
 from polyrl.bench import grpo_async, grpo_curve
-from polyrl.bench.common import measure_copy_bandwidth, measure_matmul_flops, shape_preset
+from polyrl.bench.common import free_memory, measure_copy_bandwidth, measure_matmul_flops, shape_preset
 from polyrl.bench.grpo_async import add_async_arguments
 from polyrl.bench.grpo_trl import TRL_CONFIGS, dummy_reward, prompt_texts, trl_rows
 from polyrl.bench.profile import kernel_table, print_kernel_table
@@ -248,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
     del model
     baselines = [b for b in args.baselines.split(",") if b and b != "none"]
     if "trl" in baselines:
+        free_memory()  # our engine's cached blocks back before TRL loads
         res.update(trl_rows(model_dir, args, dev))
         if res.get("trl_step_s"):
             res["speedup_vs_trl"] = res["trl_step_s"] / res["step_s"]  # against the fastest TRL setting timed

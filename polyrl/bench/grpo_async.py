@@ -239,14 +239,21 @@ def run_async(model_dir: Path, args: argparse.Namespace, work: Path) -> dict[str
     data = _prompt_file(model_dir, args, work / "prompts.jsonl")
     rows = []
     for k in ks:
-        row = timed_run(_timing_raw(model_dir, data, work / f"k{k}", args, k), args.warmup, args.steps)
+        try:
+            row = timed_run(_timing_raw(model_dir, data, work / f"k{k}", args, k), args.warmup, args.steps)
+        except Exception as exc:  # one K failing (e.g. out of memory) still leaves the others' rows
+            print(f"# K={k} failed: {type(exc).__name__}: {exc}")
+            rows.append({"k": k, "producer": f"failed: {type(exc).__name__}", "error": str(exc)})
+            free_memory()
+            continue
         rows.append(row)
         steps = ", ".join(f"{s:.2f}" for s in row["steps_all"])
         timed = f"{args.warmup + 1}..{args.warmup + args.steps}"
-        print(f"# K={k} ({row['producer']}): step wall times {steps} s (timed: steps {timed})")
-    base = rows[0]["step_s"]
+        print(f"# K={k} ({row['producer']}): steady {row['step_s']:.3f} s/step; step walls {steps} s (timed: {timed})")
+    base = rows[0].get("step_s")
     for r in rows:
-        r["ratio_to_sync"] = r["step_s"] / base
+        if base and r.get("step_s"):
+            r["ratio_to_sync"] = r["step_s"] / base
     cols = ["k", "producer", "step_s", "ratio_to_sync", "gpu_busy", "rollout_s", "logprob_s", "train_s", "wait_s"]
     cols += ["sync_s", "staleness_mean", "staleness_max", "stale_dropped", "response_length"]
     print_table(rows, cols)

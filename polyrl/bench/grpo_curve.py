@@ -108,17 +108,21 @@ def run_curve(model_dir: Path, args: argparse.Namespace, work: Path) -> dict[str
         f"# reward curve: {task}, {steps} GRPO steps x {per_step} samples per K, from {args.curve_sft_steps} SFT steps"
     )
     curves: dict[str, Any] = {"task": task, "samples_per_step": per_step, "curves": {}}
+    path = Path(args.curve_out)
+    path.parent.mkdir(parents=True, exist_ok=True)
     for k in ks:
         t0 = time.perf_counter()
-        out = work / f"curve-k{k}"
-        raw = _curve_raw(start, task, out, steps, k, args.async_producer)
-        cfg = run_config.build(raw)
+        cfg = run_config.build(_curve_raw(start, task, work / f"curve-k{k}", steps, k, args.async_producer))
         run = TimedRun(cfg, cfg.spec.hooks(cfg.algo_config), io.StringIO(), window=(-1, -1))
-        run.run()
+        error = None
+        try:
+            run.run()
+        except Exception as exc:  # a failed K keeps the steps it ran; the other Ks still run
+            error = f"{type(exc).__name__}: {exc}"
         rewards = [float(r["reward"]) for r in run.records]
         del run
         free_memory()
-        mean, std, w = final_window(rewards)
+        mean, std, w = final_window(rewards) if rewards else (None, None, 0)
         curves["curves"][f"k{k}"] = {
             "k": k,
             "samples": [(i + 1) * per_step for i in range(len(rewards))],
@@ -127,24 +131,30 @@ def run_curve(model_dir: Path, args: argparse.Namespace, work: Path) -> dict[str
             "final_std": std,
             "final_steps": w,
             "wall_s": time.perf_counter() - t0,
+            **({"error": error} if error else {}),
         }
+        shown = f"final {w}-step mean {mean:.3f} std {std:.3f}" if rewards else "no step finished"
+        print(
+            f"# K={k}: {len(rewards)} steps, {shown}, {time.perf_counter() - t0:.1f}s" + (f"; {error}" if error else "")
+        )
+        path.with_suffix(".json").write_text(json.dumps(curves, indent=2))  # after every K: a timeout keeps the rest
     _print_curves(curves)
-    path = Path(args.curve_out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".json").write_text(json.dumps(curves, indent=2))
     png = _plot(curves, path.with_suffix(".png"))
     print(f"# curves: {path.with_suffix('.json')}" + (f", {png}" if png else " (no matplotlib: no PNG)"))
     return {"curve": curves}
 
 
 def _print_curves(curves: dict[str, Any]) -> None:
-    ref = curves["curves"]["k0"]
+    ref = curves["curves"].get("k0", {})
     rows = []
     for c in curves["curves"].values():
-        # difference from K=0 in standard errors of the two final-window means (the run-to-run noise of one seed)
-        se = math.sqrt((c["final_std"] ** 2 + ref["final_std"] ** 2) / max(1, c["final_steps"]))
-        diff = c["final_mean"] - ref["final_mean"]
-        rows.append({**c, "diff": diff, "diff_se": diff / se if se > 0 else None, "first": c["reward"][0]})
+        row = {**c, "first": c["reward"][0] if c["reward"] else None}
+        if c["final_mean"] is not None and ref.get("final_mean") is not None:
+            # difference from K=0 in standard errors of the two final-window means (one seed's step-to-step noise)
+            se = math.sqrt((c["final_std"] ** 2 + ref["final_std"] ** 2) / max(1, c["final_steps"]))
+            row["diff"] = c["final_mean"] - ref["final_mean"]
+            row["diff_se"] = row["diff"] / se if se > 0 else None
+        rows.append(row)
     cols = ["k", "first", "final_mean", "final_std", "final_steps", "diff", "diff_se", "wall_s"]
     heads = ["K", "reward step 1", "final mean", "final std", "final steps", "- K=0", "in SE", "wall s"]
     print_table(rows, cols, heads)

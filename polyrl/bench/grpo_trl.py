@@ -34,9 +34,9 @@ TRL_PINNED = "1.16.0"
 # name -> (what it is, completions per forward/backward, force min_new_tokens = gen-len, gradient_checkpointing or
 # None for TRL's default)
 TRL_CONFIGS: dict[str, tuple[str, int, bool, bool | None]] = {
-    "fast": ("64 completions per fwd/bwd, no forced minimum length", 64, False, None),
-    "fast-nogc": ("as fast, gradient checkpointing off", 64, False, False),
-    "old": ("old row: 16 per fwd/bwd, min_new_tokens = gen-len", 16, True, None),
+    "fast": ("no forced minimum length", 64, False, None),
+    "fast-nogc": ("no forced minimum length", 64, False, False),
+    "old": ("the earlier row: min_new_tokens = gen-len", 16, True, None),
 }
 
 

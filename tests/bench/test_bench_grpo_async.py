@@ -102,3 +102,18 @@ def test_async_rows_measure_gpu_busy_on_an_accelerator(tmp_path, capsys):
     for r in res["async_rows"]:
         assert r["gpu_busy_kind"] in ("nvml", "events")
         assert r["gpu_busy"] is None or 0.0 <= r["gpu_busy"] <= 1.0
+
+
+def test_trl_row_times_each_setting_and_ratios_the_fastest(tmp_path, capsys):
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    out = tmp_path / "trl.json"
+    argv = ["bench", "grpo", *TINY, "--steps", "1", "--warmup", "1", "--micro-batch-tokens", "128", "--kv", "keep"]
+    assert main([*argv, "--trl-configs", "fast,old", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["trl_version"] and res["trl_config"] in ("fast", "old")
+    steady = {name: res[f"trl_{name}_step_s"] for name in ("fast", "old")}
+    assert res["trl_step_s"] == min(steady.values()) and res["trl_config"] == min(steady, key=steady.get)
+    assert res["speedup_vs_trl"] == pytest.approx(res["trl_step_s"] / res["step_s"])
+    assert res["trl_old_completion_len"] == 4  # the old row forces --gen-len new tokens
+    assert "TRL fast (no forced minimum length; 4 per fwd/bwd" in capsys.readouterr().out
