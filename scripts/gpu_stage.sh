@@ -162,6 +162,11 @@ for s in "$@"; do
     # GPU with the thread producer: steady step time, ratio to sync, GPU busy (NVML), split, staleness
     bench-grpo-async) TAIL=30 stage bench-grpo-async 590 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 \
       --gen-len 512 --warmup 1 --steps 4 --kv keep --async 0,1,2 --baselines none --json "$OUT/bench_grpo_async.json" ;;
+    # The same with the K > 0 rollouts on a device stream of their own (bench flag --rollout-stream; the run loop
+    # generates on the default stream): does one GPU overlap rollout and training kernels then?
+    bench-grpo-async-stream) TAIL=30 stage bench-grpo-async-stream 590 $PR bench grpo --shape qwen3-0.6b --prompts 64 \
+      --n 8 --gen-len 512 --warmup 1 --steps 4 --kv keep --async 0,1,2 --rollout-stream on --baselines none \
+      --json "$OUT/bench_grpo_async_stream.json" ;;
     # Reward per sample, sync vs async K=1,2, on the demo's arithmetic task (small preset, demo SFT then 60 GRPO steps)
     grpo-async-curve) TAIL=30 stage grpo-async-curve 300 $PR bench grpo --shape small --task arithmetic \
       --curve-samples 15360 --curve-sft-steps 125 --async 0,1,2 --curve-out "$OUT/grpo_async_curve" \

@@ -13,7 +13,9 @@ to generate ahead: run, not timed). Per K: steady step time (wall of the window 
 JSON), its ratio to K = 0, the GPU busy fraction of the one (colocated) placement over the window
 (``bench/gpu_busy.py``: NVML, else device events, n/a on the CPU), the rollout / log-prob / train split (async: the
 rollout runs beside training, ``wait`` is what the step waited for its batch), the weight sync, staleness (mean and
-max over tokens) and batches dropped as too stale.
+max over tokens) and batches dropped as too stale. ``--rollout-stream on|both`` is an experiment the run loop does
+not do: the K > 0 rollouts (``collect``) on a device stream of their own, so that on one GPU their kernels may run
+beside training's instead of queueing behind them on the default stream (rows ``thread+stream``).
 
 Not here: the synchronous step split, roofline and TRL baseline (``bench/grpo.py``, ``bench/grpo_trl.py``), the
 reward curves (``bench/grpo_curve.py``, which reuses ``TimedRun``); a 1 rollout + 1 train GPU row (printed as a
@@ -57,6 +59,13 @@ def add_async_arguments(parser: argparse.ArgumentParser) -> None:
         help="the async producer of K > 0 (thread: a weight copy generating beside training)",
     )
     parser.add_argument(
+        "--rollout-stream",
+        choices=["off", "on", "both"],
+        default="off",
+        help="an experiment the run loop does not do (yet): K > 0 rollouts on a device stream of their own, so their "
+        "kernels may overlap training's (both: a row each way); accelerators only",
+    )
+    parser.add_argument(
         "--task",
         default=None,
         help="reward-curve mode: 'arithmetic' (polyrl demo's task) or a builtin:arithmetic?... spec; sync and each "
@@ -89,8 +98,12 @@ class TimedRun(OnlineRun):
     ``EventBusy`` meter, the rollout (``collect``, in the producer's thread when async) and train (``prepare`` +
     ``update``) phases are bracketed by device events."""
 
-    def __init__(self, *a: Any, window: tuple[int, int], meter: Any = None, **kw: Any) -> None:
+    def __init__(
+        self, *a: Any, window: tuple[int, int], meter: Any = None, rollout_stream: bool = False, **kw: Any
+    ) -> None:
         self.window, self.meter = window, meter
+        api = device.stream_api() if rollout_stream else None
+        self.side = api.Stream() if api is not None else None  # --rollout-stream: generation on a stream of its own
         self.intervals: list[tuple[float, float]] = []
         self.records: list[dict[str, Any]] = []
         self.marks: dict[str, Any] = {}
@@ -99,8 +112,16 @@ class TimedRun(OnlineRun):
     def _span(self) -> Any:
         return self.meter.span() if isinstance(self.meter, EventBusy) else _null()
 
+    def _stream(self) -> Any:
+        if self.side is None:
+            return _null()
+        api = device.stream_api()
+        self.side.wait_stream(api.current_stream())  # after the weight sync queued on the default stream
+        return api.stream(self.side)
+
     def collect(self, step: int) -> Any:
-        with self._span():
+        # the rollout's results reach the host (token ids, log-probs): nothing of the side stream is left pending
+        with self._stream(), self._span():
             return super().collect(step)
 
     def prepare(self, *a: Any, **kw: Any) -> Any:
@@ -138,12 +159,13 @@ def _mean(recs: list[dict[str, Any]], key: str) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def timed_run(raw: dict[str, Any], warmup: int, steps: int) -> dict[str, Any]:
+def timed_run(raw: dict[str, Any], warmup: int, steps: int, rollout_stream: bool = False) -> dict[str, Any]:
     """Run ``raw`` (a ``polyrl train`` config) and summarise its timed window (steps ``warmup`` .. + ``steps``)."""
     cfg = run_config.build(raw)
     meter = open_busy()
     window = (warmup, warmup + steps - 1)
-    run = TimedRun(cfg, cfg.spec.hooks(cfg.algo_config), io.StringIO(), window=window, meter=meter)
+    hooks = cfg.spec.hooks(cfg.algo_config)
+    run = TimedRun(cfg, hooks, io.StringIO(), window=window, meter=meter, rollout_stream=rollout_stream)
     try:
         run.run()
     finally:
@@ -155,7 +177,7 @@ def timed_run(raw: dict[str, Any], warmup: int, steps: int) -> dict[str, Any]:
     k = raw["grpo"]["max_staleness"]
     res: dict[str, Any] = {
         "k": k,
-        "producer": raw["grpo"]["async_producer"] if k else "sync",
+        "producer": (raw["grpo"]["async_producer"] + ("+stream" if run.side is not None else "")) if k else "sync",
         "steps_timed": len(recs),
         "step_s": (t1 - t0) / len(recs),
         "step_median_s": statistics.median(b - a for a, b in ivals),
@@ -220,6 +242,13 @@ def _prompt_file(model_dir: Path, args: argparse.Namespace, path: Path) -> Path:
     return path
 
 
+def _stream_variants(mode: str, k: int) -> list[bool]:
+    """Whether the K run generates on its own stream: ``--rollout-stream`` off / on / both (K > 0 only)."""
+    if k == 0 or not device.is_accelerator():
+        return [False]
+    return {"off": [False], "on": [True], "both": [False, True]}[mode]
+
+
 def two_gpu_note() -> str:
     """The 1 rollout + 1 train GPU row: a TODO until the run loop places rollout and training on separate devices."""
     have = f"{device.count()} GPUs here" if device.is_accelerator() else "no GPU here"
@@ -238,9 +267,10 @@ def run_async(model_dir: Path, args: argparse.Namespace, work: Path) -> dict[str
     )
     data = _prompt_file(model_dir, args, work / "prompts.jsonl")
     rows = []
-    for k in ks:
+    for k, stream in [(x, s) for x in ks for s in _stream_variants(args.rollout_stream, x)]:
         try:
-            row = timed_run(_timing_raw(model_dir, data, work / f"k{k}", args, k), args.warmup, args.steps)
+            raw = _timing_raw(model_dir, data, work / f"k{k}{'s' if stream else ''}", args, k)
+            row = timed_run(raw, args.warmup, args.steps, rollout_stream=stream)
         except Exception as exc:  # one K failing (e.g. out of memory) still leaves the others' rows
             print(f"# K={k} failed: {type(exc).__name__}: {exc}")
             rows.append({"k": k, "producer": f"failed: {type(exc).__name__}", "error": str(exc)})

@@ -98,10 +98,13 @@ def test_async_rows_measure_gpu_busy_on_an_accelerator(tmp_path, capsys):
 
     if not device.is_accelerator():
         pytest.skip("needs an accelerator")
-    res, _ = _async_rows(tmp_path, capsys)
-    for r in res["async_rows"]:
+    res, _ = _async_rows(tmp_path, capsys, extra=("--rollout-stream", "both"))
+    rows = res["async_rows"]
+    assert [(r["k"], r["producer"]) for r in rows] == [(0, "sync"), (1, "thread"), (1, "thread+stream")]
+    for r in rows:
         assert r["gpu_busy_kind"] in ("nvml", "events")
         assert r["gpu_busy"] is None or 0.0 <= r["gpu_busy"] <= 1.0
+        assert r["staleness_mean"] == (1.0 if r["k"] else 0.0)
 
 
 def test_trl_row_times_each_setting_and_ratios_the_fastest(tmp_path, capsys):
