@@ -20,15 +20,16 @@ ROW_KEYS = {"k", "producer", "step_s", "ratio_to_sync", "gpu_busy", "rollout_s",
 ROW_KEYS |= {"sync_s", "staleness_mean", "staleness_max", "stale_dropped", "response_length", "steps_all"}
 
 
-def _async_rows(tmp_path, capsys, extra=()):
+def _async_rows(model_dir, tmp_path, capsys, extra=()):
     out = tmp_path / "async.json"
     argv = ["bench", "grpo", *TINY, "--steps", "2", "--warmup", "1", "--micro-batch-tokens", "128", "--async", "1"]
+    argv += ["--model-dir", str(model_dir)]
     assert main([*argv, *extra, "--json", str(out)]) == 0
     return json.loads(out.read_text()), capsys.readouterr().out
 
 
-def test_async_rows_sync_and_k1(tmp_path, capsys):
-    res, text = _async_rows(tmp_path, capsys)
+def test_async_rows_sync_and_k1(tiny_model_dir, tmp_path, capsys):
+    res, text = _async_rows(tiny_model_dir, tmp_path, capsys)
     rows = res["async_rows"]
     assert [r["k"] for r in rows] == [0, 1]  # K = 0 added: the reference of the ratio
     for r in rows:
@@ -50,9 +51,14 @@ def test_async_rows_sync_and_k1(tmp_path, capsys):
     assert "n/a (CPU)" in text
 
 
-def test_curve_mode_writes_equal_length_curves_per_k(tmp_path, capsys):
+def test_curve_mode_writes_equal_length_curves_per_k(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    from polyrl.bench import grpo_curve
+
+    # the demo's recipe at a CPU test's size: 8 prompts x 4 samples per step
+    monkeypatch.setitem(grpo_curve.CURVE, "prompts", 8)
+    monkeypatch.setitem(grpo_curve.CURVE, "n", 4)
     out, curve = tmp_path / "bench.json", tmp_path / "curve" / "c"
-    argv = ["bench", "grpo", "--shape", "tiny", "--task", "arithmetic", "--curve-samples", "600"]
+    argv = ["bench", "grpo", "--model-dir", str(tiny_model_dir), "--task", "arithmetic", "--curve-samples", "70"]
     argv += ["--curve-sft-steps", "0", "--async", "0,1", "--curve-out", str(curve), "--json", str(out)]
     assert main(argv) == 0
     text = capsys.readouterr().out
@@ -61,7 +67,7 @@ def test_curve_mode_writes_equal_length_curves_per_k(tmp_path, capsys):
     curves = written["curves"]
     assert set(curves) == {"k0", "k1"}
     for c in curves.values():
-        assert c["samples"] == [256, 512]  # 600 samples = 2 whole steps of 32 prompts x 8 samples
+        assert c["samples"] == [32, 64]  # 70 samples = 2 whole steps of 8 prompts x 4 samples
         assert len(c["reward"]) == 2 and all(0.0 <= r <= 1.0 for r in c["reward"])
         assert c["final_steps"] == 1 and c["final_mean"] == c["reward"][-1]
     # step 1 of both runs samples the same prompts with the same seeds from the same weights
@@ -93,12 +99,12 @@ def test_trl_settings_and_missing_trl(monkeypatch, capsys, tmp_path):
 
 
 @pytest.mark.gpu
-def test_async_rows_measure_gpu_busy_on_an_accelerator(tmp_path, capsys):
+def test_async_rows_measure_gpu_busy_on_an_accelerator(tiny_model_dir, tmp_path, capsys):
     from polyrl.platform import device
 
     if not device.is_accelerator():
         pytest.skip("needs an accelerator")
-    res, _ = _async_rows(tmp_path, capsys, extra=("--rollout-stream", "both"))
+    res, _ = _async_rows(tiny_model_dir, tmp_path, capsys, extra=("--rollout-stream", "both"))
     rows = res["async_rows"]
     assert [(r["k"], r["producer"]) for r in rows] == [(0, "sync"), (1, "thread"), (1, "thread+stream")]
     for r in rows:
@@ -107,12 +113,12 @@ def test_async_rows_measure_gpu_busy_on_an_accelerator(tmp_path, capsys):
         assert r["staleness_mean"] == (1.0 if r["k"] else 0.0)
 
 
-def test_trl_row_times_each_setting_and_ratios_the_fastest(tmp_path, capsys):
+def test_trl_row_times_each_setting_and_ratios_the_fastest(tiny_model_dir, tmp_path, capsys):
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
     out = tmp_path / "trl.json"
     argv = ["bench", "grpo", *TINY, "--steps", "1", "--warmup", "1", "--micro-batch-tokens", "128", "--kv", "keep"]
-    assert main([*argv, "--trl-configs", "fast,old", "--json", str(out)]) == 0
+    assert main([*argv, "--model-dir", str(tiny_model_dir), "--trl-configs", "fast,old", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["trl_version"] and res["trl_config"] in ("fast", "old")
     steady = {name: res[f"trl_{name}_step_s"] for name in ("fast", "old")}
