@@ -34,13 +34,18 @@ class NvmlBusy:
         nvml.nvmlInit()
         self.handles = [_nvml_handle(nvml, i) for i in indices]
         self.samples: list[tuple[float, list[int]]] = []
+        self.error: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="polyrl-nvml", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.period):
-            util = [int(self.nvml.nvmlDeviceGetUtilizationRates(h).gpu) for h in self.handles]
+            try:
+                util = [int(self.nvml.nvmlDeviceGetUtilizationRates(h).gpu) for h in self.handles]
+            except self.nvml.NVMLError as exc:  # not supported here (e.g. a MIG slice): no samples, fraction None
+                self.error = str(exc)
+                return
             self.samples.append((time.perf_counter(), util))
 
     def fraction(self, t0: float, t1: float, *marks: Any) -> list[float | None]:
@@ -57,14 +62,18 @@ class NvmlBusy:
 
 
 def _nvml_handle(nvml: Any, index: int) -> Any:
-    """NVML's handle of torch device ``index`` (by UUID: NVML numbers devices ignoring CUDA_VISIBLE_DEVICES)."""
-    # lazy: torch.cuda's properties only on the NVIDIA path NVML exists for
-    import torch
-
-    try:
-        return nvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch.cuda.get_device_properties(index).uuid}")
-    except Exception:  # an older NVML binding or a torch without .uuid: the index itself
-        return nvml.nvmlDeviceGetHandleByIndex(index)
+    """NVML's handle of torch device ``index``: NVML numbers every GPU of the machine, torch only the visible ones
+    (``CUDA_VISIBLE_DEVICES``: indices or UUIDs)."""
+    visible = [v.strip() for v in device.visible_devices().get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if index < len(visible):
+        entry = visible[index]
+        if entry.isdigit():
+            return nvml.nvmlDeviceGetHandleByIndex(int(entry))
+        try:
+            return nvml.nvmlDeviceGetHandleByUUID(entry)
+        except nvml.NVMLError:  # a UUID prefix (CUDA accepts one, NVML does not): assume the machine's order
+            pass
+    return nvml.nvmlDeviceGetHandleByIndex(index)
 
 
 def union_fraction(spans: list[tuple[float, float]], lo: float, hi: float) -> float | None:

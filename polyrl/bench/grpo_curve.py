@@ -165,7 +165,8 @@ def _plot(curves: dict[str, Any], path: Path) -> Path | None:
         # lazy: matplotlib is optional
         import matplotlib
 
-        matplotlib.use("Agg")
+        matplotlib.use("Agg")  # files only, no display
+        # lazy: pyplot after the backend is chosen
         import matplotlib.pyplot as plt
     except ImportError:
         return None

@@ -126,3 +126,36 @@ def test_trl_row_times_each_setting_and_ratios_the_fastest(tiny_model_dir, tmp_p
     assert res["speedup_vs_trl"] == pytest.approx(res["trl_step_s"] / res["step_s"])
     assert res["trl_old_completion_len"] == 4  # the old row forces --gen-len new tokens
     assert "TRL fast (no forced minimum length; 4 per fwd/bwd" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_nvml_busy_sees_a_busy_gpu_and_an_idle_one():
+    import time
+
+    import torch
+
+    from polyrl.bench.gpu_busy import NvmlBusy
+    from polyrl.platform import device
+
+    pynvml = pytest.importorskip("pynvml")
+    if not device.is_accelerator():
+        pytest.skip("needs an accelerator")
+    meter = NvmlBusy(pynvml, [device.current_index()])
+    try:
+        x = torch.randn(4096, 4096, device=device.torch_device())
+        time.sleep(1.5)  # idle: NVML's own averaging window is up to 1 s
+        t0 = time.perf_counter()
+        time.sleep(1.0)
+        t1 = time.perf_counter()
+        end = t1 + 3.0
+        while time.perf_counter() < end:
+            for _ in range(20):
+                x = (x @ x).clamp_(-1, 1)
+            device.synchronize()
+        t2 = time.perf_counter()
+        idle, busy = meter.fraction(t0, t1)[0], meter.fraction(t1 + 1.0, t2)[0]
+    finally:
+        meter.close()
+    assert meter.error is None
+    assert busy is not None and busy > 0.8, busy
+    assert idle is not None and idle < 0.3, idle
