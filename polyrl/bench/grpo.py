@@ -16,8 +16,8 @@ decode bytes (weights once per decode step + the KV cache at the mean context) o
 ``DecoderLM.flops_per_token``) over the peak dense bf16 FLOP/s (matmul measured on the CPU). Steady state = median
 over ``--steps`` timed steps after ``--warmup``. Measures; asserts nothing.
 
-``--async K,..`` (step time per max-staleness K with the real run loop) and ``--task arithmetic --curve-samples N``
-(sync vs async reward curves) are ``bench/grpo_async.py``.
+``--async K,..`` (step time per max-staleness K with the real run loop, ``bench/grpo_async.py``) and ``--task
+arithmetic --curve-samples N`` (sync vs async reward curves, ``bench/grpo_curve.py``) replace this step.
 """
 
 from __future__ import annotations
