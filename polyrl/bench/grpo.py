@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["release", "keep", "both"],
         default="both",
         help="release the KV cache for training and retake it (graphs re-captured) every step, keep it and its "
-        "graphs across steps, or time both (--async: the run's release_kv = \"auto\")",
+        'graphs across steps, or time both (--async: the run\'s release_kv = "auto")',
     )
     parser.add_argument(
         "--profile",
