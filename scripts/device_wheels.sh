@@ -16,8 +16,9 @@ mkdir -p .whl
 # server + client: polyrl serve, the openai client in the serving smoke tests, structured outputs
 dl .whl fastapi starlette opentelemetry-api uvicorn pydantic pydantic-core annotated-types typing-inspection sniffio \
   openai distro jiter llguidance==1.9.1 jsonschema jsonschema-specifications referencing rpds-py
-# bench baselines: Liger kernels, torchao float8 training
-dl .whl liger-kernel==0.8.5 torchao==0.18.0
+# bench baselines: Liger kernels, torchao float8 training, TRL's GRPOTrainer (bench grpo; datasets and its dill /
+# multiprocess come with the lm-eval line below)
+dl .whl liger-kernel==0.8.5 torchao==0.18.0 trl==1.16.0
 # lm-eval-harness 0.4.13 and what it imports beyond the image (bench eval, tests/eval)
 dl .whl lm-eval==0.4.13 tenacity==9.2.1 datasets evaluate dill multiprocess more-itertools nltk \
   pytablewriter DataProperty mbstrdecoder pathvalidate tabledata tcolorpy typepy chardet

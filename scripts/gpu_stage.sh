@@ -94,7 +94,7 @@ for s in "$@"; do
       --gen-len 256 --baselines hf --compare-sync --compare-parts --json "$OUT/bench_rollout.json" ;;
     # The GRPO step (KV cache and graphs kept) against TRL at 64 completions per forward/backward, same run
     bench-grpo-trl64) stage bench-grpo-trl64 420 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 \
-      --warmup 1 --steps 2 --kv keep --trl-micro-batch 64 --json "$OUT/bench_grpo_trl64.json" ;;
+      --warmup 1 --steps 2 --kv keep --trl-configs fast --json "$OUT/bench_grpo_trl64.json" ;;
     # Paged-attention decode launch settings at the engine's shapes (block_n x warps x stages x splits), for the
     # heuristics in kernels/paged_attention/triton.py (issue 14: 78% of copy bandwidth at 256-token contexts)
     paged-sweep) TAIL=40 stage paged-sweep 300 python3 scripts/paged_attention_sweep.py ;;
@@ -151,7 +151,26 @@ for s in "$@"; do
       --warmup 1 --steps 2 --kv keep --baselines none --json "$OUT/bench_grpo_keep.json" ;;
     bench-agent) stage bench-agent 150 $PR bench agent --shape qwen3-0.6b --episodes 256 --turns 4 --turn-tokens 128 --json "$OUT/bench_agent.json" ;;
     validate) stage validate 220 $PR validate --preset tiny --levels platform,ops,sft,rl,serve --out "$OUT/validate" ;;
-    bench-grpo-trl) stage bench-grpo-trl 560 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 --warmup 1 --steps 2 --json "$OUT/bench_grpo.json" ;;
+    # The GRPO step (KV kept) against TRL 1.16's fast setting (one generate of 64 x 8, 64 completions per fwd/bwd, no
+    # forced minimum length; bench/grpo_trl.py), same run; needs trl + datasets in .whl/ (issue 27)
+    bench-grpo-trl) stage bench-grpo-trl 590 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 \
+      --warmup 1 --steps 2 --kv keep --trl-configs fast --json "$OUT/bench_grpo_trl.json" ;;
+    # The other TRL settings: fast without gradient checkpointing, and the old row (16 per fwd/bwd, forced length)
+    bench-grpo-trl-more) stage bench-grpo-trl-more 590 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 \
+      --gen-len 512 --warmup 1 --steps 2 --kv keep --trl-configs fast-nogc,old --json "$OUT/bench_grpo_trl_more.json" ;;
+    # Asynchronous RL (issue 27): the real GRPO run at 64 x 8 x 512 for max-staleness 0 (sync), 1, 2, colocated on one
+    # GPU with the thread producer: steady step time, ratio to sync, GPU busy (NVML), split, staleness
+    bench-grpo-async) TAIL=30 stage bench-grpo-async 590 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 \
+      --gen-len 512 --warmup 1 --steps 4 --kv keep --async 0,1,2 --baselines none --json "$OUT/bench_grpo_async.json" ;;
+    # The same with the K > 0 rollouts on a device stream of their own (bench flag --rollout-stream; the run loop
+    # generates on the default stream): does one GPU overlap rollout and training kernels then?
+    bench-grpo-async-stream) TAIL=30 stage bench-grpo-async-stream 590 $PR bench grpo --shape qwen3-0.6b --prompts 64 \
+      --n 8 --gen-len 512 --warmup 1 --steps 4 --kv keep --async 0,1,2 --rollout-stream on --baselines none \
+      --json "$OUT/bench_grpo_async_stream.json" ;;
+    # Reward per sample, sync vs async K=1,2, on the demo's arithmetic task (small preset, demo SFT then 60 GRPO steps)
+    grpo-async-curve) TAIL=30 stage grpo-async-curve 300 $PR bench grpo --shape small --task arithmetic \
+      --curve-samples 15360 --curve-sft-steps 125 --async 0,1,2 --curve-out "$OUT/grpo_async_curve" \
+      --json "$OUT/grpo_async_curve_all.json" ;;
     bench-rollout-512) stage bench-rollout-512 150 $PR bench rollout --shape qwen3-0.6b --batch 512 --prompt-len 64 --gen-len 512 --baselines none --compare-sync --json "$OUT/bench_rollout_512.json" ;;
     # MoE (issue 32): full SFT at qwen3-30b-a3b-L8 vs transformers' grouped_mm (+ Liger) and its per-expert loop, then
     # polyrl with pure-bf16 weights and moments (the HF rows' numerics); rollout vs HF generate

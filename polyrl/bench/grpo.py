@@ -3,8 +3,9 @@ against TRL's ``GRPOTrainer`` (transformers ``generate``, no vLLM) in the same r
 
 Both sides load the same random-weight model folder written by ``polyrl.models.presets`` (``--shape qwen3-0.6b`` =
 the ``qwen3-0.6b-shape`` preset), use the same prompts (``--prompts`` texts of about ``--prompt-len`` tokens), ``--n``
-samples per prompt, exactly ``--gen-len`` new tokens per sample (EOS ignored / ``min_new_tokens``), a dummy reward
-(a deterministic pseudo-random number per completion, so advantages are non-zero) and one optimizer step per batch.
+samples per prompt, ``--gen-len`` new tokens per sample (ours: EOS ignored; TRL: see ``bench/grpo_trl.py``, whose
+settings ``--trl-configs`` are each timed and printed, the ratio against the fastest), a dummy reward (a
+deterministic pseudo-random number per completion, so advantages are non-zero) and one optimizer step per batch.
 
 Our step is the RL loop's pieces on a ``ColocatedPolicy``, as ``polyrl train --algo grpo`` runs them with one update
 per batch: rollout (KV cache taken back, generate, released), packing, one optimizer step with the GRPO loss whose
@@ -14,12 +15,14 @@ decode bytes (weights once per decode step + the KV cache at the mean context) o
 (``bench/rollout.roofline_tokens_per_s``), plus log-prob pass (forward FLOPs) and train (forward + backward FLOPs,
 ``DecoderLM.flops_per_token``) over the peak dense bf16 FLOP/s (matmul measured on the CPU). Steady state = median
 over ``--steps`` timed steps after ``--warmup``. Measures; asserts nothing.
+
+``--async K,..`` (step time per max-staleness K with the real run loop, ``bench/grpo_async.py``) and ``--task
+arithmetic --curve-samples N`` (sync vs async reward curves, ``bench/grpo_curve.py``) replace this step.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import tempfile
@@ -32,7 +35,10 @@ import torch
 from polyrl.algorithms.advantages import group_advantages
 from polyrl.algorithms.grpo import GRPOConfig, make_policy_loss
 from polyrl.algorithms.rl_batch import pack_samples
-from polyrl.bench.common import measure_copy_bandwidth, measure_matmul_flops, shape_preset
+from polyrl.bench import grpo_async, grpo_curve
+from polyrl.bench.common import free_memory, measure_copy_bandwidth, measure_matmul_flops, shape_preset
+from polyrl.bench.grpo_async import add_async_arguments
+from polyrl.bench.grpo_trl import TRL_CONFIGS, dummy_reward, prompt_texts, trl_rows
 from polyrl.bench.profile import kernel_table, print_kernel_table
 from polyrl.bench.rollout import roofline_tokens_per_s
 from polyrl.infer import RolloutConfig, SamplingParams
@@ -66,10 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
     parser.add_argument("--baselines", default="trl", help="comma-separated: trl, or none")
     parser.add_argument(
-        "--trl-micro-batch",
-        default="16,64",
-        help="TRL completions per forward/backward (accumulated to one step); a comma list times each, and the "
-        "fastest is the baseline",
+        "--trl-configs",
+        default="fast,old",
+        help=f"TRL GRPOTrainer settings to time, comma-separated: {', '.join(TRL_CONFIGS)} (bench/grpo_trl.py); "
+        "the ratio is against the fastest",
     )
     parser.add_argument(
         "--logprob-pass",
@@ -81,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["release", "keep", "both"],
         default="both",
         help="release the KV cache for training and retake it (graphs re-captured) every step, keep it and its "
-        "graphs across steps, or time both",
+        'graphs across steps, or time both (--async: the run\'s release_kv = "auto")',
     )
     parser.add_argument(
         "--profile",
@@ -99,6 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model-dir", default=None, help="reuse this model folder (default: a temp folder)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    add_async_arguments(parser)
 
 
 def _sync() -> None:
@@ -107,16 +114,6 @@ def _sync() -> None:
 
 def _on_accelerator() -> bool:
     return device.torch_device().type != "cpu"
-
-
-def dummy_reward(token_ids: list[int]) -> float:
-    """Deterministic pseudo-random reward in [0, 1) of a completion (non-zero group advantages, no work)."""
-    return (sum((i + 1) * t for i, t in enumerate(token_ids[:32])) % 1000) / 1000.0
-
-
-def prompt_texts(count: int, prompt_len: int) -> list[str]:
-    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
-    return [" ".join(words[(i + j) % len(words)] for j in range(prompt_len // 2)) + f" {i}" for i in range(count)]
 
 
 # ---- ours ----------------------------------------------------------------------------------------
@@ -205,75 +202,20 @@ def roofline(model: Any, args: argparse.Namespace, dev: torch.device) -> dict[st
     }
 
 
-# ---- TRL -----------------------------------------------------------------------------------------
-def trl_step_times(model_dir: Path, args: argparse.Namespace, dev: torch.device, micro_batch: int) -> list[float]:
-    """Per-step wall times of TRL's GRPOTrainer on the same model, prompts and lengths (transformers generate)."""
-    # lazy: TRL and what it runs on (datasets, transformers) are the optional baseline, imported only when it runs
-    import datasets
-    import transformers
-    from trl import GRPOConfig as TRLConfig
-    from trl import GRPOTrainer
-
-    times: list[float] = []
-
-    class Timer(transformers.TrainerCallback):
-        def on_step_begin(self, *a: Any, **k: Any) -> None:
-            _sync()
-            self.t = time.perf_counter()
-
-        def on_step_end(self, *a: Any, **k: Any) -> None:
-            _sync()
-            times.append(time.perf_counter() - self.t)
-
-    def reward(completions: list[Any], **kw: Any) -> list[float]:
-        return [dummy_reward([ord(c) for c in str(x)]) for x in completions]
-
-    bf16 = dev.type != "cpu"
-    total = args.prompts * args.n
-    micro = max(args.n, min(micro_batch, total))
-    while total % micro or micro % args.n:
-        micro -= 1  # a divisor of the batch that holds whole groups
-    # One generate call for the whole batch (generation batch = micro x accumulation), then one optimizer step.
-    wanted = dict(
-        output_dir=tempfile.mkdtemp(prefix="polyrl-bench-trl-"),
-        per_device_train_batch_size=micro,
-        num_generations=args.n,
-        gradient_accumulation_steps=total // micro,
-        generation_batch_size=total,
-        max_completion_length=args.gen_len,
-        max_steps=args.warmup + args.steps,
-        learning_rate=1e-6,
-        bf16=bf16,
-        use_vllm=False,
-        temperature=1.0,
-        beta=0.0,
-        num_iterations=1,
-        logging_steps=1000,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=dev.type == "cpu",
-        generation_kwargs={"min_new_tokens": args.gen_len},
-    )
-    known = {f.name for f in dataclasses.fields(TRLConfig)}
-    dropped = sorted(set(wanted) - known)
-    if dropped:
-        print(f"# this TRL version has no {dropped}; left at its defaults")
-    cfg = TRLConfig(**{k: v for k, v in wanted.items() if k in known})
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.bfloat16 if bf16 else torch.float32
-    )
-    tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
-    tok.padding_side = "left"
-    data = datasets.Dataset.from_dict({"prompt": prompt_texts(args.prompts, args.prompt_len) * (cfg.max_steps + 1)})
-    trainer = GRPOTrainer(
-        model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tok, callbacks=[Timer()]
-    )
-    trainer.train()
-    return times
-
-
 # ---- the run -------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
+    if args.async_k is not None or args.task is not None:  # asynchronous RL: step times per K, or reward curves
+        with tempfile.TemporaryDirectory(prefix="polyrl-bench-grpo-async-") as tmp:
+            if args.model_dir and (Path(args.model_dir) / "config.json").is_file():
+                model_dir = Path(args.model_dir)
+            else:
+                preset = shape_preset(args.shape, SHAPES)
+                model_dir = create_model_from_preset(preset, Path(args.model_dir or tmp) / "model", seed=0)
+            mode = grpo_curve.run_curve if args.task is not None else grpo_async.run_async
+            res = mode(model_dir, args, Path(tmp))
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=2))
+        return 0
     dev = device.torch_device()
     tmp = None
     if args.model_dir and (Path(args.model_dir) / "config.json").is_file():
@@ -306,25 +248,10 @@ def run(args: argparse.Namespace) -> int:
     del model
     baselines = [b for b in args.baselines.split(",") if b and b != "none"]
     if "trl" in baselines:
-        try:
-            # lazy: whether the optional TRL baseline can run here is this import
-            import trl  # noqa: F401
-        except ImportError:
-            print("# trl is not importable: TRL baseline skipped (pip install trl)")
-        else:
-            for mb in [int(x) for x in str(args.trl_micro_batch).split(",") if x]:
-                try:
-                    times = trl_step_times(model_dir, args, dev, mb)
-                except torch.OutOfMemoryError:
-                    print(f"# TRL with {mb} completions per forward/backward ran out of memory")
-                    continue
-                steady = statistics.median(times[args.warmup :] or times)
-                res[f"trl_mb{mb}_first_step_s"], res[f"trl_mb{mb}_step_s"] = times[0], steady
-                print(f"# TRL, {mb} completions per forward/backward: first step {times[0]:.2f}s, steady {steady:.2f}s")
-                if res.get("trl_step_s") is None or steady < res["trl_step_s"]:
-                    res.update(trl_step_s=steady, trl_first_step_s=times[0], trl_micro_batch=mb)
-            if res.get("trl_step_s"):
-                res["speedup_vs_trl"] = res["trl_step_s"] / res["step_s"]
+        free_memory()  # our engine's cached blocks back before TRL loads
+        res.update(trl_rows(model_dir, args, dev))
+        if res.get("trl_step_s"):
+            res["speedup_vs_trl"] = res["trl_step_s"] / res["step_s"]  # against the fastest TRL setting timed
     _print(res)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
@@ -352,7 +279,9 @@ def _print(res: dict[str, Any]) -> None:
         ("fraction of roofline", "roofline_fraction", "{:.0%}"),
         ("copy bandwidth GB/s", "copy_bandwidth_gb_s", "{:,.0f}"),
         ("peak TFLOP/s", "peak_tflops", "{:,.1f}"),
-        ("TRL completions per fwd/bwd (fastest)", "trl_micro_batch", "{}"),
+        ("TRL version", "trl_version", "{}"),
+        ("TRL setting (fastest timed)", "trl_config", "{}"),
+        ("TRL mean completion tokens", "trl_completion_len", "{:.0f}"),
         ("TRL GRPOTrainer first step s", "trl_first_step_s", "{:.3f}"),
         ("TRL GRPOTrainer step s (steady)", "trl_step_s", "{:.3f}"),
         ("speedup vs TRL (step time)", "speedup_vs_trl", "{:.2f}x"),
