@@ -220,7 +220,7 @@ for s in "$@"; do
       --json "$OUT/bench_sft_lora_fp8_8b.json" ;;
     # FP8 numerics evidence (issue 28): 300 SFT steps of the 0.6b shape in bf16 and FP8, one PNG, final-loss diff
     fp8-loss-curves) TAIL=10 stage fp8-loss-curves 590 python3 scripts/fp8_loss_curves.py --preset qwen3-0.6b-shape \
-      --steps 300 --out "$OUT/fp8_loss_curves" ;;
+      --steps 300 --data "builtin:arithmetic?n=12000" --out "$OUT/fp8_loss_curves" ;;
     multi-gpu) TAIL=60 stage multi-gpu 590 bash tests/distributed/run_multi_gpu.sh ;;
     # The whole single-GPU marked suite in one go (issue 13: < 8 min on a cold Triton cache); slowest tests listed.
     # pytest-xdist (on the device image) runs test files in GPU_TEST_WORKERS processes sharing the one GPU: the suite's
