@@ -520,8 +520,8 @@ class LLM:
         It runs between decode steps, so it must be cheap (hand the output to another thread or process); an
         exception it raises ends this call.
 
-        ``between_steps(llm, steps)`` is called after each engine step (``steps``: the steps of this call so far),
-        from the same thread: it may ``swap_weights`` (partial rollouts), and must otherwise be cheap."""
+        ``between_steps(llm, steps)`` is called after each engine step but the last (``steps``: the steps of this
+        call so far), from the same thread: it may ``swap_weights`` (partial rollouts), and must otherwise be cheap."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -537,14 +537,16 @@ class LLM:
                 steps = 0
                 while len(done) < len(ids):
                     outs = self.step(ahead=True)
-                    if between_steps is not None:
-                        steps += 1
-                        between_steps(self, steps)
-                        if self._held:  # what a swap_weights read from the step in flight
-                            outs, self._held = outs + self._held, []
+                    steps += 1
                     for out in outs:
                         if out.finished and out.request_id in wanted:
                             done[out.request_id] = out
+                    if between_steps is not None and len(done) < len(ids):  # not after the last step
+                        between_steps(self, steps)
+                        held, self._held = self._held, []  # what a swap_weights read from the step in flight
+                        for out in held:
+                            if out.finished and out.request_id in wanted:
+                                done[out.request_id] = out
                     if self._finished:
                         self._report_finished(on_finish, index, done)
         finally:

@@ -230,6 +230,151 @@ class ThreadedRollouts(InlineRollouts):
         super().close()
 
 
+class PartialRollouts(ThreadedRollouts):
+    """The threaded producer with partial rollouts (see the module docstring): ``weights_updated`` does not wait for
+    the generation in flight; the producer's engine takes the new weights at a decode-step boundary
+    (``LLM.swap_weights``, called from ``between_steps``, which the policy hands to its engine's ``generate``) and
+    the same sequences go on. ``engine``: the rollout ``LLM`` (its ``policy_version`` is stamped on every token).
+    ``swap_step`` 0: at the first boundary after the update; N > 0: at engine step N of the batch it belongs to
+    (reproducible)."""
+
+    def __init__(
+        self,
+        produce: Producer,
+        max_staleness: int,
+        sync: Callable[[], None],
+        engine: Any,
+        version: int = 0,
+        swap_step: int = 0,
+    ) -> None:
+        super().__init__(produce, max_staleness, sync, version)
+        self.engine, self.swap_step = engine, swap_step
+        engine.policy_version = version
+        self._cv = threading.Condition()
+        self._published = version  # the trainer's newest version (the engine's lags it only inside weights_updated)
+        self._busy = False  # the producer thread is inside a batch
+        self._open: dict[int, int | None] = {}  # submitted, unfinished batches -> the version they take (swap_step)
+        self._local = threading.local()  # the producer thread's batch: its step and the version it takes
+        self._closed = False
+        self.swaps_total = 0  # updates taken by a generation in flight (the rest were synced while it was idle)
+
+    # ---- the producer thread --------------------------------------------------------------------
+    def _work(self, step: int, version: int, takes: int | None) -> RolloutBatch:
+        with self._cv:
+            self._busy = True
+            if not self.swap_step and self.engine.policy_version < self._published:  # idle engine: take it now
+                self._apply(self._published, in_flight=False)
+        self._local.takes = takes
+        try:
+            t0 = time.perf_counter()
+            batch = self.produce(step, version)
+            if self.swap_step and takes is not None and self.engine.policy_version < takes:
+                self._await_update(takes, in_flight=False)  # shorter than swap_step: takes the update after its end
+            batch.t_start, batch.t_end = t0, time.perf_counter()
+            return self._stamp(batch)
+        finally:
+            self._local.takes = None
+            with self._cv:
+                self._busy = False
+                self._open.pop(step, None)
+                self._cv.notify_all()
+
+    def between_steps(self, llm: Any, steps: int) -> None:
+        """The rollout engine's step-boundary hook (``LLM.generate``'s ``between_steps``): take a published update
+        (``swap_step`` 0), or wait for this batch's update at engine step ``swap_step``. A no-op outside the producer
+        thread (an evaluation in the trainer's thread)."""
+        if not getattr(self._local, "active", False):
+            return
+        if self.swap_step:
+            takes = self._local.takes
+            if steps == self.swap_step and takes is not None and self.engine.policy_version < takes:
+                self._await_update(takes, in_flight=True)
+        elif self.engine.policy_version < self._published:  # unlocked peek; checked again under the lock
+            with self._cv:
+                if self.engine.policy_version < self._published:
+                    self._apply(self._published, in_flight=True)
+
+    def _await_update(self, version: int, in_flight: bool) -> None:
+        """Wait for the trainer to publish ``version`` (reproducible mode), then load it."""
+        with self._cv:
+            while self._published < version and not self._closed:
+                self._cv.wait()
+            if not self._closed and self.engine.policy_version < version:
+                self._apply(version, in_flight)
+
+    def _apply(self, version: int, in_flight: bool) -> None:
+        """Load the trainer's weights (``version``) into the rollout engine; the caller holds the lock and the
+        trainer waits in ``weights_updated`` (its weights do not move meanwhile)."""
+        self.engine.swap_weights(self.sync, version)
+        self.swaps_total += int(in_flight)
+        self._cv.notify_all()
+
+    # ---- the trainer's side -----------------------------------------------------------------------
+    def submit(self, step: int) -> None:
+        if step in self.submitted:
+            return
+        self.submitted.add(step)
+        version = self.version
+        takes = version + 1 if self.swap_step else None  # reproducible: this batch takes the next update
+        with self._cv:
+            self._open[step] = takes
+        self._futures[step] = self._pool.submit(self._run, step, version, takes)
+
+    def _run(self, step: int, version: int, takes: int | None) -> RolloutBatch:
+        self._local.active = True
+        return self._work(step, version, takes)
+
+    def _produce_now(self, step: int) -> RolloutBatch:
+        # in the producer thread too (never two threads on one engine); takes no update (the trainer waits for it)
+        with self._cv:
+            self._open[step] = None
+        return self._pool.submit(self._run, step, self.version, None).result()
+
+    def _stamp(self, batch: RolloutBatch) -> RolloutBatch:
+        """Each sample's ``policy_version`` = its oldest token's; the batch's = its oldest sample's (the staleness
+        bound of ``get`` applies to it, so to every token)."""
+        for s in batch.samples:
+            tv = s.token_versions
+            s.policy_version = min(tv) if tv else batch.version
+        batch.version = min((s.policy_version for s in batch.samples), default=batch.version)
+        return batch
+
+    def weights_updated(self, version: int) -> None:
+        t0 = time.perf_counter()
+        with self._cv:
+            self._published = version
+            self._cv.notify_all()
+            if self.swap_step:  # the batch that takes it does so at its step swap_step (or at its end)
+                while self.engine.policy_version < version and version in self._open.values():
+                    self._cv.wait()
+            else:  # the generation in flight takes it at its next decode step; an idle producer cannot start
+                while self.engine.policy_version < version and self._busy:
+                    self._cv.wait()
+                if self.engine.policy_version < version:
+                    self._apply(version, in_flight=False)
+        if self.engine.policy_version < version:  # reproducible mode, no batch takes it: as without partial rollouts
+            self.drain()
+            with self._cv:
+                self._apply(version, in_flight=False)
+        self.sync_s = time.perf_counter() - t0
+        self.version = version
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()  # drains: the batches in flight finish (on the newest weights)
+        state["swaps_total"] = self.swaps_total
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.swaps_total = int(state.get("swaps_total", 0))
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True  # a producer waiting for an update that will not come goes on
+            self._cv.notify_all()
+        super().close()
+
+
 def staleness_metrics(
     step: int,
     samples: Sequence[Sample],
@@ -239,12 +384,22 @@ def staleness_metrics(
     cap: float | None = None,
 ) -> dict[str, float]:
     """The ``async/*`` metrics of step ``step``'s trained samples ``mine``: staleness (in versions) mean over tokens
-    and max, tokens per staleness lag (``async/tokens_lag{k}``) and, given the behaviour (rollout) and proximal
-    (recomputed) log-probs, the importance weights ``pi_prox / pi_behav`` before truncation: mean, max, and the
-    fraction of tokens the cap truncates."""
+    and max, tokens per staleness lag (``async/tokens_lag{k}``: the tokens generated by policy version ``step - k``,
+    so the per-version token counts; per token with partial rollouts, plus ``async/mixed_version_samples``) and,
+    given the behaviour (rollout) and proximal (recomputed) log-probs, the importance weights ``pi_prox / pi_behav``
+    before truncation: mean, max, and the fraction of tokens the cap truncates."""
     lags: dict[int, int] = {}
+    mixed, partial = 0, False
     for i in mine:
         s = samples[i]
+        if s.token_versions is not None:  # partial rollouts: each token's own version
+            partial = True
+            keep = s.mask if s.mask is not None else [1] * len(s.token_versions)
+            versions = [v for v, m in zip(s.token_versions, keep) if m]
+            for v in versions:
+                lags[step - v] = lags.get(step - v, 0) + 1
+            mixed += int(len(set(versions)) > 1)
+            continue
         lag = step - (s.policy_version if s.policy_version is not None else step)
         lags[lag] = lags.get(lag, 0) + s.num_policy_tokens
     tokens = sum(lags.values())
@@ -252,6 +407,8 @@ def staleness_metrics(
         "async/staleness_mean": sum(k * n for k, n in lags.items()) / max(tokens, 1),
         "async/staleness_max": float(max(lags, default=0)),
     }
+    if partial:  # samples whose tokens came from more than one policy version (a weight update mid-sequence)
+        out["async/mixed_version_samples"] = float(mixed)
     for k in sorted(lags):
         out[f"async/tokens_lag{k}"] = float(lags[k])
     if behaviour is not None and proximal is not None:
@@ -268,6 +425,7 @@ def staleness_metrics(
 
 __all__ = [
     "InlineRollouts",
+    "PartialRollouts",
     "Producer",
     "RolloutBatch",
     "RolloutSource",
