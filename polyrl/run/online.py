@@ -272,6 +272,11 @@ class OnlineRun(DataParallelSteps):
                 'async_producer = "process" sends full weights of a plain model folder: no LoRA, no structured '
                 'rollouts yet; use async_producer = "thread"'
             )
+        if getattr(self.a, "partial_rollouts", False) and self.cfg.episodes is not None:
+            raise ConfigError(
+                f"{self.a.table_name()}.partial_rollouts does not reach agentic runs yet (their episodes generate in "
+                "the trainer's thread, so nothing is in flight during an update); drop --partial-rollouts"
+            )
         if k > 0 and self.a.async_producer != "inline" and self.cfg.episodes is not None:
             raise ConfigError(
                 f'agentic runs generate in the trainer\'s thread: set {self.a.table_name()}.async_producer = "inline"'

@@ -290,6 +290,13 @@ def test_config_and_cli(tiny_model_dir, tmp_path, reward):
         GSPOConfig(partial_rollouts=True, max_staleness=1)
     with pytest.raises(ConfigError, match="partial_swap_step"):
         GRPOConfig(partial_swap_step=-1)
+    import polyrl.agents  # noqa: F401  (registers the [agent] table)
+
+    raw = _raw(tiny_model_dir, tmp_path / "agent", "exact_match", max_staleness=1, async_producer="thread",
+               partial_rollouts=True)  # fmt: skip
+    raw["agent"] = {"env": "guessing", "env_workers": 1, "max_turns": 2, "max_episode_tokens": 128}
+    with pytest.raises(ConfigError, match="does not reach agentic runs"):
+        _run(raw)
     out = tmp_path / "cli"
     argv = ["train", "--algo", "ppo", "--model", str(tiny_model_dir), "--data", "builtin:arithmetic?max=9&n=32"]
     argv += ["--out", str(out), "--max-steps", "2", "--reward", reward, "--reward-workers", "0", "--n", "1"]
