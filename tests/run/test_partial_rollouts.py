@@ -309,3 +309,29 @@ def test_config_and_cli(tiny_model_dir, tmp_path, reward):
     assert cfg["ppo"]["partial_rollouts"] is True and cfg["ppo"]["partial_swap_step"] == 1
     recs = _records(out)
     assert recs[1]["async/mixed_version_samples"] > 0 and recs[1]["async/staleness_max"] == 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_a_swap_lands_between_launches_on_the_accelerator(tiny_model, decode_steps):
+    """On the GPU: overlapped launches, CUDA graphs (launch graphs with 4 steps per launch) over weights copied in
+    place: every sequence splits at the same token, the earlier tokens are the plain run's, the later ones the new
+    weights' (their log-probs differ from the plain run's)."""
+    from polyrl.platform import device
+
+    dev = device.torch_device()
+    model = tiny_model("qwen3", tie_word_embeddings=False).to(dev).eval()
+    new = _perturbed(model.cpu()).to(dev)
+    model = model.to(dev)
+    plain = _generate(_engine(copy.deepcopy(model), True, decode_steps), new, swap_at=None)
+    llm = _engine(copy.deepcopy(model), True, decode_steps)
+    swapped = _generate(llm, new, swap_at=3)
+    splits = {b.token_versions.index(1) for _, b in swapped}
+    assert len(splits) == 1
+    old = splits.pop()
+    assert 0 < old < 10 and llm.stats()["num_steps_ahead"] > 0
+    for (_, a), (_, b) in zip(plain, swapped):
+        assert b.token_versions == [0] * old + [1] * (10 - old)
+        assert b.token_ids[:old] == a.token_ids[:old]
+        torch.testing.assert_close(torch.tensor(b.logprobs[:old]), torch.tensor(a.logprobs[:old]), atol=1e-4, rtol=0)
+        assert (torch.tensor(b.logprobs[old:]) - torch.tensor(a.logprobs[old:])).abs().max() > 1e-3
