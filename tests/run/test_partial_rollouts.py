@@ -244,6 +244,61 @@ def test_partial_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_pat
     shutil.rmtree(resumed)
 
 
+def test_the_decoupled_objective_takes_each_tokens_own_behaviour_logprob(tiny_model_dir, tmp_path, reward):
+    """Step 1 of a partial-rollout run trains a batch whose sequences hold version-0 and version-1 tokens: the packed
+    fields give every token its own behaviour log-prob (``rollout_logp``: the engine's, of the token's version), the
+    proximal one (``old_logp``: the trainer's recompute at version 1) and ``is_w = min(pi_prox / pi_behav, cap)``
+    per token."""
+    import io
+
+    from polyrl.run import config
+    from polyrl.run.online import OnlineRun
+
+    cfg = config.build(_raw(tiny_model_dir, tmp_path / "run", reward, steps=2, max_staleness=1,
+                            async_producer="thread", partial_rollouts=True, partial_swap_step=2))  # fmt: skip
+    run = OnlineRun(cfg, cfg.spec.hooks(cfg.algo_config), io.StringIO())
+    try:
+        run.step(0)
+        batch = run.source.get(1)
+        samples = batch.samples
+        assert {tuple(s.token_versions[:2]) for s in samples} == {(0, 0)} and any(
+            1 in s.token_versions for s in samples
+        )
+        adv, keep, _ = run.hooks.advantages(batch.rewards, [s.group for s in samples])
+        packed, _ = run.prepare(1, samples, adv, keep)
+        prox, _ = run.policy.logprobs(samples, cfg.algo_config.temperature)
+        cap = run.is_cap()
+        seen = 0
+        for b in (b for mb in packed for b in mb):
+            for j, beh, old, w in zip(
+                b.sample_ids, *(b.per_sample(b.fields[k]) for k in ("rollout_logp", "old_logp", "is_w"))
+            ):
+                s = samples[j]
+                torch.testing.assert_close(beh, torch.tensor(s.logprobs), atol=0, rtol=0)
+                torch.testing.assert_close(old, prox[j], atol=1e-5, rtol=0)
+                torch.testing.assert_close(w, torch.exp(prox[j] - beh).clamp(max=cap), atol=1e-5, rtol=1e-5)
+                seen += len(s.completion_ids)
+        assert seen == sum(len(samples[i].completion_ids) for i in keep) > 0
+    finally:
+        run.source.close()
+        if run.pool is not None:
+            run.pool.close()
+
+
+def test_without_partial_rollouts_nothing_changes(tiny_model_dir, tmp_path, reward):
+    """partial_rollouts = false (the default): no step-boundary hook, no version stamped on tokens, one version per
+    sample and batch, the thread producer waiting for its batch before each sync, as before."""
+    out = tmp_path / "plain"
+    _run(_raw(tiny_model_dir, out, reward, steps=3, save_every=2, max_staleness=1, async_producer="thread"))
+    recs = _records(out)
+    assert [r["async/staleness_max"] for r in recs] == [0.0, 1.0, 1.0]
+    assert all(r["async/staleness_mean"] in (0.0, 1.0) for r in recs)
+    assert not any(k in r for r in recs for k in ("async/mixed_version_samples", "async/weight_swaps_total"))
+    state = json.loads((out / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())["data"]["async"]
+    assert [b["version"] for b in state["queue"]] == [1]
+    assert all(s["token_versions"] is None and s["policy_version"] == 1 for s in state["queue"][0]["samples"])
+
+
 def test_tokens_older_than_k_are_never_trained_on(tiny_model):
     """An over-eager producer (batches submitted far ahead): a batch holding any token older than K versions is
     dropped whole (its groups stay whole) and generated afresh, counted; a batch whose oldest token is K versions
