@@ -66,6 +66,14 @@ class OnlineConfig:
     max_staleness: int = 0
     async_producer: str = "inline"  # inline | thread | process (rollout worker processes over gloo)
     rollout_workers: int = 1  # async_producer = "process": worker processes, prompts split over them
+    # partial rollouts (async_producer = "thread"): a weight update does not wait for the generation in flight; the
+    # producer's engine takes the new weights at a decode-step boundary and the same sequences go on (their KV cache
+    # kept), each token recording the version that produced it (Sample.token_versions) and its behaviour log-prob
+    partial_rollouts: bool = False
+    # where the update lands: 0 = at the first decode-step boundary after it is published (most overlap; the split
+    # depends on timing); N > 0 = at engine step N of the batch submitted just before it, the producer waiting there
+    # for it (reproducible: a resumed run equals the uninterrupted one bit for bit)
+    partial_swap_step: int = 0
     # on-policy distillation term (polyrl.algorithms.distill.TeacherTerm; --teacher DIR / --teacher-url URL): a frozen
     # teacher scores the sampled tokens and teacher_coef x (log p_teacher - log p_student), minus its step mean, is
     # added to every token's advantage (metrics distill/*). teacher: an HF folder run in-process; teacher_url: an
@@ -108,6 +116,7 @@ class OnlineConfig:
             or self.rollout_workers < 1
         ):
             raise ConfigError(f"{name}.rollout_workers must be a positive integer, got {self.rollout_workers!r}")
+        self._check_partial(name)
         if self.release_kv not in (True, False, "auto"):
             raise ConfigError(f'{name}.release_kv must be true, false or "auto", got {self.release_kv!r}')
         if not self.temperature > 0:
@@ -142,6 +151,27 @@ class OnlineConfig:
     @property
     def has_teacher(self) -> bool:
         return bool(self.teacher or self.teacher_url)
+
+    def _check_partial(self, name: str) -> None:
+        if not isinstance(self.partial_rollouts, bool):
+            raise ConfigError(f"{name}.partial_rollouts must be true or false, got {self.partial_rollouts!r}")
+        n = self.partial_swap_step
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ConfigError(f"{name}.partial_swap_step must be an integer >= 0 (0 = as soon as published), got {n!r}")
+        if not self.partial_rollouts:
+            return
+        if self.max_staleness < 1:
+            raise ConfigError(
+                f"{name}.partial_rollouts continues rollouts across weight updates, which a synchronous run has "
+                f"none of: set {name}.max_staleness >= 1 (--max-staleness K) or drop --partial-rollouts"
+            )
+        if self.async_producer != "thread":
+            raise ConfigError(
+                f'{name}.partial_rollouts is built for async_producer = "thread" (a background thread whose engine '
+                f"takes the new weights between decode steps); {self.async_producer!r} "
+                + ("has nothing in flight during an update" if self.async_producer == "inline" else "is not supported")
+                + f': set {name}.async_producer = "thread" (--async-producer thread)'
+            )
 
     def _check_teacher(self, name: str) -> None:
         if self.teacher and self.teacher_url:

@@ -7,6 +7,8 @@ log-probs of a batch's completion tokens, through the fused ``kernels.token_logp
   each sampled token), finish reason, text, and its group (prompt index). An agentic episode (``polyrl.agents``) is
   one Sample whose ``mask`` (one per completion id) marks the policy's own tokens: only those are trained (labels
   -100 on tool outputs and user turns) and ``logprobs`` / per-token fields then hold one value per masked token.
+  With partial rollouts (``polyrl.run.async_rollout``) ``token_versions`` gives each completion id's policy version
+  (its ``logprobs`` entry is that version's behaviour log-prob) and ``policy_version`` the oldest of them.
 - ``RLBatch``: a packed micro-batch of samples (``PackedBatch`` fields: labels are the completion tokens, -100 on
   the prompt) plus ``mask [T]`` (1.0 where ``labels`` is a completion token), ``seq_index [T]`` (sample within the
   micro-batch), ``sample_ids`` (positions in the caller's sample list) and ``fields``: per-token float tensors
@@ -48,6 +50,9 @@ class Sample:
     routed_experts: torch.Tensor | None = None
     routing_layers: tuple[int, ...] = ()
     policy_version: int | None = None  # RL steps applied to the weights that generated it (async RL: staleness)
+    # partial rollouts (async RL): per completion id, the policy version that generated it (a weight update may land
+    # in the middle of a sequence); policy_version is then the oldest of them. None: one version for the whole sample
+    token_versions: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

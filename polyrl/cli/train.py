@@ -105,6 +105,7 @@ RL_FLAG_KEYS: dict[str, str] = {
     "max_staleness": "max_staleness",
     "async_producer": "async_producer",
     "rollout_workers": "rollout_workers",
+    "partial_rollouts": "partial_rollouts",
     "rollout_precision": "rollout_precision",
 }
 
@@ -251,6 +252,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rollout-workers", type=int, metavar="N", help="rollout worker processes (--async-producer process)"
     )
     g.add_argument(
+        "--partial-rollouts",
+        action="store_true",
+        default=None,
+        help="async RL (--async-producer thread): a weight update lands between decode steps of the rollouts in "
+        "flight, which go on with the new weights; every token records its policy version",
+    )
+    g.add_argument(
         "--rollout-precision",
         choices=["model", "fp8"],
         help="weights the rollout samples with: the trained ones (model, default) or FP8 copies requantised after "
@@ -349,7 +357,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---- --nproc-per-node: the same command under torchrun --------------------------------------------
-_FLAGS_ONLY = {"activation_checkpointing", "compile", "deterministic", "skip_bad_rows", "filter_groups"}
+_FLAGS_ONLY = {
+    "activation_checkpointing",
+    "compile",
+    "deterministic",
+    "skip_bad_rows",
+    "filter_groups",
+    "partial_rollouts",
+}
 
 
 def relaunch_argv(args: argparse.Namespace) -> list[str]:

@@ -5,6 +5,13 @@ batching), ``ModelRunner`` (forward, CUDA graphs), ``Sampler`` and ``stopping``.
 runs the model once, samples, checks stops and reports the requests that changed. ``generate()`` launches
 decode steps one ahead of reading their tokens (``overlap.py``; ``RolloutConfig.overlap_decode``).
 
+Weight swaps mid-generation (partial rollouts of async RL): ``generate(..., between_steps=fn)`` calls ``fn(llm,
+steps)`` at every step boundary; there ``swap_weights(load, version)`` reads the step in flight, lets ``load()``
+change the weights in place and from then on stamps each generated token with ``version`` (``policy_version``;
+``CompletionOutput.token_versions``). The sequences in flight keep their KV cache: the keys and values of their
+earlier tokens stay those the older weights computed (as in AReaL's partial rollouts); only new positions use the
+new weights.
+
 Threading: ``add_request`` and ``abort_request`` may be called from any thread (they validate in the
 caller's thread and hand the request over through a queue); ``step()``, ``generate()`` and ``chat()`` must
 be driven by one thread at a time (the server's engine thread, or the trainer).
@@ -95,6 +102,9 @@ class LLM:
         self.num_launches_ahead = 0  # launches of those steps (decode_steps per launch where possible)
         self._grammars: Any = None  # structured outputs: GrammarCache, made on the first request that has one
         self._finished: list[Sequence] | None = None  # sequences finished since generate() last looked (on_finish)
+        # stamped on every generated token when not None (Sequence.versions; partial rollouts, swap_weights)
+        self.policy_version: int | None = None
+        self._held: list[RequestOutput] = []  # outputs read by swap_weights' flush, returned by the next step()
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -223,7 +233,22 @@ class LLM:
         ``ahead=True`` (what ``generate()`` does): decode steps may be queued before the previous ones are read
         (``overlap.py``), so a request's output arrives a launch after its tokens were computed, and host work
         done between calls overlaps the device. A later plain ``step()`` or ``release()`` reads what is left."""
+        if self._held:  # read by swap_weights' flush
+            held, self._held = self._held, []
+            return held + self._step(ahead)
         return self._step(ahead)
+
+    def swap_weights(self, load: Callable[[], None], version: int | None = None) -> None:
+        """Change the weights between two steps, requests in flight included (partial rollouts): read the step in
+        flight (its tokens were computed by the current weights and are stamped with the current version; their
+        outputs come with the next ``step()``), call ``load()`` (which updates the model's tensors in place), forget
+        the prefix cache (its KV is the old weights') and stamp every later token with ``version``. Running
+        sequences keep their blocks: the KV of their earlier tokens stays the old weights'. Call it from the thread
+        driving the engine (e.g. in ``generate``'s ``between_steps``), or while the engine is idle."""
+        self._held.extend(self._flush())
+        load()
+        self.reset_prefix_cache()
+        self.policy_version = version
 
     def _step(self, ahead: bool) -> list[RequestOutput]:
         """One step; with ``ahead`` a decode-only step is launched before the previous one is read
@@ -400,12 +425,14 @@ class LLM:
         a row has a grammar, whose matcher consumes the token here)."""
         # Per sequence per step: keep this loop lean (it is host time at large batches).
         eos_ids, max_len, tokenizer, finish = self.eos_token_ids, self.max_model_len, self.tokenizer, None
-        requests = self._requests
+        requests, version = self._requests, self.policy_version
         for i, (s, tok, lp, top) in enumerate(zip(seqs, tokens, logprobs, tops or [None] * len(seqs))):
             if s.guide is not None:
                 s.guide.advance(tok, masses[i] if masses is not None else 0.0)
             s.tokens.append(tok)
             s.logprobs.append(lp)
+            if version is not None:  # computed by the weights of this version (swap_weights reads ahead steps first)
+                s.versions.append(version)
             s.cumulative_logprob += lp
             if s.top_logprobs is not None:
                 s.top_logprobs.append(top or {})
@@ -473,6 +500,7 @@ class LLM:
             new_text=new_text,
             masked_logmass=s.guide.masked_logmass if s.guide is not None else None,
             routed_experts=s.routed_experts,
+            token_versions=list(s.versions) if self.policy_version is not None else None,
         )
 
     # ---- batch API ----------------------------------------------------------------------------------
@@ -481,6 +509,7 @@ class LLM:
         prompts: list[str] | list[list[int]] | str,
         params: SamplingParams | list[SamplingParams] | None = None,
         on_finish: Callable[[int, int, CompletionOutput], None] | None = None,
+        between_steps: Callable[[LLM, int], None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids) until all finish; outputs in prompt order.
 
@@ -489,7 +518,10 @@ class LLM:
         ``request_index`` is the prompt's position, ``sample_index`` the sequence's index among its prompt's ``n``,
         ``output`` its finished ``CompletionOutput`` (text decoded; ``routed_experts`` may still be on the device).
         It runs between decode steps, so it must be cheap (hand the output to another thread or process); an
-        exception it raises ends this call."""
+        exception it raises ends this call.
+
+        ``between_steps(llm, steps)`` is called after each engine step but the last (``steps``: the steps of this
+        call so far), from the same thread: it may ``swap_weights`` (partial rollouts), and must otherwise be cheap."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -502,10 +534,19 @@ class LLM:
         self._finished = [] if on_finish is not None else None
         try:
             with gc_paused(self.config.pause_gc):  # its full passes would stall the launches (platform/host.py)
+                steps = 0
                 while len(done) < len(ids):
-                    for out in self.step(ahead=True):
+                    outs = self.step(ahead=True)
+                    steps += 1
+                    for out in outs:
                         if out.finished and out.request_id in wanted:
                             done[out.request_id] = out
+                    if between_steps is not None and len(done) < len(ids):  # not after the last step
+                        between_steps(self, steps)
+                        held, self._held = self._held, []  # what a swap_weights read from the step in flight
+                        for out in held:
+                            if out.finished and out.request_id in wanted:
+                                done[out.request_id] = out
                     if self._finished:
                         self._report_finished(on_finish, index, done)
         finally:

@@ -46,6 +46,9 @@ class CompletionOutput:
     # for every token the engine fed (prefix-cache hits included); the last token was never fed: its row is -1.
     # On the engine's device from step(), on the host from generate().
     routed_experts: Any = None
+    # per token of ``token_ids``, the engine's ``policy_version`` that generated it (partial rollouts: a weight swap
+    # in the middle of the generation, ``LLM.swap_weights``); None when the engine tracks no version
+    token_versions: list[int] | None = None
 
 
 @dataclass
@@ -107,6 +110,7 @@ class Sequence:
         "guide",
         "prompt_lps",
         "routed_experts",
+        "versions",
     )
 
     def __init__(
@@ -153,6 +157,9 @@ class Sequence:
             first = min(params.prompt_logprobs_from, self.num_prompt)
             self.prompt_lps = PromptLogprobs([None] * first, [None] * first, [None] * first)
         self.routed_experts: Any = None  # record_routing: gathered when it finishes (kv_cache.read_routing)
+        # per generated token, the engine's ``policy_version`` when it was computed (partial rollouts: a weight
+        # swap mid-generation, ``LLM.swap_weights``); stays empty while the engine's ``policy_version`` is None
+        self.versions: list[int] = []
 
     @property
     def num_tokens(self) -> int:

@@ -14,7 +14,9 @@ The building block of every online run (GRPO, GSPO, PPO, agentic RL) and of the 
   ``lora_config.merge_for_rollout`` rollouts run with the adapters merged in place (unmerged afterwards).
   ``separate_rollout=True`` (async RL's threaded producer, one process): the rollout engine gets a copy of the
   weights of its own, refreshed only by ``sync_rollout_weights()`` (so it can generate while the trainer updates);
-  log-prob recomputes then run on the trained model itself.
+  log-prob recomputes then run on the trained model itself. ``between_steps`` (set by async RL's partial rollouts)
+  is handed to the rollout engine's ``generate``: a weight update can then land between two decode steps, and each
+  ``Sample`` gets the engine's per-token ``token_versions``.
 - Data-parallel (``world`` of ``polyrl.train.parallel``, under torchrun): the trained model is FSDP2-sharded, so the
   rollout engine runs a plain full copy in the compute dtype (``rollout_net``, refreshed in place after every
   optimizer step with one all-gather per tensor), each rank generates for its share of the prompts and every rank
@@ -118,6 +120,9 @@ class ColocatedPolicy:
         self.remote: Any = None  # rollout worker processes (run.rollout_workers); this engine is their fallback
         self.device = self.engine.device
         self.micro_batch_tokens = (engine or StepConfig()).micro_batch_tokens  # the packing budget of RL batches
+        # called by the rollout engine between decode steps (LLM.generate's between_steps; partial rollouts swap the
+        # weights there, polyrl.run.async_rollout.PartialRollouts); one process, this engine only
+        self.between_steps: Callable[[LLM, int], None] | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -178,7 +183,7 @@ class ColocatedPolicy:
             elif self.remote is not None:
                 outs = self.remote.generate(ids, plist, self.llm.generate, on_finish=hook)
             else:
-                outs = self.llm.generate(ids, plist, on_finish=hook)
+                outs = self.llm.generate(ids, plist, on_finish=hook, between_steps=self.between_steps)
         except BaseException:
             self.llm.abort_all()  # a failed generate leaves requests behind; the cache must still be freed
             raise
@@ -194,6 +199,9 @@ class ColocatedPolicy:
         s = Sample(list(prompt_ids), list(c.token_ids), list(c.logprobs), c.finish_reason, c.text, group)
         s.index = c.index
         s.masked_logmass = getattr(c, "masked_logmass", None)
+        versions = getattr(c, "token_versions", None)  # the engine tracks a policy version (partial rollouts)
+        if versions is not None:
+            s.token_versions = list(versions)
         if routing and getattr(c, "routed_experts", None) is not None:  # RolloutConfig.record_routing (MoE)
             s.routed_experts = c.routed_experts
             s.routing_layers = tuple(self.rollout_net.config.moe_layers)

@@ -27,7 +27,8 @@ One RL step, each stage a method of ``OnlineRun`` so an algorithm can override o
 
 Asynchronous RL (``max_staleness`` K > 0, ``polyrl.run.async_rollout``, docs/async-rl.md): step s takes its batch from
 a ``RolloutSource`` (a policy-versioned queue), which then starts the batches up to s + K with the current weights
-(inline; in a background thread on a copy of the weights; or in rollout worker processes); ``prepare`` uses the
+(inline; in a background thread on a copy of the weights, optionally with partial rollouts whose sequences in
+flight take each update between two decode steps; or in rollout worker processes); ``prepare`` uses the
 decoupled objective (recomputed proximal log-probs, truncated ``pi_prox / pi_behaviour`` weights, ``async/*``
 metrics); after the update the source gets the new version (the thread's weights are synced); checkpoints hold the
 queue. K = 0: no source.
@@ -75,7 +76,13 @@ from polyrl.infer.config import RolloutConfig
 from polyrl.infer.sampling_params import SamplingParams, StructuredOutputs
 from polyrl.models.checkpoint import load_tokenizer
 from polyrl.models.lora import is_adapter_dir
-from polyrl.run.async_rollout import InlineRollouts, RolloutBatch, ThreadedRollouts, staleness_metrics
+from polyrl.run.async_rollout import (
+    InlineRollouts,
+    PartialRollouts,
+    RolloutBatch,
+    ThreadedRollouts,
+    staleness_metrics,
+)
 from polyrl.run.colocated import ColocatedPolicy
 from polyrl.run.config import RunConfig, save_resolved
 from polyrl.run.data_parallel import DataParallelSteps
@@ -265,6 +272,11 @@ class OnlineRun(DataParallelSteps):
                 'async_producer = "process" sends full weights of a plain model folder: no LoRA, no structured '
                 'rollouts yet; use async_producer = "thread"'
             )
+        if getattr(self.a, "partial_rollouts", False) and self.cfg.episodes is not None:
+            raise ConfigError(
+                f"{self.a.table_name()}.partial_rollouts does not reach agentic runs yet (their episodes generate in "
+                "the trainer's thread, so nothing is in flight during an update); drop --partial-rollouts"
+            )
         if k > 0 and self.a.async_producer != "inline" and self.cfg.episodes is not None:
             raise ConfigError(
                 f'agentic runs generate in the trainer\'s thread: set {self.a.table_name()}.async_producer = "inline"'
@@ -293,8 +305,14 @@ class OnlineRun(DataParallelSteps):
                 self.cfg.model, tokenizer_path(self.cfg), self.rollout_config(), self.a.rollout_workers
             )
             self.policy.remote.push_weights(self.policy.model)  # version `start` (after a resume's load)
-        if self.a.async_producer in ("thread", "process"):
-            source: InlineRollouts = ThreadedRollouts(produce, k, self.policy.sync_rollout_weights, version)
+        if getattr(self.a, "partial_rollouts", False):  # the thread's engine takes updates between decode steps
+            swap = self.a.partial_swap_step
+            source: InlineRollouts = PartialRollouts(
+                produce, k, self.policy.sync_rollout_weights, self.policy.llm, version, swap
+            )
+            self.policy.between_steps = source.between_steps
+        elif self.a.async_producer in ("thread", "process"):
+            source = ThreadedRollouts(produce, k, self.policy.sync_rollout_weights, version)
         else:
             source = InlineRollouts(produce, k, version)
         state = self._resumed_async
@@ -620,7 +638,9 @@ class OnlineRun(DataParallelSteps):
         of this step's training (prepare + update): with the threaded producer, the next batch's generation
         overlaps the training."""
         src, t = self.source, self.t_start
+        extra = {"async/weight_swaps_total": float(src.swaps_total)} if isinstance(src, PartialRollouts) else {}
         return {
+            **extra,
             "async/stale_dropped_total": float(src.stale_dropped_total),
             "async/stale_dropped_samples_total": float(src.stale_dropped_samples),
             "async/wait_s": src.wait_s,
