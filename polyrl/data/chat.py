@@ -48,25 +48,89 @@ class ChatTokenizer:
     # -- conversations ----------------------------------------------------------------------------------------
     def tokenize_messages(self, messages: list[Message], loss_from: int = 0) -> TokenizedSeq:
         """Tokens and loss mask of ``messages``; only assistant turns at index >= ``loss_from`` are trained."""
-        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= loss_from]
-        if self.loss_on == "last_assistant":
-            turns = turns[-1:]
+        out = self.tokenize_many([messages], loss_from)[0]
+        if isinstance(out, RowError):
+            raise out
+        return out
+
+    def tokenize_many(
+        self, conversations: list[list[Message]], loss_from: int | list[int] = 0
+    ) -> list[TokenizedSeq | RowError]:
+        """``tokenize_messages`` of each conversation (``loss_from``: one for all, or one per conversation), with
+        every rendered text encoded in ONE tokenizer call (the fast tokenizer encodes a list in parallel, as it
+        encodes each text alone: the same ids). A conversation the template rejects comes back as its
+        ``RowError``, in its place; a template that is not prefix-consistent raises ``ConfigError`` as
+        ``tokenize_messages`` does."""
+        starts = loss_from if isinstance(loss_from, list) else [loss_from] * len(conversations)
         if self.template is None:
-            return self._plain(messages, turns)
-        ids = self.encode(self.render(messages, add_generation_prompt=False))
-        mask = [1] * len(ids) if self.loss_on == "all" else [0] * len(ids)
+            pairs = zip(conversations, starts)
+            return [self._row(lambda m=m, k=k: self._plain(m, self._turns(m, k))) for m, k in pairs]
+        plans: list[tuple[list[Message], list[int], int, list[tuple[int, int | None, int | None]]] | RowError] = []
+        texts: list[str] = []
+        for messages, start in zip(conversations, starts):
+            turns = self._turns(messages, start)
+            try:
+                plan = self._render_plan(messages, turns, len(texts), texts)
+            except RowError as exc:
+                plans.append(exc)
+                continue
+            plans.append((messages, turns, *plan))
+        ids = self._encode_many(texts)
+        return [p if isinstance(p, RowError) else self._assemble(ids, *p[2:]) for p in plans]
+
+    def _turns(self, messages: list[Message], loss_from: int) -> list[int]:
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= loss_from]
+        return turns[-1:] if self.loss_on == "last_assistant" else turns
+
+    @staticmethod
+    def _row(fn) -> TokenizedSeq | RowError:
+        try:
+            return fn()
+        except RowError as exc:
+            return exc
+
+    def _render_plan(
+        self, messages: list[Message], turns: list[int], base: int, texts: list[str]
+    ) -> tuple[int, list[tuple[int, int | None, int | None]]]:
+        """Appends the texts a conversation needs to ``texts`` (the whole conversation first, then per trained
+        assistant turn i the prefix up to its generation prompt and, unless it is the last message, the prefix
+        through it) and returns (index of the whole text, [(turn, prefix index, end index)]); None = no text (an
+        empty prefix has no tokens; the last turn ends where the whole conversation ends)."""
+        local = [self.render(messages, add_generation_prompt=False)]
+        parts: list[tuple[int, int | None, int | None]] = []
+        if self.loss_on != "all":
+            for i in turns:
+                start = end = None
+                if messages[:i]:
+                    local.append(self.render(messages[:i], add_generation_prompt=True))
+                    start = base + len(local) - 1
+                if i + 1 != len(messages):
+                    local.append(self.render(messages[: i + 1], add_generation_prompt=False))
+                    end = base + len(local) - 1
+                parts.append((i, start, end))
+        texts.extend(local)
+        return base, parts
+
+    def _encode_many(self, texts: list[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        return [list(x) for x in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+    def _assemble(
+        self, ids: list[list[int]], full_at: int, parts: list[tuple[int, int | None, int | None]]
+    ) -> TokenizedSeq:
+        full = ids[full_at]
         if self.loss_on == "all":
-            return TokenizedSeq(ids, mask)
-        for i in turns:
-            start = self._prefix_len(messages[:i], True, ids, i)
-            # The last turn ends where the whole conversation ends: no need to render it twice.
-            end = len(ids) if i + 1 == len(messages) else self._prefix_len(messages[: i + 1], False, ids, i)
+            return TokenizedSeq(full, [1] * len(full))
+        mask = [0] * len(full)
+        for turn, start_at, end_at in parts:
+            start = 0 if start_at is None else self._prefix_len(ids[start_at], True, full, turn)
+            end = len(full) if end_at is None else self._prefix_len(ids[end_at], False, full, turn)
             for t in range(start, end):
                 mask[t] = 1
-        return TokenizedSeq(ids, mask)
+        return TokenizedSeq(full, mask)
 
-    def _prefix_len(self, prefix: list[Message], gen: bool, full: list[int], turn: int) -> int:
-        part = self.encode(self.render(prefix, add_generation_prompt=gen)) if prefix else []
+    def _prefix_len(self, part: list[int], gen: bool, full: list[int], turn: int) -> int:
         if full[: len(part)] != part:
             where = "the generation prompt before" if gen else "the end of"
             raise ConfigError(

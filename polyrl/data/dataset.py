@@ -189,12 +189,32 @@ def _out_of_vocab(seqs: tuple[TokenizedSeq, ...], limit: tuple[int, str] | None)
     return None
 
 
-def _tokenize(tok: ChatTokenizer, ex: Any) -> tuple[TokenizedSeq, ...]:
-    if isinstance(ex, TokensExample):
-        return (TokenizedSeq(ex.input_ids, ex.loss_mask),)
-    if isinstance(ex, PreferenceExample):
-        return tok.tokenize_preference(ex)
-    return (tok.tokenize_messages(ex.messages),)
+# Rows tokenised per batched tokenizer call: large enough to amortise the call, small enough to keep memory flat.
+TOKENIZE_CHUNK = 1024
+
+
+def _tokenize_chunk(tok: ChatTokenizer, chunk: list[Any]) -> list[tuple[TokenizedSeq, ...] | formats.RowError]:
+    """The sequences of each example of ``chunk`` (a preference pair gives two), in order, every conversation of the
+    chunk encoded in one batched call (``ChatTokenizer.tokenize_many``); a row the template rejects is its error."""
+    convs: list[list] = []
+    starts: list[int] = []
+    for ex in chunk:
+        if isinstance(ex, PreferenceExample):
+            convs += [ex.prompt + ex.chosen, ex.prompt + ex.rejected]
+            starts += [len(ex.prompt)] * 2
+        elif not isinstance(ex, TokensExample):
+            convs.append(ex.messages)
+            starts.append(0)
+    done = iter(tok.tokenize_many(convs, starts))
+    out: list[tuple[TokenizedSeq, ...] | formats.RowError] = []
+    for ex in chunk:
+        if isinstance(ex, TokensExample):
+            out.append((TokenizedSeq(ex.input_ids, ex.loss_mask),))
+            continue
+        seqs = (next(done), next(done)) if isinstance(ex, PreferenceExample) else (next(done),)
+        err = next((s for s in seqs if isinstance(s, formats.RowError)), None)
+        out.append(err if err is not None else seqs)
+    return out
 
 
 def _build(
@@ -209,11 +229,13 @@ def _build(
     max_len = cfg.max_seq_len if per_unit == 1 else min(cfg.max_seq_len, micro_batch_tokens // 2)
     max_len = min(max_len, max_sequence_len(cfg, micro_batch_tokens))
     units = []
-    for where, ex in examples:
-        try:
-            seqs = _tokenize(tok, ex)
-        except formats.RowError as exc:
-            _bad(stats, cfg, where, str(exc))
+    tokenized = (
+        zip(part, _tokenize_chunk(tok, [ex for _, ex in part]))
+        for part in (examples[i : i + TOKENIZE_CHUNK] for i in range(0, len(examples), TOKENIZE_CHUNK))
+    )
+    for (where, _), seqs in (pair for chunk in tokenized for pair in chunk):
+        if isinstance(seqs, formats.RowError):
+            _bad(stats, cfg, where, str(seqs))
             continue
         problem = _out_of_vocab(seqs, limit)  # an id past the embedding would crash the step mid-training
         if problem is not None:

@@ -186,3 +186,40 @@ def test_bad_rows_name_the_problem(row, problem):
 def test_forced_format_reports_missing_field():
     with pytest.raises(RowError, match="missing field 'output' for format 'alpaca'"):
         parse_row({"instruction": "x"}, "alpaca")
+
+
+def test_tokenize_many_is_one_encode_call_and_equals_row_by_row(tokenizer):
+    # A template that refuses a "tool" turn: that row comes back as its RowError, in its place.
+    strict = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool turns') }}{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    multi = as_sft(parse_row(MULTI)).messages
+    pair = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    bad = [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]
+    convs, starts = [multi, bad, pair, multi], [0, 0, 0, 3]
+
+    calls = []
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, text, **kw):
+            calls.append(text)
+            return self.inner(text, **kw)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    ct = ChatTokenizer(Counting(tokenizer), chat_template=strict)
+    out = ct.tokenize_many(convs, starts)
+    assert len(calls) == 1 and isinstance(calls[0], list)  # every text of the batch in one call
+    assert isinstance(out[1], RowError) and "no tool turns" in str(out[1])
+    one = ChatTokenizer(tokenizer, chat_template=strict)
+    for i in (0, 2, 3):
+        ref = one.tokenize_messages(convs[i], starts[i])
+        assert out[i].input_ids == ref.input_ids and out[i].loss_mask == ref.loss_mask
+    assert masked_text(tokenizer, out[0]) == "19<|im_end|>\ncba<|im_end|>\n"
+    assert masked_text(tokenizer, out[3]) == "cba<|im_end|>\n"  # loss_from=3 skips the first answer
