@@ -10,12 +10,13 @@ A format is an OpenAI ``response_format`` dict (``{"type": "json_schema", "json_
 ``{"type": "json_object"}``, ``{"type": "text"}``), a spec string as the run option takes (``json_object``,
 ``json_schema:{...}``, ``regex:...``, ``choice:a|b``, ``grammar:...``) or a ``StructuredOutputs``.
 
-An environment with tools keeps them under a format: the turn may call a tool (the Hermes ``<tool_call>`` syntax the
-rollout parses, arguments constrained to the tools' parameter schemas) OR answer in the format, the grammar union
-``polyrl serve`` uses for ``tool_choice: "auto"`` with a ``response_format`` (``tool_parsers.union_grammar``;
-one call per turn when the environment sets ``parallel_tool_calls = False``); a whole Lark grammar cannot be
-combined with tools (ConfigError). The trainer learns from the engine's unmasked
-log-probs and reports what the masks removed (``rollout_mask_logmass``), as for single-turn rollouts.
+An environment with tools keeps them under a format: the turn may call a tool (in the chat template's tool-call
+syntax, ``ChatRenderer.tool_parser``, the one the rollout parses; arguments constrained to the tools' parameter
+schemas) OR answer in the format, the grammar union ``polyrl serve`` uses for ``tool_choice: "auto"`` with a
+``response_format`` (``tool_parsers.union_grammar``; one call per turn when the environment sets
+``parallel_tool_calls = False``); a whole Lark grammar cannot be combined with tools (ConfigError). The trainer
+learns from the engine's unmasked log-probs and reports what the masks removed (``rollout_mask_logmass``), as for
+single-turn rollouts.
 The agent proxy (``--agent``) applies the same to each call: the request's ``response_format`` (``text.format``),
 else the run's, with the request's tools in the session's parser syntax.
 Not here: the episode loop (``rollout``), compiling grammars (``polyrl.infer.structured``).
@@ -82,7 +83,7 @@ def turn_grammar(
     parser: ToolParser | None = None,
 ) -> StructuredOutputs | None:
     """The grammar of a turn with format ``fmt``: ``fmt`` itself, or with ``tools`` a call of them (several when
-    ``parallel``; in ``parser``'s syntax, Hermes by default: what ``rollout`` parses) OR ``fmt``."""
+    ``parallel``; in ``parser``'s syntax, Hermes by default; ``rollout`` passes the template's) OR ``fmt``."""
     if fmt is None or not tools:
         return fmt
     parser = parser or HermesParser()

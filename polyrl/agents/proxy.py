@@ -60,7 +60,7 @@ class AgentSession:
         self.failed: str | None = None
         self._last_messages: list[tuple] | None = None  # normalised messages of the last call + its reply
         # the model family's tool-call format, as polyrl serve parses it (tool_parsers; hermes for the fallback)
-        self.parser = detect_parser(getattr(renderer, "template", None))
+        self.parser = getattr(renderer, "tool_parser", None) or detect_parser(getattr(renderer, "template", None))
         self._lock = threading.Lock()
 
     def prompt_for(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> tuple[list[int], bool]:

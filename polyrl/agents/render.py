@@ -11,7 +11,10 @@ Templates without tool support (no ``tools`` / ``tool_calls`` in the Jinja text,
 a compact tools block in the system message and assistant ``tool_calls`` written as ``<tool_call>`` text; the
 ``tool`` role is rendered as whatever the template does with roles. ``prepare_messages`` is that conversion, shared
 with ``polyrl serve`` (``polyrl.server.chat``). A template that renders a prefix differently
-depending on what follows is a ConfigError. Not here: sampling, parsing replies (``tools``).
+depending on what follows is a ConfigError. ``tool_parser``: the template's tool-call syntax
+(``tool_parsers.detect_parser``: Mistral ``[TOOL_CALLS]``, Llama 3 JSON, else Hermes ``<tool_call>``), the one
+that episodes, the agent proxy and ``polyrl serve`` parse replies with and constrain calls to. Not here: sampling,
+parsing replies (``tool_parsers``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from polyrl.agents.tool_parsers import ToolParser, detect_parser
 from polyrl.agents.tools import assistant_text, tools_system_text
 from polyrl.errors import ConfigError
 
@@ -79,6 +83,7 @@ class ChatRenderer:
         if not self.template:
             raise ConfigError("agentic RL needs a chat template; use a chat model or set data.chat_template")
         self.native_tools, self.native_calls = template_supports(self.template)
+        self.tool_parser: ToolParser = detect_parser(self.template)
         self.eos_text = getattr(tokenizer, "eos_token", None)
         if not self.eos_text:
             raise ConfigError("agentic RL needs a tokenizer with an eos (end-of-turn) token")

@@ -7,12 +7,13 @@ the episode's ids so far, so the prefix cache serves the conversation already co
 2. Every live episode adds a request: prompt = ``episode.context`` (never re-tokenised), ``max_tokens`` = the
    smaller of ``limits.max_new_tokens`` and what is left of ``limits.max_episode_tokens``, seed =
    ``turn_seed(seeds[group], index, turn)`` (reproducible whatever else is in the batch: exact resume).
-3. Engine steps; each finished turn appends the sampled ids and log-probs (mask 1), parses the reply
-   (``tools.parse_reply``) into an OpenAI assistant message, and the turns that finished in the same engine step
-   go to ``pool.step`` together. A turn cut at ``max_new_tokens`` gets the end-of-turn id appended (mask 0: not
-   sampled) and counts in ``truncated_turns``; the environment still answers it. The observation is appended as
-   ``renderer.observation_ids`` (mask 0), then the episode goes back to 2, unless it is done, at ``max_turns``, out
-   of tokens or its env failed.
+3. Engine steps; each finished turn appends the sampled ids and log-probs (mask 1), parses the reply with the
+   template's tool-call parser (``renderer.tool_parser``: Hermes ``<tool_call>``, Llama 3 JSON or Mistral
+   ``[TOOL_CALLS]``, as ``polyrl serve`` parses them) into an OpenAI assistant message, and the turns that
+   finished in the same engine step go to ``pool.step`` together. A turn cut at ``max_new_tokens`` gets the
+   end-of-turn id appended (mask 0: not sampled) and counts in ``truncated_turns``; the environment still answers
+   it. The observation is appended as ``renderer.observation_ids`` (mask 0), then the episode goes back to 2,
+   unless it is done, at ``max_turns``, out of tokens or its env failed.
 Output formats (``formats``): each turn's request carries the grammar of its format (the last ``EnvStep``'s, else
 the environment's, else the run's ``sampling.structured``; with tools, a call OR the format), so every assistant
 turn is constrained; the engine's log-probs stay unmasked and ``Episode.masked_logmass`` sums what the masks removed.
@@ -29,7 +30,7 @@ from typing import Any
 
 from polyrl.agents.episode import Episode
 from polyrl.agents.formats import pick, turn_grammar
-from polyrl.agents.tools import parse_reply
+from polyrl.agents.tool_parsers import HermesParser
 from polyrl.errors import ConfigError, UserError
 
 
@@ -66,9 +67,12 @@ def run_episodes(
     limits = limits or EpisodeLimits()
     eps = [Episode(g, j) for g in range(len(examples)) for j in range(n)]
     tools = list(pool.tools)
+    parser = getattr(renderer, "tool_parser", None) or HermesParser()
+    if parser.keep_special_tokens:  # its call marker is a special token: the reply's text must keep it
+        sampling = sampling.clone(skip_special_tokens=False)
     grammars = _TurnGrammars(
         tools, renderer.tokenizer, getattr(pool, "response_format", None), getattr(sampling, "structured", None),
-        getattr(pool, "parallel_tool_calls", True),
+        getattr(pool, "parallel_tool_calls", True), parser,
     )  # fmt: skip
     opened = pool.reset([(k, examples[e.group]) for k, e in enumerate(eps)])
     pending: dict[str, int] = {}
@@ -97,7 +101,7 @@ def run_episodes(
             if mass is not None:
                 e.masked_logmass = (e.masked_logmass or 0.0) + mass
                 e.count("constrained_turns")
-            msg = parse_reply(c.text, f"call_{e.num_turns}")
+            msg = parser.parse(c.text, f"call_{e.num_turns}")
             e.count("tool_calls", len(msg.get("tool_calls", [])))
             e.count("invalid_tool_calls", len(msg.get("invalid_tool_calls", [])))
             e.messages.append(msg)
@@ -149,15 +153,17 @@ def run_episodes(
 class _TurnGrammars:
     """The grammar of a turn per declared step format (``formats.pick`` order), each built once per call."""
 
-    def __init__(self, tools: list, tokenizer: Any, env_format: Any, run_format: Any, parallel: bool) -> None:
-        self.tools, self.tokenizer, self.parallel = tools, tokenizer, parallel
+    def __init__(
+        self, tools: list, tokenizer: Any, env_format: Any, run_format: Any, parallel: bool, parser: Any
+    ) -> None:
+        self.tools, self.tokenizer, self.parallel, self.parser = tools, tokenizer, parallel, parser
         self.env_format, self.run_format = env_format, run_format
         self._built: dict[Any, Any] = {}
 
     def get(self, step_format: Any) -> Any:
         if step_format not in self._built:
             fmt = pick(step_format, self.env_format, self.run_format)
-            self._built[step_format] = turn_grammar(fmt, self.tools, self.tokenizer, self.parallel)
+            self._built[step_format] = turn_grammar(fmt, self.tools, self.tokenizer, self.parallel, self.parser)
         return self._built[step_format]
 
 

@@ -250,3 +250,48 @@ def test_agent_proxy_applies_the_request_or_run_format(tiny_llm):
         else:
             assert re.fullmatch("[a-c]{2}", msg.content), msg.content
     assert kinds == {"call", "answer"}, replies
+
+
+@pytest.fixture(scope="module")
+def mistral_llm(tiny_model_dir, tmp_path_factory):
+    """The tiny model with two filler tokens renamed to Mistral's special ``[TOOL_CALLS]`` / ``[ARGS]``."""
+    import shutil
+
+    from polyrl.infer import LLM, RolloutConfig
+
+    out = tmp_path_factory.mktemp("mistral") / "tiny"
+    shutil.copytree(tiny_model_dir, out)
+    spec = json.loads((out / "tokenizer.json").read_text())
+    for filler, name in (("<filler_0>", "[TOOL_CALLS]"), ("<filler_1>", "[ARGS]")):
+        i = spec["model"]["vocab"].pop(filler)
+        spec["model"]["vocab"][name] = i
+        spec["added_tokens"].append(
+            {"id": i, "content": name, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+             "special": True}
+        )  # fmt: skip
+    (out / "tokenizer.json").write_text(json.dumps(spec))
+    return LLM.from_pretrained(str(out), RolloutConfig(num_blocks=512, max_model_len=1024, max_num_seqs=64), "float32")
+
+
+def test_episodes_parse_and_constrain_calls_in_the_templates_syntax(mistral_llm, env_file):
+    """A template that teaches Mistral v11 calls (``[TOOL_CALLS]name[ARGS]{...}``): the episode's turns are
+    constrained to that syntax OR the JSON answer, and the calls are parsed from it (Hermes parsing would find none)."""
+    from polyrl.agents.tool_parsers import MistralParser
+
+    template = mistral_llm.tokenizer.chat_template + "{# tools: [TOOL_CALLS]name[ARGS]{arguments} #}"
+    renderer = ChatRenderer(mistral_llm.tokenizer, template)
+    assert isinstance(renderer.tool_parser, MistralParser)
+    limits = EpisodeLimits(max_turns=1, max_new_tokens=60, max_episode_tokens=1000)
+    with EnvPool("test-FormatEnv", workers=0) as pool:
+        eps = run_episodes(mistral_llm, pool, renderer, EXAMPLES, 6, SamplingParams(temperature=1.0), [5, 6], limits)
+    calls = 0
+    for e in eps:
+        (msg,) = _assistant(e)
+        text = mistral_llm.tokenizer.decode(e.ids[e.turns[0][0] : e.turns[0][1]], skip_special_tokens=False)
+        if _is_call(msg):
+            calls += 1
+            assert text.startswith("[TOOL_CALLS]lookup[ARGS]{"), text
+        else:
+            assert "[TOOL_CALLS]" not in text
+            jsonschema.validate(json.loads(_turn_texts(mistral_llm.tokenizer, e)[0]), ANSWER)
+    assert calls > 0 and calls < len(eps), calls
