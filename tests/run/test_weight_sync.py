@@ -1,0 +1,223 @@
+"""Trainer -> rollout weight sync (``polyrl.run.weight_sync``): the bucket plan; the bucketed broadcast over a real
+gloo process group of 3 processes (one sender, two receivers) gives the source exactly (fp32 wire) or the source
+cast to bf16 (bf16 wire) across bucket boundaries and for a tensor larger than a bucket; LoRA-only syncs move the
+adapter tensors alone (bytes counted); the in-process copy writes into the copy's own tensors; plans that differ
+are refused; the bench's rows."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from polyrl.run.weight_sync import BucketedBroadcast, InProcessSync, SyncStats, plan_buckets, sync_tensors
+
+
+class Toy(nn.Module):
+    """Parameters of awkward sizes (bytes in fp32: 28, 1200, 4, 40000, 396) and a buffer."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32, big: int = 10000) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(7, dtype=dtype))
+        self.b = nn.Parameter(torch.randn(20, 15, dtype=dtype))
+        self.c = nn.Parameter(torch.randn(1, dtype=dtype))
+        self.big = nn.Parameter(torch.randn(big, dtype=dtype))  # larger than the 0.01 MiB bucket: sent alone
+        self.d = nn.Parameter(torch.randn(3, 33, dtype=dtype))
+        self.register_buffer("steps", torch.arange(5, dtype=torch.int64))
+
+
+BUCKET_MB = 0.01  # 10485 bytes: a, b, c share a bucket; big is alone; d and the buffer follow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _group(port: int, rank: int, size: int):
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
+    return dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=60))
+
+
+def _broadcast_worker(rank: int, port: int, size: int, out: str, recv_dtype: torch.dtype, wire: str, big: int) -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(100 + rank)  # every rank starts from different values
+    pg = _group(port, rank, size)
+    model = Toy(torch.float32 if rank == 0 else recv_dtype, big=big)
+    before = [t.data_ptr() for t in model.parameters()]
+    sync = BucketedBroadcast(model, pg, src=0, rank=rank, dtype=wire, bucket_mb=BUCKET_MB)
+    stats = [sync.sync(), sync.sync()]  # twice: the reused bucket buffers and the checked plan
+    assert [t.data_ptr() for t in model.parameters()] == before  # in place
+    torch.save({"state": model.state_dict(), "bytes": [s.bytes for s in stats], "n": len(sync.buckets)}, out)
+
+
+def _run_broadcast(tmp_path, recv_dtype, wire, big=10000, size=3):
+    port = _free_port()
+    outs = [str(tmp_path / f"rank{r}.pt") for r in range(size)]
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_broadcast_worker, args=(r, port, size, outs[r], recv_dtype, wire, big)) for r in range(size)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0] * size
+    return [torch.load(o) for o in outs]
+
+
+def test_plan_buckets_splits_at_the_bucket_size_and_sends_oversize_alone():
+    f32, bf = torch.float32, torch.bfloat16
+    shapes = [(torch.Size([7]), f32), (torch.Size([20, 15]), f32), (torch.Size([1]), f32)]
+    shapes += [(torch.Size([10000]), f32), (torch.Size([3, 33]), f32), (torch.Size([5]), torch.int64)]
+    plan = plan_buckets(shapes, 10485)
+    assert [b.items for b in plan] == [(0, 1, 2), (3,), (4,), (5,)]
+    assert [b.offsets for b in plan] == [(0, 7, 307), (0,), (0,), (0,)]
+    assert [b.nbytes for b in plan] == [308 * 4, 40000, 99 * 4, 40]
+    # a bucket fills exactly to the limit, the next tensor opens a new one
+    plan = plan_buckets([(torch.Size([4]), bf)] * 5, 16)
+    assert [b.items for b in plan] == [(0, 1), (2, 3), (4,)] and all(b.dtype == bf for b in plan)
+
+
+def test_broadcast_fp32_equals_the_source_exactly(tmp_path):
+    got = _run_broadcast(tmp_path, torch.float32, "fp32")
+    src = got[0]["state"]
+    assert got[0]["n"] == 4  # [a, b, c], [big] (oversize), [d], [steps] (int64)
+    for r in (1, 2):
+        for k, v in src.items():
+            assert torch.equal(got[r]["state"][k], v), k
+        assert got[r]["bytes"] == got[0]["bytes"] == [(7 + 300 + 1 + 10000 + 99) * 4 + 5 * 8] * 2
+
+
+def test_broadcast_bf16_equals_the_source_cast_to_bf16(tmp_path):
+    # bf16 receivers: their tensors hold exactly source.to(bf16); the wire carries half the bytes
+    got = _run_broadcast(tmp_path, torch.bfloat16, "bf16")
+    src = got[0]["state"]
+    for r in (1, 2):
+        for k, v in src.items():
+            want = v.to(torch.bfloat16) if v.is_floating_point() else v
+            assert got[r]["state"][k].dtype == want.dtype and torch.equal(got[r]["state"][k], want), k
+        assert got[r]["bytes"][0] == (7 + 300 + 1 + 10000 + 99) * 2 + 5 * 8
+    assert not torch.equal(src["big"].to(torch.bfloat16).float(), src["big"])  # the cast is a real rounding
+
+
+def test_broadcast_bf16_wire_into_fp32_receivers(tmp_path):
+    # fp32 receivers, bf16 wire: the source rounded to bf16 and widened back; big (fp32, not the wire dtype) goes
+    # through a buffer of its own on both sides
+    got = _run_broadcast(tmp_path, torch.float32, "bf16", size=2)
+    for k, v in got[0]["state"].items():
+        want = v.to(torch.bfloat16).float() if v.is_floating_point() else v
+        assert torch.equal(got[1]["state"][k], want), k
+
+
+def _tiny_lora(seed: int):
+    from polyrl.models.config import ModelConfig
+    from polyrl.models.decoder import build_model
+    from polyrl.models.lora import LoraConfig, apply_lora
+
+    hf = dict(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+              num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)  # fmt: skip
+    model = build_model(ModelConfig.from_hf_dict(hf), seed=seed)
+    apply_lora(model, LoraConfig(r=4, alpha=8, targets=["q_proj", "v_proj"]), seed=seed)
+    with torch.no_grad():
+        for _, t, _ in sync_tensors(model, lora_only=True):
+            t.normal_()  # lora_B starts at zero: make both adapter matrices non-trivial
+    return model
+
+
+def _lora_broadcast_worker(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    pg = _group(port, rank, 2)
+    model = _tiny_lora(seed=rank)  # different base and adapters on each side
+    base_before = {n: t.clone() for n, t, _ in sync_tensors(model) if "lora_" not in n}
+    stats = BucketedBroadcast(model, pg, src=0, rank=rank, dtype="fp32", lora_only=True).sync()
+    base_after = {n: t for n, t, _ in sync_tensors(model) if "lora_" not in n}
+    unchanged = all(torch.equal(base_before[n], base_after[n]) for n in base_before)
+    adapters = {n: t.clone() for n, t, _ in sync_tensors(model, lora_only=True)}
+    torch.save({"adapters": adapters, "bytes": stats.bytes, "tensors": stats.tensors, "base_unchanged": unchanged}, out)
+
+
+def test_lora_only_sync_moves_the_adapters_alone(tmp_path):
+    model = _tiny_lora(seed=0)
+    adapters = sync_tensors(model, lora_only=True)
+    names = [n for n, _, _ in adapters]
+    assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
+    adapter_bytes = sum(t.numel() * t.element_size() for _, t, _ in adapters)
+    full_bytes = sum(t.numel() * t.element_size() for _, t, _ in sync_tensors(model))
+    assert adapter_bytes < full_bytes / 5
+    # in process
+    copy = _tiny_lora(seed=1)
+    st = InProcessSync(model, copy, lora_only=True).sync()
+    assert (st.bytes, st.tensors) == (adapter_bytes, len(adapters))
+    for (n, a, _), (_, b, _) in zip(adapters, sync_tensors(copy, lora_only=True)):
+        assert torch.equal(a, b), n
+    assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, copy.model.layers[0].mlp.up_proj.weight)
+    # over gloo: the receiver's base stays its own, its adapters become the sender's, the bytes are the adapters'
+    port = _free_port()
+    outs = [str(tmp_path / f"lora{r}.pt") for r in range(2)]
+    procs = [mp.get_context("spawn").Process(target=_lora_broadcast_worker, args=(r, port, outs[r])) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    send, recv = (torch.load(o) for o in outs)
+    assert recv["base_unchanged"] and send["bytes"] == recv["bytes"] == adapter_bytes
+    assert send["tensors"] == len(adapters)
+    for n, t in send["adapters"].items():
+        assert torch.equal(recv["adapters"][n], t), n
+
+
+def test_lora_only_without_adapters_is_refused():
+    from polyrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="LoRA adapters"):
+        sync_tensors(Toy(), lora_only=True)
+
+
+def test_in_process_sync_copies_into_the_rollout_copy_in_place():
+    torch.manual_seed(0)
+    src, dst = Toy(), Toy(torch.bfloat16)
+    ptrs = [t.data_ptr() for t in dst.parameters()]
+    st = InProcessSync(src, dst).sync()
+    assert [t.data_ptr() for t in dst.parameters()] == ptrs
+    for (n, a), b in zip(src.state_dict().items(), dst.state_dict().values()):
+        assert torch.equal(b, a.to(b.dtype)), n
+    assert st.bytes == (7 + 300 + 1 + 10000 + 99) * 2 + 5 * 8 and st.tensors == 6
+    assert SyncStats(0.5, 10**9).metrics() == {
+        "weight_sync/seconds": 0.5,
+        "weight_sync/bytes": 1e9,
+        "weight_sync/gbps": 2.0,
+    }
+    with pytest.raises(ValueError, match="big"):
+        InProcessSync(Toy(big=3), Toy())
+
+
+def _mismatch_worker(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    pg = _group(port, rank, 2)
+    sync = BucketedBroadcast(Toy(big=10000 + rank), pg, src=0, rank=rank, dtype="fp32", bucket_mb=BUCKET_MB)
+    try:
+        sync.sync()
+        msg = ""
+    except RuntimeError as exc:
+        msg = str(exc)
+    torch.save(msg, out)
+
+
+def test_different_models_are_refused_before_any_tensor_moves(tmp_path):
+    port = _free_port()
+    outs = [str(tmp_path / f"m{r}.pt") for r in range(2)]
+    procs = [mp.get_context("spawn").Process(target=_mismatch_worker, args=(r, port, outs[r])) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert all("tensors differ" in torch.load(o) for o in outs)
