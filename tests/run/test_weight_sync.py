@@ -221,3 +221,43 @@ def test_different_models_are_refused_before_any_tensor_moves(tmp_path):
         p.join(60)
     assert [p.exitcode for p in procs] == [0, 0]
     assert all("tensors differ" in torch.load(o) for o in outs)
+
+
+def test_bench_rows_over_gloo_and_the_skipped_nccl_row(tmp_path, capsys):
+    import json
+
+    from polyrl.cli.main import main
+
+    out = tmp_path / "ws.json"
+    argv = ["bench", "weight-sync", "--shape", "tiny", "--dtype", "bf16", "--bucket-mb", "0.25", "--reps", "1"]
+    assert main([*argv, "--backend", "gloo", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["in-process cpu", "broadcast gloo cpu->cpu"]
+    assert rows[1]["receiver_equal"] is True and rows[1]["buckets"] > 1  # 0.25 MiB: several buckets
+    assert rows[0]["gb"] == rows[1]["gb"] > 0 and all(r["seconds"] > 0 for r in rows)
+    if torch.cuda.device_count() < 2:  # on a machine without 2 GPUs the NCCL row says why it is not there
+        assert main(argv) == 0
+        assert "skipped: NCCL broadcast needs 2+ CUDA devices" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_in_process_sync_on_the_gpu_is_exact():
+    torch.manual_seed(0)
+    src, dst = Toy().cuda(), Toy(torch.bfloat16).cuda()
+    st = InProcessSync(src, dst).sync()
+    for (n, a), b in zip(src.state_dict().items(), dst.state_dict().values()):
+        assert torch.equal(b, a.to(b.dtype)), n
+    assert st.seconds > 0
+
+
+@pytest.mark.multi_gpu
+def test_nccl_broadcast_cuda0_to_cuda1_is_exact():
+    import argparse
+
+    from polyrl.bench.weight_sync import _broadcast
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    args = argparse.Namespace(dtype="bf16", bucket_mb=0.25, warmup=1, reps=2)
+    row = _broadcast("tiny", args, "nccl")
+    assert row["status"] == "ok" and row["receiver_equal"] is True and row["buckets"] > 1
