@@ -18,14 +18,20 @@ import argparse
 import datetime
 import json
 import os
+import socket
 import statistics
 import tempfile
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from polyrl.bench.common import print_table
+from polyrl.models.decoder import build_model
+from polyrl.models.presets import PRESETS, preset_config
 from polyrl.platform import device
+from polyrl.run.rollout_workers import weights_group
+from polyrl.run.weight_sync import BucketedBroadcast, InProcessSync
 
 TARGET_S = {"qwen3-0.6b": 0.2, "qwen3-8b": 1.5}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -44,9 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _model(shape: str, dtype: torch.dtype, dev: torch.device, seed: int) -> torch.nn.Module:
-    from polyrl.models.decoder import build_model
-    from polyrl.models.presets import PRESETS, preset_config
-
     name = shape if shape in PRESETS else f"{shape}-shape"
     return build_model(preset_config(name), dtype=dtype, device=dev, seed=seed).requires_grad_(False)
 
@@ -61,8 +64,6 @@ def _row(shape: str, mode: str, dtype: str, times: list[float], nbytes: int, **e
 
 
 def _in_process(shape: str, args: argparse.Namespace, dev: torch.device) -> dict:
-    from polyrl.run.weight_sync import InProcessSync
-
     dtype = DTYPES[args.dtype]
     src, dst = _model(shape, dtype, dev, 0), _model(shape, dtype, dev, 1)
     sync = InProcessSync(src, dst)
@@ -78,18 +79,13 @@ def _checksum(model: torch.nn.Module) -> float:
 
 
 def _broadcast_rank(rank: int, port: int, backend: str, shape: str, args: dict, out: str) -> None:
-    import torch.distributed as dist
-
-    from polyrl.run.rollout_workers import _weights_group
-    from polyrl.run.weight_sync import BucketedBroadcast
-
     torch.set_num_threads(1)
     devs = ("cuda:0", "cuda:1") if backend == "nccl" else ("cpu", "cpu")
     here = torch.device(devs[rank])
     if here.type == "cuda":
-        torch.cuda.set_device(here)
+        device.set_device(here.index or 0)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=300))
-    group, buf_dev = _weights_group(store, 1, rank, devs[0], devs[1], 300)
+    group, buf_dev = weights_group(store, 1, rank, devs[0], devs[1], 300)
     model = _model(shape, DTYPES[args["dtype"]], here, seed=rank)  # different weights on the two sides
     sync = BucketedBroadcast(model, group, 0, rank, buf_dev, args["dtype"], args["bucket_mb"])
     times = [sync.sync().seconds for _ in range(args["warmup"] + args["reps"])][args["warmup"] :]
@@ -97,8 +93,6 @@ def _broadcast_rank(rank: int, port: int, backend: str, shape: str, args: dict, 
 
 
 def _broadcast(shape: str, args: argparse.Namespace, backend: str) -> dict:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
@@ -124,7 +118,7 @@ def _broadcast_backend(args: argparse.Namespace) -> tuple[str | None, str]:
     if args.backend == "gloo":
         return "gloo", ""
     n = device.count() if device.device_type() == "cuda" else 0
-    if n >= 2 and torch.distributed.is_nccl_available():
+    if n >= 2 and dist.is_nccl_available():
         return "nccl", ""
     why = f"skipped: NCCL broadcast needs 2+ CUDA devices, this machine shows {n}"
     if n >= 2:

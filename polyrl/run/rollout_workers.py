@@ -76,7 +76,7 @@ def _send_obj(pg: Any, obj: Any, dst: int) -> None:
     pg.send([data], dst, _TAG_DATA).wait()
 
 
-def _weights_group(store: Any, worker: int, me: int, trainer_device: str, worker_device: str, timeout_s: float):
+def weights_group(store: Any, worker: int, me: int, trainer_device: str, worker_device: str, timeout_s: float):
     """The pair group (rank 0 the trainer, rank 1 the worker) of replica ``worker`` and where its bucket buffers
     live: NCCL on this side's CUDA device when both ends are CUDA devices, else gloo on the CPU."""
     prefixed = dist.PrefixStore(f"weights{worker}", store)
@@ -103,6 +103,7 @@ def _load(spec: WorkerSpec) -> nn.Module:
 
 def _worker_main(port: int, rank: int, size: int, spec: WorkerSpec) -> None:
     """A rollout worker: set the device, load the model folder, build the engine, then serve commands until EXIT."""
+    # lazy: the engine is built only in the spawned worker
     from polyrl.infer.llm import LLM
     from polyrl.models.checkpoint import load_tokenizer
     from polyrl.platform import device
@@ -112,7 +113,7 @@ def _worker_main(port: int, rank: int, size: int, spec: WorkerSpec) -> None:
         device.set_device(torch.device(spec.device).index or 0)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=datetime.timedelta(seconds=120))
     pg = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=600))
-    wpg, wdev = _weights_group(store, rank, 1, spec.trainer_device, spec.device, 600)
+    wpg, wdev = weights_group(store, rank, 1, spec.trainer_device, spec.device, 600)
     model = _load(spec)
     llm = LLM(model, load_tokenizer(spec.tokenizer_path), spec.rollout_cfg)
     sync = BucketedBroadcast(model, wpg, 0, 1, wdev, spec.wire_dtype, spec.bucket_mb, lora_only=spec.lora is not None)
@@ -181,7 +182,7 @@ class RolloutWorkers:
             p.start()
         self.pg = dist.ProcessGroupGloo(self.store, 0, size, datetime.timedelta(seconds=timeout_s))
         self.groups = [
-            _weights_group(self.store, w + 1, 0, str(trainer_device), devices[w], timeout_s) for w in range(num_workers)
+            weights_group(self.store, w + 1, 0, str(trainer_device), devices[w], timeout_s) for w in range(num_workers)
         ]
         self._syncs: dict[int, BucketedBroadcast] = {}
         self.alive = [True] * num_workers
@@ -327,4 +328,4 @@ class RolloutWorkers:
                 p.join()
 
 
-__all__ = ["RolloutWorkers"]
+__all__ = ["RolloutWorkers", "WorkerSpec", "weights_group"]

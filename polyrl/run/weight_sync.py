@@ -64,7 +64,8 @@ def sync_tensors(model: nn.Module, lora_only: bool = False) -> list[tuple[str, t
     named = [(n, t, False) for n, t in model.named_parameters()] + [(n, t, True) for n, t in model.named_buffers()]
     if not lora_only:
         return named
-    from polyrl.models.lora import adapter_parameters  # lazy: only LoRA syncs need it
+    # lazy: only LoRA syncs need the adapter lookup
+    from polyrl.models.lora import adapter_parameters
 
     adapters = {id(t) for t in adapter_parameters(model).values()}
     if not adapters:
