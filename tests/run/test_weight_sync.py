@@ -45,29 +45,51 @@ def _group(port: int, rank: int, size: int):
     return dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=60))
 
 
-def _broadcast_worker(rank: int, port: int, size: int, out: str, recv_dtype: torch.dtype, wire: str, big: int) -> None:
-    torch.set_num_threads(1)
-    torch.manual_seed(100 + rank)  # every rank starts from different values
-    pg = _group(port, rank, size)
-    model = Toy(torch.float32 if rank == 0 else recv_dtype, big=big)
+def _scenario(pg, rank: int, model: nn.Module, wire: str, **kw) -> dict:
     before = [t.data_ptr() for t in model.parameters()]
-    sync = BucketedBroadcast(model, pg, src=0, rank=rank, dtype=wire, bucket_mb=BUCKET_MB)
+    sync = BucketedBroadcast(model, pg, src=0, rank=rank, dtype=wire, bucket_mb=kw.pop("bucket_mb", BUCKET_MB), **kw)
     stats = [sync.sync(), sync.sync()]  # twice: the reused bucket buffers and the checked plan
-    assert [t.data_ptr() for t in model.parameters()] == before  # in place
-    torch.save({"state": model.state_dict(), "bytes": [s.bytes for s in stats], "n": len(sync.buckets)}, out)
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "bytes": [s.bytes for s in stats],
+        "tensors": stats[0].tensors,
+        "n": len(sync.buckets),
+        "in_place": [t.data_ptr() for t in model.parameters()] == before,
+    }
 
 
-def _run_broadcast(tmp_path, recv_dtype, wire, big=10000, size=3):
-    port = _free_port()
-    outs = [str(tmp_path / f"rank{r}.pt") for r in range(size)]
+def _session(rank: int, port: int, size: int, out: str) -> None:
+    """Every broadcast scenario in one 3-process gloo group (rank 0 sends), results saved per rank."""
+    torch.set_num_threads(1)
+    pg = _group(port, rank, size)
+    res = {}
+    torch.manual_seed(100 + rank)  # every rank starts from different values
+    res["fp32"] = _scenario(pg, rank, Toy(), "fp32")
+    res["bf16"] = _scenario(pg, rank, Toy(torch.float32 if rank == 0 else torch.bfloat16), "bf16")
+    res["bf16_into_fp32"] = _scenario(pg, rank, Toy(), "bf16")
+    lora = _tiny_lora(seed=rank)  # different base and adapters on each rank
+    base = {n: t.clone() for n, t, _ in sync_tensors(lora) if "lora_" not in n}
+    res["lora"] = _scenario(pg, rank, lora, "fp32", lora_only=True, bucket_mb=256)
+    after = {n: t for n, t, _ in sync_tensors(lora)}
+    res["lora"]["base_unchanged"] = all(torch.equal(base[n], after[n]) for n in base)
+    try:  # rank 2 holds a model of another shape: every rank refuses before any tensor moves
+        BucketedBroadcast(Toy(big=10000 + (rank == 2)), pg, 0, rank, dtype="fp32", bucket_mb=BUCKET_MB).sync()
+        res["mismatch"] = ""
+    except RuntimeError as exc:
+        res["mismatch"] = str(exc)
+    torch.save(res, out)
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    tmp, size, port = tmp_path_factory.mktemp("wsync"), 3, _free_port()
+    outs = [str(tmp / f"rank{r}.pt") for r in range(size)]
     ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_broadcast_worker, args=(r, port, size, outs[r], recv_dtype, wire, big)) for r in range(size)
-    ]
+    procs = [ctx.Process(target=_session, args=(r, port, size, outs[r])) for r in range(size)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(60)
+        p.join(120)
     assert [p.exitcode for p in procs] == [0] * size
     return [torch.load(o) for o in outs]
 
@@ -85,21 +107,23 @@ def test_plan_buckets_splits_at_the_bucket_size_and_sends_oversize_alone():
     assert [b.items for b in plan] == [(0, 1), (2, 3), (4,)] and all(b.dtype == bf for b in plan)
 
 
-def test_broadcast_fp32_equals_the_source_exactly(tmp_path):
-    got = _run_broadcast(tmp_path, torch.float32, "fp32")
+def test_broadcast_fp32_equals_the_source_exactly(session):
+    got = [r["fp32"] for r in session]
     src = got[0]["state"]
     assert got[0]["n"] == 4  # [a, b, c], [big] (oversize), [d], [steps] (int64)
     for r in (1, 2):
+        assert got[r]["in_place"]
         for k, v in src.items():
             assert torch.equal(got[r]["state"][k], v), k
         assert got[r]["bytes"] == got[0]["bytes"] == [(7 + 300 + 1 + 10000 + 99) * 4 + 5 * 8] * 2
 
 
-def test_broadcast_bf16_equals_the_source_cast_to_bf16(tmp_path):
+def test_broadcast_bf16_equals_the_source_cast_to_bf16(session):
     # bf16 receivers: their tensors hold exactly source.to(bf16); the wire carries half the bytes
-    got = _run_broadcast(tmp_path, torch.bfloat16, "bf16")
+    got = [r["bf16"] for r in session]
     src = got[0]["state"]
     for r in (1, 2):
+        assert got[r]["in_place"]
         for k, v in src.items():
             want = v.to(torch.bfloat16) if v.is_floating_point() else v
             assert got[r]["state"][k].dtype == want.dtype and torch.equal(got[r]["state"][k], want), k
@@ -107,13 +131,17 @@ def test_broadcast_bf16_equals_the_source_cast_to_bf16(tmp_path):
     assert not torch.equal(src["big"].to(torch.bfloat16).float(), src["big"])  # the cast is a real rounding
 
 
-def test_broadcast_bf16_wire_into_fp32_receivers(tmp_path):
+def test_broadcast_bf16_wire_into_fp32_receivers(session):
     # fp32 receivers, bf16 wire: the source rounded to bf16 and widened back; big (fp32, not the wire dtype) goes
     # through a buffer of its own on both sides
-    got = _run_broadcast(tmp_path, torch.float32, "bf16", size=2)
+    got = [r["bf16_into_fp32"] for r in session]
     for k, v in got[0]["state"].items():
         want = v.to(torch.bfloat16).float() if v.is_floating_point() else v
-        assert torch.equal(got[1]["state"][k], want), k
+        assert torch.equal(got[1]["state"][k], want) and torch.equal(got[2]["state"][k], want), k
+
+
+def test_different_models_are_refused_before_any_tensor_moves(session):
+    assert all("tensors differ" in r["mismatch"] for r in session)
 
 
 def _tiny_lora(seed: int):
@@ -131,19 +159,7 @@ def _tiny_lora(seed: int):
     return model
 
 
-def _lora_broadcast_worker(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    pg = _group(port, rank, 2)
-    model = _tiny_lora(seed=rank)  # different base and adapters on each side
-    base_before = {n: t.clone() for n, t, _ in sync_tensors(model) if "lora_" not in n}
-    stats = BucketedBroadcast(model, pg, src=0, rank=rank, dtype="fp32", lora_only=True).sync()
-    base_after = {n: t for n, t, _ in sync_tensors(model) if "lora_" not in n}
-    unchanged = all(torch.equal(base_before[n], base_after[n]) for n in base_before)
-    adapters = {n: t.clone() for n, t, _ in sync_tensors(model, lora_only=True)}
-    torch.save({"adapters": adapters, "bytes": stats.bytes, "tensors": stats.tensors, "base_unchanged": unchanged}, out)
-
-
-def test_lora_only_sync_moves_the_adapters_alone(tmp_path):
+def test_lora_only_sync_moves_the_adapters_alone(session):
     model = _tiny_lora(seed=0)
     adapters = sync_tensors(model, lora_only=True)
     names = [n for n, _, _ in adapters]
@@ -158,20 +174,15 @@ def test_lora_only_sync_moves_the_adapters_alone(tmp_path):
     for (n, a, _), (_, b, _) in zip(adapters, sync_tensors(copy, lora_only=True)):
         assert torch.equal(a, b), n
     assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, copy.model.layers[0].mlp.up_proj.weight)
-    # over gloo: the receiver's base stays its own, its adapters become the sender's, the bytes are the adapters'
-    port = _free_port()
-    outs = [str(tmp_path / f"lora{r}.pt") for r in range(2)]
-    procs = [mp.get_context("spawn").Process(target=_lora_broadcast_worker, args=(r, port, outs[r])) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    assert [p.exitcode for p in procs] == [0, 0]
-    send, recv = (torch.load(o) for o in outs)
-    assert recv["base_unchanged"] and send["bytes"] == recv["bytes"] == adapter_bytes
-    assert send["tensors"] == len(adapters)
-    for n, t in send["adapters"].items():
-        assert torch.equal(recv["adapters"][n], t), n
+    # over gloo: the receivers' bases stay their own, their adapters become the sender's, the bytes are the adapters'
+    send = session[0]["lora"]
+    assert send["bytes"] == [adapter_bytes] * 2 and send["tensors"] == len(adapters)
+    for recv in (session[1]["lora"], session[2]["lora"]):
+        assert recv["base_unchanged"] and recv["bytes"] == send["bytes"]
+        for n, _, _ in adapters:
+            assert torch.equal(recv["state"][n], send["state"][n]), n
+        emb = "model.embed_tokens.weight"  # the frozen base differs (different seeds): untouched by the sync
+        assert not torch.equal(recv["state"][emb], send["state"][emb])
 
 
 def test_lora_only_without_adapters_is_refused():
@@ -197,30 +208,6 @@ def test_in_process_sync_copies_into_the_rollout_copy_in_place():
     }
     with pytest.raises(ValueError, match="big"):
         InProcessSync(Toy(big=3), Toy())
-
-
-def _mismatch_worker(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    pg = _group(port, rank, 2)
-    sync = BucketedBroadcast(Toy(big=10000 + rank), pg, src=0, rank=rank, dtype="fp32", bucket_mb=BUCKET_MB)
-    try:
-        sync.sync()
-        msg = ""
-    except RuntimeError as exc:
-        msg = str(exc)
-    torch.save(msg, out)
-
-
-def test_different_models_are_refused_before_any_tensor_moves(tmp_path):
-    port = _free_port()
-    outs = [str(tmp_path / f"m{r}.pt") for r in range(2)]
-    procs = [mp.get_context("spawn").Process(target=_mismatch_worker, args=(r, port, outs[r])) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    assert [p.exitcode for p in procs] == [0, 0]
-    assert all("tensors differ" in torch.load(o) for o in outs)
 
 
 def test_bench_rows_over_gloo_and_the_skipped_nccl_row(tmp_path, capsys):
