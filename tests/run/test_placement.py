@@ -78,7 +78,7 @@ def test_on_the_cpu_only_cpu_exists():
         resolve_placement("cuda:0")
 
 
-def _raw(model_dir, out, reward, **algo_kw):
+def _raw(model_dir, out, reward, max_steps=3, **algo_kw):
     return {
         "algo": "grpo",
         "model": str(model_dir),
@@ -88,7 +88,7 @@ def _raw(model_dir, out, reward, **algo_kw):
         "engine": {"micro_batch_tokens": 256},
         "optim": {"lr": 5e-2, "weight_decay": 0.0},
         "schedule": {"decay": "constant"},
-        "train": {"max_steps": 3, "log_every": 100, "save_final_model": False},
+        "train": {"max_steps": max_steps, "log_every": 100, "save_final_model": False},
         "checkpoint": {"every_n_steps": 0, "keep_last_k": 0, "save_final": False},
         "grpo": {
             "reward": reward,
@@ -117,24 +117,40 @@ def _plain(rec):
     }  # fmt: skip
 
 
-def test_two_cpu_replicas_train_the_same_run_as_one_engine(tiny_model_dir, tmp_path):
+def test_two_cpu_replicas_train_the_same_run_as_one_engine(tiny_model_dir, tmp_path, monkeypatch):
+    import os
+    import signal
+
     from polyrl import run as runner
-    from polyrl.run import config
+    from polyrl.run import config, online
 
     reward = tmp_path / "r.py"
     reward.write_text(REWARDS)
     spec = f"{reward}:has_digit"
-    runner.run(config.build(_raw(tiny_model_dir, tmp_path / "one", spec, async_producer="thread")))
-    two = _raw(tiny_model_dir, tmp_path / "two", spec, async_producer="process", rollout_devices="cpu,cpu")
+    runner.run(config.build(_raw(tiny_model_dir, tmp_path / "one", spec, async_producer="thread", max_steps=4)))
+    # replica 1 is killed after step 3's update: step 4's batch then comes from replica 0 and the trainer's engine
+    original = online.OnlineRun._async_record
+
+    def kill_after_step_3(self, batch, t_train, t_end):
+        if batch.step == 2:
+            self.source.drain()
+            os.kill(self.policy.remote.procs[1].pid, signal.SIGKILL)
+            self.policy.remote.procs[1].join()
+        return original(self, batch, t_train, t_end)
+
+    monkeypatch.setattr(online.OnlineRun, "_async_record", kill_after_step_3)
+    two = _raw(tiny_model_dir, tmp_path / "two", spec, async_producer="process", rollout_devices="cpu,cpu", max_steps=4)
     runner.run(config.build(two))
     one, two = _records(tmp_path / "one"), _records(tmp_path / "two")
-    # prompts split over the replicas (i mod 2), seeds per prompt: the same tokens, log-probs, rewards and updates
+    # prompts split over the replicas (i mod 2), seeds per prompt: the same tokens, log-probs, rewards and updates,
+    # before and after the loss of a replica
     assert [_plain(r) for r in one] == [_plain(r) for r in two]
-    assert all(r["async/rollout_workers_alive"] == 2.0 for r in two)
-    # the sync metrics: the thread's in-process copy and the two replicas' broadcasts (bytes summed over them)
+    assert [r["async/rollout_workers_alive"] for r in two] == [2.0, 2.0, 1.0, 1.0]
+    assert two[-1]["async/rollout_worker_failures_total"] == 1.0
+    # the sync metrics: the thread's in-process copy and the replicas' broadcasts (bytes summed over live ones)
     model_bytes = one[0]["weight_sync/bytes"]
     assert model_bytes > 100_000 and all(r["weight_sync/bytes"] == model_bytes for r in one)
-    assert all(r["weight_sync/bytes"] == 2 * model_bytes for r in two)
+    assert [r["weight_sync/bytes"] for r in two] == [2 * model_bytes] * 2 + [model_bytes] * 2
     assert all(r["weight_sync/seconds"] > 0 and r["weight_sync/gbps"] > 0 for r in one + two)
 
 
