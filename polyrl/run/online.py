@@ -91,6 +91,7 @@ from polyrl.run.offline import (
     run_steps,
     tokenizer_path,
 )
+from polyrl.run.placement import resolve_placement
 from polyrl.run.rollout_log import RolloutLog, chosen, spread, token_strings
 from polyrl.train import parallel as par
 
@@ -264,9 +265,7 @@ class OnlineRun(DataParallelSteps):
                 'async_producer = "process" runs a model folder (or a LoRA run) in its workers: no structured '
                 'rollouts yet; use async_producer = "thread"'
             )
-        # lazy: placements matter to async runs only; validated (and the train device made current) before loading
-        from polyrl.run.placement import resolve_placement
-
+        # validated (and the train device made current) before the model loads
         self.placement = resolve_placement(getattr(self.a, "rollout_devices", ""), getattr(self.a, "train_devices", ""))
         if self.world.distributed and self.placement.train is not None:
             raise ConfigError("train_devices is for one-process runs; under torchrun each rank takes its own device")
