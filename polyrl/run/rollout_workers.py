@@ -7,8 +7,8 @@ replica breaks only its own groups and never stops the run.
 - ``RolloutWorkers(model_path, tokenizer_path, rollout_cfg, num_workers, devices=..., dtype=..., lora=...)``:
   spawns the workers (each sets its device, loads the model folder in ``dtype`` (with ``lora``: the same LoRA
   model as the trainer's), builds an ``LLM`` and waits for commands). ``push_weights(model)`` syncs every live
-  replica, one after the other (``BucketedBroadcast``; a LoRA run moves the adapters alone) and returns the
-  ``SyncStats`` (bytes summed over replicas; also ``last_sync``). ``generate(ids, params, local)`` splits the
+  replica, all at once from one thread each (``BucketedBroadcast``; a LoRA run moves the adapters alone), and
+  returns the ``SyncStats`` (bytes summed over replicas; also ``last_sync``). ``generate(ids, params, local)`` splits the
   prompts over the live replicas (prompt i to live replica i mod W: equal shares; the seeds are per prompt, so the
   tokens do not depend on the split) and returns the outputs in prompt order (``on_finish``: each replica's
   sequences when its reply arrives, so rewards of one share are scored while the others still generate). A replica
@@ -32,6 +32,7 @@ import pickle
 import socket
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
@@ -41,6 +42,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from polyrl.errors import ConfigError
+from polyrl.platform import device
 from polyrl.run.weight_sync import DEFAULT_BUCKET_MB, BucketedBroadcast, SyncStats
 
 EXIT, WEIGHTS, JOB = 0, 1, 2
@@ -106,7 +108,6 @@ def _worker_main(port: int, rank: int, size: int, spec: WorkerSpec) -> None:
     # lazy: the engine is built only in the spawned worker
     from polyrl.infer.llm import LLM
     from polyrl.models.checkpoint import load_tokenizer
-    from polyrl.platform import device
 
     torch.set_num_threads(1)
     if torch.device(spec.device).type != "cpu":
@@ -234,17 +235,33 @@ class RolloutWorkers:
 
     @torch.no_grad()
     def push_weights(self, model: nn.Module) -> SyncStats:
-        """Sync ``model``'s weights into every live replica (``weight_sync.BucketedBroadcast`` on its pair group,
-        one replica after the other); the stats with the bytes summed over replicas."""
+        """Sync ``model``'s weights into every live replica (``weight_sync.BucketedBroadcast`` on its pair group;
+        several replicas at the same time, one thread each); the stats with the bytes summed over replicas."""
         t0 = time.perf_counter()
-        total = SyncStats()
-        for w in range(len(self.procs)):
-            if not self._send(torch.tensor([WEIGHTS, 0], dtype=torch.int64), w, _TAG_HDR):
-                continue
+        told = [w for w in range(len(self.procs)) if self._send(torch.tensor([WEIGHTS, 0], dtype=torch.int64), w,
+                                                                   _TAG_HDR)]  # fmt: skip
+        syncs = {w: self._sync_of(w, model) for w in told}
+        here = torch.device(self.specs[0].trainer_device)
+
+        def one(w: int) -> SyncStats | None:
+            if here.type != "cpu":  # a new thread's current device is the first one: the trainer's, as in its thread
+                device.set_device(here.index or 0)
             try:
-                total = total + self._sync_of(w, model).sync()
+                return syncs[w].sync()
             except RuntimeError:  # the replica died during the sync: its group is broken, drop it
+                return None
+
+        if len(told) > 1:
+            with ThreadPoolExecutor(len(told), thread_name_prefix="polyrl-weight-sync") as pool:
+                results = dict(zip(told, pool.map(one, told)))
+        else:
+            results = {w: one(w) for w in told}
+        total = SyncStats()
+        for w, st in results.items():
+            if st is None:
                 self._drop(w)
+            else:
+                total = total + st
         total.seconds = time.perf_counter() - t0
         self.last_sync, self.last_sync_s = total, total.seconds
         return total
