@@ -149,6 +149,9 @@ for s in "$@"; do
     # issue-14 table when there is no time for --kv both
     bench-grpo-keep) stage bench-grpo-keep 150 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 --gen-len 512 \
       --warmup 1 --steps 2 --kv keep --baselines none --json "$OUT/bench_grpo_keep.json" ;;
+    # trainer -> rollout weight sync (issue 27): in-process copy on one GPU, NCCL bucketed broadcast cuda:0 -> cuda:1 when
+    # 2+ GPUs (targets: qwen3-0.6b <= 0.2 s, qwen3-8b <= 1.5 s); first the gpu / multi_gpu tests of weight sync and placements
+    bench-weight-sync) TAIL=40 stage bench-weight-sync 500 bash -c "python3 -m pytest -q -p no:cacheprovider -m 'gpu or multi_gpu' tests/run/test_weight_sync.py tests/run/test_placement.py 2>&1 | tail -8; $PR bench weight-sync --shape qwen3-0.6b,qwen3-8b --dtype bf16 --json $OUT/bench_weight_sync.json" ;;
     bench-agent) stage bench-agent 150 $PR bench agent --shape qwen3-0.6b --episodes 256 --turns 4 --turn-tokens 128 --json "$OUT/bench_agent.json" ;;
     validate) stage validate 220 $PR validate --preset tiny --levels platform,ops,sft,rl,serve --out "$OUT/validate" ;;
     # The GRPO step (KV kept) against TRL 1.16's fast setting (one generate of 64 x 8, 64 completions per fwd/bwd, no

@@ -74,6 +74,15 @@ class OnlineConfig:
     # depends on timing); N > 0 = at engine step N of the batch submitted just before it, the producer waiting there
     # for it (reproducible: a resumed run equals the uninterrupted one bit for bit)
     partial_swap_step: int = 0
+    # placements (polyrl.run.placement, docs/distributed.md): "" = colocated (the default); "cuda:1,cuda:2" = one
+    # rollout worker process per listed device (cpu may repeat: cpu,cpu = two CPU replicas), prompts split over them;
+    # needs max_staleness >= 1 and async_producer = "process". train_devices: the trainer's device ("" = default)
+    rollout_devices: str = ""
+    train_devices: str = ""
+    # trainer -> rollout weights (polyrl.run.weight_sync): wire dtype of the floating weights (auto = the rollout's
+    # dtype, bf16, fp32) and the broadcast bucket size in MiB (a larger tensor travels alone)
+    weight_sync_dtype: str = "auto"
+    weight_sync_bucket_mb: float = 256.0
     # on-policy distillation term (polyrl.algorithms.distill.TeacherTerm; --teacher DIR / --teacher-url URL): a frozen
     # teacher scores the sampled tokens and teacher_coef x (log p_teacher - log p_student), minus its step mean, is
     # added to every token's advantage (metrics distill/*). teacher: an HF folder run in-process; teacher_url: an
@@ -117,6 +126,7 @@ class OnlineConfig:
         ):
             raise ConfigError(f"{name}.rollout_workers must be a positive integer, got {self.rollout_workers!r}")
         self._check_partial(name)
+        self._check_placement(name)
         if self.release_kv not in (True, False, "auto"):
             raise ConfigError(f'{name}.release_kv must be true, false or "auto", got {self.release_kv!r}')
         if not self.temperature > 0:
@@ -147,6 +157,31 @@ class OnlineConfig:
         self._check_teacher(name)
         if not isinstance(self.reward, str) or not self.reward.strip():
             raise ConfigError(f"{name}.reward is empty; pass --reward NAME or --reward path/to/file.py:fn")
+
+    def _check_placement(self, name: str) -> None:
+        """The placement settings against the async ones (devices are checked by ``polyrl.run.placement``)."""
+        for key in ("rollout_devices", "train_devices"):
+            if not isinstance(getattr(self, key), str):
+                raise ConfigError(f'{name}.{key} must be a comma list of devices, e.g. "cuda:1,cuda:2"')
+        devices = [d for d in self.rollout_devices.split(",") if d.strip()]
+        if devices and (self.max_staleness < 1 or self.async_producer != "process"):
+            raise ConfigError(
+                f"{name}.rollout_devices = {self.rollout_devices!r} puts rollout replicas in worker processes, which "
+                f"only the process producer drives: set {name}.max_staleness >= 1 and {name}.async_producer = "
+                '"process" (--max-staleness 1 --async-producer process), or drop rollout_devices (colocated)'
+            )
+        if devices and self.rollout_workers not in (1, len(devices)):
+            raise ConfigError(
+                f"{name}.rollout_workers = {self.rollout_workers} but rollout_devices lists {len(devices)} devices "
+                "(one worker per device): drop rollout_workers"
+            )
+        if self.weight_sync_dtype not in ("auto", "bf16", "fp32"):
+            raise ConfigError(
+                f'{name}.weight_sync_dtype must be "auto", "bf16" or "fp32", got {self.weight_sync_dtype!r}'
+            )
+        b = self.weight_sync_bucket_mb
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not b > 0:
+            raise ConfigError(f"{name}.weight_sync_bucket_mb must be a number of MiB > 0, got {b!r}")
 
     @property
     def has_teacher(self) -> bool:

@@ -11,4 +11,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "grpo": ("polyrl.bench.grpo", "GRPO step time split vs TRL GRPOTrainer"),
     "eval": ("polyrl.bench.eval", "lm-eval log-likelihood scoring: polyrl in-process / serve vs the hf backend"),
     "agent": ("polyrl.bench.agent", "multi-turn episodes vs single-turn rollout at the same token count"),
+    "weight-sync": (
+        "polyrl.bench.weight_sync",
+        "trainer -> rollout weight sync: in-process copy, NCCL bucketed broadcast",
+    ),
 }

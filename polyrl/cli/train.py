@@ -106,6 +106,10 @@ RL_FLAG_KEYS: dict[str, str] = {
     "async_producer": "async_producer",
     "rollout_workers": "rollout_workers",
     "partial_rollouts": "partial_rollouts",
+    "rollout_devices": "rollout_devices",
+    "train_devices": "train_devices",
+    "weight_sync_dtype": "weight_sync_dtype",
+    "weight_sync_bucket_mb": "weight_sync_bucket_mb",
     "rollout_precision": "rollout_precision",
 }
 
@@ -257,6 +261,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="async RL (--async-producer thread): a weight update lands between decode steps of the rollouts in "
         "flight, which go on with the new weights; every token records its policy version",
+    )
+    g.add_argument(
+        "--rollout-devices",
+        metavar="DEVS",
+        help="placement: one rollout replica (worker process) per listed device, e.g. cuda:1,cuda:2 (cpu may repeat: "
+        "cpu,cpu); needs --max-staleness >= 1 --async-producer process (default: colocated)",
+    )
+    g.add_argument("--train-devices", metavar="DEV", help="placement: the trainer's device, e.g. cuda:0")
+    g.add_argument(
+        "--weight-sync-dtype",
+        choices=["auto", "bf16", "fp32"],
+        help="wire dtype of the trainer -> rollout weight sync (auto: the rollout's dtype)",
+    )
+    g.add_argument(
+        "--weight-sync-bucket-mb", type=float, metavar="MB", help="weight sync broadcast bucket size (default 256)"
     )
     g.add_argument(
         "--rollout-precision",

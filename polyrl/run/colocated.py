@@ -16,7 +16,8 @@ The building block of every online run (GRPO, GSPO, PPO, agentic RL) and of the 
   weights of its own, refreshed only by ``sync_rollout_weights()`` (so it can generate while the trainer updates);
   log-prob recomputes then run on the trained model itself. ``between_steps`` (set by async RL's partial rollouts)
   is handed to the rollout engine's ``generate``: a weight update can then land between two decode steps, and each
-  ``Sample`` gets the engine's per-token ``token_versions``.
+  ``Sample`` gets the engine's per-token ``token_versions``. The copy is ``run.weight_sync.InProcessSync``
+  (adapters alone for a LoRA model); ``last_sync`` holds its ``SyncStats`` (the worker replicas' when ``remote``).
 - Data-parallel (``world`` of ``polyrl.train.parallel``, under torchrun): the trained model is FSDP2-sharded, so the
   rollout engine runs a plain full copy in the compute dtype (``rollout_net``, refreshed in place after every
   optimizer step with one all-gather per tensor), each rank generates for its share of the prompts and every rank
@@ -49,6 +50,7 @@ from polyrl.infer.sampling_params import SamplingParams
 from polyrl.models.lora import AdapterDisabled, merged
 from polyrl.models.moe import Routing, routing_scope
 from polyrl.platform import device
+from polyrl.run.weight_sync import InProcessSync, SyncStats
 from polyrl.train import parallel as par
 from polyrl.train.checkpoint import load_checkpoint, save_checkpoint
 from polyrl.train.config import OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig
@@ -118,6 +120,9 @@ class ColocatedPolicy:
             self.llm.release()
         self.separate_rollout = separate_rollout and not self.sharded
         self.remote: Any = None  # rollout worker processes (run.rollout_workers); this engine is their fallback
+        self._copy_sync: InProcessSync | None = None
+        self.last_sync: SyncStats | None = None  # the last sync_rollout_weights (run.weight_sync), None: none yet
+        self.last_sync_local: SyncStats | None = None  # with worker replicas: the copy into this engine's weights
         self.device = self.engine.device
         self.micro_batch_tokens = (engine or StepConfig()).micro_batch_tokens  # the packing budget of RL batches
         # called by the rollout engine between decode steps (LLM.generate's between_steps; partial rollouts swap the
@@ -276,13 +281,14 @@ class ColocatedPolicy:
         """Copy the trained weights into a separate rollout copy (``separate_rollout``; the rollout engine must be
         idle) and reset its prefix cache; nothing to do when the rollout shares the trained tensors."""
         if self.separate_rollout:
-            src = dict(self.model.named_parameters())
-            src.update(self.model.named_buffers())
-            for name, t in [*self.rollout_net.named_parameters(), *self.rollout_net.named_buffers()]:
-                t.copy_(src[name])
+            if self._copy_sync is None:  # a LoRA model's base is frozen: its adapters alone (run.weight_sync)
+                lora = getattr(self.model, "lora_config", None) is not None
+                self._copy_sync = InProcessSync(self.model, self.rollout_net, lora_only=lora)
+            self.last_sync = self._copy_sync.sync()
             self.llm.reset_prefix_cache()
-            if self.remote is not None:
-                self.remote.push_weights(self.model)
+            if self.remote is not None:  # the worker replicas' sync is the step's weight_sync/*, this copy's aside
+                self.last_sync_local = self.last_sync
+                self.last_sync = self.remote.push_weights(self.model)
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def save(

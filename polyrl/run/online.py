@@ -98,6 +98,7 @@ from polyrl.run.offline import (
     run_steps,
     tokenizer_path,
 )
+from polyrl.run.placement import resolve_placement
 from polyrl.run.rollout_log import RolloutLog, chosen, spread, token_strings
 from polyrl.train import parallel as par
 
@@ -263,13 +264,12 @@ class OnlineRun(DataParallelSteps):
             k > 0
             and self.a.async_producer == "process"
             and (
-                self.cfg.lora is not None
-                or getattr(self.a, "rollout_response_format", "")
-                or is_adapter_dir(Path(self.cfg.model))
+                getattr(self.a, "rollout_response_format", "")
+                or (self.cfg.lora is None and is_adapter_dir(Path(self.cfg.model)))
             )
         ):
             raise ConfigError(
-                'async_producer = "process" sends full weights of a plain model folder: no LoRA, no structured '
+                'async_producer = "process" runs a model folder (or a LoRA run) in its workers: no structured '
                 'rollouts yet; use async_producer = "thread"'
             )
         if getattr(self.a, "partial_rollouts", False) and self.cfg.episodes is not None:
@@ -277,6 +277,11 @@ class OnlineRun(DataParallelSteps):
                 f"{self.a.table_name()}.partial_rollouts does not reach agentic runs yet (their episodes generate in "
                 "the trainer's thread, so nothing is in flight during an update); drop --partial-rollouts"
             )
+        # validated (and the train device made current) before the model loads
+        self.placement = resolve_placement(getattr(self.a, "rollout_devices", ""), getattr(self.a, "train_devices", ""))
+        if self.world.distributed and self.placement.train is not None:
+            raise ConfigError("train_devices is for one-process runs; under torchrun each rank takes its own device")
+        self.placement.apply()
         if k > 0 and self.a.async_producer != "inline" and self.cfg.episodes is not None:
             raise ConfigError(
                 f'agentic runs generate in the trainer\'s thread: set {self.a.table_name()}.async_producer = "inline"'
@@ -296,14 +301,19 @@ class OnlineRun(DataParallelSteps):
             # lazy: worker processes and their process group exist only in runs that ask for them
             from polyrl.run.rollout_workers import RolloutWorkers
 
-            if self.policy.device.type != "cpu":
+            devices = list(self.placement.rollout) or ["cpu"] * self.a.rollout_workers
+            if self.policy.device.type != "cpu" and self.placement.colocated:
                 raise ConfigError(
-                    'async_producer = "process" runs its workers on the CPU (gloo) only so far; on an accelerator '
-                    'use async_producer = "thread" or "inline"'
+                    f'async_producer = "process" on an accelerator needs the rollout replicas\' devices: set '
+                    f"{self.a.table_name()}.rollout_devices (--rollout-devices {self.policy.device.type}:1)"
                 )
+            self.print(f"placement: {self.placement.describe()}")
             self.policy.remote = RolloutWorkers(
-                self.cfg.model, tokenizer_path(self.cfg), self.rollout_config(), self.a.rollout_workers
-            )
+                self.cfg.model, tokenizer_path(self.cfg), self.rollout_config(), devices=devices,
+                trainer_device=self.policy.device, dtype=next(self.policy.rollout_net.parameters()).dtype,
+                wire_dtype=self.a.weight_sync_dtype, bucket_mb=self.a.weight_sync_bucket_mb, lora=self.cfg.lora,
+                seed=self.cfg.seed,
+            )  # fmt: skip
             self.policy.remote.push_weights(self.policy.model)  # version `start` (after a resume's load)
         if getattr(self.a, "partial_rollouts", False):  # the thread's engine takes updates between decode steps
             swap = self.a.partial_swap_step
@@ -616,6 +626,8 @@ class OnlineRun(DataParallelSteps):
             rec.update(self._async_record(batch, t_train, time.perf_counter()))
             self.source.weights_updated(step + 1)  # waits for the producer, syncs its weights (thread)
             rec["async/sync_s"] = self.source.sync_s
+            if self.policy.last_sync is not None:  # run.weight_sync: weight_sync/seconds, /bytes, /gbps
+                rec.update(self.policy.last_sync.metrics())
             if self.policy.remote is not None:
                 rec["async/rollout_workers_alive"] = float(self.policy.remote.num_alive)
                 rec["async/rollout_worker_failures_total"] = float(self.policy.remote.failures)

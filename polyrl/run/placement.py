@@ -1,0 +1,112 @@
+"""Placements of an online RL run: which devices hold the rollout replicas and which the trainer.
+
+The settings are ``rollout_devices`` and ``train_devices`` of the algorithm's table (``[grpo]`` ...; flags
+``--rollout-devices cuda:1,cuda:2 --train-devices cuda:0``). Empty ``rollout_devices`` is the default colocated
+placement (the trainer's process rolls out: on the shared weights, or with ``async_producer = "thread"`` on a copy
+of its own). Set, each listed device gets one rollout worker process (``rollout_workers``) with a whole rollout
+engine, fed prompts by the trainer and weights by ``weight_sync`` (NCCL between CUDA devices, gloo otherwise); it
+needs the process producer (``max_staleness >= 1``, ``async_producer = "process"``, checked by ``OnlineConfig``).
+
+- ``parse_devices(spec)``: ``"cuda:1,cuda:2"`` -> devices; ``cpu`` may repeat (several CPU replicas); an
+  accelerator may appear once over both lists; an index must exist on this machine.
+- ``resolve_placement(rollout, train)`` -> ``Placement`` (validated; ``ConfigError`` says what to change).
+- ``Placement.apply()``: makes the train device this process's current device (before the model loads).
+
+Not here: spawning the workers (``rollout_workers``), moving weights (``weight_sync``), several train devices in
+one process (data-parallel training is ``torchrun --nproc-per-node``, which async RL does not support yet).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from polyrl.errors import ConfigError
+from polyrl.platform import device
+
+_DEVICE = re.compile(r"^(cpu|[a-z]+)(?::(\d+))?$")
+
+
+def parse_devices(spec: str, what: str = "rollout_devices") -> list[torch.device]:
+    """Devices of a comma list (``cpu``, ``cuda:1``; a bare accelerator type means index 0), checked against this
+    machine: the type must be the CPU or this machine's accelerator, the index must exist."""
+    out: list[torch.device] = []
+    have = device.device_type()
+    for item in (x.strip() for x in spec.split(",")):
+        m = _DEVICE.match(item)
+        if not item or m is None:
+            raise ConfigError(f"{what}: {item!r} is not a device; write e.g. cuda:1,cuda:2 or cpu,cpu")
+        kind, index = m.group(1), m.group(2)
+        if kind == "cpu":
+            if index not in (None, "0"):
+                raise ConfigError(f"{what}: write cpu, not {item!r} (CPU replicas are listed as cpu,cpu)")
+            out.append(torch.device("cpu"))
+            continue
+        i = int(index or 0)
+        if kind != have:
+            where = f"its accelerator is {have}" if have != "cpu" else "it has no accelerator"
+            raise ConfigError(f"{what}: {item} does not exist on this machine ({where}); list cpu or {have}:N")
+        if i >= device.count():
+            raise ConfigError(
+                f"{what}: {item} does not exist: this machine has {device.count()} {have} device(s) "
+                f"({have}:0..{have}:{device.count() - 1})"
+            )
+        out.append(torch.device(kind, i))
+    return out
+
+
+@dataclass(frozen=True)
+class Placement:
+    """``rollout``: one device per rollout replica (empty: colocated); ``train``: the trainer's device (None: the
+    default one)."""
+
+    rollout: tuple[torch.device, ...] = ()
+    train: torch.device | None = None
+
+    @property
+    def colocated(self) -> bool:
+        return not self.rollout
+
+    def apply(self) -> None:
+        """Make the train device current (an accelerator index), so the model loads there."""
+        if self.train is not None and self.train.type != "cpu":
+            device.set_device(self.train.index or 0)
+
+    def describe(self) -> str:
+        if self.colocated:
+            return "colocated"
+        train = str(self.train) if self.train is not None else "default device"
+        return f"trainer on {train}, {len(self.rollout)} rollout replica(s) on {','.join(map(str, self.rollout))}"
+
+
+def resolve_placement(rollout_devices: str = "", train_devices: str = "") -> Placement:
+    """The validated placement of the two settings (see the module docstring)."""
+    rollout = parse_devices(rollout_devices, "rollout_devices") if rollout_devices.strip() else []
+    train = parse_devices(train_devices, "train_devices") if train_devices.strip() else []
+    if len(train) > 1:
+        raise ConfigError(
+            f"train_devices lists {len(train)} devices; one trainer process trains on one device (several need "
+            "torchrun --nproc-per-node, not yet with async RL): give one, e.g. --train-devices cuda:0"
+        )
+    if train and train[0].type == "cpu" and device.is_accelerator():
+        raise ConfigError(
+            f"train_devices = cpu on a machine with {device.device_type()} devices: the trainer follows the machine's "
+            f"accelerator; give {device.device_type()}:N"
+        )
+    seen: dict[torch.device, str] = {}
+    for what, devs in (("rollout_devices", rollout), ("train_devices", train)):
+        for d in devs:
+            if d.type == "cpu":
+                continue
+            if d in seen:
+                raise ConfigError(
+                    f"{d} is listed twice ({seen[d]} and {what}); each accelerator holds one rollout replica or "
+                    "the trainer: list each device once"
+                )
+            seen[d] = what
+    return Placement(tuple(rollout), train[0] if train else None)
+
+
+__all__ = ["Placement", "parse_devices", "resolve_placement"]
