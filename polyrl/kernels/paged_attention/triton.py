@@ -11,6 +11,11 @@ each writing a normalised partial output and its log-sum-exp, and a second kerne
 Nothing here reads a device value on the host: the grid comes from ``max_seqlen_q`` (a Python int),
 the batch size and the block-table capacity, and each program derives its bounds from
 ``cu_seqlens_q`` / ``context_lens`` on the device, so both ops can be captured in a CUDA graph.
+
+FP8 caches (``float8_e4m3fn``, static unit scale; ``reference.py`` is the spec, ``infer/kv_cache.py`` says why):
+the write converts each new K/V row to fp32, saturates it to +-448 and rounds it to e4m3 on the store; the attention
+loads the FP8 tiles (half the bytes of bf16) and upcasts them to q's dtype in registers right before the dots, so no
+dequantised copy of the cache ever exists. The queries, the softmax and the accumulation are as for a bf16 cache.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import triton.language as tl
 
 from polyrl.errors import ConfigError
 from polyrl.kernels.attention.triton import LOG2E, interpreting
+from polyrl.kernels.paged_attention.reference import FP8_E4M3_MAX, is_fp8
 from polyrl.kernels.paged_attention.reference import paged_attention as _reference
 
 # Partial-output splits stop once a split would cover fewer keys than this.
@@ -325,6 +331,7 @@ def _write_kv_kernel(
     PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + t).to(tl.int64)
@@ -337,6 +344,9 @@ def _write_kv_kernel(
     mask = (h[:, None] < num_heads) & (d[None, :] < head_dim)
     k = tl.load(K + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(V + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    if FP8_MAX > 0:  # an FP8 cache: saturate (e4m3fn has no inf; an overflow would store NaN), round on the store
+        k = tl.clamp(k.to(tl.float32), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32), -FP8_MAX, FP8_MAX)
     tl.store(
         KC + block * stride_kb + offset * stride_ks + h[:, None] * stride_kch + d[None, :],
         k.to(KC.dtype.element_ty),
@@ -352,7 +362,8 @@ def _write_kv_kernel(
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store k/v ``[T, Hk, D]`` at flat slots ``slot_mapping`` ``[T]`` (negative: skipped); no host sync."""
+    """Store k/v ``[T, Hk, D]`` at flat slots ``slot_mapping`` ``[T]`` (negative: skipped); no host sync. An FP8
+    cache (``float8_e4m3fn``) stores the values saturated to +-448 and rounded to nearest even (the reference's)."""
     T, Hk, D = k.shape
     if T == 0:
         return
@@ -363,5 +374,6 @@ def write_kv_cache(
         k, v, k_cache, v_cache, slot_mapping, Hk, D, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2),
-        PAGE=page, BLOCK_H=_pow2_at_least(Hk), BLOCK_D=_pow2_at_least(D), num_warps=4,
+        PAGE=page, BLOCK_H=_pow2_at_least(Hk), BLOCK_D=_pow2_at_least(D),
+        FP8_MAX=FP8_E4M3_MAX if is_fp8(k_cache.dtype) else 0.0, num_warps=4,
     )  # fmt: skip
