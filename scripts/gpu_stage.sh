@@ -165,6 +165,8 @@ for s in "$@"; do
     # FP8 rollout (issue 28): qwen3-8b shape B256, the model's bf16 and FP8 projection weights in one run (target: FP8
     # >= 1.4x bf16 tokens/s), greedy agreement over the first 64 tokens of 32 prompts; then the FP8 GPU tests
     bench-rollout-fp8) stage bench-rollout-fp8 480 $PR bench rollout --shape qwen3-8b --batch 256 --prompt-len 128 --gen-len 256 --baselines none --skip-batch1 --logprob-seqs 4 --precision fp8 --json "$OUT/bench_rollout_fp8.json" ;;
+    bench-rollout-fp8kv) stage bench-rollout-fp8kv 150 $PR bench rollout --shape qwen3-8b --batch 256 --prompt-len 128 --gen-len 256 --baselines none --skip-batch1 --logprob-seqs 4 --precision fp8-kv --agree-seqs 16 --json "$OUT/bench_rollout_fp8kv.json" ;;
+    fp8kv-tests) stage fp8kv-tests 150 python3 -m pytest -q -rfE -m 'gpu or not gpu' tests/infer/test_fp8_kv.py tests/kernels/test_paged_attention_fp8.py --durations 5 ;;
     fp8-rollout-tests) stage fp8-rollout-tests 300 python3 -m pytest -q -m 'gpu or not gpu' tests/infer/test_fp8_weights.py tests/kernels/test_fp8_act_quant.py ;;
     # evaluation (issue 34): lm-eval's hf backend vs the in-process engine vs local-completions against polyrl serve
     bench-eval) TAIL=40 stage bench-eval 300 $PR bench eval --shape qwen3-0.6b --docs 2000 --serve --json "$OUT/bench_eval.json" ;;

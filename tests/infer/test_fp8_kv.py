@@ -40,6 +40,23 @@ def test_kv_cache_dtype_values():
         RolloutConfig(kv_cache_dtype="fp8_e5m2")
 
 
+def test_serve_flag_sets_the_kv_cache_dtype():
+    import argparse
+
+    from polyrl.cli import serve
+
+    def engine(*argv: str) -> RolloutConfig:
+        parser = argparse.ArgumentParser()
+        serve.add_arguments(parser)
+        return serve.build_configs(parser.parse_args(["--model", "m", *argv]))[1]
+
+    assert engine("--kv-cache-dtype", "fp8").kv_cache_dtype == "fp8_e4m3"
+    assert engine("--kv-cache-dtype", "bfloat16").kv_cache_dtype == "bfloat16"
+    assert engine().kv_cache_dtype is None  # auto: the model's dtype
+    with pytest.raises(SystemExit):
+        engine("--kv-cache-dtype", "int8")
+
+
 def test_fp8_cache_holds_twice_the_blocks_in_the_same_memory():
     model = _model()
     cfg = dict(block_size=4, cpu_kv_cache_bytes=1 << 20, max_num_seqs=64, max_model_len=256)
