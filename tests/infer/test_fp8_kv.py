@@ -168,3 +168,27 @@ def test_gpu_engine_with_fp8_kv_graphs_and_agreement():
             diffs.append((torch.tensor(out.outputs[0].logprobs, device=dev) - ref.float()).abs())
     d = torch.cat(diffs)
     assert d.mean().item() < 0.05 and torch.isfinite(d).all()
+
+
+@pytest.mark.parametrize("value, want", [("fp8", "fp8_e4m3"), ("model", None)])
+def test_rollout_kv_dtype_reaches_the_rl_runs_engine(value, want):
+    """``polyrl train --rollout-kv-dtype fp8`` -> ``<algo>.rollout_kv_dtype`` -> the RL run's ``RolloutConfig``."""
+    import argparse
+    import types
+
+    from polyrl.algorithms.online_config import OnlineConfig
+    from polyrl.cli import train
+    from polyrl.run.online import OnlineRun
+
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    args = parser.parse_args(["--algo", "grpo", "--rollout-kv-dtype", value])
+    assert dict(train.overrides_from_args(args))["grpo.rollout_kv_dtype"] == value
+    assert parser.parse_args(train.relaunch_argv(args)).rollout_kv_dtype == value  # --nproc-per-node keeps it
+    run = types.SimpleNamespace(
+        a=OnlineConfig(rollout_kv_dtype=value), prompt_ids=[[1, 2, 3]], eval_set=None,
+        cfg=types.SimpleNamespace(episodes=None),
+    )  # fmt: skip
+    assert OnlineRun.rollout_config(run).kv_cache_dtype == want
+    with pytest.raises(ConfigError, match='rollout_kv_dtype must be "model" or "fp8"'):
+        OnlineConfig(rollout_kv_dtype="fp8_e5m2")
