@@ -98,6 +98,7 @@ for s in "$@"; do
     # Paged-attention decode launch settings at the engine's shapes (block_n x warps x stages x splits), for the
     # heuristics in kernels/paged_attention/triton.py (issue 14: 78% of copy bandwidth at 256-token contexts)
     paged-sweep) TAIL=40 stage paged-sweep 300 python3 scripts/paged_attention_sweep.py ;;
+    paged-sweep-fp8) TAIL=40 stage paged-sweep-fp8 300 python3 scripts/paged_attention_sweep.py --kv-dtype fp8 ;;
     # The decode-path candidates (DecoderOptions.group_projections, parallel_projections, fused_qk_norm_rope): their
     # GPU tests, then bench rollout B256 and B512 with --compare-parts (interleaved on/off medians of every part, batch
     # 1 included); the winners are the defaults in polyrl/models/decoder.py (issue 14)
