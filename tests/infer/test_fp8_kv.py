@@ -129,8 +129,11 @@ def test_fp8_kv_is_refused_on_a_cuda_device_without_fp8(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_engine_with_fp8_kv_graphs_and_agreement():
-    """A bf16 engine on the GPU with FP8 blocks: decode steps replay CUDA graphs, the cache is e4m3, greedy tokens
-    mostly agree with the bf16-KV engine and the log-prob mismatch against the training forward stays small."""
+    """A bf16 engine on the GPU with FP8 blocks: decode steps replay CUDA graphs, the cache is e4m3 and holds ~2x the
+    blocks, and against the bf16 training forward its greedy tokens (teacher-forced) agree about as well as the
+    bf16-KV engine's while its sampled-token log-probs differ more, but little."""
+    import dataclasses
+
     from polyrl.platform import device
 
     if device.device_type() != "cuda" or not device.supports_fp8_gemm():
@@ -144,30 +147,37 @@ def test_gpu_engine_with_fp8_kv_graphs_and_agreement():
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=0)
 
     def run(kv_dtype):
-        llm = LLM(model, None, RolloutConfig(max_num_seqs=32, max_model_len=200, kv_cache_dtype=kv_dtype))
+        # sized from free memory, with the utilisation line set so that ~2 GiB are left for the cache (all of an
+        # H200 would be millions of blocks for the block manager to list)
+        rcfg = RolloutConfig(max_num_seqs=32, max_model_len=200, kv_cache_dtype=kv_dtype)
+        free, total = device.mem_get_info()
+        want = total - free + (2 << 30) + kv_cache_mod.activation_reserve(rcfg, cfg, torch.bfloat16)
+        llm = LLM(model, None, dataclasses.replace(rcfg, gpu_memory_utilization=min(1.0, want / total)))
         outs = llm.generate(prompts, params)
         used_graph = llm.runner.last_step_used_graph
         blocks, dtype = llm.kv.num_blocks, llm.kv.caches[0][0].dtype
         llm.release()
-        return outs, used_graph, blocks, dtype
+        agree = total_tokens = 0
+        diffs = []
+        with torch.no_grad():
+            for out in outs[:16]:
+                got = out.outputs[0].token_ids
+                ids = torch.tensor(out.prompt_token_ids + got, device=dev)
+                hidden = model(ids, torch.arange(len(ids), device=dev), AttnMetadata.from_seqlens([len(ids)], dev))
+                rows = hidden[len(out.prompt_token_ids) - 1 : -1]
+                ref = token_logprobs(rows, model.lm_head_weight, torch.tensor(got, device=dev))
+                diffs.append((torch.tensor(out.outputs[0].logprobs, device=dev) - ref.float()).abs())
+                argmax = model.compute_logits(rows, upcast=False).argmax(-1).tolist()
+                agree += sum(a == b for a, b in zip(argmax, got))
+                total_tokens += len(got)
+        return dict(graph=used_graph, blocks=blocks, dtype=dtype, agree=agree / total_tokens,
+                    diff=torch.cat(diffs).mean().item())  # fmt: skip
 
-    base, _, base_blocks, _ = run(None)
-    outs, used_graph, blocks, dtype = run("fp8")
-    assert dtype == FP8 and used_graph
-    assert blocks >= 1.8 * base_blocks  # sized from free memory: ~2x (the activation reserve is the same)
-    same = sum(a == b for o, r in zip(outs, base) for a, b in zip(o.outputs[0].token_ids, r.outputs[0].token_ids))
-    assert same / (32 * 64) >= 0.5
-    diffs = []
-    with torch.no_grad():
-        for out in outs[:8]:
-            got = out.outputs[0].token_ids
-            ids = torch.tensor(out.prompt_token_ids + got, device=dev)
-            hidden = model(ids, torch.arange(len(ids), device=dev), AttnMetadata.from_seqlens([len(ids)], dev))
-            ref = token_logprobs(hidden[len(out.prompt_token_ids) - 1 : -1], model.lm_head_weight,
-                                 torch.tensor(got, device=dev))  # fmt: skip
-            diffs.append((torch.tensor(out.outputs[0].logprobs, device=dev) - ref.float()).abs())
-    d = torch.cat(diffs)
-    assert d.mean().item() < 0.05 and torch.isfinite(d).all()
+    base, fp8 = run(None), run("fp8")
+    assert fp8["dtype"] == FP8 and base["dtype"] == torch.bfloat16 and fp8["graph"] and base["graph"]
+    assert fp8["blocks"] >= 1.8 * base["blocks"]  # the same ~2 GiB hold ~2x the blocks
+    assert fp8["agree"] >= 0.8 and fp8["agree"] >= base["agree"] - 0.1  # CPU twin (fp32, 128 wide): 0.92
+    assert base["diff"] < fp8["diff"] < 0.1  # CPU twin: 3.6e-7 -> 2.2e-2
 
 
 @pytest.mark.parametrize("value, want", [("fp8", "fp8_e4m3"), ("model", None)])
