@@ -90,6 +90,7 @@ CASES = [
     ([5, 40, 17], [1, 1, 1], 4, 2, 32, 16, torch.float32, None, None),  # pure decode
     ([5, 40, 17, 9], [1, 7, 17, 3], 4, 2, 32, 16, torch.float32, None, None),  # decode + prefill over a prefix
     ([5, 40, 17, 9], [1, 7, 17, 3], 8, 2, 16, 8, torch.float16, 6, 2),  # fp16 q, block size 8, window, split-K
+    ([5, 40, 17, 9], [1, 7, 17, 3], 4, 2, 32, 16, torch.bfloat16, None, None),  # bf16 q: the dots run in fp16
 ]
 
 
