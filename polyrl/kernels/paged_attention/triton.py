@@ -206,9 +206,10 @@ def _combine_splits_kernel(
 
 def _f16_dots(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the attention's dots run in fp16 instead of q's bf16: over an FP8 cache. e4m3 -> fp16 is one packed
-    conversion per two values (``cvt.rn.f16x2.e4m3x2``), e4m3 -> bf16 three instructions per two (through fp16), and
-    at B256 the upcast of every cached key and value, not the bytes, would bound the kernel: ~4.8 G values a step for
-    qwen3-8b at 16 conversions / clock / SM. fp16 keeps more mantissa than bf16 (10 bits vs 7); q is clamped to
+    conversion per two values (``cvt.rn.f16x2.e4m3x2``), e4m3 -> bf16 at least three per two in Triton (through fp16),
+    and conversions issue at 16 / clock / SM: for qwen3-8b at B256 (~4.8 G cached values a step) that is ~2 ms of
+    conversions against ~1 ms of reading the bytes, so the bf16 upcast, not the bandwidth, could bound the kernel
+    (estimate, not measured). fp16 keeps more mantissa than bf16 (10 bits vs 7); q is clamped to
     +-65504 (fp16's range) once per program, P is in [0, 1], K and V within +-448: nothing else can overflow."""
     return is_fp8(k_cache.dtype) and q.dtype == torch.bfloat16
 
