@@ -141,10 +141,12 @@ class KVCache:
         if self.caches is not None:
             return
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        # FP8 blocks are zeroed as bytes (all-zero bits are +0.0 in e4m3), whatever float8 fills a backend has
+        raw = torch.uint8 if self.dtype == torch.float8_e4m3fn else self.dtype
         self.caches = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=raw, device=self.device).view(self.dtype),
+                torch.zeros(shape, dtype=raw, device=self.device).view(self.dtype),
             )
             for _ in range(self.num_layers)
         ]
