@@ -345,7 +345,8 @@ def run(args: argparse.Namespace) -> int:
         base_greedy = rollout_fp8.greedy(llm, prompts[: args.agree_seqs], args.agree_tokens)
         llm.release()
         timed = lambda e: _run_engine_phased(e, prompts, args.gen_len, dev)  # noqa: E731 - the bench's own timing
-        rollout_fp8.run_fp8(model, prompts, args, dev, ecfg, res, base_greedy, timed)
+        measures = rollout_fp8.Measures(graph_replay_ms, logprob_agreement, roofline_tokens_per_s)
+        rollout_fp8.run_fp8(model, prompts, args, dev, ecfg, res, base_greedy, timed, measures)
     llm.release()
 
     if "hf" in baselines:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -78,21 +80,32 @@ def teacher_forced_agreement(model, prompts: list[list[int]], outs: list[list[in
     return same / max(total, 1)
 
 
-def run_fp8(model, prompts, args, dev, ecfg: RolloutConfig, res: dict, base_greedy, timed_run) -> None:
+class Measures(NamedTuple):
+    """``bench/rollout.py``'s own measurements, handed in (it imports this module): ``replay_ms(llm, batch)``,
+    ``logprob_agreement(model, outs, count)`` and ``roofline(model, batch, prompt_len, gen_len, kv_bytes, bw)``."""
+
+    replay_ms: Callable
+    logprob_agreement: Callable
+    roofline: Callable
+
+
+def run_fp8(
+    model, prompts, args, dev, ecfg: RolloutConfig, res: dict, base_greedy, timed_run, measures: Measures
+) -> None:
     """The rows of ``res`` for each engine ``args.precision`` names (``PRECISIONS``; module docstring).
     ``base_greedy``: the model-precision engine's greedy tokens of ``prompts[:agree_seqs]`` (taken before it was
     released); ``timed_run(llm)`` is the bench's phased run (``bench/rollout._run_engine_phased`` on the bench's
     prompts), so every engine is timed the same way."""
     for prefix in PRECISIONS[args.precision]:
-        run_variant(prefix, model, prompts, args, ecfg, res, base_greedy, timed_run)
+        run_variant(prefix, model, prompts, args, ecfg, res, base_greedy, timed_run, measures)
 
 
-def run_variant(prefix: str, model, prompts, args, ecfg: RolloutConfig, res: dict, base_greedy, timed_run) -> None:
+def run_variant(
+    prefix: str, model, prompts, args, ecfg: RolloutConfig, res: dict, base_greedy, timed_run, measures: Measures
+) -> None:
     """One engine of ``VARIANTS``: build (quantise), capture, warm up, time; then log-prob mismatch against the
     training forward, greedy agreement with the model's precision, and its decode roofline (weights as it stores them:
     FP8 projections, the rest in the model's dtype; KV at its element size) from the bench's copy bandwidth."""
-    from polyrl.bench import rollout as bench  # lazy: bench/rollout.py imports this module
-
     t0 = time.perf_counter()
     llm = LLM(model, None, dataclasses.replace(ecfg, **VARIANTS[prefix][1]))
     res[f"{prefix}_quantize_s"] = time.perf_counter() - t0
@@ -107,21 +120,19 @@ def run_variant(prefix: str, model, prompts, args, ecfg: RolloutConfig, res: dic
     res[f"{prefix}_decode_step_ms"] = 1e3 * full["decode_s"] / full["decode_steps"]
     res[f"{prefix}_speedup"] = res[f"{prefix}_tok_s"] / res["engine_tok_s"]
     res[f"{prefix}_decode_speedup"] = res[f"{prefix}_decode_tok_s"] / res["engine_decode_tok_s"]
-    replay = bench.graph_replay_ms(llm, args.batch)
+    replay = measures.replay_ms(llm, args.batch)
     if replay is not None:
         res[f"{prefix}_graph_replay_ms"] = replay
     if "copy_bandwidth_gb_s" in res:
         bw = res["copy_bandwidth_gb_s"] * 1e9
         kv_elem = llm.kv.caches[0][0].element_size()
         # the bench's roofline at this KV element size, less the bytes the FP8 copies save over the projections
-        step = (
-            args.batch * bw / bench.roofline_tokens_per_s(model, args.batch, args.prompt_len, args.gen_len, kv_elem, bw)
-        )
+        step = args.batch * bw / measures.roofline(model, args.batch, args.prompt_len, args.gen_len, kv_elem, bw)
         saved = sum(lin.weight.numel() * lin.weight.element_size() for lin in llm.runner.fp8.entries)
         saved -= llm.runner.fp8.nbytes
         res[f"{prefix}_roofline_tok_s"] = args.batch * bw / (step - saved)
         res[f"{prefix}_roofline_fraction"] = res[f"{prefix}_decode_tok_s"] / res[f"{prefix}_roofline_tok_s"]
-    lp_max, lp_mean = bench.logprob_agreement(model, full["outs"], args.logprob_seqs)
+    lp_max, lp_mean = measures.logprob_agreement(model, full["outs"], args.logprob_seqs)
     res[f"{prefix}_logprob_max_abs_diff"], res[f"{prefix}_logprob_mean_abs_diff"] = lp_max, lp_mean
     k = min(args.agree_seqs, len(prompts))
     mine = greedy(llm, prompts[:k], args.agree_tokens)
