@@ -21,14 +21,15 @@ explicitly (``polyrl/kernels/paged_attention/reference.py``, the spec).
 
 The scale is static and 1.0 for every layer and head, which is what vLLM ships for ``fp8`` / ``fp8_e4m3`` without
 calibrated k/v scales: no scale bytes stored or read per key, nothing computed at write time, nothing that can go
-stale when RL changes the weights, and a bit-exact write on every path. Values beyond e4m3's range saturate at +-448
-(never NaN). Why that range is enough here: with Qwen3's per-head qk-norm, a key is ``gamma * x / rms(x)``
-before RoPE (a rotation of pairs, norm-preserving), so ``|k| <= sqrt(head_dim) * max|gamma|`` = 11.3 * max|gamma|
-at head_dim 128, inside 448 for any ``k_norm`` weight under ~39; values are projections of a normed hidden state.
+stale when RL changes the weights, and the Triton write and the reference store the same bytes on the GPU. Values
+beyond e4m3's range saturate at +-448 (never NaN). Why that range is enough for keys here: with Qwen3's per-head
+qk-norm, a key is ``gamma * x / rms(x)`` before RoPE (a rotation of pairs, norm-preserving), so
+``|k| <= sqrt(head_dim) * max|gamma|`` = 11.3 * max|gamma| at head_dim 128, inside 448 for any ``k_norm`` weight
+under ~39. Values (and the keys of models without qk-norm) have no such bound: one past 448 is clipped.
 Precision is e4m3's 3 mantissa bits (relative rounding <= 1/16) down to 2^-6, then a fixed 2^-9 step. The
 alternative, a scale per (token, kv-head) computed at write, would add 4 bytes per 128 values to store and read and a
 reduction per write; per-(layer, head) calibrated scales would need a calibration pass and re-calibration after
-every RL update. Models without qk-norm (Llama, Qwen2) have no such bound: a key past 448 is clipped.
+every RL update.
 
 This module owns tensors only; which block holds what is ``block_manager.py``'s business. It does not calibrate
 scales.
