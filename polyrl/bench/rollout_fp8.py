@@ -109,7 +109,8 @@ def run_variant(
     t0 = time.perf_counter()
     llm = LLM(model, None, dataclasses.replace(ecfg, **VARIANTS[prefix][1]))
     res[f"{prefix}_quantize_s"] = time.perf_counter() - t0
-    res[f"{prefix}_weight_bytes"] = llm.runner.fp8.nbytes
+    fp8 = llm.runner.fp8  # None for an engine with the model's weights
+    res[f"{prefix}_weight_bytes"] = fp8.nbytes if fp8 is not None else 0
     res[f"{prefix}_kv_blocks"] = llm.kv.num_blocks
     res[f"{prefix}_graph_capture_s"] = llm.capture_graphs(args.batch)
     llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=min(args.gen_len, 16), ignore_eos=True))
@@ -128,8 +129,8 @@ def run_variant(
         kv_elem = llm.kv.caches[0][0].element_size()
         # the bench's roofline at this KV element size, less the bytes the FP8 copies save over the projections
         step = args.batch * bw / measures.roofline(model, args.batch, args.prompt_len, args.gen_len, kv_elem, bw)
-        saved = sum(lin.weight.numel() * lin.weight.element_size() for lin in llm.runner.fp8.entries)
-        saved -= llm.runner.fp8.nbytes
+        saved = 0 if fp8 is None else sum(lin.weight.numel() * lin.weight.element_size() for lin in fp8.entries)
+        saved -= res[f"{prefix}_weight_bytes"]
         res[f"{prefix}_roofline_tok_s"] = args.batch * bw / (step - saved)
         res[f"{prefix}_roofline_fraction"] = res[f"{prefix}_decode_tok_s"] / res[f"{prefix}_roofline_tok_s"]
     lp_max, lp_mean = measures.logprob_agreement(model, full["outs"], args.logprob_seqs)
