@@ -98,6 +98,7 @@ for s in "$@"; do
     # Paged-attention decode launch settings at the engine's shapes (block_n x warps x stages x splits), for the
     # heuristics in kernels/paged_attention/triton.py (issue 14: 78% of copy bandwidth at 256-token contexts)
     paged-sweep) TAIL=40 stage paged-sweep 300 python3 scripts/paged_attention_sweep.py ;;
+    paged-sweep-fp8) TAIL=40 stage paged-sweep-fp8 300 python3 scripts/paged_attention_sweep.py --kv-dtype fp8 ;;
     # The decode-path candidates (DecoderOptions.group_projections, parallel_projections, fused_qk_norm_rope): their
     # GPU tests, then bench rollout B256 and B512 with --compare-parts (interleaved on/off medians of every part, batch
     # 1 included); the winners are the defaults in polyrl/models/decoder.py (issue 14)
@@ -187,6 +188,8 @@ for s in "$@"; do
     # FP8 rollout (issue 28): qwen3-8b shape B256, the model's bf16 and FP8 projection weights in one run (target: FP8
     # >= 1.4x bf16 tokens/s), greedy agreement over the first 64 tokens of 32 prompts; then the FP8 GPU tests
     bench-rollout-fp8) stage bench-rollout-fp8 480 $PR bench rollout --shape qwen3-8b --batch 256 --prompt-len 128 --gen-len 256 --baselines none --skip-batch1 --logprob-seqs 4 --precision fp8 --json "$OUT/bench_rollout_fp8.json" ;;
+    bench-rollout-fp8kv) stage bench-rollout-fp8kv 150 $PR bench rollout --shape qwen3-8b --batch 256 --prompt-len 128 --gen-len 256 --baselines none --skip-batch1 --logprob-seqs 4 --precision fp8-kv --agree-seqs 16 --json "$OUT/bench_rollout_fp8kv.json" ;;
+    fp8kv-tests) stage fp8kv-tests 150 python3 -m pytest -q -rfE -m 'gpu or not gpu' tests/infer/test_fp8_kv.py tests/kernels/test_paged_attention_fp8.py --durations 5 ;;
     fp8-rollout-tests) stage fp8-rollout-tests 300 python3 -m pytest -q -m 'gpu or not gpu' tests/infer/test_fp8_weights.py tests/kernels/test_fp8_act_quant.py ;;
     # evaluation (issue 34): lm-eval's hf backend vs the in-process engine vs local-completions against polyrl serve
     bench-eval) TAIL=40 stage bench-eval 300 $PR bench eval --shape qwen3-0.6b --docs 2000 --serve --json "$OUT/bench_eval.json" ;;

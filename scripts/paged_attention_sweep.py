@@ -1,7 +1,9 @@
 """Sweep the paged-attention decode kernel's launch settings at the rollout engine's shapes (qwen3-0.6b heads, page 16)
 and print, per shape, the default's device time and bandwidth against the best setting found.
 
-    python3 scripts/paged_attention_sweep.py [--reps 20]
+    python3 scripts/paged_attention_sweep.py [--reps 20] [--kv-dtype fp8]
+
+``--kv-dtype fp8``: the same shapes over a float8_e4m3fn cache (RolloutConfig.kv_cache_dtype, half the bytes).
 
 Each timing is CUDA-graph replays of one call with the L2 flushed in between (``bench.common.time_graph``); bytes are
 the K and V the call must read. Settings: keys per tile (``block_n``), warps, pipeline stages, key-range splits. Use
@@ -34,6 +36,7 @@ HQ, HK, D, PAGE = 16, 8, 128, 16
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--kv-dtype", choices=["bfloat16", "fp8"], default="bfloat16", help="the cache's element type")
     args = ap.parse_args()
     dev = device.torch_device()
     if dev.type != "cuda":
@@ -42,7 +45,9 @@ def main() -> None:
     from polyrl.kernels.paged_attention.triton import _paged_attention
 
     bw = common.measure_copy_bandwidth(dev)
-    print(f"# copy bandwidth {bw / 1e9:,.0f} GB/s; Hq {HQ}, Hk {HK}, D {D}, page {PAGE}, bf16")
+    kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
+    elem = torch.empty((), dtype=kv_dtype).element_size()
+    print(f"# copy bandwidth {bw / 1e9:,.0f} GB/s; Hq {HQ}, Hk {HK}, D {D}, page {PAGE}, bf16 q, {kv_dtype} cache")
     settings = [None] + [
         {"block_n": bn, "num_warps": w, "num_stages": st, "splits": sp}
         for bn, w, st, sp in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (None, 1, 2, 4))
@@ -51,13 +56,13 @@ def main() -> None:
     for label, b, ctx, capacity in SHAPES:
         width = -(-capacity // PAGE)
         blocks = b * width
-        kc = torch.randn(blocks, PAGE, HK, D, generator=gen).to(dev, torch.bfloat16)
-        vc = torch.randn(blocks, PAGE, HK, D, generator=gen).to(dev, torch.bfloat16)
+        kc = torch.randn(blocks, PAGE, HK, D, generator=gen).to(dev, kv_dtype)
+        vc = torch.randn(blocks, PAGE, HK, D, generator=gen).to(dev, kv_dtype)
         tables = torch.randperm(blocks, generator=gen).view(b, width).to(dev, torch.int32)
         lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
         cu = torch.arange(b + 1, dtype=torch.int32, device=dev)
         q = torch.randn(b, HQ, D, generator=gen).to(dev, torch.bfloat16)
-        moved = 2 * b * ctx * HK * D * 2
+        moved = 2 * b * ctx * HK * D * elem
 
         def call_for(s, q=q, kc=kc, vc=vc, tables=tables, lens=lens, cu=cu):
             tuning = None if s is None else {k: v for k, v in s.items() if k != "splits"}

@@ -46,6 +46,9 @@ class OnlineConfig:
     # weights, requantised after every update (RolloutConfig.weight_precision, docs/fp8-rollout.md): faster decode,
     # ~half the weights' bytes more memory; mismatch_* / TIS metrics show what it changes
     rollout_precision: str = "model"
+    # the rollout engine's KV cache: "model" (the model's dtype) or "fp8" (float8_e4m3fn, unit scale: half the KV
+    # bytes a decode step reads; RolloutConfig.kv_cache_dtype, docs/fp8-rollout.md)
+    rollout_kv_dtype: str = "model"
     # free the KV cache while training (True), keep it and its CUDA graphs across steps (False), or "auto": keep it
     # on an accelerator when it takes at most a quarter of the device memory (colocated.KEEP_KV_FRACTION)
     release_kv: bool | str = "auto"
@@ -152,6 +155,8 @@ class OnlineConfig:
             raise ConfigError(f"{name}.stream_rewards must be true or false, got {self.stream_rewards!r}")
         if self.rollout_precision not in ("model", "fp8"):
             raise ConfigError(f'{name}.rollout_precision must be "model" or "fp8", got {self.rollout_precision!r}')
+        if self.rollout_kv_dtype not in ("model", "fp8"):
+            raise ConfigError(f'{name}.rollout_kv_dtype must be "model" or "fp8", got {self.rollout_kv_dtype!r}')
         if not isinstance(self.routing_replay, bool):
             raise ConfigError(f"{name}.routing_replay must be true or false, got {self.routing_replay!r}")
         self._check_teacher(name)

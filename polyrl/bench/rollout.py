@@ -22,8 +22,8 @@ run's decode phase (the issue's budget: at most 10% at batch 256 on the H200), t
 per schema), the host time of the batched grammar masks per step (mean and slowest), and the grammar executor's
 threads and lanes (``--grammar-lanes N``: N separate lexers, for an A/B).
 
-``--precision fp8`` also times the engine with FP8 projection weights in the same run, with greedy agreement against
-the model's precision (``bench/rollout_fp8.py``).
+``--precision fp8`` also times the engine with FP8 projection weights, and with FP8 weights + an FP8 KV cache, in the
+same run, with greedy agreement against the model's precision and log-prob mismatch (``bench/rollout_fp8.py``).
 
 ``--decoder-options`` sets the built model's ``DecoderOptions``; ``--compare-parts`` times the decode path's parts
 (``PARTS``) on and off, the ``DecoderOptions`` ones by replacing the model's options. Copy bandwidth comes from
@@ -341,11 +341,12 @@ def run(args: argparse.Namespace) -> int:
         _compare_parts(llm, prompts, args, dev, res)
     if args.response_format != "none":
         _constrained(llm, prompts, args, dev, res)
-    if args.precision == "fp8":  # the same engine with FP8 projection weights, same run (bench/rollout_fp8.py)
+    if args.precision != "model":  # the same engine with FP8 weights (and KV), same run (bench/rollout_fp8.py)
         base_greedy = rollout_fp8.greedy(llm, prompts[: args.agree_seqs], args.agree_tokens)
         llm.release()
         timed = lambda e: _run_engine_phased(e, prompts, args.gen_len, dev)  # noqa: E731 - the bench's own timing
-        rollout_fp8.run_fp8(model, prompts, args, dev, ecfg, res, base_greedy, timed)
+        measures = rollout_fp8.Measures(graph_replay_ms, logprob_agreement, roofline_tokens_per_s)
+        rollout_fp8.run_fp8(model, prompts, args, dev, ecfg, res, base_greedy, timed, measures)
     llm.release()
 
     if "hf" in baselines:

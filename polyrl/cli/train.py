@@ -111,6 +111,7 @@ RL_FLAG_KEYS: dict[str, str] = {
     "weight_sync_dtype": "weight_sync_dtype",
     "weight_sync_bucket_mb": "weight_sync_bucket_mb",
     "rollout_precision": "rollout_precision",
+    "rollout_kv_dtype": "rollout_kv_dtype",
 }
 
 
@@ -282,6 +283,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["model", "fp8"],
         help="weights the rollout samples with: the trained ones (model, default) or FP8 copies requantised after "
         "every step (fp8: needs an FP8 GEMM; docs/fp8-rollout.md)",
+    )
+    g.add_argument(
+        "--rollout-kv-dtype",
+        choices=["model", "fp8"],
+        help="the rollout engine's KV cache: the model's dtype (default) or FP8 e4m3 (fp8: half the KV bytes per "
+        "decode step, twice the cached tokens; docs/fp8-rollout.md)",
     )
     g = parser.add_argument_group("LoRA (the [lora] table; output and checkpoints are PEFT adapter folders)")
     g.add_argument(

@@ -13,7 +13,26 @@ CUDA graphs too; slot -1, a padded row, lands in the spare last row). A token se
 the row its block's first computation wrote, and ``read_routing`` gathers a sequence's rows before its blocks are
 freed.
 
-This module owns tensors only; which block holds what is ``block_manager.py``'s business.
+FP8 (``RolloutConfig.kv_cache_dtype = "fp8_e4m3"``): the blocks are ``float8_e4m3fn``, one byte per element, so the
+same memory holds twice the blocks of a bf16 cache and a decode step reads half the KV bytes (qwen3-8b, B256 at a
+~256-token context: ~9.7 GB -> ~4.8 GB per step). The write op quantises (``kernels.write_kv_cache``: prefill chunks
+and decode tokens alike) and the paged-attention kernel upcasts the FP8 tiles in registers; the references dequantise
+explicitly (``polyrl/kernels/paged_attention/reference.py``, the spec).
+
+The scale is static and 1.0 for every layer and head, which is what vLLM ships for ``fp8`` / ``fp8_e4m3`` without
+calibrated k/v scales: no scale bytes stored or read per key, nothing computed at write time, nothing that can go
+stale when RL changes the weights, and the Triton write and the reference store the same bytes on the GPU. Values
+beyond e4m3's range saturate at +-448 (never NaN). Why that range is enough for keys here: with Qwen3's per-head
+qk-norm, a key is ``gamma * x / rms(x)`` before RoPE (a rotation of pairs, norm-preserving), so
+``|k| <= sqrt(head_dim) * max|gamma|`` = 11.3 * max|gamma| at head_dim 128, inside 448 for any ``k_norm`` weight
+under ~39. Values (and the keys of models without qk-norm) have no such bound: one past 448 is clipped.
+Precision is e4m3's 3 mantissa bits (relative rounding <= 1/16) down to 2^-6, then a fixed 2^-9 step. The
+alternative, a scale per (token, kv-head) computed at write, would add 4 bytes per 128 values to store and read and a
+reduction per write; per-(layer, head) calibrated scales would need a calibration pass and re-calibration after
+every RL update.
+
+This module owns tensors only; which block holds what is ``block_manager.py``'s business. It does not calibrate
+scales.
 """
 
 from __future__ import annotations
@@ -22,9 +41,30 @@ import torch
 
 from polyrl.errors import ConfigError
 from polyrl.infer.config import RolloutConfig
+from polyrl.kernels import ops, registry
 from polyrl.platform import device
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
+
+
+def check_fp8_kv_supported(dev: torch.device, model_dtype: torch.dtype) -> None:
+    """Refuse an FP8 cache on a CUDA device whose Triton kernels cannot convert FP8 (compute capability < 8.9, the
+    same line as the FP8 GEMM), unless POLYRL_KERNELS forces the reference paged attention (slow, any device)."""
+    if dev.type != "cuda" or device.supports_fp8_gemm(dev.index or 0):
+        return
+    name = ops.dtype_name(model_dtype)
+    if registry.select("paged_attention", "cuda", name)[0] == "reference":
+        return
+    raise ConfigError(
+        f"kv_cache_dtype='fp8_e4m3' (--kv-cache-dtype fp8) needs FP8 conversions in the paged-attention kernels, "
+        f"which this device ({device.name()}) lacks (NVIDIA compute capability >= 8.9); drop the FP8 KV cache, or "
+        f"set POLYRL_KERNELS=paged_attention:reference,kv_cache_write:reference to run the slow reference"
+    )
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -50,6 +90,8 @@ class KVCache:
         self.head_dim = model_cfg.head_dim
         self.block_size = cfg.block_size
         self.dtype = _DTYPES[cfg.kv_cache_dtype] if cfg.kv_cache_dtype else model_dtype
+        if self.dtype == torch.float8_e4m3fn:
+            check_fp8_kv_supported(dev, model_dtype)
         self.device = dev
         self.block_bytes = bytes_per_block(
             self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
@@ -100,10 +142,12 @@ class KVCache:
         if self.caches is not None:
             return
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        # FP8 blocks are zeroed as bytes (all-zero bits are +0.0 in e4m3), whatever float8 fills a backend has
+        raw = torch.uint8 if self.dtype == torch.float8_e4m3fn else self.dtype
         self.caches = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=raw, device=self.device).view(self.dtype),
+                torch.zeros(shape, dtype=raw, device=self.device).view(self.dtype),
             )
             for _ in range(self.num_layers)
         ]

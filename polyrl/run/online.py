@@ -220,6 +220,7 @@ class OnlineRun(DataParallelSteps):
             max_num_batched_tokens=max(8192, longest + gen + 1),
             record_routing=bool(getattr(a, "routing_replay", False)),
             weight_precision="fp8" if getattr(a, "rollout_precision", "model") == "fp8" else None,
+            kv_cache_dtype="fp8_e4m3" if getattr(a, "rollout_kv_dtype", "model") == "fp8" else None,
         )
 
     def _make_policy(self) -> ColocatedPolicy:

@@ -11,6 +11,12 @@ each writing a normalised partial output and its log-sum-exp, and a second kerne
 Nothing here reads a device value on the host: the grid comes from ``max_seqlen_q`` (a Python int),
 the batch size and the block-table capacity, and each program derives its bounds from
 ``cu_seqlens_q`` / ``context_lens`` on the device, so both ops can be captured in a CUDA graph.
+
+FP8 caches (``float8_e4m3fn``, static unit scale; ``reference.py`` is the spec, ``infer/kv_cache.py`` says why):
+the write converts each new K/V row to fp32, saturates it to +-448 and rounds it to e4m3 on the store; the attention
+loads the FP8 tiles (half the bytes of bf16) and upcasts them in registers right before the dots, so no dequantised
+copy of the cache ever exists. Under bf16 queries the dots then run in fp16, not bf16 (``_f16_dots``: the cheaper
+upcast); the softmax and the accumulation are fp32 as for a bf16 cache.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import triton.language as tl
 
 from polyrl.errors import ConfigError
 from polyrl.kernels.attention.triton import LOG2E, interpreting
+from polyrl.kernels.paged_attention.reference import FP8_E4M3_MAX, is_fp8
 from polyrl.kernels.paged_attention.reference import paged_attention as _reference
 
 # Partial-output splits stop once a split would cover fewer keys than this.
@@ -75,6 +82,7 @@ def _paged_fwd_kernel(
     SPLIT: tl.constexpr,
     WINDOW: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    F16_DOTS: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     b = tl.program_id(1) // num_kv_heads
@@ -99,6 +107,8 @@ def _paged_fwd_kernel(
         mask=row_valid[:, None],
         other=0.0,
     )
+    if F16_DOTS:  # bf16 queries over an FP8 cache: both dots in fp16 (q, K, P and V), see _f16_dots
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     # Keys this token block can see: [lo, hi), then this split's share of it.
     hi = tl.minimum(ctx, ctx - q_len + tok0 + BLOCK_Q)
@@ -194,6 +204,16 @@ def _combine_splits_kernel(
     )
 
 
+def _f16_dots(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the attention's dots run in fp16 instead of q's bf16: over an FP8 cache. e4m3 -> fp16 is one packed
+    conversion per two values (``cvt.rn.f16x2.e4m3x2``), e4m3 -> bf16 at least three per two in Triton (through fp16),
+    and conversions issue at 16 / clock / SM: for qwen3-8b at B256 (~4.8 G cached values a step) that is ~2 ms of
+    conversions against ~1 ms of reading the bytes, so the bf16 upcast, not the bandwidth, could bound the kernel
+    (estimate, not measured). fp16 keeps more mantissa than bf16 (10 bits vs 7); q is clamped to
+    +-65504 (fp16's range) once per program, P is in [0, 1], K and V within +-448: nothing else can overflow."""
+    return is_fp8(k_cache.dtype) and q.dtype == torch.bfloat16
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -270,6 +290,7 @@ def _paged_attention(
         l_part.stride(0), l_part.stride(1),
         GROUP=group, HEAD_DIM=D, PAGE=page, BLOCK_Q=block_q, ROWS=rows, BLOCK_N=block_n, SPLIT=splits > 1,
         WINDOW=window is not None, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        F16_DOTS=_f16_dots(q, k_cache),
         num_warps=tuning.get("num_warps", 4),
         num_stages=tuning.get("num_stages") or stages,
     )  # fmt: skip
@@ -325,6 +346,7 @@ def _write_kv_kernel(
     PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + t).to(tl.int64)
@@ -337,6 +359,9 @@ def _write_kv_kernel(
     mask = (h[:, None] < num_heads) & (d[None, :] < head_dim)
     k = tl.load(K + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(V + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    if FP8_MAX > 0:  # an FP8 cache: saturate (e4m3fn has no inf; an overflow would store NaN), round on the store
+        k = tl.clamp(k.to(tl.float32), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32), -FP8_MAX, FP8_MAX)
     tl.store(
         KC + block * stride_kb + offset * stride_ks + h[:, None] * stride_kch + d[None, :],
         k.to(KC.dtype.element_ty),
@@ -352,7 +377,8 @@ def _write_kv_kernel(
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store k/v ``[T, Hk, D]`` at flat slots ``slot_mapping`` ``[T]`` (negative: skipped); no host sync."""
+    """Store k/v ``[T, Hk, D]`` at flat slots ``slot_mapping`` ``[T]`` (negative: skipped); no host sync. An FP8
+    cache (``float8_e4m3fn``) stores the values saturated to +-448 and rounded to nearest even (the reference's)."""
     T, Hk, D = k.shape
     if T == 0:
         return
@@ -363,5 +389,6 @@ def write_kv_cache(
         k, v, k_cache, v_cache, slot_mapping, Hk, D, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2),
-        PAGE=page, BLOCK_H=_pow2_at_least(Hk), BLOCK_D=_pow2_at_least(D), num_warps=4,
+        PAGE=page, BLOCK_H=_pow2_at_least(Hk), BLOCK_D=_pow2_at_least(D),
+        FP8_MAX=FP8_E4M3_MAX if is_fp8(k_cache.dtype) else 0.0, num_warps=4,
     )  # fmt: skip
