@@ -60,9 +60,9 @@ def _records(out):
 
 
 def _plain(rec):
-    """A record without wall-clock values."""
-    return {k: v for k, v in rec.items() if not k.endswith("_s") and k not in ("rollout_tokens_per_s", "tokens_per_s")
-            and k != "reward/overlap_frac"}  # fmt: skip
+    """A record without wall-clock values (the weight sync's seconds and GB/s among them; its bytes stay)."""
+    clock = ("rollout_tokens_per_s", "tokens_per_s", "reward/overlap_frac", "weight_sync/seconds", "weight_sync/gbps")
+    return {k: v for k, v in rec.items() if not k.endswith("_s") and k not in clock}
 
 
 def _engine(model, overlap: bool, decode_steps: int) -> LLM:
