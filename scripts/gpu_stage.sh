@@ -227,6 +227,12 @@ for s in "$@"; do
     # FP8 numerics evidence (issue 28): 300 SFT steps of the 0.6b shape in bf16 and FP8, one PNG, final-loss diff
     fp8-loss-curves) TAIL=10 stage fp8-loss-curves 590 python3 scripts/fp8_loss_curves.py --preset qwen3-0.6b-shape \
       --steps 300 --data "builtin:arithmetic?n=12000" --out "$OUT/fp8_loss_curves" ;;
+    # Where an SFT run's wall time goes outside the timed step (the fp8-loss-curves run showed ~1.4 s of wall per step
+    # against 0.16-0.19 s of step time): the CLI's SFT loop under cProfile, 40 steps of the 0.6b shape, top 30
+    sft-host-profile) TAIL=45 stage sft-host-profile 200 bash -c "$PR init-model --preset qwen3-0.6b-shape --out /tmp/m06 >/dev/null && \
+      python3 -m cProfile -o $OUT/sft_loop.prof -m polyrl.cli.main train --algo sft --model /tmp/m06 --out /tmp/sftp \
+        --data 'builtin:arithmetic?n=4000' --max-steps 40 --micro-batch-tokens 16384 --max-seq-len 1024 \
+        --save-every 0 >/dev/null 2>&1; python3 -c \"import pstats; pstats.Stats('$OUT/sft_loop.prof').sort_stats('cumulative').print_stats(30)\" | tail -40; tail -3 /tmp/sftp/metrics.jsonl | cut -c1-200" ;;
     multi-gpu) TAIL=60 stage multi-gpu 590 bash tests/distributed/run_multi_gpu.sh ;;
     # The whole single-GPU marked suite in one go (issue 13: < 8 min on a cold Triton cache); slowest tests listed.
     # pytest-xdist (on the device image) runs test files in GPU_TEST_WORKERS processes sharing the one GPU: the suite's
