@@ -258,9 +258,7 @@ class Sampler:
         rows = plan.rows
         inp, suppressed = _suppress_mask(logits, suppress)
         lse = None
-        if plan.guided:
-            if step:
-                raise RuntimeError("guided rows cannot be drawn inside a multi-step launch")
+        if plan.guided:  # the guides have consumed every token before this step's (overlap.GuidedDraws)
             inp, lse = self._apply_grammar(inp, logits, plan)
         if plan.trunc_idx is not None:
             # Truncated rows enter the kernel as their masked z at T = 1 (z * 1 == z, same noise, same draw).

@@ -153,6 +153,7 @@ class GrammarCache:
         self.mask_calls = 0  # fill calls (one per guided step), their total and slowest host seconds
         self.mask_s = 0.0
         self.mask_max_s = 0.0
+        self.times = HostTimes()  # where a guided launch's host time goes (filled by overlap.GuidedDraws)
         # per spec: its lanes' templates (compiled as copies reach them), its grammar, the next lane to hand out
         self._cache: OrderedDict[StructuredOutputs, list] = OrderedDict()
         self._lock = threading.Lock()
@@ -210,6 +211,7 @@ class GrammarCache:
         dt = time.perf_counter() - t0
         self.mask_calls += 1
         self.mask_s += dt
+        self.times.mask += dt
         self.mask_max_s = max(self.mask_max_s, dt)
 
     def _order(self, guides: list[Guide]) -> range | list[int]:
@@ -220,21 +222,61 @@ class GrammarCache:
         return sorted(range(len(guides)), key=lanes.__getitem__)
 
 
+class HostTimes:
+    """Host seconds of the guided decode launches (``overlap.GuidedDraws`` and ``LLM._launch_guided``), for the
+    bench's breakdown: ``wait`` for a step's tokens to reach the host, ``consume`` (the matchers eat them), ``mask``
+    (computing the next masks, also in ``GrammarCache.mask_s``), ``draw`` (queueing the mask upload, the masked
+    draw and the token copy), ``launch`` (a whole launch: the above plus the forwards' queueing), ``read`` (the
+    previous launch's bookkeeping: accepting its tokens, stop checks), over ``steps`` decode steps in ``launches``
+    launches."""
+
+    __slots__ = ("wait", "consume", "mask", "draw", "launch", "read", "steps", "launches")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.wait = self.consume = self.mask = self.draw = self.launch = self.read = 0.0
+        self.steps = self.launches = 0
+
+    def ms_per_step(self) -> dict[str, float]:
+        """Each part in host milliseconds per guided decode step."""
+        n = max(self.steps, 1)
+        parts = ("wait", "consume", "mask", "draw", "launch", "read")
+        return {k: 1e3 * getattr(self, k) / n for k in parts}
+
+
 class Guide:
     """One sequence's grammar state: its matcher, the cache that made it (for the batched mask), its lane there, and
-    the mismatch the mask caused so far: the sum over its tokens of log(probability mass the grammar allowed)."""
+    the mismatch the mask caused so far: the sum over its tokens of log(probability mass the grammar allowed).
 
-    __slots__ = ("matcher", "cache", "lane", "masked_logmass", "num_tokens")
+    ``num_tokens`` counts the tokens the engine accepted (appended to the sequence), ``consumed`` those the matcher
+    has consumed: inside a multi-step guided launch (``overlap.GuidedDraws``) the matcher consumes a token as soon as
+    the host has read it, before the engine accepts it, and ``advance`` then only adds its mass."""
+
+    __slots__ = ("matcher", "cache", "lane", "masked_logmass", "num_tokens", "consumed")
 
     def __init__(self, matcher: Any, cache: GrammarCache, lane: int = 0) -> None:
         self.matcher, self.cache, self.lane = matcher, cache, lane
         self.masked_logmass = 0.0
         self.num_tokens = 0
+        self.consumed = 0
 
     def advance(self, token: int, logmass: float) -> None:
-        self.matcher.consume_token(token)
+        """Accept output token number ``num_tokens`` (consumed here unless a launch consumed it already)."""
+        if self.consumed == self.num_tokens:
+            self.matcher.consume_token(token)
+            self.consumed += 1
         self.masked_logmass += logmass
         self.num_tokens += 1
+
+    def consume_at(self, position: int, token: int) -> None:
+        """Feed output token number ``position`` to the matcher ahead of its acceptance (no-op if it has it)."""
+        if self.consumed == position:
+            self.matcher.consume_token(token)
+            self.consumed += 1
+        elif position > self.consumed:  # a token skipped: the next mask would be computed on a stale state
+            raise RuntimeError(f"grammar matcher fed token {position} before token {self.consumed}")
 
 
 class MaskBuffers:
@@ -290,6 +332,7 @@ def allowed_mask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 __all__ = [
     "GrammarCache",
     "Guide",
+    "HostTimes",
     "MaskBuffers",
     "allowed_mask",
     "host_threads",
