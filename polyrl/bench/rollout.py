@@ -19,8 +19,12 @@ token ids, every sample generating exactly ``--gen-len`` tokens (EOS ignored). P
 grammar (``SamplingParams.structured``: an array of tool calls that cannot close within ``--gen-len``, so every
 token is masked: ``BENCH_SCHEMA``), built with the preset's tokenizer: constrained tokens/s, its cost against the free
 run's decode phase (the issue's budget: at most 10% at batch 256 on the H200), the grammar compilations (1: cached
-per schema), the host time of the batched grammar masks per step (mean and slowest), and the grammar executor's
-threads and lanes (``--grammar-lanes N``: N separate lexers, for an A/B).
+per schema), the host time of the batched grammar masks per step (mean and slowest), the grammar executor's
+threads and lanes (``--grammar-lanes N``: N separate lexers, for an A/B), and where a guided decode step's host time
+goes (``structured.HostTimes``, per step: the launches' time, of which waiting for the previous step's tokens, the
+matchers consuming them, the masks, queueing the masked draw, and reading the previous launch, which runs beside
+step 0's masks) against the guided step's wall time: on an accelerator the launch's forwards run meanwhile, so a
+step's wall time above the launches' is host work between launches (schedule, inputs, outputs).
 
 ``--precision fp8`` also times the engine with FP8 projection weights in the same run, with greedy agreement against
 the model's precision (``bench/rollout_fp8.py``).
@@ -68,6 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compare-sync", action="store_true", help="also time the engine without one-step-ahead decoding"
     )
     parser.add_argument("--decode-steps", type=int, default=None, help="decode steps per launch (RolloutConfig)")
+    parser.add_argument(
+        "--overlap-decode",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="RolloutConfig.overlap_decode (auto: on an accelerator only; on: also on the CPU, where it measures the "
+        "host work of the overlapped paths, since nothing runs asynchronously there)",
+    )
     parser.add_argument(
         "--compare-parts",
         action="store_true",
@@ -279,6 +290,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.prompt_len + args.gen_len + 1,
         cuda_graphs=False if args.no_graphs else None,
         **({"decode_steps": args.decode_steps} if args.decode_steps else {}),
+        overlap_decode={"auto": None, "on": True, "off": False}[args.overlap_decode],
     )
     tokenizer = None
     if args.response_format != "none":  # structured outputs need the vocabulary as text: the preset's own tokenizer
@@ -464,7 +476,14 @@ def _constrained(llm, prompts: list[list[int]], args: argparse.Namespace, dev: t
     llm.reset_prefix_cache()
     cache = llm.grammar_cache()
     cache.mask_calls, cache.mask_s, cache.mask_max_s = 0, 0.0, 0.0
+    cache.times.reset()
     run = _run_engine_phased(llm, prompts, args.gen_len, dev, so)
+    times = cache.times
+    if times.steps:  # the overlapped guided launches' host time, per decode step (structured.HostTimes)
+        res["guided_steps_per_launch"] = times.steps / max(times.launches, 1)
+        for part, ms in times.ms_per_step().items():
+            res[f"guided_host_{part}_ms"] = ms
+    res["constrained_decode_step_ms"] = 1e3 * run["decode_s"] / run["decode_steps"]
     res["response_format"] = kind
     res["grammar_threads"], res["grammar_lanes"] = cache.num_threads, cache.lanes
     res["grammar_mask_ms_mean"] = 1e3 * cache.mask_s / max(cache.mask_calls, 1)
@@ -501,6 +520,14 @@ def _print(res: dict) -> None:
         ("grammar mask ms/step (host, mean)", "grammar_mask_ms_mean", "{:.2f}"),
         ("grammar mask ms/step (host, max)", "grammar_mask_ms_max", "{:.2f}"),
         ("grammar executor threads / lanes", "grammar_lanes", "{}"),
+        ("constrained decode step ms (wall)", "constrained_decode_step_ms", "{:.2f}"),
+        ("guided decode steps per launch", "guided_steps_per_launch", "{:.2f}"),
+        ("guided host ms/step: in launches", "guided_host_launch_ms", "{:.2f}"),
+        ("  waiting for the step's tokens", "guided_host_wait_ms", "{:.2f}"),
+        ("  matchers consuming them", "guided_host_consume_ms", "{:.2f}"),
+        ("  computing the masks", "guided_host_mask_ms", "{:.2f}"),
+        ("  queueing upload + masked draw", "guided_host_draw_ms", "{:.2f}"),
+        ("  reading the prev. launch (beside)", "guided_host_read_ms", "{:.2f}"),
         ("graph capture s (all buckets, once)", "graph_capture_s", "{:.2f}"),
     ]
     for label, key, fmt in rows:

@@ -309,28 +309,34 @@ class LLM:
         """Decode steps of a batch with grammar rows, ``_steps_per_launch`` of them per launch as on the free path:
         each step's forward is queued, then the host reads the previous step's tokens, the matchers consume them and
         the masks are computed while the device runs that forward, then the masked draw is queued
-        (``overlap.GuidedDraws``). The previous launch is read after this one is queued; sequences that stopped
-        there keep their rows, whose draws are dropped when read, as in ``overlap.py``."""
+        (``overlap.GuidedDraws``). The previous launch is read (its tokens accepted, stops checked) on this thread
+        while step 0's masks are computed on a worker thread; sequences that stopped there keep their rows, whose
+        draws are dropped when read, as in ``overlap.py``."""
         times = self.grammar_cache().times
         t0 = time.perf_counter()
         seqs = [it.seq for it in sched.items]
         rows = feed_rows(seqs)
         k = self._steps_per_launch(sched)
-        draws = GuidedDraws(self.sampler, seqs, prev, self._suppress(seqs) if k == 1 else None, k, times)
+
+        def read_prev() -> None:
+            t = time.perf_counter()
+            self._read(prev, touched)
+            times.read += time.perf_counter() - t
+
+        beside = read_prev if prev is not None else None
+        draws = GuidedDraws(self.sampler, seqs, prev, self._suppress(seqs) if k == 1 else None, k, times, beside)
         tokens, logprobs = self.runner.execute_steps(sched, (rows, prev.tokens) if rows is not None else None, k, draws)
         for it in sched.items:
             it.seq.num_computed = it.start + k
         launched = InflightStep(seqs, tokens, logprobs, draws.stacked_masses())
-        t1 = time.perf_counter()
-        if prev is not None:
-            self._read(prev, touched)
+        times.launch += time.perf_counter() - t0
+        if draws.beside is not None:  # not run beside a mask (no guided row): read it now
+            draws.beside()
         launched.mark_pending()
         self._inflight = launched
         self.num_steps += k
         self.num_steps_ahead += k
         self.num_launches_ahead += 1
-        times.launch += t1 - t0
-        times.read += time.perf_counter() - t1
         times.launches += 1
 
     def _steps_per_launch(self, sched) -> int:

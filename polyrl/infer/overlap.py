@@ -123,10 +123,12 @@ class GuidedDraws:
         suppress: list[list[int] | None] | None,
         steps: int,
         times,
+        beside=None,
     ) -> None:
         self.sampler, self.seqs, self.prev, self.suppress, self.steps, self.times = (
             sampler, seqs, prev, suppress, steps, times,
         )  # fmt: skip
+        self.beside = beside  # host work to run while step 0's masks are computed (the previous launch's read)
         self.plan = None
         self.masses: list[torch.Tensor] = []
         self._rows: list[tuple[int, object, int]] = []  # (row, guide, output index of the row's step-0 input)
@@ -139,8 +141,8 @@ class GuidedDraws:
         t0 = clock()
         if j == 0:
             self.plan = self.sampler.plan(self.seqs, logits.device)
-            seqs, guides = self.seqs, self.plan.guides or ()
-            self._rows = [(b, g, seqs[b].num_tokens - 1 - seqs[b].num_prompt) for b, g in zip(self.plan.guided or (), guides)]
+            seqs, rows = self.seqs, zip(self.plan.guided or (), self.plan.guides or ())
+            self._rows = [(b, g, seqs[b].num_tokens - 1 - seqs[b].num_prompt) for b, g in rows]
             toks = self._first_tokens()
         else:
             toks = self._step_tokens(j - 1)
@@ -148,7 +150,9 @@ class GuidedDraws:
         for b, g, p in self._rows:
             g.consume_at(p + j, toks[b])
         t2 = clock()
-        mask_before = times.mask
+        mask_before, read_before = times.mask, times.read
+        if j == 0 and self.plan.guided:
+            self.plan.beside, self.beside = self.beside, None
         tokens, logprobs = self.sampler.draw_planned(logits, self.plan, self.suppress, j)
         if self.plan.masked_logmass is not None:
             self.masses.append(self.plan.masked_logmass)
@@ -157,7 +161,7 @@ class GuidedDraws:
         t3 = clock()
         times.wait += t1 - t0
         times.consume += t2 - t1
-        times.draw += (t3 - t2) - (times.mask - mask_before)
+        times.draw += max(0.0, (t3 - t2) - max(times.mask - mask_before, times.read - read_before))
         times.steps += 1
         return tokens, logprobs
 

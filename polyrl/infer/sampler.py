@@ -30,6 +30,7 @@ This module does not decide when a sequence stops; it only applies the min_token
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -185,6 +186,9 @@ class DrawPlan:
     guides: list | None = None  # their ``Guide`` s, in that order
     masked_logmass: torch.Tensor | None = None  # after a draw: [B] log(allowed mass) per row (0 on unguided rows)
     guided_idx: torch.Tensor | None = None  # after a draw: the guided rows on the device (None: every row)
+    # host work to run on this thread while the next draw's masks are computed on another (structured.MaskBuffers;
+    # overlap.GuidedDraws hands the previous launch's read here); used once, then cleared
+    beside: Callable[[], None] | None = None
 
 
 class Sampler:
@@ -301,7 +305,8 @@ class Sampler:
         parallel) into persistent buffers and applied on the device in one pass (``kernels.apply_token_bitmask``)."""
         guides = plan.guides
         dev = logits.device
-        bitmask = self._masks.fill(guides[0].cache, guides, dev)
+        beside, plan.beside = plan.beside, None
+        bitmask = self._masks.fill(guides[0].cache, guides, dev, beside)
         inv = plan.rows.inv_temps
         if len(guides) == logits.shape[0]:  # every row guided (a constrained rollout): no gathers
             plan.guided_idx = None

@@ -53,6 +53,8 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -226,9 +228,10 @@ class HostTimes:
     """Host seconds of the guided decode launches (``overlap.GuidedDraws`` and ``LLM._launch_guided``), for the
     bench's breakdown: ``wait`` for a step's tokens to reach the host, ``consume`` (the matchers eat them), ``mask``
     (computing the next masks, also in ``GrammarCache.mask_s``), ``draw`` (queueing the mask upload, the masked
-    draw and the token copy), ``launch`` (a whole launch: the above plus the forwards' queueing), ``read`` (the
-    previous launch's bookkeeping: accepting its tokens, stop checks), over ``steps`` decode steps in ``launches``
-    launches."""
+    draw and the token copy), ``read`` (the previous launch's bookkeeping: accepting its tokens, stop checks; run on
+    the engine's thread while step 0's masks are computed on a worker, so its time overlaps ``mask``), ``launch``
+    (whole launches: all of the above plus queueing the forwards and building the draw plan), over ``steps`` decode
+    steps in ``launches`` launches."""
 
     __slots__ = ("wait", "consume", "mask", "draw", "launch", "read", "steps", "launches")
 
@@ -290,9 +293,14 @@ class MaskBuffers:
         self._host: torch.Tensor | None = None
         self._dev: torch.Tensor | None = None
         self._event: Any = None
+        self._pool: ThreadPoolExecutor | None = None  # the worker of fill(beside=...), made on first use
 
-    def fill(self, cache: GrammarCache, guides: list[Guide], dev: torch.device) -> torch.Tensor:
-        """int32 ``[len(guides), words]`` on ``dev``: the tokens each guide allows next."""
+    def fill(
+        self, cache: GrammarCache, guides: list[Guide], dev: torch.device, beside: Callable[[], None] | None = None
+    ) -> torch.Tensor:
+        """int32 ``[len(guides), words]`` on ``dev``: the tokens each guide allows next. ``beside``: host work run on
+        this thread while the masks are computed on a worker thread (llguidance releases the GIL), which then must
+        not touch these guides' matchers."""
         n, words = len(guides), cache.words
         pinned = dev.type != "cpu"
         host = self._host
@@ -308,7 +316,10 @@ class MaskBuffers:
             host = self._host = torch.empty((cap, words), dtype=torch.int32, pin_memory=pinned)
             self._dev = torch.empty((cap, words), dtype=torch.int32, device=dev) if pinned else None
         self._wait()
-        cache.fill_guides(guides, host[:n])
+        if beside is None:
+            cache.fill_guides(guides, host[:n])
+        else:
+            self._fill_beside(cache, guides, host[:n], beside)
         if not pinned:
             return host[:n]
         out = self._dev[:n]
@@ -317,6 +328,25 @@ class MaskBuffers:
         if self._event is not None:
             self._event.record()
         return out
+
+    def _fill_beside(self, cache: GrammarCache, guides: list[Guide], host: torch.Tensor, beside: Callable) -> None:
+        """``cache.fill_guides`` on the worker thread while ``beside()`` runs here. This thread waits until the worker
+        is about to enter llguidance (which releases the GIL), so ``beside``'s Python does not hold the worker back
+        for a GIL switch interval; it waits for the masks after ``beside`` returns (or raises)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyrl-grammar-mask")
+        started = threading.Event()
+
+        def work() -> None:
+            started.set()
+            cache.fill_guides(guides, host)
+
+        future = self._pool.submit(work)
+        started.wait()
+        try:
+            beside()
+        finally:
+            future.result()
 
     def _wait(self) -> None:
         if self._event is not None:

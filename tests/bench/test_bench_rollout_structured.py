@@ -30,3 +30,19 @@ def test_bench_rollout_response_format(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "constrained decode cost vs free" in printed
     assert f"grammar executor threads / lanes     {host_threads()} / 2" in printed
+
+
+def test_bench_rollout_structured_host_breakdown(tmp_path, capsys):
+    """With overlapped decoding (``--overlap-decode on``, also on the CPU) the guided run takes several steps per
+    launch and the structured row splits a guided step's host time into its parts (``structured.HostTimes``)."""
+    out = tmp_path / "rollout.json"
+    argv = ["bench", "rollout", "--shape", "tiny", "--batch", "3", "--prompt-len", "6", "--gen-len", "12"]
+    argv += ["--baselines", "none", "--skip-batch1", "--response-format", "json_schema", "--overlap-decode", "on"]
+    assert main([*argv, "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert 1 < res["guided_steps_per_launch"] <= 4  # decode_steps = 4; the run's tail launches fewer
+    parts = [res[f"guided_host_{p}_ms"] for p in ("wait", "consume", "mask", "draw")]
+    assert min(parts) >= 0 and res["guided_host_mask_ms"] > 0 and res["guided_host_read_ms"] > 0
+    assert res["guided_host_launch_ms"] >= sum(parts)  # the parts happen inside the launches
+    assert res["constrained_decode_step_ms"] > 0
+    assert "  computing the masks" in capsys.readouterr().out
