@@ -97,3 +97,24 @@ def test_matchers_consume_in_order_exactly_once(tiny_model_dir):
     assert (guide.consumed, guide.num_tokens, guide.masked_logmass) == (1, 1, -0.5)
     with pytest.raises(RuntimeError, match="before token 1"):
         guide.consume_at(2, brace[0])
+
+
+@pytest.mark.gpu
+def test_multi_step_guided_launches_on_cuda_with_graphs(tiny_model_dir):
+    """On CUDA (graph replays, masks computed while the forward runs, tokens copied to pinned memory per step) every
+    guided output is valid and the launches ran several steps each."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfg = RolloutConfig(block_size=16, num_blocks=512, max_num_seqs=128, max_model_len=256, decode_steps=4)
+    llm = LLM.from_pretrained(str(tiny_model_dir), cfg, dtype="bfloat16", device="cuda")
+    so = StructuredOutputs.json_schema(SCHEMA)
+    params = SamplingParams(n=16, temperature=1.0, max_tokens=120, structured=so, seed=1)
+    out = llm.generate(["a", "b", "c", "d"], [params, params.clone(temperature=0.0), params, params])
+    for o in out:
+        for c in o.outputs:
+            assert c.finish_reason == "stop"
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+    times = llm.grammar_cache().times
+    assert times.steps >= 3 * times.launches > 0 and llm.runner.last_step_used_graph
