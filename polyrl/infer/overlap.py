@@ -9,7 +9,9 @@ while N+1 runs. The device no longer waits for the host between steps.
 Several steps per launch (``RolloutConfig.decode_steps`` = K): when every row's results only need appending and
 stop checks, the launch queues K decode steps back to back, each step's inputs advanced on the device
 (``model_runner.execute_steps``), so the host's per-step work (scheduling, inputs, sampler rows) is paid once per
-K tokens. Tokens a sequence draws after its stop within those K are computed and dropped.
+K tokens. Tokens a sequence draws after its stop within those K are computed and dropped. Batches with structured
+outputs launch K steps too (``GuidedDraws``): the host reads each step's tokens inside the launch, feeds them to the
+grammar matchers and computes the next step's masks while that step's forward runs.
 
 Bookkeeping: launched-but-unread tokens are placeholders (``PENDING``) at the end of ``seq.tokens``, counted by
 ``seq.pending``, with ``seq.pending_row`` the sequence's row in the launch in flight; the block manager keeps
@@ -42,7 +44,7 @@ class InflightStep:
         self.seqs = seqs
         self.steps = tokens.shape[0]
         self.tokens = tokens[-1]  # int64 [B] on the device: the last step's draws, the next launch's input ids
-        # structured outputs (one step per launch): [1, B] log(mass the grammar allowed) per row, read with the tokens
+        # structured outputs: [K, B] log(mass the grammar allowed) per step and row, read with the tokens
         self.masses: list[list[float]] | None = None
         if tokens.device.type == "cpu":
             self._host, self._event = (tokens, logprobs), None

@@ -19,11 +19,12 @@ grammar's token bitmask applied to their logits before top-k/top-p and the draw 
 masked logits): computed on the host into persistent buffers (``structured.MaskBuffers``), applied on the device by
 ``kernels.apply_token_bitmask``, one pass per guided row that also gives the logsumexps of the unmasked and masked
 rows (so the unmasked log-prob of the drawn token is one gather, and logits stay in their dtype); the engine feeds
-the drawn token to the matcher when it reads it (``LLM._accept``). Their reported
+the drawn token to the matcher before the next draw (``overlap.GuidedDraws``, or ``LLM._accept``). Their reported
 log-prob is, as for truncated rows, the one of the unmasked distribution (what the trainer recomputes); what the
 mask removed is measured per token as ``log(allowed probability mass)`` (``DrawPlan.masked_logmass``) and summed
-on the guide (``Guide.masked_logmass``), the rollout's mismatch. Guided rows never run inside a multi-step launch
-or a launch graph (the next mask needs this token on the host).
+on the guide (``Guide.masked_logmass``), the rollout's mismatch. Guided rows run in multi-step launches (step j's
+masks are computed once the host has step j-1's tokens, while step j's forward runs) but never in a launch graph
+(the next mask needs this token on the host).
 
 This module does not decide when a sequence stops; it only applies the min_tokens mask it is given.
 """

@@ -26,7 +26,7 @@ tokenizers with any vocabulary through its token trie, and its wheel installs wi
 - ``fill_guides(guides, bitmask)``: each guided row's allowed tokens as bits (int32 words, LSB first) in a host
   buffer, one executor call, the rows handed over grouped by lane (the pool splits the list into contiguous chunks,
   so threads mostly work on different lanes). ``fill_bitmask(matchers, bitmask)`` is the same for bare matchers.
-- Tokens are consumed one row at a time (``Guide.advance`` in ``LLM._accept``): llguidance's parallel
+- Tokens are consumed one row at a time (``Guide.consume_at`` / ``Guide.advance``): llguidance's parallel
   ``LLExecutor.consume_token_par`` was slower at B256 on 2 CPUs (0.88-0.94 ms vs 0.73 ms per step: the consumes
   of one schema's rows take its lexer mutex, and the call pays the pool's hand-off), and no llguidance call
   consumes and computes the next mask at once.
@@ -35,11 +35,14 @@ tokenizers with any vocabulary through its token trie, and its wheel installs wi
   ``kernels.apply_token_bitmask`` (one pass per guided row on the device: the masked logits and the logsumexps
   of the unmasked and the masked rows; Triton on CUDA, torch reference elsewhere); ``allowed_mask`` is
   that op's mask alone, as booleans. The mask is applied to the logits *after* the model's forward (and
-  after a CUDA graph replay of it), so captured graphs stay valid. The mask of step N+1 depends on the token of step
-  N, so guided batches decode one step per launch: with ``overlap_decode`` the forward of step N+1 is queued
-  before step N's tokens are read, the host consumes them and computes the masks while the device runs that
-  forward, and only the draw waits (``LLM._launch_guided``); no multi-step launches or launch graphs.
-
+  after a CUDA graph replay of it), so captured graphs stay valid. ``fill(..., beside=f)`` computes the masks on a
+  worker thread while ``f()`` runs on the caller's (the engine reads the previous launch there).
+- Overlap (``overlap.GuidedDraws``, ``LLM._launch_guided``): the mask of step N+1 depends on the token of step N,
+  but the forward of step N+1 does not. So with ``overlap_decode`` a guided batch decodes ``decode_steps`` steps
+  per launch like a free one: each step's forward is queued first, then the host reads the previous step's tokens,
+  the matchers consume them (ahead of the engine accepting them: ``Guide.consumed`` vs ``Guide.num_tokens``) and
+  the masks are computed while the device runs the forward; only the masked draw waits for them. No launch
+  graphs for guided batches (a draw needs the host between steps). ``HostTimes`` says where that host time goes.
 JSON grammars use one fixed layout (``JSON_STYLE``: ``{"a": 1, "b": [2, 3]}``, as ``json.dumps`` and chat templates
 write it): llguidance's default allows any run of whitespace, which an untrained or weakly trained model fills until
 ``max_tokens``; a schema's own ``x-guidance`` options override it.
