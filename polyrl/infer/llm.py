@@ -326,8 +326,10 @@ class LLM:
         beside = read_prev if prev is not None else None
         draws = GuidedDraws(self.sampler, seqs, prev, self._suppress(seqs) if k == 1 else None, k, times, beside)
         tokens, logprobs = self.runner.execute_steps(sched, (rows, prev.tokens) if rows is not None else None, k, draws)
+        finished = Status.FINISHED
         for it in sched.items:
-            it.seq.num_computed = it.start + k
+            if it.seq.status is not finished:  # finished by the read beside step 0: its blocks are freed
+                it.seq.num_computed = it.start + k
         launched = InflightStep(seqs, tokens, logprobs, draws.stacked_masses())
         times.launch += time.perf_counter() - t0
         if draws.beside is not None:  # not run beside a mask (no guided row): read it now

@@ -43,6 +43,7 @@ tokenizers with any vocabulary through its token trie, and its wheel installs wi
   the matchers consume them (ahead of the engine accepting them: ``Guide.consumed`` vs ``Guide.num_tokens``) and
   the masks are computed while the device runs the forward; only the masked draw waits for them. No launch
   graphs for guided batches (a draw needs the host between steps). ``HostTimes`` says where that host time goes.
+
 JSON grammars use one fixed layout (``JSON_STYLE``: ``{"a": 1, "b": [2, 3]}``, as ``json.dumps`` and chat templates
 write it): llguidance's default allows any run of whitespace, which an untrained or weakly trained model fills until
 ``max_tokens``; a schema's own ``x-guidance`` options override it.
