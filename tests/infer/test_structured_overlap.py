@@ -118,3 +118,32 @@ def test_multi_step_guided_launches_on_cuda_with_graphs(tiny_model_dir):
             jsonschema.validate(json.loads(c.text), SCHEMA)
     times = llm.grammar_cache().times
     assert times.steps >= 3 * times.launches > 0 and llm.runner.last_step_used_graph
+
+
+def test_mask_fill_beside_runs_on_a_worker_and_joins(tiny_model_dir):
+    """``MaskBuffers.fill(beside=f)``: the masks are computed on a worker thread while ``f`` runs on the caller's, the
+    result equals a plain fill's, and an error in ``f`` is raised after the worker finished (its mask complete)."""
+    import threading
+
+    import torch
+
+    from polyrl.infer.structured import MaskBuffers
+
+    llm = _engine(tiny_model_dir, overlap=True)
+    cache = llm.grammar_cache()
+    guides = [cache.guide(StructuredOutputs.json_schema(SCHEMA)) for _ in range(5)]
+    plain = MaskBuffers().fill(cache, guides, torch.device("cpu")).clone()
+    threads = []
+    real = cache.fill_guides
+    cache.fill_guides = lambda g, b: threads.append(threading.get_ident()) or real(g, b)
+    buffers = MaskBuffers()
+    ran = []
+    got = buffers.fill(cache, guides, torch.device("cpu"), lambda: ran.append(threading.get_ident()))
+    assert torch.equal(got, plain) and ran == [threading.get_ident()] and threads[-1] != ran[0]
+
+    def fail() -> None:
+        raise ValueError("beside failed")
+
+    with pytest.raises(ValueError, match="beside failed"):
+        buffers.fill(cache, guides, torch.device("cpu"), fail)
+    assert torch.equal(buffers._host[:5], plain) and len(threads) == 2  # the worker's mask was complete
