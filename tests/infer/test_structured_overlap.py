@@ -55,15 +55,16 @@ def _same(sync: list, ahead: list) -> None:
                 jsonschema.validate(json.loads(a.text), SCHEMA)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_multi_step_guided_launches_draw_the_synchronous_tokens(tiny_model_dir, temperature):
+@pytest.mark.parametrize(("temperature", "steps"), [(0.0, 4), (1.0, 4), (1.0, 1)])
+def test_multi_step_guided_launches_draw_the_synchronous_tokens(tiny_model_dir, temperature, steps):
     sync = _run(_engine(tiny_model_dir, overlap=False), temperature)
-    llm = _engine(tiny_model_dir, overlap=True, decode_steps=4)
+    llm = _engine(tiny_model_dir, overlap=True, decode_steps=steps)
     ahead = _run(llm, temperature)
     _same(sync, ahead)
     times = llm.grammar_cache().times
-    assert times.launches > 0 and times.steps >= 3 * times.launches  # mostly 4 guided steps per launch
-    assert llm.num_steps_ahead >= 3 * llm.num_launches_ahead
+    per_launch = 3 if steps == 4 else 1  # mostly 4 guided steps per launch (the tail launches fewer)
+    assert times.launches > 0 and times.steps >= per_launch * times.launches
+    assert llm.num_steps_ahead >= per_launch * llm.num_launches_ahead
     assert any(c.finish_reason == "stop" for c in ahead if c.masked_logmass is not None)  # closed the object
     assert [len(c.token_ids) for c in ahead if c.masked_logmass is not None and len(c.token_ids) == 9]  # the cut
 
