@@ -19,8 +19,13 @@ token ids, every sample generating exactly ``--gen-len`` tokens (EOS ignored). P
 grammar (``SamplingParams.structured``: an array of tool calls that cannot close within ``--gen-len``, so every
 token is masked: ``BENCH_SCHEMA``), built with the preset's tokenizer: constrained tokens/s, its cost against the free
 run's decode phase (the issue's budget: at most 10% at batch 256 on the H200), the grammar compilations (1: cached
-per schema), the host time of the batched grammar masks per step (mean and slowest), and the grammar executor's
-threads and lanes (``--grammar-lanes N``: N separate lexers, for an A/B).
+per schema), the host time of the batched grammar masks per step (mean and slowest), the grammar executor's
+threads and lanes (``--grammar-lanes N``: N separate lexers; ``--grammar-lanes 1,8``: both in one run, the first in
+the structured row, the others as A/B lines), and where a guided decode step's host time goes
+(``structured.HostTimes``, per step: the launches' time, of which waiting for the previous step's tokens, the
+matchers consuming them, the masks, queueing the masked draw, and reading the previous launch, which runs beside
+step 0's masks) against the guided step's wall time: on an accelerator the launch's forwards run meanwhile, so a
+step's wall time above the launches' is host work between launches (schedule, inputs, outputs).
 
 ``--precision fp8`` also times the engine with FP8 projection weights, and with FP8 weights + an FP8 KV cache, in the
 same run, with greedy agreement against the model's precision and log-prob mismatch (``bench/rollout_fp8.py``).
@@ -69,6 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--decode-steps", type=int, default=None, help="decode steps per launch (RolloutConfig)")
     parser.add_argument(
+        "--overlap-decode",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="RolloutConfig.overlap_decode (auto: on an accelerator only; on: also on the CPU, where it measures the "
+        "host work of the overlapped paths, since nothing runs asynchronously there)",
+    )
+    parser.add_argument(
         "--compare-parts",
         action="store_true",
         help="also time the engine without launch graphs (batch and batch-1) and without skinny_linear (batch-1)",
@@ -81,10 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--grammar-lanes",
-        type=int,
         default=None,
         help="separately compiled matchers per schema (structured.GrammarCache.lanes; default 1: every row copies "
-        "one template and shares its lexer mutex; N gives rows N separate lexers, for an A/B)",
+        "one template and shares its lexer mutex; N gives rows N separate lexers); a list (1,8) times the "
+        "constrained run once per value, the first in the structured row, the others as an A/B",
     )
     add_decoder_options(parser)
     rollout_fp8.add_arguments(parser)  # --precision fp8 (bench/rollout_fp8.py)
@@ -279,6 +291,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.prompt_len + args.gen_len + 1,
         cuda_graphs=False if args.no_graphs else None,
         **({"decode_steps": args.decode_steps} if args.decode_steps else {}),
+        overlap_decode={"auto": None, "on": True, "off": False}[args.overlap_decode],
     )
     tokenizer = None
     if args.response_format != "none":  # structured outputs need the vocabulary as text: the preset's own tokenizer
@@ -452,20 +465,39 @@ def _compare_parts(llm, prompts: list[list[int]], args: argparse.Namespace, dev:
 
 
 def _constrained(llm, prompts: list[list[int]], args: argparse.Namespace, dev: torch.device, res: dict) -> None:
-    """The same run with every sample constrained (``--response-format``): tokens/s and cost vs the free run."""
+    """The same run with every sample constrained (``--response-format``): tokens/s and cost vs the free run, for
+    the first ``--grammar-lanes`` value (the structured row) and each further one (an A/B in the same run)."""
+    lanes = [int(x) for x in str(args.grammar_lanes).split(",")] if args.grammar_lanes is not None else [None]
+    _constrained_run(llm, prompts, args, dev, res, lanes[0])
+    for n in lanes[1:]:
+        ab: dict = {"engine_decode_tok_s": res["engine_decode_tok_s"]}
+        _constrained_run(llm, prompts, args, dev, ab, n)
+        res[f"lanes{n}_constrained_decode_cost"] = ab["constrained_decode_cost"]
+        res[f"lanes{n}_constrained_decode_step_ms"] = ab["constrained_decode_step_ms"]
+        res[f"lanes{n}_grammar_mask_ms_mean"] = ab["grammar_mask_ms_mean"]
+
+
+def _constrained_run(llm, prompts, args, dev: torch.device, res: dict, lanes: int | None) -> None:
     kind = args.response_format
     so = StructuredOutputs.json_schema(BENCH_SCHEMA) if kind == "json_schema" else StructuredOutputs("json_object")
-    if args.grammar_lanes is not None:
+    if lanes is not None:
         # lazy: structured.py needs llguidance, only for --response-format
         from polyrl.infer.structured import GrammarCache
 
-        llm._grammars = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, lanes=args.grammar_lanes)
+        llm._grammars = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, lanes=lanes)
     llm.reset_prefix_cache()
     _run_engine_phased(llm, prompts[: min(8, len(prompts))], 8, dev, so)  # warm-up: the one compilation
     llm.reset_prefix_cache()
     cache = llm.grammar_cache()
     cache.mask_calls, cache.mask_s, cache.mask_max_s = 0, 0.0, 0.0
+    cache.times.reset()
     run = _run_engine_phased(llm, prompts, args.gen_len, dev, so)
+    times = cache.times
+    if times.steps:  # the overlapped guided launches' host time, per decode step (structured.HostTimes)
+        res["guided_steps_per_launch"] = times.steps / max(times.launches, 1)
+        for part, ms in times.ms_per_step().items():
+            res[f"guided_host_{part}_ms"] = ms
+    res["constrained_decode_step_ms"] = 1e3 * run["decode_s"] / run["decode_steps"]
     res["response_format"] = kind
     res["grammar_threads"], res["grammar_lanes"] = cache.num_threads, cache.lanes
     res["grammar_mask_ms_mean"] = 1e3 * cache.mask_s / max(cache.mask_calls, 1)
@@ -473,7 +505,7 @@ def _constrained(llm, prompts: list[list[int]], args: argparse.Namespace, dev: t
     res["constrained_tok_s"] = args.batch * args.gen_len / run["total_s"]
     res["constrained_decode_tok_s"] = run["decode_tokens"] / run["decode_s"]
     res["constrained_decode_cost"] = 1.0 - res["constrained_decode_tok_s"] / res["engine_decode_tok_s"]
-    res["grammar_compiles"] = llm.grammar_cache().compiles
+    res["grammar_compiles"] = cache.compiles
 
 
 def _print(res: dict) -> None:
@@ -502,6 +534,14 @@ def _print(res: dict) -> None:
         ("grammar mask ms/step (host, mean)", "grammar_mask_ms_mean", "{:.2f}"),
         ("grammar mask ms/step (host, max)", "grammar_mask_ms_max", "{:.2f}"),
         ("grammar executor threads / lanes", "grammar_lanes", "{}"),
+        ("constrained decode step ms (wall)", "constrained_decode_step_ms", "{:.2f}"),
+        ("guided decode steps per launch", "guided_steps_per_launch", "{:.2f}"),
+        ("guided host ms/step: in launches", "guided_host_launch_ms", "{:.2f}"),
+        ("  waiting for the step's tokens", "guided_host_wait_ms", "{:.2f}"),
+        ("  matchers consuming them", "guided_host_consume_ms", "{:.2f}"),
+        ("  computing the masks", "guided_host_mask_ms", "{:.2f}"),
+        ("  queueing upload + masked draw", "guided_host_draw_ms", "{:.2f}"),
+        ("  reading the prev. launch (beside)", "guided_host_read_ms", "{:.2f}"),
         ("graph capture s (all buckets, once)", "graph_capture_s", "{:.2f}"),
     ]
     for label, key, fmt in rows:
@@ -509,6 +549,10 @@ def _print(res: dict) -> None:
             print(f"{label:<36} {res['grammar_threads']} / {res[key]}")
         elif key in res:
             print(f"{label:<36} {fmt.format(res[key])}")
+    for key in [k for k in res if k.startswith("lanes") and k.endswith("_constrained_decode_cost")]:  # lanes A/B
+        n = key[len("lanes") : -len("_constrained_decode_cost")]
+        step, mask = res[f"lanes{n}_constrained_decode_step_ms"], res[f"lanes{n}_grammar_mask_ms_mean"]
+        print(f"{f'A/B {n} grammar lanes: cost':<36} {res[key]:.1%} (step {step:.2f} ms, mask {mask:.2f} ms)")
     rollout_fp8.print_rows(res)  # --precision fp8
     for name, what, _, _ in PARTS:  # --compare-parts
         for on, tag in ((True, "on"), (False, "off")):

@@ -34,7 +34,7 @@ from polyrl.infer.config import RolloutConfig
 from polyrl.infer.fp8_weights import Fp8Weights
 from polyrl.infer.kv_cache import KVCache
 from polyrl.infer.model_runner import ModelRunner
-from polyrl.infer.overlap import InflightStep, feed_rows
+from polyrl.infer.overlap import GuidedDraws, InflightStep, feed_rows
 from polyrl.infer.sampler import Sampler
 from polyrl.infer.sampling_params import SamplingParams
 from polyrl.infer.scheduler import Scheduler
@@ -331,26 +331,40 @@ class LLM:
         return overlap and sched.is_decode_only and not any(it.seq.params.logprobs for it in sched.items)
 
     def _launch_guided(self, sched, prev: InflightStep | None, touched: dict[str, _Request]) -> None:
-        """One decode step of a batch with grammar rows, overlapped: queue the forward (its input ids fed on the
-        device from the step in flight), read that step's tokens meanwhile (the matchers consume them), compute the
-        masks on the host while the device runs the forward, then queue the masked draw. Sequences that stopped at
-        the step read keep their row; its draw is dropped when read, as in ``overlap.py``."""
+        """Decode steps of a batch with grammar rows, ``_steps_per_launch`` of them per launch as on the free path:
+        each step's forward is queued, then the host reads the previous step's tokens, the matchers consume them and
+        the masks are computed while the device runs that forward, then the masked draw is queued
+        (``overlap.GuidedDraws``). The previous launch is read (its tokens accepted, stops checked) on this thread
+        while step 0's masks are computed on a worker thread; sequences that stopped there keep their rows, whose
+        draws are dropped when read, as in ``overlap.py``."""
+        times = self.grammar_cache().times
+        t0 = time.perf_counter()
         seqs = [it.seq for it in sched.items]
         rows = feed_rows(seqs)
-        logits = self.runner.execute(sched, (rows, prev.tokens) if rows is not None else None)
-        for it in sched.items:
-            it.seq.num_computed = it.start + 1
-        if prev is not None:
+        k = self._steps_per_launch(sched)
+
+        def read_prev() -> None:
+            t = time.perf_counter()
             self._read(prev, touched)
-        plan = self.sampler.plan(seqs, self.runner.device)
-        tokens, logprobs = self.sampler.draw_planned(logits, plan, self._suppress(seqs))
-        masses = plan.masked_logmass[None] if plan.masked_logmass is not None else None
-        launched = InflightStep(seqs, tokens[None], logprobs[None], masses)
+            times.read += time.perf_counter() - t
+
+        beside = read_prev if prev is not None else None
+        draws = GuidedDraws(self.sampler, seqs, prev, self._suppress(seqs) if k == 1 else None, k, times, beside)
+        tokens, logprobs = self.runner.execute_steps(sched, (rows, prev.tokens) if rows is not None else None, k, draws)
+        finished = Status.FINISHED
+        for it in sched.items:
+            if it.seq.status is not finished:  # finished by the read beside step 0: its blocks are freed
+                it.seq.num_computed = it.start + k
+        launched = InflightStep(seqs, tokens, logprobs, draws.stacked_masses())
+        times.launch += time.perf_counter() - t0
+        if draws.beside is not None:  # not run beside a mask (no guided row): read it now
+            draws.beside()
         launched.mark_pending()
         self._inflight = launched
-        self.num_steps += 1
-        self.num_steps_ahead += 1
+        self.num_steps += k
+        self.num_steps_ahead += k
         self.num_launches_ahead += 1
+        times.launches += 1
 
     def _steps_per_launch(self, sched) -> int:
         """Decode steps to queue in this launch: ``decode_steps`` when no row needs the host between steps (a

@@ -9,7 +9,9 @@ while N+1 runs. The device no longer waits for the host between steps.
 Several steps per launch (``RolloutConfig.decode_steps`` = K): when every row's results only need appending and
 stop checks, the launch queues K decode steps back to back, each step's inputs advanced on the device
 (``model_runner.execute_steps``), so the host's per-step work (scheduling, inputs, sampler rows) is paid once per
-K tokens. Tokens a sequence draws after its stop within those K are computed and dropped.
+K tokens. Tokens a sequence draws after its stop within those K are computed and dropped. Batches with structured
+outputs launch K steps too (``GuidedDraws``): the host reads each step's tokens inside the launch, feeds them to the
+grammar matchers and computes the next step's masks while that step's forward runs.
 
 Bookkeeping: launched-but-unread tokens are placeholders (``PENDING``) at the end of ``seq.tokens``, counted by
 ``seq.pending``, with ``seq.pending_row`` the sequence's row in the launch in flight; the block manager keeps
@@ -21,6 +23,8 @@ Not here: scheduling, sampling math, CUDA graphs (``model_runner`` applies the f
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -40,7 +44,7 @@ class InflightStep:
         self.seqs = seqs
         self.steps = tokens.shape[0]
         self.tokens = tokens[-1]  # int64 [B] on the device: the last step's draws, the next launch's input ids
-        # structured outputs (one step per launch): [1, B] log(mass the grammar allowed) per row, read with the tokens
+        # structured outputs: [K, B] log(mass the grammar allowed) per step and row, read with the tokens
         self.masses: list[list[float]] | None = None
         if tokens.device.type == "cpu":
             self._host, self._event = (tokens, logprobs), None
@@ -68,6 +72,14 @@ class InflightStep:
                 s.tokens.extend(placeholders)
                 s.pending, s.pending_row = k, row
 
+    def last_tokens(self) -> list[int]:
+        """The last step's tokens ``[B]`` on the host (a guided launch's first masks need them before ``read``)."""
+        if self._event is not None:
+            self._event.synchronize()
+        else:
+            device.synchronize()
+        return self._host[0][-1].tolist()
+
     def read(self) -> tuple[list[list[int]], list[list[float]]]:
         """(tokens, logprobs) as ``[K][B]`` lists on the host, waiting for this launch's copies only."""
         if self._event is not None:
@@ -90,3 +102,110 @@ def feed_input_ids(input_ids: torch.Tensor, rows: torch.Tensor, prev_tokens: tor
     """In place: ``input_ids[i] = prev_tokens[rows[i]]`` where ``rows[i] >= 0`` (all on the device, no sync)."""
     fed = prev_tokens.index_select(0, rows.clamp(min=0))
     input_ids.copy_(torch.where(rows >= 0, fed, input_ids))
+
+
+class GuidedDraws:
+    """``model_runner.execute_steps``'s draw callback for a decode launch with grammar rows (``LLM._launch_guided``).
+
+    When it is called for step j, step j's forward is queued already. It reads step j-1's tokens on the host (for
+    j = 0: the previous launch's last step, or the sequence's last known token), feeds each guided row's matcher
+    (``Guide.consume_at``: ahead of the engine accepting the token, which then only adds its mass), computes step
+    j's masks (llguidance, while the device runs the forward), queues the masked draw and the copy of its tokens to
+    pinned host memory (an event per step). So the matchers see exactly the tokens a synchronous engine feeds them,
+    a launch of K steps pays the engine's per-launch host work (schedule, inputs, reads) once per K tokens, and
+    each step's mask overlaps that step's forward. The draw plan is built at step 0 (after the forward is queued).
+    Tokens a row draws after its sequence stopped are consumed too (its matcher is never used again) and dropped.
+    """
+
+    def __init__(
+        self,
+        sampler,
+        seqs: list[Sequence],
+        prev: InflightStep | None,
+        suppress: list[list[int] | None] | None,
+        steps: int,
+        times,
+        beside=None,
+    ) -> None:
+        self.sampler, self.seqs, self.prev, self.suppress, self.steps, self.times = (
+            sampler, seqs, prev, suppress, steps, times,
+        )  # fmt: skip
+        self.beside = beside  # host work to run while step 0's masks are computed (the previous launch's read)
+        self.plan = None
+        self.masses: list[torch.Tensor] = []
+        self._rows: list[tuple[int, object, int]] = []  # (row, guide, output index of the row's step-0 input)
+        self._host: torch.Tensor | None = None  # pinned [K, B]: each step's tokens on their way to the host
+        self._events: list = []
+        self._cpu: list[torch.Tensor] = []  # on the CPU: the steps' token tensors themselves
+
+    def __call__(self, logits: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        times, clock = self.times, time.perf_counter
+        t0 = clock()
+        if j == 0:
+            self.plan = self.sampler.plan(self.seqs, logits.device)
+            seqs, rows = self.seqs, zip(self.plan.guided or (), self.plan.guides or ())
+            self._rows = [(b, g, seqs[b].num_tokens - 1 - seqs[b].num_prompt) for b, g in rows]
+            toks = self._first_tokens()
+        else:
+            toks = self._step_tokens(j - 1)
+        t1 = clock()
+        for b, g, p in self._rows:
+            g.consume_at(p + j, toks[b])
+        t2 = clock()
+        mask_before, read_before = times.mask, times.read
+        if j == 0 and self.plan.guided:
+            self.plan.beside, self.beside = self.beside, None
+        tokens, logprobs = self.sampler.draw_planned(logits, self.plan, self.suppress, j)
+        if self.plan.masked_logmass is not None:
+            self.masses.append(self.plan.masked_logmass)
+        if j + 1 < self.steps:
+            self._send(tokens, j)
+        t3 = clock()
+        times.wait += t1 - t0
+        times.consume += t2 - t1
+        times.draw += max(0.0, (t3 - t2) - max(times.mask - mask_before, times.read - read_before))
+        times.steps += 1
+        return tokens, logprobs
+
+    def stacked_masses(self) -> torch.Tensor | None:
+        """``[K, B]`` log(mass the grammar allowed) per step and row (None without guided rows)."""
+        return torch.stack(self.masses) if self.masses else None
+
+    def _first_tokens(self) -> list[int | None]:
+        """Per row, the step-0 input token where its matcher has not consumed it yet (None elsewhere)."""
+        toks: list[int | None] = [None] * len(self.seqs)
+        seqs, last = self.seqs, None
+        for b, g, p in self._rows:
+            if g.consumed != p:
+                continue
+            s = seqs[b]
+            if s.pending:
+                if last is None:
+                    last = self.prev.last_tokens()
+                toks[b] = last[s.pending_row]
+            else:
+                toks[b] = s.tokens[-1]
+        return toks
+
+    def _send(self, tokens: torch.Tensor, j: int) -> None:
+        """Queue step j's tokens to the host (read at step j + 1)."""
+        if tokens.device.type == "cpu":
+            self._cpu.append(tokens)
+            return
+        if self._host is None:
+            self._host = torch.empty((self.steps - 1, tokens.shape[0]), dtype=tokens.dtype, pin_memory=True)
+        self._host[j].copy_(tokens, non_blocking=True)
+        event = device.event(enable_timing=False)
+        if event is not None:
+            event.record()
+        self._events.append(event)
+
+    def _step_tokens(self, j: int) -> list[int]:
+        if self._host is None:
+            return self._cpu[j].tolist()
+        event = self._events[j]
+        if event is not None:
+            event.synchronize()
+        else:
+            device.synchronize()
+        return self._host[j].tolist()

@@ -19,17 +19,19 @@ grammar's token bitmask applied to their logits before top-k/top-p and the draw 
 masked logits): computed on the host into persistent buffers (``structured.MaskBuffers``), applied on the device by
 ``kernels.apply_token_bitmask``, one pass per guided row that also gives the logsumexps of the unmasked and masked
 rows (so the unmasked log-prob of the drawn token is one gather, and logits stay in their dtype); the engine feeds
-the drawn token to the matcher when it reads it (``LLM._accept``). Their reported
+the drawn token to the matcher before the next draw (``overlap.GuidedDraws``, or ``LLM._accept``). Their reported
 log-prob is, as for truncated rows, the one of the unmasked distribution (what the trainer recomputes); what the
 mask removed is measured per token as ``log(allowed probability mass)`` (``DrawPlan.masked_logmass``) and summed
-on the guide (``Guide.masked_logmass``), the rollout's mismatch. Guided rows never run inside a multi-step launch
-or a launch graph (the next mask needs this token on the host).
+on the guide (``Guide.masked_logmass``), the rollout's mismatch. Guided rows run in multi-step launches (step j's
+masks are computed once the host has step j-1's tokens, while step j's forward runs) but never in a launch graph
+(the next mask needs this token on the host).
 
 This module does not decide when a sequence stops; it only applies the min_tokens mask it is given.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -185,6 +187,9 @@ class DrawPlan:
     guides: list | None = None  # their ``Guide`` s, in that order
     masked_logmass: torch.Tensor | None = None  # after a draw: [B] log(allowed mass) per row (0 on unguided rows)
     guided_idx: torch.Tensor | None = None  # after a draw: the guided rows on the device (None: every row)
+    # host work to run on this thread while the next draw's masks are computed on another (structured.MaskBuffers;
+    # overlap.GuidedDraws hands the previous launch's read here); used once, then cleared
+    beside: Callable[[], None] | None = None
 
 
 class Sampler:
@@ -258,9 +263,7 @@ class Sampler:
         rows = plan.rows
         inp, suppressed = _suppress_mask(logits, suppress)
         lse = None
-        if plan.guided:
-            if step:
-                raise RuntimeError("guided rows cannot be drawn inside a multi-step launch")
+        if plan.guided:  # the guides have consumed every token before this step's (overlap.GuidedDraws)
             inp, lse = self._apply_grammar(inp, logits, plan)
         if plan.trunc_idx is not None:
             # Truncated rows enter the kernel as their masked z at T = 1 (z * 1 == z, same noise, same draw).
@@ -303,7 +306,8 @@ class Sampler:
         parallel) into persistent buffers and applied on the device in one pass (``kernels.apply_token_bitmask``)."""
         guides = plan.guides
         dev = logits.device
-        bitmask = self._masks.fill(guides[0].cache, guides, dev)
+        beside, plan.beside = plan.beside, None
+        bitmask = self._masks.fill(guides[0].cache, guides, dev, beside)
         inv = plan.rows.inv_temps
         if len(guides) == logits.shape[0]:  # every row guided (a constrained rollout): no gathers
             plan.guided_idx = None

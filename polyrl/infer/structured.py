@@ -26,7 +26,7 @@ tokenizers with any vocabulary through its token trie, and its wheel installs wi
 - ``fill_guides(guides, bitmask)``: each guided row's allowed tokens as bits (int32 words, LSB first) in a host
   buffer, one executor call, the rows handed over grouped by lane (the pool splits the list into contiguous chunks,
   so threads mostly work on different lanes). ``fill_bitmask(matchers, bitmask)`` is the same for bare matchers.
-- Tokens are consumed one row at a time (``Guide.advance`` in ``LLM._accept``): llguidance's parallel
+- Tokens are consumed one row at a time (``Guide.consume_at`` / ``Guide.advance``): llguidance's parallel
   ``LLExecutor.consume_token_par`` was slower at B256 on 2 CPUs (0.88-0.94 ms vs 0.73 ms per step: the consumes
   of one schema's rows take its lexer mutex, and the call pays the pool's hand-off), and no llguidance call
   consumes and computes the next mask at once.
@@ -35,10 +35,14 @@ tokenizers with any vocabulary through its token trie, and its wheel installs wi
   ``kernels.apply_token_bitmask`` (one pass per guided row on the device: the masked logits and the logsumexps
   of the unmasked and the masked rows; Triton on CUDA, torch reference elsewhere); ``allowed_mask`` is
   that op's mask alone, as booleans. The mask is applied to the logits *after* the model's forward (and
-  after a CUDA graph replay of it), so captured graphs stay valid. The mask of step N+1 depends on the token of step
-  N, so guided batches decode one step per launch: with ``overlap_decode`` the forward of step N+1 is queued
-  before step N's tokens are read, the host consumes them and computes the masks while the device runs that
-  forward, and only the draw waits (``LLM._launch_guided``); no multi-step launches or launch graphs.
+  after a CUDA graph replay of it), so captured graphs stay valid. ``fill(..., beside=f)`` computes the masks on a
+  worker thread while ``f()`` runs on the caller's (the engine reads the previous launch there).
+- Overlap (``overlap.GuidedDraws``, ``LLM._launch_guided``): the mask of step N+1 depends on the token of step N,
+  but the forward of step N+1 does not. So with ``overlap_decode`` a guided batch decodes ``decode_steps`` steps
+  per launch like a free one: each step's forward is queued first, then the host reads the previous step's tokens,
+  the matchers consume them (ahead of the engine accepting them: ``Guide.consumed`` vs ``Guide.num_tokens``) and
+  the masks are computed while the device runs the forward; only the masked draw waits for them. No launch
+  graphs for guided batches (a draw needs the host between steps). ``HostTimes`` says where that host time goes.
 
 JSON grammars use one fixed layout (``JSON_STYLE``: ``{"a": 1, "b": [2, 3]}``, as ``json.dumps`` and chat templates
 write it): llguidance's default allows any run of whitespace, which an untrained or weakly trained model fills until
@@ -53,6 +57,8 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -153,6 +159,7 @@ class GrammarCache:
         self.mask_calls = 0  # fill calls (one per guided step), their total and slowest host seconds
         self.mask_s = 0.0
         self.mask_max_s = 0.0
+        self.times = HostTimes()  # where a guided launch's host time goes (filled by overlap.GuidedDraws)
         # per spec: its lanes' templates (compiled as copies reach them), its grammar, the next lane to hand out
         self._cache: OrderedDict[StructuredOutputs, list] = OrderedDict()
         self._lock = threading.Lock()
@@ -210,6 +217,7 @@ class GrammarCache:
         dt = time.perf_counter() - t0
         self.mask_calls += 1
         self.mask_s += dt
+        self.times.mask += dt
         self.mask_max_s = max(self.mask_max_s, dt)
 
     def _order(self, guides: list[Guide]) -> range | list[int]:
@@ -220,21 +228,62 @@ class GrammarCache:
         return sorted(range(len(guides)), key=lanes.__getitem__)
 
 
+class HostTimes:
+    """Host seconds of the guided decode launches (``overlap.GuidedDraws`` and ``LLM._launch_guided``), for the
+    bench's breakdown: ``wait`` for a step's tokens to reach the host, ``consume`` (the matchers eat them), ``mask``
+    (computing the next masks, also in ``GrammarCache.mask_s``), ``draw`` (queueing the mask upload, the masked
+    draw and the token copy), ``read`` (the previous launch's bookkeeping: accepting its tokens, stop checks; run on
+    the engine's thread while step 0's masks are computed on a worker, so its time overlaps ``mask``), ``launch``
+    (whole launches: all of the above plus queueing the forwards and building the draw plan), over ``steps`` decode
+    steps in ``launches`` launches."""
+
+    __slots__ = ("wait", "consume", "mask", "draw", "launch", "read", "steps", "launches")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.wait = self.consume = self.mask = self.draw = self.launch = self.read = 0.0
+        self.steps = self.launches = 0
+
+    def ms_per_step(self) -> dict[str, float]:
+        """Each part in host milliseconds per guided decode step."""
+        n = max(self.steps, 1)
+        parts = ("wait", "consume", "mask", "draw", "launch", "read")
+        return {k: 1e3 * getattr(self, k) / n for k in parts}
+
+
 class Guide:
     """One sequence's grammar state: its matcher, the cache that made it (for the batched mask), its lane there, and
-    the mismatch the mask caused so far: the sum over its tokens of log(probability mass the grammar allowed)."""
+    the mismatch the mask caused so far: the sum over its tokens of log(probability mass the grammar allowed).
 
-    __slots__ = ("matcher", "cache", "lane", "masked_logmass", "num_tokens")
+    ``num_tokens`` counts the tokens the engine accepted (appended to the sequence), ``consumed`` those the matcher
+    has consumed: inside a multi-step guided launch (``overlap.GuidedDraws``) the matcher consumes a token as soon as
+    the host has read it, before the engine accepts it, and ``advance`` then only adds its mass."""
+
+    __slots__ = ("matcher", "cache", "lane", "masked_logmass", "num_tokens", "consumed")
 
     def __init__(self, matcher: Any, cache: GrammarCache, lane: int = 0) -> None:
         self.matcher, self.cache, self.lane = matcher, cache, lane
         self.masked_logmass = 0.0
         self.num_tokens = 0
+        self.consumed = 0
 
     def advance(self, token: int, logmass: float) -> None:
-        self.matcher.consume_token(token)
+        """Accept output token number ``num_tokens`` (consumed here unless a launch consumed it already)."""
+        if self.consumed == self.num_tokens:
+            self.matcher.consume_token(token)
+            self.consumed += 1
         self.masked_logmass += logmass
         self.num_tokens += 1
+
+    def consume_at(self, position: int, token: int) -> None:
+        """Feed output token number ``position`` to the matcher ahead of its acceptance (no-op if it has it)."""
+        if self.consumed == position:
+            self.matcher.consume_token(token)
+            self.consumed += 1
+        elif position > self.consumed:  # a token skipped: the next mask would be computed on a stale state
+            raise RuntimeError(f"grammar matcher fed token {position} before token {self.consumed}")
 
 
 class MaskBuffers:
@@ -248,9 +297,14 @@ class MaskBuffers:
         self._host: torch.Tensor | None = None
         self._dev: torch.Tensor | None = None
         self._event: Any = None
+        self._pool: ThreadPoolExecutor | None = None  # the worker of fill(beside=...), made on first use
 
-    def fill(self, cache: GrammarCache, guides: list[Guide], dev: torch.device) -> torch.Tensor:
-        """int32 ``[len(guides), words]`` on ``dev``: the tokens each guide allows next."""
+    def fill(
+        self, cache: GrammarCache, guides: list[Guide], dev: torch.device, beside: Callable[[], None] | None = None
+    ) -> torch.Tensor:
+        """int32 ``[len(guides), words]`` on ``dev``: the tokens each guide allows next. ``beside``: host work run on
+        this thread while the masks are computed on a worker thread (llguidance releases the GIL), which then must
+        not touch these guides' matchers."""
         n, words = len(guides), cache.words
         pinned = dev.type != "cpu"
         host = self._host
@@ -266,7 +320,10 @@ class MaskBuffers:
             host = self._host = torch.empty((cap, words), dtype=torch.int32, pin_memory=pinned)
             self._dev = torch.empty((cap, words), dtype=torch.int32, device=dev) if pinned else None
         self._wait()
-        cache.fill_guides(guides, host[:n])
+        if beside is None:
+            cache.fill_guides(guides, host[:n])
+        else:
+            self._fill_beside(cache, guides, host[:n], beside)
         if not pinned:
             return host[:n]
         out = self._dev[:n]
@@ -275,6 +332,25 @@ class MaskBuffers:
         if self._event is not None:
             self._event.record()
         return out
+
+    def _fill_beside(self, cache: GrammarCache, guides: list[Guide], host: torch.Tensor, beside: Callable) -> None:
+        """``cache.fill_guides`` on the worker thread while ``beside()`` runs here. This thread waits until the worker
+        is about to enter llguidance (which releases the GIL), so ``beside``'s Python does not hold the worker back
+        for a GIL switch interval; it waits for the masks after ``beside`` returns (or raises)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyrl-grammar-mask")
+        started = threading.Event()
+
+        def work() -> None:
+            started.set()
+            cache.fill_guides(guides, host)
+
+        future = self._pool.submit(work)
+        started.wait()
+        try:
+            beside()
+        finally:
+            future.result()
 
     def _wait(self) -> None:
         if self._event is not None:
@@ -290,6 +366,7 @@ def allowed_mask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 __all__ = [
     "GrammarCache",
     "Guide",
+    "HostTimes",
     "MaskBuffers",
     "allowed_mask",
     "host_threads",

@@ -30,3 +30,24 @@ def test_bench_rollout_response_format(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "constrained decode cost vs free" in printed
     assert f"grammar executor threads / lanes     {host_threads()} / 2" in printed
+
+
+def test_bench_rollout_structured_host_breakdown(tmp_path, capsys):
+    """With overlapped decoding (``--overlap-decode on``, also on the CPU) the guided run takes several steps per
+        launch and the structured row splits a guided step's host time into its parts (``structured.HostTimes``); a list
+    of lanes adds an A/B line per further value."""
+    out = tmp_path / "rollout.json"
+    argv = ["bench", "rollout", "--shape", "tiny", "--batch", "3", "--prompt-len", "6", "--gen-len", "12"]
+    argv += ["--baselines", "none", "--skip-batch1", "--response-format", "json_schema", "--overlap-decode", "on"]
+    argv += ["--grammar-lanes", "1,2"]  # the structured row with one lane, an A/B line with two
+    assert main([*argv, "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert 1 < res["guided_steps_per_launch"] <= 4  # decode_steps = 4; the run's tail launches fewer
+    parts = [res[f"guided_host_{p}_ms"] for p in ("wait", "consume", "mask", "draw")]
+    assert min(parts) >= 0 and res["guided_host_mask_ms"] > 0 and res["guided_host_read_ms"] > 0
+    assert res["guided_host_launch_ms"] >= sum(parts)  # the parts happen inside the launches
+    assert res["constrained_decode_step_ms"] > 0
+    assert res["grammar_lanes"] == 1 and res["lanes2_grammar_mask_ms_mean"] > 0
+    assert 0 < res["lanes2_constrained_decode_step_ms"] and res["lanes2_constrained_decode_cost"] < 1
+    printed = capsys.readouterr().out
+    assert "  computing the masks" in printed and "A/B 2 grammar lanes: cost" in printed

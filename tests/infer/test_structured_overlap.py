@@ -1,0 +1,150 @@
+"""Guided decode launches of several steps (``overlap.GuidedDraws``): the matchers consume each token as soon as the
+host reads it, each step's mask is computed while that step's forward is queued, and the engine accepts the tokens
+a launch later. These tests pin that the overlapped engine draws exactly the synchronous engine's tokens for a
+fixed seed (greedy and sampled rows, guided and free rows in one batch, stops inside a launch, preemptions while
+tokens are in flight, prefix-cache hits), that its outputs are valid against the schema, and that a matcher is
+never fed a token out of order."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from polyrl.infer import LLM, RolloutConfig, SamplingParams, StructuredOutputs
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+
+
+def _engine(model_dir, overlap: bool, **over) -> LLM:
+    kw = dict(block_size=16, num_blocks=256, max_num_seqs=64, max_model_len=256, overlap_decode=overlap)
+    kw.update(over)
+    return LLM.from_pretrained(str(model_dir), RolloutConfig(**kw), dtype="float32", device="cpu")
+
+
+def _run(llm: LLM, temperature: float, prompts: list | None = None) -> list:
+    so = StructuredOutputs.json_schema(SCHEMA)
+    guided = SamplingParams(n=4, temperature=temperature, max_tokens=70, structured=so)
+    free = SamplingParams(n=2, temperature=1.0, max_tokens=23)
+    short = SamplingParams(n=2, temperature=temperature, max_tokens=9, structured=so)  # cut inside a launch
+    params = [guided.clone(seed=1), free.clone(seed=2), short.clone(seed=3), guided.clone(seed=4)]
+    res = llm.generate(prompts or ["a", "b c", "d", "e f g"], params)
+    return [c for o in res for c in o.outputs]
+
+
+def _same(sync: list, ahead: list) -> None:
+    assert len(sync) == len(ahead)
+    for s, a in zip(sync, ahead):
+        assert a.token_ids == s.token_ids and a.text == s.text
+        assert a.finish_reason == s.finish_reason
+        assert a.logprobs == pytest.approx(s.logprobs, abs=1e-6)
+        assert (a.masked_logmass is None) == (s.masked_logmass is None)
+        if s.masked_logmass is not None:
+            assert a.masked_logmass == pytest.approx(s.masked_logmass, abs=1e-4)
+            if s.finish_reason == "stop":
+                jsonschema.validate(json.loads(a.text), SCHEMA)
+
+
+@pytest.mark.parametrize(("temperature", "steps"), [(0.0, 4), (1.0, 4), (1.0, 1)])
+def test_multi_step_guided_launches_draw_the_synchronous_tokens(tiny_model_dir, temperature, steps):
+    sync = _run(_engine(tiny_model_dir, overlap=False), temperature)
+    llm = _engine(tiny_model_dir, overlap=True, decode_steps=steps)
+    ahead = _run(llm, temperature)
+    _same(sync, ahead)
+    times = llm.grammar_cache().times
+    per_launch = 3 if steps == 4 else 1  # mostly 4 guided steps per launch (the tail launches fewer)
+    assert times.launches > 0 and times.steps >= per_launch * times.launches
+    assert llm.num_steps_ahead >= per_launch * llm.num_launches_ahead
+    assert any(c.finish_reason == "stop" for c in ahead if c.masked_logmass is not None)  # closed the object
+    assert [len(c.token_ids) for c in ahead if c.masked_logmass is not None and len(c.token_ids) == 9]  # the cut
+
+
+def test_preemption_and_prefix_cache_hits_keep_the_tokens(tiny_model_dir):
+    """A cache too small for the batch preempts sequences with tokens in flight (their matchers then consume those
+    tokens when the launch is read); a second run over the same prompts starts from cached prefixes. Both give the
+    synchronous engine's tokens."""
+    prompts = [[5 + (i * 7 + j) % 80 for j in range(21)] for i in range(4)]  # 5 full blocks of 4 each
+    sync = _run(_engine(tiny_model_dir, overlap=False, block_size=4, num_blocks=40), 1.0, prompts)
+    llm = _engine(tiny_model_dir, overlap=True, block_size=4, num_blocks=40, decode_steps=3)
+    first = _run(llm, 1.0, prompts)
+    assert llm.scheduler.total_preemptions > 0
+    _same(sync, first)
+    hits_before = llm.block_manager.hit_tokens
+    _same(sync, _run(llm, 1.0, prompts))
+    assert llm.block_manager.hit_tokens > hits_before
+
+
+def test_matchers_consume_in_order_exactly_once(tiny_model_dir):
+    """``Guide.consume_at`` feeds a token once (a repeat is a no-op, so ``advance`` after it only adds the mass) and
+    refuses a gap (the next mask would be computed on a stale state)."""
+    llm = _engine(tiny_model_dir, overlap=True)
+    guide = llm.grammar_cache().guide(StructuredOutputs.json_schema(SCHEMA))
+    brace = llm.tokenizer.encode("{", add_special_tokens=False)
+    assert len(brace) == 1
+    guide.consume_at(0, brace[0])
+    guide.consume_at(0, brace[0])  # already consumed: nothing happens (a second "{" would be an error state)
+    assert guide.consumed == 1 and not guide.matcher.is_error()
+    guide.advance(brace[0], -0.5)
+    assert (guide.consumed, guide.num_tokens, guide.masked_logmass) == (1, 1, -0.5)
+    with pytest.raises(RuntimeError, match="before token 1"):
+        guide.consume_at(2, brace[0])
+
+
+@pytest.mark.gpu
+def test_multi_step_guided_launches_on_cuda_with_graphs(tiny_model_dir):
+    """On CUDA (graph replays, masks computed while the forward runs, tokens copied to pinned memory per step) every
+    guided output is valid and the launches ran several steps each."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfg = RolloutConfig(block_size=16, num_blocks=512, max_num_seqs=128, max_model_len=256, decode_steps=4)
+    llm = LLM.from_pretrained(str(tiny_model_dir), cfg, dtype="bfloat16", device="cuda")
+    so = StructuredOutputs.json_schema(SCHEMA)
+    params = SamplingParams(n=16, temperature=1.0, max_tokens=120, structured=so, seed=1)
+    out = llm.generate(["a", "b", "c", "d"], [params, params.clone(temperature=0.0), params, params])
+    for o in out:
+        for c in o.outputs:
+            assert c.finish_reason == "stop"
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+    times = llm.grammar_cache().times
+    assert times.steps >= 3 * times.launches > 0 and llm.runner.last_step_used_graph
+
+
+def test_mask_fill_beside_runs_on_a_worker_and_joins(tiny_model_dir):
+    """``MaskBuffers.fill(beside=f)``: the masks are computed on a worker thread while ``f`` runs on the caller's, the
+    result equals a plain fill's, and an error in ``f`` is raised after the worker finished (its mask complete)."""
+    import threading
+
+    import torch
+
+    from polyrl.infer.structured import MaskBuffers
+
+    llm = _engine(tiny_model_dir, overlap=True)
+    cache = llm.grammar_cache()
+    guides = [cache.guide(StructuredOutputs.json_schema(SCHEMA)) for _ in range(5)]
+    plain = MaskBuffers().fill(cache, guides, torch.device("cpu")).clone()
+    threads = []
+    real = cache.fill_guides
+    cache.fill_guides = lambda g, b: threads.append(threading.get_ident()) or real(g, b)
+    buffers = MaskBuffers()
+    ran = []
+    got = buffers.fill(cache, guides, torch.device("cpu"), lambda: ran.append(threading.get_ident()))
+    assert torch.equal(got, plain) and ran == [threading.get_ident()] and threads[-1] != ran[0]
+
+    def fail() -> None:
+        raise ValueError("beside failed")
+
+    with pytest.raises(ValueError, match="beside failed"):
+        buffers.fill(cache, guides, torch.device("cpu"), fail)
+    assert torch.equal(buffers._host[:5], plain) and len(threads) == 2  # the worker's mask was complete
