@@ -186,6 +186,8 @@ for s in "$@"; do
     # constrained decoding (issue 35): the same batch free and under a JSON schema, cost printed
     bench-rollout-structured) stage bench-rollout-structured 150 $PR bench rollout --shape qwen3-0.6b --batch 256 --prompt-len 128 --gen-len 256 --baselines none --skip-batch1 --response-format json_schema --json "$OUT/bench_rollout_structured.json" ;;
     # ... with the guided host-time breakdown and a grammar-lanes A/B (1, 4, 16 lexers), after the guided GPU tests
+    # the same bench without the tests (the GPU suite runs them): one lexer lane vs 16 (issue 35's remaining cost)
+    bench-rollout-structured-lanes) TAIL=50 stage bench-rollout-structured-lanes 200 $PR bench rollout --shape qwen3-0.6b --batch 256 --prompt-len 128 --gen-len 256 --baselines none --skip-batch1 --response-format json_schema --grammar-lanes 1,16 --json "$OUT/bench_rollout_structured_lanes.json" ;;
     bench-rollout-structured-ab) TAIL=60 stage bench-rollout-structured-ab 300 bash -c "python3 -m pytest -q -m 'gpu or not gpu' tests/infer/test_structured.py tests/infer/test_structured_overlap.py; $PR bench rollout --shape qwen3-0.6b --batch 256 --prompt-len 128 --gen-len 256 --baselines none --skip-batch1 --response-format json_schema --grammar-lanes 1,4,16 --json $OUT/bench_rollout_structured_ab.json" ;;
     # FP8 rollout (issue 28): qwen3-8b shape B256, the model's bf16 and FP8 projection weights in one run (target: FP8
     # >= 1.4x bf16 tokens/s), greedy agreement over the first 64 tokens of 32 prompts; then the FP8 GPU tests
