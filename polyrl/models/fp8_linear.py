@@ -41,11 +41,16 @@ Not here: the quantisation and GEMM kernels (``polyrl.kernels.fp8``), deciding w
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from polyrl import kernels
+from polyrl.kernels.fp8 import fp8_quantize_t
+from polyrl.platform import device
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -55,44 +60,218 @@ FP8_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 SCALINGS = ("tensorwise", "rowwise")
 
 
+# Switches (module state, read at each call; the bench flips them to compare paths in one run).
+# Keep each weight's FP8 copies from its forward until its gradient is accumulated (``_WeightCache``): a recomputed
+# forward (activation checkpointing) reuses them instead of quantising the weight again. Costs 1 byte per parameter
+# of the row-major copy from the forward to the weight's backward (the transposed copy is saved for the backward
+# either way).
+WEIGHT_CACHE = True
+# Quantise a projection input once for all projections that read it (q/k/v, gate/up: ``_InputSlot``).
+INPUT_CACHE = True
+# The gradient GEMMs with Hopper's fast (two-level) accumulation too; torchao's default (False) keeps them exact.
+GRAD_FAST_ACCUM = False
+
+
+class _Fp8Operands:
+    """The FP8 operands of one ``_Fp8Matmul`` call, quantised before it (outside autograd: plain tensors).
+    ``xq/xs``: X for the forward GEMM (row-wise or tensor-wise); ``xq_t/xs_t``: X tensor-wise transposed ``[K, T]``
+    for dW (None without a weight gradient); ``wq/ws``: W for the forward; ``wq_t/ws_t``: W tensor-wise transposed
+    ``[K, N]`` for dX (None without an input gradient)."""
+
+    __slots__ = ("xq", "xs", "xq_t", "xs_t", "wq", "ws", "wq_t", "ws_t")
+
+    def __init__(self, x4: tuple, w4: tuple) -> None:
+        self.xq, self.xs, self.xq_t, self.xs_t = x4
+        self.wq, self.ws, self.wq_t, self.ws_t = w4
+
+
 class _Fp8Matmul(torch.autograd.Function):
-    """``x [T, K] @ weight[N, K]^T`` with FP8 GEMMs forward and backward (module docstring)."""
+    """``x [T, K] @ weight[N, K]^T`` with FP8 GEMMs forward and backward (module docstring) on operands quantised by
+    the caller (``fp8_linear``): the backward reads the transposed copies saved here, transposes nothing and
+    quantises only the incoming gradient (one pass writing it and its transpose)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, rowwise: bool) -> torch.Tensor:
-        xq, xs = kernels.fp8_quantize(x, E4M3, rowwise)
-        wq, ws = kernels.fp8_quantize(weight, E4M3, rowwise)  # row-wise: per output channel, [N, 1]
-        y = kernels.fp8_scaled_mm(xq, wq.t(), xs, ws.reshape(1, -1) if rowwise else ws, x.dtype, True)
-        ctx.rowwise = rowwise
-        ctx.x_dtype = x.dtype
-        if rowwise:
-            ctx.save_for_backward(x, weight)
-        else:
-            ctx.save_for_backward(xq, xs, weight)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, ops: _Fp8Operands, rowwise: bool, fast_grad: bool):
+        ws = ops.ws.reshape(1, -1) if rowwise else ops.ws
+        y = kernels.fp8_scaled_mm(ops.xq, ops.wq.t(), ops.xs, ws, x.dtype, True)
+        ctx.x_dtype, ctx.w_dtype, ctx.fast_grad = x.dtype, weight.dtype, fast_grad
+        ctx.save_for_backward(ops.xq_t, ops.xs_t, ops.wq_t, ops.ws_t)
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        if ctx.rowwise:
-            x, weight = ctx.saved_tensors
-            xq = xs = None
+        xq_t, xs_t, wq_t, ws_t = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dy = dy.contiguous()
+        if need_dw:  # dW needs dY^T row-major: the cast writes it beside dY
+            gq, gs, gq_t, _ = fp8_quantize_t(dy, E5M2, False)
         else:
-            xq, xs, weight = ctx.saved_tensors
-        gq, gs = kernels.fp8_quantize(dy.contiguous(), E5M2, False)
+            (gq, gs), gq_t = kernels.fp8_quantize(dy, E5M2, False), None
         dx = dw = None
-        if ctx.needs_input_grad[0]:
-            wq, ws = kernels.fp8_quantize(weight, E4M3, False)
-            dx = kernels.fp8_scaled_mm(gq, wq, gs, ws, ctx.x_dtype, False)  # [T, N] @ [N, K]
-        if ctx.needs_input_grad[1]:
-            if xq is None:
-                xq, xs = kernels.fp8_quantize(x, E4M3, False)
-            dw = kernels.fp8_scaled_mm(gq.t(), xq, gs, xs, weight.dtype, False)  # [N, T] @ [T, K]
-        return dx, dw, None
+        if need_dx:  # [T, N] @ [N, K]: the second operand column-major is wq_t row-major
+            dx = kernels.fp8_scaled_mm(gq, wq_t.t(), gs, ws_t, ctx.x_dtype, ctx.fast_grad)
+        if need_dw:  # [N, T] @ [T, K]
+            dw = kernels.fp8_scaled_mm(gq_t, xq_t.t(), gs, xs_t, ctx.w_dtype, ctx.fast_grad)
+        return dx, dw, None, None, None
+
+
+def _quantize(t: torch.Tensor, rowwise: bool, with_t: bool) -> tuple:
+    """(q, scale, q_t, scale_t) of ``t [M, K]`` in e4m3; q_t/scale_t None unless ``with_t``."""
+    if with_t:
+        return fp8_quantize_t(t, E4M3, rowwise)
+    return (*kernels.fp8_quantize(t, E4M3, rowwise), None, None)
+
+
+def _cacheable(t: torch.Tensor) -> bool:
+    return not t.is_inference() and not torch.compiler.is_compiling()
+
+
+class _InputSlot(threading.local):
+    """This thread's last quantised projection input: ``x`` (by identity, held weakly) at ``version`` -> its FP8
+    operands. q/k/v (gate/up) run back to back on the same ``x``: the first quantises it, the others reuse that.
+    One entry only (the next input replaces it; ``x``'s death frees it), so it keeps at most one input's FP8 copies
+    alive beyond what the backward saves."""
+
+    ref: weakref.ref | None = None
+    key: tuple = ()
+    value: tuple | None = None
+
+    def clear(self) -> None:
+        self.ref, self.key, self.value = None, (), None
+
+
+_INPUT = _InputSlot()
+
+
+def _input_operands(x: torch.Tensor, x2: torch.Tensor, rowwise: bool, with_t: bool) -> tuple:
+    if not (INPUT_CACHE and _cacheable(x)):
+        return _quantize(x2, rowwise, with_t)
+    slot = _INPUT
+    key = (x._version, rowwise, x2.shape)
+    if slot.ref is not None and slot.ref() is x and slot.key == key and (slot.value[2] is not None or not with_t):
+        return slot.value
+    value = _quantize(x2, rowwise, with_t)
+
+    def _freed(ref: weakref.ref, slot: _InputSlot = slot) -> None:
+        if slot.ref is ref:
+            slot.clear()
+
+    slot.ref, slot.key, slot.value = weakref.ref(x, _freed), key, value
+    return value
+
+
+class _WeightCache:
+    """Each trainable weight's FP8 operands from its forward until its gradient is accumulated (a
+    ``post_accumulate_grad`` hook drops the entry: before any optimizer step can change the weight, whatever
+    optimizer). A hit needs the same live tensor (held weakly), ``_version``, storage and recipe. Under activation
+    checkpointing the recomputed forward hits; without it nothing reads an entry twice and it costs only the
+    row-major copy's byte per parameter until the backward. Only a forward inside the backward (that
+    recomputation) reads entries; every other forward quantises and replaces its weight's entry. Frozen weights (a
+    LoRA base) are not cached: no gradient would ever drop them."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, tuple] = {}
+
+    def get(self, w: torch.Tensor, rowwise: bool, with_t: bool) -> tuple | None:
+        e = self.entries.get(id(w))
+        if e is None:
+            return None
+        ref, key, value = e
+        if ref() is not w or key != self._key(w, rowwise) or (with_t and value[2] is None):
+            return None
+        return value
+
+    def put(self, w: torch.Tensor, rowwise: bool, value: tuple) -> None:
+        if not getattr(w, "_polyrl_fp8_hooked", False):
+            w.register_post_accumulate_grad_hook(self._drop)
+            w._polyrl_fp8_hooked = True
+        self.entries[id(w)] = (weakref.ref(w), self._key(w, rowwise), value)
+
+    def _drop(self, w: torch.Tensor) -> None:
+        self.entries.pop(id(w), None)
+
+    @staticmethod
+    def _key(w: torch.Tensor, rowwise: bool) -> tuple:
+        # capturing: an entry made outside a CUDA-graph capture is never read inside one (the graph would then lack
+        # the cast and replay stale operands after the weight changes), nor one made inside read outside
+        return (w._version, w.data_ptr(), w.shape, w.dtype, rowwise, device.is_capturing(w))
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+_WEIGHTS = _WeightCache()
+
+
+def clear_fp8_caches() -> None:
+    """Drop every cached FP8 operand (inputs and weights); nothing needs it for correctness (entries are checked
+    and dropped on their own), it frees their memory now."""
+    _INPUT.clear()
+    _WEIGHTS.clear()
+
+
+def _in_backward() -> bool:
+    """Whether this runs inside a backward pass (a checkpointed layer's recomputation does)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _weight_operands(w: torch.Tensor, rowwise: bool, with_t: bool) -> tuple:
+    cache = WEIGHT_CACHE and w.requires_grad and torch.is_grad_enabled() and _cacheable(w)
+    # read only by a recomputation (inside the backward): a plain forward always quantises afresh, so an entry left
+    # by a forward whose backward never ran cannot reach it, even if the weight changed without a version bump
+    if cache and _in_backward():
+        hit = _WEIGHTS.get(w, rowwise, with_t)
+        if hit is not None:
+            return hit
+    value = _quantize(w, rowwise, with_t)
+    if cache:
+        _WEIGHTS.put(w, rowwise, value)
+    return value
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rowwise: bool = False):
     """``F.linear(x, weight, bias)`` with the three GEMMs in FP8; ``x [..., K]``, differentiable in all three."""
-    y = _Fp8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, rowwise).view(*x.shape[:-1], weight.shape[0])
+    x2 = x.reshape(-1, x.shape[-1])
+    grad = torch.is_grad_enabled()
+    need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
+    ops = _Fp8Operands(_input_operands(x, x2, rowwise, need_dw), _weight_operands(weight, rowwise, need_dx))
+    y = _Fp8Matmul.apply(x2, weight, ops, rowwise, GRAD_FAST_ACCUM).view(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
+
+
+class _Fp8MatmulUnfused(torch.autograd.Function):
+    """The FP8 linear as it was before the fused casts, kept as the baseline the kernels bench and the tests
+    compare with: each operand quantised on its own, the backward re-quantises the weight and copies each
+    transposed operand (``scaled_mm`` makes ``b`` column-major). Same numbers as ``_Fp8Matmul``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, rowwise: bool) -> torch.Tensor:
+        xq, xs = kernels.fp8_quantize(x, E4M3, rowwise)
+        wq, ws = kernels.fp8_quantize(weight, E4M3, rowwise)
+        y = kernels.fp8_scaled_mm(xq, wq.t(), xs, ws.reshape(1, -1) if rowwise else ws, x.dtype, True)
+        ctx.rowwise, ctx.x_dtype = rowwise, x.dtype
+        ctx.save_for_backward(x if rowwise else xq, None if rowwise else xs, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x_or_xq, xs, weight = ctx.saved_tensors
+        xq = None if ctx.rowwise else x_or_xq
+        gq, gs = kernels.fp8_quantize(dy.contiguous(), E5M2, False)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            wq, ws = kernels.fp8_quantize(weight, E4M3, False)
+            dx = kernels.fp8_scaled_mm(gq, wq, gs, ws, ctx.x_dtype, GRAD_FAST_ACCUM)
+        if ctx.needs_input_grad[1]:
+            if xq is None:
+                xq, xs = kernels.fp8_quantize(x_or_xq, E4M3, False)
+            dw = kernels.fp8_scaled_mm(gq.t(), xq, gs, xs, weight.dtype, GRAD_FAST_ACCUM)
+        return dx, dw, None
+
+
+def fp8_linear_unfused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rowwise: bool = False):
+    """``fp8_linear`` through ``_Fp8MatmulUnfused`` (the baseline: no fused casts, no caches)."""
+    y = _Fp8MatmulUnfused.apply(x.reshape(-1, x.shape[-1]), weight, rowwise).view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
 
 
