@@ -12,7 +12,8 @@ The GEMMs (``_Fp8Matmul``), x ``[T, K]``, W ``[N, K]``, dY ``[T, N]``:
   anyway, and torch's row-wise kernel takes e4m3 only on older versions).
 
 Every product accumulates in fp32 and is rounded once to the compute dtype (bf16). The forward output uses the fast
-(Hopper two-level) accumulation, the gradients the exact one: torchao's default ``Float8LinearConfig`` choices.
+(Hopper two-level) accumulation, the gradients the exact one: torchao's default ``Float8LinearConfig`` choices
+(``GRAD_FAST_ACCUM`` switches the gradients to the fast one too; the kernels bench has a row for it).
 
 Scaling is *current* (just-in-time): each tensor's scale comes from its own ``amax`` right before the cast, not from
 a history of earlier steps (*delayed* scaling). Why: it is stateless, so activation checkpointing recomputes the very
@@ -22,9 +23,24 @@ read of each tensor (the amax pass), a few percent of a GEMM's time at training 
 (its delayed scaling was deprecated and removed) and Transformer Engine's ``Float8CurrentScaling`` recipe, which TE
 added next to its original ``DelayedScaling`` default for the same reasons.
 
-What is saved for the backward: tensor-wise, X in FP8 (1 byte per element instead of 2, reused exactly by dW) and W
-itself (re-quantised in the backward: keeping an FP8 copy of every weight alive until its backward would cost one
-byte per parameter); row-wise, X in the compute dtype (dW needs it quantised along the token axis).
+Where the bytes go (the GEMMs are fast; the casts and transposes around them decided the speed):
+
+- every cast that has a transposed consumer writes both layouts in one pass (``kernels.fp8.fp8_quantize_t``): X
+  (row-major for the forward, ``X^T`` for dW), W (``W`` for the forward, ``W^T`` for dX), dY (``dY`` for dX,
+  ``dY^T`` for dW); ``torch._scaled_mm`` then gets every operand in the layout it wants and nothing is copied;
+- what is saved for the backward: ``X^T`` in FP8 (1 byte per element, tensor-wise in both recipes: the row-wise
+  recipe no longer keeps X in bf16) and ``W^T`` in FP8 (1 byte per parameter from the forward to the layer's
+  backward, instead of quantising W a second time there);
+- an input read by several projections (q/k/v, gate/up) is quantised once (``_InputSlot``; they also share the
+  saved ``X^T``: one copy instead of three);
+- with ``WEIGHT_CACHE`` each trainable weight's FP8 copies (row-major and transposed) stay from its forward until
+  its gradient is accumulated (``_WeightCache``), so an activation-checkpointing recomputation reuses them: one
+  weight cast per micro-batch. Memory: 2 bytes per FP8 parameter at most (1 without the cache), from the forward
+  to the weight's backward. A step of several micro-batches casts each weight once per micro-batch (the entry is
+  dropped after each backward, before any optimizer step can change the weight).
+
+``fp8_linear_unfused`` keeps the earlier composition (no fused casts, no caches) as the baseline the bench and the
+tests compare with: both give the same numbers.
 
 ``Fp8Linear`` is an ``nn.Linear`` whose class was swapped in place: the same ``weight`` / ``bias`` parameters and
 names, so checkpoints, FSDP2 sharding, the optimizer's masters and the rollout engine's references are untouched.
