@@ -232,7 +232,7 @@ def _in_backward() -> bool:
 
 
 def _weight_operands(w: torch.Tensor, rowwise: bool, with_t: bool) -> tuple:
-    cache = WEIGHT_CACHE and w.requires_grad and torch.is_grad_enabled() and _cacheable(w)
+    cache = WEIGHT_CACHE and w.requires_grad and w.is_leaf and torch.is_grad_enabled() and _cacheable(w)
     # read only by a recomputation (inside the backward): a plain forward always quantises afresh, so an entry left
     # by a forward whose backward never ran cannot reach it, even if the weight changed without a version bump
     if cache and _in_backward():
