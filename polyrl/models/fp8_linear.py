@@ -111,12 +111,16 @@ class _Fp8Matmul(torch.autograd.Function):
         ws = ops.ws.reshape(1, -1) if rowwise else ops.ws
         y = kernels.fp8_scaled_mm(ops.xq, ops.wq.t(), ops.xs, ws, x.dtype, True)
         ctx.x_dtype, ctx.w_dtype, ctx.fast_grad = x.dtype, weight.dtype, fast_grad
-        ctx.save_for_backward(ops.xq_t, ops.xs_t, ops.wq_t, ops.ws_t)
+        # no W^T handed in (``keep_weight=False``): save the weight itself and cast it again in the backward
+        w_again = weight if ops.wq_t is None and ctx.needs_input_grad[0] else None
+        ctx.save_for_backward(ops.xq_t, ops.xs_t, ops.wq_t, ops.ws_t, w_again)
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        xq_t, xs_t, wq_t, ws_t = ctx.saved_tensors
+        xq_t, xs_t, wq_t, ws_t, w_again = ctx.saved_tensors
+        if w_again is not None:
+            wq_t, ws_t = fp8_quantize_t(w_again, E4M3, False)[2:]
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy = dy.contiguous()
         if need_dw:  # dW needs dY^T row-major: the cast writes it beside dY
@@ -231,7 +235,9 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _weight_operands(w: torch.Tensor, rowwise: bool, with_t: bool) -> tuple:
+def _weight_operands(w: torch.Tensor, rowwise: bool, with_t: bool, keep: bool) -> tuple:
+    if not keep:  # the forward's W only: nothing of the weight outlives this call
+        return _quantize(w, rowwise, False)
     cache = WEIGHT_CACHE and w.requires_grad and w.is_leaf and torch.is_grad_enabled() and _cacheable(w)
     # read only by a recomputation (inside the backward): a plain forward always quantises afresh, so an entry left
     # by a forward whose backward never ran cannot reach it, even if the weight changed without a version bump
@@ -245,12 +251,18 @@ def _weight_operands(w: torch.Tensor, rowwise: bool, with_t: bool) -> tuple:
     return value
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rowwise: bool = False):
-    """``F.linear(x, weight, bias)`` with the three GEMMs in FP8; ``x [..., K]``, differentiable in all three."""
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rowwise: bool = False, keep_weight: bool = True
+):
+    """``F.linear(x, weight, bias)`` with the three GEMMs in FP8; ``x [..., K]``, differentiable in all three.
+    ``keep_weight=False`` keeps no FP8 copy of the weight beyond the forward GEMM (the backward casts it again): for
+    FSDP2-sharded weights, whose gathered copy is freed after the forward and must not live on as FP8."""
     x2 = x.reshape(-1, x.shape[-1])
     grad = torch.is_grad_enabled()
     need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
-    ops = _Fp8Operands(_input_operands(x, x2, rowwise, need_dw), _weight_operands(weight, rowwise, need_dx))
+    ops = _Fp8Operands(
+        _input_operands(x, x2, rowwise, need_dw), _weight_operands(weight, rowwise, need_dx, keep_weight)
+    )
     y = _Fp8Matmul.apply(x2, weight, ops, rowwise, GRAD_FAST_ACCUM).view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
 
@@ -296,11 +308,12 @@ class Fp8Linear(nn.Linear):
     ``convert_to_fp8`` (a class swap in place), which sets ``fp8_rowwise``."""
 
     fp8_rowwise: bool = False
+    fp8_keep_weight: bool = True  # False for an FSDP2-sharded weight (``convert_to_fp8``; ``fp8_linear``'s keep_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
             return F.linear(x, self.weight, self.bias)
-        return fp8_linear(x, self.weight, self.bias, self.fp8_rowwise)
+        return fp8_linear(x, self.weight, self.bias, self.fp8_rowwise, self.fp8_keep_weight)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={'rowwise' if self.fp8_rowwise else 'tensorwise'}"
@@ -316,10 +329,22 @@ def is_fp8_lora(module: nn.Module) -> bool:
     return hasattr(module, "lora_A") and hasattr(module, "fp8_rowwise") and getattr(module, "quant_shape", 0) is None
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a distributed tensor (an FSDP2 shard: the layer sees the gathered weight only in its forward
+    and backward)."""
+    if not torch.distributed.is_available():
+        return False
+    # lazy: torch.distributed.tensor exists only where torch.distributed is available (checked just above)
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 def convert_to_fp8(model: nn.Module, scaling: str = "tensorwise") -> int:
     """Swap every plain ``nn.Linear`` among ``fp8_candidates`` to ``Fp8Linear`` in place (parameters kept) and switch
     on the FP8 base of every dense LoRA layer among them; returns how many. Converting twice only updates the
-    scaling."""
+    scaling. A linear whose weight is already sharded (FSDP2) keeps no FP8 copy of it past the forward
+    (``fp8_keep_weight``): convert after sharding, as ``TrainEngine`` does."""
     if scaling not in SCALINGS:
         raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
     n = 0
@@ -327,6 +352,7 @@ def convert_to_fp8(model: nn.Module, scaling: str = "tensorwise") -> int:
         if type(module) in (nn.Linear, Fp8Linear):
             module.__class__ = Fp8Linear
             module.fp8_rowwise = scaling == "rowwise"
+            module.fp8_keep_weight = not _is_dtensor(module.weight)
             n += 1
         elif is_fp8_lora(module):
             module.fp8_rowwise = scaling == "rowwise"
@@ -341,6 +367,7 @@ def convert_from_fp8(model: nn.Module) -> int:
         if type(module) is Fp8Linear:
             module.__class__ = nn.Linear
             module.__dict__.pop("fp8_rowwise", None)
+            module.__dict__.pop("fp8_keep_weight", None)
             n += 1
         elif is_fp8_lora(module) and module.fp8_rowwise is not None:
             module.fp8_rowwise = None

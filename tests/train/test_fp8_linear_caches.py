@@ -160,3 +160,29 @@ def test_input_slot_follows_identity_and_version(monkeypatch):
     assert torch.equal(y, fp8_linear_unfused(h, w1, None))
     del h  # the slot lets go of the input's FP8 copies with the input
     assert fl._INPUT.value is None
+
+
+def test_keep_weight_false_saves_no_fp8_weight_and_changes_no_number(monkeypatch):
+    """``keep_weight=False`` (an FSDP2-sharded weight): the backward casts the weight again instead of reading a
+    saved FP8 copy; the same numbers, and the only weight-sized tensor saved is the weight itself."""
+    _caches(monkeypatch, True)
+    g = torch.Generator().manual_seed(2)
+    x0, w0, dy = torch.randn(21, 48, generator=g), torch.randn(40, 48, generator=g) * 0.05, torch.randn(21, 40)
+    results = {}
+    for keep in (True, False):
+        x, w = x0.clone().requires_grad_(), torch.nn.Parameter(w0.clone())
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = fp8_linear(x, w, None, False, keep)
+        y.backward(dy)
+        results[keep] = (y.detach(), x.grad, w.grad)
+        weight_sized = [t for t in saved if t.shape in ((40, 48), (48, 40))]
+        assert [t.dtype for t in weight_sized] == ([torch.float8_e4m3fn] if keep else [torch.float32])
+        fl.clear_fp8_caches()
+    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
+
+
+def test_convert_marks_only_sharded_weights():
+    model = tiny_lm(seed=0)
+    convert_to_fp8(model)
+    assert all(m.fp8_keep_weight for m in model.modules() if isinstance(m, fl.Fp8Linear))
