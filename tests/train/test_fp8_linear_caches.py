@@ -172,7 +172,7 @@ def test_keep_weight_false_saves_no_fp8_weight_and_changes_no_number(monkeypatch
     for keep in (True, False):
         x, w = x0.clone().requires_grad_(), torch.nn.Parameter(w0.clone())
         saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, s=saved: s.append(t) or t, lambda t: t):
             y = fp8_linear(x, w, None, False, keep)
         y.backward(dy)
         results[keep] = (y.detach(), x.grad, w.grad)
