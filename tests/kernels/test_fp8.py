@@ -142,6 +142,42 @@ def test_triton_quantize_t_bit_equal_to_reference(dtype, fp8, rowwise):
                 assert torch.equal(a, b), tuple(x.shape)
 
 
+def test_quantize_t_falls_back_to_cast_and_copy_once_when_the_fused_kernel_fails(monkeypatch):
+    """A device whose Triton cannot build the tiled cast: one warning, then the same numbers from the plain cast and
+    a transposing copy (the interpreter re-raises instead, so it is told here that it is a device)."""
+    if "triton" not in _quant_impls():
+        pytest.skip("needs an FP8 GPU or TRITON_INTERPRET=1 (tests/kernels/test_fp8.py runs it both ways)")
+    from polyrl.kernels.fp8 import triton as tri
+
+    def broken(*args):
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(tri, "_quantize_t_fused", broken)
+    monkeypatch.setattr(tri, "_FUSED_FAILED", [])
+    monkeypatch.setattr(tri, "interpreting", lambda: False)
+    monkeypatch.setattr(tri, "GRID_ROUND_ON_DEVICE", True)  # the interpreter's conversion still needs the grid
+    x = _x((7, 40)).to(_triton_device())
+    for rowwise in (False, True):
+        with pytest.warns(RuntimeWarning, match="fused Triton cast failed") if not rowwise else _no_warning():
+            got = tri.quantize_t(x, E4M3, rowwise)
+        expect = ref.quantize_t(x, E4M3, rowwise)
+        assert all(torch.equal(a.float(), b.float()) and a.shape == b.shape for a, b in zip(got, expect))
+    assert tri._FUSED_FAILED == ["RuntimeError: PassManager::run failed"]
+
+
+def _no_warning():
+    import contextlib
+    import warnings
+
+    @contextlib.contextmanager
+    def cm():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            yield
+
+    return cm()
+
+
 def test_quantize_t_dispatches_to_the_reference_on_cpu():
     from polyrl.kernels.fp8 import fp8_quantize_t
 

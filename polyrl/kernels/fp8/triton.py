@@ -30,6 +30,7 @@ token dim to a multiple of 16 (``scaled_mm`` pads when it must).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import triton
@@ -280,12 +281,36 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = False) -> 
     return q, scale
 
 
+_FUSED_FAILED: list[str] = []  # why the tiled cast could not be built on this device (then: cast + copy)
+
+
 def quantize_t(
     x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [M, K]`` -> ``(q, scale, q_t, scale_t)``: ``(q, scale) = quantize(x, fp8_dtype, rowwise)`` and the
     tensor-wise ``q_t [K, M]`` (contiguous: ``quantize(x, fp8_dtype)[0].t().contiguous()``) with ``scale_t []``
-    (tensor-wise: the same tensor as ``scale``), from one amax pass and one tiled cast."""
+    (tensor-wise: the same tensor as ``scale``), from one amax pass and one tiled cast. Where the tiled cast fails
+    to compile (a Triton backend without the transposing layout conversion) it warns once and gives the same
+    numbers from ``quantize`` and a transposing copy."""
+    if not _FUSED_FAILED:
+        try:
+            return _quantize_t_fused(x, fp8_dtype, rowwise)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a compile failure of this kernel only; reported, then worked around
+            if interpreting():
+                raise
+            _FUSED_FAILED.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+            warnings.warn(f"fp8_quantize_t: the fused Triton cast failed ({_FUSED_FAILED[0]}); using a cast and a "
+                          "transposing copy instead (slower, same numbers)", RuntimeWarning, 2)  # fmt: skip
+    q, scale = quantize(x, fp8_dtype, rowwise)
+    q_t, scale_t = (q, scale) if not rowwise else quantize(x, fp8_dtype, False)
+    return q, scale, q_t.reshape(-1, x.shape[-1]).t().contiguous(), scale_t
+
+
+def _quantize_t_fused(
+    x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     fmax, mbits, emin = _check(fp8_dtype)
     grid_round = _grid_round()
     x2 = _as_2d(x)
@@ -308,7 +333,7 @@ def quantize_t(
         x2 = x2.contiguous()
         part, n_part = _tensor_amax_partials(x2)
         rowamax = part  # unused
-    bm = bk = 16 if grid_round else 128
+    bm = bk = 16 if interpreting() else 128
     if m and k:
         _cast_t_kernel[(triton.cdiv(m, bm), triton.cdiv(k, bk))](
             x2, q, q_t, part, rowamax, scale, scale_t, m, k, n_part, x2.stride(0), FMAX=fmax, EPS=EPS,
