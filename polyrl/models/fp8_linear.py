@@ -191,6 +191,7 @@ class _WeightCache:
 
     def __init__(self) -> None:
         self.entries: dict[int, tuple] = {}
+        self.hooked: dict[int, weakref.ref] = {}  # weights that carry the dropping hook (by identity, held weakly)
 
     def get(self, w: torch.Tensor, rowwise: bool, with_t: bool) -> tuple | None:
         e = self.entries.get(id(w))
@@ -202,9 +203,10 @@ class _WeightCache:
         return value
 
     def put(self, w: torch.Tensor, rowwise: bool, value: tuple) -> None:
-        if not getattr(w, "_polyrl_fp8_hooked", False):
+        ref = self.hooked.get(id(w))
+        if ref is None or ref() is not w:
             w.register_post_accumulate_grad_hook(self._drop)
-            w._polyrl_fp8_hooked = True
+            self.hooked[id(w)] = weakref.ref(w, lambda _, i=id(w): self.hooked.pop(i, None))
         self.entries[id(w)] = (weakref.ref(w), self._key(w, rowwise), value)
 
     def _drop(self, w: torch.Tensor) -> None:
