@@ -11,8 +11,8 @@ cast (the second read hits L1/L2).
 
 With the transposed copy (``quantize_t``, what the FP8 linear's backward needs: ``q_t = q.t().contiguous()``, the
 column-major operand of ``torch._scaled_mm``): the same amax pass, then a tiled cast that loads a ``[BM, BK]`` tile
-of ``x`` once and writes both the tile of ``q [M, K]`` and its transpose into ``q_t [K, M]`` (the transpose is done
-in registers / shared memory by ``tl.trans``; both stores are coalesced). Row-wise (``rowwise=True``): ``q`` is
+of ``x`` once and writes both the tile of ``q [M, K]`` and, at transposed addresses, the tile of ``q_t [K, M]`` (the
+compiler turns that store into a shared-memory transpose with coalesced writes). Row-wise (``rowwise=True``): ``q`` is
 scaled per row and ``q_t`` tensor-wise (the backward's GEMMs take tensor-wise operands); the amax pass then writes
 the per-row amax and the partials of the global one in the same read.
 
@@ -84,14 +84,14 @@ def _fp8_round(v, MBITS: tl.constexpr, EMIN: tl.constexpr):
 
 
 @triton.jit
-def _to_fp8(x, inv, out_ty: tl.constexpr, FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
-            GRID_ROUND: tl.constexpr):  # fmt: skip
-    """``clamp(x * inv, -FMAX, FMAX)`` (fp32) cast to ``out_ty``, rounded to nearest even."""
+def _scaled(x, inv, FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, GRID_ROUND: tl.constexpr):
+    """``clamp(x * inv, -FMAX, FMAX)`` in fp32, ready for the (round-to-nearest-even) conversion to fp8; on the fp8
+    grid already with ``GRID_ROUND``."""
     fmax = tl.full([], FMAX, tl.float32)
     v = tl.minimum(tl.maximum(x * inv, -fmax), fmax)
     if GRID_ROUND:
         v = _fp8_round(v, MBITS, EMIN)
-    return v.to(out_ty)
+    return v
 
 
 @triton.jit
@@ -149,7 +149,8 @@ def _cast_kernel(
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(q_ptr + offs, _to_fp8(x, inv, q_ptr.dtype.element_ty, FMAX, MBITS, EMIN, GRID_ROUND), mask=mask)
+    q = _scaled(x, inv, FMAX, MBITS, EMIN, GRID_ROUND).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + offs, q, mask=mask)
 
 
 @triton.jit
@@ -175,7 +176,7 @@ def _rowwise_kernel(
         cols = start + tl.arange(0, BLOCK)
         mask = rmask[:, None] & (cols[None, :] < k)
         x = tl.load(x_base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        q = _to_fp8(x, inv[:, None], q_ptr.dtype.element_ty, FMAX, MBITS, EMIN, GRID_ROUND)
+        q = _scaled(x, inv[:, None], FMAX, MBITS, EMIN, GRID_ROUND).to(q_ptr.dtype.element_ty)
         tl.store(q_base + cols[None, :], q, mask=mask)
 
 
@@ -199,18 +200,20 @@ def _cast_t_kernel(
     inv_t = _inv_from_partials(part_ptr, n_part, FMAX, EPS, PBLOCK)
     if (pid_m == 0) & (pid_k == 0):
         tl.store(scale_t_ptr, tl.math.div_rn(tl.full([], 1.0, tl.float32), inv_t))
-    qt = _to_fp8(x, inv_t, qt_ptr.dtype.element_ty, FMAX, MBITS, EMIN, GRID_ROUND)
+    qt = _scaled(x, inv_t, FMAX, MBITS, EMIN, GRID_ROUND).to(qt_ptr.dtype.element_ty)
     if ROWWISE:
         ra = tl.load(rowamax_ptr + rows, mask=rmask, other=1.0)
         inv_r = tl.math.div_rn(tl.full([BM], FMAX, tl.float32), tl.maximum(ra, tl.full([BM], EPS, tl.float32)))
         if pid_k == 0:
             tl.store(scale_ptr + rows, tl.math.div_rn(tl.full([BM], 1.0, tl.float32), inv_r), mask=rmask)
-        q = _to_fp8(x, inv_r[:, None], q_ptr.dtype.element_ty, FMAX, MBITS, EMIN, GRID_ROUND)
+        q = _scaled(x, inv_r[:, None], FMAX, MBITS, EMIN, GRID_ROUND).to(q_ptr.dtype.element_ty)
     else:
         q = qt
     tl.store(q_ptr + rows64[:, None] * k + cols64[None, :], q, mask=mask)
-    mask_t = (cols[:, None] < k) & rmask[None, :]
-    tl.store(qt_ptr + cols64[:, None] * m + rows64[None, :], tl.trans(qt), mask=mask_t)
+    # the same tile stored at its transposed addresses (rows are contiguous in q_t): the compiler's coalescing pass
+    # moves it through shared memory so that the stores are row-contiguous. Not ``tl.trans`` of the fp8 tile: that
+    # corrupts fp8 tiles on some Triton versions (3.7.1 on H100, pith-train #74)
+    tl.store(qt_ptr + cols64[None, :] * m + rows64[:, None], qt, mask=mask)
 
 
 @functools.lru_cache(maxsize=16)
