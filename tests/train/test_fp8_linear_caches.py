@@ -186,3 +186,26 @@ def test_convert_marks_only_sharded_weights():
     model = tiny_lm(seed=0)
     convert_to_fp8(model)
     assert all(m.fp8_keep_weight for m in model.modules() if isinstance(m, fl.Fp8Linear))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not __import__("polyrl.platform.device", fromlist=["x"]).supports_fp8_gemm(), reason="needs an FP8 GPU (sm89+)"
+)
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_gpu_fused_equals_unfused(monkeypatch, rowwise):
+    """On the GPU (Triton casts, ``torch._scaled_mm``) at a training shape: the fused path hands the GEMMs the very
+    bytes the unfused one copies into place, so outputs and gradients are equal."""
+    monkeypatch.delenv("POLYRL_KERNELS", raising=False)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x0 = torch.randn(4096, 1024, device="cuda", generator=g).bfloat16()
+    w0 = (torch.randn(3072, 1024, device="cuda", generator=g) * 0.03).bfloat16()
+    dy = torch.randn(4096, 3072, device="cuda", generator=g).bfloat16()
+    outs = []
+    for fn in (fp8_linear, fp8_linear_unfused):
+        x, w = x0.clone().requires_grad_(), torch.nn.Parameter(w0.clone())
+        y = fn(x, w, None, rowwise)
+        y.backward(dy)
+        outs.append((y.detach(), x.grad, w.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
