@@ -18,8 +18,9 @@ the per-row amax and the partials of the global one in the same read.
 
 The cast itself: on the GPU the hardware's fp32 -> fp8 conversion (``cvt.rn.satfinite``: round to nearest even,
 what torch's cast does; the value is already clamped). Under the interpreter the value is first rounded on the
-fp8 grid in fp32 (``_fp8_round``: ~20 integer ops per element, which made the compiled cast ALU-bound at twice
-the time of torch.compile's on the H200) because the interpreter's own conversion drops the carry into the exponent.
+fp8 grid in fp32 (``_fp8_round``) because the interpreter's own conversion drops the carry into the exponent. On the
+device that rounding costs ~20 integer ops per element: by arithmetic (not yet profiled) about as long as the
+memory traffic, the likely part of the 2x gap to torch.compile's cast measured on the H200.
 
 No host synchronisation anywhere, so all of it can be captured in a CUDA graph.
 
