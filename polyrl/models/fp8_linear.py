@@ -37,8 +37,11 @@ Where the bytes go (the GEMMs are fast; the casts and transposes around them dec
   its gradient is accumulated (``_WeightCache``), so an activation-checkpointing recomputation reuses them: one
   weight cast per micro-batch. Memory: 2 bytes per FP8 parameter at most (1 without the cache), from the forward
   to the weight's backward: ~2.8 GB at qwen3-1.7b, ~14 GB at qwen3-8b (under checkpointing the backward would
-  otherwise hold none: ``WEIGHT_CACHE = False`` trades those bytes for one more weight cast per step). A step of several micro-batches casts each weight once per micro-batch (the entry is
-  dropped after each backward, before any optimizer step can change the weight).
+  otherwise hold none: ``WEIGHT_CACHE = False`` trades those bytes for one more weight cast per step). A step of
+  several micro-batches casts each weight once per micro-batch (the entry is dropped after each backward, before
+  any optimizer step can change the weight);
+- where the weight gradient runs on ``torch._scaled_mm``, X^T and dY^T come out of the cast with their token dim
+  already padded with zeros to a multiple of 16 (the GEMM's reduction dim must be): no padding copy.
 
 ``fp8_linear_unfused`` keeps the earlier composition (no fused casts, no caches) as the baseline the bench and the
 tests compare with: both give the same numbers.
@@ -124,23 +127,31 @@ class _Fp8Matmul(torch.autograd.Function):
             wq_t, ws_t = fp8_quantize_t(w_again, E4M3, False)[2:]
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy = dy.contiguous()
-        if need_dw:  # dW needs dY^T row-major: the cast writes it beside dY
-            gq, gs, gq_t, _ = fp8_quantize_t(dy, E5M2, False)
+        if need_dw:  # dW needs dY^T row-major: the cast writes it beside dY (token dim padded as X^T's)
+            gq, gs, gq_t, _ = fp8_quantize_t(dy, E5M2, False, _token_pad(dy))
         else:
             (gq, gs), gq_t = kernels.fp8_quantize(dy, E5M2, False), None
         dx = dw = None
         if need_dx:  # [T, N] @ [N, K]: the second operand column-major is wq_t row-major
             dx = kernels.fp8_scaled_mm(gq, wq_t.t(), gs, ws_t, ctx.x_dtype, ctx.fast_grad)
-        if need_dw:  # [N, T] @ [T, K]
+        if need_dw:  # [N, T_pad] @ [T_pad, K]: the padded tokens are zeros in both
             dw = kernels.fp8_scaled_mm(gq_t, xq_t.t(), gs, xs_t, ctx.w_dtype, ctx.fast_grad)
         return dx, dw, None, None, None
 
 
-def _quantize(t: torch.Tensor, rowwise: bool, with_t: bool) -> tuple:
-    """(q, scale, q_t, scale_t) of ``t [M, K]`` in e4m3; q_t/scale_t None unless ``with_t``."""
+def _quantize(t: torch.Tensor, rowwise: bool, with_t: bool, pad_t: int = 1) -> tuple:
+    """(q, scale, q_t, scale_t) of ``t [M, K]`` in e4m3; q_t/scale_t None unless ``with_t`` (q_t ``[K, M]`` padded
+    with zero columns to a multiple of ``pad_t``)."""
     if with_t:
-        return fp8_quantize_t(t, E4M3, rowwise)
+        return fp8_quantize_t(t, E4M3, rowwise, pad_t)
     return (*kernels.fp8_quantize(t, E4M3, rowwise), None, None)
+
+
+def _token_pad(t: torch.Tensor) -> int:
+    """The multiple the token dim of X^T and dY^T is padded to: 16 where the weight gradient runs on
+    ``torch._scaled_mm`` (its reduction dim must be; the cast writes the zero columns, so the GEMM copies nothing),
+    1 on the reference GEMM (which needs none, and stays bit-equal to the unpadded product)."""
+    return 16 if kernels.registry.select("fp8_scaled_mm", t.device.type, "float8_e4m3fn")[0] == "torch" else 1
 
 
 def _cacheable(t: torch.Tensor) -> bool:
@@ -165,13 +176,14 @@ _INPUT = _InputSlot()
 
 
 def _input_operands(x: torch.Tensor, x2: torch.Tensor, rowwise: bool, with_t: bool) -> tuple:
+    pad = _token_pad(x2) if with_t else 1
     if not (INPUT_CACHE and _cacheable(x)):
-        return _quantize(x2, rowwise, with_t)
+        return _quantize(x2, rowwise, with_t, pad)
     slot = _INPUT
-    key = (x._version, rowwise, x2.shape)
+    key = (x._version, rowwise, x2.shape, pad)
     if slot.ref is not None and slot.ref() is x and slot.key == key and (slot.value[2] is not None or not with_t):
         return slot.value
-    value = _quantize(x2, rowwise, with_t)
+    value = _quantize(x2, rowwise, with_t, pad)
 
     def _freed(ref: weakref.ref, slot: _InputSlot = slot) -> None:
         if slot.ref is ref:

@@ -116,6 +116,9 @@ def test_reference_quantize_t_is_quantize_and_the_tensorwise_transpose(fp8, roww
     assert qt.shape == (127, 7) and qt.is_contiguous() and st.shape == ()
     assert torch.equal(qt.view(torch.uint8), q2.t().contiguous().view(torch.uint8)) and torch.equal(st, s2)
     assert (st is s) != rowwise
+    padded = ref.quantize_t(x, fp8, rowwise, pad_t=16)[2]  # the token dim padded with zeros to a multiple of 16
+    assert padded.shape == (127, 16) and torch.equal(padded[:, :7].view(torch.uint8), qt.view(torch.uint8))
+    assert not padded[:, 7:].view(torch.uint8).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -130,10 +133,10 @@ def test_triton_quantize_t_bit_equal_to_reference(dtype, fp8, rowwise):
 
     wide = _x((19, 80), dtype, seed=7).to(_triton_device())
     cases = [_x(shape, dtype, seed=i).to(_triton_device()) for i, shape in enumerate([(1, 16), (7, 127), (33, 40)])]
-    for x in [*cases, wide[:, :45]]:  # the last: rows 80 apart in memory
+    for x, pad in [(c, 1) for c in cases] + [(cases[1], 16), (wide[:, :45], 16)]:  # wide: rows 80 apart in memory
         x[0, 0] = 0.0
-        got = tri.quantize_t(x, fp8, rowwise)
-        expect = ref.quantize_t(x, fp8, rowwise)
+        got = tri.quantize_t(x, fp8, rowwise, pad)
+        expect = ref.quantize_t(x, fp8, rowwise, pad)
         for a, b in zip(got, expect):
             assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous(), tuple(x.shape)
             if a.dtype in (E4M3, E5M2):

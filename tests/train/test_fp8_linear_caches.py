@@ -48,14 +48,34 @@ def test_fused_equals_unfused_bit_for_bit(rowwise, dtype):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_padded_token_dim_gives_the_same_weight_gradient(monkeypatch, rowwise):
+    """Where the weight gradient runs on ``torch._scaled_mm`` the casts pad X^T's and dY^T's token dim to a multiple
+    of 16 with zeros (here forced on the reference GEMM): the products are the same up to fp32 summation order."""
+    g = torch.Generator().manual_seed(4)
+    x0, w0, dy = torch.randn(21, 48, generator=g), torch.randn(40, 48, generator=g) * 0.05, torch.randn(21, 40)
+    outs = []
+    for pad in (1, 16):
+        monkeypatch.setattr(fl, "_token_pad", lambda t, p=pad: p)
+        x, w = x0.clone().requires_grad_(), torch.nn.Parameter(w0.clone())
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, s=saved: s.append(t) or t, lambda t: t):
+            y = fp8_linear(x, w, None, rowwise)
+        y.backward(dy)
+        assert [tuple(t.shape) for t in saved if t.dim() == 2 and t.shape[-1] in (21, 32)] == [(48, 21 if pad == 1 else 32)]
+        outs.append((y.detach(), x.grad, w.grad))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    torch.testing.assert_close(outs[0][2], outs[1][2], rtol=1e-6, atol=1e-7)
+
+
 def _count_casts(monkeypatch) -> list[tuple]:
     """Record every e4m3 cast of an input or weight the FP8 linear runs: (shape, with transposed copy)."""
     calls = []
     inner = fl._quantize
 
-    def spy(t, rowwise, with_t):
+    def spy(t, rowwise, with_t, *pad):
         calls.append((tuple(t.shape), with_t))
-        return inner(t, rowwise, with_t)
+        return inner(t, rowwise, with_t, *pad)
 
     monkeypatch.setattr(fl, "_quantize", spy)
     return calls

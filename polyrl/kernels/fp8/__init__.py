@@ -7,8 +7,9 @@ Format (the contract every implementation keeps; ``reference.py`` is the spec):
   ``inv = FP8_MAX / max(amax, 1e-12)`` in fp32, ``q = clamp(x_fp32 * inv, -FP8_MAX, FP8_MAX)`` rounded to nearest
   even, ``scale = 1 / inv``: the *dequantisation* scale, so ``x ~= q.float() * scale`` (what ``torch._scaled_mm``
   takes). FP8_MAX is 448 for ``float8_e4m3fn`` and 57344 for ``float8_e5m2``.
-- ``fp8_quantize_t(x [M, K], fp8_dtype, rowwise) -> (q, scale, q_t [K, M], scale_t [])``: ``fp8_quantize`` plus
-  the *tensor-wise* quantisation of ``x`` transposed and contiguous (row-wise ``q`` has its own tensor-wise
+- ``fp8_quantize_t(x [M, K], fp8_dtype, rowwise, pad_t=1) -> (q, scale, q_t [K, M_pad], scale_t [])``:
+  ``fp8_quantize`` plus the *tensor-wise* quantisation of ``x`` transposed and contiguous, its rows padded with
+  zeros to ``M_pad`` = M rounded up to a multiple of ``pad_t`` (row-wise ``q`` has its own tensor-wise
   ``scale_t``; tensor-wise ``scale_t`` is ``scale``). The FP8 linear's backward takes ``q_t`` as the column-major
   operand of its GEMMs; the Triton implementation writes both copies from one read of each tile.
 - ``fp8_scaled_mm(a [M, K] fp8, b [K, N] fp8, scale_a, scale_b, out_dtype, use_fast_accum) -> [M, N]``:
@@ -55,13 +56,13 @@ register("fp8_scaled_mm", "torch", "polyrl.kernels.fp8.scaled_mm:scaled_mm", dev
 
 
 def fp8_quantize_t(
-    x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = False
+    x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = False, pad_t: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``fp8_quantize`` with the tensor-wise transposed copy (contract above), through the registry (op
     ``fp8_quantize_t``; ``POLYRL_KERNELS=fp8_quantize_t:reference`` forces the reference). Dispatched here, beside
     its contract, rather than in ``kernels.ops``: only the FP8 linear and its bench call it."""
     impl = registry.select("fp8_quantize_t", x.device.type, str(x.dtype).removeprefix("torch."))[1]
-    return impl(x, fp8_dtype, rowwise)
+    return impl(x, fp8_dtype, rowwise, pad_t)
 
 
 def emulation_forced() -> bool:

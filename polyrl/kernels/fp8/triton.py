@@ -183,12 +183,13 @@ def _rowwise_kernel(
 
 @triton.jit
 def _cast_t_kernel(
-    x_ptr, q_ptr, qt_ptr, part_ptr, rowamax_ptr, scale_ptr, scale_t_ptr, m, k, n_part, stride_x,
+    x_ptr, q_ptr, qt_ptr, part_ptr, rowamax_ptr, scale_ptr, scale_t_ptr, m, m_pad, k, n_part, stride_x,
     FMAX: tl.constexpr, EPS: tl.constexpr, ROWWISE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
     PBLOCK: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, GRID_ROUND: tl.constexpr,
 ):  # fmt: skip
     """One ``[BM, BK]`` tile of ``x [m, k]`` read once: ``q`` (row-wise or tensor-wise scaled) written row-major and
-    the tensor-wise ``q_t [k, m]`` written as the tile's transpose."""
+    the tensor-wise ``q_t [k, m_pad]`` written as the tile's transpose; rows ``m <= r < m_pad`` of ``x`` read as
+    zeros, so they write the zero padding columns of ``q_t``."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
@@ -214,7 +215,8 @@ def _cast_t_kernel(
     # the same tile stored at its transposed addresses (rows are contiguous in q_t): the compiler's coalescing pass
     # moves it through shared memory so that the stores are row-contiguous. Not ``tl.trans`` of the fp8 tile: that
     # corrupts fp8 tiles on some Triton versions (3.7.1 on H100, pith-train #74)
-    tl.store(qt_ptr + cols64[None, :] * m + rows64[:, None], qt, mask=mask)
+    mask_t = (rows[:, None] < m_pad) & (cols[None, :] < k)
+    tl.store(qt_ptr + cols64[None, :] * m_pad + rows64[:, None], qt, mask=mask_t)
 
 
 @functools.lru_cache(maxsize=16)
@@ -289,16 +291,17 @@ _FUSED_FAILED: list[str] = []  # why the tiled cast could not be built on this d
 
 
 def quantize_t(
-    x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = False
+    x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = False, pad_t: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [M, K]`` -> ``(q, scale, q_t, scale_t)``: ``(q, scale) = quantize(x, fp8_dtype, rowwise)`` and the
-    tensor-wise ``q_t [K, M]`` (contiguous: ``quantize(x, fp8_dtype)[0].t().contiguous()``) with ``scale_t []``
-    (tensor-wise: the same tensor as ``scale``), from one amax pass and one tiled cast. Where the tiled cast fails
+    tensor-wise ``q_t [K, M_pad]`` (contiguous: ``quantize(x, fp8_dtype)[0].t()``, zero columns up to ``M_pad``, a
+    multiple of ``pad_t``) with ``scale_t []`` (tensor-wise: the same tensor as ``scale``), from one amax pass and
+    one tiled cast (which writes the zero columns too). Where the tiled cast fails
     to compile (a Triton backend without the transposing layout conversion) it warns once and gives the same
     numbers from ``quantize`` and a transposing copy."""
     if not _FUSED_FAILED:
         try:
-            return _quantize_t_fused(x, fp8_dtype, rowwise)
+            return _quantize_t_fused(x, fp8_dtype, rowwise, pad_t)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 - a compile failure of this kernel only; reported, then worked around
@@ -309,11 +312,15 @@ def quantize_t(
                           "transposing copy instead (slower, same numbers)", RuntimeWarning, 2)  # fmt: skip
     q, scale = quantize(x, fp8_dtype, rowwise)
     q_t, scale_t = (q, scale) if not rowwise else quantize(x, fp8_dtype, False)
-    return q, scale, q_t.reshape(-1, x.shape[-1]).t().contiguous(), scale_t
+    q_t = q_t.reshape(-1, x.shape[-1]).t()
+    m_pad = triton.cdiv(q_t.shape[1], pad_t) * pad_t
+    out = torch.zeros((q_t.shape[0], m_pad), dtype=torch.uint8, device=x.device)
+    out[:, : q_t.shape[1]] = q_t.view(torch.uint8)
+    return q, scale, out.view(fp8_dtype), scale_t
 
 
 def _quantize_t_fused(
-    x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool
+    x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, pad_t: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     fmax, mbits, emin = _check(fp8_dtype)
     grid_round = _grid_round()
@@ -321,7 +328,8 @@ def _quantize_t_fused(
     m, k = x2.shape
     dev = x.device
     q = torch.empty((m, k), dtype=fp8_dtype, device=dev)
-    q_t = torch.empty((k, m), dtype=fp8_dtype, device=dev)
+    m_pad = triton.cdiv(m, pad_t) * pad_t
+    q_t = torch.empty((k, m_pad), dtype=fp8_dtype, device=dev)
     scale_t = torch.empty((), dtype=torch.float32, device=dev)
     scale = torch.empty((m, 1), dtype=torch.float32, device=dev) if rowwise else scale_t
     if rowwise:
@@ -339,8 +347,8 @@ def _quantize_t_fused(
         rowamax = part  # unused
     bm = bk = 16 if interpreting() else 128
     if m and k:
-        _cast_t_kernel[(triton.cdiv(m, bm), triton.cdiv(k, bk))](
-            x2, q, q_t, part, rowamax, scale, scale_t, m, k, n_part, x2.stride(0), FMAX=fmax, EPS=EPS,
+        _cast_t_kernel[(triton.cdiv(m_pad, bm), triton.cdiv(k, bk))](
+            x2, q, q_t, part, rowamax, scale, scale_t, m, m_pad, k, n_part, x2.stride(0), FMAX=fmax, EPS=EPS,
             ROWWISE=rowwise, BM=bm, BK=bk, PBLOCK=min(_MAX_PARTIALS, triton.next_power_of_2(n_part)), MBITS=mbits,
             EMIN=emin, GRID_ROUND=grid_round, num_warps=8,
         )  # fmt: skip
