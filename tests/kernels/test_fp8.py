@@ -166,6 +166,11 @@ def test_quantize_t_falls_back_to_cast_and_copy_once_when_the_fused_kernel_fails
         expect = ref.quantize_t(x, E4M3, rowwise)
         assert all(torch.equal(a.float(), b.float()) and a.shape == b.shape for a, b in zip(got, expect))
     assert tri._FUSED_FAILED == ["RuntimeError: PassManager::run failed"]
+    monkeypatch.setattr(tri, "_FUSED_FAILED", [])
+    monkeypatch.setattr(tri, "FUSED_CAST_T", False)  # switched off: no attempt, no warning, the same numbers
+    with _no_warning():
+        got = tri.quantize_t(x, E4M3, False, 16)
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(got, ref.quantize_t(x, E4M3, False, 16)))
 
 
 def _no_warning():

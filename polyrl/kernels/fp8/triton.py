@@ -52,6 +52,10 @@ _MAX_PARTIALS = 1024  # programs of the tensor-wise amax pass (and the partials 
 # hardware conversion (sm89+: cvt.rn.satfinite, bit-equal to torch's cast, checked by the GPU tests at real shapes);
 # on: exact on any backend whose conversion rounds otherwise, at ~20 integer ops per element.
 GRID_ROUND_ON_DEVICE = False
+# The tiled cast writing q and q^T in one pass. Off: ``quantize`` and a transposing copy (the same numbers, one more
+# read and write of the fp8 tensor): the escape hatch if a Triton version miscompiles the transposed store
+# (triton-lang/triton#11111 is such a bug for NaN-propagating min/max, which this kernel does not use).
+FUSED_CAST_T = True
 
 
 def interpreting() -> bool:
@@ -299,7 +303,7 @@ def quantize_t(
     one tiled cast (which writes the zero columns too). Where the tiled cast fails
     to compile (a Triton backend without the transposing layout conversion) it warns once and gives the same
     numbers from ``quantize`` and a transposing copy."""
-    if not _FUSED_FAILED:
+    if FUSED_CAST_T and not _FUSED_FAILED:
         try:
             return _quantize_t_fused(x, fp8_dtype, rowwise, pad_t)
         except torch.OutOfMemoryError:
