@@ -215,8 +215,13 @@ for s in "$@"; do
     # FP8 training (issue 28) checks first: its GPU tests (Triton casts and _scaled_mm vs the references, train steps vs
     # bf16 with a CUDA-graph capture), the ops sweep at real shapes, the kernels bench (cast bandwidth, FP8 vs bf16 linear)
     fp8-check) TAIL=60 stage fp8-check 400 bash -c "python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
-      tests/kernels/test_fp8.py tests/train/test_fp8_train.py; $PR validate ops --ops fp8_quantize,fp8_scaled_mm \
+      tests/kernels/test_fp8.py tests/train/test_fp8_train.py tests/train/test_fp8_linear_caches.py; $PR validate ops --ops fp8_quantize,fp8_scaled_mm \
       --sizes tiny,small,large --show failures; $PR bench kernels --ops fp8 --baselines eager,compile" ;;
+    # FP8 training speed (issue 28, kernel work): ours bf16 vs FP8 at 1.7b (the headline), then the FP8 kernel rows (fused
+    # cast + transpose vs torch.compile, fp8_linear fused / unfused / fast-grad vs bf16, gate+up pair)
+    fp8-train-speed) TAIL=70 stage fp8-train-speed 150 bash -c "$PR bench sft --shape qwen3-1.7b --seq 4096 --batch 4 \
+      --warmup 2 --steps 4 --precision both --baselines none --json $OUT/bench_sft_fp8_speed.json; \
+      $PR bench kernels --ops fp8 --baselines compile --json $OUT/bench_kernels_fp8.json" ;;
     # FP8 training (issue 28): ours bf16 and FP8 vs HF + Liger bf16 and torchao float8 (eager and compiled), same run;
     # then 8b full SFT with checkpointing (pure-bf16 weights and moments, what fits one H200, as the HF bf16 rows)
     bench-sft-fp8) TAIL=40 stage bench-sft-fp8 560 $PR bench sft --shape qwen3-1.7b --seq 4096 --batch 4 --warmup 2 \

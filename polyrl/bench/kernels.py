@@ -496,12 +496,18 @@ def bench_skinny_linear(ctx: Ctx) -> list[Case]:
 @bench("fp8")
 def bench_fp8(ctx: Ctx) -> list[Case]:
     """FP8 training pieces at the preset's widths: the current-scaling cast of an activation ``[tokens, hidden]``
-    (tensor-wise: two reads, row-wise: one pass per row) against the reference in eager and compiled torch, and one
-    decoder projection (``hidden -> inter``, the gate/up shape) forward + backward as ``fp8_linear`` (three FP8 GEMMs
-    plus the casts, ``models/fp8_linear.py``) against the bf16 ``F.linear`` it replaces."""
+    (tensor-wise, row-wise, and the fused cast that also writes the transposed copy, ``fp8_quantize_t``, against the
+    reference + ``.t().contiguous()``) in eager and compiled torch; one decoder projection (``hidden -> inter``, the
+    gate/up shape) forward + backward as ``fp8_linear`` (three FP8 GEMMs plus the casts, ``models/fp8_linear.py``:
+    fused casts, saved transposed copies), as ``fp8_linear_unfused`` (the earlier composition: separate casts,
+    transposes copied, the weight re-cast in the backward), and with fast accumulation in the gradient GEMMs too,
+    against the bf16 ``F.linear`` it replaces; and the gate + up pair reading one input (quantised once by the
+    fused path) against two bf16 linears. Every case is also timed as a CUDA-graph replay (device time)."""
     # lazy: the FP8 linear lives in models (bench may import anything; the kernels bench needs it only here)
+    from polyrl.kernels.fp8 import fp8_quantize_t
     from polyrl.kernels.fp8.reference import quantize as quantize_ref
-    from polyrl.models.fp8_linear import fp8_linear
+    from polyrl.kernels.fp8.reference import quantize_t as quantize_t_ref
+    from polyrl.models import fp8_linear as fl
 
     t, h, inter = ctx.tokens, ctx.shape["hidden"], ctx.shape["inter"]
     e = torch.finfo(ctx.dtype).bits // 8
@@ -515,14 +521,49 @@ def bench_fp8(ctx: Ctx) -> list[Case]:
         )  # fmt: skip
         label = "rowwise" if rowwise else "tensorwise"
         cases.append(Case("fp8_quantize", f"{label} T={t} H={h} e4m3", cands, bytes_moved=float(t * h * (e + 1)),
-                          extra={"impl": _impl_name("fp8_quantize", x)}))  # fmt: skip
-    w = _rand(ctx, inter, h, scale=h**-0.5)
+                          extra={"impl": _impl_name("fp8_quantize", x)}, graph=True))  # fmt: skip
     for rowwise in (False, True):
-        cands = [_try("polyrl", lambda r=rowwise: fwd_bwd(lambda x, w: fp8_linear(x, w, None, r), [x, w], {0, 1}))]
-        cands.append(_try("bf16", lambda: fwd_bwd(F.linear, [x, w], {0, 1})))
+        cands = _candidates(
+            ctx, lambda x, r=rowwise: fp8_quantize_t(x, e4m3, r), lambda x, r=rowwise: quantize_t_ref(x, e4m3, r),
+            [x], None, None,
+        )  # fmt: skip
+        label = "rowwise+t" if rowwise else "tensorwise+t"
+        # bytes: one read of x for the cast (the amax read is the price of current scaling) and two fp8 writes
+        cases.append(Case("fp8_quantize_t", f"{label} T={t} H={h} e4m3", cands, bytes_moved=float(t * h * (e + 2)),
+                          extra={"impl": _impl_name("fp8_quantize_t", x)}, graph=True))  # fmt: skip
+    w = _rand(ctx, inter, h, scale=h**-0.5)
+    w2 = _rand(ctx, inter, h, scale=h**-0.5)
+
+    def fast_grad(x, w, r):
+        old, fl.GRAD_FAST_ACCUM = fl.GRAD_FAST_ACCUM, True
+        try:
+            return fl.fp8_linear(x, w, None, r)  # the flag is read in the forward and kept for the backward
+        finally:
+            fl.GRAD_FAST_ACCUM = old
+
+    impl = _impl_name("fp8_scaled_mm", x[:1].to(e4m3))
+    for rowwise in (False, True):
         label = "rowwise" if rowwise else "tensorwise"
+        cands = [
+            _try("polyrl", lambda r=rowwise: fwd_bwd(lambda x, w: fl.fp8_linear(x, w, None, r), [x, w], {0, 1})),
+            _try(
+                "unfused", lambda r=rowwise: fwd_bwd(lambda x, w: fl.fp8_linear_unfused(x, w, None, r), [x, w], {0, 1})
+            ),  # fmt: skip
+            _try("fast-grad", lambda r=rowwise: fwd_bwd(lambda x, w: fast_grad(x, w, r), [x, w], {0, 1})),
+            _try("bf16", lambda: fwd_bwd(F.linear, [x, w], {0, 1})),
+        ]
         cases.append(Case("fp8_linear", f"{label} fwd+bwd T={t} {h}->{inter}", cands, flops=6.0 * t * h * inter,
-                          base="bf16", extra={"impl": _impl_name("fp8_scaled_mm", x[:1].to(e4m3))}))  # fmt: skip
+                          base="bf16", extra={"impl": impl}, graph=True))  # fmt: skip
+    pair = [x, w, w2]
+    cands = [
+        _try("polyrl", lambda: fwd_bwd(lambda x, a, b: (fl.fp8_linear(x, a, None), fl.fp8_linear(x, b, None)), pair,
+                                       {0, 1, 2})),  # fmt: skip
+        _try("unfused", lambda: fwd_bwd(lambda x, a, b: (fl.fp8_linear_unfused(x, a, None),
+                                                         fl.fp8_linear_unfused(x, b, None)), pair, {0, 1, 2})),
+        _try("bf16", lambda: fwd_bwd(lambda x, a, b: (F.linear(x, a), F.linear(x, b)), pair, {0, 1, 2})),
+    ]  # fmt: skip
+    cases.append(Case("fp8_linear", f"gate+up pair tensorwise fwd+bwd T={t} {h}->2x{inter}", cands,
+                      flops=12.0 * t * h * inter, base="bf16", extra={"impl": impl}, graph=True))  # fmt: skip
     return cases
 
 

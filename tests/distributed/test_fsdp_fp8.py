@@ -29,6 +29,8 @@ def fp8_worker(rank: int, world_size: int, workdir: str) -> None:
     model = shard_model(tiny_lm(0).to(world.device), world)
     engine = _engine(model, "fp8", world)
     assert engine.fp8_linears == 14 and sum(isinstance(m, Fp8Linear) for m in model.modules()) == 14
+    # sharded weights: no FP8 copy of a gathered weight outlives its forward (the backward casts it again)
+    assert not any(m.fp8_keep_weight for m in model.modules() if isinstance(m, Fp8Linear))
     losses = [engine.step(global_batches(step)[rank::world_size]).loss for step in range(STEPS)]
     if world.is_main:
         write_json(Path(workdir) / "fp8.json", {"losses": losses})

@@ -104,6 +104,96 @@ def test_triton_quantize_keeps_the_sign_of_values_that_round_to_zero(fp8):
         assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8))
 
 
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_reference_quantize_t_is_quantize_and_the_tensorwise_transpose(fp8, rowwise):
+    x = _x((7, 127))
+    x[2, 3] = 40.0  # row-wise: row 2's scale differs from the others and from the tensor-wise one
+    q, s, qt, st = ref.quantize_t(x, fp8, rowwise)
+    q1, s1 = ref.quantize(x, fp8, rowwise)
+    q2, s2 = ref.quantize(x, fp8, False)
+    assert torch.equal(q.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s, s1)
+    assert qt.shape == (127, 7) and qt.is_contiguous() and st.shape == ()
+    assert torch.equal(qt.view(torch.uint8), q2.t().contiguous().view(torch.uint8)) and torch.equal(st, s2)
+    assert (st is s) != rowwise
+    padded = ref.quantize_t(x, fp8, rowwise, pad_t=16)[2]  # the token dim padded with zeros to a multiple of 16
+    assert padded.shape == (127, 16) and torch.equal(padded[:, :7].view(torch.uint8), qt.view(torch.uint8))
+    assert not padded[:, 7:].view(torch.uint8).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_triton_quantize_t_bit_equal_to_reference(dtype, fp8, rowwise):
+    """The fused cast (one amax pass, one tiled pass writing q and q^T) against the reference quantisation and
+    ``.t().contiguous()``: bytes and scales equal, over tiles cut at odd edges and a row-strided input."""
+    if "triton" not in _quant_impls():
+        pytest.skip("needs an FP8 GPU or TRITON_INTERPRET=1 (tests/kernels/test_fp8.py runs it both ways)")
+    from polyrl.kernels.fp8 import triton as tri
+
+    wide = _x((19, 80), dtype, seed=7).to(_triton_device())
+    cases = [_x(shape, dtype, seed=i).to(_triton_device()) for i, shape in enumerate([(1, 16), (7, 127), (33, 40)])]
+    for x, pad in [(c, 1) for c in cases] + [(cases[1], 16), (wide[:, :45], 16)]:  # wide: rows 80 apart in memory
+        x[0, 0] = 0.0
+        got = tri.quantize_t(x, fp8, rowwise, pad)
+        expect = ref.quantize_t(x, fp8, rowwise, pad)
+        for a, b in zip(got, expect):
+            assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous(), tuple(x.shape)
+            if a.dtype in (E4M3, E5M2):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), tuple(x.shape)
+            else:
+                assert torch.equal(a, b), tuple(x.shape)
+
+
+def test_quantize_t_falls_back_to_cast_and_copy_once_when_the_fused_kernel_fails(monkeypatch):
+    """A device whose Triton cannot build the tiled cast: one warning, then the same numbers from the plain cast and
+    a transposing copy (the interpreter re-raises instead, so it is told here that it is a device)."""
+    if "triton" not in _quant_impls():
+        pytest.skip("needs an FP8 GPU or TRITON_INTERPRET=1 (tests/kernels/test_fp8.py runs it both ways)")
+    from polyrl.kernels.fp8 import triton as tri
+
+    def broken(*args):
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(tri, "_quantize_t_fused", broken)
+    monkeypatch.setattr(tri, "_FUSED_FAILED", [])
+    monkeypatch.setattr(tri, "interpreting", lambda: False)
+    monkeypatch.setattr(tri, "GRID_ROUND_ON_DEVICE", True)  # the interpreter's conversion still needs the grid
+    x = _x((7, 40)).to(_triton_device())
+    for rowwise in (False, True):
+        with pytest.warns(RuntimeWarning, match="fused Triton cast failed") if not rowwise else _no_warning():
+            got = tri.quantize_t(x, E4M3, rowwise)
+        expect = ref.quantize_t(x, E4M3, rowwise)
+        assert all(torch.equal(a.float(), b.float()) and a.shape == b.shape for a, b in zip(got, expect))
+    assert tri._FUSED_FAILED == ["RuntimeError: PassManager::run failed"]
+    monkeypatch.setattr(tri, "_FUSED_FAILED", [])
+    monkeypatch.setattr(tri, "FUSED_CAST_T", False)  # switched off: no attempt, no warning, the same numbers
+    with _no_warning():
+        got = tri.quantize_t(x, E4M3, False, 16)
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(got, ref.quantize_t(x, E4M3, False, 16)))
+
+
+def _no_warning():
+    import contextlib
+    import warnings
+
+    @contextlib.contextmanager
+    def cm():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            yield
+
+    return cm()
+
+
+def test_quantize_t_dispatches_to_the_reference_on_cpu():
+    from polyrl.kernels.fp8 import fp8_quantize_t
+
+    x = _x((5, 32))
+    got, expect = fp8_quantize_t(x, E4M3, True), ref.quantize_t(x, E4M3, True)
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(got, expect))
+
+
 @pytest.mark.parametrize("rowwise", [False, True])
 def test_reference_scaled_mm_is_the_dequantised_product(rowwise):
     a, b = _x((7, 48), seed=1), _x((40, 48), seed=2)  # b as a weight [N, K]
@@ -192,6 +282,26 @@ def test_gpu_triton_quantize_real_shapes(fp8, rowwise):
         # writes -0 for tiny negatives (61-81 of 16.8M codes, all zeros, observed); the interpreter test checks bits
         assert torch.equal(q1.float(), q2.float()) and torch.equal(s1, s2), shape
         assert torch.equal(q1.view(torch.uint8) & 0x7F, q2.view(torch.uint8) & 0x7F), shape
+
+
+@pytest.mark.gpu
+@needs_fp8
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_gpu_triton_quantize_t_real_shapes(fp8, rowwise):
+    """The fused cast compiled (hardware fp32 -> fp8 conversion) at training shapes: the same numbers as the
+    reference and its transpose (as numbers: +0 / -0 as in ``test_gpu_triton_quantize_real_shapes``)."""
+    from polyrl.kernels.fp8 import triton as tri
+
+    for shape in [(16384, 1024), (4097, 6144), (3072, 1024)]:
+        x = _x(shape, torch.bfloat16, seed=3).cuda()
+        got = tri.quantize_t(x, fp8, rowwise)
+        expect = ref.quantize_t(x, fp8, rowwise)
+        for a, b in zip(got, expect):
+            assert a.shape == b.shape and a.is_contiguous(), shape
+            assert torch.equal(a.float(), b.float()), shape
+            if a.dtype in (E4M3, E5M2):
+                assert torch.equal(a.view(torch.uint8) & 0x7F, b.view(torch.uint8) & 0x7F), shape
 
 
 @pytest.mark.gpu

@@ -23,6 +23,25 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = False) -> 
     return q, torch.ones_like(inv).div(inv)
 
 
+def quantize_t(
+    x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = False, pad_t: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> ``(q, scale, q_t, scale_t)``: ``quantize(x, fp8_dtype, rowwise)`` and the tensor-wise
+    quantisation's transpose ``q_t [K, M_pad]`` (contiguous; ``M_pad`` = M rounded up to a multiple of ``pad_t``, the
+    extra columns zero) with its scale ``[]``. Tensor-wise, ``q_t`` is ``q.t()`` copied and ``scale_t`` is
+    ``scale``; row-wise, ``q_t`` has its own (tensor-wise) scale: the FP8 linear's backward GEMMs take tensor-wise
+    operands whatever the forward's recipe, and the padding makes the weight gradient's reduction dim (tokens) what
+    ``torch._scaled_mm`` accepts without another copy (zeros add nothing to the products)."""
+    q, scale = quantize(x, fp8_dtype, rowwise)
+    q_t, scale_t = (q, scale) if not rowwise else quantize(x, fp8_dtype, False)
+    q_t = q_t.reshape(-1, x.shape[-1]).t()
+    m = q_t.shape[1]
+    m_pad = -(-m // pad_t) * pad_t
+    out = torch.zeros((q_t.shape[0], m_pad), dtype=torch.uint8, device=x.device)  # no fp8 zeros/pad on every torch
+    out[:, :m] = q_t.view(torch.uint8)
+    return q, scale, out.view(fp8_dtype), scale_t
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``q.float() * scale`` (fp32)."""
     return q.float() * scale
@@ -39,4 +58,6 @@ def scaled_mm(
     """``(a * scale_a) @ (b * scale_b)`` in fp32, one rounding to ``out_dtype``. ``use_fast_accum`` has no effect
     here (the hardware's reduced-precision accumulation; the reference always accumulates in fp32)."""
     del use_fast_accum
-    return (dequantize(a, scale_a) @ dequantize(b, scale_b)).to(out_dtype)
+    # both operands made row-major first: the result does not depend on the operands' layouts (the FP8 linear hands
+    # the same numbers as a transposed view or as a transposed copy, and must get the same product either way)
+    return (dequantize(a, scale_a).contiguous() @ dequantize(b, scale_b).contiguous()).to(out_dtype)

@@ -1,25 +1,42 @@
-"""FP8 current-scaling quantisation in Triton, the same numbers as ``reference.quantize`` (contract in
-``fp8/__init__.py``).
+"""FP8 current-scaling quantisation in Triton, the same numbers as ``reference.quantize`` / ``reference.quantize_t``
+(contract in ``fp8/__init__.py``).
 
-Tensor-wise: one persistent pass reduces ``max|x|`` per program and folds it into one fp32 word with
-``atomic_max`` (|x| >= 0, so float max is order-independent: the result is exact and deterministic); a second
-pass reads that word, forms ``inv = FP8_MAX / max(amax, eps)`` (``div_rn``: the correctly rounded division torch
-does) and writes ``q = clamp(x * inv)`` in fp8; program 0 writes ``scale = 1 / inv``. Two reads of ``x`` are
-the minimum for current scaling (the scale depends on every element). Row-wise: one program per row walks the row
-twice in ``BLOCK`` chunks (amax, then the cast; the second read mostly hits L2). No host synchronisation anywhere,
-so both can be captured in a CUDA graph.
+Tensor-wise (``quantize``): a persistent amax pass (a fixed grid of at most ``_MAX_PARTIALS`` programs, each
+reducing one contiguous chunk of ``x`` and writing its ``max|x|`` to its own slot of a partials buffer: no memset,
+no atomics, deterministic), then the cast pass, each of whose programs folds the partials (a few KB from L2) into
+``inv = FP8_MAX / max(amax, eps)`` (``div_rn``: the correctly rounded division torch does) and writes
+``q = clamp(x * inv)`` in fp8; program 0 writes ``scale = 1 / inv``. Two reads of ``x`` are the minimum for
+current scaling (the scale depends on every element). Row-wise: ``R`` rows per program, the row's amax then its
+cast (the second read hits L1/L2).
 
-Deliberately not here: writing the transposed copy in the same pass (the FP8 linear transposes with a copy),
-delayed scaling (amax history), block-wise (1 x 128) scales.
+With the transposed copy (``quantize_t``, what the FP8 linear's backward needs: ``q_t = q.t().contiguous()``, the
+column-major operand of ``torch._scaled_mm``): the same amax pass, then a tiled cast that loads a ``[BM, BK]`` tile
+of ``x`` once and writes both the tile of ``q [M, K]`` and, at transposed addresses, the tile of ``q_t [K, M]`` (the
+compiler turns that store into a shared-memory transpose with coalesced writes). Row-wise (``rowwise=True``): ``q`` is
+scaled per row and ``q_t`` tensor-wise (the backward's GEMMs take tensor-wise operands); the amax pass then writes
+the per-row amax and the partials of the global one in the same read.
+
+The cast itself: on the GPU the hardware's fp32 -> fp8 conversion (``cvt.rn.satfinite``: round to nearest even,
+what torch's cast does; the value is already clamped). Under the interpreter the value is first rounded on the
+fp8 grid in fp32 (``_fp8_round``) because the interpreter's own conversion drops the carry into the exponent. On the
+device that rounding costs ~20 integer ops per element: by arithmetic (not yet profiled) about as long as the
+memory traffic, the likely part of the 2x gap to torch.compile's cast measured on the H200.
+
+No host synchronisation anywhere, so all of it can be captured in a CUDA graph.
+
+Deliberately not here: delayed scaling (amax history), block-wise (1 x 128) scales, padding the transposed copy's
+token dim to a multiple of 16 (``scaled_mm`` pads when it must).
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 from polyrl.kernels.fp8.reference import EPS, FP8_MAX
 from polyrl.platform import device
@@ -30,6 +47,24 @@ if device.device_type() == "cuda" and not device.supports_fp8_gemm():
 
 # (mantissa bits, smallest normal exponent) of each format
 _GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
+_MAX_PARTIALS = 1024  # programs of the tensor-wise amax pass (and the partials each cast program folds)
+# Round on the fp8 grid in fp32 before the conversion on the device too (the interpreter always does). Off: the
+# hardware conversion (sm89+: cvt.rn.satfinite, bit-equal to torch's cast, checked by the GPU tests at real shapes);
+# on: exact on any backend whose conversion rounds otherwise, at ~20 integer ops per element.
+GRID_ROUND_ON_DEVICE = False
+# The tiled cast writing q and q^T in one pass. Off: ``quantize`` and a transposing copy (the same numbers, one more
+# read and write of the fp8 tensor): the escape hatch if a Triton version miscompiles the transposed store
+# (triton-lang/triton#11111 is such a bug for NaN-propagating min/max, which this kernel does not use).
+FUSED_CAST_T = True
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU through its interpreter (``TRITON_INTERPRET=1``)."""
+    return bool(knobs.runtime.interpret)
+
+
+def _grid_round() -> bool:
+    return GRID_ROUND_ON_DEVICE or interpreting()
 
 
 @triton.jit
@@ -54,94 +89,273 @@ def _fp8_round(v, MBITS: tl.constexpr, EMIN: tl.constexpr):
 
 
 @triton.jit
-def _amax_kernel(x_ptr, amax_ptr, n, iters, BLOCK: tl.constexpr):
+def _scaled(x, inv, FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, GRID_ROUND: tl.constexpr):
+    """``clamp(x * inv, -FMAX, FMAX)`` in fp32, ready for the (round-to-nearest-even) conversion to fp8; on the fp8
+    grid already with ``GRID_ROUND``."""
+    fmax = tl.full([], FMAX, tl.float32)
+    v = tl.minimum(tl.maximum(x * inv, -fmax), fmax)
+    if GRID_ROUND:
+        v = _fp8_round(v, MBITS, EMIN)
+    return v
+
+
+@triton.jit
+def _inv_from_partials(part_ptr, n_part, FMAX: tl.constexpr, EPS: tl.constexpr, PBLOCK: tl.constexpr):
+    """``FMAX / max(max(partials), EPS)`` (fp32, correctly rounded): the tensor-wise quantisation scale."""
+    acc = tl.zeros([PBLOCK], dtype=tl.float32)
+    for start in range(0, n_part, PBLOCK):
+        offs = start + tl.arange(0, PBLOCK)
+        acc = tl.maximum(acc, tl.load(part_ptr + offs, mask=offs < n_part, other=0.0))
+    amax = tl.max(acc, axis=0)
+    return tl.math.div_rn(tl.full([], FMAX, tl.float32), tl.maximum(amax, tl.full([], EPS, tl.float32)))
+
+
+@triton.jit
+def _amax_partials_kernel(x_ptr, part_ptr, n, iters, BLOCK: tl.constexpr):
+    """Program ``p`` reduces the contiguous elements ``[p * iters * BLOCK, (p + 1) * iters * BLOCK)`` of flat ``x``
+    to ``part[p] = max|x|`` (max is exact in any order: the result does not depend on the split)."""
     pid = tl.program_id(0)
+    base = pid.to(tl.int64) * iters * BLOCK
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for i in range(iters):
-        offs = (pid.to(tl.int64) * iters + i) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, tl.abs(x))
-    tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+        acc = tl.maximum(acc, tl.abs(x).to(tl.float32))
+    tl.store(part_ptr + pid, tl.max(acc, axis=0))
+
+
+@triton.jit
+def _row_amax_kernel(x_ptr, rowamax_ptr, part_ptr, m, k, stride_x, R: tl.constexpr, BLOCK: tl.constexpr):
+    """``R`` rows per program: ``rowamax[r] = max|x[r]|`` and ``part[p]`` = the max over the program's rows."""
+    pid = tl.program_id(0)
+    rows = pid * R + tl.arange(0, R)
+    rmask = rows < m
+    base = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    acc = tl.zeros([R, BLOCK], dtype=tl.float32)
+    for start in range(0, k, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(base + cols[None, :], mask=rmask[:, None] & (cols[None, :] < k), other=0.0)
+        acc = tl.maximum(acc, tl.abs(x).to(tl.float32))
+    ra = tl.max(acc, axis=1)
+    tl.store(rowamax_ptr + rows, ra, mask=rmask)
+    tl.store(part_ptr + pid, tl.max(ra, axis=0))
 
 
 @triton.jit
 def _cast_kernel(
-    x_ptr, q_ptr, amax_ptr, scale_ptr, n,
-    FMAX: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+    x_ptr, q_ptr, part_ptr, scale_ptr, n, n_part,
+    FMAX: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr, PBLOCK: tl.constexpr, MBITS: tl.constexpr,
+    EMIN: tl.constexpr, GRID_ROUND: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    fmax = tl.full([], FMAX, tl.float32)
-    inv = tl.math.div_rn(fmax, tl.maximum(tl.load(amax_ptr), tl.full([], EPS, tl.float32)))
+    inv = _inv_from_partials(part_ptr, n_part, FMAX, EPS, PBLOCK)
     if pid == 0:
         tl.store(scale_ptr, tl.math.div_rn(tl.full([], 1.0, tl.float32), inv))
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    q = _fp8_round(tl.minimum(tl.maximum(x * inv, -fmax), fmax), MBITS, EMIN)
-    tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    q = _scaled(x, inv, FMAX, MBITS, EMIN, GRID_ROUND).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + offs, q, mask=mask)
 
 
 @triton.jit
 def _rowwise_kernel(
-    x_ptr, q_ptr, scale_ptr, n_cols, stride_x, stride_q,
-    FMAX: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+    x_ptr, q_ptr, scale_ptr, m, k, stride_x, stride_q,
+    FMAX: tl.constexpr, EPS: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, MBITS: tl.constexpr,
+    EMIN: tl.constexpr, GRID_ROUND: tl.constexpr,
 ):  # fmt: skip
-    fmax = tl.full([], FMAX, tl.float32)
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    q_row = q_ptr + row * stride_q
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK):
+    pid = tl.program_id(0)
+    rows = pid * R + tl.arange(0, R)
+    rmask = rows < m
+    x_base = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    q_base = q_ptr + rows.to(tl.int64)[:, None] * stride_q
+    acc = tl.zeros([R, BLOCK], dtype=tl.float32)
+    for start in range(0, k, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, tl.abs(x))
-    inv = tl.math.div_rn(fmax, tl.maximum(tl.max(acc, axis=0), tl.full([], EPS, tl.float32)))
-    tl.store(scale_ptr + row, tl.math.div_rn(tl.full([], 1.0, tl.float32), inv))
-    for start in range(0, n_cols, BLOCK):
+        x = tl.load(x_base + cols[None, :], mask=rmask[:, None] & (cols[None, :] < k), other=0.0)
+        acc = tl.maximum(acc, tl.abs(x).to(tl.float32))
+    fmax = tl.full([R], FMAX, tl.float32)
+    inv = tl.math.div_rn(fmax, tl.maximum(tl.max(acc, axis=1), tl.full([R], EPS, tl.float32)))
+    tl.store(scale_ptr + rows, tl.math.div_rn(tl.full([R], 1.0, tl.float32), inv), mask=rmask)
+    for start in range(0, k, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        q = _fp8_round(tl.minimum(tl.maximum(x * inv, -fmax), fmax), MBITS, EMIN)
-        tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        mask = rmask[:, None] & (cols[None, :] < k)
+        x = tl.load(x_base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        q = _scaled(x, inv[:, None], FMAX, MBITS, EMIN, GRID_ROUND).to(q_ptr.dtype.element_ty)
+        tl.store(q_base + cols[None, :], q, mask=mask)
+
+
+@triton.jit
+def _cast_t_kernel(
+    x_ptr, q_ptr, qt_ptr, part_ptr, rowamax_ptr, scale_ptr, scale_t_ptr, m, m_pad, k, n_part, stride_x,
+    FMAX: tl.constexpr, EPS: tl.constexpr, ROWWISE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    PBLOCK: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, GRID_ROUND: tl.constexpr,
+):  # fmt: skip
+    """One ``[BM, BK]`` tile of ``x [m, k]`` read once: ``q`` (row-wise or tensor-wise scaled) written row-major and
+    the tensor-wise ``q_t [k, m_pad]`` written as the tile's transpose; rows ``m <= r < m_pad`` of ``x`` read as
+    zeros, so they write the zero padding columns of ``q_t``."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_k * BK + tl.arange(0, BK)
+    rmask = rows < m
+    mask = rmask[:, None] & (cols[None, :] < k)
+    rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols64[None, :], mask=mask, other=0.0).to(tl.float32)
+    inv_t = _inv_from_partials(part_ptr, n_part, FMAX, EPS, PBLOCK)
+    if (pid_m == 0) & (pid_k == 0):
+        tl.store(scale_t_ptr, tl.math.div_rn(tl.full([], 1.0, tl.float32), inv_t))
+    qt = _scaled(x, inv_t, FMAX, MBITS, EMIN, GRID_ROUND).to(qt_ptr.dtype.element_ty)
+    if ROWWISE:
+        ra = tl.load(rowamax_ptr + rows, mask=rmask, other=1.0)
+        inv_r = tl.math.div_rn(tl.full([BM], FMAX, tl.float32), tl.maximum(ra, tl.full([BM], EPS, tl.float32)))
+        if pid_k == 0:
+            tl.store(scale_ptr + rows, tl.math.div_rn(tl.full([BM], 1.0, tl.float32), inv_r), mask=rmask)
+        q = _scaled(x, inv_r[:, None], FMAX, MBITS, EMIN, GRID_ROUND).to(q_ptr.dtype.element_ty)
+    else:
+        q = qt
+    tl.store(q_ptr + rows64[:, None] * k + cols64[None, :], q, mask=mask)
+    # the same tile stored at its transposed addresses (rows are contiguous in q_t): the compiler's coalescing pass
+    # moves it through shared memory so that the stores are row-contiguous. Not ``tl.trans`` of the fp8 tile: that
+    # corrupts fp8 tiles on some Triton versions (3.7.1 on H100, pith-train #74)
+    mask_t = (rows[:, None] < m_pad) & (cols[None, :] < k)
+    tl.store(qt_ptr + cols64[None, :] * m_pad + rows64[:, None], qt, mask=mask_t)
 
 
 @functools.lru_cache(maxsize=16)
 def _programs(device: torch.device) -> int:
-    """Programs of the amax pass: four per multiprocessor (4 on the CPU), asked once per device."""
+    """Programs of the tensor-wise amax pass: four per multiprocessor (4 on the CPU), asked once per device."""
     backend = getattr(torch, device.type, None)
     if device.type != "cpu" and backend is not None and hasattr(backend, "get_device_properties"):
-        return 4 * int(getattr(backend.get_device_properties(device), "multi_processor_count", 1))
+        sms = int(getattr(backend.get_device_properties(device), "multi_processor_count", 1))
+        return min(_MAX_PARTIALS, 4 * sms)
     return 4
+
+
+def _check(fp8_dtype: torch.dtype) -> tuple[float, int, int]:
+    if fp8_dtype not in FP8_MAX:
+        raise ValueError(f"fp8_quantize: fp8_dtype must be float8_e4m3fn or float8_e5m2, got {fp8_dtype}")
+    return (FP8_MAX[fp8_dtype], *_GRID[fp8_dtype])
+
+
+def _as_2d(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.detach().reshape(-1, x.shape[-1]) if x.dim() != 2 else x.detach()
+    return x2 if x2.stride(-1) == 1 and (x2.shape[0] <= 1 or x2.stride(0) >= x2.shape[1]) else x2.contiguous()
+
+
+def _tensor_amax_partials(xc: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The amax pass over contiguous ``xc``: (partials fp32 ``[P]``, P)."""
+    n = xc.numel()
+    block = 1024 if interpreting() else 8192  # 32 elements per thread per step at 8 warps: bytes in flight
+    blocks = triton.cdiv(max(n, 1), block)
+    iters = triton.cdiv(blocks, _programs(xc.device))
+    n_part = triton.cdiv(blocks, iters)
+    part = torch.empty(n_part, dtype=torch.float32, device=xc.device)
+    _amax_partials_kernel[(n_part,)](xc, part, n, iters, BLOCK=block, num_warps=8)
+    return part, n_part
+
+
+def _row_block(k: int) -> tuple[int, int]:
+    """(rows per program R, BLOCK columns) for row-wise passes over rows of ``k``: ~4096 elements per program step."""
+    block = min(4096, max(16, triton.next_power_of_2(k)))
+    return max(1, min(64, 4096 // block)), block
 
 
 def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` -> ``(q [M, K] fp8_dtype, scale fp32 [] or [M, 1])`` with ``x ~= q.float() * scale``."""
-    if fp8_dtype not in FP8_MAX:
-        raise ValueError(f"fp8_quantize: fp8_dtype must be float8_e4m3fn or float8_e5m2, got {fp8_dtype}")
-    fmax = FP8_MAX[fp8_dtype]
-    mbits, emin = _GRID[fp8_dtype]
-    x = x.detach()
+    fmax, mbits, emin = _check(fp8_dtype)
+    grid_round = _grid_round()
     if rowwise:
-        x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
+        x2 = _as_2d(x)
         m, k = x2.shape
         q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
         scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
         if m:
-            block = min(4096, max(16, triton.next_power_of_2(k)))
-            _rowwise_kernel[(m,)](
-                x2, q, scale, k, x2.stride(0), q.stride(0), FMAX=fmax, EPS=EPS, BLOCK=block, MBITS=mbits, EMIN=emin
-            )
+            r, block = _row_block(k)
+            _rowwise_kernel[(triton.cdiv(m, r),)](
+                x2, q, scale, m, k, x2.stride(0), q.stride(0), FMAX=fmax, EPS=EPS, R=r, BLOCK=block, MBITS=mbits,
+                EMIN=emin, GRID_ROUND=grid_round, num_warps=4,
+            )  # fmt: skip
         return q.view(x.shape), scale.view(*x.shape[:-1], 1)
-    xc = x.contiguous()
-    n = xc.numel()
+    xc = x.detach().contiguous()
     q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
-    amax = torch.zeros((), dtype=torch.float32, device=x.device)
     scale = torch.empty((), dtype=torch.float32, device=x.device)
-    block = 4096
-    blocks = triton.cdiv(max(n, 1), block)
-    iters = triton.cdiv(blocks, _programs(x.device))
-    _amax_kernel[(triton.cdiv(blocks, iters),)](xc, amax, n, iters, BLOCK=block)
-    _cast_kernel[(blocks,)](xc, q, amax, scale, n, FMAX=fmax, EPS=EPS, BLOCK=block, MBITS=mbits, EMIN=emin)
+    part, n_part = _tensor_amax_partials(xc)
+    block = 1024 if interpreting() else 4096
+    pblock = min(_MAX_PARTIALS, triton.next_power_of_2(n_part))
+    _cast_kernel[(triton.cdiv(max(xc.numel(), 1), block),)](
+        xc, q, part, scale, xc.numel(), n_part, FMAX=fmax, EPS=EPS, BLOCK=block, PBLOCK=pblock, MBITS=mbits,
+        EMIN=emin, GRID_ROUND=grid_round, num_warps=8,
+    )  # fmt: skip
     return q, scale
+
+
+_FUSED_FAILED: list[str] = []  # why the tiled cast could not be built on this device (then: cast + copy)
+
+
+def quantize_t(
+    x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = False, pad_t: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> ``(q, scale, q_t, scale_t)``: ``(q, scale) = quantize(x, fp8_dtype, rowwise)`` and the
+    tensor-wise ``q_t [K, M_pad]`` (contiguous: ``quantize(x, fp8_dtype)[0].t()``, zero columns up to ``M_pad``, a
+    multiple of ``pad_t``) with ``scale_t []`` (tensor-wise: the same tensor as ``scale``), from one amax pass and
+    one tiled cast (which writes the zero columns too). Where the tiled cast fails
+    to compile (a Triton backend without the transposing layout conversion) it warns once and gives the same
+    numbers from ``quantize`` and a transposing copy."""
+    if FUSED_CAST_T and not _FUSED_FAILED:
+        try:
+            return _quantize_t_fused(x, fp8_dtype, rowwise, pad_t)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a compile failure of this kernel only; reported, then worked around
+            if interpreting():
+                raise
+            _FUSED_FAILED.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+            warnings.warn(f"fp8_quantize_t: the fused Triton cast failed ({_FUSED_FAILED[0]}); using a cast and a "
+                          "transposing copy instead (slower, same numbers)", RuntimeWarning, 2)  # fmt: skip
+    q, scale = quantize(x, fp8_dtype, rowwise)
+    q_t, scale_t = (q, scale) if not rowwise else quantize(x, fp8_dtype, False)
+    q_t = q_t.reshape(-1, x.shape[-1]).t()
+    m_pad = triton.cdiv(q_t.shape[1], pad_t) * pad_t
+    out = torch.zeros((q_t.shape[0], m_pad), dtype=torch.uint8, device=x.device)
+    out[:, : q_t.shape[1]] = q_t.view(torch.uint8)
+    return q, scale, out.view(fp8_dtype), scale_t
+
+
+def _quantize_t_fused(
+    x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, pad_t: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    fmax, mbits, emin = _check(fp8_dtype)
+    grid_round = _grid_round()
+    x2 = _as_2d(x)
+    m, k = x2.shape
+    dev = x.device
+    q = torch.empty((m, k), dtype=fp8_dtype, device=dev)
+    m_pad = triton.cdiv(m, pad_t) * pad_t
+    q_t = torch.empty((k, m_pad), dtype=fp8_dtype, device=dev)
+    scale_t = torch.empty((), dtype=torch.float32, device=dev)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=dev) if rowwise else scale_t
+    if rowwise:
+        r, block = _row_block(k)
+        n_part = max(1, triton.cdiv(m, r))
+        part = torch.empty(n_part, dtype=torch.float32, device=dev)
+        rowamax = torch.empty(max(m, 1), dtype=torch.float32, device=dev)
+        if m:
+            _row_amax_kernel[(n_part,)](x2, rowamax, part, m, k, x2.stride(0), R=r, BLOCK=block, num_warps=4)
+        else:
+            part.zero_()
+    else:
+        x2 = x2.contiguous()
+        part, n_part = _tensor_amax_partials(x2)
+        rowamax = part  # unused
+    bm = bk = 16 if interpreting() else 128
+    if m and k:
+        _cast_t_kernel[(triton.cdiv(m_pad, bm), triton.cdiv(k, bk))](
+            x2, q, q_t, part, rowamax, scale, scale_t, m, m_pad, k, n_part, x2.stride(0), FMAX=fmax, EPS=EPS,
+            ROWWISE=rowwise, BM=bm, BK=bk, PBLOCK=min(_MAX_PARTIALS, triton.next_power_of_2(n_part)), MBITS=mbits,
+            EMIN=emin, GRID_ROUND=grid_round, num_warps=8,
+        )  # fmt: skip
+    else:  # nothing to cast: the scale an all-zero tensor gets (amax floored at EPS)
+        scale_t.copy_(torch.ones((), device=dev).div(torch.full((), fmax, device=dev).div(EPS)))
+    return q.view(x.shape), scale.view(*x.shape[:-1], 1) if rowwise else scale, q_t, scale_t
