@@ -1,10 +1,11 @@
 """``PolyrlLM``: lm-eval-harness's model interface over polyrl's rollout engine, registered as ``polyrl``.
 
-- ``loglikelihood``: each (context, continuation) pair becomes one engine request ``context + continuation`` with
-  ``prompt_logprobs=1`` scored from the continuation's first token on (``prompt_logprobs_from``), so the context's
-  full KV blocks may come from the prefix cache: the choices of a multiple-choice document share their context,
-  computed once. All requests go to the engine at once (continuous batching; no padding, no ``[B, T, V]`` logits:
-  ``infer/prompt_logprobs.py``). ``is_greedy``: every continuation token is the argmax of its distribution.
+- ``loglikelihood``: every (context, continuation) pair is scored in one ``infer.scoring.score_continuations`` call:
+  requests grouped by context, a context's full KV blocks computed once per batch for all its continuations (the
+  choices of a multiple-choice document), only the continuation tokens' rows through the LM head, sums and greedy
+  flags kept on the device until the end (no per-request engine round trip, no host sync per request).
+  ``is_greedy``: every continuation token is the argmax of its distribution. An engine serving LoRA adapters takes
+  the request path instead (``prompt_logprobs`` from the continuation's first token on, prefix cache shared).
   Tokenisation is lm-eval's ``_encode_pair`` with each distinct string (a document's context, each context +
   choice) encoded once in one batched tokenizer call.
 - ``loglikelihood_rolling``: lm-eval's disjoint rolling windows of ``max_length`` tokens, each scored as above.
@@ -32,6 +33,7 @@ from polyrl.eval.bundled import BUNDLED_TASKS, bundled_task_dir
 from polyrl.eval.loading import eval_engine, load_eval_model
 from polyrl.infer.llm import LLM
 from polyrl.infer.sampling_params import SamplingParams
+from polyrl.infer.scoring import score_continuations, supports_scoring
 from polyrl.platform.host import gc_paused
 
 CHUNK_REQUESTS = 4096  # requests handed to the engine per progress-bar update
@@ -80,6 +82,7 @@ class PolyrlLM(TemplateLM):
         self.tokenizer = llm.tokenizer
         self._max_length = llm.max_model_len
         self.show_progress = _truthy(show_progress)
+        self.last_score_stats: dict[str, float] = {}  # the last direct scoring call's breakdown (infer/scoring.py)
 
     # ---- what TemplateLM needs ----------------------------------------------------------------------
     @property
@@ -111,16 +114,47 @@ class PolyrlLM(TemplateLM):
     # ---- scoring ------------------------------------------------------------------------------------
     def _score(self, pairs: list[tuple[list[int], list[int]]], desc: str) -> list[tuple[float, bool]]:
         """(sum of continuation log-probs, whether every continuation token is the argmax) per (context,
-        continuation) pair of token ids; contexts are cut from the left to fit the engine's context."""
-        prompts, params = [], []
-        limit = self.max_length - 1  # the engine samples one token after the prompt
+        continuation) pair of token ids. As lm-eval's ``hf`` backend: ``(context + continuation)[-(max_length +
+        1):]``, the last token never fed. Pairs with the same context share its computation
+        (``infer/scoring.py``); an engine that cannot score directly (LoRA adapters served) takes the request path."""
+        direct = supports_scoring(self.llm)
+        limit = self.max_length + 1 if direct else self.max_length - 1  # a request also samples one token
+        contexts: list[list[int]] = []
+        conts: list[list[int]] = []
+        owner: list[int] = []
+        index: dict[tuple[int, ...], int] = {}
         for ctx, cont in pairs:
             if not cont:
                 raise UserError("lm-eval asked to score an empty continuation; check the task's doc_to_choice")
-            whole = (ctx + cont)[-limit:]
-            start = max(1, len(whole) - len(cont))
-            prompts.append(whole)
-            params.append(SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, prompt_logprobs_from=start))
+            if len(ctx) + len(cont) > limit:  # cut the context from the left; at least one token of it stays
+                whole = (ctx + cont)[-limit:]
+                cut = max(1, len(whole) - len(cont))
+                ctx, cont = whole[:cut], whole[cut:]
+            key = tuple(ctx)
+            u = index.get(key)
+            if u is None:
+                u = index[key] = len(contexts)
+                contexts.append(ctx)
+            owner.append(u)
+            conts.append(cont)
+        if not direct:
+            return self._score_requests(contexts, conts, owner, desc)
+        bar = tqdm(total=len(conts), desc=desc, disable=not self.show_progress)
+        res = score_continuations(self.llm, contexts, conts, owner, on_batch=bar.update)
+        bar.close()
+        self.last_score_stats = res.stats
+        return list(zip(res.logprobs, res.greedy))
+
+    def _score_requests(
+        self, contexts: list[list[int]], conts: list[list[int]], owner: list[int], desc: str
+    ) -> list[tuple[float, bool]]:
+        """``_score`` through engine requests: ``prompt_logprobs=1`` from the continuation's first token on, so a
+        context's full blocks come from the prefix cache."""
+        prompts, params = [], []
+        for u, cont in zip(owner, conts):
+            prompts.append(contexts[u] + cont)
+            first = len(contexts[u])
+            params.append(SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, prompt_logprobs_from=first))
         out: list[tuple[float, bool]] = []
         bar = tqdm(total=len(prompts), desc=desc, disable=not self.show_progress)
         for lo in range(0, len(prompts), CHUNK_REQUESTS):
