@@ -19,6 +19,7 @@ module only when lm-eval is wanted (the ``eval`` extra). Not here: the CLI (``cl
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from polyrl.infer.sampling_params import SamplingParams
 from polyrl.infer.scoring import score_continuations, supports_scoring
 from polyrl.platform.host import gc_paused
 
-CHUNK_REQUESTS = 4096  # requests handed to the engine per progress-bar update
+CHUNK_REQUESTS = 4096  # requests per engine call on the request path of log-likelihood scoring
 
 
 def _truthy(v: Any) -> bool:
@@ -83,6 +84,7 @@ class PolyrlLM(TemplateLM):
         self._max_length = llm.max_model_len
         self.show_progress = _truthy(show_progress)
         self.last_score_stats: dict[str, float] = {}  # the last direct scoring call's breakdown (infer/scoring.py)
+        self.last_generate_stats: dict[str, float] = {}  # the last generate_until: tokenising, generating
 
     # ---- what TemplateLM needs ----------------------------------------------------------------------
     @property
@@ -137,12 +139,13 @@ class PolyrlLM(TemplateLM):
                 contexts.append(ctx)
             owner.append(u)
             conts.append(cont)
+        self.last_score_stats = {}
         if not direct:
             return self._score_requests(contexts, conts, owner, desc)
         bar = tqdm(total=len(conts), desc=desc, disable=not self.show_progress)
         res = score_continuations(self.llm, contexts, conts, owner, on_batch=bar.update)
         bar.close()
-        self.last_score_stats = res.stats
+        self.last_score_stats = dict(res.stats)
         return list(zip(res.logprobs, res.greedy))
 
     def _score_requests(
@@ -186,6 +189,7 @@ class PolyrlLM(TemplateLM):
         continuation; the whole string is encoded and the context's token count cut off; an empty context becomes
         ``prefix_token_id``), with every distinct string encoded once in one batched call: a document's choices
         share their context, and per-string ``encode`` calls were ~20% of this phase (``docs/evaluation.md``)."""
+        t0 = time.perf_counter()
         args = [req.args for req in requests]
         parts: list[tuple[str, str] | None] = []  # (context, continuation) after the space move; None: empty context
         for context, continuation in args:
@@ -205,7 +209,10 @@ class PolyrlLM(TemplateLM):
                     ctx = enc[p[0]]
                     cont = enc[p[0] + p[1]][len(ctx) :]
                 new_reqs.append(((context, continuation), ctx, cont))
-            return self._loglikelihood_tokens(new_reqs, disable_tqdm=disable_tqdm)
+            tokenize_s = time.perf_counter() - t0
+            out = self._loglikelihood_tokens(new_reqs, disable_tqdm=disable_tqdm)
+        self.last_score_stats.update(tokenize_s=tokenize_s, loglikelihood_s=time.perf_counter() - t0)
+        return out
 
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any) -> list:
         pairs = [(ctx, cont) for _, ctx, cont in requests]
@@ -236,8 +243,13 @@ class PolyrlLM(TemplateLM):
 
     # ---- generation ---------------------------------------------------------------------------------
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+        """Every request in one ``LLM.generate`` call (continuous batching over all of them; a progress bar fed by
+        ``on_finish``), the contexts encoded in one batched tokenizer call."""
+        t0 = time.perf_counter()
         prompts, params = [], []
         eos_text = self.tok_decode([self.eot_token_id])
+        with gc_paused():
+            enc = self._encode_many([req.args[0] for req in requests])
         for req in requests:
             context, gen_kwargs = req.args
             kw = dict(gen_kwargs or {})
@@ -248,21 +260,20 @@ class PolyrlLM(TemplateLM):
             max_gen = int(kw.pop("max_gen_toks", 256))
             do_sample = _truthy(kw.pop("do_sample", False))
             temperature = float(kw.pop("temperature", 0.0)) if do_sample else 0.0
-            ids = self.tok_encode(context)
+            ids = enc[context]
             ids = ids[-max(1, self.max_length - max_gen) :]
             max_gen = max(1, min(max_gen, self.max_length - len(ids)))
             until = [s for s in until if s]
             prompts.append(ids)
             params.append(SamplingParams(temperature=temperature, max_tokens=max_gen, stop=until or None))
-        texts: list[str] = []
+        t1 = time.perf_counter()
         bar = tqdm(total=len(prompts), desc="polyrl generate_until", disable=not self.show_progress)
-        for lo in range(0, len(prompts), CHUNK_REQUESTS):
-            results = self.llm.generate(prompts[lo : lo + CHUNK_REQUESTS], params[lo : lo + CHUNK_REQUESTS])
-            texts.extend(r.outputs[0].text for r in results)
-            bar.update(len(results))
+        results = self.llm.generate(prompts, params, on_finish=lambda i, j, out: bar.update(1)) if prompts else []
         bar.close()
+        texts = [r.outputs[0].text for r in results]
         for req, text in zip(requests, texts):
             self.cache_hook.add_partial("generate_until", req.args, text)
+        self.last_generate_stats = {"prepare_s": t1 - t0, "generate_s": time.perf_counter() - t1}
         return texts
 
 
