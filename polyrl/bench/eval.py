@@ -8,10 +8,16 @@ log-likelihood phase (the backend's ``loglikelihood`` call), and reports the har
 building, tokenisation) as total - model load - log-likelihood phase:
 
 - ``hf`` at each ``--hf-batch-sizes`` (lm-eval pads a batch and takes a full-vocabulary log-softmax per position);
-- ``polyrl``: the in-process engine (``polyrl.eval.harness``: prefill-only scoring, a document's choices sharing
-  their context through the prefix cache), after an untimed warm-up on 16 documents (``warmup_s``: the Triton
-  kernels compile on first use);
-- ``serve`` (with ``--serve``): lm-eval's ``local-completions`` against ``polyrl serve`` in this process;
+- ``polyrl``: the in-process engine (``polyrl.eval.harness`` over ``infer/scoring.py``: every request in one
+  batched scoring call, a document's choices sharing their context, only continuation rows through the LM head),
+  after an untimed warm-up (``_warm_up``: two scoring shapes, the decode graphs, a short generation: the Triton
+  kernels compile on first use). The phase runs twice (``repeat_s``: what is left of first-use cost shows as the
+  difference) and its host breakdown is printed (tokenise, plan, index arrays, launch = host time queueing the
+  forwards, wait = the device behind the host at the end, gather) with the tokens fed against one sequence per
+  request. ``--profile DIR`` then runs it under cProfile and the torch profiler (files in DIR);
+- ``serve`` (with ``--serve``): lm-eval's ``local-completions`` (``--serve-batch-size`` prompts per HTTP request,
+  ``--serve-concurrent`` requests in flight, both printed) against ``polyrl serve``, by default in a process of its
+  own (``--serve-mode process``, as a user runs it; ``thread``: in this process over the same engine);
 - generation (``--gen-docs``, default 256): a generate-until task of the same contexts, greedy, ``--gen-tokens`` new
   tokens (a stop string that never occurs), through ``hf`` (at the last ``--hf-batch-sizes``) and the in-process
   engine (continuous batching): the generation phase is timed the same way, texts compared with hf's.

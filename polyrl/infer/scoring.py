@@ -43,7 +43,7 @@ from polyrl.infer.sequence import Sequence
 from polyrl.models.attention_metadata import AttnMetadata
 from polyrl.platform import device as platform_device
 
-ROW_CHUNK_ELEMS = 1 << 26  # logits elements per LM-head chunk: [rows, V] fp32 = 256 MiB
+ROW_CHUNK_ELEMS = 1 << 25  # logits elements per LM-head chunk: [rows, V] fp32 = 128 MiB (220 rows at V = 152k)
 
 
 @dataclass
