@@ -224,7 +224,7 @@ def score_continuations(
     dev = runner.device
     weight = llm.model.lm_head_weight
     sums = torch.zeros(n, dtype=torch.float64, device=dev)
-    misses = torch.zeros(n, dtype=torch.int32, device=dev)
+    misses = torch.zeros(n, dtype=torch.float32, device=dev)  # non-argmax tokens per request (exact below 2**24)
     stats.update(plan_s=time.perf_counter() - t0, arrays_s=0.0, launch_s=0.0, batches=len(batches))
     stats.update(fed_tokens=sum(b.num_tokens for b in batches), scored_tokens=sum(len(c) for c in continuations))
     stats["unshared_tokens"] = sum(len(contexts[owner[r]]) + len(c) - 1 for r, c in enumerate(continuations))
@@ -250,7 +250,7 @@ def score_continuations(
                 m = len(rows["targets"])
                 lp, top = _score_rows(hidden.index_select(0, x.sample_rows), weight, extra[:m])
                 sums.index_add_(0, extra[m:], lp.double())
-                misses.index_add_(0, extra[m:], (~top).to(torch.int32))
+                misses.index_add_(0, extra[m:], (~top).float())
                 stats["arrays_s"] += t2 - t1
                 stats["launch_s"] += time.perf_counter() - t2
                 if on_batch is not None:
