@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -157,7 +158,7 @@ def _arrays(batch: _Batch, pool: np.ndarray, bs: int, conts: Seq[Seq[int]]) -> t
         targets.extend(cont)
         req.extend([r] * len(cont))
     arrays = {
-        "input_ids": np.fromiter((t for toks in batch.seq_tokens for t in toks), dtype=np.int64, count=int(cu[-1])),
+        "input_ids": np.array(list(chain.from_iterable(batch.seq_tokens)), dtype=np.int64),
         "positions": positions,
         "slot_mapping": slots,
         "cu_seqlens": cu,
