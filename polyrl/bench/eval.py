@@ -339,11 +339,13 @@ def _row(
 
 def _warm_up(llm: Any, lm: Any, root: Path) -> dict[str, float]:
     """Untimed first use of everything the timed phases run: scoring the first 13 and then 64 documents' requests (two
-    batch shapes, so shape-specialised Triton kernels compile here), the decode CUDA graphs (``capture_graphs``) and
-    a short greedy generation with a stop string. The engine's Triton kernels compile on first use (seconds on a
-    fresh machine; hf's PyTorch kernels come compiled): a one-off cost, not the phases' speed. Returns
-    ``warmup_s`` (all of it) and ``graph_capture_s``."""
-    from polyrl.infer import SamplingParams  # lazy: the engine loads only when this bench runs
+    batch shapes, so shape-specialised Triton kernels compile here) and forwards of 1, 63 and 64 tokens, the decode
+    CUDA graphs (``capture_graphs``) and a short greedy generation with a stop string. The engine's Triton kernels
+    compile on first use (seconds on a fresh machine; hf's PyTorch kernels come compiled): a one-off cost, not the
+    phases' speed. Returns ``warmup_s`` (all of it) and ``graph_capture_s``."""
+    # lazy: the engine loads only when this bench runs
+    from polyrl.infer import SamplingParams
+    from polyrl.infer.scoring import score_continuations
 
     rows = [json.loads(line) for line in (root / "bench_mc.jsonl").read_text().splitlines()[:64]]
     reqs = [SimpleNamespace(args=(r["context"], " " + c)) for r in rows for c in r["choices"]]
@@ -351,6 +353,8 @@ def _warm_up(llm: Any, lm: Any, root: Path) -> dict[str, float]:
     t0 = time.perf_counter()
     lm.loglikelihood(reqs[: 13 * 4])
     lm.loglikelihood(reqs)
+    for n in (1, 63, 64):  # forwards of 1, 63 and 64 tokens: Triton specialises integer arguments on == 1 and % 16
+        score_continuations(llm, [[5] * n], [[7]], [0])
     capture = llm.capture_graphs()
     prompts = [lm.tok_encode(r["context"]) for r in rows[:8]]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, stop=["<never-stop>"]))
