@@ -142,21 +142,40 @@ class PolyrlLM(TemplateLM):
         self.last_score_stats = {}
         if not direct:
             return self._score_requests(contexts, conts, owner, desc)
-        bar = tqdm(total=len(conts), desc=desc, disable=not self.show_progress)
-        res = score_continuations(self.llm, contexts, conts, owner, on_batch=bar.update)
+        # A request longer than one forward's token budget takes the request path (chunked prefill) instead.
+        budget = self.llm.config.max_num_batched_tokens
+        fits = [len(contexts[u]) + len(c) - 1 <= budget for u, c in zip(owner, conts)]
+        out: list[tuple[float, bool] | None] = [None] * len(conts)
+        if not all(fits):
+            rest = [r for r, ok in enumerate(fits) if not ok]
+            long = self._score_requests(contexts, [conts[r] for r in rest], [owner[r] for r in rest], desc)
+            for r, res in zip(rest, long):
+                out[r] = res
+        keep = [r for r, ok in enumerate(fits) if ok]
+        bar = tqdm(total=len(keep), desc=desc, disable=not self.show_progress)
+        res = score_continuations(
+            self.llm, contexts, [conts[r] for r in keep], [owner[r] for r in keep], on_batch=bar.update
+        )
         bar.close()
         self.last_score_stats = dict(res.stats)
-        return list(zip(res.logprobs, res.greedy))
+        for r, lp, greedy in zip(keep, res.logprobs, res.greedy):
+            out[r] = (lp, greedy)
+        return out  # type: ignore[return-value]
 
     def _score_requests(
         self, contexts: list[list[int]], conts: list[list[int]], owner: list[int], desc: str
     ) -> list[tuple[float, bool]]:
         """``_score`` through engine requests: ``prompt_logprobs=1`` from the continuation's first token on, so a
-        context's full blocks come from the prefix cache."""
+        context's full blocks come from the prefix cache (chunked prefill: any length the context holds, cut to
+        ``max_length - 1`` tokens as the engine samples one more)."""
         prompts, params = [], []
+        limit = self.max_length - 1  # the engine samples one token after the prompt
         for u, cont in zip(owner, conts):
-            prompts.append(contexts[u] + cont)
-            first = len(contexts[u])
+            whole, first = contexts[u] + cont, len(contexts[u])
+            if len(whole) > limit:  # cut from the left, at least one context token kept
+                whole = whole[-limit:]
+                first = max(1, len(whole) - len(cont))
+            prompts.append(whole)
             params.append(SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, prompt_logprobs_from=first))
         out: list[tuple[float, bool]] = []
         bar = tqdm(total=len(prompts), desc=desc, disable=not self.show_progress)

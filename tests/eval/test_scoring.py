@@ -93,3 +93,26 @@ def test_scoring_equals_a_plain_forward_cuda(tiny_model):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     _check("cuda", tiny_model, 16, 1e-3)  # fp32: the Triton paged attention against the cache-free reference
+
+
+def test_harness_sends_long_requests_through_the_engine(tiny_model_dir, monkeypatch):
+    """``PolyrlLM._score``: requests longer than one forward's token budget take the request path (chunked prefill),
+    the rest the direct path; both give what the request path alone gives."""
+    pytest.importorskip("lm_eval")
+    import polyrl.eval.harness as harness
+    from polyrl.eval.loading import eval_engine, load_eval_model
+
+    torch.set_num_threads(1)
+    model, tok = load_eval_model(str(tiny_model_dir), "float32", "cpu")
+    lm = harness.PolyrlLM(
+        llm=eval_engine(model, tok, max_model_len=128, max_num_batched_tokens=32), show_progress=False
+    )
+    rng = random.Random(1)
+    ctx_long, ctx_short = [rng.randrange(2000) for _ in range(60)], [rng.randrange(2000) for _ in range(20)]
+    pairs = [(ctx_long, [5, 6]), (ctx_short, [7]), (ctx_short, [8, 9, 10]), (ctx_long, [11])]
+    mixed = lm._score(pairs, "test")
+    assert lm.last_score_stats["requests"] == 2  # the two short ones went the direct way
+    monkeypatch.setattr(harness, "supports_scoring", lambda llm: False)
+    alone = lm._score(pairs, "test")
+    assert [g for _, g in mixed] == [g for _, g in alone]
+    assert [lp for lp, _ in mixed] == pytest.approx([lp for lp, _ in alone], abs=1e-4)
