@@ -39,10 +39,17 @@ module measures; it asserts nothing. Needs the ``eval`` extra.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import random
+import socket
+import subprocess
+import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -385,10 +392,6 @@ def _profile(lm: Any, requests: list, out: Path) -> dict[str, str]:
     (CPU + the accelerator's activity): ``eval_ll.pstats``, ``eval_ll_cprofile.txt`` (top functions by own and by
     cumulative time), ``eval_ll_torch.txt`` (ops by device and host time) and ``eval_ll_trace.json`` (Chrome trace)
     in ``out``."""
-    import cProfile
-    import io
-    import pstats
-
     out.mkdir(parents=True, exist_ok=True)
     prof = cProfile.Profile()
     _sync()
@@ -488,22 +491,17 @@ def _start_server(llm: Any, model_dir: Path, mode: str, dtype: str) -> tuple[Any
     """(stop function, base URL ``http://host:port/v1``, seconds to start and warm up) of a ``polyrl serve``."""
     t0 = time.perf_counter()
     if mode == "thread":
-        from polyrl.server import ServeConfig, start_server  # lazy: the `serve` extra
+        # lazy: the server is the `serve` extra
+        from polyrl.server import ServeConfig, start_server
 
         handle = start_server(llm, ServeConfig(port=0, served_model_name="bench", log_level="warning"))
         _post_warm_up(handle.base_url)
         return handle.stop, handle.base_url, time.perf_counter() - t0
-    import socket
-    import subprocess
-    import sys
-    import urllib.request
-
     with socket.socket() as sock:  # a free port (the server binds it right after)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     llm.release()  # the server process sizes its own KV cache from the memory this frees
-    if device.torch_device().type == "cuda":
-        torch.cuda.empty_cache()
+    device.empty_cache()
     cmd = [sys.executable, "-m", "polyrl.cli.main", "serve", "--model", str(model_dir), "--port", str(port)]
     cmd += ["--served-model-name", "bench", "--dtype", dtype, "--device", str(device.torch_device())]
     cmd += ["--log-level", "warning"]
@@ -541,8 +539,6 @@ def _start_server(llm: Any, model_dir: Path, mode: str, dtype: str) -> tuple[Any
 
 def _post_warm_up(base_url: str) -> None:
     """One untimed scoring request (echo + logprobs over 64 token-id prompts): the server's first-use compilation."""
-    import urllib.request
-
     body = {"model": "bench", "prompt": [[1 + (i * 7 + j) % 200 for j in range(40 + i)] for i in range(64)]}
     body.update(max_tokens=1, logprobs=1, echo=True, temperature=0)
     req = urllib.request.Request(
