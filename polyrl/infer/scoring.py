@@ -52,6 +52,10 @@ class ScoreResult:
     logprobs: list[float]  # per request: sum of the continuation tokens' log-probs
     greedy: list[bool]  # per request: every continuation token is the argmax of its distribution
     stats: dict[str, float] = field(default_factory=dict)  # seconds and counts (``score_continuations``)
+    # per_token=True: per request, per continuation token: its log-prob, the argmax token and the argmax's log-prob
+    token_logprobs: list[list[float]] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
 
 
 def supports_scoring(llm: Any) -> bool:
@@ -170,16 +174,42 @@ def _arrays(batch: _Batch, pool: np.ndarray, bs: int, conts: Seq[Seq[int]]) -> t
     return arrays, {"targets": np.asarray(targets, dtype=np.int64), "requests": np.asarray(req, dtype=np.int64)}
 
 
-def _score_rows(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-prob fp32 ``[R]``, is-argmax bool ``[R]``) of ``targets`` under the LM head over ``hidden`` ``[R, H]``."""
+def _score_rows(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-prob fp32 ``[R]``, is-argmax bool ``[R]``, argmax id int64 ``[R]``, argmax log-prob fp32 ``[R]``) of
+    ``targets`` under the LM head over ``hidden`` ``[R, H]``."""
     chunk = max(1, ROW_CHUNK_ELEMS // weight.shape[0])
-    lps, greedy = [], []
+    lps, greedy, ids, tops = [], [], [], []
     for lo in range(0, hidden.shape[0], chunk):
         logits = torch.nn.functional.linear(hidden[lo : lo + chunk], weight).float()  # [r, V]
         own = logits.gather(-1, targets[lo : lo + chunk, None])[:, 0]
-        lps.append(own - torch.logsumexp(logits, dim=-1))
-        greedy.append(own >= logits.amax(dim=-1))
-    return torch.cat(lps), torch.cat(greedy)
+        lse = torch.logsumexp(logits, dim=-1)
+        best, arg = logits.max(dim=-1)
+        lps.append(own - lse)
+        greedy.append(own >= best)
+        ids.append(arg)
+        tops.append(best - lse)
+    return torch.cat(lps), torch.cat(greedy), torch.cat(ids), torch.cat(tops)
+
+
+def score_prompts(llm: Any, prompts: Seq[Seq[int]], require_idle: bool = True) -> ScoreResult:
+    """Every position of each prompt (``echo`` + ``logprobs``): per prompt, ``token_logprobs`` of its tokens 1 ..
+    n - 1, and ``top_ids`` / ``top_logprobs``: the argmax token and its log-prob after each of its n positions (the
+    last one is the greedy next token). ``logprobs`` / ``greedy`` are the sums and flags of tokens 1 .. n - 1."""
+    for i, p in enumerate(prompts):
+        if len(p) < 1:
+            raise UserError(f"prompt {i} is empty")
+    # context = the first token; continuation = the rest plus a stand-in for the next token (its row gives the
+    # argmax after the last prompt token; its own log-prob is dropped)
+    conts = [list(p[1:]) + [p[-1]] for p in prompts]
+    res = score_continuations(
+        llm, [p[:1] for p in prompts], conts, list(range(len(prompts))), per_token=True, require_idle=require_idle
+    )
+    last = [lps.pop() for lps in res.token_logprobs]
+    res.logprobs = [s - x for s, x in zip(res.logprobs, last)]
+    res.greedy = [all(i == t for i, t in zip(ids, p[1:])) for ids, p in zip(res.top_ids, prompts)]
+    return res
 
 
 def score_continuations(
@@ -189,16 +219,21 @@ def score_continuations(
     owner: Seq[int],
     max_batch_tokens: int | None = None,
     on_batch: Any = None,
+    per_token: bool = False,
+    require_idle: bool = True,
 ) -> ScoreResult:
     """Score ``continuations[r]`` after ``contexts[owner[r]]`` (token ids; every context and continuation non-empty,
     ``len(context) + len(continuation) - 1 <= llm.max_model_len``) on ``llm``'s model and KV cache.
     ``on_batch(n)`` is called after each batch is queued with its number of requests (a progress bar).
+    ``per_token``: also each continuation token's log-prob and the argmax (id, log-prob) at its position.
+    ``require_idle=False`` (the server's engine thread, between steps): requests may be in flight; their blocks are
+    untouched (the scoring blocks are taken from the free list) and every forward is queued on the same stream.
 
     ``stats``: ``plan_s`` (grouping and batching on the host), ``arrays_s`` (index arrays), ``launch_s`` (host time
     queueing forwards and LM-head chunks: on an accelerator the device runs behind it), ``wait_s`` (waiting for the
     device at the end), ``gather_s`` (results to Python), ``batches``, ``fed_tokens`` (tokens through the model),
     ``unshared_tokens`` (what one sequence per request would have fed), ``scored_tokens`` (LM-head rows)."""
-    if llm.has_unfinished_requests():
+    if require_idle and llm.has_unfinished_requests():
         raise UserError("score_continuations needs an idle engine; finish or abort the running requests first")
     if not supports_scoring(llm):
         raise UserError("this engine cannot score directly (KV cache released or LoRA adapters attached)")
@@ -230,6 +265,7 @@ def score_continuations(
     stats.update(fed_tokens=sum(b.num_tokens for b in batches), scored_tokens=sum(len(c) for c in continuations))
     stats["unshared_tokens"] = sum(len(contexts[owner[r]]) + len(c) - 1 for r, c in enumerate(continuations))
     pool = np.asarray(holder.block_table, dtype=np.int64)
+    flat: list[tuple[torch.Tensor, ...]] = []  # per_token: per batch (request, log-prob, argmax id, its log-prob)
     try:
         with torch.inference_mode(), runner._precision():
             for batch in batches:
@@ -249,7 +285,9 @@ def score_continuations(
                 )
                 hidden = llm.model(x.input_ids, x.positions, meta)  # [T, H]
                 m = len(rows["targets"])
-                lp, top = _score_rows(hidden.index_select(0, x.sample_rows), weight, extra[:m])
+                lp, top, arg, best = _score_rows(hidden.index_select(0, x.sample_rows), weight, extra[:m])
+                if per_token:
+                    flat.append((extra[m:], lp, arg, best))
                 sums.index_add_(0, extra[m:], lp.double())
                 misses.index_add_(0, extra[m:], (~top).float())
                 stats["arrays_s"] += t2 - t1
@@ -261,7 +299,21 @@ def score_continuations(
                 platform_device.synchronize()
             t4 = time.perf_counter()
             total, greedy = sums.tolist(), (misses == 0).tolist()
+            out = ScoreResult(total, greedy, stats)
+            if per_token:
+                _split_tokens(out, flat, n)
     finally:
         bm.free_sequence(holder)
     stats.update(wait_s=t4 - t3, gather_s=time.perf_counter() - t4)
-    return ScoreResult(total, greedy, stats)
+    return out
+
+
+def _split_tokens(out: ScoreResult, flat: list[tuple[torch.Tensor, ...]], n: int) -> None:
+    """Per-row device results of every batch to per-request Python lists (one transfer per kind). A request's rows
+    are contiguous and in position order within its batch, and a request lies in one batch."""
+    req = torch.cat([f[0] for f in flat]).cpu().numpy()
+    order = np.argsort(req, kind="stable")
+    bounds = np.searchsorted(req[order], np.arange(n + 1)).tolist()
+    cols = [torch.cat([f[k] for f in flat]).cpu().numpy()[order].tolist() for k in (1, 2, 3)]
+    lps, ids, tops = ([c[bounds[r] : bounds[r + 1]] for r in range(n)] for c in cols)
+    out.token_logprobs, out.top_ids, out.top_logprobs = list(lps), list(ids), list(tops)

@@ -116,3 +116,24 @@ def test_harness_sends_long_requests_through_the_engine(tiny_model_dir, monkeypa
     alone = lm._score(pairs, "test")
     assert [g for _, g in mixed] == [g for _, g in alone]
     assert [lp for lp, _ in mixed] == pytest.approx([lp for lp, _ in alone], abs=1e-4)
+
+
+def test_score_prompts_equals_the_engines_prompt_logprobs(tiny_model):
+    """``score_prompts`` (every position: echo + logprobs) gives the engine's prompt log-probs, its top-1 alternatives
+    and, after the last position, the token greedy generation draws, for prompts of 1 to 40 tokens."""
+    from polyrl.infer.scoring import score_prompts
+
+    torch.set_num_threads(1)
+    llm = LLM(tiny_model().eval(), None, RolloutConfig(block_size=4, num_blocks=256, max_num_batched_tokens=64))
+    rng = random.Random(2)
+    prompts = [[rng.randrange(100) for _ in range(n)] for n in (1, 2, 4, 5, 17, 40, 9)]
+    res = score_prompts(llm, prompts)
+    sp = SamplingParams(temperature=0.0, max_tokens=1, logprobs=1, prompt_logprobs=1)
+    for i, out in enumerate(llm.generate(prompts, sp)):
+        pl = out.prompt_logprobs
+        assert res.token_logprobs[i] == pytest.approx(pl.logprobs[1:], abs=1e-5)
+        want_top = [max(t, key=t.get) for t in pl.top_logprobs[1:]]
+        assert res.top_ids[i][:-1] == want_top
+        assert res.top_ids[i][-1] == out.outputs[0].token_ids[0]  # greedy: the argmax after the prompt
+        assert res.top_logprobs[i][-1] == pytest.approx(out.outputs[0].logprobs[0], abs=1e-5)
+        assert res.logprobs[i] == pytest.approx(sum(pl.logprobs[1:]), abs=1e-4)
