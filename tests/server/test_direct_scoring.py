@@ -1,0 +1,71 @@
+"""``/v1/completions`` scoring requests (``echo`` + ``logprobs`` <= 1, ``max_tokens`` 0 or 1, greedy: lm-eval's
+loglikelihood request) are scored in one engine-thread call (``server/scoring.py``) and answer exactly what the
+per-prompt request path answers: the same tokens, text, offsets, finish reasons and usage, log-probs within 1e-5
+(the direct path batches differently). Requests that could differ (sampling, 2 alternatives) take the request
+path."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import MODEL
+
+PROMPTS = [[5, 17, 42, 9, 77, 3, 64], [8, 8, 100, 23], [11], list(range(1, 60))]
+
+
+def _close(a, b) -> None:
+    """Equal JSON, floats within 1e-5."""
+    if isinstance(a, float) or isinstance(b, float):
+        assert a == pytest.approx(b, abs=1e-5)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _close(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _close(x, y)
+    else:
+        assert a == b
+
+
+def _post(http, body):
+    r = http.post("/v1/completions", json={"model": MODEL, **body})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    return out["choices"], out["usage"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": PROMPTS, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0},
+        {"prompt": PROMPTS, "echo": True, "logprobs": 0, "max_tokens": 0},
+        {"prompt": "The quick brown fox jumps", "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0},
+    ],
+)
+def test_direct_scoring_answers_what_the_request_path_answers(served, http, monkeypatch, body):
+    from polyrl.server import completions
+
+    engine_calls = []
+    real = completions.scored_outputs
+
+    async def spy(engine, *a, **k):
+        engine_calls.append(len(a[0]))
+        return await real(engine, *a, **k)
+
+    monkeypatch.setattr(completions, "scored_outputs", spy)
+    direct = _post(http, body)
+    assert engine_calls == [len(PROMPTS) if isinstance(body["prompt"], list) else 1]  # one call for the batch
+    monkeypatch.setattr(completions, "direct_scoring", lambda *a: False)
+    _close(direct, _post(http, body))
+
+
+def test_requests_that_could_differ_take_the_request_path(served, http, monkeypatch):
+    from polyrl.server import completions
+
+    monkeypatch.setattr(completions, "scored_outputs", lambda *a, **k: pytest.fail("must not score directly"))
+    for extra in ({"temperature": 0.7, "seed": 1}, {"temperature": 0, "logprobs": 2}, {"temperature": 0, "n": 2}):
+        body = {"prompt": PROMPTS[:2], "echo": True, "logprobs": 1, "max_tokens": 1, **extra}
+        choices, _ = _post(http, body)
+        assert len(choices) == 2 * body.get("n", 1)
