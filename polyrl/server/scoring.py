@@ -9,15 +9,18 @@ request path gives: prompt log-probs with the top-1 alternative (the token's own
 greedy check is exact), and the one generated token = the argmax after the prompt (greedy), finishing ``stop`` when
 it is an EOS id, else ``length``. Only requests whose answer cannot differ are taken (no sampling, stop strings or
 ids, min_tokens, grammar, adapter, vLLM ``prompt_logprobs`` with ranks, streaming, n > 1, more than 1 alternative);
-everything else takes the request path. Not here: HTTP, formatting (``completions.py``, ``logprobs.py``).
+everything else takes the request path, and so does a batch the engine cannot score now (a ``UserError``: too few
+free KV blocks while other requests run). Not here: HTTP, formatting (``completions.py``, ``logprobs.py``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from polyrl.errors import UserError
 from polyrl.infer.scoring import supports_scoring
 from polyrl.infer.sequence import CompletionOutput, PromptLogprobs, RequestOutput
+from polyrl.server.streaming import final_outputs
 
 
 def direct_scoring(llm: Any, req: Any, params: Any) -> bool:
@@ -43,7 +46,10 @@ def direct_scoring(llm: Any, req: Any, params: Any) -> bool:
 async def scored_outputs(engine: Any, rids: list[str], prompts: list[tuple[str, list[int]]], params: Any) -> dict:
     """request id -> ``RequestOutput`` of each prompt, scored in one engine-thread call."""
     llm = engine.llm
-    res = await engine.score([ids for _, ids in prompts])
+    try:
+        res = await engine.score([ids for _, ids in prompts])
+    except UserError:  # e.g. running requests hold the KV blocks a batch needs: the request path waits for them
+        return await _request_path(engine, rids, prompts, params)
     k = params.prompt_logprobs or 0  # alternatives per prompt token: 0 or 1 (``direct_scoring``)
     done = {}
     for i, (rid, (text, ids)) in enumerate(zip(rids, prompts)):
@@ -67,3 +73,15 @@ async def scored_outputs(engine: Any, rids: list[str], prompts: list[tuple[str, 
         )
         done[rid] = RequestOutput(rid, list(ids), [completion], True, text, pl)
     return done
+
+
+async def _request_path(engine: Any, rids: list[str], prompts: list[tuple[str, list[int]]], params: Any) -> dict:
+    """The same prompts as one engine request each (what ``completions.py`` does for every other request)."""
+    group = engine.new_group()
+    try:
+        for rid, (_, ids) in zip(rids, prompts):
+            engine.submit(group, ids, params, stream=False, request_id=rid, admitted=True)
+    except Exception:
+        group.abort()
+        raise
+    return await final_outputs(group, None)

@@ -137,3 +137,29 @@ def test_score_prompts_equals_the_engines_prompt_logprobs(tiny_model):
         assert res.top_ids[i][-1] == out.outputs[0].token_ids[0]  # greedy: the argmax after the prompt
         assert res.top_logprobs[i][-1] == pytest.approx(out.outputs[0].logprobs[0], abs=1e-5)
         assert res.logprobs[i] == pytest.approx(sum(pl.logprobs[1:]), abs=1e-4)
+
+
+def test_scoring_between_steps_of_running_requests(tiny_model):
+    """``require_idle=False`` (the server's engine thread): scoring between the steps of running generations gives the
+    idle numbers and leaves those generations exactly as they would have been."""
+    from polyrl.infer.scoring import score_prompts
+
+    torch.set_num_threads(1)
+    model = tiny_model().eval()
+    cfg = RolloutConfig(block_size=4, num_blocks=128, max_num_batched_tokens=64)
+    prompts = [[5, 17, 42, 9, 77, 3, 64], [8, 8, 100, 23], list(range(1, 30))]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(model, None, cfg).generate([[3, 4, 5], [6, 7]], sp)]
+    idle = score_prompts(LLM(model, None, cfg), prompts)
+    llm = LLM(model, None, cfg)
+    for p in ([3, 4, 5], [6, 7]):
+        llm.add_request(p, sp)
+    outs, busy = {}, []
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            outs[o.request_id] = o.outputs[0].token_ids
+        if llm.has_unfinished_requests() and len(busy) < 3:
+            busy.append(score_prompts(llm, prompts, require_idle=False))
+    assert [outs["req-0"], outs["req-1"]] == want
+    for res in busy:
+        assert res.logprobs == pytest.approx(idle.logprobs, abs=1e-5) and res.top_ids == idle.top_ids

@@ -69,3 +69,37 @@ def test_requests_that_could_differ_take_the_request_path(served, http, monkeypa
         body = {"prompt": PROMPTS[:2], "echo": True, "logprobs": 1, "max_tokens": 1, **extra}
         choices, _ = _post(http, body)
         assert len(choices) == 2 * body.get("n", 1)
+
+
+def test_a_batch_the_engine_cannot_score_now_takes_the_request_path(served, http, monkeypatch):
+    from polyrl.errors import UserError
+
+    _, llm = served
+    body = {"prompt": PROMPTS[:2], "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    want, _ = _post(http, body)
+
+    def full(*a, **k):
+        raise UserError("the KV cache has 0 free blocks; scoring needs 3")
+
+    monkeypatch.setattr("polyrl.server.async_engine.score_prompts", full)
+    got, _ = _post(http, body)
+    _close(got, want)
+
+
+def test_scoring_between_the_steps_of_running_requests(served, http):
+    """A scoring batch that arrives while generations run is scored between their steps (the engine is not idle)
+    with the same numbers, and the generations finish whole."""
+    import threading
+
+    body = {"prompt": PROMPTS, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    idle, _ = _post(http, body)
+    gen = {"prompt": [[3, 4, 5]] * 4, "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    results = []
+    worker = threading.Thread(target=lambda: results.append(_post(http, gen)))
+    worker.start()
+    busy = [_post(http, body)[0] for _ in range(3)]
+    worker.join(60)
+    for got in busy:
+        _close(got, idle)
+    ((choices, usage),) = results
+    assert usage["completion_tokens"] == 4 * 120
