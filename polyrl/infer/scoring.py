@@ -11,7 +11,7 @@ request and runs the model directly on the engine's paged KV cache:
   starts with the shared blocks. Every layer writes the step's keys/values before it attends
   (``models/decoder.py``), so branches read the shared blocks written in the same forward: a four-way
   multiple-choice document computes its context once (plus up to ``block_size`` tail tokens per choice). A context
-  with one continuation in a batch is a single sequence. The last continuation token is never fed (nothing scores
+  with one continuation is a single sequence. The last continuation token is never fed (nothing scores
   what follows it), as lm-eval's ``hf`` backend does.
 - **only the continuation rows reach the LM head**: the hidden rows at positions ``c - 1 .. c + L - 2``, in row
   chunks of at most ``ROW_CHUNK_ELEMS`` logits (logits in the model's dtype, upcast, log-softmax: the arithmetic of
@@ -20,10 +20,14 @@ request and runs the model directly on the engine's paged KV cache:
   reads them once at the end. Batches of at most ``RolloutConfig.max_num_batched_tokens`` tokens (what the cache
   sizing reserved activations for); their index arrays go to the device in one pinned copy (``batch.to_device``).
 
+``score_prompts`` scores every position of whole prompts the same way (a server's ``echo`` + ``logprobs`` request,
+``server/scoring.py``): per token its log-prob and the argmax (id, log-prob), read in one transfer at the end.
+
 The KV blocks are borrowed from the engine's ``BlockManager`` for the call and given back (evicting cached prefixes
-as any allocation does); the engine must be idle (no request in flight) and is not stepped. Not here: tokenisation,
-lm-eval's request objects (``polyrl/eval/harness.py``), per-token log-probs for a server response
-(``prompt_logprobs.py``), LoRA adapter banks (a served adapter engine uses the request path).
+as any allocation does); the engine is not stepped. It must be idle, or (``require_idle=False``) the call runs on the
+engine's own thread between steps: running sequences keep their blocks and every forward is queued on the same
+stream. Not here: tokenisation, lm-eval's request objects (``polyrl/eval/harness.py``), top-k > 1 alternatives and
+ranks (``prompt_logprobs.py``, the request path), LoRA adapter banks (a served adapter engine uses the request path).
 """
 
 from __future__ import annotations
