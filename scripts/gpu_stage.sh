@@ -167,7 +167,7 @@ for s in "$@"; do
     bench-rollout-fp8) stage bench-rollout-fp8 480 $PR bench rollout --shape qwen3-8b --batch 256 --prompt-len 128 --gen-len 256 --baselines none --skip-batch1 --logprob-seqs 4 --precision fp8 --json "$OUT/bench_rollout_fp8.json" ;;
     fp8-rollout-tests) stage fp8-rollout-tests 300 python3 -m pytest -q -m 'gpu or not gpu' tests/infer/test_fp8_weights.py tests/kernels/test_fp8_act_quant.py ;;
     # evaluation (issue 34): lm-eval's hf backend vs the in-process engine vs local-completions against polyrl serve
-    bench-eval) TAIL=40 stage bench-eval 300 $PR bench eval --shape qwen3-0.6b --docs 2000 --serve --json "$OUT/bench_eval.json" ;;
+    bench-eval) TAIL=40 stage bench-eval 480 $PR bench eval --shape qwen3-0.6b --docs 2000 --serve --json "$OUT/bench_eval.json" ;;
     # where the in-process log-likelihood phase goes on the device: no hf rows, cProfile + torch profiler in $OUT/eval-profile
     bench-eval-profile) TAIL=40 stage bench-eval-profile 240 $PR bench eval --shape qwen3-0.6b --docs 2000 --hf-batch-sizes "" --gen-docs 256 --profile "$OUT/eval-profile" --json "$OUT/bench_eval_profile.json" ;;
     # 8-bit AdamW moments and optimizer offload (issue 28, docs/optim8.md): their GPU tests, then qwen3-8b full SFT,
