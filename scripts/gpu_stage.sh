@@ -196,7 +196,11 @@ for s in "$@"; do
     fp8kv-tests) stage fp8kv-tests 150 python3 -m pytest -q -rfE -m 'gpu or not gpu' tests/infer/test_fp8_kv.py tests/kernels/test_paged_attention_fp8.py --durations 5 ;;
     fp8-rollout-tests) stage fp8-rollout-tests 300 python3 -m pytest -q -m 'gpu or not gpu' tests/infer/test_fp8_weights.py tests/kernels/test_fp8_act_quant.py ;;
     # evaluation (issue 34): lm-eval's hf backend vs the in-process engine vs local-completions against polyrl serve
-    bench-eval) TAIL=40 stage bench-eval 300 $PR bench eval --shape qwen3-0.6b --docs 2000 --serve --json "$OUT/bench_eval.json" ;;
+    bench-eval) TAIL=40 stage bench-eval 480 $PR bench eval --shape qwen3-0.6b --docs 2000 --serve --json "$OUT/bench_eval.json" ;;
+    # the scorer's GPU test, then where the in-process log-likelihood phase goes on the device: no hf rows, cProfile +
+    # torch profiler in $OUT/eval-profile (issue 34)
+    bench-eval-profile) TAIL=60 stage bench-eval-profile 300 bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider tests/eval/test_scoring.py 2>&1 | tail -3; \
+      $PR bench eval --shape qwen3-0.6b --docs 2000 --hf-batch-sizes '' --gen-docs 256 --profile $OUT/eval-profile --json $OUT/bench_eval_profile.json" ;;
     # 8-bit AdamW moments and optimizer offload (issue 28, docs/optim8.md): their GPU tests, then qwen3-8b full SFT,
     # activation checkpointing, 1 x 4096: ours adamw (fp32 masters; expected oom) and the bitsandbytes AdamW8bit /
     # torch AdamW HF baselines (pure bf16), adamw8bit with fp32 masters and pure bf16, and adamw + offload cpu. Peak

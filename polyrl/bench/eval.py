@@ -8,10 +8,16 @@ log-likelihood phase (the backend's ``loglikelihood`` call), and reports the har
 building, tokenisation) as total - model load - log-likelihood phase:
 
 - ``hf`` at each ``--hf-batch-sizes`` (lm-eval pads a batch and takes a full-vocabulary log-softmax per position);
-- ``polyrl``: the in-process engine (``polyrl.eval.harness``: prefill-only scoring, a document's choices sharing
-  their context through the prefix cache), after an untimed warm-up on 16 documents (``warmup_s``: the Triton
-  kernels compile on first use);
-- ``serve`` (with ``--serve``): lm-eval's ``local-completions`` against ``polyrl serve`` in this process;
+- ``polyrl``: the in-process engine (``polyrl.eval.harness`` over ``infer/scoring.py``: every request in one
+  batched scoring call, a document's choices sharing their context, only continuation rows through the LM head),
+  after an untimed warm-up (``_warm_up``: two scoring shapes, the decode graphs, a short generation: the Triton
+  kernels compile on first use). The phase runs twice (``repeat_s``: what is left of first-use cost shows as the
+  difference) and its host breakdown is printed (tokenise, plan, index arrays, launch = host time queueing the
+  forwards, wait = the device behind the host at the end, gather) with the tokens fed against one sequence per
+  request. ``--profile DIR`` then runs it under cProfile and the torch profiler (files in DIR);
+- ``serve`` (with ``--serve``): lm-eval's ``local-completions`` (``--serve-batch-size`` prompts per HTTP request,
+  ``--serve-concurrent`` requests in flight, both printed) against ``polyrl serve``, by default in a process of its
+  own (``--serve-mode process``, as a user runs it; ``thread``: in this process over the same engine);
 - generation (``--gen-docs``, default 256): a generate-until task of the same contexts, greedy, ``--gen-tokens`` new
   tokens (a stop string that never occurs), through ``hf`` (at the last ``--hf-batch-sizes``) and the in-process
   engine (continuous batching): the generation phase is timed the same way, texts compared with hf's.
@@ -33,10 +39,17 @@ module measures; it asserts nothing. Needs the ``eval`` extra.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import random
+import socket
+import subprocess
+import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -54,12 +67,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default="qwen3-0.6b", help="model preset (with or without the -shape suffix)")
     parser.add_argument("--docs", type=int, default=2000, help="multiple-choice documents (4 requests each)")
     parser.add_argument("--context-words", type=int, default=60, help="words per context (~90 tokens at 60)")
-    parser.add_argument("--hf-batch-sizes", default="64,256", help="comma-separated batch sizes of the hf backend")
+    parser.add_argument(
+        "--hf-batch-sizes", default="64,256", help="comma-separated batch sizes of the hf backend ('' for no hf rows)"
+    )
     parser.add_argument("--gen-docs", type=int, default=256, help="generation-task documents (0: no generation rows)")
     parser.add_argument("--gen-tokens", type=int, default=32, help="new tokens per generation (greedy)")
     parser.add_argument("--serve", action="store_true", help="also time local-completions against polyrl serve")
+    parser.add_argument("--serve-batch-size", type=int, default=64, help="local-completions: prompts per request")
+    parser.add_argument("--serve-concurrent", type=int, default=8, help="local-completions: requests in flight")
+    parser.add_argument(
+        "--serve-mode",
+        choices=["process", "thread"],
+        default="process",
+        help="polyrl serve as its own process (as users run it) or a thread of this one over the in-process engine",
+    )
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="also profile a repeat of the in-process log-likelihood phase: cProfile and torch profiler files in DIR",
+    )
 
 
 def write_task(root: Path, docs: int, words: int, seed: int = 0) -> str:
@@ -97,8 +126,11 @@ def write_gen_task(root: Path, docs: int, words: int, new_tokens: int, seed: int
     return "polyrl_bench_gen"
 
 
-def _timed(lm: Any, box: dict[str, float], method: str = "loglikelihood") -> None:
-    """Make ``lm.<method>`` (``loglikelihood`` or ``generate_until``) add its wall time to ``box["phase_s"]``."""
+def _timed(lm: Any, box: dict[str, Any], method: str = "loglikelihood", repeat: bool = False) -> None:
+    """Make ``lm.<method>`` (``loglikelihood`` or ``generate_until``) add its wall time to ``box["phase_s"]``. With
+    ``repeat`` the same requests run a second time, timed as ``box["repeat_s"]`` (what is left of first-use costs
+    shows as the difference), and the requests are kept in ``box["requests"]`` (``--profile``). A polyrl model's
+    breakdown of the first call (``last_score_stats`` / ``last_generate_stats``) lands in ``box["breakdown"]``."""
     inner = getattr(lm, method)
 
     def timed(requests, *a, **k):
@@ -107,6 +139,16 @@ def _timed(lm: Any, box: dict[str, float], method: str = "loglikelihood") -> Non
         out = inner(requests, *a, **k)
         _sync()
         box["phase_s"] = box.get("phase_s", 0.0) + time.perf_counter() - t0
+        stats = getattr(lm, "last_score_stats" if method == "loglikelihood" else "last_generate_stats", None)
+        if stats:
+            box["breakdown"] = dict(stats)
+        if repeat:
+            box["requests"] = requests
+            t0 = time.perf_counter()
+            again = inner(requests, *a, **k)
+            _sync()
+            box["repeat_s"] = time.perf_counter() - t0
+            box["same_on_repeat"] = again == out
         return out
 
     setattr(lm, method, timed)
@@ -190,30 +232,48 @@ def run(args: argparse.Namespace) -> int:
         llm = eval_engine(model, tok)
         lm = PolyrlLM(llm=llm, show_progress=False)
         load = time.perf_counter() - t0
-        warmup = _warm_up(llm, lm, root)
+        warm = _warm_up(llm, lm, root)
+        print(
+            f"polyrl warm-up (untimed): {warm['warmup_s']:.2f} s, of which decode graph capture "
+            f"{warm['graph_capture_s']:.2f} s",
+            flush=True,
+        )
+        boxes: dict[str, dict[str, Any]] = {}
 
         def polyrl_row(kind: str, task: str) -> dict[str, Any]:
-            box: dict[str, float] = {}
-            _timed(lm, box, "generate_until" if kind == "gen" else "loglikelihood")
+            box = boxes[kind] = {}
+            _timed(lm, box, "generate_until" if kind == "gen" else "loglikelihood", repeat=kind == "ll")
             total, outs = _evaluate(lm, task, root)
             label = "polyrl (in-process)" + (" generate" if kind == "gen" else "")
             row = _row(label, load, total, box, outs, ref[kind], kind)
-            row["warmup_s"] = warmup
+            row.update(warm)
+            for key in ("repeat_s", "same_on_repeat", "breakdown"):
+                if key in box:
+                    row[key] = box[key]
             return row
 
         if measure("polyrl (in-process)", lambda: polyrl_row("ll", task)) is not None:
-            res["prefix_cache_hit_rate"] = llm.stats()["prefix_cache_hit_rate"]
+            print(_breakdown_line(rows[-1]), flush=True)
+            if args.profile:
+                res["profile"] = _profile(lm, boxes["ll"]["requests"], Path(args.profile))
             res["prompt_logprobs_overhead"] = _prefill_overhead(llm, lm, task, root, SamplingParams)
         if args.serve:
-            measure("serve (local-completions)", lambda: _serve_row(llm, model_dir, task, root, ref["ll"]))
+            measure("serve (local-completions)", lambda: _serve_row(llm, model_dir, task, root, ref["ll"], args, dtype))
+            print(
+                f"  client: lm-eval local-completions batch_size={args.serve_batch_size} (prompts per HTTP request), "
+                f"num_concurrent={args.serve_concurrent}; server: {args.serve_mode}",
+                flush=True,
+            )
         if gen_task is not None:
-            measure(f"hf bs={batch_sizes[-1]} generate", lambda: hf_row(batch_sizes[-1], "gen", gen_task, root))
-            measure("polyrl (in-process) generate", lambda: polyrl_row("gen", gen_task))
+            if batch_sizes:
+                measure(f"hf bs={batch_sizes[-1]} generate", lambda: hf_row(batch_sizes[-1], "gen", gen_task, root))
+            if measure("polyrl (in-process) generate", lambda: polyrl_row("gen", gen_task)) is not None:
+                print(_breakdown_line(rows[-1]), flush=True)
     _speedups(rows)
     res["rows"] = rows
     cols = ["backend", "load_s", "harness_s", "phase_s", "requests_per_s", "speedup_vs_best_hf"]
     print()
-    print_table(rows, cols + ["max_abs_diff_vs_hf", "same_as_hf", "error"])
+    print_table(rows, cols + ["repeat_s", "max_abs_diff_vs_hf", "same_as_hf", "error"])
     over = res.get("prompt_logprobs_overhead")
     if over is not None:
         print(
@@ -244,7 +304,7 @@ def _row_line(r: dict[str, Any]) -> str:
     same = r.get("same_as_hf")
     extra = f", max |diff| vs hf {diff:.2e}" if diff is not None else ""
     extra += f", {100 * same:.0f}% of texts as hf's" if same is not None else ""
-    extra += f", warm-up {r['warmup_s']:.2f} s (untimed)" if r.get("warmup_s") is not None else ""
+    extra += f", repeat {r['repeat_s']:.3f} s" if r.get("repeat_s") is not None else ""
     return (
         f"{r['backend']}: load {r['load_s']:.2f} s, harness {r['harness_s']:.2f} s, {phase} {r['phase_s']:.3f} s "
         f"({r['requests_per_s']:.1f} requests/s){extra}"
@@ -270,7 +330,7 @@ def _row(
         "load_s": load,
         "total_s": total,
         "phase_s": phase,
-        "harness_s": total - phase,
+        "harness_s": total - phase - box.get("repeat_s", 0.0),  # the repeat runs inside simple_evaluate too
         "requests_per_s": n / phase if phase else None,
     }
     if kind == "ll":
@@ -284,18 +344,84 @@ def _row(
     return row
 
 
-def _warm_up(llm: Any, lm: Any, root: Path, docs: int = 16) -> float:
-    """Seconds of an untimed scoring of the first ``docs`` documents' requests (then the prefix cache is reset): the
-    engine's Triton kernels compile on first use (seconds on a fresh machine; hf's PyTorch kernels come compiled), a
-    one-off cost that is not the scoring path's speed, reported as the row's ``warmup_s``."""
-    rows = [json.loads(line) for line in (root / "bench_mc.jsonl").read_text().splitlines()[:docs]]
+def _warm_up(llm: Any, lm: Any, root: Path) -> dict[str, float]:
+    """Untimed first use of everything the timed phases run: scoring the first 13 and then 64 documents' requests (two
+    batch shapes, so shape-specialised Triton kernels compile here) and forwards of 1, 63 and 64 tokens, the decode
+    CUDA graphs (``capture_graphs``) and a short greedy generation with a stop string. The engine's Triton kernels
+    compile on first use (seconds on a fresh machine; hf's PyTorch kernels come compiled): a one-off cost, not the
+    phases' speed. Returns ``warmup_s`` (all of it) and ``graph_capture_s``."""
+    # lazy: the engine loads only when this bench runs
+    from polyrl.infer import SamplingParams
+    from polyrl.infer.scoring import score_continuations
+
+    rows = [json.loads(line) for line in (root / "bench_mc.jsonl").read_text().splitlines()[:64]]
     reqs = [SimpleNamespace(args=(r["context"], " " + c)) for r in rows for c in r["choices"]]
     _sync()
     t0 = time.perf_counter()
+    lm.loglikelihood(reqs[: 13 * 4])
     lm.loglikelihood(reqs)
+    for n in (1, 63, 64):  # forwards of 1, 63 and 64 tokens: Triton specialises integer arguments on == 1 and % 16
+        score_continuations(llm, [[5] * n], [[7]], [0])
+    capture = llm.capture_graphs()
+    prompts = [lm.tok_encode(r["context"]) for r in rows[:8]]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, stop=["<never-stop>"]))
     _sync()
     llm.reset_prefix_cache()
-    return time.perf_counter() - t0
+    return {"warmup_s": time.perf_counter() - t0, "graph_capture_s": capture}
+
+
+def _breakdown_line(r: dict[str, Any]) -> str:
+    """Where a polyrl row's phase went (``PolyrlLM.last_score_stats`` / ``last_generate_stats``)."""
+    b = r.get("breakdown") or {}
+    if r.get("phase") == "gen":
+        prep, gen = b.get("prepare_s", 0.0), b.get("generate_s", 0.0)
+        return f"  generate breakdown: tokenise + params {prep:.3f} s, engine {gen:.3f} s"
+    parts = ["tokenize", "plan", "arrays", "launch", "wait", "gather"]
+    known = sum(b.get(f"{p}_s", 0.0) for p in parts)
+    text = ", ".join(f"{p} {b.get(f'{p}_s', 0.0):.3f}" for p in parts)
+    rep = f"; repeat {r['repeat_s']:.3f} s (same results: {r.get('same_on_repeat')})" if "repeat_s" in r else ""
+    return (
+        f"  log-likelihood breakdown (s): {text}, other {r['phase_s'] - known:.3f}; {int(b.get('batches', 0))} "
+        f"batches, {int(b.get('fed_tokens', 0))} tokens fed (one sequence per request: "
+        f"{int(b.get('unshared_tokens', 0))}), {int(b.get('scored_tokens', 0))} scored{rep}"
+    )
+
+
+def _profile(lm: Any, requests: list, out: Path) -> dict[str, str]:
+    """One more in-process log-likelihood call over ``requests`` under cProfile, then one under the torch profiler
+    (CPU + the accelerator's activity): ``eval_ll.pstats``, ``eval_ll_cprofile.txt`` (top functions by own and by
+    cumulative time), ``eval_ll_torch.txt`` (ops by device and host time) and ``eval_ll_trace.json`` (Chrome trace)
+    in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    prof = cProfile.Profile()
+    _sync()
+    prof.enable()
+    lm.loglikelihood(requests)
+    _sync()
+    prof.disable()
+    prof.dump_stats(str(out / "eval_ll.pstats"))
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    calls = sum(v[1] for v in stats.stats.values())
+    text.write(f"{calls} Python calls for {len(requests)} requests ({calls / max(1, len(requests)):.1f} per request)\n")
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(40)
+    (out / "eval_ll_cprofile.txt").write_text(text.getvalue())
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.torch_device().type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as tp:
+        lm.loglikelihood(requests)
+        _sync()
+    sort = "cuda_time_total" if len(acts) > 1 else "cpu_time_total"
+    (out / "eval_ll_torch.txt").write_text(tp.key_averages().table(sort_by=sort, row_limit=40))
+    tp.export_chrome_trace(str(out / "eval_ll_trace.json"))
+    print(
+        f"profile of the in-process log-likelihood phase: {out} ({calls / max(1, len(requests)):.1f} Python calls "
+        "per request)",
+        flush=True,
+    )
+    return {"dir": str(out), "python_calls_per_request": calls / max(1, len(requests))}
 
 
 def _prefill_overhead(llm: Any, lm: Any, task: str, root: Path, SamplingParams: Any) -> dict[str, float]:
@@ -330,24 +456,93 @@ def _prefill_overhead(llm: Any, lm: Any, task: str, root: Path, SamplingParams: 
     return {k: times[k] / times["plain"] - 1.0 for k in ("all_positions", "continuation")}
 
 
-def _serve_row(llm: Any, model_dir: Path, task: str, root: Path, ref: list[float] | None) -> dict[str, Any]:
+def _serve_row(
+    llm: Any, model_dir: Path, task: str, root: Path, ref: list[float] | None, args: argparse.Namespace, dtype: str
+) -> dict[str, Any]:
+    """lm-eval ``local-completions`` (token-id prompts, ``--serve-batch-size`` prompts per HTTP request,
+    ``--serve-concurrent`` requests in flight) against ``polyrl serve``: by default a server process of its own
+    (``--serve-mode process``, as a user runs it: the client's JSON parsing and the server's share no GIL; the
+    in-process engine's KV cache is released meanwhile), warmed up with one scoring request before the timed phase;
+    ``thread`` runs it in this process (``start_server``) over the in-process engine."""
     # lazy: lm-eval (the `eval` extra) and the server (the `serve` extra) only with --serve
     from lm_eval.api.registry import get_model
 
-    from polyrl.server import ServeConfig, start_server
-
-    handle = start_server(llm, ServeConfig(port=0, served_model_name="bench", log_level="warning"))
+    stop, base_url, boot = _start_server(llm, model_dir, args.serve_mode, dtype)
     try:
-        args = (
-            f"base_url={handle.base_url}/completions,model=bench,tokenizer={model_dir},tokenized_requests=True,"
-            "num_concurrent=8,max_retries=1"
+        client = (
+            f"base_url={base_url}/completions,model=bench,tokenizer={model_dir},tokenized_requests=True,"
+            f"num_concurrent={args.serve_concurrent},max_retries=1"
         )
         box: dict[str, float] = {}
         t0 = time.perf_counter()
-        lm = get_model("local-completions").create_from_arg_string(args, {"batch_size": 64})
+        lm = get_model("local-completions").create_from_arg_string(client, {"batch_size": args.serve_batch_size})
         load = time.perf_counter() - t0
         _timed(lm, box)
         total, lls = _evaluate(lm, task, root)
     finally:
-        handle.stop()
-    return _row("serve (local-completions)", load, total, box, lls, ref)
+        stop()
+    row = _row("serve (local-completions)", load + boot, total, box, lls, ref)
+    row["client"] = {"batch_size": args.serve_batch_size, "num_concurrent": args.serve_concurrent}
+    row["serve_mode"] = args.serve_mode
+    return row
+
+
+def _start_server(llm: Any, model_dir: Path, mode: str, dtype: str) -> tuple[Any, str, float]:
+    """(stop function, base URL ``http://host:port/v1``, seconds to start and warm up) of a ``polyrl serve``."""
+    t0 = time.perf_counter()
+    if mode == "thread":
+        # lazy: the server is the `serve` extra
+        from polyrl.server import ServeConfig, start_server
+
+        handle = start_server(llm, ServeConfig(port=0, served_model_name="bench", log_level="warning"))
+        _post_warm_up(handle.base_url)
+        return handle.stop, handle.base_url, time.perf_counter() - t0
+    with socket.socket() as sock:  # a free port (the server binds it right after)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    llm.release()  # the server process sizes its own KV cache from the memory this frees
+    device.empty_cache()
+    cmd = [sys.executable, "-m", "polyrl.cli.main", "serve", "--model", str(model_dir), "--port", str(port)]
+    cmd += ["--served-model-name", "bench", "--dtype", dtype, "--device", str(device.torch_device())]
+    cmd += ["--log-level", "warning"]
+    proc = subprocess.Popen(cmd)
+
+    def stop() -> None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        llm.reallocate()
+        llm.capture_graphs()  # release() dropped them; the generation rows must not capture inside their phase
+
+    base = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 600
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop()
+            raise RuntimeError(f"polyrl serve did not come up (exit code {proc.poll()}): {' '.join(cmd)}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            time.sleep(0.5)
+    try:
+        _post_warm_up(base)
+    except Exception:
+        stop()
+        raise
+    return stop, base, time.perf_counter() - t0
+
+
+def _post_warm_up(base_url: str) -> None:
+    """One untimed scoring request (echo + logprobs over 64 token-id prompts): the server's first-use compilation."""
+    body = {"model": "bench", "prompt": [[1 + (i * 7 + j) % 200 for j in range(40 + i)] for i in range(64)]}
+    body.update(max_tokens=1, logprobs=1, echo=True, temperature=0)
+    req = urllib.request.Request(
+        f"{base_url}/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=600) as r:
+        r.read()

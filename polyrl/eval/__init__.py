@@ -1,9 +1,9 @@
 """polyrl.eval: evaluate a model - lm-eval-harness tasks through the rollout engine, and reward-based evaluation.
 
 - ``harness.py``: ``PolyrlLM``, an lm-eval model registered as ``polyrl`` (``lm_eval --model polyrl`` after
-  ``import polyrl.eval.harness``, or ``polyrl eval --tasks ...``): log-likelihoods from the engine's prompt
-  log-probs (prefill only, batched, a document's choices sharing their context through the prefix cache),
-  generation through continuous batching.
+  ``import polyrl.eval.harness``, or ``polyrl eval --tasks ...``): log-likelihoods from one batched scoring call on
+  the engine's model and KV cache (``infer/scoring.py``: a document's choices sharing their context, only the
+  continuation tokens through the LM head), generation through continuous batching.
 - ``bundled.py``: polyrl's own small tasks (YAML + jsonl, no hub), for tests, the validate gate and the demo.
 - ``rewards.py``: ``reward_eval``: sample ``n`` completions per prompt of any data the trainer reads, score them
   with a reward function, and report mean reward, pass@1, unbiased pass@k and mean length.

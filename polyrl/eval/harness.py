@@ -1,10 +1,11 @@
 """``PolyrlLM``: lm-eval-harness's model interface over polyrl's rollout engine, registered as ``polyrl``.
 
-- ``loglikelihood``: each (context, continuation) pair becomes one engine request ``context + continuation`` with
-  ``prompt_logprobs=1`` scored from the continuation's first token on (``prompt_logprobs_from``), so the context's
-  full KV blocks may come from the prefix cache: the choices of a multiple-choice document share their context,
-  computed once. All requests go to the engine at once (continuous batching; no padding, no ``[B, T, V]`` logits:
-  ``infer/prompt_logprobs.py``). ``is_greedy``: every continuation token is the argmax of its distribution.
+- ``loglikelihood``: every (context, continuation) pair is scored in one ``infer.scoring.score_continuations`` call:
+  requests grouped by context, a context's full KV blocks computed once per batch for all its continuations (the
+  choices of a multiple-choice document), only the continuation tokens' rows through the LM head, sums and greedy
+  flags kept on the device until the end (no per-request engine round trip, no host sync per request).
+  ``is_greedy``: every continuation token is the argmax of its distribution. An engine serving LoRA adapters takes
+  the request path instead (``prompt_logprobs`` from the continuation's first token on, prefix cache shared).
   Tokenisation is lm-eval's ``_encode_pair`` with each distinct string (a document's context, each context +
   choice) encoded once in one batched tokenizer call.
 - ``loglikelihood_rolling``: lm-eval's disjoint rolling windows of ``max_length`` tokens, each scored as above.
@@ -18,6 +19,7 @@ module only when lm-eval is wanted (the ``eval`` extra). Not here: the CLI (``cl
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +34,10 @@ from polyrl.eval.bundled import BUNDLED_TASKS, bundled_task_dir
 from polyrl.eval.loading import eval_engine, load_eval_model
 from polyrl.infer.llm import LLM
 from polyrl.infer.sampling_params import SamplingParams
+from polyrl.infer.scoring import score_continuations, supports_scoring
 from polyrl.platform.host import gc_paused
 
-CHUNK_REQUESTS = 4096  # requests handed to the engine per progress-bar update
+CHUNK_REQUESTS = 4096  # requests per engine call on the request path of log-likelihood scoring
 
 
 def _truthy(v: Any) -> bool:
@@ -80,6 +83,8 @@ class PolyrlLM(TemplateLM):
         self.tokenizer = llm.tokenizer
         self._max_length = llm.max_model_len
         self.show_progress = _truthy(show_progress)
+        self.last_score_stats: dict[str, float] = {}  # the last direct scoring call's breakdown (infer/scoring.py)
+        self.last_generate_stats: dict[str, float] = {}  # the last generate_until: tokenising, generating
 
     # ---- what TemplateLM needs ----------------------------------------------------------------------
     @property
@@ -111,16 +116,67 @@ class PolyrlLM(TemplateLM):
     # ---- scoring ------------------------------------------------------------------------------------
     def _score(self, pairs: list[tuple[list[int], list[int]]], desc: str) -> list[tuple[float, bool]]:
         """(sum of continuation log-probs, whether every continuation token is the argmax) per (context,
-        continuation) pair of token ids; contexts are cut from the left to fit the engine's context."""
-        prompts, params = [], []
-        limit = self.max_length - 1  # the engine samples one token after the prompt
+        continuation) pair of token ids. As lm-eval's ``hf`` backend: ``(context + continuation)[-(max_length +
+        1):]``, the last token never fed. Pairs with the same context share its computation
+        (``infer/scoring.py``); an engine that cannot score directly (LoRA adapters served) takes the request path."""
+        direct = supports_scoring(self.llm)
+        limit = self.max_length + 1 if direct else self.max_length - 1  # a request also samples one token
+        contexts: list[list[int]] = []
+        conts: list[list[int]] = []
+        owner: list[int] = []
+        index: dict[tuple[int, ...], int] = {}
         for ctx, cont in pairs:
             if not cont:
                 raise UserError("lm-eval asked to score an empty continuation; check the task's doc_to_choice")
-            whole = (ctx + cont)[-limit:]
-            start = max(1, len(whole) - len(cont))
+            if len(ctx) + len(cont) > limit:  # cut the context from the left; at least one token of it stays
+                whole = (ctx + cont)[-limit:]
+                cut = max(1, len(whole) - len(cont))
+                ctx, cont = whole[:cut], whole[cut:]
+            key = tuple(ctx)
+            u = index.get(key)
+            if u is None:
+                u = index[key] = len(contexts)
+                contexts.append(ctx)
+            owner.append(u)
+            conts.append(cont)
+        self.last_score_stats = {}
+        if not direct:
+            return self._score_requests(contexts, conts, owner, desc)
+        # A request longer than one forward's token budget takes the request path (chunked prefill) instead.
+        budget = self.llm.config.max_num_batched_tokens
+        fits = [len(contexts[u]) + len(c) - 1 <= budget for u, c in zip(owner, conts)]
+        out: list[tuple[float, bool] | None] = [None] * len(conts)
+        if not all(fits):
+            rest = [r for r, ok in enumerate(fits) if not ok]
+            long = self._score_requests(contexts, [conts[r] for r in rest], [owner[r] for r in rest], desc)
+            for r, res in zip(rest, long):
+                out[r] = res
+        keep = [r for r, ok in enumerate(fits) if ok]
+        bar = tqdm(total=len(keep), desc=desc, disable=not self.show_progress)
+        res = score_continuations(
+            self.llm, contexts, [conts[r] for r in keep], [owner[r] for r in keep], on_batch=bar.update
+        )
+        bar.close()
+        self.last_score_stats = dict(res.stats)
+        for r, lp, greedy in zip(keep, res.logprobs, res.greedy):
+            out[r] = (lp, greedy)
+        return out  # type: ignore[return-value]
+
+    def _score_requests(
+        self, contexts: list[list[int]], conts: list[list[int]], owner: list[int], desc: str
+    ) -> list[tuple[float, bool]]:
+        """``_score`` through engine requests: ``prompt_logprobs=1`` from the continuation's first token on, so a
+        context's full blocks come from the prefix cache (chunked prefill: any length the context holds, cut to
+        ``max_length - 1`` tokens as the engine samples one more)."""
+        prompts, params = [], []
+        limit = self.max_length - 1  # the engine samples one token after the prompt
+        for u, cont in zip(owner, conts):
+            whole, first = contexts[u] + cont, len(contexts[u])
+            if len(whole) > limit:  # cut from the left, at least one context token kept
+                whole = whole[-limit:]
+                first = max(1, len(whole) - len(cont))
             prompts.append(whole)
-            params.append(SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, prompt_logprobs_from=start))
+            params.append(SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, prompt_logprobs_from=first))
         out: list[tuple[float, bool]] = []
         bar = tqdm(total=len(prompts), desc=desc, disable=not self.show_progress)
         for lo in range(0, len(prompts), CHUNK_REQUESTS):
@@ -152,6 +208,7 @@ class PolyrlLM(TemplateLM):
         continuation; the whole string is encoded and the context's token count cut off; an empty context becomes
         ``prefix_token_id``), with every distinct string encoded once in one batched call: a document's choices
         share their context, and per-string ``encode`` calls were ~20% of this phase (``docs/evaluation.md``)."""
+        t0 = time.perf_counter()
         args = [req.args for req in requests]
         parts: list[tuple[str, str] | None] = []  # (context, continuation) after the space move; None: empty context
         for context, continuation in args:
@@ -171,7 +228,10 @@ class PolyrlLM(TemplateLM):
                     ctx = enc[p[0]]
                     cont = enc[p[0] + p[1]][len(ctx) :]
                 new_reqs.append(((context, continuation), ctx, cont))
-            return self._loglikelihood_tokens(new_reqs, disable_tqdm=disable_tqdm)
+            tokenize_s = time.perf_counter() - t0
+            out = self._loglikelihood_tokens(new_reqs, disable_tqdm=disable_tqdm)
+        self.last_score_stats.update(tokenize_s=tokenize_s, loglikelihood_s=time.perf_counter() - t0)
+        return out
 
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any) -> list:
         pairs = [(ctx, cont) for _, ctx, cont in requests]
@@ -202,8 +262,13 @@ class PolyrlLM(TemplateLM):
 
     # ---- generation ---------------------------------------------------------------------------------
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+        """Every request in one ``LLM.generate`` call (continuous batching over all of them; a progress bar fed by
+        ``on_finish``), the contexts encoded in one batched tokenizer call."""
+        t0 = time.perf_counter()
         prompts, params = [], []
         eos_text = self.tok_decode([self.eot_token_id])
+        with gc_paused():
+            enc = self._encode_many([req.args[0] for req in requests])
         for req in requests:
             context, gen_kwargs = req.args
             kw = dict(gen_kwargs or {})
@@ -214,21 +279,20 @@ class PolyrlLM(TemplateLM):
             max_gen = int(kw.pop("max_gen_toks", 256))
             do_sample = _truthy(kw.pop("do_sample", False))
             temperature = float(kw.pop("temperature", 0.0)) if do_sample else 0.0
-            ids = self.tok_encode(context)
+            ids = enc[context]
             ids = ids[-max(1, self.max_length - max_gen) :]
             max_gen = max(1, min(max_gen, self.max_length - len(ids)))
             until = [s for s in until if s]
             prompts.append(ids)
             params.append(SamplingParams(temperature=temperature, max_tokens=max_gen, stop=until or None))
-        texts: list[str] = []
+        t1 = time.perf_counter()
         bar = tqdm(total=len(prompts), desc="polyrl generate_until", disable=not self.show_progress)
-        for lo in range(0, len(prompts), CHUNK_REQUESTS):
-            results = self.llm.generate(prompts[lo : lo + CHUNK_REQUESTS], params[lo : lo + CHUNK_REQUESTS])
-            texts.extend(r.outputs[0].text for r in results)
-            bar.update(len(results))
+        results = self.llm.generate(prompts, params, on_finish=lambda i, j, out: bar.update(1)) if prompts else []
         bar.close()
+        texts = [r.outputs[0].text for r in results]
         for req, text in zip(requests, texts):
             self.cache_hook.add_partial("generate_until", req.args, text)
+        self.last_generate_stats = {"prepare_s": t1 - t0, "generate_s": time.perf_counter() - t1}
         return texts
 
 

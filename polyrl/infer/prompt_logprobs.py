@@ -10,9 +10,10 @@ selected rows of the step's ``[T, H]`` hidden states reach the LM head:
   forward uses for its log-probs), called on row chunks of at most ``ROW_CHUNK_ELEMS`` logits (its CPU reference
   holds 4096 rows x V at once), so scores equal the trainer's;
 - with top-k alternatives one pass over row chunks of logits (``[rows, V]`` fp32, at most ``ROW_CHUNK_ELEMS`` =
-  64 MiB; never ``[T, V]`` at once) gives the alternatives, the token's rank and its log-prob (the op reference's
-  arithmetic: logits in the model's dtype, upcast, log-softmax), so the LM head runs once per row; the chosen
-  token's entry among the alternatives is that same number, so a greedy check (``logprob == max(top)``) is exact.
+  128 MiB, within the cache sizing's reserve for sampled logits; never ``[T, V]`` at once) gives the alternatives,
+  the token's rank and its log-prob (the op reference's arithmetic: logits in the model's dtype, upcast,
+  log-softmax), so the LM head runs once per row; the chosen token's entry among the alternatives is that same
+  number, so a greedy check (``logprob == max(top)``) is exact.
 
 Prefix cache: positions whose log-probs are still missing are always recomputed; ``BlockManager.lookup_prefix``
 lets a sequence take cached blocks only below the first position it still needs (``prompt_logprobs_from`` lets a
@@ -32,7 +33,7 @@ from polyrl import kernels
 from polyrl.infer.scheduler import ScheduledSeq
 from polyrl.infer.sequence import Sequence
 
-ROW_CHUNK_ELEMS = 1 << 24  # logits elements per top-k chunk: [rows, V] fp32 = 64 MiB
+ROW_CHUNK_ELEMS = 1 << 25  # logits elements per top-k chunk: [rows, V] fp32 = 128 MiB (220 rows at V = 152k)
 
 
 def first_needed(seq: Sequence) -> int | None:
@@ -93,19 +94,24 @@ def compute_and_store(hidden: torch.Tensor, weight: torch.Tensor, plan: PromptPl
         chosen = torch.cat(parts).float()  # [R]
     lps = chosen.tolist()
     r = 0
-    for seq, count in plan.spans:
+    for seq, count in plan.spans:  # per row: list appends only (a 4,000-prompt echo request scores ~400k rows)
         pl = seq.prompt_lps
         k = seq.params.prompt_logprobs or 0
-        for j in range(r, r + count):
-            pl.logprobs.append(lps[j])
-            top: dict[int, float] = {}
-            if k:
-                top = dict(zip(ti[j][:k], tv[j][:k]))
-                if plan.targets[j] in top:  # the same number as the token's own log-prob (an exact greedy test)
-                    top[plan.targets[j]] = lps[j]
-            pl.top_logprobs.append(top)
-            pl.ranks.append(ranks[j] if k else None)
-        r += count
+        end = r + count
+        pl.logprobs.extend(lps[r:end])
+        if not k:
+            pl.top_logprobs.extend({} for _ in range(count))
+            pl.ranks.extend([None] * count)
+        else:
+            tops = []
+            for ids, vals, target, lp in zip(ti[r:end], tv[r:end], plan.targets[r:end], lps[r:end]):
+                top = dict(zip(ids[:k], vals[:k]))
+                if target in top:  # the same number as the token's own log-prob (an exact greedy test)
+                    top[target] = lp
+                tops.append(top)
+            pl.top_logprobs.extend(tops)
+            pl.ranks.extend(ranks[r:end])
+        r = end
 
 
 def top_logprobs(

@@ -16,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import queue
 import threading
 import time
 from typing import Any
 
 from polyrl.errors import UserError
+from polyrl.infer.scoring import score_prompts
 from polyrl.platform import device
 from polyrl.server.api_errors import bad_request, queue_full, unavailable
 
@@ -107,6 +109,7 @@ class AsyncEngine:
         self._prefix = id_prefix
         self.error: BaseException | None = None
         self.snapshot: dict[str, float] = {"running_requests": 0, "waiting_requests": 0}
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # direct scoring calls (``score``) for the engine thread
         self._publish_stats()
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -187,6 +190,32 @@ class AsyncEngine:
         self._wake.set()
         return rs
 
+    async def score(self, prompts: list[list[int]]) -> Any:
+        """Every position of ``prompts`` scored in one call on the engine thread, between steps
+        (``infer.scoring.score_prompts``; ``server/scoring.py``). 503 when the engine is down or stopping."""
+        if self.error is not None or self._stopping or self._thread is None:
+            raise unavailable("the engine is not running; restart the server")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._jobs.put((prompts, fut, loop))
+        self._wake.set()
+        return await fut
+
+    def _run_jobs(self) -> None:  # engine thread
+        while True:
+            try:
+                prompts, fut, loop = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                outcome = (fut.set_result, score_prompts(self.llm, prompts, require_idle=False))
+            except Exception as exc:  # noqa: BLE001 - this call's error goes to its caller; the engine goes on
+                outcome = (fut.set_exception, exc)
+            try:
+                loop.call_soon_threadsafe(_settle, fut, *outcome)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
     def abort(self, request_id: str) -> None:
         if request_id in self._streams:
             self.llm.abort_request(request_id)
@@ -202,9 +231,11 @@ class AsyncEngine:
         try:
             _use_engine_device(llm)
             while not (self._stopping and not llm.has_unfinished_requests()):
+                self._run_jobs()
                 if not llm.has_unfinished_requests():
-                    self._wake.wait(0.5)
-                    self._wake.clear()
+                    if self._jobs.empty():
+                        self._wake.wait(0.5)
+                        self._wake.clear()
                     continue
                 outputs = llm.step()
                 with self._lock:
@@ -219,6 +250,7 @@ class AsyncEngine:
                 # Let the event loop thread take the GIL between steps: without this a CPU-bound step loop
                 # starves HTTP handling (GIL convoy), and new requests wait seconds to be admitted.
                 time.sleep(0)
+            self._run_jobs()
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine; report it everywhere
             log.exception("polyrl engine thread failed")
             self.error = exc
@@ -227,6 +259,12 @@ class AsyncEngine:
             err = EngineDeadError(f"the engine failed: {exc!r}")
             for rs in streams:
                 rs._put(err)
+            while not self._jobs.empty():  # scoring calls still waiting get the error too
+                _, fut, loop = self._jobs.get_nowait()
+                try:
+                    loop.call_soon_threadsafe(_settle, fut, fut.set_exception, err)
+                except RuntimeError:
+                    pass
             self._publish_stats()
 
     def _publish_stats(self) -> None:
@@ -245,6 +283,11 @@ class AsyncEngine:
         self.snapshot = stats
         if self.metrics is not None:
             self.metrics.update_engine(stats)
+
+
+def _settle(fut: asyncio.Future, setter: Any, value: Any) -> None:
+    if not fut.done():  # the awaiting handler may have been cancelled (client gone)
+        setter(value)
 
 
 def _use_engine_device(llm: Any) -> None:

@@ -35,6 +35,7 @@ from polyrl.server.params import (
 )
 from polyrl.server.prompts import PromptTooLong, tokenize_capped
 from polyrl.server.protocol import CompletionRequest
+from polyrl.server.scoring import direct_scoring, scored_outputs
 from polyrl.server.streaming import DONE, final_outputs, guarded_stream, sse
 from polyrl.server.tool_calls import ToolPlan, compile_plan, extra_structured
 
@@ -146,12 +147,14 @@ async def create_completion(state: Any, req: CompletionRequest, request: Any) ->
     params = state.with_adapter(params, model)
     state.engine.admit(len(prompts))  # the whole batch or none of it: 429 (Retry-After) when the queue is full
     base_id = f"cmpl-{uuid.uuid4().hex}"
-    group = state.engine.new_group()
+    direct = direct_scoring(state.llm, req, params)  # lm-eval's scoring request: one engine-thread call (scoring.py)
+    group = None if direct else state.engine.new_group()
     rids = []
     try:
         for i, (_, ids) in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            state.engine.submit(group, ids, params, stream=req.stream, request_id=rid, admitted=True)
+            if not direct:
+                state.engine.submit(group, ids, params, stream=req.stream, request_id=rid, admitted=True)
             rids.append(rid)
     except Exception:
         group.abort()
@@ -163,7 +166,7 @@ async def create_completion(state: Any, req: CompletionRequest, request: Any) ->
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return guarded_stream(group, _stream(state, group, req, head, prompts, order, num_prompt, include_usage))
-    done = await final_outputs(group, request)
+    done = await (scored_outputs(state.engine, rids, prompts, params) if direct else final_outputs(group, request))
     choices = []
     completion_tokens = 0
     for rid in rids:

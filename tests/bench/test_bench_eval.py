@@ -1,7 +1,9 @@
 """`polyrl bench eval` smoke on the CPU at the tiny shape: every backend row is timed, the engine's log-likelihoods
 equal the hf backend's, the generation rows produce hf's greedy texts, the harness's own time is a row, and the
-report carries the prompt log-prob overhead and the prefix-cache hit rate. A row that fails is printed with its error
-and the others still run."""
+report carries the prompt log-prob overhead, the in-process phase's host breakdown (a document's choices share their
+context: fewer tokens fed than one sequence per request) and its repeat, and the serve row runs against a `polyrl
+serve` process with the client settings recorded. A row that fails is printed with its error and the others still
+run."""
 
 from __future__ import annotations
 
@@ -32,12 +34,18 @@ def test_bench_eval_tiny_cpu(tmp_path, capsys):
         r = rows[name]
         assert r["generate_s"] > 0 and r["requests_per_s"] == 4 / r["generate_s"]
         assert r["same_as_hf"] == 1.0  # fp32 greedy: hf's texts exactly
-    assert rows["polyrl (in-process)"]["warmup_s"] > 0  # kernels compiled before the timed phase
+    mine = rows["polyrl (in-process)"]
+    assert mine["warmup_s"] > 0  # kernels compiled before the timed phase
+    assert mine["repeat_s"] > 0 and mine["same_on_repeat"] is True
+    b = mine["breakdown"]
+    assert 0 < b["fed_tokens"] < b["unshared_tokens"]  # the four choices of a document share their ~40-token context
+    assert b["scored_tokens"] > 0 and b["batches"] >= 1 and b["tokenize_s"] > 0
+    assert rows["serve (local-completions)"]["client"] == {"batch_size": 64, "num_concurrent": 8}
+    assert rows["serve (local-completions)"]["serve_mode"] == "process"
     assert rows["lm-eval harness itself (hf bs=8 run)"]["harness_s"] == rows["hf bs=8"]["harness_s"] > 0
-    assert res["prefix_cache_hit_rate"] > 0  # the four choices of a document share their ~40-token context
     assert set(res["prompt_logprobs_overhead"]) == {"all_positions", "continuation"}
     printed = capsys.readouterr().out
-    assert "speedup_vs_best_hf" in printed
+    assert "speedup_vs_best_hf" in printed and "log-likelihood breakdown (s): tokenize" in printed
     # each row is printed as it is measured, before the final table
     assert printed.index("hf bs=8: load") < printed.index("polyrl (in-process): load") < printed.index("backend")
 
@@ -51,8 +59,12 @@ def test_bench_eval_survives_a_failing_row(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(bench_eval, "_serve_row", broken)  # what the GPU box without lm-eval[api] hit
     torch.set_num_threads(1)
     out = tmp_path / "eval.json"
-    argv = [*ARGV[:-1], "", "--gen-docs", "0", "--serve", "--json", str(out)]  # no hf row: the engine and serve
+    prof = tmp_path / "prof"
+    argv = [*ARGV[:-1], "", "--gen-docs", "0", "--serve", "--json", str(out), "--profile", str(prof)]  # no hf row
     assert main(argv) == 0
+    for name in ("eval_ll.pstats", "eval_ll_cprofile.txt", "eval_ll_torch.txt", "eval_ll_trace.json"):
+        assert (prof / name).stat().st_size > 0, name
+    assert "Python calls for 24 requests" in (prof / "eval_ll_cprofile.txt").read_text()
     rows = {r["backend"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["serve (local-completions)"]["error"] == "ModuleNotFoundError: No module named 'tenacity'"
     assert rows["polyrl (in-process)"]["loglikelihood_s"] > 0
