@@ -4,9 +4,9 @@ The bundled four-way multiple-choice task (``polyrl/eval/tasks/polyrl_arith_mc``
 built as lm-eval builds them: context ``"Question: ...\\nAnswer:"``, continuation ``" <choice>"``, split by encoding
 ``context + continuation`` and cutting at the context's length) is scored twice on the same weights:
 
-- fast path: the rollout engine (paged KV, prefix cache shared by a document's choices, CUDA graphs where the
-  platform has them, every kernel the registry picks here), prompt log-probs of the continuation only, as the
-  ``polyrl`` lm-eval model and ``polyrl eval`` score;
+- fast path: the rollout engine's batched scorer (``infer.scoring``: paged KV, a document's context computed once
+  for its four choices, only the continuation rows through the LM head, every kernel the registry picks here), as
+  the ``polyrl`` lm-eval model and ``polyrl eval`` score;
 - reference path: ``POLYRL_KERNELS=reference`` (every op's plain-PyTorch reference) and a plain full forward of each
   request, ``log_softmax`` over the whole vocabulary in fp32.
 
@@ -60,19 +60,24 @@ def requests(tokenizer: Any) -> list[tuple[int, int, list[int], list[int]]]:
 
 
 def fast_scores(model: Any, tokenizer: Any, reqs: list[tuple[int, int, list[int], list[int]]]) -> list[float]:
-    """Sum of continuation log-probs per request through the rollout engine's prompt log-probs."""
+    """Sum of continuation log-probs per request through the rollout engine's batched scorer
+    (``infer.scoring.score_continuations``: what the ``polyrl`` lm-eval model and ``polyrl eval`` run), a document's
+    context computed once for its choices."""
     # lazy: the engine loads only when the level runs
-    from polyrl.infer import LLM, RolloutConfig, SamplingParams
+    from polyrl.infer import LLM, RolloutConfig
+    from polyrl.infer.scoring import score_continuations
 
     llm = LLM(model, tokenizer, RolloutConfig(num_blocks=256, max_num_seqs=64))
-    prompts = [ctx + cont for _, _, ctx, cont in reqs]
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, prompt_logprobs_from=max(1, len(ctx)))
-        for _, _, ctx, _ in reqs
-    ]
-    outs = llm.generate(prompts, params)
+    index: dict[tuple[int, ...], int] = {}
+    contexts: list[list[int]] = []
+    owner: list[int] = []
+    for _, _, ctx, _ in reqs:
+        owner.append(index.setdefault(tuple(ctx), len(index)))
+        if owner[-1] == len(contexts):
+            contexts.append(ctx)
+    res = score_continuations(llm, contexts, [cont for _, _, _, cont in reqs], owner)
     llm.release()
-    return [float(sum(o.prompt_logprobs.logprobs[p.prompt_logprobs_from :])) for o, p in zip(outs, params)]
+    return [float(x) for x in res.logprobs]
 
 
 def reference_scores(model: Any, reqs: list[tuple[int, int, list[int], list[int]]]) -> list[float]:
