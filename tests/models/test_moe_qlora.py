@@ -123,16 +123,43 @@ def test_recomputing_backward_matches_the_plain_op():
     w = torch.rand(20, 2, generator=gen, requires_grad=True)
     dy = torch.randn(20, 64, generator=gen)
     params = [x, w, *ex.adapter_tensors()]
-    got = torch.autograd.grad(ex(x, ids, w), params, dy)
+    y = ex(x, ids, w)
+    # what lives until backward: x, ids, weights and the adapters, never an [E, N, K] stack or [T * k, 2I] rows
+    saved = [tuple(t.shape) for t in y.grad_fn.saved_tensors]
+    assert saved == [(20, 64), (20, 2), (20, 2), (32, 64), (64, 32), (32, 32), (64, 32)], saved
+    got = torch.autograd.grad(y, params, dy)
     want = torch.autograd.grad(_direct(ex, x, ids, w), params, dy)
     for g, r in zip(got, want, strict=True):
         assert (g - r).abs().max().item() <= 1e-5 * max(1.0, r.abs().max().item())
     assert all(g.abs().sum() > 0 for g in got)
 
 
+def test_activation_checkpointing_runs_the_plain_op_with_equal_gradients():
+    """Under activation checkpointing (an outer saved-tensor hook) the experts run the plain op inside the layer's
+    checkpoint instead of recomputing themselves; loss and adapter gradients equal the uncheckpointed run."""
+    model = apply_lora(_model(), LoraConfig(**QLORA)).train()
+    _randomize_adapters(model)
+    ids, pos, meta = packed([7, 11], model.config.vocab_size, seed=5)
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model.compute_logits(model(ids, pos, meta)).logsumexp(-1).mean()
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss0, g0 = loss_and_grads()
+    model.gradient_checkpointing = True
+    loss1, g1 = loss_and_grads()
+    assert loss1 == pytest.approx(loss0, abs=1e-6) and sorted(g1) == sorted(g0)
+    assert any("experts.lora_B" in n for n in g0)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=0, atol=1e-6, msg=name)
+
+
 def test_qlora_moe_trains_the_adapters_only():
-    """Ten AdamW steps on one batch: the loss falls by at least 1.0 nat (measured 2.0 -> from 7.6 to 5.6), the
-    gradients reach only ``lora_`` parameters (attention and experts' A and B), the NF4 buffers stay bit-equal."""
+    """Ten AdamW steps on one batch of 44 tokens: the mean loss falls by at least 0.4 nat per token (measured 7.83 ->
+    7.13), the gradients reach only ``lora_`` parameters (attention and experts' A and B), the NF4 buffers stay
+    bit-equal."""
     model = apply_lora(_model(), LoraConfig(**QLORA)).train()
     ids, pos, meta = packed([24, 20], model.config.vocab_size, seed=2)
     labels = torch.roll(ids, -1)
@@ -143,7 +170,7 @@ def test_qlora_moe_trains_the_adapters_only():
     for _ in range(10):
         opt.zero_grad()
         hidden = model(ids, pos, meta)
-        loss = kernels.linear_cross_entropy(hidden, model.lm_head_weight, labels)
+        loss = kernels.linear_cross_entropy(hidden, model.lm_head_weight, labels) / labels.numel()
         loss.backward()
         if not losses:
             trained = sorted(n for n, p in model.named_parameters() if p.grad is not None)
@@ -152,7 +179,7 @@ def test_qlora_moe_trains_the_adapters_only():
             assert all(p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "experts.lora_B" in n)
         opt.step()
         losses.append(loss.item())
-    assert losses[-1] < losses[0] - 1.0, losses
+    assert losses[-1] < losses[0] - 0.4, losses
     assert all(torch.equal(b, before[n]) for n, b in model.named_buffers() if n in before)
 
 
@@ -194,6 +221,40 @@ def test_expert_bytes_shrink_about_3_6x():
     assert bf16 / nf4 == pytest.approx(2 / 0.5625)
     layer_bf16, layer_nf4 = expert_param_bytes(128, 2048, 768, False), expert_param_bytes(128, 2048, 768, True)
     assert layer_bf16 == 1_207_959_552 and layer_nf4 == 339_738_624  # per layer: 1.125 GiB -> 0.316 GiB
+
+
+def test_colocated_rollout_runs_on_the_nf4_experts(tmp_path):
+    """Colocated RL as for a dense QLoRA model: the rollout engine samples from the very module being trained (NF4
+    base + adapters, unmerged; ``merge_for_rollout`` is refused on an NF4 base as for dense layers), its greedy tokens
+    equal those of a plain model holding the dequantized, merged weights, and a step moves only the adapters."""
+    from polyrl.algorithms.rl_batch import completion_logprobs, pack_samples
+    from polyrl.infer import SamplingParams
+    from polyrl.models.checkpoint import load_model, load_tokenizer
+    from polyrl.run.colocated import ColocatedPolicy
+    from polyrl.train import OptimConfig
+
+    base_dir = create_model_from_preset("tiny-moe", tmp_path / "base", seed=0)
+    tok = load_tokenizer(base_dir)
+    model = load_lora_model(base_dir, LoraConfig(**QLORA), torch.float32)
+    _randomize_adapters(model, scale=0.05)
+    plain = load_model(base_dir)
+    plain.load_state_dict(merged_state_dict(model, torch.float32))
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    want = [s.completion_ids for s in ColocatedPolicy(plain, tok, OptimConfig(lr=1e-2)).rollout(prompts, 1, greedy)]
+    before = {n: b.clone() for n, b in model.named_buffers() if n.endswith(("_nf4", "_absmax"))}
+    pol = ColocatedPolicy(model, tok, OptimConfig(lr=1e-2))
+    samples = pol.rollout(prompts, n=1, sampling=greedy)
+    assert [s.completion_ids for s in samples] == want
+
+    def loss_fn(m, b):
+        tl, _ = completion_logprobs(m, b, 1.0, False)
+        return -(tl * b.mask).sum(), {}
+
+    b0 = model.model.layers[0].mlp.experts.lora_B["down_proj"].detach().clone()
+    pol.step(pack_samples(samples, max_tokens=256), loss_fn, normalizer=1.0)
+    assert not torch.equal(model.model.layers[0].mlp.experts.lora_B["down_proj"], b0)
+    assert all(torch.equal(b, before[n]) for n, b in model.named_buffers() if n in before)
 
 
 @pytest.mark.gpu
