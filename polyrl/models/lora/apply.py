@@ -5,9 +5,10 @@ that keeps the same base ``Parameter`` (so HF names, identity and any holder of 
 ``cfg.target_parameters`` every MoE layer's routed ``Experts`` by a ``LoraExperts`` (per-expert adapters on
 ``gate_up_proj`` / ``down_proj``, same base Parameters), freezes everything else, and records
 ``model.lora_config``. QLoRA (``quantize_base="nf4"``) also puts every MoE layer's routed experts on an NF4 base:
-adapted ones in their ``LoraExperts``, the others as an ``NF4Experts`` (``nf4_experts.py``). Adapter parameters are created in fp32; the training engine casts them to the compute dtype
-with fp32 masters like any trainable parameter, while the frozen base keeps the dtype it was loaded in (bf16 on
-accelerators) and gets no optimizer state.
+adapted ones in their ``LoraExperts``, the others as an ``NF4Experts`` (``nf4_experts.py``). Adapter parameters
+are created in fp32; the training engine casts them to the compute dtype with fp32 masters like any trainable
+parameter, while the frozen base keeps the dtype it was loaded in (bf16 on accelerators) and gets no optimizer
+state.
 
 Switches: ``merge_lora`` / ``unmerge_lora`` (in place), ``merged(model)`` and ``adapters_disabled(model)``
 (context managers), ``AdapterDisabled(model)`` (the base model as a module, for a KL or DPO reference without a
@@ -244,7 +245,9 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dic
             if isinstance(owner, NF4Experts):
                 state[f"{module}.{tensor}"] = owner.dequantized(tensor, torch.float32).to(dtype or torch.bfloat16)
             else:
-                state[f"{module}.{tensor}"] = owner.merged_weight(tensor, dtype or (t.dtype if tensor == leaf else None))
+                state[f"{module}.{tensor}"] = owner.merged_weight(
+                    tensor, dtype or (t.dtype if tensor == leaf else None)
+                )
             continue
         if owner is None:
             if ".lora_A." not in name and ".lora_B." not in name:
