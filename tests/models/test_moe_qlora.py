@@ -1,13 +1,15 @@
 """QLoRA on MoE models with the routed experts in NF4 (``polyrl/models/lora/nf4_experts.py``), on the CPU with the
 tiny-moe preset: the NF4 experts' forward equals the op on the dequantized stack and stays within the NF4 error of
-the full-precision model, the recomputing backward gives the plain op's gradients, training moves the adapters only
-and lowers the loss, the adapter round-trips, merged state dicts / unwrap dequantize, the expert bytes shrink 3.56x;
-plus one GPU test at Qwen3-30B-A3B's expert shape through the fast op."""
+the full-precision model, the recomputing backward gives the plain op's gradients (and activation checkpointing the
+same ones), training moves the adapters only and lowers the loss (in process and through ``polyrl train --qlora``),
+the adapter round-trips, merged state dicts / unwrap dequantize, a colocated rollout runs on the NF4 experts, the
+expert bytes shrink 3.56x; plus one GPU test at Qwen3-30B-A3B's expert shape through the fast op."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -181,6 +183,23 @@ def test_qlora_moe_trains_the_adapters_only():
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.4, losses
     assert all(torch.equal(b, before[n]) for n, b in model.named_buffers() if n in before)
+
+
+def test_sft_cli_with_qlora_on_tiny_moe(tmp_path):
+    """``polyrl train --algo sft --lora ...,experts --qlora`` on tiny-moe: 10 steps, the loss falls by at least 0.5
+    (measured on the CPU: 7.65 -> 7.03), the run's final folder holds the adapter only."""
+    from polyrl.cli.main import main
+
+    model_dir = create_model_from_preset("tiny-moe", tmp_path / "tiny-moe", seed=0)
+    out = tmp_path / "run"
+    argv = ["train", "--algo", "sft", "--model", str(model_dir), "--data", "builtin:arithmetic?n=64", "--out", str(out)]
+    argv += ["--max-steps", "10", "--micro-batch-tokens", "256", "--max-seq-len", "64", "--lr", "1e-2", "--qlora"]
+    argv += ["--log-every", "1", "--lora", "r=4,alpha=8,targets=q,k,v,o,experts", "--set", "train.report_to=none"]
+    assert main(argv) == 0
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert len(losses) == 10 and losses[-1] < losses[0] - 0.5, losses
+    names = sorted(p.name for p in (out / "final").iterdir())
+    assert "adapter_model.safetensors" in names and "model.safetensors" not in names, names
 
 
 def test_adapter_saves_and_reloads_with_equal_logits(tmp_path):
