@@ -238,6 +238,12 @@ def test_expert_bytes_shrink_about_3_6x():
     nf4 = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if ".experts." in n)
     assert nf4 == 2 * expert_param_bytes(8, 64, 64, nf4=True) and bf16 == 2 * expert_param_bytes(8, 64, 64, nf4=False)
     assert bf16 / nf4 == pytest.approx(2 / 0.5625)
+    # the FLOP count (MFU) sees the same active parameters whether the experts are Parameters or NF4 buffers
+    plain = apply_lora(_model(), LoraConfig(r=4, targets=["experts"]))
+    nf4_experts = apply_lora(_model(), LoraConfig(r=4, targets=["experts"], quantize_base="nf4"))
+    assert nf4_experts.num_parameters() < plain.num_parameters()
+    assert nf4_experts.active_parameters() == plain.active_parameters() > 0
+    assert nf4_experts.flops_per_token(128) == plain.flops_per_token(128)
     layer_bf16, layer_nf4 = expert_param_bytes(128, 2048, 768, False), expert_param_bytes(128, 2048, 768, True)
     assert layer_bf16 == 1_207_959_552 and layer_nf4 == 339_738_624  # per layer: 1.125 GiB -> 0.316 GiB
 
