@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -187,7 +188,8 @@ def test_qlora_moe_trains_the_adapters_only():
 
 def test_sft_cli_with_qlora_on_tiny_moe(tmp_path):
     """``polyrl train --algo sft --lora ...,experts --qlora`` on tiny-moe: 10 steps, the loss falls by at least 0.5
-    (measured on the CPU: 7.65 -> 7.03), the run's final folder holds the adapter only."""
+    (measured on the CPU: 7.65 -> 7.03), checkpoints and the final folder hold the adapter only, and a resume
+    repeats the losses exactly."""
     from polyrl.cli.main import main
 
     model_dir = create_model_from_preset("tiny-moe", tmp_path / "tiny-moe", seed=0)
@@ -195,11 +197,23 @@ def test_sft_cli_with_qlora_on_tiny_moe(tmp_path):
     argv = ["train", "--algo", "sft", "--model", str(model_dir), "--data", "builtin:arithmetic?n=64", "--out", str(out)]
     argv += ["--max-steps", "10", "--micro-batch-tokens", "256", "--max-seq-len", "64", "--lr", "1e-2", "--qlora"]
     argv += ["--log-every", "1", "--lora", "r=4,alpha=8,targets=q,k,v,o,experts", "--set", "train.report_to=none"]
+    argv += ["--save-every", "5", "--keep-last", "0", "--deterministic"]
     assert main(argv) == 0
-    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
-    assert len(losses) == 10 and losses[-1] < losses[0] - 0.5, losses
-    names = sorted(p.name for p in (out / "final").iterdir())
-    assert "adapter_model.safetensors" in names and "model.safetensors" not in names, names
+
+    def losses(run):
+        return [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+
+    first = losses(out)
+    assert len(first) == 10 and first[-1] < first[0] - 0.5, first
+    for folder in (out / "final", out / "checkpoints" / "step-00000005" / "model"):
+        names = sorted(p.name for p in folder.iterdir())
+        assert "adapter_model.safetensors" in names and "model.safetensors" not in names, names
+    # resuming from step 5 re-quantizes the base the same way and repeats the losses bit for bit
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    ckpt = again / "checkpoints" / "step-00000005"
+    assert main(["train", "--config", str(out / "run_config.json"), "--out", str(again), "--resume", str(ckpt)]) == 0
+    assert losses(again) == first
 
 
 def test_adapter_saves_and_reloads_with_equal_logits(tmp_path):
