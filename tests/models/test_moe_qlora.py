@@ -21,6 +21,7 @@ from polyrl.models import build_model, create_model_from_preset, preset_config
 from polyrl.models.lora import (
     LoraConfig,
     LoraExperts,
+    adapters_disabled,
     apply_lora,
     load_lora_model,
     merge_lora,
@@ -104,11 +105,15 @@ def test_nf4_expert_logits_within_the_quantization_error():
         layer.mlp.experts.quantize_nf4()
     err_experts = _rel(logits(experts_only.eval(), ids, pos, meta), want)
     model = apply_lora(copy.deepcopy(ref), LoraConfig(**QLORA))
-    err_all = _rel(logits(model.eval(), ids, pos, meta), want)
+    fresh = logits(model.eval(), ids, pos, meta)  # B = 0: the NF4 base alone
+    err_all = _rel(fresh, want)
     assert 0.001 < err_experts < min(0.02, err_dense), (err_experts, err_dense)
     assert err_all <= err_dense + err_experts, (err_all, err_dense, err_experts)
     _randomize_adapters(model)
     got = logits(model, ids, pos, meta)
+    assert (got - fresh).abs().max().item() > 1e-3
+    with adapters_disabled(model):  # the KL / DPO reference of a LoRA run: the NF4 base again
+        assert torch.equal(logits(model, ids, pos, meta), fresh)
     plain = _model(seed=0)
     plain.load_state_dict(merged_state_dict(model, torch.float32))
     assert (logits(plain.eval(), ids, pos, meta) - got).abs().max().item() <= 1e-5
