@@ -447,7 +447,10 @@ class DecoderLM(nn.Module):
         if not c.is_moe:
             return self.num_parameters()
         per_expert = 3 * c.hidden_size * c.moe_intermediate_size  # gate, up, down
-        return self.num_parameters() - len(c.moe_layers) * (c.num_experts - c.num_experts_per_tok) * per_expert
+        # the routed experts held as parameters (none under QLoRA, whose NF4 experts are buffers): replaced by the k
+        # a token uses, so both storages count the same active parameters
+        routed = sum(p.numel() for n, p in self.named_parameters() if n.endswith(_ROUTED_EXPERT_TENSORS))
+        return self.num_parameters() - routed + len(c.moe_layers) * c.num_experts_per_tok * per_expert
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward) for sequences of ``seq_len``:
@@ -463,6 +466,9 @@ class DecoderLM(nn.Module):
             # LM head): an untied input embedding is a lookup, no FLOPs. Dense models keep BASELINES.md's 6N.
             n -= self.model.embed_tokens.weight.numel()
         return 6.0 * n + 6.0 * c.num_layers * seq_len * c.num_heads * c.head_dim
+
+
+_ROUTED_EXPERT_TENSORS = (".experts.gate_up_proj", ".experts.down_proj")
 
 
 @torch.no_grad()

@@ -2,7 +2,7 @@
 the CPU: PEFT loads our adapter on transformers' own model with our logits and we load PEFT's with its logits (names,
 shapes and nesting of PEFT's ``ParamWrapper``), merge / unmerge / merged state dict / unwrap / disabled adapters,
 gradients only on A and B (checked against an explicit per-expert ``W_e + s B_e A_e``), QLoRA on an MoE model
-(NF4 attention, experts in their dtype), config errors, multi-adapter serving refusing expert adapters, and
+(NF4 attention and experts), config errors, multi-adapter serving refusing expert adapters, and
 ``polyrl train --algo sft --lora ...,experts`` on the tiny-moe preset."""
 
 from __future__ import annotations
@@ -236,13 +236,13 @@ def test_merge_unmerge_merged_state_dict_unwrap_and_disabled():
     assert (logits(model, ids, pos, meta) - adapted).abs().max().item() <= 1e-5
 
 
-def test_qlora_on_an_moe_model_keeps_experts_dense_and_trains():
-    """``quantize_base="nf4"``: attention bases become NF4; the routed experts (adapted or not) keep their dtype."""
+def test_qlora_on_an_moe_model_quantizes_experts_and_trains():
+    """``quantize_base="nf4"``: attention bases and the routed experts become NF4 (more in test_moe_qlora.py)."""
     model = _tiny_moe(r=4, alpha=8, targets=["q", "k", "v", "o"], target_parameters=["experts"], quantize_base="nf4")
     attn = model.model.layers[0].self_attn.q_proj
     assert attn.quant_shape is not None and not hasattr(attn, "weight")
     experts = model.model.layers[0].mlp.experts
-    assert experts.gate_up_proj.dtype == torch.float32 and experts.quant_shape is None
+    assert experts.gate_up_proj_nf4.dtype == torch.uint8 and experts.quant_shape is not None
     b = _batch(model.config.vocab_size)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses = []
@@ -260,7 +260,7 @@ def test_qlora_on_an_moe_model_keeps_experts_dense_and_trains():
     unmerge_lora(model)
     state = merged_state_dict(model)
     assert state["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16  # dequantized NF4
-    assert state["model.layers.0.mlp.experts.gate_up_proj"].dtype == torch.float32
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].dtype == torch.bfloat16  # dequantized NF4
 
 
 def test_config_spellings_and_errors(tmp_path):

@@ -1,6 +1,7 @@
 """LoRA and QLoRA for ``DecoderLM``: ``LoraConfig`` (+ the ``--lora`` string parser), ``LoraLinear``,
-``LoraExperts`` (routed experts of MoE layers), ``apply_lora`` and the merge / disable switches, PEFT adapter
-folders in and out, and loading a model for a LoRA run. See ``docs/dev/contracts.md`` (Models) for the interface;
+``LoraExperts`` (routed experts of MoE layers), ``NF4Experts`` (QLoRA's 4-bit routed experts without adapters),
+``apply_lora`` and the merge / disable switches, PEFT adapter folders in and out, and loading a model for a LoRA
+run. See ``docs/dev/contracts.md`` (Models) for the interface;
 the NF4 base of QLoRA is ``polyrl.kernels.nf4``.
 """
 
@@ -21,6 +22,7 @@ from polyrl.models.lora.config import LoraConfig, make_lora_config, parse_lora_s
 from polyrl.models.lora.experts import LoraExperts
 from polyrl.models.lora.layer import LoraLinear
 from polyrl.models.lora.load import base_model_path, load_lora_model
+from polyrl.models.lora.nf4_experts import NF4Experts
 from polyrl.models.lora.peft_io import is_adapter_dir, load_adapter, read_adapter_config, save_adapter
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "LoraConfig",
     "LoraExperts",
     "LoraLinear",
+    "NF4Experts",
     "adapter_parameters",
     "adapters_disabled",
     "apply_lora",

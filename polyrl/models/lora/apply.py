@@ -4,9 +4,11 @@
 that keeps the same base ``Parameter`` (so HF names, identity and any holder of the tensor stay valid), and with
 ``cfg.target_parameters`` every MoE layer's routed ``Experts`` by a ``LoraExperts`` (per-expert adapters on
 ``gate_up_proj`` / ``down_proj``, same base Parameters), freezes everything else, and records
-``model.lora_config``. Adapter parameters are created in fp32; the training engine casts them to the compute dtype
-with fp32 masters like any trainable parameter, while the frozen base keeps the dtype it was loaded in (bf16 on
-accelerators) and gets no optimizer state.
+``model.lora_config``. QLoRA (``quantize_base="nf4"``) also puts every MoE layer's routed experts on an NF4 base:
+adapted ones in their ``LoraExperts``, the others as an ``NF4Experts`` (``nf4_experts.py``). Adapter parameters
+are created in fp32; the training engine casts them to the compute dtype with fp32 masters like any trainable
+parameter, while the frozen base keeps the dtype it was loaded in (bf16 on accelerators) and gets no optimizer
+state.
 
 Switches: ``merge_lora`` / ``unmerge_lora`` (in place), ``merged(model)`` and ``adapters_disabled(model)``
 (context managers), ``AdapterDisabled(model)`` (the base model as a module, for a KL or DPO reference without a
@@ -26,6 +28,7 @@ from polyrl.errors import ConfigError
 from polyrl.models.lora.config import LoraConfig
 from polyrl.models.lora.experts import LoraExperts
 from polyrl.models.lora.layer import LoraLinear
+from polyrl.models.lora.nf4_experts import NF4Experts
 from polyrl.models.moe import Experts
 
 
@@ -55,7 +58,7 @@ def has_lora(model: nn.Module) -> bool:
 def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int | None = 0) -> nn.Module:
     """Add adapters to the layers named in ``cfg.targets`` and the routed-expert tensors in
     ``cfg.target_parameters`` (see the module docstring); with ``cfg.quantize_base == "nf4"`` the frozen base weights
-    of the targeted linear layers are quantized (QLoRA; routed experts keep their dtype)."""
+    of the targeted linear layers and every MoE layer's routed experts (adapted or not) are quantized (QLoRA)."""
     if has_lora(model):
         raise ConfigError("this model already has LoRA adapters; apply LoRA once")
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -88,6 +91,8 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int | None = 0) -> nn.Mo
             if isinstance(base, Experts):
                 lora = LoraExperts(base, experts, cfg.r, cfg.scaling)
                 lora.reset_adapter(gen)
+                if cfg.quantize_base == "nf4":
+                    lora.quantize_nf4()
                 layer.mlp.experts = lora
                 n_experts += 1
         if n_experts == 0:
@@ -97,6 +102,11 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int | None = 0) -> nn.Mo
             )
     if count + n_experts == 0:
         raise ConfigError(f"lora.targets {cfg.targets} matched no linear layer of this model")
+    if cfg.quantize_base == "nf4":  # QLoRA: the routed experts without adapters get an NF4 base too
+        for layer in layers:
+            base = getattr(getattr(layer, "mlp", None), "experts", None)
+            if isinstance(base, Experts):
+                layer.mlp.experts = NF4Experts(base)
     model.lora_config = cfg
     return model
 
@@ -195,7 +205,10 @@ class AdapterDisabled(nn.Module):
 def unwrap_lora(model: nn.Module, merge: bool = True) -> nn.Module:
     """Turn ``model`` back into a plain model in place: every ``LoraLinear`` becomes an ``nn.Linear`` holding its
     base weight (with the adapter merged in when ``merge``; NF4 bases are dequantized to bf16), every
-    ``LoraExperts`` an ``Experts``."""
+    ``LoraExperts`` and ``NF4Experts`` an ``Experts``."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, NF4Experts):
+            model.get_submodule(name.rpartition(".")[0]).experts = module.to_experts()
     for name, layer in list(lora_layers(model)):
         parent = model.get_submodule(name.rpartition(".")[0])
         if isinstance(layer, LoraExperts):
@@ -221,11 +234,20 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dic
     ``dtype`` or the base dtype): adapter tensors dropped, NF4 bases dequantized. The model is not changed."""
     state = {}
     lora = dict(lora_layers(model))
+    lora.update((n, m) for n, m in model.named_modules() if isinstance(m, NF4Experts))
     for name, t in model.state_dict().items():
         module, _, leaf = name.rpartition(".")
         owner = lora.get(module)
-        if isinstance(owner, LoraExperts):
-            state[name] = owner.merged_weight(leaf, dtype or t.dtype)
+        if isinstance(owner, (LoraExperts, NF4Experts)):
+            if leaf.endswith("_absmax"):
+                continue
+            tensor = leaf.removesuffix("_nf4")
+            if isinstance(owner, NF4Experts):
+                state[f"{module}.{tensor}"] = owner.dequantized(tensor, torch.float32).to(dtype or torch.bfloat16)
+            else:
+                state[f"{module}.{tensor}"] = owner.merged_weight(
+                    tensor, dtype or (t.dtype if tensor == leaf else None)
+                )
             continue
         if owner is None:
             if ".lora_A." not in name and ".lora_B." not in name:

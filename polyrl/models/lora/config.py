@@ -52,7 +52,7 @@ class LoraConfig:
     """The ``[lora]`` table. ``r``: adapter rank; ``alpha``: scale numerator (scale = alpha / r, or alpha /
     sqrt(r) with ``rslora``); ``dropout``: on the adapter's input only; ``targets``: short or HF names (a list or
     a comma-separated string), default all seven projections; ``quantize_base``: ``"nf4"`` for QLoRA (frozen
-    base in 4-bit NF4; routed experts keep the load dtype); ``merge_for_rollout``: RL rollouts run on weights with
+    base and MoE routed experts in 4-bit NF4); ``merge_for_rollout``: RL rollouts run on weights with
     the adapter merged in place (and unmerged before the update) instead of base + adapter; ``target_parameters``:
     routed-expert tensors of MoE layers (PEFT's field: ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``; short
     ``gate_up``, ``down``, ``experts`` = both), default none."""

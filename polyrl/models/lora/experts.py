@@ -23,8 +23,11 @@ semantics, not built yet.
 
 PEFT refuses dropout on a parameter adapter (it cannot be factored out of ``W'``), and so does ``LoraConfig``.
 Merging adds ``s * B_e @ A_e`` into ``W`` in place, one expert at a time in fp32 (no fp32 copy of the whole tensor);
-``merge(exact=True)`` keeps a backup for a bit-exact unmerge. The base is never quantized: under QLoRA the routed
-experts stay in the load dtype (bf16), only the targeted linear layers become NF4.
+``merge(exact=True)`` keeps a backup for a bit-exact unmerge. Under QLoRA (``quantize_nf4()``) the base tensors
+become NF4 buffers (``gate_up_proj_nf4`` / ``gate_up_proj_absmax``, ... : ``nf4_experts.py``), dequantized just in
+time to the input's dtype each forward (only the routed slots' experts when ``T * k < E``), the adapter added on
+top in that dtype; such a base cannot be merged in place (as a dense NF4 layer), ``merged_weight`` / ``to_experts``
+/ ``merged_state_dict`` dequantize.
 Not here: choosing the layers (``apply.py``), file names (``peft_io.py``).
 """
 
@@ -37,6 +40,7 @@ from torch import nn
 
 from polyrl import kernels
 from polyrl.errors import UserError
+from polyrl.models.lora.nf4_experts import dequantize_experts, quantize_experts, run_nf4_experts
 from polyrl.models.moe import Experts
 
 # the tensors of ``Experts`` in registration order: PEFT nests one ParamWrapper per targeted tensor in this order
@@ -57,12 +61,12 @@ class LoraExperts(nn.Module):
         self.r, self.scaling, self.dropout = r, float(scaling), 0.0
         self.merged = False
         self.disabled = False
-        self.quant_shape = None  # the experts' base is never quantized (see the module docstring)
+        self.quant_shape: dict[str, tuple[int, int, int]] | None = None  # name -> [E, out, in] when the base is NF4
         self.lora_A = nn.ParameterDict()
         self.lora_B = nn.ParameterDict()
         dev = base.gate_up_proj.device
         for name in self.targets:
-            e, out_f, in_f = getattr(self, name).shape
+            e, out_f, in_f = self.shape(name)
             self.lora_A[name] = nn.Parameter(torch.zeros(e * r, in_f, device=dev, dtype=torch.float32))
             self.lora_B[name] = nn.Parameter(torch.zeros(out_f, e * r, device=dev, dtype=torch.float32))
         self._backup: dict[str, torch.Tensor] = {}
@@ -91,16 +95,43 @@ class LoraExperts(nn.Module):
         b3 = b.view(b.shape[0], self.r, e).permute(2, 0, 1)
         return b3.to(dtype), a3.to(dtype)
 
-    def adapted(self, name: str) -> torch.Tensor:
-        """``W + s * B @ A`` for every expert (``[E, out, in]``, the base's dtype; differentiable in A and B)."""
-        w = getattr(self, name)
+    def shape(self, name: str) -> tuple[int, int, int]:
+        """``[E, out, in]`` of base tensor ``name`` (dense or NF4)."""
+        return self.quant_shape[name] if self.quant_shape is not None else tuple(getattr(self, name).shape)
+
+    def base_tensor(self, name: str, dtype: torch.dtype, experts: torch.Tensor | None = None) -> torch.Tensor:
+        """The frozen base ``[E', out, in]``: the Parameter itself (dense), or the NF4 base dequantized to ``dtype``
+        (every expert, or those in ``experts``)."""
+        if self.quant_shape is None:
+            return getattr(self, name)
+        packed, absmax = getattr(self, f"{name}_nf4"), getattr(self, f"{name}_absmax")
+        return dequantize_experts(packed, absmax, self.quant_shape[name], dtype, experts)
+
+    def adapted(self, name: str, dtype: torch.dtype | None = None, experts: torch.Tensor | None = None) -> torch.Tensor:
+        """``W + s * B @ A`` for every expert (``[E, out, in]``, the base's dtype; differentiable in A and B). An NF4
+        base is dequantized to ``dtype`` (only the experts in ``experts``, if given)."""
+        w = self.base_tensor(name, dtype, experts)
         if name not in self.lora_A or self.merged or self.disabled:
             return w
         b, a = self.factors(name, w.dtype)
+        if experts is not None:
+            b, a = b[experts], a[experts]
         return torch.baddbmm(w, b, a, alpha=self.scaling)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return kernels.moe_experts(x, ids, weights, self.adapted("gate_up_proj"), self.adapted("down_proj"))
+        if self.quant_shape is None:
+            return kernels.moe_experts(x, ids, weights, self.adapted("gate_up_proj"), self.adapted("down_proj"))
+        return run_nf4_experts(self, x, ids, weights)
+
+    def expert_weights(
+        self, dtype: torch.dtype, experts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both adapted tensors of an NF4 base, dequantized to ``dtype`` (the experts in ``experts``, if given)."""
+        return self.adapted("gate_up_proj", dtype, experts), self.adapted("down_proj", dtype, experts)
+
+    def adapter_tensors(self) -> list[torch.Tensor]:
+        """The adapter Parameters, in a fixed order (what backward of an NF4 base returns gradients for)."""
+        return [t for name in self.targets for t in (self.lora_A[name], self.lora_B[name])]
 
     # ---- merge ----------------------------------------------------------------------------------
     def delta(self, name: str, expert: int | None = None) -> torch.Tensor:
@@ -114,6 +145,10 @@ class LoraExperts(nn.Module):
     def merge(self, exact: bool = False) -> None:
         """``W_e += s * B_e @ A_e`` in place, expert by expert (fp32 arithmetic, one rounding to W's dtype).
         ``exact``: keep a copy of each targeted tensor for a bit-exact ``unmerge``."""
+        if self.quant_shape is not None:
+            raise UserError(
+                "cannot merge LoRA adapters into 4-bit (NF4) routed experts in place; export with --merge instead"
+            )
         if self.merged:
             return
         for name in self.targets:
@@ -141,6 +176,12 @@ class LoraExperts(nn.Module):
     @torch.no_grad()
     def merged_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Base + adapter of tensor ``name`` (a new tensor in ``dtype`` or W's dtype; W is not changed)."""
+        if self.quant_shape is not None:  # NF4: dequantized in fp32, the adapter added, one rounding
+            dtype = dtype or torch.bfloat16
+            w = self.base_tensor(name, torch.float32)
+            if name in self.lora_A:
+                w = w + self.delta(name)
+            return w.to(dtype)
         w = getattr(self, name)
         dtype = dtype or w.dtype
         if self.merged or name not in self.lora_A:
@@ -156,12 +197,36 @@ class LoraExperts(nn.Module):
         if not merge and self.merged:
             raise UserError("unmerge the expert adapters before unwrapping them without merging")
         with torch.device("meta"):
-            plain = Experts(*self.down_proj.shape)  # [E, H, I]
+            plain = Experts(*self.shape("down_proj"))  # [E, H, I]
         for name in EXPERT_TENSORS:
-            w = self.merged_weight(name) if merge else getattr(self, name).detach()
+            if self.quant_shape is not None:
+                w = self.merged_weight(name) if merge else self.base_tensor(name, torch.bfloat16).detach()
+            else:
+                w = self.merged_weight(name) if merge else getattr(self, name).detach()
             setattr(plain, name, nn.Parameter(w, requires_grad=False))
         return plain
 
+    # ---- QLoRA ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def quantize_nf4(self) -> None:
+        """Replace both frozen base tensors by their NF4 quantization (frees the full-precision tensors)."""
+        if self.quant_shape is not None:
+            return
+        if self.merged:
+            raise UserError("unmerge the expert adapters before quantizing the base")
+        shapes = {}
+        for name in EXPERT_TENSORS:
+            w = getattr(self, name)
+            packed, absmax = quantize_experts(w.detach())
+            shapes[name] = tuple(w.shape)
+            delattr(self, name)
+            self.register_buffer(f"{name}_nf4", packed)
+            self.register_buffer(f"{name}_absmax", absmax)
+        self.quant_shape = shapes
+
     def extra_repr(self) -> str:
-        e, h, i = self.down_proj.shape
-        return f"experts={e}, hidden={h}, inter={i}, targets={list(self.targets)}, r={self.r}, scaling={self.scaling:g}"
+        e, h, i = self.shape("down_proj")
+        q = ", base=nf4" if self.quant_shape is not None else ""
+        return (
+            f"experts={e}, hidden={h}, inter={i}, targets={list(self.targets)}, r={self.r}, scaling={self.scaling:g}{q}"
+        )
