@@ -12,13 +12,25 @@
 - ``_restore_torch_global_modes`` (autouse): a test that builds a deterministic ``TrainEngine`` turns on
   ``torch.use_deterministic_algorithms`` for the process (what a run wants); the flag is put back after each
   test (to torch's default, off) so that later tests see the default.
+- ``pytest_runtest_logreport``: with ``POLYRL_TESTS_FAILURE_LOG=PATH`` (the GPU suite's stage sets it), each failure's
+  traceback is appended to PATH the moment it happens, from every xdist worker: a run cut off by a time limit before
+  pytest's summary still leaves the reasons.
 
 Nothing here imports transformers at collection time.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get("POLYRL_TESTS_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
 
 
 @pytest.fixture(autouse=True)
@@ -35,8 +47,6 @@ def _restore_torch_global_modes():
 def _return_gpu_memory_between_parallel_tests():
     """Under pytest-xdist (the GPU suite runs test files in several processes on one GPU), memory a finished test
     freed goes back to the device, so the next test of another worker can have it (torch's allocator keeps it)."""
-    import os
-
     yield
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import gc
