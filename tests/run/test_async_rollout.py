@@ -10,62 +10,20 @@ import json
 import shutil
 
 import pytest
-
-REWARDS = '''
-def has_digit(completion, example):
-    """1 when the completion holds a digit: a random tiny model writes one in about a third of its samples."""
-    return float(any(ch.isdigit() for ch in completion))
-'''
-TIMING = ("time_s", "rollout_s", "reward_s", "logprob_s", "train_s", "rollout_tokens_per_s", "tokens_per_s")
-TIMING += ("reward/overlap_frac",)  # from the reward stream's wall-clock timings
+from _async_runs import raw_config as _raw
+from _async_runs import records as _records
+from _async_runs import run as _run
+from _async_runs import without_clocks, write_reward
 
 
 @pytest.fixture()
 def reward(tmp_path):
-    path = tmp_path / "toy_rewards.py"
-    path.write_text(REWARDS)
-    return f"{path}:has_digit"
-
-
-def _raw(model_dir, out, reward, algo="grpo", steps=3, save_every=0, **algo_kw):
-    table = {
-        "reward": reward,
-        "reward_workers": 0,
-        "prompts_per_step": 4,
-        "samples_per_prompt": 4,
-        "max_new_tokens": 4,
-        "rollouts_to_save": 0,
-        **algo_kw,
-    }
-    return {
-        "algo": algo,
-        "model": str(model_dir),
-        "out": str(out),
-        "seed": 0,
-        "data": {"path": "builtin:arithmetic?max=9&n=64"},
-        "engine": {"micro_batch_tokens": 256},
-        "optim": {"lr": 5e-2, "weight_decay": 0.0},
-        "schedule": {"decay": "constant"},
-        "train": {"max_steps": steps, "log_every": 100, "save_final_model": False},
-        "checkpoint": {"every_n_steps": save_every, "keep_last_k": 0, "save_final": save_every > 0},
-        algo: table,
-    }
-
-
-def _run(raw):
-    from polyrl import run as runner
-    from polyrl.run import config
-
-    return runner.run(config.build(raw))
-
-
-def _records(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return write_reward(tmp_path)
 
 
 def _plain(rec):
     """A record without wall-clock values (nor the weight sync's: the inline producer has none)."""
-    return {k: v for k, v in rec.items() if k not in TIMING and not k.endswith("_s") and "weight_sync/" not in k}
+    return without_clocks(rec, ("weight_sync/",))
 
 
 def test_staleness_zero_is_the_synchronous_run(tiny_model_dir, tmp_path, reward):

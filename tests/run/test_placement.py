@@ -4,19 +4,14 @@ one rollout engine, with the weight sync's metrics in metrics.jsonl; the CLI fla
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from _async_runs import raw_config, without_clocks, write_reward
+from _async_runs import records as _records
 
 from polyrl.errors import ConfigError
 from polyrl.platform import device
 from polyrl.run.placement import Placement, resolve_placement
-
-REWARDS = """
-def has_digit(completion, example):
-    return float(any(ch.isdigit() for ch in completion))
-"""
 
 
 @pytest.fixture()
@@ -79,42 +74,11 @@ def test_on_the_cpu_only_cpu_exists():
 
 
 def _raw(model_dir, out, reward, max_steps=3, **algo_kw):
-    return {
-        "algo": "grpo",
-        "model": str(model_dir),
-        "out": str(out),
-        "seed": 0,
-        "data": {"path": "builtin:arithmetic?max=9&n=64"},
-        "engine": {"micro_batch_tokens": 256},
-        "optim": {"lr": 5e-2, "weight_decay": 0.0},
-        "schedule": {"decay": "constant"},
-        "train": {"max_steps": max_steps, "log_every": 100, "save_final_model": False},
-        "checkpoint": {"every_n_steps": 0, "keep_last_k": 0, "save_final": False},
-        "grpo": {
-            "reward": reward,
-            "reward_workers": 0,
-            "prompts_per_step": 4,
-            "samples_per_prompt": 4,
-            "max_new_tokens": 4,
-            "rollouts_to_save": 0,
-            "max_staleness": 1,
-            **algo_kw,
-        },
-    }
-
-
-def _records(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return raw_config(model_dir, out, reward, steps=max_steps, **{"max_staleness": 1, **algo_kw})
 
 
 def _plain(rec):
-    skip = ("time_s", "rollout_s", "reward_s", "logprob_s", "train_s", "rollout_tokens_per_s", "tokens_per_s")
-    return {
-        k: v
-        for k, v in rec.items()
-        if k not in skip and not k.endswith("_s") and "/overlap_frac" not in k and "weight_sync/" not in k
-        and "rollout_worker" not in k
-    }  # fmt: skip
+    return without_clocks(rec, ("weight_sync/", "rollout_worker"))
 
 
 def test_two_cpu_replicas_train_the_same_run_as_one_engine(tiny_model_dir, tmp_path, monkeypatch):
@@ -124,9 +88,7 @@ def test_two_cpu_replicas_train_the_same_run_as_one_engine(tiny_model_dir, tmp_p
     from polyrl import run as runner
     from polyrl.run import config, online
 
-    reward = tmp_path / "r.py"
-    reward.write_text(REWARDS)
-    spec = f"{reward}:has_digit"
+    spec = write_reward(tmp_path)
     runner.run(config.build(_raw(tiny_model_dir, tmp_path / "one", spec, async_producer="thread", max_steps=4)))
     # replica 1 is killed after step 3's update: step 4's batch then comes from replica 0 and the trainer's engine
     original = online.OnlineRun._async_record
@@ -177,9 +139,7 @@ def test_a_lora_run_sends_the_adapters_alone_to_its_replica(tiny_model_dir, tmp_
     from polyrl import run as runner
     from polyrl.run import config
 
-    reward = tmp_path / "r.py"
-    reward.write_text(REWARDS)
-    spec = f"{reward}:has_digit"
+    spec = write_reward(tmp_path)
     lora = {"r": 4, "alpha": 8, "targets": "q,v"}
     thread = _raw(tiny_model_dir, tmp_path / "thread", spec, async_producer="thread")
     proc = _raw(tiny_model_dir, tmp_path / "proc", spec, async_producer="process", rollout_devices="cpu")
@@ -203,9 +163,7 @@ def test_rollout_replica_on_cuda1_trainer_on_cuda0(tiny_model_dir, tmp_path):
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
-    reward = tmp_path / "r.py"
-    reward.write_text(REWARDS)
-    raw = _raw(tiny_model_dir, tmp_path / "gpu", f"{reward}:has_digit", async_producer="process",
+    raw = _raw(tiny_model_dir, tmp_path / "gpu", write_reward(tmp_path), async_producer="process",
                rollout_devices="cuda:1", train_devices="cuda:0")  # fmt: skip
     runner.run(config.build(raw))
     recs = _records(tmp_path / "gpu")
