@@ -15,7 +15,7 @@ dl() { python3 -m pip download -q --no-deps --only-binary=:all: $PLAT -d "$1" "$
 mkdir -p .whl
 # server + client: polyrl serve, the openai client in the serving smoke tests, structured outputs
 dl .whl fastapi starlette opentelemetry-api uvicorn pydantic pydantic-core annotated-types typing-inspection sniffio \
-  openai distro jiter llguidance==1.9.1 jsonschema jsonschema-specifications referencing rpds-py
+  openai httpx2 httpcore2 truststore distro jiter llguidance==1.9.1 jsonschema jsonschema-specifications referencing rpds-py
 # bench baselines: Liger kernels, torchao float8 training, TRL's GRPOTrainer (bench grpo; datasets and its dill /
 # multiprocess come with the lm-eval line below)
 dl .whl liger-kernel==0.8.5 torchao==0.18.0 trl==1.16.0
