@@ -15,7 +15,9 @@ rewards, checkpointing.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -126,26 +128,73 @@ class GroupRelative:
     measures_in_loss = True  # make_loss(..., measure=True) reports mismatch and entropy from the training forward
 
     def make_loss(self, tokens_in_step: float, normalizer: float, measure: bool = False):
-        return make_policy_loss(self.cfg, tokens_in_step, normalizer, measure)
+        """The step's loss: one ``PolicyLoss`` per ``measure`` kept across steps and refilled (``set_step``), so a
+        CUDA-graphed training step captured with it replays in every later step."""
+        losses = self.__dict__.setdefault("_losses", {})
+        loss = losses.get(bool(measure))
+        if loss is None:
+            loss = losses[bool(measure)] = make_policy_loss(self.cfg, tokens_in_step, normalizer, measure)
+            return loss
+        return loss.set_step(tokens_in_step, normalizer)
 
 
 class PolicyLoss:
     """The engine loss ``(model, RLBatch) -> (loss_sum, metric_sums)`` of one optimizer step (``make_policy_loss``).
     With ``measure``, the same forward also measures the rollout/trainer mismatch against ``fields["rollout_logp"]``
     and the entropy (metrics ``mismatch_mean``, ``entropy``; the running max in ``mismatch_max``, a device tensor):
-    exact "before the update" values whenever the step's forwards all precede its one optimizer update."""
+    exact "before the update" values whenever the step's forwards all precede its one optimizer update.
 
-    def __init__(self, cfg: GRPOConfig, tokens_in_step: float, step_normalizer: float, measure: bool = False):
+    Graph-safe (``graph_safe``, ``train/graphed_step.py``): no host sync (the completion rows come from the batch's
+    packed ``targets``, not ``nonzero``), nothing read from the batch on the host but tensor shapes and
+    ``max_seqlen``, and the step's constants live in device tensors: ``set_step`` refills the metric scale and
+    zeroes the running mismatch max in place, so ONE loss object serves every step (``GroupRelative.make_loss``
+    keeps it) and the engine replays the step captured with it. ``graphed=False`` is the eager path it replaced
+    (``nonzero`` per micro-batch, Python-float scale; same numbers): the reference of the tests and of
+    ``polyrl bench grpo --train-phase``'s "before" row."""
+
+    def __init__(
+        self, cfg: GRPOConfig, tokens_in_step: float, step_normalizer: float, measure: bool = False, graphed=True
+    ):
         self.cfg = cfg
-        self.scale = step_normalizer / max(tokens_in_step, 1.0)
         self.measure = measure
-        self.mismatch_max: torch.Tensor | None = None
+        self.graphed = bool(graphed)
+        self.graph_safe = self.graphed
+        self._scale_t: torch.Tensor | None = None  # fp32 0-dim, on the batches' device
+        self._max_t: torch.Tensor | None = None  # the step's running max |rollout - trainer| (measure)
+        self._eager_max: torch.Tensor | None = None
+        self.set_step(tokens_in_step, step_normalizer)
+
+    def set_step(self, tokens_in_step: float, step_normalizer: float) -> PolicyLoss:
+        """The next optimizer step's constants (in place: a captured step reads the same device tensors)."""
+        self.scale = step_normalizer / max(tokens_in_step, 1.0)
+        if self._scale_t is not None:
+            self._scale_t.fill_(self.scale)
+        if self._max_t is not None:
+            self._max_t.zero_()
+        self._eager_max = None
+        return self
+
+    @property
+    def mismatch_max(self) -> torch.Tensor | None:
+        """The running max over this step's micro-batches so far (a device scalar; None: not measured yet)."""
+        return self._max_t if self.graphed else self._eager_max
+
+    def _step_tensors(self, dev: torch.device) -> torch.Tensor:
+        if self._scale_t is None or self._scale_t.device != dev:
+            self._scale_t = torch.full((), float(self.scale), dtype=torch.float32, device=dev)
+            self._max_t = torch.zeros((), dtype=torch.float32, device=dev) if self.measure else None
+        return self._scale_t
 
     def __call__(self, model: nn.Module, batch: RLBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        cfg, scale = self.cfg, self.scale
+        cfg = self.cfg
+        if self.graphed:
+            scale: Any = self._step_tensors(batch.mask.device)
+        else:
+            scale = self.scale
+            batch = dataclasses.replace(batch, targets=None)  # the replaced path: nonzero of the mask
         logp, ent = completion_logprobs(model, batch, cfg.temperature, entropy=self.measure)
         f = batch.fields
-        b = batch.num_sequences
+        b = batch.cu_seqlens.shape[0] - 1  # = num_sequences, from a shape (a replayed batch has its own ids)
         per_tok, info = policy_loss(
             logp,
             f["old_logp"],
@@ -174,16 +223,21 @@ class PolicyLoss:
             metrics["mismatch_mean"] = diff.sum() * scale
             metrics["entropy"] = (ent * m).sum() * scale
             top = diff.max() if diff.numel() else diff.new_zeros(())
-            self.mismatch_max = top if self.mismatch_max is None else torch.maximum(self.mismatch_max, top)
+            if self.graphed:  # diff >= 0, so a max from 0 is the max over the step
+                torch.maximum(self._max_t, top, out=self._max_t)
+            else:
+                self._eager_max = top if self._eager_max is None else torch.maximum(self._eager_max, top)
         return loss_sum, metrics
 
 
-def make_policy_loss(cfg: GRPOConfig, tokens_in_step: float, step_normalizer: float, measure: bool = False):
+def make_policy_loss(
+    cfg: GRPOConfig, tokens_in_step: float, step_normalizer: float, measure: bool = False, graphed: bool = True
+):
     """The engine loss of one optimizer step (see ``PolicyLoss``). The batch's fields: ``adv``, ``old_logp``,
     optional ``ref_logp``, ``is_w`` and (with ``measure``) ``rollout_logp`` (per token). Token metrics (clip fraction,
     ratio, KL, mismatch, entropy) are pre-scaled so the engine's division by ``step_normalizer`` leaves means over
-    the step's tokens."""
-    return PolicyLoss(cfg, tokens_in_step, step_normalizer, measure)
+    the step's tokens. Reuse it for the next step with ``set_step`` (a CUDA-graphed step replays then)."""
+    return PolicyLoss(cfg, tokens_in_step, step_normalizer, measure, graphed)
 
 
 SPEC = AlgorithmSpec(

@@ -79,6 +79,9 @@ class RLBatch:
     fields: dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 [T] each
     routing: torch.Tensor | None = None  # int [T, L, k]: the samples' routed_experts packed (-1: missing rows)
     routing_layers: tuple[int, ...] = ()  # the MoE layer of each of routing's L columns
+    # int64 [N]: the positions where ``mask`` is set, ascending (built on the host by ``pack_samples``), so the loss
+    # gathers the completion rows without ``nonzero``'s host sync (a CUDA-graphed step cannot sync); None: derived
+    targets: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -93,8 +96,12 @@ class RLBatch:
         return {layer: self.routing[:, j].long() for j, layer in enumerate(self.routing_layers)}
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RLBatch:
+        """The batch on ``device``. Host -> CUDA copies never wait for the device (pageable memory is staged
+        before the copy returns), so moving a micro-batch does not drain the queue of the one before it."""
+        dest = torch.device(device)
+
         def mv(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=non_blocking)
+            return t.to(dest, non_blocking=non_blocking or (t.device.type == "cpu" and dest.type == "cuda"))
 
         return RLBatch(
             mv(self.input_ids),
@@ -109,6 +116,7 @@ class RLBatch:
             {k: mv(v) for k, v in self.fields.items()},
             mv(self.routing) if self.routing is not None else None,
             self.routing_layers,
+            mv(self.targets) if self.targets is not None else None,
         )
 
     def per_sample(self, values: torch.Tensor) -> list[torch.Tensor]:
@@ -190,6 +198,7 @@ def _pack(samples: Sequence[Sample], ids: list[int], fields: dict[str, Sequence[
         fields={k: torch.tensor(v, dtype=torch.float32) for k, v in vals.items()},
         routing=routing,
         routing_layers=layers,
+        targets=torch.tensor([t for t, y in enumerate(labels) if y != -100], dtype=torch.int64),
     )
 
 
@@ -233,7 +242,16 @@ def padding_batch(like: RLBatch, keys: Sequence[str] | None = None) -> RLBatch:
         fields={k: torch.zeros_like(like.mask) for k in (like.fields if keys is None else keys)},
         routing=like.routing,
         routing_layers=like.routing_layers,
+        targets=torch.zeros(0, dtype=torch.int64, device=like.input_ids.device),
     )
+
+
+def target_positions(batch: RLBatch) -> torch.Tensor:
+    """int64 ``[N]``: where ``batch.mask`` is set, ascending; the packed ``targets`` (no device sync) when the batch
+    has them, else ``nonzero`` of the mask (a host sync on an accelerator)."""
+    if batch.targets is not None:
+        return batch.targets
+    return torch.nonzero(batch.mask > 0).squeeze(-1)
 
 
 def completion_logprobs(
@@ -241,9 +259,10 @@ def completion_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[T]`` (0 off the completion) of each completion token under ``model`` at ``temperature``, and
     optionally the entropy ``[T]`` of the tempered distribution there; differentiable when grad is enabled.
-    Uses the fused ``kernels.token_logprobs`` over the completion positions only (no ``[T, V]`` logits)."""
+    Uses the fused ``kernels.token_logprobs`` over the completion positions only (no ``[T, V]`` logits), gathered
+    by ``target_positions`` (no host sync for a packed batch)."""
     hidden = model(batch.input_ids, batch.position_ids, attention_metadata(batch))  # [T, H]
-    sel = torch.nonzero(batch.mask > 0).squeeze(-1)
+    sel = target_positions(batch)
     out = kernels.token_logprobs(hidden[sel], model.lm_head_weight, batch.labels[sel], temperature, entropy)
     lp, ent = out if entropy else (out, None)
     full = torch.zeros(batch.input_ids.shape[0], dtype=torch.float32, device=hidden.device)
@@ -253,4 +272,4 @@ def completion_logprobs(
     return full, ent
 
 
-__all__ = ["RLBatch", "Sample", "completion_logprobs", "pack_samples", "padding_batch"]
+__all__ = ["RLBatch", "Sample", "completion_logprobs", "pack_samples", "padding_batch", "target_positions"]

@@ -30,7 +30,13 @@ from polyrl.errors import DataError, UserError
 from polyrl.platform import device
 from polyrl.platform.host import gc_paused
 from polyrl.train.config import OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig
-from polyrl.train.graphed_step import GraphedMicroStep, batch_signature, is_graph_safe, model_is_deterministic
+from polyrl.train.graphed_step import (
+    GraphedMicroStep,
+    batch_signature,
+    is_graph_safe,
+    model_is_deterministic,
+    shape_key,
+)
 from polyrl.train.losses import causal_lm_loss
 from polyrl.train.moe_loss import MoELoss, real_tokens
 from polyrl.train.optim import MasterAdamW
@@ -286,12 +292,13 @@ class TrainEngine:
         if self.world is not None and not self.replicated:
             scale *= grad_sum_factor(self.world)  # FSDP averages over ranks; we want the global sum / norm
         graphs = self._graphs_allowed(loss_fn)
+        plan = self._graph_plan(micro_batches) if graphs else None
         moe_weights = self._moe_weights(micro_batches, norm) if self.moe_loss is not None else None
         for i, mb in enumerate(micro_batches):
             replay = getattr(mb, "routing_replay", None)  # MoE rollout-routing replay (train/moe_loss.py)
             mb = mb.to(self.device) if hasattr(mb, "to") else mb
             replay = getattr(mb, "routing_replay", replay)  # an RLBatch's, moved with it
-            graphed = self._graphed(mb, loss_fn, scale) if graphs else None
+            graphed = self._graphed(mb, loss_fn, scale, plan) if graphs else None
             if graphed is not None:
                 loss_sum, metrics = graphed
             else:
@@ -340,12 +347,27 @@ class TrainEngine:
             return "MoE models route tokens per step (expert counts vary; the router losses are added eagerly)"
         return None
 
-    def _graphed(self, mb: Any, loss_fn: LossFn, scale: float):
+    def _graph_plan(self, micro_batches: Sequence[Any]) -> Any:
+        """The one shape (``graphed_step.shape_key``) this step runs through the graph; its other micro-batches run
+        eagerly and leave the graph alone. The held graph's shape when the step has micro-batches of it, else the
+        step's most frequent shape (the first on a tie). So a step of many equal micro-batches and a shorter tail
+        (RL: 512 samples in 32k-token packs) replays one graph every step instead of re-capturing it each step."""
+        keys = [shape_key(batch_signature(b)) for b in micro_batches]
+        if self._graph is not None and shape_key(self._graph.signature) in keys:
+            return shape_key(self._graph.signature)
+        counts: dict[Any, int] = {}
+        for k in keys:
+            if k is not None:
+                counts[k] = counts.get(k, 0) + 1
+        return max(counts, key=counts.__getitem__) if counts else None
+
+    def _graphed(self, mb: Any, loss_fn: LossFn, scale: float, plan: Any = None):
         """Run ``mb`` through the graphed path: a new signature is prepared (static buffers) and run eagerly on them
         (the warm-up); its next micro-batch captures the graph first (while the step holds no gradient yet, when it
-        is the step's first) and replays it, as do all later ones. None: run ``mb`` eagerly instead."""
+        is the step's first) and replays it, as do all later ones. None: run ``mb`` eagerly instead (also when its
+        shape is not the step's ``plan``, ``_graph_plan``)."""
         sig = batch_signature(mb)
-        if sig is None:
+        if sig is None or (plan is not None and shape_key(sig) != plan):
             return None
         g = self._graph
         if g is not None and g.signature == sig and g.loss_fn is loss_fn:

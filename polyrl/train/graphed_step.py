@@ -7,7 +7,8 @@ replays it: the host then issues one launch per micro-batch.
 
 Contract (what makes a capture valid for later batches):
 
-- the *signature* (``batch_signature``: every tensor field's shape and dtype, and ``max_seqlen``) is equal; the
+- the *signature* (``batch_signature``: every tensor field's shape and dtype, a dict of tensors' entries too, e.g.
+  ``RLBatch.fields``, and ``max_seqlen``) is equal; the
   loss function reads nothing else of the batch on the host (``graph_safe`` loss functions promise that, e.g.
   ``causal_lm_loss``) and never synchronises with the host;
 - the loss scale (``scaler.scale / normaliser``) is a device scalar refilled before each replay;
@@ -44,18 +45,39 @@ from polyrl.platform import device
 Signature = tuple[Any, ...]
 
 
-def batch_signature(batch: Any) -> Signature | None:
-    """What a captured step depends on: the batch type, each tensor field's (name, shape, dtype, device) and
-    ``max_seqlen``; None for a batch that is not a dataclass (nothing to rebuild static buffers from)."""
-    if not dataclasses.is_dataclass(batch):
-        return None
-    parts: list[Any] = [type(batch)]
+def _tensor_fields(batch: Any) -> dict[str, Any]:
+    """The batch's tensor fields: name -> tensor, or name -> {key: tensor} for a dict of tensors (``RLBatch.fields``)."""
+    out: dict[str, Any] = {}
     for f in dataclasses.fields(batch):
         value = getattr(batch, f.name)
         if torch.is_tensor(value):
-            parts.append((f.name, tuple(value.shape), value.dtype, value.device))
+            out[f.name] = value
+        elif isinstance(value, dict) and value and all(torch.is_tensor(v) for v in value.values()):
+            out[f.name] = dict(value)
+    return out
+
+
+def batch_signature(batch: Any) -> Signature | None:
+    """What a captured step depends on: the batch type, each tensor field's (name, shape, dtype, device) (a dict of
+    tensors: each entry's, by key) and ``max_seqlen``; None for a batch that is not a dataclass (nothing to rebuild
+    static buffers from)."""
+    if not dataclasses.is_dataclass(batch):
+        return None
+    parts: list[Any] = [type(batch)]
+    for name, value in _tensor_fields(batch).items():
+        if torch.is_tensor(value):
+            parts.append((name, tuple(value.shape), value.dtype, value.device))
+        else:
+            parts += [(name, k, tuple(v.shape), v.dtype, v.device) for k, v in sorted(value.items())]
     parts.append(("max_seqlen", getattr(batch, "max_seqlen", None)))
     return tuple(parts)
+
+
+def shape_key(signature: Signature | None) -> Signature | None:
+    """``signature`` without the devices: equal for a host batch and the same batch moved to the device."""
+    if signature is None:
+        return None
+    return tuple(p[:-1] if isinstance(p, tuple) and p and isinstance(p[-1], torch.device) else p for p in signature)
 
 
 def is_graph_safe(loss_fn: Callable[..., Any]) -> bool:
@@ -131,12 +153,11 @@ class GraphedMicroStep:
         # Static inputs: fresh buffers the graph reads; the warm-up runs on them too, so per-tensor host checks
         # (e.g. the cuDNN attention contract on cu_seqlens) are cached for exactly these tensors.
         fields = {
-            f.name: getattr(batch, f.name).clone()
-            for f in dataclasses.fields(batch)
-            if torch.is_tensor(getattr(batch, f.name))
+            name: value.clone() if torch.is_tensor(value) else {k: v.clone() for k, v in value.items()}
+            for name, value in _tensor_fields(batch).items()
         }
         self.static_batch = dataclasses.replace(batch, **fields)
-        dev = next(iter(fields.values())).device
+        dev = next(v for v in fields.values() if torch.is_tensor(v)).device
         self.scale = torch.full((), float(scale), dtype=torch.float32, device=dev)
         loss, metrics = self._run(model)  # warm-up: this micro-batch's real contribution (eager accumulation)
         return self, loss.detach().float().clone(), {k: v.detach().clone() for k, v in metrics.items()}
@@ -176,10 +197,13 @@ class GraphedMicroStep:
     def replay(self, batch: Any, scale: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Run the captured step on ``batch`` (same signature); the returned tensors are overwritten by the next
         replay, so read or copy them before that."""
-        for f in dataclasses.fields(batch):
-            src = getattr(batch, f.name)
+        for name, src in _tensor_fields(batch).items():
+            dst = getattr(self.static_batch, name)
             if torch.is_tensor(src):
-                getattr(self.static_batch, f.name).copy_(src, non_blocking=True)
+                dst.copy_(src, non_blocking=True)
+            else:
+                for k, v in src.items():
+                    dst[k].copy_(v, non_blocking=True)
         self.scale.fill_(float(scale))
         held = self._held_grads()
         self.graph.replay()
