@@ -16,7 +16,8 @@ decode bytes (weights once per decode step + the KV cache at the mean context) o
 ``DecoderLM.flops_per_token``) over the peak dense bf16 FLOP/s (matmul measured on the CPU). Steady state = median
 over ``--steps`` timed steps after ``--warmup``. Measures; asserts nothing.
 
-``--async K,..`` (step time per max-staleness K with the real run loop, ``bench/grpo_async.py``) and ``--task
+``--train-phase`` times the training phase alone on synthetic rollouts, next to the SFT engine step on the same
+tokens (``bench/grpo_train.py``). ``--async K,..`` (step time per max-staleness K with the real run loop, ``bench/grpo_async.py``) and ``--task
 arithmetic --curve-samples N`` (sync vs async reward curves, ``bench/grpo_curve.py``) replace this step.
 """
 
@@ -35,7 +36,7 @@ import torch
 from polyrl.algorithms.advantages import group_advantages
 from polyrl.algorithms.grpo import GRPOConfig, make_policy_loss
 from polyrl.algorithms.rl_batch import pack_samples
-from polyrl.bench import grpo_async, grpo_curve
+from polyrl.bench import grpo_async, grpo_curve, grpo_train
 from polyrl.bench.common import free_memory, measure_copy_bandwidth, measure_matmul_flops, shape_preset
 from polyrl.bench.grpo_async import add_async_arguments
 from polyrl.bench.grpo_trl import TRL_CONFIGS, dummy_reward, prompt_texts, trl_rows
@@ -102,6 +103,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="MoE: record the rollout's experts and replay them in training (grpo.routing_replay), to time its "
         "cost and see the mismatch it leaves",
+    )
+    parser.add_argument(
+        "--train-phase",
+        action="store_true",
+        help="time only the training phase on synthetic rollouts of this shape (no generation): the SFT engine step "
+        "on the same packs, the GRPO loss before (eager) and now (graph-safe), tokens/s and MFU (bench/grpo_train.py)",
+    )
+    parser.add_argument(
+        "--train-rows", default=",".join(grpo_train.ROWS), help="--train-phase rows, comma list of sft,rl-before,rl"
     )
     parser.add_argument("--model-dir", default=None, help="reuse this model folder (default: a temp folder)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -204,6 +214,11 @@ def roofline(model: Any, args: argparse.Namespace, dev: torch.device) -> dict[st
 
 # ---- the run -------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "train_phase", False):  # the training phase alone, next to SFT's step (bench/grpo_train.py)
+        res = grpo_train.run_train_phase(args, SHAPES)
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=2))
+        return 0
     if args.async_k is not None or args.task is not None:  # asynchronous RL: step times per K, or reward curves
         with tempfile.TemporaryDirectory(prefix="polyrl-bench-grpo-async-") as tmp:
             if args.model_dir and (Path(args.model_dir) / "config.json").is_file():

@@ -41,3 +41,20 @@ def test_bench_grpo_routing_replay_on_tiny_moe_reports_the_replay(tmp_path, caps
     assert main([*argv, "--kv", "keep", "--routing-replay"]) == 0
     flips = re.findall(r"mismatch mean ([\d.e+-]+), replay flips ([\d.]+)%\)", capsys.readouterr().out)
     assert len(flips) == 1 and float(flips[0][0]) < 1e-5 and 0 <= float(flips[0][1]) <= 100
+
+
+def test_bench_grpo_train_phase_rows_on_the_same_packs(tmp_path, capsys):
+    """``--train-phase``: the SFT step, the GRPO loss before and now on the same synthetic packs; the two GRPO rows
+    train the same trajectory (equal losses) and every row reports its throughput."""
+    out = tmp_path / "train.json"
+    argv = ["bench", "grpo", "--train-phase", "--shape", "tiny", "--prompts", "2", "--n", "2", "--prompt-len", "6"]
+    argv += ["--gen-len", "5", "--micro-batch-tokens", "24", "--steps", "1", "--warmup", "1", "--json", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "rl vs rl-before" in text and "losses over all steps agree to 0.00e+00" in text
+    res = json.loads(out.read_text())
+    rows = {r["config"]: r for r in res["train_phase"]}
+    assert set(rows) == {"sft", "rl-before", "rl"}
+    assert all(r["micro_batches"] == 2 and r["tokens"] == 44 and r["tokens_per_s"] > 0 for r in rows.values())
+    assert rows["rl"]["losses"] == rows["rl-before"]["losses"] and len(rows["rl"]["losses"]) == 2
+    assert res["rl_loss_max_abs_diff"] == 0.0 and rows["rl"]["vs_sft"] > 0
