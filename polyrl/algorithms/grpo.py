@@ -133,7 +133,7 @@ class GroupRelative:
         losses = self.__dict__.setdefault("_losses", {})
         loss = losses.get(bool(measure))
         if loss is None:
-            loss = losses[bool(measure)] = make_policy_loss(self.cfg, tokens_in_step, normalizer, measure)
+            loss = losses[bool(measure)] = make_policy_loss(self.cfg, tokens_in_step, normalizer, measure, graphed=True)
             return loss
         return loss.set_step(tokens_in_step, normalizer)
 
@@ -153,7 +153,7 @@ class PolicyLoss:
     ``polyrl bench grpo --train-phase``'s "before" row."""
 
     def __init__(
-        self, cfg: GRPOConfig, tokens_in_step: float, step_normalizer: float, measure: bool = False, graphed=True
+        self, cfg: GRPOConfig, tokens_in_step: float, step_normalizer: float, measure: bool = False, graphed=False
     ):
         self.cfg = cfg
         self.measure = measure
@@ -231,12 +231,13 @@ class PolicyLoss:
 
 
 def make_policy_loss(
-    cfg: GRPOConfig, tokens_in_step: float, step_normalizer: float, measure: bool = False, graphed: bool = True
+    cfg: GRPOConfig, tokens_in_step: float, step_normalizer: float, measure: bool = False, graphed: bool = False
 ):
     """The engine loss of one optimizer step (see ``PolicyLoss``). The batch's fields: ``adv``, ``old_logp``,
     optional ``ref_logp``, ``is_w`` and (with ``measure``) ``rollout_logp`` (per token). Token metrics (clip fraction,
     ratio, KL, mismatch, entropy) are pre-scaled so the engine's division by ``step_normalizer`` leaves means over
-    the step's tokens. Reuse it for the next step with ``set_step`` (a CUDA-graphed step replays then)."""
+    the step's tokens. ``graphed=True``: graph-safe, to be reused for the next steps with ``set_step`` (the CUDA-graphed
+    step replays then; ``GroupRelative.make_loss`` does this)."""
     return PolicyLoss(cfg, tokens_in_step, step_normalizer, measure, graphed)
 
 

@@ -17,7 +17,8 @@ decode bytes (weights once per decode step + the KV cache at the mean context) o
 over ``--steps`` timed steps after ``--warmup``. Measures; asserts nothing.
 
 ``--train-phase`` times the training phase alone on synthetic rollouts, next to the SFT engine step on the same
-tokens (``bench/grpo_train.py``). ``--async K,..`` (step time per max-staleness K with the real run loop, ``bench/grpo_async.py``) and ``--task
+tokens (``bench/grpo_train.py``).
+``--async K,..`` (step time per max-staleness K with the real run loop, ``bench/grpo_async.py``) and ``--task
 arithmetic --curve-samples N`` (sync vs async reward curves, ``bench/grpo_curve.py``) replace this step.
 """
 
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 
 from polyrl.algorithms.advantages import group_advantages
-from polyrl.algorithms.grpo import GRPOConfig, make_policy_loss
+from polyrl.algorithms.grpo import GroupRelative, GRPOConfig
 from polyrl.algorithms.rl_batch import pack_samples
 from polyrl.bench import grpo_async, grpo_curve, grpo_train
 from polyrl.bench.common import free_memory, measure_copy_bandwidth, measure_matmul_flops, shape_preset
@@ -145,6 +146,7 @@ def ours(model_dir: Path, args: argparse.Namespace, keep_kv: bool = False) -> di
     ids = [tr.encode(t)[: args.prompt_len] for t in texts]
     params = SamplingParams(temperature=1.0, max_tokens=args.gen_len, ignore_eos=True)
     cfg = GRPOConfig(max_new_tokens=args.gen_len, samples_per_prompt=args.n, prompts_per_step=args.prompts)
+    hooks = GroupRelative(cfg)
     rows = []
     for step in range(args.warmup + args.steps):
         _sync()
@@ -164,8 +166,10 @@ def ours(model_dir: Path, args: argparse.Namespace, keep_kv: bool = False) -> di
         _sync()
         t2 = time.perf_counter()
         tokens = float(sum(b.num_target_tokens for b in batches))
-        # as `polyrl train --algo grpo` with one update per batch: the training forward measures the mismatch
-        loss_fn = make_policy_loss(cfg, tokens, tokens, measure=True)
+        # as `polyrl train --algo grpo` with one update per batch: the training forward measures the mismatch, with
+        # the run's loss kept across steps (graph-safe; eager when the KV cache is taken back every step)
+        loss_fn = hooks.make_loss(tokens, tokens, measure=True)
+        loss_fn.graph_safe = keep_kv
         stats = tr.train(batches, loss_fn, normalizer=tokens)
         mismatch = stats.to_dict()["mismatch_mean"]
         flips = stats.metrics.get("moe/replay_flips")  # with --routing-replay: the routing the replay overrode

@@ -18,8 +18,14 @@ not do: the K > 0 rollouts (``collect``) on a device stream of their own, so tha
 beside training's instead of queueing behind them on the default stream (rows ``thread+stream``).
 
 Not here: the synchronous step split, roofline and TRL baseline (``bench/grpo.py``, ``bench/grpo_trl.py``), the
-reward curves (``bench/grpo_curve.py``, which reuses ``TimedRun``); a 1 rollout + 1 train GPU row (printed as a
-TODO until the run loop has placement flags); any change to the run loop (it is measured as it is).
+reward curves (``bench/grpo_curve.py``, which reuses ``TimedRun``); any change to the run loop (it is measured as it
+is).
+
+The 1 rollout + 1 train GPU rows (placement ``1+1``): where this machine has 2+ accelerators, each K > 0 of
+``--async`` (K = 1 when none) runs again with the run's placement (``polyrl.run.placement``): ``--rollout-devices
+cuda:1 --train-devices cuda:0`` and the process producer (a rollout worker process on cuda:1 fed weights over NCCL),
+its ratio against the colocated synchronous step (the issue's target: <= 0.55x) and, with NVML, the busy fraction of
+the train and of the rollout GPU. With fewer GPUs the output says so and no such row runs.
 """
 
 from __future__ import annotations
@@ -34,8 +40,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from polyrl.bench.common import free_memory, print_table
-from polyrl.bench.gpu_busy import EventBusy, open_busy
+from polyrl.bench.gpu_busy import EventBusy, NvmlBusy, open_busy
 from polyrl.errors import ConfigError
 from polyrl.models.checkpoint import load_tokenizer
 from polyrl.platform import device
@@ -159,10 +167,14 @@ def _mean(recs: list[dict[str, Any]], key: str) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def timed_run(raw: dict[str, Any], warmup: int, steps: int, rollout_stream: bool = False) -> dict[str, Any]:
-    """Run ``raw`` (a ``polyrl train`` config) and summarise its timed window (steps ``warmup`` .. + ``steps``)."""
+def timed_run(
+    raw: dict[str, Any], warmup: int, steps: int, rollout_stream: bool = False, busy_devices: list[int] | None = None
+) -> dict[str, Any]:
+    """Run ``raw`` (a ``polyrl train`` config) and summarise its timed window (steps ``warmup`` .. + ``steps``).
+    ``busy_devices``: measure these device indices with NVML (the first is the trainer's; none without NVML) instead
+    of the current device alone."""
     cfg = run_config.build(raw)
-    meter = open_busy()
+    meter = open_busy() if busy_devices is None else _nvml_meter(busy_devices)
     window = (warmup, warmup + steps - 1)
     hooks = cfg.spec.hooks(cfg.algo_config)
     run = TimedRun(cfg, hooks, io.StringIO(), window=window, meter=meter, rollout_stream=rollout_stream)
@@ -182,6 +194,7 @@ def timed_run(raw: dict[str, Any], warmup: int, steps: int, rollout_stream: bool
         "step_s": (t1 - t0) / len(recs),
         "step_median_s": statistics.median(b - a for a, b in ivals),
         "gpu_busy": busy[0] if busy else None,
+        "gpu_busy_rollout": busy[1] if busy and len(busy) > 1 else None,
         "gpu_busy_kind": meter.kind if meter is not None else None,
         "rollout_s": _mean(recs, "rollout_s"),
         "logprob_s": _mean(recs, "logprob_s"),
@@ -249,10 +262,61 @@ def _stream_variants(mode: str, k: int) -> list[bool]:
     return {"off": [False], "on": [True], "both": [False, True]}[mode]
 
 
-def two_gpu_note() -> str:
-    """The 1 rollout + 1 train GPU row: a TODO until the run loop places rollout and training on separate devices."""
-    have = f"{device.count()} GPUs here" if device.is_accelerator() else "no GPU here"
-    return f"TODO: needs 2 GPUs ({have}) and the run's --rollout-devices/--train-devices placement (not in this build)"
+def _nvml_meter(indices: list[int]) -> Any:
+    """NVML's busy meter over device ``indices`` (train first), or None where NVML does not import."""
+    if not device.is_accelerator():
+        return None
+    try:
+        # lazy: nvidia-ml-py is optional
+        import pynvml
+    except ImportError:
+        return None
+    return NvmlBusy(pynvml, list(indices))
+
+
+def placement_pair() -> tuple[str, str] | None:
+    """(rollout_devices, train_devices) of the 1 rollout + 1 train GPU rows: accelerator 1 and 0 where this machine
+    has 2 or more, else None (the rows do not run)."""
+    if device.is_accelerator() and device.count() >= 2:
+        kind = device.device_type()
+        return f"{kind}:1", f"{kind}:0"
+    return None
+
+
+def two_gpu_note(pair: tuple[str, str] | None = None) -> str:
+    """What the 1 rollout + 1 train GPU line says: the placement its rows ran with, or why none ran."""
+    if pair is not None:
+        train = pair[1] or "the default device"
+        return f"ran with --rollout-devices {pair[0]} --train-devices {train} (process producer): rows '1+1' above"
+    have = f"{device.count()} GPU here" if device.is_accelerator() else "no GPU here"
+    return f"not run: needs 2 GPUs ({have}); on a 2-GPU machine it runs --rollout-devices cuda:1 --train-devices cuda:0"
+
+
+def split_rows(
+    model_dir: Path, data: Path, work: Path, args: argparse.Namespace, ks: list[int], pair: tuple[str, str]
+) -> list[dict[str, Any]]:
+    """The rows of placement ``pair`` = (rollout_devices, train_devices): one per K > 0 of ``ks`` (K = 1 if none),
+    the process producer (one rollout worker on the rollout device)."""
+    rollout, train = pair
+    busy = None
+    if device.is_accelerator():
+        busy = [int(torch.device(d).index or 0) for d in (train or f"{device.device_type()}:0", rollout)]
+    rows = []
+    for k in [k for k in ks if k > 0] or [1]:
+        try:
+            raw = _timing_raw(model_dir, data, work / f"k{k}-split", args, k)
+            raw["grpo"].update(async_producer="process", rollout_devices=rollout, train_devices=train)
+            row = timed_run(raw, args.warmup, args.steps, busy_devices=busy)
+        except Exception as exc:  # the colocated rows stand; say why this one is missing
+            print(f"# K={k} on 1+1 devices failed: {type(exc).__name__}: {exc}")
+            rows.append({"k": k, "placement": "1+1", "producer": f"failed: {type(exc).__name__}", "error": str(exc)})
+            free_memory()
+            continue
+        row["placement"], row["producer"] = "1+1", f"process ({rollout} -> {train or 'default'})"
+        rows.append(row)
+        steps = ", ".join(f"{s:.2f}" for s in row["steps_all"])
+        print(f"# K={k} (1 rollout + 1 train device): steady {row['step_s']:.3f} s/step; step walls {steps} s")
+    return rows
 
 
 def run_async(model_dir: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -276,19 +340,28 @@ def run_async(model_dir: Path, args: argparse.Namespace, work: Path) -> dict[str
             rows.append({"k": k, "producer": f"failed: {type(exc).__name__}", "error": str(exc)})
             free_memory()
             continue
+        row["placement"] = "1"
         rows.append(row)
         steps = ", ".join(f"{s:.2f}" for s in row["steps_all"])
         timed = f"{args.warmup + 1}..{args.warmup + args.steps}"
         print(f"# K={k} ({row['producer']}): steady {row['step_s']:.3f} s/step; step walls {steps} s (timed: {timed})")
+    pair = placement_pair()
+    if pair is not None:
+        rows += split_rows(model_dir, data, work, args, ks, pair)
     base = rows[0].get("step_s")
     for r in rows:
         if base and r.get("step_s"):
             r["ratio_to_sync"] = r["step_s"] / base
-    cols = ["k", "producer", "step_s", "ratio_to_sync", "gpu_busy", "rollout_s", "logprob_s", "train_s", "wait_s"]
+    cols = ["k", "placement", "producer", "step_s", "ratio_to_sync", "gpu_busy", "rollout_s", "logprob_s", "train_s"]
+    cols += ["wait_s"] + (["gpu_busy_rollout"] if any(r.get("gpu_busy_rollout") is not None for r in rows) else [])
     cols += ["sync_s", "staleness_mean", "staleness_max", "stale_dropped", "response_length"]
     print_table(rows, cols)
     kind = next((r["gpu_busy_kind"] for r in rows if r.get("gpu_busy_kind")), None)
-    print(f"# gpu_busy: {kind or 'n/a (CPU)'}; one placement (rollout and training colocated on one device)")
-    note = two_gpu_note()
+    print(
+        f"# gpu_busy: {kind or 'n/a (CPU)'}; placement 1: rollout and training colocated on one device; 1+1: the "
+        "trainer's device (gpu_busy_rollout: the rollout device's, NVML only); ratio_to_sync: against the colocated "
+        "synchronous step"
+    )
+    note = two_gpu_note(pair)
     print(f"1 rollout + 1 train GPU: {note}")
     return {"async_rows": rows, "two_gpu": note}

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from polyrl.algorithms.advantages import group_advantages
-from polyrl.algorithms.grpo import GRPOConfig, GroupRelative, make_policy_loss
+from polyrl.algorithms.grpo import GroupRelative, GRPOConfig, make_policy_loss
 from polyrl.algorithms.rl_batch import RLBatch, Sample, pack_samples
 from polyrl.bench.common import free_memory, print_table, shape_preset
 from polyrl.bench.profile import kernel_table, print_kernel_table
@@ -140,9 +140,7 @@ def time_row(name: str, cfg: Any, samples: list[Sample], args: argparse.Namespac
         print_kernel_table(table, f"{name} training phase profile")
         row["profile"] = table
         row["idle_ms"] = table["wall_ms"] - table["kernel_ms"]
-    del engine, batches, packs
-    free_memory()
-    return row
+    return row  # the engine, model and packs go with this frame (the next row starts with free_memory)
 
 
 def run_train_phase(args: argparse.Namespace, shapes: dict[str, str]) -> dict[str, Any]:

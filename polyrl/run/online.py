@@ -17,7 +17,9 @@ One RL step, each stage a method of ``OnlineRun`` so an algorithm can override o
    log-probs (only when a reference model exists). Per-token values ride in ``RLBatch.fields``. When that pass
    could only measure (``single_pass``: one optimizer step per batch, rollout old log-probs, no reference, no IS),
    it is skipped and the training forward measures mismatch and entropy itself (same values, one forward less).
-4. ``update(...)``: ``ppo_epochs`` x ``mini_batches`` optimizer steps, loss from ``hooks.make_loss``.
+4. ``update(...)``: ``ppo_epochs`` x ``mini_batches`` optimizer steps, loss from ``hooks.make_loss`` (GRPO / GSPO:
+   one graph-safe loss kept across steps, so where the KV cache stays allocated the engine replays the captured
+   micro-batch step as a CUDA graph; with the KV cache taken back every rollout the updates stay eager).
 5. metrics (reward, response length, truncation, KL, mismatch, entropy, clip fraction, time split rollout /
    reward / logprob / train), evaluation every ``train.eval_every`` steps on held-out prompts (greedy mean reward and
    exact-match accuracy; with ``eval_n`` > 1 also sampled mean reward, unbiased pass@k and length), atomic
@@ -548,6 +550,10 @@ class OnlineRun(DataParallelSteps):
                 loss_fn = (
                     self.hooks.make_loss(tokens, norm, measure=True) if measure else self.hooks.make_loss(tokens, norm)
                 )
+                if getattr(loss_fn, "graph_safe", False) and getattr(self.policy, "release_kv", False):
+                    # the KV cache is taken back for every rollout: no captured step (and its activation pool) may
+                    # hold device memory across it, so this run's updates stay eager
+                    loss_fn.graph_safe = False
                 recs.append(self.policy.step(mb, loss_fn, norm).to_dict())
                 if measure:
                     top = float(loss_fn.mismatch_max) if loss_fn.mismatch_max is not None else 0.0

@@ -46,7 +46,8 @@ Signature = tuple[Any, ...]
 
 
 def _tensor_fields(batch: Any) -> dict[str, Any]:
-    """The batch's tensor fields: name -> tensor, or name -> {key: tensor} for a dict of tensors (``RLBatch.fields``)."""
+    """The batch's tensor fields: name -> tensor, or name -> {key: tensor} for a dict of tensors
+    (``RLBatch.fields``)."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(batch):
         value = getattr(batch, f.name)

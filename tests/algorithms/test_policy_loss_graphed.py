@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from polyrl.algorithms.advantages import group_advantages
-from polyrl.algorithms.grpo import GRPOConfig, GroupRelative, make_policy_loss
+from polyrl.algorithms.grpo import GroupRelative, GRPOConfig, make_policy_loss
 from polyrl.algorithms.gspo import GSPOConfig
 from polyrl.algorithms.rl_batch import Sample, pack_samples, padding_batch, target_positions
 from polyrl.models.decoder import build_model
@@ -73,8 +73,8 @@ def test_graph_safe_loss_equals_the_eager_path_in_fp32(cfg):
     batches = pack_samples(samples, _fields(samples), max_tokens=32)
     assert len(batches) > 1
     tokens = float(sum(b.num_target_tokens for b in batches))
-    old = make_policy_loss(cfg, tokens, tokens * 0.5, measure=True, graphed=False)
-    new = make_policy_loss(cfg, tokens, tokens * 0.5, measure=True)
+    old = make_policy_loss(cfg, tokens, tokens * 0.5, measure=True)  # the default: the eager path
+    new = make_policy_loss(cfg, tokens, tokens * 0.5, measure=True, graphed=True)
     assert new.graph_safe and not old.graph_safe
     l0, g0, m0 = _grads_and_metrics(model, old, batches)
     l1, g1, m1 = _grads_and_metrics(model, new, batches)
@@ -98,7 +98,7 @@ def test_one_loss_object_serves_every_step():
     assert hooks.make_loss(100.0, 50.0) is not first  # measure=False: its own object
     tokens = float(sum(b.num_target_tokens for b in batches))
     again = hooks.make_loss(tokens, tokens, measure=True)
-    assert again is first and again.scale == 1.0 and float(again.mismatch_max) == 0.0
+    assert again is first and again.graph_safe and again.scale == 1.0 and float(again.mismatch_max) == 0.0
     _, _, m_again = _grads_and_metrics(model, again, batches[:1])
     fresh = make_policy_loss(hooks.cfg, tokens, tokens, measure=True, graphed=False)
     _, _, m_fresh = _grads_and_metrics(model, fresh, batches[:1])
@@ -111,7 +111,9 @@ def test_packed_targets_are_the_mask_positions_and_travel_with_the_batch():
     samples[1].logprobs = samples[1].logprobs[: sum(samples[1].mask)]
     for b in pack_samples(samples, {"adv": [1.0] * len(samples)}, max_tokens=40):
         want = torch.nonzero(b.mask > 0).squeeze(-1)
-        assert torch.equal(b.targets, want) and torch.equal(target_positions(dataclasses.replace(b, targets=None)), want)
+        assert torch.equal(b.targets, want) and torch.equal(
+            target_positions(dataclasses.replace(b, targets=None)), want
+        )
         moved = b.to("cpu")
         assert torch.equal(moved.targets, want) and moved.fields.keys() == b.fields.keys()
         pad = padding_batch(b)
@@ -128,7 +130,11 @@ def test_signature_covers_the_per_token_fields_and_ignores_the_device():
     assert batch_signature(c) != batch_signature(a)  # one more field: another capture
     assert ("fields", "adv", (a.input_ids.numel(),), torch.float32, a.mask.device) in batch_signature(a)
     assert shape_key(batch_signature(a)) == shape_key(batch_signature(b))
-    assert all(not isinstance(x, torch.device) for p in shape_key(batch_signature(a)) for x in (p if isinstance(p, tuple) else ()))
+    assert all(
+        not isinstance(x, torch.device)
+        for p in shape_key(batch_signature(a))
+        for x in (p if isinstance(p, tuple) else ())
+    )
 
 
 def test_engine_graphs_the_steps_dominant_shape_and_keeps_a_held_graph_for_a_tail():

@@ -28,15 +28,20 @@ def _async_rows(model_dir, tmp_path, capsys, extra=()):
     return json.loads(out.read_text()), capsys.readouterr().out
 
 
-def test_async_rows_sync_and_k1(tiny_model_dir, tmp_path, capsys):
+def test_async_rows_sync_and_k1(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """Sync and K = 1 colocated, and the 1 rollout + 1 train row's plumbing: the placement the bench picks on 2 GPUs
+    (cuda:1, cuda:0) stood in for by a CPU rollout worker process (gloo), with the process producer."""
+    assert grpo_async.placement_pair() is None  # the CPU: no such row, and the note says why
+    assert grpo_async.two_gpu_note(None).startswith("not run: needs 2 GPUs (no GPU here)")
+    monkeypatch.setattr(grpo_async, "placement_pair", lambda: ("cpu", ""))
     res, text = _async_rows(tiny_model_dir, tmp_path, capsys)
     rows = res["async_rows"]
-    assert [r["k"] for r in rows] == [0, 1]  # K = 0 added: the reference of the ratio
+    assert [(r["k"], r["placement"]) for r in rows] == [(0, "1"), (1, "1"), (1, "1+1")]  # K = 0 added: the reference
     for r in rows:
         assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
         assert r["step_s"] > 0 and r["rollout_s"] > 0 and r["train_s"] > 0
         assert r["gpu_busy"] is None  # the CPU: n/a
-    sync, k1 = rows
+    sync, k1, split = rows
     assert sync["ratio_to_sync"] == 1.0 and sync["producer"] == "sync" and sync["staleness_mean"] == 0.0
     assert k1["ratio_to_sync"] == pytest.approx(k1["step_s"] / sync["step_s"])
     # K = 1: every timed sample was generated one version before the weights it trains
@@ -44,11 +49,13 @@ def test_async_rows_sync_and_k1(tiny_model_dir, tmp_path, capsys):
     assert k1["stale_dropped"] == 0.0 and k1["sync_s"] > 0
     assert len(sync["steps_all"]) == 3 and len(k1["steps_all"]) == 4  # warm-up + timed (+ K untimed)
     assert 4 * 0.5 <= k1["response_length"] <= 4  # at most --gen-len new tokens
+    assert split["producer"] == "process (cpu -> default)" and split["staleness_mean"] == 1.0 and split["sync_s"] > 0
+    assert split["ratio_to_sync"] == pytest.approx(split["step_s"] / sync["step_s"])
     header = next(line for line in text.splitlines() if line.startswith("k "))
-    for col in ("step_s", "ratio_to_sync", "gpu_busy", "rollout_s", "train_s", "wait_s", "staleness_mean"):
+    for col in ("placement", "step_s", "ratio_to_sync", "gpu_busy", "rollout_s", "train_s", "wait_s"):
         assert col in header
-    assert re.search(r"^1 rollout \+ 1 train GPU: TODO: needs 2 GPUs", text, re.M)
-    assert "n/a (CPU)" in text
+    assert "1 rollout + 1 train GPU: ran with --rollout-devices cpu --train-devices the default device" in text
+    assert res["two_gpu"].startswith("ran with") and "n/a (CPU)" in text
 
 
 def test_curve_mode_writes_equal_length_curves_per_k(tiny_model_dir, tmp_path, capsys, monkeypatch):
