@@ -166,6 +166,18 @@ for s in "$@"; do
     # GPU with the thread producer: steady step time, ratio to sync, GPU busy (NVML), split, staleness
     bench-grpo-async) TAIL=30 stage bench-grpo-async 590 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 \
       --gen-len 512 --warmup 1 --steps 4 --kv keep --async 0,1,2 --baselines none --json "$OUT/bench_grpo_async.json" ;;
+    # The GRPO training phase alone (issue 27): synthetic 64 x 8 x (64 + 512) rollouts, the SFT engine step on the same
+    # packs next to the GRPO loss before (eager, nonzero per pack) and now (graph-safe, one CUDA graph replayed):
+    # tokens/s, MFU, idle device time; about a minute
+    bench-grpo-train) TAIL=30 stage bench-grpo-train 150 $PR bench grpo --train-phase --shape qwen3-0.6b --prompts 64 \
+      --n 8 --prompt-len 64 --gen-len 512 --warmup 2 --steps 2 --json "$OUT/bench_grpo_train.json" ;;
+    bench-grpo-train-profile) TAIL=120 stage bench-grpo-train-profile 200 $PR bench grpo --train-phase \
+      --shape qwen3-0.6b --prompts 64 --n 8 --prompt-len 64 --gen-len 512 --warmup 2 --steps 1 --profile 20 \
+      --json "$OUT/bench_grpo_train_profile.json" ;;
+    # 2+ GPUs: sync and K = 1 colocated, then K = 1 with the rollout worker on cuda:1 and the trainer on cuda:0
+    bench-grpo-async-2gpu) TAIL=30 stage bench-grpo-async-2gpu 590 $PR bench grpo --shape qwen3-0.6b --prompts 64 \
+      --n 8 --gen-len 512 --warmup 1 --steps 3 --kv keep --async 1 --baselines none \
+      --json "$OUT/bench_grpo_async_2gpu.json" ;;
     # The same with the K > 0 rollouts on a device stream of their own (bench flag --rollout-stream; the run loop
     # generates on the default stream): does one GPU overlap rollout and training kernels then?
     bench-grpo-async-stream) TAIL=30 stage bench-grpo-async-stream 590 $PR bench grpo --shape qwen3-0.6b --prompts 64 \

@@ -18,8 +18,9 @@ One RL step, each stage a method of ``OnlineRun`` so an algorithm can override o
    could only measure (``single_pass``: one optimizer step per batch, rollout old log-probs, no reference, no IS),
    it is skipped and the training forward measures mismatch and entropy itself (same values, one forward less).
 4. ``update(...)``: ``ppo_epochs`` x ``mini_batches`` optimizer steps, loss from ``hooks.make_loss`` (GRPO / GSPO:
-   one graph-safe loss kept across steps, so where the KV cache stays allocated the engine replays the captured
-   micro-batch step as a CUDA graph; with the KV cache taken back every rollout the updates stay eager).
+   one graph-safe loss kept across steps, so in a synchronous run whose KV cache stays allocated the engine replays
+   the captured micro-batch step as a CUDA graph; with the KV cache taken back every rollout, and in async runs,
+   the updates stay eager).
 5. metrics (reward, response length, truncation, KL, mismatch, entropy, clip fraction, time split rollout /
    reward / logprob / train), evaluation every ``train.eval_every`` steps on held-out prompts (greedy mean reward and
    exact-match accuracy; with ``eval_n`` > 1 also sampled mean reward, unbiased pass@k and length), atomic
@@ -550,9 +551,11 @@ class OnlineRun(DataParallelSteps):
                 loss_fn = (
                     self.hooks.make_loss(tokens, norm, measure=True) if measure else self.hooks.make_loss(tokens, norm)
                 )
-                if getattr(loss_fn, "graph_safe", False) and getattr(self.policy, "release_kv", False):
-                    # the KV cache is taken back for every rollout: no captured step (and its activation pool) may
-                    # hold device memory across it, so this run's updates stay eager
+                eager = getattr(self.policy, "release_kv", False) or self.source is not None
+                if eager and getattr(loss_fn, "graph_safe", False):
+                    # Eager updates when the KV cache is taken back for every rollout (a captured step's activation
+                    # pool would hold device memory across it) and in async runs (a capture while the producer
+                    # generates in another thread may see its device calls and fail)
                     loss_fn.graph_safe = False
                 recs.append(self.policy.step(mb, loss_fn, norm).to_dict())
                 if measure:

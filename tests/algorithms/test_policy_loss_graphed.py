@@ -159,3 +159,51 @@ def test_engine_graphs_the_steps_dominant_shape_and_keeps_a_held_graph_for_a_tai
     assert engine._graph_plan([*tail, *tail, full[0]]) == key  # the held graph's shape is in the step
     assert engine._graph_plan([*tail, *tail]) == shape_key(batch_signature(tail[0]))
     engine._graph = None
+
+
+@pytest.mark.gpu
+def test_graphed_rl_steps_equal_eager_steps_and_capture_once():
+    """On the GPU: three GRPO updates over [A, A, A, B] packs (three equal packs and a shorter tail), with the run's
+    kept graph-safe loss, capture the packs' shape once and replay it in every step (the tail runs eagerly), with
+    the eager path's losses, metrics and parameters."""
+    from polyrl.platform import device
+    from polyrl.train import OptimConfig, ScheduleConfig, TrainEngine
+
+    dev = device.torch_device()
+    if dev.type != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    cfg = GRPOConfig(max_new_tokens=8)
+    rng = random.Random(0)
+    samples = []
+    for i in range(14):
+        ids = [rng.randrange(100) for _ in range(12)]
+        samples.append(Sample(ids[:4], ids[4:], [-rng.uniform(0.1, 3.0) for _ in range(8)], "length", "", i // 2))
+    fields = _fields(samples)
+    fields["old_logp"] = fields["rollout_logp"]
+    packs = pack_samples(samples, {k: fields[k] for k in ("adv", "old_logp", "rollout_logp")}, max_tokens=48)
+    assert [b.input_ids.numel() for b in packs] == [48, 48, 48, 24]
+
+    def run(graphed: bool):
+        model = build_model(preset_config("tiny"), dtype=torch.float32, device=dev, seed=0)
+        engine = TrainEngine(model, OptimConfig(lr=1e-3), ScheduleConfig(decay="constant"))
+        hooks = GroupRelative(cfg)
+        tokens = float(sum(b.num_target_tokens for b in packs))
+        out = []
+        for _ in range(3):
+            loss_fn = (
+                hooks.make_loss(tokens, tokens, measure=True)
+                if graphed
+                else make_policy_loss(cfg, tokens, tokens, measure=True)
+            )
+            stats = engine.step(packs, loss_fn, tokens)
+            out.append((stats.loss, stats.grad_norm, stats.metrics["mismatch_mean"], float(loss_fn.mismatch_max)))
+        params = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
+        return out, params, engine
+
+    eager, p0, e0 = run(False)
+    graphed, p1, e1 = run(True)
+    assert e0.graph_captures == 0 and e1.graph_captures == 1 and e1.graph_replays == 8
+    for a, b in zip(eager, graphed):
+        assert b == pytest.approx(a, rel=1e-4, abs=1e-5)
+    for name, p in p0.items():
+        torch.testing.assert_close(p1[name], p, rtol=1e-4, atol=1e-5, msg=name)

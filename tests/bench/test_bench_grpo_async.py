@@ -30,14 +30,29 @@ def _async_rows(model_dir, tmp_path, capsys, extra=()):
 
 def test_async_rows_sync_and_k1(tiny_model_dir, tmp_path, capsys, monkeypatch):
     """Sync and K = 1 colocated, and the 1 rollout + 1 train row's plumbing: the placement the bench picks on 2 GPUs
-    (cuda:1, cuda:0) stood in for by a CPU rollout worker process (gloo), with the process producer."""
+    (cuda:1, cuda:0) stood in for by a CPU rollout replica; its run is the real loop's (a worker process fed over
+    gloo, tests/run/test_placement.py), here the row's config, validated by the run's config builder, is checked."""
+    from polyrl.run import config as run_config
+
     assert grpo_async.placement_pair() is None  # the CPU: no such row, and the note says why
     assert grpo_async.two_gpu_note(None).startswith("not run: needs 2 GPUs (no GPU here)")
+    split_raw = []
+    real = grpo_async.timed_run
+
+    def timed(raw, warmup, steps, rollout_stream=False, busy_devices=None):
+        if raw["grpo"].get("rollout_devices"):
+            split_raw.append((raw, busy_devices))
+            run_config.build(raw)  # the placement settings pass the run's own validation
+            return {**real_row, "steps_all": [1.0] * (warmup + steps + 1)}
+        return real(raw, warmup, steps, rollout_stream)
+
     monkeypatch.setattr(grpo_async, "placement_pair", lambda: ("cpu", ""))
+    monkeypatch.setattr(grpo_async, "timed_run", timed)
+    real_row = {"k": 1, "producer": "process", "step_s": 0.5, "train_s": 0.1}
     res, text = _async_rows(tiny_model_dir, tmp_path, capsys)
     rows = res["async_rows"]
     assert [(r["k"], r["placement"]) for r in rows] == [(0, "1"), (1, "1"), (1, "1+1")]  # K = 0 added: the reference
-    for r in rows:
+    for r in rows[:2]:
         assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
         assert r["step_s"] > 0 and r["rollout_s"] > 0 and r["train_s"] > 0
         assert r["gpu_busy"] is None  # the CPU: n/a
@@ -49,8 +64,18 @@ def test_async_rows_sync_and_k1(tiny_model_dir, tmp_path, capsys, monkeypatch):
     assert k1["stale_dropped"] == 0.0 and k1["sync_s"] > 0
     assert len(sync["steps_all"]) == 3 and len(k1["steps_all"]) == 4  # warm-up + timed (+ K untimed)
     assert 4 * 0.5 <= k1["response_length"] <= 4  # at most --gen-len new tokens
-    assert split["producer"] == "process (cpu -> default)" and split["staleness_mean"] == 1.0 and split["sync_s"] > 0
-    assert split["ratio_to_sync"] == pytest.approx(split["step_s"] / sync["step_s"])
+    ((raw, busy),) = split_raw
+    g = raw["grpo"]
+    assert (g["rollout_devices"], g["train_devices"], g["async_producer"], g["max_staleness"]) == (
+        "cpu",
+        "",
+        "process",
+        1,
+    )
+    assert busy is None and raw["out"].endswith("k1-split")  # no NVML on the CPU
+    assert split["producer"] == "process (cpu -> default)" and split["ratio_to_sync"] == pytest.approx(
+        0.5 / sync["step_s"]
+    )
     header = next(line for line in text.splitlines() if line.startswith("k "))
     for col in ("placement", "step_s", "ratio_to_sync", "gpu_busy", "rollout_s", "train_s", "wait_s"):
         assert col in header
