@@ -198,7 +198,7 @@ def _pack(samples: Sequence[Sample], ids: list[int], fields: dict[str, Sequence[
         fields={k: torch.tensor(v, dtype=torch.float32) for k, v in vals.items()},
         routing=routing,
         routing_layers=layers,
-        targets=torch.tensor([t for t, y in enumerate(labels) if y != -100], dtype=torch.int64),
+        targets=torch.nonzero(labels_t != -100).squeeze(-1),  # on the host: no device sync
     )
 
 
