@@ -166,7 +166,9 @@ class StepConfig:
     launches kernels; it runs between steps instead). ``cuda_graphs``: the forward + backward of a micro-batch shape
     seen twice in a row is captured as a CUDA graph and replayed (``train/graphed_step.py``) where that is possible:
     CUDA, one process, no torch.compile, no dropout, a loss marked ``graph_safe`` (SFT's). None (default): where
-    possible, eager elsewhere; False: never; True: required (an error says why a step cannot be captured).
+    possible, eager elsewhere, and no more captures once two graphs were dropped after a single replay (variable
+    packed shapes: ``data.fixed_shapes = true`` pads batches to one shape so one graph replays); False: never; True:
+    required (an error says why a step cannot be captured; captures continue whatever the shapes).
     ``checkpoint_layers``: with ``activation_checkpointing``, recompute only the first this-many decoder layers (None:
     all); the others keep their activations, trading memory for less recomputation (Megatron's
     ``recompute_num_layers``, block method). Larger than the model's layer count means all.

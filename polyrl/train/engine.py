@@ -45,6 +45,9 @@ from polyrl.train.parallel.replicate import all_reduce_grads_, is_replicated
 from polyrl.train.precision import DTYPE_NAMES, LossScaler, apply_linear_precision, resolve_compute_dtype
 from polyrl.train.schedule import lr_at
 
+# captured training-step graphs dropped after at most one replay before auto mode stops capturing (``_graphed``)
+MAX_WASTED_CAPTURES = 2
+
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, Any]]]
 
 
@@ -138,7 +141,9 @@ class TrainEngine:
         self.consecutive_skips = 0
         self._graph: GraphedMicroStep | None = None
         self._graphs_failed = False
+        self._graphs_churn = False  # shapes change every step: captures stopped (``_count_wasted_capture``)
         self.graph_captures = 0
+        self.wasted_captures = 0
         # MoE models: router aux / z losses added per micro-batch and reported (None for a dense model)
         self.moe_loss = MoELoss.for_model(model, self.cfg)
 
@@ -325,7 +330,7 @@ class TrainEngine:
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
     def _graphs_allowed(self, loss_fn: LossFn) -> bool:
-        if self.cfg.cuda_graphs is False or self._graphs_failed:
+        if self.cfg.cuda_graphs is False or self._graphs_failed or self._graphs_churn:
             return False
         why = self._why_not_graphed(loss_fn)
         if why is not None and self.cfg.cuda_graphs:
@@ -379,9 +384,35 @@ class TrainEngine:
                     return None
                 self.graph_captures += 1
             return g.replay(mb, scale)
+        if g is not None and g.graph is not None and g.replays <= 1:
+            self._count_wasted_capture()
+            if self._graphs_churn:
+                self.release_graphs()
+                return None
         self.release_graphs()
         self._graph, loss, metrics = GraphedMicroStep.prepare(self.model, mb, loss_fn, self.optimizer.masters, scale)
         return loss, metrics
+
+    def _count_wasted_capture(self) -> None:
+        """A captured graph is being replaced after at most one replay: its capture (a second forward + backward's
+        worth of host work, and the allocator's cache emptied) bought nothing. Packed batches of variable data
+        (``data.fixed_shapes`` off) repeat a shape now and then, so each repeat captured a graph that the next step
+        threw away (an SFT run at the 0.6b shape: 67 captures in 300 steps). After ``MAX_WASTED_CAPTURES`` of them
+        the engine stops capturing for the run (auto mode; ``engine.cuda_graphs = true`` keeps capturing) and says
+        how to get a replayed graph instead."""
+        self.wasted_captures += 1
+        if self.wasted_captures < MAX_WASTED_CAPTURES or self._graphs_churn:
+            return
+        if self.cfg.cuda_graphs:  # required by the user: keep capturing as asked
+            return
+        self._graphs_churn = True
+        warnings.warn(
+            f"the training step's micro-batch shapes change between steps ({self.wasted_captures} CUDA graphs were "
+            "captured and dropped after one replay), so the engine stops capturing and runs eagerly; set "
+            "data.fixed_shapes = true to pad batches to one shape and replay a single graph",
+            RuntimeWarning,
+            stacklevel=5,
+        )
 
     def _capture_failed(self, exc: BaseException) -> None:
         self._graphs_failed = True

@@ -193,3 +193,28 @@ def test_new_shape_recaptures_and_release_frees_the_graph():
     assert engine.graph_captures == 2 and engine.graph_replays == 2  # the 96-token graph replaced the first
     engine.release_graphs()
     assert engine.graph_replays == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [None, True], ids=["auto", "required"])
+def test_shapes_that_change_every_other_step_stop_capturing_in_auto_mode(graphs):
+    """Variable packed data repeats a shape now and then: each pair of equal steps captures a graph that the next
+    shape throws away after one replay. Auto mode stops after two such captures (warning that names
+    data.fixed_shapes) and trains eagerly with the same losses; required mode keeps capturing as asked."""
+    import warnings
+
+    model = tiny_lm(seed=0, hidden=256, heads=8, layers=2).to(device.torch_device())
+    engine = TrainEngine(
+        model, OptimConfig(lr=1e-3), ScheduleConfig(decay="constant"), engine=StepConfig(cuda_graphs=graphs)
+    )
+    lengths = [64, 64, 72, 72, 80, 80, 88, 88, 96, 96]  # each shape twice: warm-up, then capture + one replay
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, n in enumerate(lengths):
+            assert torch.isfinite(torch.tensor(engine.step([pack(random_seqs(4, n, 64, seed=i))]).loss))
+    churn = [w for w in caught if "data.fixed_shapes" in str(w.message)]
+    if graphs is None:
+        assert engine.graph_captures == 2 and engine.wasted_captures == 2 and len(churn) == 1
+        assert engine.graph_replays == 0  # nothing held: eager from the third shape on
+    else:
+        assert engine.graph_captures == 5 and engine.wasted_captures == 4 and not churn
