@@ -147,7 +147,7 @@ def test_triton_quantize_t_bit_equal_to_reference(dtype, fp8, rowwise):
 
 def _delayed_ref_calls(xs, fp8, pad=1):
     """``ref.quantize_t_delayed`` over ``xs`` in turn with one state: the outputs and the state after each call."""
-    state, outs = torch.zeros(3, dtype=torch.int32), []
+    state, outs = torch.zeros(2, dtype=torch.int32), []
     for i, x in enumerate(xs):
         outs.append((ref.quantize_t_delayed(x, fp8, state, i > 0, pad), state.clone()))
     return outs
@@ -175,7 +175,7 @@ def test_reference_delayed_scale_contract(fp8):
     assert s1[0].view(torch.float32) == x1.abs().max()
     assert o2[0].float()[3, 4] == fmax and s2[0].view(torch.float32) == x2.abs().max()  # saturated, recorded
     # an all-zero tensor records 0: the next scale floors the amax at EPS (finite), a non-finite one records the cap
-    state = torch.zeros(3, dtype=torch.int32)
+    state = torch.zeros(2, dtype=torch.int32)
     ref.quantize_t_delayed(torch.zeros(4, 16), fp8, state, False)
     q, s, _, _ = ref.quantize_t_delayed(torch.ones(4, 16), fp8, state, True)
     assert torch.isfinite(s) and s > 0 and (q.float() == fmax).all()
@@ -196,7 +196,7 @@ def test_triton_delayed_cast_bit_equal_to_reference(dtype, fp8):
     xs = [_x((33, 40), dtype, seed=i, scale=3.0 * (1 + 4 * i)).to(dev) for i in range(3)]
     xs.append(_x((19, 80), dtype, seed=9).to(dev)[:, :45])  # row-strided, new shape on the same state
     for pad in (1, 16):
-        state = torch.zeros(3, dtype=torch.int32, device=dev)
+        state = torch.zeros(2, dtype=torch.int32, device=dev)
         for i, ((expect, ref_state), x) in enumerate(zip(_delayed_ref_calls([x.cpu() for x in xs], fp8, pad), xs)):
             got = tri.quantize_t_delayed(x, fp8, state, i > 0, pad)
             for a, b in zip(got, expect):
@@ -217,14 +217,14 @@ def test_delayed_cast_without_the_tiled_kernel_runs_the_reference(monkeypatch):
 
     monkeypatch.setattr(tri, "FUSED_CAST_T", False)
     x = _x((9, 32)).to(_triton_device())
-    state, ref_state = torch.zeros(3, dtype=torch.int32, device=x.device), torch.zeros(3, dtype=torch.int32)
+    state, ref_state = torch.zeros(2, dtype=torch.int32, device=x.device), torch.zeros(2, dtype=torch.int32)
     for ready in (False, True):
         got = tri.quantize_t_delayed(x * (1 + ready), E5M2, state, ready, 16)
         expect = ref.quantize_t_delayed(x.cpu() * (1 + ready), E5M2, ref_state, ready, 16)
         assert all(torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got[::2], expect[::2]))
         assert torch.equal(got[1].cpu(), expect[1]) and torch.equal(state.cpu(), ref_state)
-    with pytest.raises(ValueError, match=r"state must be int32 \[3\]"):
-        tri.quantize_t_delayed(x, E5M2, torch.zeros(2, dtype=torch.int32, device=x.device), True)
+    with pytest.raises(ValueError, match=r"state must be int32 \[2\]"):
+        tri.quantize_t_delayed(x, E5M2, torch.zeros(3, dtype=torch.int32, device=x.device), True)
 
 
 def test_delayed_dispatch_marks_the_state_ready_and_checks_it():
@@ -236,7 +236,7 @@ def test_delayed_dispatch_marks_the_state_ready_and_checks_it():
     fp8_quantize_t_delayed(x, E5M2, state)
     assert state.ready and state.amax() == x.abs().max()
     with pytest.raises(TypeError, match="AmaxState"):
-        fp8_quantize_t_delayed(x, E5M2, torch.zeros(3, dtype=torch.int32))
+        fp8_quantize_t_delayed(x, E5M2, torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ValueError, match="the state is on meta"):
         fp8_quantize_t_delayed(x, E5M2, AmaxState("meta"))
 
@@ -429,8 +429,8 @@ def test_gpu_delayed_cast_real_shapes_and_graph_replays():
 
     xs = [_x((16384, 2048), torch.bfloat16, seed=s, scale=0.01 * (1 + s)).cuda() for s in range(3)]
     xs.append(_x((4097, 6144), torch.bfloat16, seed=5).cuda())
-    state = torch.zeros(3, dtype=torch.int32, device="cuda")
-    ref_state = torch.zeros(3, dtype=torch.int32, device="cuda")
+    state = torch.zeros(2, dtype=torch.int32, device="cuda")
+    ref_state = torch.zeros(2, dtype=torch.int32, device="cuda")
     for i, x in enumerate(xs):
         got = tri.quantize_t_delayed(x, E5M2, state, i > 0, 16)
         expect = ref.quantize_t_delayed(x, E5M2, ref_state, i > 0, 16)

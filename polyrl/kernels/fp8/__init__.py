@@ -17,8 +17,8 @@ Format (the contract every implementation keeps; ``reference.py`` is the spec):
   amax this ``state`` recorded at its previous call (the 256x headroom: a tensor whose amax grew up to that much
   since then still fits; values above saturate at ``FP8_MAX``); a state's first call uses the current scale (as
   ``fp8_quantize_t``). Every call records ``min(max|x|, 2^64)`` in ``state`` for the next. The Triton
-  implementation does it in one read of ``x`` (one launch) instead of two; the FP8 linear uses it for the
-  gradient ``dY`` (``models/fp8_linear.py`` says why only there).
+  implementation does it in one read of ``x`` (the tiled cast, then a one-thread launch keeping the amax) instead
+  of two; the FP8 linear uses it for the gradient ``dY`` (``models/fp8_linear.py`` says why only there).
 - ``fp8_scaled_mm(a [M, K] fp8, b [K, N] fp8, scale_a, scale_b, out_dtype, use_fast_accum) -> [M, N]``:
   ``(a.float() * scale_a) @ (b.float() * scale_b)`` accumulated in fp32, rounded once to ``out_dtype``. Scales are
   tensor-wise (``[]``) or row-wise (``scale_a [M, 1]`` with ``scale_b [1, N]``). ``b`` may be any layout (the fast
@@ -82,16 +82,16 @@ def fp8_quantize_t(
 
 
 class AmaxState:
-    """The delayed-scaling state of one tensor site (``fp8_quantize_t_delayed``): ``buf`` int32 ``[3]`` on the
-    device (``buf[0]``: the bits of the amax recorded by the previous call, fp32; ``buf[1:]``: the Triton cast's
-    running amax and program counter, zero between calls) and ``ready`` (host: whether ``buf[0]`` holds an amax yet;
+    """The delayed-scaling state of one tensor site (``fp8_quantize_t_delayed``): ``buf`` int32 ``[2]`` on the
+    device (``buf[0]``: the bits of the amax recorded by the previous call, fp32; ``buf[1]``: the Triton cast's
+    running amax, zero between calls) and ``ready`` (host: whether ``buf[0]`` holds an amax yet;
     False until the first call). Everything a call reads or writes is on the device: no host synchronisation, so
     a CUDA graph captures and replays it (``ready`` is decided when the graph is captured: after an eager call)."""
 
     __slots__ = ("buf", "ready")
 
     def __init__(self, device: torch.device | str) -> None:
-        self.buf = torch.zeros(3, dtype=torch.int32, device=device)
+        self.buf = torch.zeros(2, dtype=torch.int32, device=device)
         self.ready = False
 
     def amax(self) -> torch.Tensor:

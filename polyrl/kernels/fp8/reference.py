@@ -54,10 +54,10 @@ def _transposed(q: torch.Tensor, k: int, pad_t: int, fp8_dtype: torch.dtype) -> 
 def quantize_t_delayed(
     x: torch.Tensor, fp8_dtype: torch.dtype, state: torch.Tensor, ready: bool, pad_t: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tensor-wise ``quantize_t`` with a *delayed* scale (contract in ``fp8/__init__.py``): ``state`` int32 ``[3]``
+    """Tensor-wise ``quantize_t`` with a *delayed* scale (contract in ``fp8/__init__.py``): ``state`` int32 ``[2]``
     holds the bits of the previous call's amax (fp32) in ``state[0]``. ``ready``: ``inv = FP8_MAX / (max(prev, EPS)
     * DELAYED_HEADROOM)``; not ready (the site's first call): the current scale, as ``quantize_t``. Either way this
-    call's own ``min(max|x|, AMAX_CAP)`` is recorded into ``state[0]`` for the next call (``state[1:]`` left zero)."""
+    call's own ``min(max|x|, AMAX_CAP)`` is recorded into ``state[0]`` for the next call (``state[1]`` left zero)."""
     fmax = FP8_MAX[fp8_dtype]
     k = x.shape[-1]
     xf = x.detach().float().reshape(-1, k)

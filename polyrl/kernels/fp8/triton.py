@@ -23,9 +23,9 @@ device that rounding costs ~20 integer ops per element: by arithmetic (not yet p
 memory traffic, the likely part of the 2x gap to torch.compile's cast measured on the H200.
 
 Delayed scaling (``quantize_t_delayed``, the FP8 linear's gradient cast): the same tiled cast, its scale read from
-the state's previous amax instead of an amax pass, so one launch reads ``x`` once; each program also folds its
-tile's amax into the state (an integer ``atomic_max`` on the fp32 bits, order-independent: deterministic) and the
-last program to finish moves it into place for the next call (kernel docstring).
+the state's previous amax instead of an amax pass, so one pass reads ``x`` once; each program also folds its
+tile's amax into the state (an integer ``atomic_max`` on the fp32 bits, order-independent: deterministic) and a
+one-thread launch after it moves that amax into place for the next call (kernel docstring).
 
 No host synchronisation anywhere, so all of it can be captured in a CUDA graph.
 
@@ -192,8 +192,8 @@ def _rowwise_kernel(
 
 @triton.jit
 def _cast_t_kernel(
-    x_ptr, q_ptr, qt_ptr, part_ptr, rowamax_ptr, scale_ptr, scale_t_ptr, state_ptr, m, m_pad, k, n_part, n_prog,
-    stride_x, FMAX: tl.constexpr, EPS: tl.constexpr, ROWWISE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    x_ptr, q_ptr, qt_ptr, part_ptr, rowamax_ptr, scale_ptr, scale_t_ptr, state_ptr, m, m_pad, k, n_part, stride_x,
+    FMAX: tl.constexpr, EPS: tl.constexpr, ROWWISE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
     PBLOCK: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, GRID_ROUND: tl.constexpr, DELAYED: tl.constexpr,
     RECORD: tl.constexpr, HEADROOM: tl.constexpr, AMAX_CAP: tl.constexpr,
 ):  # fmt: skip
@@ -203,10 +203,9 @@ def _cast_t_kernel(
 
     Delayed scaling (tensor-wise only): ``DELAYED`` takes the scale from the previous call's amax (``state[0]``,
     fp32 bits) instead of the partials of an amax pass; ``RECORD`` (with or without ``DELAYED``) records this
-    tensor's amax for the next call: each program ``atomic_max``-es its tile's amax into ``state[1]`` (non-negative
-    fp32 bits order as int32) and counts itself in ``state[2]``; the last program to count moves ``state[1]`` to
-    ``state[0]`` and zeroes ``state[1:]``. Every program read ``state[0]`` before counting itself (the barrier and
-    the counter's acquire-release order it), so no program sees the next call's amax. One launch, one read of ``x``."""
+    tensor's amax: each program ``atomic_max``-es its tile's amax into ``state[1]`` (non-negative fp32 bits order as
+    int32; relaxed: nothing waits on it), and ``_roll_kernel``, launched next on the same stream, moves it to
+    ``state[0]`` for the next call. No program of this launch can see this call's amax in ``state[0]``."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
@@ -215,13 +214,13 @@ def _cast_t_kernel(
     mask = rmask[:, None] & (cols[None, :] < k)
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols64[None, :], mask=mask, other=0.0).to(tl.float32)
     if DELAYED:
         prev = tl.load(state_ptr).to(tl.float32, bitcast=True)
         amax_d = tl.maximum(prev, tl.full([], EPS, tl.float32)) * HEADROOM  # a power of two: exact
         inv_t = tl.math.div_rn(tl.full([], FMAX, tl.float32), amax_d)
     else:
         inv_t = _inv_from_partials(part_ptr, n_part, FMAX, EPS, PBLOCK)
-    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols64[None, :], mask=mask, other=0.0).to(tl.float32)
     if (pid_m == 0) & (pid_k == 0):
         tl.store(scale_t_ptr, tl.math.div_rn(tl.full([], 1.0, tl.float32), inv_t))
     qt = _scaled(x, inv_t, FMAX, MBITS, EMIN, GRID_ROUND).to(qt_ptr.dtype.element_ty)
@@ -241,11 +240,14 @@ def _cast_t_kernel(
     tl.store(qt_ptr + cols64[None, :] * m_pad + rows64[:, None], qt, mask=mask_t)
     if RECORD:
         tile_amax = tl.minimum(tl.max(tl.abs(x)), tl.full([], AMAX_CAP, tl.float32))
-        tl.debug_barrier()  # every thread of the program is past its read of state[0]
-        tl.atomic_max(state_ptr + 1, tile_amax.to(tl.int32, bitcast=True), sem="acq_rel")
-        if tl.atomic_add(state_ptr + 2, 1, sem="acq_rel") == n_prog - 1:
-            tl.store(state_ptr, tl.atomic_xchg(state_ptr + 1, 0, sem="acq_rel"))
-            tl.store(state_ptr + 2, 0)
+        tl.atomic_max(state_ptr + 1, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
+
+
+@triton.jit
+def _roll_kernel(state_ptr):
+    """``state[0] = state[1]; state[1] = 0``: the amax the cast just recorded becomes the next call's."""
+    tl.store(state_ptr, tl.load(state_ptr + 1))
+    tl.store(state_ptr + 1, 0)
 
 
 @functools.lru_cache(maxsize=16)
@@ -377,7 +379,7 @@ def _quantize_t_fused(
     bm = bk = _tile()
     if m and k:
         _cast_t_kernel[(triton.cdiv(m_pad, bm), triton.cdiv(k, bk))](
-            x2, q, q_t, part, rowamax, scale, scale_t, scale_t, m, m_pad, k, n_part, 1, x2.stride(0), FMAX=fmax,
+            x2, q, q_t, part, rowamax, scale, scale_t, scale_t, m, m_pad, k, n_part, x2.stride(0), FMAX=fmax,
             EPS=EPS, ROWWISE=rowwise, BM=bm, BK=bk, PBLOCK=min(_MAX_PARTIALS, triton.next_power_of_2(n_part)),
             MBITS=mbits, EMIN=emin, GRID_ROUND=grid_round, DELAYED=False, RECORD=False, HEADROOM=DELAYED_HEADROOM,
             AMAX_CAP=AMAX_CAP, num_warps=8,
@@ -395,15 +397,15 @@ def _tile() -> int:
 def quantize_t_delayed(
     x: torch.Tensor, fp8_dtype: torch.dtype, state: torch.Tensor, ready: bool, pad_t: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``reference.quantize_t_delayed`` in one launch of the tiled cast once ``ready`` (the scale from ``state[0]``,
+    """``reference.quantize_t_delayed`` in one pass of the tiled cast once ``ready`` (the scale from ``state[0]``,
     this call's amax recorded by the same read of ``x``); the site's first call (not ``ready``) runs the amax pass
     first (the current scale) and records its amax the same way. Same numbers as the reference. Where the tiled
     cast cannot be built (``quantize_t``'s fallback: ``FUSED_CAST_T`` off or its compile failed) the reference runs
     (same numbers, on the device, slower)."""
     _check(fp8_dtype)
-    if state.dtype != torch.int32 or state.shape != (3,) or state.device != x.device:
+    if state.dtype != torch.int32 or state.shape != (2,) or state.device != x.device:
         raise ValueError(
-            f"fp8_quantize_t_delayed: state must be int32 [3] on {x.device}, got {state.dtype} {tuple(state.shape)} "
+            f"fp8_quantize_t_delayed: state must be int32 [2] on {x.device}, got {state.dtype} {tuple(state.shape)} "
             f"on {state.device}"
         )
     if FUSED_CAST_T and not _FUSED_FAILED and x.numel():
@@ -436,11 +438,11 @@ def _quantize_t_delayed_fused(
     else:
         part, n_part = _tensor_amax_partials(x2)
     bm = bk = _tile()
-    grid = (triton.cdiv(m_pad, bm), triton.cdiv(k, bk))
-    _cast_t_kernel[grid](
-        x2, q, q_t, part, scale, scale, scale, state, m, m_pad, k, n_part, grid[0] * grid[1], x2.stride(0),
-        FMAX=fmax, EPS=EPS, ROWWISE=False, BM=bm, BK=bk, PBLOCK=min(_MAX_PARTIALS, triton.next_power_of_2(n_part)),
-        MBITS=mbits, EMIN=emin, GRID_ROUND=_grid_round(), DELAYED=ready, RECORD=True, HEADROOM=DELAYED_HEADROOM,
+    _cast_t_kernel[(triton.cdiv(m_pad, bm), triton.cdiv(k, bk))](
+        x2, q, q_t, part, scale, scale, scale, state, m, m_pad, k, n_part, x2.stride(0), FMAX=fmax, EPS=EPS,
+        ROWWISE=False, BM=bm, BK=bk, PBLOCK=min(_MAX_PARTIALS, triton.next_power_of_2(n_part)), MBITS=mbits,
+        EMIN=emin, GRID_ROUND=_grid_round(), DELAYED=ready, RECORD=True, HEADROOM=DELAYED_HEADROOM,
         AMAX_CAP=AMAX_CAP, num_warps=8,
     )  # fmt: skip
+    _roll_kernel[(1,)](state, num_warps=1)
     return q.view(x.shape), scale, q_t, scale
