@@ -27,8 +27,9 @@ its scale comes from the amax the same layer's dY had at its previous backward, 
 (``kernels.fp8.fp8_quantize_t_delayed``; the layer's first backward uses the current scale). Then the cast is one
 read of dY instead of two, and dY is the largest of the three casts (a 1.7b step casts ~1.6x more gradient than
 activation elements). What argues for current scaling does not apply to dY: it is never recomputed (checkpointing
-recomputes forwards only), each rank casts only its own dY (no all-reduce), and its state is a device buffer read
-and written in the graph (a CUDA-graph replay updates it). The outlier risk is small for e5m2: its range is ~2^31,
+recomputes forwards only), each rank casts only its own dY (no all-reduce; N ranks then match one process within
+FP8 rounding rather than bit for bit), and its state is a device buffer read and written in the graph (a CUDA-graph
+replay updates it). The outlier risk is small for e5m2: its range is ~2^31,
 so 256x (2^8) of headroom still leaves values down to ~2^-24 of the amax representable; only a gradient whose amax
 grew over 256x since the layer's previous backward saturates (for that one backward). What it gives up: a resumed run
 casts its first backward's dY with the current scale (the state is not checkpointed), so a resume is exact up to
@@ -370,6 +371,8 @@ class Fp8Linear(nn.Linear):
         if GRAD_SCALING != "delayed":
             if GRAD_SCALING not in GRAD_SCALINGS:
                 raise ValueError(f"fp8_linear.GRAD_SCALING must be one of {GRAD_SCALINGS}, got {GRAD_SCALING!r}")
+            return None
+        if torch.compiler.is_compiling():  # fp8_linear would drop it there (current scaling): nothing to make
             return None
         state = self.fp8_grad_amax
         if state is None or state.buf.device != x.device:
