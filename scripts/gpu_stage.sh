@@ -239,6 +239,9 @@ for s in "$@"; do
     fp8-train-speed) TAIL=70 stage fp8-train-speed 150 bash -c "$PR bench sft --shape qwen3-1.7b --seq 4096 --batch 4 \
       --warmup 2 --steps 4 --precision both --baselines none --json $OUT/bench_sft_fp8_speed.json; \
       $PR bench kernels --ops fp8 --baselines compile --json $OUT/bench_kernels_fp8.json" ;;
+    # FP8 training's delayed gradient cast (issue 28): its GPU tests (the one-pass cast vs the reference over calls and
+    # graph replays; graphed FP8 steps vs eager vs current scaling), then FP8 vs HF + Liger bf16 at 1.7b, same run
+    fp8-grad-check) TAIL=30 stage fp8-grad-check 150 bash -c "python3 -m pytest -m gpu -q -rfE -p no:cacheprovider       tests/kernels/test_fp8.py tests/train/test_fp8_train.py -k 'delayed or gpu_fp8_train';       $PR bench sft --shape qwen3-1.7b --seq 4096 --batch 4 --warmup 2 --steps 5 --precision fp8 --baselines hf-liger       --numerics bf16 --json $OUT/bench_sft_fp8_grad.json" ;;
     # FP8 training (issue 28): ours bf16 and FP8 vs HF + Liger bf16 and torchao float8 (eager and compiled), same run;
     # then 8b full SFT with checkpointing (pure-bf16 weights and moments, what fits one H200, as the HF bf16 rows)
     bench-sft-fp8) TAIL=40 stage bench-sft-fp8 560 $PR bench sft --shape qwen3-1.7b --seq 4096 --batch 4 --warmup 2 \

@@ -499,12 +499,15 @@ def bench_fp8(ctx: Ctx) -> list[Case]:
     (tensor-wise, row-wise, and the fused cast that also writes the transposed copy, ``fp8_quantize_t``, against the
     reference + ``.t().contiguous()``) in eager and compiled torch; one decoder projection (``hidden -> inter``, the
     gate/up shape) forward + backward as ``fp8_linear`` (three FP8 GEMMs plus the casts, ``models/fp8_linear.py``:
-    fused casts, saved transposed copies), as ``fp8_linear_unfused`` (the earlier composition: separate casts,
-    transposes copied, the weight re-cast in the backward), and with fast accumulation in the gradient GEMMs too,
-    against the bf16 ``F.linear`` it replaces; and the gate + up pair reading one input (quantised once by the
-    fused path) against two bf16 linears. Every case is also timed as a CUDA-graph replay (device time)."""
+    fused casts, saved transposed copies, the gradient cast with a delayed scale as ``Fp8Linear`` runs it), with
+    the gradient's current scale instead (``current-grad``), as ``fp8_linear_unfused`` (the earlier composition:
+    separate casts, transposes copied, the weight re-cast in the backward), and with fast accumulation in the
+    gradient GEMMs too, against the bf16 ``F.linear`` it replaces; the gate + up pair reading one input (quantised
+    once by the fused path) against two bf16 linears; and the gradient's cast alone (``e5m2 delayed+t``: one pass)
+    against its current-scaling cast (amax pass + cast). Every case is also timed as a CUDA-graph replay (device
+    time)."""
     # lazy: the FP8 linear lives in models (bench may import anything; the kernels bench needs it only here)
-    from polyrl.kernels.fp8 import fp8_quantize_t
+    from polyrl.kernels.fp8 import AmaxState, fp8_quantize_t, fp8_quantize_t_delayed
     from polyrl.kernels.fp8.reference import quantize as quantize_ref
     from polyrl.kernels.fp8.reference import quantize_t as quantize_t_ref
     from polyrl.models import fp8_linear as fl
@@ -512,7 +515,7 @@ def bench_fp8(ctx: Ctx) -> list[Case]:
     t, h, inter = ctx.tokens, ctx.shape["hidden"], ctx.shape["inter"]
     e = torch.finfo(ctx.dtype).bits // 8
     x = _rand(ctx, t, h)
-    e4m3 = torch.float8_e4m3fn
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
     cases = []
     for rowwise in (False, True):
         cands = _candidates(
@@ -531,33 +534,55 @@ def bench_fp8(ctx: Ctx) -> list[Case]:
         # bytes: one read of x for the cast (the amax read is the price of current scaling) and two fp8 writes
         cases.append(Case("fp8_quantize_t", f"{label} T={t} H={h} e4m3", cands, bytes_moved=float(t * h * (e + 2)),
                           extra={"impl": _impl_name("fp8_quantize_t", x)}, graph=True))  # fmt: skip
+    # the gradient's cast: e5m2 with the transposed copy, current (amax pass + cast) against delayed (one pass with
+    # the previous call's amax; what ``Fp8Linear`` runs on dY); the shape of the gate/up projections' dY
+    g = _rand(ctx, t, inter)
+    state = AmaxState(g.device)
+    cands = [
+        _try("polyrl", lambda: forward_only(lambda: fp8_quantize_t_delayed(g, e5m2, state, 16), [])),
+        _try("current", lambda: forward_only(lambda: fp8_quantize_t(g, e5m2, False, 16), [])),
+    ]
+    cases.append(Case("fp8_quantize_t", f"e5m2 delayed+t T={t} N={inter}", cands,
+                      bytes_moved=float(t * inter * (e + 2)), base="current",
+                      extra={"impl": _impl_name("fp8_quantize_t_delayed", g)}, graph=True))  # fmt: skip
     w = _rand(ctx, inter, h, scale=h**-0.5)
     w2 = _rand(ctx, inter, h, scale=h**-0.5)
 
-    def fast_grad(x, w, r):
+    def fast_grad(x, w, r, st):
         old, fl.GRAD_FAST_ACCUM = fl.GRAD_FAST_ACCUM, True
         try:
-            return fl.fp8_linear(x, w, None, r)  # the flag is read in the forward and kept for the backward
+            return fl.fp8_linear(x, w, None, r, grad_amax=st)  # the flag is read in the forward, kept for the backward
         finally:
             fl.GRAD_FAST_ACCUM = old
 
     impl = _impl_name("fp8_scaled_mm", x[:1].to(e4m3))
     for rowwise in (False, True):
         label = "rowwise" if rowwise else "tensorwise"
+        st = AmaxState(x.device)  # "polyrl": as ``Fp8Linear`` runs (delayed gradient scale); "current-grad": without
         cands = [
-            _try("polyrl", lambda r=rowwise: fwd_bwd(lambda x, w: fl.fp8_linear(x, w, None, r), [x, w], {0, 1})),
+            _try(
+                "polyrl",
+                lambda r=rowwise, st=st: fwd_bwd(
+                    lambda x, w: fl.fp8_linear(x, w, None, r, grad_amax=st), [x, w], {0, 1}
+                ),
+            ),  # fmt: skip
+            _try("current-grad", lambda r=rowwise: fwd_bwd(lambda x, w: fl.fp8_linear(x, w, None, r), [x, w], {0, 1})),
             _try(
                 "unfused", lambda r=rowwise: fwd_bwd(lambda x, w: fl.fp8_linear_unfused(x, w, None, r), [x, w], {0, 1})
             ),  # fmt: skip
-            _try("fast-grad", lambda r=rowwise: fwd_bwd(lambda x, w: fast_grad(x, w, r), [x, w], {0, 1})),
+            _try(
+                "fast-grad",
+                lambda r=rowwise, st=AmaxState(x.device): fwd_bwd(lambda x, w: fast_grad(x, w, r, st), [x, w], {0, 1}),
+            ),  # fmt: skip
             _try("bf16", lambda: fwd_bwd(F.linear, [x, w], {0, 1})),
         ]
         cases.append(Case("fp8_linear", f"{label} fwd+bwd T={t} {h}->{inter}", cands, flops=6.0 * t * h * inter,
                           base="bf16", extra={"impl": impl}, graph=True))  # fmt: skip
     pair = [x, w, w2]
+    sa, sb = AmaxState(x.device), AmaxState(x.device)
     cands = [
-        _try("polyrl", lambda: fwd_bwd(lambda x, a, b: (fl.fp8_linear(x, a, None), fl.fp8_linear(x, b, None)), pair,
-                                       {0, 1, 2})),  # fmt: skip
+        _try("polyrl", lambda: fwd_bwd(lambda x, a, b: (fl.fp8_linear(x, a, None, grad_amax=sa),
+                                                        fl.fp8_linear(x, b, None, grad_amax=sb)), pair, {0, 1, 2})),
         _try("unfused", lambda: fwd_bwd(lambda x, a, b: (fl.fp8_linear_unfused(x, a, None),
                                                          fl.fp8_linear_unfused(x, b, None)), pair, {0, 1, 2})),
         _try("bf16", lambda: fwd_bwd(lambda x, a, b: (F.linear(x, a), F.linear(x, b)), pair, {0, 1, 2})),

@@ -15,13 +15,25 @@ Every product accumulates in fp32 and is rounded once to the compute dtype (bf16
 (Hopper two-level) accumulation, the gradients the exact one: torchao's default ``Float8LinearConfig`` choices
 (``GRAD_FAST_ACCUM`` switches the gradients to the fast one too; the kernels bench has a row for it).
 
-Scaling is *current* (just-in-time): each tensor's scale comes from its own ``amax`` right before the cast, not from
-a history of earlier steps (*delayed* scaling). Why: it is stateless, so activation checkpointing recomputes the very
-same FP8 values, a CUDA-graph replay and an exact resume need no amax history, FSDP2 ranks need no amax all-reduce,
-and a sudden outlier saturates nothing (delayed scaling clips it for up to ``history`` steps). Its cost is one more
-read of each tensor (the amax pass), a few percent of a GEMM's time at training shapes. It is torchao's default
-(its delayed scaling was deprecated and removed) and Transformer Engine's ``Float8CurrentScaling`` recipe, which TE
-added next to its original ``DelayedScaling`` default for the same reasons.
+Scaling of X and W is *current* (just-in-time): each tensor's scale comes from its own ``amax`` right before the
+cast, not from a history of earlier steps (*delayed* scaling). Why: it is stateless, so activation checkpointing
+recomputes the very same FP8 values, FSDP2 ranks need no amax all-reduce, and a sudden outlier saturates nothing
+(delayed scaling clips it for up to ``history`` steps). Its cost is one more read of each tensor (the amax pass). It
+is torchao's default (its delayed scaling was deprecated and removed) and Transformer Engine's
+``Float8CurrentScaling`` recipe, which TE added next to its original ``DelayedScaling`` default for these reasons.
+
+The gradient dY is scaled *delayed* by default (``GRAD_SCALING = "delayed"``; ``"current"`` switches it back):
+its scale comes from the amax the same layer's dY had at its previous backward, with 256x headroom
+(``kernels.fp8.fp8_quantize_t_delayed``; the layer's first backward uses the current scale). Then the cast is one
+read of dY instead of two, and dY is the largest of the three casts (a 1.7b step casts ~1.6x more gradient than
+activation elements). What argues for current scaling does not apply to dY: it is never recomputed (checkpointing
+recomputes forwards only), each rank casts only its own dY (no all-reduce; N ranks then match one process within
+FP8 rounding rather than bit for bit), and its state is a device buffer read and written in the graph (a CUDA-graph
+replay updates it). The outlier risk is small for e5m2: its range is ~2^31,
+so 256x (2^8) of headroom still leaves values down to ~2^-24 of the amax representable; only a gradient whose amax
+grew over 256x since the layer's previous backward saturates (for that one backward). What it gives up: a resumed run
+casts its first backward's dY with the current scale (the state is not checkpointed), so a resume is exact up to
+that one cast's rounding.
 
 Where the bytes go (the GEMMs are fast; the casts and transposes around them decided the speed):
 
@@ -69,7 +81,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from polyrl import kernels
-from polyrl.kernels.fp8 import fp8_quantize_t
+from polyrl.kernels.fp8 import AmaxState, fp8_quantize_t, fp8_quantize_t_delayed
 from polyrl.platform import device
 
 E4M3 = torch.float8_e4m3fn
@@ -90,6 +102,10 @@ WEIGHT_CACHE = True
 INPUT_CACHE = True
 # The gradient GEMMs with Hopper's fast (two-level) accumulation too; torchao's default (False) keeps them exact.
 GRAD_FAST_ACCUM = False
+# How ``Fp8Linear`` scales its gradient dY: "delayed" (the previous backward's amax, one read of dY: the module
+# docstring says why) or "current" (its own amax, two reads). ``fp8_linear`` itself takes the state it is given.
+GRAD_SCALING = "delayed"
+GRAD_SCALINGS = ("delayed", "current")
 
 
 class _Fp8Operands:
@@ -111,10 +127,18 @@ class _Fp8Matmul(torch.autograd.Function):
     quantises only the incoming gradient (one pass writing it and its transpose)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, ops: _Fp8Operands, rowwise: bool, fast_grad: bool):
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        ops: _Fp8Operands,
+        rowwise: bool,
+        fast_grad: bool,
+        grad_amax: AmaxState | None,
+    ):
         ws = ops.ws.reshape(1, -1) if rowwise else ops.ws
         y = kernels.fp8_scaled_mm(ops.xq, ops.wq.t(), ops.xs, ws, x.dtype, True)
-        ctx.x_dtype, ctx.w_dtype, ctx.fast_grad = x.dtype, weight.dtype, fast_grad
+        ctx.x_dtype, ctx.w_dtype, ctx.fast_grad, ctx.grad_amax = x.dtype, weight.dtype, fast_grad, grad_amax
         # no W^T handed in (``keep_weight=False``): save the weight itself and cast it again in the backward
         w_again = weight if ops.wq_t is None and ctx.needs_input_grad[0] else None
         ctx.save_for_backward(ops.xq_t, ops.xs_t, ops.wq_t, ops.ws_t, w_again)
@@ -127,7 +151,9 @@ class _Fp8Matmul(torch.autograd.Function):
             wq_t, ws_t = fp8_quantize_t(w_again, E4M3, False)[2:]
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy = dy.contiguous()
-        if need_dw:  # dW needs dY^T row-major: the cast writes it beside dY (token dim padded as X^T's)
+        if need_dw and ctx.grad_amax is not None:  # delayed scale: one read of dY (module docstring)
+            gq, gs, gq_t, _ = fp8_quantize_t_delayed(dy, E5M2, ctx.grad_amax, _token_pad(dy))
+        elif need_dw:  # dW needs dY^T row-major: the cast writes it beside dY (token dim padded as X^T's)
             gq, gs, gq_t, _ = fp8_quantize_t(dy, E5M2, False, _token_pad(dy))
         else:
             (gq, gs), gq_t = kernels.fp8_quantize(dy, E5M2, False), None
@@ -136,7 +162,7 @@ class _Fp8Matmul(torch.autograd.Function):
             dx = kernels.fp8_scaled_mm(gq, wq_t.t(), gs, ws_t, ctx.x_dtype, ctx.fast_grad)
         if need_dw:  # [N, T_pad] @ [T_pad, K]: the padded tokens are zeros in both
             dw = kernels.fp8_scaled_mm(gq_t, xq_t.t(), gs, xs_t, ctx.w_dtype, ctx.fast_grad)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def _quantize(t: torch.Tensor, rowwise: bool, with_t: bool, pad_t: int = 1) -> tuple:
@@ -267,18 +293,27 @@ def _weight_operands(w: torch.Tensor, rowwise: bool, with_t: bool, keep: bool) -
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rowwise: bool = False, keep_weight: bool = True
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    rowwise: bool = False,
+    keep_weight: bool = True,
+    grad_amax: AmaxState | None = None,
 ):
     """``F.linear(x, weight, bias)`` with the three GEMMs in FP8; ``x [..., K]``, differentiable in all three.
     ``keep_weight=False`` keeps no FP8 copy of the weight beyond the forward GEMM (the backward casts it again): for
-    FSDP2-sharded weights, whose gathered copy is freed after the forward and must not live on as FP8."""
+    FSDP2-sharded weights, whose gathered copy is freed after the forward and must not live on as FP8.
+    ``grad_amax``: the gradient dY is scaled delayed from this state (one per layer, kept across calls; module
+    docstring); None: current scaling. Ignored under ``torch.compile`` (its state update is host-side)."""
     x2 = x.reshape(-1, x.shape[-1])
     grad = torch.is_grad_enabled()
     need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
     ops = _Fp8Operands(
         _input_operands(x, x2, rowwise, need_dw), _weight_operands(weight, rowwise, need_dx, keep_weight)
     )
-    y = _Fp8Matmul.apply(x2, weight, ops, rowwise, GRAD_FAST_ACCUM).view(*x.shape[:-1], weight.shape[0])
+    if grad_amax is not None and torch.compiler.is_compiling():
+        grad_amax = None
+    y = _Fp8Matmul.apply(x2, weight, ops, rowwise, GRAD_FAST_ACCUM, grad_amax).view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
 
 
@@ -324,11 +359,27 @@ class Fp8Linear(nn.Linear):
 
     fp8_rowwise: bool = False
     fp8_keep_weight: bool = True  # False for an FSDP2-sharded weight (``convert_to_fp8``; ``fp8_linear``'s keep_weight)
+    fp8_grad_amax: AmaxState | None = None  # this layer's delayed gradient scale (made at its first training forward)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
             return F.linear(x, self.weight, self.bias)
-        return fp8_linear(x, self.weight, self.bias, self.fp8_rowwise, self.fp8_keep_weight)
+        return fp8_linear(x, self.weight, self.bias, self.fp8_rowwise, self.fp8_keep_weight, self._grad_amax(x))
+
+    def _grad_amax(self, x: torch.Tensor) -> AmaxState | None:
+        """The layer's gradient amax state under ``GRAD_SCALING = "delayed"`` (on ``x``'s device), else None."""
+        if GRAD_SCALING != "delayed":
+            if GRAD_SCALING not in GRAD_SCALINGS:
+                raise ValueError(f"fp8_linear.GRAD_SCALING must be one of {GRAD_SCALINGS}, got {GRAD_SCALING!r}")
+            return None
+        if torch.compiler.is_compiling():  # fp8_linear would drop it there (current scaling): nothing to make
+            return None
+        state = self.fp8_grad_amax
+        if state is None or state.buf.device != x.device:
+            if device.is_capturing(x):  # made inside a CUDA-graph capture, each replay would zero it: current here
+                return None
+            state = self.fp8_grad_amax = AmaxState(x.device)
+        return state
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={'rowwise' if self.fp8_rowwise else 'tensorwise'}"
@@ -383,6 +434,7 @@ def convert_from_fp8(model: nn.Module) -> int:
             module.__class__ = nn.Linear
             module.__dict__.pop("fp8_rowwise", None)
             module.__dict__.pop("fp8_keep_weight", None)
+            module.__dict__.pop("fp8_grad_amax", None)
             n += 1
         elif is_fp8_lora(module) and module.fp8_rowwise is not None:
             module.fp8_rowwise = None

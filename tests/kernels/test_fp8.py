@@ -145,6 +145,102 @@ def test_triton_quantize_t_bit_equal_to_reference(dtype, fp8, rowwise):
                 assert torch.equal(a, b), tuple(x.shape)
 
 
+def _delayed_ref_calls(xs, fp8, pad=1):
+    """``ref.quantize_t_delayed`` over ``xs`` in turn with one state: the outputs and the state after each call."""
+    state, outs = torch.zeros(2, dtype=torch.int32), []
+    for i, x in enumerate(xs):
+        outs.append((ref.quantize_t_delayed(x, fp8, state, i > 0, pad), state.clone()))
+    return outs
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_reference_delayed_scale_contract(fp8):
+    """First call: the current scale (``quantize_t``'s numbers); later calls: the previous call's amax x 256 maps to
+    FP8_MAX (so values up to 256x that amax fit and larger ones saturate); every call records its own amax."""
+    fmax = FP8_MAX[fp8]
+    x0 = _x((7, 127))
+    x1 = _x((7, 127), seed=1) * 10.0  # amax grew ~10x: fits in the headroom
+    x2 = _x((7, 127), seed=2)
+    x2[3, 4] = 1000.0 * x1.abs().max()  # an outlier 1000x the previous amax: saturates
+    (o0, s0), (o1, s1), (o2, s2) = _delayed_ref_calls([x0, x1, x2], fp8)
+    cur = ref.quantize_t(x0, fp8, False)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(o0[::2], cur[::2]))
+    assert torch.equal(o0[1], cur[1]) and o0[1] is o0[3]
+    assert s0[0].view(torch.float32) == x0.abs().max() and not s0[1:].any()
+    inv1 = torch.tensor(fmax).div(x0.abs().max() * 256.0)
+    assert torch.equal(o1[1], torch.tensor(1.0).div(inv1))
+    assert torch.equal(o1[0].view(torch.uint8), (x1 * inv1).clamp(-fmax, fmax).to(fp8).view(torch.uint8))
+    assert o1[0].float().abs().max() < fmax / 20  # 10x growth uses ~1/25 of the range: no saturation
+    assert torch.equal(o1[2].view(torch.uint8), o1[0].t().contiguous().view(torch.uint8))
+    assert s1[0].view(torch.float32) == x1.abs().max()
+    assert o2[0].float()[3, 4] == fmax and s2[0].view(torch.float32) == x2.abs().max()  # saturated, recorded
+    # an all-zero tensor records 0: the next scale floors the amax at EPS (finite), a non-finite one records the cap
+    state = torch.zeros(2, dtype=torch.int32)
+    ref.quantize_t_delayed(torch.zeros(4, 16), fp8, state, False)
+    q, s, _, _ = ref.quantize_t_delayed(torch.ones(4, 16), fp8, state, True)
+    assert torch.isfinite(s) and s > 0 and (q.float() == fmax).all()
+    ref.quantize_t_delayed(torch.full((4, 16), float("inf")), fp8, state, True)
+    assert state[0].view(torch.float32) == ref.AMAX_CAP
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_triton_delayed_cast_bit_equal_to_reference(dtype, fp8):
+    """The one-launch delayed cast (and the first call's amax pass + cast, recording) against the reference over a
+    sequence of calls on one state: bytes, scales and the recorded amax equal, the counter back at zero each time."""
+    if "triton" not in _quant_impls():
+        pytest.skip("needs an FP8 GPU or TRITON_INTERPRET=1 (tests/kernels/test_fp8.py runs it both ways)")
+    from polyrl.kernels.fp8 import triton as tri
+
+    dev = _triton_device()
+    xs = [_x((33, 40), dtype, seed=i, scale=3.0 * (1 + 4 * i)).to(dev) for i in range(3)]
+    xs.append(_x((19, 80), dtype, seed=9).to(dev)[:, :45])  # row-strided, new shape on the same state
+    for pad in (1, 16):
+        state = torch.zeros(2, dtype=torch.int32, device=dev)
+        for i, ((expect, ref_state), x) in enumerate(zip(_delayed_ref_calls([x.cpu() for x in xs], fp8, pad), xs)):
+            got = tri.quantize_t_delayed(x, fp8, state, i > 0, pad)
+            for a, b in zip(got, expect):
+                assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous(), (i, pad)
+                a, b = a.cpu(), b.cpu()
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype in (E4M3, E5M2) else (
+                    torch.equal(a, b)
+                ), (i, pad)  # fmt: skip
+            assert torch.equal(state.cpu(), ref_state), (i, pad, state, ref_state)
+
+
+def test_delayed_cast_without_the_tiled_kernel_runs_the_reference(monkeypatch):
+    """``FUSED_CAST_T`` off (the escape hatch for a Triton that miscompiles the tiled cast): the delayed cast gives
+    the reference's numbers and state; a bad state is refused with the shapes it needs."""
+    if "triton" not in _quant_impls():
+        pytest.skip("needs an FP8 GPU or TRITON_INTERPRET=1 (tests/kernels/test_fp8.py runs it both ways)")
+    from polyrl.kernels.fp8 import triton as tri
+
+    monkeypatch.setattr(tri, "FUSED_CAST_T", False)
+    x = _x((9, 32)).to(_triton_device())
+    state, ref_state = torch.zeros(2, dtype=torch.int32, device=x.device), torch.zeros(2, dtype=torch.int32)
+    for ready in (False, True):
+        got = tri.quantize_t_delayed(x * (1 + ready), E5M2, state, ready, 16)
+        expect = ref.quantize_t_delayed(x.cpu() * (1 + ready), E5M2, ref_state, ready, 16)
+        assert all(torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got[::2], expect[::2]))
+        assert torch.equal(got[1].cpu(), expect[1]) and torch.equal(state.cpu(), ref_state)
+    with pytest.raises(ValueError, match=r"state must be int32 \[2\]"):
+        tri.quantize_t_delayed(x, E5M2, torch.zeros(3, dtype=torch.int32, device=x.device), True)
+
+
+def test_delayed_dispatch_marks_the_state_ready_and_checks_it():
+    from polyrl.kernels.fp8 import AmaxState, fp8_quantize_t_delayed
+
+    x = _x((5, 32))
+    state = AmaxState("cpu")
+    assert not state.ready and state.amax() == 0
+    fp8_quantize_t_delayed(x, E5M2, state)
+    assert state.ready and state.amax() == x.abs().max()
+    with pytest.raises(TypeError, match="AmaxState"):
+        fp8_quantize_t_delayed(x, E5M2, torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="the state is on meta"):
+        fp8_quantize_t_delayed(x, E5M2, AmaxState("meta"))
+
+
 def test_quantize_t_falls_back_to_cast_and_copy_once_when_the_fused_kernel_fails(monkeypatch):
     """A device whose Triton cannot build the tiled cast: one warning, then the same numbers from the plain cast and
     a transposing copy (the interpreter re-raises instead, so it is told here that it is a device)."""
@@ -321,3 +417,40 @@ def test_gpu_scaled_mm_matches_reference(case):
         expect = ref.scaled_mm(aq, wq.t(), sa, sw, torch.float32)
         rel = ((out.float() - expect).norm() / expect.norm()).item()
         assert out.shape == (m, n) and rel < (3e-3 if not fast else 6e-3), (case, fast, rel)
+
+
+@pytest.mark.gpu
+@needs_fp8
+def test_gpu_delayed_cast_real_shapes_and_graph_replays():
+    """The one-launch delayed cast compiled at gradient shapes (many programs updating one state: the atomics and
+    the last program's roll), against the reference over a sequence of calls; then captured in a CUDA graph whose
+    replays read and update the state on the device (each replay's scale is the previous replay's amax x 256)."""
+    from polyrl.kernels.fp8 import triton as tri
+
+    xs = [_x((16384, 2048), torch.bfloat16, seed=s, scale=0.01 * (1 + s)).cuda() for s in range(3)]
+    xs.append(_x((4097, 6144), torch.bfloat16, seed=5).cuda())
+    state = torch.zeros(2, dtype=torch.int32, device="cuda")
+    ref_state = torch.zeros(2, dtype=torch.int32, device="cuda")
+    for i, x in enumerate(xs):
+        got = tri.quantize_t_delayed(x, E5M2, state, i > 0, 16)
+        expect = ref.quantize_t_delayed(x, E5M2, ref_state, i > 0, 16)
+        assert torch.equal(state, ref_state), (i, state, ref_state)
+        for a, b in zip(got, expect):
+            assert a.shape == b.shape, i
+            assert torch.equal(a.float(), b.float()), i
+            if a.dtype == E5M2:
+                assert torch.equal(a.view(torch.uint8) & 0x7F, b.view(torch.uint8) & 0x7F), i
+    static = xs[0].clone()
+    tri.quantize_t_delayed(static, E5M2, state, True, 16)  # warm-up (compiled already)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tri.quantize_t_delayed(static, E5M2, state, True, 16)
+    for x in xs[1:3]:
+        prev = state[:1].view(torch.float32).clone()
+        static.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert state[0].view(torch.float32) == x.float().abs().max() and not state[1:].any()
+        inv = torch.full_like(prev, 57344.0).div(prev * 256.0)  # fp32 divisions, as the kernel's div_rn
+        assert torch.equal(out[1].reshape(1), torch.ones_like(inv).div(inv))

@@ -230,3 +230,68 @@ def test_gpu_fused_equals_unfused(monkeypatch, rowwise):
         outs.append((y.detach(), x.grad, w.grad))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def _grads_of(fn, x0, w0, dy, **kw):
+    x, w = x0.clone().requires_grad_(), torch.nn.Parameter(w0.clone())
+    y = fn(x, w, None, **kw)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad
+
+
+def test_delayed_gradient_scale_first_current_then_the_previous_amax():
+    """With a gradient amax state: the first backward is the current-scaling one (bit for bit), the second casts
+    dY with the first dY's amax x 256 (the dX and dW GEMMs equal the reference GEMM of that cast), forwards change
+    not at all; without a state every call is the current one."""
+    from polyrl.kernels.fp8 import AmaxState
+    from polyrl.kernels.fp8 import reference as ref
+
+    g = torch.Generator().manual_seed(5)
+    x0, w0 = torch.randn(21, 48, generator=g), torch.randn(40, 48, generator=g) * 0.05
+    dy1, dy2 = torch.randn(21, 40, generator=g), torch.randn(21, 40, generator=g) * 3.0
+    state = AmaxState("cpu")
+    first = _grads_of(fp8_linear, x0, w0, dy1, grad_amax=state)
+    assert all(torch.equal(a, b) for a, b in zip(first, _grads_of(fp8_linear_unfused, x0, w0, dy1)))
+    assert state.ready and state.amax() == dy1.abs().max()
+    y, dx, dw = _grads_of(fp8_linear, x0, w0, dy2, grad_amax=state)
+    cur_y, cur_dx, cur_dw = _grads_of(fp8_linear, x0, w0, dy2)
+    assert torch.equal(y, cur_y) and not torch.equal(dw, cur_dw) and state.amax() == dy2.abs().max()
+    sim = ref.quantize_t_delayed(dy2, torch.float8_e5m2, torch.zeros(2, dtype=torch.int32), False)
+    buf = torch.zeros(2, dtype=torch.int32)
+    buf[:1] = dy1.abs().max().reshape(1).view(torch.int32)
+    gq, gs, gq_t, _ = ref.quantize_t_delayed(dy2, torch.float8_e5m2, buf, True)
+    assert not torch.equal(gq.view(torch.uint8), sim[0].view(torch.uint8))  # another scale: other codes
+    wq_t, ws_t = ref.quantize(w0.t().contiguous(), torch.float8_e4m3fn)  # W^T's tensor-wise cast = W's, transposed
+    xq_t, xs_t = ref.quantize(x0.t().contiguous(), torch.float8_e4m3fn)
+    assert torch.equal(dx, ref.scaled_mm(gq, wq_t.t(), gs, ws_t, torch.float32))
+    assert torch.equal(dw, ref.scaled_mm(gq_t, xq_t.t(), gs, xs_t, torch.float32))
+    exact = dy2.t() @ x0  # e5m2 keeps 2 mantissa bits at either scale: both as close to the exact product
+    err, cur_err = ((dw - exact).norm() / exact.norm()).item(), ((cur_dw - exact).norm() / exact.norm()).item()
+    assert err < 0.1 and cur_err < 0.1 and err < 1.5 * cur_err, (err, cur_err)
+
+
+def test_fp8_linear_module_keeps_a_gradient_state_per_layer(monkeypatch):
+    """``Fp8Linear`` under ``GRAD_SCALING = "delayed"`` makes its state at the first training forward and reuses it;
+    "current" passes none (its gradients equal the stateless call's); a bad value is refused; converting back drops
+    the state."""
+    model = tiny_lm(seed=0, hidden=32)
+    convert_to_fp8(model)
+    lin = model.model.layers[0].mlp.down_proj
+    x = torch.randn(5, lin.in_features)
+    assert lin.fp8_grad_amax is None
+    lin(x).sum().backward()
+    state = lin.fp8_grad_amax
+    assert state is not None and state.ready and state.buf.device == x.device
+    lin(x).sum().backward()
+    assert lin.fp8_grad_amax is state and model.model.layers[1].mlp.down_proj.fp8_grad_amax is None
+    monkeypatch.setattr(fl, "GRAD_SCALING", "current")
+    lin.weight.grad = None
+    lin(x).sum().backward()
+    assert torch.equal(
+        lin.weight.grad, _grads_of(fp8_linear, x, lin.weight.detach(), torch.ones(5, lin.out_features))[2]
+    )
+    monkeypatch.setattr(fl, "GRAD_SCALING", "late")
+    with pytest.raises(ValueError, match="GRAD_SCALING must be one of"):
+        lin(x)
+    fl.convert_from_fp8(model)
+    assert "fp8_grad_amax" not in lin.__dict__

@@ -223,3 +223,45 @@ def test_qlora_base_is_refused(monkeypatch):
     monkeypatch.setenv("POLYRL_KERNELS", EMULATE)
     with pytest.raises(ConfigError, match="QLoRA / NF4 base has no FP8 path"):
         _engine(_lora_model(qlora=True), "fp8")
+
+
+@pytest.mark.gpu
+@needs_fp8
+def test_gpu_delayed_gradient_scale_replays_as_eager(monkeypatch):
+    """The delayed gradient scale (``fp8_linear.GRAD_SCALING``, the default) reads and updates its state on the
+    device: steps replayed as a CUDA graph give the eager run's losses and recorded amaxes, a replay writes new
+    amaxes (the weights changed), and both track the current-scaling run within 1%."""
+    from polyrl.models import fp8_linear as fl
+
+    monkeypatch.delenv("POLYRL_KERNELS", raising=False)
+
+    def run(graphs, grad_scaling="delayed"):
+        monkeypatch.setattr(fl, "GRAD_SCALING", grad_scaling)
+        model = tiny_lm(seed=0, hidden=256, layers=2).cuda()
+        eng = TrainEngine(
+            model,
+            OptimConfig(lr=1e-3, grad_clip=None),
+            ScheduleConfig(decay="constant"),
+            PrecisionConfig("bf16", linear="fp8"),
+            StepConfig(cuda_graphs=graphs),
+        )
+        batch = pack(random_seqs(4, 50, 64, seed=0)).to("cuda")
+        losses = [eng.step([batch]).loss for _ in range(5)]
+        amaxes = [m.fp8_grad_amax.amax().item() for m in model.modules() if getattr(m, "fp8_grad_amax", None)]
+        replays = eng.graph_replays
+        eng.step([batch])
+        again = [m.fp8_grad_amax.amax().item() for m in model.modules() if getattr(m, "fp8_grad_amax", None)]
+        changed = sum(a != b for a, b in zip(amaxes, again)) if eng.graph_replays > replays or not graphs else 0
+        return losses, amaxes, changed, eng
+
+    eager, eager_amax, _, _ = run(False)
+    graphed, graphed_amax, changed, eng = run(None)
+    current = run(None, "current")[0]
+    assert eng.graph_captures >= 1 and len(graphed_amax) == 14 and all(a > 0 for a in graphed_amax)
+    assert changed >= 7, changed  # the replay itself recorded this step's amaxes
+    for e, g in zip(eager, graphed):
+        assert abs(e - g) <= 1e-3 * e, (eager, graphed)
+    for e, g in zip(eager_amax, graphed_amax):
+        assert abs(e - g) <= 0.02 * e, (eager_amax, graphed_amax)
+    for c, d in zip(current, graphed):
+        assert abs(c - d) <= 0.01 * c, (current, graphed)

@@ -12,6 +12,13 @@ Format (the contract every implementation keeps; ``reference.py`` is the spec):
   zeros to ``M_pad`` = M rounded up to a multiple of ``pad_t`` (row-wise ``q`` has its own tensor-wise
   ``scale_t``; tensor-wise ``scale_t`` is ``scale``). The FP8 linear's backward takes ``q_t`` as the column-major
   operand of its GEMMs; the Triton implementation writes both copies from one read of each tile.
+- ``fp8_quantize_t_delayed(x [M, K], fp8_dtype, state: AmaxState, pad_t=1) -> (q, scale, q_t, scale)``: the
+  tensor-wise ``fp8_quantize_t`` with a *delayed* scale: ``inv = FP8_MAX / (max(prev, EPS) * 256)``, ``prev`` the
+  amax this ``state`` recorded at its previous call (the 256x headroom: a tensor whose amax grew up to that much
+  since then still fits; values above saturate at ``FP8_MAX``); a state's first call uses the current scale (as
+  ``fp8_quantize_t``). Every call records ``min(max|x|, 2^64)`` in ``state`` for the next. The Triton
+  implementation does it in one read of ``x`` (the tiled cast, then a one-thread launch keeping the amax) instead
+  of two; the FP8 linear uses it for the gradient ``dY`` (``models/fp8_linear.py`` says why only there).
 - ``fp8_scaled_mm(a [M, K] fp8, b [K, N] fp8, scale_a, scale_b, out_dtype, use_fast_accum) -> [M, N]``:
   ``(a.float() * scale_a) @ (b.float() * scale_b)`` accumulated in fp32, rounded once to ``out_dtype``. Scales are
   tensor-wise (``[]``) or row-wise (``scale_a [M, 1]`` with ``scale_b [1, N]``). ``b`` may be any layout (the fast
@@ -51,6 +58,15 @@ register(
     dtypes=("float32", "bfloat16", "float16"),
     priority=10,
 )
+register("fp8_quantize_t_delayed", "reference", "polyrl.kernels.fp8.reference:quantize_t_delayed", priority=0)
+register(
+    "fp8_quantize_t_delayed",
+    "triton",
+    "polyrl.kernels.fp8.triton:quantize_t_delayed",
+    devices=("cuda",),
+    dtypes=("float32", "bfloat16", "float16"),
+    priority=10,
+)
 register("fp8_scaled_mm", "reference", "polyrl.kernels.fp8.reference:scaled_mm", priority=0)
 register("fp8_scaled_mm", "torch", "polyrl.kernels.fp8.scaled_mm:scaled_mm", devices=("cuda",), priority=10)
 
@@ -63,6 +79,39 @@ def fp8_quantize_t(
     its contract, rather than in ``kernels.ops``: only the FP8 linear and its bench call it."""
     impl = registry.select("fp8_quantize_t", x.device.type, str(x.dtype).removeprefix("torch."))[1]
     return impl(x, fp8_dtype, rowwise, pad_t)
+
+
+class AmaxState:
+    """The delayed-scaling state of one tensor site (``fp8_quantize_t_delayed``): ``buf`` int32 ``[2]`` on the
+    device (``buf[0]``: the bits of the amax recorded by the previous call, fp32; ``buf[1]``: the Triton cast's
+    running amax, zero between calls) and ``ready`` (host: whether ``buf[0]`` holds an amax yet;
+    False until the first call). Everything a call reads or writes is on the device: no host synchronisation, so
+    a CUDA graph captures and replays it (``ready`` is decided when the graph is captured: after an eager call)."""
+
+    __slots__ = ("buf", "ready")
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.buf = torch.zeros(2, dtype=torch.int32, device=device)
+        self.ready = False
+
+    def amax(self) -> torch.Tensor:
+        """The recorded amax (fp32 ``[]``, a view of ``buf``; reading its value synchronises)."""
+        return self.buf[:1].view(torch.float32)[0]
+
+
+def fp8_quantize_t_delayed(
+    x: torch.Tensor, fp8_dtype: torch.dtype, state: AmaxState, pad_t: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tensor-wise ``fp8_quantize_t`` with the delayed scale of ``state`` (contract above), through the registry
+    (op ``fp8_quantize_t_delayed``); marks ``state`` ready."""
+    if not isinstance(state, AmaxState):
+        raise TypeError(f"fp8_quantize_t_delayed: state must be an AmaxState, got {type(state).__name__}")
+    if state.buf.device != x.device:
+        raise ValueError(f"fp8_quantize_t_delayed: the state is on {state.buf.device}, the tensor on {x.device}")
+    impl = registry.select("fp8_quantize_t_delayed", x.device.type, str(x.dtype).removeprefix("torch."))[1]
+    out = impl(x, fp8_dtype, state.buf, state.ready, pad_t)
+    state.ready = True
+    return out
 
 
 def emulation_forced() -> bool:

@@ -10,6 +10,11 @@ import torch
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 EPS = 1e-12  # amax floor: an all-zero tensor gets a finite scale (and quantises to zeros)
+# Delayed scaling (``quantize_t_delayed``): the previous call's amax times this power of two maps to FP8_MAX, so a
+# tensor whose amax grew up to 256x since that call still fits; and the recorded amax is capped (finite, so a
+# non-finite tensor cannot poison the next call's scale with inf).
+DELAYED_HEADROOM = 256.0
+AMAX_CAP = 2.0**64
 
 
 def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,12 +39,40 @@ def quantize_t(
     ``torch._scaled_mm`` accepts without another copy (zeros add nothing to the products)."""
     q, scale = quantize(x, fp8_dtype, rowwise)
     q_t, scale_t = (q, scale) if not rowwise else quantize(x, fp8_dtype, False)
-    q_t = q_t.reshape(-1, x.shape[-1]).t()
+    return q, scale, _transposed(q_t, x.shape[-1], pad_t, fp8_dtype), scale_t
+
+
+def _transposed(q: torch.Tensor, k: int, pad_t: int, fp8_dtype: torch.dtype) -> torch.Tensor:
+    q_t = q.reshape(-1, k).t()
     m = q_t.shape[1]
     m_pad = -(-m // pad_t) * pad_t
-    out = torch.zeros((q_t.shape[0], m_pad), dtype=torch.uint8, device=x.device)  # no fp8 zeros/pad on every torch
+    out = torch.zeros((q_t.shape[0], m_pad), dtype=torch.uint8, device=q.device)  # no fp8 zeros/pad on every torch
     out[:, :m] = q_t.view(torch.uint8)
-    return q, scale, out.view(fp8_dtype), scale_t
+    return out.view(fp8_dtype)
+
+
+def quantize_t_delayed(
+    x: torch.Tensor, fp8_dtype: torch.dtype, state: torch.Tensor, ready: bool, pad_t: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tensor-wise ``quantize_t`` with a *delayed* scale (contract in ``fp8/__init__.py``): ``state`` int32 ``[2]``
+    holds the bits of the previous call's amax (fp32) in ``state[0]``. ``ready``: ``inv = FP8_MAX / (max(prev, EPS)
+    * DELAYED_HEADROOM)``; not ready (the site's first call): the current scale, as ``quantize_t``. Either way this
+    call's own ``min(max|x|, AMAX_CAP)`` is recorded into ``state[0]`` for the next call (``state[1]`` left zero)."""
+    fmax = FP8_MAX[fp8_dtype]
+    k = x.shape[-1]
+    xf = x.detach().float().reshape(-1, k)
+    amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
+    if ready:
+        prev = state[:1].view(torch.float32)[0]
+        inv = torch.full_like(prev, fmax).div(prev.clamp(min=EPS) * DELAYED_HEADROOM)
+    else:
+        inv = torch.full_like(amax, fmax).div(amax.clamp(min=EPS))
+    q = (xf * inv).clamp(-fmax, fmax).to(fp8_dtype)
+    scale = torch.ones_like(inv).div(inv)
+    record = torch.nan_to_num(amax, nan=AMAX_CAP).clamp(max=AMAX_CAP).reshape(1)
+    state.zero_()
+    state[:1].copy_(record.view(torch.int32))
+    return q.view(x.shape), scale, _transposed(q, k, pad_t, fp8_dtype), scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

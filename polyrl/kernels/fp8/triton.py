@@ -22,10 +22,14 @@ fp8 grid in fp32 (``_fp8_round``) because the interpreter's own conversion drops
 device that rounding costs ~20 integer ops per element: by arithmetic (not yet profiled) about as long as the
 memory traffic, the likely part of the 2x gap to torch.compile's cast measured on the H200.
 
+Delayed scaling (``quantize_t_delayed``, the FP8 linear's gradient cast): the same tiled cast, its scale read from
+the state's previous amax instead of an amax pass, so one pass reads ``x`` once; each program also folds its
+tile's amax into the state (an integer ``atomic_max`` on the fp32 bits, order-independent: deterministic) and a
+one-thread launch after it moves that amax into place for the next call (kernel docstring).
+
 No host synchronisation anywhere, so all of it can be captured in a CUDA graph.
 
-Deliberately not here: delayed scaling (amax history), block-wise (1 x 128) scales, padding the transposed copy's
-token dim to a multiple of 16 (``scaled_mm`` pads when it must).
+Deliberately not here: an amax history longer than one call, block-wise (1 x 128) scales.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from polyrl.kernels.fp8.reference import EPS, FP8_MAX
+from polyrl.kernels.fp8 import reference
+from polyrl.kernels.fp8.reference import AMAX_CAP, DELAYED_HEADROOM, EPS, FP8_MAX
 from polyrl.platform import device
 
 if device.device_type() == "cuda" and not device.supports_fp8_gemm():
@@ -187,13 +192,20 @@ def _rowwise_kernel(
 
 @triton.jit
 def _cast_t_kernel(
-    x_ptr, q_ptr, qt_ptr, part_ptr, rowamax_ptr, scale_ptr, scale_t_ptr, m, m_pad, k, n_part, stride_x,
+    x_ptr, q_ptr, qt_ptr, part_ptr, rowamax_ptr, scale_ptr, scale_t_ptr, state_ptr, m, m_pad, k, n_part, stride_x,
     FMAX: tl.constexpr, EPS: tl.constexpr, ROWWISE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    PBLOCK: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, GRID_ROUND: tl.constexpr,
+    PBLOCK: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, GRID_ROUND: tl.constexpr, DELAYED: tl.constexpr,
+    RECORD: tl.constexpr, HEADROOM: tl.constexpr, AMAX_CAP: tl.constexpr,
 ):  # fmt: skip
     """One ``[BM, BK]`` tile of ``x [m, k]`` read once: ``q`` (row-wise or tensor-wise scaled) written row-major and
     the tensor-wise ``q_t [k, m_pad]`` written as the tile's transpose; rows ``m <= r < m_pad`` of ``x`` read as
-    zeros, so they write the zero padding columns of ``q_t``."""
+    zeros, so they write the zero padding columns of ``q_t``.
+
+    Delayed scaling (tensor-wise only): ``DELAYED`` takes the scale from the previous call's amax (``state[0]``,
+    fp32 bits) instead of the partials of an amax pass; ``RECORD`` (with or without ``DELAYED``) records this
+    tensor's amax: each program ``atomic_max``-es its tile's amax into ``state[1]`` (non-negative fp32 bits order as
+    int32; relaxed: nothing waits on it), and ``_roll_kernel``, launched next on the same stream, moves it to
+    ``state[0]`` for the next call. No program of this launch can see this call's amax in ``state[0]``."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
@@ -203,7 +215,12 @@ def _cast_t_kernel(
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * stride_x + cols64[None, :], mask=mask, other=0.0).to(tl.float32)
-    inv_t = _inv_from_partials(part_ptr, n_part, FMAX, EPS, PBLOCK)
+    if DELAYED:
+        prev = tl.load(state_ptr).to(tl.float32, bitcast=True)
+        amax_d = tl.maximum(prev, tl.full([], EPS, tl.float32)) * HEADROOM  # a power of two: exact
+        inv_t = tl.math.div_rn(tl.full([], FMAX, tl.float32), amax_d)
+    else:
+        inv_t = _inv_from_partials(part_ptr, n_part, FMAX, EPS, PBLOCK)
     if (pid_m == 0) & (pid_k == 0):
         tl.store(scale_t_ptr, tl.math.div_rn(tl.full([], 1.0, tl.float32), inv_t))
     qt = _scaled(x, inv_t, FMAX, MBITS, EMIN, GRID_ROUND).to(qt_ptr.dtype.element_ty)
@@ -221,6 +238,16 @@ def _cast_t_kernel(
     # corrupts fp8 tiles on some Triton versions (3.7.1 on H100, pith-train #74)
     mask_t = (rows[:, None] < m_pad) & (cols[None, :] < k)
     tl.store(qt_ptr + cols64[None, :] * m_pad + rows64[:, None], qt, mask=mask_t)
+    if RECORD:
+        tile_amax = tl.minimum(tl.max(tl.abs(x)), tl.full([], AMAX_CAP, tl.float32))
+        tl.atomic_max(state_ptr + 1, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
+
+
+@triton.jit
+def _roll_kernel(state_ptr):
+    """``state[0] = state[1]; state[1] = 0``: the amax the cast just recorded becomes the next call's."""
+    tl.store(state_ptr, tl.load(state_ptr + 1))
+    tl.store(state_ptr + 1, 0)
 
 
 @functools.lru_cache(maxsize=16)
@@ -349,13 +376,73 @@ def _quantize_t_fused(
         x2 = x2.contiguous()
         part, n_part = _tensor_amax_partials(x2)
         rowamax = part  # unused
-    bm = bk = 16 if interpreting() else 128
+    bm = bk = _tile()
     if m and k:
         _cast_t_kernel[(triton.cdiv(m_pad, bm), triton.cdiv(k, bk))](
-            x2, q, q_t, part, rowamax, scale, scale_t, m, m_pad, k, n_part, x2.stride(0), FMAX=fmax, EPS=EPS,
-            ROWWISE=rowwise, BM=bm, BK=bk, PBLOCK=min(_MAX_PARTIALS, triton.next_power_of_2(n_part)), MBITS=mbits,
-            EMIN=emin, GRID_ROUND=grid_round, num_warps=8,
+            x2, q, q_t, part, rowamax, scale, scale_t, scale_t, m, m_pad, k, n_part, x2.stride(0), FMAX=fmax,
+            EPS=EPS, ROWWISE=rowwise, BM=bm, BK=bk, PBLOCK=min(_MAX_PARTIALS, triton.next_power_of_2(n_part)),
+            MBITS=mbits, EMIN=emin, GRID_ROUND=grid_round, DELAYED=False, RECORD=False, HEADROOM=DELAYED_HEADROOM,
+            AMAX_CAP=AMAX_CAP, num_warps=8,
         )  # fmt: skip
     else:  # nothing to cast: the scale an all-zero tensor gets (amax floored at EPS)
         scale_t.copy_(torch.ones((), device=dev).div(torch.full((), fmax, device=dev).div(EPS)))
     return q.view(x.shape), scale.view(*x.shape[:-1], 1) if rowwise else scale, q_t, scale_t
+
+
+def _tile() -> int:
+    """The tiled cast's square tile: 128 on the device, 16 under the interpreter (its programs run one by one)."""
+    return 16 if interpreting() else 128
+
+
+def quantize_t_delayed(
+    x: torch.Tensor, fp8_dtype: torch.dtype, state: torch.Tensor, ready: bool, pad_t: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``reference.quantize_t_delayed`` in one pass of the tiled cast once ``ready`` (the scale from ``state[0]``,
+    this call's amax recorded by the same read of ``x``); the site's first call (not ``ready``) runs the amax pass
+    first (the current scale) and records its amax the same way. Same numbers as the reference. Where the tiled
+    cast cannot be built (``quantize_t``'s fallback: ``FUSED_CAST_T`` off or its compile failed) the reference runs
+    (same numbers, on the device, slower)."""
+    _check(fp8_dtype)
+    if state.dtype != torch.int32 or state.shape != (2,) or state.device != x.device:
+        raise ValueError(
+            f"fp8_quantize_t_delayed: state must be int32 [2] on {x.device}, got {state.dtype} {tuple(state.shape)} "
+            f"on {state.device}"
+        )
+    if FUSED_CAST_T and not _FUSED_FAILED and x.numel():
+        try:
+            return _quantize_t_delayed_fused(x, fp8_dtype, state, ready, pad_t)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a compile failure of the tiled cast; reported, then worked around
+            if interpreting():
+                raise
+            _FUSED_FAILED.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+            warnings.warn(f"fp8_quantize_t_delayed: the fused Triton cast failed ({_FUSED_FAILED[0]}); using the "
+                          "reference instead (slower, same numbers)", RuntimeWarning, 2)  # fmt: skip
+    return reference.quantize_t_delayed(x, fp8_dtype, state, ready, pad_t)
+
+
+def _quantize_t_delayed_fused(
+    x: torch.Tensor, fp8_dtype: torch.dtype, state: torch.Tensor, ready: bool, pad_t: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    fmax, mbits, emin = _check(fp8_dtype)
+    x2 = _as_2d(x).contiguous()
+    m, k = x2.shape
+    dev = x.device
+    q = torch.empty((m, k), dtype=fp8_dtype, device=dev)
+    m_pad = triton.cdiv(m, pad_t) * pad_t
+    q_t = torch.empty((k, m_pad), dtype=fp8_dtype, device=dev)
+    scale = torch.empty((), dtype=torch.float32, device=dev)
+    if ready:
+        part, n_part = scale, 1  # not read (DELAYED)
+    else:
+        part, n_part = _tensor_amax_partials(x2)
+    bm = bk = _tile()
+    _cast_t_kernel[(triton.cdiv(m_pad, bm), triton.cdiv(k, bk))](
+        x2, q, q_t, part, scale, scale, scale, state, m, m_pad, k, n_part, x2.stride(0), FMAX=fmax, EPS=EPS,
+        ROWWISE=False, BM=bm, BK=bk, PBLOCK=min(_MAX_PARTIALS, triton.next_power_of_2(n_part)), MBITS=mbits,
+        EMIN=emin, GRID_ROUND=_grid_round(), DELAYED=ready, RECORD=True, HEADROOM=DELAYED_HEADROOM,
+        AMAX_CAP=AMAX_CAP, num_warps=8,
+    )  # fmt: skip
+    _roll_kernel[(1,)](state, num_warps=1)
+    return q.view(x.shape), scale, q_t, scale
