@@ -135,7 +135,8 @@ def write_gen_task(root: Path, docs: int, words: int, new_tokens: int, seed: int
 def _timed(lm: Any, box: dict[str, Any], method: str = "loglikelihood", repeat: bool = False) -> None:
     """Make ``lm.<method>`` (``loglikelihood`` or ``generate_until``) add its wall time to ``box["phase_s"]``. With
     ``repeat`` the same requests run a second time, timed as ``box["repeat_s"]`` (what is left of first-use costs
-    shows as the difference), and the requests are kept in ``box["requests"]`` (``--profile``). A polyrl model's
+    shows as the difference; a polyrl engine's prefix cache is reset first, so the repeat recomputes what the first
+    call computed), and the requests are kept in ``box["requests"]`` (``--profile``). A polyrl model's
     breakdown of the first call (``last_score_stats`` / ``last_generate_stats``) lands in ``box["breakdown"]``."""
     inner = getattr(lm, method)
 
@@ -150,6 +151,10 @@ def _timed(lm: Any, box: dict[str, Any], method: str = "loglikelihood", repeat: 
             box["breakdown"] = dict(stats)
         if repeat:
             box["requests"] = requests
+            engine = getattr(lm, "llm", None)
+            if engine is not None:  # the first call's prompts must not come from the prefix cache (hf has none)
+                engine.reset_prefix_cache()
+            _sync()
             t0 = time.perf_counter()
             again = inner(requests, *a, **k)
             _sync()
