@@ -15,7 +15,7 @@ selected rows of the step's ``[T, H]`` hidden states reach the LM head:
   log-softmax), so the LM head runs once per row; the chosen token's entry among the alternatives is that same
   number, so a greedy check (``logprob == max(top)``) is exact. Per chunk: one GEMM; where ``kernels.token_logprobs``
   runs Triton (CUDA), the log-sum-exp and the chosen token's log-prob come from that op's row kernel reading the
-  logits once in the model's dtype (``_row_stats``: no fp32 copy; the chosen log-probs are that op's numbers) and
+  logits once in the model's dtype (``logit_row_stats``: no fp32 copy; the chosen log-probs are that op's numbers) and
   the maximum (``max`` for k = 1, ``topk`` above), the gather and the rank compare run on the model-dtype logits
   (exact there); elsewhere (the CPU reference) one upcast, the row maximum reused by the log-sum-exp (no second max
   pass), one gather and one compare. The host turns the rows into Python lists once per step (k = 1: one small
@@ -145,13 +145,13 @@ def top_logprobs(
     over row chunks (never more than ``ROW_CHUNK_ELEMS`` logits at once). Logits are computed in the model's dtype
     and upcast, as ``kernels.token_logprobs``' reference does. A rank counts the tokens strictly likelier, plus one."""
     chunk = max(1, ROW_CHUNK_ELEMS // weight.shape[0])
-    fused = targets is not None and _fused_rows(h)
+    fused = targets is not None and uses_row_kernel(h)
     vals, ids, ranks, own_lp = [], [], [], []
     for lo in range(0, h.shape[0], chunk):
         logits = torch.nn.functional.linear(h[lo : lo + chunk], weight)  # [r, V], the model's dtype
         if fused:  # logits stay in the model's dtype: comparisons and the maximum are exact there
             t = targets[lo : lo + chunk]
-            lse, lp = _row_stats(logits, t)
+            lse, lp = logit_row_stats(logits, t)
             v, i = logits.max(dim=-1, keepdim=True) if k == 1 else logits.topk(k, dim=-1)
             own = logits.gather(-1, t[:, None])
             vals.append(v.float() - lse[:, None])
@@ -177,14 +177,14 @@ def top_logprobs(
     return torch.cat(vals), torch.cat(ids), torch.cat(ranks), torch.cat(own_lp)
 
 
-def _fused_rows(h: torch.Tensor) -> bool:
+def uses_row_kernel(h: torch.Tensor) -> bool:
     """Whether ``kernels.token_logprobs`` runs its Triton row kernel for ``h``'s device and dtype (a CUDA device,
-    unless ``POLYRL_KERNELS`` forces the reference): then ``_row_stats`` reads the logits with it."""
+    unless ``POLYRL_KERNELS`` forces the reference): then ``logit_row_stats`` reads the logits with it."""
     name, _ = kernels.registry.select("token_logprobs", h.device.type, kernels.dtype_name(h.dtype))
     return name == "triton"
 
 
-def _row_stats(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def logit_row_stats(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-sum-exp fp32 ``[r]``, log-prob of ``targets`` fp32 ``[r]``) of ``logits`` ``[r, V]`` in the model's dtype,
     read once by the row kernel ``kernels.token_logprobs`` runs on CUDA (fp32 online max / sum-exp: no fp32 copy of
     the logits, and the chosen tokens' log-probs are that op's numbers)."""
