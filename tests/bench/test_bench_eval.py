@@ -82,3 +82,20 @@ def test_bench_eval_survives_a_failing_row(tmp_path, capsys, monkeypatch):
     assert rows["serve (local-completions)"]["error"] == "ModuleNotFoundError: No module named 'tenacity'"
     assert rows["polyrl (in-process)"]["loglikelihood_s"] > 0
     assert "serve (local-completions): FAILED (ModuleNotFoundError" in capsys.readouterr().out
+
+
+def test_lm_head_floor_of_scoring_every_position():
+    # the arithmetic behind "15% is out of reach when every position is scored" at the shape
+    from polyrl.bench.eval import head_flop_share
+    from polyrl.models.config import ModelConfig
+    from polyrl.models.presets import PRESETS
+
+    share = {
+        n: head_flop_share(ModelConfig.from_hf_dict(PRESETS[n].hf)) for n in ("qwen3-0.6b-shape", "qwen3-8b-shape")
+    }
+    assert abs(share["qwen3-0.6b-shape"] - 2 * 1024 * 151936 / (2 * 28 * 15_728_640)) < 1e-9  # 0.31 / 0.88 GFLOP
+    assert 0.35 < share["qwen3-0.6b-shape"] < 0.36 and 0.08 < share["qwen3-8b-shape"] < 0.10
+    assert (
+        head_flop_share(ModelConfig.from_hf_dict(PRESETS["qwen3-0.6b-shape"].hf), context=90)
+        < share["qwen3-0.6b-shape"]
+    )
