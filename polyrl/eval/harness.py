@@ -263,7 +263,11 @@ class PolyrlLM(TemplateLM):
     # ---- generation ---------------------------------------------------------------------------------
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
         """Every request in one ``LLM.generate`` call (continuous batching over all of them; a progress bar fed by
-        ``on_finish``), the contexts encoded in one batched tokenizer call."""
+        ``on_finish``), the contexts encoded in one batched tokenizer call. ``last_generate_stats``: ``prepare_s``
+        (tokenising, parameters), ``generate_s`` (the engine), ``steps`` (engine steps; a launch of several decode
+        steps counts once), ``first_step_s`` / ``slowest_step_s`` (host time per step: a compilation or a graph capture
+        inside the call shows there), ``graph_capture_s`` (decode graphs captured inside the call) and
+        ``generated_tokens``."""
         t0 = time.perf_counter()
         prompts, params = [], []
         eos_text = self.tok_decode([self.eot_token_id])
