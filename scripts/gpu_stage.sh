@@ -210,6 +210,11 @@ for s in "$@"; do
     fp8-rollout-tests) stage fp8-rollout-tests 300 python3 -m pytest -q -m 'gpu or not gpu' tests/infer/test_fp8_weights.py tests/kernels/test_fp8_act_quant.py ;;
     # evaluation (issue 34): lm-eval's hf backend vs the in-process engine vs local-completions against polyrl serve
     bench-eval) TAIL=40 stage bench-eval 480 $PR bench eval --shape qwen3-0.6b --docs 2000 --serve --json "$OUT/bench_eval.json" ;;
+    # issue 34's generation and prompt log-prob targets: the prompt log-prob GPU tests (k = 0/1/2, bf16 and fp32), then
+    # the bench with both generation rows repeated (repeat_s, repeat_speedup; polyrl's engine steps: first / slowest)
+    # and the prefill overhead with prefix caching off (the LM-head floor printed beside it); 500 documents, no serve
+    bench-eval-gen) TAIL=40 stage bench-eval-gen 420 bash -c "python3 -m pytest -q -m 'gpu or not gpu' -p no:cacheprovider tests/infer/test_prompt_logprobs_gpu.py tests/kernels/test_token_logprobs.py -k 'prompt_logprobs or row_kernel_as' 2>&1 | tail -3; \
+      $PR bench eval --shape qwen3-0.6b --docs 500 --hf-batch-sizes 256 --gen-docs 256 --json $OUT/bench_eval_gen.json" ;;
     # the scorer's GPU test, then where the in-process log-likelihood phase goes on the device: no hf rows, cProfile +
     # torch profiler in $OUT/eval-profile (issue 34)
     bench-eval-profile) TAIL=60 stage bench-eval-profile 300 bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider tests/eval/test_scoring.py 2>&1 | tail -3; \

@@ -263,7 +263,11 @@ class PolyrlLM(TemplateLM):
     # ---- generation ---------------------------------------------------------------------------------
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
         """Every request in one ``LLM.generate`` call (continuous batching over all of them; a progress bar fed by
-        ``on_finish``), the contexts encoded in one batched tokenizer call."""
+        ``on_finish``), the contexts encoded in one batched tokenizer call. ``last_generate_stats``: ``prepare_s``
+        (tokenising, parameters), ``generate_s`` (the engine), ``steps`` (engine steps; a launch of several decode
+        steps counts once), ``first_step_s`` / ``slowest_step_s`` (host time per step: a compilation or a graph capture
+        inside the call shows there), ``graph_capture_s`` (decode graphs captured inside the call) and
+        ``generated_tokens``."""
         t0 = time.perf_counter()
         prompts, params = [], []
         eos_text = self.tok_decode([self.eot_token_id])
@@ -287,12 +291,34 @@ class PolyrlLM(TemplateLM):
             params.append(SamplingParams(temperature=temperature, max_tokens=max_gen, stop=until or None))
         t1 = time.perf_counter()
         bar = tqdm(total=len(prompts), desc="polyrl generate_until", disable=not self.show_progress)
-        results = self.llm.generate(prompts, params, on_finish=lambda i, j, out: bar.update(1)) if prompts else []
+        marks = [t1]  # host time at the end of each engine step (but the last): where a slow step shows
+        capture0, tokens0 = self.llm.runner.graph_capture_s, self.llm.num_generated_tokens
+        results = (
+            self.llm.generate(
+                prompts,
+                params,
+                on_finish=lambda i, j, out: bar.update(1),
+                between_steps=lambda llm, steps: marks.append(time.perf_counter()),
+            )
+            if prompts
+            else []
+        )
         bar.close()
         texts = [r.outputs[0].text for r in results]
         for req, text in zip(requests, texts):
             self.cache_hook.add_partial("generate_until", req.args, text)
-        self.last_generate_stats = {"prepare_s": t1 - t0, "generate_s": time.perf_counter() - t1}
+        t2 = time.perf_counter()
+        marks.append(t2)
+        gaps = [b - a for a, b in zip(marks, marks[1:])]
+        self.last_generate_stats = {
+            "prepare_s": t1 - t0,
+            "generate_s": t2 - t1,
+            "steps": len(gaps),  # engine steps (a launch of several decode steps counts once)
+            "slowest_step_s": max(gaps, default=0.0),
+            "first_step_s": gaps[0] if gaps else 0.0,  # the first prefill step
+            "graph_capture_s": self.llm.runner.graph_capture_s - capture0,  # decode graphs captured inside the call
+            "generated_tokens": self.llm.num_generated_tokens - tokens0,
+        }
         return texts
 
 

@@ -10,10 +10,21 @@ selected rows of the step's ``[T, H]`` hidden states reach the LM head:
   forward uses for its log-probs), called on row chunks of at most ``ROW_CHUNK_ELEMS`` logits (its CPU reference
   holds 4096 rows x V at once), so scores equal the trainer's;
 - with top-k alternatives one pass over row chunks of logits (``[rows, V]`` fp32, at most ``ROW_CHUNK_ELEMS`` =
-  128 MiB, within the cache sizing's reserve for sampled logits; never ``[T, V]`` at once) gives the alternatives,
+  256 MiB, within the cache sizing's reserve for sampled logits; never ``[T, V]`` at once) gives the alternatives,
   the token's rank and its log-prob (the op reference's arithmetic: logits in the model's dtype, upcast,
   log-softmax), so the LM head runs once per row; the chosen token's entry among the alternatives is that same
-  number, so a greedy check (``logprob == max(top)``) is exact.
+  number, so a greedy check (``logprob == max(top)``) is exact. Per chunk: one GEMM; where ``kernels.token_logprobs``
+  runs Triton (CUDA), the log-sum-exp and the chosen token's log-prob come from that op's row kernel reading the
+  logits once in the model's dtype (``logit_row_stats``: no fp32 copy; the chosen log-probs are that op's numbers) and
+  the maximum (``max`` for k = 1, ``topk`` above), the gather and the rank compare run on the model-dtype logits
+  (exact there); elsewhere (the CPU reference) one upcast, the row maximum reused by the log-sum-exp (no second max
+  pass), one gather and one compare. The host turns the rows into Python lists once per step (k = 1: one small
+  dict per row, no per-row loop over alternatives).
+
+Cost (``docs/performance.md``, "Evaluation"): scoring every position puts every prompt row through the LM head. At
+the qwen3-0.6b shape the head is 2 x 1024 x 151936 = 0.31 GFLOP a token against ~0.88 GFLOP for the body, so
+scoring every position adds at least ~35% to a prefill (plus a log-softmax over 152k logits per row) whatever the
+implementation; scoring only a continuation (lm-eval's log-likelihood requests) puts a few rows through the head.
 
 Prefix cache: positions whose log-probs are still missing are always recomputed; ``BlockManager.lookup_prefix``
 lets a sequence take cached blocks only below the first position it still needs (``prompt_logprobs_from`` lets a
@@ -33,7 +44,7 @@ from polyrl import kernels
 from polyrl.infer.scheduler import ScheduledSeq
 from polyrl.infer.sequence import Sequence
 
-ROW_CHUNK_ELEMS = 1 << 25  # logits elements per top-k chunk: [rows, V] fp32 = 128 MiB (220 rows at V = 152k)
+ROW_CHUNK_ELEMS = 1 << 26  # logits elements per chunk: [rows, V] fp32 = 256 MiB (441 rows at V = 152k)
 
 
 def first_needed(seq: Sequence) -> int | None:
@@ -84,7 +95,11 @@ def compute_and_store(hidden: torch.Tensor, weight: torch.Tensor, plan: PromptPl
     tv = ti = ranks = None
     if plan.top_k:  # one pass over the logits gives the alternatives, the ranks and the chosen tokens' log-probs
         top_v, top_i, rank, chosen = top_logprobs(h, weight, plan.top_k, targets)
-        tv, ti, ranks = top_v.tolist(), top_i.tolist(), rank.tolist()
+        ranks = rank.tolist()
+        if plan.top_k == 1:  # flat lists: one dict per row below, no nested lists
+            tv, ti = top_v[:, 0].tolist(), top_i[:, 0].tolist()
+        else:
+            tv, ti = top_v.tolist(), top_i.tolist()
     else:
         chunk = max(1, ROW_CHUNK_ELEMS // weight.shape[0])  # bounded logits whatever the op's own chunking
         parts = [
@@ -102,6 +117,14 @@ def compute_and_store(hidden: torch.Tensor, weight: torch.Tensor, plan: PromptPl
         if not k:
             pl.top_logprobs.extend({} for _ in range(count))
             pl.ranks.extend([None] * count)
+        elif plan.top_k == 1:  # the top-1 alternative; the chosen token's own number when it is that one
+            pl.top_logprobs.extend(
+                [
+                    {i: lp} if i == t else {i: v}
+                    for i, v, t, lp in zip(ti[r:end], tv[r:end], plan.targets[r:end], lps[r:end])
+                ]
+            )
+            pl.ranks.extend(ranks[r:end])
         else:
             tops = []
             for ids, vals, target, lp in zip(ti[r:end], tv[r:end], plan.targets[r:end], lps[r:end]):
@@ -117,22 +140,73 @@ def compute_and_store(hidden: torch.Tensor, weight: torch.Tensor, plan: PromptPl
 def top_logprobs(
     h: torch.Tensor, weight: torch.Tensor, k: int, targets: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(log-probs fp32 ``[R, k]``, token ids int64 ``[R, k]``, rank int64 ``[R]`` and log-prob fp32 ``[R]`` of
+    """(log-probs fp32 ``[R, k]``, token ids int64 ``[R, k]``, rank int32 ``[R]`` and log-prob fp32 ``[R]`` of
     ``targets``, the last two None without targets) of the ``k`` likeliest tokens of each row of ``h`` ``[R, H]``,
     over row chunks (never more than ``ROW_CHUNK_ELEMS`` logits at once). Logits are computed in the model's dtype
     and upcast, as ``kernels.token_logprobs``' reference does. A rank counts the tokens strictly likelier, plus one."""
     chunk = max(1, ROW_CHUNK_ELEMS // weight.shape[0])
+    fused = targets is not None and uses_row_kernel(h)
     vals, ids, ranks, own_lp = [], [], [], []
     for lo in range(0, h.shape[0], chunk):
-        logits = (h[lo : lo + chunk] @ weight.t()).float()  # [r, V]
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        v, i = logits.topk(k, dim=-1)
+        logits = torch.nn.functional.linear(h[lo : lo + chunk], weight)  # [r, V], the model's dtype
+        if fused:  # logits stay in the model's dtype: comparisons and the maximum are exact there
+            t = targets[lo : lo + chunk]
+            lse, lp = logit_row_stats(logits, t)
+            v, i = logits.max(dim=-1, keepdim=True) if k == 1 else logits.topk(k, dim=-1)
+            own = logits.gather(-1, t[:, None])
+            vals.append(v.float() - lse[:, None])
+            ids.append(i)
+            ranks.append((logits > own).sum(-1, dtype=torch.int32).add_(1))
+            own_lp.append(lp)
+            continue
+        logits = logits.float()
+        if k == 1:
+            v, i = logits.max(dim=-1, keepdim=True)
+        else:
+            v, i = logits.topk(k, dim=-1)
+        m = v[:, :1]  # the row maximum (topk is sorted), reused by the log-sum-exp
+        lse = (logits - m).exp_().sum(-1, keepdim=True).log_().add_(m)
         vals.append(v - lse)
         ids.append(i)
         if targets is not None:
             own = logits.gather(-1, targets[lo : lo + chunk, None])  # [r, 1]
-            ranks.append((logits > own).sum(-1) + 1)
+            ranks.append((logits > own).sum(-1, dtype=torch.int32).add_(1))
             own_lp.append((own - lse)[:, 0])
     if targets is None:
         return torch.cat(vals), torch.cat(ids), None, None
     return torch.cat(vals), torch.cat(ids), torch.cat(ranks), torch.cat(own_lp)
+
+
+def uses_row_kernel(h: torch.Tensor) -> bool:
+    """Whether ``kernels.token_logprobs`` runs its Triton row kernel for ``h``'s device and dtype (a CUDA device,
+    unless ``POLYRL_KERNELS`` forces the reference): then ``logit_row_stats`` reads the logits with it."""
+    name, _ = kernels.registry.select("token_logprobs", h.device.type, kernels.dtype_name(h.dtype))
+    return name == "triton"
+
+
+def logit_row_stats(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-sum-exp fp32 ``[r]``, log-prob of ``targets`` fp32 ``[r]``) of ``logits`` ``[r, V]`` in the model's dtype,
+    read once by the row kernel ``kernels.token_logprobs`` runs on CUDA (fp32 online max / sum-exp: no fp32 copy of
+    the logits, and the chosen tokens' log-probs are that op's numbers)."""
+    # lazy: Triton is imported only where the token_logprobs op already runs it
+    from polyrl.kernels.token_logprobs import triton as tk
+
+    r, vocab = logits.shape
+    lse = torch.empty(r, device=logits.device, dtype=torch.float32)
+    lp = torch.empty_like(lse)
+    block, warps = tk.block_config(vocab)
+    tk._row_stats_kernel[(r,)](
+        logits,
+        logits.stride(0),
+        targets.contiguous(),
+        lse,
+        lp,
+        lse,  # no entropy
+        vocab,
+        1.0,
+        tk.NO_IGNORE,
+        HAS_ENT=False,
+        BLOCK_V=block,
+        num_warps=warps,
+    )
+    return lse, lp

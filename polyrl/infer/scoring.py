@@ -15,7 +15,8 @@ request and runs the model directly on the engine's paged KV cache:
   what follows it), as lm-eval's ``hf`` backend does.
 - **only the continuation rows reach the LM head**: the hidden rows at positions ``c - 1 .. c + L - 2``, in row
   chunks of at most ``ROW_CHUNK_ELEMS`` logits (logits in the model's dtype, upcast, log-softmax: the arithmetic of
-  ``kernels.token_logprobs``' reference); never a ``[T, V]`` log-softmax.
+  ``kernels.token_logprobs``' reference; on CUDA that op's Triton row kernel reads the model-dtype logits once for
+  the log-sum-exp and the log-prob, no fp32 copy: ``prompt_logprobs.logit_row_stats``); never a ``[T, V]`` log-softmax.
 - **no host sync per batch**: per-request sums and greedy flags accumulate on the device (``index_add_``); the host
   reads them once at the end. Batches of at most ``RolloutConfig.max_num_batched_tokens`` tokens (what the cache
   sizing reserved activations for); their index arrays go to the device in one pinned copy (``batch.to_device``).
@@ -43,6 +44,7 @@ import torch
 
 from polyrl.errors import UserError
 from polyrl.infer.batch import to_device
+from polyrl.infer.prompt_logprobs import logit_row_stats, uses_row_kernel
 from polyrl.infer.sampling_params import SamplingParams
 from polyrl.infer.sequence import Sequence
 from polyrl.models.attention_metadata import AttnMetadata
@@ -184,12 +186,24 @@ def _score_rows(
     """(log-prob fp32 ``[R]``, is-argmax bool ``[R]``, argmax id int64 ``[R]``, argmax log-prob fp32 ``[R]``) of
     ``targets`` under the LM head over ``hidden`` ``[R, H]``."""
     chunk = max(1, ROW_CHUNK_ELEMS // weight.shape[0])
+    fused = hidden.shape[0] > 0 and uses_row_kernel(hidden)
     lps, greedy, ids, tops = [], [], [], []
     for lo in range(0, hidden.shape[0], chunk):
-        logits = torch.nn.functional.linear(hidden[lo : lo + chunk], weight).float()  # [r, V]
-        own = logits.gather(-1, targets[lo : lo + chunk, None])[:, 0]
-        lse = torch.logsumexp(logits, dim=-1)
+        logits = torch.nn.functional.linear(hidden[lo : lo + chunk], weight)  # [r, V], the model's dtype
+        t = targets[lo : lo + chunk]
+        if fused:  # CUDA: one read of the model-dtype logits for lse and log-prob (prompt_logprobs.logit_row_stats)
+            lse, lp = logit_row_stats(logits, t)
+            own = logits.gather(-1, t[:, None])[:, 0]
+            best, arg = logits.max(dim=-1)  # exact in the model's dtype, as the comparison below
+            lps.append(lp)
+            greedy.append(own >= best)
+            ids.append(arg)
+            tops.append(best.float() - lse)
+            continue
+        logits = logits.float()
+        own = logits.gather(-1, t[:, None])[:, 0]
         best, arg = logits.max(dim=-1)
+        lse = (logits - best[:, None]).exp_().sum(-1).log_().add_(best)  # the row maximum reused
         lps.append(own - lse)
         greedy.append(own >= best)
         ids.append(arg)

@@ -34,6 +34,11 @@ def test_bench_eval_tiny_cpu(tmp_path, capsys):
         r = rows[name]
         assert r["generate_s"] > 0 and r["requests_per_s"] == 4 / r["generate_s"]
         assert r["same_as_hf"] == 1.0  # fp32 greedy: hf's texts exactly
+        # both generation rows run their phase twice (the same rule for both): the steady state is a column too
+        assert r["repeat_s"] > 0 and r["same_on_repeat"] is True and r["repeat_speedup"] > 0
+    g = rows["polyrl (in-process) generate"]["breakdown"]
+    assert g["steps"] >= 8 and g["generated_tokens"] == 4 * 8  # 8 tokens each (a stop string that never occurs)
+    assert 0 < g["first_step_s"] <= g["slowest_step_s"] <= g["generate_s"] and g["graph_capture_s"] == 0.0
     mine = rows["polyrl (in-process)"]
     assert mine["warmup_s"] > 0  # kernels compiled before the timed phase
     assert mine["repeat_s"] > 0 and mine["same_on_repeat"] is True
@@ -43,9 +48,17 @@ def test_bench_eval_tiny_cpu(tmp_path, capsys):
     assert rows["serve (local-completions)"]["client"] == {"batch_size": 64, "num_concurrent": 8}
     assert rows["serve (local-completions)"]["serve_mode"] == "process"
     assert rows["lm-eval harness itself (hf bs=8 run)"]["harness_s"] == rows["hf bs=8"]["harness_s"] > 0
-    assert set(res["prompt_logprobs_overhead"]) == {"all_positions", "continuation"}
+    over = res["prompt_logprobs_overhead"]
+    assert set(over) == {"all_positions", "continuation", "plain_s", "all_positions_s", "continuation_s"} | {
+        "tokens",
+        "floor",
+    }
+    assert over["plain_s"] > 0 and over["tokens"] > 24 * 30  # every token of the 24 prompts, prefix cache off
+    assert 0.5 < over["floor"] < 5  # tiny: head 2 x 64 x 2048 against a 2-layer body of hidden 64
     printed = capsys.readouterr().out
     assert "speedup_vs_best_hf" in printed and "log-likelihood breakdown (s): tokenize" in printed
+    assert "generate breakdown: tokenise + params" in printed and "engine steps (first" in printed
+    assert "15% is out of reach there" in printed and "prefix cache off" in printed
     # each row is printed as it is measured, before the final table
     assert printed.index("hf bs=8: load") < printed.index("polyrl (in-process): load") < printed.index("backend")
 
@@ -69,3 +82,20 @@ def test_bench_eval_survives_a_failing_row(tmp_path, capsys, monkeypatch):
     assert rows["serve (local-completions)"]["error"] == "ModuleNotFoundError: No module named 'tenacity'"
     assert rows["polyrl (in-process)"]["loglikelihood_s"] > 0
     assert "serve (local-completions): FAILED (ModuleNotFoundError" in capsys.readouterr().out
+
+
+def test_lm_head_floor_of_scoring_every_position():
+    # the arithmetic behind "15% is out of reach when every position is scored" at the shape
+    from polyrl.bench.eval import head_flop_share
+    from polyrl.models.config import ModelConfig
+    from polyrl.models.presets import PRESETS
+
+    share = {
+        n: head_flop_share(ModelConfig.from_hf_dict(PRESETS[n].hf)) for n in ("qwen3-0.6b-shape", "qwen3-8b-shape")
+    }
+    assert abs(share["qwen3-0.6b-shape"] - 2 * 1024 * 151936 / (2 * 28 * 15_728_640)) < 1e-9  # 0.31 / 0.88 GFLOP
+    assert 0.35 < share["qwen3-0.6b-shape"] < 0.36 and 0.08 < share["qwen3-8b-shape"] < 0.10
+    assert (
+        head_flop_share(ModelConfig.from_hf_dict(PRESETS["qwen3-0.6b-shape"].hf), context=90)
+        < share["qwen3-0.6b-shape"]
+    )

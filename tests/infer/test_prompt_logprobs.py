@@ -55,10 +55,11 @@ def test_chunked_prefill_equals_training_forward(tiny_model):
     assert all(top == {} for i in asked for top in outs[i].prompt_logprobs.top_logprobs[1:])  # k = 0: no alternatives
 
 
-def test_top_k_alternatives_equal_full_log_softmax(tiny_model):
+@pytest.mark.parametrize("k", [1, 5])  # k = 1 takes the row maximum and builds one dict per row (its own path)
+def test_top_k_alternatives_equal_full_log_softmax(tiny_model, k):
     llm = engine(tiny_model)
     (p,) = prompts(1, seed=12, lo=30, hi=31)
-    (out,) = llm.generate([p], SamplingParams(max_tokens=1, prompt_logprobs=5))
+    (out,) = llm.generate([p], SamplingParams(max_tokens=1, prompt_logprobs=k))
     ids = torch.tensor(p)
     from polyrl.models.attention_metadata import AttnMetadata
 
@@ -69,14 +70,15 @@ def test_top_k_alternatives_equal_full_log_softmax(tiny_model):
     assert pl.top_logprobs[0] is None
     for i in range(1, len(p)):
         top = pl.top_logprobs[i]
-        assert len(top) == 5
-        want_v, want_i = full[i - 1].topk(5)
+        assert len(top) == k
+        want_v, want_i = full[i - 1].topk(k)
         assert sorted(top) == sorted(want_i.tolist())
         for tid, lp in top.items():
             assert lp == pytest.approx(full[i - 1, tid].item(), abs=1e-4)
         if p[i] in top:  # the token's own entry is the very number reported as its log-prob
             assert top[p[i]] == pl.logprobs[i]
         assert pl.ranks[i] == int((full[i - 1] > full[i - 1, p[i]]).sum()) + 1
+        assert (pl.ranks[i] == 1) == (pl.logprobs[i] >= max(top.values()))  # an exact greedy test
 
 
 def test_row_chunks_of_top_k_equal_one_shot(tiny_model, monkeypatch):

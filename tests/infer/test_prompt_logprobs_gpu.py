@@ -23,17 +23,23 @@ def _model(dtype, **over):
     return init_weights(model, seed=0, std=0.2).eval()
 
 
+@pytest.mark.parametrize("k", [1, 2])  # k = 1: the row maximum instead of topk (its own path)
 @pytest.mark.parametrize("dtype,mean_tol,max_tol", [(torch.float32, 1e-4, 1e-3), (torch.bfloat16, 2e-2, 0.3)])
-def test_prompt_logprobs_equal_training_forward(dtype, mean_tol, max_tol):
+def test_prompt_logprobs_equal_training_forward(dtype, mean_tol, max_tol, k):
     model = _model(dtype)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 96, (int(n),), generator=g).tolist() for n in torch.randint(2, 300, (24,), generator=g)]
     llm = LLM(model, None, RolloutConfig(block_size=16, num_blocks=1024, max_num_batched_tokens=512))
-    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=2))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=k))
     diffs = []
     for p, o in zip(prompts, outs):
         ref = trainer_logprobs(model, p).float().cpu()
-        diffs.append((torch.tensor(o.prompt_logprobs.logprobs[1:]) - ref).abs())
+        pl = o.prompt_logprobs
+        diffs.append((torch.tensor(pl.logprobs[1:]) - ref).abs())
+        for i in range(1, len(p)):  # k alternatives, the best first; rank 1 exactly when the token is the best
+            top = pl.top_logprobs[i]
+            assert len(top) == k and pl.ranks[i] >= 1
+            assert (pl.ranks[i] == 1) == (pl.logprobs[i] >= max(top.values()))  # ties: rank 1 too
     d = torch.cat(diffs)
     assert d.mean().item() <= mean_tol and d.max().item() <= max_tol, (d.mean().item(), d.max().item())
 

@@ -261,3 +261,33 @@ def test_gpu_no_grad_rollout_path_allocates_no_grad_buffers(triton_kernels):
         device.synchronize()
     extra = device.max_memory_allocated() - base
     assert extra <= tlp.CHUNK_BYTES * 1.15 + 3 * LLM_TVH[0] * 4, f"no-grad extra peak {extra / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_kernel_as_prompt_logprobs_and_scoring_use_it(dtype, triton_kernels, monkeypatch):
+    """``infer.prompt_logprobs.logit_row_stats`` (the row kernel over logits the engine computed, no fp32 copy) in
+    the top-k and scoring paths: the same ids, ranks and greedy flags as their fp32 reference path, log-probs within
+    an fp32 ulp of the log-sum-exp (interpreter on CPU, compiled on a GPU)."""
+    triton_kernels.load("token_logprobs")  # the interpreter-mode module, re-imported fresh
+    from polyrl.infer import prompt_logprobs as pl
+    from polyrl.infer import scoring
+
+    dev = triton_kernels.device
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(1000, 32, generator=g) * 0.3).to(dev, dtype)
+    h = torch.randn(37, 32, generator=g).to(dev, dtype)
+    t = torch.randint(0, 1000, (37,), generator=g).to(dev)
+    t[:5] = torch.nn.functional.linear(h[:5], w).float().argmax(-1)  # rows whose token is the argmax: rank 1
+    for k in (1, 3):
+        monkeypatch.setattr(pl, "uses_row_kernel", lambda h: False)
+        ref = pl.top_logprobs(h, w, k, t)
+        monkeypatch.setattr(pl, "uses_row_kernel", lambda h: True)
+        got = pl.top_logprobs(h, w, k, t)
+        assert torch.equal(ref[1], got[1]) and torch.equal(ref[2], got[2]) and got[2][:5].tolist() == [1] * 5
+        assert (ref[0] - got[0]).abs().max().item() <= 1e-5 and (ref[3] - got[3]).abs().max().item() <= 1e-5
+    monkeypatch.setattr(scoring, "uses_row_kernel", lambda h: False)
+    ref = scoring._score_rows(h, w, t)
+    monkeypatch.setattr(scoring, "uses_row_kernel", lambda h: True)
+    got = scoring._score_rows(h, w, t)
+    assert torch.equal(ref[1], got[1]) and torch.equal(ref[2], got[2]) and got[1][:5].all()
+    assert (ref[0] - got[0]).abs().max().item() <= 1e-5 and (ref[3] - got[3]).abs().max().item() <= 1e-5
