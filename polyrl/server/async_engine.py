@@ -8,7 +8,9 @@ thread publishes a stats snapshot (running / waiting requests, KV-cache use) tha
 ``/metrics`` read without touching the engine.
 
 If ``step()`` raises, the engine is considered broken: every open stream receives the error, new requests
-get 503 and ``/health`` reports it. Not here: HTTP, OpenAI schemas (``chat.py``, ``completions.py``).
+get 503 and ``/health`` reports it. Direct scoring calls (``score``: ``server/scoring.py``) run on the engine
+thread between steps; the calls queued together (concurrent scoring requests) run as one ``score_prompts`` call.
+Not here: HTTP, OpenAI schemas (``chat.py``, ``completions.py``).
 """
 
 from __future__ import annotations
@@ -22,11 +24,15 @@ import time
 from typing import Any
 
 from polyrl.errors import UserError
-from polyrl.infer.scoring import score_prompts
+from polyrl.infer.scoring import ScoreResult, score_prompts
 from polyrl.platform import device
 from polyrl.server.api_errors import bad_request, queue_full, unavailable
 
 log = logging.getLogger("polyrl.server")
+
+# Concurrent scoring calls merged into one ``score_prompts`` call: at most this many scoring batches of tokens
+# (``max_num_batched_tokens`` each), so that running generations wait at most a few forwards.
+MERGE_BATCHES = 4
 
 
 class EngineDeadError(RuntimeError):
@@ -202,19 +208,52 @@ class AsyncEngine:
         return await fut
 
     def _run_jobs(self) -> None:  # engine thread
+        """Run the queued scoring calls: those queued together (concurrent HTTP requests) as ONE ``score_prompts``
+        call (fewer, fuller forwards, one device sync), up to ``MERGE_BATCHES`` scoring batches of tokens; each
+        caller gets its own prompts' part. A merged call that fails is retried per caller, so that an error
+        (e.g. too few free KV blocks) reaches only the request it belongs to."""
+        budget = MERGE_BATCHES * self.llm.config.max_num_batched_tokens
+        pending = None
         while True:
-            try:
-                prompts, fut, loop = self._jobs.get_nowait()
-            except queue.Empty:
+            jobs, tokens = [], 0
+            while pending is not None or not self._jobs.empty():
+                job = pending if pending is not None else self._jobs.get_nowait()
+                pending = None
+                size = sum(len(p) for p in job[0])
+                if jobs and tokens + size > budget:
+                    pending = job  # the next call starts with it
+                    break
+                jobs.append(job)
+                tokens += size
+            if not jobs:
                 return
-            try:
-                outcome = (fut.set_result, score_prompts(self.llm, prompts, require_idle=False))
-            except Exception as exc:  # noqa: BLE001 - this call's error goes to its caller; the engine goes on
-                outcome = (fut.set_exception, exc)
-            try:
-                loop.call_soon_threadsafe(_settle, fut, *outcome)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
+            if len(jobs) > 1:
+                try:
+                    merged = self._score([p for job in jobs for p in job[0]])
+                except Exception:  # noqa: BLE001 - retried per caller below, where the error belongs to one
+                    merged = None
+                if merged is not None:
+                    start = 0
+                    for prompts, fut, loop in jobs:
+                        part = _slice(merged, start, start + len(prompts))
+                        start += len(prompts)
+                        _answer(fut, loop, fut.set_result, part)
+                    continue
+            for prompts, fut, loop in jobs:
+                try:
+                    outcome = (fut.set_result, self._score(prompts))
+                except Exception as exc:  # noqa: BLE001 - this call's error goes to its caller; the engine goes on
+                    outcome = (fut.set_exception, exc)
+                _answer(fut, loop, *outcome)
+
+    def _score(self, prompts: list[list[int]]) -> ScoreResult:  # engine thread
+        t0 = time.perf_counter()
+        res = score_prompts(self.llm, prompts, require_idle=False)
+        if self.metrics is not None:
+            self.metrics.scoring_seconds.inc(time.perf_counter() - t0, "engine")
+            self.metrics.scoring_calls.inc(1)
+            self.metrics.scoring_prompts.inc(len(prompts))
+        return res
 
     def abort(self, request_id: str) -> None:
         if request_id in self._streams:
@@ -288,6 +327,29 @@ class AsyncEngine:
 def _settle(fut: asyncio.Future, setter: Any, value: Any) -> None:
     if not fut.done():  # the awaiting handler may have been cancelled (client gone)
         setter(value)
+
+
+def _answer(fut: asyncio.Future, loop: Any, setter: Any, value: Any) -> None:  # engine thread
+    try:
+        loop.call_soon_threadsafe(_settle, fut, setter, value)
+    except RuntimeError:  # the loop is closed: nobody is listening any more
+        pass
+
+
+def _slice(res: ScoreResult, lo: int, hi: int) -> ScoreResult:
+    """Prompts ``lo:hi`` of a merged ``score_prompts`` result."""
+
+    def part(values: list | None) -> list | None:
+        return None if values is None else values[lo:hi]
+
+    return ScoreResult(
+        res.logprobs[lo:hi],
+        res.greedy[lo:hi],
+        dict(res.stats),
+        part(res.token_logprobs),
+        part(res.top_ids),
+        part(res.top_logprobs),
+    )
 
 
 def _use_engine_device(llm: Any) -> None:

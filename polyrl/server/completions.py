@@ -35,7 +35,7 @@ from polyrl.server.params import (
 )
 from polyrl.server.prompts import PromptTooLong, tokenize_capped
 from polyrl.server.protocol import CompletionRequest
-from polyrl.server.scoring import direct_scoring, scored_outputs
+from polyrl.server.scoring import direct_scoring, request_path, scored_body, scored_prompts
 from polyrl.server.streaming import DONE, final_outputs, guarded_stream, sse
 from polyrl.server.tool_calls import ToolPlan, compile_plan, extra_structured
 
@@ -106,6 +106,7 @@ def engine_max_tokens(req: CompletionRequest) -> int | None:
 
 
 async def create_completion(state: Any, req: CompletionRequest, request: Any) -> Any:
+    t_start = time.perf_counter()
     model = state.resolve_model(req.model)
     ctx = state.llm.max_model_len
     reject_unsupported(req)
@@ -166,7 +167,21 @@ async def create_completion(state: Any, req: CompletionRequest, request: Any) ->
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return guarded_stream(group, _stream(state, group, req, head, prompts, order, num_prompt, include_usage))
-    done = await (scored_outputs(state.engine, rids, prompts, params) if direct else final_outputs(group, request))
+    if direct:
+        res = await scored_prompts(state.engine, prompts)
+        if res is not None:  # the response written at once (scoring.py), off the event loop
+            t1 = time.perf_counter()
+            lp = req.logprobs
+            body = await state.prep(
+                scored_body, state.token_text, state.llm.eos_token_ids, prompts, res, params, lp, score_only, head
+            )
+            t2 = time.perf_counter()
+            state.metrics.scoring_seconds.inc(t2 - t1, "format")
+            state.metrics.scoring_seconds.inc(t2 - t_start, "request")
+            return body
+        done = await request_path(state.engine, rids, prompts, params)
+    else:
+        done = await final_outputs(group, request)
     choices = []
     completion_tokens = 0
     for rid in rids:
