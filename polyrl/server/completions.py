@@ -33,7 +33,7 @@ from polyrl.server.params import (
     reject_unsupported,
     sampling_params,
 )
-from polyrl.server.prompts import PromptTooLong, tokenize_capped
+from polyrl.server.prompts import PromptTooLong, decode_prompts, tokenize_capped
 from polyrl.server.protocol import CompletionRequest
 from polyrl.server.scoring import direct_scoring, request_path, scored_body, scored_prompts
 from polyrl.server.streaming import DONE, final_outputs, guarded_stream, sse
@@ -76,9 +76,12 @@ def encode(llm: Any, prompts: list[str | list[int]], limit: int) -> list[tuple[s
             ids = [start_token(llm.tokenizer)]
         if not ids:
             raise bad_request("the prompt is empty; give at least one token", "prompt")
-        if text is None:
-            text = llm.tokenizer.decode(ids) if llm.tokenizer is not None else ""
         out.append((text, ids))
+    todo = [i for i, (text, _) in enumerate(out) if text is None]  # token-id prompts: their text, decoded at once
+    if todo:
+        texts = decode_prompts(llm.tokenizer, [out[i][1] for i in todo]) if llm.tokenizer is not None else None
+        for j, i in enumerate(todo):
+            out[i] = (texts[j] if texts is not None else "", out[i][1])
     return out
 
 
