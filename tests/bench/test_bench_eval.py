@@ -2,8 +2,8 @@
 equal the hf backend's, the generation rows produce hf's greedy texts, the harness's own time is a row, and the
 report carries the prompt log-prob overhead, the in-process phase's host breakdown (a document's choices share their
 context: fewer tokens fed than one sequence per request) and its repeat, and the serve row runs against a `polyrl
-serve` process with the client settings and the server's own time split (its /metrics) recorded. A row that fails is printed with its error and the others still
-run."""
+serve` process with the client settings and the server's own time split (its /metrics) recorded. A row that fails is
+printed with its error and the others still run."""
 
 from __future__ import annotations
 
