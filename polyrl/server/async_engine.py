@@ -116,6 +116,7 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self.snapshot: dict[str, float] = {"running_requests": 0, "waiting_requests": 0}
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # direct scoring calls (``score``) for the engine thread
+        self._pending: tuple | None = None  # a scoring call taken from ``_jobs`` for the next round (``_run_jobs``)
         self._publish_stats()
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -207,44 +208,48 @@ class AsyncEngine:
         self._wake.set()
         return await fut
 
+    def _has_jobs(self) -> bool:
+        return self._pending is not None or not self._jobs.empty()
+
     def _run_jobs(self) -> None:  # engine thread
-        """Run the queued scoring calls: those queued together (concurrent HTTP requests) as ONE ``score_prompts``
-        call (fewer, fuller forwards, one device sync), up to ``MERGE_BATCHES`` scoring batches of tokens; each
-        caller gets its own prompts' part. A merged call that fails is retried per caller, so that an error
-        (e.g. too few free KV blocks) reaches only the request it belongs to."""
+        """Run one round of queued scoring calls: those queued together (concurrent HTTP requests) as ONE
+        ``score_prompts`` call (fewer, fuller forwards, one device sync), up to ``MERGE_BATCHES`` scoring batches
+        of tokens; each caller gets its own prompts' part. A merged call that fails is retried per caller, so that
+        an error (e.g. too few free KV blocks) reaches only the request it belongs to. One round per call: running
+        generations get a step between rounds however fast scoring requests arrive."""
         budget = MERGE_BATCHES * self.llm.config.max_num_batched_tokens
-        pending = None
-        while True:
-            jobs, tokens = [], 0
-            while pending is not None or not self._jobs.empty():
-                job = pending if pending is not None else self._jobs.get_nowait()
-                pending = None
-                size = sum(len(p) for p in job[0])
-                if jobs and tokens + size > budget:
-                    pending = job  # the next call starts with it
-                    break
-                jobs.append(job)
-                tokens += size
-            if not jobs:
+        jobs, tokens = [], 0
+        while self._has_jobs():
+            job = self._pending if self._pending is not None else self._jobs.get_nowait()
+            self._pending = None
+            size = sum(len(p) for p in job[0])
+            if jobs and tokens + size > budget:
+                self._pending = job  # the next round starts with it
+                break
+            jobs.append(job)
+            tokens += size
+        if jobs:
+            self._score_jobs(jobs)
+
+    def _score_jobs(self, jobs: list[tuple[Any, asyncio.Future, Any]]) -> None:  # engine thread
+        if len(jobs) > 1:
+            try:
+                merged = self._score([p for job in jobs for p in job[0]])
+            except Exception:  # noqa: BLE001 - retried per caller below, where the error belongs to one
+                merged = None
+            if merged is not None:
+                start = 0
+                for prompts, fut, loop in jobs:
+                    part = _slice(merged, start, start + len(prompts))
+                    start += len(prompts)
+                    _answer(fut, loop, fut.set_result, part)
                 return
-            if len(jobs) > 1:
-                try:
-                    merged = self._score([p for job in jobs for p in job[0]])
-                except Exception:  # noqa: BLE001 - retried per caller below, where the error belongs to one
-                    merged = None
-                if merged is not None:
-                    start = 0
-                    for prompts, fut, loop in jobs:
-                        part = _slice(merged, start, start + len(prompts))
-                        start += len(prompts)
-                        _answer(fut, loop, fut.set_result, part)
-                    continue
-            for prompts, fut, loop in jobs:
-                try:
-                    outcome = (fut.set_result, self._score(prompts))
-                except Exception as exc:  # noqa: BLE001 - this call's error goes to its caller; the engine goes on
-                    outcome = (fut.set_exception, exc)
-                _answer(fut, loop, *outcome)
+        for prompts, fut, loop in jobs:
+            try:
+                outcome = (fut.set_result, self._score(prompts))
+            except Exception as exc:  # noqa: BLE001 - this call's error goes to its caller; the engine goes on
+                outcome = (fut.set_exception, exc)
+            _answer(fut, loop, *outcome)
 
     def _score(self, prompts: list[list[int]]) -> ScoreResult:  # engine thread
         t0 = time.perf_counter()
@@ -272,7 +277,7 @@ class AsyncEngine:
             while not (self._stopping and not llm.has_unfinished_requests()):
                 self._run_jobs()
                 if not llm.has_unfinished_requests():
-                    if self._jobs.empty():
+                    if not self._has_jobs():
                         self._wake.wait(0.5)
                         self._wake.clear()
                     continue
@@ -289,7 +294,8 @@ class AsyncEngine:
                 # Let the event loop thread take the GIL between steps: without this a CPU-bound step loop
                 # starves HTTP handling (GIL convoy), and new requests wait seconds to be admitted.
                 time.sleep(0)
-            self._run_jobs()
+            while self._has_jobs():
+                self._run_jobs()
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine; report it everywhere
             log.exception("polyrl engine thread failed")
             self.error = exc
@@ -298,8 +304,9 @@ class AsyncEngine:
             err = EngineDeadError(f"the engine failed: {exc!r}")
             for rs in streams:
                 rs._put(err)
-            while not self._jobs.empty():  # scoring calls still waiting get the error too
-                _, fut, loop = self._jobs.get_nowait()
+            while self._has_jobs():  # scoring calls still waiting get the error too
+                _, fut, loop = self._pending if self._pending is not None else self._jobs.get_nowait()
+                self._pending = None
                 try:
                     loop.call_soon_threadsafe(_settle, fut, fut.set_exception, err)
                 except RuntimeError:

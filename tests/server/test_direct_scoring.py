@@ -145,10 +145,10 @@ def test_scored_echo_json_is_what_the_general_formatter_writes(k, generated):
     assert parsed["token_logprobs"][3] == -9999.0 and parsed["token_logprobs"][6] == -9999.0
 
 
-def test_concurrent_scoring_calls_run_as_one_engine_call(reference_llm):
+def test_concurrent_scoring_calls_run_as_one_engine_call(reference_llm, monkeypatch):
     """Scoring calls queued together (concurrent lm-eval requests) run as one ``score_prompts`` call, each caller
     getting its own prompts' values (equal to scoring them alone); a merged call that fails is retried per caller,
-    so only the caller whose prompt is bad gets the error."""
+    so only the caller whose prompt is bad gets the error; a round is capped in tokens."""
     import asyncio
 
     from polyrl.errors import UserError
@@ -181,5 +181,18 @@ def test_concurrent_scoring_calls_run_as_one_engine_call(reference_llm):
         assert isinstance(err, UserError) and "empty" in str(err)
         assert ok1.top_ids == got[0].top_ids[:1] and ok2.top_ids == got[0].top_ids[1:2]
         assert engine.metrics.scoring_calls.get() == 3  # 1 above + the two good callers alone
+
+        # a round takes at most MERGE_BATCHES batches of tokens (here: one call at a time), one round per
+        # _run_jobs, so that running generations get a step between rounds
+        monkeypatch.setattr("polyrl.server.async_engine.MERGE_BATCHES", 0)
+        futs = [loop.create_future() for _ in batches]
+        for prompts, fut in zip(batches, futs):
+            engine._jobs.put((prompts, fut, loop))
+        for rounds in (1, 2, 3):
+            engine._run_jobs()
+            loop.run_until_complete(asyncio.sleep(0))
+            assert [f.done() for f in futs] == [i < rounds for i in range(3)]
+        assert not engine._has_jobs() and engine.metrics.scoring_calls.get() == 6
+        assert [f.result().top_ids for f in futs] == [r.top_ids for r in got]
     finally:
         loop.close()
