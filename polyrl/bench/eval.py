@@ -570,13 +570,43 @@ def _serve_row(
         lm = get_model("local-completions").create_from_arg_string(client, {"batch_size": args.serve_batch_size})
         load = time.perf_counter() - t0
         _timed(lm, box)
+        before = _scoring_metrics(base_url)
         total, lls = _evaluate(lm, task, root)
+        server = {k: v - before.get(k, 0.0) for k, v in _scoring_metrics(base_url).items()}
     finally:
         stop()
     row = _row("serve (local-completions)", load + boot, total, box, lls, ref)
     row["client"] = {"batch_size": args.serve_batch_size, "num_concurrent": args.serve_concurrent}
     row["serve_mode"] = args.serve_mode
+    row["server"] = server
+    if server:
+        print(
+            f"  server (its /metrics, this phase): {server.get('prompts', 0):.0f} prompts scored in "
+            f"{server.get('calls', 0):.0f} engine calls taking {server.get('engine', 0):.2f} s on the engine thread, "
+            f"responses written in {server.get('format', 0):.2f} s; client-side tokenising and the HTTP/JSON round "
+            "trips are the rest of the phase",
+            flush=True,
+        )
     return row
+
+
+def _scoring_metrics(base_url: str) -> dict[str, float]:
+    """The server's direct-scoring counters (``polyrl_scoring_*`` of ``GET /metrics``): seconds by stage
+    (engine, format, request), prompts, engine calls; {} when they cannot be read."""
+    names = {"polyrl_scoring_prompts_total": "prompts", "polyrl_scoring_calls_total": "calls"}
+    try:
+        with urllib.request.urlopen(base_url.rsplit("/v1", 1)[0] + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith('polyrl_scoring_seconds_total{stage="'):
+            out[name.split('"')[1]] = float(value)
+        elif name in names:
+            out[names[name]] = float(value)
+    return out
 
 
 def _start_server(llm: Any, model_dir: Path, mode: str, dtype: str) -> tuple[Any, str, float]:

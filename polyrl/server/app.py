@@ -45,6 +45,7 @@ from polyrl.server.logprobs import TokenText
 from polyrl.server.metrics import ServerMetrics
 from polyrl.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ResponsesRequest
 from polyrl.server.responses import create_response
+from polyrl.server.scoring import JSONText
 from polyrl.server.streaming import ClientGone
 
 log = logging.getLogger("polyrl.server")
@@ -298,6 +299,8 @@ def build_app(llm: Any, config: ServeConfig | None = None) -> FastAPI:
     def respond(result: Any) -> Response:
         if isinstance(result, dict):
             return JSONResponse(result)
+        if isinstance(result, JSONText):  # a directly scored completion, encoded already (scoring.py)
+            return Response(result.body, media_type="application/json")
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(result, media_type="text/event-stream", headers=headers)
 

@@ -8,7 +8,9 @@ thread publishes a stats snapshot (running / waiting requests, KV-cache use) tha
 ``/metrics`` read without touching the engine.
 
 If ``step()`` raises, the engine is considered broken: every open stream receives the error, new requests
-get 503 and ``/health`` reports it. Not here: HTTP, OpenAI schemas (``chat.py``, ``completions.py``).
+get 503 and ``/health`` reports it. Direct scoring calls (``score``: ``server/scoring.py``) run on the engine
+thread between steps; the calls queued together (concurrent scoring requests) run as one ``score_prompts`` call.
+Not here: HTTP, OpenAI schemas (``chat.py``, ``completions.py``).
 """
 
 from __future__ import annotations
@@ -22,11 +24,15 @@ import time
 from typing import Any
 
 from polyrl.errors import UserError
-from polyrl.infer.scoring import score_prompts
+from polyrl.infer.scoring import ScoreResult, score_prompts
 from polyrl.platform import device
 from polyrl.server.api_errors import bad_request, queue_full, unavailable
 
 log = logging.getLogger("polyrl.server")
+
+# Concurrent scoring calls merged into one ``score_prompts`` call: at most this many scoring batches of tokens
+# (``max_num_batched_tokens`` each), so that running generations wait at most a few forwards.
+MERGE_BATCHES = 4
 
 
 class EngineDeadError(RuntimeError):
@@ -110,6 +116,7 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self.snapshot: dict[str, float] = {"running_requests": 0, "waiting_requests": 0}
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # direct scoring calls (``score``) for the engine thread
+        self._pending: tuple | None = None  # a scoring call taken from ``_jobs`` for the next round (``_run_jobs``)
         self._publish_stats()
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -201,20 +208,57 @@ class AsyncEngine:
         self._wake.set()
         return await fut
 
+    def _has_jobs(self) -> bool:
+        return self._pending is not None or not self._jobs.empty()
+
     def _run_jobs(self) -> None:  # engine thread
-        while True:
+        """Run one round of queued scoring calls: those queued together (concurrent HTTP requests) as ONE
+        ``score_prompts`` call (fewer, fuller forwards, one device sync), up to ``MERGE_BATCHES`` scoring batches
+        of tokens; each caller gets its own prompts' part. A merged call that fails is retried per caller, so that
+        an error (e.g. too few free KV blocks) reaches only the request it belongs to. One round per call: running
+        generations get a step between rounds however fast scoring requests arrive."""
+        budget = MERGE_BATCHES * self.llm.config.max_num_batched_tokens
+        jobs, tokens = [], 0
+        while self._has_jobs():
+            job = self._pending if self._pending is not None else self._jobs.get_nowait()
+            self._pending = None
+            size = sum(len(p) for p in job[0])
+            if jobs and tokens + size > budget:
+                self._pending = job  # the next round starts with it
+                break
+            jobs.append(job)
+            tokens += size
+        if jobs:
+            self._score_jobs(jobs)
+
+    def _score_jobs(self, jobs: list[tuple[Any, asyncio.Future, Any]]) -> None:  # engine thread
+        if len(jobs) > 1:
             try:
-                prompts, fut, loop = self._jobs.get_nowait()
-            except queue.Empty:
+                merged = self._score([p for job in jobs for p in job[0]])
+            except Exception:  # noqa: BLE001 - retried per caller below, where the error belongs to one
+                merged = None
+            if merged is not None:
+                start = 0
+                for prompts, fut, loop in jobs:
+                    part = _slice(merged, start, start + len(prompts))
+                    start += len(prompts)
+                    _answer(fut, loop, fut.set_result, part)
                 return
+        for prompts, fut, loop in jobs:
             try:
-                outcome = (fut.set_result, score_prompts(self.llm, prompts, require_idle=False))
+                outcome = (fut.set_result, self._score(prompts))
             except Exception as exc:  # noqa: BLE001 - this call's error goes to its caller; the engine goes on
                 outcome = (fut.set_exception, exc)
-            try:
-                loop.call_soon_threadsafe(_settle, fut, *outcome)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
+            _answer(fut, loop, *outcome)
+
+    def _score(self, prompts: list[list[int]]) -> ScoreResult:  # engine thread
+        t0 = time.perf_counter()
+        res = score_prompts(self.llm, prompts, require_idle=False)
+        if self.metrics is not None:
+            self.metrics.scoring_seconds.inc(time.perf_counter() - t0, "engine")
+            self.metrics.scoring_calls.inc(1)
+            self.metrics.scoring_prompts.inc(len(prompts))
+        return res
 
     def abort(self, request_id: str) -> None:
         if request_id in self._streams:
@@ -233,7 +277,7 @@ class AsyncEngine:
             while not (self._stopping and not llm.has_unfinished_requests()):
                 self._run_jobs()
                 if not llm.has_unfinished_requests():
-                    if self._jobs.empty():
+                    if not self._has_jobs():
                         self._wake.wait(0.5)
                         self._wake.clear()
                     continue
@@ -250,7 +294,8 @@ class AsyncEngine:
                 # Let the event loop thread take the GIL between steps: without this a CPU-bound step loop
                 # starves HTTP handling (GIL convoy), and new requests wait seconds to be admitted.
                 time.sleep(0)
-            self._run_jobs()
+            while self._has_jobs():
+                self._run_jobs()
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine; report it everywhere
             log.exception("polyrl engine thread failed")
             self.error = exc
@@ -259,8 +304,9 @@ class AsyncEngine:
             err = EngineDeadError(f"the engine failed: {exc!r}")
             for rs in streams:
                 rs._put(err)
-            while not self._jobs.empty():  # scoring calls still waiting get the error too
-                _, fut, loop = self._jobs.get_nowait()
+            while self._has_jobs():  # scoring calls still waiting get the error too
+                _, fut, loop = self._pending if self._pending is not None else self._jobs.get_nowait()
+                self._pending = None
                 try:
                     loop.call_soon_threadsafe(_settle, fut, fut.set_exception, err)
                 except RuntimeError:
@@ -288,6 +334,29 @@ class AsyncEngine:
 def _settle(fut: asyncio.Future, setter: Any, value: Any) -> None:
     if not fut.done():  # the awaiting handler may have been cancelled (client gone)
         setter(value)
+
+
+def _answer(fut: asyncio.Future, loop: Any, setter: Any, value: Any) -> None:  # engine thread
+    try:
+        loop.call_soon_threadsafe(_settle, fut, setter, value)
+    except RuntimeError:  # the loop is closed: nobody is listening any more
+        pass
+
+
+def _slice(res: ScoreResult, lo: int, hi: int) -> ScoreResult:
+    """Prompts ``lo:hi`` of a merged ``score_prompts`` result."""
+
+    def part(values: list | None) -> list | None:
+        return None if values is None else values[lo:hi]
+
+    return ScoreResult(
+        res.logprobs[lo:hi],
+        res.greedy[lo:hi],
+        dict(res.stats),
+        part(res.token_logprobs),
+        part(res.top_ids),
+        part(res.top_logprobs),
+    )
 
 
 def _use_engine_device(llm: Any) -> None:

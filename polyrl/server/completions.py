@@ -33,9 +33,9 @@ from polyrl.server.params import (
     reject_unsupported,
     sampling_params,
 )
-from polyrl.server.prompts import PromptTooLong, tokenize_capped
+from polyrl.server.prompts import PromptTooLong, decode_prompts, tokenize_capped
 from polyrl.server.protocol import CompletionRequest
-from polyrl.server.scoring import direct_scoring, scored_outputs
+from polyrl.server.scoring import direct_scoring, request_path, scored_body, scored_prompts
 from polyrl.server.streaming import DONE, final_outputs, guarded_stream, sse
 from polyrl.server.tool_calls import ToolPlan, compile_plan, extra_structured
 
@@ -76,9 +76,12 @@ def encode(llm: Any, prompts: list[str | list[int]], limit: int) -> list[tuple[s
             ids = [start_token(llm.tokenizer)]
         if not ids:
             raise bad_request("the prompt is empty; give at least one token", "prompt")
-        if text is None:
-            text = llm.tokenizer.decode(ids) if llm.tokenizer is not None else ""
         out.append((text, ids))
+    todo = [i for i, (text, _) in enumerate(out) if text is None]  # token-id prompts: their text, decoded at once
+    if todo:
+        texts = decode_prompts(llm.tokenizer, [out[i][1] for i in todo]) if llm.tokenizer is not None else None
+        for j, i in enumerate(todo):
+            out[i] = (texts[j] if texts is not None else "", out[i][1])
     return out
 
 
@@ -106,6 +109,7 @@ def engine_max_tokens(req: CompletionRequest) -> int | None:
 
 
 async def create_completion(state: Any, req: CompletionRequest, request: Any) -> Any:
+    t_start = time.perf_counter()
     model = state.resolve_model(req.model)
     ctx = state.llm.max_model_len
     reject_unsupported(req)
@@ -166,7 +170,21 @@ async def create_completion(state: Any, req: CompletionRequest, request: Any) ->
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return guarded_stream(group, _stream(state, group, req, head, prompts, order, num_prompt, include_usage))
-    done = await (scored_outputs(state.engine, rids, prompts, params) if direct else final_outputs(group, request))
+    if direct:
+        res = await scored_prompts(state.engine, prompts)
+        if res is not None:  # the response written at once (scoring.py), off the event loop
+            t1 = time.perf_counter()
+            lp = req.logprobs
+            body = await state.prep(
+                scored_body, state.token_text, state.llm.eos_token_ids, prompts, res, params, lp, score_only, head
+            )
+            t2 = time.perf_counter()
+            state.metrics.scoring_seconds.inc(t2 - t1, "format")
+            state.metrics.scoring_seconds.inc(t2 - t_start, "request")
+            return body
+        done = await request_path(state.engine, rids, prompts, params)
+    else:
+        done = await final_outputs(group, request)
     choices = []
     completion_tokens = 0
     for rid in rids:

@@ -6,22 +6,56 @@
   the prompt's tokens come first, the first of them with log-prob and top-logprobs ``None`` (``echo_logprobs``)
 - vLLM's ``prompt_logprobs``: ``[None, {token id: {"logprob", "rank", "decoded_token"}}, ...]``
 
-A token's string is ``tokenizer.decode([id])`` with special tokens kept (cached per id); ``bytes`` are its
-UTF-8 bytes. The engine's log-probs are ``log_softmax(logits / T)`` before top-k/top-p truncation (see
-``polyrl.infer``). This module only formats; it does not compute log-probs.
+A token's string is ``tokenizer.decode([id])`` with special tokens kept (cached per id, with its JSON encoding and its
+length); ``bytes`` are its UTF-8 bytes. ``scored_echo_json`` writes the legacy block of a directly scored prompt
+(``server/scoring.py``) as JSON text at once, from the scorer's flat lists and those caches: the bytes
+``json.dumps`` gives for what ``echo_logprobs`` + ``completion_logprobs`` build, without a dict per token.
+The engine's log-probs are ``log_softmax(logits / T)`` before top-k/top-p truncation (see ``polyrl.infer``).
+This module only formats; it does not compute log-probs.
 """
 
 from __future__ import annotations
 
+import json
+from itertools import accumulate
 from typing import Any
 
 
+class _Derived(dict):
+    """token id -> ``fn(token string)``, filled on first use (``TokenText.json`` and ``TokenText.length``)."""
+
+    def __init__(self, text_of: Any, fn: Any) -> None:
+        super().__init__()
+        self.text_of, self.fn = text_of, fn
+
+    def __missing__(self, token_id: int) -> Any:
+        value = self[token_id] = self.fn(self.text_of(token_id))
+        return value
+
+
+def _json_str(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)  # as the responses are encoded (Starlette's JSONResponse)
+
+
 class TokenText:
-    """Token id -> the string OpenAI clients see for it (cached: the same ids come back all the time)."""
+    """Token id -> the string OpenAI clients see for it (cached: the same ids come back all the time).
+    ``json[id]``: that string JSON-encoded; ``length[id]``: its length (a text offset step)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self.json: dict[int, str] = _Derived(self, _json_str)
+        self.length: dict[int, int] = _Derived(self, len)
+        self._skipped: dict[int, str] = {}  # ``generated`` with special tokens skipped
+
+    def generated(self, token_id: int, skip_special_tokens: bool) -> str:
+        """A generated token's text: ``tokenizer.decode([id], skip_special_tokens=...)`` (cached)."""
+        if not skip_special_tokens:
+            return self(token_id)
+        s = self._skipped.get(token_id)
+        if s is None:
+            s = self._skipped[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=True)
+        return s
 
     def __call__(self, token_id: int) -> str:
         s = self._cache.get(token_id)
@@ -105,6 +139,62 @@ def echo_logprobs(text_of: TokenText, prompt_ids: list[int], prompt_lps: Any, k:
         top.setdefault(s, _safe(lp))
         top_list.append(top)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top_list, "text_offset": offsets}
+
+
+def scored_echo_json(
+    text_of: TokenText,
+    ids: list[int],
+    lps: list[float],
+    top_ids: list[int],
+    top_lps: list[float],
+    k: int,
+    generated: bool,
+) -> tuple[str, int]:
+    """(JSON text of the legacy log-probs block, the echoed prompt's text length) of one directly scored prompt:
+    ``json.dumps(join_logprobs(echo_logprobs(...), completion_logprobs(...)))`` for its values, built without a dict
+    per token.
+
+    ``ids``: the prompt (n tokens); ``lps``: the log-probs of tokens 1 .. n - 1; ``top_ids`` / ``top_lps``: the argmax
+    (id, log-prob) after each of the n positions (``infer.scoring.score_prompts``). ``k`` (0 or 1) alternatives per
+    prompt token: with 1, the argmax where it is not the token (its string first, as ``echo_logprobs`` orders them;
+    one entry when both decode to the same string). ``generated``: the greedy next token (``top_ids[-1]``) follows
+    as the completion's one token, its own entry its only alternative."""
+    enc, length = text_of.json, text_of.length
+    n = len(ids)
+    vals = [v if v > -9999.0 else -9999.0 for v in lps]  # _safe, NaN included
+    strs = [enc[t] for t in ids]
+    offsets = list(accumulate([length[t] for t in ids], initial=0))
+    fr = float.__repr__  # what json.dumps writes for a float; the costliest step: once per value
+    values = [fr(v) for v in vals]
+    if k:
+        tops = []
+        for t, s, r, a, av in zip(ids[1:], strs[1:], values, top_ids, top_lps):
+            if a == t:
+                tops.append(f"{{{s}:{r}}}")
+                continue
+            sa = enc[a]
+            ra = fr(av if av > -9999.0 else -9999.0)
+            # another token that decodes as this one keeps its own log-prob (the string is the key)
+            tops.append(f"{{{sa}:{ra}}}" if sa == s else f"{{{sa}:{ra},{s}:{r}}}")
+    else:
+        tops = [f"{{{s}:{r}}}" for s, r in zip(strs[1:], values)]
+    if n:
+        values.insert(0, "null")
+        tops.insert(0, "null")
+    if generated:
+        g = top_lps[-1] if top_lps[-1] > -9999.0 else -9999.0
+        sg = enc[top_ids[-1]]
+        strs.append(sg)
+        values.append(fr(g))
+        tops.append(f"{{{sg}:{fr(g)}}}")
+    total = offsets[-1]
+    if not generated:
+        offsets.pop()
+    body = (
+        f'{{"tokens":[{",".join(strs)}],"token_logprobs":[{",".join(values)}],'
+        f'"top_logprobs":[{",".join(tops)}],"text_offset":[{",".join(map(str, offsets))}]}}'
+    )
+    return body, total
 
 
 def join_logprobs(first: dict[str, Any], second: dict[str, Any] | None) -> dict[str, Any]:

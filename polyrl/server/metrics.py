@@ -120,6 +120,17 @@ class ServerMetrics:
         self.ttft = Histogram(
             "polyrl_time_to_first_token_seconds", "Time from admission to the first token (streaming).", TTFT_BUCKETS
         )
+        self.scoring_seconds = Counter(
+            "polyrl_scoring_seconds_total",
+            "Directly scored completions (echo + logprobs): seconds in the engine's scoring calls (stage engine, on "
+            "the engine thread, device wait included), writing their responses (format) and whole requests from "
+            "parsed body to response (request; concurrent requests overlap).",
+            ("stage",),
+        )
+        self.scoring_prompts = Counter("polyrl_scoring_prompts_total", "Prompts scored directly.")
+        self.scoring_calls = Counter(
+            "polyrl_scoring_calls_total", "Engine scoring calls (concurrent scoring requests share one)."
+        )
         self.all = [
             self.requests,
             self.prompt_tokens,
@@ -131,6 +142,9 @@ class ServerMetrics:
             self.preemptions,
             self.latency,
             self.ttft,
+            self.scoring_seconds,
+            self.scoring_prompts,
+            self.scoring_calls,
         ]
 
     def update_engine(self, snapshot: dict[str, float]) -> None:

@@ -1,26 +1,40 @@
 """Direct scoring of ``/v1/completions`` echo requests: lm-eval-harness's log-likelihood request (``echo: true``,
 ``logprobs: 1``, ``max_tokens`` 1 and greedy, or ``max_tokens`` 0) scored in one call on the engine thread instead
-of one engine request per prompt.
+of one engine request per prompt, and its response written as JSON text at once.
 
 ``infer.scoring.score_prompts`` runs every prompt of the HTTP request through the model in a few batched forwards
-between engine steps (``AsyncEngine.score``) and returns, per prompt position, the token's log-prob and the argmax
-(id, log-prob); this module turns that into the ``RequestOutput`` the completions handler formats, equal to what the
-request path gives: prompt log-probs with the top-1 alternative (the token's own entry carries its own log-prob, so a
-greedy check is exact), and the one generated token = the argmax after the prompt (greedy), finishing ``stop`` when
-it is an EOS id, else ``length``. Only requests whose answer cannot differ are taken (no sampling, stop strings or
-ids, min_tokens, grammar, adapter, vLLM ``prompt_logprobs`` with ranks, streaming, n > 1, more than 1 alternative);
-everything else takes the request path, and so does a batch the engine cannot score now (a ``UserError``: too few
-free KV blocks while other requests run). Not here: HTTP, formatting (``completions.py``, ``logprobs.py``).
+between engine steps (``AsyncEngine.score``, which also merges the prompts of concurrent scoring requests into one
+call) and returns, per prompt position, the token's log-prob and the argmax (id, log-prob). ``scored_body`` turns
+that into the response the request path gives, byte for byte as ``json.dumps`` writes it: prompt log-probs with the
+top-1 alternative (the token's own entry carries its own log-prob, so a greedy check is exact), and the one
+generated token = the argmax after the prompt (greedy), finishing ``stop`` when it is an EOS id, else ``length``.
+The legacy log-probs block of each prompt is written from the scorer's flat lists and per-token-id caches of the
+token's JSON string and length (``logprobs.scored_echo_json``): no ``RequestOutput``, no dict per token, no generic
+JSON encoding of ~10^4 small objects per request (those were ~85% of the event loop's time on lm-eval's
+requests).
+
+Only requests whose answer cannot differ are taken (no sampling, stop strings or ids, min_tokens, grammar, adapter,
+vLLM ``prompt_logprobs`` with ranks, streaming, n > 1, more than 1 alternative); everything else takes the request
+path, and so does a batch the engine cannot score now (a ``UserError``: too few free KV blocks while other requests
+run). Not here: HTTP, the general formatting (``completions.py``, ``logprobs.py``).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from polyrl.errors import UserError
 from polyrl.infer.scoring import supports_scoring
-from polyrl.infer.sequence import CompletionOutput, PromptLogprobs, RequestOutput
+from polyrl.server.logprobs import scored_echo_json
 from polyrl.server.streaming import final_outputs
+
+
+class JSONText:
+    """A response body already encoded as JSON (``app.respond`` sends it as ``application/json``)."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
 
 
 def direct_scoring(llm: Any, req: Any, params: Any) -> bool:
@@ -43,39 +57,59 @@ def direct_scoring(llm: Any, req: Any, params: Any) -> bool:
     )
 
 
-async def scored_outputs(engine: Any, rids: list[str], prompts: list[tuple[str, list[int]]], params: Any) -> dict:
-    """request id -> ``RequestOutput`` of each prompt, scored in one engine-thread call."""
-    llm = engine.llm
+async def scored_prompts(engine: Any, prompts: list[tuple[str, list[int]]]) -> Any | None:
+    """The engine's ``ScoreResult`` for every prompt (one engine-thread call), or None when the engine cannot score
+    this batch now (e.g. running requests hold the KV blocks it needs: the request path waits for them)."""
     try:
-        res = await engine.score([ids for _, ids in prompts])
-    except UserError:  # e.g. running requests hold the KV blocks a batch needs: the request path waits for them
-        return await _request_path(engine, rids, prompts, params)
+        return await engine.score([ids for _, ids in prompts])
+    except UserError:
+        return None
+
+
+def scored_body(
+    text_of: Any,
+    eos_ids: Any,
+    prompts: list[tuple[str, list[int]]],
+    res: Any,
+    params: Any,
+    logprobs: int | None,
+    score_only: bool,
+    head: dict[str, Any],
+) -> JSONText:
+    """The ``text_completion`` response of a directly scored request (``echo``; ``logprobs`` 0, 1 or None), as the
+    request path would write it (``completions.create_completion``, Starlette's ``json.dumps``)."""
     k = params.prompt_logprobs or 0  # alternatives per prompt token: 0 or 1 (``direct_scoring``)
-    done = {}
-    for i, (rid, (text, ids)) in enumerate(zip(rids, prompts)):
-        lps, tops, top_lps = res.token_logprobs[i], res.top_ids[i], res.top_logprobs[i]
-        alts: list[dict[int, float] | None] = [None]
-        for target, lp, top, top_lp in zip(ids[1:], lps, tops, top_lps):
-            alts.append({top: lp if top == target else top_lp} if k else {})
-        pl = PromptLogprobs([None, *lps], alts, [None] * len(ids))
-        tok, tok_lp = tops[-1], top_lps[-1]
-        eos = tok in llm.eos_token_ids and not params.ignore_eos
-        skip = params.skip_special_tokens
-        out_text = "" if eos or llm.tokenizer is None else llm.tokenizer.decode([tok], skip_special_tokens=skip)
-        completion = CompletionOutput(
-            index=0,
-            token_ids=[tok],
-            text=out_text,
-            logprobs=[tok_lp],
-            cumulative_logprob=tok_lp,
-            finish_reason="stop" if eos else "length",
-            top_logprobs=[{tok: tok_lp}] if params.logprobs is not None else None,
-        )
-        done[rid] = RequestOutput(rid, list(ids), [completion], True, text, pl)
-    return done
+    eos_ids = set(eos_ids)
+    tokenizer = text_of.tokenizer
+    choices = []
+    for i, (text, ids) in enumerate(prompts):
+        tok = res.top_ids[i][-1]
+        eos = tok in eos_ids and not params.ignore_eos
+        out_text = ""
+        if not score_only and not eos and tokenizer is not None:
+            out_text = text_of.generated(tok, params.skip_special_tokens)
+        lp = "null"
+        if logprobs is not None:
+            lp, _ = scored_echo_json(
+                text_of, ids, res.token_logprobs[i], res.top_ids[i], res.top_logprobs[i], k, not score_only
+            )
+        finish = "length" if score_only or not eos else "stop"
+        choices.append(f'{{"index":{i},"text":{_dumps(text + out_text)},"logprobs":{lp},"finish_reason":"{finish}"}}')
+    num_prompt = sum(len(ids) for _, ids in prompts)
+    completion_tokens = 0 if score_only else len(prompts)
+    usage = {"prompt_tokens": num_prompt, "completion_tokens": completion_tokens}
+    usage["total_tokens"] = num_prompt + completion_tokens
+    top = _dumps({"object": "text_completion", **head})
+    body = f'{top[:-1]},"choices":[{",".join(choices)}],"usage":{_dumps(usage)}}}'
+    return JSONText(body.encode("utf-8"))
 
 
-async def _request_path(engine: Any, rids: list[str], prompts: list[tuple[str, list[int]]], params: Any) -> dict:
+def _dumps(value: Any) -> str:
+    # Starlette's JSONResponse.render
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
+
+
+async def request_path(engine: Any, rids: list[str], prompts: list[tuple[str, list[int]]], params: Any) -> dict:
     """The same prompts as one engine request each (what ``completions.py`` does for every other request)."""
     group = engine.new_group()
     try:

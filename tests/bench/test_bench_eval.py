@@ -2,8 +2,8 @@
 equal the hf backend's, the generation rows produce hf's greedy texts, the harness's own time is a row, and the
 report carries the prompt log-prob overhead, the in-process phase's host breakdown (a document's choices share their
 context: fewer tokens fed than one sequence per request) and its repeat, and the serve row runs against a `polyrl
-serve` process with the client settings recorded. A row that fails is printed with its error and the others still
-run."""
+serve` process with the client settings and the server's own time split (its /metrics) recorded. A row that fails is
+printed with its error and the others still run."""
 
 from __future__ import annotations
 
@@ -47,6 +47,8 @@ def test_bench_eval_tiny_cpu(tmp_path, capsys):
     assert b["scored_tokens"] > 0 and b["batches"] >= 1 and b["tokenize_s"] > 0
     assert rows["serve (local-completions)"]["client"] == {"batch_size": 64, "num_concurrent": 8}
     assert rows["serve (local-completions)"]["serve_mode"] == "process"
+    server = rows["serve (local-completions)"]["server"]  # the server's own split, from its /metrics
+    assert server["prompts"] == 24 and server["calls"] >= 1 and server["engine"] > 0 and server["format"] > 0
     assert rows["lm-eval harness itself (hf bs=8 run)"]["harness_s"] == rows["hf bs=8"]["harness_s"] > 0
     over = res["prompt_logprobs_overhead"]
     assert set(over) == {"all_positions", "continuation", "plain_s", "all_positions_s", "continuation_s"} | {

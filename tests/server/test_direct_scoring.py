@@ -48,13 +48,13 @@ def test_direct_scoring_answers_what_the_request_path_answers(served, http, monk
     from polyrl.server import completions
 
     engine_calls = []
-    real = completions.scored_outputs
+    real = completions.scored_prompts
 
-    async def spy(engine, *a, **k):
-        engine_calls.append(len(a[0]))
-        return await real(engine, *a, **k)
+    async def spy(engine, prompts):
+        engine_calls.append(len(prompts))
+        return await real(engine, prompts)
 
-    monkeypatch.setattr(completions, "scored_outputs", spy)
+    monkeypatch.setattr(completions, "scored_prompts", spy)
     direct = _post(http, body)
     assert engine_calls == [len(PROMPTS) if isinstance(body["prompt"], list) else 1]  # one call for the batch
     monkeypatch.setattr(completions, "direct_scoring", lambda *a: False)
@@ -64,7 +64,7 @@ def test_direct_scoring_answers_what_the_request_path_answers(served, http, monk
 def test_requests_that_could_differ_take_the_request_path(served, http, monkeypatch):
     from polyrl.server import completions
 
-    monkeypatch.setattr(completions, "scored_outputs", lambda *a, **k: pytest.fail("must not score directly"))
+    monkeypatch.setattr(completions, "scored_prompts", lambda *a, **k: pytest.fail("must not score directly"))
     for extra in ({"temperature": 0.7, "seed": 1}, {"temperature": 0, "logprobs": 2}, {"temperature": 0, "n": 2}):
         body = {"prompt": PROMPTS[:2], "echo": True, "logprobs": 1, "max_tokens": 1, **extra}
         choices, _ = _post(http, body)
@@ -103,3 +103,96 @@ def test_scoring_between_the_steps_of_running_requests(served, http):
         _close(got, idle)
     ((choices, usage),) = results
     assert usage["completion_tokens"] == 4 * 120
+
+
+class _Vocab:
+    """A tokenizer's ``decode`` over a few tricky token strings: JSON escapes, non-ASCII, two ids with one string."""
+
+    STRINGS = ["a", ' "q"', "\\", "\n", "é", "\ufffd", "\ufffd", "<|eos|>", "\u2028", "x"]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join("" if (skip_special_tokens and t == 7) else self.STRINGS[t] for t in ids)
+
+
+@pytest.mark.parametrize("k", [0, 1])
+@pytest.mark.parametrize("generated", [True, False])
+def test_scored_echo_json_is_what_the_general_formatter_writes(k, generated):
+    """``scored_echo_json`` (the direct path's writer) gives the bytes ``json.dumps`` writes for the block that
+    ``echo_logprobs`` + ``completion_logprobs`` build from the same scorer values: argmax equal to the token, argmax
+    another token, another token with the same string (5 and 6), -inf and NaN (-9999.0), escapes."""
+    import json
+    import math
+
+    from polyrl.infer.sequence import PromptLogprobs
+    from polyrl.server.logprobs import TokenText, completion_logprobs, echo_logprobs, join_logprobs, scored_echo_json
+
+    ids = [0, 1, 2, 3, 4, 5, 8, 9, 7, 6]
+    lps = [-0.5, -1.25, -math.inf, -3.0, -0.1, math.nan, -2.5, -1e-7, -7.75]  # tokens 1 ..
+    top_ids = [1, 9, 2, 0, 4, 6, 8, 3, 5, 9]  # the argmax after each position (the last: the next token)
+    top_lps = [-0.5, -0.2, -0.3, -0.01, -0.1, -0.4, -2.5, -0.9, -0.05, -math.inf]
+    text_of = TokenText(_Vocab())
+    alts = [None] + [({a: lp if a == t else alp} if k else {}) for t, lp, a, alp in zip(ids[1:], lps, top_ids, top_lps)]
+    want = echo_logprobs(text_of, ids, PromptLogprobs([None, *lps], alts, [None] * len(ids)), k)
+    start = sum(len(t) for t in want["tokens"])
+    if generated:
+        gen = completion_logprobs(text_of, [top_ids[-1]], [top_lps[-1]], [{top_ids[-1]: top_lps[-1]}], k, start)
+        want = join_logprobs(want, gen)
+    got, length = scored_echo_json(text_of, ids, lps, top_ids, top_lps, k, generated)
+    assert got == json.dumps(want, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    assert length == start == len(_Vocab().decode(ids))
+    parsed = json.loads(got)
+    assert parsed["top_logprobs"][9] == {"\ufffd": -0.05 if k else -7.75}  # id 6, argmax 5: one string, one key
+    assert parsed["token_logprobs"][3] == -9999.0 and parsed["token_logprobs"][6] == -9999.0
+
+
+def test_concurrent_scoring_calls_run_as_one_engine_call(reference_llm, monkeypatch):
+    """Scoring calls queued together (concurrent lm-eval requests) run as one ``score_prompts`` call, each caller
+    getting its own prompts' values (equal to scoring them alone); a merged call that fails is retried per caller,
+    so only the caller whose prompt is bad gets the error; a round is capped in tokens."""
+    import asyncio
+
+    from polyrl.errors import UserError
+    from polyrl.infer.scoring import score_prompts
+    from polyrl.server.async_engine import AsyncEngine
+    from polyrl.server.metrics import ServerMetrics
+
+    engine = AsyncEngine(reference_llm, metrics=ServerMetrics())
+    loop = asyncio.new_event_loop()
+    try:
+        batches = [PROMPTS[:2], PROMPTS[2:], [[7, 7, 7]]]
+        futs = [loop.create_future() for _ in batches]
+        for prompts, fut in zip(batches, futs):
+            engine._jobs.put((prompts, fut, loop))
+        engine._run_jobs()  # what the engine thread does between steps
+        got = loop.run_until_complete(asyncio.gather(*futs))
+        assert engine.metrics.scoring_calls.get() == 1 and engine.metrics.scoring_prompts.get() == len(PROMPTS) + 1
+        for prompts, res in zip(batches, got):
+            alone = score_prompts(reference_llm, prompts)
+            assert res.top_ids == alone.top_ids
+            for a, b in zip(res.token_logprobs, alone.token_logprobs):
+                assert a == pytest.approx(b, abs=1e-5)
+
+        bad = [[5, 6], []]  # an empty prompt: score_prompts refuses it
+        futs = [loop.create_future() for _ in range(3)]
+        for prompts, fut in zip([PROMPTS[:1], bad, PROMPTS[1:2]], futs):
+            engine._jobs.put((prompts, fut, loop))
+        engine._run_jobs()
+        ok1, err, ok2 = loop.run_until_complete(asyncio.gather(*futs, return_exceptions=True))
+        assert isinstance(err, UserError) and "empty" in str(err)
+        assert ok1.top_ids == got[0].top_ids[:1] and ok2.top_ids == got[0].top_ids[1:2]
+        assert engine.metrics.scoring_calls.get() == 3  # 1 above + the two good callers alone
+
+        # a round takes at most MERGE_BATCHES batches of tokens (here: one call at a time), one round per
+        # _run_jobs, so that running generations get a step between rounds
+        monkeypatch.setattr("polyrl.server.async_engine.MERGE_BATCHES", 0)
+        futs = [loop.create_future() for _ in batches]
+        for prompts, fut in zip(batches, futs):
+            engine._jobs.put((prompts, fut, loop))
+        for rounds in (1, 2, 3):
+            engine._run_jobs()
+            loop.run_until_complete(asyncio.sleep(0))
+            assert [f.done() for f in futs] == [i < rounds for i in range(3)]
+        assert not engine._has_jobs() and engine.metrics.scoring_calls.get() == 6
+        assert [f.result().top_ids for f in futs] == [r.top_ids for r in got]
+    finally:
+        loop.close()

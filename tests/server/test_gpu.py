@@ -1,5 +1,6 @@
 """On an accelerator: the server's engine thread runs the model there (bf16, CUDA graphs where supported),
-greedy answers equal the engine's own, and 32 concurrent streams finish with the right token counts."""
+greedy answers equal the engine's own, 32 concurrent streams finish with the right token counts, and concurrent
+lm-eval scoring requests answer what each alone answers."""
 
 from __future__ import annotations
 
@@ -98,3 +99,42 @@ def test_tools_and_structured_outputs_on_the_accelerator(tiny_model_dir):
             assert json.loads(c.message.tool_calls[0].function.arguments)["x"] in ("a", "b")
     assert all(c.finish_reason == "length" for r in free for c in r.choices)
     assert llm.grammar_cache().compiles == 2 and llm.runner.use_graphs == device.supports_graphs()
+
+
+def test_concurrent_lm_eval_scoring_on_the_accelerator(tiny_model_dir):
+    """lm-eval's local-completions request shape (token-id prompts, echo + logprobs 1, max_tokens 1, greedy), 8
+    requests in flight: every prompt is scored (directly, concurrent calls merged on the engine thread) and each
+    answer is what the same request alone gives: the same tokens and offsets, log-probs within bf16 noise."""
+    import concurrent.futures
+    import random
+
+    import httpx
+
+    from polyrl.infer import LLM, RolloutConfig
+    from polyrl.platform import device
+    from polyrl.server import ServeConfig, start_server
+
+    rnd = random.Random(0)
+    batches = [[[rnd.randrange(5, 2000) for _ in range(rnd.randint(20, 90))] for _ in range(16)] for _ in range(16)]
+    cfg = RolloutConfig(num_blocks=1024, max_num_seqs=32, max_model_len=512)
+    llm = LLM.from_pretrained(str(tiny_model_dir), cfg, dtype="bfloat16", device=device.torch_device())
+    with start_server(llm, ServeConfig(port=0, served_model_name=MODEL, log_level="warning")) as h:
+        body = {"model": MODEL, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0, "seed": 1234}
+
+        def post(prompts):
+            with httpx.Client(timeout=120) as c:
+                r = c.post(h.base_url + "/completions", json={**body, "prompt": prompts})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"]
+
+        alone = [post(b) for b in batches]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(post, batches))
+        metrics = httpx.get(h.url + "/metrics").text
+    assert "polyrl_scoring_prompts_total " + str(2 * 16 * 16) in metrics
+    for a_choices, t_choices in zip(alone, together):
+        for a, t in zip(a_choices, t_choices):
+            la, lt = a["logprobs"], t["logprobs"]  # the prompt's part (the greedy next token may flip in bf16)
+            assert la["tokens"][:-1] == lt["tokens"][:-1] and la["text_offset"] == lt["text_offset"]
+            assert la["token_logprobs"][0] is None and lt["token_logprobs"][0] is None
+            assert la["token_logprobs"][1:-1] == pytest.approx(lt["token_logprobs"][1:-1], abs=5e-2)

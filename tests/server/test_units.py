@@ -120,3 +120,21 @@ def test_validation_param_names_drop_union_tags():
         ]
     )
     assert param == "stop" and msg.startswith("stop: Input should be a valid string")
+
+
+def test_decode_prompts_is_the_tokenizers_decode(tiny_model_dir):
+    """Token-id prompts' echoed texts, decoded in one Rust ``decode_batch`` call, are what ``tokenizer.decode`` gives
+    for each (special tokens kept, split multi-byte characters); with clean-up of tokenisation spaces on (the batch
+    call would skip it) the tokenizer's own ``decode`` runs."""
+    from transformers import AutoTokenizer
+
+    from polyrl.server.prompts import decode_prompts
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    prompts = [list(range(i, tok.vocab_size, 97)) for i in range(40)] + [[tok.eos_token_id, 300, 301], [5]]
+    prompts.append(tok.encode("héllo wörld ☃ , . !") + [tok.eos_token_id])
+    want = [tok.decode(p) for p in prompts]
+    assert tok.clean_up_tokenization_spaces is False
+    assert decode_prompts(tok, prompts) == want
+    tok.clean_up_tokenization_spaces = True
+    assert decode_prompts(tok, prompts) == [tok.decode(p) for p in prompts]
