@@ -49,6 +49,7 @@ import torch
 from polyrl import kernels
 from polyrl.bench import rollout_fp8
 from polyrl.bench.common import add_decoder_options, decoder_options, hf_moe_kwargs, measure_copy_bandwidth
+from polyrl.errors import UserError
 from polyrl.infer import LLM, RolloutConfig, SamplingParams, StructuredOutputs
 from polyrl.kernels import registry
 from polyrl.models.attention_metadata import AttnMetadata
@@ -94,9 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--grammar-lanes",
         default=None,
-        help="separately compiled matchers per schema (structured.GrammarCache.lanes; default 1: every row copies "
-        "one template and shares its lexer mutex; N gives rows N separate lexers); a list (1,8) times the "
-        "constrained run once per value, the first in the structured row, the others as an A/B",
+        help="separately compiled matchers per schema (structured.GrammarCache.lanes; default auto: one per grammar "
+        "executor thread on a host with >= 4 of them, else 1 (RolloutConfig.grammar_lanes = None); N gives rows N "
+        "separate lexers, round-robin); a list (auto,1,16) times the constrained run once per value, the first in "
+        "the structured row, the others as an A/B",
     )
     add_decoder_options(parser)
     rollout_fp8.add_arguments(parser)  # --precision fp8 (bench/rollout_fp8.py)
@@ -278,6 +280,8 @@ def roofline_tokens_per_s(model, batch: int, prompt_len: int, gen_len: int, kv_d
 
 
 def run(args: argparse.Namespace) -> int:
+    for value in str(args.grammar_lanes or "auto").split(","):
+        _grammar_lanes(value)  # a bad --grammar-lanes fails before the runs
     dev = torch.device(args.device) if args.device else device.torch_device()
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if dev.type != "cpu" else torch.float32)
     baselines = [b for b in args.baselines.split(",") if b and b != "none"]
@@ -467,7 +471,7 @@ def _compare_parts(llm, prompts: list[list[int]], args: argparse.Namespace, dev:
 def _constrained(llm, prompts: list[list[int]], args: argparse.Namespace, dev: torch.device, res: dict) -> None:
     """The same run with every sample constrained (``--response-format``): tokens/s and cost vs the free run, for
     the first ``--grammar-lanes`` value (the structured row) and each further one (an A/B in the same run)."""
-    lanes = [int(x) for x in str(args.grammar_lanes).split(",")] if args.grammar_lanes is not None else [None]
+    lanes = [x.strip() for x in str(args.grammar_lanes).split(",")] if args.grammar_lanes is not None else [None]
     _constrained_run(llm, prompts, args, dev, res, lanes[0])
     for n in lanes[1:]:
         ab: dict = {"engine_decode_tok_s": res["engine_decode_tok_s"]}
@@ -477,14 +481,28 @@ def _constrained(llm, prompts: list[list[int]], args: argparse.Namespace, dev: t
         res[f"lanes{n}_grammar_mask_ms_mean"] = ab["grammar_mask_ms_mean"]
 
 
-def _constrained_run(llm, prompts, args, dev: torch.device, res: dict, lanes: int | None) -> None:
+def _grammar_lanes(value: str) -> int | None:
+    """A ``--grammar-lanes`` value: ``auto`` (None: ``structured.auto_lanes``) or a count >= 1."""
+    if value.strip() == "auto":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise UserError(f"--grammar-lanes takes 'auto' or counts >= 1 (comma-separated), got {value!r}")
+    return n
+
+
+def _constrained_run(llm, prompts, args, dev: torch.device, res: dict, lanes: str | None) -> None:
     kind = args.response_format
     so = StructuredOutputs.json_schema(BENCH_SCHEMA) if kind == "json_schema" else StructuredOutputs("json_object")
-    if lanes is not None:
+    if lanes is not None:  # a fresh cache per value (the engine's own is made with RolloutConfig.grammar_lanes)
         # lazy: structured.py needs llguidance, only for --response-format
         from polyrl.infer.structured import GrammarCache
 
-        llm._grammars = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, lanes=lanes)
+        n = _grammar_lanes(lanes)
+        llm._grammars = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, lanes=n)
     llm.reset_prefix_cache()
     _run_engine_phased(llm, prompts[: min(8, len(prompts))], 8, dev, so)  # warm-up: the one compilation
     llm.reset_prefix_cache()
@@ -499,7 +517,7 @@ def _constrained_run(llm, prompts, args, dev: torch.device, res: dict, lanes: in
             res[f"guided_host_{part}_ms"] = ms
     res["constrained_decode_step_ms"] = 1e3 * run["decode_s"] / run["decode_steps"]
     res["response_format"] = kind
-    res["grammar_threads"], res["grammar_lanes"] = cache.num_threads, cache.lanes
+    res["grammar_threads"], res["grammar_lanes"], res["grammar_lanes_auto"] = cache.num_threads, cache.lanes, cache.auto
     res["grammar_mask_ms_mean"] = 1e3 * cache.mask_s / max(cache.mask_calls, 1)
     res["grammar_mask_ms_max"] = 1e3 * cache.mask_max_s
     res["constrained_tok_s"] = args.batch * args.gen_len / run["total_s"]
@@ -546,7 +564,8 @@ def _print(res: dict) -> None:
     ]
     for label, key, fmt in rows:
         if key == "grammar_lanes" and key in res:
-            print(f"{label:<36} {res['grammar_threads']} / {res[key]}")
+            auto = " (auto)" if res.get("grammar_lanes_auto") else ""
+            print(f"{label:<36} {res['grammar_threads']} / {res[key]}{auto}")
         elif key in res:
             print(f"{label:<36} {fmt.format(res[key])}")
     for key in [k for k in res if k.startswith("lanes") and k.endswith("_constrained_decode_cost")]:  # lanes A/B

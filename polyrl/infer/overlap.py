@@ -134,6 +134,7 @@ class GuidedDraws:
         self.plan = None
         self.masses: list[torch.Tensor] = []
         self._rows: list[tuple[int, object, int]] = []  # (row, guide, output index of the row's step-0 input)
+        self._feed: list[tuple[int, object, object]] = []  # (row, guide, its matcher's consume_token) for steps >= 1
         self._host: torch.Tensor | None = None  # pinned [K, B]: each step's tokens on their way to the host
         self._events: list = []
         self._cpu: list[torch.Tensor] = []  # on the CPU: the steps' token tensors themselves
@@ -145,12 +146,20 @@ class GuidedDraws:
             self.plan = self.sampler.plan(self.seqs, logits.device)
             seqs, rows = self.seqs, zip(self.plan.guided or (), self.plan.guides or ())
             self._rows = [(b, g, seqs[b].num_tokens - 1 - seqs[b].num_prompt) for b, g in rows]
+            self._feed = [(b, g, g.matcher.consume_token) for b, g, _ in self._rows]
             toks = self._first_tokens()
         else:
             toks = self._step_tokens(j - 1)
         t1 = clock()
-        for b, g, p in self._rows:
-            g.consume_at(p + j, toks[b])
+        if j == 0:
+            for b, g, p in self._rows:
+                g.consume_at(p, toks[b])  # a row's matcher may have its step-0 input already (toks[b] is None)
+        else:
+            # step j-1 left every row's matcher at output token p + j (consumed == p + j): feed it without the
+            # position check of consume_at (host time on every step of every row)
+            for b, g, consume in self._feed:
+                consume(toks[b])
+                g.consumed += 1
         t2 = clock()
         mask_before, read_before = times.mask, times.read
         if j == 0 and self.plan.guided:

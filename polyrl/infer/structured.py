@@ -88,6 +88,20 @@ def host_threads() -> int:
     return max(1, min(n, 32))
 
 
+# Automatic lanes (GrammarCache(lanes=None)): consecutive copies of a spec share a lane in blocks of this many rows, so
+# a spec with at most this many rows in flight (a lone request, a few concurrent ones) stays on one compiled template
+# and a B256 rollout spreads over 16 lanes
+ROWS_PER_LANE = 16
+# ... and below this many executor threads a spec keeps one lane (CPU measurement in docs/performance.md)
+AUTO_LANES_MIN_THREADS = 4
+
+
+def auto_lanes(threads: int) -> int:
+    """The lanes ``GrammarCache`` gives a spec by default: one per executor thread on a host with at least
+    ``AUTO_LANES_MIN_THREADS`` of them (threads then mask rows of separate lexers), else 1."""
+    return threads if threads >= AUTO_LANES_MIN_THREADS else 1
+
+
 def _llg() -> Any:
     try:
         # lazy: llguidance is an optional dependency (the `serve` extra), needed only for structured outputs
@@ -137,7 +151,8 @@ class GrammarCache:
         eos_ids: list[int] | frozenset[int],
         max_entries: int = 256,
         num_threads: int | None = None,
-        lanes: int = 1,
+        lanes: int | None = None,
+        rows_per_lane: int | None = None,
     ):
         if tokenizer is None:
             raise UserError("structured outputs need a tokenizer; build the LLM with one")
@@ -153,14 +168,21 @@ class GrammarCache:
         self.words = (vocab_size + 31) // 32
         self.max_entries = max_entries
         self.num_threads = max(1, num_threads or host_threads())
-        self.lanes = max(1, lanes)
+        if lanes is not None and lanes < 1:
+            raise UserError(f"grammar lanes must be >= 1 (or None: chosen from the host's threads), got {lanes}")
+        if rows_per_lane is not None and rows_per_lane < 1:
+            raise UserError(f"rows_per_lane must be >= 1, got {rows_per_lane}")
+        # lanes None: auto_lanes(threads), copies handed out in blocks of ROWS_PER_LANE; a given N: round-robin
+        self.auto = lanes is None
+        self.lanes = auto_lanes(self.num_threads) if lanes is None else lanes
+        self.rows_per_lane = rows_per_lane or (ROWS_PER_LANE if lanes is None else 1)
         self.compiles = 0
         self.hits = 0
         self.mask_calls = 0  # fill calls (one per guided step), their total and slowest host seconds
         self.mask_s = 0.0
         self.mask_max_s = 0.0
         self.times = HostTimes()  # where a guided launch's host time goes (filled by overlap.GuidedDraws)
-        # per spec: its lanes' templates (compiled as copies reach them), its grammar, the next lane to hand out
+        # per spec: its lanes' templates (compiled as copies reach them), its grammar, the copies handed out so far
         self._cache: OrderedDict[StructuredOutputs, list] = OrderedDict()
         self._lock = threading.Lock()
         self._executor = llg.LLExecutor(num_threads=self.num_threads)
@@ -181,9 +203,10 @@ class GrammarCache:
                 self._cache[so] = entry
                 while len(self._cache) > self.max_entries:
                     self._cache.popitem(last=False)
-            templates, grammar, lane = entry
-            entry[2] = (lane + 1) % self.lanes
-            if lane == len(templates):  # lanes are compiled as copies reach them: a lone request compiles once
+            templates, grammar, copies = entry
+            entry[2] = copies + 1
+            lane = (copies // self.rows_per_lane) % self.lanes
+            while len(templates) <= lane:  # lanes are compiled as copies reach them: a lone request compiles once
                 templates.append(self._compile(so, grammar))
             return templates[lane].deep_copy(), lane
 
@@ -209,7 +232,16 @@ class GrammarCache:
 
     def fill_guides(self, guides: list[Guide], bitmask: torch.Tensor) -> None:
         """``fill_bitmask`` of the guides' matchers, handed to the executor grouped by lane (module docstring)."""
-        self._fill([(guides[i].matcher, i) for i in self._order(guides)], bitmask)
+        self.fill_pairs(self.mask_pairs(guides), bitmask)
+
+    def mask_pairs(self, guides: list[Guide]) -> list[tuple[Any, int]]:
+        """(matcher, row) per guide, grouped by lane: what ``fill_pairs`` hands the executor. A batch's pairs stay
+        valid while its guides do (the sampler builds them once per draw plan, not every step)."""
+        return [(guides[i].matcher, i) for i in self._order(guides)]
+
+    def fill_pairs(self, pairs: list[tuple[Any, int]], bitmask: torch.Tensor) -> None:
+        """Row ``i`` of ``bitmask`` = the tokens the matcher paired with ``i`` allows next (``mask_pairs``)."""
+        self._fill(pairs, bitmask)
 
     def _fill(self, pairs: list[tuple[Any, int]], bitmask: torch.Tensor) -> None:
         t0 = time.perf_counter()
@@ -300,12 +332,16 @@ class MaskBuffers:
         self._pool: ThreadPoolExecutor | None = None  # the worker of fill(beside=...), made on first use
 
     def fill(
-        self, cache: GrammarCache, guides: list[Guide], dev: torch.device, beside: Callable[[], None] | None = None
+        self,
+        cache: GrammarCache,
+        pairs: list[tuple[Any, int]],
+        dev: torch.device,
+        beside: Callable[[], None] | None = None,
     ) -> torch.Tensor:
-        """int32 ``[len(guides), words]`` on ``dev``: the tokens each guide allows next. ``beside``: host work run on
-        this thread while the masks are computed on a worker thread (llguidance releases the GIL), which then must
-        not touch these guides' matchers."""
-        n, words = len(guides), cache.words
+        """int32 ``[len(pairs), words]`` on ``dev``: the tokens each guide allows next (``pairs``:
+        ``cache.mask_pairs(guides)``). ``beside``: host work run on this thread while the masks are computed on a
+        worker thread (llguidance releases the GIL), which then must not touch these guides' matchers."""
+        n, words = len(pairs), cache.words
         pinned = dev.type != "cpu"
         host = self._host
         if (
@@ -321,9 +357,9 @@ class MaskBuffers:
             self._dev = torch.empty((cap, words), dtype=torch.int32, device=dev) if pinned else None
         self._wait()
         if beside is None:
-            cache.fill_guides(guides, host[:n])
+            cache.fill_pairs(pairs, host[:n])
         else:
-            self._fill_beside(cache, guides, host[:n], beside)
+            self._fill_beside(cache, pairs, host[:n], beside)
         if not pinned:
             return host[:n]
         out = self._dev[:n]
@@ -333,8 +369,8 @@ class MaskBuffers:
             self._event.record()
         return out
 
-    def _fill_beside(self, cache: GrammarCache, guides: list[Guide], host: torch.Tensor, beside: Callable) -> None:
-        """``cache.fill_guides`` on the worker thread while ``beside()`` runs here. This thread waits until the worker
+    def _fill_beside(self, cache: GrammarCache, pairs: list, host: torch.Tensor, beside: Callable) -> None:
+        """``cache.fill_pairs`` on the worker thread while ``beside()`` runs here. This thread waits until the worker
         is about to enter llguidance (which releases the GIL), so ``beside``'s Python does not hold the worker back
         for a GIL switch interval; it waits for the masks after ``beside`` returns (or raises)."""
         if self._pool is None:
@@ -343,7 +379,7 @@ class MaskBuffers:
 
         def work() -> None:
             started.set()
-            cache.fill_guides(guides, host)
+            cache.fill_pairs(pairs, host)
 
         future = self._pool.submit(work)
         started.wait()

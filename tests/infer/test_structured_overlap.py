@@ -132,11 +132,11 @@ def test_mask_fill_beside_runs_on_a_worker_and_joins(tiny_model_dir):
 
     llm = _engine(tiny_model_dir, overlap=True)
     cache = llm.grammar_cache()
-    guides = [cache.guide(StructuredOutputs.json_schema(SCHEMA)) for _ in range(5)]
+    guides = cache.mask_pairs([cache.guide(StructuredOutputs.json_schema(SCHEMA)) for _ in range(5)])
     plain = MaskBuffers().fill(cache, guides, torch.device("cpu")).clone()
     threads = []
-    real = cache.fill_guides
-    cache.fill_guides = lambda g, b: threads.append(threading.get_ident()) or real(g, b)
+    real = cache.fill_pairs
+    cache.fill_pairs = lambda g, b: threads.append(threading.get_ident()) or real(g, b)
     buffers = MaskBuffers()
     ran = []
     got = buffers.fill(cache, guides, torch.device("cpu"), lambda: ran.append(threading.get_ident()))
