@@ -202,7 +202,8 @@ class Sampler:
         self._mask_buffers = None
 
     @property
-    def _masks(self):
+    def mask_buffers(self):
+        """The structured-output masks' buffers (``structured.MaskBuffers``), made on first use."""
         if self._mask_buffers is None:
             # lazy: structured.py is imported only once a guided row is drawn (llguidance itself is optional)
             from polyrl.infer.structured import MaskBuffers
@@ -300,7 +301,7 @@ class Sampler:
         beside, plan.beside = plan.beside, None
         if plan.mask_pairs is None:  # the (matcher, row) list the executor takes: built once per plan
             plan.mask_pairs = guides[0].cache.mask_pairs(guides)
-        bitmask = self._masks.fill(guides[0].cache, plan.mask_pairs, dev, beside)
+        bitmask = self.mask_buffers.fill(guides[0].cache, plan.mask_pairs, dev, beside)
         inv = plan.rows.inv_temps
         if len(guides) == logits.shape[0]:  # every row guided (a constrained rollout): no gathers
             plan.guided_idx = None

@@ -228,7 +228,7 @@ class GrammarCache:
         """Row ``i`` of ``bitmask`` (int32 ``[>= len(matchers), words]``, CPU, contiguous) = the tokens matcher ``i``
         allows next (every word of the row is written). A matcher in an error state (it cannot happen for tokens
         drawn under its own mask) allows only EOS, so the sequence ends."""
-        self._fill([(m, i) for i, m in enumerate(matchers)], bitmask)
+        self.fill_pairs([(m, i) for i, m in enumerate(matchers)], bitmask)
 
     def fill_guides(self, guides: list[Guide], bitmask: torch.Tensor) -> None:
         """``fill_bitmask`` of the guides' matchers, handed to the executor grouped by lane (module docstring)."""
@@ -239,18 +239,23 @@ class GrammarCache:
         valid while its guides do (the sampler builds them once per draw plan, not every step)."""
         return [(guides[i].matcher, i) for i in self._order(guides)]
 
-    def fill_pairs(self, pairs: list[tuple[Any, int]], bitmask: torch.Tensor) -> None:
-        """Row ``i`` of ``bitmask`` = the tokens the matcher paired with ``i`` allows next (``mask_pairs``)."""
-        self._fill(pairs, bitmask)
-
-    def _fill(self, pairs: list[tuple[Any, int]], bitmask: torch.Tensor) -> None:
+    def fill_pairs(self, pairs: list[tuple[Any, int]], bitmask: torch.Tensor, account: bool = True) -> float:
+        """Row ``i`` of ``bitmask`` = the tokens the matcher paired with ``i`` allows next (``mask_pairs``); returns
+        the call's host seconds, counted as one step's masks unless ``account`` is False (a part of a step's rows:
+        the caller then counts the parts' sum with ``account_mask``)."""
         t0 = time.perf_counter()
         self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), self.words * 4, bitmask.shape[0])
         dt = time.perf_counter() - t0
+        if account:
+            self.account_mask(dt)
+        return dt
+
+    def account_mask(self, seconds: float) -> None:
+        """Count one step's masks that took ``seconds`` of executor calls (the bench's mask ms per step)."""
         self.mask_calls += 1
-        self.mask_s += dt
-        self.times.mask += dt
-        self.mask_max_s = max(self.mask_max_s, dt)
+        self.mask_s += seconds
+        self.times.mask += seconds
+        self.mask_max_s = max(self.mask_max_s, seconds)
 
     def _order(self, guides: list[Guide]) -> range | list[int]:
         """The indices of ``guides`` grouped by lane (stable; no sort with one lane)."""
@@ -323,13 +328,63 @@ class MaskBuffers:
     a persistent pinned host buffer that llguidance fills in place, and a persistent device buffer it is copied to
     (queued, no wait). Before the host buffer is refilled, the host waits for the previous copy out of it (an event;
     long done by then: the engine has read that step's tokens). Grows (to the next power of two rows) when a batch
-    has more guided rows than it holds. On the CPU the host buffer is the mask."""
+    has more guided rows than it holds. On the CPU the host buffer is the mask.
+
+    ``start`` computes the masks of a step's first rows on a worker thread while the caller feeds the other rows'
+    matchers their tokens (``overlap.GuidedDraws`` at steps >= 1); the next ``fill`` computes the rest and joins.
+    ``last_s``: the host seconds the last ``fill`` spent on masks (its own executor call, waiting for the worker's,
+    or the whole of ``beside``), which the bench's draw time excludes."""
 
     def __init__(self) -> None:
         self._host: torch.Tensor | None = None
         self._dev: torch.Tensor | None = None
         self._event: Any = None
-        self._pool: ThreadPoolExecutor | None = None  # the worker of fill(beside=...), made on first use
+        self._pool: ThreadPoolExecutor | None = None  # the worker of fill(beside=...) and start, made on first use
+        self._ahead: tuple[Any, int] | None = None  # start's (future of its seconds, rows it took)
+        self.last_s = 0.0
+        self.starts = 0  # steps whose masks were pipelined (start)
+
+    def _buffer(self, n: int, words: int, dev: torch.device) -> torch.Tensor:
+        """The host buffer, holding at least ``n`` rows for ``dev``, the previous copy out of it done."""
+        pinned = dev.type != "cpu"
+        host = self._host
+        if (
+            host is None
+            or host.shape[0] < n
+            or host.shape[1] != words
+            or (self._dev is not None) != pinned
+            or (pinned and self._dev.device != dev)
+        ):
+            if self._ahead is not None:  # start and fill of one step agree on its rows
+                raise RuntimeError("MaskBuffers.fill: the rows differ from the ones start was given")
+            cap = 1 << max(n - 1, 0).bit_length()
+            self._wait()
+            host = self._host = torch.empty((cap, words), dtype=torch.int32, pin_memory=pinned)
+            self._dev = torch.empty((cap, words), dtype=torch.int32, device=dev) if pinned else None
+        self._wait()
+        return host
+
+    def _worker(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyrl-grammar-mask")
+        return self._pool
+
+    def start(self, cache: GrammarCache, pairs: list[tuple[Any, int]], n: int, dev: torch.device) -> None:
+        """Compute the masks of ``pairs`` (the first of the step's ``n`` rows' ``mask_pairs``) on the worker thread
+        now; returns once the worker is inside llguidance. The caller must not touch those matchers until the next
+        ``fill`` (given all ``n`` pairs, these first) has joined it."""
+        if self._ahead is not None:
+            raise RuntimeError("MaskBuffers.start: the previous start was not joined by a fill")
+        host = self._buffer(n, cache.words, dev)[:n]
+        started = threading.Event()
+
+        def work() -> float:
+            started.set()
+            return cache.fill_pairs(pairs, host, account=False)
+
+        self._ahead = (self._worker().submit(work), len(pairs))
+        self.starts += 1
+        started.wait()
 
     def fill(
         self,
@@ -340,27 +395,28 @@ class MaskBuffers:
     ) -> torch.Tensor:
         """int32 ``[len(pairs), words]`` on ``dev``: the tokens each guide allows next (``pairs``:
         ``cache.mask_pairs(guides)``). ``beside``: host work run on this thread while the masks are computed on a
-        worker thread (llguidance releases the GIL), which then must not touch these guides' matchers."""
-        n, words = len(pairs), cache.words
-        pinned = dev.type != "cpu"
-        host = self._host
-        if (
-            host is None
-            or host.shape[0] < n
-            or host.shape[1] != words
-            or (self._dev is not None) != pinned
-            or (pinned and self._dev.device != dev)
-        ):
-            cap = 1 << max(n - 1, 0).bit_length()
-            self._wait()
-            host = self._host = torch.empty((cap, words), dtype=torch.int32, pin_memory=pinned)
-            self._dev = torch.empty((cap, words), dtype=torch.int32, device=dev) if pinned else None
-        self._wait()
-        if beside is None:
+        worker thread (llguidance releases the GIL), which then must not touch these guides' matchers. After
+        ``start`` (no ``beside`` then), the rows it did not take are computed here while the worker finishes."""
+        n = len(pairs)
+        host = self._buffer(n, cache.words, dev)
+        t0 = time.perf_counter()
+        if self._ahead is not None:
+            future, h = self._ahead
+            self._ahead = None
+            if beside is not None:
+                future.result()
+                raise RuntimeError("MaskBuffers.fill: beside work after start")
+            try:
+                dt = cache.fill_pairs(pairs[h:], host[:n], account=False)
+            finally:
+                ahead_s = future.result()  # joined also when this thread's part raised
+            cache.account_mask(dt + ahead_s)
+        elif beside is None:
             cache.fill_pairs(pairs, host[:n])
         else:
             self._fill_beside(cache, pairs, host[:n], beside)
-        if not pinned:
+        self.last_s = time.perf_counter() - t0
+        if self._dev is None:
             return host[:n]
         out = self._dev[:n]
         out.copy_(host[:n], non_blocking=True)
@@ -373,15 +429,13 @@ class MaskBuffers:
         """``cache.fill_pairs`` on the worker thread while ``beside()`` runs here. This thread waits until the worker
         is about to enter llguidance (which releases the GIL), so ``beside``'s Python does not hold the worker back
         for a GIL switch interval; it waits for the masks after ``beside`` returns (or raises)."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyrl-grammar-mask")
         started = threading.Event()
 
         def work() -> None:
             started.set()
             cache.fill_pairs(pairs, host)
 
-        future = self._pool.submit(work)
+        future = self._worker().submit(work)
         started.wait()
         try:
             beside()

@@ -55,12 +55,21 @@ def _same(sync: list, ahead: list) -> None:
                 jsonschema.validate(json.loads(a.text), SCHEMA)
 
 
-@pytest.mark.parametrize(("temperature", "steps"), [(0.0, 4), (1.0, 4), (1.0, 1)])
-def test_multi_step_guided_launches_draw_the_synchronous_tokens(tiny_model_dir, temperature, steps):
+@pytest.mark.parametrize(("temperature", "steps", "pipeline"), [(0.0, 4, 4), (1.0, 4, 4), (1.0, 4, 32), (1.0, 1, 4)])
+def test_multi_step_guided_launches_draw_the_synchronous_tokens(
+    tiny_model_dir, monkeypatch, temperature, steps, pipeline
+):
+    """``pipeline``: the guided rows from which steps >= 1 pipeline feeding and masks (overlap.PIPELINE_ROWS; the
+    batch has 10, so 4 pipelines every step of a launch after the first and 32 none)."""
+    from polyrl.infer import overlap
+
+    monkeypatch.setattr(overlap, "PIPELINE_ROWS", pipeline)
     sync = _run(_engine(tiny_model_dir, overlap=False), temperature)
     llm = _engine(tiny_model_dir, overlap=True, decode_steps=steps)
     ahead = _run(llm, temperature)
     _same(sync, ahead)
+    pipelined = llm.sampler.mask_buffers.starts
+    assert pipelined > 10 if pipeline == 4 and steps > 1 else pipelined == 0
     times = llm.grammar_cache().times
     per_launch = 3 if steps == 4 else 1  # mostly 4 guided steps per launch (the tail launches fewer)
     assert times.launches > 0 and times.steps >= per_launch * times.launches
@@ -69,10 +78,13 @@ def test_multi_step_guided_launches_draw_the_synchronous_tokens(tiny_model_dir, 
     assert [len(c.token_ids) for c in ahead if c.masked_logmass is not None and len(c.token_ids) == 9]  # the cut
 
 
-def test_preemption_and_prefix_cache_hits_keep_the_tokens(tiny_model_dir):
+def test_preemption_and_prefix_cache_hits_keep_the_tokens(tiny_model_dir, monkeypatch):
     """A cache too small for the batch preempts sequences with tokens in flight (their matchers then consume those
     tokens when the launch is read); a second run over the same prompts starts from cached prefixes. Both give the
-    synchronous engine's tokens."""
+    synchronous engine's tokens (with feeding and masks pipelined: overlap.PIPELINE_ROWS below the batch's rows)."""
+    from polyrl.infer import overlap
+
+    monkeypatch.setattr(overlap, "PIPELINE_ROWS", 3)
     prompts = [[5 + (i * 7 + j) % 80 for j in range(21)] for i in range(4)]  # 5 full blocks of 4 each
     sync = _run(_engine(tiny_model_dir, overlap=False, block_size=4, num_blocks=40), 1.0, prompts)
     llm = _engine(tiny_model_dir, overlap=True, block_size=4, num_blocks=40, decode_steps=3)
@@ -136,7 +148,7 @@ def test_mask_fill_beside_runs_on_a_worker_and_joins(tiny_model_dir):
     plain = MaskBuffers().fill(cache, guides, torch.device("cpu")).clone()
     threads = []
     real = cache.fill_pairs
-    cache.fill_pairs = lambda g, b: threads.append(threading.get_ident()) or real(g, b)
+    cache.fill_pairs = lambda g, b, account=True: threads.append(threading.get_ident()) or real(g, b, account)
     buffers = MaskBuffers()
     ran = []
     got = buffers.fill(cache, guides, torch.device("cpu"), lambda: ran.append(threading.get_ident()))
@@ -148,3 +160,17 @@ def test_mask_fill_beside_runs_on_a_worker_and_joins(tiny_model_dir):
     with pytest.raises(ValueError, match="beside failed"):
         buffers.fill(cache, guides, torch.device("cpu"), fail)
     assert torch.equal(buffers._host[:5], plain) and len(threads) == 2  # the worker's mask was complete
+
+    # start: the first rows' masks on the worker, the rest in the next fill, which joins it (one step counted)
+    buffers._host.fill_(-1)
+    calls, spent = cache.mask_calls, cache.mask_s
+    buffers.start(cache, guides[:2], 5, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="not joined"):
+        buffers.start(cache, guides[:2], 5, torch.device("cpu"))
+    got = buffers.fill(cache, guides, torch.device("cpu"))
+    assert torch.equal(got, plain) and threads[-2] != threads[-1] == ran[0]  # worker first, then this thread
+    assert cache.mask_calls == calls + 1 and cache.mask_s > spent and buffers.last_s > 0 and buffers.starts == 1
+    buffers.start(cache, guides[:2], 5, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="beside work after start"):
+        buffers.fill(cache, guides, torch.device("cpu"), fail)
+    assert buffers._ahead is None  # joined all the same
