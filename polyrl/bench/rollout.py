@@ -100,6 +100,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "separate lexers, round-robin); a list (auto,1,16) times the constrained run once per value, the first in "
         "the structured row, the others as an A/B",
     )
+    parser.add_argument(
+        "--grammar-pipeline-ab",
+        action="store_true",
+        help="also time the first --grammar-lanes value with the feed/mask pipeline of guided steps off "
+        "(overlap.PIPELINE_ROWS): an A/B line",
+    )
     add_decoder_options(parser)
     rollout_fp8.add_arguments(parser)  # --precision fp8 (bench/rollout_fp8.py)
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -479,6 +485,17 @@ def _constrained(llm, prompts: list[list[int]], args: argparse.Namespace, dev: t
         res[f"lanes{n}_constrained_decode_cost"] = ab["constrained_decode_cost"]
         res[f"lanes{n}_constrained_decode_step_ms"] = ab["constrained_decode_step_ms"]
         res[f"lanes{n}_grammar_mask_ms_mean"] = ab["grammar_mask_ms_mean"]
+    if args.grammar_pipeline_ab:
+        from polyrl.infer import overlap  # the engine's module: the A/B turns its pipeline off for one run
+
+        ab = {"engine_decode_tok_s": res["engine_decode_tok_s"]}
+        rows, overlap.PIPELINE_ROWS = overlap.PIPELINE_ROWS, 1 << 30
+        try:
+            _constrained_run(llm, prompts, args, dev, ab, lanes[0])
+        finally:
+            overlap.PIPELINE_ROWS = rows
+        for key in ("constrained_decode_cost", "constrained_decode_step_ms", "grammar_mask_ms_mean"):
+            res[f"nopipe_{key}"] = ab[key]
 
 
 def _grammar_lanes(value: str) -> int | None:
@@ -509,10 +526,12 @@ def _constrained_run(llm, prompts, args, dev: torch.device, res: dict, lanes: st
     cache = llm.grammar_cache()
     cache.mask_calls, cache.mask_s, cache.mask_max_s = 0, 0.0, 0.0
     cache.times.reset()
+    llm.sampler.mask_buffers.starts = 0
     run = _run_engine_phased(llm, prompts, args.gen_len, dev, so)
     times = cache.times
     if times.steps:  # the overlapped guided launches' host time, per decode step (structured.HostTimes)
         res["guided_steps_per_launch"] = times.steps / max(times.launches, 1)
+        res["guided_pipelined_fraction"] = llm.sampler.mask_buffers.starts / times.steps
         for part, ms in times.ms_per_step().items():
             res[f"guided_host_{part}_ms"] = ms
     res["constrained_decode_step_ms"] = 1e3 * run["decode_s"] / run["decode_steps"]
@@ -554,6 +573,7 @@ def _print(res: dict) -> None:
         ("grammar executor threads / lanes", "grammar_lanes", "{}"),
         ("constrained decode step ms (wall)", "constrained_decode_step_ms", "{:.2f}"),
         ("guided decode steps per launch", "guided_steps_per_launch", "{:.2f}"),
+        ("guided steps feed/mask pipelined", "guided_pipelined_fraction", "{:.0%}"),
         ("guided host ms/step: in launches", "guided_host_launch_ms", "{:.2f}"),
         ("  waiting for the step's tokens", "guided_host_wait_ms", "{:.2f}"),
         ("  matchers consuming them", "guided_host_consume_ms", "{:.2f}"),
@@ -572,6 +592,10 @@ def _print(res: dict) -> None:
         n = key[len("lanes") : -len("_constrained_decode_cost")]
         step, mask = res[f"lanes{n}_constrained_decode_step_ms"], res[f"lanes{n}_grammar_mask_ms_mean"]
         print(f"{f'A/B {n} grammar lanes: cost':<36} {res[key]:.1%} (step {step:.2f} ms, mask {mask:.2f} ms)")
+    if "nopipe_constrained_decode_cost" in res:  # --grammar-pipeline-ab
+        step, mask = res["nopipe_constrained_decode_step_ms"], res["nopipe_grammar_mask_ms_mean"]
+        cost = res["nopipe_constrained_decode_cost"]
+        print(f"{'A/B no feed/mask pipeline: cost':<36} {cost:.1%} (step {step:.2f} ms, mask {mask:.2f} ms)")
     rollout_fp8.print_rows(res)  # --precision fp8
     for name, what, _, _ in PARTS:  # --compare-parts
         for on, tag in ((True, "on"), (False, "off")):

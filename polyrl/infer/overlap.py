@@ -105,8 +105,20 @@ def feed_input_ids(input_ids: torch.Tensor, rows: torch.Tensor, prev_tokens: tor
 
 
 # Guided rows from which a step's consumes and masks are pipelined (GuidedDraws, steps >= 1): the first half's masks
-# are computed on a worker while this thread feeds the second half's matchers
+# are computed on a worker while this thread feeds the second half's matchers. Only across grammar lanes (the halves
+# split where the lane changes): a consume takes its lexer's mutex, which the other half's masks then do not hold;
+# with one lane (the default below 4 CPUs) every consume would wait for them
 PIPELINE_ROWS = 32
+
+
+def pipeline_split(lanes: list[int]) -> int:
+    """Where a step's rows (their grammar lanes, grouped) split into the pipeline's two parts: the lane change nearest
+    the middle; 0 (no pipeline) below ``PIPELINE_ROWS`` rows or with one lane."""
+    n = len(lanes)
+    if n < PIPELINE_ROWS:
+        return 0
+    cuts = [i for i in range(1, n) if lanes[i] != lanes[i - 1]]
+    return min(cuts, key=lambda i: abs(2 * i - n)) if cuts else 0
 
 
 class GuidedDraws:
@@ -120,8 +132,9 @@ class GuidedDraws:
     a launch of K steps pays the engine's per-launch host work (schedule, inputs, reads) once per K tokens, and
     each step's mask overlaps that step's forward. The draw plan, the executor's (matcher, row) pairs and the feed
     order are built once, at step 0 (after the forward is queued). From step 1 on, with ``PIPELINE_ROWS`` guided
-    rows or more, the first half of the rows (in the executor's lane order) is fed and its masks are started on the
-    mask worker (``MaskBuffers.start``) before the second half is fed, so feeding overlaps computing masks.
+    rows or more over several grammar lanes, the first half of the rows (in the executor's lane order, cut where the
+    lane changes: ``pipeline_split``) is fed and its masks are started on the mask worker (``MaskBuffers.start``)
+    before the second half is fed, so feeding overlaps computing masks.
     Tokens a row draws after its sequence stopped are consumed too (its matcher is never used again) and dropped.
     """
 
@@ -202,7 +215,7 @@ class GuidedDraws:
         self._rows = [(b, g, seqs[b].num_tokens - 1 - seqs[b].num_prompt) for b, g in zip(guided, guides)]
         pairs = plan.mask_pairs = guides[0].cache.mask_pairs(guides)
         feed = [(guided[i], guides[i], m.consume_token) for m, i in pairs]
-        h = len(feed) // 2 if len(feed) >= PIPELINE_ROWS and self.steps > 1 else 0
+        h = pipeline_split([guides[i].lane for _, i in pairs]) if self.steps > 1 else 0
         self._head, self._tail, self._head_pairs = feed[:h], feed[h:], pairs[:h]
 
     def stacked_masses(self) -> torch.Tensor | None:

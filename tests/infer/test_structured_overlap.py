@@ -60,12 +60,12 @@ def test_multi_step_guided_launches_draw_the_synchronous_tokens(
     tiny_model_dir, monkeypatch, temperature, steps, pipeline
 ):
     """``pipeline``: the guided rows from which steps >= 1 pipeline feeding and masks (overlap.PIPELINE_ROWS; the
-    batch has 10, so 4 pipelines every step of a launch after the first and 32 none)."""
+    batch has 10 over 2 grammar lanes, so 4 pipelines every step of a launch after the first and 32 none)."""
     from polyrl.infer import overlap
 
     monkeypatch.setattr(overlap, "PIPELINE_ROWS", pipeline)
     sync = _run(_engine(tiny_model_dir, overlap=False), temperature)
-    llm = _engine(tiny_model_dir, overlap=True, decode_steps=steps)
+    llm = _engine(tiny_model_dir, overlap=True, decode_steps=steps, grammar_lanes=2)
     ahead = _run(llm, temperature)
     _same(sync, ahead)
     pipelined = llm.sampler.mask_buffers.starts
@@ -87,13 +87,26 @@ def test_preemption_and_prefix_cache_hits_keep_the_tokens(tiny_model_dir, monkey
     monkeypatch.setattr(overlap, "PIPELINE_ROWS", 3)
     prompts = [[5 + (i * 7 + j) % 80 for j in range(21)] for i in range(4)]  # 5 full blocks of 4 each
     sync = _run(_engine(tiny_model_dir, overlap=False, block_size=4, num_blocks=40), 1.0, prompts)
-    llm = _engine(tiny_model_dir, overlap=True, block_size=4, num_blocks=40, decode_steps=3)
+    llm = _engine(tiny_model_dir, overlap=True, block_size=4, num_blocks=40, decode_steps=3, grammar_lanes=3)
     first = _run(llm, 1.0, prompts)
     assert llm.scheduler.total_preemptions > 0
     _same(sync, first)
     hits_before = llm.block_manager.hit_tokens
     _same(sync, _run(llm, 1.0, prompts))
     assert llm.block_manager.hit_tokens > hits_before
+    assert llm.sampler.mask_buffers.starts > 0
+
+
+def test_pipeline_splits_where_the_lane_changes(monkeypatch):
+    """``overlap.pipeline_split``: the lane change nearest the middle of a step's (lane-grouped) rows; none below
+    ``PIPELINE_ROWS`` rows or with a single lane (each consume would wait for the other half's masks)."""
+    from polyrl.infer.overlap import PIPELINE_ROWS, pipeline_split
+
+    assert PIPELINE_ROWS == 32
+    assert pipeline_split([0] * 16 + [1] * 16) == 16
+    assert pipeline_split(sorted(i // 16 for i in range(256))) == 128  # auto lanes, B256 on 16 threads
+    assert pipeline_split([0] * 20 + [1] * 5 + [2] * 7) == 20 and pipeline_split([0] * 3 + [1] * 29) == 3
+    assert pipeline_split([0] * 64) == 0 and pipeline_split([0] * 16 + [1] * 15) == 0
 
 
 def test_matchers_consume_in_order_exactly_once(tiny_model_dir):
