@@ -7,26 +7,39 @@ precompilation over the whole vocabulary, so a new schema costs ~1 ms, not secon
 request may bring its own schema), supports JSON schema, regex, Lark and choices through one API, handles
 tokenizers with any vocabulary through its token trie, and its wheel installs without a matching torch build.
 
-- ``GrammarCache(tokenizer, vocab_size, eos_ids, num_threads=None, lanes=1)``: the llguidance tokenizer (built once
-  per engine) and, per distinct ``StructuredOutputs`` (kind, spec), ``lanes`` compiled matchers kept as templates (an
-  LRU of ``max_entries`` specs): a request's sequences get ``deep_copy()`` s of them, round-robin over the lanes.
+- ``GrammarCache(tokenizer, vocab_size, eos_ids, num_threads=None, lanes=None, rows_per_lane=None)``: the llguidance
+  tokenizer (built once per engine) and, per distinct ``StructuredOutputs`` (kind, spec), up to ``lanes`` compiled
+  matchers kept as templates (an LRU of ``max_entries`` specs): a request's sequences get ``deep_copy()`` s of them.
   A ``deep_copy`` shares its template's lexer (the lazily built DFA behind one mutex in llguidance; measured: a copy
-  reuses the DFA states another copy built), so the masks of one schema's rows scale with threads only where their
-  lexer states are built already (B256, 2 threads: 3.0 -> 1.6 ms per step on a replay, 3.9 -> 3.4 ms the first
-  time). ``lanes`` > 1 gives rows separately compiled lexers (a compile each, ~0.5 ms for the bench schema, up to
-  ~100 ms for huge grammars; each lane builds its own DFA); no gain measured on 2 CPUs, hence the default 1
-  (``polyrl bench rollout --grammar-lanes N`` is the A/B for a larger host). A lane is compiled when the
-  round-robin first reaches it (a lone request compiles once). ``compiles`` / ``hits`` count how often a spec was
-  new or reused; ``mask_calls`` / ``mask_s`` / ``mask_max_s`` the host time of the batched masks (what a guided
-  step waits for when it exceeds the forward). A grammar llguidance refuses is a ``UserError`` naming what it
-  found, raised in ``LLM.add_request`` (the caller's thread: the server answers 400).
+  reuses the DFA states another copy built), so the masks of rows sharing one lexer contend for its mutex; a lane is
+  a separately compiled template (its own lexer and DFA; a compile each, ~0.5 ms for the bench schema, up to ~100 ms
+  for huge grammars), compiled when a copy first reaches it. Copy number ``c`` of a spec goes to lane
+  ``(c // rows_per_lane) % lanes``.
+
+  **Lanes rule** (``lanes=None``, the engine's default, ``RolloutConfig.grammar_lanes = None``): ``auto_lanes``:
+  one lane per executor thread on a host with at least ``AUTO_LANES_MIN_THREADS`` (4) of them, else 1, and copies
+  handed out ``ROWS_PER_LANE`` (16) at a time. So a spec with at most 16 rows in flight (a lone request and the next
+  15 rows: the second request never compiles) stays on one template, and a B256 rollout on a 16-thread host spreads
+  over 16 lanes of 16 rows (16 compiles of the spec in all, each once). Below 4 threads there is nothing to spread over
+  (2 CPUs: 2 lanes gave no measurable gain, and each lane rebuilds its own DFA states), so the path is one lane as
+  before. ``lanes=N`` (``RolloutConfig.grammar_lanes = N``, ``polyrl bench rollout --grammar-lanes N``) forces N
+  lanes, round-robin (``rows_per_lane`` 1). H200 (16 CPUs, 16 executor threads; qwen3-0.6b, B256, 128 in / 256 out,
+  ``BENCH_SCHEMA``; 2026-12-02 round3d call2): free decode 4.43 ms per step; 1 lane: masks 3.82 ms per step,
+  guided step 6.88 ms, cost 35.6%; 16 lanes: masks 1.47 ms, step 5.09 ms, cost 12.9% (before the trims below).
+  ``compiles`` / ``hits`` count how often a spec was new or reused; ``mask_calls`` / ``mask_s`` / ``mask_max_s``
+  the host time of the batched masks per step (what a guided step waits for when it exceeds the forward). A grammar
+  llguidance refuses is a ``UserError`` naming what it found, raised in ``LLM.add_request`` (the caller's thread:
+  the server answers 400).
 - The executor (llguidance's ``LLExecutor``: a rayon pool; its calls release the GIL) has ``num_threads`` threads,
   default ``host_threads()``: the CPUs this process may run on (``os.sched_getaffinity``), at most 32. llguidance's
   own default is 80% of them (1 thread on a 2-CPU host: B256 masks 2.12 ms there vs 1.58 ms with 2 threads).
 - ``fill_guides(guides, bitmask)``: each guided row's allowed tokens as bits (int32 words, LSB first) in a host
   buffer, one executor call, the rows handed over grouped by lane (the pool splits the list into contiguous chunks,
-  so threads mostly work on different lanes). ``fill_bitmask(matchers, bitmask)`` is the same for bare matchers.
-- Tokens are consumed one row at a time (``Guide.consume_at`` / ``Guide.advance``): llguidance's parallel
+  so threads mostly work on different lanes). ``mask_pairs(guides)`` is that (matcher, row) list, built once per
+  draw plan (a launch's steps reuse it) and filled by ``fill_pairs``; ``fill_bitmask(matchers, bitmask)`` is the
+  same for bare matchers.
+- Tokens are consumed one row at a time (``Guide.consume_at`` / ``Guide.advance``; inside a guided launch's steps
+  >= 1 the matchers' bound ``consume_token`` directly, the position known): llguidance's parallel
   ``LLExecutor.consume_token_par`` was slower at B256 on 2 CPUs (0.88-0.94 ms vs 0.73 ms per step: the consumes
   of one schema's rows take its lexer mutex, and the call pays the pool's hand-off), and no llguidance call
   consumes and computes the next mask at once.
@@ -36,13 +49,18 @@ tokenizers with any vocabulary through its token trie, and its wheel installs wi
   of the unmasked and the masked rows; Triton on CUDA, torch reference elsewhere); ``allowed_mask`` is
   that op's mask alone, as booleans. The mask is applied to the logits *after* the model's forward (and
   after a CUDA graph replay of it), so captured graphs stay valid. ``fill(..., beside=f)`` computes the masks on a
-  worker thread while ``f()`` runs on the caller's (the engine reads the previous launch there).
+  worker thread while ``f()`` runs on the caller's (the engine reads the previous launch there); ``start(pairs)``
+  computes a step's first rows' masks on that worker while the caller feeds the other rows' matchers, and the
+  next ``fill`` computes the rest and joins (the feed/mask pipeline of ``overlap.GuidedDraws``).
 - Overlap (``overlap.GuidedDraws``, ``LLM._launch_guided``): the mask of step N+1 depends on the token of step N,
   but the forward of step N+1 does not. So with ``overlap_decode`` a guided batch decodes ``decode_steps`` steps
   per launch like a free one: each step's forward is queued first, then the host reads the previous step's tokens,
   the matchers consume them (ahead of the engine accepting them: ``Guide.consumed`` vs ``Guide.num_tokens``) and
-  the masks are computed while the device runs the forward; only the masked draw waits for them. No launch
-  graphs for guided batches (a draw needs the host between steps). ``HostTimes`` says where that host time goes.
+  the masks are computed while the device runs the forward; only the masked draw waits for them. From a launch's
+  second step on, with 32+ rows over several lanes, half the rows (cut where the lane changes) are fed and their
+  masks started on the worker before the other half is fed, so feeding overlaps masks (``overlap.PIPELINE_ROWS``;
+  one lane: no pipeline, every consume would wait for the lexer mutex the masks hold). No launch graphs for guided
+  batches (a draw needs the host between steps). ``HostTimes`` says where that host time goes.
 
 JSON grammars use one fixed layout (``JSON_STYLE``: ``{"a": 1, "b": [2, 3]}``, as ``json.dumps`` and chat templates
 write it): llguidance's default allows any run of whitespace, which an untrained or weakly trained model fills until

@@ -127,13 +127,15 @@ def test_matchers_consume_in_order_exactly_once(tiny_model_dir):
 
 @pytest.mark.gpu
 def test_multi_step_guided_launches_on_cuda_with_graphs(tiny_model_dir):
-    """On CUDA (graph replays, masks computed while the forward runs, tokens copied to pinned memory per step) every
-    guided output is valid and the launches ran several steps each."""
+    """On CUDA (graph replays, masks computed while the forward runs, tokens copied to pinned memory per step, the
+    feed/mask pipeline over 4 grammar lanes) every guided output is valid and the launches ran several steps each."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    cfg = RolloutConfig(block_size=16, num_blocks=512, max_num_seqs=128, max_model_len=256, decode_steps=4)
+    cfg = RolloutConfig(
+        block_size=16, num_blocks=512, max_num_seqs=128, max_model_len=256, decode_steps=4, grammar_lanes=4
+    )
     llm = LLM.from_pretrained(str(tiny_model_dir), cfg, dtype="bfloat16", device="cuda")
     so = StructuredOutputs.json_schema(SCHEMA)
     params = SamplingParams(n=16, temperature=1.0, max_tokens=120, structured=so, seed=1)
@@ -144,6 +146,7 @@ def test_multi_step_guided_launches_on_cuda_with_graphs(tiny_model_dir):
             jsonschema.validate(json.loads(c.text), SCHEMA)
     times = llm.grammar_cache().times
     assert times.steps >= 3 * times.launches > 0 and llm.runner.last_step_used_graph
+    assert llm.sampler.mask_buffers.starts > 0  # 64 rows over 4 lanes: steps >= 1 pipelined feeding and masks
 
 
 def test_mask_fill_beside_runs_on_a_worker_and_joins(tiny_model_dir):
