@@ -20,8 +20,10 @@ grammar (``SamplingParams.structured``: an array of tool calls that cannot close
 token is masked: ``BENCH_SCHEMA``), built with the preset's tokenizer: constrained tokens/s, its cost against the free
 run's decode phase (the issue's budget: at most 10% at batch 256 on the H200), the grammar compilations (1: cached
 per schema), the host time of the batched grammar masks per step (mean and slowest), the grammar executor's
-threads and lanes (``--grammar-lanes N``: N separate lexers; ``--grammar-lanes 1,8``: both in one run, the first in
-the structured row, the others as A/B lines), and where a guided decode step's host time goes
+threads and lanes (default ``auto``: the engine's rule, ``structured.auto_lanes``; ``--grammar-lanes N``: N separate
+lexers; ``--grammar-lanes auto,1,16``: each in one run, the first in the structured row, the others as A/B lines;
+``--grammar-pipeline-ab``: one more A/B line, the first value without the feed/mask pipeline of guided steps,
+whose share of steps the structured row reports), and where a guided decode step's host time goes
 (``structured.HostTimes``, per step: the launches' time, of which waiting for the previous step's tokens, the
 matchers consuming them, the masks, queueing the masked draw, and reading the previous launch, which runs beside
 step 0's masks) against the guided step's wall time: on an accelerator the launch's forwards run meanwhile, so a
@@ -50,7 +52,7 @@ from polyrl import kernels
 from polyrl.bench import rollout_fp8
 from polyrl.bench.common import add_decoder_options, decoder_options, hf_moe_kwargs, measure_copy_bandwidth
 from polyrl.errors import UserError
-from polyrl.infer import LLM, RolloutConfig, SamplingParams, StructuredOutputs
+from polyrl.infer import LLM, RolloutConfig, SamplingParams, StructuredOutputs, overlap
 from polyrl.kernels import registry
 from polyrl.models.attention_metadata import AttnMetadata
 from polyrl.models.decoder import DecoderLM, DecoderOptions, build_model
@@ -486,8 +488,6 @@ def _constrained(llm, prompts: list[list[int]], args: argparse.Namespace, dev: t
         res[f"lanes{n}_constrained_decode_step_ms"] = ab["constrained_decode_step_ms"]
         res[f"lanes{n}_grammar_mask_ms_mean"] = ab["grammar_mask_ms_mean"]
     if args.grammar_pipeline_ab:
-        from polyrl.infer import overlap  # the engine's module: the A/B turns its pipeline off for one run
-
         ab = {"engine_decode_tok_s": res["engine_decode_tok_s"]}
         rows, overlap.PIPELINE_ROWS = overlap.PIPELINE_ROWS, 1 << 30
         try:

@@ -285,12 +285,14 @@ class GrammarCache:
 
 class HostTimes:
     """Host seconds of the guided decode launches (``overlap.GuidedDraws`` and ``LLM._launch_guided``), for the
-    bench's breakdown: ``wait`` for a step's tokens to reach the host, ``consume`` (the matchers eat them), ``mask``
-    (computing the next masks, also in ``GrammarCache.mask_s``), ``draw`` (queueing the mask upload, the masked
-    draw and the token copy), ``read`` (the previous launch's bookkeeping: accepting its tokens, stop checks; run on
-    the engine's thread while step 0's masks are computed on a worker, so its time overlaps ``mask``), ``launch``
-    (whole launches: all of the above plus queueing the forwards and building the draw plan), over ``steps`` decode
-    steps in ``launches`` launches."""
+    bench's breakdown: ``wait`` for a step's tokens to reach the host, ``consume`` (the matchers eat them; with the
+    feed/mask pipeline also handing the first half's masks to the worker), ``mask`` (computing the next masks: the
+    executor calls' seconds summed, also in ``GrammarCache.mask_s``; with the pipeline the first half's call runs
+    during the second half's consumes), ``draw`` (queueing the mask upload, the masked draw and the token copy;
+    the time the draw's ``MaskBuffers.fill`` waited for masks excluded), ``read`` (the previous launch's
+    bookkeeping: accepting its tokens, stop checks; run on the engine's thread while step 0's masks are computed on a
+    worker, so its time overlaps ``mask``), ``launch`` (whole launches: all of the above plus queueing the forwards
+    and building the draw plan), over ``steps`` decode steps in ``launches`` launches."""
 
     __slots__ = ("wait", "consume", "mask", "draw", "launch", "read", "steps", "launches")
 
