@@ -20,8 +20,10 @@ grammar (``SamplingParams.structured``: an array of tool calls that cannot close
 token is masked: ``BENCH_SCHEMA``), built with the preset's tokenizer: constrained tokens/s, its cost against the free
 run's decode phase (the issue's budget: at most 10% at batch 256 on the H200), the grammar compilations (1: cached
 per schema), the host time of the batched grammar masks per step (mean and slowest), the grammar executor's
-threads and lanes (``--grammar-lanes N``: N separate lexers; ``--grammar-lanes 1,8``: both in one run, the first in
-the structured row, the others as A/B lines), and where a guided decode step's host time goes
+threads and lanes (default ``auto``: the engine's rule, ``structured.auto_lanes``; ``--grammar-lanes N``: N separate
+lexers; ``--grammar-lanes auto,1,16``: each in one run, the first in the structured row, the others as A/B lines;
+``--grammar-pipeline-ab``: one more A/B line, the first value without the feed/mask pipeline of guided steps,
+whose share of steps the structured row reports), and where a guided decode step's host time goes
 (``structured.HostTimes``, per step: the launches' time, of which waiting for the previous step's tokens, the
 matchers consuming them, the masks, queueing the masked draw, and reading the previous launch, which runs beside
 step 0's masks) against the guided step's wall time: on an accelerator the launch's forwards run meanwhile, so a
@@ -49,7 +51,8 @@ import torch
 from polyrl import kernels
 from polyrl.bench import rollout_fp8
 from polyrl.bench.common import add_decoder_options, decoder_options, hf_moe_kwargs, measure_copy_bandwidth
-from polyrl.infer import LLM, RolloutConfig, SamplingParams, StructuredOutputs
+from polyrl.errors import UserError
+from polyrl.infer import LLM, RolloutConfig, SamplingParams, StructuredOutputs, overlap
 from polyrl.kernels import registry
 from polyrl.models.attention_metadata import AttnMetadata
 from polyrl.models.decoder import DecoderLM, DecoderOptions, build_model
@@ -94,9 +97,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--grammar-lanes",
         default=None,
-        help="separately compiled matchers per schema (structured.GrammarCache.lanes; default 1: every row copies "
-        "one template and shares its lexer mutex; N gives rows N separate lexers); a list (1,8) times the "
-        "constrained run once per value, the first in the structured row, the others as an A/B",
+        help="separately compiled matchers per schema (structured.GrammarCache.lanes; default auto: one per grammar "
+        "executor thread on a host with >= 4 of them, else 1 (RolloutConfig.grammar_lanes = None); N gives rows N "
+        "separate lexers, round-robin); a list (auto,1,16) times the constrained run once per value, the first in "
+        "the structured row, the others as an A/B",
+    )
+    parser.add_argument(
+        "--grammar-pipeline-ab",
+        action="store_true",
+        help="also time the first --grammar-lanes value with the feed/mask pipeline of guided steps off "
+        "(overlap.PIPELINE_ROWS): an A/B line",
     )
     add_decoder_options(parser)
     rollout_fp8.add_arguments(parser)  # --precision fp8 (bench/rollout_fp8.py)
@@ -278,6 +288,8 @@ def roofline_tokens_per_s(model, batch: int, prompt_len: int, gen_len: int, kv_d
 
 
 def run(args: argparse.Namespace) -> int:
+    for value in str(args.grammar_lanes or "auto").split(","):
+        _grammar_lanes(value)  # a bad --grammar-lanes fails before the runs
     dev = torch.device(args.device) if args.device else device.torch_device()
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if dev.type != "cpu" else torch.float32)
     baselines = [b for b in args.baselines.split(",") if b and b != "none"]
@@ -467,7 +479,7 @@ def _compare_parts(llm, prompts: list[list[int]], args: argparse.Namespace, dev:
 def _constrained(llm, prompts: list[list[int]], args: argparse.Namespace, dev: torch.device, res: dict) -> None:
     """The same run with every sample constrained (``--response-format``): tokens/s and cost vs the free run, for
     the first ``--grammar-lanes`` value (the structured row) and each further one (an A/B in the same run)."""
-    lanes = [int(x) for x in str(args.grammar_lanes).split(",")] if args.grammar_lanes is not None else [None]
+    lanes = [x.strip() for x in str(args.grammar_lanes).split(",")] if args.grammar_lanes is not None else [None]
     _constrained_run(llm, prompts, args, dev, res, lanes[0])
     for n in lanes[1:]:
         ab: dict = {"engine_decode_tok_s": res["engine_decode_tok_s"]}
@@ -475,31 +487,56 @@ def _constrained(llm, prompts: list[list[int]], args: argparse.Namespace, dev: t
         res[f"lanes{n}_constrained_decode_cost"] = ab["constrained_decode_cost"]
         res[f"lanes{n}_constrained_decode_step_ms"] = ab["constrained_decode_step_ms"]
         res[f"lanes{n}_grammar_mask_ms_mean"] = ab["grammar_mask_ms_mean"]
+    if args.grammar_pipeline_ab:
+        ab = {"engine_decode_tok_s": res["engine_decode_tok_s"]}
+        rows, overlap.PIPELINE_ROWS = overlap.PIPELINE_ROWS, 1 << 30
+        try:
+            _constrained_run(llm, prompts, args, dev, ab, lanes[0])
+        finally:
+            overlap.PIPELINE_ROWS = rows
+        for key in ("constrained_decode_cost", "constrained_decode_step_ms", "grammar_mask_ms_mean"):
+            res[f"nopipe_{key}"] = ab[key]
 
 
-def _constrained_run(llm, prompts, args, dev: torch.device, res: dict, lanes: int | None) -> None:
+def _grammar_lanes(value: str) -> int | None:
+    """A ``--grammar-lanes`` value: ``auto`` (None: ``structured.auto_lanes``) or a count >= 1."""
+    if value.strip() == "auto":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise UserError(f"--grammar-lanes takes 'auto' or counts >= 1 (comma-separated), got {value!r}")
+    return n
+
+
+def _constrained_run(llm, prompts, args, dev: torch.device, res: dict, lanes: str | None) -> None:
     kind = args.response_format
     so = StructuredOutputs.json_schema(BENCH_SCHEMA) if kind == "json_schema" else StructuredOutputs("json_object")
-    if lanes is not None:
+    if lanes is not None:  # a fresh cache per value (the engine's own is made with RolloutConfig.grammar_lanes)
         # lazy: structured.py needs llguidance, only for --response-format
         from polyrl.infer.structured import GrammarCache
 
-        llm._grammars = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, lanes=lanes)
+        n = _grammar_lanes(lanes)
+        llm._grammars = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, lanes=n)
     llm.reset_prefix_cache()
     _run_engine_phased(llm, prompts[: min(8, len(prompts))], 8, dev, so)  # warm-up: the one compilation
     llm.reset_prefix_cache()
     cache = llm.grammar_cache()
     cache.mask_calls, cache.mask_s, cache.mask_max_s = 0, 0.0, 0.0
     cache.times.reset()
+    llm.sampler.mask_buffers.starts = 0
     run = _run_engine_phased(llm, prompts, args.gen_len, dev, so)
     times = cache.times
     if times.steps:  # the overlapped guided launches' host time, per decode step (structured.HostTimes)
         res["guided_steps_per_launch"] = times.steps / max(times.launches, 1)
+        res["guided_pipelined_fraction"] = llm.sampler.mask_buffers.starts / times.steps
         for part, ms in times.ms_per_step().items():
             res[f"guided_host_{part}_ms"] = ms
     res["constrained_decode_step_ms"] = 1e3 * run["decode_s"] / run["decode_steps"]
     res["response_format"] = kind
-    res["grammar_threads"], res["grammar_lanes"] = cache.num_threads, cache.lanes
+    res["grammar_threads"], res["grammar_lanes"], res["grammar_lanes_auto"] = cache.num_threads, cache.lanes, cache.auto
     res["grammar_mask_ms_mean"] = 1e3 * cache.mask_s / max(cache.mask_calls, 1)
     res["grammar_mask_ms_max"] = 1e3 * cache.mask_max_s
     res["constrained_tok_s"] = args.batch * args.gen_len / run["total_s"]
@@ -536,6 +573,7 @@ def _print(res: dict) -> None:
         ("grammar executor threads / lanes", "grammar_lanes", "{}"),
         ("constrained decode step ms (wall)", "constrained_decode_step_ms", "{:.2f}"),
         ("guided decode steps per launch", "guided_steps_per_launch", "{:.2f}"),
+        ("guided steps feed/mask pipelined", "guided_pipelined_fraction", "{:.0%}"),
         ("guided host ms/step: in launches", "guided_host_launch_ms", "{:.2f}"),
         ("  waiting for the step's tokens", "guided_host_wait_ms", "{:.2f}"),
         ("  matchers consuming them", "guided_host_consume_ms", "{:.2f}"),
@@ -546,13 +584,18 @@ def _print(res: dict) -> None:
     ]
     for label, key, fmt in rows:
         if key == "grammar_lanes" and key in res:
-            print(f"{label:<36} {res['grammar_threads']} / {res[key]}")
+            auto = " (auto)" if res.get("grammar_lanes_auto") else ""
+            print(f"{label:<36} {res['grammar_threads']} / {res[key]}{auto}")
         elif key in res:
             print(f"{label:<36} {fmt.format(res[key])}")
     for key in [k for k in res if k.startswith("lanes") and k.endswith("_constrained_decode_cost")]:  # lanes A/B
         n = key[len("lanes") : -len("_constrained_decode_cost")]
         step, mask = res[f"lanes{n}_constrained_decode_step_ms"], res[f"lanes{n}_grammar_mask_ms_mean"]
         print(f"{f'A/B {n} grammar lanes: cost':<36} {res[key]:.1%} (step {step:.2f} ms, mask {mask:.2f} ms)")
+    if "nopipe_constrained_decode_cost" in res:  # --grammar-pipeline-ab
+        step, mask = res["nopipe_constrained_decode_step_ms"], res["nopipe_grammar_mask_ms_mean"]
+        cost = res["nopipe_constrained_decode_cost"]
+        print(f"{'A/B no feed/mask pipeline: cost':<36} {cost:.1%} (step {step:.2f} ms, mask {mask:.2f} ms)")
     rollout_fp8.print_rows(res)  # --precision fp8
     for name, what, _, _ in PARTS:  # --compare-parts
         for on, tag in ((True, "on"), (False, "off")):

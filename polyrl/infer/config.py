@@ -54,6 +54,10 @@ class RolloutConfig:
     # (``fp8_weights.py``), requantised after every weight update; about half the bf16 weights' bytes of extra memory.
     # Needs an FP8 GEMM (``platform.device.supports_fp8_gemm``) unless POLYRL_KERNELS forces fp8_weight_linear:reference
     weight_precision: str | None = None
+    # Structured outputs: separately compiled grammar matchers (lexers) per schema (``structured.GrammarCache``).
+    # None = automatic: one per grammar-executor thread on a host with >= 4 of them, rows handed out 16 per lane
+    # (so a schema with few rows in flight compiles once); N = N lanes, round-robin
+    grammar_lanes: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -81,6 +85,8 @@ class RolloutConfig:
             raise ConfigError(f"weight_precision must be None (the model's) or 'fp8', got {self.weight_precision!r}")
         if self.decode_steps < 1:
             raise ConfigError(f"decode_steps must be >= 1 (1 = one decode step per launch), got {self.decode_steps}")
+        if self.grammar_lanes is not None and self.grammar_lanes < 1:
+            raise ConfigError(f"grammar_lanes must be >= 1 (or None: automatic), got {self.grammar_lanes}")
         if self.max_graph_batch_size < 1:
             raise ConfigError(f"max_graph_batch_size must be >= 1, got {self.max_graph_batch_size}")
 

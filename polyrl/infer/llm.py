@@ -189,7 +189,8 @@ class LLM:
             # lazy: structured.py needs llguidance, an optional package, only when a request asks for a grammar
             from polyrl.infer.structured import GrammarCache
 
-            self._grammars = GrammarCache(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            cfg = self.config
+            self._grammars = GrammarCache(self.tokenizer, self.vocab_size, self.eos_token_ids, lanes=cfg.grammar_lanes)
         return self._grammars
 
     def abort_request(self, request_id: str) -> None:

@@ -104,6 +104,23 @@ def feed_input_ids(input_ids: torch.Tensor, rows: torch.Tensor, prev_tokens: tor
     input_ids.copy_(torch.where(rows >= 0, fed, input_ids))
 
 
+# Guided rows from which a step's consumes and masks are pipelined (GuidedDraws, steps >= 1): the first half's masks
+# are computed on a worker while this thread feeds the second half's matchers. Only across grammar lanes (the halves
+# split where the lane changes): a consume takes its lexer's mutex, which the other half's masks then do not hold;
+# with one lane (the default below 4 CPUs) every consume would wait for them
+PIPELINE_ROWS = 32
+
+
+def pipeline_split(lanes: list[int]) -> int:
+    """Where a step's rows (their grammar lanes, grouped) split into the pipeline's two parts: the lane change nearest
+    the middle; 0 (no pipeline) below ``PIPELINE_ROWS`` rows or with one lane."""
+    n = len(lanes)
+    if n < PIPELINE_ROWS:
+        return 0
+    cuts = [i for i in range(1, n) if lanes[i] != lanes[i - 1]]
+    return min(cuts, key=lambda i: abs(2 * i - n)) if cuts else 0
+
+
 class GuidedDraws:
     """``model_runner.execute_steps``'s draw callback for a decode launch with grammar rows (``LLM._launch_guided``).
 
@@ -113,7 +130,11 @@ class GuidedDraws:
     j's masks (llguidance, while the device runs the forward), queues the masked draw and the copy of its tokens to
     pinned host memory (an event per step). So the matchers see exactly the tokens a synchronous engine feeds them,
     a launch of K steps pays the engine's per-launch host work (schedule, inputs, reads) once per K tokens, and
-    each step's mask overlaps that step's forward. The draw plan is built at step 0 (after the forward is queued).
+    each step's mask overlaps that step's forward. The draw plan, the executor's (matcher, row) pairs and the feed
+    order are built once, at step 0 (after the forward is queued). From step 1 on, with ``PIPELINE_ROWS`` guided
+    rows or more over several grammar lanes, the first half of the rows (in the executor's lane order, cut where the
+    lane changes: ``pipeline_split``) is fed and its masks are started on the mask worker (``MaskBuffers.start``)
+    before the second half is fed, so feeding overlaps computing masks.
     Tokens a row draws after its sequence stopped are consumed too (its matcher is never used again) and dropped.
     """
 
@@ -134,6 +155,11 @@ class GuidedDraws:
         self.plan = None
         self.masses: list[torch.Tensor] = []
         self._rows: list[tuple[int, object, int]] = []  # (row, guide, output index of the row's step-0 input)
+        # steps >= 1: (row, guide, its matcher's consume_token) in the executor's order, split where the pipeline
+        # hands the first part's masks to the worker (no split: everything in _tail)
+        self._head: list[tuple[int, object, object]] = []
+        self._tail: list[tuple[int, object, object]] = []
+        self._head_pairs: list = []
         self._host: torch.Tensor | None = None  # pinned [K, B]: each step's tokens on their way to the host
         self._events: list = []
         self._cpu: list[torch.Tensor] = []  # on the CPU: the steps' token tensors themselves
@@ -143,29 +169,54 @@ class GuidedDraws:
         t0 = clock()
         if j == 0:
             self.plan = self.sampler.plan(self.seqs, logits.device)
-            seqs, rows = self.seqs, zip(self.plan.guided or (), self.plan.guides or ())
-            self._rows = [(b, g, seqs[b].num_tokens - 1 - seqs[b].num_prompt) for b, g in rows]
+            self._setup()
             toks = self._first_tokens()
         else:
             toks = self._step_tokens(j - 1)
+        plan = self.plan
         t1 = clock()
-        for b, g, p in self._rows:
-            g.consume_at(p + j, toks[b])
+        if j == 0:
+            for b, g, p in self._rows:
+                g.consume_at(p, toks[b])  # a row's matcher may have its step-0 input already (toks[b] is None)
+        else:
+            # step j-1 left every row's matcher at output token p + j (consumed == p + j): feed it without the
+            # position check of consume_at (host time on every step of every row)
+            if self._head:
+                for b, g, consume in self._head:
+                    consume(toks[b])
+                    g.consumed += 1
+                self.sampler.mask_buffers.start(plan.guides[0].cache, self._head_pairs, len(plan.guides), logits.device)
+            for b, g, consume in self._tail:
+                consume(toks[b])
+                g.consumed += 1
         t2 = clock()
-        mask_before, read_before = times.mask, times.read
-        if j == 0 and self.plan.guided:
-            self.plan.beside, self.beside = self.beside, None
-        tokens, logprobs = self.sampler.draw_planned(logits, self.plan, self.suppress, j)
-        if self.plan.masked_logmass is not None:
-            self.masses.append(self.plan.masked_logmass)
+        if j == 0 and plan.guided:
+            plan.beside, self.beside = self.beside, None
+        tokens, logprobs = self.sampler.draw_planned(logits, plan, self.suppress, j)
+        if plan.masked_logmass is not None:
+            self.masses.append(plan.masked_logmass)
         if j + 1 < self.steps:
             self._send(tokens, j)
         t3 = clock()
         times.wait += t1 - t0
         times.consume += t2 - t1
-        times.draw += max(0.0, (t3 - t2) - max(times.mask - mask_before, times.read - read_before))
+        # the draw's own host time: without the masks (and the previous launch's read run beside step 0's)
+        times.draw += max(0.0, (t3 - t2) - (self.sampler.mask_buffers.last_s if plan.guided else 0.0))
         times.steps += 1
         return tokens, logprobs
+
+    def _setup(self) -> None:
+        """Step 0: each guided row's step-0 input index, the executor's pairs (on the plan, for every step's mask)
+        and the feed order of steps >= 1 (the pairs' order, split for the pipeline)."""
+        plan, seqs = self.plan, self.seqs
+        if not plan.guided:
+            return
+        guided, guides = plan.guided, plan.guides
+        self._rows = [(b, g, seqs[b].num_tokens - 1 - seqs[b].num_prompt) for b, g in zip(guided, guides)]
+        pairs = plan.mask_pairs = guides[0].cache.mask_pairs(guides)
+        feed = [(guided[i], guides[i], m.consume_token) for m, i in pairs]
+        h = pipeline_split([guides[i].lane for _, i in pairs]) if self.steps > 1 else 0
+        self._head, self._tail, self._head_pairs = feed[:h], feed[h:], pairs[:h]
 
     def stacked_masses(self) -> torch.Tensor | None:
         """``[K, B]`` log(mass the grammar allowed) per step and row (None without guided rows)."""

@@ -18,7 +18,8 @@ Structured outputs: rows whose sequence has a ``guide`` (a grammar matcher, ``in
 grammar's token bitmask applied to their logits before top-k/top-p and the draw (greedy rows take the argmax of the
 masked logits): computed on the host into persistent buffers (``structured.MaskBuffers``), applied on the device by
 ``kernels.apply_token_bitmask``, one pass per guided row that also gives the logsumexps of the unmasked and masked
-rows (so the unmasked log-prob of the drawn token is one gather, and logits stay in their dtype); the engine feeds
+rows (so the unmasked log-prob of the drawn token is the kernel's masked one plus log(allowed mass): one add, and
+logits stay in their dtype); the engine feeds
 the drawn token to the matcher before the next draw (``overlap.GuidedDraws``, or ``LLM._accept``). Their reported
 log-prob is, as for truncated rows, the one of the unmasked distribution (what the trainer recomputes); what the
 mask removed is measured per token as ``log(allowed probability mass)`` (``DrawPlan.masked_logmass``) and summed
@@ -186,10 +187,11 @@ class DrawPlan:
     guided: list[int] | None = None  # rows with a grammar (structured outputs)
     guides: list | None = None  # their ``Guide`` s, in that order
     masked_logmass: torch.Tensor | None = None  # after a draw: [B] log(allowed mass) per row (0 on unguided rows)
-    guided_idx: torch.Tensor | None = None  # after a draw: the guided rows on the device (None: every row)
+    guided_idx: torch.Tensor | None = None  # after a draw: the guided rows on the device (None: every row or none)
     # host work to run on this thread while the next draw's masks are computed on another (structured.MaskBuffers;
     # overlap.GuidedDraws hands the previous launch's read here); used once, then cleared
     beside: Callable[[], None] | None = None
+    mask_pairs: list | None = None  # the guides' (matcher, row) pairs in executor order (GrammarCache.mask_pairs)
 
 
 class Sampler:
@@ -200,7 +202,8 @@ class Sampler:
         self._mask_buffers = None
 
     @property
-    def _masks(self):
+    def mask_buffers(self):
+        """The structured-output masks' buffers (``structured.MaskBuffers``), made on first use."""
         if self._mask_buffers is None:
             # lazy: structured.py is imported only once a guided row is drawn (llguidance itself is optional)
             from polyrl.infer.structured import MaskBuffers
@@ -274,8 +277,10 @@ class Sampler:
         offsets = rows.offsets + step if step else rows.offsets
         tokens, logprobs = kernels.sample_tokens(inp, plan.temps, rows.seeds, offsets, rows.greedy)
         if lse is not None and not masks:
-            # Guided rows (nothing else masked): their unmasked log-prob from the logsumexp the mask pass computed.
-            return tokens, self._guided_logprobs(logits, tokens, logprobs, plan, lse)
+            # Guided rows (nothing else masked): the kernel's log-prob is the masked row's, z[token] - lse_masked;
+            # adding log(allowed mass) = lse_masked - lse gives the unmasked one (+0 on unguided rows): one add per
+            # step, no gather over the logits
+            return tokens, logprobs + plan.masked_logmass
         fix = sorted(set(plan.trunc_rows) | set(suppressed) | set(plan.guided or ()))
         if fix:
             # The kernel's log-prob is of what it was handed; these rows report the unmasked distribution.
@@ -284,19 +289,6 @@ class Sampler:
             lp = z.gather(-1, tokens[idx, None])[:, 0] - torch.logsumexp(z, dim=-1)
             logprobs = logprobs.index_copy(0, idx, lp)
         return tokens, logprobs
-
-    @staticmethod
-    def _guided_logprobs(
-        logits: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor, plan: DrawPlan, lse: torch.Tensor
-    ) -> torch.Tensor:
-        """``logprobs`` with each guided row's replaced by ``z[token] - lse`` (``lse``: logsumexp of its unmasked
-        z, ``[G]``): a gather of one logit per row, no second pass over the vocabulary."""
-        inv = plan.rows.inv_temps
-        if plan.guided_idx is None:  # every row guided
-            return logits.gather(-1, tokens[:, None])[:, 0].float() * inv - lse
-        idx = plan.guided_idx
-        lp = logits[idx, tokens[idx]].float() * inv[idx] - lse
-        return logprobs.index_copy(0, idx, lp)
 
     def _apply_grammar(
         self, inp: torch.Tensor, logits: torch.Tensor, plan: DrawPlan
@@ -307,13 +299,16 @@ class Sampler:
         guides = plan.guides
         dev = logits.device
         beside, plan.beside = plan.beside, None
-        bitmask = self._masks.fill(guides[0].cache, guides, dev, beside)
+        if plan.mask_pairs is None:  # the (matcher, row) list the executor takes: built once per plan
+            plan.mask_pairs = guides[0].cache.mask_pairs(guides)
+        bitmask = self.mask_buffers.fill(guides[0].cache, plan.mask_pairs, dev, beside)
         inv = plan.rows.inv_temps
         if len(guides) == logits.shape[0]:  # every row guided (a constrained rollout): no gathers
             plan.guided_idx = None
             out, lse, lse_masked = kernels.apply_token_bitmask(inp, bitmask, None, inv)
         else:
-            plan.guided_idx = host_to_device(plan.guided, torch.int64, dev)
+            if plan.guided_idx is None:  # once per plan (a launch's steps reuse it)
+                plan.guided_idx = host_to_device(plan.guided, torch.int64, dev)
             out, lse, lse_masked = kernels.apply_token_bitmask(inp, bitmask, plan.guided_idx, inv)
         if inp is not logits:  # min_tokens suppressed ids in inp: the unmasked distribution is logits'
             idx = plan.guided_idx

@@ -7,26 +7,39 @@ precompilation over the whole vocabulary, so a new schema costs ~1 ms, not secon
 request may bring its own schema), supports JSON schema, regex, Lark and choices through one API, handles
 tokenizers with any vocabulary through its token trie, and its wheel installs without a matching torch build.
 
-- ``GrammarCache(tokenizer, vocab_size, eos_ids, num_threads=None, lanes=1)``: the llguidance tokenizer (built once
-  per engine) and, per distinct ``StructuredOutputs`` (kind, spec), ``lanes`` compiled matchers kept as templates (an
-  LRU of ``max_entries`` specs): a request's sequences get ``deep_copy()`` s of them, round-robin over the lanes.
+- ``GrammarCache(tokenizer, vocab_size, eos_ids, num_threads=None, lanes=None, rows_per_lane=None)``: the llguidance
+  tokenizer (built once per engine) and, per distinct ``StructuredOutputs`` (kind, spec), up to ``lanes`` compiled
+  matchers kept as templates (an LRU of ``max_entries`` specs): a request's sequences get ``deep_copy()`` s of them.
   A ``deep_copy`` shares its template's lexer (the lazily built DFA behind one mutex in llguidance; measured: a copy
-  reuses the DFA states another copy built), so the masks of one schema's rows scale with threads only where their
-  lexer states are built already (B256, 2 threads: 3.0 -> 1.6 ms per step on a replay, 3.9 -> 3.4 ms the first
-  time). ``lanes`` > 1 gives rows separately compiled lexers (a compile each, ~0.5 ms for the bench schema, up to
-  ~100 ms for huge grammars; each lane builds its own DFA); no gain measured on 2 CPUs, hence the default 1
-  (``polyrl bench rollout --grammar-lanes N`` is the A/B for a larger host). A lane is compiled when the
-  round-robin first reaches it (a lone request compiles once). ``compiles`` / ``hits`` count how often a spec was
-  new or reused; ``mask_calls`` / ``mask_s`` / ``mask_max_s`` the host time of the batched masks (what a guided
-  step waits for when it exceeds the forward). A grammar llguidance refuses is a ``UserError`` naming what it
-  found, raised in ``LLM.add_request`` (the caller's thread: the server answers 400).
+  reuses the DFA states another copy built), so the masks of rows sharing one lexer contend for its mutex; a lane is
+  a separately compiled template (its own lexer and DFA; a compile each, ~0.5 ms for the bench schema, up to ~100 ms
+  for huge grammars), compiled when a copy first reaches it. Copy number ``c`` of a spec goes to lane
+  ``(c // rows_per_lane) % lanes``.
+
+  **Lanes rule** (``lanes=None``, the engine's default, ``RolloutConfig.grammar_lanes = None``): ``auto_lanes``:
+  one lane per executor thread on a host with at least ``AUTO_LANES_MIN_THREADS`` (4) of them, else 1, and copies
+  handed out ``ROWS_PER_LANE`` (16) at a time. So a spec with at most 16 rows in flight (a lone request and the next
+  15 rows: the second request never compiles) stays on one template, and a B256 rollout on a 16-thread host spreads
+  over 16 lanes of 16 rows (16 compiles of the spec in all, each once). Below 4 threads there is nothing to spread over
+  (2 CPUs: 2 lanes gave no measurable gain, and each lane rebuilds its own DFA states), so the path is one lane as
+  before. ``lanes=N`` (``RolloutConfig.grammar_lanes = N``, ``polyrl bench rollout --grammar-lanes N``) forces N
+  lanes, round-robin (``rows_per_lane`` 1). H200 (16 CPUs, 16 executor threads; qwen3-0.6b, B256, 128 in / 256 out,
+  ``BENCH_SCHEMA``; 2026-12-02 round3d call2): free decode 4.43 ms per step; 1 lane: masks 3.82 ms per step,
+  guided step 6.88 ms, cost 35.6%; 16 lanes: masks 1.47 ms, step 5.09 ms, cost 12.9% (before the trims below).
+  ``compiles`` / ``hits`` count how often a spec was new or reused; ``mask_calls`` / ``mask_s`` / ``mask_max_s``
+  the host time of the batched masks per step (what a guided step waits for when it exceeds the forward). A grammar
+  llguidance refuses is a ``UserError`` naming what it found, raised in ``LLM.add_request`` (the caller's thread:
+  the server answers 400).
 - The executor (llguidance's ``LLExecutor``: a rayon pool; its calls release the GIL) has ``num_threads`` threads,
   default ``host_threads()``: the CPUs this process may run on (``os.sched_getaffinity``), at most 32. llguidance's
   own default is 80% of them (1 thread on a 2-CPU host: B256 masks 2.12 ms there vs 1.58 ms with 2 threads).
 - ``fill_guides(guides, bitmask)``: each guided row's allowed tokens as bits (int32 words, LSB first) in a host
   buffer, one executor call, the rows handed over grouped by lane (the pool splits the list into contiguous chunks,
-  so threads mostly work on different lanes). ``fill_bitmask(matchers, bitmask)`` is the same for bare matchers.
-- Tokens are consumed one row at a time (``Guide.consume_at`` / ``Guide.advance``): llguidance's parallel
+  so threads mostly work on different lanes). ``mask_pairs(guides)`` is that (matcher, row) list, built once per
+  draw plan (a launch's steps reuse it) and filled by ``fill_pairs``; ``fill_bitmask(matchers, bitmask)`` is the
+  same for bare matchers.
+- Tokens are consumed one row at a time (``Guide.consume_at`` / ``Guide.advance``; inside a guided launch's steps
+  >= 1 the matchers' bound ``consume_token`` directly, the position known): llguidance's parallel
   ``LLExecutor.consume_token_par`` was slower at B256 on 2 CPUs (0.88-0.94 ms vs 0.73 ms per step: the consumes
   of one schema's rows take its lexer mutex, and the call pays the pool's hand-off), and no llguidance call
   consumes and computes the next mask at once.
@@ -36,13 +49,18 @@ tokenizers with any vocabulary through its token trie, and its wheel installs wi
   of the unmasked and the masked rows; Triton on CUDA, torch reference elsewhere); ``allowed_mask`` is
   that op's mask alone, as booleans. The mask is applied to the logits *after* the model's forward (and
   after a CUDA graph replay of it), so captured graphs stay valid. ``fill(..., beside=f)`` computes the masks on a
-  worker thread while ``f()`` runs on the caller's (the engine reads the previous launch there).
+  worker thread while ``f()`` runs on the caller's (the engine reads the previous launch there); ``start(pairs)``
+  computes a step's first rows' masks on that worker while the caller feeds the other rows' matchers, and the
+  next ``fill`` computes the rest and joins (the feed/mask pipeline of ``overlap.GuidedDraws``).
 - Overlap (``overlap.GuidedDraws``, ``LLM._launch_guided``): the mask of step N+1 depends on the token of step N,
   but the forward of step N+1 does not. So with ``overlap_decode`` a guided batch decodes ``decode_steps`` steps
   per launch like a free one: each step's forward is queued first, then the host reads the previous step's tokens,
   the matchers consume them (ahead of the engine accepting them: ``Guide.consumed`` vs ``Guide.num_tokens``) and
-  the masks are computed while the device runs the forward; only the masked draw waits for them. No launch
-  graphs for guided batches (a draw needs the host between steps). ``HostTimes`` says where that host time goes.
+  the masks are computed while the device runs the forward; only the masked draw waits for them. From a launch's
+  second step on, with 32+ rows over several lanes, half the rows (cut where the lane changes) are fed and their
+  masks started on the worker before the other half is fed, so feeding overlaps masks (``overlap.PIPELINE_ROWS``;
+  one lane: no pipeline, every consume would wait for the lexer mutex the masks hold). No launch graphs for guided
+  batches (a draw needs the host between steps). ``HostTimes`` says where that host time goes.
 
 JSON grammars use one fixed layout (``JSON_STYLE``: ``{"a": 1, "b": [2, 3]}``, as ``json.dumps`` and chat templates
 write it): llguidance's default allows any run of whitespace, which an untrained or weakly trained model fills until
@@ -86,6 +104,20 @@ def host_threads() -> int:
     except AttributeError:  # not on Linux
         n = os.cpu_count() or 1
     return max(1, min(n, 32))
+
+
+# Automatic lanes (GrammarCache(lanes=None)): consecutive copies of a spec share a lane in blocks of this many rows, so
+# a spec with at most this many rows in flight (a lone request, a few concurrent ones) stays on one compiled template
+# and a B256 rollout spreads over 16 lanes
+ROWS_PER_LANE = 16
+# ... and below this many executor threads a spec keeps one lane (CPU measurement in docs/performance.md)
+AUTO_LANES_MIN_THREADS = 4
+
+
+def auto_lanes(threads: int) -> int:
+    """The lanes ``GrammarCache`` gives a spec by default: one per executor thread on a host with at least
+    ``AUTO_LANES_MIN_THREADS`` of them (threads then mask rows of separate lexers), else 1."""
+    return threads if threads >= AUTO_LANES_MIN_THREADS else 1
 
 
 def _llg() -> Any:
@@ -137,7 +169,8 @@ class GrammarCache:
         eos_ids: list[int] | frozenset[int],
         max_entries: int = 256,
         num_threads: int | None = None,
-        lanes: int = 1,
+        lanes: int | None = None,
+        rows_per_lane: int | None = None,
     ):
         if tokenizer is None:
             raise UserError("structured outputs need a tokenizer; build the LLM with one")
@@ -153,14 +186,21 @@ class GrammarCache:
         self.words = (vocab_size + 31) // 32
         self.max_entries = max_entries
         self.num_threads = max(1, num_threads or host_threads())
-        self.lanes = max(1, lanes)
+        if lanes is not None and lanes < 1:
+            raise UserError(f"grammar lanes must be >= 1 (or None: chosen from the host's threads), got {lanes}")
+        if rows_per_lane is not None and rows_per_lane < 1:
+            raise UserError(f"rows_per_lane must be >= 1, got {rows_per_lane}")
+        # lanes None: auto_lanes(threads), copies handed out in blocks of ROWS_PER_LANE; a given N: round-robin
+        self.auto = lanes is None
+        self.lanes = auto_lanes(self.num_threads) if lanes is None else lanes
+        self.rows_per_lane = rows_per_lane or (ROWS_PER_LANE if lanes is None else 1)
         self.compiles = 0
         self.hits = 0
         self.mask_calls = 0  # fill calls (one per guided step), their total and slowest host seconds
         self.mask_s = 0.0
         self.mask_max_s = 0.0
         self.times = HostTimes()  # where a guided launch's host time goes (filled by overlap.GuidedDraws)
-        # per spec: its lanes' templates (compiled as copies reach them), its grammar, the next lane to hand out
+        # per spec: its lanes' templates (compiled as copies reach them), its grammar, the copies handed out so far
         self._cache: OrderedDict[StructuredOutputs, list] = OrderedDict()
         self._lock = threading.Lock()
         self._executor = llg.LLExecutor(num_threads=self.num_threads)
@@ -181,9 +221,10 @@ class GrammarCache:
                 self._cache[so] = entry
                 while len(self._cache) > self.max_entries:
                     self._cache.popitem(last=False)
-            templates, grammar, lane = entry
-            entry[2] = (lane + 1) % self.lanes
-            if lane == len(templates):  # lanes are compiled as copies reach them: a lone request compiles once
+            templates, grammar, copies = entry
+            entry[2] = copies + 1
+            lane = (copies // self.rows_per_lane) % self.lanes
+            while len(templates) <= lane:  # lanes are compiled as copies reach them: a lone request compiles once
                 templates.append(self._compile(so, grammar))
             return templates[lane].deep_copy(), lane
 
@@ -205,20 +246,34 @@ class GrammarCache:
         """Row ``i`` of ``bitmask`` (int32 ``[>= len(matchers), words]``, CPU, contiguous) = the tokens matcher ``i``
         allows next (every word of the row is written). A matcher in an error state (it cannot happen for tokens
         drawn under its own mask) allows only EOS, so the sequence ends."""
-        self._fill([(m, i) for i, m in enumerate(matchers)], bitmask)
+        self.fill_pairs([(m, i) for i, m in enumerate(matchers)], bitmask)
 
     def fill_guides(self, guides: list[Guide], bitmask: torch.Tensor) -> None:
         """``fill_bitmask`` of the guides' matchers, handed to the executor grouped by lane (module docstring)."""
-        self._fill([(guides[i].matcher, i) for i in self._order(guides)], bitmask)
+        self.fill_pairs(self.mask_pairs(guides), bitmask)
 
-    def _fill(self, pairs: list[tuple[Any, int]], bitmask: torch.Tensor) -> None:
+    def mask_pairs(self, guides: list[Guide]) -> list[tuple[Any, int]]:
+        """(matcher, row) per guide, grouped by lane: what ``fill_pairs`` hands the executor. A batch's pairs stay
+        valid while its guides do (the sampler builds them once per draw plan, not every step)."""
+        return [(guides[i].matcher, i) for i in self._order(guides)]
+
+    def fill_pairs(self, pairs: list[tuple[Any, int]], bitmask: torch.Tensor, account: bool = True) -> float:
+        """Row ``i`` of ``bitmask`` = the tokens the matcher paired with ``i`` allows next (``mask_pairs``); returns
+        the call's host seconds, counted as one step's masks unless ``account`` is False (a part of a step's rows:
+        the caller then counts the parts' sum with ``account_mask``)."""
         t0 = time.perf_counter()
         self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), self.words * 4, bitmask.shape[0])
         dt = time.perf_counter() - t0
+        if account:
+            self.account_mask(dt)
+        return dt
+
+    def account_mask(self, seconds: float) -> None:
+        """Count one step's masks that took ``seconds`` of executor calls (the bench's mask ms per step)."""
         self.mask_calls += 1
-        self.mask_s += dt
-        self.times.mask += dt
-        self.mask_max_s = max(self.mask_max_s, dt)
+        self.mask_s += seconds
+        self.times.mask += seconds
+        self.mask_max_s = max(self.mask_max_s, seconds)
 
     def _order(self, guides: list[Guide]) -> range | list[int]:
         """The indices of ``guides`` grouped by lane (stable; no sort with one lane)."""
@@ -230,12 +285,14 @@ class GrammarCache:
 
 class HostTimes:
     """Host seconds of the guided decode launches (``overlap.GuidedDraws`` and ``LLM._launch_guided``), for the
-    bench's breakdown: ``wait`` for a step's tokens to reach the host, ``consume`` (the matchers eat them), ``mask``
-    (computing the next masks, also in ``GrammarCache.mask_s``), ``draw`` (queueing the mask upload, the masked
-    draw and the token copy), ``read`` (the previous launch's bookkeeping: accepting its tokens, stop checks; run on
-    the engine's thread while step 0's masks are computed on a worker, so its time overlaps ``mask``), ``launch``
-    (whole launches: all of the above plus queueing the forwards and building the draw plan), over ``steps`` decode
-    steps in ``launches`` launches."""
+    bench's breakdown: ``wait`` for a step's tokens to reach the host, ``consume`` (the matchers eat them; with the
+    feed/mask pipeline also handing the first half's masks to the worker), ``mask`` (computing the next masks: the
+    executor calls' seconds summed, also in ``GrammarCache.mask_s``; with the pipeline the first half's call runs
+    during the second half's consumes), ``draw`` (queueing the mask upload, the masked draw and the token copy;
+    the time the draw's ``MaskBuffers.fill`` waited for masks excluded), ``read`` (the previous launch's
+    bookkeeping: accepting its tokens, stop checks; run on the engine's thread while step 0's masks are computed on a
+    worker, so its time overlaps ``mask``), ``launch`` (whole launches: all of the above plus queueing the forwards
+    and building the draw plan), over ``steps`` decode steps in ``launches`` launches."""
 
     __slots__ = ("wait", "consume", "mask", "draw", "launch", "read", "steps", "launches")
 
@@ -291,21 +348,24 @@ class MaskBuffers:
     a persistent pinned host buffer that llguidance fills in place, and a persistent device buffer it is copied to
     (queued, no wait). Before the host buffer is refilled, the host waits for the previous copy out of it (an event;
     long done by then: the engine has read that step's tokens). Grows (to the next power of two rows) when a batch
-    has more guided rows than it holds. On the CPU the host buffer is the mask."""
+    has more guided rows than it holds. On the CPU the host buffer is the mask.
+
+    ``start`` computes the masks of a step's first rows on a worker thread while the caller feeds the other rows'
+    matchers their tokens (``overlap.GuidedDraws`` at steps >= 1); the next ``fill`` computes the rest and joins.
+    ``last_s``: the host seconds the last ``fill`` spent on masks (its own executor call, waiting for the worker's,
+    or the whole of ``beside``), which the bench's draw time excludes."""
 
     def __init__(self) -> None:
         self._host: torch.Tensor | None = None
         self._dev: torch.Tensor | None = None
         self._event: Any = None
-        self._pool: ThreadPoolExecutor | None = None  # the worker of fill(beside=...), made on first use
+        self._pool: ThreadPoolExecutor | None = None  # the worker of fill(beside=...) and start, made on first use
+        self._ahead: tuple[Any, int] | None = None  # start's (future of its seconds, rows it took)
+        self.last_s = 0.0
+        self.starts = 0  # steps whose masks were pipelined (start)
 
-    def fill(
-        self, cache: GrammarCache, guides: list[Guide], dev: torch.device, beside: Callable[[], None] | None = None
-    ) -> torch.Tensor:
-        """int32 ``[len(guides), words]`` on ``dev``: the tokens each guide allows next. ``beside``: host work run on
-        this thread while the masks are computed on a worker thread (llguidance releases the GIL), which then must
-        not touch these guides' matchers."""
-        n, words = len(guides), cache.words
+    def _buffer(self, n: int, words: int, dev: torch.device) -> torch.Tensor:
+        """The host buffer, holding at least ``n`` rows for ``dev``, the previous copy out of it done."""
         pinned = dev.type != "cpu"
         host = self._host
         if (
@@ -315,16 +375,68 @@ class MaskBuffers:
             or (self._dev is not None) != pinned
             or (pinned and self._dev.device != dev)
         ):
+            if self._ahead is not None:  # start and fill of one step agree on its rows
+                raise RuntimeError("MaskBuffers.fill: the rows differ from the ones start was given")
             cap = 1 << max(n - 1, 0).bit_length()
             self._wait()
             host = self._host = torch.empty((cap, words), dtype=torch.int32, pin_memory=pinned)
             self._dev = torch.empty((cap, words), dtype=torch.int32, device=dev) if pinned else None
         self._wait()
-        if beside is None:
-            cache.fill_guides(guides, host[:n])
+        return host
+
+    def _worker(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyrl-grammar-mask")
+        return self._pool
+
+    def start(self, cache: GrammarCache, pairs: list[tuple[Any, int]], n: int, dev: torch.device) -> None:
+        """Compute the masks of ``pairs`` (the first of the step's ``n`` rows' ``mask_pairs``) on the worker thread
+        now; returns once the worker is inside llguidance. The caller must not touch those matchers until the next
+        ``fill`` (given all ``n`` pairs, these first) has joined it."""
+        if self._ahead is not None:
+            raise RuntimeError("MaskBuffers.start: the previous start was not joined by a fill")
+        host = self._buffer(n, cache.words, dev)[:n]
+        started = threading.Event()
+
+        def work() -> float:
+            started.set()
+            return cache.fill_pairs(pairs, host, account=False)
+
+        self._ahead = (self._worker().submit(work), len(pairs))
+        self.starts += 1
+        started.wait()
+
+    def fill(
+        self,
+        cache: GrammarCache,
+        pairs: list[tuple[Any, int]],
+        dev: torch.device,
+        beside: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
+        """int32 ``[len(pairs), words]`` on ``dev``: the tokens each guide allows next (``pairs``:
+        ``cache.mask_pairs(guides)``). ``beside``: host work run on this thread while the masks are computed on a
+        worker thread (llguidance releases the GIL), which then must not touch these guides' matchers. After
+        ``start`` (no ``beside`` then), the rows it did not take are computed here while the worker finishes."""
+        n = len(pairs)
+        host = self._buffer(n, cache.words, dev)
+        t0 = time.perf_counter()
+        if self._ahead is not None:
+            future, h = self._ahead
+            self._ahead = None
+            if beside is not None:
+                future.result()
+                raise RuntimeError("MaskBuffers.fill: beside work after start")
+            try:
+                dt = cache.fill_pairs(pairs[h:], host[:n], account=False)
+            finally:
+                ahead_s = future.result()  # joined also when this thread's part raised
+            cache.account_mask(dt + ahead_s)
+        elif beside is None:
+            cache.fill_pairs(pairs, host[:n])
         else:
-            self._fill_beside(cache, guides, host[:n], beside)
-        if not pinned:
+            self._fill_beside(cache, pairs, host[:n], beside)
+        self.last_s = time.perf_counter() - t0
+        if self._dev is None:
             return host[:n]
         out = self._dev[:n]
         out.copy_(host[:n], non_blocking=True)
@@ -333,19 +445,17 @@ class MaskBuffers:
             self._event.record()
         return out
 
-    def _fill_beside(self, cache: GrammarCache, guides: list[Guide], host: torch.Tensor, beside: Callable) -> None:
-        """``cache.fill_guides`` on the worker thread while ``beside()`` runs here. This thread waits until the worker
+    def _fill_beside(self, cache: GrammarCache, pairs: list, host: torch.Tensor, beside: Callable) -> None:
+        """``cache.fill_pairs`` on the worker thread while ``beside()`` runs here. This thread waits until the worker
         is about to enter llguidance (which releases the GIL), so ``beside``'s Python does not hold the worker back
         for a GIL switch interval; it waits for the masks after ``beside`` returns (or raises)."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyrl-grammar-mask")
         started = threading.Event()
 
         def work() -> None:
             started.set()
-            cache.fill_guides(guides, host)
+            cache.fill_pairs(pairs, host)
 
-        future = self._pool.submit(work)
+        future = self._worker().submit(work)
         started.wait()
         try:
             beside()

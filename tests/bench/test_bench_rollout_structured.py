@@ -1,6 +1,6 @@
 """`polyrl bench rollout --response-format json_schema` on the CPU: the constrained run is timed next to the free one,
 its cost reported, the schema compiled once for the warm-up and the timed run, the grammar executor's host time,
-threads and lanes reported (``--grammar-lanes`` sets the lanes)."""
+threads and lanes reported (``--grammar-lanes`` sets the lanes, ``auto`` by default)."""
 
 from __future__ import annotations
 
@@ -34,12 +34,16 @@ def test_bench_rollout_response_format(tmp_path, capsys):
 
 def test_bench_rollout_structured_host_breakdown(tmp_path, capsys):
     """With overlapped decoding (``--overlap-decode on``, also on the CPU) the guided run takes several steps per
-        launch and the structured row splits a guided step's host time into its parts (``structured.HostTimes``); a list
-    of lanes adds an A/B line per further value."""
+    launch and the structured row splits a guided step's host time into its parts (``structured.HostTimes``); a list
+    of lanes (``auto`` = the engine's automatic choice) adds an A/B line per further value, and
+    ``--grammar-pipeline-ab`` one without the feed/mask pipeline; a bad lanes value is refused."""
+    from polyrl.infer.structured import auto_lanes, host_threads
+
     out = tmp_path / "rollout.json"
     argv = ["bench", "rollout", "--shape", "tiny", "--batch", "3", "--prompt-len", "6", "--gen-len", "12"]
     argv += ["--baselines", "none", "--skip-batch1", "--response-format", "json_schema", "--overlap-decode", "on"]
-    argv += ["--grammar-lanes", "1,2"]  # the structured row with one lane, an A/B line with two
+    argv += ["--grammar-lanes", "auto,2"]  # the structured row with automatic lanes, an A/B line with two
+    argv += ["--grammar-pipeline-ab"]  # and an A/B line with the feed/mask pipeline off
     assert main([*argv, "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert 1 < res["guided_steps_per_launch"] <= 4  # decode_steps = 4; the run's tail launches fewer
@@ -47,7 +51,14 @@ def test_bench_rollout_structured_host_breakdown(tmp_path, capsys):
     assert min(parts) >= 0 and res["guided_host_mask_ms"] > 0 and res["guided_host_read_ms"] > 0
     assert res["guided_host_launch_ms"] >= sum(parts)  # the parts happen inside the launches
     assert res["constrained_decode_step_ms"] > 0
-    assert res["grammar_lanes"] == 1 and res["lanes2_grammar_mask_ms_mean"] > 0
+    assert res["grammar_lanes"] == auto_lanes(host_threads()) and res["grammar_lanes_auto"] is True
+    assert res["lanes2_grammar_mask_ms_mean"] > 0 and res["nopipe_grammar_mask_ms_mean"] > 0
+    assert res["guided_pipelined_fraction"] == 0  # 3 rows: below overlap.PIPELINE_ROWS
+    assert 0 < res["nopipe_constrained_decode_step_ms"] and res["nopipe_constrained_decode_cost"] < 1
     assert 0 < res["lanes2_constrained_decode_step_ms"] and res["lanes2_constrained_decode_cost"] < 1
     printed = capsys.readouterr().out
     assert "  computing the masks" in printed and "A/B 2 grammar lanes: cost" in printed
+    assert "A/B no feed/mask pipeline: cost" in printed and "guided steps feed/mask pipelined     0%" in printed
+    assert f"grammar executor threads / lanes     {host_threads()} / {auto_lanes(host_threads())} (auto)" in printed
+    assert main([*argv[:-3], "--grammar-lanes", "auto,0"]) != 0  # refused before any run
+    assert "--grammar-lanes takes 'auto' or counts >= 1" in capsys.readouterr().err

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import torch
 
-from polyrl.errors import UserError
+from polyrl.errors import ConfigError, UserError
 from polyrl.infer import LLM, RolloutConfig, SamplingParams, StructuredOutputs
 from polyrl.infer.sampling_params import sample_seed
 from polyrl.infer.structured import allowed_mask
@@ -190,7 +190,7 @@ def test_mask_buffers_are_persistent_and_every_word_is_written(llm):
     bufs = MaskBuffers()
     cpu = torch.device("cpu")
     calls, spent = cache.mask_calls, cache.mask_s
-    first = bufs.fill(cache, guides, cpu)
+    first = bufs.fill(cache, cache.mask_pairs(guides), cpu)
     assert cache.mask_calls == calls + 1 and cache.mask_s > spent and cache.mask_max_s > 0  # the bench reads these
     assert first.shape == (3, cache.words)
     fresh = torch.zeros((3, cache.words), dtype=torch.int32)
@@ -201,10 +201,10 @@ def test_mask_buffers_are_persistent_and_every_word_is_written(llm):
     assert torch.equal(dirty, fresh)
     n_allowed = allowed_mask(fresh, llm.vocab_size).sum(1).tolist()
     assert n_allowed[0] == 1 and n_allowed[1] > 100 and 1 < n_allowed[2] < 100  # '{', any string token, digits
-    again = bufs.fill(cache, guides[::-1], cpu)
+    again = bufs.fill(cache, cache.mask_pairs(guides[::-1]), cpu)
     assert again.data_ptr() == first.data_ptr() and torch.equal(again, fresh.flip(0))
     more = [cache.guide(so) for _ in range(6)] + guides  # a matcher appears once per batch (llguidance borrows it)
-    grown = bufs.fill(cache, more, cpu)
+    grown = bufs.fill(cache, cache.mask_pairs(more), cpu)
     assert grown.shape == (9, cache.words) and torch.equal(grown[6:], fresh)
 
 
@@ -248,17 +248,21 @@ def test_guided_draw_equals_the_plain_torch_computation(llm):
 
 def test_executor_is_sized_to_the_host_and_lanes_round_robin(llm):
     """llguidance's executor gets a thread per CPU this process may run on (its affinity, at most 32) unless told;
-    one lane by default; with more, each spec is compiled once per lane (separate lexers: copies of one template
-    share its lexer), as the round-robin reaches the lanes."""
+    lanes are automatic by default (one per thread from 4 threads up, else 1); a given count N hands copies out
+    round-robin, each spec compiled once per lane (separate lexers: copies of one template share its lexer) as the
+    round-robin reaches the lanes."""
     import os
 
-    from polyrl.infer.structured import GrammarCache, host_threads
+    from polyrl.infer.structured import GrammarCache, auto_lanes, host_threads
 
     assert host_threads() == min(len(os.sched_getaffinity(0)), 32)
-    assert llm.grammar_cache().num_threads == host_threads() and llm.grammar_cache().lanes == 1
+    cache = llm.grammar_cache()
+    assert cache.num_threads == host_threads() and cache.auto and cache.lanes == auto_lanes(host_threads())
+    assert [auto_lanes(n) for n in (1, 2, 3, 4, 16, 32)] == [1, 1, 1, 4, 16, 32]
     cache = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, num_threads=3)
-    assert (cache.num_threads, cache.lanes) == (3, 1)
+    assert (cache.num_threads, cache.lanes, cache.rows_per_lane) == (3, 1, 16)
     cache = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, num_threads=2, lanes=3)
+    assert (cache.auto, cache.rows_per_lane) == (False, 1)
     so = StructuredOutputs.json_schema(SCHEMA)
     guides = [cache.guide(so)]
     assert len(cache._cache[so][0]) == 1  # a lone request compiles once; the other lanes as copies reach them
@@ -267,6 +271,37 @@ def test_executor_is_sized_to_the_host_and_lanes_round_robin(llm):
     assert cache.compiles == 1 and cache.hits == 6
     templates = cache._cache[so][0]
     assert len(templates) == 3 and len({id(t) for t in templates}) == 3
+    for bad in ({"lanes": 0}, {"rows_per_lane": 0}):
+        with pytest.raises(UserError, match="must be >= 1"):
+            GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, **bad)
+
+
+def test_automatic_lanes_follow_threads_and_rows_per_schema(llm):
+    """Automatic lanes on a 16-thread executor: a schema's copies fill a lane 16 rows at a time, so a lone request
+    and the next 15 rows compile once (the issue's "second request: no compile"), and a B256 rollout spreads over 16
+    lanes of 16 rows, each lane compiled once, the rows then handed to the executor grouped by lane."""
+    from polyrl.infer.structured import ROWS_PER_LANE, GrammarCache
+
+    cache = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, num_threads=16)
+    assert (cache.auto, cache.lanes, cache.rows_per_lane) == (True, 16, ROWS_PER_LANE) and ROWS_PER_LANE == 16
+    so = StructuredOutputs.json_schema(SCHEMA)
+    first = [cache.guide(so) for _ in range(16)]
+    assert {g.lane for g in first} == {0} and len(cache._cache[so][0]) == 1 and cache.compiles == 1
+    rest = [cache.guide(so) for _ in range(256 + 8)]
+    guides = first + rest
+    assert [g.lane for g in guides] == [(i // 16) % 16 for i in range(len(guides))]  # wraps after 16 x 16 rows
+    assert len(cache._cache[so][0]) == 16 and cache.compiles == 1 and cache.hits == len(guides) - 1
+    batch = guides[8:264]  # a B256 batch starting mid-lane: rows grouped by lane for the executor, stable in lane
+    order = [i for _, i in cache.mask_pairs(batch)]
+    assert [batch[i].lane for i in order] == sorted(g.lane for g in batch)
+    assert all(a < b for a, b in zip(order, order[1:]) if batch[a].lane == batch[b].lane)
+    other = StructuredOutputs.json_schema({"type": "object", "properties": {"x": {"type": "integer"}}})
+    assert cache.guide(other).lane == 0  # each spec counts its own rows
+    # the engine's own cache takes RolloutConfig.grammar_lanes (None: automatic)
+    fixed = LLM(llm.model, llm.tokenizer, RolloutConfig(num_blocks=16, grammar_lanes=3)).grammar_cache()
+    assert (fixed.auto, fixed.lanes, fixed.rows_per_lane) == (False, 3, 1)
+    with pytest.raises(ConfigError, match="grammar_lanes must be >= 1"):
+        RolloutConfig(grammar_lanes=0)
 
 
 def test_lane_masks_equal_the_one_lane_reference(llm):

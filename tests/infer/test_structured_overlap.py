@@ -55,12 +55,21 @@ def _same(sync: list, ahead: list) -> None:
                 jsonschema.validate(json.loads(a.text), SCHEMA)
 
 
-@pytest.mark.parametrize(("temperature", "steps"), [(0.0, 4), (1.0, 4), (1.0, 1)])
-def test_multi_step_guided_launches_draw_the_synchronous_tokens(tiny_model_dir, temperature, steps):
+@pytest.mark.parametrize(("temperature", "steps", "pipeline"), [(0.0, 4, 4), (1.0, 4, 4), (1.0, 4, 32), (1.0, 1, 4)])
+def test_multi_step_guided_launches_draw_the_synchronous_tokens(
+    tiny_model_dir, monkeypatch, temperature, steps, pipeline
+):
+    """``pipeline``: the guided rows from which steps >= 1 pipeline feeding and masks (overlap.PIPELINE_ROWS; the
+    batch has 10 over 2 grammar lanes, so 4 pipelines every step of a launch after the first and 32 none)."""
+    from polyrl.infer import overlap
+
+    monkeypatch.setattr(overlap, "PIPELINE_ROWS", pipeline)
     sync = _run(_engine(tiny_model_dir, overlap=False), temperature)
-    llm = _engine(tiny_model_dir, overlap=True, decode_steps=steps)
+    llm = _engine(tiny_model_dir, overlap=True, decode_steps=steps, grammar_lanes=2)
     ahead = _run(llm, temperature)
     _same(sync, ahead)
+    pipelined = llm.sampler.mask_buffers.starts
+    assert pipelined > 10 if pipeline == 4 and steps > 1 else pipelined == 0
     times = llm.grammar_cache().times
     per_launch = 3 if steps == 4 else 1  # mostly 4 guided steps per launch (the tail launches fewer)
     assert times.launches > 0 and times.steps >= per_launch * times.launches
@@ -69,19 +78,35 @@ def test_multi_step_guided_launches_draw_the_synchronous_tokens(tiny_model_dir, 
     assert [len(c.token_ids) for c in ahead if c.masked_logmass is not None and len(c.token_ids) == 9]  # the cut
 
 
-def test_preemption_and_prefix_cache_hits_keep_the_tokens(tiny_model_dir):
+def test_preemption_and_prefix_cache_hits_keep_the_tokens(tiny_model_dir, monkeypatch):
     """A cache too small for the batch preempts sequences with tokens in flight (their matchers then consume those
     tokens when the launch is read); a second run over the same prompts starts from cached prefixes. Both give the
-    synchronous engine's tokens."""
+    synchronous engine's tokens (with feeding and masks pipelined: overlap.PIPELINE_ROWS below the batch's rows)."""
+    from polyrl.infer import overlap
+
+    monkeypatch.setattr(overlap, "PIPELINE_ROWS", 3)
     prompts = [[5 + (i * 7 + j) % 80 for j in range(21)] for i in range(4)]  # 5 full blocks of 4 each
     sync = _run(_engine(tiny_model_dir, overlap=False, block_size=4, num_blocks=40), 1.0, prompts)
-    llm = _engine(tiny_model_dir, overlap=True, block_size=4, num_blocks=40, decode_steps=3)
+    llm = _engine(tiny_model_dir, overlap=True, block_size=4, num_blocks=40, decode_steps=3, grammar_lanes=3)
     first = _run(llm, 1.0, prompts)
     assert llm.scheduler.total_preemptions > 0
     _same(sync, first)
     hits_before = llm.block_manager.hit_tokens
     _same(sync, _run(llm, 1.0, prompts))
     assert llm.block_manager.hit_tokens > hits_before
+    assert llm.sampler.mask_buffers.starts > 0
+
+
+def test_pipeline_splits_where_the_lane_changes(monkeypatch):
+    """``overlap.pipeline_split``: the lane change nearest the middle of a step's (lane-grouped) rows; none below
+    ``PIPELINE_ROWS`` rows or with a single lane (each consume would wait for the other half's masks)."""
+    from polyrl.infer.overlap import PIPELINE_ROWS, pipeline_split
+
+    assert PIPELINE_ROWS == 32
+    assert pipeline_split([0] * 16 + [1] * 16) == 16
+    assert pipeline_split(sorted(i // 16 for i in range(256))) == 128  # auto lanes, B256 on 16 threads
+    assert pipeline_split([0] * 20 + [1] * 5 + [2] * 7) == 20 and pipeline_split([0] * 3 + [1] * 29) == 3
+    assert pipeline_split([0] * 64) == 0 and pipeline_split([0] * 16 + [1] * 15) == 0
 
 
 def test_matchers_consume_in_order_exactly_once(tiny_model_dir):
@@ -102,13 +127,15 @@ def test_matchers_consume_in_order_exactly_once(tiny_model_dir):
 
 @pytest.mark.gpu
 def test_multi_step_guided_launches_on_cuda_with_graphs(tiny_model_dir):
-    """On CUDA (graph replays, masks computed while the forward runs, tokens copied to pinned memory per step) every
-    guided output is valid and the launches ran several steps each."""
+    """On CUDA (graph replays, masks computed while the forward runs, tokens copied to pinned memory per step, the
+    feed/mask pipeline over 4 grammar lanes) every guided output is valid and the launches ran several steps each."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    cfg = RolloutConfig(block_size=16, num_blocks=512, max_num_seqs=128, max_model_len=256, decode_steps=4)
+    cfg = RolloutConfig(
+        block_size=16, num_blocks=512, max_num_seqs=128, max_model_len=256, decode_steps=4, grammar_lanes=4
+    )
     llm = LLM.from_pretrained(str(tiny_model_dir), cfg, dtype="bfloat16", device="cuda")
     so = StructuredOutputs.json_schema(SCHEMA)
     params = SamplingParams(n=16, temperature=1.0, max_tokens=120, structured=so, seed=1)
@@ -119,6 +146,7 @@ def test_multi_step_guided_launches_on_cuda_with_graphs(tiny_model_dir):
             jsonschema.validate(json.loads(c.text), SCHEMA)
     times = llm.grammar_cache().times
     assert times.steps >= 3 * times.launches > 0 and llm.runner.last_step_used_graph
+    assert llm.sampler.mask_buffers.starts > 0  # 64 rows over 4 lanes: steps >= 1 pipelined feeding and masks
 
 
 def test_mask_fill_beside_runs_on_a_worker_and_joins(tiny_model_dir):
@@ -132,11 +160,11 @@ def test_mask_fill_beside_runs_on_a_worker_and_joins(tiny_model_dir):
 
     llm = _engine(tiny_model_dir, overlap=True)
     cache = llm.grammar_cache()
-    guides = [cache.guide(StructuredOutputs.json_schema(SCHEMA)) for _ in range(5)]
+    guides = cache.mask_pairs([cache.guide(StructuredOutputs.json_schema(SCHEMA)) for _ in range(5)])
     plain = MaskBuffers().fill(cache, guides, torch.device("cpu")).clone()
     threads = []
-    real = cache.fill_guides
-    cache.fill_guides = lambda g, b: threads.append(threading.get_ident()) or real(g, b)
+    real = cache.fill_pairs
+    cache.fill_pairs = lambda g, b, account=True: threads.append(threading.get_ident()) or real(g, b, account)
     buffers = MaskBuffers()
     ran = []
     got = buffers.fill(cache, guides, torch.device("cpu"), lambda: ran.append(threading.get_ident()))
@@ -148,3 +176,17 @@ def test_mask_fill_beside_runs_on_a_worker_and_joins(tiny_model_dir):
     with pytest.raises(ValueError, match="beside failed"):
         buffers.fill(cache, guides, torch.device("cpu"), fail)
     assert torch.equal(buffers._host[:5], plain) and len(threads) == 2  # the worker's mask was complete
+
+    # start: the first rows' masks on the worker, the rest in the next fill, which joins it (one step counted)
+    buffers._host.fill_(-1)
+    calls, spent = cache.mask_calls, cache.mask_s
+    buffers.start(cache, guides[:2], 5, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="not joined"):
+        buffers.start(cache, guides[:2], 5, torch.device("cpu"))
+    got = buffers.fill(cache, guides, torch.device("cpu"))
+    assert torch.equal(got, plain) and threads[-2] != threads[-1] == ran[0]  # worker first, then this thread
+    assert cache.mask_calls == calls + 1 and cache.mask_s > spent and buffers.last_s > 0 and buffers.starts == 1
+    buffers.start(cache, guides[:2], 5, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="beside work after start"):
+        buffers.fill(cache, guides, torch.device("cpu"), fail)
+    assert buffers._ahead is None  # joined all the same
