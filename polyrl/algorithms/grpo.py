@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from polyrl.algorithms.advantages import group_advantages, informative_groups
-from polyrl.algorithms.losses import AGGREGATIONS, KL_ESTIMATORS, aggregate, policy_loss
+from polyrl.algorithms.losses import AGGREGATIONS, KL_ESTIMATORS, aggregate_sum, policy_loss
 from polyrl.algorithms.losses import normalizer as loss_normalizer
 from polyrl.algorithms.online_config import OnlineConfig
 from polyrl.algorithms.rl_batch import RLBatch, completion_logprobs
@@ -210,7 +210,7 @@ class PolicyLoss:
             kl_estimator=cfg.kl_estimator,
             is_weights=f.get("is_w"),
         )
-        loss_sum, _ = aggregate(per_tok, batch.mask, batch.seq_index, b, cfg.loss_agg, cfg.max_new_tokens)
+        loss_sum = aggregate_sum(per_tok, batch.mask, batch.seq_index, b, cfg.loss_agg)  # no host sync
         m = batch.mask
         metrics = {
             "clip_fraction": (info["clipped"] * m).sum() * scale,

@@ -122,6 +122,22 @@ def aggregate(
     raise ValueError(f"unknown loss aggregation {mode!r}; use one of {AGGREGATIONS}")
 
 
+def aggregate_sum(
+    per_token: torch.Tensor, mask: torch.Tensor, seq_index: torch.Tensor, num_seqs: int, mode: str = "token-mean"
+) -> torch.Tensor:
+    """``aggregate(...)[0]`` without the normaliser: the same device ops and no host sync (a CUDA-graphed step's
+    loss may not read a tensor on the host; ``aggregate``'s token and sequence counts do)."""
+    m = mask.to(per_token.dtype)
+    x = _masked(per_token, m)
+    if mode == "seq-mean-token-mean":
+        counts = torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add(0, seq_index, m)
+        sums = torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add(0, seq_index, x)
+        return (sums / counts.clamp(min=1.0)).sum()
+    if mode in ("token-mean", "constant"):
+        return x.sum()
+    raise ValueError(f"unknown loss aggregation {mode!r}; use one of {AGGREGATIONS}")
+
+
 def token_weights(mask: torch.Tensor, seq_index: torch.Tensor, num_seqs: int, mode: str) -> torch.Tensor:
     """Per-token weights ``[T]`` such that ``aggregate(x)[0] == (x * weights).sum()`` (masked tokens weigh 0):
     1 for ``token-mean``/``constant``, 1/len(sequence) for ``seq-mean-token-mean``."""
@@ -187,6 +203,7 @@ __all__ = [
     "AGGREGATIONS",
     "KL_ESTIMATORS",
     "aggregate",
+    "aggregate_sum",
     "clipped_token_loss",
     "gspo_token_loss",
     "kl_penalty",

@@ -130,3 +130,23 @@ def test_group_advantages_std_and_dr_grpo_and_filter():
     assert a == pytest.approx([0.5 / std, -0.5 / std, -0.5 / std, 0.5 / std, 0.0, 0.0, 0.0])
     assert group_advantages(rewards, groups, "none") == pytest.approx([0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0])
     assert informative_groups(rewards, groups) == {0}
+
+
+def test_aggregate_sum_is_aggregates_loss_without_a_host_sync():
+    """The graph-safe PolicyLoss sums with ``aggregate_sum``: bit-equal to ``aggregate``'s sum (same ops) for every
+    mode, padding and empty sequences included; an unknown mode is refused the same way."""
+    from polyrl.algorithms.losses import AGGREGATIONS, aggregate, aggregate_sum
+
+    g = torch.Generator().manual_seed(0)
+    per_tok = torch.randn(11, generator=g, requires_grad=True)
+    mask = torch.tensor([1, 1, 0, 1, 0, 0, 1, 1, 1, 0, 0], dtype=torch.bool)
+    seq = torch.tensor([0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 3])  # sequence 2 has no masked token
+    for mode in AGGREGATIONS:
+        want, _ = aggregate(per_tok, mask, seq, 4, mode, max_new_tokens=8)
+        got = aggregate_sum(per_tok, mask, seq, 4, mode)
+        assert torch.equal(got, want), mode
+        (ga,) = torch.autograd.grad(got, per_tok)
+        (gw,) = torch.autograd.grad(want, per_tok)
+        assert torch.equal(ga, gw) and ga[2] == 0 and ga[5] == 0
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        aggregate_sum(per_tok, mask, seq, 4, "mean-of-means")

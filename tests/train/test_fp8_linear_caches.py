@@ -274,6 +274,7 @@ def test_fp8_linear_module_keeps_a_gradient_state_per_layer(monkeypatch):
     """``Fp8Linear`` under ``GRAD_SCALING = "delayed"`` makes its state at the first training forward and reuses it;
     "current" passes none (its gradients equal the stateless call's); a bad value is refused; converting back drops
     the state."""
+    monkeypatch.setattr(fl, "GRAD_SCALING", "delayed")  # opt-in (the default is "current")
     model = tiny_lm(seed=0, hidden=32)
     convert_to_fp8(model)
     lin = model.model.layers[0].mlp.down_proj

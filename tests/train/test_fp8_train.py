@@ -228,7 +228,7 @@ def test_qlora_base_is_refused(monkeypatch):
 @pytest.mark.gpu
 @needs_fp8
 def test_gpu_delayed_gradient_scale_replays_as_eager(monkeypatch):
-    """The delayed gradient scale (``fp8_linear.GRAD_SCALING``, the default) reads and updates its state on the
+    """The delayed gradient scale (``fp8_linear.GRAD_SCALING = "delayed"``, opt-in) reads and updates its state on the
     device: steps replayed as a CUDA graph give the eager run's losses and recorded amaxes, a replay writes new
     amaxes (the weights changed), and both track the current-scaling run within 1%."""
     from polyrl.models import fp8_linear as fl
