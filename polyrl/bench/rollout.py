@@ -22,7 +22,7 @@ run's decode phase (the issue's budget: at most 10% at batch 256 on the H200), t
 per schema), the host time of the batched grammar masks per step (mean and slowest), the grammar executor's
 threads and lanes (default ``auto``: the engine's rule, ``structured.auto_lanes``; ``--grammar-lanes N``: N separate
 lexers; ``--grammar-lanes auto,1,16``: each in one run, the first in the structured row, the others as A/B lines;
-``--grammar-pipeline-ab``: one more A/B line, the first value without the feed/mask pipeline of guided steps,
+``--grammar-pipeline-ab``: one more A/B line, the first value with the (opt-in) feed/mask pipeline of guided steps,
 whose share of steps the structured row reports), and where a guided decode step's host time goes
 (``structured.HostTimes``, per step: the launches' time, of which waiting for the previous step's tokens, the
 matchers consuming them, the masks, queueing the masked draw, and reading the previous launch, which runs beside
@@ -105,8 +105,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--grammar-pipeline-ab",
         action="store_true",
-        help="also time the first --grammar-lanes value with the feed/mask pipeline of guided steps off "
-        "(overlap.PIPELINE_ROWS): an A/B line",
+        help="also time the first --grammar-lanes value with the feed/mask pipeline of guided steps on "
+        "(overlap.PIPELINE, off by default): an A/B line",
     )
     add_decoder_options(parser)
     rollout_fp8.add_arguments(parser)  # --precision fp8 (bench/rollout_fp8.py)
@@ -489,13 +489,13 @@ def _constrained(llm, prompts: list[list[int]], args: argparse.Namespace, dev: t
         res[f"lanes{n}_grammar_mask_ms_mean"] = ab["grammar_mask_ms_mean"]
     if args.grammar_pipeline_ab:
         ab = {"engine_decode_tok_s": res["engine_decode_tok_s"]}
-        rows, overlap.PIPELINE_ROWS = overlap.PIPELINE_ROWS, 1 << 30
+        was, overlap.PIPELINE = overlap.PIPELINE, not overlap.PIPELINE
         try:
             _constrained_run(llm, prompts, args, dev, ab, lanes[0])
         finally:
-            overlap.PIPELINE_ROWS = rows
+            overlap.PIPELINE = was
         for key in ("constrained_decode_cost", "constrained_decode_step_ms", "grammar_mask_ms_mean"):
-            res[f"nopipe_{key}"] = ab[key]
+            res[f"pipe_{key}"] = ab[key]
 
 
 def _grammar_lanes(value: str) -> int | None:
@@ -592,10 +592,10 @@ def _print(res: dict) -> None:
         n = key[len("lanes") : -len("_constrained_decode_cost")]
         step, mask = res[f"lanes{n}_constrained_decode_step_ms"], res[f"lanes{n}_grammar_mask_ms_mean"]
         print(f"{f'A/B {n} grammar lanes: cost':<36} {res[key]:.1%} (step {step:.2f} ms, mask {mask:.2f} ms)")
-    if "nopipe_constrained_decode_cost" in res:  # --grammar-pipeline-ab
-        step, mask = res["nopipe_constrained_decode_step_ms"], res["nopipe_grammar_mask_ms_mean"]
-        cost = res["nopipe_constrained_decode_cost"]
-        print(f"{'A/B no feed/mask pipeline: cost':<36} {cost:.1%} (step {step:.2f} ms, mask {mask:.2f} ms)")
+    if "pipe_constrained_decode_cost" in res:  # --grammar-pipeline-ab
+        step, mask = res["pipe_constrained_decode_step_ms"], res["pipe_grammar_mask_ms_mean"]
+        cost = res["pipe_constrained_decode_cost"]
+        print(f"{'A/B feed/mask pipeline on: cost':<36} {cost:.1%} (step {step:.2f} ms, mask {mask:.2f} ms)")
     rollout_fp8.print_rows(res)  # --precision fp8
     for name, what, _, _ in PARTS:  # --compare-parts
         for on, tag in ((True, "on"), (False, "off")):

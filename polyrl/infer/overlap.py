@@ -107,15 +107,20 @@ def feed_input_ids(input_ids: torch.Tensor, rows: torch.Tensor, prev_tokens: tor
 # Guided rows from which a step's consumes and masks are pipelined (GuidedDraws, steps >= 1): the first half's masks
 # are computed on a worker while this thread feeds the second half's matchers. Only across grammar lanes (the halves
 # split where the lane changes): a consume takes its lexer's mutex, which the other half's masks then do not hold;
-# with one lane (the default below 4 CPUs) every consume would wait for them
+# with one lane (the default below 4 CPUs) every consume would wait for them.
+# Off by default (``PIPELINE``): on the H200 (B256, 16 automatic lanes) a run with it on spent 3.02 ms per step in
+# masks and 1.01 ms consuming, against 1.47 ms masks with 16 lanes and no pipeline the same morning (cost 21.8% vs
+# 12.9%): each half's masks put the 16 executor threads on 8 lanes, two threads per lexer lock, and the masks of the
+# halves run one after the other. ``polyrl bench rollout --grammar-pipeline-ab`` times it on.
+PIPELINE = False
 PIPELINE_ROWS = 32
 
 
 def pipeline_split(lanes: list[int]) -> int:
     """Where a step's rows (their grammar lanes, grouped) split into the pipeline's two parts: the lane change nearest
-    the middle; 0 (no pipeline) below ``PIPELINE_ROWS`` rows or with one lane."""
+    the middle; 0 (no pipeline) when ``PIPELINE`` is off, below ``PIPELINE_ROWS`` rows or with one lane."""
     n = len(lanes)
-    if n < PIPELINE_ROWS:
+    if not PIPELINE or n < PIPELINE_ROWS:
         return 0
     cuts = [i for i in range(1, n) if lanes[i] != lanes[i - 1]]
     return min(cuts, key=lambda i: abs(2 * i - n)) if cuts else 0

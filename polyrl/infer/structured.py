@@ -56,8 +56,9 @@ tokenizers with any vocabulary through its token trie, and its wheel installs wi
   but the forward of step N+1 does not. So with ``overlap_decode`` a guided batch decodes ``decode_steps`` steps
   per launch like a free one: each step's forward is queued first, then the host reads the previous step's tokens,
   the matchers consume them (ahead of the engine accepting them: ``Guide.consumed`` vs ``Guide.num_tokens``) and
-  the masks are computed while the device runs the forward; only the masked draw waits for them. From a launch's
-  second step on, with 32+ rows over several lanes, half the rows (cut where the lane changes) are fed and their
+  the masks are computed while the device runs the forward; only the masked draw waits for them. Opt-in
+  (``overlap.PIPELINE``, off: slower on the H200, see there): from a launch's second step on, with 32+ rows over
+  several lanes, half the rows (cut where the lane changes) are fed and their
   masks started on the worker before the other half is fed, so feeding overlaps masks (``overlap.PIPELINE_ROWS``;
   one lane: no pipeline, every consume would wait for the lexer mutex the masks hold). No launch graphs for guided
   batches (a draw needs the host between steps). ``HostTimes`` says where that host time goes.

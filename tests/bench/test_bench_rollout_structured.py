@@ -43,7 +43,7 @@ def test_bench_rollout_structured_host_breakdown(tmp_path, capsys):
     argv = ["bench", "rollout", "--shape", "tiny", "--batch", "3", "--prompt-len", "6", "--gen-len", "12"]
     argv += ["--baselines", "none", "--skip-batch1", "--response-format", "json_schema", "--overlap-decode", "on"]
     argv += ["--grammar-lanes", "auto,2"]  # the structured row with automatic lanes, an A/B line with two
-    argv += ["--grammar-pipeline-ab"]  # and an A/B line with the feed/mask pipeline off
+    argv += ["--grammar-pipeline-ab"]  # and an A/B line with the (opt-in) feed/mask pipeline on
     assert main([*argv, "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert 1 < res["guided_steps_per_launch"] <= 4  # decode_steps = 4; the run's tail launches fewer
@@ -52,13 +52,13 @@ def test_bench_rollout_structured_host_breakdown(tmp_path, capsys):
     assert res["guided_host_launch_ms"] >= sum(parts)  # the parts happen inside the launches
     assert res["constrained_decode_step_ms"] > 0
     assert res["grammar_lanes"] == auto_lanes(host_threads()) and res["grammar_lanes_auto"] is True
-    assert res["lanes2_grammar_mask_ms_mean"] > 0 and res["nopipe_grammar_mask_ms_mean"] > 0
-    assert res["guided_pipelined_fraction"] == 0  # 3 rows: below overlap.PIPELINE_ROWS
-    assert 0 < res["nopipe_constrained_decode_step_ms"] and res["nopipe_constrained_decode_cost"] < 1
+    assert res["lanes2_grammar_mask_ms_mean"] > 0 and res["pipe_grammar_mask_ms_mean"] > 0
+    assert res["guided_pipelined_fraction"] == 0  # pipeline off by default (and 3 rows: below PIPELINE_ROWS)
+    assert 0 < res["pipe_constrained_decode_step_ms"] and res["pipe_constrained_decode_cost"] < 1
     assert 0 < res["lanes2_constrained_decode_step_ms"] and res["lanes2_constrained_decode_cost"] < 1
     printed = capsys.readouterr().out
     assert "  computing the masks" in printed and "A/B 2 grammar lanes: cost" in printed
-    assert "A/B no feed/mask pipeline: cost" in printed and "guided steps feed/mask pipelined     0%" in printed
+    assert "A/B feed/mask pipeline on: cost" in printed and "guided steps feed/mask pipelined     0%" in printed
     assert f"grammar executor threads / lanes     {host_threads()} / {auto_lanes(host_threads())} (auto)" in printed
     assert main([*argv[:-3], "--grammar-lanes", "auto,0"]) != 0  # refused before any run
     assert "--grammar-lanes takes 'auto' or counts >= 1" in capsys.readouterr().err

@@ -63,6 +63,7 @@ def test_multi_step_guided_launches_draw_the_synchronous_tokens(
     batch has 10 over 2 grammar lanes, so 4 pipelines every step of a launch after the first and 32 none)."""
     from polyrl.infer import overlap
 
+    monkeypatch.setattr(overlap, "PIPELINE", True)  # opt-in
     monkeypatch.setattr(overlap, "PIPELINE_ROWS", pipeline)
     sync = _run(_engine(tiny_model_dir, overlap=False), temperature)
     llm = _engine(tiny_model_dir, overlap=True, decode_steps=steps, grammar_lanes=2)
@@ -84,6 +85,7 @@ def test_preemption_and_prefix_cache_hits_keep_the_tokens(tiny_model_dir, monkey
     synchronous engine's tokens (with feeding and masks pipelined: overlap.PIPELINE_ROWS below the batch's rows)."""
     from polyrl.infer import overlap
 
+    monkeypatch.setattr(overlap, "PIPELINE", True)  # opt-in
     monkeypatch.setattr(overlap, "PIPELINE_ROWS", 3)
     prompts = [[5 + (i * 7 + j) % 80 for j in range(21)] for i in range(4)]  # 5 full blocks of 4 each
     sync = _run(_engine(tiny_model_dir, overlap=False, block_size=4, num_blocks=40), 1.0, prompts)
@@ -100,9 +102,12 @@ def test_preemption_and_prefix_cache_hits_keep_the_tokens(tiny_model_dir, monkey
 def test_pipeline_splits_where_the_lane_changes(monkeypatch):
     """``overlap.pipeline_split``: the lane change nearest the middle of a step's (lane-grouped) rows; none below
     ``PIPELINE_ROWS`` rows or with a single lane (each consume would wait for the other half's masks)."""
+    from polyrl.infer import overlap
     from polyrl.infer.overlap import PIPELINE_ROWS, pipeline_split
 
-    assert PIPELINE_ROWS == 32
+    assert PIPELINE_ROWS == 32 and overlap.PIPELINE is False  # opt-in: slower on the H200 (overlap.PIPELINE)
+    assert pipeline_split([0] * 16 + [1] * 16) == 0
+    monkeypatch.setattr(overlap, "PIPELINE", True)
     assert pipeline_split([0] * 16 + [1] * 16) == 16
     assert pipeline_split(sorted(i // 16 for i in range(256))) == 128  # auto lanes, B256 on 16 threads
     assert pipeline_split([0] * 20 + [1] * 5 + [2] * 7) == 20 and pipeline_split([0] * 3 + [1] * 29) == 3
@@ -126,13 +131,16 @@ def test_matchers_consume_in_order_exactly_once(tiny_model_dir):
 
 
 @pytest.mark.gpu
-def test_multi_step_guided_launches_on_cuda_with_graphs(tiny_model_dir):
+def test_multi_step_guided_launches_on_cuda_with_graphs(tiny_model_dir, monkeypatch):
     """On CUDA (graph replays, masks computed while the forward runs, tokens copied to pinned memory per step, the
     feed/mask pipeline over 4 grammar lanes) every guided output is valid and the launches ran several steps each."""
     import torch
 
+    from polyrl.infer import overlap
+
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    monkeypatch.setattr(overlap, "PIPELINE", True)  # opt-in; exercised here on CUDA
     cfg = RolloutConfig(
         block_size=16, num_blocks=512, max_num_seqs=128, max_model_len=256, decode_steps=4, grammar_lanes=4
     )
