@@ -46,7 +46,8 @@ def train(args: argparse.Namespace, model: Path, out: Path, fp8: bool) -> list[f
     fit(
         "sft",
         model,
-        {"path": args.data, "max_seq_len": args.max_seq_len},
+        # fixed shapes: one CUDA graph replays every step (packed shapes vary, and each repeat would capture anew)
+        {"path": args.data, "max_seq_len": args.max_seq_len, "fixed_shapes": True},
         out,
         seed=args.seed,
         train={"max_steps": args.steps, "log_every": max(1, args.steps // 20)},
