@@ -321,6 +321,23 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = False) -> 
 _FUSED_FAILED: list[str] = []  # why the tiled cast could not be built on this device (then: cast + copy)
 
 
+def _try_fused(op: str, instead: str, fn, *args):
+    """``fn(*args)`` (a tiled cast), or None once it failed to compile: the failure is recorded in ``_FUSED_FAILED``
+    (every tiled cast is skipped from then on) and reported once, and the caller takes its plain path. Out of memory
+    and any error under the Triton interpreter (the CPU tests) are raised."""
+    try:
+        return fn(*args)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a compile failure of this kernel only; reported, then worked around
+        if interpreting():
+            raise
+        _FUSED_FAILED.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+        warnings.warn(f"{op}: the fused Triton cast failed ({_FUSED_FAILED[0]}); using {instead} instead (slower, "
+                      "same numbers)", RuntimeWarning, 3)  # fmt: skip
+        return None
+
+
 def quantize_t(
     x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = False, pad_t: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -331,16 +348,11 @@ def quantize_t(
     to compile (a Triton backend without the transposing layout conversion) it warns once and gives the same
     numbers from ``quantize`` and a transposing copy."""
     if FUSED_CAST_T and not _FUSED_FAILED:
-        try:
-            return _quantize_t_fused(x, fp8_dtype, rowwise, pad_t)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a compile failure of this kernel only; reported, then worked around
-            if interpreting():
-                raise
-            _FUSED_FAILED.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
-            warnings.warn(f"fp8_quantize_t: the fused Triton cast failed ({_FUSED_FAILED[0]}); using a cast and a "
-                          "transposing copy instead (slower, same numbers)", RuntimeWarning, 2)  # fmt: skip
+        out = _try_fused(
+            "fp8_quantize_t", "a cast and a transposing copy", _quantize_t_fused, x, fp8_dtype, rowwise, pad_t
+        )
+        if out is not None:
+            return out
     q, scale = quantize(x, fp8_dtype, rowwise)
     q_t, scale_t = (q, scale) if not rowwise else quantize(x, fp8_dtype, False)
     q_t = q_t.reshape(-1, x.shape[-1]).t()
@@ -409,16 +421,11 @@ def quantize_t_delayed(
             f"on {state.device}"
         )
     if FUSED_CAST_T and not _FUSED_FAILED and x.numel():
-        try:
-            return _quantize_t_delayed_fused(x, fp8_dtype, state, ready, pad_t)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a compile failure of the tiled cast; reported, then worked around
-            if interpreting():
-                raise
-            _FUSED_FAILED.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
-            warnings.warn(f"fp8_quantize_t_delayed: the fused Triton cast failed ({_FUSED_FAILED[0]}); using the "
-                          "reference instead (slower, same numbers)", RuntimeWarning, 2)  # fmt: skip
+        out = _try_fused(
+            "fp8_quantize_t_delayed", "the reference", _quantize_t_delayed_fused, x, fp8_dtype, state, ready, pad_t
+        )
+        if out is not None:
+            return out
     return reference.quantize_t_delayed(x, fp8_dtype, state, ready, pad_t)
 
 
