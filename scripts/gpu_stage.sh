@@ -215,6 +215,10 @@ for s in "$@"; do
     # and the prefill overhead with prefix caching off (the LM-head floor printed beside it); 500 documents, no serve
     bench-eval-gen) TAIL=40 stage bench-eval-gen 420 bash -c "python3 -m pytest -q -m 'gpu or not gpu' -p no:cacheprovider tests/infer/test_prompt_logprobs_gpu.py tests/kernels/test_token_logprobs.py -k 'prompt_logprobs or row_kernel_as' 2>&1 | tail -3; \
       $PR bench eval --shape qwen3-0.6b --docs 500 --hf-batch-sizes 256 --gen-docs 256 --json $OUT/bench_eval_gen.json" ;;
+    # the generation rows' time split only (issue 34): hf's model.generate calls and tokens against polyrl's engine
+    # call (synchronous prompt steps, decode launches, host stop checks), both warmed up on the phase's shapes, plus
+    # cProfile + torch profiler of a polyrl generation repeat in $OUT/eval-gen-profile; ~2 min
+    bench-eval-gen-split) TAIL=30 stage bench-eval-gen-split 300 $PR bench eval --shape qwen3-0.6b --docs 200 --hf-batch-sizes 256 --gen-docs 256 --profile $OUT/eval-gen-profile --json $OUT/bench_eval_gen_split.json ;;
     # the scorer's GPU test, then where the in-process log-likelihood phase goes on the device: no hf rows, cProfile +
     # torch profiler in $OUT/eval-profile (issue 34)
     bench-eval-profile) TAIL=60 stage bench-eval-profile 300 bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider tests/eval/test_scoring.py 2>&1 | tail -3; \

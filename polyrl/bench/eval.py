@@ -21,10 +21,15 @@ building, tokenisation) as total - model load - log-likelihood phase:
 - generation (``--gen-docs``, default 256): a generate-until task of the same contexts, greedy, ``--gen-tokens`` new
   tokens (a stop string that never occurs), through ``hf`` (at the last ``--hf-batch-sizes``) and the in-process
   engine (continuous batching): the generation phase is timed the same way, texts compared with hf's. Both
-  generation rows run their phase twice under the same rule (``repeat_s``, ``repeat_speedup``: the steady state,
-  first-use costs of either backend show as the difference); polyrl's row prints the engine's steps (the first and
-  the slowest: a compilation or a capture inside the phase shows there) and the decode-graph capture time spent
-  inside the phase.
+  generation rows get the same untimed warm-up (``_gen_warm_up``: as many documents of other contexts, 8 new tokens:
+  the phase's shapes compile there) and run their phase twice under the same rule (``repeat_s``,
+  ``repeat_speedup``: the steady state, first-use costs of either backend show as the difference). Each prints where
+  its phase went: hf its ``model.generate`` calls (requests, decode steps, tokens computed, seconds inside
+  ``model.generate`` against lm-eval's own host work); polyrl its engine calls, prompt and generated tokens, the
+  engine's synchronous (prompt) steps and decode launches with their seconds, the first and slowest step (a
+  compilation or a capture inside the phase shows there), the host time of the per-token stop checks, and any
+  decode-graph capture inside the phase; both the tokens of their texts (equal when the texts are). ``--profile``
+  profiles a repeat of the generation phase too.
 
 The harness's own time of the first hf run is printed as a row of its own. Each row is printed as soon as it is
 measured; a row that fails (e.g. ``--serve`` without lm-eval's API dependencies) is printed with its error and the
@@ -93,7 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile",
         default=None,
         metavar="DIR",
-        help="also profile a repeat of the in-process log-likelihood phase: cProfile and torch profiler files in DIR",
+        help="also profile a repeat of the in-process log-likelihood and generation phases: cProfile and torch "
+        "profiler files in DIR",
     )
 
 
@@ -132,23 +138,32 @@ def write_gen_task(root: Path, docs: int, words: int, new_tokens: int, seed: int
     return "polyrl_bench_gen"
 
 
-def _timed(lm: Any, box: dict[str, Any], method: str = "loglikelihood", repeat: bool = False) -> None:
+def _timed(
+    lm: Any, box: dict[str, Any], method: str = "loglikelihood", repeat: bool = False, counts: dict | None = None
+) -> None:
     """Make ``lm.<method>`` (``loglikelihood`` or ``generate_until``) add its wall time to ``box["phase_s"]``. With
     ``repeat`` the same requests run a second time, timed as ``box["repeat_s"]`` (what is left of first-use costs
     shows as the difference; a polyrl engine's prefix cache is reset first, so the repeat recomputes what the first
     call computed), and the requests are kept in ``box["requests"]`` (``--profile``). A polyrl model's
-    breakdown of the first call (``last_score_stats`` / ``last_generate_stats``) lands in ``box["breakdown"]``."""
+    breakdown of the first call (``last_score_stats`` / ``last_generate_stats``) lands in ``box["breakdown"]``, with
+    ``counts["read"]()`` (counters reset by ``counts["reset"]()`` before the call: ``_count_hf_generate``,
+    ``_count_stop_checks``) merged in. A generation phase's texts are counted in tokens (``box["text_tokens"]``: the
+    same count for both backends when their texts agree)."""
     inner = getattr(lm, method)
 
     def timed(requests, *a, **k):
+        if counts is not None:
+            counts["reset"]()
         _sync()
         t0 = time.perf_counter()
         out = inner(requests, *a, **k)
         _sync()
         box["phase_s"] = box.get("phase_s", 0.0) + time.perf_counter() - t0
         stats = getattr(lm, "last_score_stats" if method == "loglikelihood" else "last_generate_stats", None)
-        if stats:
-            box["breakdown"] = dict(stats)
+        if stats or counts is not None:
+            box["breakdown"] = {**(stats or {}), **(counts["read"]() if counts is not None else {})}
+        if method == "generate_until":
+            box["text_tokens"] = sum(len(t) for t in lm.tokenizer(list(out), add_special_tokens=False)["input_ids"])
         if repeat:
             box["requests"] = requests
             engine = getattr(lm, "llm", None)
@@ -163,6 +178,66 @@ def _timed(lm: Any, box: dict[str, Any], method: str = "loglikelihood", repeat: 
         return out
 
     setattr(lm, method, timed)
+
+
+def _count_hf_generate(lm: Any) -> dict:
+    """Counters around lm-eval ``HFLM._model_generate`` (one ``model.generate`` per batch of requests that share
+    their ``gen_kwargs``): ``generate_calls``, ``generate_s`` (inside ``model.generate``, its stop-sequence criteria
+    included; the rest of the phase is lm-eval's host work: tokenising, padding, decoding and cutting the texts),
+    ``requests`` (rows), ``decode_steps`` (new positions, summed over calls) and ``computed_tokens`` (rows x new
+    positions: what hf computed, finished rows included, as it pads them to the batch's longest)."""
+    c: dict[str, float] = {}
+    inner = lm._model_generate
+
+    def reset() -> None:
+        c.update(generate_calls=0, generate_s=0.0, requests=0, decode_steps=0, computed_tokens=0)
+
+    def counted(context, *a, **k):
+        _sync()
+        t0 = time.perf_counter()
+        out = inner(context, *a, **k)
+        _sync()
+        new = out.shape[1] - context.shape[1]
+        c["generate_calls"] += 1
+        c["generate_s"] += time.perf_counter() - t0
+        c["requests"] += context.shape[0]
+        c["decode_steps"] += new
+        c["computed_tokens"] += context.shape[0] * new
+        return out
+
+    reset()
+    lm._model_generate = counted
+    return {"reset": reset, "read": lambda: dict(c)}
+
+
+def _count_stop_checks() -> dict:
+    """Host time in the engine's per-token stop checks (``infer.stopping.check_stop``: EOS, stop ids, the stop
+    strings on the incrementally detokenised text), summed over a phase: ``stop_check_s``, ``stop_checks``. The
+    engine calls it once per accepted token; the wrapper adds two clock reads per call (~0.1 us). ``restore`` puts
+    the engine's own function back."""
+    # lazy: the engine module whose global the wrapper replaces for this row
+    import polyrl.infer.llm as engine_mod
+
+    c: dict[str, float] = {}
+    inner = engine_mod.check_stop
+    clock = time.perf_counter
+
+    def reset() -> None:
+        c.update(stop_check_s=0.0, stop_checks=0)
+
+    def counted(*a):
+        t0 = clock()
+        out = inner(*a)
+        c["stop_check_s"] += clock() - t0
+        c["stop_checks"] += 1
+        return out
+
+    def restore() -> None:
+        engine_mod.check_stop = inner
+
+    reset()
+    engine_mod.check_stop = counted
+    return {"reset": reset, "read": lambda: dict(c), "restore": restore}
 
 
 def _sync() -> None:
@@ -223,13 +298,15 @@ def run(args: argparse.Namespace) -> int:
         load = time.perf_counter() - t0
         # a generation row runs its phase twice (``repeat_s``), as the polyrl generation row does: the same rule for
         # both, so first-use costs of either backend show as the difference and the steady state is comparable
+        counts = None
         if kind == "gen":
-            box["gen_warmup_s"] = _gen_warm_up(lm, root, args.gen_tokens)
-        _timed(lm, box, "generate_until" if kind == "gen" else "loglikelihood", repeat=kind == "gen")
+            box["gen_warmup_s"] = _gen_warm_up(lm, args)
+            counts = _count_hf_generate(lm)
+        _timed(lm, box, "generate_until" if kind == "gen" else "loglikelihood", repeat=kind == "gen", counts=counts)
         total, outs = _evaluate(lm, task, root)
         ref[kind] = ref[kind] or outs
         row = _row(f"hf bs={bs}" + (" generate" if kind == "gen" else ""), load, total, box, outs, ref[kind], kind)
-        for key in ("repeat_s", "same_on_repeat", "gen_warmup_s"):
+        for key in ("repeat_s", "same_on_repeat", "gen_warmup_s", "breakdown", "text_tokens"):
             if key in box:
                 row[key] = box[key]
         return row
@@ -261,14 +338,20 @@ def run(args: argparse.Namespace) -> int:
 
         def polyrl_row(kind: str, task: str) -> dict[str, Any]:
             box = boxes[kind] = {}
+            counts = None
             if kind == "gen":
-                box["gen_warmup_s"] = _gen_warm_up(lm, root, args.gen_tokens)
-            _timed(lm, box, "generate_until" if kind == "gen" else "loglikelihood", repeat=True)
-            total, outs = _evaluate(lm, task, root)
+                box["gen_warmup_s"] = _gen_warm_up(lm, args)
+                counts = _count_stop_checks()
+            try:
+                _timed(lm, box, "generate_until" if kind == "gen" else "loglikelihood", repeat=True, counts=counts)
+                total, outs = _evaluate(lm, task, root)
+            finally:
+                if counts is not None:
+                    counts["restore"]()
             label = "polyrl (in-process)" + (" generate" if kind == "gen" else "")
             row = _row(label, load, total, box, outs, ref[kind], kind)
             row.update(warm)
-            for key in ("repeat_s", "same_on_repeat", "breakdown", "gen_warmup_s"):
+            for key in ("repeat_s", "same_on_repeat", "breakdown", "gen_warmup_s", "text_tokens"):
                 if key in box:
                     row[key] = box[key]
             return row
@@ -288,8 +371,13 @@ def run(args: argparse.Namespace) -> int:
         if gen_task is not None:
             if batch_sizes:
                 measure(f"hf bs={batch_sizes[-1]} generate", lambda: hf_row(batch_sizes[-1], "gen", gen_task, root))
+            hf_gen = [r for r in rows if r["backend"] == f"hf bs={batch_sizes[-1]} generate"] if batch_sizes else []
+            if hf_gen and "breakdown" in hf_gen[0]:
+                print(_hf_gen_line(hf_gen[0]), flush=True)
             if measure("polyrl (in-process) generate", lambda: polyrl_row("gen", gen_task)) is not None:
                 print(_breakdown_line(rows[-1]), flush=True)
+                if args.profile:
+                    res["profile_gen"] = _profile(lm, boxes["gen"]["requests"], Path(args.profile), "gen")
     _speedups(rows)
     res["rows"] = rows
     cols = ["backend", "load_s", "harness_s", "phase_s", "requests_per_s", "speedup_vs_best_hf"]
@@ -404,18 +492,37 @@ def _warm_up(llm: Any, lm: Any, root: Path) -> dict[str, float]:
     return {"warmup_s": time.perf_counter() - t0, "graph_capture_s": capture}
 
 
-def _gen_warm_up(lm: Any, root: Path, tokens: int, docs: int = 16) -> float:
-    """The same untimed warm-up before either backend's generation phase (the same rule for hf and polyrl): the first
-    ``docs`` documents of the generation task through the backend's own ``generate_until``, with the task's
-    generation settings. Returns its seconds."""
-    rows = [json.loads(line) for line in (root / "bench_gen.jsonl").read_text().splitlines()[:docs]]
-    kw = {"until": ["<never-stop>"], "do_sample": False, "max_gen_toks": tokens}
-    reqs = [SimpleNamespace(args=(r["context"], dict(kw))) for r in rows]
+def _gen_warm_up(lm: Any, args: argparse.Namespace, tokens: int = 8, seed: int = 2) -> float:
+    """The same untimed warm-up before either backend's generation phase (the same rule for hf and polyrl):
+    ``--gen-docs`` documents of other contexts of the same length (another seed, so no prompt of the timed phase is
+    in polyrl's prefix cache) through the backend's own ``generate_until``, ``min(tokens, --gen-tokens)`` new tokens
+    each. The whole batch, not a few documents: the timed phase's shapes (prompt chunks of the full token budget,
+    prefill steps mixed with decodes of many rows, decode launches at the phase's batch sizes) are first seen here,
+    so the Triton kernels they specialise compile here, not inside the phase. Returns its seconds."""
+    rng = random.Random(seed)
+    kw = {"until": ["<never-stop>"], "do_sample": False, "max_gen_toks": max(1, min(tokens, args.gen_tokens))}
+    contexts = [" ".join(rng.choice(WORDS) for _ in range(args.context_words)) for _ in range(args.gen_docs)]
+    reqs = [SimpleNamespace(args=(c, dict(kw))) for c in contexts]
     _sync()
     t0 = time.perf_counter()
     lm.generate_until(reqs)
     _sync()
+    engine = getattr(lm, "llm", None)
+    if engine is not None:
+        engine.reset_prefix_cache()
     return time.perf_counter() - t0
+
+
+def _hf_gen_line(r: dict[str, Any]) -> str:
+    """Where the hf generation phase went (``_count_hf_generate``)."""
+    b = r["breakdown"]
+    gen = b.get("generate_s", 0.0)
+    return (
+        f"  hf generate breakdown: {int(b.get('requests', 0))} requests in {int(b.get('generate_calls', 0))} "
+        f"model.generate calls, {int(b.get('decode_steps', 0))} decode steps, {int(b.get('computed_tokens', 0))} "
+        f"tokens computed, {int(r.get('text_tokens', 0))} in the texts; model.generate {gen:.3f} s, lm-eval's own "
+        f"{r['phase_s'] - gen:.3f} s"
+    )
 
 
 def _breakdown_line(r: dict[str, Any]) -> str:
@@ -425,10 +532,15 @@ def _breakdown_line(r: dict[str, Any]) -> str:
         prep, gen = b.get("prepare_s", 0.0), b.get("generate_s", 0.0)
         rep = f"; repeat {r['repeat_s']:.3f} s (same texts: {r.get('same_on_repeat')})" if "repeat_s" in r else ""
         return (
-            f"  generate breakdown: tokenise + params {prep:.3f} s, engine {gen:.3f} s in {int(b.get('steps', 0))} "
-            f"engine steps (first {b.get('first_step_s', 0.0):.3f} s, slowest {b.get('slowest_step_s', 0.0):.3f} s), "
-            f"{int(b.get('generated_tokens', 0))} tokens, decode graphs captured inside "
-            f"{b.get('graph_capture_s', 0.0):.3f} s{rep}"
+            f"  generate breakdown: {int(b.get('requests', 0))} requests in {int(b.get('engine_calls', 0))} engine "
+            f"call(s), {int(b.get('prompt_tokens', 0))} prompt tokens, {int(b.get('generated_tokens', 0))} tokens "
+            f"generated ({int(r.get('text_tokens', 0))} in the texts); tokenise + params {prep:.3f} s, engine "
+            f"{gen:.3f} s = {int(b.get('sync_steps', 0))} synchronous steps (prompts) {b.get('sync_s', 0.0):.3f} s + "
+            f"{int(b.get('launches', 0))} decode launches {b.get('launch_s', 0.0):.3f} s + last step "
+            f"{b.get('final_s', 0.0):.3f} s (first step {b.get('first_step_s', 0.0):.3f} s, slowest "
+            f"{b.get('slowest_step_s', 0.0):.3f} s); host stop checks {b.get('stop_check_s', 0.0):.3f} s over "
+            f"{int(b.get('stop_checks', 0))} tokens; decode graphs captured inside {b.get('graph_capture_s', 0.0):.3f} "
+            f"s{rep}"
         )
     parts = ["tokenize", "plan", "arrays", "launch", "wait", "gather"]
     known = sum(b.get(f"{p}_s", 0.0) for p in parts)
@@ -441,37 +553,44 @@ def _breakdown_line(r: dict[str, Any]) -> str:
     )
 
 
-def _profile(lm: Any, requests: list, out: Path) -> dict[str, str]:
-    """One more in-process log-likelihood call over ``requests`` under cProfile, then one under the torch profiler
-    (CPU + the accelerator's activity): ``eval_ll.pstats``, ``eval_ll_cprofile.txt`` (top functions by own and by
-    cumulative time), ``eval_ll_torch.txt`` (ops by device and host time) and ``eval_ll_trace.json`` (Chrome trace)
-    in ``out``."""
+def _profile(lm: Any, requests: list, out: Path, kind: str = "ll") -> dict[str, str]:
+    """One more in-process call of the phase (``kind``: ``ll`` = ``loglikelihood``, ``gen`` = ``generate_until``)
+    over ``requests`` under cProfile, then one under the torch profiler (CPU + the accelerator's activity), the
+    prefix cache emptied before each: ``eval_<kind>.pstats``, ``eval_<kind>_cprofile.txt`` (top functions by own and
+    by cumulative time), ``eval_<kind>_torch.txt`` (ops by device and host time) and ``eval_<kind>_trace.json``
+    (Chrome trace) in ``out``. The model's own method runs (not the bench's timed wrapper, which would repeat it)."""
     out.mkdir(parents=True, exist_ok=True)
+    method = getattr(type(lm), "loglikelihood" if kind == "ll" else "generate_until")
+
+    def call() -> None:
+        lm.llm.reset_prefix_cache()
+        _sync()
+        method(lm, requests)
+        _sync()
+
     prof = cProfile.Profile()
-    _sync()
     prof.enable()
-    lm.loglikelihood(requests)
-    _sync()
+    call()
     prof.disable()
-    prof.dump_stats(str(out / "eval_ll.pstats"))
+    prof.dump_stats(str(out / f"eval_{kind}.pstats"))
     text = io.StringIO()
     stats = pstats.Stats(prof, stream=text)
     calls = sum(v[1] for v in stats.stats.values())
     text.write(f"{calls} Python calls for {len(requests)} requests ({calls / max(1, len(requests)):.1f} per request)\n")
     stats.sort_stats("tottime").print_stats(40)
     stats.sort_stats("cumulative").print_stats(40)
-    (out / "eval_ll_cprofile.txt").write_text(text.getvalue())
+    (out / f"eval_{kind}_cprofile.txt").write_text(text.getvalue())
     acts = [torch.profiler.ProfilerActivity.CPU]
     if device.torch_device().type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=acts) as tp:
-        lm.loglikelihood(requests)
-        _sync()
+        call()
     sort = "cuda_time_total" if len(acts) > 1 else "cpu_time_total"
-    (out / "eval_ll_torch.txt").write_text(tp.key_averages().table(sort_by=sort, row_limit=40))
-    tp.export_chrome_trace(str(out / "eval_ll_trace.json"))
+    (out / f"eval_{kind}_torch.txt").write_text(tp.key_averages().table(sort_by=sort, row_limit=40))
+    tp.export_chrome_trace(str(out / f"eval_{kind}_trace.json"))
+    phase = "log-likelihood" if kind == "ll" else "generation"
     print(
-        f"profile of the in-process log-likelihood phase: {out} ({calls / max(1, len(requests)):.1f} Python calls "
+        f"profile of the in-process {phase} phase: {out} ({calls / max(1, len(requests)):.1f} Python calls "
         "per request)",
         flush=True,
     )

@@ -262,12 +262,12 @@ class PolyrlLM(TemplateLM):
 
     # ---- generation ---------------------------------------------------------------------------------
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
-        """Every request in one ``LLM.generate`` call (continuous batching over all of them; a progress bar fed by
-        ``on_finish``), the contexts encoded in one batched tokenizer call. ``last_generate_stats``: ``prepare_s``
-        (tokenising, parameters), ``generate_s`` (the engine), ``steps`` (engine steps; a launch of several decode
-        steps counts once), ``first_step_s`` / ``slowest_step_s`` (host time per step: a compilation or a graph capture
-        inside the call shows there), ``graph_capture_s`` (decode graphs captured inside the call) and
-        ``generated_tokens``."""
+        """Every request in one ``LLM.generate`` call (continuous batching over all of them, whatever their
+        ``gen_kwargs``: each request carries its own ``SamplingParams``; a progress bar fed by ``on_finish``), the
+        distinct contexts encoded in one batched tokenizer call. The ``until`` strings are the engine's stop strings,
+        checked as each token is accepted (``infer/stopping.py``): a sequence stops at the token that completes one,
+        and its text is cut before it, as lm-eval's ``hf`` backend cuts its text afterwards (``tests/eval``).
+        ``last_generate_stats`` (see ``_generate_stats``) says where the call's time went."""
         t0 = time.perf_counter()
         prompts, params = [], []
         eos_text = self.tok_decode([self.eot_token_id])
@@ -291,14 +291,17 @@ class PolyrlLM(TemplateLM):
             params.append(SamplingParams(temperature=temperature, max_tokens=max_gen, stop=until or None))
         t1 = time.perf_counter()
         bar = tqdm(total=len(prompts), desc="polyrl generate_until", disable=not self.show_progress)
-        marks = [t1]  # host time at the end of each engine step (but the last): where a slow step shows
-        capture0, tokens0 = self.llm.runner.graph_capture_s, self.llm.num_generated_tokens
+        # host time and the engine's launch count at the end of each engine step (but the last): which steps ran
+        # prompts synchronously and which queued decode launches ahead
+        llm = self.llm
+        marks = [(t1, llm.num_launches_ahead)]
+        capture0, tokens0 = llm.runner.graph_capture_s, llm.num_generated_tokens
         results = (
-            self.llm.generate(
+            llm.generate(
                 prompts,
                 params,
                 on_finish=lambda i, j, out: bar.update(1),
-                between_steps=lambda llm, steps: marks.append(time.perf_counter()),
+                between_steps=lambda e, steps: marks.append((time.perf_counter(), e.num_launches_ahead)),
             )
             if prompts
             else []
@@ -308,18 +311,42 @@ class PolyrlLM(TemplateLM):
         for req, text in zip(requests, texts):
             self.cache_hook.add_partial("generate_until", req.args, text)
         t2 = time.perf_counter()
-        marks.append(t2)
-        gaps = [b - a for a, b in zip(marks, marks[1:])]
-        self.last_generate_stats = {
-            "prepare_s": t1 - t0,
-            "generate_s": t2 - t1,
-            "steps": len(gaps),  # engine steps (a launch of several decode steps counts once)
-            "slowest_step_s": max(gaps, default=0.0),
-            "first_step_s": gaps[0] if gaps else 0.0,  # the first prefill step
-            "graph_capture_s": self.llm.runner.graph_capture_s - capture0,  # decode graphs captured inside the call
-            "generated_tokens": self.llm.num_generated_tokens - tokens0,
-        }
+        marks.append((t2, llm.num_launches_ahead))
+        self.last_generate_stats = _generate_stats(marks, t0, prompts, results)
+        self.last_generate_stats["graph_capture_s"] = llm.runner.graph_capture_s - capture0
+        self.last_generate_stats["engine_tokens"] = llm.num_generated_tokens - tokens0
         return texts
+
+
+def _generate_stats(marks: list[tuple[float, int]], t0: float, prompts: list[list[int]], results: list) -> dict:
+    """Where a ``generate_until`` call went. ``marks``: (host time, decode launches queued so far) at the start of
+    the engine call and after each engine step. ``prepare_s``: tokenising and parameters; ``generate_s``: the engine
+    call; ``steps``: engine steps (a launch of several decode steps counts once), ``first_step_s`` /
+    ``slowest_step_s`` (a compilation or a graph capture inside the call shows there); ``sync_steps`` /
+    ``sync_s``: the steps that ran synchronously (prompt chunks, possibly with decodes beside them); ``launches`` /
+    ``launch_s``: the steps that queued decode launches ahead (their host time: reading the previous launch,
+    stop checks, scheduling); ``final_s``: the last step and reading what was left. ``requests``, ``engine_calls``,
+    ``prompt_tokens``, ``generated_tokens`` (sum of the outputs' token counts: a sequence that stops early at an
+    ``until`` string or EOS generates fewer)."""
+    gaps = [(b - a, nb > na) for (a, na), (b, nb) in zip(marks, marks[1:])]
+    body, final = gaps[:-1], gaps[-1:]
+    times = [g for g, _ in gaps]
+    return {
+        "requests": len(prompts),
+        "engine_calls": 1 if prompts else 0,
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "generated_tokens": sum(len(c.token_ids) for r in results for c in r.outputs),
+        "prepare_s": marks[0][0] - t0,
+        "generate_s": marks[-1][0] - marks[0][0],
+        "steps": len(gaps),
+        "first_step_s": times[0] if times else 0.0,
+        "slowest_step_s": max(times, default=0.0),
+        "sync_steps": sum(1 for _, ahead in body if not ahead),
+        "sync_s": sum(g for g, ahead in body if not ahead),
+        "launches": sum(1 for _, ahead in body if ahead),
+        "launch_s": sum(g for g, ahead in body if ahead),
+        "final_s": sum(g for g, _ in final),
+    }
 
 
 def _task_names(folder: Path) -> set[str]:

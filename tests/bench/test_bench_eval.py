@@ -20,8 +20,11 @@ GEN = ["--gen-docs", "4", "--gen-tokens", "8"]
 def test_bench_eval_tiny_cpu(tmp_path, capsys):
     torch.set_num_threads(1)
     out = tmp_path / "eval.json"
-    assert main([*ARGV, *GEN, "--serve", "--json", str(out)]) == 0
+    prof = tmp_path / "prof"
+    assert main([*ARGV, *GEN, "--serve", "--json", str(out), "--profile", str(prof)]) == 0
     res = json.loads(out.read_text())
+    for name in ("eval_gen.pstats", "eval_gen_cprofile.txt", "eval_gen_torch.txt", "eval_gen_trace.json"):
+        assert (prof / name).stat().st_size > 0, name  # a repeat of the generation phase, profiled
     rows = {r["backend"]: r for r in res["rows"]}
     ll = {"hf bs=8", "polyrl (in-process)", "serve (local-completions)"}
     gen = {"hf bs=8 generate", "polyrl (in-process) generate"}
@@ -39,6 +42,11 @@ def test_bench_eval_tiny_cpu(tmp_path, capsys):
     g = rows["polyrl (in-process) generate"]["breakdown"]
     assert g["steps"] >= 8 and g["generated_tokens"] == 4 * 8  # 8 tokens each (a stop string that never occurs)
     assert 0 < g["first_step_s"] <= g["slowest_step_s"] <= g["generate_s"] and g["graph_capture_s"] == 0.0
+    assert g["requests"] == 4 and g["engine_calls"] == 1 and g["stop_checks"] == 4 * 8 and g["stop_check_s"] > 0
+    assert g["steps"] == g["sync_steps"] + g["launches"] + 1  # the CPU runs every step synchronously
+    h = rows["hf bs=8 generate"]["breakdown"]  # lm-eval's model.generate calls: the same work as the engine's
+    assert h["requests"] == 4 and h["generate_calls"] == 1 and h["computed_tokens"] == 4 * 8 and h["generate_s"] > 0
+    assert rows["hf bs=8 generate"]["text_tokens"] == rows["polyrl (in-process) generate"]["text_tokens"] > 0
     mine = rows["polyrl (in-process)"]
     assert mine["warmup_s"] > 0  # kernels compiled before the timed phase
     assert mine["repeat_s"] > 0 and mine["same_on_repeat"] is True
@@ -59,7 +67,8 @@ def test_bench_eval_tiny_cpu(tmp_path, capsys):
     assert 0.5 < over["floor"] < 5  # tiny: head 2 x 64 x 2048 against a 2-layer body of hidden 64
     printed = capsys.readouterr().out
     assert "speedup_vs_best_hf" in printed and "log-likelihood breakdown (s): tokenize" in printed
-    assert "generate breakdown: tokenise + params" in printed and "engine steps (first" in printed
+    assert "generate breakdown: 4 requests in 1 engine call(s)" in printed and "host stop checks" in printed
+    assert "hf generate breakdown: 4 requests in 1 model.generate calls, 8 decode steps, 32 tokens computed" in printed
     assert "15% is out of reach there" in printed and "prefix cache off" in printed
     # each row is printed as it is measured, before the final table
     assert printed.index("hf bs=8: load") < printed.index("polyrl (in-process): load") < printed.index("backend")
