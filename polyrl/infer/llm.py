@@ -34,7 +34,7 @@ from polyrl.infer.config import RolloutConfig
 from polyrl.infer.fp8_weights import Fp8Weights
 from polyrl.infer.kv_cache import KVCache
 from polyrl.infer.model_runner import ModelRunner
-from polyrl.infer.overlap import GuidedDraws, InflightStep, feed_rows
+from polyrl.infer.overlap import GuidedDraws, InflightStep, feed_rows, guided_launch_steps
 from polyrl.infer.sampler import Sampler
 from polyrl.infer.sampling_params import SamplingParams
 from polyrl.infer.scheduler import Scheduler
@@ -342,7 +342,7 @@ class LLM:
         t0 = time.perf_counter()
         seqs = [it.seq for it in sched.items]
         rows = feed_rows(seqs)
-        k = self._steps_per_launch(sched)
+        k = self._steps_per_launch(sched, guided_launch_steps(self.config.decode_steps))
 
         def read_prev() -> None:
             t = time.perf_counter()
@@ -367,11 +367,12 @@ class LLM:
         self.num_launches_ahead += 1
         times.launches += 1
 
-    def _steps_per_launch(self, sched) -> int:
-        """Decode steps to queue in this launch: ``decode_steps`` when no row needs the host between steps (a
+    def _steps_per_launch(self, sched, steps: int | None = None) -> int:
+        """Decode steps to queue in this launch: ``decode_steps`` (``steps`` if given: a guided launch's,
+        ``overlap.guided_launch_steps``) when no row needs the host between steps (a
         ``min_tokens`` mask changes every step), no more than any row has positions left, and no more than the
         longest-remaining row can use."""
-        k = self.config.decode_steps
+        k = self.config.decode_steps if steps is None else steps
         if k == 1:
             return 1
         useful = 1

@@ -115,6 +115,20 @@ def feed_input_ids(input_ids: torch.Tensor, rows: torch.Tensor, prev_tokens: tor
 PIPELINE = False
 PIPELINE_ROWS = 32
 
+# Decode steps per guided launch (``guided_launch_steps``): the host work between two launches (reading and reporting
+# the previous one's outputs, the schedule, the inputs, the draw plan) runs while the device has nothing queued, since
+# a guided launch's last draw waits for its masks; on the free path it hides behind the launch queued ahead. On the
+# H200 (B256, 16 lanes, 2026-12-02) that gap was ~0.47 ms per step at 4 steps per launch, most of the guided step's
+# 0.66 ms over the free one; 8 steps per launch halve it. The cost: tokens a sequence draws after its stop inside a
+# launch are computed and dropped (up to 7 instead of 3), and a new request waits for the launch in flight.
+GUIDED_LAUNCH_STEPS = 8
+
+
+def guided_launch_steps(decode_steps: int) -> int:
+    """The decode steps a launch with grammar rows takes: ``GUIDED_LAUNCH_STEPS`` or ``decode_steps`` if larger;
+    1 when ``decode_steps`` is 1 (multi-step launches off)."""
+    return 1 if decode_steps <= 1 else max(decode_steps, GUIDED_LAUNCH_STEPS)
+
 
 def pipeline_split(lanes: list[int]) -> int:
     """Where a step's rows (their grammar lanes, grouped) split into the pipeline's two parts: the lane change nearest
@@ -140,6 +154,10 @@ class GuidedDraws:
     rows or more over several grammar lanes, the first half of the rows (in the executor's lane order, cut where the
     lane changes: ``pipeline_split``) is fed and its masks are started on the mask worker (``MaskBuffers.start``)
     before the second half is fed, so feeding overlaps computing masks.
+    With several grammar lanes (``GrammarCache.par_consume``; the pipeline off) a step's consumes are one executor call
+    (``GrammarCache.consume``, the GIL released) instead of a Python call per row, and step 0's run on the mask
+    worker just before its masks, beside the previous launch's read; the guides' ``consumed`` counts are moved once
+    per launch (at step 0 and at its last step), not per row and step.
     Tokens a row draws after its sequence stopped are consumed too (its matcher is never used again) and dropped.
     """
 
@@ -165,6 +183,9 @@ class GuidedDraws:
         self._head: list[tuple[int, object, object]] = []
         self._tail: list[tuple[int, object, object]] = []
         self._head_pairs: list = []
+        # with several grammar lanes (GrammarCache.par_consume): the step's consumes in one executor call
+        self._par = None
+        self._pairs: list = []  # (matcher, batch row) in the executor's lane order
         self._host: torch.Tensor | None = None  # pinned [K, B]: each step's tokens on their way to the host
         self._events: list = []
         self._cpu: list[torch.Tensor] = []  # on the CPU: the steps' token tensors themselves
@@ -181,8 +202,14 @@ class GuidedDraws:
         plan = self.plan
         t1 = clock()
         if j == 0:
-            for b, g, p in self._rows:
-                g.consume_at(p, toks[b])  # a row's matcher may have its step-0 input already (toks[b] is None)
+            self._consume_first(toks)
+        elif self._par is not None:
+            # one executor call, the GIL released (GrammarCache.consume); step j-1 left every row's matcher at output
+            # token p + j, so no position checks, and the guides' counts are moved once, at the launch's last step
+            self._par(self._pairs, toks)
+            if j == self.steps - 1:
+                for g in plan.guides:
+                    g.consumed += j
         else:
             # step j-1 left every row's matcher at output token p + j (consumed == p + j): feed it without the
             # position check of consume_at (host time on every step of every row)
@@ -217,11 +244,36 @@ class GuidedDraws:
         if not plan.guided:
             return
         guided, guides = plan.guided, plan.guides
+        cache = guides[0].cache
         self._rows = [(b, g, seqs[b].num_tokens - 1 - seqs[b].num_prompt) for b, g in zip(guided, guides)]
-        pairs = plan.mask_pairs = guides[0].cache.mask_pairs(guides)
-        feed = [(guided[i], guides[i], m.consume_token) for m, i in pairs]
+        pairs = plan.mask_pairs = cache.mask_pairs(guides)
         h = pipeline_split([guides[i].lane for _, i in pairs]) if self.steps > 1 else 0
+        if cache.par_consume and h == 0:  # (matcher, batch row) in the executor's lane order, for GrammarCache.consume
+            self._par = cache.consume
+            self._pairs = [(m, guided[i]) for m, i in pairs]
+            return
+        feed = [(guided[i], guides[i], m.consume_token) for m, i in pairs]
         self._head, self._tail, self._head_pairs = feed[:h], feed[h:], pairs[:h]
+
+    def _consume_first(self, toks: list[int | None]) -> None:
+        """Step 0: each guided row's matcher consumes its step-0 input unless it has it already (``toks[b]`` None;
+        a matcher behind that position is an error, as in ``Guide.consume_at``). With ``GrammarCache.consume`` (several
+        lanes) the consumes run in one executor call on the mask worker, just before step 0's masks and beside the
+        previous launch's read (the guides' counts are moved here first, so that read never feeds these matchers)."""
+        if self._par is None:
+            for b, g, p in self._rows:
+                g.consume_at(p, toks[b])  # a row's matcher may have its step-0 input already (toks[b] is None)
+            return
+        todo = []
+        for b, g, p in self._rows:
+            if toks[b] is not None:  # _first_tokens: only where g.consumed == p
+                todo.append((g.matcher, b))
+                g.consumed += 1
+            elif p > g.consumed:
+                raise RuntimeError(f"grammar matcher fed token {p} before token {g.consumed}")
+        if todo:
+            par = self._par
+            self.plan.before_mask = lambda: par(todo, toks)
 
     def stacked_masses(self) -> torch.Tensor | None:
         """``[K, B]`` log(mass the grammar allowed) per step and row (None without guided rows)."""

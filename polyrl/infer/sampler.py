@@ -192,6 +192,9 @@ class DrawPlan:
     # overlap.GuidedDraws hands the previous launch's read here); used once, then cleared
     beside: Callable[[], None] | None = None
     mask_pairs: list | None = None  # the guides' (matcher, row) pairs in executor order (GrammarCache.mask_pairs)
+    # host work to run right before the next draw's masks, on the thread computing them (a launch's step-0 consumes:
+    # overlap.GuidedDraws); used once, then cleared
+    before_mask: Callable[[], None] | None = None
 
 
 class Sampler:
@@ -299,9 +302,10 @@ class Sampler:
         guides = plan.guides
         dev = logits.device
         beside, plan.beside = plan.beside, None
+        before, plan.before_mask = plan.before_mask, None
         if plan.mask_pairs is None:  # the (matcher, row) list the executor takes: built once per plan
             plan.mask_pairs = guides[0].cache.mask_pairs(guides)
-        bitmask = self.mask_buffers.fill(guides[0].cache, plan.mask_pairs, dev, beside)
+        bitmask = self.mask_buffers.fill(guides[0].cache, plan.mask_pairs, dev, beside, before)
         inv = plan.rows.inv_temps
         if len(guides) == logits.shape[0]:  # every row guided (a constrained rollout): no gathers
             plan.guided_idx = None
@@ -310,6 +314,7 @@ class Sampler:
             if plan.guided_idx is None:  # once per plan (a launch's steps reuse it)
                 plan.guided_idx = host_to_device(plan.guided, torch.int64, dev)
             out, lse, lse_masked = kernels.apply_token_bitmask(inp, bitmask, plan.guided_idx, inv)
+        self.mask_buffers.applied()  # the next step's mask upload need not wait for more than this apply
         if inp is not logits:  # min_tokens suppressed ids in inp: the unmasked distribution is logits'
             idx = plan.guided_idx
             z = (logits if idx is None else logits[idx]) * (inv if idx is None else inv[idx])[:, None]

@@ -198,3 +198,147 @@ def test_mask_fill_beside_runs_on_a_worker_and_joins(tiny_model_dir):
     with pytest.raises(RuntimeError, match="beside work after start"):
         buffers.fill(cache, guides, torch.device("cpu"), fail)
     assert buffers._ahead is None  # joined all the same
+
+
+class _CountingExecutor:
+    """An ``LLExecutor`` stand-in that counts the calls it forwards."""
+
+    def __init__(self, real) -> None:
+        self.real, self.consume_calls, self.consumed_rows = real, 0, 0
+
+    def consume_token_par(self, pairs):
+        self.consume_calls += 1
+        self.consumed_rows += len(pairs)
+        return self.real.consume_token_par(pairs)
+
+    def unsafe_compute_mask_ptr(self, *args):
+        return self.real.unsafe_compute_mask_ptr(*args)
+
+
+def _par_engine(model_dir, **over) -> tuple[LLM, _CountingExecutor]:
+    llm = _engine(model_dir, overlap=True, **over)
+    cache = llm.grammar_cache()
+    cache.par_consume = True  # also on a 1-CPU host (the executor then has one thread: same calls, same states)
+    spy = cache._executor = _CountingExecutor(cache._executor)
+    return llm, spy
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_parallel_consumes_draw_the_synchronous_tokens(tiny_model_dir, temperature):
+    """With several grammar lanes a guided launch feeds each step's tokens in one executor call
+    (``GrammarCache.consume``; step 0's on the mask worker beside the previous launch's read), with a cache small
+    enough to preempt sequences with tokens in flight and a second run over cached prefixes: the tokens, log-probs
+    and mask mismatch are the synchronous engine's."""
+    from polyrl.infer import overlap
+
+    assert overlap.PIPELINE is False
+    prompts = [[5 + (i * 7 + j) % 80 for j in range(21)] for i in range(4)]
+    sync = _run(_engine(tiny_model_dir, overlap=False, block_size=4, num_blocks=60), temperature, prompts)
+    llm, spy = _par_engine(tiny_model_dir, block_size=4, num_blocks=60, decode_steps=4, grammar_lanes=3)
+    _same(sync, _run(llm, temperature, prompts))
+    assert llm.scheduler.total_preemptions > 0
+    assert spy.consume_calls > 0 and spy.consumed_rows >= 10 * spy.consume_calls // 2
+    hits = llm.block_manager.hit_tokens
+    _same(sync, _run(llm, temperature, prompts))
+    assert llm.block_manager.hit_tokens > hits
+
+
+def test_guided_launch_steps(tiny_model_dir, monkeypatch):
+    """A guided launch takes ``GUIDED_LAUNCH_STEPS`` steps (or ``decode_steps`` if more), one when multi-step
+    launches are off; a free launch keeps ``decode_steps``. With several lanes the guides' consumed counts, moved
+    once per launch, end at the tokens the engine accepted (plus those drawn after the stop inside the launch)."""
+    from polyrl.infer import overlap
+    from polyrl.infer.overlap import guided_launch_steps
+
+    assert overlap.GUIDED_LAUNCH_STEPS == 8
+    assert [guided_launch_steps(k) for k in (1, 2, 4, 8, 12)] == [1, 8, 8, 8, 12]
+    llm, spy = _par_engine(tiny_model_dir, decode_steps=4, grammar_lanes=2)
+    launched = []
+    real = llm.runner.execute_steps
+    llm.runner.execute_steps = lambda sched, feed, steps, draw, rows=None: (
+        launched.append((steps, any(it.seq.guide is not None for it in sched.items)))
+        or real(sched, feed, steps, draw, rows)
+    )
+    so = StructuredOutputs.json_schema(SCHEMA)
+    guided = llm.add_request("a", SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=40, structured=so))
+    llm.step(ahead=True)  # takes the request in (its prefill)
+    seqs = llm._requests[guided].seqs
+    while llm.has_unfinished_requests():
+        llm.step(ahead=True)
+    llm._flush()
+    llm.generate(["b"], SamplingParams(temperature=1.0, seed=6, max_tokens=20))
+    assert max(k for k, g in launched if g) == 8 and max(k for k, g in launched if not g) == 4
+    assert spy.consume_calls > 0
+    for s in seqs:  # rows consume the tokens drawn after their stop too (dropped): the rest of the launch where it
+        # stopped and the next one, scheduled before the stop was read
+        assert s.guide.num_tokens == len(s.output_token_ids) <= s.guide.consumed < s.guide.num_tokens + 16
+    monkeypatch.setattr(overlap, "GUIDED_LAUNCH_STEPS", 4)
+    assert [guided_launch_steps(k) for k in (1, 2, 4, 8)] == [1, 4, 4, 8]
+
+
+def test_grammar_cache_consume_matches_per_row_consumes(tiny_model_dir):
+    """``GrammarCache.consume``: one executor call over several lanes leaves every matcher where a ``consume_token``
+    per row does (same masks after each step), a refused token included (error state: the next mask is EOS only);
+    with one lane it is the per-row calls."""
+    import torch
+
+    from polyrl.infer.structured import GrammarCache, MaskBuffers
+
+    llm = _engine(tiny_model_dir, overlap=True)
+    so = StructuredOutputs.json_schema(SCHEMA)
+    cache = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, num_threads=2, lanes=3)
+    assert cache.par_consume and not GrammarCache(llm.tokenizer, llm.vocab_size, [0], lanes=1).par_consume
+    assert not GrammarCache(llm.tokenizer, llm.vocab_size, [0], num_threads=1, lanes=3).par_consume
+    par, one = [cache.guide(so) for _ in range(7)], [cache.guide(so) for _ in range(7)]
+    pairs = cache.mask_pairs(par)
+    assert [par[i].lane for _, i in pairs] == sorted(g.lane for g in par)  # lane order
+    text = llm.tokenizer.encode('{"name": "ab", "age": 7', add_special_tokens=False)
+    bad = llm.tokenizer.encode("}", add_special_tokens=False)[0]
+    cpu = torch.device("cpu")
+    a, b = MaskBuffers(), MaskBuffers()
+    for step, tok in enumerate(text):
+        toks = [tok] * 7
+        if step == len(text) - 1:
+            toks[2] = bad  # refused: row 2 ends in its error state in both
+        cache.consume(pairs, toks)
+        for i, g in enumerate(one):
+            g.matcher.consume_token(toks[i])
+        got, want = a.fill(cache, pairs, cpu), b.fill(cache, cache.mask_pairs(one), cpu)
+        assert torch.equal(got, want)
+    assert par[2].matcher.is_error() and one[2].matcher.is_error() and not par[1].matcher.is_error()
+
+
+def test_mask_fill_runs_before_on_the_mask_thread(tiny_model_dir):
+    """``MaskBuffers.fill(before=f)``: ``f`` runs just before the masks on the thread computing them (the worker when
+    ``beside`` is given, else the caller's), the masks see its effect, and the step is counted once."""
+    import threading
+
+    import torch
+
+    from polyrl.infer.structured import MaskBuffers
+
+    llm = _engine(tiny_model_dir, overlap=True)
+    cache = llm.grammar_cache()
+    so = StructuredOutputs.json_schema(SCHEMA)
+    brace = llm.tokenizer.encode("{", add_special_tokens=False)[0]
+    ref = [cache.guide(so) for _ in range(3)]
+    for g in ref:
+        g.matcher.consume_token(brace)
+    want = MaskBuffers().fill(cache, cache.mask_pairs(ref), torch.device("cpu")).clone()
+    for with_beside in (False, True):
+        guides = [cache.guide(so) for _ in range(3)]
+        pairs = cache.mask_pairs(guides)
+        ran: list = []
+
+        def before(pairs=pairs, ran=ran) -> None:
+            ran.append(("before", threading.get_ident()))
+            cache.consume(pairs, [brace] * 3)
+
+        beside = (lambda ran=ran: ran.append(("beside", threading.get_ident()))) if with_beside else None
+        calls = cache.mask_calls
+        got = MaskBuffers().fill(cache, pairs, torch.device("cpu"), beside, before)
+        assert torch.equal(got, want) and cache.mask_calls == calls + 1
+        where = dict(ran)
+        assert (where["before"] != threading.get_ident()) == with_beside
+        if with_beside:
+            assert where["beside"] == threading.get_ident()
