@@ -142,6 +142,65 @@ def count_draw_ops(cache, so, batch: int = 8) -> tuple[int, int]:
     return c.n, c2.n - 5  # minus the stubs' own 5 allocations
 
 
+def engine_profile(
+    batch: int, gen: int, steps: int, lanes: int | None, par: bool | None, split: bool = True
+) -> dict[str, float]:
+    """The engine's own guided decode on the CPU (``tiny`` preset: a 2,048-token vocabulary, so the forward and the
+    draw are small), ``steps`` decode steps per guided launch: ms per guided step of each ``HostTimes`` part, and of
+    the host work *between* launches (from one launch's ``execute_steps`` returning to the next one's call: reading
+    and reporting outputs, the schedule, the inputs; on an accelerator the device idles through it, as a guided
+    launch's last draw waits for its masks), with the launches' count."""
+    from polyrl.bench.rollout import BENCH_SCHEMA
+    from polyrl.infer import LLM, RolloutConfig, SamplingParams, StructuredOutputs, overlap
+    from polyrl.models.decoder import build_model
+    from polyrl.models.presets import get_preset, preset_config
+    from polyrl.models.tokenizer import build_tokenizer
+
+    cfg = preset_config("tiny")
+    tok = build_tokenizer(cfg.vocab_size, trained_vocab=get_preset("tiny").trained_vocab, seed=0)
+    model = build_model(cfg, dtype=torch.float32, device=torch.device("cpu"), seed=0).eval()
+    ecfg = RolloutConfig(max_num_seqs=batch, max_model_len=16 + gen + 1, overlap_decode=True, grammar_lanes=lanes)
+    llm = LLM(model, tok, ecfg)
+    cache = llm.grammar_cache()
+    if par is not None:
+        cache.par_consume = par
+    between, marks = [], []
+    real = llm.runner.execute_steps
+
+    def spy(sched, feed, k, draw, rows=None):
+        if marks:
+            between.append(time.perf_counter() - marks[-1])
+        out = real(sched, feed, k, draw, rows)
+        marks.append(time.perf_counter())
+        return out
+
+    llm.runner.execute_steps = spy
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, cfg.vocab_size, (batch, 16), generator=g).tolist()
+    so = StructuredOutputs.json_schema(BENCH_SCHEMA)
+    params = SamplingParams(temperature=1.0, max_tokens=gen, ignore_eos=True, structured=so, seed=1)
+    was = overlap.GUIDED_LAUNCH_STEPS, overlap.SPLIT_READ
+    overlap.GUIDED_LAUNCH_STEPS, overlap.SPLIT_READ = steps, split
+    try:
+        llm.generate(prompts[:8], params.clone(max_tokens=8))  # warm-up: the compilation, first calls
+        cache.times.reset()
+        between.clear(), marks.clear()
+        t0 = time.perf_counter()
+        llm.generate(prompts, params)
+        wall = time.perf_counter() - t0
+    finally:
+        overlap.GUIDED_LAUNCH_STEPS, overlap.SPLIT_READ = was
+    times = cache.times
+    n = max(times.steps, 1)
+    out = {k: v for k, v in times.ms_per_step().items()}
+    out["between"] = 1e3 * sum(between) / n
+    out["wall"] = 1e3 * wall / n
+    out["launches"] = times.launches
+    out["steps_per_launch"] = times.steps / max(times.launches, 1)
+    out["par"] = cache.par_consume
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=256)
@@ -149,7 +208,24 @@ def main() -> None:
     ap.add_argument("--lanes", default="1,2", help="grammar lanes values (comma-separated; 'auto' = the engine's rule)")
     ap.add_argument("--threads", type=int, default=None, help="executor threads (default: the process's CPUs)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--engine",
+        default=None,
+        help="also the engine's guided decode on the CPU (tiny preset), one run per 'steps:lanes:consume:read' "
+        "value (comma-separated; consume = par|row, read = split|step0), e.g. 4:2:row:step0,8:2:par:split",
+    )
+    ap.add_argument("--engine-gen", type=int, default=48)
     args = ap.parse_args()
+    if args.engine:
+        print(f"# engine on the CPU (tiny preset), B{args.batch}, {args.engine_gen} tokens: ms per guided step")
+        for spec in args.engine.split(","):
+            k, lanes, consume, read = spec.split(":")
+            r = engine_profile(args.batch, args.engine_gen, int(k), int(lanes), consume == "par", read == "split")
+            parts = " ".join(f"{p} {r[p]:.3f}" for p in ("wait", "consume", "mask", "draw", "read", "launch"))
+            print(f"  {spec:<10} wall {r['wall']:.3f}  between launches {r['between']:.3f}  {parts}  "
+                  f"({r['launches']} launches, {r['steps_per_launch']:.2f} steps each)")  # fmt: skip
+        if args.lanes == "none":
+            return
 
     from polyrl.bench.rollout import BENCH_SCHEMA
     from polyrl.infer.sampling_params import StructuredOutputs

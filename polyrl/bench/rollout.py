@@ -114,7 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also time the first --grammar-lanes value with parts of the guided decode path as they were before "
         "(comma-separated, an A/B line each): steps4 (4 steps per guided launch instead of "
         "overlap.GUIDED_LAUNCH_STEPS), row-consume (a consume_token per row instead of one executor call over the "
-        "lanes), inline-upload (the masks' upload on the compute stream), old (all three)",
+        "lanes), inline-upload (the masks' upload on the compute stream), read-at-step0 (the previous launch read "
+        "whole beside step 0's masks), old (all four)",
     )
     add_decoder_options(parser)
     rollout_fp8.add_arguments(parser)  # --precision fp8 (bench/rollout_fp8.py)
@@ -512,12 +513,14 @@ def _constrained(llm, prompts: list[list[int]], args: argparse.Namespace, dev: t
             res[f"pipe_{key}"] = ab[key]
 
 
-# --guided-ab: name -> (decode steps per guided launch, one executor call per step's consumes, side-stream upload)
+# --guided-ab: name -> (decode steps per guided launch, one executor call per step's consumes, side-stream upload,
+# the previous launch read a step at a time beside each step's masks)
 GUIDED_AB = {
-    "steps4": (4, True, True),
-    "row-consume": (None, False, True),
-    "inline-upload": (None, True, False),
-    "old": (4, False, False),
+    "steps4": (4, True, True, True),
+    "row-consume": (None, False, True, True),
+    "inline-upload": (None, True, False, True),
+    "read-at-step0": (None, True, True, False),
+    "old": (4, False, False, False),
 }
 
 
@@ -549,17 +552,17 @@ def _constrained_run(llm, prompts, args, dev: torch.device, res: dict, lanes: st
     # lazy: structured.py needs llguidance, only for --response-format
     from polyrl.infer import structured
 
-    steps, par, side = variant
-    was = overlap.GUIDED_LAUNCH_STEPS, structured.SIDE_STREAM_UPLOAD
+    steps, par, side, split = variant
+    was = overlap.GUIDED_LAUNCH_STEPS, structured.SIDE_STREAM_UPLOAD, overlap.SPLIT_READ
     if steps is not None:
         overlap.GUIDED_LAUNCH_STEPS = steps
-    structured.SIDE_STREAM_UPLOAD = side
+    structured.SIDE_STREAM_UPLOAD, overlap.SPLIT_READ = side, split
     try:
         _constrained_run_as_set(llm, prompts, args, dev, res, lanes, par)
     finally:
-        overlap.GUIDED_LAUNCH_STEPS, structured.SIDE_STREAM_UPLOAD = was
+        overlap.GUIDED_LAUNCH_STEPS, structured.SIDE_STREAM_UPLOAD, overlap.SPLIT_READ = was
         cache = llm.grammar_cache()
-        cache.par_consume = cache.lanes > 1 and cache.num_threads > 1  # GrammarCache's own rule
+        cache.par_consume = cache.lanes > 1 and cache.num_threads >= structured.AUTO_LANES_MIN_THREADS  # its rule
 
 
 def _constrained_run_as_set(llm, prompts, args, dev, res: dict, lanes: str | None, par: bool = True) -> None:

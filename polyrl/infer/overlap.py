@@ -122,6 +122,10 @@ PIPELINE_ROWS = 32
 # 0.66 ms over the free one; 8 steps per launch halve it. The cost: tokens a sequence draws after its stop inside a
 # launch are computed and dropped (up to 7 instead of 3), and a new request waits for the launch in flight.
 GUIDED_LAUNCH_STEPS = 8
+# ... and the previous launch's read (accepting its tokens: ~0.4 ms per step of B256 on the H200) is split a step at a
+# time over the launch's steps, each beside one step's masks (off: all of it beside step 0's, which at 8 steps per
+# launch outlasts step 0's masks and forward)
+SPLIT_READ = True
 
 
 def guided_launch_steps(decode_steps: int) -> int:
@@ -174,7 +178,9 @@ class GuidedDraws:
         self.sampler, self.seqs, self.prev, self.suppress, self.steps, self.times = (
             sampler, seqs, prev, suppress, steps, times,
         )  # fmt: skip
-        self.beside = beside  # host work to run while step 0's masks are computed (the previous launch's read)
+        # host work to run a part of beside each step's masks (LLM._launch_guided: one step of the previous launch's
+        # read per call, True while there is more); what is left after the launch: finish_beside
+        self.beside = beside
         self.plan = None
         self.masses: list[torch.Tensor] = []
         self._rows: list[tuple[int, object, int]] = []  # (row, guide, output index of the row's step-0 input)
@@ -222,8 +228,8 @@ class GuidedDraws:
                 consume(toks[b])
                 g.consumed += 1
         t2 = clock()
-        if j == 0 and plan.guided:
-            plan.beside, self.beside = self.beside, None
+        if self.beside is not None and plan.guided and (j == 0 or not self._head):  # not beside a pipelined step
+            plan.beside = self._beside_once if SPLIT_READ else self.finish_beside
         tokens, logprobs = self.sampler.draw_planned(logits, plan, self.suppress, j)
         if plan.masked_logmass is not None:
             self.masses.append(plan.masked_logmass)
@@ -274,6 +280,16 @@ class GuidedDraws:
         if todo:
             par = self._par
             self.plan.before_mask = lambda: par(todo, toks)
+
+    def _beside_once(self) -> None:
+        """One call of ``beside`` (one step of the previous launch's read); dropped once it says it is done."""
+        if self.beside is not None and not self.beside():
+            self.beside = None
+
+    def finish_beside(self) -> None:
+        """Run what is left of ``beside`` (the previous launch's steps not read beside a step's masks)."""
+        while self.beside is not None:
+            self._beside_once()
 
     def stacked_masses(self) -> torch.Tensor | None:
         """``[K, B]`` log(mass the grammar allowed) per step and row (None without guided rows)."""

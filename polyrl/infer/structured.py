@@ -205,8 +205,9 @@ class GrammarCache:
         self.lanes = auto_lanes(self.num_threads) if lanes is None else lanes
         self.rows_per_lane = rows_per_lane or (ROWS_PER_LANE if lanes is None else 1)
         # consume a step's tokens in one executor call (``consume``): only across lanes (separate lexer mutexes) and
-        # threads; with one lane the per-row calls were faster (module docstring)
-        self.par_consume = self.lanes > 1 and self.num_threads > 1
+        # from AUTO_LANES_MIN_THREADS threads: with one lane the per-row calls were faster, and on 2 CPUs over 2 lanes
+        # too (engine, B256: 3.1 vs 1.4 ms per step; scripts/structured_host_profile.py)
+        self.par_consume = self.lanes > 1 and self.num_threads >= AUTO_LANES_MIN_THREADS
         self.compiles = 0
         self.hits = 0
         self.mask_calls = 0  # fill calls (one per guided step), their total and slowest host seconds
@@ -317,9 +318,9 @@ class HostTimes:
     during the second half's consumes), ``draw`` (queueing the mask upload, the masked draw and the token copy;
     the time the draw's ``MaskBuffers.fill`` waited for masks excluded; with several lanes a launch's step-0
     consumes run on the mask worker just before its masks and count as ``mask``), ``read`` (the previous launch's
-    bookkeeping: accepting its tokens, stop checks; run on the engine's thread while step 0's masks are computed on a
-    worker, so its time overlaps ``mask``), ``launch`` (whole launches: all of the above plus queueing the forwards
-    and building the draw plan), over ``steps`` decode steps in ``launches`` launches."""
+    bookkeeping: accepting its tokens, stop checks; run on the engine's thread a step at a time, each while a step's
+    masks are computed on a worker, so its time overlaps ``mask``), ``launch`` (whole launches: all of the above
+    plus queueing the forwards and building the draw plan), over ``steps`` decode steps in ``launches`` launches."""
 
     __slots__ = ("wait", "consume", "mask", "draw", "launch", "read", "steps", "launches")
 

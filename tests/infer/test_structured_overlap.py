@@ -223,15 +223,17 @@ def _par_engine(model_dir, **over) -> tuple[LLM, _CountingExecutor]:
     return llm, spy
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_parallel_consumes_draw_the_synchronous_tokens(tiny_model_dir, temperature):
+@pytest.mark.parametrize(("temperature", "split"), [(0.0, True), (1.0, True), (1.0, False)])
+def test_parallel_consumes_draw_the_synchronous_tokens(tiny_model_dir, monkeypatch, temperature, split):
     """With several grammar lanes a guided launch feeds each step's tokens in one executor call
     (``GrammarCache.consume``; step 0's on the mask worker beside the previous launch's read), with a cache small
     enough to preempt sequences with tokens in flight and a second run over cached prefixes: the tokens, log-probs
-    and mask mismatch are the synchronous engine's."""
+    and mask mismatch are the synchronous engine's, with the previous launch read a step at a time beside each
+    step's masks (``overlap.SPLIT_READ``) or all of it beside step 0's."""
     from polyrl.infer import overlap
 
-    assert overlap.PIPELINE is False
+    assert overlap.PIPELINE is False and overlap.SPLIT_READ is True
+    monkeypatch.setattr(overlap, "SPLIT_READ", split)
     prompts = [[5 + (i * 7 + j) % 80 for j in range(21)] for i in range(4)]
     sync = _run(_engine(tiny_model_dir, overlap=False, block_size=4, num_blocks=60), temperature, prompts)
     llm, spy = _par_engine(tiny_model_dir, block_size=4, num_blocks=60, decode_steps=4, grammar_lanes=3)
@@ -245,7 +247,8 @@ def test_parallel_consumes_draw_the_synchronous_tokens(tiny_model_dir, temperatu
 
 def test_guided_launch_steps(tiny_model_dir, monkeypatch):
     """A guided launch takes ``GUIDED_LAUNCH_STEPS`` steps (or ``decode_steps`` if more), one when multi-step
-    launches are off; a free launch keeps ``decode_steps``. With several lanes the guides' consumed counts, moved
+    launches are off; a free launch keeps ``decode_steps``. The previous launch is read beside several steps' masks.
+    With several lanes the guides' consumed counts, moved
     once per launch, end at the tokens the engine accepted (plus those drawn after the stop inside the launch)."""
     from polyrl.infer import overlap
     from polyrl.infer.overlap import guided_launch_steps
@@ -253,6 +256,10 @@ def test_guided_launch_steps(tiny_model_dir, monkeypatch):
     assert overlap.GUIDED_LAUNCH_STEPS == 8
     assert [guided_launch_steps(k) for k in (1, 2, 4, 8, 12)] == [1, 8, 8, 8, 12]
     llm, spy = _par_engine(tiny_model_dir, decode_steps=4, grammar_lanes=2)
+    besides = []
+    buffers = llm.sampler.mask_buffers
+    real_beside = buffers._fill_beside
+    buffers._fill_beside = lambda *a: besides.append(1) or real_beside(*a)
     launched = []
     real = llm.runner.execute_steps
     llm.runner.execute_steps = lambda sched, feed, steps, draw, rows=None: (
@@ -268,6 +275,9 @@ def test_guided_launch_steps(tiny_model_dir, monkeypatch):
     llm._flush()
     llm.generate(["b"], SamplingParams(temperature=1.0, seed=6, max_tokens=20))
     assert max(k for k, g in launched if g) == 8 and max(k for k, g in launched if not g) == 4
+    # the previous launch is read a step at a time, each beside one step's masks (not all beside step 0's)
+    guided_launches = sum(g for _, g in launched)
+    assert len(besides) > 2 * guided_launches
     assert spy.consume_calls > 0
     for s in seqs:  # rows consume the tokens drawn after their stop too (dropped): the rest of the launch where it
         # stopped and the next one, scheduled before the stop was read
@@ -286,9 +296,9 @@ def test_grammar_cache_consume_matches_per_row_consumes(tiny_model_dir):
 
     llm = _engine(tiny_model_dir, overlap=True)
     so = StructuredOutputs.json_schema(SCHEMA)
-    cache = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, num_threads=2, lanes=3)
+    cache = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, num_threads=4, lanes=3)
     assert cache.par_consume and not GrammarCache(llm.tokenizer, llm.vocab_size, [0], lanes=1).par_consume
-    assert not GrammarCache(llm.tokenizer, llm.vocab_size, [0], num_threads=1, lanes=3).par_consume
+    assert not GrammarCache(llm.tokenizer, llm.vocab_size, [0], num_threads=3, lanes=3).par_consume
     par, one = [cache.guide(so) for _ in range(7)], [cache.guide(so) for _ in range(7)]
     pairs = cache.mask_pairs(par)
     assert [par[i].lane for _, i in pairs] == sorted(g.lane for g in par)  # lane order
