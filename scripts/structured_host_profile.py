@@ -237,7 +237,8 @@ def main() -> None:
     for lanes in args.lanes.split(","):
         n = None if lanes.strip() == "auto" else int(lanes)
         cache = GrammarCache(tok, vocab, eos, num_threads=args.threads, lanes=n)
-        variants = ["loop", "par"] if hasattr(cache, "consume") else ["loop"]
+        variants = ["loop", "par"] if hasattr(cache, "consume") and cache.lanes > 1 else ["loop"]
+        cache.par_consume = cache.lanes > 1  # the par variant also below GrammarCache's thread threshold
         res = profile(cache, so, args.batch, args.steps, args.seed, variants)
         auto = " (auto)" if cache.auto else ""
         print(f"# B{args.batch}, vocab {vocab}, executor threads {cache.num_threads}, lanes {cache.lanes}{auto}; "

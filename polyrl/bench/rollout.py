@@ -23,11 +23,12 @@ per schema), the host time of the batched grammar masks per step (mean and slowe
 threads and lanes (default ``auto``: the engine's rule, ``structured.auto_lanes``; ``--grammar-lanes N``: N separate
 lexers; ``--grammar-lanes auto,1,16``: each in one run, the first in the structured row, the others as A/B lines;
 ``--grammar-pipeline-ab``: one more A/B line, the first value with the (opt-in) feed/mask pipeline of guided steps,
-whose share of steps the structured row reports), and where a guided decode step's host time goes
-(``structured.HostTimes``, per step: the launches' time, of which waiting for the previous step's tokens, the
-matchers consuming them, the masks, queueing the masked draw, and reading the previous launch, which runs beside
-step 0's masks) against the guided step's wall time: on an accelerator the launch's forwards run meanwhile, so a
-step's wall time above the launches' is host work between launches (schedule, inputs, outputs).
+whose share of steps the structured row reports; ``--guided-ab``: an A/B line per named part of the guided path as
+it was before: ``steps4``, ``row-consume``, ``inline-upload``, ``read-at-step0``, ``old``), and where a guided decode
+step's host time goes (``structured.HostTimes``, per step: the launches' time, of which waiting for the previous
+step's tokens, the matchers consuming them, the masks, queueing the masked draw, and reading the previous launch,
+which runs beside the steps' masks) against the guided step's wall time: on an accelerator the launch's forwards
+run meanwhile, so a step's wall time above the launches' is host work between launches (schedule, inputs, outputs).
 
 ``--precision fp8`` also times the engine with FP8 projection weights, and with FP8 weights + an FP8 KV cache, in the
 same run, with greedy agreement against the model's precision and log-prob mismatch (``bench/rollout_fp8.py``).

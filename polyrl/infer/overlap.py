@@ -10,8 +10,9 @@ Several steps per launch (``RolloutConfig.decode_steps`` = K): when every row's 
 stop checks, the launch queues K decode steps back to back, each step's inputs advanced on the device
 (``model_runner.execute_steps``), so the host's per-step work (scheduling, inputs, sampler rows) is paid once per
 K tokens. Tokens a sequence draws after its stop within those K are computed and dropped. Batches with structured
-outputs launch K steps too (``GuidedDraws``): the host reads each step's tokens inside the launch, feeds them to the
-grammar matchers and computes the next step's masks while that step's forward runs.
+outputs launch ``guided_launch_steps(K)`` steps (8 for K = 4: ``GUIDED_LAUNCH_STEPS``; ``GuidedDraws``): the host
+reads each step's tokens inside the launch, feeds them to the grammar matchers and computes the next step's masks
+while that step's forward runs, and reads the previous launch a step at a time beside those masks.
 
 Bookkeeping: launched-but-unread tokens are placeholders (``PENDING``) at the end of ``seq.tokens``, counted by
 ``seq.pending``, with ``seq.pending_row`` the sequence's row in the launch in flight; the block manager keeps

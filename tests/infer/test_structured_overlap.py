@@ -155,6 +155,43 @@ def test_multi_step_guided_launches_on_cuda_with_graphs(tiny_model_dir, monkeypa
     times = llm.grammar_cache().times
     assert times.steps >= 3 * times.launches > 0 and llm.runner.last_step_used_graph
     assert llm.sampler.mask_buffers.starts > 0  # 64 rows over 4 lanes: steps >= 1 pipelined feeding and masks
+    assert llm.sampler.mask_buffers.side_copies > 0  # uploads on the side stream
+
+
+@pytest.mark.gpu
+def test_side_stream_upload_never_overwrites_masks_a_queued_apply_reads(tiny_model_dir):
+    """On CUDA ``MaskBuffers.fill`` copies on a side stream: the current stream's reader of one fill's masks (queued
+    behind a long kernel, then marked with ``applied()``) sees those masks although the next fill's copy was queued
+    before it ran; without the mark the next copy waits for everything queued. Each fill equals the CPU's."""
+    import torch
+
+    from polyrl.infer.structured import MaskBuffers
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    llm = _engine(tiny_model_dir, overlap=True)
+    cache = llm.grammar_cache()
+    so = StructuredOutputs.json_schema(SCHEMA)
+    brace = llm.tokenizer.encode("{", add_special_tokens=False)[0]
+    a = cache.mask_pairs([cache.guide(so) for _ in range(4)])
+    b = cache.mask_pairs([cache.guide(so) for _ in range(4)])
+    for m, _ in b:
+        m.consume_token(brace)  # other masks than a's
+    cpu = torch.device("cpu")
+    want_a, want_b = MaskBuffers().fill(cache, a, cpu).clone(), MaskBuffers().fill(cache, b, cpu).clone()
+    assert not torch.equal(want_a, want_b)
+    dev = torch.device("cuda")
+    for marked in (True, False):
+        buffers = MaskBuffers()
+        got = buffers.fill(cache, a, dev)
+        torch.cuda._sleep(50_000_000)  # the current stream busy (~tens of ms) before the reader runs
+        seen = got.clone()  # the reader (an apply) of a's masks
+        if marked:
+            buffers.applied()
+        got_b = buffers.fill(cache, b, dev).clone()
+        torch.cuda.synchronize()
+        assert torch.equal(seen.cpu(), want_a) and torch.equal(got_b.cpu(), want_b)
+        assert buffers.side_copies == 2
 
 
 def test_mask_fill_beside_runs_on_a_worker_and_joins(tiny_model_dir):
