@@ -160,9 +160,8 @@ class GuidedDraws:
     lane changes: ``pipeline_split``) is fed and its masks are started on the mask worker (``MaskBuffers.start``)
     before the second half is fed, so feeding overlaps computing masks.
     With several grammar lanes (``GrammarCache.par_consume``; the pipeline off) a step's consumes are one executor call
-    (``GrammarCache.consume``, the GIL released) instead of a Python call per row, and step 0's run on the mask
-    worker just before its masks, beside the previous launch's read; the guides' ``consumed`` counts are moved once
-    per launch (at step 0 and at its last step), not per row and step.
+    (``GrammarCache.consume``, the GIL released) instead of a Python call per row; the guides' ``consumed`` counts
+    are moved at step 0 and once for steps >= 1 (at the launch's last step), not per row and step.
     Tokens a row draws after its sequence stopped are consumed too (its matcher is never used again) and dropped.
     """
 
@@ -265,8 +264,9 @@ class GuidedDraws:
     def _consume_first(self, toks: list[int | None]) -> None:
         """Step 0: each guided row's matcher consumes its step-0 input unless it has it already (``toks[b]`` None;
         a matcher behind that position is an error, as in ``Guide.consume_at``). With ``GrammarCache.consume`` (several
-        lanes) the consumes run in one executor call on the mask worker, just before step 0's masks and beside the
-        previous launch's read (the guides' counts are moved here first, so that read never feeds these matchers)."""
+        lanes) one executor call on this thread. Not on the mask worker beside the previous launch's read: the worker
+        would need the GIL back between the consumes and the masks while this thread runs Python, and could wait a
+        whole switch interval (5 ms) for it."""
         if self._par is None:
             for b, g, p in self._rows:
                 g.consume_at(p, toks[b])  # a row's matcher may have its step-0 input already (toks[b] is None)
@@ -279,8 +279,7 @@ class GuidedDraws:
             elif p > g.consumed:
                 raise RuntimeError(f"grammar matcher fed token {p} before token {g.consumed}")
         if todo:
-            par = self._par
-            self.plan.before_mask = lambda: par(todo, toks)
+            self._par(todo, toks)
 
     def _beside_once(self) -> None:
         """One call of ``beside`` (one step of the previous launch's read); dropped once it says it is done."""

@@ -192,9 +192,6 @@ class DrawPlan:
     # overlap.GuidedDraws hands the previous launch's read here); used once, then cleared
     beside: Callable[[], None] | None = None
     mask_pairs: list | None = None  # the guides' (matcher, row) pairs in executor order (GrammarCache.mask_pairs)
-    # host work to run right before the next draw's masks, on the thread computing them (a launch's step-0 consumes:
-    # overlap.GuidedDraws); used once, then cleared
-    before_mask: Callable[[], None] | None = None
 
 
 class Sampler:
@@ -302,10 +299,9 @@ class Sampler:
         guides = plan.guides
         dev = logits.device
         beside, plan.beside = plan.beside, None
-        before, plan.before_mask = plan.before_mask, None
         if plan.mask_pairs is None:  # the (matcher, row) list the executor takes: built once per plan
             plan.mask_pairs = guides[0].cache.mask_pairs(guides)
-        bitmask = self.mask_buffers.fill(guides[0].cache, plan.mask_pairs, dev, beside, before)
+        bitmask = self.mask_buffers.fill(guides[0].cache, plan.mask_pairs, dev, beside)
         inv = plan.rows.inv_temps
         if len(guides) == logits.shape[0]:  # every row guided (a constrained rollout): no gathers
             plan.guided_idx = None

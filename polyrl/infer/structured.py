@@ -316,8 +316,7 @@ class HostTimes:
     feed/mask pipeline also handing the first half's masks to the worker), ``mask`` (computing the next masks: the
     executor calls' seconds summed, also in ``GrammarCache.mask_s``; with the pipeline the first half's call runs
     during the second half's consumes), ``draw`` (queueing the mask upload, the masked draw and the token copy;
-    the time the draw's ``MaskBuffers.fill`` waited for masks excluded; with several lanes a launch's step-0
-    consumes run on the mask worker just before its masks and count as ``mask``), ``read`` (the previous launch's
+    the time the draw's ``MaskBuffers.fill`` waited for masks excluded), ``read`` (the previous launch's
     bookkeeping: accepting its tokens, stop checks; run on the engine's thread a step at a time, each while a step's
     masks are computed on a worker, so its time overlaps ``mask``), ``launch`` (whole launches: all of the above
     plus queueing the forwards and building the draw plan), over ``steps`` decode steps in ``launches`` launches."""
@@ -447,22 +446,18 @@ class MaskBuffers:
         pairs: list[tuple[Any, int]],
         dev: torch.device,
         beside: Callable[[], None] | None = None,
-        before: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """int32 ``[len(pairs), words]`` on ``dev``: the tokens each guide allows next (``pairs``:
         ``cache.mask_pairs(guides)``). ``beside``: host work run on this thread while the masks are computed on a
-        worker thread (llguidance releases the GIL), which then must not touch these guides' matchers. ``before``:
-        work run just before the masks on the thread computing them (the worker when ``beside`` is given: it should
-        release the GIL, as ``GrammarCache.consume`` over several lanes does), counted in the masks' time. After
-        ``start`` (no ``beside`` or ``before`` then), the rows it did not take are computed here while the worker
-        finishes."""
+        worker thread (llguidance releases the GIL), which then must not touch these guides' matchers. After
+        ``start`` (no ``beside`` then), the rows it did not take are computed here while the worker finishes."""
         n = len(pairs)
         host = self._buffer(n, cache.words, dev)
         t0 = time.perf_counter()
         if self._ahead is not None:
             future, h = self._ahead
             self._ahead = None
-            if beside is not None or before is not None:
+            if beside is not None:
                 future.result()
                 raise RuntimeError("MaskBuffers.fill: beside work after start")
             try:
@@ -471,13 +466,9 @@ class MaskBuffers:
                 ahead_s = future.result()  # joined also when this thread's part raised
             cache.account_mask(dt + ahead_s)
         elif beside is None:
-            if before is not None:
-                before()
-            cache.fill_pairs(pairs, host[:n], account=before is None)
-            if before is not None:
-                cache.account_mask(time.perf_counter() - t0)
+            cache.fill_pairs(pairs, host[:n])
         else:
-            self._fill_beside(cache, pairs, host[:n], beside, before)
+            self._fill_beside(cache, pairs, host[:n], beside)
         self.last_s = time.perf_counter() - t0
         if self._dev is None:
             return host[:n]
@@ -526,23 +517,16 @@ class MaskBuffers:
             self._readers.record()
             self._marked = True
 
-    def _fill_beside(
-        self, cache: GrammarCache, pairs: list, host: torch.Tensor, beside: Callable, before: Callable | None = None
-    ) -> None:
-        """``cache.fill_pairs`` (after ``before()``) on the worker thread while ``beside()`` runs here. This thread
-        waits until the worker is about to enter llguidance (which releases the GIL), so ``beside``'s Python does not
-        hold the worker back for a GIL switch interval; it waits for the masks after ``beside`` returns (or raises)."""
+    def _fill_beside(self, cache: GrammarCache, pairs: list, host: torch.Tensor, beside: Callable) -> None:
+        """``cache.fill_pairs`` on the worker thread while ``beside()`` runs here. This thread waits until the worker
+        is about to enter llguidance (which releases the GIL), so ``beside``'s Python does not hold the worker back
+        for a GIL switch interval; it waits for the masks after ``beside`` returns (or raises). The worker must make
+        one llguidance call only: back in Python between two, it would wait for the GIL ``beside`` holds."""
         started = threading.Event()
 
         def work() -> None:
             started.set()
-            if before is None:
-                cache.fill_pairs(pairs, host)
-                return
-            t0 = time.perf_counter()
-            before()
-            cache.fill_pairs(pairs, host, account=False)
-            cache.account_mask(time.perf_counter() - t0)
+            cache.fill_pairs(pairs, host)
 
         future = self._worker().submit(work)
         started.wait()

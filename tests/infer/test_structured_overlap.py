@@ -353,39 +353,3 @@ def test_grammar_cache_consume_matches_per_row_consumes(tiny_model_dir):
         got, want = a.fill(cache, pairs, cpu), b.fill(cache, cache.mask_pairs(one), cpu)
         assert torch.equal(got, want)
     assert par[2].matcher.is_error() and one[2].matcher.is_error() and not par[1].matcher.is_error()
-
-
-def test_mask_fill_runs_before_on_the_mask_thread(tiny_model_dir):
-    """``MaskBuffers.fill(before=f)``: ``f`` runs just before the masks on the thread computing them (the worker when
-    ``beside`` is given, else the caller's), the masks see its effect, and the step is counted once."""
-    import threading
-
-    import torch
-
-    from polyrl.infer.structured import MaskBuffers
-
-    llm = _engine(tiny_model_dir, overlap=True)
-    cache = llm.grammar_cache()
-    so = StructuredOutputs.json_schema(SCHEMA)
-    brace = llm.tokenizer.encode("{", add_special_tokens=False)[0]
-    ref = [cache.guide(so) for _ in range(3)]
-    for g in ref:
-        g.matcher.consume_token(brace)
-    want = MaskBuffers().fill(cache, cache.mask_pairs(ref), torch.device("cpu")).clone()
-    for with_beside in (False, True):
-        guides = [cache.guide(so) for _ in range(3)]
-        pairs = cache.mask_pairs(guides)
-        ran: list = []
-
-        def before(pairs=pairs, ran=ran) -> None:
-            ran.append(("before", threading.get_ident()))
-            cache.consume(pairs, [brace] * 3)
-
-        beside = (lambda ran=ran: ran.append(("beside", threading.get_ident()))) if with_beside else None
-        calls = cache.mask_calls
-        got = MaskBuffers().fill(cache, pairs, torch.device("cpu"), beside, before)
-        assert torch.equal(got, want) and cache.mask_calls == calls + 1
-        where = dict(ran)
-        assert (where["before"] != threading.get_ident()) == with_beside
-        if with_beside:
-            assert where["beside"] == threading.get_ident()
