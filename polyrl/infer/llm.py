@@ -359,7 +359,7 @@ class LLM:
         draws.finish_beside()  # the previous launch's steps not read beside a mask
         finished = Status.FINISHED
         for it in sched.items:
-            if it.seq.status is not finished:  # finished by the read beside step 0: its blocks are freed
+            if it.seq.status is not finished:  # finished by the read beside the masks: its blocks are freed
                 it.seq.num_computed = it.start + k
         launched = InflightStep(seqs, tokens, logprobs, draws.stacked_masses())
         times.launch += time.perf_counter() - t0
