@@ -253,8 +253,11 @@ class GuidedDraws:
         cache = guides[0].cache
         self._rows = [(b, g, seqs[b].num_tokens - 1 - seqs[b].num_prompt) for b, g in zip(guided, guides)]
         pairs = plan.mask_pairs = cache.mask_pairs(guides)
-        h = pipeline_split([guides[i].lane for _, i in pairs]) if self.steps > 1 else 0
-        if cache.par_consume and h == 0:  # (matcher, batch row) in the executor's lane order, for GrammarCache.consume
+        lanes = [guides[i].lane for _, i in pairs]
+        h = pipeline_split(lanes) if self.steps > 1 else 0
+        # (matcher, batch row) in the executor's lane order, for GrammarCache.consume: when the rows span several lanes
+        # (rows of one lane would all wait for its lexer's mutex: the per-row calls then)
+        if cache.par_consume and h == 0 and lanes[0] != lanes[-1]:
             self._par = cache.consume
             self._pairs = [(m, guided[i]) for m, i in pairs]
             return
