@@ -23,11 +23,12 @@ per schema), the host time of the batched grammar masks per step (mean and slowe
 threads and lanes (default ``auto``: the engine's rule, ``structured.auto_lanes``; ``--grammar-lanes N``: N separate
 lexers; ``--grammar-lanes auto,1,16``: each in one run, the first in the structured row, the others as A/B lines;
 ``--grammar-pipeline-ab``: one more A/B line, the first value with the (opt-in) feed/mask pipeline of guided steps,
-whose share of steps the structured row reports), and where a guided decode step's host time goes
-(``structured.HostTimes``, per step: the launches' time, of which waiting for the previous step's tokens, the
-matchers consuming them, the masks, queueing the masked draw, and reading the previous launch, which runs beside
-step 0's masks) against the guided step's wall time: on an accelerator the launch's forwards run meanwhile, so a
-step's wall time above the launches' is host work between launches (schedule, inputs, outputs).
+whose share of steps the structured row reports; ``--guided-ab``: an A/B line per named part of the guided path as
+it was before: ``steps4``, ``row-consume``, ``inline-upload``, ``read-at-step0``, ``old``), and where a guided decode
+step's host time goes (``structured.HostTimes``, per step: the launches' time, of which waiting for the previous
+step's tokens, the matchers consuming them, the masks, queueing the masked draw, and reading the previous launch,
+which runs beside the steps' masks) against the guided step's wall time: on an accelerator the launch's forwards
+run meanwhile, so a step's wall time above the launches' is host work between launches (schedule, inputs, outputs).
 
 ``--precision fp8`` also times the engine with FP8 projection weights, and with FP8 weights + an FP8 KV cache, in the
 same run, with greedy agreement against the model's precision and log-prob mismatch (``bench/rollout_fp8.py``).
@@ -107,6 +108,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also time the first --grammar-lanes value with the feed/mask pipeline of guided steps on "
         "(overlap.PIPELINE, off by default): an A/B line",
+    )
+    parser.add_argument(
+        "--guided-ab",
+        default=None,
+        help="also time the first --grammar-lanes value with parts of the guided decode path as they were before "
+        "(comma-separated, an A/B line each): steps4 (4 steps per guided launch instead of "
+        "overlap.GUIDED_LAUNCH_STEPS), row-consume (a consume_token per row instead of one executor call over the "
+        "lanes), inline-upload (the masks' upload on the compute stream), read-at-step0 (the previous launch read "
+        "whole beside step 0's masks), old (all four)",
     )
     add_decoder_options(parser)
     rollout_fp8.add_arguments(parser)  # --precision fp8 (bench/rollout_fp8.py)
@@ -290,6 +300,7 @@ def roofline_tokens_per_s(model, batch: int, prompt_len: int, gen_len: int, kv_d
 def run(args: argparse.Namespace) -> int:
     for value in str(args.grammar_lanes or "auto").split(","):
         _grammar_lanes(value)  # a bad --grammar-lanes fails before the runs
+    _guided_ab(args.guided_ab)  # and a bad --guided-ab
     dev = torch.device(args.device) if args.device else device.torch_device()
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if dev.type != "cpu" else torch.float32)
     baselines = [b for b in args.baselines.split(",") if b and b != "none"]
@@ -487,6 +498,11 @@ def _constrained(llm, prompts: list[list[int]], args: argparse.Namespace, dev: t
         res[f"lanes{n}_constrained_decode_cost"] = ab["constrained_decode_cost"]
         res[f"lanes{n}_constrained_decode_step_ms"] = ab["constrained_decode_step_ms"]
         res[f"lanes{n}_grammar_mask_ms_mean"] = ab["grammar_mask_ms_mean"]
+    for name in _guided_ab(args.guided_ab):
+        ab = {"engine_decode_tok_s": res["engine_decode_tok_s"]}
+        _constrained_run(llm, prompts, args, dev, ab, lanes[0], GUIDED_AB[name])
+        for key in ("constrained_decode_cost", "constrained_decode_step_ms", "grammar_mask_ms_mean"):
+            res[f"guided_ab_{name}_{key}"] = ab[key]
     if args.grammar_pipeline_ab:
         ab = {"engine_decode_tok_s": res["engine_decode_tok_s"]}
         was, overlap.PIPELINE = overlap.PIPELINE, not overlap.PIPELINE
@@ -496,6 +512,25 @@ def _constrained(llm, prompts: list[list[int]], args: argparse.Namespace, dev: t
             overlap.PIPELINE = was
         for key in ("constrained_decode_cost", "constrained_decode_step_ms", "grammar_mask_ms_mean"):
             res[f"pipe_{key}"] = ab[key]
+
+
+# --guided-ab: name -> (decode steps per guided launch, one executor call per step's consumes, side-stream upload,
+# the previous launch read a step at a time beside each step's masks)
+GUIDED_AB = {
+    "steps4": (4, True, True, True),
+    "row-consume": (None, False, True, True),
+    "inline-upload": (None, True, False, True),
+    "read-at-step0": (None, True, True, False),
+    "old": (4, False, False, False),
+}
+
+
+def _guided_ab(value: str | None) -> list[str]:
+    names = [x.strip() for x in value.split(",") if x.strip()] if value else []
+    bad = [n for n in names if n not in GUIDED_AB]
+    if bad:
+        raise UserError(f"--guided-ab takes {', '.join(GUIDED_AB)} (comma-separated), got {bad[0]!r}")
+    return names
 
 
 def _grammar_lanes(value: str) -> int | None:
@@ -511,7 +546,27 @@ def _grammar_lanes(value: str) -> int | None:
     return n
 
 
-def _constrained_run(llm, prompts, args, dev: torch.device, res: dict, lanes: str | None) -> None:
+def _constrained_run(llm, prompts, args, dev: torch.device, res: dict, lanes: str | None, variant=None) -> None:
+    """One constrained run; ``variant``: a ``GUIDED_AB`` value, the guided path's parts set for this run only."""
+    if variant is None:
+        return _constrained_run_as_set(llm, prompts, args, dev, res, lanes)
+    # lazy: structured.py needs llguidance, only for --response-format
+    from polyrl.infer import structured
+
+    steps, par, side, split = variant
+    was = overlap.GUIDED_LAUNCH_STEPS, structured.SIDE_STREAM_UPLOAD, overlap.SPLIT_READ
+    if steps is not None:
+        overlap.GUIDED_LAUNCH_STEPS = steps
+    structured.SIDE_STREAM_UPLOAD, overlap.SPLIT_READ = side, split
+    try:
+        _constrained_run_as_set(llm, prompts, args, dev, res, lanes, par)
+    finally:
+        overlap.GUIDED_LAUNCH_STEPS, structured.SIDE_STREAM_UPLOAD, overlap.SPLIT_READ = was
+        cache = llm.grammar_cache()
+        cache.par_consume = cache.lanes > 1 and cache.num_threads >= structured.AUTO_LANES_MIN_THREADS  # its rule
+
+
+def _constrained_run_as_set(llm, prompts, args, dev, res: dict, lanes: str | None, par: bool = True) -> None:
     kind = args.response_format
     so = StructuredOutputs.json_schema(BENCH_SCHEMA) if kind == "json_schema" else StructuredOutputs("json_object")
     if lanes is not None:  # a fresh cache per value (the engine's own is made with RolloutConfig.grammar_lanes)
@@ -520,6 +575,8 @@ def _constrained_run(llm, prompts, args, dev: torch.device, res: dict, lanes: st
 
         n = _grammar_lanes(lanes)
         llm._grammars = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, lanes=n)
+    if not par:  # --guided-ab row-consume / old
+        llm.grammar_cache().par_consume = False
     llm.reset_prefix_cache()
     _run_engine_phased(llm, prompts[: min(8, len(prompts))], 8, dev, so)  # warm-up: the one compilation
     llm.reset_prefix_cache()
@@ -537,6 +594,7 @@ def _constrained_run(llm, prompts, args, dev: torch.device, res: dict, lanes: st
     res["constrained_decode_step_ms"] = 1e3 * run["decode_s"] / run["decode_steps"]
     res["response_format"] = kind
     res["grammar_threads"], res["grammar_lanes"], res["grammar_lanes_auto"] = cache.num_threads, cache.lanes, cache.auto
+    res["grammar_par_consume"] = cache.par_consume  # a step's consumes in one executor call (GrammarCache.consume)
     res["grammar_mask_ms_mean"] = 1e3 * cache.mask_s / max(cache.mask_calls, 1)
     res["grammar_mask_ms_max"] = 1e3 * cache.mask_max_s
     res["constrained_tok_s"] = args.batch * args.gen_len / run["total_s"]
@@ -572,6 +630,7 @@ def _print(res: dict) -> None:
         ("grammar mask ms/step (host, max)", "grammar_mask_ms_max", "{:.2f}"),
         ("grammar executor threads / lanes", "grammar_lanes", "{}"),
         ("constrained decode step ms (wall)", "constrained_decode_step_ms", "{:.2f}"),
+        ("grammar consumes: one executor call", "grammar_par_consume", "{}"),
         ("guided decode steps per launch", "guided_steps_per_launch", "{:.2f}"),
         ("guided steps feed/mask pipelined", "guided_pipelined_fraction", "{:.0%}"),
         ("guided host ms/step: in launches", "guided_host_launch_ms", "{:.2f}"),
@@ -592,6 +651,12 @@ def _print(res: dict) -> None:
         n = key[len("lanes") : -len("_constrained_decode_cost")]
         step, mask = res[f"lanes{n}_constrained_decode_step_ms"], res[f"lanes{n}_grammar_mask_ms_mean"]
         print(f"{f'A/B {n} grammar lanes: cost':<36} {res[key]:.1%} (step {step:.2f} ms, mask {mask:.2f} ms)")
+    for name in GUIDED_AB:  # --guided-ab
+        if f"guided_ab_{name}_constrained_decode_cost" in res:
+            at = f"guided_ab_{name}_"
+            cost, step = res[f"{at}constrained_decode_cost"], res[f"{at}constrained_decode_step_ms"]
+            mask = res[f"{at}grammar_mask_ms_mean"]
+            print(f"{f'A/B guided {name}: cost':<36} {cost:.1%} (step {step:.2f} ms, mask {mask:.2f} ms)")
     if "pipe_constrained_decode_cost" in res:  # --grammar-pipeline-ab
         step, mask = res["pipe_constrained_decode_step_ms"], res["pipe_grammar_mask_ms_mean"]
         cost = res["pipe_constrained_decode_cost"]

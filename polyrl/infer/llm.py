@@ -34,7 +34,7 @@ from polyrl.infer.config import RolloutConfig
 from polyrl.infer.fp8_weights import Fp8Weights
 from polyrl.infer.kv_cache import KVCache
 from polyrl.infer.model_runner import ModelRunner
-from polyrl.infer.overlap import GuidedDraws, InflightStep, feed_rows
+from polyrl.infer.overlap import GuidedDraws, InflightStep, feed_rows, guided_launch_steps
 from polyrl.infer.sampler import Sampler
 from polyrl.infer.sampling_params import SamplingParams
 from polyrl.infer.scheduler import Scheduler
@@ -336,30 +336,33 @@ class LLM:
         each step's forward is queued, then the host reads the previous step's tokens, the matchers consume them and
         the masks are computed while the device runs that forward, then the masked draw is queued
         (``overlap.GuidedDraws``). The previous launch is read (its tokens accepted, stops checked) on this thread
-        while step 0's masks are computed on a worker thread; sequences that stopped there keep their rows, whose
-        draws are dropped when read, as in ``overlap.py``."""
+        a step at a time, each beside one step's masks computed on a worker thread (``_read_steps``; the rest after the
+        launch); sequences that stopped there keep their rows, whose draws are dropped when read, as in
+        ``overlap.py``."""
         times = self.grammar_cache().times
         t0 = time.perf_counter()
         seqs = [it.seq for it in sched.items]
         rows = feed_rows(seqs)
-        k = self._steps_per_launch(sched)
+        k = self._steps_per_launch(sched, guided_launch_steps(self.config.decode_steps))
 
-        def read_prev() -> None:
+        reader = self._read_steps(prev, touched) if prev is not None else None
+
+        def read_prev() -> bool:  # one step of the previous launch; False once all are read
             t = time.perf_counter()
-            self._read(prev, touched)
+            more = next(reader, False) is None
             times.read += time.perf_counter() - t
+            return more
 
         beside = read_prev if prev is not None else None
         draws = GuidedDraws(self.sampler, seqs, prev, self._suppress(seqs) if k == 1 else None, k, times, beside)
         tokens, logprobs = self.runner.execute_steps(sched, (rows, prev.tokens) if rows is not None else None, k, draws)
+        draws.finish_beside()  # the previous launch's steps not read beside a mask
         finished = Status.FINISHED
         for it in sched.items:
-            if it.seq.status is not finished:  # finished by the read beside step 0: its blocks are freed
+            if it.seq.status is not finished:  # finished by the read beside the masks: its blocks are freed
                 it.seq.num_computed = it.start + k
         launched = InflightStep(seqs, tokens, logprobs, draws.stacked_masses())
         times.launch += time.perf_counter() - t0
-        if draws.beside is not None:  # not run beside a mask (no guided row): read it now
-            draws.beside()
         launched.mark_pending()
         self._inflight = launched
         self.num_steps += k
@@ -367,11 +370,12 @@ class LLM:
         self.num_launches_ahead += 1
         times.launches += 1
 
-    def _steps_per_launch(self, sched) -> int:
-        """Decode steps to queue in this launch: ``decode_steps`` when no row needs the host between steps (a
+    def _steps_per_launch(self, sched, steps: int | None = None) -> int:
+        """Decode steps to queue in this launch: ``decode_steps`` (``steps`` if given: a guided launch's,
+        ``overlap.guided_launch_steps``) when no row needs the host between steps (a
         ``min_tokens`` mask changes every step), no more than any row has positions left, and no more than the
         longest-remaining row can use."""
-        k = self.config.decode_steps
+        k = self.config.decode_steps if steps is None else steps
         if k == 1:
             return 1
         useful = 1
@@ -394,6 +398,12 @@ class LLM:
     def _read(self, step: InflightStep, touched: dict[str, _Request]) -> None:
         """Read a launch's tokens and do their host work, step by step; rows of sequences that stopped meanwhile
         are dropped, and so are the tokens a sequence drew after it stopped."""
+        for _ in self._read_steps(step, touched):
+            pass
+
+    def _read_steps(self, step: InflightStep, touched: dict[str, _Request]):
+        """``_read`` as a generator: each ``next`` accepts one more step of the launch (a guided launch reads the
+        previous one a step at a time, each beside one step's masks: ``_launch_guided``)."""
         tokens, logprobs = step.read()  # [K][B]
         finished = Status.FINISHED
         live = []
@@ -410,6 +420,7 @@ class LLM:
             seqs, got, lp = [s for _, s in live], [toks[r] for r, _ in live], [lps[r] for r, _ in live]
             self._accept(seqs, got, lp, None, touched, [ms[r] for r, _ in live] if ms is not None else None)
             live = [(r, s) for r, s in live if s.status is not finished]
+            yield
 
     def _flush(self) -> list[RequestOutput]:
         """Read the step in flight, if any (before anything that needs every token on the host)."""

@@ -10,8 +10,9 @@ Several steps per launch (``RolloutConfig.decode_steps`` = K): when every row's 
 stop checks, the launch queues K decode steps back to back, each step's inputs advanced on the device
 (``model_runner.execute_steps``), so the host's per-step work (scheduling, inputs, sampler rows) is paid once per
 K tokens. Tokens a sequence draws after its stop within those K are computed and dropped. Batches with structured
-outputs launch K steps too (``GuidedDraws``): the host reads each step's tokens inside the launch, feeds them to the
-grammar matchers and computes the next step's masks while that step's forward runs.
+outputs launch ``guided_launch_steps(K)`` steps (8 for K = 4: ``GUIDED_LAUNCH_STEPS``; ``GuidedDraws``): the host
+reads each step's tokens inside the launch, feeds them to the grammar matchers and computes the next step's masks
+while that step's forward runs, and reads the previous launch a step at a time beside those masks.
 
 Bookkeeping: launched-but-unread tokens are placeholders (``PENDING``) at the end of ``seq.tokens``, counted by
 ``seq.pending``, with ``seq.pending_row`` the sequence's row in the launch in flight; the block manager keeps
@@ -115,6 +116,24 @@ def feed_input_ids(input_ids: torch.Tensor, rows: torch.Tensor, prev_tokens: tor
 PIPELINE = False
 PIPELINE_ROWS = 32
 
+# Decode steps per guided launch (``guided_launch_steps``): the host work between two launches (reading and reporting
+# the previous one's outputs, the schedule, the inputs, the draw plan) runs while the device has nothing queued, since
+# a guided launch's last draw waits for its masks; on the free path it hides behind the launch queued ahead. On the
+# H200 (B256, 16 lanes, 2026-12-02) that gap was ~0.47 ms per step at 4 steps per launch, most of the guided step's
+# 0.66 ms over the free one; 8 steps per launch halve it. The cost: tokens a sequence draws after its stop inside a
+# launch are computed and dropped (up to 7 instead of 3), and a new request waits for the launch in flight.
+GUIDED_LAUNCH_STEPS = 8
+# ... and the previous launch's read (accepting its tokens: ~0.4 ms per step of B256 on the H200) is split a step at a
+# time over the launch's steps, each beside one step's masks (off: all of it beside step 0's, which at 8 steps per
+# launch outlasts step 0's masks and forward)
+SPLIT_READ = True
+
+
+def guided_launch_steps(decode_steps: int) -> int:
+    """The decode steps a launch with grammar rows takes: ``GUIDED_LAUNCH_STEPS`` or ``decode_steps`` if larger;
+    1 when ``decode_steps`` is 1 (multi-step launches off)."""
+    return 1 if decode_steps <= 1 else max(decode_steps, GUIDED_LAUNCH_STEPS)
+
 
 def pipeline_split(lanes: list[int]) -> int:
     """Where a step's rows (their grammar lanes, grouped) split into the pipeline's two parts: the lane change nearest
@@ -140,6 +159,9 @@ class GuidedDraws:
     rows or more over several grammar lanes, the first half of the rows (in the executor's lane order, cut where the
     lane changes: ``pipeline_split``) is fed and its masks are started on the mask worker (``MaskBuffers.start``)
     before the second half is fed, so feeding overlaps computing masks.
+    With several grammar lanes (``GrammarCache.par_consume``; the pipeline off) a step's consumes are one executor call
+    (``GrammarCache.consume``, the GIL released) instead of a Python call per row; the guides' ``consumed`` counts
+    are moved at step 0 and once for steps >= 1 (at the launch's last step), not per row and step.
     Tokens a row draws after its sequence stopped are consumed too (its matcher is never used again) and dropped.
     """
 
@@ -156,7 +178,9 @@ class GuidedDraws:
         self.sampler, self.seqs, self.prev, self.suppress, self.steps, self.times = (
             sampler, seqs, prev, suppress, steps, times,
         )  # fmt: skip
-        self.beside = beside  # host work to run while step 0's masks are computed (the previous launch's read)
+        # host work to run a part of beside each step's masks (LLM._launch_guided: one step of the previous launch's
+        # read per call, True while there is more); what is left after the launch: finish_beside
+        self.beside = beside
         self.plan = None
         self.masses: list[torch.Tensor] = []
         self._rows: list[tuple[int, object, int]] = []  # (row, guide, output index of the row's step-0 input)
@@ -165,6 +189,9 @@ class GuidedDraws:
         self._head: list[tuple[int, object, object]] = []
         self._tail: list[tuple[int, object, object]] = []
         self._head_pairs: list = []
+        # with several grammar lanes (GrammarCache.par_consume): the step's consumes in one executor call
+        self._par = None
+        self._pairs: list = []  # (matcher, batch row) in the executor's lane order
         self._host: torch.Tensor | None = None  # pinned [K, B]: each step's tokens on their way to the host
         self._events: list = []
         self._cpu: list[torch.Tensor] = []  # on the CPU: the steps' token tensors themselves
@@ -181,8 +208,14 @@ class GuidedDraws:
         plan = self.plan
         t1 = clock()
         if j == 0:
-            for b, g, p in self._rows:
-                g.consume_at(p, toks[b])  # a row's matcher may have its step-0 input already (toks[b] is None)
+            self._consume_first(toks)
+        elif self._par is not None:
+            # one executor call, the GIL released (GrammarCache.consume); step j-1 left every row's matcher at output
+            # token p + j, so no position checks, and the guides' counts are moved once, at the launch's last step
+            self._par(self._pairs, toks)
+            if j == self.steps - 1:
+                for g in plan.guides:
+                    g.consumed += j
         else:
             # step j-1 left every row's matcher at output token p + j (consumed == p + j): feed it without the
             # position check of consume_at (host time on every step of every row)
@@ -195,8 +228,8 @@ class GuidedDraws:
                 consume(toks[b])
                 g.consumed += 1
         t2 = clock()
-        if j == 0 and plan.guided:
-            plan.beside, self.beside = self.beside, None
+        if self.beside is not None and plan.guided and (j == 0 or not self._head):  # not beside a pipelined step
+            plan.beside = self._beside_once if SPLIT_READ else self.finish_beside
         tokens, logprobs = self.sampler.draw_planned(logits, plan, self.suppress, j)
         if plan.masked_logmass is not None:
             self.masses.append(plan.masked_logmass)
@@ -217,11 +250,49 @@ class GuidedDraws:
         if not plan.guided:
             return
         guided, guides = plan.guided, plan.guides
+        cache = guides[0].cache
         self._rows = [(b, g, seqs[b].num_tokens - 1 - seqs[b].num_prompt) for b, g in zip(guided, guides)]
-        pairs = plan.mask_pairs = guides[0].cache.mask_pairs(guides)
+        pairs = plan.mask_pairs = cache.mask_pairs(guides)
+        lanes = [guides[i].lane for _, i in pairs]
+        h = pipeline_split(lanes) if self.steps > 1 else 0
+        # (matcher, batch row) in the executor's lane order, for GrammarCache.consume: when the rows span several lanes
+        # (rows of one lane would all wait for its lexer's mutex: the per-row calls then)
+        if cache.par_consume and h == 0 and lanes[0] != lanes[-1]:
+            self._par = cache.consume
+            self._pairs = [(m, guided[i]) for m, i in pairs]
+            return
         feed = [(guided[i], guides[i], m.consume_token) for m, i in pairs]
-        h = pipeline_split([guides[i].lane for _, i in pairs]) if self.steps > 1 else 0
         self._head, self._tail, self._head_pairs = feed[:h], feed[h:], pairs[:h]
+
+    def _consume_first(self, toks: list[int | None]) -> None:
+        """Step 0: each guided row's matcher consumes its step-0 input unless it has it already (``toks[b]`` None;
+        a matcher behind that position is an error, as in ``Guide.consume_at``). With ``GrammarCache.consume`` (several
+        lanes) one executor call on this thread. Not on the mask worker beside the previous launch's read: the worker
+        would need the GIL back between the consumes and the masks while this thread runs Python, and could wait a
+        whole switch interval (5 ms) for it."""
+        if self._par is None:
+            for b, g, p in self._rows:
+                g.consume_at(p, toks[b])  # a row's matcher may have its step-0 input already (toks[b] is None)
+            return
+        todo = []
+        for b, g, p in self._rows:
+            if toks[b] is not None:  # _first_tokens: only where g.consumed == p
+                todo.append((g.matcher, b))
+                g.consumed += 1
+            elif p > g.consumed:
+                raise RuntimeError(f"grammar matcher fed token {p} before token {g.consumed}")
+        if todo:
+            self._par(todo, toks)
+
+    def _beside_once(self) -> None:
+        """One call of ``beside`` (one step of the previous launch's read); dropped once it says it is done."""
+        if self.beside is not None and not self.beside():
+            self.beside = None
+
+    def finish_beside(self) -> None:
+        """Run what is left of ``beside`` (the previous launch's steps not read beside a step's masks)."""
+        while self.beside is not None:
+            self._beside_once()
 
     def stacked_masses(self) -> torch.Tensor | None:
         """``[K, B]`` log(mass the grammar allowed) per step and row (None without guided rows)."""

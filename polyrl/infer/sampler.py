@@ -310,6 +310,7 @@ class Sampler:
             if plan.guided_idx is None:  # once per plan (a launch's steps reuse it)
                 plan.guided_idx = host_to_device(plan.guided, torch.int64, dev)
             out, lse, lse_masked = kernels.apply_token_bitmask(inp, bitmask, plan.guided_idx, inv)
+        self.mask_buffers.applied()  # the next step's mask upload need not wait for more than this apply
         if inp is not logits:  # min_tokens suppressed ids in inp: the unmasked distribution is logits'
             idx = plan.guided_idx
             z = (logits if idx is None else logits[idx]) * (inv if idx is None else inv[idx])[:, None]

@@ -38,13 +38,17 @@ tokenizers with any vocabulary through its token trie, and its wheel installs wi
   so threads mostly work on different lanes). ``mask_pairs(guides)`` is that (matcher, row) list, built once per
   draw plan (a launch's steps reuse it) and filled by ``fill_pairs``; ``fill_bitmask(matchers, bitmask)`` is the
   same for bare matchers.
-- Tokens are consumed one row at a time (``Guide.consume_at`` / ``Guide.advance``; inside a guided launch's steps
-  >= 1 the matchers' bound ``consume_token`` directly, the position known): llguidance's parallel
-  ``LLExecutor.consume_token_par`` was slower at B256 on 2 CPUs (0.88-0.94 ms vs 0.73 ms per step: the consumes
-  of one schema's rows take its lexer mutex, and the call pays the pool's hand-off), and no llguidance call
-  consumes and computes the next mask at once.
+- Tokens are consumed one row at a time outside guided launches (``Guide.consume_at`` / ``Guide.advance``). Inside
+  a guided launch ``GrammarCache.consume(pairs, tokens)`` feeds a step's rows: with several lanes (``par_consume``)
+  one ``LLExecutor.consume_token_par`` call in lane order (the GIL released, each lane's lexer on the executor's
+  threads: a single ``consume_token`` holds the GIL for its whole Rust body, ~3 us per row, 0.53 ms of every B256
+  step on the H200 with one lane); with one lane the per-row calls (one lexer mutex: ``consume_token_par`` was
+  slower at B256 on 2 CPUs, 0.88-0.94 ms vs 0.73 ms per step). No llguidance call consumes and computes the next
+  mask at once (``unsafe_compute_mask_ptr_with_draft_token`` rolls its draft back).
 - ``MaskBuffers``: the persistent pinned host buffer those bits are computed into and the device buffer they are
-  copied to (queued, no host wait, no allocation per step). The sampler applies them with
+  copied to (queued, no host wait, no allocation per step; on CUDA on a side stream, so the copy overlaps the forward
+  and only the apply waits for it: ``MaskBuffers.applied`` marks where the previous masks' reader was queued). The
+  sampler applies them with
   ``kernels.apply_token_bitmask`` (one pass per guided row on the device: the masked logits and the logsumexps
   of the unmasked and the masked rows; Triton on CUDA, torch reference elsewhere); ``allowed_mask`` is
   that op's mask alone, as booleans. The mask is applied to the logits *after* the model's forward (and
@@ -113,6 +117,11 @@ def host_threads() -> int:
 ROWS_PER_LANE = 16
 # ... and below this many executor threads a spec keeps one lane (CPU measurement in docs/performance.md)
 AUTO_LANES_MIN_THREADS = 4
+
+
+# MaskBuffers: the masks' upload on a side stream where the device has streams (off: on the compute stream, after the
+# forward, as before; ``polyrl bench rollout --guided-ab inline-upload`` times that)
+SIDE_STREAM_UPLOAD = True
 
 
 def auto_lanes(threads: int) -> int:
@@ -195,6 +204,10 @@ class GrammarCache:
         self.auto = lanes is None
         self.lanes = auto_lanes(self.num_threads) if lanes is None else lanes
         self.rows_per_lane = rows_per_lane or (ROWS_PER_LANE if lanes is None else 1)
+        # consume a step's tokens in one executor call (``consume``): only across lanes (separate lexer mutexes) and
+        # from AUTO_LANES_MIN_THREADS threads: with one lane the per-row calls were faster, and on 2 CPUs over 2 lanes
+        # too (engine, B256: 3.1 vs 1.4 ms per step; scripts/structured_host_profile.py)
+        self.par_consume = self.lanes > 1 and self.num_threads >= AUTO_LANES_MIN_THREADS
         self.compiles = 0
         self.hits = 0
         self.mask_calls = 0  # fill calls (one per guided step), their total and slowest host seconds
@@ -269,6 +282,19 @@ class GrammarCache:
             self.account_mask(dt)
         return dt
 
+    def consume(self, pairs: list[tuple[Any, int]], tokens: list[int]) -> None:
+        """Each matcher of ``pairs`` (``mask_pairs``: (matcher, row), grouped by lane) consumes ``tokens[row]``. With
+        several lanes: one ``LLExecutor.consume_token_par`` call (the GIL released, the lanes' lexers on the
+        executor's threads; ``par_consume``); with one lane a ``consume_token`` per row from this thread (every consume
+        would take the one lexer's mutex, so the pool's hand-off would buy nothing). Same calls into llguidance either
+        way (``consume_token`` is ``consume_token_par``'s per-row body), so the matchers end in the same states; a
+        token a matcher refuses leaves it in its error state in both (its next mask allows only EOS)."""
+        if self.par_consume and len(pairs) > 1:
+            self._executor.consume_token_par([(m, tokens[i]) for m, i in pairs])
+        else:
+            for m, i in pairs:
+                m.consume_token(tokens[i])
+
     def account_mask(self, seconds: float) -> None:
         """Count one step's masks that took ``seconds`` of executor calls (the bench's mask ms per step)."""
         self.mask_calls += 1
@@ -291,9 +317,9 @@ class HostTimes:
     executor calls' seconds summed, also in ``GrammarCache.mask_s``; with the pipeline the first half's call runs
     during the second half's consumes), ``draw`` (queueing the mask upload, the masked draw and the token copy;
     the time the draw's ``MaskBuffers.fill`` waited for masks excluded), ``read`` (the previous launch's
-    bookkeeping: accepting its tokens, stop checks; run on the engine's thread while step 0's masks are computed on a
-    worker, so its time overlaps ``mask``), ``launch`` (whole launches: all of the above plus queueing the forwards
-    and building the draw plan), over ``steps`` decode steps in ``launches`` launches."""
+    bookkeeping: accepting its tokens, stop checks; run on the engine's thread a step at a time, each while a step's
+    masks are computed on a worker, so its time overlaps ``mask``), ``launch`` (whole launches: all of the above
+    plus queueing the forwards and building the draw plan), over ``steps`` decode steps in ``launches`` launches."""
 
     __slots__ = ("wait", "consume", "mask", "draw", "launch", "read", "steps", "launches")
 
@@ -360,6 +386,13 @@ class MaskBuffers:
         self._host: torch.Tensor | None = None
         self._dev: torch.Tensor | None = None
         self._event: Any = None
+        # the side stream of the uploads (_upload), its copy-done event, the previous masks' readers' event and whether
+        # applied() marked it since the last upload
+        self._stream: Any = None
+        self._copied: Any = None
+        self._readers: Any = None
+        self._marked = False
+        self.side_copies = 0  # uploads queued on the side stream
         self._pool: ThreadPoolExecutor | None = None  # the worker of fill(beside=...) and start, made on first use
         self._ahead: tuple[Any, int] | None = None  # start's (future of its seconds, rows it took)
         self.last_s = 0.0
@@ -439,17 +472,56 @@ class MaskBuffers:
         self.last_s = time.perf_counter() - t0
         if self._dev is None:
             return host[:n]
-        out = self._dev[:n]
-        out.copy_(host[:n], non_blocking=True)
-        self._event = platform_device.event(enable_timing=False)
-        if self._event is not None:
-            self._event.record()
+        return self._upload(host[:n], self._dev[:n])
+
+    def _upload(self, host: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Queue the copy of the filled host rows to the device buffer; ``out`` is ready for the current stream.
+
+        Where the device has streams the copy runs on a side stream (made once), so it overlaps the forward already
+        queued on the current stream (4.9 MB per B256 step over PCIe, ~0.1 ms that the masked draw otherwise waits
+        for after the forward); the current stream waits for the copy's event before the caller's apply. The copy
+        itself first waits for the previous masks' readers: the point of the current stream ``applied()`` marked
+        (the previous step's apply), or without that mark all the work queued there (never overwriting masks an
+        apply still has to read)."""
+        streams = platform_device.stream_api() if SIDE_STREAM_UPLOAD else None
+        if streams is None:  # a device without streams (or graphs): the copy on the current stream, as it is ordered
+            out.copy_(host, non_blocking=True)
+            self._event = platform_device.event(enable_timing=False)
+            if self._event is not None:
+                self._event.record()
+            return out
+        main = streams.current_stream(out.device)
+        if self._stream is None or self._stream.device != out.device:
+            self._stream = streams.Stream(device=out.device)
+            self._copied = streams.Event(enable_timing=False)
+            self._readers = streams.Event(enable_timing=False)
+        side = self._stream
+        if self._marked:
+            side.wait_event(self._readers)
+        else:
+            side.wait_stream(main)
+        with streams.stream(side):
+            out.copy_(host, non_blocking=True)
+            self._copied.record(side)
+        main.wait_event(self._copied)
+        self._event = self._copied  # the host buffer is refilled after this copy (_wait)
+        self._marked = False
+        self.side_copies += 1
         return out
+
+    def applied(self) -> None:
+        """Mark the current stream right after the work reading the masks ``fill`` returned was queued (the sampler's
+        apply): the next ``fill``'s copy into the device buffer waits for that point only, not for the forward queued
+        after it. A no-op on the CPU and where the copy is not on a side stream."""
+        if self._stream is not None:
+            self._readers.record()
+            self._marked = True
 
     def _fill_beside(self, cache: GrammarCache, pairs: list, host: torch.Tensor, beside: Callable) -> None:
         """``cache.fill_pairs`` on the worker thread while ``beside()`` runs here. This thread waits until the worker
         is about to enter llguidance (which releases the GIL), so ``beside``'s Python does not hold the worker back
-        for a GIL switch interval; it waits for the masks after ``beside`` returns (or raises)."""
+        for a GIL switch interval; it waits for the masks after ``beside`` returns (or raises). The worker must make
+        one llguidance call only: back in Python between two, it would wait for the GIL ``beside`` holds."""
         started = threading.Event()
 
         def work() -> None:

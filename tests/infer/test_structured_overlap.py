@@ -155,6 +155,43 @@ def test_multi_step_guided_launches_on_cuda_with_graphs(tiny_model_dir, monkeypa
     times = llm.grammar_cache().times
     assert times.steps >= 3 * times.launches > 0 and llm.runner.last_step_used_graph
     assert llm.sampler.mask_buffers.starts > 0  # 64 rows over 4 lanes: steps >= 1 pipelined feeding and masks
+    assert llm.sampler.mask_buffers.side_copies > 0  # uploads on the side stream
+
+
+@pytest.mark.gpu
+def test_side_stream_upload_never_overwrites_masks_a_queued_apply_reads(tiny_model_dir):
+    """On CUDA ``MaskBuffers.fill`` copies on a side stream: the current stream's reader of one fill's masks (queued
+    behind a long kernel, then marked with ``applied()``) sees those masks although the next fill's copy was queued
+    before it ran; without the mark the next copy waits for everything queued. Each fill equals the CPU's."""
+    import torch
+
+    from polyrl.infer.structured import MaskBuffers
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    llm = _engine(tiny_model_dir, overlap=True)
+    cache = llm.grammar_cache()
+    so = StructuredOutputs.json_schema(SCHEMA)
+    brace = llm.tokenizer.encode("{", add_special_tokens=False)[0]
+    a = cache.mask_pairs([cache.guide(so) for _ in range(4)])
+    b = cache.mask_pairs([cache.guide(so) for _ in range(4)])
+    for m, _ in b:
+        m.consume_token(brace)  # other masks than a's
+    cpu = torch.device("cpu")
+    want_a, want_b = MaskBuffers().fill(cache, a, cpu).clone(), MaskBuffers().fill(cache, b, cpu).clone()
+    assert not torch.equal(want_a, want_b)
+    dev = torch.device("cuda")
+    for marked in (True, False):
+        buffers = MaskBuffers()
+        got = buffers.fill(cache, a, dev)
+        torch.cuda._sleep(50_000_000)  # the current stream busy (~tens of ms) before the reader runs
+        seen = got.clone()  # the reader (an apply) of a's masks
+        if marked:
+            buffers.applied()
+        got_b = buffers.fill(cache, b, dev).clone()
+        torch.cuda.synchronize()
+        assert torch.equal(seen.cpu(), want_a) and torch.equal(got_b.cpu(), want_b)
+        assert buffers.side_copies == 2
 
 
 def test_mask_fill_beside_runs_on_a_worker_and_joins(tiny_model_dir):
@@ -198,3 +235,121 @@ def test_mask_fill_beside_runs_on_a_worker_and_joins(tiny_model_dir):
     with pytest.raises(RuntimeError, match="beside work after start"):
         buffers.fill(cache, guides, torch.device("cpu"), fail)
     assert buffers._ahead is None  # joined all the same
+
+
+class _CountingExecutor:
+    """An ``LLExecutor`` stand-in that counts the calls it forwards."""
+
+    def __init__(self, real) -> None:
+        self.real, self.consume_calls, self.consumed_rows = real, 0, 0
+
+    def consume_token_par(self, pairs):
+        self.consume_calls += 1
+        self.consumed_rows += len(pairs)
+        return self.real.consume_token_par(pairs)
+
+    def unsafe_compute_mask_ptr(self, *args):
+        return self.real.unsafe_compute_mask_ptr(*args)
+
+
+def _par_engine(model_dir, **over) -> tuple[LLM, _CountingExecutor]:
+    llm = _engine(model_dir, overlap=True, **over)
+    cache = llm.grammar_cache()
+    cache.par_consume = True  # also on a 1-CPU host (the executor then has one thread: same calls, same states)
+    spy = cache._executor = _CountingExecutor(cache._executor)
+    return llm, spy
+
+
+@pytest.mark.parametrize(("temperature", "split"), [(0.0, True), (1.0, True), (1.0, False)])
+def test_parallel_consumes_draw_the_synchronous_tokens(tiny_model_dir, monkeypatch, temperature, split):
+    """With several grammar lanes a guided launch feeds each step's tokens in one executor call
+    (``GrammarCache.consume``; step 0's on the mask worker beside the previous launch's read), with a cache small
+    enough to preempt sequences with tokens in flight and a second run over cached prefixes: the tokens, log-probs
+    and mask mismatch are the synchronous engine's, with the previous launch read a step at a time beside each
+    step's masks (``overlap.SPLIT_READ``) or all of it beside step 0's."""
+    from polyrl.infer import overlap
+
+    assert overlap.PIPELINE is False and overlap.SPLIT_READ is True
+    monkeypatch.setattr(overlap, "SPLIT_READ", split)
+    prompts = [[5 + (i * 7 + j) % 80 for j in range(21)] for i in range(4)]
+    sync = _run(_engine(tiny_model_dir, overlap=False, block_size=4, num_blocks=60), temperature, prompts)
+    llm, spy = _par_engine(tiny_model_dir, block_size=4, num_blocks=60, decode_steps=4, grammar_lanes=3)
+    _same(sync, _run(llm, temperature, prompts))
+    assert llm.scheduler.total_preemptions > 0
+    assert spy.consume_calls > 0 and spy.consumed_rows >= 10 * spy.consume_calls // 2
+    hits = llm.block_manager.hit_tokens
+    _same(sync, _run(llm, temperature, prompts))
+    assert llm.block_manager.hit_tokens > hits
+
+
+def test_guided_launch_steps(tiny_model_dir, monkeypatch):
+    """A guided launch takes ``GUIDED_LAUNCH_STEPS`` steps (or ``decode_steps`` if more), one when multi-step
+    launches are off; a free launch keeps ``decode_steps``. The previous launch is read beside several steps' masks.
+    With several lanes the guides' consumed counts, moved
+    once per launch, end at the tokens the engine accepted (plus those drawn after the stop inside the launch)."""
+    from polyrl.infer import overlap
+    from polyrl.infer.overlap import guided_launch_steps
+
+    assert overlap.GUIDED_LAUNCH_STEPS == 8
+    assert [guided_launch_steps(k) for k in (1, 2, 4, 8, 12)] == [1, 8, 8, 8, 12]
+    llm, spy = _par_engine(tiny_model_dir, decode_steps=4, grammar_lanes=2)
+    besides = []
+    buffers = llm.sampler.mask_buffers
+    real_beside = buffers._fill_beside
+    buffers._fill_beside = lambda *a: besides.append(1) or real_beside(*a)
+    launched = []
+    real = llm.runner.execute_steps
+    llm.runner.execute_steps = lambda sched, feed, steps, draw, rows=None: (
+        launched.append((steps, any(it.seq.guide is not None for it in sched.items)))
+        or real(sched, feed, steps, draw, rows)
+    )
+    so = StructuredOutputs.json_schema(SCHEMA)
+    guided = llm.add_request("a", SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=40, structured=so))
+    llm.step(ahead=True)  # takes the request in (its prefill)
+    seqs = llm._requests[guided].seqs
+    while llm.has_unfinished_requests():
+        llm.step(ahead=True)
+    llm._flush()
+    llm.generate(["b"], SamplingParams(temperature=1.0, seed=6, max_tokens=20))
+    assert max(k for k, g in launched if g) == 8 and max(k for k, g in launched if not g) == 4
+    # the previous launch is read a step at a time, each beside one step's masks (not all beside step 0's)
+    guided_launches = sum(g for _, g in launched)
+    assert len(besides) > 2 * guided_launches
+    assert spy.consume_calls > 0
+    for s in seqs:  # rows consume the tokens drawn after their stop too (dropped): the rest of the launch where it
+        # stopped and the next one, scheduled before the stop was read
+        assert s.guide.num_tokens == len(s.output_token_ids) <= s.guide.consumed < s.guide.num_tokens + 16
+    monkeypatch.setattr(overlap, "GUIDED_LAUNCH_STEPS", 4)
+    assert [guided_launch_steps(k) for k in (1, 2, 4, 8)] == [1, 4, 4, 8]
+
+
+def test_grammar_cache_consume_matches_per_row_consumes(tiny_model_dir):
+    """``GrammarCache.consume``: one executor call over several lanes leaves every matcher where a ``consume_token``
+    per row does (same masks after each step), a refused token included (error state: the next mask is EOS only);
+    with one lane it is the per-row calls."""
+    import torch
+
+    from polyrl.infer.structured import GrammarCache, MaskBuffers
+
+    llm = _engine(tiny_model_dir, overlap=True)
+    so = StructuredOutputs.json_schema(SCHEMA)
+    cache = GrammarCache(llm.tokenizer, llm.vocab_size, llm.eos_token_ids, num_threads=4, lanes=3)
+    assert cache.par_consume and not GrammarCache(llm.tokenizer, llm.vocab_size, [0], lanes=1).par_consume
+    assert not GrammarCache(llm.tokenizer, llm.vocab_size, [0], num_threads=3, lanes=3).par_consume
+    par, one = [cache.guide(so) for _ in range(7)], [cache.guide(so) for _ in range(7)]
+    pairs = cache.mask_pairs(par)
+    assert [par[i].lane for _, i in pairs] == sorted(g.lane for g in par)  # lane order
+    text = llm.tokenizer.encode('{"name": "ab", "age": 7', add_special_tokens=False)
+    bad = llm.tokenizer.encode("}", add_special_tokens=False)[0]
+    cpu = torch.device("cpu")
+    a, b = MaskBuffers(), MaskBuffers()
+    for step, tok in enumerate(text):
+        toks = [tok] * 7
+        if step == len(text) - 1:
+            toks[2] = bad  # refused: row 2 ends in its error state in both
+        cache.consume(pairs, toks)
+        for i, g in enumerate(one):
+            g.matcher.consume_token(toks[i])
+        got, want = a.fill(cache, pairs, cpu), b.fill(cache, cache.mask_pairs(one), cpu)
+        assert torch.equal(got, want)
+    assert par[2].matcher.is_error() and one[2].matcher.is_error() and not par[1].matcher.is_error()
