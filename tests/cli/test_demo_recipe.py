@@ -1,7 +1,11 @@
 """`make demo`'s recipe as shipped (small preset, the noisy arithmetic task, 125 SFT + 40 GRPO steps, seed 0): GRPO's
 held-out exact match is clearly above SFT's, and the sampled reward rises. SFT imitates demonstrations of which 60%
 are off by one, so its greedy accuracy is capped by what it imitated on any machine; the gain is RL's. A few
-minutes on 2 cores: marked slow (still in ``make test``)."""
+minutes on 2 cores: marked slow (still in ``make test``, where pytest-xdist starts this file first, beside the rest).
+
+Not shortened for CI time: with 30 GRPO steps instead of 60 (2026-12-02, 1 torch thread, this project's 2-core
+machine) seed 1 ended at 33.3% -> 52.6% (+19.3 points, sampled reward +0.180), under both bars below, while seed 2
+kept +43.9 (31.6% -> 75.4%); the shipped 60 steps gave seed 0 47.4% -> 89.5% (+42.1, reward 0.420 -> 0.920)."""
 
 from __future__ import annotations
 
