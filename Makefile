@@ -28,12 +28,17 @@ lint: $(STAMP)
 # The run viewer's test drives a headless chromium and fails (never skips) without one: installed here where apt-get
 # works (Debian CI runs as root); elsewhere a notice, and tests/run/test_viewer.py says how to install it.
 BROWSER_CHECK := command -v chromium || command -v chromium-browser || command -v google-chrome
+# The CPU suite runs in TEST_WORKERS pytest-xdist processes (the CI host has 2 cores; tests/conftest.py gives each worker
+# its share of them as torch threads). Whole files go to a worker (a module's fixtures run once), in collection order,
+# the files with a slow test first (tests/conftest.py). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+XDIST_ARGS = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 # pytest exits 5 when a selection holds no test (e.g. `make gpu-test` on a CPU-only machine): reported, not failed.
 test: lint
 	@($(BROWSER_CHECK)) >/dev/null || (command -v apt-get >/dev/null && (apt-get update -qq && \
 	apt-get install -y -qq chromium) >/dev/null 2>&1) || echo "no chromium and apt-get could not install it: \
 	tests/run/test_viewer.py will fail (install chromium, or set POLYRL_CHROMIUM)"
-	$(PY) -m pytest -q --timeout=900 $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -q --timeout=900 $(XDIST_ARGS) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no test for this selection"; exit 0; fi; exit $$rc
 
 gpu-test: $(STAMP)

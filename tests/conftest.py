@@ -12,6 +12,12 @@
 - ``_restore_torch_global_modes`` (autouse): a test that builds a deterministic ``TrainEngine`` turns on
   ``torch.use_deterministic_algorithms`` for the process (what a run wants); the flag is put back after each
   test (to torch's default, off) so that later tests see the default.
+- ``pytest_configure``: under pytest-xdist (``make test`` runs the CPU suite in 2 processes), each worker gets its share
+  of the CPU cores as torch threads (``OMP_NUM_THREADS`` too, for the processes tests start), so workers do not
+  oversubscribe the machine; an ``OMP_NUM_THREADS`` already set is kept.
+- ``pytest_collection_modifyitems``: under pytest-xdist, the files that hold a ``slow`` test are collected first (the
+  scheduler hands out whole files in collection order: the longest start first instead of finishing last). A serial
+  run keeps pytest's order.
 - ``pytest_runtest_logreport``: with ``POLYRL_TESTS_FAILURE_LOG=PATH`` (the GPU suite's stage sets it), each failure's
   traceback is appended to PATH the moment it happens, from every xdist worker: a run cut off by a time limit before
   pytest's summary still leaves the reasons.
@@ -24,6 +30,30 @@ from __future__ import annotations
 import os
 
 import pytest
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def pytest_configure(config):
+    worker = getattr(config, "workerinput", None)
+    if worker is None:
+        return
+    threads = os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores() // int(worker["workercount"]))))
+    import torch
+
+    torch.set_num_threads(int(threads))
+
+
+def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: each file keeps its order
 
 
 def pytest_runtest_logreport(report):
