@@ -24,5 +24,7 @@ dl .whl lm-eval==0.4.13 tenacity==9.2.1 datasets evaluate dill multiprocess more
   pytablewriter DataProperty mbstrdecoder pathvalidate tabledata tcolorpy typepy chardet
 # sdist-only packages lm-eval needs: built here (pure Python)
 python3 -m pip wheel -q --no-deps -w .whl sqlitedict word2number rouge-score
+# py-spy: where a server process's threads spend their time (gpu_stage.sh serve-profile)
+dl .whl py-spy==0.4.3
 if [ "${1:-}" = "--bnb" ]; then mkdir -p .whl_bnb; dl .whl_bnb bitsandbytes==0.50.2; fi
 du -sh .whl

@@ -221,6 +221,12 @@ for s in "$@"; do
     bench-eval-gen-split) TAIL=30 stage bench-eval-gen-split 300 $PR bench eval --shape qwen3-0.6b --docs 200 --hf-batch-sizes 256 --gen-docs 256 --profile $OUT/eval-gen-profile --json $OUT/bench_eval_gen_split.json ;;
     # the scorer's GPU test, then where the in-process log-likelihood phase goes on the device: no hf rows, cProfile +
     # torch profiler in $OUT/eval-profile (issue 34)
+    # lm-eval local-completions against polyrl serve (thread mode: one process) sampled by py-spy across its threads:
+    # is the engine thread's scoring or the event loop's JSON the bound, and how much is waiting for the GIL (issue 34)
+    serve-profile) TAIL=70 stage serve-profile 300 bash -c "/tmp/site/bin/py-spy record -r 100 --threads --gil -f raw \
+        -o $OUT/serve_gil.raw -- python3 -m polyrl.cli.main bench eval --shape qwen3-0.6b --docs 2000 --serve \
+        --serve-mode thread --hf-batch-sizes '' --gen-docs 0 2>&1 | grep -v 'it/s]' | tail -12; \
+        python3 scripts/pyspy_summary.py $OUT/serve_gil.raw --top 30" ;;
     bench-eval-profile) TAIL=60 stage bench-eval-profile 300 bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider tests/eval/test_scoring.py 2>&1 | tail -3; \
       $PR bench eval --shape qwen3-0.6b --docs 2000 --hf-batch-sizes '' --gen-docs 256 --profile $OUT/eval-profile --json $OUT/bench_eval_profile.json" ;;
     # 8-bit AdamW moments and optimizer offload (issue 28, docs/optim8.md): their GPU tests, then qwen3-8b full SFT,
