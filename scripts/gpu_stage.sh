@@ -227,6 +227,10 @@ for s in "$@"; do
         -o $OUT/serve_gil.raw -- python3 -m polyrl.cli.main bench eval --shape qwen3-0.6b --docs 2000 --serve \
         --serve-mode thread --hf-batch-sizes '' --gen-docs 0 2>&1 | grep -v 'it/s]' | tail -12; \
         python3 scripts/pyspy_summary.py $OUT/serve_gil.raw --top 30" ;;
+    # prompt log-probs at the 8b shape, where the LM head is ~9% of the body's FLOPs (issue 34's 15% bound): the random
+    # 8b checkpoint takes ~2 min to build, so few documents and no hf rows
+    bench-eval-8b) TAIL=12 stage bench-eval-8b 420 $PR bench eval --shape qwen3-8b --docs 200 --hf-batch-sizes '' \
+      --gen-docs 0 --json "$OUT/bench_eval_8b.json" ;;
     bench-eval-profile) TAIL=60 stage bench-eval-profile 300 bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider tests/eval/test_scoring.py 2>&1 | tail -3; \
       $PR bench eval --shape qwen3-0.6b --docs 2000 --hf-batch-sizes '' --gen-docs 256 --profile $OUT/eval-profile --json $OUT/bench_eval_profile.json" ;;
     # 8-bit AdamW moments and optimizer offload (issue 28, docs/optim8.md): their GPU tests, then qwen3-8b full SFT,
