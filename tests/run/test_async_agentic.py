@@ -1,9 +1,10 @@
-"""Asynchronous agentic RL (``[agent]`` runs with ``max_staleness``) on the CPU with the tiny preset and the builtin
-``guessing`` environment (multi-turn episodes, one environment worker process): the producer thread (its own copy
-of the weights; episodes, environment calls included, run in it) gives the inline producer's run bit for bit
-(rewards, losses, every metric but the clocks, the transcripts of rollouts.jsonl) while the episodes of batch s+1
-run beside step s's training; no sample older than K is trained on; a resumed run reproduces the uninterrupted one
-(the queue keeps each batch's transcripts); the process producer and partial rollouts are refused at config time."""
+"""Asynchronous agentic RL (``[agent]`` runs with ``max_staleness``) on the CPU with the tiny preset, the builtin
+``guessing`` environment and a dense-reward one (multi-turn episodes, one environment worker process): the producer
+thread (its own copy of the weights; episodes, environment calls included, run in it) gives the inline producer's
+run bit for bit (rewards, losses, every metric but the clocks, the transcripts of rollouts.jsonl) while the episodes
+of batch s+1 run beside step s's training; no sample older than K is trained on; a resumed run reproduces the
+uninterrupted one (the queue keeps each batch's transcripts); an agent program through the proxy runs in the
+producer thread too; the process producer and partial rollouts are refused at config time."""
 
 from __future__ import annotations
 
@@ -17,11 +18,38 @@ from _async_runs import raw_config, records, run, without_clocks
 def _agentic(model_dir, out, steps=4, save_every=0, **algo_kw):
     import polyrl.agents  # noqa: F401  (registers the [agent] table)
 
-    raw = raw_config(model_dir, out, "exact_match", steps=steps, save_every=save_every, prompts_per_step=2,
-                     samples_per_prompt=3, max_new_tokens=6, rollouts_to_save=2, **algo_kw)  # fmt: skip
+    table = {"prompts_per_step": 2, "samples_per_prompt": 3, "max_new_tokens": 6, "rollouts_to_save": 2, **algo_kw}
+    raw = raw_config(model_dir, out, "exact_match", steps=steps, save_every=save_every, **table)
     raw["agent"] = {"env": "guessing", "env_workers": 1, "max_turns": 3, "max_episode_tokens": 256}
     raw["engine"]["micro_batch_tokens"] = 512
     return raw
+
+
+# a multi-turn environment with a dense reward (the digits of each reply), so that every step of a 4-step run has
+# non-zero advantages and losses (a random tiny model rarely wins ``guessing``: its runs learn from step 1 only)
+DIGITS_ENV = """
+from polyrl.agents.env import Environment, EnvStep
+
+
+class DigitsEnv(Environment):
+    def reset(self, example):
+        self.turn = 0
+        return [{"role": "user", "content": example["prompt"]}]
+
+    def step(self, message):
+        self.turn += 1
+        text = message.get("content") or ""
+        reward = sum(ch.isdigit() for ch in text) / max(len(text), 1)
+        return EnvStep([{"role": "user", "content": "Again."}], reward, self.turn >= 3)
+"""
+
+
+def _env(name, folder):
+    if name == "guessing":
+        return name
+    path = folder / "digits_env.py"
+    path.write_text(DIGITS_ENV)
+    return f"{path}:DigitsEnv"
 
 
 def _plain(rec):
@@ -32,15 +60,19 @@ def _rows(out):
     return [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
 
 
-def test_thread_producer_equals_inline_and_overlaps_training(tiny_model_dir, tmp_path):
-    run(_agentic(tiny_model_dir, tmp_path / "inline", max_staleness=1))
-    run(_agentic(tiny_model_dir, tmp_path / "thread", max_staleness=1, async_producer="thread"))
+@pytest.mark.parametrize("env", ["guessing", "digits"])
+def test_thread_producer_equals_inline_and_overlaps_training(tiny_model_dir, tmp_path, env):
+    for producer in ("inline", "thread"):
+        raw = _agentic(tiny_model_dir, tmp_path / producer, max_staleness=1, async_producer=producer)
+        raw["agent"]["env"] = _env(env, tmp_path)
+        run(raw)
     inline, thread = records(tmp_path / "inline"), records(tmp_path / "thread")
     # same episodes (same versions, same seeds, same environment answers), same updates: bit for bit
     assert [r["step"] for r in thread] == [1, 2, 3, 4]
     assert [_plain(r) for r in inline] == [_plain(r) for r in thread]
     assert _rows(tmp_path / "inline") == _rows(tmp_path / "thread")
-    assert any(r.get("loss", 0.0) != 0.0 for r in thread)  # the run trains: a real comparison
+    # the run trains: a real comparison (guessing: step 1 only; digits: every step)
+    assert sum(r["loss"] != 0.0 for r in thread) >= (1 if env == "guessing" else 4)
     assert len({r["reward"] for r in thread}) > 1
     # staleness: step 1 trains version 0 on version 0, every later step one version stale, never older
     assert [r["async/staleness_max"] for r in thread] == [0.0, 1.0, 1.0, 1.0]
@@ -64,6 +96,7 @@ def test_thread_producer_equals_inline_and_overlaps_training(tiny_model_dir, tmp
 def test_thread_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
     full = tmp_path / "full"
     raw = _agentic(tiny_model_dir, full, save_every=2, max_staleness=2, async_producer="thread")
+    raw["agent"]["env"] = _env("digits", tmp_path)
     run(raw)
     ckpt = full / "checkpoints" / "step-00000002"
     state = json.loads((ckpt / "trainer_state.json").read_text())["data"]["async"]
@@ -78,7 +111,7 @@ def test_thread_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path
     assert run(raw2)["resumed_from_step"] == 2
     a, b = records(full), records(resumed)
     assert [r["step"] for r in b] == [3, 4]
-    assert [_plain(r) for r in a[2:]] == [_plain(r) for r in b]
+    assert [_plain(r) for r in a[2:]] == [_plain(r) for r in b] and all(r["loss"] != 0.0 for r in b)
     # no sample older than K = 2 versions was trained on, in either run
     assert [r["async/staleness_max"] for r in a] == [0.0, 1.0, 2.0, 2.0]
     assert [r["async/staleness_max"] for r in b] == [2.0, 2.0]
