@@ -65,11 +65,15 @@ def test_thread_producer_equals_inline_and_overlaps_training(tiny_model_dir, tmp
     for producer in ("inline", "thread"):
         raw = _agentic(tiny_model_dir, tmp_path / producer, max_staleness=1, async_producer=producer)
         raw["agent"]["env"] = _env(env, tmp_path)
+        if env == "digits":  # greedy evaluation episodes in the trainer's thread, once the producer is drained
+            raw["train"].update(eval_every=2, eval_data="builtin:arithmetic?max=9&n=8")
+            raw[raw["algo"]]["eval_prompts"] = 4
         run(raw)
     inline, thread = records(tmp_path / "inline"), records(tmp_path / "thread")
     # same episodes (same versions, same seeds, same environment answers), same updates: bit for bit
     assert [r["step"] for r in thread] == [1, 2, 3, 4]
     assert [_plain(r) for r in inline] == [_plain(r) for r in thread]
+    assert [r["step"] for r in thread if "eval_reward" in r] == ([2, 4] if env == "digits" else [])
     assert _rows(tmp_path / "inline") == _rows(tmp_path / "thread")
     # the run trains: a real comparison (guessing: step 1 only; digits: every step)
     assert sum(r["loss"] != 0.0 for r in thread) >= (1 if env == "guessing" else 4)
