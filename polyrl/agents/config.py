@@ -47,7 +47,8 @@ class AgentConfig:
             raise ConfigError(f"{TABLE}.env_timeout must be > 0 seconds, got {self.env_timeout}")
 
     def check(self, algo_config: Any, table: str) -> None:
-        """Against the algorithm's ``[table]``: an online algorithm, and room for more than one turn."""
+        """Against the algorithm's ``[table]``: an online algorithm, room for more than one turn, and (async RL) a
+        producer that runs episodes: inline or thread."""
         max_new = getattr(algo_config, "max_new_tokens", None)
         if max_new is None:
             raise ConfigError(f"[{TABLE}] runs episodes for online RL (grpo, gspo, ppo), not for {table}")
@@ -55,6 +56,20 @@ class AgentConfig:
             raise ConfigError(
                 f"{TABLE}.max_episode_tokens ({self.max_episode_tokens}) must exceed {table}.max_new_tokens "
                 f"({max_new}, per turn); raise it"
+            )
+        if getattr(algo_config, "max_staleness", 0) < 1:
+            return
+        # asynchronous RL: the inline producer and the producer thread run episodes (polyrl.agents.train)
+        if getattr(algo_config, "async_producer", "inline") == "process":
+            raise ConfigError(
+                f"[{TABLE}] episodes run in the trainer's process (its environment workers, the episode loop on its "
+                f"rollout engine); rollout worker processes generate single completions: set {table}.async_producer"
+                ' = "thread" (--async-producer thread) or "inline"'
+            )
+        if getattr(algo_config, "partial_rollouts", False):
+            raise ConfigError(
+                f"{table}.partial_rollouts does not reach agentic runs ([{TABLE}]) yet (the episode loop steps the "
+                "engine itself, with no decode-step hook for a weight swap); drop --partial-rollouts"
             )
 
     def run_class(self, base: type) -> type:

@@ -14,15 +14,21 @@ are constrained (``formats``: the environment's or ``grpo.rollout_response_forma
 runs greedy episodes on the held-out prompts (``eval_reward``, ``eval_tool_call_rate``).
 Proxy mode (``--agent file.py:fn``): the episodes come from an openai-client agent program driven through
 ``polyrl.agents.proxy_server.AgentProxy`` (one Sample per recorded segment, the agent's reward on each).
+Asynchronous RL (``max_staleness`` K > 0, docs/async-rl.md): ``collect`` is the rollout source's producer, inline
+or (``async_producer = "thread"``) in the producer thread on the policy's separate rollout copy, while the trainer
+trains; the environment pool and the proxy are then used by that thread, and by the trainer's evaluation only once
+the thread is drained. Each batch carries its transcripts (``batch_state``), checkpointed with the queue.
 Not here: the episode loop (``rollout``), the loss and advantages (``polyrl.algorithms``). One process only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import contextmanager
 from typing import Any
 
+from polyrl.agents.episode import Episode
 from polyrl.agents.formats import pick, turn_grammar
 from polyrl.agents.pool import EnvPool
 from polyrl.agents.render import ChatRenderer
@@ -141,7 +147,12 @@ class EpisodeSteps:
         eps = self.episodes([self.views[i] for i in idx], self.a.samples_per_prompt, self.sampling, seeds)
         t1 = time.perf_counter()
         kept = [e for e in eps if e.trainable]
-        self._step_episodes = kept  # sample i is kept[i]: rollout_row describes it
+        # sample i is kept[i]: rollout_row describes it. An async run's collect runs ahead (in the producer thread
+        # with async_producer = "thread", while the trainer writes the rows of the batch it trains): its transcripts
+        # leave with the batch (batch_state) and come back with it (restore_batch_state)
+        self._collected = kept
+        if self.source is None:
+            self._step_episodes = kept
         samples = [e.to_sample() for e in kept]
         rewards = [e.reward for e in kept]
         policy_tokens = [float(sum(e.mask)) for e in kept]
@@ -169,16 +180,20 @@ class EpisodeSteps:
         return samples, rewards, m
 
     def batch_state(self) -> Any:
-        return self._step_episodes
+        """The transcripts of the batch ``collect`` just produced, as JSON (checkpointed in an async run's queue)."""
+        return [dataclasses.asdict(e) for e in self._collected]
 
     def restore_batch_state(self, state: Any) -> None:
-        self._step_episodes = state
+        eps = None
+        if state is not None:  # None: a queue checkpointed before transcripts were kept
+            eps = [Episode(**{**d, "turns": [tuple(t) for t in d["turns"]]}) for d in state]
+        self._step_episodes = eps
 
     def rollout_row(self, i: int, sample: Any) -> dict[str, Any]:
         """Episode ``i`` of this step for ``rollouts.jsonl``: the transcript after the opening prompt as tokens (with
         the policy mask) and as OpenAI messages (assistant turns, tool calls, tool observations)."""
         row = super().rollout_row(i, sample)
-        if self._step_episodes is None:  # an async run's batch restored from a checkpoint: no transcript kept
+        if self._step_episodes is None:  # a batch restored from a checkpoint of an older version: no transcript
             return row
         e = self._step_episodes[i]
         row.update(

@@ -17,6 +17,11 @@ generated it, or with partial rollouts the OLDEST version among its tokens (``to
 - ``ThreadedRollouts``: a background thread generates on a separate copy of the weights (``ColocatedPolicy(...,
   separate_rollout=True)``); ``weights_updated`` joins it and copies the trainer's weights in. Generation of step
   s+K overlaps training of step s. Same samples, bit for bit, as ``InlineRollouts`` (same versions, same seeds).
+  Agentic runs too: the produce function is then the episode loop (``polyrl.agents.train``: multi-turn episodes on
+  the copy's engine, the environment workers or the agent proxy driven from this thread); the engine and the
+  environment pool have one user at a time, since ``weights_updated`` drains the thread before the trainer's
+  evaluation or checkpoint touches them, and a batch produced on demand (``get`` of a step never submitted, or a
+  stale one replaced) also runs in this thread, after those in flight.
   With ``async_producer = "process"`` the same thread drives rollout worker processes (``rollout_workers``: the
   policy's ``remote``; weights pushed over gloo by ``sync``), falling back to the trainer's engine for a dead one.
 - ``PartialRollouts`` (``partial_rollouts = true``, ``--partial-rollouts``; the thread producer only: inline has
@@ -46,7 +51,9 @@ synchronous code path, bit for bit).
 
 Exact resume: the queue is CHECKPOINTED (``state_dict``: the finished batches' samples, rewards, metrics and
 versions, in the checkpoint's ``trainer_state.json``): the weights that produced them are gone, so they cannot be
-regenerated; the prompt stream position saved next to them is already past them. The threaded producers drain
+regenerated; the prompt stream position saved next to them is already past them. A batch keeps the run's
+``batch_state()`` as ``extra`` (JSON: an agentic batch's episode transcripts, so the ``rollouts.jsonl`` rows of the
+queued steps after a resume are the uninterrupted run's). The threaded producers drain
 first (with partial rollouts the batches in flight finish on the newest weights); each sample carries its
 ``token_versions``. With ``partial_swap_step`` N > 0 the resumed run equals the uninterrupted one bit for bit; with
 0 the queue is restored exactly but where later updates land depends on timing in both runs.
@@ -86,10 +93,12 @@ class RolloutBatch:
     epochs: float
     t_start: float = 0.0
     t_end: float = 0.0
-    extra: Any = None  # the run's batch_state() (episode transcripts for rollouts.jsonl); not checkpointed
+    # the run's batch_state(): JSON-ready data its rollout_row needs beyond the samples (an agentic batch's episode
+    # transcripts for rollouts.jsonl); checkpointed with the batch, None for single-turn runs
+    extra: Any = None
 
     def to_state(self) -> dict[str, Any]:
-        return {
+        state = {
             "step": self.step,
             "version": self.version,
             "samples": [dataclasses.asdict(s) for s in self.samples],
@@ -97,12 +106,15 @@ class RolloutBatch:
             "metrics": dict(self.metrics),
             "epochs": self.epochs,
         }
+        if self.extra is not None:
+            state["extra"] = self.extra
+        return state
 
     @classmethod
     def from_state(cls, d: dict[str, Any]) -> RolloutBatch:
         return cls(
             int(d["step"]), int(d["version"]), [Sample(**s) for s in d["samples"]], [float(r) for r in d["rewards"]],
-            dict(d["metrics"]), float(d["epochs"]), extra=None,
+            dict(d["metrics"]), float(d["epochs"]), extra=d.get("extra"),
         )  # fmt: skip
 
 
@@ -212,15 +224,19 @@ class ThreadedRollouts(InlineRollouts):
         if step in self.submitted:
             return
         self.submitted.add(step)
-        version = self.version  # the version the rollout weights hold now (synced only while the thread is idle)
+        # the version the rollout weights hold now (synced only while the thread is idle)
+        self._futures[step] = self._pool.submit(self._timed, step, self.version)
 
-        def work() -> RolloutBatch:
-            t0 = time.perf_counter()
-            batch = self.produce(step, version)
-            batch.t_start, batch.t_end = t0, time.perf_counter()
-            return self._stamp(batch)
+    def _timed(self, step: int, version: int) -> RolloutBatch:
+        t0 = time.perf_counter()
+        batch = self.produce(step, version)
+        batch.t_start, batch.t_end = t0, time.perf_counter()
+        return self._stamp(batch)
 
-        self._futures[step] = self._pool.submit(work)
+    def _produce_now(self, step: int) -> RolloutBatch:
+        # in the producer thread, after the batches submitted before it: one thread on the rollout engine (and, in an
+        # agentic run, on the environment pool) at a time, whatever is still in flight (K >= 2)
+        return self._pool.submit(self._timed, step, self.version).result()
 
     def _take(self, step: int) -> RolloutBatch | None:
         fut = self._futures.pop(step, None)

@@ -31,7 +31,8 @@ One RL step, each stage a method of ``OnlineRun`` so an algorithm can override o
 Asynchronous RL (``max_staleness`` K > 0, ``polyrl.run.async_rollout``, docs/async-rl.md): step s takes its batch from
 a ``RolloutSource`` (a policy-versioned queue), which then starts the batches up to s + K with the current weights
 (inline; in a background thread on a copy of the weights, optionally with partial rollouts whose sequences in
-flight take each update between two decode steps; or in rollout worker processes); ``prepare`` uses the
+flight take each update between two decode steps; or in rollout worker processes; agentic runs: inline or
+the thread, whose episodes then run beside the training); ``prepare`` uses the
 decoupled objective (recomputed proximal log-probs, truncated ``pi_prox / pi_behaviour`` weights, ``async/*``
 metrics); after the update the source gets the new version (the thread's weights are synced); checkpoints hold the
 queue. K = 0: no source.
@@ -276,20 +277,12 @@ class OnlineRun(DataParallelSteps):
                 'async_producer = "process" runs a model folder (or a LoRA run) in its workers: no structured '
                 'rollouts yet; use async_producer = "thread"'
             )
-        if getattr(self.a, "partial_rollouts", False) and self.cfg.episodes is not None:
-            raise ConfigError(
-                f"{self.a.table_name()}.partial_rollouts does not reach agentic runs yet (their episodes generate in "
-                "the trainer's thread, so nothing is in flight during an update); drop --partial-rollouts"
-            )
         # validated (and the train device made current) before the model loads
         self.placement = resolve_placement(getattr(self.a, "rollout_devices", ""), getattr(self.a, "train_devices", ""))
         if self.world.distributed and self.placement.train is not None:
             raise ConfigError("train_devices is for one-process runs; under torchrun each rank takes its own device")
         self.placement.apply()
-        if k > 0 and self.a.async_producer != "inline" and self.cfg.episodes is not None:
-            raise ConfigError(
-                f'agentic runs generate in the trainer\'s thread: set {self.a.table_name()}.async_producer = "inline"'
-            )
+        # agentic runs (cfg.episodes): the producers they take are checked by their table (AgentConfig.check)
         return k
 
     def _make_source(self) -> InlineRollouts | None:
@@ -338,7 +331,8 @@ class OnlineRun(DataParallelSteps):
 
     def batch_state(self) -> Any:
         """What ``collect`` left for this step's ``rollout_row`` beyond the samples (an episode producer: the
-        transcripts); it travels with an async batch (not checkpointed: None after a resume)."""
+        transcripts), JSON-ready: it travels with an async batch and is checkpointed with it. Called right after
+        ``collect``, in the thread that ran it (the threaded producer's)."""
         return None
 
     def restore_batch_state(self, state: Any) -> None:
