@@ -10,6 +10,12 @@ run is the mean of its last ``--final-window`` step losses (one step's loss is o
 ``<out>/fp8_loss_curves.png`` and ``<out>/fp8_loss_curves.json`` and prints one line per run plus the relative
 difference; exit status 1 when it exceeds ``--max-rel-diff`` (the issue's bar: 1%).
 
+``--variants`` adds diagnostic runs beside the pair (all against ``bf16``): ``fp8-rowwise`` (row-wise forward
+scaling), ``fp8-grad-e4m3`` / ``fp8-grad-bf16`` (the gradient dY cast to e4m3 / not quantised:
+``fp8_linear.GRAD_DTYPE``), ``bf16-seed1`` (bf16 with another data-order seed: how far two bf16 runs land apart).
+``--reuse JSON`` takes the curves of runs already in an earlier ``fp8_loss_curves.json`` instead of training them
+again (same model, data and steps assumed).
+
 Not here: speed (``polyrl bench sft --precision both``).
 """
 
@@ -19,6 +25,16 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+# name -> (FP8 linears, fp8_scaling override, fp8_linear.GRAD_DTYPE, seed offset)
+VARIANTS = {
+    "bf16": (False, None, "e5m2", 0),
+    "fp8": (True, None, "e5m2", 0),
+    "fp8-rowwise": (True, "rowwise", "e5m2", 0),
+    "fp8-grad-e4m3": (True, None, "e4m3", 0),
+    "fp8-grad-bf16": (True, None, "bf16", 0),
+    "bf16-seed1": (False, None, "e5m2", 1),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,13 +51,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8-scaling", choices=["tensorwise", "rowwise"], default="tensorwise")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--final-window", type=int, default=10, help="steps averaged into the final loss")
+    p.add_argument("--variants", default="bf16,fp8", help=f"comma list of runs, from {', '.join(VARIANTS)}")
+    p.add_argument("--reuse", help="an earlier fp8_loss_curves.json whose runs are reused by name")
     p.add_argument("--max-rel-diff", type=float, default=0.01, help="exit 1 when |fp8 - bf16| / bf16 is larger")
     return p.parse_args(argv)
 
 
-def train(args: argparse.Namespace, model: Path, out: Path, fp8: bool) -> list[float]:
+def train(args: argparse.Namespace, model: Path, out: Path, variant: str) -> list[float]:
     # lazy: the script's own imports stay light for --help
+    from polyrl.models import fp8_linear
     from polyrl.trainer import fit
+
+    fp8, scaling, grad_dtype, seed_offset = VARIANTS[variant]
+    fp8_linear.GRAD_DTYPE = grad_dtype
 
     fit(
         "sft",
@@ -49,12 +71,12 @@ def train(args: argparse.Namespace, model: Path, out: Path, fp8: bool) -> list[f
         # fixed shapes: one CUDA graph replays every step (packed shapes vary, and each repeat would capture anew)
         {"path": args.data, "max_seq_len": args.max_seq_len, "fixed_shapes": True},
         out,
-        seed=args.seed,
+        seed=args.seed + seed_offset,
         train={"max_steps": args.steps, "log_every": max(1, args.steps // 20)},
         optim={"lr": args.lr},
         schedule={"warmup_steps": min(args.warmup_steps, max(0, args.steps - 1)), "decay": "cosine"},
         engine={"micro_batch_tokens": args.micro_batch_tokens},
-        precision={"linear": "fp8" if fp8 else "default", "fp8_scaling": args.fp8_scaling},
+        precision={"linear": "fp8" if fp8 else "default", "fp8_scaling": scaling or args.fp8_scaling},
         checkpoint={"every_n_steps": 0},
     )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -80,7 +102,8 @@ def plot(curves: dict[str, list[float]], summary: dict, path: Path) -> None:
     ax.set_ylabel("training loss")
     ax.set_title(
         f"SFT {summary['model']}: bf16 vs FP8 ({summary['fp8_scaling']}), final-loss difference "
-        f"{summary['rel_diff'] * 100:+.2f}%"
+        f"{summary['rel_diff'] * 100:+.2f}%",
+        fontsize=10,
     )
     ax.grid(alpha=0.3)
     ax.legend()
@@ -102,20 +125,36 @@ def main(argv: list[str] | None = None) -> int:
         model = out / "init"
         if not (model / "config.json").exists():
             create_model_from_preset(args.preset, model, seed=args.seed)
-    curves = {"bf16": train(args, model, out / "bf16", False), "fp8": train(args, model, out / "fp8", True)}
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown or "bf16" not in names:
+        raise SystemExit(f"--variants: unknown {unknown} (known: {', '.join(VARIANTS)}); bf16 must be one of them")
+    reused = json.loads(Path(args.reuse).read_text()) if args.reuse else {}
+    curves = {}
+    for name in names:
+        if isinstance(reused.get(name), dict) and "losses" in reused[name]:
+            curves[name] = reused[name]["losses"]
+            print(f"{name}: reused from {args.reuse}")
+        else:
+            curves[name] = train(args, model, out / name, name)
     summary: dict = {"model": args.model or args.preset, "data": args.data, "steps": args.steps}
     summary["fp8_scaling"] = args.fp8_scaling
+    base = final_loss(curves["bf16"], args.final_window)
     for name, losses in curves.items():
-        summary[name] = {"final_loss": final_loss(losses, args.final_window), "last_loss": losses[-1], "losses": losses}
-    base = summary["bf16"]["final_loss"]
-    summary["rel_diff"] = (summary["fp8"]["final_loss"] - base) / base
+        fl = final_loss(losses, args.final_window)
+        summary[name] = {"final_loss": fl, "last_loss": losses[-1], "rel_diff": (fl - base) / base, "losses": losses}
+    primary = "fp8" if "fp8" in curves else names[-1]
+    summary["rel_diff"] = summary[primary]["rel_diff"]
     summary["within_bar"] = abs(summary["rel_diff"]) <= args.max_rel_diff
     (out / "fp8_loss_curves.json").write_text(json.dumps(summary, indent=2))
     plot(curves, summary, out / "fp8_loss_curves.png")
     for name in curves:
-        print(f"{name}: final loss {summary[name]['final_loss']:.4f} (mean of last {args.final_window} steps)")
+        print(
+            f"{name}: final loss {summary[name]['final_loss']:.4f} (mean of last {args.final_window} steps), "
+            f"{summary[name]['rel_diff'] * 100:+.3f}% vs bf16"
+        )
     print(
-        f"fp8 vs bf16 final loss: {summary['rel_diff'] * 100:+.3f}% (bar {args.max_rel_diff * 100:.1f}%: "
+        f"{primary} vs bf16 final loss: {summary['rel_diff'] * 100:+.3f}% (bar {args.max_rel_diff * 100:.1f}%: "
         f"{'within' if summary['within_bar'] else 'OUTSIDE'}); plot {out / 'fp8_loss_curves.png'}"
     )
     return 0 if summary["within_bar"] else 1

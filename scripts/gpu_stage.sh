@@ -193,6 +193,7 @@ for s in "$@"; do
     bench-sft-moe) stage bench-sft-moe 300 bash -c "A='--shape qwen3-30b-a3b-L8 --seq 4096 --batch 4 --warmup 2 --steps 4'; \
       $PR bench sft \$A --baselines hf,hf-liger,hf-eager-experts --numerics bf16 --json $OUT/bench_sft_moe.json; \
       $PR bench sft \$A --baselines none --master-dtype none --json $OUT/bench_sft_moe_bf16.json" ;;
+    bench-sft-moe-same) stage bench-sft-moe-same 300 $PR bench sft --shape qwen3-30b-a3b-L8 --seq 4096 --batch 4 --warmup 2 --steps 4 --baselines hf,hf-liger --numerics bf16 --master-dtype none --json "$OUT/bench_sft_moe_same.json" ;;  # issue 32: ours (bf16 weights + moments) and the grouped_mm + Liger row in one run
     bench-sft-moe-liger) stage bench-sft-moe-liger 150 $PR bench sft --shape qwen3-30b-a3b-L8 --seq 4096 --batch 4 --warmup 2 --steps 4 --no-ours --baselines hf-liger --numerics bf16 --json "$OUT/bench_sft_moe_liger.json" ;;
     bench-rollout-moe) stage bench-rollout-moe 150 $PR bench rollout --shape qwen3-30b-a3b-L8 --batch 256 --prompt-len 128 --gen-len 256 --baselines hf --skip-batch1 --json "$OUT/bench_rollout_moe.json" ;;
     moe-qlora) TAIL=60 stage moe-qlora 420 bash -c "python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/models/test_moe_qlora.py; A='--shape qwen3-30b-a3b-L4 --seq 4096 --batch 2 --warmup 2 --steps 4 --baselines none'; L='r=16,alpha=32,targets=q,k,v,o,experts'; for m in '' --qlora; do $PR bench sft \$A --lora \$L \$m --activation-checkpointing; done; $PR bench sft \$A --lora \$L --qlora" ;;
@@ -277,6 +278,9 @@ for s in "$@"; do
       --steps 300 --data "builtin:arithmetic?n=12000" --out "$OUT/fp8_loss_curves" ;;
     # Where an SFT run's wall time goes outside the timed step (the fp8-loss-curves run showed ~1.4 s of wall per step
     # against 0.16-0.19 s of step time): the CLI's SFT loop under cProfile, 40 steps of the 0.6b shape, top 30
+    fp8-loss-variants) TAIL=12 stage fp8-loss-variants 560 python3 scripts/fp8_loss_curves.py --preset qwen3-0.6b-shape \
+      --steps 300 --data "builtin:arithmetic?n=12000" --out "$OUT/fp8_loss_variants" \
+      --variants bf16,fp8,fp8-grad-bf16,fp8-grad-e4m3,fp8-rowwise,bf16-seed1 --reuse compat/raw/h200-2026-12-03/fp8_loss_curves_call3.json ;;
     sft-host-profile) TAIL=45 stage sft-host-profile 200 bash -c "$PR init-model --preset qwen3-0.6b-shape --out /tmp/m06 >/dev/null && \
       python3 -m cProfile -o $OUT/sft_loop.prof -m polyrl.cli.main train --algo sft --model /tmp/m06 --out /tmp/sftp \
         --data 'builtin:arithmetic?n=4000' --max-steps 40 --micro-batch-tokens 16384 --max-seq-len 1024 \

@@ -108,6 +108,12 @@ GRAD_FAST_ACCUM = False
 # docstring says why) or "current" (its own amax, two reads). ``fp8_linear`` itself takes the state it is given.
 GRAD_SCALING = "current"
 GRAD_SCALINGS = ("delayed", "current")
+# The format of the gradient dY in the backward GEMMs: "e5m2" (default, torchao's tensor-wise recipe), "e4m3" (one
+# more mantissa bit, 2^8 less range: torchao's row-wise recipe casts dY so), or "bf16" (dY not quantised: dX and dW
+# as bf16 GEMMs on the saved FP8 operands, dequantised; a numerics diagnostic, slower). Tensor-wise current scaling
+# in all three; read at each backward (scripts/fp8_loss_curves.py --variants compares them).
+GRAD_DTYPE = "e5m2"
+GRAD_DTYPES = ("e5m2", "e4m3", "bf16")
 
 
 class _Fp8Operands:
@@ -153,18 +159,35 @@ class _Fp8Matmul(torch.autograd.Function):
             wq_t, ws_t = fp8_quantize_t(w_again, E4M3, False)[2:]
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy = dy.contiguous()
+        if GRAD_DTYPE == "bf16":
+            dx, dw = _unquantised_grad_backward(ctx, dy, xq_t, xs_t, wq_t, ws_t, need_dx, need_dw)
+            return dx, dw, None, None, None, None
+        gdt = E4M3 if GRAD_DTYPE == "e4m3" else E5M2
         if need_dw and ctx.grad_amax is not None:  # delayed scale: one read of dY (module docstring)
-            gq, gs, gq_t, _ = fp8_quantize_t_delayed(dy, E5M2, ctx.grad_amax, _token_pad(dy))
+            gq, gs, gq_t, _ = fp8_quantize_t_delayed(dy, gdt, ctx.grad_amax, _token_pad(dy))
         elif need_dw:  # dW needs dY^T row-major: the cast writes it beside dY (token dim padded as X^T's)
-            gq, gs, gq_t, _ = fp8_quantize_t(dy, E5M2, False, _token_pad(dy))
+            gq, gs, gq_t, _ = fp8_quantize_t(dy, gdt, False, _token_pad(dy))
         else:
-            (gq, gs), gq_t = kernels.fp8_quantize(dy, E5M2, False), None
+            (gq, gs), gq_t = kernels.fp8_quantize(dy, gdt, False), None
         dx = dw = None
         if need_dx:  # [T, N] @ [N, K]: the second operand column-major is wq_t row-major
             dx = kernels.fp8_scaled_mm(gq, wq_t.t(), gs, ws_t, ctx.x_dtype, ctx.fast_grad)
         if need_dw:  # [N, T_pad] @ [T_pad, K]: the padded tokens are zeros in both
             dw = kernels.fp8_scaled_mm(gq_t, xq_t.t(), gs, xs_t, ctx.w_dtype, ctx.fast_grad)
         return dx, dw, None, None, None, None
+
+
+def _unquantised_grad_backward(ctx, dy, xq_t, xs_t, wq_t, ws_t, need_dx: bool, need_dw: bool) -> tuple:
+    """``GRAD_DTYPE = "bf16"``: dX = dY W and dW = dY^T X in the compute dtype, with X and W the saved FP8 copies
+    dequantised (so only dY's rounding is taken out of the FP8 backward)."""
+    dx = dw = None
+    if need_dx:
+        w = (wq_t.to(torch.float32) * ws_t).to(ctx.x_dtype)  # [K, N]
+        dx = dy @ w.t()
+    if need_dw:
+        x_t = (xq_t[:, : dy.shape[0]].to(torch.float32) * xs_t).to(dy.dtype)  # [K, T] (padding dropped)
+        dw = (dy.t() @ x_t.t()).to(ctx.w_dtype)
+    return dx, dw
 
 
 def _quantize(t: torch.Tensor, rowwise: bool, with_t: bool, pad_t: int = 1) -> tuple:
