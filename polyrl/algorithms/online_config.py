@@ -69,6 +69,10 @@ class OnlineConfig:
     max_staleness: int = 0
     async_producer: str = "inline"  # inline | thread | process (rollout worker processes over gloo)
     rollout_workers: int = 1  # async_producer = "process": worker processes, prompts split over them
+    # ... a worker (replica) that dies is restarted this many times at most (it reloads the model folder and rejoins
+    # at the next weight push, with the current weights); past that it is dropped and the trainer's engine takes its
+    # prompts. 0 = drop at once (polyrl.run.rollout_workers)
+    rollout_worker_restarts: int = 3
     # partial rollouts (async_producer = "thread"): a weight update does not wait for the generation in flight; the
     # producer's engine takes the new weights at a decode-step boundary and the same sequences go on (their KV cache
     # kept), each token recording the version that produced it (Sample.token_versions) and its behaviour log-prob
@@ -128,6 +132,9 @@ class OnlineConfig:
             or self.rollout_workers < 1
         ):
             raise ConfigError(f"{name}.rollout_workers must be a positive integer, got {self.rollout_workers!r}")
+        r = self.rollout_worker_restarts
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+            raise ConfigError(f"{name}.rollout_worker_restarts must be an integer >= 0 (0 = no restart), got {r!r}")
         self._check_partial(name)
         self._check_placement(name)
         if self.release_kv not in (True, False, "auto"):

@@ -105,6 +105,7 @@ RL_FLAG_KEYS: dict[str, str] = {
     "max_staleness": "max_staleness",
     "async_producer": "async_producer",
     "rollout_workers": "rollout_workers",
+    "rollout_worker_restarts": "rollout_worker_restarts",
     "partial_rollouts": "partial_rollouts",
     "rollout_devices": "rollout_devices",
     "train_devices": "train_devices",
@@ -255,6 +256,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--rollout-workers", type=int, metavar="N", help="rollout worker processes (--async-producer process)"
+    )
+    g.add_argument(
+        "--rollout-worker-restarts",
+        type=int,
+        metavar="N",
+        help="restarts of a rollout worker that dies, at most (default 3; 0: drop it at once); it rejoins with the "
+        "current weights, and the trainer's engine covers its prompts meanwhile",
     )
     g.add_argument(
         "--partial-rollouts",

@@ -23,7 +23,8 @@ generated it, or with partial rollouts the OLDEST version among its tokens (``to
   evaluation or checkpoint touches them, and a batch produced on demand (``get`` of a step never submitted, or a
   stale one replaced) also runs in this thread, after those in flight.
   With ``async_producer = "process"`` the same thread drives rollout worker processes (``rollout_workers``: the
-  policy's ``remote``; weights pushed over gloo by ``sync``), falling back to the trainer's engine for a dead one.
+  policy's ``remote``; weights pushed over gloo by ``sync``), falling back to the trainer's engine for a dead one
+  until it is restarted (it rejoins at a ``sync``, with those weights) or, past ``rollout_worker_restarts``, for good.
 - ``PartialRollouts`` (``partial_rollouts = true``, ``--partial-rollouts``; the thread producer only: inline has
   nothing in flight during an update, and the process producer's workers (``rollout_workers``) have no step-boundary
   hook, so both are refused with a ConfigError): ``weights_updated`` does NOT wait for the generation in flight nor

@@ -309,7 +309,7 @@ class OnlineRun(DataParallelSteps):
                 self.cfg.model, tokenizer_path(self.cfg), self.rollout_config(), devices=devices,
                 trainer_device=self.policy.device, dtype=next(self.policy.rollout_net.parameters()).dtype,
                 wire_dtype=self.a.weight_sync_dtype, bucket_mb=self.a.weight_sync_bucket_mb, lora=self.cfg.lora,
-                seed=self.cfg.seed,
+                seed=self.cfg.seed, max_restarts=self.a.rollout_worker_restarts,
             )  # fmt: skip
             self.policy.remote.push_weights(self.policy.model)  # version `start` (after a resume's load)
         if getattr(self.a, "partial_rollouts", False):  # the thread's engine takes updates between decode steps
@@ -635,6 +635,7 @@ class OnlineRun(DataParallelSteps):
             if self.policy.remote is not None:
                 rec["async/rollout_workers_alive"] = float(self.policy.remote.num_alive)
                 rec["async/rollout_worker_failures_total"] = float(self.policy.remote.failures)
+                rec["async/rollout_worker_restarts_total"] = float(self.policy.remote.restarts)
         self.save_rollouts(step, samples, rewards, adv)
         self.measured_logprobs = None
         rec["step"] = step + 1

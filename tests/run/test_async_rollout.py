@@ -223,13 +223,17 @@ def test_a_killed_rollout_worker_does_not_stop_training(tiny_model_dir, tmp_path
 
     online.OnlineRun._async_record = kill_after_step_2
     try:
-        _run(_raw(tiny_model_dir, tmp_path / "killed", reward, steps=4, max_staleness=1, async_producer="process"))
+        # restarts off: dropped at once (restarts: test_placement, test_rollout_workers)
+        raw = _raw(tiny_model_dir, tmp_path / "killed", reward, steps=4, max_staleness=1, async_producer="process",
+                   rollout_worker_restarts=0)  # fmt: skip
+        _run(raw)
     finally:
         online.OnlineRun._async_record = original
     killed = _records(tmp_path / "killed")
     assert [r["step"] for r in killed] == [1, 2, 3, 4]
     assert [r["async/rollout_workers_alive"] for r in killed] == [1.0, 0.0, 0.0, 0.0]
     assert killed[-1]["async/rollout_worker_failures_total"] == 1.0
+    assert killed[-1]["async/rollout_worker_restarts_total"] == 0.0
     # the trainer's own engine took over with the same weights and seeds: the same rewards and losses
     assert [_plain(r)["reward"] for r in killed] == [r["reward"] for r in thread]
     assert [r["loss"] for r in killed] == [r["loss"] for r in thread]

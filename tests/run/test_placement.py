@@ -1,6 +1,7 @@
 """Placements (``rollout_devices`` / ``train_devices``, ``polyrl.run.placement``): validation errors say what to
 set; two CPU rollout replicas (``--rollout-devices cpu,cpu``, worker processes fed over gloo) train the same run as
-one rollout engine, with the weight sync's metrics in metrics.jsonl; the CLI flags reach the config."""
+one rollout engine, before and after a replica dies (restarted with the current weights, then dropped for good),
+with the weight sync's metrics in metrics.jsonl; the CLI flags reach the config."""
 
 from __future__ import annotations
 
@@ -90,25 +91,31 @@ def test_two_cpu_replicas_train_the_same_run_as_one_engine(tiny_model_dir, tmp_p
 
     spec = write_reward(tmp_path)
     runner.run(config.build(_raw(tiny_model_dir, tmp_path / "one", spec, async_producer="thread", max_steps=4)))
-    # replica 1 is killed after step 3's update: step 4's batch then comes from replica 0 and the trainer's engine
+    # replica 1 is killed after step 2's update and again after step 3's (one restart allowed): the first time it is
+    # restarted and rejoins at step 2's weight push (with those weights), so step 3's batch comes from replica 0 and
+    # the restarted replica 1; the second time it is dropped for good, so step 4's batch comes from replica 0 and the
+    # trainer's engine
     original = online.OnlineRun._async_record
 
-    def kill_after_step_3(self, batch, t_train, t_end):
-        if batch.step == 2:
+    def kill_after_steps_2_and_3(self, batch, t_train, t_end):
+        if batch.step in (1, 2):
             self.source.drain()
             os.kill(self.policy.remote.procs[1].pid, signal.SIGKILL)
             self.policy.remote.procs[1].join()
+            assert self.policy.remote.wait_for_restarts(120)  # so that it rejoins at this step's push (timing)
         return original(self, batch, t_train, t_end)
 
-    monkeypatch.setattr(online.OnlineRun, "_async_record", kill_after_step_3)
-    two = _raw(tiny_model_dir, tmp_path / "two", spec, async_producer="process", rollout_devices="cpu,cpu", max_steps=4)
+    monkeypatch.setattr(online.OnlineRun, "_async_record", kill_after_steps_2_and_3)
+    two = _raw(tiny_model_dir, tmp_path / "two", spec, async_producer="process", rollout_devices="cpu,cpu", max_steps=4,
+               rollout_worker_restarts=1)  # fmt: skip
     runner.run(config.build(two))
     one, two = _records(tmp_path / "one"), _records(tmp_path / "two")
     # prompts split over the replicas (i mod 2), seeds per prompt: the same tokens, log-probs, rewards and updates,
-    # before and after the loss of a replica
+    # before and after the loss of a replica, and with the restarted one
     assert [_plain(r) for r in one] == [_plain(r) for r in two]
     assert [r["async/rollout_workers_alive"] for r in two] == [2.0, 2.0, 1.0, 1.0]
-    assert two[-1]["async/rollout_worker_failures_total"] == 1.0
+    assert [r["async/rollout_worker_failures_total"] for r in two] == [0.0, 1.0, 2.0, 2.0]
+    assert [r["async/rollout_worker_restarts_total"] for r in two] == [0.0, 1.0, 1.0, 1.0]
     # the sync metrics: the thread's in-process copy and the replicas' broadcasts (bytes summed over live ones)
     model_bytes = one[0]["weight_sync/bytes"]
     assert model_bytes > 100_000 and all(r["weight_sync/bytes"] == model_bytes for r in one)

@@ -1,0 +1,212 @@
+"""Rollout worker processes (``polyrl.run.rollout_workers``) on the CPU with gloo and the tiny preset: a worker killed
+mid-run (between calls, or while it generates its share) is covered by the trainer's engine in that call (every
+output equal to the no-failure outputs, seeds per prompt), restarted on its device, and rejoins at the next weight
+push with the trainer's current weights (its outputs then equal a reference engine's on those weights, not the model
+folder's); past ``max_restarts`` it is dropped for good; a worker that cannot start is an error naming it; the
+restart option reaches the config and the CLI."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import pytest
+import torch
+
+from polyrl.errors import ConfigError
+
+N_PROMPTS = 6
+
+
+@pytest.fixture()
+def setup(tiny_model_dir):
+    """The trainer's side: its model (perturbed later, as training would), a reference engine on it (the
+    ``local`` fallback and the expected outputs), the prompts and their per-prompt seeded sampling."""
+    from polyrl.infer.config import RolloutConfig
+    from polyrl.infer.llm import LLM
+    from polyrl.infer.sampling_params import SamplingParams
+    from polyrl.models.checkpoint import load_model, load_tokenizer
+
+    cfg = RolloutConfig(num_blocks=512, block_size=4, max_num_seqs=8)
+    model = load_model(str(tiny_model_dir), dtype=torch.float32, device=torch.device("cpu")).eval()
+    llm = LLM(model, load_tokenizer(str(tiny_model_dir)), cfg)
+    ids = [[5 + i, 6 + i, 7 + 2 * i] for i in range(N_PROMPTS)]
+    params = [SamplingParams(temperature=1.0, max_tokens=5, n=2, seed=100 + i) for i in range(N_PROMPTS)]
+    return cfg, model, llm, ids, params
+
+
+def _tokens(outs):
+    return [[(c.index, list(c.token_ids)) for c in o.outputs] for o in outs]
+
+
+def _expected(llm, ids, params):
+    llm.reset_prefix_cache()
+    with torch.no_grad():
+        return _tokens(llm.generate(ids, params))
+
+
+def _perturb(model, seed):
+    """A training step's worth of change: every floating weight moves, so the outputs change."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def _kill(workers, w):
+    os.kill(workers.procs[w].pid, signal.SIGKILL)
+    workers.procs[w].join()
+
+
+def test_a_killed_replica_is_restarted_with_the_current_weights(tiny_model_dir, setup, caplog):
+    from polyrl.run.rollout_workers import RolloutWorkers
+
+    cfg, model, llm, ids, params = setup
+    workers = RolloutWorkers(str(tiny_model_dir), str(tiny_model_dir), cfg, 2, timeout_s=120, max_restarts=2)
+    local_calls = []
+
+    def local(i, p, **kw):
+        local_calls.append(len(i))
+        return llm.generate(i, p, **kw)
+
+    try:
+        _perturb(model, 1)  # version 1: the folder's weights are no longer the policy
+        workers.push_weights(model)
+        v1 = _expected(llm, ids, params)
+        assert _tokens(workers.generate(ids, params, local)) == v1 and local_calls == []
+        _kill(workers, 1)
+        caplog.set_level(logging.WARNING, logger="polyrl.run.rollout_workers")
+        # the call in which replica 1 is found dead: its share (prompts 1, 3, 5) comes from the trainer's engine
+        assert _tokens(workers.generate(ids, params, local)) == v1 and local_calls == [N_PROMPTS // 2]
+        assert (workers.failures, workers.restarts, workers.num_alive) == (1, 1, 1)
+        assert "rollout replica 1 (cpu) died" in caplog.text and "restarting it (restart 1 of 2)" in caplog.text
+        # until it rejoins (it loads the folder meanwhile) the trainer's engine keeps covering it
+        _perturb(model, 2)  # version 2, pushed after the restart: the new replica must get these weights
+        v2 = _expected(llm, ids, params)
+        assert v2 != v1
+        assert workers.wait_for_restarts(60)
+        assert workers.num_alive == 1  # ready, not yet connected: it joins at the next push
+        stats = workers.push_weights(model)
+        assert workers.num_alive == 2 and workers.restarts == 1 and workers.failures == 1
+        assert "rollout replica 1 (cpu) is back (restart 1 of 2)" in caplog.text
+        assert stats.bytes == 2 * workers._syncs[0].nbytes  # both replicas synced
+        local_calls.clear()
+        # both replicas generate with version 2: the restarted one took the pushed weights, not the folder's
+        assert _tokens(workers.generate(ids, params, local)) == v2 and local_calls == []
+        # its own share alone (prompts 1, 3, 5 of the split), to be sure the restarted replica produced them
+        odd = [1, 3, 5]
+        assert workers.ctl[1] is not None and workers.procs[1].is_alive()
+        workers.alive[0] = False  # every prompt to replica 1 (replica 0 set aside for this call)
+        try:
+            got = _tokens(workers.generate([ids[i] for i in odd], [params[i] for i in odd], local))
+        finally:
+            workers.alive[0] = True
+        assert got == [v2[i] for i in odd] and local_calls == []
+    finally:
+        workers.close()
+    assert not any(p.is_alive() for p in workers.procs)
+
+
+def test_a_replica_killed_while_it_generates(tiny_model_dir, setup, caplog):
+    """The connection fails in the middle of the call (the worker dies while it generates its share, after the
+    job was sent): the call still returns every output, and the replica is restarted."""
+    from polyrl.run.rollout_workers import RolloutWorkers
+
+    cfg, model, llm, ids, params = setup
+    # replica 1's share (the odd prompts) is long, replica 0's short: replica 1 is still generating when killed
+    params = [p.clone(max_tokens=100 if i % 2 else 1, ignore_eos=True) for i, p in enumerate(params)]
+    workers = RolloutWorkers(str(tiny_model_dir), str(tiny_model_dir), cfg, 2, timeout_s=120)
+    try:
+        workers.push_weights(model)
+        want = _expected(llm, ids, params)
+        recv = workers._recv_reply
+
+        def kill_before_replica_1_replies(w):
+            if w == 1:
+                _kill(workers, 1)
+            return recv(w)
+
+        workers._recv_reply = kill_before_replica_1_replies
+        caplog.set_level(logging.WARNING, logger="polyrl.run.rollout_workers")
+        assert _tokens(workers.generate(ids, params, llm.generate)) == want
+        assert (workers.failures, workers.restarts, workers.num_alive, workers.starting) == (1, 1, 1, {1})
+        assert "rollout replica 1 (cpu) died (its connection failed)" in caplog.text  # found by the failed receive
+        workers._recv_reply = recv
+        assert workers.wait_for_restarts(60)
+        workers.push_weights(model)
+        assert workers.num_alive == 2
+        assert _tokens(workers.generate(ids, params, llm.generate)) == want
+    finally:
+        workers.close()
+
+
+def test_past_max_restarts_a_replica_is_dropped_for_good(tiny_model_dir, setup, caplog):
+    from polyrl.run.rollout_workers import RolloutWorkers
+
+    cfg, model, llm, ids, params = setup
+    workers = RolloutWorkers(str(tiny_model_dir), str(tiny_model_dir), cfg, 1, timeout_s=120, max_restarts=1)
+    try:
+        _perturb(model, 3)
+        workers.push_weights(model)
+        want = _expected(llm, ids, params)
+        caplog.set_level(logging.WARNING, logger="polyrl.run.rollout_workers")
+        _kill(workers, 0)
+        workers.check()  # found dead between steps: restarted (1 of 1)
+        assert (workers.failures, workers.restarts) == (1, 1) and workers.starting == {0}
+        assert workers.wait_for_restarts(60)
+        workers.push_weights(model)
+        assert workers.num_alive == 1
+        assert _tokens(workers.generate(ids, params, llm.generate)) == want
+        _kill(workers, 0)
+        # the second death: no restart left; this call and every later one run on the trainer's engine
+        assert _tokens(workers.generate(ids, params, llm.generate)) == want
+        assert (workers.failures, workers.restarts, workers.num_alive) == (2, 1, 0) and not workers.starting
+        assert "after 1 restarts (max_restarts 1): dropped for good" in caplog.text
+        assert workers.wait_for_restarts(1)
+        workers.push_weights(model)
+        assert workers.num_alive == 0 and workers.restarts == 1
+        assert _tokens(workers.generate(ids, params, llm.generate)) == want
+    finally:
+        workers.close()
+
+
+def test_max_restarts_zero_drops_at_once_and_bad_values_are_refused(tiny_model_dir, setup):
+    from polyrl.run.rollout_workers import RolloutWorkers
+
+    cfg, model, llm, ids, params = setup
+    with pytest.raises(ConfigError, match="max_restarts must be an integer >= 0"):
+        RolloutWorkers(str(tiny_model_dir), str(tiny_model_dir), cfg, 1, max_restarts=-1)
+    workers = RolloutWorkers(str(tiny_model_dir), str(tiny_model_dir), cfg, 1, timeout_s=120, max_restarts=0)
+    try:
+        _kill(workers, 0)
+        workers.push_weights(model)
+        assert (workers.failures, workers.restarts, workers.num_alive, workers.starting) == (1, 0, 0, set())
+        assert _tokens(workers.generate(ids, params, llm.generate)) == _expected(llm, ids, params)
+    finally:
+        workers.close()
+
+
+def test_a_worker_that_cannot_start_is_a_clear_error(tmp_path, setup):
+    from polyrl.run.rollout_workers import RolloutWorkers
+
+    cfg = setup[0]
+    with pytest.raises(RuntimeError, match=r"rollout worker 0 \(cpu\) exited with code 1 while loading"):
+        RolloutWorkers(str(tmp_path / "missing"), str(tmp_path / "missing"), cfg, 1, timeout_s=60)
+
+
+def test_restart_option_in_the_config_and_the_cli():
+    import argparse
+
+    from polyrl.algorithms.grpo import GRPOConfig
+    from polyrl.cli import train
+
+    assert GRPOConfig().rollout_worker_restarts == 3
+    assert GRPOConfig(rollout_worker_restarts=0).rollout_worker_restarts == 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="rollout_worker_restarts must be an integer >= 0"):
+            GRPOConfig(rollout_worker_restarts=bad)
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    assert parser.parse_args(["--rollout-worker-restarts", "5"]).rollout_worker_restarts == 5
+    assert train.RL_FLAG_KEYS["rollout_worker_restarts"] == "rollout_worker_restarts"
