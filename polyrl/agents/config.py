@@ -48,7 +48,7 @@ class AgentConfig:
 
     def check(self, algo_config: Any, table: str) -> None:
         """Against the algorithm's ``[table]``: an online algorithm, room for more than one turn, and (async RL) a
-        producer that runs episodes: inline or thread."""
+        producer that runs episodes: inline or thread; partial rollouts (thread) for environment episodes only."""
         max_new = getattr(algo_config, "max_new_tokens", None)
         if max_new is None:
             raise ConfigError(f"[{TABLE}] runs episodes for online RL (grpo, gspo, ppo), not for {table}")
@@ -66,10 +66,13 @@ class AgentConfig:
                 f"rollout engine); rollout worker processes generate single completions: set {table}.async_producer"
                 ' = "thread" (--async-producer thread) or "inline"'
             )
-        if getattr(algo_config, "partial_rollouts", False):
+        if getattr(algo_config, "partial_rollouts", False) and self.agent is not None:
+            # the environment's episode loop calls the weight-swap hook between engine steps; the proxy's engine
+            # driver thread does not (and is not the producer thread the hook serves)
             raise ConfigError(
-                f"{table}.partial_rollouts does not reach agentic runs ([{TABLE}]) yet (the episode loop steps the "
-                "engine itself, with no decode-step hook for a weight swap); drop --partial-rollouts"
+                f"{table}.partial_rollouts reaches environment episodes ({TABLE}.env, --env) but not agent programs "
+                f"through the proxy ({TABLE}.agent, --agent): the proxy's engine thread takes no weight update "
+                "mid-episode; drop --partial-rollouts (updates then wait for the episodes in flight)"
             )
 
     def run_class(self, base: type) -> type:

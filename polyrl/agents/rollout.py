@@ -14,6 +14,13 @@ the episode's ids so far, so the prefix cache serves the conversation already co
    end-of-turn id appended (mask 0: not sampled) and counts in ``truncated_turns``; the environment still answers
    it. The observation is appended as ``renderer.observation_ids`` (mask 0), then the episode goes back to 2,
    unless it is done, at ``max_turns``, out of tokens or its env failed.
+Partial rollouts (async RL, ``polyrl.run.async_rollout.PartialRollouts``): ``between_steps(llm, steps)`` is called at
+every engine-step boundary while turns are in flight (``steps``: the engine steps of this call so far), as
+``LLM.generate`` calls it; there the producer may load newer weights (``LLM.swap_weights``): the turns in flight
+go on (their KV cache kept), the outputs of the step it read come with the next ``step()``, and every turn records
+the engine's version per sampled token (``Episode.versions``, from ``CompletionOutput.token_versions``), so one
+turn can span two versions; a turn started after the update is prefilled by the new weights (the swap forgets the
+prefix cache).
 Output formats (``formats``): each turn's request carries the grammar of its format (the last ``EnvStep``'s, else
 the environment's, else the run's ``sampling.structured``; with tools, a call OR the format), so every assistant
 turn is constrained; the engine's log-probs stay unmasked and ``Episode.masked_logmass`` sums what the masks removed.
@@ -62,8 +69,10 @@ def run_episodes(
     seeds: list[int] | None = None,
     limits: EpisodeLimits | None = None,
     failure_reward: float = 0.0,
+    between_steps: Any = None,
 ) -> list[Episode]:
-    """``n`` episodes per example, grouped by example (see the module docstring); episodes in (group, index) order."""
+    """``n`` episodes per example, grouped by example (see the module docstring); episodes in (group, index) order.
+    ``between_steps(llm, steps)``: called between two engine steps while turns are in flight (partial rollouts)."""
     limits = limits or EpisodeLimits()
     eps = [Episode(g, j) for g in range(len(examples)) for j in range(n)]
     tools = list(pool.tools)
@@ -88,14 +97,18 @@ def run_episodes(
             pool.release(k)
             continue
         _submit(llm, e, k, sampling.clone(structured=grammars.get(None)), seeds, limits, pending)
+    steps = 0
     while pending:
+        if steps and between_steps is not None:  # a step boundary with turns in flight (not after the last step)
+            between_steps(llm, steps)  # may swap the weights: what it read of the step in flight comes with step()
         # ahead: the device decodes the next launch while this loop runs the environments for the last one
         finished = [o for o in llm.step(ahead=True) if o.finished and o.request_id in pending]
+        steps += 1
         to_env = []
         for out in finished:
             k = pending.pop(out.request_id)
             e, c = eps[k], out.outputs[0]
-            e.add_turn(c.token_ids, c.logprobs)
+            e.add_turn(c.token_ids, c.logprobs, getattr(c, "token_versions", None))
             e.count("turns")
             mass = getattr(c, "masked_logmass", None)  # None: an unconstrained turn
             if mass is not None:

@@ -17,7 +17,10 @@ Proxy mode (``--agent file.py:fn``): the episodes come from an openai-client age
 Asynchronous RL (``max_staleness`` K > 0, docs/async-rl.md): ``collect`` is the rollout source's producer, inline
 or (``async_producer = "thread"``) in the producer thread on the policy's separate rollout copy, while the trainer
 trains; the environment pool and the proxy are then used by that thread, and by the trainer's evaluation only once
-the thread is drained. Each batch carries its transcripts (``batch_state``), checkpointed with the queue.
+the thread is drained. Each batch carries its transcripts (``batch_state``), checkpointed with the queue. With
+partial rollouts (``partial_rollouts``, thread producer, ``--env`` episodes) the episode loop calls the policy's
+``between_steps`` at engine-step boundaries, so a weight update lands while episodes are in flight; each episode
+records the policy version of every token (``Episode.versions`` -> ``Sample.token_versions``).
 Not here: the episode loop (``rollout``), the loss and advantages (``polyrl.algorithms``). One process only.
 """
 
@@ -126,8 +129,9 @@ class EpisodeSteps:
         with rollout_window(self.policy) as llm:
             if self.proxy is None:
                 return run_episodes(
-                    llm, self.env_pool, self.renderer, examples, n, sampling, seeds, self.limits, self.a.failure_reward
-                )
+                    llm, self.env_pool, self.renderer, examples, n, sampling, seeds, self.limits,
+                    self.a.failure_reward, self.policy.between_steps,
+                )  # fmt: skip
             self.proxy.sampling = sampling
             with self.proxy.driving():
                 eps = self.proxy.run_agents(

@@ -269,7 +269,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="async RL (--async-producer thread): a weight update lands between decode steps of the rollouts in "
-        "flight, which go on with the new weights; every token records its policy version",
+        "flight (with --env: of the episodes in flight), which go on with the new weights; every token records its "
+        "policy version",
     )
     g.add_argument(
         "--rollout-devices",

@@ -29,7 +29,10 @@ generated it, or with partial rollouts the OLDEST version among its tokens (``to
   nothing in flight during an update, and the process producer's workers (``rollout_workers``) have no step-boundary
   hook, so both are refused with a ConfigError): ``weights_updated`` does NOT wait for the generation in flight nor
   throw it away. The producer's engine is paused at a decode-step boundary (``LLM.generate``'s ``between_steps``,
-  set on the policy), the step launched ahead is read, the trainer's weights are copied in (``LLM.swap_weights``;
+  set on the policy; in an agentic run the episode loop of ``polyrl.agents.rollout`` calls the same hook between
+  its engine steps, so an update lands while episodes are in flight and one turn may span two versions: each
+  ``Episode`` records per-token versions, its Sample's ``token_versions``; agent programs through the proxy are
+  refused), the step launched ahead is read, the trainer's weights are copied in (``LLM.swap_weights``;
   the trainer waits only for that copy), and the same sequences continue on the new weights. Their KV cache is
   kept: the keys and values of their earlier tokens were computed by the older weights (as in AReaL's partial
   rollouts; a later token's log-prob is the new weights' over that mixed cache, not a plain forward of either).
@@ -44,7 +47,9 @@ generated it, or with partial rollouts the OLDEST version among its tokens (``to
   and takes v + 1 at its engine step N, the producer waiting there for it if the trainer has not published it yet
   (a batch shorter than N takes it after its end); an update no submitted batch takes is synced once the producer
   is idle, as without partial rollouts.
-  ``async/weight_swaps_total`` counts the updates a generation in flight took.
+  ``async/weight_swaps_total`` counts the updates a generation in flight took. Since ``weights_updated`` does not
+  wait for the batches in flight, the loop ``drain``s them before an evaluation (one user of the rollout engine and
+  of an agentic run's environment pool at a time).
 
 The loop (``OnlineRun.step``): ``get(s)``; ``submit(s+1 .. s+K)`` (those not yet submitted, below the run's last
 step); prepare + update; ``weights_updated(s+1)``. With K = 0 the loop does not use a source at all (today's

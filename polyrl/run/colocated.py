@@ -15,8 +15,9 @@ The building block of every online run (GRPO, GSPO, PPO, agentic RL) and of the 
   ``separate_rollout=True`` (async RL's threaded producer, one process): the rollout engine gets a copy of the
   weights of its own, refreshed only by ``sync_rollout_weights()`` (so it can generate while the trainer updates);
   log-prob recomputes then run on the trained model itself. ``between_steps`` (set by async RL's partial rollouts)
-  is handed to the rollout engine's ``generate``: a weight update can then land between two decode steps, and each
-  ``Sample`` gets the engine's per-token ``token_versions``. The copy is ``run.weight_sync.InProcessSync``
+  is handed to the rollout engine's ``generate`` (and by an agentic run to its episode loop, which steps the same
+  engine): a weight update can then land between two decode steps, and each ``Sample`` gets the engine's per-token
+  ``token_versions``. The copy is ``run.weight_sync.InProcessSync``
   (adapters alone for a LoRA model); ``last_sync`` holds its ``SyncStats`` (the worker replicas' when ``remote``).
 - Data-parallel (``world`` of ``polyrl.train.parallel``, under torchrun): the trained model is FSDP2-sharded, so the
   rollout engine runs a plain full copy in the compute dtype (``rollout_net``, refreshed in place after every

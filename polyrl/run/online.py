@@ -32,10 +32,10 @@ Asynchronous RL (``max_staleness`` K > 0, ``polyrl.run.async_rollout``, docs/asy
 a ``RolloutSource`` (a policy-versioned queue), which then starts the batches up to s + K with the current weights
 (inline; in a background thread on a copy of the weights, optionally with partial rollouts whose sequences in
 flight take each update between two decode steps; or in rollout worker processes; agentic runs: inline or
-the thread, whose episodes then run beside the training); ``prepare`` uses the
+the thread, whose episodes then run beside the training, with partial rollouts too); ``prepare`` uses the
 decoupled objective (recomputed proximal log-probs, truncated ``pi_prox / pi_behaviour`` weights, ``async/*``
 metrics); after the update the source gets the new version (the thread's weights are synced); checkpoints hold the
-queue. K = 0: no source.
+queue; with partial rollouts the batches in flight are finished before an evaluation. K = 0: no source.
 
 Under torchrun (``polyrl train --nproc-per-node N``) the policy is FSDP2-sharded (a LoRA policy: replicated, see
 ``polyrl.train.parallel.replicate``) and the run is data-parallel: the prompt stream, the seeds and so the sampled
@@ -642,6 +642,10 @@ class OnlineRun(DataParallelSteps):
         rec["epoch"] = self.data.epochs if batch is None else batch.epochs
         e = self.cfg.train.eval_every
         if self.eval_set is not None and ((step + 1) % e == 0 or step + 1 == self.steps):
+            if isinstance(self.source, PartialRollouts):
+                # its weights_updated does not wait for the batches in flight: finish them first, so that the
+                # evaluation has the rollout engine (and an agentic run's environment pool) to itself
+                self.source.drain()
             rec.update(self.evaluate())
         rec["time_s"] = time.perf_counter() - t0
         return rec

@@ -1,5 +1,6 @@
 """Multi-turn episodes on the real engine (tiny model): the recorded ids are exactly the sampled ids plus the
-template deltas, the mask covers exactly the policy's tokens, limits end episodes, and a failing env is counted."""
+template deltas, the mask covers exactly the policy's tokens, limits end episodes, a failing env is counted, and the
+step-boundary hook of partial rollouts runs between engine steps, each token recording its policy version."""
 
 from __future__ import annotations
 
@@ -99,6 +100,69 @@ def test_same_seeds_same_episodes_and_prefix_cache_is_used(tiny_llm):
     assert [e.ids for e in a] == [e.ids for e in b]
     flat = [x for e in b for x in e.logprobs]
     assert [x for e in a for x in e.logprobs] == pytest.approx(flat, abs=1e-5)
+
+
+def test_step_boundary_hook_and_per_token_versions(tiny_llm):
+    """Partial rollouts' hook: ``between_steps(llm, steps)`` is called between every two engine steps of the loop
+    (never after the last); a version swap there (weights unchanged here, so the episodes stay the plain ones) stamps
+    the later tokens: a turn running at the swap keeps version 0 for the tokens it had, 1 for the rest; template and
+    observation tokens carry the version of the sampled token before them; the Sample gets them per completion id."""
+    renderer = ChatRenderer(tiny_llm.tokenizer)
+    # turns of 8 tokens (the tiny model seldom samples eos): the second turn's prefill is engine step 9
+    limits = EpisodeLimits(max_turns=3, max_new_tokens=8, max_episode_tokens=400)
+    sampling = SamplingParams(temperature=1.0)
+    calls, running, steps_run = [], {}, []
+    plain_step = tiny_llm.step
+
+    def counting(ahead=False):
+        steps_run.append(1)
+        return plain_step(ahead)
+
+    def hook(llm, steps):
+        calls.append(steps)
+        if steps == 12:
+            running.update({rid: len(q.seqs[0].output_token_ids) for rid, q in llm._requests.items()})
+            llm.swap_weights(lambda: None, 1)
+
+    with EnvPool("guessing", workers=0) as pool:
+        plain = run_episodes(tiny_llm, pool, renderer, EXAMPLES, 2, sampling, [11, 12, 13], limits)
+        tiny_llm.policy_version, tiny_llm.step = 0, counting
+        try:
+            eps = run_episodes(tiny_llm, pool, renderer, EXAMPLES, 2, sampling, [11, 12, 13], limits, 0.0, hook)
+        finally:
+            tiny_llm.policy_version = None
+            del tiny_llm.step
+    assert calls == list(range(1, len(steps_run))) and len(calls) > 12  # every boundary, not after the last step
+    assert all(e.versions is None and e.to_sample().token_versions is None for e in plain)
+    spanning = 0
+    for k, (e, p) in enumerate(zip(eps, plain)):
+        assert e.ids == p.ids and e.mask == p.mask  # the weights did not change
+        assert len(e.versions) == len(e.ids) and e.versions == sorted(e.versions) and set(e.versions) <= {0, 1}
+        assert e.to_sample().token_versions == e.versions
+        for t, (a, b) in enumerate(e.turns):
+            rid = f"episode-{k}-turn-{t}"
+            if rid in running:
+                old = running[rid]
+                assert e.versions[a:b] == [0] * old + [1] * (b - a - old)
+                spanning += 0 < old < b - a
+            if b < len(e.ids):  # the template / observation tokens after the turn: its last token's version
+                nxt = e.turns[t + 1][0] if t + 1 < e.num_turns else len(e.ids)
+                assert e.versions[b:nxt] == [e.versions[b - 1]] * (nxt - b)
+    assert spanning == len(eps)  # every episode's second turn was running at the swap
+
+
+def test_episode_versions_are_all_or_none():
+    from polyrl.agents.episode import Episode
+
+    e = Episode(0, 0, prompt_ids=[1, 2])
+    e.add_turn([3, 4], [-0.1, -0.2], [0, 1])
+    e.add_observation([5, 6])
+    e.add_turn([7], [-0.3], [2])
+    assert e.versions == [0, 1, 1, 1, 2] and e.to_sample().token_versions == [0, 1, 1, 1, 2]
+    with pytest.raises(ValueError, match="every turn of an episode records policy versions"):
+        e.add_turn([8], [-0.4])
+    with pytest.raises(ValueError, match="2 tokens came with 1 policy versions"):
+        Episode(0, 0).add_turn([3, 4], [-0.1, -0.2], [0])
 
 
 def test_token_budget_and_turn_truncation(tiny_llm):

@@ -4,7 +4,10 @@ thread (its own copy of the weights; episodes, environment calls included, run i
 run bit for bit (rewards, losses, every metric but the clocks, the transcripts of rollouts.jsonl) while the episodes
 of batch s+1 run beside step s's training; no sample older than K is trained on; a resumed run reproduces the
 uninterrupted one (the queue keeps each batch's transcripts); an agent program through the proxy runs in the
-producer thread too; the process producer and partial rollouts are refused at config time."""
+producer thread too. Partial rollouts (``partial_rollouts``): a weight update lands between engine steps of the
+episode loop while episodes are in flight; each token records the version that sampled it (checked against the
+engine's version at the swap and against a recompute under each version's weights), and a run trains no token older
+than K. Refused at config time: the process producer, partial rollouts for an agent program through the proxy."""
 
 from __future__ import annotations
 
@@ -85,6 +88,8 @@ def test_thread_producer_equals_inline_and_overlaps_training(tiny_model_dir, tmp
         assert r["async/tokens_lag1"] == r["response_length"] * 6  # the 6 episodes' policy tokens
         assert "async/is_weight_mean" in r and r["mismatch_mean"] > 1e-4
     assert all(r["async/stale_dropped_total"] == 0.0 for r in thread)
+    # without partial rollouts: one version per sample, no per-token versions, no swap mid-episode
+    assert not any(k in r for r in thread for k in ("async/mixed_version_samples", "async/weight_swaps_total"))
     # the producer thread ran batch s+1's episodes while step s trained; the inline producer before it
     for a, b in zip(thread, thread[1:]):
         assert b["async/gen_start_s"] < a["async/train_end_s"] and b["async/gen_end_s"] > a["async/train_start_s"]
@@ -109,6 +114,9 @@ def test_thread_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path
     for b in state["queue"]:  # each queued batch keeps its episodes' transcripts, one per sample
         assert len(b["extra"]) == len(b["samples"]) > 0
         assert [e["ids"] for e in b["extra"]] == [s["completion_ids"] for s in b["samples"]]
+        # without partial rollouts: no per-token versions, the batch's version on every sample
+        assert all(e["versions"] is None for e in b["extra"])
+        assert all(s["token_versions"] is None and s["policy_version"] == b["version"] for s in b["samples"])
     resumed = tmp_path / "resumed"
     raw2 = json.loads(json.dumps(raw))
     raw2["out"], raw2["resume"] = str(resumed), str(ckpt)
@@ -130,8 +138,14 @@ def test_agentic_producers_refused_at_config_time(tiny_model_dir, tmp_path):
 
     with pytest.raises(ConfigError, match='rollout worker processes generate single completions.*"thread"'):
         run(_agentic(tiny_model_dir, tmp_path / "p", max_staleness=1, async_producer="process"))
-    with pytest.raises(ConfigError, match="partial_rollouts does not reach agentic runs"):
-        run(_agentic(tiny_model_dir, tmp_path / "q", max_staleness=1, async_producer="thread", partial_rollouts=True))
+    # partial rollouts: environment episodes only (the proxy's engine thread takes no update mid-episode); with the
+    # process producer they are refused by the algorithm's table already
+    raw = _agentic(tiny_model_dir, tmp_path / "q", max_staleness=1, async_producer="thread", partial_rollouts=True)
+    raw["agent"] = {"agent": "my_agent.py:agent", "max_turns": 2, "max_episode_tokens": 200}
+    with pytest.raises(ConfigError, match="partial_rollouts reaches environment episodes .* not agent programs"):
+        run(raw)
+    with pytest.raises(ConfigError, match='partial_rollouts is built for async_producer = "thread"'):
+        run(_agentic(tiny_model_dir, tmp_path / "r", max_staleness=1, async_producer="process", partial_rollouts=True))
     # synchronous runs are not checked for producers
     from polyrl.agents.config import AgentConfig
     from polyrl.algorithms.grpo import GRPOConfig
@@ -172,3 +186,157 @@ def test_thread_producer_drives_an_agent_through_the_proxy(tiny_model_dir, tmp_p
     assert recs[0]["mismatch_max"] < 1e-3 and recs[-1]["mismatch_mean"] > 1e-4
     for a, b in zip(recs, recs[1:]):  # the agents' calls for batch s+1 were served while step s trained
         assert b["async/gen_start_s"] < a["async/train_end_s"] and b["async/gen_end_s"] > a["async/train_start_s"]
+
+
+def _episode_run(raw):
+    """An agentic run object (not started): the run class of ``raw``'s ``[agent]`` table over ``OnlineRun``."""
+    import io
+
+    from polyrl.run import config
+    from polyrl.run.online import OnlineRun
+
+    cfg = config.build(raw)
+    return cfg, cfg.episodes.run_class(OnlineRun)(cfg, cfg.spec.hooks(cfg.algo_config), io.StringIO())
+
+
+def _recompute(model, samples, temperature):
+    """Per sample, its policy tokens' log-probs under ``model`` in one plain forward of the whole episode."""
+    import torch
+
+    from polyrl.algorithms.rl_batch import completion_logprobs, pack_samples
+
+    lps = [None] * len(samples)
+    with torch.no_grad():
+        for b in pack_samples(samples, max_tokens=4096):
+            lp, _ = completion_logprobs(model, b, temperature)
+            for j, v in zip(b.sample_ids, b.per_sample(lp)):
+                lps[j] = v
+    return lps
+
+
+def test_partial_rollouts_an_update_lands_mid_episode(tiny_model_dir, tmp_path):
+    """Partial rollouts in an agentic thread run: batch 1's episodes (submitted at version 0) take version 1 at their
+    engine step 8, in the middle of their second turn. Each token's recorded version is the engine's when it sampled
+    it (the tokens a turn running at the swap had generated by then are version 0, the rest 1), versions never
+    decrease along an episode, and the behaviour log-probs are each version's: a version-0 token's equals a plain
+    forward under version 0, and a token of a turn started after the swap (prefilled afresh: the swap forgets the
+    prefix cache) a plain forward under version 1; the tokens of the turn spanning the swap saw the older weights'
+    kept KV, which neither reproduces (the caveat of docs/async-rl.md)."""
+    import copy
+
+    import torch
+
+    raw = _agentic(tiny_model_dir, tmp_path / "run", steps=2, max_staleness=1, async_producer="thread",
+                   partial_rollouts=True, partial_swap_step=8)  # fmt: skip
+    raw["agent"]["env"] = _env("digits", tmp_path)
+    cfg, r = _episode_run(raw)
+    hook = r.policy.between_steps
+    assert hook == r.source.between_steps  # the policy hands the source's hook to the episode loop
+    swaps = []  # (engine step of the episode loop, tokens each running turn had generated before the swap)
+
+    def recording(engine, steps):
+        assert engine is r.policy.llm  # the rollout copy's engine, stepped by the episode loop
+        before = engine.policy_version
+        running = {rid: len(q.seqs[0].output_token_ids) for rid, q in engine._requests.items()}
+        hook(engine, steps)
+        if engine.policy_version != before:
+            swaps.append((steps, before, engine.policy_version, running))
+
+    r.policy.between_steps = recording
+    v0 = copy.deepcopy(r.policy.rollout_net).eval()  # the weights of version 0
+    try:
+        r.step(0)  # trains batch 0 (version 0 only) and publishes version 1; batch 1's episodes are in flight
+        batch = r.source.get(1)
+        episodes = batch.extra
+        v1 = r.policy.rollout_net.eval()  # the rollout copy now holds version 1 (the trainer's weights)
+        for a, b in zip(r.policy.model.state_dict().values(), v1.state_dict().values()):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+        assert len(swaps) == 1 and swaps[0][:3] == (8, 0, 1) and r.source.swaps_total == 1
+        running = swaps[0][3]
+        n = cfg.algo_config.samples_per_prompt
+        spanning = 0
+        samples = batch.samples
+        assert len(samples) == len(episodes) == 6
+        for s, e in zip(samples, episodes):
+            assert s.token_versions == e["versions"] and len(s.token_versions) == len(s.completion_ids)
+            assert s.token_versions == sorted(s.token_versions) and set(s.token_versions) <= {0, 1}
+            assert s.policy_version == min(s.token_versions)
+            k = e["group"] * n + e["index"]  # the episode's request ids: episode-{k}-turn-{t}
+            for t, (a, b) in enumerate(e["turns"]):
+                got = s.token_versions[a:b]
+                rid = f"episode-{k}-turn-{t}"
+                if rid in running:  # running at the swap: its tokens so far are version 0, the rest version 1
+                    old = running[rid]
+                    assert got == [0] * old + [1] * (b - a - old)
+                    spanning += 0 < old < b - a
+                else:
+                    assert len(set(got)) == 1  # finished before the swap, or started after it
+        assert spanning > 0 and sum(len(set(s.token_versions)) > 1 for s in samples) > 0
+        # the behaviour log-probs against a recompute under each token's version
+        t = cfg.algo_config.temperature
+        lp0, lp1 = _recompute(v0, samples, t), _recompute(v1, samples, t)
+        checked = [0, 0]
+        for s, e, a0, a1 in zip(samples, episodes, lp0, lp1):
+            got = torch.tensor(s.logprobs)
+            mask = torch.tensor(s.mask, dtype=torch.bool)
+            ver = torch.tensor(s.token_versions)[mask]
+            fresh = torch.zeros(len(s.completion_ids), dtype=torch.bool)  # turns wholly after the swap
+            for a, b in e["turns"]:
+                fresh[a:b] = bool(s.token_versions[a] == 1)
+            fresh = fresh[mask]
+            torch.testing.assert_close(got[ver == 0], a0[ver == 0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(got[fresh], a1[fresh], atol=1e-5, rtol=0)
+            late = (ver == 1) & ~fresh  # sampled by version 1 over version 0's KV of the turn's earlier tokens
+            assert late.any() and float((got[late] - a0[late]).abs().max()) > 1e-3  # not the old weights'
+            checked[0] += int((ver == 0).sum())
+            checked[1] += int(fresh.sum())
+        assert min(checked) > 0
+        # the update moved the policy: the two versions' log-probs differ, so the checks above tell them apart
+        assert max(float((a0 - a1).abs().max()) for a0, a1 in zip(lp0, lp1)) > 1e-3
+    finally:
+        r.source.close()
+        r.env_pool.close()
+
+
+def test_partial_rollouts_run_mixes_versions_within_the_staleness_bound_and_resumes(tiny_model_dir, tmp_path):
+    """A 4-step agentic thread run with partial rollouts (update at engine step 8 of the episode loop, greedy
+    evaluation every 2 steps, which finishes the batch in flight first): every batch after the first holds episodes
+    of two versions, the per-version token counts add up to the policy tokens, no token is older than K = 1, nothing
+    is dropped, each update but the last (after the last step) lands in a batch in flight; the checkpoint's queue
+    keeps each token's version (samples and transcripts) and the resumed run equals the uninterrupted one."""
+    out = tmp_path / "partial"
+    raw = _agentic(tiny_model_dir, out, save_every=2, max_staleness=1, async_producer="thread",
+                   partial_rollouts=True, partial_swap_step=8)  # fmt: skip
+    raw["agent"]["env"] = _env("digits", tmp_path)
+    raw["train"].update(eval_every=2, eval_data="builtin:arithmetic?max=9&n=8")
+    raw[raw["algo"]]["eval_prompts"] = 4
+    run(raw)
+    recs = records(out)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4] and [r["step"] for r in recs if "eval_reward" in r] == [2, 4]
+    assert recs[0]["async/staleness_max"] == 0.0 and recs[0]["async/mixed_version_samples"] == 0.0
+    for r in recs[1:]:
+        # batch s was submitted at version s-1 and took version s at its engine step 8: both versions in it
+        assert r["async/staleness_max"] == 1.0 and r["async/mixed_version_samples"] > 0
+        assert r["async/tokens_lag0"] > 0 and r["async/tokens_lag1"] > 0
+        assert r["async/tokens_lag0"] + r["async/tokens_lag1"] == r["response_length"] * 6  # the policy tokens
+        assert 0.0 < r["async/staleness_mean"] < 1.0 and "async/is_weight_mean" in r
+    assert all(r["async/stale_dropped_total"] == 0.0 and r["loss"] != 0.0 for r in recs)
+    # read before each step's own update: updates 1, 2, 3 landed in batches 1, 2, 3 while their episodes ran
+    assert [r["async/weight_swaps_total"] for r in recs] == [0.0, 1.0, 2.0, 3.0]
+    ckpt = out / "checkpoints" / "step-00000002"
+    state = json.loads((ckpt / "trainer_state.json").read_text())["data"]["async"]
+    assert state["version"] == 2 and [b["step"] for b in state["queue"]] == [2]
+    (queued,) = state["queue"]  # submitted at version 1, took version 2 at its engine step 8
+    assert queued["version"] == 1 and len(queued["extra"]) == len(queued["samples"]) == 6
+    for smp, e in zip(queued["samples"], queued["extra"]):
+        assert smp["token_versions"] == e["versions"] and set(e["versions"]) == {1, 2}
+        assert smp["policy_version"] == 1 and e["versions"] == sorted(e["versions"])
+    resumed = tmp_path / "resumed"
+    raw2 = json.loads(json.dumps(raw))
+    raw2["out"], raw2["resume"] = str(resumed), str(ckpt)
+    assert run(raw2)["resumed_from_step"] == 2
+    again = records(resumed)
+    assert [r["step"] for r in again] == [3, 4] and [_plain(r) for r in recs[2:]] == [_plain(r) for r in again]
+    rows = [r for r in _rows(out) if r["step"] > 2]
+    assert rows == _rows(resumed) and all(r["kind"] == "episode" and r["messages"] for r in rows)
+    shutil.rmtree(resumed)

@@ -2,7 +2,8 @@
 the CPU with tiny models: a weight update between two decode steps splits the sequences in flight exactly (earlier
 tokens version v, later ones v + 1, in every decode mode); the behaviour log-probs are those of each token's own
 version wherever that is exactly checkable; an async run with partial rollouts trains no token older than K
-versions, mixes versions inside samples and resumes bit for bit (reproducible swap step); the refusals are clear."""
+versions, mixes versions inside samples and resumes bit for bit (reproducible swap step); the refusals are clear
+(agentic runs with partial rollouts: ``test_async_agentic``)."""
 
 from __future__ import annotations
 
@@ -317,8 +318,8 @@ def test_config_and_cli(tiny_model_dir, tmp_path, reward):
 
     raw = _raw(tiny_model_dir, tmp_path / "agent", "exact_match", max_staleness=1, async_producer="thread",
                partial_rollouts=True)  # fmt: skip
-    raw["agent"] = {"env": "guessing", "env_workers": 1, "max_turns": 2, "max_episode_tokens": 128}
-    with pytest.raises(ConfigError, match="does not reach agentic runs"):
+    raw["agent"] = {"agent": "my_agent.py:agent", "max_turns": 2, "max_episode_tokens": 128}  # proxy mode
+    with pytest.raises(ConfigError, match="not agent programs through the proxy"):
         _run(raw)
     out = tmp_path / "cli"
     argv = ["train", "--algo", "ppo", "--model", str(tiny_model_dir), "--data", "builtin:arithmetic?max=9&n=32"]
