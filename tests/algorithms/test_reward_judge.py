@@ -59,6 +59,20 @@ class JudgeServer:
                     server.requests.append(body)
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                finished = []
+
+                def reply_with(code: int, payload: dict) -> None:
+                    # out of flight *before* the reply is written: once the client reads it, it may send the next
+                    # request at once, and that one must not count this one as still in flight
+                    finish()
+                    self._send(code, payload)
+
+                def finish() -> None:
+                    if not finished:
+                        finished.append(True)
+                        with server.lock:
+                            server.in_flight -= 1
+
                 try:
                     text = body["messages"][-1]["content"]
                     completion = text.split("Response:\n", 1)[1].split("\n\n", 1)[0]
@@ -71,12 +85,11 @@ class JudgeServer:
                             server.flaky_calls += 1
                             first = server.flaky_calls == 1
                         if first:
-                            return self._send(500, {"error": {"message": "overloaded"}})
+                            return reply_with(500, {"error": {"message": "overloaded"}})
                     reply = REPLIES.get(completion, "Score: 5")
-                    self._send(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": reply}}]})
+                    reply_with(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": reply}}]})
                 finally:
-                    with server.lock:
-                        server.in_flight -= 1
+                    finish()
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
