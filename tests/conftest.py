@@ -22,6 +22,9 @@
   traceback is appended to PATH the moment it happens, from every xdist worker: a run cut off by a time limit before
   pytest's summary still leaves the reasons.
 
+- ``pytest_runtest_protocol`` (from ``gpu_sharing.py``): under pytest-xdist, ``gpu`` tests share the device under a
+  lock, and one that runs out of memory beside other workers' tests is re-run alone (see that module).
+
 Nothing here imports transformers at collection time.
 """
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from gpu_sharing import pytest_runtest_protocol  # noqa: F401  (a hook: the GPU suite's workers share one device)
 
 
 def _cores() -> int:
