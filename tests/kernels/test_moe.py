@@ -162,10 +162,10 @@ def test_triton_is_deterministic(triton_kernels):
         assert torch.equal(p, q), f"{name} differs between two identical calls"
 
 
-def test_triton_does_not_save_the_expert_outputs(triton_kernels):
+def test_triton_saves_only_the_pre_activation_per_row(triton_kernels):
     """What the autograd Function keeps for the backward (issue 32, SFT peak memory): its inputs and, per sorted row,
-    only the pre-activation h [T*k, 2I] and act [T*k, I]; not the expert outputs y [T*k, H] (d topk_weights is
-    <act, d act>). The routing it keeps on the side is integer vectors."""
+    only the pre-activation h [T*k, 2I]; neither the expert outputs y [T*k, H] (d topk_weights is <act, d act>)
+    nor act [T*k, I] (recomputed from h). The routing it keeps on the side is integer vectors."""
     fn = triton_kernels.load("moe", "moe_experts")
     t, h, inter, e, k = 7, 40, 16, 4, 2  # H != 2I != I: every per-row tensor has its own shape
     n = t * k
@@ -181,9 +181,9 @@ def test_triton_does_not_save_the_expert_outputs(triton_kernels):
         y = fn(leaves[0], ids, leaves[1], leaves[2], leaves[3])
     shapes = sorted(shape for shape, _ in saved)
     assert (n, h) not in shapes, f"the expert outputs y {(n, h)} are saved: {shapes}"
-    assert shapes == sorted([(t, h), (n,), (e, 2 * inter, h), (e, h, inter), (n, inter), (n, 2 * inter)]), shapes
+    assert shapes == sorted([(t, h), (n,), (e, 2 * inter, h), (e, h, inter), (n, 2 * inter)]), shapes
     per_row = sum(size for shape, size in saved if len(shape) == 2 and shape[0] == n)
-    assert per_row == n * 3 * inter * 2, f"{per_row} bytes saved per sorted row, want h's and act's {n * 3 * inter * 2}"
+    assert per_row == n * 2 * inter * 2, f"{per_row} bytes saved per sorted row, want h's {n * 2 * inter * 2}"
     route = y.grad_fn.route
     for name, value in vars(route).items():
         if isinstance(value, torch.Tensor):

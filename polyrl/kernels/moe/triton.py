@@ -15,9 +15,9 @@ Forward (three launches after the routing):
 3. Un-permute fused with the routing weights: ``out[t] = sum_j w[t, j] * y[pos(t, j)]``, gathering each
    token's k rows (deterministic: no atomics), fp32 sum.
 
-Saved for the backward: the inputs, ``h`` ``[T*k, 2I]`` and ``act`` ``[T*k, I]`` (and the integer routing);
-not ``y`` ``[T*k, H]``, the largest per-row tensor (``d w[slot] = <y[r], dy[token]>`` is computed without it;
-537 MB per layer at Qwen3-30B-A3B's shapes, 16384 tokens, bf16).
+Saved for the backward: the inputs and ``h`` ``[T*k, 2I]`` (and the integer routing); neither ``y``
+``[T*k, H]`` (``d w[slot] = <y[r], dy[token]>`` is computed without it) nor ``act`` ``[T*k, I]`` (recomputed from
+``h`` where the backward reads it): 537 + 201 MB per layer at Qwen3-30B-A3B's shapes, 16384 tokens, bf16.
 
 Backward (``w_r``: the weight of sorted row ``r``; the only ``[T*k, H]`` tensor is ``dx``'s rows, plus a sorted
 copy of ``dy`` when ``_GATHER_DY`` is off):
@@ -26,7 +26,8 @@ copy of ``dy`` when ``_GATHER_DY`` is off):
   epilogue fused: ``d w[r] = <act_r, g_r>`` (= ``<y_r, dy[token]>``; act recomputed from ``h``) as fp32
   partial sums per (row, n-tile), summed after the launch (deterministic); then ``d act = w_r * g`` and the SwiGLU
   backward (reads ``h``, writes ``dh``);
-- ``d down[e] = (w * dy[token])_e^T @ act_e`` (dy's rows gathered and scaled as they load) and
+- ``d down[e] = (w * dy[token])_e^T @ act_e`` (dy's rows gathered and scaled, act recomputed from ``h`` as they
+  load) and
   ``d gate_up[e] = dh_e^T @ x[token]_e``: variable-K grouped GEMMs, one program per (expert, output tile) walking
   that expert's rows (an expert with no rows gets zeros);
 - ``dx_rows = dh @ gate_up[e]`` then the un-permute gather (unweighted) sums each token's k rows.
@@ -207,7 +208,7 @@ def _grouped_wgrad_kernel(
     a_ptr,  # [rows', M] row-major (contiguous in m; rows gathered through a_idx when GATHER_A)
     a_idx_ptr,
     a_scale_ptr,  # [rows] per-row scale of A (SCALE_A), applied on load and rounded to A's dtype
-    b_ptr,  # [rows', N] (rows gathered through b_idx when GATHER_B)
+    b_ptr,  # [rows', N] (rows gathered through b_idx when GATHER_B), or [rows, 2N] pre-activation (B_SWIGLU)
     b_idx_ptr,
     c_ptr,  # [E, M, N]
     offsets_ptr,
@@ -218,9 +219,11 @@ def _grouped_wgrad_kernel(
     stride_ce,
     stride_cm,
     NUM_N,
+    b_up,  # element offset from a row's gate columns to its up columns (B_SWIGLU)
     GATHER_A: tl.constexpr,
     SCALE_A: tl.constexpr,
     GATHER_B: tl.constexpr,
+    B_SWIGLU: tl.constexpr,  # B = silu(gate) * up of the pre-activation, rounded as the forward's act
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -255,7 +258,14 @@ def _grouped_wgrad_kernel(
             brows = tl.load(b_idx_ptr + r, mask=rmask, other=0).to(tl.int64)
         else:
             brows = r.to(tl.int64)
-        b = tl.load(b_ptr + brows[:, None] * stride_bm + ns[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
+        bmask = rmask[:, None] & nmask[None, :]
+        b_ptrs = b_ptr + brows[:, None] * stride_bm + ns[None, :]
+        if B_SWIGLU:
+            g = tl.load(b_ptrs, mask=bmask, other=0.0).to(tl.float32)
+            u = tl.load(b_ptrs + b_up, mask=bmask, other=0.0).to(tl.float32)
+            b = (g * tl.sigmoid(g) * u).to(b_ptr.dtype.element_ty)
+        else:
+            b = tl.load(b_ptrs, mask=bmask, other=0.0)
         if DOT_F32:
             at = at.to(tl.float32)
             b = b.to(tl.float32)
@@ -389,16 +399,19 @@ def _wgrad_gemm(
     *,
     a_idx: torch.Tensor | None = None,
     a_scale: torch.Tensor | None = None,
+    b_swiglu: bool = False,
 ) -> None:
-    """``out[e] = (a_scale * a[a_idx])[rows of e]^T @ b[b_idx][rows of e]`` (an index or scale left out: none)."""
+    """``out[e] = (a_scale * a[a_idx])[rows of e]^T @ b[b_idx][rows of e]`` (an index or scale left out: none);
+    ``b_swiglu``: b is the pre-activation ``[rows, 2n]`` and B its SwiGLU ``silu(b[:, :n]) * b[:, n:]``."""
     bm, bn, bk, warps, stages, _ = _cfg("wgrad", route.rows_per_expert, a.dtype)
     num_n = triton.cdiv(n, bn)
     grid = (triton.cdiv(m, bm) * num_n, route.num_experts)
     _grouped_wgrad_kernel[grid](
         a, a_idx if a_idx is not None else route.offsets, a_scale if a_scale is not None else a,
         b, b_idx if b_idx is not None else route.offsets, out, route.offsets, m, n, a.stride(0), b.stride(0),
-        out.stride(0), out.stride(1), num_n, GATHER_A=a_idx is not None, SCALE_A=a_scale is not None,
-        GATHER_B=b_idx is not None, DOT_F32=interpreting() and a.dtype != torch.float32, PREC=_prec(a.dtype),
+        out.stride(0), out.stride(1), num_n, n if b_swiglu else 0, GATHER_A=a_idx is not None,
+        SCALE_A=a_scale is not None, GATHER_B=b_idx is not None, B_SWIGLU=b_swiglu,
+        DOT_F32=interpreting() and a.dtype != torch.float32, PREC=_prec(a.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
@@ -432,7 +445,7 @@ def _forward(x, topk_ids, w_flat, gate_up, down, need_h: bool):
         _rows_gemm(route, act, None, down, (down.stride(0), down.stride(2), down.stride(1)), hidden, inter, y,
                    cfg="down")  # fmt: skip
     out = _combine(y, route, w_flat, t, hidden, x.dtype)
-    return out, route, act, h
+    return out, route, h
 
 
 class _MoEExperts(torch.autograd.Function):
@@ -440,17 +453,18 @@ class _MoEExperts(torch.autograd.Function):
     def forward(ctx, x, topk_ids, topk_weights, gate_up, down):
         w_flat = topk_weights.reshape(-1).contiguous()
         need_grad = any(ctx.needs_input_grad)
-        out, route, act, h = _forward(x, topk_ids, w_flat, gate_up, down, need_h=need_grad)
+        out, route, h = _forward(x, topk_ids, w_flat, gate_up, down, need_h=need_grad)
         if need_grad:
             ctx.route = route
-            # y (the unweighted expert rows, [T*k, H]) dies here: d topk_weights comes from act and d act.
-            ctx.save_for_backward(x, w_flat, gate_up, down, act, h)
+            # act [T*k, I] and y [T*k, H] die here: the backward recomputes act from h where it reads it, and
+            # d topk_weights comes from act and d act.
+            ctx.save_for_backward(x, w_flat, gate_up, down, h)
         ctx.w_shape, ctx.w_dtype = topk_weights.shape, topk_weights.dtype
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        x, w_flat, gate_up, down, act, h = ctx.saved_tensors
+        x, w_flat, gate_up, down, h = ctx.saved_tensors
         route: _Routing = ctx.route
         need_x, _, need_w, need_gu, need_down = ctx.needs_input_grad
         t, hidden = x.shape
@@ -467,9 +481,10 @@ class _MoEExperts(torch.autograd.Function):
         else:
             dy_rows, dy_idx = dy.index_select(0, route.token), None
         if need_down:
-            # d down[e] = (w * dy[token])_e^T @ act_e: the weight scales dy's rows as they load.
+            # d down[e] = (w * dy[token])_e^T @ act_e: the weight scales dy's rows as they load, act is recomputed
+            # from h as it loads.
             ddown = torch.empty(num_experts, hidden, inter, device=x.device, dtype=down.dtype)
-            _wgrad_gemm(route, dy_rows, act, None, hidden, inter, ddown, a_idx=dy_idx, a_scale=w_rows)
+            _wgrad_gemm(route, dy_rows, h, None, hidden, inter, ddown, a_idx=dy_idx, a_scale=w_rows, b_swiglu=True)
         if need_x or need_gu or need_w:
             dh = torch.empty(n, two_i, device=x.device, dtype=x.dtype)
             dw_rows = torch.zeros(n, device=x.device, dtype=torch.float32)
