@@ -194,6 +194,11 @@ for s in "$@"; do
       $PR bench sft \$A --baselines hf,hf-liger,hf-eager-experts --numerics bf16 --json $OUT/bench_sft_moe.json; \
       $PR bench sft \$A --baselines none --master-dtype none --json $OUT/bench_sft_moe_bf16.json" ;;
     bench-sft-moe-same) stage bench-sft-moe-same 300 $PR bench sft --shape qwen3-30b-a3b-L8 --seq 4096 --batch 4 --warmup 2 --steps 4 --baselines hf,hf-liger --numerics bf16 --master-dtype none --json "$OUT/bench_sft_moe_same.json" ;;  # issue 32: ours (bf16 weights + moments) and the grouped_mm + Liger row in one run
+    # issue 32 after the experts' backward stopped saving y and act: ours and the grouped_mm + Liger row in one run
+    # (peak memory: the target is <= Liger's), then the experts kernel alone (fwd + bwd vs torch._grouped_mm)
+    bench-sft-moe-mem) TAIL=40 stage bench-sft-moe-mem 300 bash -c "$PR bench sft --shape qwen3-30b-a3b-L8 --seq 4096 \
+      --batch 4 --warmup 2 --steps 4 --baselines hf-liger --numerics bf16 --master-dtype none \
+      --json $OUT/bench_sft_moe_mem.json; $PR bench kernels --ops moe_experts --json $OUT/bench_kernels_moe.json" ;;
     bench-sft-moe-liger) stage bench-sft-moe-liger 150 $PR bench sft --shape qwen3-30b-a3b-L8 --seq 4096 --batch 4 --warmup 2 --steps 4 --no-ours --baselines hf-liger --numerics bf16 --json "$OUT/bench_sft_moe_liger.json" ;;
     bench-rollout-moe) stage bench-rollout-moe 150 $PR bench rollout --shape qwen3-30b-a3b-L8 --batch 256 --prompt-len 128 --gen-len 256 --baselines hf --skip-batch1 --json "$OUT/bench_rollout_moe.json" ;;
     moe-qlora) TAIL=60 stage moe-qlora 420 bash -c "python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/models/test_moe_qlora.py; A='--shape qwen3-30b-a3b-L4 --seq 4096 --batch 2 --warmup 2 --steps 4 --baselines none'; L='r=16,alpha=32,targets=q,k,v,o,experts'; for m in '' --qlora; do $PR bench sft \$A --lora \$L \$m --activation-checkpointing; done; $PR bench sft \$A --lora \$L --qlora" ;;
