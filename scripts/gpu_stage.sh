@@ -281,6 +281,18 @@ for s in "$@"; do
     # FP8 numerics evidence (issue 28): 300 SFT steps of the 0.6b shape in bf16 and FP8, one PNG, final-loss diff
     fp8-loss-curves) TAIL=10 stage fp8-loss-curves 590 python3 scripts/fp8_loss_curves.py --preset qwen3-0.6b-shape \
       --steps 300 --data "builtin:arithmetic?n=12000" --out "$OUT/fp8_loss_curves" ;;
+    # FP8 numerics above the seed noise (issue 28): 3 seeds x (bf16, FP8), 300 steps of the 0.6b shape on builtin:markov
+    # (text from a fixed random Markov chain over 494 words: a smooth descent toward a known floor), held-out loss of
+    # the final model (1000 @test rows) every 25 steps, paired FP8 - bf16 per seed. Sized for ~8.5 min: 8192 tokens
+    # a step (~0.07-0.08 s at 0.6b: 300 steps ~25 s) + 12 evals of ~21 forward micro-batches (~6 s) + per-run setup
+    # ~20 s (20k rows tokenised, load, graph capture; unlike the 12-03 runs no final checkpoint, ~8 GB of masters
+    # and moments, nor model is written) = ~50 s a run, 6 runs ~300 s, + 3 random inits ~30 s, data ~10 s, cold
+    # kernel compiles ~40 s: ~380 s. --budget-s 450 starts no seed that would end past 450 s (estimated from the
+    # slowest seed so far: a slow machine gives 2 seeds, not a killed third); the JSON is rewritten after every run.
+    # 20000 rows x ~174 tokens = ~425 micro-batches of 8192: no row repeats in 300 steps.
+    fp8-loss-seeds) TAIL=20 stage fp8-loss-seeds 510 python3 scripts/fp8_loss_curves.py --preset qwen3-0.6b-shape \
+      --steps 300 --seeds 0,1,2 --micro-batch-tokens 8192 --data "builtin:markov?n=20000" --eval-rows 1000 \
+      --eval-every 25 --budget-s 450 --out "$OUT/fp8_loss_seeds" ;;
     # Where an SFT run's wall time goes outside the timed step (the fp8-loss-curves run showed ~1.4 s of wall per step
     # against 0.16-0.19 s of step time): the CLI's SFT loop under cProfile, 40 steps of the 0.6b shape, top 30
     fp8-loss-variants) TAIL=12 stage fp8-loss-variants 560 python3 scripts/fp8_loss_curves.py --preset qwen3-0.6b-shape \

@@ -142,3 +142,59 @@ def test_rl_prompt_view_keeps_answer_and_task_for_rewards(tokenizer):
     assert prompts[0].messages == [{"role": "user", "content": prompts[0].messages[0]["content"]}]
     data = build_sft(DataConfig(path="builtin:reverse?n=8"), tokenizer)
     assert data.stats.sequences == 8
+
+
+def test_markov_text_is_one_fixed_language_with_a_known_entropy_floor():
+    """builtin:markov: the same chain in every split and seed, NLL per word at the Zipf entropy, disjoint splits."""
+    import math
+
+    from polyrl.data.builtin import markov
+
+    spec = "builtin:markov?vocab=32&order=2&branch=4&mean_len=20"
+    params = {"vocab": "32", "order": "2", "branch": "4", "mean_len": "20"}
+    train, test = generate(spec + "&n=400"), generate(spec + "&n=300@test")
+    assert train == generate(spec + "&n=400") and train != generate(spec + "&n=400&seed=1")
+    assert {r["prompt"] for r in train}.isdisjoint({r["prompt"] for r in test})
+    probs = [1 / r for r in range(1, 5)]
+    h_word = -sum(p / sum(probs) * math.log(p / sum(probs)) for p in probs)
+    assert markov.word_entropy(params) == pytest.approx(h_word, rel=1e-12)
+    words = completions = 0
+    nll = 0.0
+    for r in train + test:
+        prompt = r["prompt"].removeprefix("Continue the text: ").split()
+        body = r["completion"][:-1].split()
+        assert r["completion"].endswith(".") and len(prompt) == 8 and 1 <= len(body) <= 256
+        assert set(prompt + body) <= set(markov.WORDS[:32]) and check(r["completion"], r)
+        nll += markov.completion_nll(r, params)
+        words, completions = words + len(body), completions + 1
+    stop = 1 / 20
+    expected = words * h_word + (words - completions) * -math.log1p(-stop) + completions * -math.log(stop)
+    assert nll == pytest.approx(expected, rel=0.03)  # the sampled words' NLL averages the chain's entropy
+    assert 15 < words / completions < 25  # geometric lengths, mean 20
+    # the chain: each context has `branch` successors (the same ones in both splits), most likely one ~48%
+    k, seen = 2, {}
+    for r in train + test:
+        w = r["prompt"].removeprefix("Continue the text: ").split() + r["completion"][:-1].split()
+        for i in range(k, len(w)):
+            seen.setdefault(tuple(w[i - k : i]), []).append(w[i])
+    assert max(len(set(v)) for v in seen.values()) == 4
+    busy = max(seen.values(), key=len)
+    top = max(set(busy), key=busy.count)
+    assert busy.count(top) / len(busy) == pytest.approx(probs[0] / sum(probs), abs=0.12)
+    # text that is not from this chain (an impossible word, a missing stop) has no finite NLL
+    row = dict(train[0])
+    assert markov.completion_nll({**row, "completion": row["completion"][:-1]}, params) == math.inf
+    impossible = [w for w in markov.WORDS[:32] if markov.completion_nll({**row, "completion": w + "."}, params) > 1e9]
+    assert len(impossible) == 32 - 4 and not check("the end", row) and not check("zebra.", row)
+    with pytest.raises(ConfigError, match="branch=40 must be <= vocab=32"):
+        generate("builtin:markov?vocab=32&branch=40")
+    with pytest.raises(ConfigError, match="prompt_words=1 must be >= order=2"):
+        DataConfig(path="builtin:markov?order=2&prompt_words=1")
+    with pytest.raises(ConfigError, match="no parameter"):
+        DataConfig(path="builtin:markov?max=3")
+
+
+def test_markov_rows_train_as_sft(tokenizer):
+    rows = generate("builtin:markov?n=6&mean_len=5")
+    data = build_sft(DataConfig(path="builtin:markov?n=6&mean_len=5"), tokenizer)
+    assert data.stats.sequences == 6 and data.stats.target_tokens >= sum(len(r["completion"].split()) for r in rows)

@@ -7,6 +7,9 @@ Every task yields rows ``{"prompt", "completion", "answer", "task"}`` (``<name>-
 distinct problems (fewer than 200 by default when the space is small); the train split may repeat problems. The
 train and test splits are disjoint by construction: a problem belongs to the test split when a hash of its prompt falls
 in the held-out fraction, so no seed or ``n`` can leak test prompts into training.
+Tasks: ``arithmetic``, ``reverse``, ``count``, ``copy`` (exact answers) and ``markov`` (text from a fixed random
+Markov chain over words, with a known entropy floor, for loss-curve studies; its checker only checks well-formedness:
+there is no single right continuation).
 This module generates and checks; it does not tokenise (see ``polyrl.data.chat``).
 """
 
@@ -18,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from polyrl.data.builtin import arithmetic, strings
+from polyrl.data.builtin import arithmetic, markov, strings
 from polyrl.data.builtin.check import check_string, extract_answer
 from polyrl.errors import ConfigError
 
@@ -53,6 +56,9 @@ register_task(
         arithmetic.check,
         arithmetic.validate,
     )
+)
+register_task(
+    BuiltinTask("markov", markov.DEFAULTS, markov.generate, markov.wrong_answer, markov.check, markov.validate)
 )
 for _name, _cls in (("reverse", strings.Reverse), ("count", strings.Count), ("copy", strings.Copy)):
     register_task(BuiltinTask(_name, _cls.defaults, _cls.generate, _cls.wrong_answer, _cls.check, _cls.validate))
