@@ -8,8 +8,10 @@ then checked), with the qwen3-0.6b preset's tokenizer (151,936 ids: a 4,096-toke
 
 - ``random``: ids drawn uniformly from the vocabulary (mostly fillers, which contain ``<`` and ``>``: what a
   random-weight checkpoint emits);
-- ``text``: the ids of natural text (the tokenizer's own training text, with some multi-byte characters), split
-  into one stream per sequence (its special tokens left out: EOS would stop a sequence).
+- ``text``: the ids of natural text (the tokenizer's own training text), split into one stream per sequence (its
+  special tokens left out: EOS would stop a sequence);
+- ``mixed``: the same with multi-byte characters every seventh line (``naïve café — 日本語``: this 4,096-token BPE
+  splits most of them over byte tokens, which take the detokenizer's two decodes).
 
 Each stream runs ``--repeats`` times on fresh sequences with one ``Detokenizers``, as an engine holds one (the
 first run includes first-use costs: the per-id piece table and the stop screen are filled on first sight of each
@@ -43,7 +45,8 @@ def _streams(tok, vocab: int, kind: str, seqs: int, tokens: int, seed: int) -> l
     from polyrl.models.tokenizer import generate_corpus
 
     lines = generate_corpus(lines=4 * seqs, seed=seed)
-    text = " ".join(line + (" naïve café — 日本語 " if i % 7 == 0 else "") for i, line in enumerate(lines))
+    extra = " naïve café — 日本語 " if kind == "mixed" else ""
+    text = " ".join(line + (extra if i % 7 == 0 else "") for i, line in enumerate(lines))
     special = set(tok.all_special_ids)
     ids = [t for t in tok.backend_tokenizer.encode(text, add_special_tokens=False).ids if t not in special]
     need = seqs * tokens
@@ -96,7 +99,7 @@ def main() -> None:
     except ImportError:  # the engine before Detokenizers passed its tokenizer (run on an older checkout)
         text_of = tok
     n = args.seqs * args.tokens
-    for kind in ("random", "text"):
+    for kind in ("random", "text", "mixed"):
         streams = _streams(tok, vocab, kind, args.seqs, args.tokens, args.seed)
         times = [run_once(tok, text_of, streams, [args.stop], 4096) for _ in range(args.repeats)]
         first, best = times[0], min(times[1:] or times)
