@@ -14,7 +14,8 @@ previous window's text followed by that piece: UTF-8 read that way is the concat
 appended is valid (a valid part starts with no continuation byte, so whatever precedes it decodes the same). The
 detokenizer then emits the piece and moves its offsets as the two decodes would have, without them. Any other case
 (a held-back tail, a byte fragment, a skipped special token, a decoder that is not byte-level: Metaspace, WordPiece,
-transformers' own ``decode``) takes the two decodes. The text is kept as a list of pieces, joined when read.
+transformers' own ``decode``) takes the two decodes. Only the window's ids are kept (one token after a piece), and the
+text as a list of pieces, joined when read: a token taken by its piece touches no list but that one.
 
 ``Detokenizers`` makes each sequence's detokenizer for one tokenizer and holds what they share: the decoder to call
 (``backend_decoder``: the Rust backend where transformers' ``decode`` would return exactly its text) and the piece
@@ -69,54 +70,49 @@ _NO_PIECES = _NoPieces()
 
 
 class IncrementalDetokenizer:
-    """The text of ``ids`` so far. The decode window is kept as counts from the end: ``window`` ids the next decode
-    starts from (``prefix_offset = len(ids) - window``), of which the last ``held`` were not emitted yet
-    (``read_offset = len(ids) - held``); a token taken by its piece leaves ``held = 0, window = 1``, as the two decodes
-    would have."""
+    """The text of the ids added so far. Only the decode window is kept (``window``: the ids from ``prefix_offset``
+    on, of which the last ``held`` were not emitted yet); after a token taken by its piece the window is that one
+    token (``_win`` None, the id in ``_last``), as the two decodes would have left it, and nothing else is stored."""
 
-    __slots__ = ("tokenizer", "skip_special_tokens", "pieces", "ids", "_parts", "window", "held")
+    __slots__ = ("tokenizer", "skip_special_tokens", "pieces", "_win", "_last", "held", "_parts")
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, pieces: TokenPieces | None = None) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.pieces: dict[int, str] = _NO_PIECES if pieces is None else pieces
-        self.ids: list[int] = []
-        self._parts: list[str] = []  # the text, joined when read (appending is O(1), not O(text))
-        self.window = 0
+        self._win: list[int] | None = []
+        self._last = -1
         self.held = 0
+        self._parts: list[str] = []  # the text, joined when read (appending is O(1), not O(text))
 
     @property
-    def prefix_offset(self) -> int:
-        return len(self.ids) - self.window
-
-    @property
-    def read_offset(self) -> int:
-        return len(self.ids) - self.held
+    def window(self) -> list[int]:
+        return list(self._win) if self._win is not None else [self._last]
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         """Append one token; returns the text it completes (possibly empty)."""
-        ids = self.ids
         if not self.held:
             new = self.pieces[token_id]
-            if new:  # what the two decodes below would emit
-                ids.append(token_id)
+            if new:  # what the two decodes below would emit; the window becomes this token
+                self._last = token_id
+                self._win = None
                 self._parts.append(new)
-                self.window = 1
                 return new
-        start, read = len(ids) - self.window, len(ids) - self.held
-        ids.append(token_id)
-        prefix = self._decode(ids[start:read])
-        full = self._decode(ids[start:])
+        win = self._win if self._win is not None else [self._last]
+        read = len(win) - self.held
+        win.append(token_id)
+        prefix = self._decode(win[:read])
+        full = self._decode(win)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             new = full[len(prefix) :]
-            self.window = self.held + 1  # the next window starts where this one's unread part did
+            self._win = win[read:]  # the next window starts where this one's unread part did
             self.held = 0
             self._parts.append(new)
             return new
-        self.window += 1
+        self._win = win
         self.held += 1
         return ""
 

@@ -53,7 +53,8 @@ def check_stop(
             seq.stop_screen = stop_screen(p.stop)
     if detok is not None:
         new = detok.add(token)
-        if new and p.stop and seq.stop_screen[new] and n_gen >= p.min_tokens:
+        screen = seq.stop_screen  # None without stop strings
+        if new and screen is not None and screen[new] and n_gen >= p.min_tokens:
             hit = _find_stop(detok.text, len(new), p.stop)
             if hit is not None:
                 pos, s = hit

@@ -223,7 +223,7 @@ def test_whole_tokens_take_no_decode_call(tok, monkeypatch):
     split = _ids(tok, "日本")
     assert [d.add(t) for t in split] == ["", "", "日", "", "", "本"]  # byte tokens: the two decodes, held back
     assert len(calls) == 2 * len(split) and d.text == tok.decode(ids + split)
-    assert (d.prefix_offset, d.read_offset) == (len(ids) + 3, len(ids) + 6)  # the plain rule's offsets
+    assert d.window == split[3:] and d.held == 0  # the plain rule's window: from the first byte of "本"
 
 
 def test_the_shortcut_is_refused_where_it_would_not_be_exact(tok):
