@@ -31,6 +31,7 @@ import torch
 from polyrl.errors import UserError
 from polyrl.infer.block_manager import BlockManager
 from polyrl.infer.config import RolloutConfig
+from polyrl.infer.detokenizer import Detokenizers
 from polyrl.infer.fp8_weights import Fp8Weights
 from polyrl.infer.kv_cache import KVCache
 from polyrl.infer.model_runner import ModelRunner
@@ -72,6 +73,7 @@ class LLM:
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: RolloutConfig | None = None) -> None:
         self.model = model  # a reference: colocated training updates these very tensors
         self.tokenizer = tokenizer
+        self.detokenizers = Detokenizers(tokenizer)  # per-sequence detokenizers for stop strings and streaming
         self.config = config or RolloutConfig()
         mcfg = model.config
         param = next(model.parameters())
@@ -450,7 +452,7 @@ class LLM:
         alternatives, or None when no row asked for them; ``masses``: per-row log(mass the grammar allowed) when
         a row has a grammar, whose matcher consumes the token here)."""
         # Per sequence per step: keep this loop lean (it is host time at large batches).
-        eos_ids, max_len, tokenizer, finish = self.eos_token_ids, self.max_model_len, self.tokenizer, None
+        eos_ids, max_len, detoks, finish = self.eos_token_ids, self.max_model_len, self.detokenizers, None
         requests, version = self._requests, self.policy_version
         for i, (s, tok, lp, top) in enumerate(zip(seqs, tokens, logprobs, tops or [None] * len(seqs))):
             if s.guide is not None:
@@ -462,7 +464,7 @@ class LLM:
             s.cumulative_logprob += lp
             if s.top_logprobs is not None:
                 s.top_logprobs.append(top or {})
-            stop = check_stop(s, tok, eos_ids, max_len, tokenizer)
+            stop = check_stop(s, tok, eos_ids, max_len, detoks)
             if stop is not None:
                 finish = finish or []
                 finish.append((s, stop))

@@ -100,6 +100,7 @@ class Sequence:
         "finish_reason",
         "stop_reason",
         "detok",
+        "stop_screen",
         "stream",
         "emitted_tokens",
         "emitted_text",
@@ -140,6 +141,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.detok: Any = None  # IncrementalDetokenizer when stop strings or streaming need text
+        self.stop_screen: Any = None  # stopping.StopScreen of params.stop, set with detok when there are stop strings
         self.stream = stream
         self.emitted_tokens = 0
         self.emitted_text = 0

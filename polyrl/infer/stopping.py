@@ -5,17 +5,25 @@ Order, following vLLM: before ``min_tokens`` generated tokens only the length li
 before the stop string, the token ids stay whole), ``max_tokens``, and the context length.
 
 A stop string is searched only in the text the new token added plus ``len(stop) - 1`` characters
-before it, so the check costs O(new text), not O(output). The detokenizer decodes through the tokenizer's
-Rust backend directly where transformers' ``decode`` would return exactly what the backend does
-(``_backend_decoder``): the wrapper's own Python was ~3 of ~4 us per decode, two decodes per token.
+before it, so the check costs O(new text), not O(output). Host cost per token (``check_stop`` runs once per accepted
+token: ``scripts/stop_check_host_profile.py`` measures it) is kept small two ways, neither changing a result:
+
+- the detokenizer takes most tokens without a decode call (``detokenizer.TokenPieces``: a byte-level BPE token's
+  own text, made once per id), and decodes through the tokenizer's Rust backend otherwise
+  (``detokenizer.backend_decoder``);
+- a new text is searched only when a stop string could end inside it (``StopScreen``, memoised per text and stop
+  set): one of them lies inside it, or it starts with a proper suffix of one (whose rest would come before it).
+  Any occurrence the search could find ends inside the new text, so it is one of those two cases.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from polyrl.infer.detokenizer import IncrementalDetokenizer
 from polyrl.infer.sequence import Sequence
+
+_SCREEN_TEXTS = 1 << 14  # texts a StopScreen remembers (past that it still answers, without storing)
+_SCREEN_SETS = 32  # stop sets remembered (the cache is emptied past that)
 
 
 def needs_detokenizer(seq: Sequence) -> bool:
@@ -23,29 +31,34 @@ def needs_detokenizer(seq: Sequence) -> bool:
 
 
 def check_stop(
-    seq: Sequence, token: int, eos_ids: frozenset[int], max_model_len: int, tokenizer: Any
+    seq: Sequence, token: int, eos_ids: frozenset[int], max_model_len: int, detokenizers: Any
 ) -> tuple[str, int | str | None] | None:
     """(finish_reason, stop_reason) when ``seq`` must stop after ``token``, else None.
 
-    Feeds ``token`` to the sequence's detokenizer when it has one (except for a stopping EOS/stop
-    token, whose text never belongs to the output)."""
+    Feeds ``token`` to the sequence's detokenizer when it has one (made by ``detokenizers``, an
+    ``infer.detokenizer.Detokenizers``, on the first token), except for a stopping EOS/stop token, whose text never
+    belongs to the output."""
     p = seq.params
     n_tokens = len(seq.tokens)
     n_gen = n_tokens - seq.num_prompt
     if n_gen >= p.min_tokens:
-        if not p.ignore_eos and token in eos_ids:
+        if token in eos_ids and not p.ignore_eos:
             return "stop", None
         if p.stop_token_ids and token in p.stop_token_ids:
             return "stop", token
-    if seq.detok is None and (p.stop or seq.stream):  # needs_detokenizer, inlined (per token)
-        seq.detok = IncrementalDetokenizer(_backend_decoder(tokenizer), p.skip_special_tokens)
-    if seq.detok is not None:
-        new = seq.detok.add(token)
-        if new and p.stop and n_gen >= p.min_tokens:
-            hit = _find_stop(seq.detok.text, len(new), p.stop)
+    detok = seq.detok
+    if detok is None and (p.stop or seq.stream):  # needs_detokenizer, inlined (per token)
+        detok = seq.detok = detokenizers.new(p.skip_special_tokens)
+        if p.stop:
+            seq.stop_screen = stop_screen(p.stop)
+    if detok is not None:
+        new = detok.add(token)
+        screen = seq.stop_screen  # None without stop strings
+        if new and screen is not None and screen[new] and n_gen >= p.min_tokens:
+            hit = _find_stop(detok.text, len(new), p.stop)
             if hit is not None:
                 pos, s = hit
-                seq.detok.text = seq.detok.text[:pos]
+                detok.text = detok.text[:pos]
                 return "stop", s
     if p.max_tokens is not None and n_gen >= p.max_tokens:
         return "length", None
@@ -65,19 +78,31 @@ def _find_stop(text: str, new_len: int, stops: list[str]) -> tuple[int, str] | N
     return best
 
 
-def _backend_decoder(tokenizer: Any) -> Any:
-    """What the detokenizer calls ``decode(ids, skip_special_tokens=...)`` on: the ``tokenizers.Tokenizer`` behind a
-    transformers fast tokenizer when transformers' ``decode`` is its own, unchanged one (``decode`` from
-    ``tokenization_utils_base``, ``_decode`` from the fast-tokenizer module: the backend's text, then only the
-    optional clean-up of spaces) and that clean-up is off; else the tokenizer itself. Once per sequence."""
-    cls = type(tokenizer)
-    backend = getattr(tokenizer, "_tokenizer", None)
-    ok = (
-        backend is not None
-        and callable(getattr(backend, "decode", None))
-        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
-        and getattr(getattr(cls, "decode", None), "__module__", "") == "transformers.tokenization_utils_base"
-        and getattr(getattr(cls, "_decode", None), "__module__", "")
-        in ("transformers.tokenization_utils_tokenizers", "transformers.tokenization_utils_fast")
-    )
-    return backend if ok else tokenizer
+class StopScreen(dict):
+    """New text -> whether one of ``stops`` could end inside it (True: ``_find_stop`` must look; False: it would
+    find nothing, whatever text comes before), answered once per distinct text."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        super().__init__()
+        self.stops = stops
+        self.suffixes = tuple(s[j:] for s in stops for j in range(1, len(s)))  # proper suffixes
+
+    def __missing__(self, new: str) -> bool:
+        hit = new.startswith(self.suffixes) or any(s in new for s in self.stops)
+        if len(self) < _SCREEN_TEXTS:
+            self[new] = hit
+        return hit
+
+
+_screens: dict[tuple[str, ...], StopScreen] = {}
+
+
+def stop_screen(stops: list[str]) -> StopScreen:
+    """The shared ``StopScreen`` of a stop set (once per sequence)."""
+    key = tuple(stops)
+    screen = _screens.get(key)
+    if screen is None:
+        if len(_screens) >= _SCREEN_SETS:
+            _screens.clear()
+        screen = _screens[key] = StopScreen(key)
+    return screen

@@ -76,12 +76,11 @@ def test_generate_stats_add_up(lm):
 
 
 def test_stop_checks_decode_through_the_backend_with_the_same_text(tiny_model_dir):
-    from polyrl.infer.detokenizer import IncrementalDetokenizer
-    from polyrl.infer.stopping import _backend_decoder
+    from polyrl.infer.detokenizer import IncrementalDetokenizer, backend_decoder
     from polyrl.models.checkpoint import load_tokenizer
 
     tok = load_tokenizer(str(tiny_model_dir))
-    fast = _backend_decoder(tok)
+    fast = backend_decoder(tok)
     assert fast is tok._tokenizer  # a plain fast tokenizer, no clean-up of spaces
     rng = random.Random(0)
     specials = list(tok.all_special_ids)
@@ -93,4 +92,4 @@ def test_stop_checks_decode_through_the_backend_with_the_same_text(tiny_model_di
             assert a.text == b.text  # (an incomplete UTF-8 tail is held back by both, as the detokenizer does)
             assert fast.decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
     tok.clean_up_tokenization_spaces = True  # transformers would change the backend's text: keep its decode
-    assert _backend_decoder(tok) is tok
+    assert backend_decoder(tok) is tok
