@@ -235,6 +235,10 @@ for s in "$@"; do
         python3 scripts/pyspy_summary.py $OUT/serve_gil.raw --top 30" ;;
     # prompt log-probs at the 8b shape, where the LM head is ~9% of the body's FLOPs (issue 34's 15% bound): the random
     # 8b checkpoint takes ~2 min to build, so few documents and no hf rows
+    # issue 34's three same-run rows at once: log-likelihood (2000 docs) in-process and through `polyrl serve`, and the
+    # generation phase (256 x 32 tokens) with its split (prefill, decode launches, host stop checks)
+    bench-eval-all) TAIL=45 stage bench-eval-all 420 $PR bench eval --shape qwen3-0.6b --docs 2000 --serve \
+      --hf-batch-sizes 256 --gen-docs 256 --profile $OUT/eval-all-profile --json $OUT/bench_eval_all.json ;;
     bench-eval-8b) TAIL=12 stage bench-eval-8b 420 $PR bench eval --shape qwen3-8b --docs 200 --hf-batch-sizes '' \
       --gen-docs 0 --json "$OUT/bench_eval_8b.json" ;;
     bench-eval-profile) TAIL=60 stage bench-eval-profile 300 bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider tests/eval/test_scoring.py 2>&1 | tail -3; \
