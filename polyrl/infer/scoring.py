@@ -226,7 +226,7 @@ def score_prompts(llm: Any, prompts: Seq[Seq[int]], require_idle: bool = True) -
     )
     last = [lps.pop() for lps in res.token_logprobs]
     res.logprobs = [s - x for s, x in zip(res.logprobs, last)]
-    res.greedy = [all(i == t for i, t in zip(ids, p[1:])) for ids, p in zip(res.top_ids, prompts)]
+    res.greedy = [ids[: len(p) - 1] == list(p[1:]) for ids, p in zip(res.top_ids, prompts)]  # C-speed compares
     return res
 
 
