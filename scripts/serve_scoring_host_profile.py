@@ -9,9 +9,9 @@ Two measurements:
   ``scoring.scored_body`` (the whole response as JSON text), thread CPU time (min and median of ``--repeat``
   runs) on one scored result (``infer.scoring.score_prompts``); ``scored_body`` also with a cold token cache.
 - **round trip**: ``polyrl serve`` in a subprocess (``--device cpu``), ``--requests`` sequential requests through
-  ``httpx``; per request the client's wall time, the server process's CPU time (``/proc``) and its scoring counters
-  (``/metrics``: the engine thread's ``score_prompts`` and the ``format`` stage), so the server's host work outside
-  the engine is ``cpu - engine``. The tiny model's forward is part of ``engine``.
+  ``httpx``; per request the client's wall time, the server process's CPU time by thread (``/proc``: the busiest
+  thread is the engine's, which runs the tiny model's forward; the others are the event loop and the prep pool:
+  HTTP, parsing, formatting) and its scoring counters (``/metrics``, wall time).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python scripts/serve_scoring_host_profile.py
     ... --max-tokens 0 --skip-round-trip --profile      # cProfile of scored_body
@@ -116,10 +116,16 @@ def in_process(model_dir: Path, body: dict[str, Any], args: argparse.Namespace) 
         pstats.Stats(prof).sort_stats("tottime").print_stats(15)
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _thread_cpu_s(pid: int) -> dict[int, float]:
+    """User + system CPU seconds of each thread of process ``pid``."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
 
 
 def _scoring(url: str, client: Any) -> dict[str, float]:
@@ -157,25 +163,27 @@ def round_trip(model_dir: Path, body: dict[str, Any], args: argparse.Namespace) 
             for _ in range(3):  # warm-up: token caches, first forwards
                 client.post(url + "/v1/completions", json=body).raise_for_status()
             walls = []
-            before, cpu0 = _scoring(url, client), _cpu_s(proc.pid)
+            before, cpu0 = _scoring(url, client), _thread_cpu_s(proc.pid)
             for _ in range(args.requests):
                 t0 = time.perf_counter()
                 r = client.post(url + "/v1/completions", json=body)
                 walls.append(time.perf_counter() - t0)
                 r.raise_for_status()
-            cpu = _cpu_s(proc.pid) - cpu0
+            cpu1 = _thread_cpu_s(proc.pid)
             after = _scoring(url, client)
     finally:
         proc.terminate()
         proc.wait(30)
     n = args.requests
     stage = {k: (after.get(k, 0.0) - before.get(k, 0.0)) / n * 1e3 for k in after}
-    print(f"round trip ({n} sequential requests, server in a subprocess):")
-    print(f"  client wall              {statistics.median(walls) * 1e3:8.2f} ms (median)")
-    print(f"  server process CPU       {cpu / n * 1e3:8.2f} ms")
+    per_thread = sorted((cpu1[t] - cpu0.get(t, 0.0) for t in cpu1), reverse=True)
+    print(f"round trip ({n} sequential requests, server in a subprocess), ms per request:")
+    print(f"  client wall (median)             {statistics.median(walls) * 1e3:8.2f}")
+    print(f"  server process CPU               {sum(per_thread) / n * 1e3:8.2f}")
+    print(f"  its busiest thread (the engine)  {per_thread[0] / n * 1e3:8.2f}")
+    print(f"  its other threads (HTTP, format) {sum(per_thread[1:]) / n * 1e3:8.2f}")
     for k in ("engine", "format", "request"):
-        print(f"  server {k:17s} {stage.get(k, 0.0):8.2f} ms")
-    print(f"  server CPU - engine      {cpu / n * 1e3 - stage.get('engine', 0.0):8.2f} ms")
+        print(f"  /metrics {k:23s} {stage.get(k, 0.0):8.2f} (wall)")
 
 
 def main() -> None:

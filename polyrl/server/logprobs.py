@@ -7,9 +7,12 @@
 - vLLM's ``prompt_logprobs``: ``[None, {token id: {"logprob", "rank", "decoded_token"}}, ...]``
 
 A token's string is ``tokenizer.decode([id])`` with special tokens kept (cached per id, with its JSON encoding and its
-length); ``bytes`` are its UTF-8 bytes. ``scored_echo_json`` writes the legacy block of a directly scored prompt
-(``server/scoring.py``) as JSON text at once, from the scorer's flat lists and those caches: the bytes
-``json.dumps`` gives for what ``echo_logprobs`` + ``completion_logprobs`` build, without a dict per token.
+length; ``TokenText.fill`` decodes a request's unseen ids in one batch call); ``bytes`` are its UTF-8 bytes.
+``scored_echo_blocks`` writes the legacy blocks of a directly scored request's prompts (``server/scoring.py``) as JSON
+text at once, from the scorer's lists and those caches: the bytes ``json.dumps`` gives for what ``echo_logprobs`` +
+``completion_logprobs`` build, without a dict per token. Its cost is mostly ``repr`` of each written log-prob (the
+shortest round-trip digits, ~0.6 us a value); a prompt's leading positions that equal the previous prompt's
+(lm-eval sends a document's choices as sorted neighbours) reuse that prompt's texts instead.
 The engine's log-probs are ``log_softmax(logits / T)`` before top-k/top-p truncation (see ``polyrl.infer``).
 This module only formats; it does not compute log-probs.
 """
