@@ -153,9 +153,12 @@ def echo_logprobs(text_of: TokenText, prompt_ids: list[int], prompt_lps: Any, k:
 
 def _clamped(values: list[float]) -> list[float]:
     """``[_safe(v) for v in values]``, the list itself when no value needs it (checked at C speed)."""
-    if values and not (min(values) > -9999.0 and sum(values) == sum(values)):  # a NaN makes the sum NaN
-        return [v if v > -9999.0 else -9999.0 for v in values]
-    return values
+    if not values:
+        return values
+    total = sum(values)  # NaN when a value is
+    if min(values) > -9999.0 and total == total:
+        return values
+    return [v if v > -9999.0 else -9999.0 for v in values]
 
 
 _DECIMALS = [str(i) for i in range(1 << 12)]

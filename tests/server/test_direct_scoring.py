@@ -187,6 +187,43 @@ def test_scored_echo_blocks_of_a_request_with_shared_contexts(k, generated):
     assert shared == [6, 6, 0, 0, 0, 0, 0]  # 6: the context's 7 tokens - 1 (its NaN is one object: the same value)
 
 
+def test_scored_echo_blocks_random_requests():
+    """Random requests (neighbours sharing prefixes with the same or other values, -inf, NaN, 0.0 and -0.0, argmax
+    equal to the token or not): every block is the general formatter's bytes."""
+    import math
+    import random
+
+    from polyrl.server.logprobs import TokenText, scored_echo_blocks
+
+    rng = random.Random(0)
+    special = [-math.inf, math.nan, 0.0, -0.0, -9999.0, -12345.5, -1e-7]
+
+    def value():
+        return rng.choice(special) if rng.random() < 0.1 else -rng.expovariate(0.3)
+
+    text_of = TokenText(_Vocab())
+    for _ in range(40):
+        prompts, lps, top_ids, top_lps = [], [], [], []
+        for _ in range(rng.randint(1, 8)):
+            p = [rng.randrange(10) for _ in range(rng.randint(1, 12))]
+            if prompts and rng.random() < 0.5:
+                p = prompts[-1][: rng.randint(1, len(prompts[-1]))] + p[: rng.randint(0, 3)]
+            lps.append([value() for _ in p[1:]])
+            top_ids.append([t if rng.random() < 0.4 else rng.randrange(10) for t in p[1:]] + [rng.randrange(10)])
+            top_lps.append([value() for _ in p])
+            if prompts and rng.random() < 0.7:  # the shared prefix scored with the same values (or a sign flip)
+                c = next((j for j, (x, y) in enumerate(zip(p, prompts[-1])) if x != y), min(len(p), len(prompts[-1])))
+                c = max(0, c - 1)
+                lps[-1][:c] = [-x if x == 0.0 and rng.random() < 0.5 else x for x in lps[-2][:c]]
+                top_ids[-1][:c], top_lps[-1][:c] = top_ids[-2][:c], top_lps[-2][:c]
+            prompts.append(p)
+        for k in (0, 1):
+            for generated in (True, False):
+                got = scored_echo_blocks(text_of, prompts, lps, top_ids, top_lps, k, generated)
+                want = [_general_block(text_of, *a, k, generated) for a in zip(prompts, lps, top_ids, top_lps)]
+                assert got == want
+
+
 def test_out_of_vocabulary_token_ids_are_a_400(served, http):
     _, llm = served
     for prompt in ([[5, 6], [5, llm.vocab_size]], [[-1, 3]], [3, llm.vocab_size + 7]):
