@@ -19,7 +19,8 @@ request and runs the model directly on the engine's paged KV cache:
   the log-sum-exp and the log-prob, no fp32 copy: ``prompt_logprobs.logit_row_stats``); never a ``[T, V]`` log-softmax.
 - **no host sync per batch**: per-request sums and greedy flags accumulate on the device (``index_add_``); the host
   reads them once at the end. Batches of at most ``RolloutConfig.max_num_batched_tokens`` tokens (what the cache
-  sizing reserved activations for); their index arrays go to the device in one pinned copy (``batch.to_device``).
+  sizing reserved activations for); their index arrays are built by numpy with no Python step per sequence
+  (``_arrays``) and go to the device in one pinned copy (``batch.to_device``).
 
 ``score_prompts`` scores every position of whole prompts the same way (a server's ``echo`` + ``logprobs`` request,
 ``server/scoring.py``): per token its log-prob and the argmax (id, log-prob), read in one transfer at the end.
@@ -146,38 +147,40 @@ def _arrays(batch: _Batch, pool: np.ndarray, bs: int, conts: Seq[Seq[int]]) -> t
     np.cumsum(own, out=first[1:])
     shared_blocks = np.where(np.asarray(batch.seq_shared) >= 0, starts // bs, 0)
     width = int((shared_blocks + own).max())
+    # every token's sequence and index in it, every own KV block's sequence: no Python step per sequence
+    seq = np.repeat(np.arange(nseq), lens)
+    local = np.arange(int(cu[-1]), dtype=np.int64) - cu[:-1][seq]
+    positions = starts[seq] + local
+    slots = pool[first[:-1][seq] + local // bs] * bs + local % bs
     tables = np.zeros((nseq, width), dtype=np.int64)
-    positions = np.empty(int(cu[-1]), dtype=np.int64)
-    slots = np.empty(int(cu[-1]), dtype=np.int64)
-    lane = np.arange(bs, dtype=np.int64)
-    for i in range(nseq):
-        k = int(shared_blocks[i])
-        mine = pool[first[i] : first[i + 1]]
-        if k:
-            j = batch.seq_shared[i]
-            tables[i, :k] = tables[j, :k]
-        tables[i, k : k + len(mine)] = mine
-        lo, hi = int(cu[i]), int(cu[i + 1])
-        positions[lo:hi] = np.arange(starts[i], starts[i] + lens[i])
-        slots[lo:hi] = (mine[:, None] * bs + lane).reshape(-1)[: hi - lo]
-    row_idx, targets, req = [], [], []
-    for i, local, r in batch.rows:
-        cont = conts[r]
-        lo = int(cu[i]) + local
-        row_idx.extend(range(lo, lo + len(cont)))
-        targets.extend(cont)
-        req.extend([r] * len(cont))
+    blk_seq = np.repeat(np.arange(nseq), own)
+    blk = np.arange(int(first[-1]), dtype=np.int64) - first[:-1][blk_seq]
+    tables[blk_seq, shared_blocks[blk_seq] + blk] = pool[: int(first[-1])]
+    branch = np.flatnonzero(shared_blocks)
+    if branch.size:  # a branch's leading blocks: its shared sequence's own blocks (that one has no shared blocks)
+        k = shared_blocks[branch]
+        rows = np.repeat(branch, k)
+        col = np.arange(int(k.sum()), dtype=np.int64) - np.repeat(np.cumsum(k) - k, k)
+        owner = np.asarray(batch.seq_shared, dtype=np.int64)[branch]
+        tables[rows, col] = pool[np.repeat(first[owner], k) + col]
+    seqs, locs, reqs = (np.asarray(c, dtype=np.int64) for c in zip(*batch.rows))
+    counts = np.fromiter((len(conts[r]) for r in reqs.tolist()), dtype=np.int64, count=len(reqs))
+    total = int(counts.sum())
+    offset = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    row_idx = np.repeat(cu[seqs] + locs, counts) + offset
+    targets = np.fromiter(chain.from_iterable(conts[r] for r in reqs.tolist()), dtype=np.int64, count=total)
+    req = np.repeat(reqs, counts)
     arrays = {
-        "input_ids": np.array(list(chain.from_iterable(batch.seq_tokens)), dtype=np.int64),
+        "input_ids": np.fromiter(chain.from_iterable(batch.seq_tokens), dtype=np.int64, count=int(cu[-1])),
         "positions": positions,
         "slot_mapping": slots,
         "cu_seqlens": cu,
         "context_lens": starts + lens,
         "block_tables": tables,
-        "sample_rows": np.asarray(row_idx, dtype=np.int64),
+        "sample_rows": row_idx,
         "max_seqlen": np.array([int(lens.max())]),
     }
-    return arrays, {"targets": np.asarray(targets, dtype=np.int64), "requests": np.asarray(req, dtype=np.int64)}
+    return arrays, {"targets": targets, "requests": req}
 
 
 def _score_rows(
@@ -226,7 +229,7 @@ def score_prompts(llm: Any, prompts: Seq[Seq[int]], require_idle: bool = True) -
     )
     last = [lps.pop() for lps in res.token_logprobs]
     res.logprobs = [s - x for s, x in zip(res.logprobs, last)]
-    res.greedy = [all(i == t for i, t in zip(ids, p[1:])) for ids, p in zip(res.top_ids, prompts)]
+    res.greedy = [ids[: len(p) - 1] == list(p[1:]) for ids, p in zip(res.top_ids, prompts)]  # C-speed compares
     return res
 
 

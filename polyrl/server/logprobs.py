@@ -7,46 +7,56 @@
 - vLLM's ``prompt_logprobs``: ``[None, {token id: {"logprob", "rank", "decoded_token"}}, ...]``
 
 A token's string is ``tokenizer.decode([id])`` with special tokens kept (cached per id, with its JSON encoding and its
-length); ``bytes`` are its UTF-8 bytes. ``scored_echo_json`` writes the legacy block of a directly scored prompt
-(``server/scoring.py``) as JSON text at once, from the scorer's flat lists and those caches: the bytes
-``json.dumps`` gives for what ``echo_logprobs`` + ``completion_logprobs`` build, without a dict per token.
+length; ``TokenText.fill`` decodes a request's unseen ids in one batch call); ``bytes`` are its UTF-8 bytes.
+``scored_echo_blocks`` writes the legacy blocks of a directly scored request's prompts (``server/scoring.py``) as JSON
+text at once, from the scorer's lists and those caches: the bytes ``json.dumps`` gives for what ``echo_logprobs`` +
+``completion_logprobs`` build, without a dict per token. Its cost is mostly ``repr`` of each written log-prob (the
+shortest round-trip digits, ~0.6 us a value); a prompt's leading positions that equal the previous prompt's
+(lm-eval sends a document's choices as sorted neighbours) reuse that prompt's texts instead.
 The engine's log-probs are ``log_softmax(logits / T)`` before top-k/top-p truncation (see ``polyrl.infer``).
 This module only formats; it does not compute log-probs.
 """
 
 from __future__ import annotations
 
-import json
-from itertools import accumulate
+from collections.abc import Iterable
+from itertools import accumulate, chain
+from json.encoder import encode_basestring
 from typing import Any
 
-
-class _Derived(dict):
-    """token id -> ``fn(token string)``, filled on first use (``TokenText.json`` and ``TokenText.length``)."""
-
-    def __init__(self, text_of: Any, fn: Any) -> None:
-        super().__init__()
-        self.text_of, self.fn = text_of, fn
-
-    def __missing__(self, token_id: int) -> Any:
-        value = self[token_id] = self.fn(self.text_of(token_id))
-        return value
-
-
-def _json_str(s: str) -> str:
-    return json.dumps(s, ensure_ascii=False)  # as the responses are encoded (Starlette's JSONResponse)
+from polyrl.server.prompts import decode_prompts
 
 
 class TokenText:
     """Token id -> the string OpenAI clients see for it (cached: the same ids come back all the time).
-    ``json[id]``: that string JSON-encoded; ``length[id]``: its length (a text offset step)."""
+
+    ``fill(ids)`` decodes the ids not seen yet in one tokenizer call and caches, per id, the string, its JSON
+    encoding (``json[id]``) and its length (``length[id]``, a text offset step); the direct scoring path reads
+    those two dicts after a ``fill``. They are written length first, JSON last, so that a thread that finds an id
+    in ``json`` finds it in ``length`` (``scored_body`` runs in the prep pool's threads)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
-        self.json: dict[int, str] = _Derived(self, _json_str)
-        self.length: dict[int, int] = _Derived(self, len)
+        self.json: dict[int, str] = {}
+        self.length: dict[int, int] = {}
         self._skipped: dict[int, str] = {}  # ``generated`` with special tokens skipped
+
+    def fill(self, ids: Iterable[int]) -> None:
+        """Cache the string, JSON text and length of every id in ``ids``: the new ones decoded at once (a fast
+        tokenizer's Rust ``decode_batch`` where it computes what ``decode([id])`` does, ``prompts.decode_prompts``)."""
+        new = sorted(set(ids).difference(self.json))
+        if not new:
+            return
+        if self.tokenizer is None:
+            texts = [f"token_id:{t}" for t in new]
+        else:
+            texts = decode_prompts(self.tokenizer, [[t] for t in new])
+        cache, length, enc = self._cache, self.length, self.json
+        for t, s in zip(new, texts):
+            s = cache.setdefault(t, s)
+            length[t] = len(s)
+            enc[t] = encode_basestring(s)  # what json.dumps(s, ensure_ascii=False) writes, as Starlette encodes
 
     def generated(self, token_id: int, skip_special_tokens: bool) -> str:
         """A generated token's text: ``tokenizer.decode([id], skip_special_tokens=...)`` (cached)."""
@@ -141,6 +151,123 @@ def echo_logprobs(text_of: TokenText, prompt_ids: list[int], prompt_lps: Any, k:
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top_list, "text_offset": offsets}
 
 
+def _clamped(values: list[float]) -> list[float]:
+    """``[_safe(v) for v in values]``, the list itself when no value needs it (checked at C speed)."""
+    if not values:
+        return values
+    total = sum(values)  # NaN when a value is
+    if min(values) > -9999.0 and total == total:
+        return values
+    return [v if v > -9999.0 else -9999.0 for v in values]
+
+
+_DECIMALS = [str(i) for i in range(1 << 12)]
+
+
+def _decimals(upto: int) -> list[str] | None:
+    """A list whose item ``i`` is ``str(i)`` for every ``i <= upto`` (a look-up is ~4x cheaper than formatting a
+    small int: text offsets), grown by replacing it (other threads may be reading it); None past 2**20."""
+    global _DECIMALS
+    table = _DECIMALS
+    if upto < len(table):
+        return table
+    if upto >= 1 << 20:
+        return None
+    table = _DECIMALS = [str(i) for i in range(1 << upto.bit_length())]
+    return table
+
+
+def _shared_positions(prompts: list[list[int]], lps: Any, tids: Any, tlps: Any, i: int) -> int:
+    """How many leading scored positions of prompt ``i`` are those of prompt ``i - 1``: the positions inside their
+    common token prefix, when every value there is the same (a batched forward need not give equal bits; a zero is
+    not shared: 0.0 == -0.0, but they are written differently). lm-eval sorts its requests by tokens, so a
+    document's choices of one length are neighbours that share the context."""
+    n = 0
+    for x, y in zip(prompts[i - 1], prompts[i]):
+        if x != y:
+            break
+        n += 1
+    n -= 1  # scored position j predicts token j + 1: both inside the common prefix
+    if n <= 0:
+        return 0
+    own, alt = lps[i][:n], tlps[i][:n]
+    if own == lps[i - 1][:n] and alt == tlps[i - 1][:n] and tids[i][:n] == tids[i - 1][:n]:
+        if 0.0 not in own and 0.0 not in alt:
+            return n
+    return 0
+
+
+def scored_echo_blocks(
+    text_of: TokenText,
+    prompts: list[list[int]],
+    lps: list[list[float]],
+    top_ids: list[list[int]],
+    top_lps: list[list[float]],
+    k: int,
+    generated: bool,
+) -> list[str]:
+    """The JSON text of the legacy log-probs block of each directly scored prompt: the bytes of
+    ``json.dumps(join_logprobs(echo_logprobs(...), completion_logprobs(...)))`` for its values, for all the prompts
+    of a request at once.
+
+    Per prompt ``i``: ``prompts[i]`` (n tokens); ``lps[i]``: the log-probs of tokens 1 .. n - 1; ``top_ids[i]`` /
+    ``top_lps[i]``: the argmax (id, log-prob) after each of the n positions (``infer.scoring.score_prompts``). ``k``
+    (0 or 1) alternatives per prompt token: with 1, the argmax where it is not the token (its string first, as
+    ``echo_logprobs`` orders them; one entry, the argmax's value, when both decode to the same string).
+    ``generated``: the greedy next token (``top_ids[i][-1]``) follows as the completion's one token, its own entry
+    its only alternative.
+
+    Cost: one ``repr`` per written log-prob (the shortest round-trip digits, ~0.6 us each: most of the time) and a
+    short loop step per position; a prompt's leading positions that equal the previous prompt's
+    (``_shared_positions``: lm-eval's choices of one document, neighbours in its sorted requests) reuse its texts,
+    and text offsets come from a table of decimals."""
+    text_of.fill(chain(chain.from_iterable(prompts), chain.from_iterable(top_ids)))
+    enc, length = text_of.json, text_of.length
+    fr = float.__repr__  # what json.dumps writes for a float
+    lens = [list(map(length.__getitem__, ids)) for ids in prompts]
+    decimals = _decimals(max(map(sum, lens), default=0))
+    as_text = str if decimals is None else decimals.__getitem__
+    out = []
+    values: list[str] = []
+    tops: list[str] = []
+    for i, ids in enumerate(prompts):
+        s = _shared_positions(prompts, lps, top_ids, top_lps, i) if i else 0
+        strs = list(map(enc.__getitem__, ids))
+        new_values = list(map(fr, _clamped(lps[i][s:])))
+        if k:
+            new_tops = []
+            for t, st, r, a, av in zip(ids[s + 1 :], strs[s + 1 :], new_values, top_ids[i][s:], top_lps[i][s:]):
+                if a == t:
+                    new_tops.append(f"{{{st}:{r}}}")
+                    continue
+                sa = enc[a]
+                ra = fr(av if av > -9999.0 else -9999.0)
+                # another token that decodes as this one: one key, the argmax's value (echo_logprobs' setdefault)
+                new_tops.append(f"{{{sa}:{ra}}}" if sa == st else f"{{{sa}:{ra},{st}:{r}}}")
+        else:
+            new_tops = [f"{{{st}:{r}}}" for st, r in zip(strs[s + 1 :], new_values)]
+        values = values[:s] + new_values
+        tops = tops[:s] + new_tops
+        offsets = list(accumulate(lens[i], initial=0))
+        last_values, last_tops = values, tops
+        if generated:
+            g = top_lps[i][-1]
+            rg = fr(g if g > -9999.0 else -9999.0)
+            sg = enc[top_ids[i][-1]]
+            strs.append(sg)
+            last_values, last_tops = [*values, rg], [*tops, f"{{{sg}:{rg}}}"]
+        else:
+            offsets.pop()
+        head = "null," if ids else ""
+        value_text = head + ",".join(last_values) if last_values else head[:-1]
+        top_text = head + ",".join(last_tops) if last_tops else head[:-1]
+        out.append(
+            f'{{"tokens":[{",".join(strs)}],"token_logprobs":[{value_text}],"top_logprobs":[{top_text}],'
+            f'"text_offset":[{",".join(map(as_text, offsets))}]}}'
+        )
+    return out
+
+
 def scored_echo_json(
     text_of: TokenText,
     ids: list[int],
@@ -150,51 +277,10 @@ def scored_echo_json(
     k: int,
     generated: bool,
 ) -> tuple[str, int]:
-    """(JSON text of the legacy log-probs block, the echoed prompt's text length) of one directly scored prompt:
-    ``json.dumps(join_logprobs(echo_logprobs(...), completion_logprobs(...)))`` for its values, built without a dict
-    per token.
-
-    ``ids``: the prompt (n tokens); ``lps``: the log-probs of tokens 1 .. n - 1; ``top_ids`` / ``top_lps``: the argmax
-    (id, log-prob) after each of the n positions (``infer.scoring.score_prompts``). ``k`` (0 or 1) alternatives per
-    prompt token: with 1, the argmax where it is not the token (its string first, as ``echo_logprobs`` orders them;
-    one entry when both decode to the same string). ``generated``: the greedy next token (``top_ids[-1]``) follows
-    as the completion's one token, its own entry its only alternative."""
-    enc, length = text_of.json, text_of.length
-    n = len(ids)
-    vals = [v if v > -9999.0 else -9999.0 for v in lps]  # _safe, NaN included
-    strs = [enc[t] for t in ids]
-    offsets = list(accumulate([length[t] for t in ids], initial=0))
-    fr = float.__repr__  # what json.dumps writes for a float; the costliest step: once per value
-    values = [fr(v) for v in vals]
-    if k:
-        tops = []
-        for t, s, r, a, av in zip(ids[1:], strs[1:], values, top_ids, top_lps):
-            if a == t:
-                tops.append(f"{{{s}:{r}}}")
-                continue
-            sa = enc[a]
-            ra = fr(av if av > -9999.0 else -9999.0)
-            # another token that decodes as this one keeps its own log-prob (the string is the key)
-            tops.append(f"{{{sa}:{ra}}}" if sa == s else f"{{{sa}:{ra},{s}:{r}}}")
-    else:
-        tops = [f"{{{s}:{r}}}" for s, r in zip(strs[1:], values)]
-    if n:
-        values.insert(0, "null")
-        tops.insert(0, "null")
-    if generated:
-        g = top_lps[-1] if top_lps[-1] > -9999.0 else -9999.0
-        sg = enc[top_ids[-1]]
-        strs.append(sg)
-        values.append(fr(g))
-        tops.append(f"{{{sg}:{fr(g)}}}")
-    total = offsets[-1]
-    if not generated:
-        offsets.pop()
-    body = (
-        f'{{"tokens":[{",".join(strs)}],"token_logprobs":[{",".join(values)}],'
-        f'"top_logprobs":[{",".join(tops)}],"text_offset":[{",".join(map(str, offsets))}]}}'
-    )
-    return body, total
+    """(JSON text of the legacy log-probs block, the echoed prompt's text length) of one directly scored prompt
+    (``scored_echo_blocks`` of one prompt)."""
+    (body,) = scored_echo_blocks(text_of, [ids], [lps], [top_ids], [top_lps], k, generated)
+    return body, sum(map(text_of.length.__getitem__, ids))
 
 
 def join_logprobs(first: dict[str, Any], second: dict[str, Any] | None) -> dict[str, Any]:

@@ -8,10 +8,10 @@ call) and returns, per prompt position, the token's log-prob and the argmax (id,
 that into the response the request path gives, byte for byte as ``json.dumps`` writes it: prompt log-probs with the
 top-1 alternative (the token's own entry carries its own log-prob, so a greedy check is exact), and the one
 generated token = the argmax after the prompt (greedy), finishing ``stop`` when it is an EOS id, else ``length``.
-The legacy log-probs block of each prompt is written from the scorer's flat lists and per-token-id caches of the
-token's JSON string and length (``logprobs.scored_echo_json``): no ``RequestOutput``, no dict per token, no generic
+The legacy log-probs blocks of the prompts are written from the scorer's lists and per-token-id caches of the
+token's JSON string and length (``logprobs.scored_echo_blocks``): no ``RequestOutput``, no dict per token, no generic
 JSON encoding of ~10^4 small objects per request (those were ~85% of the event loop's time on lm-eval's
-requests).
+requests); a prompt sharing its context with the previous one reuses its texts.
 
 Only requests whose answer cannot differ are taken (no sampling, stop strings or ids, min_tokens, grammar, adapter,
 vLLM ``prompt_logprobs`` with ranks, streaming, n > 1, more than 1 alternative); everything else takes the request
@@ -22,11 +22,12 @@ run). Not here: HTTP, the general formatting (``completions.py``, ``logprobs.py`
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring
 from typing import Any
 
 from polyrl.errors import UserError
 from polyrl.infer.scoring import supports_scoring
-from polyrl.server.logprobs import scored_echo_json
+from polyrl.server.logprobs import scored_echo_blocks
 from polyrl.server.streaming import final_outputs
 
 
@@ -81,21 +82,25 @@ def scored_body(
     k = params.prompt_logprobs or 0  # alternatives per prompt token: 0 or 1 (``direct_scoring``)
     eos_ids = set(eos_ids)
     tokenizer = text_of.tokenizer
+    prompt_ids = [ids for _, ids in prompts]
+    blocks = ["null"] * len(prompts)
+    if logprobs is not None:
+        blocks = scored_echo_blocks(
+            text_of, prompt_ids, res.token_logprobs, res.top_ids, res.top_logprobs, k, not score_only
+        )
     choices = []
-    for i, (text, ids) in enumerate(prompts):
+    for i, (text, _) in enumerate(prompts):
         tok = res.top_ids[i][-1]
         eos = tok in eos_ids and not params.ignore_eos
         out_text = ""
         if not score_only and not eos and tokenizer is not None:
             out_text = text_of.generated(tok, params.skip_special_tokens)
-        lp = "null"
-        if logprobs is not None:
-            lp, _ = scored_echo_json(
-                text_of, ids, res.token_logprobs[i], res.top_ids[i], res.top_logprobs[i], k, not score_only
-            )
         finish = "length" if score_only or not eos else "stop"
-        choices.append(f'{{"index":{i},"text":{_dumps(text + out_text)},"logprobs":{lp},"finish_reason":"{finish}"}}')
-    num_prompt = sum(len(ids) for _, ids in prompts)
+        choices.append(
+            f'{{"index":{i},"text":{encode_basestring(text + out_text)},"logprobs":{blocks[i]},'
+            f'"finish_reason":"{finish}"}}'
+        )
+    num_prompt = sum(map(len, prompt_ids))
     completion_tokens = 0 if score_only else len(prompts)
     usage = {"prompt_tokens": num_prompt, "completion_tokens": completion_tokens}
     usage["total_tokens"] = num_prompt + completion_tokens

@@ -163,3 +163,50 @@ def test_scoring_between_steps_of_running_requests(tiny_model):
     assert [outs["req-0"], outs["req-1"]] == want
     for res in busy:
         assert res.logprobs == pytest.approx(idle.logprobs, abs=1e-5) and res.top_ids == idle.top_ids
+
+
+def _arrays_per_sequence(batch, pool, bs, conts):
+    """The index arrays built one sequence at a time (the reference for ``scoring._arrays``)."""
+    import numpy as np
+
+    tables, positions, slots, rows, targets, req, first, cu = [], [], [], [], [], [], 0, [0]
+    for toks, start, shared in zip(batch.seq_tokens, batch.seq_start, batch.seq_shared):
+        mine = [int(b) for b in pool[first : first + -(-len(toks) // bs)]]
+        first += len(mine)
+        tables.append((tables[shared][: start // bs] if shared >= 0 else []) + mine)
+        positions += range(start, start + len(toks))
+        slots += [mine[j // bs] * bs + j % bs for j in range(len(toks))]
+        cu.append(cu[-1] + len(toks))
+    for i, local, r in batch.rows:
+        rows += range(cu[i] + local, cu[i] + local + len(conts[r]))
+        targets += conts[r]
+        req += [r] * len(conts[r])
+    width = max(map(len, tables))
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return [np.array(x) for x in (padded, positions, slots, rows, targets, req)]
+
+
+def test_batch_index_arrays_equal_a_per_sequence_build():
+    """``_arrays`` builds a batch's block tables, positions, slots and scored rows at once (numpy, no step per
+    sequence): equal to building them one sequence at a time, for branches sharing a context's blocks, contexts
+    scored once, several batches and block sizes."""
+    import numpy as np
+
+    from polyrl.infer.scoring import _arrays, _plan
+
+    rng = random.Random(0)
+    checked = 0
+    for bs in (1, 4, 16):
+        for _ in range(20):
+            contexts = [[rng.randrange(50) for _ in range(rng.randint(1, 40))] for _ in range(rng.randint(1, 8))]
+            owner = [u for u in range(len(contexts)) for _ in range(rng.randint(1, 4))]
+            conts = [[rng.randrange(50) for _ in range(rng.randint(1, 6))] for _ in owner]
+            pool = np.array(rng.sample(range(4000), 2000), dtype=np.int64)
+            for batch in _plan(contexts, conts, owner, bs, rng.choice([64, 100000]), 10**6):
+                arrays, rows = _arrays(batch, pool, bs, conts)
+                want = _arrays_per_sequence(batch, pool, bs, conts)
+                got = [arrays[k] for k in ("block_tables", "positions", "slot_mapping", "sample_rows")]
+                for a, b in zip(got + [rows["targets"], rows["requests"]], want):
+                    assert a.dtype == np.int64 and np.array_equal(a, b)
+                checked += 1
+    assert checked > 60

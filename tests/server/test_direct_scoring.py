@@ -145,6 +145,95 @@ def test_scored_echo_json_is_what_the_general_formatter_writes(k, generated):
     assert parsed["token_logprobs"][3] == -9999.0 and parsed["token_logprobs"][6] == -9999.0
 
 
+def _general_block(text_of, ids, lps, top_ids, top_lps, k, generated) -> str:
+    """What the request path's formatter writes for one directly scored prompt (the reference)."""
+    import json
+
+    from polyrl.infer.sequence import PromptLogprobs
+    from polyrl.server.logprobs import completion_logprobs, echo_logprobs, join_logprobs
+
+    alts = [None] + [({a: lp if a == t else alp} if k else {}) for t, lp, a, alp in zip(ids[1:], lps, top_ids, top_lps)]
+    want = echo_logprobs(text_of, ids, PromptLogprobs([None, *lps], alts, [None] * len(ids)), k)
+    if generated:
+        start = sum(len(t) for t in want["tokens"])
+        gen = completion_logprobs(text_of, [top_ids[-1]], [top_lps[-1]], [{top_ids[-1]: top_lps[-1]}], k, start)
+        want = join_logprobs(want, gen)
+    return json.dumps(want, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+@pytest.mark.parametrize("k", [0, 1])
+@pytest.mark.parametrize("generated", [True, False])
+def test_scored_echo_blocks_of_a_request_with_shared_contexts(k, generated):
+    """The blocks of a whole request at once are each prompt's reference bytes, also where a prompt reuses the texts
+    of the previous prompt's common prefix: equal values (reused), a value that differs (not reused), a -0.0 where
+    the previous prompt has 0.0 (equal as floats, written differently: not reused), a one-token prompt."""
+    import math
+
+    from polyrl.server.logprobs import TokenText, _shared_positions, scored_echo_blocks
+
+    ctx = [0, 1, 2, 3, 4, 5, 8]
+    prompts = [ctx + [9], ctx + [7, 6], ctx + [9, 9], [2, 3], [2, 3, 4], [2, 3, 5], [4], [4, 1]]
+    lps = [[-0.5, -1.25, -math.inf, -3.0, -0.1, math.nan, -2.5, -1e-7, -7.75][: len(p) - 1] for p in prompts]
+    top_ids = [[1, 9, 2, 0, 4, 6, 8, 3, 5, 9, 1][: len(p)] for p in prompts]
+    top_lps = [[-0.5, -0.2, -0.3, -0.01, -0.1, -0.4, -2.5, -0.9, -0.05, -math.inf, -1.0][: len(p)] for p in prompts]
+    lps[2][6] = -2.4  # after the shared context: its own value
+    lps[4][0], lps[5][0] = 0.0, -0.0
+    top_lps[3][0] = -0.25  # [2, 3] and [2, 3, 4] differ at their one shared position
+    text_of = TokenText(_Vocab())
+    got = scored_echo_blocks(text_of, prompts, lps, top_ids, top_lps, k, generated)
+    want = [_general_block(text_of, *args, k, generated) for args in zip(prompts, lps, top_ids, top_lps)]
+    assert got == want
+    shared = [_shared_positions(prompts, lps, top_ids, top_lps, i) for i in range(1, len(prompts))]
+    assert shared == [6, 6, 0, 0, 0, 0, 0]  # 6: the context's 7 tokens - 1 (its NaN is one object: the same value)
+
+
+def test_scored_echo_blocks_random_requests():
+    """Random requests (neighbours sharing prefixes with the same or other values, -inf, NaN, 0.0 and -0.0, argmax
+    equal to the token or not): every block is the general formatter's bytes."""
+    import math
+    import random
+
+    from polyrl.server.logprobs import TokenText, scored_echo_blocks
+
+    rng = random.Random(0)
+    special = [-math.inf, math.nan, 0.0, -0.0, -9999.0, -12345.5, -1e-7]
+
+    def value():
+        return rng.choice(special) if rng.random() < 0.1 else -rng.expovariate(0.3)
+
+    text_of = TokenText(_Vocab())
+    for _ in range(40):
+        prompts, lps, top_ids, top_lps = [], [], [], []
+        for _ in range(rng.randint(1, 8)):
+            p = [rng.randrange(10) for _ in range(rng.randint(1, 12))]
+            if prompts and rng.random() < 0.5:
+                p = prompts[-1][: rng.randint(1, len(prompts[-1]))] + p[: rng.randint(0, 3)]
+            lps.append([value() for _ in p[1:]])
+            top_ids.append([t if rng.random() < 0.4 else rng.randrange(10) for t in p[1:]] + [rng.randrange(10)])
+            top_lps.append([value() for _ in p])
+            if prompts and rng.random() < 0.7:  # the shared prefix scored with the same values (or a sign flip)
+                c = next((j for j, (x, y) in enumerate(zip(p, prompts[-1])) if x != y), min(len(p), len(prompts[-1])))
+                c = max(0, c - 1)
+                lps[-1][:c] = [-x if x == 0.0 and rng.random() < 0.5 else x for x in lps[-2][:c]]
+                top_ids[-1][:c], top_lps[-1][:c] = top_ids[-2][:c], top_lps[-2][:c]
+            prompts.append(p)
+        for k in (0, 1):
+            for generated in (True, False):
+                got = scored_echo_blocks(text_of, prompts, lps, top_ids, top_lps, k, generated)
+                want = [_general_block(text_of, *a, k, generated) for a in zip(prompts, lps, top_ids, top_lps)]
+                assert got == want
+
+
+def test_out_of_vocabulary_token_ids_are_a_400(served, http):
+    _, llm = served
+    for prompt in ([[5, 6], [5, llm.vocab_size]], [[-1, 3]], [3, llm.vocab_size + 7]):
+        body = {"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 0}
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert "outside the vocabulary" in err["message"] and err["param"] == "prompt"
+
+
 def test_concurrent_scoring_calls_run_as_one_engine_call(reference_llm, monkeypatch):
     """Scoring calls queued together (concurrent lm-eval requests) run as one ``score_prompts`` call, each caller
     getting its own prompts' values (equal to scoring them alone); a merged call that fails is retried per caller,

@@ -138,3 +138,27 @@ def test_decode_prompts_is_the_tokenizers_decode(tiny_model_dir):
     assert decode_prompts(tok, prompts) == want
     tok.clean_up_tokenization_spaces = True
     assert decode_prompts(tok, prompts) == [tok.decode(p) for p in prompts]
+
+
+def test_token_text_fill_is_decode_of_each_id(tiny_model_dir):
+    """``TokenText.fill`` decodes new ids in one batch call: each string is ``tokenizer.decode([id])`` (special
+    tokens kept), its JSON text what ``json.dumps`` writes, its length the string's; ids seen before stay."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from polyrl.server.logprobs import TokenText
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    text_of = TokenText(tok)
+    first = text_of(300)
+    ids = list(range(len(tok))) + [tok.eos_token_id, 5]
+    text_of.fill(ids)
+    for t in set(ids):
+        s = tok.decode([t], skip_special_tokens=False)
+        assert text_of(t) == s and text_of.length[t] == len(s)
+        assert text_of.json[t] == json.dumps(s, ensure_ascii=False)
+    assert text_of(300) is first
+    no_tokenizer = TokenText(None)
+    no_tokenizer.fill([7, 7, 3])
+    assert no_tokenizer.json == {3: '"token_id:3"', 7: '"token_id:7"'}
