@@ -27,16 +27,12 @@ N = route.n
 act = torch.empty(N, I, device=dev, dtype=torch.bfloat16)
 h = torch.empty(N, 2 * I, device=dev, dtype=torch.bfloat16)
 y = torch.empty(N, H, device=dev, dtype=torch.bfloat16)
-dy = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
-dys = dy.index_select(0, route.token)  # dy's rows in sorted order (the backward with _GATHER_DY off)
-w_rows = w.reshape(-1)[route.order]
+dys = torch.randn(N, H, device=dev, dtype=torch.bfloat16)
 dh = torch.empty(N, 2 * I, device=dev, dtype=torch.bfloat16)
 dxr = torch.empty(N, H, device=dev, dtype=torch.bfloat16)
 ddn = torch.empty(E, H, I, device=dev, dtype=torch.bfloat16)
 dgu = torch.empty(E, 2 * I, H, device=dev, dtype=torch.bfloat16)
 gus = (gu.stride(0), gu.stride(2), gu.stride(1))
-dn_b = (dn.stride(0), dn.stride(1), dn.stride(2))
-dact_kw = dict(cfg="dact", epi=2, h=h, w_rows=w_rows, need_dw=True)
 gemms = {
     "up": lambda: tk._rows_gemm(
         route, x, route.token, gu, gus, I, H, act, cfg="up", epi=1, h=h, store_h=True, b_up=I * gu.stride(1)
@@ -44,24 +40,19 @@ gemms = {
     "down": lambda: tk._rows_gemm(
         route, act, None, dn, (dn.stride(0), dn.stride(2), dn.stride(1)), H, I, y, cfg="down"
     ),
-    # as the backward runs it: dy's rows gathered by token, w and d topk_weights' partial sums in the epilogue
-    "dact": lambda: tk._rows_gemm(route, dy, route.token, dn, dn_b, I, H, dh, **dact_kw),
-    # the same from a sorted copy of dy (_GATHER_DY = False): what the gather costs
-    "dact_sorted": lambda: tk._rows_gemm(route, dys, None, dn, dn_b, I, H, dh, **dact_kw),
+    "dact": lambda: tk._rows_gemm(
+        route, dys, None, dn, (dn.stride(0), dn.stride(1), dn.stride(2)), I, H, dh, cfg="dact", epi=2, h=h
+    ),
     "dx": lambda: tk._rows_gemm(
         route, dh, None, gu, (gu.stride(0), gu.stride(1), gu.stride(2)), H, 2 * I, dxr, cfg="dx"
     ),
-    # dy's rows gathered and scaled by w, act recomputed from h (as the backward runs it)
-    "wgrad_down": lambda: tk._wgrad_gemm(
-        route, dy, h, None, H, I, ddn, a_idx=route.token, a_scale=w_rows, b_swiglu=True
-    ),
+    "wgrad_down": lambda: tk._wgrad_gemm(route, dys, act, None, H, I, ddn),
     "wgrad_gu": lambda: tk._wgrad_gemm(route, dh, x, route.token, 2 * I, H, dgu),
 }
 flops = {
     "up": 2 * N * H * 2 * I,
     "down": 2 * N * I * H,
     "dact": 2 * N * H * I,
-    "dact_sorted": 2 * N * H * I,
     "dx": 2 * N * 2 * I * H,
     "wgrad_down": 2 * N * H * I,
     "wgrad_gu": 2 * N * 2 * I * H,
@@ -75,7 +66,6 @@ dense = {
     "up": lambda: a1 @ b1.t(),
     "down": lambda: a2 @ b2.t(),
     "dact": lambda: a1 @ b2,
-    "dact_sorted": lambda: a1 @ b2,
     "dx": lambda: dh @ b1,
     "wgrad_down": lambda: a1.t() @ a2,
     "wgrad_gu": lambda: dh.t() @ a1,
@@ -126,7 +116,7 @@ res = {}
 t_start = time.time()
 budget = float(sys.argv[1]) if len(sys.argv) > 1 else 120
 for g, fn in gemms.items():
-    cfg_name = "wgrad" if g.startswith("wgrad") else g.removesuffix("_sorted")
+    cfg_name = "wgrad" if g.startswith("wgrad") else g
     ms_d = triton.testing.do_bench(dense[g], warmup=5, rep=20)
     res[g] = {"dense_ms": ms_d, "dense_tflops": flops[g] / ms_d / 1e9, "configs": []}
     print(f"{g}: dense {ms_d:.3f} ms {flops[g] / ms_d / 1e9:.0f} TFLOP/s", flush=True)

@@ -11,25 +11,16 @@ Forward (three launches after the routing):
 1. ``h = x[token] @ gate_up[e]^T`` with SwiGLU fused: each program computes a gate tile and the matching up
    tile (two accumulators sharing the gathered x tile) and writes ``act = silu(g) * u``; when a gradient is
    needed it also writes ``h`` (pre-activation) for the backward.
-2. ``y = act @ down[e]^T`` (unweighted rows in sorted order; a temporary, not kept for the backward).
+2. ``y = act @ down[e]^T`` (unweighted rows in sorted order; kept for d topk_weights).
 3. Un-permute fused with the routing weights: ``out[t] = sum_j w[t, j] * y[pos(t, j)]``, gathering each
    token's k rows (deterministic: no atomics), fp32 sum.
 
-Saved for the backward: the inputs and ``h`` ``[T*k, 2I]`` (and the integer routing); neither ``y``
-``[T*k, H]`` (``d w[slot] = <y[r], dy[token]>`` is computed without it) nor ``act`` ``[T*k, I]`` (recomputed from
-``h`` where the backward reads it): 537 + 201 MB per layer at Qwen3-30B-A3B's shapes, 16384 tokens, bf16.
+Backward:
 
-Backward (``w_r``: the weight of sorted row ``r``; the only ``[T*k, H]`` tensor is ``dx``'s rows, plus a sorted
-copy of ``dy`` when ``_GATHER_DY`` is off):
-
-- ``g = dy[token] @ down[e]`` (the unweighted d act; dy's rows gathered by token like the forward's x) with the
-  epilogue fused: ``d w[r] = <act_r, g_r>`` (= ``<y_r, dy[token]>``; act recomputed from ``h``) as fp32
-  partial sums per (row, n-tile), summed after the launch (deterministic); then ``d act = w_r * g`` and the SwiGLU
-  backward (reads ``h``, writes ``dh``);
-- ``d down[e] = (w * dy[token])_e^T @ act_e`` (dy's rows gathered and scaled, act recomputed from ``h`` as they
-  load) and
-  ``d gate_up[e] = dh_e^T @ x[token]_e``: variable-K grouped GEMMs, one program per (expert, output tile) walking
-  that expert's rows (an expert with no rows gets zeros);
+- one row pass: ``dys[r] = w[slot] * dy[token]`` and ``d w[slot] = <y[r], dy[token]>``;
+- ``d act = dys @ down[e]`` with the SwiGLU backward fused into the epilogue (reads ``h``, writes ``dh``);
+- ``d down[e] = dys_e^T @ act_e`` and ``d gate_up[e] = dh_e^T @ x[token]_e``: variable-K grouped GEMMs, one
+  program per (expert, output tile) walking that expert's rows (an expert with no rows gets zeros);
 - ``dx_rows = dh @ gate_up[e]`` then the un-permute gather (unweighted) sums each token's k rows.
 
 fp32 inputs use ``input_precision="ieee"`` dots unless ``torch.backends.cuda.matmul.allow_tf32`` is on. Under
@@ -71,9 +62,6 @@ CONFIGS: dict[str, tuple[int, int, int, int, int, int]] = {
     "wgrad_small": (64, 64, 32, 4, 3, 1),
 }
 _INTERP = (16, 16, 16, 1, 1, 2)
-# The backward reads dy's rows by token inside the d-act and d-down GEMMs (True: no [T*k, H] copy of dy) or from a
-# copy in sorted order (False: one index_select, 2 bytes * T*k*H more transient memory, unstrided loads).
-_GATHER_DY = True
 
 
 def _cfg(name: str, rows_per_expert: float, dtype: torch.dtype) -> tuple[int, int, int, int, int, int]:
@@ -103,8 +91,6 @@ def _grouped_rows_kernel(
     b_ptr,  # per expert: B[e, k, n] at b_ptr + e*stride_be + k*stride_bk + n*stride_bn
     c_ptr,  # [rows, N] (EPI 0, 1: act) or [rows, 2N] (EPI 2: dh)
     h_ptr,  # [rows, 2N] pre-activation (EPI 1 writes it when STORE_H, EPI 2 reads it)
-    w_ptr,  # [rows] routing weight of each sorted row (EPI 2)
-    dwp_ptr,  # [rows, NUM_N] fp32 out (EPI 2 with NEED_DW): this n-tile's share of <act[r], d act[r]>
     tile_expert_ptr,
     tile_row_ptr,
     offsets_ptr,
@@ -122,7 +108,6 @@ def _grouped_rows_kernel(
     GATHER_A: tl.constexpr,
     EPI: tl.constexpr,  # 0: store C; 1: SwiGLU forward; 2: SwiGLU backward
     STORE_H: tl.constexpr,
-    NEED_DW: tl.constexpr,
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -188,15 +173,9 @@ def _grouped_rows_kernel(
         act = g * tl.sigmoid(g) * u16.to(tl.float32)
         tl.store(c_ptr + r64 * stride_cm + cols[None, :], act.to(c_ptr.dtype.element_ty), mask=mask)
     else:
-        # acc is the unweighted d act (dy[token] @ down[e]); masked rows and columns hold zeros.
         g = tl.load(h_ptr + r64 * stride_hm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(h_ptr + r64 * stride_hm + N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         sig = tl.sigmoid(g)
-        if NEED_DW:
-            # d w[r] = <y[r], dy[token]> = <act[r], dy[token] @ down[e]>: act recomputed as the forward rounded it.
-            act = (g * sig * u).to(c_ptr.dtype.element_ty).to(tl.float32)
-            tl.store(dwp_ptr + rows.to(tl.int64) * NUM_N + pid_n, tl.sum(act * acc, axis=1), mask=rmask)
-        acc = acc * tl.load(w_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
         dg = acc * u * sig * (1.0 + g * (1.0 - sig))
         du = acc * g * sig
         tl.store(c_ptr + r64 * stride_cm + cols[None, :], dg.to(c_ptr.dtype.element_ty), mask=mask)
@@ -205,10 +184,8 @@ def _grouped_rows_kernel(
 
 @triton.jit
 def _grouped_wgrad_kernel(
-    a_ptr,  # [rows', M] row-major (contiguous in m; rows gathered through a_idx when GATHER_A)
-    a_idx_ptr,
-    a_scale_ptr,  # [rows] per-row scale of A (SCALE_A), applied on load and rounded to A's dtype
-    b_ptr,  # [rows', N] (rows gathered through b_idx when GATHER_B), or [rows, 2N] pre-activation (B_SWIGLU)
+    a_ptr,  # [rows, M] row-major (contiguous in m)
+    b_ptr,  # [rows', N] (rows gathered through b_idx when GATHER_B)
     b_idx_ptr,
     c_ptr,  # [E, M, N]
     offsets_ptr,
@@ -219,11 +196,7 @@ def _grouped_wgrad_kernel(
     stride_ce,
     stride_cm,
     NUM_N,
-    b_up,  # element offset from a row's gate columns to its up columns (B_SWIGLU)
-    GATHER_A: tl.constexpr,
-    SCALE_A: tl.constexpr,
     GATHER_B: tl.constexpr,
-    B_SWIGLU: tl.constexpr,  # B = silu(gate) * up of the pre-activation, rounded as the forward's act
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -246,26 +219,14 @@ def _grouped_wgrad_kernel(
     for r0 in range(start, end, BLOCK_K):
         r = r0 + ks
         rmask = r < end
-        if GATHER_A:
-            arows = tl.load(a_idx_ptr + r, mask=rmask, other=0).to(tl.int64)
-        else:
-            arows = r.to(tl.int64)
-        at = tl.load(a_ptr + arows[None, :] * stride_am + ms[:, None], mask=mmask[:, None] & rmask[None, :], other=0.0)
-        if SCALE_A:
-            scale = tl.load(a_scale_ptr + r, mask=rmask, other=0.0).to(tl.float32)
-            at = (at.to(tl.float32) * scale[None, :]).to(a_ptr.dtype.element_ty)
+        at = tl.load(
+            a_ptr + r.to(tl.int64)[None, :] * stride_am + ms[:, None], mask=mmask[:, None] & rmask[None, :], other=0.0
+        )
         if GATHER_B:
             brows = tl.load(b_idx_ptr + r, mask=rmask, other=0).to(tl.int64)
         else:
             brows = r.to(tl.int64)
-        bmask = rmask[:, None] & nmask[None, :]
-        b_ptrs = b_ptr + brows[:, None] * stride_bm + ns[None, :]
-        if B_SWIGLU:
-            g = tl.load(b_ptrs, mask=bmask, other=0.0).to(tl.float32)
-            u = tl.load(b_ptrs + b_up, mask=bmask, other=0.0).to(tl.float32)
-            b = (g * tl.sigmoid(g) * u).to(b_ptr.dtype.element_ty)
-        else:
-            b = tl.load(b_ptrs, mask=bmask, other=0.0)
+        b = tl.load(b_ptr + brows[:, None] * stride_bm + ns[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
         if DOT_F32:
             at = at.to(tl.float32)
             b = b.to(tl.float32)
@@ -299,6 +260,39 @@ def _combine_kernel(
             v = v * tl.load(w_ptr + slot).to(tl.float32)
         acc += v
     tl.store(out_ptr + t.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _bwd_rows_kernel(
+    dy_ptr,  # [T, H]
+    y_ptr,  # [rows, H] unweighted expert outputs, sorted order
+    tok_ptr,  # [rows] token of each sorted row
+    order_ptr,  # [rows] (token, slot) index of each sorted row
+    w_ptr,  # [T*k]
+    dys_ptr,  # [rows, H] out: w * dy[token]
+    dw_ptr,  # [T*k] out: <y[r], dy[token]>
+    H,
+    stride_dy,
+    stride_y,
+    stride_dys,
+    NEED_DW: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    tok = tl.load(tok_ptr + r).to(tl.int64)
+    slot = tl.load(order_ptr + r).to(tl.int64)
+    w = tl.load(w_ptr + slot).to(tl.float32)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        cmask = cols < H
+        dy = tl.load(dy_ptr + tok * stride_dy + cols, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(dys_ptr + r * stride_dys + cols, (w * dy).to(dys_ptr.dtype.element_ty), mask=cmask)
+        if NEED_DW:
+            y = tl.load(y_ptr + r * stride_y + cols, mask=cmask, other=0.0).to(tl.float32)
+            acc += dy * y
+    if NEED_DW:
+        tl.store(dw_ptr + slot, tl.sum(acc, axis=0).to(dw_ptr.dtype.element_ty))
 
 
 # --- host side (no host reads: every size below is known from shapes) -------------------------------------
@@ -366,51 +360,29 @@ def _rows_gemm(
     h: torch.Tensor | None = None,
     store_h: bool = False,
     b_up: int = 0,
-    w_rows: torch.Tensor | None = None,
-    need_dw: bool = False,
-) -> torch.Tensor | None:
-    """One grouped GEMM over the sorted rows. With ``epi=2`` the rows of ``a @ b`` are scaled by ``w_rows`` before
-    the SwiGLU backward; ``need_dw`` then returns fp32 ``[rows, n-tiles]`` partial sums of ``<act, a @ b>`` per row
-    (sum them over dim 1 for d topk_weights: deterministic, no atomics)."""
+) -> None:
     bm, bn, bk, warps, stages, group_m = _cfg(cfg, route.rows_per_expert, a.dtype)
     tile_expert, tile_row, m_tiles = route.tiles(bm)
     num_n = triton.cdiv(n, bn)
     h_arg = h if h is not None else out
-    dw_part = torch.empty(route.n, num_n, device=out.device, dtype=torch.float32) if need_dw else None
     _grouped_rows_kernel[(m_tiles * num_n,)](
-        a, a_idx if a_idx is not None else tile_row, b, out, h_arg, w_rows if w_rows is not None else out,
-        dw_part if dw_part is not None else out, tile_expert, tile_row, route.offsets,
+        a, a_idx if a_idx is not None else tile_row, b, out, h_arg, tile_expert, tile_row, route.offsets,
         n, k, a.stride(0), *b_strides, b_up, out.stride(0), h_arg.stride(0), m_tiles, num_n,
-        GATHER_A=a_idx is not None, EPI=epi, STORE_H=store_h, NEED_DW=need_dw,
-        DOT_F32=interpreting() and a.dtype != torch.float32, PREC=_prec(a.dtype), BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, GROUP_M=group_m, EVEN_K=k % bk == 0, num_warps=warps, num_stages=stages,
+        GATHER_A=a_idx is not None, EPI=epi, STORE_H=store_h, DOT_F32=interpreting() and a.dtype != torch.float32,
+        PREC=_prec(a.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, EVEN_K=k % bk == 0,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    return dw_part
 
 
 def _wgrad_gemm(
-    route: _Routing,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    b_idx: torch.Tensor | None,
-    m: int,
-    n: int,
-    out: torch.Tensor,
-    *,
-    a_idx: torch.Tensor | None = None,
-    a_scale: torch.Tensor | None = None,
-    b_swiglu: bool = False,
+    route: _Routing, a: torch.Tensor, b: torch.Tensor, b_idx: torch.Tensor | None, m: int, n: int, out: torch.Tensor
 ) -> None:
-    """``out[e] = (a_scale * a[a_idx])[rows of e]^T @ b[b_idx][rows of e]`` (an index or scale left out: none);
-    ``b_swiglu``: b is the pre-activation ``[rows, 2n]`` and B its SwiGLU ``silu(b[:, :n]) * b[:, n:]``."""
     bm, bn, bk, warps, stages, _ = _cfg("wgrad", route.rows_per_expert, a.dtype)
     num_n = triton.cdiv(n, bn)
     grid = (triton.cdiv(m, bm) * num_n, route.num_experts)
     _grouped_wgrad_kernel[grid](
-        a, a_idx if a_idx is not None else route.offsets, a_scale if a_scale is not None else a,
-        b, b_idx if b_idx is not None else route.offsets, out, route.offsets, m, n, a.stride(0), b.stride(0),
-        out.stride(0), out.stride(1), num_n, n if b_swiglu else 0, GATHER_A=a_idx is not None,
-        SCALE_A=a_scale is not None, GATHER_B=b_idx is not None, B_SWIGLU=b_swiglu,
+        a, b, b_idx if b_idx is not None else route.offsets, out, route.offsets, m, n, a.stride(0), b.stride(0),
+        out.stride(0), out.stride(1), num_n, GATHER_B=b_idx is not None,
         DOT_F32=interpreting() and a.dtype != torch.float32, PREC=_prec(a.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
@@ -445,7 +417,7 @@ def _forward(x, topk_ids, w_flat, gate_up, down, need_h: bool):
         _rows_gemm(route, act, None, down, (down.stride(0), down.stride(2), down.stride(1)), hidden, inter, y,
                    cfg="down")  # fmt: skip
     out = _combine(y, route, w_flat, t, hidden, x.dtype)
-    return out, route, h
+    return out, route, act, h, y
 
 
 class _MoEExperts(torch.autograd.Function):
@@ -453,18 +425,16 @@ class _MoEExperts(torch.autograd.Function):
     def forward(ctx, x, topk_ids, topk_weights, gate_up, down):
         w_flat = topk_weights.reshape(-1).contiguous()
         need_grad = any(ctx.needs_input_grad)
-        out, route, h = _forward(x, topk_ids, w_flat, gate_up, down, need_h=need_grad)
+        out, route, act, h, y = _forward(x, topk_ids, w_flat, gate_up, down, need_h=need_grad)
         if need_grad:
             ctx.route = route
-            # act [T*k, I] and y [T*k, H] die here: the backward recomputes act from h where it reads it, and
-            # d topk_weights comes from act and d act.
-            ctx.save_for_backward(x, w_flat, gate_up, down, h)
+            ctx.save_for_backward(x, w_flat, gate_up, down, act, h, y)
         ctx.w_shape, ctx.w_dtype = topk_weights.shape, topk_weights.dtype
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        x, w_flat, gate_up, down, h = ctx.saved_tensors
+        x, w_flat, gate_up, down, act, h, y = ctx.saved_tensors
         route: _Routing = ctx.route
         need_x, _, need_w, need_gu, need_down = ctx.needs_input_grad
         t, hidden = x.shape
@@ -473,31 +443,24 @@ class _MoEExperts(torch.autograd.Function):
         n = route.n
         dy = dy.contiguous()
         dx = dw = dgu = ddown = None
-        w_rows = w_flat[route.order]  # routing weight of each sorted row
-        # The sorted rows of dy (unweighted): read through the token index (no [T*k, H] copy) unless _GATHER_DY is
-        # off, which copies them once so both GEMMs below read them in order.
-        if _GATHER_DY:
-            dy_rows, dy_idx = dy, route.token
-        else:
-            dy_rows, dy_idx = dy.index_select(0, route.token), None
+        dys = torch.empty(n, hidden, device=x.device, dtype=x.dtype)
+        dw_flat = torch.empty(n, device=x.device, dtype=w_flat.dtype)
+        if n:
+            _bwd_rows_kernel[(n,)](
+                dy, y, route.token, route.order, w_flat, dys, dw_flat, hidden, dy.stride(0), y.stride(0),
+                dys.stride(0), NEED_DW=need_w, BLOCK_H=128 if interpreting() else 1024, num_warps=4,
+            )  # fmt: skip
+        if need_w:
+            dw = dw_flat.reshape(ctx.w_shape).to(ctx.w_dtype)
         if need_down:
-            # d down[e] = (w * dy[token])_e^T @ act_e: the weight scales dy's rows as they load, act is recomputed
-            # from h as it loads.
             ddown = torch.empty(num_experts, hidden, inter, device=x.device, dtype=down.dtype)
-            _wgrad_gemm(route, dy_rows, h, None, hidden, inter, ddown, a_idx=dy_idx, a_scale=w_rows, b_swiglu=True)
-        if need_x or need_gu or need_w:
+            _wgrad_gemm(route, dys, act, None, hidden, inter, ddown)
+        if need_x or need_gu:
             dh = torch.empty(n, two_i, device=x.device, dtype=x.dtype)
-            dw_rows = torch.zeros(n, device=x.device, dtype=torch.float32)
             if n:
-                # B[e][k, n] = down[e][k, n]: K = H, N = I. The epilogue scales d act by w, turns it into
-                # (d gate, d up) and (need_w) sums <act, unweighted d act> per row and n-tile.
-                dn_strides = (down.stride(0), down.stride(1), down.stride(2))
-                dw_part = _rows_gemm(route, dy_rows, dy_idx, down, dn_strides, inter, hidden, dh, cfg="dact", epi=2,
-                                     h=h, w_rows=w_rows, need_dw=need_w)  # fmt: skip
-                if need_w:
-                    dw_rows = dw_part.sum(1)
-            if need_w:
-                dw = dw_rows[route.pos].reshape(ctx.w_shape).to(ctx.w_dtype)
+                # B[e][k, n] = down[e][k, n]: K = H, N = I; the epilogue turns d act into (d gate, d up).
+                _rows_gemm(route, dys, None, down, (down.stride(0), down.stride(1), down.stride(2)), inter, hidden,
+                           dh, cfg="dact", epi=2, h=h)  # fmt: skip
             if need_gu:
                 dgu = torch.empty(num_experts, two_i, hidden, device=x.device, dtype=gate_up.dtype)
                 _wgrad_gemm(route, dh, x, route.token, two_i, hidden, dgu)
