@@ -73,6 +73,10 @@ class OnlineConfig:
     # at the next weight push, with the current weights); past that it is dropped and the trainer's engine takes its
     # prompts. 0 = drop at once (polyrl.run.rollout_workers)
     rollout_worker_restarts: int = 3
+    # ... seconds a generate call waits for each worker's reply at most; one that misses it (hung: alive, not
+    # answering) is killed and treated as a dead one (its prompts to the trainer's engine, then restarted as above).
+    # None = no deadline (a hung worker holds the step for the groups' 600 s timeout)
+    rollout_worker_timeout_s: float | None = None
     # partial rollouts (async_producer = "thread"): a weight update does not wait for the generation in flight; the
     # producer's engine takes the new weights at a decode-step boundary and the same sequences go on (their KV cache
     # kept), each token recording the version that produced it (Sample.token_versions) and its behaviour log-prob
@@ -135,6 +139,11 @@ class OnlineConfig:
         r = self.rollout_worker_restarts
         if not isinstance(r, int) or isinstance(r, bool) or r < 0:
             raise ConfigError(f"{name}.rollout_worker_restarts must be an integer >= 0 (0 = no restart), got {r!r}")
+        t = self.rollout_worker_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int | float) or not t > 0):
+            raise ConfigError(
+                f"{name}.rollout_worker_timeout_s must be a number of seconds > 0 (unset: no deadline), got {t!r}"
+            )
         self._check_partial(name)
         self._check_placement(name)
         if self.release_kv not in (True, False, "auto"):

@@ -106,6 +106,7 @@ RL_FLAG_KEYS: dict[str, str] = {
     "async_producer": "async_producer",
     "rollout_workers": "rollout_workers",
     "rollout_worker_restarts": "rollout_worker_restarts",
+    "rollout_worker_timeout": "rollout_worker_timeout_s",
     "partial_rollouts": "partial_rollouts",
     "rollout_devices": "rollout_devices",
     "train_devices": "train_devices",
@@ -263,6 +264,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="restarts of a rollout worker that dies, at most (default 3; 0: drop it at once); it rejoins with the "
         "current weights, and the trainer's engine covers its prompts meanwhile",
+    )
+    g.add_argument(
+        "--rollout-worker-timeout",
+        type=float,
+        metavar="S",
+        help="seconds a rollout worker's reply is waited for at most (default: no deadline); a worker that misses "
+        "it (hung) is killed and handled as one that died: the trainer's engine generates its prompts, it restarts",
     )
     g.add_argument(
         "--partial-rollouts",

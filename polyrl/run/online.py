@@ -310,6 +310,7 @@ class OnlineRun(DataParallelSteps):
                 trainer_device=self.policy.device, dtype=next(self.policy.rollout_net.parameters()).dtype,
                 wire_dtype=self.a.weight_sync_dtype, bucket_mb=self.a.weight_sync_bucket_mb, lora=self.cfg.lora,
                 seed=self.cfg.seed, max_restarts=self.a.rollout_worker_restarts,
+                reply_timeout_s=self.a.rollout_worker_timeout_s,
             )  # fmt: skip
             self.policy.remote.push_weights(self.policy.model)  # version `start` (after a resume's load)
         if getattr(self.a, "partial_rollouts", False):  # the thread's engine takes updates between decode steps

@@ -3,13 +3,16 @@ mid-run (between calls, or while it generates its share) is covered by the train
 output equal to the no-failure outputs, seeds per prompt), restarted on its device, and rejoins at the next weight
 push with the trainer's current weights (its outputs then equal a reference engine's on those weights, not the model
 folder's); past ``max_restarts`` it is dropped for good; a worker that cannot start is an error naming it; the
-restart option reaches the config and the CLI."""
+restart option reaches the config and the CLI. A replica that hangs (SIGSTOP: alive, never answering) is found by the
+reply deadline (``reply_timeout_s``), killed, covered by the trainer's engine in that call, and restarted; the
+deadline option reaches the config and the CLI."""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -122,10 +125,10 @@ def test_a_replica_killed_while_it_generates(tiny_model_dir, setup, caplog):
         want = _expected(llm, ids, params)
         recv = workers._recv_reply
 
-        def kill_before_replica_1_replies(w):
+        def kill_before_replica_1_replies(w, deadline=None):
             if w == 1:
                 _kill(workers, 1)
-            return recv(w)
+            return recv(w, deadline)
 
         workers._recv_reply = kill_before_replica_1_replies
         caplog.set_level(logging.WARNING, logger="polyrl.run.rollout_workers")
@@ -137,6 +140,50 @@ def test_a_replica_killed_while_it_generates(tiny_model_dir, setup, caplog):
         workers.push_weights(model)
         assert workers.num_alive == 2
         assert _tokens(workers.generate(ids, params, llm.generate)) == want
+    finally:
+        workers.close()
+
+
+def test_a_hung_replica_misses_the_reply_deadline_and_is_restarted(tiny_model_dir, setup, caplog):
+    """Replica 1 is stopped (SIGSTOP: its process is alive, its connection open, it never answers): the call waits
+    for its reply about ``reply_timeout_s``, not the groups' 120 s, then kills it, has the trainer's engine generate
+    its share, and restarts it; after it rejoins it serves the next call."""
+    from polyrl.run.rollout_workers import RolloutWorkers
+
+    cfg, model, llm, ids, params = setup
+    deadline_s = 4.0
+    workers = RolloutWorkers(
+        str(tiny_model_dir), str(tiny_model_dir), cfg, 2, timeout_s=120, max_restarts=1, reply_timeout_s=deadline_s
+    )
+    local_calls = []
+
+    def local(i, p, **kw):
+        local_calls.append(len(i))
+        return llm.generate(i, p, **kw)
+
+    try:
+        _perturb(model, 4)
+        workers.push_weights(model)
+        want = _expected(llm, ids, params)
+        assert _tokens(workers.generate(ids, params, local)) == want and local_calls == []  # healthy: in time
+        hung = workers.procs[1]
+        os.kill(hung.pid, signal.SIGSTOP)
+        caplog.set_level(logging.WARNING, logger="polyrl.run.rollout_workers")
+        t0 = time.monotonic()
+        got = _tokens(workers.generate(ids, params, local))
+        took = time.monotonic() - t0
+        assert got == want and local_calls == [N_PROMPTS // 2]  # its share (prompts 1, 3, 5) by the trainer's engine
+        assert deadline_s - 0.1 <= took < deadline_s + 15, took  # the deadline, plus killing it and the local share
+        assert (workers.failures, workers.restarts, workers.num_alive, workers.starting) == (1, 1, 1, {1})
+        assert not hung.is_alive() and workers.procs[1] is not hung  # the stopped process killed, a new one spawned
+        assert "did not answer within reply_timeout_s = 4 s (hung)" in caplog.text
+        assert "restarting it (restart 1 of 1)" in caplog.text
+        assert workers.wait_for_restarts(60)
+        workers.push_weights(model)
+        assert workers.num_alive == 2
+        local_calls.clear()
+        assert _tokens(workers.generate(ids, params, local)) == want and local_calls == []  # the new one serves
+        assert workers.failures == 1
     finally:
         workers.close()
 
@@ -177,6 +224,9 @@ def test_max_restarts_zero_drops_at_once_and_bad_values_are_refused(tiny_model_d
     cfg, model, llm, ids, params = setup
     with pytest.raises(ConfigError, match="max_restarts must be an integer >= 0"):
         RolloutWorkers(str(tiny_model_dir), str(tiny_model_dir), cfg, 1, max_restarts=-1)
+    for bad in (0, -2.5, True, "10"):
+        with pytest.raises(ConfigError, match="reply_timeout_s must be a number of seconds > 0"):
+            RolloutWorkers(str(tiny_model_dir), str(tiny_model_dir), cfg, 1, reply_timeout_s=bad)
     workers = RolloutWorkers(str(tiny_model_dir), str(tiny_model_dir), cfg, 1, timeout_s=120, max_restarts=0)
     try:
         _kill(workers, 0)
@@ -195,7 +245,7 @@ def test_a_worker_that_cannot_start_is_a_clear_error(tmp_path, setup):
         RolloutWorkers(str(tmp_path / "missing"), str(tmp_path / "missing"), cfg, 1, timeout_s=60)
 
 
-def test_restart_option_in_the_config_and_the_cli():
+def test_restart_and_timeout_options_in_the_config_and_the_cli():
     import argparse
 
     from polyrl.algorithms.grpo import GRPOConfig
@@ -210,3 +260,12 @@ def test_restart_option_in_the_config_and_the_cli():
     train.add_arguments(parser)
     assert parser.parse_args(["--rollout-worker-restarts", "5"]).rollout_worker_restarts == 5
     assert train.RL_FLAG_KEYS["rollout_worker_restarts"] == "rollout_worker_restarts"
+    assert GRPOConfig().rollout_worker_timeout_s is None
+    assert GRPOConfig(rollout_worker_timeout_s=30).rollout_worker_timeout_s == 30
+    assert GRPOConfig(rollout_worker_timeout_s=0.5).rollout_worker_timeout_s == 0.5
+    for bad in (0, -1.0, True, "30"):
+        with pytest.raises(ConfigError, match=r"rollout_worker_timeout_s must be a number of seconds > 0"):
+            GRPOConfig(rollout_worker_timeout_s=bad)
+    args = parser.parse_args(["--rollout-worker-timeout", "90"])
+    assert args.rollout_worker_timeout == 90.0 and parser.parse_args([]).rollout_worker_timeout is None
+    assert train.RL_FLAG_KEYS["rollout_worker_timeout"] == "rollout_worker_timeout_s"
