@@ -98,6 +98,8 @@ def test_two_cpu_replicas_train_the_same_run_as_one_engine(tiny_model_dir, tmp_p
     original = online.OnlineRun._async_record
 
     def kill_after_steps_2_and_3(self, batch, t_train, t_end):
+        # the reply deadline reaches the workers (set generously: healthy replicas never miss it, the run is the same)
+        assert self.policy.remote.reply_timeout_s == 300.0
         if batch.step in (1, 2):
             self.source.drain()
             os.kill(self.policy.remote.procs[1].pid, signal.SIGKILL)
@@ -107,7 +109,7 @@ def test_two_cpu_replicas_train_the_same_run_as_one_engine(tiny_model_dir, tmp_p
 
     monkeypatch.setattr(online.OnlineRun, "_async_record", kill_after_steps_2_and_3)
     two = _raw(tiny_model_dir, tmp_path / "two", spec, async_producer="process", rollout_devices="cpu,cpu", max_steps=4,
-               rollout_worker_restarts=1)  # fmt: skip
+               rollout_worker_restarts=1, rollout_worker_timeout_s=300)  # fmt: skip
     runner.run(config.build(two))
     one, two = _records(tmp_path / "one"), _records(tmp_path / "two")
     # prompts split over the replicas (i mod 2), seeds per prompt: the same tokens, log-probs, rewards and updates,

@@ -266,6 +266,7 @@ def test_restart_and_timeout_options_in_the_config_and_the_cli():
     for bad in (0, -1.0, True, "30"):
         with pytest.raises(ConfigError, match=r"rollout_worker_timeout_s must be a number of seconds > 0"):
             GRPOConfig(rollout_worker_timeout_s=bad)
-    args = parser.parse_args(["--rollout-worker-timeout", "90"])
+    args = parser.parse_args(["--algo", "grpo", "--rollout-worker-timeout", "90"])
     assert args.rollout_worker_timeout == 90.0 and parser.parse_args([]).rollout_worker_timeout is None
     assert train.RL_FLAG_KEYS["rollout_worker_timeout"] == "rollout_worker_timeout_s"
+    assert dict(train.overrides_from_args(args))["grpo.rollout_worker_timeout_s"] == 90.0
