@@ -125,10 +125,10 @@ def test_a_replica_killed_while_it_generates(tiny_model_dir, setup, caplog):
         want = _expected(llm, ids, params)
         recv = workers._recv_reply
 
-        def kill_before_replica_1_replies(w, deadline=None):
+        def kill_before_replica_1_replies(w, *rest):
             if w == 1:
                 _kill(workers, 1)
-            return recv(w, deadline)
+            return recv(w, *rest)
 
         workers._recv_reply = kill_before_replica_1_replies
         caplog.set_level(logging.WARNING, logger="polyrl.run.rollout_workers")
@@ -145,9 +145,10 @@ def test_a_replica_killed_while_it_generates(tiny_model_dir, setup, caplog):
 
 
 def test_a_hung_replica_misses_the_reply_deadline_and_is_restarted(tiny_model_dir, setup, caplog):
-    """Replica 1 is stopped (SIGSTOP: its process is alive, its connection open, it never answers): the call waits
+    """Replica 0 is stopped (SIGSTOP: its process is alive, its connection open, it never answers): the call waits
     for its reply about ``reply_timeout_s``, not the groups' 120 s, then kills it, has the trainer's engine generate
-    its share, and restarts it; after it rejoins it serves the next call."""
+    its share, and restarts it; after it rejoins it serves the next call. Replica 0's reply is waited for first, so
+    the deadline has passed when replica 1's is looked at: replica 1 answered in time and must not be dropped."""
     from polyrl.run.rollout_workers import RolloutWorkers
 
     cfg, model, llm, ids, params = setup
@@ -166,16 +167,18 @@ def test_a_hung_replica_misses_the_reply_deadline_and_is_restarted(tiny_model_di
         workers.push_weights(model)
         want = _expected(llm, ids, params)
         assert _tokens(workers.generate(ids, params, local)) == want and local_calls == []  # healthy: in time
-        hung = workers.procs[1]
+        hung = workers.procs[0]
         os.kill(hung.pid, signal.SIGSTOP)
         caplog.set_level(logging.WARNING, logger="polyrl.run.rollout_workers")
         t0 = time.monotonic()
         got = _tokens(workers.generate(ids, params, local))
         took = time.monotonic() - t0
-        assert got == want and local_calls == [N_PROMPTS // 2]  # its share (prompts 1, 3, 5) by the trainer's engine
+        assert got == want and local_calls == [N_PROMPTS // 2]  # its share (prompts 0, 2, 4) by the trainer's engine
         assert deadline_s - 0.1 <= took < deadline_s + 15, took  # the deadline, plus killing it and the local share
-        assert (workers.failures, workers.restarts, workers.num_alive, workers.starting) == (1, 1, 1, {1})
-        assert not hung.is_alive() and workers.procs[1] is not hung  # the stopped process killed, a new one spawned
+        assert (workers.failures, workers.restarts, workers.num_alive, workers.starting) == (1, 1, 1, {0})
+        assert (
+            workers.alive[1] and not hung.is_alive() and workers.procs[0] is not hung
+        )  # the stopped process killed, a new one spawned
         assert "did not answer within reply_timeout_s = 4 s (hung)" in caplog.text
         assert "restarting it (restart 1 of 1)" in caplog.text
         assert workers.wait_for_restarts(60)
