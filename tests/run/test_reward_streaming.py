@@ -128,6 +128,7 @@ def test_rollout_on_finish_gives_each_sample_at_its_position(tiny_model, path):
     if path == "dead_workers":
         remote = RolloutWorkers.__new__(RolloutWorkers)  # two workers that died: no process to spawn
         remote.procs, remote.alive, remote.failures = [None, None], [False, False], 2
+        remote.reply_timeout_s = None
         policy.remote = remote
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
     seen = {}
