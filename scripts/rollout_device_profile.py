@@ -1,12 +1,14 @@
 """Where a rollout's device time goes: one ``LLM.generate`` under ``torch.profiler``, its kernels on a timeline.
 
     python3 scripts/rollout_device_profile.py --batch 512 --prompt-len 64 --gen-len 256 [--decode-steps 4]
+    python3 scripts/rollout_device_profile.py --shape qwen3-8b --batch 256 --prompt-len 128 --gen-len 256 \
+        --weight-precision fp8 --kv-dtype fp8_e4m3      # issue 28: where the FP8 decode step's time goes
 
 Prints, for the profiled run: wall time, kernel time, the share of the wall the device is busy (union of kernel
 intervals) and the idle time between kernels (gaps of >= 20 us apart: launch boundaries, host waits), kernel time by
-kind (GEMM, attention, sampler, norms, ...) per decode step, and the top kernels. Random qwen3-0.6b-shaped weights,
-every sample generating exactly ``--gen-len`` tokens. Measures; asserts nothing (issue 14's "profile of what is
-left").
+kind (GEMM, attention, sampler, norms, ...) per decode step, and the top kernels. Random qwen3-0.6b-shaped weights
+(``--shape``: another preset's), every sample generating exactly ``--gen-len`` tokens; ``--weight-precision fp8`` /
+``--kv-dtype fp8_e4m3``: the FP8 rollout paths. Measures; asserts nothing (issue 14's "profile of what is left").
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from polyrl.platform import device
 KINDS = (  # first match wins: (kind, substrings of the kernel name, lower case)
     ("attention", ("paged", "attn", "attention", "flash", "fmha")),
     ("sampler", ("sample", "gumbel", "argmax", "_draw")),
-    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul", "splitk", "skinny")),
+    ("fp8 quantise", ("quant", "amax")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul", "splitk", "skinny", "f8f8")),
     ("norm", ("rmsnorm", "norm")),
     ("rope", ("rope", "rotary")),
     ("kv write", ("kv_write", "reshape_and_cache", "store_kv", "_kv_")),
@@ -108,18 +111,28 @@ def main() -> None:
     ap.add_argument("--gen-len", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=None)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--shape", default="qwen3-0.6b", help="a preset whose shape the random model takes")
+    ap.add_argument("--weight-precision", choices=["model", "fp8"], default="model", help="rollout projection weights")
+    ap.add_argument("--kv-dtype", choices=["auto", "fp8_e4m3"], default="auto", help="KV cache dtype")
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
     dev = device.torch_device()
-    model = build_model(preset_config("qwen3-0.6b-shape"), dtype=torch.bfloat16, device=dev, seed=0).eval()
+    from polyrl.models.presets import PRESETS
+
+    shape = args.shape if args.shape in PRESETS else f"{args.shape}-shape"
+    model = build_model(preset_config(shape), dtype=torch.bfloat16, device=dev, seed=0).eval()
     kw = {} if args.decode_steps is None else {"decode_steps": args.decode_steps}
+    if args.weight_precision == "fp8":
+        kw["weight_precision"] = "fp8"
+    if args.kv_dtype != "auto":
+        kw["kv_cache_dtype"] = args.kv_dtype
     cfg = RolloutConfig(max_num_seqs=args.batch, max_model_len=args.prompt_len + args.gen_len + 8,
                        max_num_blocks=args.batch * (-(-(args.prompt_len + args.gen_len + 8) // 16)), **kw)  # fmt: skip
     llm = LLM(model, None, cfg)
     llm.capture_graphs(args.batch)
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(10, 150000, (args.batch, args.prompt_len), generator=g).tolist()
+    prompts = torch.randint(10, min(150000, llm.vocab_size), (args.batch, args.prompt_len), generator=g).tolist()
     params = SamplingParams(temperature=1.0, max_tokens=args.gen_len, ignore_eos=True)
     llm.generate(prompts, params)  # warm-up: every bucket, every kernel
     llm.reset_prefix_cache()
@@ -136,7 +149,8 @@ def main() -> None:
     path = os.path.join(tempfile.mkdtemp(prefix="polyrl-rollout-prof-"), "trace.json")
     prof.export_chrome_trace(path)
     rate = args.batch * args.gen_len / wall
-    print(f"# rollout device profile: batch {args.batch}, {args.prompt_len} in / {args.gen_len} out, "
+    print(f"# rollout device profile: {shape}, weights {args.weight_precision}, KV {args.kv_dtype}, "
+          f"batch {args.batch}, {args.prompt_len} in / {args.gen_len} out, "
           f"decode_steps {llm.config.decode_steps}, {rate:,.0f} tokens/s under the profiler")  # fmt: skip
     analyse(kernel_events(path), wall * 1e3, max(steps, 1), args.top)
 

@@ -44,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="torch device (default: the accelerator, else cpu)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences per engine step")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per forward (scoring batches, prefill steps); default 32768 on an accelerator, 8192 on the CPU",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,7 +64,13 @@ def run(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     model, tokenizer = load_eval_model(args.model, args.dtype, args.device, args.base)
-    llm = eval_engine(model, tokenizer, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+    llm = eval_engine(
+        model,
+        tokenizer,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     loaded = time.perf_counter() - start
     if args.tasks is not None:
         report = _tasks(args, llm)

@@ -59,7 +59,7 @@ class PolyrlLM(TemplateLM):
         max_length: int | None = None,
         base: str | None = None,
         max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
+        max_num_batched_tokens: int | None = None,
         batch_size: Any = None,  # lm-eval passes these; the engine batches by tokens instead
         max_batch_size: Any = None,
         show_progress: Any = True,
@@ -75,7 +75,7 @@ class PolyrlLM(TemplateLM):
                 tokenizer,
                 max_model_len=int(max_length) if max_length else None,
                 max_num_seqs=int(max_num_seqs),
-                max_num_batched_tokens=int(max_num_batched_tokens),
+                max_num_batched_tokens=int(max_num_batched_tokens) if max_num_batched_tokens else None,
             )
         if llm.tokenizer is None:
             raise UserError("the polyrl lm-eval model needs an engine with a tokenizer")

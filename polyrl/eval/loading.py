@@ -52,15 +52,33 @@ def load_eval_model(
     return model, load_tokenizer(tok_dir)
 
 
+# Tokens per forward of an evaluation engine on an accelerator. An eval forward is host-bound below this size: on the
+# H200 an eager 0.6b forward costs ~35 ms of launches whatever its token count, while 8192 tokens take ~15 ms of device
+# time (bench eval: 35 scoring batches of 8192 tokens took 1.15 s of launches; a 256-prompt generation task prefilled
+# in 4 synchronous steps of ~57 ms). 32768 tokens is 4x fewer launches; the cache sizing reserves ~0.9 GiB more for
+# activations at the 0.6b shape (~3.4 GiB at 8b: ``kv_cache.activation_reserve``).
+ACCEL_EVAL_BATCH_TOKENS = 32768
+CPU_EVAL_BATCH_TOKENS = 8192  # the CPU is compute-bound at any size; the rollout engine's default
+
+
+def eval_batch_tokens(dev: torch.device) -> int:
+    """Default tokens per forward of an evaluation engine on ``dev``."""
+    return CPU_EVAL_BATCH_TOKENS if dev.type == "cpu" else ACCEL_EVAL_BATCH_TOKENS
+
+
 def eval_engine(
     model: torch.nn.Module,
     tokenizer: Any,
     max_model_len: int | None = None,
     max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 8192,
+    max_num_batched_tokens: int | None = None,
     num_blocks: int | None = None,
 ) -> LLM:
-    """A rollout engine for evaluation: prefix caching on (a document's choices share their context)."""
+    """A rollout engine for evaluation: prefix caching on (a document's choices share their context).
+    ``max_num_batched_tokens`` (tokens per forward; None: ``eval_batch_tokens``) sets the scoring batches and the
+    prefill steps of generation tasks."""
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = eval_batch_tokens(next(model.parameters()).device)
     cfg = RolloutConfig(
         num_blocks=num_blocks,
         max_num_seqs=max_num_seqs,

@@ -115,3 +115,18 @@ def test_peft_adapter_folder_evaluates_base_plus_adapter(tiny_model_dir, tmp_pat
 def test_bad_arguments_say_what_to_fix(tiny_model_dir, tmp_path, capsys, argv, message):
     assert cli("--model", str(tiny_model_dir), "--output", str(tmp_path / "e.json"), *argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_eval_engine_batch_tokens_default_by_device():
+    """An eval engine batches 32768 tokens per forward on an accelerator (eager forwards are launch-bound below
+    that), the rollout default 8192 on the CPU; an explicit value wins."""
+    from polyrl.eval.loading import eval_batch_tokens, eval_engine
+    from polyrl.models.decoder import build_model
+    from polyrl.models.presets import preset_config
+
+    assert eval_batch_tokens(torch.device("cpu")) == 8192
+    assert eval_batch_tokens(torch.device("cuda", 0)) == 32768
+    model = build_model(preset_config("tiny"), dtype=torch.float32, device=torch.device("cpu"), seed=0).eval()
+    assert eval_engine(model, None, max_model_len=64, num_blocks=64).config.max_num_batched_tokens == 8192
+    llm = eval_engine(model, None, max_model_len=64, num_blocks=64, max_num_batched_tokens=1024)
+    assert llm.config.max_num_batched_tokens == 1024
