@@ -304,10 +304,10 @@ for s in "$@"; do
       --eval-every 25 --budget-s 450 --out "$OUT/fp8_loss_seeds" ;;
     # The seeds protocol without the early loss spikes of fp8-loss-seeds (both precisions spiked to ~10-14 nats at
     # steps 30-35 after a 10-step warm-up to 3e-4, and the per-seed fp8 - bf16 gaps of +2.1 / -2.4 / -0.6% were set
-    # there and carried to the end): a 60-step warm-up to 2e-4, four seeds
-    fp8-loss-seeds-stable) TAIL=20 stage fp8-loss-seeds-stable 560 python3 scripts/fp8_loss_curves.py \
+    # there and carried to the end): a 60-step warm-up to 2e-4, up to four seeds (those that fit 360 s)
+    fp8-loss-seeds-stable) TAIL=20 stage fp8-loss-seeds-stable 420 python3 scripts/fp8_loss_curves.py \
       --preset qwen3-0.6b-shape --steps 300 --seeds 0,1,2,3 --lr 2e-4 --warmup-steps 60 --micro-batch-tokens 8192 \
-      --data "builtin:markov?n=20000" --eval-rows 1000 --eval-every 25 --budget-s 470 --out "$OUT/fp8_loss_stable" ;;
+      --data "builtin:markov?n=20000" --eval-rows 1000 --eval-every 25 --budget-s 360 --out "$OUT/fp8_loss_stable" ;;
     # Where an SFT run's wall time goes outside the timed step (the fp8-loss-curves run showed ~1.4 s of wall per step
     # against 0.16-0.19 s of step time): the CLI's SFT loop under cProfile, 40 steps of the 0.6b shape, top 30
     fp8-loss-variants) TAIL=12 stage fp8-loss-variants 560 python3 scripts/fp8_loss_curves.py --preset qwen3-0.6b-shape \
