@@ -4,7 +4,9 @@ of one engine request per prompt, and its response written as JSON text at once.
 
 ``infer.scoring.score_prompts`` runs every prompt of the HTTP request through the model in a few batched forwards
 between engine steps (``AsyncEngine.score``, which also merges the prompts of concurrent scoring requests into one
-call) and returns, per prompt position, the token's log-prob and the argmax (id, log-prob). ``scored_body`` turns
+call) and returns, per prompt position, the token's log-prob and the argmax (id, log-prob). Prompts sharing a
+prefix of at least one KV block and a token (lm-eval's choices of one document: the same context, a different
+choice) feed its whole blocks once, through the model and the LM head, and identical prompts are scored once. ``scored_body`` turns
 that into the response the request path gives, byte for byte as ``json.dumps`` writes it: prompt log-probs with the
 top-1 alternative (the token's own entry carries its own log-prob, so a greedy check is exact), and the one
 generated token = the argmax after the prompt (greedy), finishing ``stop`` when it is an EOS id, else ``length``.
