@@ -23,25 +23,27 @@ request and runs the model directly on the engine's paged KV cache:
   (``_arrays``) and go to the device in one pinned copy (``batch.to_device``).
 
 ``score_prompts`` scores every position of whole prompts the same way (a server's ``echo`` + ``logprobs`` request,
-``server/scoring.py``): per token its log-prob and the argmax (id, log-prob), read in one transfer at the end.
-lm-eval sends a multiple-choice document as one prompt per choice (the same context + a short choice), so prompts
-share prefixes, and those are fed once (``_prefix_tree``, ``_plan_prompts``): the prompts are sorted as token
-sequences; two neighbours sharing ``L`` tokens can share ``floor((L - 1) / bs) * bs`` of them (whole KV blocks, one
-token short of ``L`` so that the last shared position's next token, its target, is common), and the prompts sharing
-at least one block form a node. Nodes nest (a few-shot prefix common to many documents, then each document's
-context): each node is one sequence of the forward fed from its parent's end, with its parent's blocks leading its
-block table (a branch of a branch), its rows scored once through the LM head; each prompt's rest is a branch of its
-deepest node, every row scored. Each prompt's per-position values are then gathered from its nodes' rows and its
-own (numpy, one index array); identical prompts are scored once. A prompt with no partner is one sequence, as in
-``score_continuations``. A batch holds whole prompts: when one spills into the next batch its nodes are fed again
-there, not scored again. Host cost: a sort of the prompts' byte strings (``memcmp``), numpy over the neighbours'
-common tokens, one short Python step per prompt (the node walk and the batch plan).
+``server/scoring.py``): per token its log-prob and the argmax (id, log-prob), read in one transfer at the end (the
+per-prompt sums and greedy flags are then numpy over those). lm-eval sends a multiple-choice document as one prompt
+per choice (the same context + a short choice), so prompts share prefixes, and those are fed once (``_prefix_tree``,
+``_plan_prompts``): the prompts are sorted as token sequences; two neighbours sharing ``L`` tokens can share
+``floor((L - 1) / bs) * bs`` of them (whole KV blocks, one token short of ``L`` so that the last shared position's
+next token, its target, is common), and the prompts sharing at least one block form a node. Nodes nest (a few-shot
+prefix common to many documents, then each document's context): each node is one sequence of the forward fed from
+its parent's end, with its parent's blocks leading its block table (a branch of a branch), its rows scored once
+through the LM head; each prompt's rest is a branch of its deepest node, every row scored. Each prompt's
+per-position values are then gathered from its nodes' rows and its own (numpy, one index array); identical prompts
+are scored once. A prompt with no partner is one sequence, as in ``score_continuations``. A batch holds whole
+prompts: when one spills into the next batch its nodes are fed again there, not scored again. Host cost: a sort of
+the prompts' byte strings (``memcmp``), numpy over the neighbours' common tokens, one short Python step per prompt
+(the node walk and the batch plan).
 
 The KV blocks are borrowed from the engine's ``BlockManager`` for the call and given back (evicting cached prefixes
 as any allocation does); the engine is not stepped. It must be idle, or (``require_idle=False``) the call runs on the
 engine's own thread between steps: running sequences keep their blocks and every forward is queued on the same
 stream. Not here: tokenisation, lm-eval's request objects (``polyrl/eval/harness.py``), top-k > 1 alternatives and
 ranks (``prompt_logprobs.py``, the request path), LoRA adapter banks (a served adapter engine uses the request path).
+Not built: sharing across calls (each call plans only its own prompts; the engine's prefix cache is not read).
 """
 
 from __future__ import annotations
@@ -258,10 +260,38 @@ class _PromptBatch:
 
 
 @dataclass
+class _Pieces:
+    """Where each distinct prompt's positions lie in the result rows: its path's nodes, then its own rest."""
+
+    path_rows: dict[int, list[int]]  # per node a leaf hangs from: the first result row of each node on its path
+    path_lens: dict[int, list[int]]  # ... and each one's length
+    leaf_node: list[int]  # per distinct prompt: the node it hangs from (0: the root, nothing shared)
+    leaf_row: list[int]  # its rest's first result row
+    tail: list[int]  # its rest's length
+
+    def rows(self, distinct: np.ndarray, total: int) -> np.ndarray:
+        """The result row of every position of every prompt (``distinct``: each prompt's distinct prompt), in
+        prompt order: ``total`` rows. Numpy, one generator step per prompt for its path."""
+        leaf = np.asarray(self.leaf_node, dtype=np.int64)[distinct]
+        nodes = leaf.tolist()
+        node_rows = np.fromiter(chain.from_iterable(map(self.path_rows.__getitem__, nodes)), dtype=np.int64)
+        node_lens = np.fromiter(chain.from_iterable(map(self.path_lens.__getitem__, nodes)), dtype=np.int64)
+        count = np.fromiter(map(len, map(self.path_rows.__getitem__, nodes)), dtype=np.int64, count=len(nodes))
+        ends = np.cumsum(count + 1)
+        own = np.zeros(int(ends[-1]), dtype=bool)
+        own[ends - 1] = True
+        first = np.empty(len(own), dtype=np.int64)
+        lens = np.empty(len(own), dtype=np.int64)
+        first[own], lens[own] = np.asarray(self.leaf_row)[distinct], np.asarray(self.tail)[distinct]
+        first[~own], lens[~own] = node_rows, node_lens
+        return np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(total)
+
+
+@dataclass
 class _PromptPlan:
     batches: list[_PromptBatch]
     rows: int  # LM-head rows over all batches (their results are concatenated in batch and row order)
-    segments: list[tuple[list[int], list[int]]]  # per distinct prompt: (result row, length) of its pieces, in order
+    pieces: _Pieces
     distinct: np.ndarray  # per prompt: its distinct prompt
     nodes: int  # shared prefixes
 
@@ -337,12 +367,13 @@ def _plan_prompts(
     lens = np.diff(off).tolist()
     node_len = [0] + [depth[v] - depth[parent[v]] for v in range(1, len(depth))]  # multiples of bs
     paths: dict[int, list[int]] = {0: []}  # node -> the nodes from the root's child down to it
+    path_rows: dict[int, list[int]] = {0: []}  # node -> those nodes' first result rows (once all are scored)
     batches: list[_PromptBatch] = []
     cur = _PromptBatch()
     in_batch: dict[int, int] = {}  # node -> its sequence in the current batch
     node_row: dict[int, int] = {}  # node -> its first result row
     rows = 0
-    segments = []
+    leaf_row, tails = [], []
     for j, p in enumerate(leaves):
         u = leaf_parent[j]
         path = paths.get(u)
@@ -358,8 +389,10 @@ def _plan_prompts(
         s = depth[u]  # = the path's tokens
         tail = lens[p] - s
         tail_blocks = -(-tail // bs)
-        new = [v for v in path if v not in in_batch]  # the path's nodes not yet fed in this batch (a suffix)
-        size = sum(node_len[v] for v in new)
+        new, size = (), 0
+        if u and u not in in_batch:  # the path's nodes not yet fed in this batch (a suffix of it)
+            new = [v for v in path if v not in in_batch]
+            size = sum(node_len[v] for v in new)
         if cur.seq_len and (
             cur.num_tokens + size + tail > budget or cur.num_blocks + size // bs + tail_blocks > block_budget
         ):
@@ -383,6 +416,8 @@ def _plan_prompts(
             cur.seq_len.append(node_len[v])
             cur.seq_start.append(a)
             cur.seq_scored.append(scored)
+        if u not in path_rows:
+            path_rows[u] = [node_row[v] for v in path]
         cur.seq_parent.append(in_batch[u] if u else -1)
         cur.seq_off.append(starts[p] + s)
         cur.seq_len.append(tail)
@@ -390,14 +425,14 @@ def _plan_prompts(
         cur.seq_scored.append(True)
         cur.num_tokens += size + tail
         cur.num_blocks += size // bs + tail_blocks
-        if path:
-            segments.append(([node_row[v] for v in path] + [rows], [node_len[v] for v in path] + [tail]))
-        else:
-            segments.append(([rows], [tail]))
+        leaf_row.append(rows)
+        tails.append(tail)
         rows += tail
     if cur.seq_len:
         batches.append(cur)
-    return _PromptPlan(batches, rows, segments, distinct, len(depth) - 1)
+    path_lens = {u: [node_len[v] for v in path] for u, path in paths.items()}
+    pieces = _Pieces(path_rows, path_lens, leaf_parent, leaf_row, tails)
+    return _PromptPlan(batches, rows, pieces, distinct, len(depth) - 1)
 
 
 def _prompt_arrays(batch: _PromptBatch, flat: np.ndarray, pool: np.ndarray, bs: int) -> tuple[dict, np.ndarray]:
@@ -451,7 +486,7 @@ def score_prompts(llm: Any, prompts: Seq[Seq[int]], require_idle: bool = True) -
     plan = _plan_prompts(prompts, flat, off, bs, budget, min(bm.num_free_blocks, 2 * -(-budget // bs)))
     stats.update(plan_s=time.perf_counter() - t0, arrays_s=0.0, launch_s=0.0, batches=len(plan.batches))
     stats.update(fed_tokens=sum(b.num_tokens for b in plan.batches), unshared_tokens=total, scored_tokens=plan.rows)
-    stats.update(distinct_prompts=len(plan.segments), shared_prefixes=plan.nodes)
+    stats.update(distinct_prompts=len(plan.pieces.tail), shared_prefixes=plan.nodes)
     out: list[tuple[torch.Tensor, ...]] = []
     with _borrowed_blocks(llm, max(b.num_blocks for b in plan.batches)) as pool:
         with torch.inference_mode(), llm.runner._precision():
@@ -469,11 +504,7 @@ def score_prompts(llm: Any, prompts: Seq[Seq[int]], require_idle: bool = True) -
                 platform_device.synchronize()
             t4 = time.perf_counter()
             lp, arg, best = (torch.cat([o[k] for o in out]).cpu().numpy() for k in range(3))
-    # every prompt's rows: its distinct prompt's pieces (shared prefixes, then its own rest), in prompt order
-    seg = [plan.segments[d] for d in plan.distinct.tolist()]
-    seg_row = np.fromiter(chain.from_iterable(r for r, _ in seg), dtype=np.int64)
-    seg_len = np.fromiter(chain.from_iterable(k for _, k in seg), dtype=np.int64, count=len(seg_row))
-    idx = np.repeat(seg_row - (np.cumsum(seg_len) - seg_len), seg_len) + np.arange(total)
+    idx = plan.pieces.rows(plan.distinct, total)  # every prompt's positions: its shared prefixes' rows, its own
     lp, arg, best = lp[idx], arg[idx], best[idx]
     scored = np.ones(total, dtype=bool)  # positions 0 .. n - 2: a prompt token follows
     scored[off[1:] - 1] = False
