@@ -297,19 +297,21 @@ class _PromptPlan:
 
 
 def _prefix_tree(
-    prompts: Seq[Seq[int]], flat: np.ndarray, off: np.ndarray, bs: int
+    flat: np.ndarray, off: np.ndarray, bs: int
 ) -> tuple[list[int], np.ndarray, list[int], list[int], list[int], list[int]]:
-    """The prompts' shared prefixes as a tree: (distinct prompts in sorted order (a prompt index each), per prompt its
-    distinct prompt (position in that list), per distinct prompt its parent node, per node its depth (a multiple of
-    ``bs``; node 0 is the root, depth 0), its parent node, one distinct prompt holding it).
+    """The shared prefixes of the prompts ``flat[off[i] : off[i + 1]]`` as a tree: (the distinct prompts in sorted
+    order, a prompt index each; per prompt its distinct prompt, a position in that list; per distinct prompt its
+    parent node; per node its depth, a multiple of ``bs`` (node 0 is the root, depth 0); its parent node; one
+    distinct prompt holding it).
 
-    Prompts are sorted as token sequences (``memcmp`` of big-endian 4-byte ids); neighbours' longest common prefix
-    ``L`` (numpy, over at most the shorter one's tokens) finds identical prompts (scored once) and sets how much
-    they can share: ``floor((L - 1) / bs) * bs`` tokens, whole KV blocks, at least one token short of ``L`` so that
-    every shared position's next token (its scored target) is common too. Prompts that share at least one block
-    (``L >= bs + 1``) form a node; a node's deeper nodes (longer shared prefixes of some of its prompts) are its
+    Prompts are sorted as token sequences (``memcmp`` of big-endian 4-byte ids; an id past 32 bits would only sort
+    worse: the common prefixes are counted on the ids themselves, and any order keeps the tree right); neighbours'
+    longest common prefix ``L`` (numpy, over at most the shorter one's tokens) finds identical prompts (scored once) and
+    sets how much they can share: ``floor((L - 1) / bs) * bs`` tokens, whole KV blocks, at least one token short of
+    ``L`` so that every shared position's next token (its scored target) is common too. Prompts that share at least one
+    block (``L >= bs + 1``) form a node; a node's deeper nodes (longer shared prefixes of some of its prompts) are its
     children: the classic stack walk over the sorted neighbours' shared depths (one Python step per prompt)."""
-    n = len(prompts)
+    n = len(off) - 1
     lens = np.diff(off)
     blob = flat.astype(">u4").tobytes()  # a prefix sorts first, as with lists
     bounds = (4 * off).tolist()
@@ -356,13 +358,11 @@ def _prefix_tree(
     return order[keep].tolist(), distinct, leaf_parent, node_depth, node_parent, node_rep
 
 
-def _plan_prompts(
-    prompts: Seq[Seq[int]], flat: np.ndarray, off: np.ndarray, bs: int, budget: int, block_budget: int
-) -> _PromptPlan:
+def _plan_prompts(flat: np.ndarray, off: np.ndarray, bs: int, budget: int, block_budget: int) -> _PromptPlan:
     """Distinct prompts (sorted) into batches of at most ``budget`` fed tokens and ``block_budget`` KV blocks: each
     shared prefix node is one sequence, scored once, each prompt's rest a branch of its deepest node. A batch holds
     whole prompts; a prompt whose nodes were scored in an earlier batch feeds them again, unscored."""
-    leaves, distinct, leaf_parent, depth, parent, rep = _prefix_tree(prompts, flat, off, bs)
+    leaves, distinct, leaf_parent, depth, parent, rep = _prefix_tree(flat, off, bs)
     starts = off[:-1].tolist()
     lens = np.diff(off).tolist()
     node_len = [0] + [depth[v] - depth[parent[v]] for v in range(1, len(depth))]  # multiples of bs
@@ -483,7 +483,7 @@ def score_prompts(llm: Any, prompts: Seq[Seq[int]], require_idle: bool = True) -
     bs = llm.config.block_size
     budget = llm.config.max_num_batched_tokens
     bm = llm.block_manager
-    plan = _plan_prompts(prompts, flat, off, bs, budget, min(bm.num_free_blocks, 2 * -(-budget // bs)))
+    plan = _plan_prompts(flat, off, bs, budget, min(bm.num_free_blocks, 2 * -(-budget // bs)))
     stats.update(plan_s=time.perf_counter() - t0, arrays_s=0.0, launch_s=0.0, batches=len(plan.batches))
     stats.update(fed_tokens=sum(b.num_tokens for b in plan.batches), unshared_tokens=total, scored_tokens=plan.rows)
     stats.update(distinct_prompts=len(plan.pieces.tail), shared_prefixes=plan.nodes)

@@ -110,7 +110,7 @@ def test_random_prompt_sets_with_many_shared_prefixes(tiny_model):
         off = np.cumsum(lens)
         flat = np.array([t for p in prompts for t in p], dtype=np.int64)
         pool = np.array(rng.sample(range(4000), 2000), dtype=np.int64)
-        for batch in _plan_prompts(prompts, flat, off, bs, budget, 10**6).batches:
+        for batch in _plan_prompts(flat, off, bs, budget, 10**6).batches:
             arrays, _ = _prompt_arrays(batch, flat, pool, bs)
             tables, first = [], 0
             for n, start, parent in zip(batch.seq_len, batch.seq_start, batch.seq_parent):
