@@ -23,19 +23,35 @@ request and runs the model directly on the engine's paged KV cache:
   (``_arrays``) and go to the device in one pinned copy (``batch.to_device``).
 
 ``score_prompts`` scores every position of whole prompts the same way (a server's ``echo`` + ``logprobs`` request,
-``server/scoring.py``): per token its log-prob and the argmax (id, log-prob), read in one transfer at the end.
+``server/scoring.py``): per token its log-prob and the argmax (id, log-prob), read in one transfer at the end (the
+per-prompt sums and greedy flags are then numpy over those). lm-eval sends a multiple-choice document as one prompt
+per choice (the same context + a short choice), so prompts share prefixes, and those are fed once (``_prefix_tree``,
+``_plan_prompts``): the prompts are sorted as token sequences; two neighbours sharing ``L`` tokens can share
+``floor((L - 1) / bs) * bs`` of them (whole KV blocks, one token short of ``L`` so that the last shared position's
+next token, its target, is common), and the prompts sharing at least one block form a node. Nodes nest (a few-shot
+prefix common to many documents, then each document's context): each node is one sequence of the forward fed from
+its parent's end, with its parent's blocks leading its block table (a branch of a branch), its rows scored once
+through the LM head; each prompt's rest is a branch of its deepest node, every row scored. Each prompt's
+per-position values are then gathered from its nodes' rows and its own (numpy, one index array); identical prompts
+are scored once. A prompt with no partner is one sequence, as in ``score_continuations``. A batch holds whole
+prompts: when one spills into the next batch its nodes are fed again there, not scored again. Host cost: a sort of
+the prompts' byte strings (``memcmp``), numpy over the neighbours' common tokens, one short Python step per prompt
+(the node walk and the batch plan).
 
 The KV blocks are borrowed from the engine's ``BlockManager`` for the call and given back (evicting cached prefixes
 as any allocation does); the engine is not stepped. It must be idle, or (``require_idle=False``) the call runs on the
 engine's own thread between steps: running sequences keep their blocks and every forward is queued on the same
 stream. Not here: tokenisation, lm-eval's request objects (``polyrl/eval/harness.py``), top-k > 1 alternatives and
 ranks (``prompt_logprobs.py``, the request path), LoRA adapter banks (a served adapter engine uses the request path).
+Not built: sharing across calls (each call plans only its own prompts; the engine's prefix cache is not read).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -134,35 +150,59 @@ def _plan(
     return batches
 
 
-def _arrays(batch: _Batch, pool: np.ndarray, bs: int, conts: Seq[Seq[int]]) -> tuple[dict[str, np.ndarray], dict]:
-    """The forward's index arrays (``batch.host_arrays``' layout) and the scored rows (flat row of ``[T]``, target
-    token, request) of one batch; KV blocks are taken from ``pool`` in order."""
-    nseq = len(batch.seq_tokens)
-    lens = np.fromiter((len(t) for t in batch.seq_tokens), dtype=np.int64, count=nseq)
+def _seq_arrays(
+    lens: np.ndarray, starts: np.ndarray, parents: np.ndarray, pool: np.ndarray, bs: int
+) -> dict[str, np.ndarray]:
+    """A forward's position, slot, sequence and block-table arrays (``batch.host_arrays``' layout, less the token ids
+    and scored rows) for sequences of ``lens`` fed tokens starting at positions ``starts`` (multiples of ``bs``).
+    ``parents[i]`` is the earlier sequence whose block table's first ``starts[i] / bs`` blocks sequence ``i``'s
+    table starts with (its parent's own blocks are full: shared KV written in the same forward), or -1 (then
+    ``starts[i]`` is 0); parents may have parents. Each sequence's own KV blocks are taken from ``pool`` in order."""
+    nseq = len(lens)
     cu = np.zeros(nseq + 1, dtype=np.int64)
     np.cumsum(lens, out=cu[1:])
-    starts = np.asarray(batch.seq_start, dtype=np.int64)
     own = -(-lens // bs)  # own blocks of each sequence
     first = np.zeros(nseq + 1, dtype=np.int64)
     np.cumsum(own, out=first[1:])
-    shared_blocks = np.where(np.asarray(batch.seq_shared) >= 0, starts // bs, 0)
+    shared_blocks = np.where(parents >= 0, starts // bs, 0)
     width = int((shared_blocks + own).max())
     # every token's sequence and index in it, every own KV block's sequence: no Python step per sequence
     seq = np.repeat(np.arange(nseq), lens)
     local = np.arange(int(cu[-1]), dtype=np.int64) - cu[:-1][seq]
-    positions = starts[seq] + local
     slots = pool[first[:-1][seq] + local // bs] * bs + local % bs
     tables = np.zeros((nseq, width), dtype=np.int64)
     blk_seq = np.repeat(np.arange(nseq), own)
     blk = np.arange(int(first[-1]), dtype=np.int64) - first[:-1][blk_seq]
     tables[blk_seq, shared_blocks[blk_seq] + blk] = pool[: int(first[-1])]
-    branch = np.flatnonzero(shared_blocks)
-    if branch.size:  # a branch's leading blocks: its shared sequence's own blocks (that one has no shared blocks)
-        k = shared_blocks[branch]
-        rows = np.repeat(branch, k)
-        col = np.arange(int(k.sum()), dtype=np.int64) - np.repeat(np.cumsum(k) - k, k)
-        owner = np.asarray(batch.seq_shared, dtype=np.int64)[branch]
-        tables[rows, col] = pool[np.repeat(first[owner], k) + col]
+    # a branch's leading blocks: its parent's table (whose leading blocks are its own parent's): level by level
+    depth = np.zeros(nseq, dtype=np.int64)
+    up = parents.copy()
+    while (up >= 0).any():
+        depth += up >= 0
+        up = np.where(up >= 0, parents[np.maximum(up, 0)], -1)
+    cols = np.arange(width, dtype=np.int64)
+    for level in range(1, int(depth.max()) + 1):
+        kids = np.flatnonzero(depth == level)
+        lead = cols[None, :] < shared_blocks[kids][:, None]
+        tables[kids] = np.where(lead, tables[parents[kids]], tables[kids])
+    return {
+        "positions": starts[seq] + local,
+        "slot_mapping": slots,
+        "cu_seqlens": cu,
+        "context_lens": starts + lens,
+        "block_tables": tables,
+        "max_seqlen": np.array([int(lens.max())]),
+    }
+
+
+def _arrays(batch: _Batch, pool: np.ndarray, bs: int, conts: Seq[Seq[int]]) -> tuple[dict[str, np.ndarray], dict]:
+    """The forward's index arrays (``batch.host_arrays``' layout) and the scored rows (flat row of ``[T]``, target
+    token, request) of one batch; KV blocks are taken from ``pool`` in order."""
+    nseq = len(batch.seq_tokens)
+    lens = np.fromiter((len(t) for t in batch.seq_tokens), dtype=np.int64, count=nseq)
+    starts = np.asarray(batch.seq_start, dtype=np.int64)
+    arrays = _seq_arrays(lens, starts, np.asarray(batch.seq_shared, dtype=np.int64), pool, bs)
+    cu = arrays["cu_seqlens"]
     seqs, locs, reqs = (np.asarray(c, dtype=np.int64) for c in zip(*batch.rows))
     counts = np.fromiter((len(conts[r]) for r in reqs.tolist()), dtype=np.int64, count=len(reqs))
     total = int(counts.sum())
@@ -170,16 +210,8 @@ def _arrays(batch: _Batch, pool: np.ndarray, bs: int, conts: Seq[Seq[int]]) -> t
     row_idx = np.repeat(cu[seqs] + locs, counts) + offset
     targets = np.fromiter(chain.from_iterable(conts[r] for r in reqs.tolist()), dtype=np.int64, count=total)
     req = np.repeat(reqs, counts)
-    arrays = {
-        "input_ids": np.fromiter(chain.from_iterable(batch.seq_tokens), dtype=np.int64, count=int(cu[-1])),
-        "positions": positions,
-        "slot_mapping": slots,
-        "cu_seqlens": cu,
-        "context_lens": starts + lens,
-        "block_tables": tables,
-        "sample_rows": row_idx,
-        "max_seqlen": np.array([int(lens.max())]),
-    }
+    arrays["input_ids"] = np.fromiter(chain.from_iterable(batch.seq_tokens), dtype=np.int64, count=int(cu[-1]))
+    arrays["sample_rows"] = row_idx
     return arrays, {"targets": targets, "requests": req}
 
 
@@ -214,23 +246,321 @@ def _score_rows(
     return torch.cat(lps), torch.cat(greedy), torch.cat(ids), torch.cat(tops)
 
 
+@dataclass
+class _PromptBatch:
+    """One forward of ``score_prompts``: sequences are slices of the flat prompt tokens."""
+
+    seq_off: list[int] = field(default_factory=list)  # flat index of each sequence's first fed token
+    seq_len: list[int] = field(default_factory=list)
+    seq_start: list[int] = field(default_factory=list)  # its first position (a multiple of the block size)
+    seq_parent: list[int] = field(default_factory=list)  # the sequence (in this batch) whose blocks it extends, or -1
+    seq_scored: list[bool] = field(default_factory=list)  # its rows reach the LM head (False: a prefix fed again)
+    num_tokens: int = 0
+    num_blocks: int = 0
+
+
+@dataclass
+class _Pieces:
+    """Where each distinct prompt's positions lie in the result rows: its path's nodes, then its own rest."""
+
+    path_rows: dict[int, list[int]]  # per node a leaf hangs from: the first result row of each node on its path
+    path_lens: dict[int, list[int]]  # ... and each one's length
+    leaf_node: list[int]  # per distinct prompt: the node it hangs from (0: the root, nothing shared)
+    leaf_row: list[int]  # its rest's first result row
+    tail: list[int]  # its rest's length
+
+    def rows(self, distinct: np.ndarray, total: int) -> np.ndarray:
+        """The result row of every position of every prompt (``distinct``: each prompt's distinct prompt), in
+        prompt order: ``total`` rows. Numpy, one generator step per prompt for its path."""
+        leaf = np.asarray(self.leaf_node, dtype=np.int64)[distinct]
+        nodes = leaf.tolist()
+        node_rows = np.fromiter(chain.from_iterable(map(self.path_rows.__getitem__, nodes)), dtype=np.int64)
+        node_lens = np.fromiter(chain.from_iterable(map(self.path_lens.__getitem__, nodes)), dtype=np.int64)
+        count = np.fromiter(map(len, map(self.path_rows.__getitem__, nodes)), dtype=np.int64, count=len(nodes))
+        ends = np.cumsum(count + 1)
+        own = np.zeros(int(ends[-1]), dtype=bool)
+        own[ends - 1] = True
+        first = np.empty(len(own), dtype=np.int64)
+        lens = np.empty(len(own), dtype=np.int64)
+        first[own], lens[own] = np.asarray(self.leaf_row)[distinct], np.asarray(self.tail)[distinct]
+        first[~own], lens[~own] = node_rows, node_lens
+        return np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(total)
+
+
+@dataclass
+class _PromptPlan:
+    batches: list[_PromptBatch]
+    rows: int  # LM-head rows over all batches (their results are concatenated in batch and row order)
+    pieces: _Pieces
+    distinct: np.ndarray  # per prompt: its distinct prompt
+    nodes: int  # shared prefixes
+
+
+def _prefix_tree(
+    flat: np.ndarray, off: np.ndarray, bs: int
+) -> tuple[list[int], np.ndarray, list[int], list[int], list[int], list[int]]:
+    """The shared prefixes of the prompts ``flat[off[i] : off[i + 1]]`` as a tree: (the distinct prompts in sorted
+    order, a prompt index each; per prompt its distinct prompt, a position in that list; per distinct prompt its
+    parent node; per node its depth, a multiple of ``bs`` (node 0 is the root, depth 0); its parent node; one
+    distinct prompt holding it).
+
+    Prompts are sorted as token sequences (``memcmp`` of big-endian 4-byte ids; an id past 32 bits would only sort
+    worse: the common prefixes are counted on the ids themselves, and any order keeps the tree right); neighbours'
+    longest common prefix ``L`` (numpy, over at most the shorter one's tokens) finds identical prompts (scored once) and
+    sets how much they can share: ``floor((L - 1) / bs) * bs`` tokens, whole KV blocks, at least one token short of
+    ``L`` so that every shared position's next token (its scored target) is common too. Prompts that share at least one
+    block (``L >= bs + 1``) form a node; a node's deeper nodes (longer shared prefixes of some of its prompts) are its
+    children: the classic stack walk over the sorted neighbours' shared depths (one Python step per prompt)."""
+    n = len(off) - 1
+    lens = np.diff(off)
+    blob = flat.astype(">u4").tobytes()  # a prefix sorts first, as with lists
+    bounds = (4 * off).tolist()
+    keys = [blob[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    order = np.asarray(sorted(range(n), key=keys.__getitem__), dtype=np.int64)
+    lcp = np.zeros(max(n - 1, 0), dtype=np.int64)
+    if n > 1:
+        left, right = order[:-1], order[1:]
+        m = np.minimum(lens[left], lens[right])
+        pair = np.repeat(np.arange(n - 1), m)
+        k = np.arange(int(m.sum()), dtype=np.int64) - np.repeat(np.cumsum(m) - m, m)
+        differ = np.flatnonzero(flat[off[left][pair] + k] != flat[off[right][pair] + k])
+        lcp[:] = m
+        at = pair[differ]  # ascending; a pair's first mismatch comes first
+        first = np.flatnonzero(np.r_[True, at[1:] != at[:-1]]) if at.size else at
+        lcp[at[first]] = k[differ[first]]
+    same = np.zeros(n, dtype=bool)  # in sorted order: equal to the previous prompt
+    same[1:] = (lcp == lens[order[:-1]]) & (lcp == lens[order[1:]])
+    keep = np.flatnonzero(~same)
+    distinct = np.empty(n, dtype=np.int64)
+    distinct[order] = np.cumsum(~same) - 1
+    depths = np.maximum((lcp[keep[1:] - 1] - 1) // bs * bs, 0).tolist()  # between distinct neighbours
+    m = len(keep)
+    node_depth, node_parent, node_rep = [0], [-1], [0]
+    leaf_parent = [0] * m
+    stack = [0]
+    for i in range(1, m + 1):
+        h = depths[i - 1] if i < m else 0
+        top = stack[-1]
+        last = -1
+        while h < node_depth[stack[-1]]:
+            last = stack.pop()
+            if h <= node_depth[stack[-1]]:
+                node_parent[last] = stack[-1]
+                last = -1
+        if h > node_depth[stack[-1]]:
+            stack.append(len(node_depth))
+            node_depth.append(h)
+            node_parent.append(-1)
+            node_rep.append(i - 1)
+            if last >= 0:
+                node_parent[last] = stack[-1]
+        leaf_parent[i - 1] = top if node_depth[top] >= h else stack[-1]
+    return order[keep].tolist(), distinct, leaf_parent, node_depth, node_parent, node_rep
+
+
+def _plan_prompts(flat: np.ndarray, off: np.ndarray, bs: int, budget: int, block_budget: int) -> _PromptPlan:
+    """Distinct prompts (sorted) into batches of at most ``budget`` fed tokens and ``block_budget`` KV blocks: each
+    shared prefix node is one sequence, scored once, each prompt's rest a branch of its deepest node. A batch holds
+    whole prompts; a prompt whose nodes were scored in an earlier batch feeds them again, unscored."""
+    leaves, distinct, leaf_parent, depth, parent, rep = _prefix_tree(flat, off, bs)
+    starts = off[:-1].tolist()
+    lens = np.diff(off).tolist()
+    node_len = [0] + [depth[v] - depth[parent[v]] for v in range(1, len(depth))]  # multiples of bs
+    paths: dict[int, list[int]] = {0: []}  # node -> the nodes from the root's child down to it
+    path_rows: dict[int, list[int]] = {0: []}  # node -> those nodes' first result rows (once all are scored)
+    batches: list[_PromptBatch] = []
+    cur = _PromptBatch()
+    in_batch: dict[int, int] = {}  # node -> its sequence in the current batch
+    node_row: dict[int, int] = {}  # node -> its first result row
+    rows = 0
+    leaf_row, tails = [], []
+    for j, p in enumerate(leaves):
+        u = leaf_parent[j]
+        path = paths.get(u)
+        if path is None:
+            up, v = [], u
+            while v not in paths:
+                up.append(v)
+                v = parent[v]
+            for w in reversed(up):
+                paths[w] = paths[v] + [w]
+                v = w
+            path = paths[u]
+        s = depth[u]  # = the path's tokens
+        tail = lens[p] - s
+        tail_blocks = -(-tail // bs)
+        new, size = (), 0
+        if u and u not in in_batch:  # the path's nodes not yet fed in this batch (a suffix of it)
+            new = [v for v in path if v not in in_batch]
+            size = sum(node_len[v] for v in new)
+        if cur.seq_len and (
+            cur.num_tokens + size + tail > budget or cur.num_blocks + size // bs + tail_blocks > block_budget
+        ):
+            batches.append(cur)
+            cur, in_batch = _PromptBatch(), {}
+            new, size = path, s
+        if s + tail > budget or s // bs + tail_blocks > block_budget:
+            raise UserError(
+                f"a prompt of {lens[p]} tokens does not fit one scoring batch ({budget} tokens, {block_budget} KV "
+                "blocks); raise max_num_batched_tokens or the KV cache size"
+            )
+        for v in new:
+            a = depth[parent[v]]
+            scored = v not in node_row
+            if scored:
+                node_row[v] = rows
+                rows += node_len[v]
+            in_batch[v] = len(cur.seq_len)
+            cur.seq_parent.append(in_batch[parent[v]] if parent[v] else -1)
+            cur.seq_off.append(starts[leaves[rep[v]]] + a)
+            cur.seq_len.append(node_len[v])
+            cur.seq_start.append(a)
+            cur.seq_scored.append(scored)
+        if u not in path_rows:
+            path_rows[u] = [node_row[v] for v in path]
+        cur.seq_parent.append(in_batch[u] if u else -1)
+        cur.seq_off.append(starts[p] + s)
+        cur.seq_len.append(tail)
+        cur.seq_start.append(s)
+        cur.seq_scored.append(True)
+        cur.num_tokens += size + tail
+        cur.num_blocks += size // bs + tail_blocks
+        leaf_row.append(rows)
+        tails.append(tail)
+        rows += tail
+    if cur.seq_len:
+        batches.append(cur)
+    path_lens = {u: [node_len[v] for v in path] for u, path in paths.items()}
+    pieces = _Pieces(path_rows, path_lens, leaf_parent, leaf_row, tails)
+    return _PromptPlan(batches, rows, pieces, distinct, len(depth) - 1)
+
+
+def _prompt_arrays(batch: _PromptBatch, flat: np.ndarray, pool: np.ndarray, bs: int) -> tuple[dict, np.ndarray]:
+    """The forward's index arrays of one ``score_prompts`` batch and its scored rows' targets (each position's next
+    prompt token; a prompt's last position gets a stand-in whose log-prob is dropped)."""
+    lens = np.asarray(batch.seq_len, dtype=np.int64)
+    arrays = _seq_arrays(
+        lens,
+        np.asarray(batch.seq_start, dtype=np.int64),
+        np.asarray(batch.seq_parent, dtype=np.int64),
+        pool,
+        bs,
+    )
+    cu = arrays["cu_seqlens"]
+    src = np.repeat(np.asarray(batch.seq_off, dtype=np.int64) - cu[:-1], lens) + np.arange(int(cu[-1]))
+    rows = np.flatnonzero(np.repeat(np.asarray(batch.seq_scored), lens))
+    arrays["input_ids"] = flat[src]
+    arrays["sample_rows"] = rows
+    return arrays, flat[np.minimum(src[rows] + 1, len(flat) - 1)]
+
+
 def score_prompts(llm: Any, prompts: Seq[Seq[int]], require_idle: bool = True) -> ScoreResult:
     """Every position of each prompt (``echo`` + ``logprobs``): per prompt, ``token_logprobs`` of its tokens 1 ..
     n - 1, and ``top_ids`` / ``top_logprobs``: the argmax token and its log-prob after each of its n positions (the
-    last one is the greedy next token). ``logprobs`` / ``greedy`` are the sums and flags of tokens 1 .. n - 1."""
-    for i, p in enumerate(prompts):
-        if len(p) < 1:
+    last one is the greedy next token). ``logprobs`` / ``greedy`` are the sums and flags of tokens 1 .. n - 1.
+
+    Prompts sharing a prefix of at least one KV block and a token (``_prefix_tree``) feed the shared whole blocks
+    once, through the model and the LM head, and each get the shared positions' values; identical prompts are scored
+    once. ``stats`` as ``score_continuations``' (``fed_tokens``: tokens through the model; ``unshared_tokens``: one
+    sequence per prompt; ``scored_tokens``: LM-head rows), and ``distinct_prompts``, ``shared_prefixes`` (nodes)."""
+    _check_engine(llm, require_idle, "score_prompts")
+    n = len(prompts)
+    stats: dict[str, float] = {"requests": n}
+    if n == 0:
+        return ScoreResult([], [], stats, [], [], [])
+    t0 = time.perf_counter()
+    lens = np.fromiter(map(len, prompts), dtype=np.int64, count=n)
+    bad = np.flatnonzero((lens < 1) | (lens > llm.max_model_len))
+    if bad.size:
+        i = int(bad[0])
+        if lens[i] < 1:
             raise UserError(f"prompt {i} is empty")
-    # context = the first token; continuation = the rest plus a stand-in for the next token (its row gives the
-    # argmax after the last prompt token; its own log-prob is dropped)
-    conts = [list(p[1:]) + [p[-1]] for p in prompts]
-    res = score_continuations(
-        llm, [p[:1] for p in prompts], conts, list(range(len(prompts))), per_token=True, require_idle=require_idle
-    )
-    last = [lps.pop() for lps in res.token_logprobs]
-    res.logprobs = [s - x for s, x in zip(res.logprobs, last)]
-    res.greedy = [ids[: len(p) - 1] == list(p[1:]) for ids, p in zip(res.top_ids, prompts)]  # C-speed compares
+        raise UserError(f"prompt {i} has more tokens than the engine's context ({llm.max_model_len})")
+    off = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lens, out=off[1:])
+    total = int(off[-1])
+    flat = np.fromiter(chain.from_iterable(prompts), dtype=np.int64, count=total)
+    bs = llm.config.block_size
+    budget = llm.config.max_num_batched_tokens
+    bm = llm.block_manager
+    plan = _plan_prompts(flat, off, bs, budget, min(bm.num_free_blocks, 2 * -(-budget // bs)))
+    stats.update(plan_s=time.perf_counter() - t0, arrays_s=0.0, launch_s=0.0, batches=len(plan.batches))
+    stats.update(fed_tokens=sum(b.num_tokens for b in plan.batches), unshared_tokens=total, scored_tokens=plan.rows)
+    stats.update(distinct_prompts=len(plan.pieces.tail), shared_prefixes=plan.nodes)
+    out: list[tuple[torch.Tensor, ...]] = []
+    with _borrowed_blocks(llm, max(b.num_blocks for b in plan.batches)) as pool:
+        with torch.inference_mode(), llm.runner._precision():
+            for batch in plan.batches:
+                t1 = time.perf_counter()
+                arrays, targets = _prompt_arrays(batch, flat, pool, bs)
+                x, extra = _to_device(llm, arrays, targets)
+                t2 = time.perf_counter()
+                lp, _, arg, best = _forward(llm, x, extra)
+                out.append((lp, arg, best))
+                stats["arrays_s"] += t2 - t1
+                stats["launch_s"] += time.perf_counter() - t2
+            t3 = time.perf_counter()
+            if llm.runner.device.type != "cpu":
+                platform_device.synchronize()
+            t4 = time.perf_counter()
+            lp, arg, best = (torch.cat([o[k] for o in out]).cpu().numpy() for k in range(3))
+    idx = plan.pieces.rows(plan.distinct, total)  # every prompt's positions: its shared prefixes' rows, its own
+    lp, arg, best = lp[idx], arg[idx], best[idx]
+    scored = np.ones(total, dtype=bool)  # positions 0 .. n - 2: a prompt token follows
+    scored[off[1:] - 1] = False
+    pid = np.repeat(np.arange(n), lens)
+    sums = np.bincount(pid, np.where(scored, lp.astype(np.float64), 0.0), minlength=n)
+    misses = np.bincount(pid, scored & (arg != flat[np.minimum(np.arange(1, total + 1), total - 1)]), minlength=n)
+    bounds = off.tolist()
+    lps, ids, tops = lp.tolist(), arg.tolist(), best.tolist()
+    res = ScoreResult(sums.tolist(), (misses == 0).tolist(), stats)
+    res.token_logprobs = [lps[a : b - 1] for a, b in zip(bounds[:-1], bounds[1:])]
+    res.top_ids = [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    res.top_logprobs = [tops[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    stats.update(wait_s=t4 - t3, gather_s=time.perf_counter() - t4)
     return res
+
+
+def _check_engine(llm: Any, require_idle: bool, name: str) -> None:
+    if require_idle and llm.has_unfinished_requests():
+        raise UserError(f"{name} needs an idle engine; finish or abort the running requests first")
+    if not supports_scoring(llm):
+        raise UserError("this engine cannot score directly (KV cache released or LoRA adapters attached)")
+
+
+@contextmanager
+def _borrowed_blocks(llm: Any, blocks: int) -> Iterator[np.ndarray]:
+    """``blocks`` free KV blocks of the engine (their ids), given back on exit."""
+    bm = llm.block_manager
+    holder = Sequence(-1, "score", 0, [], SamplingParams())
+    if not bm.allocate(holder, blocks * llm.config.block_size):
+        raise UserError(f"the KV cache has {bm.num_free_blocks} free blocks; scoring needs {blocks}")
+    try:
+        yield np.asarray(holder.block_table, dtype=np.int64)
+    finally:
+        bm.free_sequence(holder)
+
+
+def _to_device(llm: Any, arrays: dict[str, np.ndarray], extra: np.ndarray) -> tuple[Any, torch.Tensor]:
+    """A batch's index arrays and its extra int64 rows (targets, ...) on the device, each in one copy."""
+    dev = llm.runner.device
+    x = to_device(arrays, dev)
+    t = torch.from_numpy(extra)
+    return x, (t.pin_memory() if dev.type != "cpu" else t).to(dev, non_blocking=True)
+
+
+def _forward(llm: Any, x: Any, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One forward on the engine's KV cache and the LM head over its scored rows (``_score_rows``)."""
+    meta = AttnMetadata(
+        cu_seqlens=x.cu_seqlens,
+        max_seqlen=x.max_seqlen,
+        kv_caches=llm.kv.caches,
+        slot_mapping=x.slot_mapping,
+        block_tables=x.block_tables,
+        context_lens=x.context_lens,
+    )
+    hidden = llm.model(x.input_ids, x.positions, meta)  # [T, H]
+    return _score_rows(hidden.index_select(0, x.sample_rows), llm.model.lm_head_weight, targets)
 
 
 def score_continuations(
@@ -254,10 +584,7 @@ def score_continuations(
     queueing forwards and LM-head chunks: on an accelerator the device runs behind it), ``wait_s`` (waiting for the
     device at the end), ``gather_s`` (results to Python), ``batches``, ``fed_tokens`` (tokens through the model),
     ``unshared_tokens`` (what one sequence per request would have fed), ``scored_tokens`` (LM-head rows)."""
-    if require_idle and llm.has_unfinished_requests():
-        raise UserError("score_continuations needs an idle engine; finish or abort the running requests first")
-    if not supports_scoring(llm):
-        raise UserError("this engine cannot score directly (KV cache released or LoRA adapters attached)")
+    _check_engine(llm, require_idle, "score_continuations")
     n = len(continuations)
     stats: dict[str, float] = {"requests": n}
     if n == 0:
@@ -270,43 +597,24 @@ def score_continuations(
     t0 = time.perf_counter()
     bs = llm.config.block_size
     budget = max_batch_tokens or llm.config.max_num_batched_tokens
-    bm = llm.block_manager
-    holder = Sequence(-1, "score", 0, [], SamplingParams())
-    want = min(bm.num_free_blocks, 2 * -(-budget // bs))  # a batch's blocks: its tokens plus partly filled ones
+    want = min(llm.block_manager.num_free_blocks, 2 * -(-budget // bs))  # a batch's tokens plus partly filled blocks
     batches = _plan(contexts, continuations, owner, bs, budget, want)
-    blocks = max(b.num_blocks for b in batches)
-    if not bm.allocate(holder, blocks * bs):
-        raise UserError(f"the KV cache has {bm.num_free_blocks} free blocks; scoring needs {blocks}")
-    runner = llm.runner
-    dev = runner.device
-    weight = llm.model.lm_head_weight
+    dev = llm.runner.device
     sums = torch.zeros(n, dtype=torch.float64, device=dev)
     misses = torch.zeros(n, dtype=torch.float32, device=dev)  # non-argmax tokens per request (exact below 2**24)
     stats.update(plan_s=time.perf_counter() - t0, arrays_s=0.0, launch_s=0.0, batches=len(batches))
     stats.update(fed_tokens=sum(b.num_tokens for b in batches), scored_tokens=sum(len(c) for c in continuations))
     stats["unshared_tokens"] = sum(len(contexts[owner[r]]) + len(c) - 1 for r, c in enumerate(continuations))
-    pool = np.asarray(holder.block_table, dtype=np.int64)
     flat: list[tuple[torch.Tensor, ...]] = []  # per_token: per batch (request, log-prob, argmax id, its log-prob)
-    try:
-        with torch.inference_mode(), runner._precision():
+    with _borrowed_blocks(llm, max(b.num_blocks for b in batches)) as pool:
+        with torch.inference_mode(), llm.runner._precision():
             for batch in batches:
                 t1 = time.perf_counter()
                 arrays, rows = _arrays(batch, pool, bs, continuations)
-                x = to_device(arrays, dev)
-                extra = torch.from_numpy(np.concatenate([rows["targets"], rows["requests"]]))
-                extra = (extra.pin_memory() if dev.type != "cpu" else extra).to(dev, non_blocking=True)
+                x, extra = _to_device(llm, arrays, np.concatenate([rows["targets"], rows["requests"]]))
                 t2 = time.perf_counter()
-                meta = AttnMetadata(
-                    cu_seqlens=x.cu_seqlens,
-                    max_seqlen=x.max_seqlen,
-                    kv_caches=llm.kv.caches,
-                    slot_mapping=x.slot_mapping,
-                    block_tables=x.block_tables,
-                    context_lens=x.context_lens,
-                )
-                hidden = llm.model(x.input_ids, x.positions, meta)  # [T, H]
                 m = len(rows["targets"])
-                lp, top, arg, best = _score_rows(hidden.index_select(0, x.sample_rows), weight, extra[:m])
+                lp, top, arg, best = _forward(llm, x, extra[:m])
                 if per_token:
                     flat.append((extra[m:], lp, arg, best))
                 sums.index_add_(0, extra[m:], lp.double())
@@ -323,8 +631,6 @@ def score_continuations(
             out = ScoreResult(total, greedy, stats)
             if per_token:
                 _split_tokens(out, flat, n)
-    finally:
-        bm.free_sequence(holder)
     stats.update(wait_s=t4 - t3, gather_s=time.perf_counter() - t4)
     return out
 

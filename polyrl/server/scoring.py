@@ -3,15 +3,17 @@
 of one engine request per prompt, and its response written as JSON text at once.
 
 ``infer.scoring.score_prompts`` runs every prompt of the HTTP request through the model in a few batched forwards
-between engine steps (``AsyncEngine.score``, which also merges the prompts of concurrent scoring requests into one
-call) and returns, per prompt position, the token's log-prob and the argmax (id, log-prob). ``scored_body`` turns
-that into the response the request path gives, byte for byte as ``json.dumps`` writes it: prompt log-probs with the
-top-1 alternative (the token's own entry carries its own log-prob, so a greedy check is exact), and the one
-generated token = the argmax after the prompt (greedy), finishing ``stop`` when it is an EOS id, else ``length``.
-The legacy log-probs blocks of the prompts are written from the scorer's lists and per-token-id caches of the
-token's JSON string and length (``logprobs.scored_echo_blocks``): no ``RequestOutput``, no dict per token, no generic
-JSON encoding of ~10^4 small objects per request (those were ~85% of the event loop's time on lm-eval's
-requests); a prompt sharing its context with the previous one reuses its texts.
+between engine steps (``AsyncEngine.score``, which also merges the prompts of concurrent scoring requests into one call)
+and returns, per prompt position, the token's log-prob and the argmax (id, log-prob). Prompts sharing a prefix of at
+least one KV block and a token (lm-eval's choices of one document: the same context, a different choice) feed its whole
+blocks once, through the model and the LM head, and identical prompts are scored once. ``scored_body`` turns that into
+the response the request path gives, byte for byte as ``json.dumps`` writes it: prompt log-probs with the top-1
+alternative (the token's own entry carries its own log-prob, so a greedy check is exact), and the one generated token =
+the argmax after the prompt (greedy), finishing ``stop`` when it is an EOS id, else ``length``. The legacy log-probs
+blocks of the prompts are written from the scorer's lists and per-token-id caches of the token's JSON string and length
+(``logprobs.scored_echo_blocks``): no ``RequestOutput``, no dict per token, no generic JSON encoding of ~10^4 small
+objects per request (those were ~85% of the event loop's time on lm-eval's requests); a prompt sharing its context with
+the previous one reuses its texts.
 
 Only requests whose answer cannot differ are taken (no sampling, stop strings or ids, min_tokens, grammar, adapter,
 vLLM ``prompt_logprobs`` with ranks, streaming, n > 1, more than 1 alternative); everything else takes the request

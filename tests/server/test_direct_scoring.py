@@ -11,6 +11,11 @@ import pytest
 from .conftest import MODEL
 
 PROMPTS = [[5, 17, 42, 9, 77, 3, 64], [8, 8, 100, 23], [11], list(range(1, 60))]
+# lm-eval's multiple-choice shape: one 40-token context (block 16) and four choices, an identical choice, the context
+# alone, one leaving it after two blocks: the scorer feeds shared blocks once (``infer.scoring.score_prompts``)
+CONTEXT = [(7 * i) % 90 + 3 for i in range(40)]
+SHARED = [CONTEXT + c for c in ([11], [12, 13], [14, 15, 16], [17, 5, 5, 5, 5], [12, 13])]
+SHARED += [CONTEXT, CONTEXT[:32] + [9, 9], [11]]
 
 
 def _close(a, b) -> None:
@@ -41,6 +46,7 @@ def _post(http, body):
     [
         {"prompt": PROMPTS, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0},
         {"prompt": PROMPTS, "echo": True, "logprobs": 0, "max_tokens": 0},
+        {"prompt": SHARED, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0},
         {"prompt": "The quick brown fox jumps", "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0},
     ],
 )
@@ -56,7 +62,7 @@ def test_direct_scoring_answers_what_the_request_path_answers(served, http, monk
 
     monkeypatch.setattr(completions, "scored_prompts", spy)
     direct = _post(http, body)
-    assert engine_calls == [len(PROMPTS) if isinstance(body["prompt"], list) else 1]  # one call for the batch
+    assert engine_calls == [len(body["prompt"]) if isinstance(body["prompt"], list) else 1]  # one call for the batch
     monkeypatch.setattr(completions, "direct_scoring", lambda *a: False)
     _close(direct, _post(http, body))
 
