@@ -38,8 +38,8 @@ Life cycle (as ``fp8_weights.Fp8Weights``): the copies are made in ``LLM.__init_
 from free memory, so the cache accounts for them; ``mark_stale`` after every weight update (``LLM.reset_prefix_cache``
 -> ``ModelRunner.weights_changed``, which RL weight syncs call) and ``refresh`` before the next forward, in place (one
 ``torch.cat(..., out=)`` per group, so captured CUDA graphs keep reading the same tensors); ``LLM.release()`` frees them
-(``free``) and the next forward makes them anew. Memory: one more copy of the fused weights (q/k/v and gate/up: ~0.59 GB
-at the qwen3-0.6b shape in bf16, ~70% of the layers' weights); ``nbytes`` reports it.
+(``free``) and the next forward makes them anew. Memory: one more copy of the fused weights in the model's dtype
+(~0.59 GB at the qwen3-0.6b shape in bf16, two thirds of its projection bytes); ``nbytes`` reports it.
 
 With FP8 rollout weights (``weight_precision = "fp8"``) FP8 takes precedence: its copies already serve every
 projection, so ``fuse_projections`` is ignored (``RolloutConfig`` warns) and no copies are made.

@@ -259,7 +259,9 @@ def test_moe_routed_experts_are_left_alone():
 @pytest.mark.gpu
 def test_graph_captured_fused_decode_agrees_with_unfused_on_the_gpu():
     """bf16 with CUDA graphs (the Triton rope / qk-norm / KV-write / SwiGLU kernels on the slices): fused and unfused
-    greedy decode of a random model agree but for bf16 near-ties (a wider GEMM may sum in another order)."""
+    greedy decode of a random model agree but for bf16 near-ties (a wider GEMM may sum in another order): up to a
+    sequence's first differing token, and at it, the two engines' log-probs are within tests/infer/test_gpu.py's bf16
+    bound (a differing token had a log-prob as high as the other's: a near-tie), and most sequences are equal."""
     from polyrl.platform import device
 
     if not device.supports_graphs():
@@ -271,7 +273,7 @@ def test_graph_captured_fused_decode_agrees_with_unfused_on_the_gpu():
     init_weights(model, seed=0, std=0.05)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 96, (int(n),), generator=g).tolist() for n in torch.randint(1, 100, (37,), generator=g)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outs = {}
     for fuse in (False, True):
         llm = LLM(model, None, RolloutConfig(block_size=16, num_blocks=512, max_num_seqs=64, fuse_projections=fuse))
@@ -279,11 +281,11 @@ def test_graph_captured_fused_decode_agrees_with_unfused_on_the_gpu():
         graphs = llm.runner.graphs
         assert llm.runner.use_graphs and graphs is not None and (graphs.graphs or graphs.launch_graphs)
         assert (llm.runner.fused is not None) == fuse
-    same_seq = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs[False], outs[True]))
-    assert same_seq >= 0.8 * len(prompts)
+    same_seq = 0
     for a, b in zip(outs[False], outs[True]):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
-        k = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))  # up to the first near-tie
-        if k:
-            diff = (torch.tensor(a.outputs[0].logprobs[:k]) - torch.tensor(b.outputs[0].logprobs[:k])).abs().max()
-            assert diff.item() <= 2e-2  # tests/infer/test_gpu.py's bf16 graph-vs-eager bound
+        k = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta) - 1)  # the first differing token
+        same_seq += ta == tb
+        diff = (torch.tensor(a.outputs[0].logprobs[: k + 1]) - torch.tensor(b.outputs[0].logprobs[: k + 1])).abs()
+        assert diff.max().item() <= 2e-2, (k, diff)
+    assert same_seq >= 0.5 * len(prompts)
