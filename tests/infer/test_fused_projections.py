@@ -134,6 +134,18 @@ def test_copies_are_the_concatenated_weights_and_their_bytes_are_reported():
     assert _engine(model, False).runner.fused is None
 
 
+def test_copies_exist_before_the_kv_cache_is_sized(monkeypatch):
+    """On an accelerator the cache takes what is free when it is sized: the copies must already hold their memory."""
+    from polyrl.infer import llm as llm_mod
+
+    order: list[str] = []
+    made, sized = FusedProjections.__init__, llm_mod.KVCache._size
+    monkeypatch.setattr(FusedProjections, "__init__", lambda s, m: order.append("copies") or made(s, m))
+    monkeypatch.setattr(llm_mod.KVCache, "_size", lambda s, *a: order.append("kv sized") or sized(s, *a))
+    _engine(_model(tiny_config()), True)
+    assert order == ["copies", "kv sized"]
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_tokens_and_logprobs_equal_the_unfused_engine(family, monkeypatch):
     model = _model(FAMILIES[family]())
