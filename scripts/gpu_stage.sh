@@ -226,6 +226,18 @@ for s in "$@"; do
     # and the prefill overhead with prefix caching off (the LM-head floor printed beside it); 500 documents, no serve
     bench-eval-gen) TAIL=40 stage bench-eval-gen 420 bash -c "python3 -m pytest -q -m 'gpu or not gpu' -p no:cacheprovider tests/infer/test_prompt_logprobs_gpu.py tests/kernels/test_token_logprobs.py -k 'prompt_logprobs or row_kernel_as' 2>&1 | tail -3; \
       $PR bench eval --shape qwen3-0.6b --docs 500 --hf-batch-sizes 256 --gen-docs 256 --json $OUT/bench_eval_gen.json" ;;
+    # Fused q/k/v + gate/up projections (RolloutConfig.fuse_projections, polyrl/infer/fused_projections.py; issue 34's
+    # generation target, rollout decode): the GPU + CPU tests, then bench rollout B256 unfused vs fused on one engine
+    # (interleaved medians: output tokens/s, decode step ms, graph replay ms), then bench eval generation without hf
+    # rows unfused (the A/B's other side) and with hf bs=256 fused, 200 docs, 256 generations; ~5 min
+    bench-fused-proj) TAIL=60 stage bench-fused-proj 590 bash -c "python3 -m pytest -q -m 'gpu or not gpu' -p no:cacheprovider \
+        tests/infer/test_fused_projections.py 2>&1 | tail -3; \
+      $PR bench rollout --shape qwen3-0.6b --batch 256 --prompt-len 128 --gen-len 256 --baselines none --skip-batch1 \
+        --fuse-projections --json $OUT/bench_rollout_fused_proj.json 2>&1 | grep -E '^#|decode|A/B|fused|Error'; \
+      $PR bench eval --shape qwen3-0.6b --docs 200 --hf-batch-sizes '' --gen-docs 256 --json $OUT/bench_eval_unfused.json \
+        2>&1 | grep -E 'polyrl|Error'; \
+      $PR bench eval --shape qwen3-0.6b --docs 200 --hf-batch-sizes 256 --gen-docs 256 --fuse-projections \
+        --json $OUT/bench_eval_fused_proj.json" ;;
     # the generation rows' time split only (issue 34): hf's model.generate calls and tokens against polyrl's engine
     # call (synchronous prompt steps, decode launches, host stop checks), both warmed up on the phase's shapes, plus
     # cProfile + torch profiler of a polyrl generation repeat in $OUT/eval-gen-profile; ~2 min

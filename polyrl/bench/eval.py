@@ -31,6 +31,10 @@ building, tokenisation) as total - model load - log-likelihood phase:
   decode-graph capture inside the phase; both the tokens of their texts (equal when the texts are). ``--profile``
   profiles a repeat of the generation phase too.
 
+``--fuse-projections`` builds the in-process engine (and a ``--serve-mode thread`` server, which shares it; a server
+process builds its own, unfused) with q/k/v and gate/up fused into one GEMM each (``RolloutConfig.fuse_projections``);
+the A/B is this bench with and without it (``scripts/gpu_stage.sh bench-fused-proj``).
+
 Every row (hf included) runs its phase twice; the ratios are taken against hf's fastest run (the faster of first run
 and repeat, over batch sizes): ``speedup_vs_best_hf`` for a row's first run, ``repeat_speedup`` for its repeat, and
 ``claimed_speedup``, the lower of the two, is the figure docs and issue notes quote. The harness's own time of the
@@ -96,6 +100,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="polyrl serve as its own process (as users run it) or a thread of this one over the in-process engine",
     )
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
+    parser.add_argument(
+        "--fuse-projections",
+        action="store_true",
+        help="the polyrl engine with q/k/v and gate/up fused into one GEMM each (RolloutConfig.fuse_projections); "
+        "compare with a run without it",
+    )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument(
         "--profile",
@@ -280,7 +290,9 @@ def run(args: argparse.Namespace) -> int:
     dtype = args.dtype or ("bfloat16" if dev.type != "cpu" and device.supports_bf16() else "float32")
     name = args.shape if args.shape in PRESETS else f"{args.shape}-shape"
     rows: list[dict[str, Any]] = []
-    res: dict[str, Any] = {"shape": name, "docs": args.docs, "dtype": dtype, "device": str(dev)}
+    res: dict[str, Any] = {
+        "shape": name, "docs": args.docs, "dtype": dtype, "device": str(dev), "fuse_projections": args.fuse_projections,
+    }  # fmt: skip
     batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b]
     ref: dict[str, list[Any] | None] = {"ll": None, "gen": None}
 
@@ -328,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
             print(_row_line(rows[-1]), flush=True)
         t0 = time.perf_counter()
         model, tok = load_eval_model(str(model_dir), dtype, str(dev))
-        llm = eval_engine(model, tok)
+        llm = eval_engine(model, tok, fuse_projections=args.fuse_projections)
         lm = PolyrlLM(llm=llm, show_progress=False)
         load = time.perf_counter() - t0
         warm = _warm_up(llm, lm, root)
@@ -337,6 +349,10 @@ def run(args: argparse.Namespace) -> int:
             f"{warm['graph_capture_s']:.2f} s",
             flush=True,
         )
+        if llm.runner.fused is not None:
+            fused = llm.runner.fused
+            res["fused_weight_bytes"] = fused.nbytes
+            print(f"polyrl engine: fused projections ({len(fused.entries)} groups, {fused.nbytes / 2**30:.2f} GiB)")
         boxes: dict[str, dict[str, Any]] = {}
 
         def polyrl_row(kind: str, task: str) -> dict[str, Any]:

@@ -33,6 +33,12 @@ run meanwhile, so a step's wall time above the launches' is host work between la
 ``--precision fp8`` also times the engine with FP8 projection weights, and with FP8 weights + an FP8 KV cache, in the
 same run, with greedy agreement against the model's precision and log-prob mismatch (``bench/rollout_fp8.py``).
 
+``--fuse-projections`` builds the engine with fused q/k/v and gate/up copies (``RolloutConfig.fuse_projections``,
+``polyrl/infer/fused_projections.py``; made before the KV cache is sized, as the option does) but runs every other row
+without them, then times the same engine unfused and fused, interleaved (off, on, off, on, ...; medians of 3, graphs
+recaptured after each switch): output tokens/s, decode-step wall ms and the decode graph's device ms of both, the
+ratio, the copies' bytes and the fused run's log-prob mismatch against the training forward (``FUSED_ROWS``).
+
 ``--decoder-options`` sets the built model's ``DecoderOptions``; ``--compare-parts`` times the decode path's parts
 (``PARTS``) on and off, the ``DecoderOptions`` ones by replacing the model's options. Copy bandwidth comes from
 ``bench/common.py``. This module measures; it asserts nothing.
@@ -119,6 +125,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "whole beside step 0's masks), old (all four)",
     )
     add_decoder_options(parser)
+    parser.add_argument(
+        "--fuse-projections",
+        action="store_true",
+        help="also time the engine with q/k/v and gate/up fused into one GEMM each (RolloutConfig.fuse_projections) "
+        "against the same engine unfused, interleaved in the same run",
+    )
     rollout_fp8.add_arguments(parser)  # --precision fp8 (bench/rollout_fp8.py)
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
@@ -315,6 +327,7 @@ def run(args: argparse.Namespace) -> int:
         cuda_graphs=False if args.no_graphs else None,
         **({"decode_steps": args.decode_steps} if args.decode_steps else {}),
         overlap_decode={"auto": None, "on": True, "off": False}[args.overlap_decode],
+        fuse_projections=args.fuse_projections,
     )
     tokenizer = None
     if args.response_format != "none":  # structured outputs need the vocabulary as text: the preset's own tokenizer
@@ -325,6 +338,9 @@ def run(args: argparse.Namespace) -> int:
         spec = get_preset(args.shape if args.shape in PRESETS else f"{args.shape}-shape")
         tokenizer = build_tokenizer(cfg.vocab_size, trained_vocab=spec.trained_vocab, seed=0)
     llm = LLM(model, tokenizer, ecfg)
+    # --fuse-projections: the copies were made before the cache was sized; every row but the A/B runs without them
+    fused_copies, llm.runner.fused = llm.runner.fused, None
+    ecfg = dataclasses.replace(ecfg, fuse_projections=False)  # the FP8 engines' base config
     res: dict[str, float | str] = {"shape": args.shape, "device": device.name() if dev.type != "cpu" else "cpu"}
     print(
         f"# {args.shape} on {res['device']}: {model.num_parameters() / 1e6:.0f}M params, {dtype}, "
@@ -377,6 +393,8 @@ def run(args: argparse.Namespace) -> int:
         _compare_parts(llm, prompts, args, dev, res)
     if args.response_format != "none":
         _constrained(llm, prompts, args, dev, res)
+    if fused_copies is not None:
+        _fused_ab(llm, fused_copies, prompts, args, dev, res)
     if args.precision != "model":  # the same engine with FP8 weights (and KV), same run (bench/rollout_fp8.py)
         base_greedy = rollout_fp8.greedy(llm, prompts[: args.agree_seqs], args.agree_tokens)
         llm.release()
@@ -485,6 +503,57 @@ def _compare_parts(llm, prompts: list[list[int]], args: argparse.Namespace, dev:
             setter(found)
             if recapture:
                 llm.runner.invalidate_graphs()
+
+
+def _fused_ab(llm, copies, prompts: list[list[int]], args: argparse.Namespace, dev: torch.device, res: dict) -> None:
+    """``--fuse-projections``: the engine without and with its fused q/k/v + gate/up copies (``copies``, a
+    ``FusedProjections``), interleaved (off, on, off, on, ...; medians of 3 phased runs each, so drift between runs
+    does not read as a difference); after every switch all decode graphs up to the batch are recaptured and a short
+    untimed run warms the path. The engine is left unfused, graphs dropped."""
+    reps = 3
+    n_out = args.batch * args.gen_len
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    replay: dict[bool, float | None] = {}
+    try:
+        for _ in range(reps):
+            for on in (False, True):
+                llm.runner.fused = copies if on else None
+                llm.runner.invalidate_graphs()
+                llm.capture_graphs(args.batch)
+                llm.reset_prefix_cache()
+                _run_engine(llm, prompts, min(args.gen_len, 8), dev)
+                llm.reset_prefix_cache()
+                runs[on].append(_run_engine_phased(llm, prompts, args.gen_len, dev))
+                if on not in replay:
+                    replay[on] = graph_replay_ms(llm, args.batch)
+    finally:
+        llm.runner.fused = None
+        llm.runner.invalidate_graphs()
+    for on, key in ((False, "unfused"), (True, "fused")):
+        res[f"{key}_tok_s"] = statistics.median(n_out / r["total_s"] for r in runs[on])
+        res[f"{key}_decode_step_ms"] = statistics.median(1e3 * r["decode_s"] / r["decode_steps"] for r in runs[on])
+        if replay[on] is not None:
+            res[f"{key}_graph_replay_ms"] = replay[on]
+    res["fused_speedup"] = res["fused_tok_s"] / res["unfused_tok_s"]
+    res["fused_weight_bytes"] = copies.nbytes
+    res["fused_groups"] = len(copies.entries)
+    lp_max, lp_mean = logprob_agreement(llm.model, runs[True][-1]["outs"], args.logprob_seqs)
+    res["fused_logprob_max_abs_diff"], res["fused_logprob_mean_abs_diff"] = lp_max, lp_mean
+
+
+# --fuse-projections rows: (label, key, format)
+FUSED_ROWS = (
+    ("A/B unfused: output tokens/s", "unfused_tok_s", "{:,.0f}"),
+    ("A/B fused:   output tokens/s", "fused_tok_s", "{:,.0f}"),
+    ("A/B unfused: decode step ms (wall)", "unfused_decode_step_ms", "{:.3f}"),
+    ("A/B fused:   decode step ms (wall)", "fused_decode_step_ms", "{:.3f}"),
+    ("A/B unfused: graph replay ms", "unfused_graph_replay_ms", "{:.3f}"),
+    ("A/B fused:   graph replay ms", "fused_graph_replay_ms", "{:.3f}"),
+    ("A/B fused / unfused (output)", "fused_speedup", "{:.3f}x"),
+    ("fused copies GiB (groups)", "fused_weight_bytes", "{:.2f}"),
+    ("fused log-prob |eng - train| max", "fused_logprob_max_abs_diff", "{:.2e}"),
+    ("fused log-prob |eng - train| mean", "fused_logprob_mean_abs_diff", "{:.2e}"),
+)
 
 
 def _constrained(llm, prompts: list[list[int]], args: argparse.Namespace, dev: torch.device, res: dict) -> None:
@@ -661,6 +730,11 @@ def _print(res: dict) -> None:
         step, mask = res["pipe_constrained_decode_step_ms"], res["pipe_grammar_mask_ms_mean"]
         cost = res["pipe_constrained_decode_cost"]
         print(f"{'A/B feed/mask pipeline on: cost':<36} {cost:.1%} (step {step:.2f} ms, mask {mask:.2f} ms)")
+    for label, key, fmt in FUSED_ROWS:  # --fuse-projections
+        if key == "fused_weight_bytes" and key in res:
+            print(f"{label:<36} {res[key] / 2**30:.2f} ({res['fused_groups']})")
+        elif key in res:
+            print(f"{label:<36} {fmt.format(res[key])}")
     rollout_fp8.print_rows(res)  # --precision fp8
     for name, what, _, _ in PARTS:  # --compare-parts
         for on, tag in ((True, "on"), (False, "off")):

@@ -32,6 +32,8 @@ CUDA graphs are re-captured lazily after a release. If parameter *tensors* are r
 place), call ``llm.runner.invalidate_graphs()``. With ``RolloutConfig(weight_precision="fp8")`` the engine samples
 with FP8 copies of the projection weights (``fp8_weights.py``, docs/fp8-rollout.md), which
 ``llm.reset_prefix_cache()`` marks for requantisation before the next forward; the training forward never sees them.
+``RolloutConfig(fuse_projections=True)`` likewise gives it concatenated q/k/v and gate/up copies (one GEMM per group,
+``fused_projections.py``), rewritten after ``llm.reset_prefix_cache()``, freed by ``llm.release()``.
 
 Streaming API (the OpenAI server)::
 

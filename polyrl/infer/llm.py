@@ -33,6 +33,7 @@ from polyrl.infer.block_manager import BlockManager
 from polyrl.infer.config import RolloutConfig
 from polyrl.infer.detokenizer import Detokenizers
 from polyrl.infer.fp8_weights import Fp8Weights
+from polyrl.infer.fused_projections import FusedProjections
 from polyrl.infer.kv_cache import KVCache
 from polyrl.infer.model_runner import ModelRunner
 from polyrl.infer.overlap import GuidedDraws, InflightStep, feed_rows, guided_launch_steps
@@ -79,6 +80,8 @@ class LLM:
         param = next(model.parameters())
         # FP8 rollout weights (RolloutConfig.weight_precision): made before the KV cache is sized from free memory
         fp8 = Fp8Weights.for_engine(model, self.config.weight_precision)
+        # ... and so are fused q/k/v + gate/up copies (RolloutConfig.fuse_projections; none under FP8 weights)
+        fused = FusedProjections.for_engine(model, self.config.fuse_projections, self.config.weight_precision)
         self.kv = KVCache(self.config, mcfg, param.dtype, param.device)
         limit = self.config.max_model_len or mcfg.max_position_embeddings
         # A sequence can never need more than the whole cache: that also guarantees a preempted
@@ -86,7 +89,7 @@ class LLM:
         self.max_model_len = min(limit, self.kv.num_blocks * self.config.block_size)
         self.block_manager = BlockManager(self.kv.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.kv, self.config, self.max_model_len, fp8)
+        self.runner = ModelRunner(model, self.kv, self.config, self.max_model_len, fp8, fused)
         self.sampler = Sampler()
         eos = set(mcfg.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -177,6 +180,8 @@ class LLM:
         bank = attach_adapters(self.model, adapters)
         self.block_manager.enable_prefix_caching = False
         self.runner.invalidate_graphs()
+        if self.runner.fused is not None:  # the adapted modules replaced their plain linears: their copies go unused
+            self.runner.fused.prune(self.model)
         return bank.names
 
     def _adapter_slot(self, name: str) -> int:
@@ -633,7 +638,7 @@ class LLM:
     # ---- colocated training -------------------------------------------------------------------------
     def reset_prefix_cache(self) -> None:
         """Forget cached prefixes: call after the model's weights changed (their KV is stale; FP8 rollout weights are
-        requantised before the next forward, ``ModelRunner.weights_changed``)."""
+        requantised and fused projection copies rewritten before the next forward, ``ModelRunner.weights_changed``)."""
         self.block_manager.reset_prefix_cache()
         self.runner.weights_changed()
 
@@ -643,7 +648,7 @@ class LLM:
             raise UserError("cannot release the KV cache while requests are running; finish or abort them first")
         self._flush()
         self.runner.invalidate_graphs()
-        self.runner.release_weights()  # FP8 rollout copies, made again at the next forward
+        self.runner.release_weights()  # FP8 / fused rollout copies, made again at the next forward
         self.kv.release()
         self.block_manager.reset()
 

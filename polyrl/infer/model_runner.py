@@ -17,6 +17,8 @@ The runner holds a reference to the model (colocated training shares its weights
 (``RolloutConfig.weight_precision = "fp8"``, ``fp8_weights.py``) it also holds their FP8 copies: every forward of
 ``execute`` / ``execute_steps`` / ``capture_graphs`` runs inside the decoder's ``projection_override`` with them,
 after requantising them if ``weights_changed()`` was called since (the trainer's own forwards never see them).
+With fused projections (``RolloutConfig.fuse_projections``, ``fused_projections.py``; ignored under FP8 weights) it
+holds the concatenated q/k/v and gate/up copies instead, entered and refreshed the same way.
 It does not schedule, sample or own the cache's block accounting.
 """
 
@@ -33,6 +35,7 @@ from polyrl.infer.batch import StepInputs, host_arrays, to_device
 from polyrl.infer.config import RolloutConfig
 from polyrl.infer.cuda_graphs import DecodeBuffers, DecodeGraphs, GraphCaptureError
 from polyrl.infer.fp8_weights import Fp8Weights
+from polyrl.infer.fused_projections import FusedProjections
 from polyrl.infer.kv_cache import KVCache
 from polyrl.infer.overlap import feed_input_ids
 from polyrl.infer.prompt_logprobs import compute_and_store, plan_step
@@ -52,9 +55,12 @@ class ModelRunner:
         cfg: RolloutConfig,
         max_model_len: int,
         fp8: Fp8Weights | None = None,
+        fused: FusedProjections | None = None,
     ) -> None:
         self.model = model
         self.fp8 = fp8  # the engine's FP8 projection weights (RolloutConfig.weight_precision), or None
+        # the engine's fused q/k/v and gate/up copies (RolloutConfig.fuse_projections), or None; FP8 takes precedence
+        self.fused = fused if fp8 is None else None
         self.kv = kv
         self.cfg = cfg
         param = next(model.parameters())
@@ -74,25 +80,33 @@ class ModelRunner:
         self.released_capture_s = 0.0  # capture time of graph sets dropped by invalidate_graphs
         self._prompt_plan = None  # the step's prompt log-prob rows (prompt_logprobs.py), consumed by _eager
 
+    @property
+    def weight_copies(self) -> Fp8Weights | FusedProjections | None:
+        """The engine's own copies of projection weights (FP8 or fused), the decoder's projection override; or None."""
+        return self.fp8 if self.fp8 is not None else self.fused
+
     def weights_changed(self) -> None:
-        """The model's weights were updated (a training step, a sync, a load): FP8 copies are requantised before the
-        next forward (in place, so captured graphs stay valid). Nothing to do without FP8 weights."""
-        if self.fp8 is not None:
-            self.fp8.mark_stale()
+        """The model's weights were updated (a training step, a sync, a load): FP8 or fused copies are rewritten
+        before the next forward (in place, so captured graphs stay valid). Nothing to do without copies."""
+        copies = self.weight_copies
+        if copies is not None:
+            copies.mark_stale()
 
     def release_weights(self) -> None:
-        """Free the FP8 copies with the KV cache (``LLM.release``; the graphs that read them are dropped there too);
-        the next forward quantises them again. Nothing to do without FP8 weights."""
-        if self.fp8 is not None:
-            self.fp8.free()
+        """Free the FP8 or fused copies with the KV cache (``LLM.release``; the graphs that read them are dropped
+        there too); the next forward makes them again. Nothing to do without copies."""
+        copies = self.weight_copies
+        if copies is not None:
+            copies.free()
 
     def _precision(self) -> contextlib.AbstractContextManager:
-        """Entered around every forward of the engine: the FP8 copies, refreshed if stale, as the decoder's
-        projection override (nothing without FP8 weights)."""
-        if self.fp8 is None:
+        """Entered around every forward of the engine: the FP8 or fused copies, refreshed if stale, as the decoder's
+        projection override (nothing without copies)."""
+        copies = self.weight_copies
+        if copies is None:
             return contextlib.nullcontext()
-        self.fp8.refresh()
-        return projection_override(self.fp8)
+        copies.refresh()
+        return projection_override(copies)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, feed: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:

@@ -11,7 +11,8 @@ module, so the rollout engine can capture decode in a CUDA graph.
 Projections (``project``, ``project_group``): a plain ``nn.Linear`` fed at most ``skinny_linear.ROUTE_MAX_ROWS`` rows
 with autograd off (a batch-1 decode step) runs ``kernels.skinny_linear``, which streams the weight where cuBLAS's
 small-M tiles leave bandwidth unused, q/k/v in one launch and gate/up in one; everything else is the module's call.
-Inside ``projection_override(o)`` (this thread only; the rollout engine's FP8 weights, ``polyrl.infer.fp8_weights``)
+Inside ``projection_override(o)`` (this thread only; the rollout engine's FP8 weights, ``polyrl.infer.fp8_weights``,
+or its fused q/k/v and gate/up copies, ``polyrl.infer.fused_projections``)
 ``o.project(linears, x)`` runs first and its result, unless None, replaces all of that (skinny path included).
 
 Where there is more than one way to run a part (grouped or concurrent projections, the fused q/k norms + RoPE, the

@@ -123,3 +123,16 @@ def test_lm_head_floor_of_scoring_every_position():
         head_flop_share(ModelConfig.from_hf_dict(PRESETS["qwen3-0.6b-shape"].hf), context=90)
         < share["qwen3-0.6b-shape"]
     )
+
+
+def test_bench_eval_fuse_projections_keeps_the_numbers(tmp_path, capsys):
+    """--fuse-projections: the in-process engine runs fused q/k/v + gate/up and still gives hf's numbers and texts."""
+    torch.set_num_threads(1)
+    out = tmp_path / "eval.json"
+    assert main([*ARGV, *GEN, "--fuse-projections", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["fuse_projections"] is True and res["fused_weight_bytes"] > 0
+    rows = {r["backend"]: r for r in res["rows"]}
+    assert rows["polyrl (in-process)"]["max_abs_diff_vs_hf"] <= 1e-3
+    assert rows["polyrl (in-process) generate"]["same_as_hf"] == 1.0
+    assert "polyrl engine: fused projections (4 groups" in capsys.readouterr().out

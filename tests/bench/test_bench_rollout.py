@@ -1,5 +1,6 @@
 """`polyrl bench rollout` smoke on the CPU: the engine runs at the tiny shape, the report holds its numbers and, with
---compare-parts, the same runs with launch graphs and skinny projections off; the kernel choice is restored."""
+--compare-parts, the same runs with launch graphs and skinny projections off; the kernel choice is restored; with
+--fuse-projections, the unfused and fused rows of one engine."""
 
 from __future__ import annotations
 
@@ -53,3 +54,17 @@ def test_decode_phase_is_timed_inside_the_run_and_counts_the_tokens_after_the_pr
     assert run["decode_tokens"] == 3 * 5 and run["decode_steps"] == 5
     assert 0 < run["decode_s"] <= run["total_s"]
     assert [len(o.outputs[0].token_ids) for o in run["outs"]] == [6, 6, 6]
+
+
+def test_bench_rollout_fuse_projections_times_both_rows(tmp_path, capsys):
+    out = tmp_path / "rollout.json"
+    argv = ["bench", "rollout", "--shape", "tiny", "--batch", "3", "--prompt-len", "6", "--gen-len", "5"]
+    assert main([*argv, "--baselines", "none", "--skip-batch1", "--fuse-projections", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    for key in ("unfused_tok_s", "fused_tok_s", "unfused_decode_step_ms", "fused_decode_step_ms", "fused_weight_bytes"):
+        assert res[key] > 0, key
+    assert res["fused_speedup"] == res["fused_tok_s"] / res["unfused_tok_s"]
+    assert res["fused_groups"] == 2 * 2  # tiny: 2 layers, q/k/v and gate/up each
+    assert res["fused_logprob_max_abs_diff"] < 1e-4  # fp32: the fused engine still matches the training forward
+    text = capsys.readouterr().out
+    assert "A/B unfused: output tokens/s" in text and "A/B fused:   decode step ms (wall)" in text
