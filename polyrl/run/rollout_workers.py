@@ -73,7 +73,7 @@ from torch import nn
 
 from polyrl.errors import ConfigError
 from polyrl.platform import device
-from polyrl.run.weight_sync import DEFAULT_BUCKET_MB, BucketedBroadcast, SyncStats
+from polyrl.run.weight_sync import DEFAULT_BUCKET_MB, BucketedBroadcast, SyncStats, SyncTimeout, is_gloo
 
 log = logging.getLogger("polyrl.run.rollout_workers")
 
@@ -396,12 +396,15 @@ class RolloutWorkers:
             return False
 
     def _sync_of(self, w: int, model: nn.Module) -> BucketedBroadcast:
+        """Replica ``w``'s sender of ``model``, with the progress deadline ``reply_timeout_s`` on a gloo weights
+        group (an NCCL one has none: ``weight_sync``'s module docstring)."""
         sync = self._syncs.get(w)
         if sync is None or sync.model is not model:
             spec = self.specs[w]
             group, dev = self.groups[w]
             sync = BucketedBroadcast(model, group, 0, 0, dev, spec.wire_dtype, spec.bucket_mb, spec.lora is not None)
             self._syncs[w] = sync
+        sync.deadline_s = self.reply_timeout_s if is_gloo(sync.group) else None
         return sync
 
     @torch.no_grad()
@@ -417,13 +420,19 @@ class RolloutWorkers:
         syncs = {w: self._sync_of(w, model) for w in told}
         here = torch.device(self.specs[0].trainer_device)
 
-        def one(w: int) -> SyncStats | None:
+        def one(w: int) -> SyncStats | str:
+            """Replica ``w``'s sync: its stats, or why it failed (the replica is then dropped)."""
             if here.type != "cpu":  # a new thread's current device is the first one: the trainer's, as in its thread
                 device.set_device(here.index or 0)
             try:
                 return syncs[w].sync()
+            except SyncTimeout as exc:  # it stopped taking part (hung): its group is stuck, drop it
+                return (
+                    f"its weight sync stalled: {exc.what} did not complete within reply_timeout_s = "
+                    f"{exc.deadline_s:g} s (hung)"
+                )
             except RuntimeError:  # the replica died during the sync: its group is broken, drop it
-                return None
+                return "the weight sync failed"
 
         if len(told) > 1:
             with ThreadPoolExecutor(len(told), thread_name_prefix="polyrl-weight-sync") as pool:
@@ -432,8 +441,8 @@ class RolloutWorkers:
             results = {w: one(w) for w in told}
         total = SyncStats()
         for w, st in results.items():
-            if st is None:
-                self._drop(w, "the weight sync failed")
+            if isinstance(st, str):
+                self._drop(w, st)
             else:
                 total = total + st
                 if w in joined:
