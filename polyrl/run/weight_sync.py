@@ -20,7 +20,7 @@
   ``deadline_s``, while a slow sync that makes progress bucket by bucket is not cut short. The group is unusable
   afterwards (the timed-out broadcast stays posted in it, its buffers kept alive in ``abandoned``); the caller
   drops the peer. NCCL groups refuse it (``ConfigError``): a broadcast whose peer hangs sits in this side's CUDA
-  stream and only aborting the communicator would free it, which is not built.
+  stream, a timed wait does not take it out (aborting the communicator would), and it is untested without 2 GPUs.
 - ``SyncStats``: what a sync cost (``seconds``, ``bytes`` on the wire, ``gbps``); ``metrics()`` gives the step
   metrics ``weight_sync/seconds``, ``weight_sync/bytes``, ``weight_sync/gbps``.
 
