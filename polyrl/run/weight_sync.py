@@ -267,8 +267,9 @@ class BucketedBroadcast:
             # whole milliseconds (0 would mean no timeout)
             work.wait(datetime.timedelta(seconds=max(self.deadline_s, 0.001)))
         except RuntimeError as exc:
-            if work.is_completed():  # it failed (the peer's connection closed), it did not time out
-                raise
+            if work.is_completed():  # it ended meanwhile: its own outcome (an error when the peer's connection closed)
+                work.wait()
+                return
             self.abandoned.append((work, keep))
             raise SyncTimeout(what, self.deadline_s) from exc
 
