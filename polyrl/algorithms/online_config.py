@@ -74,7 +74,8 @@ class OnlineConfig:
     # prompts. 0 = drop at once (polyrl.run.rollout_workers)
     rollout_worker_restarts: int = 3
     # ... seconds a generate call waits for each worker's reply at most; one that misses it (hung: alive, not
-    # answering) is killed and treated as a dead one (its prompts to the trainer's engine, then restarted as above).
+    # answering) is killed and treated as a dead one (its prompts to the trainer's engine, then restarted as above);
+    # on a gloo weights group also each bucket of a weight push (a worker that hangs during the push is dropped).
     # None = no deadline (a hung worker holds the step for the groups' 600 s timeout)
     rollout_worker_timeout_s: float | None = None
     # partial rollouts (async_producer = "thread"): a weight update does not wait for the generation in flight; the

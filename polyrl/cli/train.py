@@ -269,8 +269,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rollout-worker-timeout",
         type=float,
         metavar="S",
-        help="seconds a rollout worker's reply is waited for at most (default: no deadline); a worker that misses "
-        "it (hung) is killed and handled as one that died: the trainer's engine generates its prompts, it restarts",
+        help="seconds a rollout worker's reply (and, over gloo, each bucket of a weight push) is waited for at most "
+        "(default: no deadline); a worker that misses it (hung) is killed and handled as one that died: the "
+        "trainer's engine generates its prompts, it restarts",
     )
     g.add_argument(
         "--partial-rollouts",

@@ -14,6 +14,13 @@
   parameters, i.e. the rollout's; the sender must be given the rollout's dtype); buffers and integer tensors
   travel in their own dtype. Every side builds the bucket plan from its own model; the first sync compares a
   fingerprint of the plans and raises on a mismatch (different shapes, dtypes or tensor sets).
+- A progress deadline (``deadline_s``, default None: none): on a gloo group every wait of a sync (the plan check,
+  each bucket's broadcast) must end within ``deadline_s`` of when this side started waiting for it, else the sync
+  raises ``SyncTimeout`` (gloo's timed ``Work.wait``): a peer that stopped (a hung process) is found in about
+  ``deadline_s``, while a slow sync that makes progress bucket by bucket is not cut short. The group is unusable
+  afterwards (the timed-out broadcast stays posted in it, its buffers kept alive in ``abandoned``); the caller
+  drops the peer. NCCL groups refuse it (``ConfigError``): a broadcast whose peer hangs sits in this side's CUDA
+  stream, a timed wait does not take it out (aborting the communicator would), and it is untested without 2 GPUs.
 - ``SyncStats``: what a sync cost (``seconds``, ``bytes`` on the wire, ``gbps``); ``metrics()`` gives the step
   metrics ``weight_sync/seconds``, ``weight_sync/bytes``, ``weight_sync/gbps``.
 
@@ -25,6 +32,7 @@ all-gathers those), and any recovery of a broadcast that fails halfway (the call
 
 from __future__ import annotations
 
+import datetime
 import time
 import zlib
 from collections.abc import Sequence
@@ -87,6 +95,14 @@ def wire_dtype(setting: str | torch.dtype | None, model: nn.Module) -> torch.dty
     if setting not in WIRE_DTYPES:
         raise ConfigError(f"weight sync dtype must be auto, bf16 or fp32, got {setting!r}")
     return WIRE_DTYPES[setting]
+
+
+def is_gloo(group: Any) -> bool:
+    """Whether ``group`` runs on gloo (a ``ProcessGroupGloo``, or a ``ProcessGroup`` whose backend is gloo)."""
+    if isinstance(group, dist.ProcessGroupGloo):
+        return True
+    name = getattr(group, "name", None)
+    return callable(name) and name() == "gloo"
 
 
 def _sync_device(t: torch.Tensor) -> None:
@@ -176,12 +192,22 @@ def plan_buckets(tensors: Sequence[tuple[torch.Size, torch.dtype]], bucket_bytes
     return out
 
 
+class SyncTimeout(RuntimeError):
+    """A sync's wait passed its ``deadline_s`` (the peer is not taking part: hung, or gone without closing);
+    ``what``: the transfer that did not complete (``"bucket 3 of 40 (1048576 bytes)"``, ``"the plan check"``)."""
+
+    def __init__(self, what: str, deadline_s: float) -> None:
+        super().__init__(f"weight sync: {what} did not complete within deadline_s = {deadline_s:g} s (the peer hangs)")
+        self.what, self.deadline_s = what, deadline_s
+
+
 @dataclass
 class _Flight:
     work: Any
     bucket: Bucket
     buf: torch.Tensor
     direct: bool
+    k: int = 0  # the bucket's index in the plan
 
 
 @dataclass
@@ -201,6 +227,7 @@ class BucketedBroadcast:
     dtype: str | torch.dtype | None = "auto"
     bucket_mb: float = DEFAULT_BUCKET_MB
     lora_only: bool = False
+    deadline_s: float | None = None
     _checked: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -215,6 +242,36 @@ class BucketedBroadcast:
         self.buckets = plan_buckets([(t.shape, d) for t, d in zip(self.tensors, self.wire)], self.bucket_bytes)
         self.nbytes = sum(b.nbytes for b in self.buckets)
         self._buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self.abandoned: list[Any] = []  # what a timed-out sync left posted in the group: kept alive, never reused
+        self._check_deadline()
+
+    def _check_deadline(self) -> None:
+        d = self.deadline_s
+        if d is None:
+            return
+        if isinstance(d, bool) or not isinstance(d, int | float) or not d > 0:
+            raise ConfigError(f"weight sync deadline_s must be a number of seconds > 0 (None: no deadline), got {d!r}")
+        if not is_gloo(self.group):
+            raise ConfigError(
+                "weight sync deadline_s needs a gloo group (a timed wait does not free an NCCL broadcast whose peer "
+                "hangs); leave it None on NCCL"
+            )
+
+    def _wait(self, work: Any, what: str, keep: Any) -> None:
+        """Wait for ``work`` (``what``: for the error), at most ``deadline_s`` from now when it is set; on the
+        deadline ``keep`` (the work's buffers) goes to ``abandoned`` and ``SyncTimeout`` is raised."""
+        if self.deadline_s is None:
+            work.wait()
+            return
+        try:
+            # whole milliseconds (0 would mean no timeout)
+            work.wait(datetime.timedelta(seconds=max(self.deadline_s, 0.001)))
+        except RuntimeError as exc:
+            if work.is_completed():  # it ended meanwhile: its own outcome (an error when the peer's connection closed)
+                work.wait()
+                return
+            self.abandoned.append((work, keep))
+            raise SyncTimeout(what, self.deadline_s) from exc
 
     @property
     def sending(self) -> bool:
@@ -236,7 +293,8 @@ class BucketedBroadcast:
         t = torch.tensor([mine, -mine], dtype=torch.int64, device=self.device)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
-        self.group.allreduce([t], opts).wait()  # [max, -min]: every rank learns whether any plan differs
+        # [max, -min]: every rank learns whether any plan differs
+        self._wait(self.group.allreduce([t], opts), "the plan check", t)
         if int(t[0]) != -int(t[1]):
             raise RuntimeError(
                 "weight sync: the trainer's and this rollout model's tensors differ (shapes, dtypes or the set of "
@@ -269,15 +327,19 @@ class BucketedBroadcast:
         views = [buf[o : o + t.numel()].view(t.shape) for o, t in zip(b.offsets, ts)]
         return ts, views
 
-    def _finish(self, f: _Flight) -> None:
-        f.work.wait()
+    def _finish(self, f: _Flight, pending: Sequence[_Flight] = ()) -> None:
+        """Wait for ``f`` and unpack it (a receiver); ``pending``: the flights posted after it (kept with it on a
+        timeout)."""
+        self._wait(f.work, f"bucket {f.k + 1} of {len(self.buckets)} ({f.bucket.nbytes} bytes)", [f, *pending])
         if not self.sending and not f.direct:
             ts, views = self._views(f.bucket, f.buf)
             _copy_all(ts, views)  # unflatten into the rollout's own tensors (cast from the wire dtype)
 
     @torch.no_grad()
     def sync(self) -> SyncStats:
-        """One sync (a collective: every rank of ``group`` calls it); the stats of this side."""
+        """One sync (a collective: every rank of ``group`` calls it); the stats of this side. With ``deadline_s``:
+        ``SyncTimeout`` when a wait passes it (the group is unusable afterwards)."""
+        self._check_deadline()
         t0 = time.perf_counter()
         if not self._checked:
             self._check_plan()
@@ -287,14 +349,14 @@ class BucketedBroadcast:
             direct = buf is not None
             if buf is None:
                 while len(flights) > 1:  # the buffer of slot k % 2 was bucket k-2's: finish it first
-                    self._finish(flights.pop(0))
+                    self._finish(flights.pop(0), flights)
                 buf = self._buffer(k % 2, b)
                 if self.sending:
                     ts, views = self._views(b, buf)
                     _copy_all(views, ts)  # flatten (cast to the wire dtype)
-            flights.append(_Flight(self._broadcast(buf), b, buf, direct))
-        for f in flights:
-            self._finish(f)
+            flights.append(_Flight(self._broadcast(buf), b, buf, direct, k))
+        for i, f in enumerate(flights):
+            self._finish(f, flights[i + 1 :])
         if self.tensors:
             _sync_device(self.tensors[0])
         return SyncStats(time.perf_counter() - t0, self.nbytes, len(self.tensors))
@@ -307,6 +369,8 @@ __all__ = [
     "BucketedBroadcast",
     "InProcessSync",
     "SyncStats",
+    "SyncTimeout",
+    "is_gloo",
     "plan_buckets",
     "sync_tensors",
     "wire_dtype",

@@ -4,13 +4,15 @@ output equal to the no-failure outputs, seeds per prompt), restarted on its devi
 push with the trainer's current weights (its outputs then equal a reference engine's on those weights, not the model
 folder's); past ``max_restarts`` it is dropped for good; a worker that cannot start is an error naming it; the
 restart option reaches the config and the CLI. A replica that hangs (SIGSTOP: alive, never answering) is found by the
-reply deadline (``reply_timeout_s``), killed, covered by the trainer's engine in that call, and restarted; the
-deadline option reaches the config and the CLI."""
+reply deadline (``reply_timeout_s``), killed, covered by the trainer's engine in that call, and restarted; one
+that hangs during a weight push is found by the same deadline on the broadcast's buckets, the other replica synced
+in that push; the deadline option reaches the config and the CLI."""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import time
 
@@ -191,6 +193,81 @@ def test_a_hung_replica_misses_the_reply_deadline_and_is_restarted(tiny_model_di
         local_calls.clear()
         assert _tokens(workers.generate(ids, params, local)) == want and local_calls == []  # the new one serves
         assert workers.failures == 1
+    finally:
+        workers.close()
+
+
+def test_a_replica_that_hangs_during_a_weight_push_is_dropped_at_the_deadline(tiny_model_dir, setup, caplog):
+    """Replica 0 is stopped (SIGSTOP) right after it was sent the WEIGHTS header. gloo sends a bucket only once the
+    receiver has posted its receive, and a receiver posts at most two before it needs data (two bucket buffers), so
+    the push's broadcast to it stops at bucket 1, 2 or 3 of the tiny model's 9 (buckets of 0.05 MiB):
+    ``push_weights`` returns after about ``reply_timeout_s``, not the groups' 120 s, with replica 1 synced; replica 0
+    is counted, killed and restarted, and the next push gives it the current weights."""
+    from polyrl.run.rollout_workers import _TAG_HDR, WEIGHTS, RolloutWorkers
+
+    cfg, model, llm, ids, params = setup
+    deadline_s, healthy_s = 4.0, 90.0
+    workers = RolloutWorkers(
+        str(tiny_model_dir), str(tiny_model_dir), cfg, 2, timeout_s=120, max_restarts=1, reply_timeout_s=healthy_s,
+        bucket_mb=0.05,
+    )  # fmt: skip
+    local_calls = []
+
+    def local(i, p, **kw):
+        local_calls.append(len(i))
+        return llm.generate(i, p, **kw)
+
+    def only(w):
+        """Every prompt to replica ``w`` (the other set aside for this call): its outputs alone."""
+        other = 1 - w
+        was, workers.alive[other] = workers.alive[other], False
+        try:
+            return _tokens(workers.generate(ids, params, local))
+        finally:
+            workers.alive[other] = was
+
+    try:
+        _perturb(model, 5)
+        workers.push_weights(model)
+        assert len(workers._syncs[0].buckets) == 9
+        v1 = _expected(llm, ids, params)
+        assert _tokens(workers.generate(ids, params, local)) == v1 and local_calls == []
+        _perturb(model, 6)  # version 2: what the hung push carries
+        v2 = _expected(llm, ids, params)
+        assert v2 != v1
+        hung, send = workers.procs[0], workers._send
+
+        def stop_after_the_weights_header(t, w, tag):
+            ok = send(t, w, tag)
+            if ok and w == 0 and tag == _TAG_HDR and int(t[0]) == WEIGHTS:
+                os.kill(hung.pid, signal.SIGSTOP)
+            return ok
+
+        workers._send = stop_after_the_weights_header
+        caplog.set_level(logging.WARNING, logger="polyrl.run.rollout_workers")
+        workers.reply_timeout_s = deadline_s
+        t0 = time.monotonic()
+        stats = workers.push_weights(model)
+        took = time.monotonic() - t0
+        workers._send, workers.reply_timeout_s = send, healthy_s
+        assert deadline_s - 0.1 <= took < deadline_s + 10, took  # the deadline, plus killing the stopped process
+        assert (workers.failures, workers.restarts, workers.num_alive, workers.starting) == (1, 1, 1, {0})
+        assert not hung.is_alive() and workers.procs[0] is not hung and workers.alive[1]
+        assert re.search(
+            r"rollout replica 0 \(cpu\) died \(its weight sync stalled: bucket [123] of 9 \(\d+ bytes\) did not "
+            r"complete within reply_timeout_s = 4 s \(hung\)\); restarting it \(restart 1 of 1\)",
+            caplog.text,
+        ), caplog.text
+        assert len(workers._retired[-1][2].abandoned) == 1  # the stuck sync, its timed-out broadcast kept with it
+        assert stats.bytes == workers._syncs[1].nbytes  # replica 1 alone synced
+        # replica 1 took version 2 in that push: every prompt to it, none to the trainer's engine
+        assert only(1) == v2 and local_calls == []
+        assert workers.wait_for_restarts(60)
+        workers.push_weights(model)
+        assert workers.num_alive == 2 and workers.failures == 1
+        assert "rollout replica 0 (cpu) is back (restart 1 of 1)" in caplog.text
+        assert _tokens(workers.generate(ids, params, local)) == v2 and local_calls == []
+        assert only(0) == v2 and local_calls == []  # the restarted replica has the current weights, not the folder's
     finally:
         workers.close()
 

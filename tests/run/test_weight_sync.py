@@ -2,12 +2,14 @@
 gloo process group of 3 processes (one sender, two receivers) gives the source exactly (fp32 wire) or the source
 cast to bf16 (bf16 wire) across bucket boundaries and for a tensor larger than a bucket; LoRA-only syncs move the
 adapter tensors alone (bytes counted); the in-process copy writes into the copy's own tensors; plans that differ
-are refused; the bench's rows."""
+are refused; a progress deadline lets a slow sync finish and stops one whose peers hang (``SyncTimeout``), and is
+refused off gloo; the bench's rows."""
 
 from __future__ import annotations
 
 import datetime
 import socket
+import time
 
 import pytest
 import torch
@@ -15,7 +17,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from polyrl.run.weight_sync import BucketedBroadcast, InProcessSync, SyncStats, plan_buckets, sync_tensors
+from polyrl.errors import ConfigError
+from polyrl.run.weight_sync import (
+    BucketedBroadcast,
+    InProcessSync,
+    SyncStats,
+    SyncTimeout,
+    plan_buckets,
+    sync_tensors,
+)
 
 
 class Toy(nn.Module):
@@ -42,7 +52,7 @@ def _free_port() -> int:
 
 def _group(port: int, rank: int, size: int):
     store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
-    return dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=60))
+    return store, dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=60))
 
 
 def _scenario(pg, rank: int, model: nn.Module, wire: str, **kw) -> dict:
@@ -61,7 +71,7 @@ def _scenario(pg, rank: int, model: nn.Module, wire: str, **kw) -> dict:
 def _session(rank: int, port: int, size: int, out: str) -> None:
     """Every broadcast scenario in one 3-process gloo group (rank 0 sends), results saved per rank."""
     torch.set_num_threads(1)
-    pg = _group(port, rank, size)
+    store, pg = _group(port, rank, size)
     res = {}
     torch.manual_seed(100 + rank)  # every rank starts from different values
     res["fp32"] = _scenario(pg, rank, Toy(), "fp32")
@@ -77,7 +87,47 @@ def _session(rank: int, port: int, size: int, out: str) -> None:
         res["mismatch"] = ""
     except RuntimeError as exc:
         res["mismatch"] = str(exc)
+    res["deadline"] = _deadline_scenario(store, pg, rank)
     torch.save(res, out)
+    if rank > 0:  # stay connected until rank 0's lone sync timed out (a closed connection fails it another way)
+        store.wait(["timed_out"])
+
+
+class _Slow(BucketedBroadcast):
+    """The sender pauses ``pause`` seconds before each bucket's broadcast: a sync that is slow but progresses."""
+
+    pause = 0.0
+
+    def _broadcast(self, t):
+        if self.sending:
+            time.sleep(self.pause)
+        return super()._broadcast(t)
+
+
+SLOW_S, DEADLINE_S = 0.3, 1.0
+
+
+def _deadline_scenario(store, pg, rank: int) -> dict:
+    """Every rank syncs with a 1 s progress deadline while the sender takes 0.3 s per bucket (4 buckets: the sync
+    takes longer than the deadline, each wait does not): it completes. Then rank 0 syncs alone (ranks 1 and 2 never
+    post their receives, as hung processes): ``SyncTimeout`` at the first bucket after about the deadline."""
+    torch.manual_seed(200 + rank)
+    model = Toy()
+    sync = _Slow(model, pg, 0, rank, dtype="fp32", bucket_mb=BUCKET_MB, deadline_s=DEADLINE_S)
+    sync.pause = SLOW_S
+    out = {"slow": sync.sync().seconds, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+    if rank == 0:
+        sync.pause = 0.0
+        t0 = time.monotonic()
+        try:
+            sync.sync()
+            out["lone"] = "no error"
+        except SyncTimeout as exc:
+            out["lone"] = f"{type(exc).__name__}: {exc} | {exc.what}"
+        out["lone_s"] = time.monotonic() - t0
+        out["abandoned"] = len(sync.abandoned)
+        store.set("timed_out", "1")
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +188,38 @@ def test_broadcast_bf16_wire_into_fp32_receivers(session):
     for k, v in got[0]["state"].items():
         want = v.to(torch.bfloat16).float() if v.is_floating_point() else v
         assert torch.equal(got[1]["state"][k], want) and torch.equal(got[2]["state"][k], want), k
+
+
+def test_the_deadline_spares_a_slow_sync_and_stops_one_whose_peers_hang(session):
+    got = [r["deadline"] for r in session]
+    # 4 buckets at 0.3 s each: longer than the 1 s deadline in all, yet every wait ended in time and the values came
+    for r in (1, 2):
+        assert got[r]["slow"] >= 4 * SLOW_S > DEADLINE_S
+        for k, v in got[0]["state"].items():
+            assert torch.equal(got[r]["state"][k], v), k
+    assert got[0]["lone"] == (
+        "SyncTimeout: weight sync: bucket 1 of 4 (1232 bytes) did not complete within deadline_s = 1 s (the peer "
+        "hangs) | bucket 1 of 4 (1232 bytes)"
+    )
+    assert DEADLINE_S - 0.05 <= got[0]["lone_s"] < DEADLINE_S + 2 and got[0]["abandoned"] == 1
+
+
+def test_a_deadline_needs_a_gloo_group_and_seconds():
+    class NotGloo:  # what an NCCL group is to the check: not gloo
+        def name(self):
+            return "nccl"
+
+    with pytest.raises(ConfigError, match="deadline_s needs a gloo group"):
+        BucketedBroadcast(Toy(), NotGloo(), 0, 0, deadline_s=5.0)
+    assert BucketedBroadcast(Toy(), NotGloo(), 0, 0).deadline_s is None  # no deadline: any group, as before
+    gloo = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=5))
+    for bad in (0, -1.0, True, "5"):
+        with pytest.raises(ConfigError, match="deadline_s must be a number of seconds > 0"):
+            BucketedBroadcast(Toy(), gloo, 0, 0, deadline_s=bad)
+    sync = BucketedBroadcast(Toy(), gloo, 0, 0, deadline_s=5.0)
+    sync.deadline_s = -1  # set later (as rollout_workers does per push): checked when the sync starts
+    with pytest.raises(ConfigError, match="deadline_s must be"):
+        sync.sync()
 
 
 def test_different_models_are_refused_before_any_tensor_moves(session):
