@@ -230,6 +230,13 @@ for s in "$@"; do
     # generation target, rollout decode): the GPU + CPU tests, then bench rollout B256 unfused vs fused on one engine
     # (interleaved medians: output tokens/s, decode step ms, graph replay ms), then bench eval generation without hf
     # rows unfused (the A/B's other side) and with hf bs=256 fused, 200 docs, 256 generations; ~5 min
+    # the ninth session's last call (~250 s): GPU tests of the merged scoring sharing and fused projections, then issue
+    # 34's rows with the fused projections in the in-process engine (the serve row's own engine stays unfused)
+    ninth-final) TAIL=45 stage ninth-final-tests 70 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \
+        tests/infer/test_fused_projections.py tests/infer/test_score_prompts_sharing.py tests/eval/test_scoring.py \
+        tests/server/test_gpu.py; \
+      TAIL=40 stage ninth-final-eval 175 $PR bench eval --shape qwen3-0.6b --docs 2000 --serve --hf-batch-sizes 256 \
+        --gen-docs 256 --fuse-projections --json "$OUT/bench_eval_final.json" ;;
     bench-fused-proj) TAIL=60 stage bench-fused-proj 590 bash -c "python3 -m pytest -q -m 'gpu or not gpu' -p no:cacheprovider \
         tests/infer/test_fused_projections.py 2>&1 | tail -3; \
       $PR bench rollout --shape qwen3-0.6b --batch 256 --prompt-len 128 --gen-len 256 --baselines none --skip-batch1 \
