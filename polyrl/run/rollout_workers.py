@@ -377,7 +377,9 @@ class RolloutWorkers:
             else:  # gloo's timed wait: a RuntimeError once the time is up (the work stays posted: kept below)
                 work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
         except RuntimeError:
-            if deadline is not None and time.monotonic() >= deadline:
+            # gloo's timer and this clock differ by up to a millisecond (the timeout goes in whole ms): a wait that
+            # raised while its transfer is still pending timed out; one that completed (with an error) lost its peer
+            if deadline is not None and (time.monotonic() >= deadline or not work.is_completed()):
                 self._retired.append(work)  # still posted in the dead group: keep its buffers alive
                 self._drop(w, f"it did not answer within reply_timeout_s = {self.reply_timeout_s:g} s (hung)")
             else:
