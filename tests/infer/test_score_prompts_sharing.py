@@ -18,14 +18,6 @@ from polyrl.infer.scoring import _plan_prompts, _prompt_arrays, score_prompts
 from polyrl.models.attention_metadata import AttnMetadata
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _reference(model, prompt: list[int]) -> tuple[list[float], list[int], list[float]]:
     """(log-probs of tokens 1 .. n - 1, argmax id and its log-prob after each position) of one cache-free forward."""
     ids = torch.tensor(prompt, device=model.lm_head_weight.device)
