@@ -226,14 +226,7 @@ class ModelRunner:
             self._decode_eagerly_from_now_on(exc)
 
     def _eager(self, x: StepInputs) -> torch.Tensor:
-        meta = AttnMetadata(
-            cu_seqlens=x.cu_seqlens,
-            max_seqlen=x.max_seqlen,
-            kv_caches=self.kv.caches,
-            slot_mapping=x.slot_mapping,
-            block_tables=x.block_tables,
-            context_lens=x.context_lens,
-        )
+        meta = AttnMetadata.paged(x, self.kv.caches)
         if self.kv.routing is None:
             hidden = self.model(x.input_ids, x.positions, meta)  # [T, H]
         else:  # record the chosen experts by slot (kv_cache.py)

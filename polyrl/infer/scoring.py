@@ -551,14 +551,7 @@ def _to_device(llm: Any, arrays: dict[str, np.ndarray], extra: np.ndarray) -> tu
 
 def _forward(llm: Any, x: Any, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """One forward on the engine's KV cache and the LM head over its scored rows (``_score_rows``)."""
-    meta = AttnMetadata(
-        cu_seqlens=x.cu_seqlens,
-        max_seqlen=x.max_seqlen,
-        kv_caches=llm.kv.caches,
-        slot_mapping=x.slot_mapping,
-        block_tables=x.block_tables,
-        context_lens=x.context_lens,
-    )
+    meta = AttnMetadata.paged(x, llm.kv.caches)
     hidden = llm.model(x.input_ids, x.positions, meta)  # [T, H]
     return _score_rows(hidden.index_select(0, x.sample_rows), llm.model.lm_head_weight, targets)
 

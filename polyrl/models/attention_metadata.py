@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,6 +39,19 @@ class AttnMetadata:
     @property
     def num_seqs(self) -> int:
         return self.cu_seqlens.shape[0] - 1
+
+    @classmethod
+    def paged(cls, x: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> AttnMetadata:
+        """The engine's form for a step's device inputs ``x`` (``cu_seqlens``, ``max_seqlen``, ``slot_mapping``,
+        ``block_tables``, ``context_lens``: ``infer.batch.StepInputs``) on ``kv_caches``."""
+        return cls(
+            cu_seqlens=x.cu_seqlens,
+            max_seqlen=x.max_seqlen,
+            kv_caches=kv_caches,
+            slot_mapping=x.slot_mapping,
+            block_tables=x.block_tables,
+            context_lens=x.context_lens,
+        )
 
     @classmethod
     def from_seqlens(
