@@ -102,6 +102,11 @@ for s in "$@"; do
       --warmup 1 --steps 2 --kv keep --trl-configs fast --json "$OUT/bench_grpo_trl64.json" ;;
     # Paged-attention decode launch settings at the engine's shapes (block_n x warps x stages x splits), for the
     # heuristics in kernels/paged_attention/triton.py (issue 14: 78% of copy bandwidth at 256-token contexts)
+    # Issue 34's generation phase (256 prompts of ~102 tokens, 32 new tokens): the decode step's kernels, and the paged
+    # decode kernel's launch settings at that context
+    rollout-profile-evalgen) TAIL=60 stage rollout-profile-evalgen 200 python3 scripts/rollout_device_profile.py \
+      --batch 256 --prompt-len 102 --gen-len 32 --top 20 ;;
+    paged-sweep-eval) TAIL=20 stage paged-sweep-eval 200 python3 scripts/paged_attention_sweep.py --shapes ctx116 ;;
     paged-sweep) TAIL=40 stage paged-sweep 300 python3 scripts/paged_attention_sweep.py ;;
     paged-sweep-fp8) TAIL=40 stage paged-sweep-fp8 300 python3 scripts/paged_attention_sweep.py --kv-dtype fp8 ;;
     # The decode-path candidates (DecoderOptions.group_projections, parallel_projections, fused_qk_norm_rope): their

@@ -27,6 +27,7 @@ from polyrl.platform import device
 SHAPES = [
     ("B512 ctx192 (GRPO rollout)", 512, 192, 640),
     ("B256 ctx256 (bench rollout B256)", 256, 256, 400),
+    ("B256 ctx116 (bench eval generation)", 256, 116, 2048),
     ("B64 ctx4096 (4k case)", 64, 4096, 4176),
     ("B1 ctx192 (batch 1)", 1, 192, 272),
 ]
@@ -36,6 +37,7 @@ HQ, HK, D, PAGE = 16, 8, 128, 16
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--shapes", default="", help="only the shapes whose label contains this text (default: all)")
     ap.add_argument("--kv-dtype", choices=["bfloat16", "fp8"], default="bfloat16", help="the cache's element type")
     args = ap.parse_args()
     dev = device.torch_device()
@@ -53,7 +55,7 @@ def main() -> None:
         for bn, w, st, sp in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (None, 1, 2, 4))
     ]
     gen = torch.Generator(device="cpu").manual_seed(0)
-    for label, b, ctx, capacity in SHAPES:
+    for label, b, ctx, capacity in [s for s in SHAPES if args.shapes in s[0]]:
         width = -(-capacity // PAGE)
         blocks = b * width
         kc = torch.randn(blocks, PAGE, HK, D, generator=gen).to(dev, kv_dtype)
