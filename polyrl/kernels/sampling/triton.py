@@ -82,11 +82,14 @@ def _scan(base, inv_t, is_greedy, k1, k2, lo, hi, BLOCK_V: tl.constexpr):
         d = d * tl.exp(m - shift) + tl.sum(tl.exp(z - shift), 0)
         m = m_new
 
-        x = _fmix(_fmix(cols.to(tl.uint32) ^ k1) ^ k2)
-        w = tl.minimum(((x >> 1).to(tl.int32).to(tl.float32) + 0.5) * W_SCALE, W_MAX)
-        series = w * (1.0 + w * (1.0 / 2 + w * (1.0 / 3 + w * (1.0 / 4 + w * (1.0 / 5)))))
-        gumbel = -tl.log(tl.where(w < SERIES_BELOW, series, -tl.log(1.0 - w)))
-        score = tl.where(is_greedy, z, z + gumbel)
+        if is_greedy:  # a uniform branch per program: a greedy row never pays for the noise (hash, two logs)
+            score = z
+        else:
+            x = _fmix(_fmix(cols.to(tl.uint32) ^ k1) ^ k2)
+            w = tl.minimum(((x >> 1).to(tl.int32).to(tl.float32) + 0.5) * W_SCALE, W_MAX)
+            series = w * (1.0 + w * (1.0 / 2 + w * (1.0 / 3 + w * (1.0 / 4 + w * (1.0 / 5)))))
+            gumbel = -tl.log(tl.where(w < SERIES_BELOW, series, -tl.log(1.0 - w)))
+            score = z + gumbel
         blk = tl.max(score, 0)
         blk_idx = tl.min(tl.where((score == blk) & mask, cols, hi), 0)
         take = blk > best
