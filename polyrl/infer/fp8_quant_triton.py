@@ -58,14 +58,19 @@ def _quant_rows_kernel(
         tl.store(q_row + c + offs, y.to(tl.float8e4nv), mask=mask)
 
 
-def quantize_rows_triton(x: torch.Tensor, qmax: float, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_triton(
+    x: torch.Tensor, qmax: float, floor: float, out: torch.Tensor | None = None, scales: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` (float) -> (e4m3 ``[M, K]`` contiguous, fp32 scales ``[M]``), equal to ``quantize_rows(x)`` for
-    its ``qmax`` (448) and amax ``floor`` (1e-12), which the caller passes (``fp8_weights`` owns them)."""
+    its ``qmax`` (448) and amax ``floor`` (1e-12), which the caller passes (``fp8_weights`` owns them). ``out`` /
+    ``scales``: contiguous tensors of those shapes to write into (a weight's FP8 copy requantised in place)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(m, dtype=torch.float32, device=x.device)
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device) if out is None else out
+    s = torch.empty(m, dtype=torch.float32, device=x.device) if scales is None else scales
+    if q.shape != (m, k) or q.dtype != torch.float8_e4m3fn or not q.is_contiguous() or s.shape != (m,):
+        raise ValueError(f"quantize_rows_triton: out must be a contiguous e4m3 {(m, k)} and scales fp32 [{m}]")
     if m:
         one_pass = k <= _ONE_PASS_MAX
         block = triton.next_power_of_2(k) if one_pass else _BLOCK

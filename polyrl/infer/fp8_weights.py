@@ -148,6 +148,26 @@ def fp8_weight_linear(
     return registry.select(OP, x.device.type, dtype_name(x.dtype))[1](x, weights, scales)
 
 
+def quantize_weight(
+    w: torch.Tensor, out: torch.Tensor | None = None, scales: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A projection weight's per-output-channel copy (``quantize_rows``), into ``out`` / ``scales`` when given. On
+    CUDA the Triton row quantiser does it (bit-equal to ``quantize_rows`` on the device,
+    tests/kernels/test_fp8_act_quant.py): one launch per weight, one read of it. The reference's chunked fp32
+    temporaries are, by their counts, the ~110 ms of copy and elementwise kernels in the qwen3-8b FP8 rollout profile
+    (2026-12-03, absent from the bf16 one); a requantisation runs after every RL weight sync."""
+    if w.is_cuda and not reference_forced():
+        # lazy: triton loads only on CUDA
+        from polyrl.infer.fp8_quant_triton import quantize_rows_triton
+
+        return quantize_rows_triton(w, FP8_MAX, AMAX_FLOOR, out=out, scales=scales)
+    q, s = quantize_rows(w, out=out)
+    if scales is not None:
+        scales.copy_(s)
+        s = scales
+    return q, s
+
+
 def reference_forced() -> bool:
     """Whether ``POLYRL_KERNELS`` forces this op's plain-PyTorch reference (``fp8_weight_linear:reference`` or
     ``reference``): FP8 rollout then runs (slowly) on any device, the CPU included - tests and debugging."""
@@ -207,7 +227,7 @@ class Fp8Weights:
         self.entries: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
         with torch.no_grad():
             for lin in _projections(model):
-                self.entries[lin] = quantize_rows(lin.weight)
+                self.entries[lin] = quantize_weight(lin.weight)
         if not self.entries:
             raise UserError(
                 f"FP8 rollout weights found no projection to quantise in this model (plain nn.Linear q/k/v/o and "
@@ -253,11 +273,9 @@ class Fp8Weights:
     def _requantize(self) -> None:
         for lin, entry in self.entries.items():
             if entry is None:
-                self.entries[lin] = quantize_rows(lin.weight)
-                continue
-            q, s = entry
-            _, fresh = quantize_rows(lin.weight, out=q)
-            s.copy_(fresh)
+                self.entries[lin] = quantize_weight(lin.weight)
+            else:
+                quantize_weight(lin.weight, *entry)
 
     def project(self, linears: tuple[nn.Module, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """``tuple(l(x) for l in linears)`` through the FP8 copies (one activation quantisation for all), or None
@@ -277,6 +295,7 @@ __all__ = [
     "check_supported",
     "fp8_weight_linear",
     "quantize_rows",
+    "quantize_weight",
     "reference_forced",
     "reference_linear",
     "scaled_mm_linear",

@@ -55,3 +55,21 @@ def test_quantize_rows_triton_strided_rows(triton_kernels):
     want_q, want_s = quantize_rows(x)
     assert torch.equal(got_s, want_s)
     assert (got_q.float() == want_q.float()).float().mean().item() >= 0.9
+
+
+def test_quantize_rows_triton_writes_in_place(triton_kernels):
+    """A weight copy requantised in place (``fp8_weights.quantize_weight`` on CUDA): the same tensors come back,
+    holding what a fresh call returns; a wrong destination is refused."""
+    sys.modules.pop("polyrl.infer.fp8_quant_triton", None)
+    fn = importlib.import_module("polyrl.infer.fp8_quant_triton").quantize_rows_triton
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(40, 80, generator=g) * 0.05).to(torch.bfloat16).to(triton_kernels.device)
+    fresh_q, fresh_s = fn(w, FP8_MAX, AMAX_FLOOR)
+    out = torch.zeros_like(fresh_q)
+    scales = torch.zeros_like(fresh_s)
+    q, s = fn(w, FP8_MAX, AMAX_FLOOR, out=out, scales=scales)
+    assert q is out and s is scales
+    assert torch.equal(q.view(torch.uint8), fresh_q.view(torch.uint8)) and torch.equal(s, fresh_s)
+    assert s.min().item() > 0
+    with pytest.raises(ValueError, match="contiguous e4m3"):
+        fn(w, FP8_MAX, AMAX_FLOOR, out=torch.empty(40, 81, dtype=torch.float8_e4m3fn, device=w.device))
