@@ -38,8 +38,9 @@ from polyrl.models.attention_metadata import AttnMetadata
 VARIANTS = {
     "fp8": ("FP8", {"weight_precision": "fp8"}),
     "fp8kv": ("FP8+KV", {"weight_precision": "fp8", "kv_cache_dtype": "fp8_e4m3"}),
+    "fp8kvf": ("FP8+KV fused", {"weight_precision": "fp8", "kv_cache_dtype": "fp8_e4m3", "fuse_projections": True}),
 }
-PRECISIONS = {"model": (), "fp8": ("fp8", "fp8kv"), "fp8-kv": ("fp8kv",)}
+PRECISIONS = {"model": (), "fp8": ("fp8", "fp8kv"), "fp8-kv": ("fp8kv",), "fp8-kv-fused": ("fp8kv", "fp8kvf")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=list(PRECISIONS),
         default="model",
         help="fp8: also time the engine with FP8 projection weights, and with FP8 weights + an FP8 KV cache, in the "
-        "same run, with greedy agreement and log-prob mismatch; fp8-kv: only the FP8 weights + FP8 KV engine",
+        "same run, with greedy agreement and log-prob mismatch; fp8-kv: only the FP8 weights + FP8 KV engine; "
+        "fp8-kv-fused: that engine and the same with q/k/v and gate/up as one FP8 GEMM each (fuse_projections)",
     )
     parser.add_argument("--agree-tokens", type=int, default=64, help="--precision fp8: greedy tokens compared")
     parser.add_argument("--agree-seqs", type=int, default=32, help="--precision fp8: prompts compared")

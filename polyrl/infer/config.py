@@ -5,7 +5,6 @@ It only holds numbers; ``kv_cache.py`` turns them into tensors and ``llm.py`` wi
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 from polyrl.errors import ConfigError
@@ -58,7 +57,8 @@ class RolloutConfig:
     # q/k/v and gate/up as one GEMM each (``fused_projections.py``): the engine's own concatenated copies of those
     # weights (one more copy of ~2/3 of the layers' projection bytes, counted before the KV cache is sized), rewritten
     # in place after every weight update; batch-1 decode keeps its skinny kernels. Off by default until the H200 A/B
-    # (``bench rollout --fuse-projections``) says it pays. Ignored with weight_precision="fp8" (FP8 takes precedence)
+    # (``bench rollout --fuse-projections``) says it pays. With weight_precision="fp8" the FP8 copies fuse their groups
+    # instead (row slices of one buffer per group: no extra memory)
     fuse_projections: bool = False
     # Structured outputs: separately compiled grammar matchers (lexers) per schema (``structured.GrammarCache``).
     # None = automatic: one per grammar-executor thread on a host with >= 4 of them, rows handed out 16 per lane
@@ -91,13 +91,6 @@ class RolloutConfig:
             raise ConfigError(f"weight_precision must be None (the model's) or 'fp8', got {self.weight_precision!r}")
         if not isinstance(self.fuse_projections, bool):
             raise ConfigError(f"fuse_projections must be True or False, got {self.fuse_projections!r}")
-        if self.fuse_projections and self.weight_precision == "fp8":
-            warnings.warn(
-                "fuse_projections is ignored with weight_precision='fp8': the FP8 copies serve every projection and "
-                "take precedence; drop one of the two settings to silence this",
-                UserWarning,
-                stacklevel=3,
-            )
         if self.decode_steps < 1:
             raise ConfigError(f"decode_steps must be >= 1 (1 = one decode step per launch), got {self.decode_steps}")
         if self.grammar_lanes is not None and self.grammar_lanes < 1:

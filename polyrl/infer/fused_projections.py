@@ -41,8 +41,9 @@ from free memory, so the cache accounts for them; ``mark_stale`` after every wei
 (``free``) and the next forward makes them anew. Memory: one more copy of the fused weights in the model's dtype
 (~0.59 GB at the qwen3-0.6b shape in bf16, two thirds of its projection bytes); ``nbytes`` reports it.
 
-With FP8 rollout weights (``weight_precision = "fp8"``) FP8 takes precedence: its copies already serve every
-projection, so ``fuse_projections`` is ignored (``RolloutConfig`` warns) and no copies are made.
+With FP8 rollout weights (``weight_precision = "fp8"``) no copies are made here: the FP8 copies serve every
+projection, and ``fuse_projections`` makes them fuse their groups (``fp8_weights.Fp8Weights``, row slices of one
+buffer per group).
 """
 
 from __future__ import annotations

@@ -79,8 +79,9 @@ class LLM:
         mcfg = model.config
         param = next(model.parameters())
         # FP8 rollout weights (RolloutConfig.weight_precision): made before the KV cache is sized from free memory
-        fp8 = Fp8Weights.for_engine(model, self.config.weight_precision)
-        # ... and so are fused q/k/v + gate/up copies (RolloutConfig.fuse_projections; none under FP8 weights)
+        fp8 = Fp8Weights.for_engine(model, self.config.weight_precision, self.config.fuse_projections)
+        # ... and so are fused q/k/v + gate/up copies (RolloutConfig.fuse_projections; under FP8 weights the FP8 copies
+        # fuse their groups instead)
         fused = FusedProjections.for_engine(model, self.config.fuse_projections, self.config.weight_precision)
         self.kv = KVCache(self.config, mcfg, param.dtype, param.device)
         limit = self.config.max_model_len or mcfg.max_position_embeddings

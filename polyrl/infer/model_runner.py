@@ -17,8 +17,9 @@ The runner holds a reference to the model (colocated training shares its weights
 (``RolloutConfig.weight_precision = "fp8"``, ``fp8_weights.py``) it also holds their FP8 copies: every forward of
 ``execute`` / ``execute_steps`` / ``capture_graphs`` runs inside the decoder's ``projection_override`` with them,
 after requantising them if ``weights_changed()`` was called since (the trainer's own forwards never see them).
-With fused projections (``RolloutConfig.fuse_projections``, ``fused_projections.py``; ignored under FP8 weights) it
-holds the concatenated q/k/v and gate/up copies instead, entered and refreshed the same way.
+With fused projections (``RolloutConfig.fuse_projections``, ``fused_projections.py``) it holds the concatenated
+q/k/v and gate/up copies instead, entered and refreshed the same way (under FP8 weights the FP8 copies fuse their
+groups themselves and no bf16 copies are made).
 It does not schedule, sample or own the cache's block accounting.
 """
 

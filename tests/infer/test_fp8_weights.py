@@ -165,6 +165,49 @@ def test_release_frees_the_fp8_copies_and_the_next_rollout_remakes_them(referenc
     assert llm.runner.fp8.requantizations == 2
 
 
+def test_fused_fp8_groups_are_views_and_decode_like_the_separate_copies(reference):
+    """``fuse_projections`` under FP8 weights: each q/k/v and gate/up group is one e4m3 buffer whose row slices are
+    the members' copies (no extra bytes), its GEMM's column slices equal the separate GEMMs' outputs (same dot
+    products: fp32 on the CPU), greedy decoding equals the unfused FP8 engine's, and a weight update requantises the
+    buffer in place."""
+    model = _model(num_layers=2)
+    cfg = dict(num_blocks=128, block_size=4, weight_precision="fp8")
+    plain = LLM(model, None, RolloutConfig(**cfg))
+    fused = LLM(model, None, RolloutConfig(fuse_projections=True, **cfg))
+    fp8 = fused.runner.fp8
+    assert fused.runner.fused is None and len(fp8.groups) == 2 * 2  # q/k/v and gate/up per layer
+    assert fp8.nbytes == plain.runner.fp8.nbytes  # views: the same bytes as the separate copies
+    attn = model.model.layers[0].self_attn
+    buf, scales, bounds = fp8.groups[(attn.q_proj, attn.k_proj, attn.v_proj)]
+    assert bounds == (0, attn.q_proj.out_features, attn.q_proj.out_features + attn.k_proj.out_features, buf.shape[0])
+    k_q, k_s = fp8.entries[attn.k_proj]
+    assert k_q.data_ptr() == buf[bounds[1] :].data_ptr() and k_s.data_ptr() == scales[bounds[1] :].data_ptr()
+    want_q, want_s = quantize_rows(attn.k_proj.weight)
+    assert torch.equal(k_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(k_s, want_s)
+    x = torch.randn(5, attn.q_proj.in_features, generator=torch.Generator().manual_seed(3))
+    group = (attn.q_proj, attn.k_proj, attn.v_proj)
+    for got, want in zip(fp8.project(group, x), plain.runner.fp8.project(group, x)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    a = [o.outputs[0].token_ids for o in plain.generate(_prompts(), params)]
+    b = [o.outputs[0].token_ids for o in fused.generate(_prompts(), params)]
+    assert a == b
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(2.0)
+    fused.reset_prefix_cache()
+    fused.generate(_prompts(1), params)
+    want_q, want_s = quantize_rows(attn.k_proj.weight)
+    assert fp8.groups[group][0] is buf  # in place: captured graphs keep their addresses
+    assert torch.equal(buf[bounds[1] : bounds[2]].view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scales[bounds[1] : bounds[2]], want_s)
+    fused.release()  # frees the buffers; the next rollout rebuilds the groups
+    assert fp8.nbytes == 0 and not fp8.groups
+    fused.reallocate()
+    c = [o.outputs[0].token_ids for o in fused.generate(_prompts(), params)]
+    assert len(fp8.groups) == 4 and len(c) == len(a)
+
+
 def test_colocated_rollout_shows_the_fp8_mismatch(reference):
     """The RL run's mismatch metric (rollout log-prob vs the trainer's recompute) sees FP8 sampling: ~0 for the
     fp32 engine, clearly larger for FP8 on the same module; the trainer's forward stays fp32."""
@@ -237,4 +280,28 @@ def test_graph_captured_fp8_decode_matches_eager_on_the_gpu():
     a = [t for o in graphed for t in o.outputs[0].token_ids]
     b = [t for o in eager for t in o.outputs[0].token_ids]
     # the same kernels on the same shapes: equal but for a bf16 near-tie in the attention's summation order
+    assert sum(x == y for x, y in zip(a, b)) >= 0.9 * len(b)
+
+
+@pytest.mark.gpu
+def test_fused_fp8_groups_decode_like_the_separate_ones_on_the_gpu():
+    """The fused FP8 GEMMs (one ``_scaled_mm`` per q/k/v and gate/up group) against the separate ones, graphs on:
+    the same column dot products, so the same greedy tokens but for a bf16 near-tie."""
+    from polyrl.platform import device
+
+    if not device.supports_fp8_gemm():
+        pytest.skip("no FP8 GEMM on this device")
+    model = build_model(
+        tiny_config(hidden_size=256, intermediate_size=512, num_heads=4, head_dim=64), dtype=torch.bfloat16,
+        device="cuda", seed=0,
+    ).eval()  # fmt: skip
+    init_weights(model, seed=0, std=0.05)
+    prompts, params = _prompts(), SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    cfg = dict(num_blocks=128, block_size=16, weight_precision="fp8")
+    plain = LLM(model, None, RolloutConfig(**cfg)).generate(prompts, params)
+    fused_llm = LLM(model, None, RolloutConfig(fuse_projections=True, **cfg))
+    fused = fused_llm.generate(prompts, params)
+    assert fused_llm.runner.fp8.groups
+    a = [t for o in fused for t in o.outputs[0].token_ids]
+    b = [t for o in plain for t in o.outputs[0].token_ids]
     assert sum(x == y for x, y in zip(a, b)) >= 0.9 * len(b)

@@ -9,7 +9,6 @@ bf16 decode."""
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import pytest
 import torch
@@ -98,17 +97,12 @@ def test_config_is_validated_and_fp8_takes_precedence(monkeypatch):
     assert RolloutConfig(fuse_projections=True).fuse_projections is True
     with pytest.raises(ConfigError, match="fuse_projections"):
         RolloutConfig(fuse_projections="yes")
-    with pytest.warns(UserWarning, match="fuse_projections is ignored with weight_precision='fp8'"):
-        cfg = RolloutConfig(num_blocks=64, block_size=4, fuse_projections=True, weight_precision="fp8")
+    cfg = RolloutConfig(num_blocks=64, block_size=4, fuse_projections=True, weight_precision="fp8")
     monkeypatch.setenv("POLYRL_KERNELS", "fp8_weight_linear:reference")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        llm = LLM(_model(tiny_config(hidden_size=64, intermediate_size=128, head_dim=16)), None, cfg)
-    assert llm.runner.fp8 is not None and llm.runner.fused is None
+    llm = LLM(_model(tiny_config(hidden_size=64, intermediate_size=128, head_dim=16)), None, cfg)
+    # no bf16 copies under FP8 weights: the FP8 copies fuse their own groups (tests/infer/test_fp8_weights.py)
+    assert llm.runner.fp8 is not None and llm.runner.fused is None and llm.runner.fp8.groups
     assert llm.runner.weight_copies is llm.runner.fp8
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no warning without the combination
-        RolloutConfig(fuse_projections=True)
 
 
 def test_copies_are_the_concatenated_weights_and_their_bytes_are_reported():
