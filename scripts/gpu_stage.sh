@@ -222,6 +222,11 @@ for s in "$@"; do
     # >= 1.4x bf16 tokens/s), greedy agreement over the first 64 tokens of 32 prompts; then the FP8 GPU tests
     bench-rollout-fp8) stage bench-rollout-fp8 480 $PR bench rollout --shape qwen3-8b --batch 256 --prompt-len 128 --gen-len 256 --baselines none --skip-batch1 --logprob-seqs 4 --precision fp8 --json "$OUT/bench_rollout_fp8.json" ;;
     bench-rollout-fp8kv) stage bench-rollout-fp8kv 150 $PR bench rollout --shape qwen3-8b --batch 256 --prompt-len 128 --gen-len 256 --baselines none --skip-batch1 --logprob-seqs 4 --precision fp8-kv --agree-seqs 16 --json "$OUT/bench_rollout_fp8kv.json" ;;
+    # issue 28: the FP8 + FP8-KV engine with q/k/v and gate/up fused into one FP8 GEMM each, against the unfused one and
+    # the bf16 engine, same run
+    bench-rollout-fp8kv-fused) stage bench-rollout-fp8kv-fused 300 $PR bench rollout --shape qwen3-8b --batch 256 \
+      --prompt-len 128 --gen-len 256 --baselines none --skip-batch1 --logprob-seqs 4 --precision fp8-kv-fused \
+      --agree-seqs 16 --json "$OUT/bench_rollout_fp8kv_fused.json" ;;
     fp8kv-tests) stage fp8kv-tests 150 python3 -m pytest -q -rfE -m 'gpu or not gpu' tests/infer/test_fp8_kv.py tests/kernels/test_paged_attention_fp8.py --durations 5 ;;
     fp8-rollout-tests) stage fp8-rollout-tests 300 python3 -m pytest -q -m 'gpu or not gpu' tests/infer/test_fp8_weights.py tests/kernels/test_fp8_act_quant.py ;;
     # evaluation (issue 34): lm-eval's hf backend vs the in-process engine vs local-completions against polyrl serve
