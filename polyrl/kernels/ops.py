@@ -245,6 +245,24 @@ def qk_norm_rope(
     return _impl("qk_norm_rope", q)(q, k, q_weight, k_weight, cos, sin, eps)
 
 
+def qk_norm_rope_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """``qk_norm_rope`` with the paged step's ``write_kv_cache(k', v, ...)`` folded in; returns q'. No autograd.
+    Contract in ``polyrl/kernels/qk_norm_rope/__init__.py``."""
+    return _impl("qk_norm_rope_cache", q)(q, k, v, q_weight, k_weight, cos, sin, eps, k_cache, v_cache, slot_mapping)
+
+
 def fp8_quantize(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Current-scaling FP8 quantisation of ``x [M, K]`` -> ``(q fp8 [M, K], scale fp32)``, ``x ~= q * scale``; scale
     ``[]`` (tensor-wise) or ``[M, 1]`` (row-wise). No autograd. Contract in ``polyrl/kernels/fp8/__init__.py``."""

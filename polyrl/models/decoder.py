@@ -212,7 +212,15 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         per_head = self.q_norm is not None and self.norm_per_head
-        if per_head and options.fused_qk_norm_rope and not torch.is_grad_enabled():
+        fused = per_head and options.fused_qk_norm_rope and not torch.is_grad_enabled()
+        if fused and meta.kv_caches is not None:  # a paged step: k' and v go straight to the cache, one launch
+            k_cache, v_cache = meta.kv_caches[self.layer]
+            q = kernels.qk_norm_rope_cache(
+                q, k, v, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps, k_cache, v_cache,
+                meta.slot_mapping,
+            )  # fmt: skip
+            return self._paged(q, k_cache, v_cache, meta, t)
+        if fused:
             q, k = kernels.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
         else:
             if per_head:
@@ -220,20 +228,26 @@ class Attention(nn.Module):
             q, k = kernels.apply_rope(q, k, cos, sin)
         if meta.kv_caches is None:
             o = kernels.varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, self.scale, self.window)
-        else:
-            k_cache, v_cache = meta.kv_caches[self.layer]
-            kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-            o = kernels.paged_attention(
-                q,
-                k_cache,
-                v_cache,
-                meta.block_tables,
-                meta.context_lens,
-                meta.cu_seqlens,
-                meta.max_seqlen,
-                self.scale,
-                self.window,
-            )
+            return project(self.o_proj, o.reshape(t, self.num_heads * self.head_dim))
+        k_cache, v_cache = meta.kv_caches[self.layer]
+        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._paged(q, k_cache, v_cache, meta, t)
+
+    def _paged(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata, t: int
+    ) -> torch.Tensor:
+        """Attention of q over the paged cache (this step's k/v already written), then the output projection."""
+        o = kernels.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.context_lens,
+            meta.cu_seqlens,
+            meta.max_seqlen,
+            self.scale,
+            self.window,
+        )
         return project(self.o_proj, o.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -48,6 +48,43 @@ def test_triton_strided_views_and_no_backward(triton_kernels, kernel_check):
         fn(q.requires_grad_(True), k, wq, wk, cos, sin)
 
 
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.bfloat16, torch.float8_e4m3fn)])  # fmt: skip
+def test_cache_variant_stores_what_the_two_kernels_store(triton_kernels, kernel_check, dtype, cache_dtype):
+    """``qk_norm_rope_cache`` against ``qk_norm_rope`` + ``write_kv_cache`` (the Triton kernels it replaces): the same
+    q' and the same cache bytes, a negative slot skipped; and against the reference composition within tolerance."""
+    from polyrl.kernels.qk_norm_rope.reference import qk_norm_rope_cache as ref_cache
+
+    dev = triton_kernels.device
+    fused = triton_kernels.load("qk_norm_rope", "qk_norm_rope_cache")
+    plain = triton_kernels.load("qk_norm_rope")
+    write = triton_kernels.load("paged_attention", "write_kv_cache")
+    t, hq, hk, d, page, blocks = 6, 4, 2, 32, 4, 5
+    q, k, wq, wk, cos, sin = _inputs(t, hq, hk, d, dtype, dev, seed=11)
+    v = (torch.randn(t, hk, d, generator=torch.Generator().manual_seed(12)) * 3).to(dev, dtype)
+    slots = torch.tensor([3, 17, -1, 0, 9, 12], dtype=torch.int64, device=dev)
+    caches = [torch.zeros(blocks, page, hk, d, device=dev).to(cache_dtype) for _ in range(6)]
+    with torch.no_grad():
+        got_q = fused(q, k, v, wq, wk, cos, sin, 1e-6, caches[0], caches[1], slots)
+        want_q, want_k = plain(q, k, wq, wk, cos, sin, 1e-6)
+        write(want_k, v, caches[2], caches[3], slots)
+        ref_q = ref_cache(q, k, v, wq, wk, cos, sin, 1e-6, caches[4], caches[5], slots)
+    assert torch.equal(got_q, want_q)
+    for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    # slots 3, 17, 0, 9, 12 (page 4) land in blocks 0, 4, 0, 2, 3: block 1 and every other slot stay empty
+    assert caches[0].view(torch.uint8).flatten(1).any(-1).tolist() == [True, False, True, True, True]
+    filled = caches[1].view(torch.uint8).view(-1, hk * d * caches[1].element_size()).any(-1)
+    assert filled.nonzero().flatten().tolist() == [0, 3, 9, 12, 17]
+    scale = 1.0 if dtype == torch.float32 else 2.0
+    kernel_check.assert_close(got_q.float(), ref_q.float(), dtype, "q", scale)
+    if cache_dtype != torch.float8_e4m3fn:
+        kernel_check.assert_close(caches[0].float(), caches[4].float(), dtype, "k cache", scale)
+        assert torch.equal(caches[1], caches[5])  # v is copied as it is
+    with pytest.raises(ValueError, match="caches"):
+        fused(q, k, v, wq, wk, cos, sin, 1e-6, caches[0][:, :, :1], caches[1], slots)
+
+
 def test_decoder_fused_path_decodes_as_the_unfused_one(monkeypatch):
     """The option is set on the built model (``model.options``) and reaches every layer: the fused op runs only with
     it on."""
@@ -62,8 +99,9 @@ def test_decoder_fused_path_decodes_as_the_unfused_one(monkeypatch):
     calls = []
     import polyrl.kernels as K
 
-    real = K.qk_norm_rope
+    real, real_cache = K.qk_norm_rope, K.qk_norm_rope_cache
     monkeypatch.setattr(K, "qk_norm_rope", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(K, "qk_norm_rope_cache", lambda *a: calls.append(1) or real_cache(*a))  # paged steps
     outs, runs = {}, {}
     for fused in (False, True):
         model.options = dataclasses.replace(model.options, fused_qk_norm_rope=fused)
