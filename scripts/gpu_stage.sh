@@ -273,6 +273,12 @@ for s in "$@"; do
     # generation phase (256 x 32 tokens) with its split (prefill, decode launches, host stop checks)
     bench-eval-all) TAIL=45 stage bench-eval-all 420 $PR bench eval --shape qwen3-0.6b --docs 2000 --serve \
       --hf-batch-sizes 256 --gen-docs 256 --profile $OUT/eval-all-profile --json $OUT/bench_eval_all.json ;;
+    # Issue 34 after the tenth session's decode work (heads-packed paged decode, greedy sampler, q/k norm + KV write in
+    # one kernel): the in-process eval rows unfused without hf, then fused projections against the same-run hf rows
+    tenth-eval) TAIL=40 stage tenth-eval 330 bash -c "$PR bench eval --shape qwen3-0.6b --docs 2000 --hf-batch-sizes '' \
+        --gen-docs 256 --json $OUT/bench_eval_unfused.json 2>&1 | grep -E '^\||polyrl|Error'; \
+      $PR bench eval --shape qwen3-0.6b --docs 2000 --hf-batch-sizes 256 --gen-docs 256 --fuse-projections \
+        --json $OUT/bench_eval_fused.json" ;;
     bench-eval-8b) TAIL=12 stage bench-eval-8b 420 $PR bench eval --shape qwen3-8b --docs 200 --hf-batch-sizes '' \
       --gen-docs 0 --json "$OUT/bench_eval_8b.json" ;;
     bench-eval-profile) TAIL=60 stage bench-eval-profile 300 bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider tests/eval/test_scoring.py 2>&1 | tail -3; \
