@@ -14,7 +14,7 @@ from polyrl.kernels.paged_attention.reference import FP8_E4M3_MAX, is_fp8
 
 
 @triton.jit
-def _norm_rotated(x_ptr, w_ptr, c1, c2, s1, s2, t, n_heads, half, stride_xt, stride_xh, eps, dt,
+def _norm_rotated(x_ptr, w_ptr, c1, c2, s1, s2, t, n_heads, half, stride_xt, stride_xh, eps, dt: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     """Heads of token ``t`` normalised and rotated: the two halves ``[BLOCK_H, BLOCK_D]`` in fp32, not yet rounded to
     ``dt`` (the caller's store rounds them once)."""
@@ -47,7 +47,7 @@ def _norm_rotate(x_ptr, o_ptr, w_ptr, c1, c2, s1, s2, t, n_heads, half, stride_x
 
 
 @triton.jit
-def _cache_store(c_ptr, slot, x1, x2, n_heads, half, stride_cb, stride_cs, stride_ch, dt,
+def _cache_store(c_ptr, slot, x1, x2, n_heads, half, stride_cb, stride_cs, stride_ch, dt: tl.constexpr,
                  PAGE: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     """Both halves of a token's heads into the paged cache at flat ``slot``, rounded to ``dt`` first (the tensor
     ``write_kv_cache`` would have been handed) and then as ``write_kv_cache`` stores (FP8: saturated to +-448)."""
