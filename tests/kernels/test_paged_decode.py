@@ -36,7 +36,8 @@ def _case(ctx, q_lens, hq, hk, d, page, q_dtype, kv_dtype=None, device="cpu", sp
         used += n_blocks[b]
         pos = torch.arange(c)
         slots = (tables[b, pos // page].long() * page + pos % page).to(device)
-        ref.write_kv_cache(torch.randn(c, hk, d), torch.randn(c, hk, d), k_cache, v_cache, slots)
+        k, v = torch.randn(c, hk, d, device=device), torch.randn(c, hk, d, device=device)
+        ref.write_kv_cache(k, v, k_cache, v_cache, slots)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     q = torch.randn(sum(q_lens), hq, d, device=device).to(q_dtype)
     lens = torch.tensor(ctx, dtype=torch.int32, device=device)
@@ -149,16 +150,16 @@ def test_the_rows_path_and_the_tuning_overrides_keep_the_result(triton_kernels, 
 
 def test_decode_settings_follow_the_head_shapes_only(triton_kernels):
     decode_settings = triton_kernels.load("paged_attention", "decode").decode_settings
-    # qwen3-0.6b (Hq 16, Hk 8), bf16 cache: every KV head in one program, one page a tile = 64 KB a stage -> 2 stages
+    # qwen3-0.6b (Hq 16, Hk 8), bf16 cache: every KV head in one program, one page a tile (64 KB of K + V)
     assert decode_settings(2, 8, 128, 2) == decode_settings(2, 8, 128, 2, {"decode": "heads"})
     s = decode_settings(2, 8, 128, 2)
-    assert (s.kv_heads, s.block_n, s.num_warps, s.num_stages) == (8, 16, 4, 2)
+    assert (s.kv_heads, s.block_n, s.num_warps, s.num_stages) == (8, 16, 4, 3)
     assert decode_settings(4, 8, 128, 2).kv_heads == 8  # qwen3-8b: 32 rows
     assert decode_settings(16, 8, 128, 2).kv_heads == 4  # 128 rows would pass the cap of 64
     assert decode_settings(128, 1, 64, 2).kv_heads == 1
-    assert decode_settings(2, 8, 128, 4).block_n == 8  # fp32 cache: 16 positions x 8 heads would be 128 KB a stage
+    assert decode_settings(2, 8, 128, 4).block_n == 8  # fp32 cache: 16 positions x 8 heads would be 128 KB
     assert decode_settings(2, 8, 256, 2).block_n == 8
-    assert (decode_settings(2, 8, 128, 1).block_n, decode_settings(2, 8, 128, 1).num_stages) == (16, 3)  # fp8
+    assert decode_settings(2, 8, 128, 1).block_n == 16  # fp8: one page is 32 KB
     assert decode_settings(1, 1, 128, 4).block_n == 16  # at least 16 key rows a tile (the MMA's K)
     tuned = decode_settings(2, 8, 128, 2, {"kv_heads": 2, "block_n": 32, "num_warps": 8, "num_stages": 4})
     assert (tuned.kv_heads, tuned.block_n, tuned.num_warps, tuned.num_stages) == (2, 32, 8, 4)

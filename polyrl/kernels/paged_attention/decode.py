@@ -49,7 +49,7 @@ from polyrl.errors import ConfigError
 
 # Queries rows a program may hold (GROUP * HC, padded); see the arithmetic in the module docstring.
 _MAX_ROWS = 64
-# Shared memory one pipeline stage of K + V may take (2 * TILE * D * elem bytes).
+# Shared memory one key tile of K + V may take (2 * TILE * D * elem bytes; one buffer at the default stages).
 _STAGE_BYTES = 64 * 1024
 # Splits stop once a split would cover fewer keys than this (a split reads keys x HC heads) ...
 _MIN_KEYS_PER_SPLIT = 64
@@ -75,9 +75,13 @@ def decode_settings(
     """Launch settings from the head shapes and the cache's element size only (so a sequence's numbers do not depend
     on its batch), each overridable through ``tuning`` (``kv_heads``, ``block_n``, ``num_warps``, ``num_stages``;
     ``scripts/paged_attention_sweep.py``). Defaults: every KV head in one program while GROUP * Hk rows fit in
-    _MAX_ROWS, else the most that fit; one 16-token page a tile, halved while a stage of K + V would pass
-    _STAGE_BYTES (but at least 16 key rows a tile, the MMA's minimum); 4 warps; 3 stages where three fit in 160 KB
-    of shared memory, else 2. Initial guesses, to be set from the device sweep."""
+    _MAX_ROWS, else the most that fit; one 16-token page a tile, halved while a tile of K + V would pass _STAGE_BYTES
+    (but at least 16 key rows a tile, the MMA's minimum); 4 warps; 3 stages. Stages, as Triton 3.9 compiles this loop
+    for sm_90 (checked on the PTX, not timed): the block-table entry is a load ahead of K/V, so K/V get
+    ``max(1, stages - 3)`` shared-memory buffers: 2 loads the next tile only after this one's dots, 3 also fetches the
+    block-table entry two tiles ahead (4 compiles to the same code), 5 double-buffers K/V at twice the shared memory
+    (~136 KB at one page of qwen3's 8 KV heads: one program per SM instead of three). Initial guesses, to be set from
+    the device sweep."""
     tuning = tuning or {}
     hc = 1
     while hc < num_kv_heads and _pow2_at_least(group * hc * 2) <= _MAX_ROWS:
@@ -92,9 +96,7 @@ def decode_settings(
             raise ConfigError(f"paged decode tuning: {name} must be a power of two, got {value}")
     if block_n * hc < 16:
         raise ConfigError(f"paged decode tuning: block_n * kv_heads must be >= 16 (the MMA's K); got {block_n} * {hc}")
-    stage = 2 * block_n * hc * head_dim * kv_elem
-    stages = 3 if 3 * stage <= 160 * 1024 else 2
-    return DecodeSettings(hc, block_n, int(tuning.get("num_warps") or 4), int(tuning.get("num_stages") or stages))
+    return DecodeSettings(hc, block_n, int(tuning.get("num_warps") or 4), int(tuning.get("num_stages") or 3))
 
 
 def decode_splits(programs: int, capacity: int) -> int:
