@@ -196,3 +196,24 @@ def test_decode_gpu_real_shapes_and_batch_invariance(triton_kernels, kernel_chec
         assert torch.equal(mixed[rows], fn(*decode_args, None, None, splits))
     old = fn(*decode_args, None, None, None, {"decode": "rows"})
     kernel_check.assert_close(fn(*decode_args).float().cpu(), old.float().cpu(), torch.bfloat16, "heads vs rows")
+
+
+@pytest.mark.gpu
+def test_decode_gpu_mixed_step_graph_capture(triton_kernels, seeded):
+    """A mixed step (both kernels, both split combines) captured in one CUDA graph replays to the eager result."""
+    from polyrl.platform import device
+
+    api = device.graph_api()
+    if api is None or triton_kernels.interpreted:
+        pytest.skip("CUDA graphs are not available on this device")
+    graph_cls, graph_ctx = api
+    fn = triton_kernels.load("paged_attention", "_paged_attention")
+    args = _case([100, 1500, 40, 7], [1, 300, 0, 1], 16, 8, 128, 16, torch.bfloat16, device=triton_kernels.device)
+    fn(*args, None, None, 2)  # compile outside the capture
+    graph = graph_cls()
+    with graph_ctx(graph):
+        out = fn(*args, None, None, 2)
+    args[0].copy_(torch.randn_like(args[0]))
+    graph.replay()
+    device.synchronize()
+    assert torch.equal(out, fn(*args, None, None, 2))

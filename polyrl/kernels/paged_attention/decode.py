@@ -47,7 +47,7 @@ import triton.language as tl
 
 from polyrl.errors import ConfigError
 
-# Queries rows a program may hold (GROUP * HC, padded); see the arithmetic in the module docstring.
+# Query rows a program may hold (GROUP * HC, padded); see the arithmetic in the module docstring.
 _MAX_ROWS = 64
 # Shared memory one key tile of K + V may take (2 * TILE * D * elem bytes; one buffer at the default stages).
 _STAGE_BYTES = 64 * 1024
