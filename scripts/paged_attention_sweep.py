@@ -16,7 +16,9 @@ sequence, chunk of HC KV heads and key-range split), timed at its default and ov
 2. The three best of stage 1 with 1, 2 and 4 key-range splits (9 more).
 
 So ~60 timings a shape and ~170 distinct compilations over the six shapes (shapes with the same heads and split flag
-share compiled kernels): about 2-3 minutes on an H200, nearly all of it compiling (each shape prints its seconds).
+share compiled kernels). Compiling dominates (~1-2 s a kernel, ~3-5 minutes one at a time), so before each stage every
+setting's kernels are compiled in parallel threads (``precompile``: Triton's ``AsyncCompileMode`` and compile-only
+launches; ``--no-precompile`` turns it off); each shape prints its seconds.
 
 ``--kv-dtype fp8``: the same shapes over a float8_e4m3fn cache (RolloutConfig.kv_cache_dtype, half the bytes).
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import os
 import time
 
 import torch
@@ -63,11 +66,50 @@ def heads_grid(hk: int, elem: int) -> list[dict]:
     return grid
 
 
+class _CompileOnly:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args)`` compiles (``warmup``) and launches nothing."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.kernel.warmup(*args, grid=grid, **kwargs)
+
+
+def precompile(calls: list) -> None:
+    """Compile the kernels of every call in parallel threads before the timing loop (Triton's ``AsyncCompileMode``
+    with each kernel swapped for a compile-only stand-in), so the loop finds them compiled. Best effort: on any error
+    it says so and the timing loop compiles whatever is missing itself, one at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from polyrl.kernels.paged_attention import decode
+    from polyrl.kernels.paged_attention import triton as paged
+
+    swapped = [(m, n, getattr(m, n)) for m, n in ((decode, "_paged_decode_kernel"), (decode, "_combine_splits_kernel"),
+                                                  (paged, "_paged_fwd_kernel"))]  # fmt: skip
+    t0 = time.perf_counter()
+    try:
+        from triton import AsyncCompileMode
+
+        with ThreadPoolExecutor(os.cpu_count() or 4) as pool, AsyncCompileMode(pool, ignore_errors=True):
+            for module, name, kernel in swapped:
+                setattr(module, name, _CompileOnly(kernel))
+            for call in calls:
+                call()
+    except Exception as exc:  # noqa: BLE001 - the timing loop compiles what is missing
+        print(f"  precompile stopped ({type(exc).__name__}: {str(exc)[:120]}); compiling in the timing loop")
+    finally:
+        for module, name, kernel in swapped:
+            setattr(module, name, kernel)
+    print(f"  precompiled {len(calls)} calls in {time.perf_counter() - t0:.0f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shapes", default="", help="only the shapes whose label contains this text (default: all)")
     ap.add_argument("--kv-dtype", choices=["bfloat16", "fp8"], default="bfloat16", help="the cache's element type")
+    ap.add_argument("--no-precompile", action="store_true", help="compile each setting when it is first timed")
     args = ap.parse_args()
     dev = device.torch_device()
     if dev.type != "cuda":
@@ -103,7 +145,10 @@ def main() -> None:
         d_splits = decode_splits(b * -(-hk // d.kv_heads), capacity)
         grid = heads_grid(hk, elem)
         print(f"\n## {label}: Hq {hq}, Hk {hk}; heads default {d} splits {d_splits}; {len(grid)} + 2 settings")
-        timed = common.sweep_settings(label, [None, rows_default, *grid], call_for, moved, bw, dev, args.reps)
+        settings = [None, rows_default, *grid]
+        if not args.no_precompile:
+            precompile([call_for(s) for s in settings])
+        timed = common.sweep_settings(label, settings, call_for, moved, bw, dev, args.reps)
         heads_default = next((ms for ms, s in timed if s == "default"), None)
         rows_ms = next((ms for ms, s in timed if s == rows_default), None)
         if rows_ms is not None:
@@ -112,6 +157,8 @@ def main() -> None:
         best = [s for _, s in timed if isinstance(s, dict) and s.get("decode") != "rows"][:3]
         splits = [{**s, "splits": n} for s in best for n in (1, 2, 4)]
         if splits:
+            if not args.no_precompile:
+                precompile([call_for(s) for s in splits])
             label = f"{label}, splits of the 3 best"
             common.sweep_settings(label, [None, *splits], call_for, moved, bw, dev, args.reps)
         print(f"  ({time.perf_counter() - t0:.0f} s)")
