@@ -32,8 +32,6 @@ upcast); the softmax and the accumulation are fp32 as for a bf16 cache.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -44,10 +42,11 @@ from polyrl.kernels.paged_attention import decode
 from polyrl.kernels.paged_attention.decode import _pow2_at_least
 from polyrl.kernels.paged_attention.reference import FP8_E4M3_MAX, is_fp8
 from polyrl.kernels.paged_attention.reference import paged_attention as _reference
+from polyrl.platform import envvars
 
 # Which kernel serves sequences with one new token: "heads" (decode.py, KV heads packed per program) or "rows" (the
 # general kernel, one program per (sequence, KV head), as before decode.py); for A/B runs. Read once, at import.
-_DECODE_PATH = os.environ.get("POLYRL_PAGED_DECODE", "heads")
+_DECODE_PATH = envvars.get(envvars.POLYRL_PAGED_DECODE, "heads")
 
 # Partial-output splits stop once a split would cover fewer keys than this.
 _MIN_KEYS_PER_SPLIT = 256
