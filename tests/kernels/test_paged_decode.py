@@ -153,11 +153,12 @@ def test_decode_settings_follow_the_head_shapes_only(triton_kernels):
     # qwen3-0.6b (Hq 16, Hk 8), bf16 cache: every KV head in one program, one page a tile (64 KB of K + V)
     assert decode_settings(2, 8, 128, 2) == decode_settings(2, 8, 128, 2, {"decode": "heads"})
     s = decode_settings(2, 8, 128, 2)
-    assert (s.kv_heads, s.block_n, s.num_warps, s.num_stages) == (8, 16, 4, 3)
+    assert (s.kv_heads, s.block_n, s.num_warps, s.num_stages) == (8, 16, 8, 3)  # 8 warps: 128 x 128 operands
     assert decode_settings(4, 8, 128, 2).kv_heads == 8  # qwen3-8b: 32 rows
     assert decode_settings(16, 8, 128, 2).kv_heads == 4  # 128 rows would pass the cap of 64
     assert decode_settings(128, 1, 64, 2).kv_heads == 1
     assert decode_settings(2, 8, 128, 4).block_n == 8  # fp32 cache: 16 positions x 8 heads would be 128 KB
+    assert decode_settings(2, 8, 128, 4).num_warps == 4  # 64 x 128 operands
     assert decode_settings(2, 8, 256, 2).block_n == 8
     assert decode_settings(2, 8, 128, 1).block_n == 16  # fp8: one page is 32 KB
     assert decode_settings(1, 1, 128, 4).block_n == 16  # at least 16 key rows a tile (the MMA's K)

@@ -74,14 +74,20 @@ def decode_settings(
 ) -> DecodeSettings:
     """Launch settings from the head shapes and the cache's element size only (so a sequence's numbers do not depend
     on its batch), each overridable through ``tuning`` (``kv_heads``, ``block_n``, ``num_warps``, ``num_stages``;
-    ``scripts/paged_attention_sweep.py``). Defaults: every KV head in one program while GROUP * Hk rows fit in
-    _MAX_ROWS, else the most that fit; one 16-token page a tile, halved while a tile of K + V would pass _STAGE_BYTES
-    (but at least 16 key rows a tile, the MMA's minimum); 4 warps; 3 stages. Stages, as Triton 3.9 compiles this loop
-    for sm_90 (checked on the PTX, not timed): the block-table entry is a load ahead of K/V, so K/V get
-    ``max(1, stages - 3)`` shared-memory buffers: 2 loads the next tile only after this one's dots, 3 also fetches the
-    block-table entry two tiles ahead (4 compiles to the same code), 5 double-buffers K/V at twice the shared memory
-    (~136 KB at one page of qwen3's 8 KV heads: one program per SM instead of three). Initial guesses, to be set from
-    the device sweep."""
+    ``scripts/paged_attention_sweep.py``). Initial guesses, to be set from the device sweep:
+
+    * HC: every KV head in one program while GROUP * Hk rows fit in _MAX_ROWS, else the most that fit;
+    * block_n: one 16-token page, halved while a tile of K + V would pass _STAGE_BYTES (but at least 16 key rows a
+      tile, the MMA's minimum);
+    * warps: 8 once a tile holds >= 16k K values, else 4. Each dot's second operand (K^T, V: TILE x D) is held in
+      registers, TILE * D / threads values a thread: at qwen3's one page x 8 heads (128 x 128) 4 warps need 176
+      registers a thread over a bf16 cache (two programs per SM) and 250 over FP8 (the upcast copies too; 255 and
+      spills at GROUP 4); 8 warps 127 and 180 (ptxas for sm_90, not timed);
+    * stages 3. As Triton 3.9 pipelines this loop for sm_90 (read off the PTX, not timed) the block-table entry is a
+      load ahead of K/V, so K/V get ``max(1, stages - 3)`` shared-memory buffers: 2 loads the next tile only after
+      this one's dots, 3 also fetches the block-table entry two tiles ahead (4 compiles to the same code), 5
+      double-buffers K/V at twice the shared memory (~136 KB at one page of qwen3's 8 KV heads: one program per SM).
+    """
     tuning = tuning or {}
     hc = 1
     while hc < num_kv_heads and _pow2_at_least(group * hc * 2) <= _MAX_ROWS:
@@ -96,7 +102,8 @@ def decode_settings(
             raise ConfigError(f"paged decode tuning: {name} must be a power of two, got {value}")
     if block_n * hc < 16:
         raise ConfigError(f"paged decode tuning: block_n * kv_heads must be >= 16 (the MMA's K); got {block_n} * {hc}")
-    return DecodeSettings(hc, block_n, int(tuning.get("num_warps") or 4), int(tuning.get("num_stages") or 3))
+    warps = 8 if block_n * hc * head_dim >= 128 * 128 else 4
+    return DecodeSettings(hc, block_n, int(tuning.get("num_warps") or warps), int(tuning.get("num_stages") or 3))
 
 
 def decode_splits(programs: int, capacity: int) -> int:
