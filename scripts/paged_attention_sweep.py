@@ -8,8 +8,8 @@ Two paths serve a sequence with one new token (``kernels/paged_attention/triton.
 sequence, chunk of HC KV heads and key-range split), timed at its default and over a grid, in two stages per shape:
 
 1. HC (KV heads a program) in {2, 4, 8} (those <= Hk), keys per tile ``block_n`` in {16, 32, 64} (and 8 where HC is
-   8), warps {4, 8}, stages {2, 3, 5}, at the default split count. Stages 4 are left out because Triton 3.9 compiles
-   them to the same code as 3, and 5 is the first depth that double-buffers K/V (``decode.decode_settings`` says why).
+   8), warps {4, 8}, stages {2, 3, 5}, at the default split count. Stage 4 is left out because Triton 3.9 compiles it
+   to the same code as 3, and 5 is the first depth that double-buffers K/V (``decode.decode_settings`` says why).
    Settings whose K/V buffers would pass 200 KB of shared memory (``max(1, stages - 3) * 2 * block_n * HC * D * elem``)
    are left out. That leaves 50 settings at qwen3 heads over a bf16 cache (16 at HC 8, 16 at HC 4, 18 at HC 2), 58
    over FP8, plus both defaults.
