@@ -45,8 +45,9 @@ def _case(ctx, q_lens, hq, hk, d, page, q_dtype, kv_dtype=None, device="cpu", sp
 
 
 def _expected(args, window=None):
-    """The reference in fp64 over the very same caches (their values are exact in fp64)."""
-    return ref.paged_attention(args[0].double(), *args[1:], None, window).float().cpu()
+    """The reference in fp64 over the very same caches (their values are exact in fp32 and fp64)."""
+    q, kc, vc = args[:3]
+    return ref.paged_attention(q.double(), kc.float(), vc.float(), *args[3:], None, window).float().cpu()
 
 
 def _sub_batch(args, seqs):
