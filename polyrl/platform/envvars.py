@@ -37,7 +37,20 @@ POLYRL_DEVICE_MEMORY_SHARE = EnvVar(
     "that share of its memory, for several processes sharing one device (e.g. test workers).",
 )
 
-ALL: tuple[EnvVar, ...] = (POLYRL_KERNELS, POLYRL_PLATFORM, POLYRL_DEBUG, POLYRL_API_KEY, POLYRL_DEVICE_MEMORY_SHARE)
+POLYRL_PAGED_DECODE = EnvVar(
+    "POLYRL_PAGED_DECODE",
+    "Which Triton paged-attention kernel serves decode rows (one new token): 'heads' (the default, KV heads packed per "
+    "program) or 'rows' (the general kernel, as before; for A/B runs). Read once, at import.",
+)
+
+ALL: tuple[EnvVar, ...] = (
+    POLYRL_KERNELS,
+    POLYRL_PLATFORM,
+    POLYRL_DEBUG,
+    POLYRL_API_KEY,
+    POLYRL_DEVICE_MEMORY_SHARE,
+    POLYRL_PAGED_DECODE,
+)
 
 
 def get(var: EnvVar, default: str | None = None) -> str | None:

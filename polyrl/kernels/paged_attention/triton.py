@@ -1,12 +1,23 @@
 """Paged attention and KV-cache writes in Triton (inference only, no backward).
 
-``paged_attention``: one kernel for decode (one new token per sequence) and for prefill of new tokens
-over a cached prefix (chunked prefill), in one batch. A program owns a block of BLOCK_Q new tokens of
-one sequence and *all* query heads of one KV head's GQA group, flattened into ROWS = BLOCK_Q * GROUP
-rows, so every cached K/V byte is read once per token block. Keys are gathered through the block
-table one tile of BLOCK_N positions at a time; the causal (and window) mask is per row. For decode
-with few (sequence, KV head) pairs the key range is split over NUM_SPLITS programs (flash-decoding),
-each writing a normalised partial output and its log-sum-exp, and a second kernel combines them.
+``paged_attention``: two kernels, chosen per sequence by its own number of new tokens (never by the batch):
+
+* sequences with exactly one new token (decode): ``decode.py``, one program per (sequence, chunk of KV heads,
+  key-range split) with all query heads of those KV heads as its rows (see there);
+* sequences with more (prefill of new tokens over a cached prefix, chunked prefill): the general kernel here. A
+  program owns a block of BLOCK_Q new tokens of one sequence and *all* query heads of one KV head's GQA group,
+  flattened into ROWS = BLOCK_Q * GROUP rows, so every cached K/V byte is read once per token block. Keys are
+  gathered through the block table one tile of BLOCK_N positions at a time; the causal (and window) mask is per row.
+
+A call with ``max_seqlen_q == 1`` launches the decode kernel only; a mixed step launches both, each of whose programs
+returns at once for the other kernel's sequences. With few programs the key range is split over NUM_SPLITS programs
+(flash-decoding), each writing a normalised partial output and its log-sum-exp, and a second kernel
+(``decode._combine_splits_kernel``) combines them. ``POLYRL_PAGED_DECODE=rows`` (read at import) or
+``tuning={"decode": "rows"}`` sends decode rows through the general kernel as before ``decode.py`` (for A/B runs).
+
+Batch invariance: which kernel serves a sequence, and each kernel's tile sizes and warps, depend on that sequence's
+q_len and on the head shapes and dtypes only; the split count depends on the batch (few programs -> more splits), so
+a sequence's numbers are the same in any batch with the same split count (``decode.py`` says more).
 
 Nothing here reads a device value on the host: the grid comes from ``max_seqlen_q`` (a Python int),
 the batch size and the block-table capacity, and each program derives its bounds from
@@ -27,8 +38,15 @@ import triton.language as tl
 
 from polyrl.errors import ConfigError
 from polyrl.kernels.attention.triton import LOG2E, interpreting
+from polyrl.kernels.paged_attention import decode
+from polyrl.kernels.paged_attention.decode import _pow2_at_least
 from polyrl.kernels.paged_attention.reference import FP8_E4M3_MAX, is_fp8
 from polyrl.kernels.paged_attention.reference import paged_attention as _reference
+from polyrl.platform import envvars
+
+# Which kernel serves sequences with one new token: "heads" (decode.py, KV heads packed per program) or "rows" (the
+# general kernel, one program per (sequence, KV head), as before decode.py); for A/B runs. Read once, at import.
+_DECODE_PATH = envvars.get(envvars.POLYRL_PAGED_DECODE, "heads")
 
 # Partial-output splits stop once a split would cover fewer keys than this.
 _MIN_KEYS_PER_SPLIT = 256
@@ -83,6 +101,7 @@ def _paged_fwd_kernel(
     WINDOW: tl.constexpr,
     DOT_PREC: tl.constexpr,
     F16_DOTS: tl.constexpr,
+    SKIP_DECODE: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     b = tl.program_id(1) // num_kv_heads
@@ -90,6 +109,9 @@ def _paged_fwd_kernel(
     split = tl.program_id(2)
     q_start = tl.load(CUQ + b)
     q_len = tl.load(CUQ + b + 1) - q_start
+    if SKIP_DECODE:  # sequences with one new token are decode.py's
+        if q_len == 1:
+            return
     tok0 = pid_q * BLOCK_Q
     if tok0 >= q_len:
         return
@@ -165,45 +187,6 @@ def _paged_fwd_kernel(
         )
 
 
-@triton.jit
-def _combine_splits_kernel(
-    OP,
-    LP,
-    O,
-    num_splits,
-    num_heads,
-    stride_ps,
-    stride_pt,
-    stride_ph,
-    stride_ls,
-    stride_lt,
-    stride_ot,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    # One program: one token, BLOCK_H heads; parts [SPLITS, BLOCK_H, D] weighted by exp2(lse - max lse).
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    s = tl.arange(0, SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM)
-    valid = (s[:, None] < num_splits) & (h[None, :] < num_heads)  # [SPLITS, BLOCK_H]
-    lse = tl.load(LP + s[:, None] * stride_ls + t * stride_lt + h[None, :], mask=valid, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.math.exp2(lse - m[None, :])  # 0 for empty splits
-    part_ptrs = OP + s[:, None, None] * stride_ps + t * stride_pt + h[None, :, None] * stride_ph + offs_d[None, None, :]
-    parts = tl.load(part_ptrs, mask=(valid & (w > 0))[:, :, None], other=0.0)
-    total = tl.sum(w, 0)
-    out = tl.sum(parts * w[:, :, None], 0) / tl.where(total > 0, total, 1.0)[:, None]  # [BLOCK_H, D]
-    tl.store(
-        O + t * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
-        out.to(O.dtype.element_ty),
-        mask=h[:, None] < num_heads,
-    )
-
-
 def _f16_dots(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the attention's dots run in fp16 instead of q's bf16: over an FP8 cache. e4m3 -> fp16 is one packed
     conversion per two values (``cvt.rn.f16x2.e4m3x2``), e4m3 -> bf16 at least three per two in Triton (through fp16),
@@ -214,16 +197,22 @@ def _f16_dots(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return is_fp8(k_cache.dtype) and q.dtype == torch.bfloat16
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 def _num_splits(programs: int, capacity: int) -> int:
     """Splits of the key range so that about _TARGET_PROGRAMS programs run; 1 when the batch fills the GPU."""
     splits = 1
     while programs * splits < _TARGET_PROGRAMS and capacity // (2 * splits) >= _MIN_KEYS_PER_SPLIT:
         splits *= 2
     return splits
+
+
+def _decode_path(tuning: dict) -> str:
+    path = tuning.get("decode", _DECODE_PATH)
+    if path not in ("heads", "rows"):
+        raise ConfigError(
+            f"paged attention decode path must be 'heads' (decode.py, the default) or 'rows' (the general kernel); "
+            f"got {path!r} (tuning['decode'] or POLYRL_PAGED_DECODE)"
+        )
+    return path
 
 
 def _paged_attention(
@@ -237,11 +226,15 @@ def _paged_attention(
     scale: float | None = None,
     window: int | None = None,
     num_splits: int | None = None,
-    tuning: dict[str, int] | None = None,
+    tuning: dict | None = None,
 ) -> torch.Tensor:
-    """``paged_attention`` with an explicit number of key-range splits (None: chosen from the shapes) and, for
-    ``scripts/paged_attention_sweep.py``, launch settings overriding the heuristics below: ``block_n`` (keys per
-    tile), ``num_warps``, ``num_stages``."""
+    """``paged_attention`` with an explicit number of key-range splits (None: chosen from the shapes; given, it
+    applies to both kernels) and, for ``scripts/paged_attention_sweep.py``, launch settings overriding the heuristics
+    of the kernel that serves the one-new-token sequences: ``decode`` ("heads": ``decode.py``, the default, or "rows":
+    the general kernel for every sequence, as before ``decode.py``; default from ``POLYRL_PAGED_DECODE``), then
+    ``kv_heads``, ``block_n``, ``num_warps``, ``num_stages`` (``decode.decode_settings``; for "rows" ``block_n``,
+    ``num_warps`` and ``num_stages`` of the general kernel). Under "heads" the general kernel of a mixed step keeps
+    its own heuristics."""
     T, Hq, D = q.shape
     _, page, Hk, Dk = k_cache.shape
     if D != Dk or D not in (16, 32, 64, 128, 256) or Hq % Hk != 0:
@@ -251,18 +244,43 @@ def _paged_attention(
         )
     if window is not None and window < 1:
         raise ConfigError(f"sliding window must be >= 1 (or None for full causal attention), got {window}")
+    tuning = tuning or {}
+    heads = _decode_path(tuning) == "heads"
     out = torch.empty_like(q)
     B = block_tables.shape[0]
     if T == 0 or B == 0 or max_seqlen_q == 0:
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
+    scale = D**-0.5 if scale is None else float(scale)
+    if heads:
+        # The kernel depends on each sequence's own q_len, never on the batch: one new token -> decode.py, more ->
+        # the general kernel (its programs for one-token sequences return at once). Two launches in a mixed step.
+        decode.paged_decode(
+            q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out, scale * LOG2E, window,
+            _f16_dots(q, k_cache), num_splits, tuning,
+        )  # fmt: skip
+        if max_seqlen_q > 1:
+            _general(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q, scale, window,
+                     num_splits, {}, out, skip_decode=True)  # fmt: skip
+        return out
+    _general(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q, scale, window, num_splits,
+             tuning, out, skip_decode=False)  # fmt: skip
+    return out
+
+
+def _general(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q, scale, window, num_splits,
+             tuning, out, skip_decode: bool) -> None:  # fmt: skip
+    """The general kernel (``_paged_fwd_kernel``) into ``out``: every sequence, or (``skip_decode``) only those with
+    more than one new token."""
+    T, Hq, D = q.shape
+    _, page, Hk, _ = k_cache.shape
+    B = block_tables.shape[0]
     group = Hq // Hk
     interp = interpreting()
     rows_target = 16 if interp else 64
     block_q = 1 if max_seqlen_q == 1 else _pow2_at_least(max(1, rows_target // group))
     block_q = min(block_q, _pow2_at_least(max_seqlen_q))
     rows = max(16, _pow2_at_least(block_q * group))
-    tuning = tuning or {}
     n_qblocks = triton.cdiv(max_seqlen_q, block_q)
     block_n = tuning.get("block_n") or (16 if interp else (64 if D <= 128 else 32))
     capacity = block_tables.shape[1] * page
@@ -274,7 +292,6 @@ def _paged_attention(
         stages = 2
     else:
         stages = 3
-    scale = D**-0.5 if scale is None else float(scale)
     if splits > 1:
         o_part = torch.empty((splits, T, Hq, D), device=q.device, dtype=torch.float32)
         l_part = torch.empty((splits, T, Hq), device=q.device, dtype=torch.float32)
@@ -290,18 +307,12 @@ def _paged_attention(
         l_part.stride(0), l_part.stride(1),
         GROUP=group, HEAD_DIM=D, PAGE=page, BLOCK_Q=block_q, ROWS=rows, BLOCK_N=block_n, SPLIT=splits > 1,
         WINDOW=window is not None, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        F16_DOTS=_f16_dots(q, k_cache),
+        F16_DOTS=_f16_dots(q, k_cache), SKIP_DECODE=skip_decode,
         num_warps=tuning.get("num_warps", 4),
         num_stages=tuning.get("num_stages") or stages,
     )  # fmt: skip
-    if splits > 1:
-        block_h = min(_pow2_at_least(Hq), 16)
-        _combine_splits_kernel[(T, triton.cdiv(Hq, block_h))](
-            o_part, l_part, out, splits, Hq, o_part.stride(0), o_part.stride(1), o_part.stride(2),
-            l_part.stride(0), l_part.stride(1), out.stride(0), out.stride(1),
-            HEAD_DIM=D, SPLITS=_pow2_at_least(splits), BLOCK_H=block_h, num_warps=4,
-        )  # fmt: skip
-    return out
+    if splits > 1:  # skipping decode rows: combine per sequence, leaving decode.py's tokens alone
+        decode.combine_splits(o_part, l_part, out, cu_seqlens_q, splits, max_seqlen_q if skip_decode else 0)
 
 
 def paged_attention(
