@@ -107,6 +107,14 @@ for s in "$@"; do
     rollout-profile-evalgen) TAIL=60 stage rollout-profile-evalgen 200 python3 scripts/rollout_device_profile.py \
       --batch 256 --prompt-len 102 --gen-len 32 --top 20 ;;
     paged-sweep-eval) TAIL=20 stage paged-sweep-eval 200 python3 scripts/paged_attention_sweep.py --shapes ctx116 ;;
+    # The tenth session's kernels on the device (heads-packed paged decode, qk_norm_rope_cache, the greedy sampler, the
+    # FP8 quantiser), then the paged decode sweep: every bf16 shape, and the qwen3-8b heads over an FP8 cache
+    tenth-kernels) TAIL=70 stage tenth-kernels 420 bash -c "python3 -m pytest -q -m 'gpu or not gpu' -rfE -p no:cacheprovider \
+        tests/kernels/test_paged_attention_decode.py tests/kernels/test_paged_attention.py \
+        tests/kernels/test_paged_attention_fp8.py tests/kernels/test_qk_norm_rope.py tests/kernels/test_sampling.py \
+        tests/kernels/test_fp8_act_quant.py 2>&1 | tail -4; python3 -m pytest -q -m gpu -rfE -p no:cacheprovider \
+        tests/infer/test_gpu.py tests/infer/test_fp8_weights.py tests/infer/test_fp8_kv.py 2>&1 | tail -4; \
+      python3 scripts/paged_attention_sweep.py; python3 scripts/paged_attention_sweep.py --kv-dtype fp8 --shapes 8b" ;;
     paged-sweep) TAIL=40 stage paged-sweep 300 python3 scripts/paged_attention_sweep.py ;;
     paged-sweep-fp8) TAIL=40 stage paged-sweep-fp8 300 python3 scripts/paged_attention_sweep.py --kv-dtype fp8 ;;
     # The decode-path candidates (DecoderOptions.group_projections, parallel_projections, fused_qk_norm_rope): their
