@@ -151,20 +151,37 @@ def test_the_rows_path_and_the_tuning_overrides_keep_the_result(triton_kernels, 
 
 def test_decode_settings_follow_the_head_shapes_only(triton_kernels):
     decode_settings = triton_kernels.load("paged_attention", "decode").decode_settings
-    # qwen3-0.6b (Hq 16, Hk 8), bf16 cache: every KV head in one program, one page a tile (64 KB of K + V)
+    # qwen3-0.6b (Hq 16, Hk 8), bf16 cache: 4 KV heads a program (8 query rows), one page a tile, 4 warps, 2 stages
     assert decode_settings(2, 8, 128, 2) == decode_settings(2, 8, 128, 2, {"decode": "heads"})
     s = decode_settings(2, 8, 128, 2)
-    assert (s.kv_heads, s.block_n, s.num_warps, s.num_stages) == (8, 16, 8, 3)  # 8 warps: 128 x 128 operands
-    assert decode_settings(4, 8, 128, 2).kv_heads == 8  # qwen3-8b: 32 rows
-    assert decode_settings(16, 8, 128, 2).kv_heads == 4  # 128 rows would pass the cap of 64
+    assert (s.kv_heads, s.block_n, s.num_warps, s.num_stages) == (4, 16, 4, 2)
+    assert decode_settings(4, 8, 128, 2).kv_heads == 4  # qwen3-8b: 16 rows
+    assert decode_settings(8, 8, 128, 2).kv_heads == 2  # 16 rows at most
+    assert decode_settings(16, 8, 128, 2).kv_heads == 1
+    assert decode_settings(1, 2, 64, 2).kv_heads == 2  # no more KV heads than the model has
     assert decode_settings(128, 1, 64, 2).kv_heads == 1
-    assert decode_settings(2, 8, 128, 4).block_n == 8  # fp32 cache: 16 positions x 8 heads would be 128 KB
-    assert decode_settings(2, 8, 128, 4).num_warps == 4  # 64 x 128 operands
-    assert decode_settings(2, 8, 256, 2).block_n == 8
-    assert decode_settings(2, 8, 128, 1).block_n == 16  # fp8: one page is 32 KB
+    assert decode_settings(2, 8, 128, 4).block_n == 16  # fp32 cache: 16 positions x 4 heads = 64 KB of K + V
+    assert decode_settings(2, 8, 256, 4).block_n == 8
+    assert decode_settings(2, 8, 128, 1).num_stages == 5  # fp8: the sweep's best at the 8b shape
     assert decode_settings(1, 1, 128, 4).block_n == 16  # at least 16 key rows a tile (the MMA's K)
     tuned = decode_settings(2, 8, 128, 2, {"kv_heads": 2, "block_n": 32, "num_warps": 8, "num_stages": 4})
     assert (tuned.kv_heads, tuned.block_n, tuned.num_warps, tuned.num_stages) == (2, 32, 8, 4)
+
+
+def test_small_batches_keep_the_general_kernel(triton_kernels, kernel_check, monkeypatch, seeded):
+    """Without tuning or a forced split count the decode kernel serves only batches that fill the GPU on their own
+    (B * Hk >= the general kernel's 1024-program target); smaller ones keep the general kernel and its splits."""
+    mod = triton_kernels.load("paged_attention", "decode")
+    fn = triton_kernels.load("paged_attention", "_paged_attention")
+    calls = []
+    real = mod.paged_decode
+    monkeypatch.setattr(mod, "paged_decode", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    for b, want_heads in ((4, False), (128, True)):
+        args = _case([3] * b, [1] * b, 8, 8, 16, 16, torch.float32, device=triton_kernels.device)
+        calls.clear()
+        out = fn(*args)
+        assert bool(calls) == want_heads, (b, calls)
+        kernel_check.assert_close(out.cpu(), _expected(args), torch.float32, f"B{b}")
 
 
 def test_decode_splits_only_when_the_programs_are_few(triton_kernels):

@@ -34,7 +34,9 @@ dtypes only, never from the batch, and a split's key range ``[s * chunk, (s + 1)
 width and the split count. The split count (``decode_splits``) does depend on the batch: it rises when sequences x
 head chunks are too few to fill the GPU, exactly as the general kernel's rule does. So a sequence decodes to the same
 numbers in any batch that gets the same split count (in particular in a mixed batch whose split count equals the
-decode-only batch's), and not necessarily across that threshold.
+decode-only batch's), and not necessarily across that threshold. Without tuning, ``triton._paged_attention`` uses this
+kernel only for batches with B * Hk >= 1024 (below that the general kernel serves decode rows, as before this module:
+faster at small batches), a rule on the batch size alone, at the point where the general kernel's split count changes.
 """
 
 from __future__ import annotations
@@ -74,23 +76,26 @@ def decode_settings(
 ) -> DecodeSettings:
     """Launch settings from the head shapes and the cache's element size only (so a sequence's numbers do not depend
     on its batch), each overridable through ``tuning`` (``kv_heads``, ``block_n``, ``num_warps``, ``num_stages``;
-    ``scripts/paged_attention_sweep.py``). Initial guesses, to be set from the device sweep:
+    ``scripts/paged_attention_sweep.py``). Set from that sweep on the H200 (Triton 3.6; raw log
+    compat/raw/h200-2026-12-03d/call3-tenth-kernels.log), against the general kernel's decode path ("rows"):
 
-    * HC: every KV head in one program while GROUP * Hk rows fit in _MAX_ROWS, else the most that fit;
+    * HC = min(Hk, 4, 16 // GROUP): 16 query rows at most (one MMA tile, no padding at GROUP 4) and at most 4 KV
+      heads. HC 4 / 16-token tiles / 4 warps was within 2% of the best setting at every large-batch shape: B256 at 116
+      cached tokens (qwen3-0.6b heads) 44.9 us vs rows 50.4 (x1.12), B256 ctx 256 76.0 vs 83.6 (x1.10), B512 ctx 192
+      109.5 vs 112.0, qwen3-8b heads (Hq 32) B256 ctx 256 76.8 vs 83.9 (x1.09) over bf16 and 70.3 vs 80.5 (x1.15)
+      over FP8; every KV head in one program (HC 8, 8 warps, the first guess) was 0.75x rows at the 8b shape;
     * block_n: one 16-token page, halved while a tile of K + V would pass _STAGE_BYTES (but at least 16 key rows a
       tile, the MMA's minimum);
-    * warps: 8 once a tile holds >= 16k K values, else 4. Each dot's second operand (K^T, V: TILE x D) is held in
-      registers, TILE * D / threads values a thread: at qwen3's one page x 8 heads (128 x 128) 4 warps need 176
-      registers a thread over a bf16 cache (two programs per SM) and 250 over FP8 (the upcast copies too; 255 and
-      spills at GROUP 4); 8 warps 127 and 180 (ptxas for sm_90, not timed);
-    * stages 3. As Triton 3.9 pipelines this loop for sm_90 (read off the PTX, not timed) the block-table entry is a
-      load ahead of K/V, so K/V get ``max(1, stages - 3)`` shared-memory buffers: 2 loads the next tile only after
-      this one's dots, 3 also fetches the block-table entry two tiles ahead (4 compiles to the same code), 5
-      double-buffers K/V at twice the shared memory (~136 KB at one page of qwen3's 8 KV heads: one program per SM).
-    """
+    * 4 warps (8 were slower at every shape but the 4k contexts, by <= 1%);
+    * stages 2 over a 16-bit cache (2 and 3 within 1%), 5 over FP8 (Triton 3.9 reads it as a double-buffered K/V;
+      the best FP8 setting at the 8b shape).
+
+    Small batches (B * Hk below the general kernel's 1024-program target, where that kernel starts splitting the key
+    range of wide block tables) keep the general kernel: at batch 1 it took 11.6 us at 192 tokens against 12.7-25 us
+    here. ``triton._paged_attention`` decides on the batch size only."""
     tuning = tuning or {}
     hc = 1
-    while hc < num_kv_heads and _pow2_at_least(group * hc * 2) <= _MAX_ROWS:
+    while hc * 2 <= min(num_kv_heads, 4) and group * hc * 2 <= 16:
         hc *= 2
     hc = int(tuning.get("kv_heads") or hc)
     block_n = 16
@@ -102,8 +107,8 @@ def decode_settings(
             raise ConfigError(f"paged decode tuning: {name} must be a power of two, got {value}")
     if block_n * hc < 16:
         raise ConfigError(f"paged decode tuning: block_n * kv_heads must be >= 16 (the MMA's K); got {block_n} * {hc}")
-    warps = 8 if block_n * hc * head_dim >= 128 * 128 else 4
-    return DecodeSettings(hc, block_n, int(tuning.get("num_warps") or warps), int(tuning.get("num_stages") or 3))
+    stages = 5 if kv_elem == 1 else 2
+    return DecodeSettings(hc, block_n, int(tuning.get("num_warps") or 4), int(tuning.get("num_stages") or stages))
 
 
 def decode_splits(programs: int, capacity: int) -> int:

@@ -252,9 +252,14 @@ def _paged_attention(
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
     scale = D**-0.5 if scale is None else float(scale)
+    if heads and not tuning and num_splits is None:
+        # small batches keep the general kernel (with its key-range splits where the block tables are wide;
+        # decode.decode_settings says why): decided on the batch size alone, at the program count where the general
+        # kernel's own split count changes, so a sequence's numbers change only where they already could
+        heads = B * Hk >= _TARGET_PROGRAMS
     if heads:
-        # The kernel depends on each sequence's own q_len, never on the batch: one new token -> decode.py, more ->
-        # the general kernel (its programs for one-token sequences return at once). Two launches in a mixed step.
+        # Per sequence, by its own q_len: one new token -> decode.py, more -> the general kernel (its programs for
+        # one-token sequences return at once). Two launches in a mixed step.
         decode.paged_decode(
             q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out, scale * LOG2E, window,
             _f16_dots(q, k_cache), num_splits, tuning,
