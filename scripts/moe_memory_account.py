@@ -46,6 +46,7 @@ import argparse
 import json
 import traceback
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -306,7 +307,8 @@ def small_config(layers: int, small: dict[str, int] = SMALL):
     return ModelConfig.from_hf_dict(hf)
 
 
-def _force_device_kernels() -> None:
+@contextmanager
+def _device_kernels():
     """Make ``polyrl.kernels`` pick the implementations the H200 runs (Triton; cuDNN attention -> Triton's, which
     saves the same tensors), interpreted on the CPU."""
     from polyrl.kernels import ops, registry
@@ -319,8 +321,16 @@ def _force_device_kernels() -> None:
         name = device_impl.get(op)
         return registry.load(op, name) if name is not None else original(op, t)
 
+    from polyrl.kernels.moe import triton as mt
+
+    saved = (mt._rows_gemm, mt._wgrad_gemm, mt._combine)
     ops._impl = impl
     _moe_launches_in_torch()
+    try:
+        yield
+    finally:  # leave the process as it was (a test runs this next to others)
+        ops._impl = original
+        mt._rows_gemm, mt._wgrad_gemm, mt._combine = saved
 
 
 def _moe_launches_in_torch() -> None:
@@ -386,34 +396,34 @@ def polyrl_step(cfg, tokens: torch.Tensor, scale: Scaler, seed: int = 0) -> Reco
     from polyrl.models.decoder import build_model
     from polyrl.train import OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig, TrainEngine
 
-    _force_device_kernels()
-    model = build_model(cfg, dtype=torch.float32, seed=seed)
-    engine = TrainEngine(
-        model,
-        OptimConfig(lr=1e-5, master_dtype="none"),
-        ScheduleConfig(decay="constant"),
-        PrecisionConfig(compute_dtype="bf16"),
-        engine=StepConfig(micro_batch_tokens=tokens.numel(), seed=seed),
-        total_steps=None,
-    )
-    batch = pack_sequences([TokenizedSeq(r.tolist(), [1] * r.numel()) for r in tokens])
-    rec = Recorder(model, scale)
-    real_backward = torch.Tensor.backward
+    with _device_kernels():
+        model = build_model(cfg, dtype=torch.float32, seed=seed)
+        engine = TrainEngine(
+            model,
+            OptimConfig(lr=1e-5, master_dtype="none"),
+            ScheduleConfig(decay="constant"),
+            PrecisionConfig(compute_dtype="bf16"),
+            engine=StepConfig(micro_batch_tokens=tokens.numel(), seed=seed),
+            total_steps=None,
+        )
+        batch = pack_sequences([TokenizedSeq(r.tolist(), [1] * r.numel()) for r in tokens])
+        rec = Recorder(model, scale)
+        real_backward = torch.Tensor.backward
 
-    def backward(self, *a, **kw):  # the engine's (loss * scale).backward(): the forward is over, the loss exists
-        rec.collect_ctx(self, "(loss)")
-        rec.phase = "backward"
-        real_backward(self, *a, **kw)
-        rec.end_backward()
-        rec.phase = "optimizer"
+        def backward(self, *a, **kw):  # the engine's (loss * scale).backward(): the forward is over, the loss exists
+            rec.collect_ctx(self, "(loss)")
+            rec.phase = "backward"
+            real_backward(self, *a, **kw)
+            rec.end_backward()
+            rec.phase = "optimizer"
 
-    torch.Tensor.backward = backward
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
-            engine.step([batch])
-    finally:
-        torch.Tensor.backward = real_backward
-        rec.close()
+        torch.Tensor.backward = backward
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
+                engine.step([batch])
+        finally:
+            torch.Tensor.backward = real_backward
+            rec.close()
     return rec
 
 
@@ -541,6 +551,18 @@ def with_expert_extra(rec: Recorder, extra: float) -> Recorder:
     return out
 
 
+def lce_state_freed_early(rec: Recorder) -> Recorder:
+    """``rec``'s events with the linear-cross-entropy's ctx state (its gradients computed in the forward) released
+    right after the LM head's gradient exists instead of with the graph at the end of backward: what freeing
+    ``ctx.acc`` / ``ctx.grad_h`` in its backward (when the graph is not retained) would give."""
+    out = Recorder.__new__(Recorder)
+    lce = [e for e in rec.events if e[0] == "backward" and "_LinearCrossEntropyBackward" in e[1] and e[4] < 0]
+    rest = [e for e in rec.events if e not in lce]
+    at = next((i for i, e in enumerate(rest) if e[1].startswith("grad lm_head")), None)
+    out.events = rest if at is None else rest[: at + 1] + lce + rest[at + 1 :]
+    return out
+
+
 def loss_forward_transient(real: dict[str, int] = REAL) -> float:
     """polyrl's linear-cross-entropy forward: one logits chunk ``[rows, V]`` bf16 (reused by every chunk)."""
     from polyrl.kernels.token_logprobs import triton as tlp
@@ -574,12 +596,18 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         f"{status}"
     )
     print("\nsaved for backward, GiB at the real shape (per layer for the layer kinds):")
-    print(f"{'kind':12} {'polyrl':>9} {'HF':>9} {'HF+Liger':>9}")
+    tk = REAL["B"] * REAL["S"] * REAL["k"]
+    act_y = 2.0 * tk * (REAL["I"] + REAL["H"])  # what the experts kept before 808574c besides h
+    before_k = dict(ours_k, experts=ours_k.get("experts", 0.0) + act_y)
+    print(f"{'kind':12} {'polyrl':>9} {'before':>9} {'HF':>9} {'HF+Liger':>9}   (before: polyrl before 808574c)")
     for kind in KINDS:
-        a, b, c = ours_k.get(kind, 0.0), hf_k.get(kind, 0.0), lig_k.get(kind, 0.0)
+        a, a0, b, c = ours_k.get(kind, 0.0), before_k.get(kind, 0.0), hf_k.get(kind, 0.0), lig_k.get(kind, 0.0)
         if a or b or c:
-            print(f"{kind:12} {a / GIB:9.3f} {b / GIB:9.3f} {c / GIB:9.3f}")
-    print(f"{'all layers':12} {total(ours_k) / GIB:9.2f} {total(hf_k) / GIB:9.2f} {total(lig_k) / GIB:9.2f}")
+            print(f"{kind:12} {a / GIB:9.3f} {a0 / GIB:9.3f} {b / GIB:9.3f} {c / GIB:9.3f}")
+    print(
+        f"{'all layers':12} {total(ours_k) / GIB:9.2f} {total(before_k) / GIB:9.2f} {total(hf_k) / GIB:9.2f} "
+        f"{total(lig_k) / GIB:9.2f}"
+    )
 
     print("\npolyrl's saved tensors of one layer (layer 0) and outside the layers, real shape:")
     for r in sorted(ours.saved.values(), key=lambda r: -r.real):
@@ -590,12 +618,11 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     t_ours = expert_backward_transients(REAL, "polyrl")
     t_before = expert_backward_transients(REAL, "polyrl-before")
     t_lig = expert_backward_transients(REAL, "liger")
-    tk = REAL["B"] * REAL["S"] * REAL["k"]
-    act_y = 2.0 * tk * (REAL["I"] + REAL["H"])
     # the small run has args.layers layers: stretch the timeline to nl layers by repeating layer 0's events
     ours_n = _repeat_layers(ours, nl)
     peak_o, where_o, _ = timeline_peak(ours_n, static, t_ours)
     peak_b, where_b, _ = timeline_peak(with_expert_extra(ours_n, act_y), static, t_before)
+    peak_f, where_f, _ = timeline_peak(lce_state_freed_early(ours_n), static, t_ours)
     chunk = loss_forward_transient()
     fwd_o = static + total(ours_k)
     if fwd_o + chunk > peak_o:
@@ -605,9 +632,11 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     # HF+Liger: the same walk over HF's graph with Liger's per-layer bytes (modelled when Liger is not importable)
     lig_layer = sum(v for k, v in lig_k.items() if k in layered)
     lig_fwd = static + total(lig_k)
+    # backward of layer n: layers 0..n still saved, every gradient but theirs (Liger's FLCE grad_weight is the LM
+    # head's gradient itself: not counted twice), the experts' working set
+    lig_head = lig_k.get("head/loss", 0.0) - 2.0 * REAL["V"] * REAL["H"]
     lig_bwd = max(
-        static + lig_layer * (n + 1) + (st["grads"] - _layer_grad(REAL) * (n + 1)) + t_lig + lig_k.get("head/loss", 0)
-        for n in range(nl)
+        static + lig_layer * (n + 1) + (st["grads"] - _layer_grad(REAL) * (n + 1)) + t_lig + lig_head for n in range(nl)
     )
     peak_l, where_l = max((lig_fwd, "end of forward"), (lig_bwd, "backward"), (static + st["grads"], "end of backward"))
     print(
@@ -617,6 +646,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     )
     print("\npredicted peak at the real shape:")
     print(f"  polyrl (this tree):     {peak_o / GIB:5.1f} GiB at {where_o}")
+    print(f"  polyrl, LCE state freed after its backward (not built): {peak_f / GIB:5.1f} GiB at {where_f}")
     print(
         f"  polyrl before 808574c:  {peak_b / GIB:5.1f} GiB at {where_b}  (+act and y per layer: {act_y / GIB:.3f} GiB)"
     )
@@ -634,7 +664,12 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
             "hf_liger": {k: v / GIB for k, v in lig_k.items()},
         },
         "saved_total_gib": {"polyrl": total(ours_k) / GIB, "hf": total(hf_k) / GIB, "hf_liger": total(lig_k) / GIB},
-        "peak_gib": {"polyrl": peak_o / GIB, "polyrl_before": peak_b / GIB, "hf_liger": peak_l / GIB},
+        "peak_gib": {
+            "polyrl": peak_o / GIB,
+            "polyrl_before": peak_b / GIB,
+            "polyrl_lce_freed": peak_f / GIB,
+            "hf_liger": peak_l / GIB,
+        },
         "peak_at": {"polyrl": where_o, "polyrl_before": where_b, "hf_liger": where_l},
         "liger": status,
     }
