@@ -321,25 +321,24 @@ def _device_kernels():
         name = device_impl.get(op)
         return registry.load(op, name) if name is not None else original(op, t)
 
-    from polyrl.kernels.moe import triton as mt
-
-    saved = (mt._rows_gemm, mt._wgrad_gemm, mt._combine)
+    # the globals of the module the registry loaded moe_experts from (a test run may have re-imported the module since)
+    mt = registry.load("moe_experts", "triton").__globals__
+    names = ("_rows_gemm", "_wgrad_gemm", "_combine")
+    saved = {n: mt[n] for n in names}
     ops._impl = impl
-    _moe_launches_in_torch()
+    mt.update(_moe_launches_in_torch())
     try:
         yield
     finally:  # leave the process as it was (a test runs this next to others)
         ops._impl = original
-        mt._rows_gemm, mt._wgrad_gemm, mt._combine = saved
+        mt.update(saved)
 
 
-def _moe_launches_in_torch() -> None:
-    """Replace the Triton MoE module's kernel launches by torch math writing the same output buffers, so that its
-    autograd Function (what it saves and keeps: the thing measured) runs as on the device, at CPU speed (its 128
-    experts' grids take minutes in Triton's interpreter)."""
+def _moe_launches_in_torch() -> dict[str, Any]:
+    """Torch stand-ins for the Triton MoE module's kernel launches (``_rows_gemm``, ``_wgrad_gemm``, ``_combine``),
+    writing the same output buffers, so that its autograd Function (what it saves and keeps: the thing measured)
+    runs as on the device, at CPU speed (its 128 experts' grids take minutes in Triton's interpreter)."""
     import torch.nn.functional as F
-
-    from polyrl.kernels.moe import triton as mt
 
     def bmat(b, strides, k, n, offset=0):
         return b.as_strided((b.shape[0], k, n), strides, b.storage_offset() + offset)
@@ -387,7 +386,7 @@ def _moe_launches_in_torch() -> None:
             rows = rows * w.float().view(t, route.k, 1)
         return rows.sum(1).to(dtype)
 
-    mt._rows_gemm, mt._wgrad_gemm, mt._combine = rows_gemm, wgrad_gemm, combine
+    return {"_rows_gemm": rows_gemm, "_wgrad_gemm": wgrad_gemm, "_combine": combine}
 
 
 def polyrl_step(cfg, tokens: torch.Tensor, scale: Scaler, seed: int = 0) -> Recorder:
