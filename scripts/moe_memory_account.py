@@ -22,8 +22,9 @@ FLCE) and listed separately; the fused AdamW step is assumed to allocate nothing
 bench's warm-up on).
 
 polyrl's step runs as ``bench/sft.py`` builds it (``TrainEngine`` with ``optim.master_dtype = "none"``, bf16 compute,
-the kernels the device would select: Triton rmsnorm / rope / attention / linear-cross-entropy / moe_experts, run by
-Triton's interpreter on the CPU; the device's cuDNN attention saves the same q, k, v, out and fp32 log-sum-exp).
+the kernels the device would select: Triton rmsnorm / rope / linear-cross-entropy run by Triton's interpreter, the
+Triton moe_experts Function with its launches done in torch; attention goes to per-sequence SDPA on the CPU (the
+Triton wrapper's CPU fallback), which saves what the device's cuDNN SDPA saves: q, k, v, out, fp32 log-sum-exp).
 HF's is ``Qwen3MoeForCausalLM`` with ``experts_implementation="grouped_mm"``, sdpa attention, pure bf16. Liger is
 applied when ``liger_kernel`` imports; otherwise the HF+Liger column is modelled from what Liger's patched modules
 save (fused MoE: x and the pre-activation ``[T*k, 2I]``; RMSNorm: input and fp32 rstd; FLCE: bf16 grad_input and
