@@ -32,6 +32,8 @@ dh = torch.empty(N, 2 * I, device=dev, dtype=torch.bfloat16)
 dxr = torch.empty(N, H, device=dev, dtype=torch.bfloat16)
 ddn = torch.empty(E, H, I, device=dev, dtype=torch.bfloat16)
 dgu = torch.empty(E, 2 * I, H, device=dev, dtype=torch.bfloat16)
+w_rows = w.reshape(-1)[route.order].to(torch.bfloat16)
+wact = torch.empty(N, I, device=dev, dtype=torch.bfloat16)
 gus = (gu.stride(0), gu.stride(2), gu.stride(1))
 gemms = {
     "up": lambda: tk._rows_gemm(
@@ -40,13 +42,27 @@ gemms = {
     "down": lambda: tk._rows_gemm(
         route, act, None, dn, (dn.stride(0), dn.stride(2), dn.stride(1)), H, I, y, cfg="down"
     ),
+    # as the backward runs it: w-scaled SwiGLU backward, w * act stored for d down, d topk_weights partial sums
     "dact": lambda: tk._rows_gemm(
-        route, dys, None, dn, (dn.stride(0), dn.stride(1), dn.stride(2)), I, H, dh, cfg="dact", epi=2, h=h
-    ),
+        route,
+        dys,
+        None,
+        dn,
+        (dn.stride(0), dn.stride(1), dn.stride(2)),
+        I,
+        H,
+        dh,
+        cfg="dact",
+        epi=2,
+        h=h,
+        w_rows=w_rows,
+        wact=wact,
+        need_dw=True,
+    ),  # fmt: skip
     "dx": lambda: tk._rows_gemm(
         route, dh, None, gu, (gu.stride(0), gu.stride(1), gu.stride(2)), H, 2 * I, dxr, cfg="dx"
     ),
-    "wgrad_down": lambda: tk._wgrad_gemm(route, dys, act, None, H, I, ddn),
+    "wgrad_down": lambda: tk._wgrad_gemm(route, dys, wact, None, H, I, ddn),
     "wgrad_gu": lambda: tk._wgrad_gemm(route, dh, x, route.token, 2 * I, H, dgu),
 }
 flops = {

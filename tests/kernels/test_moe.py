@@ -283,3 +283,23 @@ def test_gpu_cuda_graph_replay_with_changing_routing(triton_kernels, kernel_chec
             torch.cuda.synchronize()
             want = ref_moe(x.float(), ids, w.float(), gu32, dn32)
             kernel_check.assert_close(out, want, torch.bfloat16, f"replay seed {seed}")
+
+
+def test_triton_saves_only_inputs_and_preactivation(triton_kernels):
+    """The backward keeps x, the weights, the routing weights and h [T*k, 2I]: neither act [T*k, I] nor y [T*k, H]
+    (d topk_weights comes from act recomputed from h and the unweighted d act; module docstring)."""
+    fn = triton_kernels.load("moe", "moe_experts")
+    t, hid, inter, e, k = 9, 32, 16, 5, 3
+    x, ids, w, gu, dn = _problem(t, hid, inter, e, k, torch.float32, triton_kernels.device, seed=14)
+    leaves = [v.clone().requires_grad_(True) for v in (x, w, gu, dn)]
+    saved = []
+
+    def pack(tensor):
+        saved.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        y = fn(leaves[0], ids, leaves[1], leaves[2], leaves[3])
+    assert sorted(saved) == sorted([(t, hid), (t * k,), (e, 2 * inter, hid), (e, hid, inter), (t * k, 2 * inter)])
+    y.backward(torch.ones_like(y))  # the backward runs from exactly these
+    assert all(v.grad is not None for v in leaves)

@@ -11,15 +11,25 @@ Forward (three launches after the routing):
 1. ``h = x[token] @ gate_up[e]^T`` with SwiGLU fused: each program computes a gate tile and the matching up
    tile (two accumulators sharing the gathered x tile) and writes ``act = silu(g) * u``; when a gradient is
    needed it also writes ``h`` (pre-activation) for the backward.
-2. ``y = act @ down[e]^T`` (unweighted rows in sorted order; kept for d topk_weights).
+2. ``y = act @ down[e]^T`` (unweighted rows in sorted order; a forward temporary).
 3. Un-permute fused with the routing weights: ``out[t] = sum_j w[t, j] * y[pos(t, j)]``, gathering each
    token's k rows (deterministic: no atomics), fp32 sum.
 
-Backward:
+Saved for the backward: the inputs, ``h`` ``[T*k, 2I]`` and the integer routing. Neither ``y`` ``[T*k, H]`` nor
+``act`` ``[T*k, I]`` is kept (537 + 201 MB per layer at Qwen3-30B-A3B's shapes, 16384 tokens, bf16): ``d w`` is
+``<act_r, dy[token] @ down[e]>`` (= ``<y_r, dy[token]>``, the product the d-act GEMM computes anyway) and ``act``
+is recomputed elementwise from ``h`` in that GEMM's epilogue, which already reads ``h``. No GEMM is recomputed and
+the weight-gradient GEMMs read contiguous rows as before (the reverted variant of commit 906a984 gathered and scaled
+dy and recomputed act inside the d-down GEMM's K loop, and lost 22% of the kernels' throughput).
 
-- one row pass: ``dys[r] = w[slot] * dy[token]`` and ``d w[slot] = <y[r], dy[token]>``;
-- ``d act = dys @ down[e]`` with the SwiGLU backward fused into the epilogue (reads ``h``, writes ``dh``);
-- ``d down[e] = dys_e^T @ act_e`` and ``d gate_up[e] = dh_e^T @ x[token]_e``: variable-K grouped GEMMs, one
+Backward (``w_r``: the routing weight of sorted row ``r``):
+
+- ``dyr = dy[token]``: dy's rows in sorted order, unweighted (one gather);
+- ``g = dyr @ down[e]`` (the unweighted d act) with the epilogue fused: ``act`` recomputed from ``h`` as the
+  forward rounded it, ``d w[r] = <act_r, g_r>`` as fp32 partial sums per (row, n-tile), summed after the launch
+  (deterministic, no atomics); ``wact = w_r * act`` stored for d down; ``d act = w_r * g`` into the SwiGLU backward
+  (writes ``dh``);
+- ``d down[e] = dyr_e^T @ wact_e`` and ``d gate_up[e] = dh_e^T @ x[token]_e``: variable-K grouped GEMMs, one
   program per (expert, output tile) walking that expert's rows (an expert with no rows gets zeros);
 - ``dx_rows = dh @ gate_up[e]`` then the un-permute gather (unweighted) sums each token's k rows.
 
@@ -91,6 +101,9 @@ def _grouped_rows_kernel(
     b_ptr,  # per expert: B[e, k, n] at b_ptr + e*stride_be + k*stride_bk + n*stride_bn
     c_ptr,  # [rows, N] (EPI 0, 1: act) or [rows, 2N] (EPI 2: dh)
     h_ptr,  # [rows, 2N] pre-activation (EPI 1 writes it when STORE_H, EPI 2 reads it)
+    w_ptr,  # [rows] routing weight of each sorted row (EPI 2)
+    wact_ptr,  # [rows, N] out (EPI 2): w * act, act recomputed from h
+    dwp_ptr,  # [rows, NUM_N] fp32 out (EPI 2 with NEED_DW): this n-tile's share of <act[r], d act[r] / w[r]>
     tile_expert_ptr,
     tile_row_ptr,
     offsets_ptr,
@@ -108,6 +121,7 @@ def _grouped_rows_kernel(
     GATHER_A: tl.constexpr,
     EPI: tl.constexpr,  # 0: store C; 1: SwiGLU forward; 2: SwiGLU backward
     STORE_H: tl.constexpr,
+    NEED_DW: tl.constexpr,
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -173,9 +187,18 @@ def _grouped_rows_kernel(
         act = g * tl.sigmoid(g) * u16.to(tl.float32)
         tl.store(c_ptr + r64 * stride_cm + cols[None, :], act.to(c_ptr.dtype.element_ty), mask=mask)
     else:
+        # acc is the unweighted d act (dy[token] @ down[e]); masked rows and columns hold zeros.
         g = tl.load(h_ptr + r64 * stride_hm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(h_ptr + r64 * stride_hm + N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         sig = tl.sigmoid(g)
+        # the forward's act, bit for bit (same expression on the same rounded g and u)
+        act = (g * sig * u).to(c_ptr.dtype.element_ty).to(tl.float32)
+        if NEED_DW:
+            # d w[r] = <y[r], dy[token]> = <act[r], dy[token] @ down[e]>
+            tl.store(dwp_ptr + rows.to(tl.int64) * NUM_N + pid_n, tl.sum(act * acc, axis=1), mask=rmask)
+        w = tl.load(w_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+        tl.store(wact_ptr + r64 * N + cols[None, :], (act * w).to(c_ptr.dtype.element_ty), mask=mask)
+        acc = acc * w
         dg = acc * u * sig * (1.0 + g * (1.0 - sig))
         du = acc * g * sig
         tl.store(c_ptr + r64 * stride_cm + cols[None, :], dg.to(c_ptr.dtype.element_ty), mask=mask)
@@ -262,39 +285,6 @@ def _combine_kernel(
     tl.store(out_ptr + t.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
-@triton.jit
-def _bwd_rows_kernel(
-    dy_ptr,  # [T, H]
-    y_ptr,  # [rows, H] unweighted expert outputs, sorted order
-    tok_ptr,  # [rows] token of each sorted row
-    order_ptr,  # [rows] (token, slot) index of each sorted row
-    w_ptr,  # [T*k]
-    dys_ptr,  # [rows, H] out: w * dy[token]
-    dw_ptr,  # [T*k] out: <y[r], dy[token]>
-    H,
-    stride_dy,
-    stride_y,
-    stride_dys,
-    NEED_DW: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    r = tl.program_id(0).to(tl.int64)
-    tok = tl.load(tok_ptr + r).to(tl.int64)
-    slot = tl.load(order_ptr + r).to(tl.int64)
-    w = tl.load(w_ptr + slot).to(tl.float32)
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)
-        cmask = cols < H
-        dy = tl.load(dy_ptr + tok * stride_dy + cols, mask=cmask, other=0.0).to(tl.float32)
-        tl.store(dys_ptr + r * stride_dys + cols, (w * dy).to(dys_ptr.dtype.element_ty), mask=cmask)
-        if NEED_DW:
-            y = tl.load(y_ptr + r * stride_y + cols, mask=cmask, other=0.0).to(tl.float32)
-            acc += dy * y
-    if NEED_DW:
-        tl.store(dw_ptr + slot, tl.sum(acc, axis=0).to(dw_ptr.dtype.element_ty))
-
-
 # --- host side (no host reads: every size below is known from shapes) -------------------------------------
 
 
@@ -360,18 +350,28 @@ def _rows_gemm(
     h: torch.Tensor | None = None,
     store_h: bool = False,
     b_up: int = 0,
-) -> None:
+    w_rows: torch.Tensor | None = None,
+    wact: torch.Tensor | None = None,
+    need_dw: bool = False,
+) -> torch.Tensor | None:
+    """One grouped GEMM over the sorted rows. ``epi=2`` (SwiGLU backward): ``a @ b`` is the unweighted d act, its
+    rows are scaled by ``w_rows`` before the SwiGLU backward, ``wact`` gets ``w_rows * act`` (act recomputed from
+    ``h``); ``need_dw`` then returns fp32 ``[rows, n-tiles]`` partial sums of ``<act, a @ b>`` per row (sum them
+    over dim 1 for d topk_weights: deterministic, no atomics)."""
     bm, bn, bk, warps, stages, group_m = _cfg(cfg, route.rows_per_expert, a.dtype)
     tile_expert, tile_row, m_tiles = route.tiles(bm)
     num_n = triton.cdiv(n, bn)
     h_arg = h if h is not None else out
+    dw_part = torch.empty(route.n, num_n, device=out.device, dtype=torch.float32) if need_dw else None
     _grouped_rows_kernel[(m_tiles * num_n,)](
-        a, a_idx if a_idx is not None else tile_row, b, out, h_arg, tile_expert, tile_row, route.offsets,
-        n, k, a.stride(0), *b_strides, b_up, out.stride(0), h_arg.stride(0), m_tiles, num_n,
-        GATHER_A=a_idx is not None, EPI=epi, STORE_H=store_h, DOT_F32=interpreting() and a.dtype != torch.float32,
-        PREC=_prec(a.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, EVEN_K=k % bk == 0,
-        num_warps=warps, num_stages=stages,
+        a, a_idx if a_idx is not None else tile_row, b, out, h_arg, w_rows if w_rows is not None else out,
+        wact if wact is not None else out, dw_part if dw_part is not None else out, tile_expert, tile_row,
+        route.offsets, n, k, a.stride(0), *b_strides, b_up, out.stride(0), h_arg.stride(0), m_tiles, num_n,
+        GATHER_A=a_idx is not None, EPI=epi, STORE_H=store_h, NEED_DW=need_dw,
+        DOT_F32=interpreting() and a.dtype != torch.float32, PREC=_prec(a.dtype), BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk, GROUP_M=group_m, EVEN_K=k % bk == 0, num_warps=warps, num_stages=stages,
     )  # fmt: skip
+    return dw_part
 
 
 def _wgrad_gemm(
@@ -417,7 +417,7 @@ def _forward(x, topk_ids, w_flat, gate_up, down, need_h: bool):
         _rows_gemm(route, act, None, down, (down.stride(0), down.stride(2), down.stride(1)), hidden, inter, y,
                    cfg="down")  # fmt: skip
     out = _combine(y, route, w_flat, t, hidden, x.dtype)
-    return out, route, act, h, y
+    return out, route, h
 
 
 class _MoEExperts(torch.autograd.Function):
@@ -425,52 +425,54 @@ class _MoEExperts(torch.autograd.Function):
     def forward(ctx, x, topk_ids, topk_weights, gate_up, down):
         w_flat = topk_weights.reshape(-1).contiguous()
         need_grad = any(ctx.needs_input_grad)
-        out, route, act, h, y = _forward(x, topk_ids, w_flat, gate_up, down, need_h=need_grad)
+        out, route, h = _forward(x, topk_ids, w_flat, gate_up, down, need_h=need_grad)
         if need_grad:
             ctx.route = route
-            ctx.save_for_backward(x, w_flat, gate_up, down, act, h, y)
+            # act [T*k, I] and y [T*k, H] die here: the backward recomputes act from h in the d-act GEMM's epilogue,
+            # and d topk_weights comes from act and the unweighted d act (module docstring).
+            ctx.save_for_backward(x, w_flat, gate_up, down, h)
         ctx.w_shape, ctx.w_dtype = topk_weights.shape, topk_weights.dtype
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        x, w_flat, gate_up, down, act, h, y = ctx.saved_tensors
+        x, w_flat, gate_up, down, h = ctx.saved_tensors
         route: _Routing = ctx.route
         need_x, _, need_w, need_gu, need_down = ctx.needs_input_grad
         t, hidden = x.shape
         num_experts, two_i, _ = gate_up.shape
         inter = two_i // 2
         n = route.n
-        dy = dy.contiguous()
         dx = dw = dgu = ddown = None
-        dys = torch.empty(n, hidden, device=x.device, dtype=x.dtype)
-        dw_flat = torch.empty(n, device=x.device, dtype=w_flat.dtype)
+        dy_rows = dy.index_select(0, route.token)  # [T*k, H] unweighted, sorted order: read in order by both GEMMs
+        w_rows = w_flat[route.order]  # routing weight of each sorted row
+        dh = torch.empty(n, two_i, device=x.device, dtype=x.dtype)
+        wact = torch.empty(n, inter, device=x.device, dtype=x.dtype)
+        dw_rows = torch.zeros(n, device=x.device, dtype=torch.float32)
         if n:
-            _bwd_rows_kernel[(n,)](
-                dy, y, route.token, route.order, w_flat, dys, dw_flat, hidden, dy.stride(0), y.stride(0),
-                dys.stride(0), NEED_DW=need_w, BLOCK_H=128 if interpreting() else 1024, num_warps=4,
-            )  # fmt: skip
+            # B[e][k, n] = down[e][k, n]: K = H, N = I. The epilogue sums <act, unweighted d act> per row and n-tile
+            # (need_w), stores w * act (d down's B) and turns w * d act into (d gate, d up).
+            dn_strides = (down.stride(0), down.stride(1), down.stride(2))
+            dw_part = _rows_gemm(route, dy_rows, None, down, dn_strides, inter, hidden, dh, cfg="dact", epi=2, h=h,
+                                 w_rows=w_rows, wact=wact, need_dw=need_w)  # fmt: skip
+            if need_w:
+                dw_rows = dw_part.sum(1)
         if need_w:
-            dw = dw_flat.reshape(ctx.w_shape).to(ctx.w_dtype)
+            dw = dw_rows[route.pos].to(w_flat.dtype).reshape(ctx.w_shape).to(ctx.w_dtype)
         if need_down:
             ddown = torch.empty(num_experts, hidden, inter, device=x.device, dtype=down.dtype)
-            _wgrad_gemm(route, dys, act, None, hidden, inter, ddown)
-        if need_x or need_gu:
-            dh = torch.empty(n, two_i, device=x.device, dtype=x.dtype)
+            _wgrad_gemm(route, dy_rows, wact, None, hidden, inter, ddown)
+        del wact, dy_rows  # the rest of the backward reads dh only
+        if need_gu:
+            dgu = torch.empty(num_experts, two_i, hidden, device=x.device, dtype=gate_up.dtype)
+            _wgrad_gemm(route, dh, x, route.token, two_i, hidden, dgu)
+        if need_x:
+            dx_rows = torch.empty(n, hidden, device=x.device, dtype=x.dtype)
             if n:
-                # B[e][k, n] = down[e][k, n]: K = H, N = I; the epilogue turns d act into (d gate, d up).
-                _rows_gemm(route, dys, None, down, (down.stride(0), down.stride(1), down.stride(2)), inter, hidden,
-                           dh, cfg="dact", epi=2, h=h)  # fmt: skip
-            if need_gu:
-                dgu = torch.empty(num_experts, two_i, hidden, device=x.device, dtype=gate_up.dtype)
-                _wgrad_gemm(route, dh, x, route.token, two_i, hidden, dgu)
-            if need_x:
-                dx_rows = torch.empty(n, hidden, device=x.device, dtype=x.dtype)
-                if n:
-                    # B[e][k, n] = gate_up[e][k, n]: K = 2I, N = H.
-                    _rows_gemm(route, dh, None, gate_up, (gate_up.stride(0), gate_up.stride(1), gate_up.stride(2)),
-                               hidden, two_i, dx_rows, cfg="dx")  # fmt: skip
-                dx = _combine(dx_rows, route, None, t, hidden, x.dtype)
+                # B[e][k, n] = gate_up[e][k, n]: K = 2I, N = H.
+                _rows_gemm(route, dh, None, gate_up, (gate_up.stride(0), gate_up.stride(1), gate_up.stride(2)),
+                           hidden, two_i, dx_rows, cfg="dx")  # fmt: skip
+            dx = _combine(dx_rows, route, None, t, hidden, x.dtype)
         return dx, None, dw, dgu, ddown
 
 
