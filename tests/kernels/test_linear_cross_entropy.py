@@ -203,7 +203,9 @@ def test_triton_one_input_needs_grad_and_retained_graph(triton_kernels):
     h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
     loss = fn(h2, w2, labels, IGNORE, "sum")
     loss.backward(retain_graph=True)
+    assert loss.grad_fn.acc is not None and loss.grad_fn.grad_h is not None  # kept for the second backward
     loss.backward()
+    assert loss.grad_fn.acc is None and loss.grad_fn.grad_h is None  # freed by the last backward, not with the graph
     once = torch.autograd.grad(fn(hidden, weight, labels, IGNORE, "sum"), (hidden, weight))
     torch.testing.assert_close(h2.grad, 2 * once[0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(w2.grad, 2 * once[1], rtol=1e-6, atol=1e-6)
