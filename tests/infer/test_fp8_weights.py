@@ -258,8 +258,8 @@ def test_scaled_mm_matches_the_reference_on_the_gpu(monkeypatch, rowwise):
             torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2 * b.float().abs().max().item())
 
 
-@pytest.mark.gpu
-def test_graph_captured_fp8_decode_matches_eager_on_the_gpu():
+def _gpu_fp8_model():
+    """A bf16 model on the GPU for the FP8 engine tests (skips where the device has no FP8 GEMM)."""
     from polyrl.platform import device
 
     if not device.supports_fp8_gemm():
@@ -268,7 +268,12 @@ def test_graph_captured_fp8_decode_matches_eager_on_the_gpu():
         tiny_config(hidden_size=256, intermediate_size=512, num_heads=4, head_dim=64), dtype=torch.bfloat16,
         device="cuda", seed=0,
     ).eval()  # fmt: skip
-    init_weights(model, seed=0, std=0.05)
+    return init_weights(model, seed=0, std=0.05)
+
+
+@pytest.mark.gpu
+def test_graph_captured_fp8_decode_matches_eager_on_the_gpu():
+    model = _gpu_fp8_model()
     prompts, params = _prompts(), SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     cfg = dict(num_blocks=128, block_size=16, weight_precision="fp8")
     eager = LLM(model, None, RolloutConfig(cuda_graphs=False, **cfg)).generate(prompts, params)
@@ -287,15 +292,7 @@ def test_graph_captured_fp8_decode_matches_eager_on_the_gpu():
 def test_fused_fp8_groups_decode_like_the_separate_ones_on_the_gpu():
     """The fused FP8 GEMMs (one ``_scaled_mm`` per q/k/v and gate/up group) against the separate ones, graphs on:
     the same column dot products, so the same greedy tokens but for a bf16 near-tie."""
-    from polyrl.platform import device
-
-    if not device.supports_fp8_gemm():
-        pytest.skip("no FP8 GEMM on this device")
-    model = build_model(
-        tiny_config(hidden_size=256, intermediate_size=512, num_heads=4, head_dim=64), dtype=torch.bfloat16,
-        device="cuda", seed=0,
-    ).eval()  # fmt: skip
-    init_weights(model, seed=0, std=0.05)
+    model = _gpu_fp8_model()
     prompts, params = _prompts(), SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     cfg = dict(num_blocks=128, block_size=16, weight_precision="fp8")
     plain = LLM(model, None, RolloutConfig(**cfg)).generate(prompts, params)
