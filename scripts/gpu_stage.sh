@@ -180,6 +180,9 @@ for s in "$@"; do
     # The other TRL settings: fast without gradient checkpointing, and the old row (16 per fwd/bwd, forced length)
     bench-grpo-trl-more) stage bench-grpo-trl-more 590 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 \
       --gen-len 512 --warmup 1 --steps 2 --kv keep --trl-configs fast-nogc,old --json "$OUT/bench_grpo_trl_more.json" ;;
+    # TRL's fast setting without gradient checkpointing alone, next to ours (issue 27's fair-baseline row)
+    bench-grpo-trl-nogc) TAIL=40 stage bench-grpo-trl-nogc 480 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 \
+      --gen-len 512 --warmup 1 --steps 2 --kv keep --trl-configs fast-nogc --json "$OUT/bench_grpo_trl_nogc.json" ;;
     # Asynchronous RL (issue 27): the real GRPO run at 64 x 8 x 512 for max-staleness 0 (sync), 1, 2, colocated on one
     # GPU with the thread producer: steady step time, ratio to sync, GPU busy (NVML), split, staleness
     bench-grpo-async) TAIL=30 stage bench-grpo-async 590 $PR bench grpo --shape qwen3-0.6b --prompts 64 --n 8 \
