@@ -294,14 +294,14 @@ class PolyrlLM(TemplateLM):
         # host time and the engine's launch count at the end of each engine step (but the last): which steps ran
         # prompts synchronously and which queued decode launches ahead
         llm = self.llm
-        marks = [(t1, llm.num_launches_ahead)]
+        marks = [(t1, _queued_ahead(llm))]
         capture0, tokens0 = llm.runner.graph_capture_s, llm.num_generated_tokens
         results = (
             llm.generate(
                 prompts,
                 params,
                 on_finish=lambda i, j, out: bar.update(1),
-                between_steps=lambda e, steps: marks.append((time.perf_counter(), e.num_launches_ahead)),
+                between_steps=lambda e, steps: marks.append((time.perf_counter(), _queued_ahead(e))),
             )
             if prompts
             else []
@@ -311,23 +311,28 @@ class PolyrlLM(TemplateLM):
         for req, text in zip(requests, texts):
             self.cache_hook.add_partial("generate_until", req.args, text)
         t2 = time.perf_counter()
-        marks.append((t2, llm.num_launches_ahead))
+        marks.append((t2, _queued_ahead(llm)))
         self.last_generate_stats = _generate_stats(marks, t0, prompts, results)
         self.last_generate_stats["graph_capture_s"] = llm.runner.graph_capture_s - capture0
         self.last_generate_stats["engine_tokens"] = llm.num_generated_tokens - tokens0
         return texts
 
 
+def _queued_ahead(llm) -> int:
+    """Steps the engine has queued before reading the one in flight: decode launches and prompt steps."""
+    return llm.num_launches_ahead + llm.num_mixed_ahead
+
+
 def _generate_stats(marks: list[tuple[float, int]], t0: float, prompts: list[list[int]], results: list) -> dict:
-    """Where a ``generate_until`` call went. ``marks``: (host time, decode launches queued so far) at the start of
+    """Where a ``generate_until`` call went. ``marks``: (host time, launches queued ahead so far) at the start of
     the engine call and after each engine step. ``prepare_s``: tokenising and parameters; ``generate_s``: the engine
     call; ``steps``: engine steps (a launch of several decode steps counts once), ``first_step_s`` /
     ``slowest_step_s`` (a compilation or a graph capture inside the call shows there); ``sync_steps`` /
-    ``sync_s``: the steps that ran synchronously (prompt chunks, possibly with decodes beside them); ``launches`` /
-    ``launch_s``: the steps that queued decode launches ahead (their host time: reading the previous launch,
-    stop checks, scheduling); ``final_s``: the last step and reading what was left. ``requests``, ``engine_calls``,
-    ``prompt_tokens``, ``generated_tokens`` (sum of the outputs' token counts: a sequence that stops early at an
-    ``until`` string or EOS generates fewer)."""
+    ``sync_s``: the steps that ran synchronously (prompt chunks whose draws the host needs at once, e.g. top-k
+    alternatives); ``launches`` / ``launch_s``: the steps that queued a launch ahead, prompt steps included (their
+    host time: reading the previous launch, stop checks, scheduling); ``final_s``: the last step and reading what
+    was left. ``requests``, ``engine_calls``, ``prompt_tokens``, ``generated_tokens`` (sum of the outputs' token
+    counts: a sequence that stops early at an ``until`` string or EOS generates fewer)."""
     gaps = [(b - a, nb > na) for (a, na), (b, nb) in zip(marks, marks[1:])]
     body, final = gaps[:-1], gaps[-1:]
     times = [g for g, _ in gaps]

@@ -106,6 +106,7 @@ class LLM:
         self._inflight: InflightStep | None = None  # a decode step launched ahead and not yet read
         self.num_steps_ahead = 0  # decode steps launched before the previous launch was read
         self.num_launches_ahead = 0  # launches of those steps (decode_steps per launch where possible)
+        self.num_mixed_ahead = 0  # prompt (or prompt + decode) steps launched before the previous one was read
         self._grammars: Any = None  # structured outputs: GrammarCache, made on the first request that has one
         self._finished: list[Sequence] | None = None  # sequences finished since generate() last looked (on_finish)
         # stamped on every generated token when not None (Sequence.versions; partial rollouts, swap_weights)
@@ -296,6 +297,8 @@ class LLM:
             self.num_launches_ahead += 1
         elif sched.items and ahead and self._can_guide_ahead(sched):
             self._launch_guided(sched, prev, touched)
+        elif sched.items and ahead and self._can_launch_mixed_ahead(sched):
+            self._launch_mixed(sched, prev, touched)
         else:
             if prev is not None:
                 self._read(prev, touched)
@@ -330,6 +333,57 @@ class LLM:
             and sched.is_decode_only
             and not any(it.seq.params.logprobs or it.seq.guide is not None for it in sched.items)
         )
+
+    def _can_launch_mixed_ahead(self, sched) -> bool:
+        """A step with prompt chunks (and maybe decode rows) whose draws the host needs only to append and check
+        stops: it is queued before the step in flight is read, like a decode launch (``overlap.py``), so the next
+        step's schedule and inputs are built while its prefill runs. Not when a row asks for top-k alternatives,
+        follows a grammar or scores its prompt (read on the host), when a prompt chunk would need a token still in
+        flight (a preempted sequence coming back), or when every row stops by length at this token anyway."""
+        overlap = self.config.overlap_decode
+        if overlap is None:
+            overlap = self.runner.device.type != "cpu"
+        if not overlap:
+            return False
+        sampling = False
+        last_token_everywhere = True
+        for it in sched.items:
+            s = it.seq
+            pl = s.prompt_lps
+            if (pl is not None and len(pl.logprobs) < s.num_prompt) or (s.pending and it.num_new != 1):
+                return False
+            if it.sample:
+                p = s.params
+                if p.logprobs or s.guide is not None:
+                    return False
+                sampling = True
+                if p.max_tokens is None or it.start + it.num_new + 1 - s.num_prompt < p.max_tokens:
+                    last_token_everywhere = False
+        return sampling and not last_token_everywhere
+
+    def _launch_mixed(self, sched, prev: InflightStep | None, touched: dict[str, _Request]) -> None:
+        """Queue a step with prompt chunks on the device, its draws left there (``_can_launch_mixed_ahead``); then read
+        the step in flight, whose tokens feed this step's decode rows on the device."""
+        rows = feed_rows([it.seq for it in sched.items])
+        feed = None
+        if rows is not None and prev is not None:  # per token of the step: a pending row is a one-token item
+            token_rows: list[int] = []
+            for it, r in zip(sched.items, rows):
+                token_rows.append(r)
+                token_rows.extend([-1] * (it.num_new - 1))
+            feed = (token_rows, prev.tokens)
+        logits = self.runner.execute(sched, feed)
+        sampling = [it.seq for it in sched.items if it.sample]
+        tokens, logprobs = self.sampler.draw(logits, sampling, self._suppress(sampling))
+        for it in sched.items:
+            it.seq.num_computed = it.start + it.num_new
+        launched = InflightStep(sampling, tokens[None], logprobs[None])
+        if prev is not None:
+            self._read(prev, touched)
+        launched.mark_pending()
+        self._inflight = launched
+        self.num_steps += 1
+        self.num_mixed_ahead += 1
 
     def _can_guide_ahead(self, sched) -> bool:
         """A decode-only batch with structured-output rows that can still run one step ahead: the forward of step
@@ -678,6 +732,7 @@ class LLM:
             "num_steps": self.num_steps,
             "num_steps_ahead": self.num_steps_ahead,
             "num_launches_ahead": self.num_launches_ahead,
+            "num_mixed_ahead": self.num_mixed_ahead,
             "num_generated_tokens": self.num_generated_tokens,
             "graph_capture_s": self.runner.graph_capture_s,
         }

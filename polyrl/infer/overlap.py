@@ -14,6 +14,11 @@ outputs launch ``guided_launch_steps(K)`` steps (8 for K = 4: ``GUIDED_LAUNCH_ST
 reads each step's tokens inside the launch, feeds them to the grammar matchers and computes the next step's masks
 while that step's forward runs, and reads the previous launch a step at a time beside those masks.
 
+Prompt steps too (``LLM._launch_mixed``): a step with prompt chunks, decode rows beside them or not, is queued
+without waiting for its draws when the host needs them only to append and check stops (no top-k alternatives, no
+grammar, no prompt log-probs). Its draws feed the next step's rows on the device like a decode launch's, so the
+first decode launch after a whole batch's prefill is scheduled and queued while that prefill runs.
+
 Bookkeeping: launched-but-unread tokens are placeholders (``PENDING``) at the end of ``seq.tokens``, counted by
 ``seq.pending``, with ``seq.pending_row`` the sequence's row in the launch in flight; the block manager keeps
 them out of prefix-cache keys. A sequence found to have stopped was already scheduled into the next launch:

@@ -53,7 +53,8 @@ def test_on_finish_once_per_sequence_early_and_same_outputs(tiny_model, overlap,
     assert [[_key(c) for c in o.outputs] for o in outs] == [[_key(c) for c in o.outputs] for o in plain]
     assert all(c.new_token_ids == c.token_ids for o in outs for c in o.outputs)  # emitted counters untouched
     short = [at_step[(k, 0)] for k in range(0, 8, 3)]  # max_tokens=3: reported long before the batch ends
-    assert max(short) < llm.num_steps // 2, (short, llm.num_steps)
+    # (with the small cache, request 6 is admitted only after preemptions free blocks: around mid-run)
+    assert max(short) < 0.6 * llm.num_steps, (short, llm.num_steps)
     assert not llm.has_unfinished_requests()
     if blocks == 24:  # the small cache preempts: a recomputed sequence is still reported once
         assert llm.stats()["num_preemptions"] > 0

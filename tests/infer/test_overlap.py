@@ -49,6 +49,7 @@ def test_overlapped_generate_equals_synchronous(tiny_model):
     stats = ahead_llm.stats()
     assert stats["num_steps_ahead"] > 0.5 * stats["num_steps"]
     assert stats["num_steps_ahead"] > 1.5 * stats["num_launches_ahead"]  # several decode steps per launch
+    assert stats["num_mixed_ahead"] > 1  # prompt steps (new prompts beside decode rows) were queued ahead too
     assert sync_llm.stats()["num_steps_ahead"] == 0
     for (p, t1, l1, f1, s1), (q, t2, l2, f2, s2) in zip(sync, ahead):
         assert p == q and t1 == t2 and (f1, s1) == (f2, s2)
@@ -66,6 +67,7 @@ def test_overlapped_generate_under_preemption_equals_synchronous(tiny_model):
     sync_llm, sync = _run(tiny_model, False, 40, prompts, params)
     ahead_llm, ahead = _run(tiny_model, True, 40, prompts, params)
     assert ahead_llm.stats()["num_preemptions"] > 0
+    assert ahead_llm.stats()["num_mixed_ahead"] > 0
     assert [r[1] for r in ahead] == [r[1] for r in sync]
 
 
@@ -110,3 +112,43 @@ def test_launching_ahead_is_off_by_default_on_the_cpu(tiny_model):
     llm = LLM(tiny_model, None, RolloutConfig(num_blocks=64, block_size=4))
     llm.generate([[2, 3, 4]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert llm.config.overlap_decode is None and llm.stats()["num_steps_ahead"] == 0
+
+
+def test_a_whole_batch_prefill_is_queued_ahead_and_its_draws_feed_the_first_decode_launch(tiny_model):
+    """All prompts prefilled in one step (the eval and RL rollout shape): that step is launched without waiting
+    for its draws, and the first decode launch takes them on the device; same tokens and log-probs as the
+    synchronous engine, for greedy and seeded rows, with and without a stop at the first token."""
+    prompts = _prompts(12, seed=3)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=14, min_tokens=2, stop_token_ids=[5, 6, 7, 8]),
+        SamplingParams(temperature=1.0, seed=9, max_tokens=1),  # stops at the prefill's token
+    ]
+    params = [params[i % 3] for i in range(12)]
+    cfg = {"num_blocks": 256, "block_size": 4, "max_num_seqs": 16, "max_num_batched_tokens": 1024}
+    sync_llm = LLM(tiny_model, None, RolloutConfig(overlap_decode=False, **cfg))
+    ahead_llm = LLM(tiny_model, None, RolloutConfig(overlap_decode=True, **cfg))
+    sync = sync_llm.generate(prompts, params)
+    ahead = ahead_llm.generate(prompts, params)
+    assert ahead_llm.stats()["num_mixed_ahead"] == 1 and sync_llm.stats()["num_mixed_ahead"] == 0
+    for a, b in zip(sync, ahead):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+        assert torch.allclose(torch.tensor(a.outputs[0].logprobs), torch.tensor(b.outputs[0].logprobs), atol=1e-5)
+    assert [len(o.outputs[0].token_ids) for o in ahead[2::3]] == [1] * 4
+
+
+def test_prompt_steps_that_need_the_host_stay_synchronous(tiny_model):
+    """Top-k alternatives and prompt log-probs are read on the host, and a batch whose every row ends at the
+    prefill's token has nothing to queue behind it: those prompt steps are not launched ahead."""
+    cfg = RolloutConfig(num_blocks=128, block_size=4, overlap_decode=True)
+    cases = [
+        SamplingParams(temperature=0.0, max_tokens=6, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=1),
+        SamplingParams(temperature=0.0, max_tokens=1),
+    ]
+    for params in cases:
+        llm = LLM(tiny_model, None, cfg)
+        out = llm.generate([[2, 3, 4, 5, 6], [7, 8, 9]], params)
+        assert llm.stats()["num_mixed_ahead"] == 0, params
+        assert all(len(o.outputs[0].token_ids) == params.max_tokens for o in out)
