@@ -329,5 +329,5 @@ SPEC = AlgorithmSpec(
     make_loss=make_loss,
     normalizer=normalizer,
     prepare=prepare,
-    plot_series=("rewards/margins", "rewards/accuracies"),
+    plot_series=("rewards/margins", "rewards/accuracies", "eval_rewards/margins", "eval_rewards/accuracies"),
 )
