@@ -5,12 +5,13 @@ builds the data (data errors come before the model is loaded) with the run's pac
 (``engine.micro_batch_tokens``), runs the algorithm's ``prepare`` hook (DPO's reference log-probs) and saves the
 resolved config; ``load_model`` loads (and under torchrun distributes) the model and builds the ``TrainEngine``;
 ``resume`` restores a checkpoint and the data position; ``train`` loops ``TrainEngine.step`` over packed
-micro-batches (``engine.accumulation_steps`` per optimizer step) with metrics, optional eval loss and atomic
-checkpoints that carry the data position and data stats, so ``resume`` continues exactly. At the end it writes a
-last checkpoint, the final HF folder ``<out>/final``, ``summary.json`` and ``metrics.png``. A LoRA run
-(``cfg.lora``) trains adapters on a frozen base (``load_policy``); its checkpoints and ``final`` are PEFT adapter
-folders. Under torchrun the model is FSDP2-sharded, or for LoRA replicated with all-reduced adapter gradients
-(``parallel.distribute_model``).
+micro-batches (``engine.accumulation_steps`` per optimizer step) with metrics, an optional held-out evaluation
+(``evaluate_held_out``: ``eval_loss`` and ``eval_<metric>`` for each metric of the loss, DPO's reward margin and
+preference accuracy among them) and atomic checkpoints that carry the data position and data stats, so ``resume``
+continues exactly. At the end it writes a last checkpoint, the final HF folder ``<out>/final``, ``summary.json`` and
+``metrics.png``. A LoRA run (``cfg.lora``) trains adapters on a frozen base (``load_policy``); its checkpoints and
+``final`` are PEFT adapter folders. Under torchrun the model is FSDP2-sharded, or for LoRA replicated with all-reduced
+adapter gradients (``parallel.distribute_model``).
 
 The helpers every run shares (``load_policy``, ``resume_point``, ``open_checkpoints``, ``export_final``,
 ``report_stream``) live here too. Not here: the step itself (``polyrl.train.engine``), checkpoint files
