@@ -216,3 +216,46 @@ def test_agentic_eval_n_samples_episodes_and_reports_pass_at_k(tiny_model_dir, t
     _run(raw)
     (r,) = _records(tmp_path / "greedy")
     assert "eval_reward" in r and not any(k.startswith("eval_pass@") or k == "eval_length" for k in r)
+
+
+def test_agentic_eval_n_metrics_from_the_episodes():
+    """The sampled evaluation's numbers from known episodes (no model): K episodes per prompt at the training
+    temperature with the evaluation seeds, pass@k by the unbiased estimator over prompts, length = policy tokens."""
+    from math import comb
+    from types import SimpleNamespace
+
+    from polyrl.agents.train import with_episodes
+    from polyrl.infer.sampling_params import SamplingParams
+    from polyrl.run.online import OnlineRun, rollout_seed
+
+    run = object.__new__(with_episodes(OnlineRun))
+    run.a = SimpleNamespace(
+        eval_n=4, eval_pass_threshold=0.5, temperature=0.8, top_p=0.9, eval_max_new_tokens=None, max_new_tokens=6
+    )
+    run.cfg = SimpleNamespace(seed=3)
+    run.sampling = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=6)
+    run.eval_set = (None, None, [{"prompt": "a"}, {"prompt": "b"}])
+    # prompt 0: rewards 1, 0, 0.5, 0 (two pass); prompt 1: none passes; greedy: one episode per prompt
+    rewards = {0: [1.0, 0.0, 0.5, 0.0], 1: [0.0, 0.25, 0.0, 0.0]}
+    calls = []
+
+    def episodes(examples, n, sampling, seeds):
+        calls.append((n, sampling.temperature, sampling.top_p, seeds))
+        out = []
+        for g in range(len(examples)):
+            for j in range(n):
+                e = Episode(g, j, prompt_ids=[1])
+                e.add_turn([5] * (g + j + 1), [-0.1] * (g + j + 1))
+                e.reward = rewards[g][j] if n > 1 else 0.5
+                out.append(e)
+        return out
+
+    run.episodes = episodes
+    got = run.evaluate()
+    assert calls[0] == (1, 0.0, 0.9, None)  # greedy
+    assert calls[1] == (4, 0.8, 0.9, [rollout_seed(3, -1, 0), rollout_seed(3, -1, 1)])
+    assert got["eval_reward"] == 0.5
+    assert got["eval_sampled_reward"] == pytest.approx(1.75 / 8)
+    for k in (1, 2, 4):  # prompt 0: c = 2 of n = 4; prompt 1: c = 0
+        assert got[f"eval_pass@{k}"] == pytest.approx((1 - comb(2, k) / comb(4, k)) / 2)
+    assert got["eval_length"] == pytest.approx(sum(g + j + 1 for g in (0, 1) for j in range(4)) / 8)
