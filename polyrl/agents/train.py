@@ -11,7 +11,8 @@ the run's ``rollouts.jsonl`` (``polyrl view``). Metrics per step: ``reward``, ``
 ``episode/tool_call_rate`` (episodes with at least one call), ``episode/invalid_tool_calls``,
 ``episode/tool_errors``, ``episode/length``, status fractions, ``env_failures``, ``rollout_mask_logmass`` when turns
 are constrained (``formats``: the environment's or ``grpo.rollout_response_format``); evaluation (``train.eval_every``)
-runs greedy episodes on the held-out prompts (``eval_reward``, ``eval_tool_call_rate``).
+runs greedy episodes on the held-out prompts (``eval_reward``, ``eval_tool_call_rate``) and, with ``eval_n`` K > 1, K
+sampled episodes per prompt (``eval_sampled_reward``, unbiased ``eval_pass@k``, ``eval_length``).
 Proxy mode (``--agent file.py:fn``): the episodes come from an openai-client agent program driven through
 ``polyrl.agents.proxy_server.AgentProxy`` (one Sample per recorded segment, the agent's reward on each).
 Asynchronous RL (``max_staleness`` K > 0, docs/async-rl.md): ``collect`` is the rollout source's producer, inline
@@ -39,6 +40,7 @@ from polyrl.agents.rollout import EpisodeLimits, episode_metrics, run_episodes
 from polyrl.algorithms.workers import load_user_module
 from polyrl.data.dataset import chat_tokenizer
 from polyrl.errors import ConfigError
+from polyrl.run.evaluate import sampled_metrics
 from polyrl.run.online import rollout_seed
 
 
@@ -213,15 +215,28 @@ class EpisodeSteps:
         return row
 
     def evaluate(self) -> dict[str, float]:
+        """Greedy episodes on the held-out prompts; with ``eval_n`` K > 1 also K sampled episodes per prompt at the
+        training temperature (the same seeds at every evaluation): ``eval_sampled_reward``, unbiased
+        ``eval_pass@k`` (an episode passes when its reward >= ``eval_pass_threshold``) and ``eval_length`` (the
+        policy's tokens per episode), as the single-turn evaluation (``polyrl.run.evaluate.sampled_metrics``)."""
         _, _, views = self.eval_set
         params = self.sampling.clone(temperature=0.0, max_tokens=self.a.eval_max_new_tokens or self.a.max_new_tokens)
         eps = self.episodes(list(views), 1, params, None)
         m = episode_metrics(eps)
-        return {
+        out = {
             "eval_reward": _mean([e.reward for e in eps]),
             "eval_tool_call_rate": m.get("episode/tool_call_rate", 0.0),
             "eval_turns": m.get("episode/turns", 0.0),
         }
+        n = getattr(self.a, "eval_n", 1)
+        if n > 1:
+            sampling = params.clone(temperature=self.a.temperature, top_p=self.a.top_p)
+            seeds = [rollout_seed(self.cfg.seed, -1, k) for k in range(len(views))]
+            drawn = self.episodes(list(views), n, sampling, seeds)
+            rewards = [e.reward for e in drawn]
+            lengths = [int(sum(e.mask)) for e in drawn]
+            out.update(sampled_metrics(rewards, [e.group for e in drawn], lengths, n, self.a.eval_pass_threshold))
+        return out
 
     def data_state(self) -> dict[str, Any]:
         state = super().data_state()

@@ -19,7 +19,8 @@ Loss per pair, with ``h = (pi_c - ref_c) - (pi_r - ref_r)`` (sequence log-probs)
 conservative DPO; eps = 0 is the original DPO); ``ipo``: ``(h - 1 / (2 * beta))^2`` on length-averaged
 log-probs (as TRL). Metrics (TRL's names, means over pairs): ``rewards/chosen`` = beta * (pi_c - ref_c),
 ``rewards/rejected``, ``rewards/margins``, ``rewards/accuracies`` (chosen reward > rejected reward),
-``logps/chosen``, ``logps/rejected``.
+``logps/chosen``, ``logps/rejected``; the held-out evaluation (``train.eval_every``) logs each as ``eval_<name>``
+(``eval_rewards/margins``, ``eval_rewards/accuracies``: means over every held-out pair).
 Not here: the step (``polyrl.train``), the loop (``runner.run_offline``), data parsing (``polyrl.data``).
 """
 
@@ -329,5 +330,5 @@ SPEC = AlgorithmSpec(
     make_loss=make_loss,
     normalizer=normalizer,
     prepare=prepare,
-    plot_series=("rewards/margins", "rewards/accuracies"),
+    plot_series=("rewards/margins", "rewards/accuracies", "eval_rewards/margins", "eval_rewards/accuracies"),
 )

@@ -36,6 +36,8 @@ REWARD_SCALES = ("std", "none")
 PLOT_SERIES = (
     "reward",
     "eval_reward",
+    "eval_pass@*",  # --eval-n K: eval_pass@1 .. eval_pass@K in one panel
+    "eval_length",
     "response_length",
     "kl",
     "mismatch_mean",

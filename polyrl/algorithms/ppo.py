@@ -45,6 +45,8 @@ OLD_LOGPROBS = ("rollout", "recompute")
 PLOT_SERIES = (
     "reward",
     "eval_reward",
+    "eval_pass@*",  # --eval-n K: eval_pass@1 .. eval_pass@K in one panel
+    "eval_length",
     "value_loss",
     "explained_variance",
     "kl",

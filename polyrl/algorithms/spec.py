@@ -52,7 +52,8 @@ class AlgorithmSpec:
       make_loss``: work before the model loads that the loss needs (DPO: the reference log-probs), returning the
       loss factory to use instead of ``make_loss``.
     - Online: ``hooks(algo_cfg) -> OnlineHooks`` (``polyrl.algorithms.online_config``).
-    - ``plot_series``: metric names drawn in the run's ``metrics.png`` besides loss / lr / grad norm.
+    - ``plot_series``: metric names drawn in the run's ``metrics.png`` besides loss / lr / grad norm (a name with ``*``
+      is one panel of every metric it matches: ``eval_pass@*``).
     - Offline, optional: ``model_loader(path, dtype, device, seed) -> model`` loads the model the run trains instead
       of the causal LM (``rm``: a reward model); ``finalize(folder, tokenizer) -> folder`` rewrites the saved final
       folder (``rm``: marks it as a sequence classifier). Neither supports LoRA.

@@ -5,12 +5,13 @@ builds the data (data errors come before the model is loaded) with the run's pac
 (``engine.micro_batch_tokens``), runs the algorithm's ``prepare`` hook (DPO's reference log-probs) and saves the
 resolved config; ``load_model`` loads (and under torchrun distributes) the model and builds the ``TrainEngine``;
 ``resume`` restores a checkpoint and the data position; ``train`` loops ``TrainEngine.step`` over packed
-micro-batches (``engine.accumulation_steps`` per optimizer step) with metrics, optional eval loss and atomic
-checkpoints that carry the data position and data stats, so ``resume`` continues exactly. At the end it writes a
-last checkpoint, the final HF folder ``<out>/final``, ``summary.json`` and ``metrics.png``. A LoRA run
-(``cfg.lora``) trains adapters on a frozen base (``load_policy``); its checkpoints and ``final`` are PEFT adapter
-folders. Under torchrun the model is FSDP2-sharded, or for LoRA replicated with all-reduced adapter gradients
-(``parallel.distribute_model``).
+micro-batches (``engine.accumulation_steps`` per optimizer step) with metrics, an optional held-out evaluation
+(``evaluate_held_out``: ``eval_loss`` and ``eval_<metric>`` for each metric of the loss, DPO's reward margin and
+preference accuracy among them) and atomic checkpoints that carry the data position and data stats, so ``resume``
+continues exactly. At the end it writes a last checkpoint, the final HF folder ``<out>/final``, ``summary.json`` and
+``metrics.png``. A LoRA run (``cfg.lora``) trains adapters on a frozen base (``load_policy``); its checkpoints and
+``final`` are PEFT adapter folders. Under torchrun the model is FSDP2-sharded, or for LoRA replicated with all-reduced
+adapter gradients (``parallel.distribute_model``).
 
 The helpers every run shares (``load_policy``, ``resume_point``, ``open_checkpoints``, ``export_final``,
 ``report_stream``) live here too. Not here: the step itself (``polyrl.train.engine``), checkpoint files
@@ -225,6 +226,36 @@ def eval_source(cfg: RunConfig, spec: AlgorithmSpec, tokenizer: Any) -> Tokenize
 
 # ---- the offline loop -------------------------------------------------------------------------------
 @torch.no_grad()
+def evaluate_held_out(
+    model: nn.Module,
+    data: TokenizedData,
+    loss_fn: LossFn,
+    spec: AlgorithmSpec,
+    algo_cfg: Any,
+    dev: torch.device,
+    prefix: str = "eval_",
+) -> dict[str, float]:
+    """One pass of ``data``: ``eval_loss`` and ``eval_<metric>`` for every metric the loss returns (DPO:
+    ``eval_rewards/margins``, ``eval_rewards/accuracies``, ...), each its sum over the whole pass divided by the
+    normaliser summed over the pass (the training normalisation: DPO's pair count, SFT's target tokens), so a
+    metric is a mean over pairs / tokens however the batches are sized, never a mean of batch means."""
+    was_training = model.training
+    model.eval()
+    total, norm = 0.0, 0.0
+    sums: dict[str, float] = {}
+    for batch in data.iterator(max_epochs=1):
+        batch = batch.to(dev)
+        loss_sum, metrics = loss_fn(model, batch)
+        n = spec.normalizer(algo_cfg, [batch]) if spec.normalizer else None
+        total += float(loss_sum)
+        norm += float(batch.num_target_tokens if n is None else n)
+        for key, value in metrics.items():
+            sums[key] = sums.get(key, 0.0) + float(value)
+    model.train(was_training)
+    denom = max(norm, 1.0)
+    return {f"{prefix}loss": total / denom, **{f"{prefix}{k}": v / denom for k, v in sums.items()}}
+
+
 def evaluate_loss(
     model: nn.Module,
     data: TokenizedData,
@@ -233,18 +264,9 @@ def evaluate_loss(
     algo_cfg: Any,
     dev: torch.device,
 ) -> float:
-    """Mean loss over one pass of ``data`` (the same normalisation as training)."""
-    was_training = model.training
-    model.eval()
-    total, norm = 0.0, 0.0
-    for batch in data.iterator(max_epochs=1):
-        batch = batch.to(dev)
-        loss_sum, _ = loss_fn(model, batch)
-        n = spec.normalizer(algo_cfg, [batch]) if spec.normalizer else None
-        total += float(loss_sum)
-        norm += float(batch.num_target_tokens if n is None else n)
-    model.train(was_training)
-    return total / max(norm, 1.0)
+    """Mean loss over one pass of ``data`` (the same normalisation as training); ``evaluate_held_out`` also gives
+    the loss's metrics."""
+    return evaluate_held_out(model, data, loss_fn, spec, algo_cfg, dev)["eval_loss"]
 
 
 def _data_summary(stats: DataStats) -> dict[str, Any]:
@@ -386,9 +408,7 @@ class OfflineRun:
         rec = self.engine.step(micro, self.loss_fn, norm).to_dict()
         rec["epoch"] = self.it.epoch + self.it.position / max(1, self.it.batches_per_epoch)
         if self.eval_data is not None and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == self.steps):
-            rec["eval_loss"] = evaluate_loss(
-                self.model, self.eval_data, self.loss_fn, spec, cfg.algo_config, self.device
-            )
+            rec.update(evaluate_held_out(self.model, self.eval_data, self.loss_fn, spec, cfg.algo_config, self.device))
         return rec
 
     def train(self) -> dict[str, Any]:

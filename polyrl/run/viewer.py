@@ -3,8 +3,8 @@
 The page holds the run's data as JSON and draws it with its own inline script and styles (no network, no library):
 
 - curves: one inline SVG line chart per group of known metrics present in ``metrics.jsonl`` (``CHARTS``: loss,
-  reward, KL, rollout/trainer mismatch, throughput, ...); each series a ``<path data-series=KEY>``, hover shows the
-  values at a step;
+  reward, eval pass@k, accuracy, KL, rollout/trainer mismatch, throughput, ...); each series a
+  ``<path data-series=KEY>``, hover shows the values at a step;
 - rollouts: the samples saved in ``rollouts.jsonl`` (``polyrl.run.rollout_log``) per step: pick a step, list its
   samples, click one to open its prompt, completion, reward, advantage, finish reason, an episode's messages (tool
   calls, observations) and its tokens coloured by |rollout - trainer| log-prob (when the trainer's were measured) or
@@ -30,23 +30,26 @@ from typing import Any, TextIO
 from polyrl.errors import ConfigError
 from polyrl.run.rollout_log import FILE as ROLLOUTS_FILE
 from polyrl.run.rollout_log import read_rows
+from polyrl.train.metrics import series_keys
 
-# (title, metric keys): a chart per group with at least one key present
+# (title, metric keys): a chart per group with at least one key present; a key with ``*`` is every metric it matches
+# (``polyrl.train.metrics.series_keys``: ``eval_pass@*`` -> eval_pass@1, eval_pass@2, ...)
 CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("loss", ("loss", "eval_loss", "value_loss")),
-    ("reward", ("reward", "eval_reward")),
-    ("accuracy", ("eval_accuracy", "rewards/accuracies")),
+    ("reward", ("reward", "eval_reward", "eval_sampled_reward")),
+    ("eval pass@k", ("eval_pass@*",)),
+    ("accuracy", ("eval_accuracy", "rewards/accuracies", "eval_rewards/accuracies")),
     ("KL", ("kl", "kl_before")),
     ("mismatch |rollout - trainer| log-prob", ("mismatch_mean", "mismatch_max")),
     ("throughput (tokens/s)", ("rollout_tokens_per_s", "tokens_per_s")),
-    ("response length (tokens)", ("response_length", "response_length_max")),
+    ("response length (tokens)", ("response_length", "response_length_max", "eval_length")),
     ("entropy", ("entropy",)),
     ("clip fraction", ("clip_fraction",)),
     ("grad norm", ("grad_norm",)),
     ("learning rate", ("lr",)),
     ("time per step (s)", ("time_s", "rollout_s", "reward_s", "reward_wait_s", "logprob_s", "train_s")),
     ("episodes", ("episode/turns", "episode/tool_calls", "episode/tool_call_rate")),
-    ("DPO reward margin", ("rewards/margins",)),
+    ("DPO reward margin", ("rewards/margins", "eval_rewards/margins")),
     ("MFU", ("mfu",)),
 )
 MAX_ROLLOUT_STEPS = 200
@@ -90,10 +93,11 @@ def load_run(run_dir: str | Path, max_rollout_steps: int = MAX_ROLLOUT_STEPS) ->
     rollouts = read_rows(run_dir / ROLLOUTS_FILE)
     if not metrics and not rollouts:
         raise ConfigError(f"{run_dir} has neither metrics.jsonl nor {ROLLOUTS_FILE}; is it a polyrl train --out dir?")
+    present = list(dict.fromkeys(k for r in metrics for k, v in r.items() if _finite(v)))
     charts = []
-    for title, keys in CHARTS:
+    for title, names in CHARTS:
         series = []
-        for key in keys:
+        for key in (k for name in names for k in series_keys(name, present)):
             pts = [[r["step"], r[key]] for r in metrics if _finite(r.get(key))]
             if pts:
                 series.append({"key": key, "points": pts})

@@ -1,7 +1,8 @@
 """Run metrics: ``metrics.jsonl`` (one flushed JSON object per step), the trackers ``report_to`` names
 (TensorBoard, W&B, MLflow: ``polyrl.train.tracking``; by default TensorBoard when installed), a rich progress
 bar with ETA (a plain line every N steps when stdout is not a terminal), and at the end a ``summary.json`` +
-printed table and a ``metrics.png`` plot of loss, lr and any other named series.
+printed table and a ``metrics.png`` plot of loss, lr and any other named series (a name with ``*``, such as
+``eval_pass@*``, is one panel with a line per matching metric).
 
 It only records what it is handed (``StepStats`` or plain dicts); it computes no training numbers.
 matplotlib and the trackers' libraries (optional) are imported lazily, so importing this module stays cheap; without
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -178,13 +180,35 @@ class MetricsLogger:
         return summary
 
 
+def series_keys(name: str, keys: Sequence[str]) -> list[str]:
+    """The metric keys a series name selects among ``keys``: the name itself, or for a pattern with ``*``
+    (``eval_pass@*``) every key it matches, in natural order (``eval_pass@2`` before ``eval_pass@16``)."""
+    if "*" not in name:
+        return [name] if name in keys else []
+    head, _, tail = name.partition("*")
+    hits = [k for k in keys if k.startswith(head) and k.endswith(tail) and len(k) >= len(head) + len(tail)]
+    return sorted(set(hits), key=lambda k: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", k)])
+
+
+def plot_panels(history: list[dict[str, Any]], series: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """The panels ``plot_metrics`` draws: ``(label, keys)`` per series name with a finite value in ``history``; a
+    pattern (``eval_pass@*``) is one panel with a line per matching key, labelled with ``k`` for the ``*``."""
+    present = list(dict.fromkeys(k for r in history for k, v in r.items() if _finite(v)))
+    panels = []
+    for name in series:
+        keys = series_keys(name, present)
+        if keys:
+            panels.append((name.replace("*", "k"), keys))
+    return panels
+
+
 def plot_metrics(
     history: list[dict[str, Any]], out: str | Path, series: Sequence[str] = DEFAULT_PLOT_SERIES
 ) -> Path | None:
-    """A PNG with one panel per named series present in ``history`` (x = step). None if nothing to plot;
-    ImportError without matplotlib."""
-    present = [s for s in series if any(_finite(r.get(s)) for r in history)]
-    if not present:
+    """A PNG with one panel per named series present in ``history`` (x = step; ``plot_panels``). None if nothing
+    to plot; ImportError without matplotlib."""
+    panels = plot_panels(history, series)
+    if not panels:
         return None
     # lazy: matplotlib is the optional [plot] extra, loaded only to draw
     import matplotlib
@@ -193,11 +217,14 @@ def plot_metrics(
     # lazy: pyplot only after the Agg backend is chosen
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(present), 1, figsize=(7, 2.4 * len(present)), sharex=True, squeeze=False)
-    for ax, name in zip(axes[:, 0], present):
-        pts = [(r["step"], r[name]) for r in history if _finite(r.get(name))]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], linewidth=1.2)
-        ax.set_ylabel(name)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.4 * len(panels)), sharex=True, squeeze=False)
+    for ax, (label, keys) in zip(axes[:, 0], panels):
+        for key in keys:
+            pts = [(r["step"], r[key]) for r in history if _finite(r.get(key))]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], linewidth=1.2, label=key)
+        if len(keys) > 1:
+            ax.legend(fontsize="small")
+        ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()

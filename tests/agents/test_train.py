@@ -1,6 +1,7 @@
 """GRPO over episodes end to end on the CPU (tiny model, real engine, real env workers): the loss sees exactly the
 policy tokens with the engine's log-probs aligned to them (rollout/trainer mismatch ~0), per-turn metrics are
-logged, the CLI and fit() take --env, bad settings are ConfigErrors, and a resumed agentic run is exact."""
+logged, the CLI and fit() take --env, bad settings are ConfigErrors, a resumed agentic run is exact, and ``eval_n``
+samples evaluation episodes (pass@k, length)."""
 
 from __future__ import annotations
 
@@ -170,3 +171,91 @@ def test_resume_restores_the_cumulative_failure_counters():
     run.proxy, run.env_pool = object(), None  # proxy mode keeps its own totals
     run.restore_counters(saved)
     assert run.failure_totals == {"timeout": 3, "crash": 1}
+
+
+# two turns, a 0/1 episode reward (a digit in the last reply): a random tiny model passes on some samples
+HAS_DIGIT_ENV = """
+from polyrl.agents.env import Environment, EnvStep
+
+
+class HasDigit(Environment):
+    def reset(self, example):
+        self.turn = 0
+        return [{"role": "user", "content": example["prompt"]}]
+
+    def step(self, message):
+        self.turn += 1
+        done = self.turn >= 2
+        reward = float(done and any(c.isdigit() for c in message.get("content") or ""))
+        return EnvStep([{"role": "user", "content": "Again."}], reward, done)
+"""
+
+
+def test_agentic_eval_n_samples_episodes_and_reports_pass_at_k(tiny_model_dir, tmp_path):
+    """``eval_n`` K > 1 in an agentic run: beside the greedy episodes, K sampled episodes per eval prompt give the
+    sampled mean reward, unbiased pass@k (monotone in k; pass@1 = the mean of a 0/1 reward) and the mean policy tokens
+    per episode, at the eval steps only; without eval_n only the greedy metrics."""
+    env = tmp_path / "has_digit.py"
+    env.write_text(HAS_DIGIT_ENV)
+    out = tmp_path / "eval_n"
+    raw = _raw(tiny_model_dir, out, steps=2, env=f"{env}:HasDigit", max_turns=2, eval_prompts=4, eval_n=4)
+    raw["grpo"]["eval_pass_threshold"] = 1.0
+    raw["train"].update(eval_every=1, eval_data="builtin:arithmetic?max=9&n=8")
+    _run(raw)
+    recs = _records(out)
+    assert [r["step"] for r in recs if "eval_pass@4" in r] == [1, 2]
+    for r in recs:
+        assert 0.0 <= r["eval_reward"] <= 1.0  # the greedy evaluation is still there
+        p1, p2, p4 = r["eval_pass@1"], r["eval_pass@2"], r["eval_pass@4"]
+        assert 0 < p1 < 1 and p1 <= p2 <= p4 <= 1
+        assert p1 == pytest.approx(r["eval_sampled_reward"])  # 0/1 rewards: pass@1 is the mean reward
+        assert 0 < r["eval_length"] <= 2 * 6  # two turns of at most 6 policy tokens
+    # without eval_n: greedy episodes only
+    raw = _raw(tiny_model_dir, tmp_path / "greedy", steps=1, env=f"{env}:HasDigit", max_turns=2, eval_prompts=4)
+    raw["train"].update(eval_every=1, eval_data="builtin:arithmetic?max=9&n=8")
+    _run(raw)
+    (r,) = _records(tmp_path / "greedy")
+    assert "eval_reward" in r and not any(k.startswith("eval_pass@") or k == "eval_length" for k in r)
+
+
+def test_agentic_eval_n_metrics_from_the_episodes():
+    """The sampled evaluation's numbers from known episodes (no model): K episodes per prompt at the training
+    temperature with the evaluation seeds, pass@k by the unbiased estimator over prompts, length = policy tokens."""
+    from math import comb
+    from types import SimpleNamespace
+
+    from polyrl.agents.train import with_episodes
+    from polyrl.infer.sampling_params import SamplingParams
+    from polyrl.run.online import OnlineRun, rollout_seed
+
+    run = object.__new__(with_episodes(OnlineRun))
+    run.a = SimpleNamespace(
+        eval_n=4, eval_pass_threshold=0.5, temperature=0.8, top_p=0.9, eval_max_new_tokens=None, max_new_tokens=6
+    )
+    run.cfg = SimpleNamespace(seed=3)
+    run.sampling = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=6)
+    run.eval_set = (None, None, [{"prompt": "a"}, {"prompt": "b"}])
+    # prompt 0: rewards 1, 0, 0.5, 0 (two pass); prompt 1: none passes; greedy: one episode per prompt
+    rewards = {0: [1.0, 0.0, 0.5, 0.0], 1: [0.0, 0.25, 0.0, 0.0]}
+    calls = []
+
+    def episodes(examples, n, sampling, seeds):
+        calls.append((n, sampling.temperature, sampling.top_p, seeds))
+        out = []
+        for g in range(len(examples)):
+            for j in range(n):
+                e = Episode(g, j, prompt_ids=[1])
+                e.add_turn([5] * (g + j + 1), [-0.1] * (g + j + 1))
+                e.reward = rewards[g][j] if n > 1 else 0.5
+                out.append(e)
+        return out
+
+    run.episodes = episodes
+    got = run.evaluate()
+    assert calls[0] == (1, 0.0, 0.9, None)  # greedy
+    assert calls[1] == (4, 0.8, 0.9, [rollout_seed(3, -1, 0), rollout_seed(3, -1, 1)])
+    assert got["eval_reward"] == 0.5
+    assert got["eval_sampled_reward"] == pytest.approx(1.75 / 8)
+    for k in (1, 2, 4):  # prompt 0: c = 2 of n = 4; prompt 1: c = 0
+        assert got[f"eval_pass@{k}"] == pytest.approx((1 - comb(2, k) / comb(4, k)) / 2)
+    assert got["eval_length"] == pytest.approx(sum(g + j + 1 for g in (0, 1) for j in range(4)) / 8)

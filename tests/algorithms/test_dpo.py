@@ -261,3 +261,39 @@ def test_dpo_run_on_the_accelerator_bf16(tiny_model_dir, tmp_path):
     assert json.loads((out / CACHE_NAME).read_text())["meta"]["dtype"] == "bfloat16"
     assert recs[0]["loss"] == pytest.approx(math.log(2.0), abs=2e-3)
     assert sum(r["rewards/margins"] for r in recs[-3:]) / 3 > 0.3
+
+
+def test_held_out_eval_reports_margin_and_accuracy_per_pair(tiny_model_dir, tmp_path):
+    """``eval_every``: eval_loss, eval_rewards/margins and eval_rewards/accuracies at the eval steps; at the last step
+    they equal a direct computation over the eval pairs with the final weights (means over pairs, although the eval
+    micro-batches hold different numbers of pairs)."""
+    from polyrl.algorithms.dpo import build_data
+    from polyrl.data import DataConfig
+    from polyrl.models.checkpoint import load_model, load_tokenizer
+
+    eval_spec = "builtin:arithmetic-pref?max=9&n=20&seed=5"
+    out = tmp_path / "run"
+    cfg = _cfg(tiny_model_dir, out, steps=3)
+    cfg.train.eval_every, cfg.train.eval_data, cfg.train.save_final_model = 2, eval_spec, True
+    runner.run(cfg)
+    recs = _records(out)
+    assert [r["step"] for r in recs if "eval_rewards/margins" in r] == [2, 3]
+    assert all("eval_loss" in r and 0.0 <= r["eval_rewards/accuracies"] <= 1.0 for r in recs if "eval_loss" in r)
+
+    data = build_data(DataConfig(path=eval_spec, shuffle=False), load_tokenizer(tiny_model_dir), "train", 512)
+    pairs_per_batch = [b.num_sequences // 2 for b in data.iterator(max_epochs=1)]
+    assert sum(pairs_per_batch) == len(data.units) == 20 and len(set(pairs_per_batch)) > 1  # unequal batches
+    policy, reference = load_model(out / "final", dtype=torch.float32), load_model(tiny_model_dir, dtype=torch.float32)
+    margins, wins, losses = [], [], []
+    with torch.no_grad():
+        for chosen, rejected in data.units:
+            r_c = 0.5 * (_direct_logps(policy, chosen) - _direct_logps(reference, chosen))
+            r_r = 0.5 * (_direct_logps(policy, rejected) - _direct_logps(reference, rejected))
+            margins.append(r_c - r_r)
+            wins.append(float(r_c > r_r))
+            losses.append(-math.log(_sig(r_c - r_r)))
+    last = recs[-1]
+    assert last["eval_rewards/margins"] == pytest.approx(sum(margins) / 20, abs=1e-4)
+    assert last["eval_rewards/accuracies"] == pytest.approx(sum(wins) / 20)
+    assert last["eval_loss"] == pytest.approx(sum(losses) / 20, abs=1e-4)
+    assert abs(last["eval_rewards/margins"]) > 1e-3  # three steps moved the policy off the reference

@@ -207,3 +207,28 @@ def test_serve_answers_the_page_on_localhost(grpo_run):
 def test_view_of_a_directory_without_a_run_is_a_config_error(tmp_path, capsys):
     assert main(["view", str(tmp_path)]) == 2
     assert "neither metrics.jsonl nor rollouts.jsonl" in capsys.readouterr().err
+
+
+def test_charts_select_eval_series(tmp_path):
+    """The eval metrics land in the charts (no browser: the page's data): greedy and sampled eval reward beside the
+    reward, every eval_pass@k in one chart (natural order), eval length beside the response length, DPO's held-out
+    margin and accuracy beside the training ones."""
+    from polyrl.run.viewer import load_run
+
+    recs = [
+        {"step": 1, "reward": 0.1, "response_length": 4.0, "rewards/margins": 0.0, "rewards/accuracies": 0.5},
+        {
+            "step": 2, "reward": 0.2, "eval_reward": 0.5, "eval_sampled_reward": 0.4, "eval_pass@1": 0.4,
+            "eval_pass@2": 0.6, "eval_pass@16": 0.9, "eval_length": 5.5, "eval_rewards/margins": 0.3,
+            "eval_rewards/accuracies": 0.75,
+        },
+    ]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    charts = {c["title"]: [s["key"] for s in c["series"]] for c in load_run(tmp_path)["charts"]}
+    assert charts["reward"] == ["reward", "eval_reward", "eval_sampled_reward"]
+    assert charts["eval pass@k"] == ["eval_pass@1", "eval_pass@2", "eval_pass@16"]
+    assert charts["response length (tokens)"] == ["response_length", "eval_length"]
+    assert charts["accuracy"] == ["rewards/accuracies", "eval_rewards/accuracies"]
+    assert charts["DPO reward margin"] == ["rewards/margins", "eval_rewards/margins"]
+    pass_k = next(c for c in load_run(tmp_path)["charts"] if c["title"] == "eval pass@k")
+    assert pass_k["series"][2]["points"] == [[2, 0.9]]

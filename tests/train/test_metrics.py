@@ -120,3 +120,46 @@ def test_rich_progress_bar_fits_80_columns(tmp_path, monkeypatch):
     bar = [x for x in lines if "12345/100000" in x]
     assert len(bar) == 1 and "loss 12.3457" in bar[0] and "eta" in bar[0], lines
     assert all(len(x) <= 80 for x in lines), [len(x) for x in lines]
+
+
+def test_plot_panels_select_eval_series_and_patterns():
+    """Series names select the panels drawn: a name present in any record (finite), and a ``*`` pattern one panel of
+    every key it matches in natural order; the RL and DPO specs name the eval metrics (pass@k, length, DPO's)."""
+    from polyrl import algorithms
+    from polyrl.train.metrics import plot_panels, series_keys
+
+    keys = ["eval_pass@16", "eval_pass@2", "eval_pass@1", "eval_pass@4", "eval_passive", "reward"]
+    assert series_keys("eval_pass@*", keys) == ["eval_pass@1", "eval_pass@2", "eval_pass@4", "eval_pass@16"]
+    assert series_keys("reward", keys) == ["reward"] and series_keys("eval_reward", keys) == []
+    history = [
+        {"step": 1, "reward": 0.1, "loss": 1.0},
+        {"step": 2, "reward": 0.2, "eval_reward": 0.5, "eval_pass@1": 0.25, "eval_pass@2": 0.4, "eval_length": 5.0},
+        {"step": 3, "reward": 0.3, "eval_rewards/margins": float("nan")},  # never finite: no panel
+    ]
+    grpo = algorithms.get("grpo").plot_series
+    assert plot_panels(history, ("loss", *grpo)) == [
+        ("loss", ["loss"]),
+        ("reward", ["reward"]),
+        ("eval_reward", ["eval_reward"]),
+        ("eval_pass@k", ["eval_pass@1", "eval_pass@2"]),
+        ("eval_length", ["eval_length"]),
+    ]
+    for algo in ("ppo", "gspo", "distill"):
+        assert {"eval_reward", "eval_pass@*", "eval_length"} <= set(algorithms.get(algo).plot_series), algo
+    dpo = algorithms.get("dpo").plot_series
+    dpo_hist = [{"step": 2, "rewards/margins": 0.1, "eval_rewards/margins": 0.2, "eval_rewards/accuracies": 0.75}]
+    assert [label for label, _ in plot_panels(dpo_hist, dpo)] == [
+        "rewards/margins",
+        "eval_rewards/margins",
+        "eval_rewards/accuracies",
+    ]
+
+
+def test_plot_draws_a_pattern_panel(tmp_path):
+    pytest.importorskip("matplotlib")
+    from polyrl.train.metrics import plot_metrics
+
+    history = [{"step": s, "eval_pass@1": 0.1 * s, "eval_pass@2": 0.15 * s} for s in (1, 2, 3)]
+    png = plot_metrics(history, tmp_path / "m.png", ("eval_pass@*",))
+    assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_metrics(history, tmp_path / "none.png", ("eval_length",)) is None
