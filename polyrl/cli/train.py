@@ -145,12 +145,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--eval-every",
         type=int,
-        help="evaluate every N steps and at the end, on --eval-data or the held-out part: sft/dpo/rm the held-out "
-        "loss (eval_loss); grpo/gspo/ppo/distill greedy completions of the eval prompts scored by the reward "
-        "(eval_reward, eval_accuracy; --eval-n K adds eval_pass@k); agentic runs (--env) greedy episodes "
-        "(eval_reward, eval_tool_call_rate)",
+        help="evaluate every N steps and at the end, on --eval-data (RL: its prompts) or the held-out part: "
+        "sft/dpo/rm the held-out loss (eval_loss); grpo/gspo/ppo/distill greedy completions of the eval prompts "
+        "scored by the reward (eval_reward, eval_accuracy; --eval-n K adds eval_pass@k); agentic runs (--env) "
+        "greedy episodes (eval_reward, eval_tool_call_rate)",
     )
-    g.add_argument("--eval-data", metavar="SPEC", help="held-out data for --eval-every (prompts for RL)")
+    g.add_argument("--eval-data", metavar="SPEC", help="dataset for the eval loss")
     g.add_argument("--log-every", type=int, help="print a progress line every N steps when not on a terminal")
     g.add_argument(
         "--report-to",
