@@ -142,7 +142,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("length and evaluation")
     g.add_argument("--max-steps", type=int, help="optimizer steps (wins over --epochs)")
     g.add_argument("--epochs", type=float, help="passes over the data (default 1)")
-    g.add_argument("--eval-every", type=int, help="eval loss every N steps (on --eval-data or the held-out part)")
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        help="evaluate every N steps and at the end, on --eval-data (RL: its prompts) or the held-out part: "
+        "sft/dpo/rm the held-out loss (eval_loss); grpo/gspo/ppo/distill greedy completions of the eval prompts "
+        "scored by the reward (eval_reward, eval_accuracy; --eval-n K adds eval_pass@k); agentic runs (--env) "
+        "greedy episodes (eval_reward, eval_tool_call_rate)",
+    )
     g.add_argument("--eval-data", metavar="SPEC", help="dataset for the eval loss")
     g.add_argument("--log-every", type=int, help="print a progress line every N steps when not on a terminal")
     g.add_argument(
