@@ -226,3 +226,58 @@ def test_grpo_unknown_keep_best_metric_fails_at_start_up(tiny_model_dir, tmp_pat
     with pytest.raises(ConfigError, match=r"'eval_pass@4'.*eval_pass@1, eval_pass@2.*eval_reward"):
         _run(_grpo_raw(tiny_model_dir, out, reward, 1e-2, keep_best="eval_pass@4"))
     assert not (out / "metrics.jsonl").exists()  # before any step
+
+
+DIGITS_ENV = """
+from polyrl.agents.env import Environment, EnvStep
+
+
+class DigitsEnv(Environment):
+    def reset(self, example):
+        self.turn = 0
+        return [{"role": "user", "content": example["prompt"]}]
+
+    def step(self, message):
+        self.turn += 1
+        text = message.get("content") or ""
+        return EnvStep([{"role": "user", "content": "Again."}], sum(c.isdigit() for c in text) / max(len(text), 1),
+                       self.turn >= 2)
+"""
+
+
+def _agentic_raw(model_dir: Path, out: Path, env: str, lr: float, **train) -> dict:
+    raw = _grpo_raw(model_dir, out, Path("unused.py"), lr, **train)
+    raw["grpo"] = {
+        "reward": "exact_match",
+        "reward_workers": 0,
+        "prompts_per_step": 2,
+        "samples_per_prompt": 2,
+        "max_new_tokens": 6,
+        "eval_prompts": 4,
+    }
+    raw["train"]["eval_data"] = "builtin:arithmetic?max=9&n=8"
+    raw["engine"]["micro_batch_tokens"] = 512
+    raw["agent"] = {"env": env, "env_workers": 1, "max_turns": 2, "max_episode_tokens": 256}
+    return raw
+
+
+def test_agentic_eval_before_train_and_keep_best(tiny_model_dir, tmp_path):
+    """Episodes share the mechanism: the step-0 row is the greedy episodes of the initial policy (the eval of a
+    run whose one update changes nothing), and keep-best follows the episode eval reward."""
+    import polyrl.agents  # noqa: F401  (registers the [agent] table)
+
+    (tmp_path / "digits_env.py").write_text(DIGITS_ENV)
+    env = f"{tmp_path / 'digits_env.py'}:DigitsEnv"
+    out = tmp_path / "agentic"
+    _run(_agentic_raw(tiny_model_dir, out, env, 5e-2, eval_before_train=True, keep_best="eval_reward"))
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [0, 1]
+    ref = tmp_path / "ref"
+    _run(_agentic_raw(tiny_model_dir, ref, env, 1e-30))
+    (after,) = _rows(ref)
+    evals = {k: v for k, v in after.items() if k.startswith("eval_")}
+    assert "eval_reward" in evals and {k: rows[0][k] for k in evals} == evals
+    best = json.loads((out / "best" / "best.json").read_text())
+    r = {row["step"]: row["eval_reward"] for row in rows}
+    want = 1 if r[1] > r[0] else 0
+    assert best == {"metric": "eval_reward", "mode": "max", "value": r[want], "step": want}
