@@ -103,6 +103,12 @@ class BestKeeper:
         self.value = None if state.get("value") is None else float(state["value"])
         self.step = None if state.get("step") is None else int(state["step"])
 
+    def summary(self) -> dict[str, Any]:
+        """The run summary's lines about the best (none before any evaluation)."""
+        if self.step is None:
+            return {}
+        return {"best_model": str(self.path), f"best_{self.metric.name}": self.value, "best_step": self.step}
+
     # ---- per step -----------------------------------------------------------------------------------
     def check(self, names: set[str] | None) -> None:
         """Before training: a ``ConfigError`` when the metric is not among ``names``, the eval metrics the run will

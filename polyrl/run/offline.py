@@ -463,6 +463,7 @@ class OfflineRun:
             "wall_time_s": time.perf_counter() - self.t_start,
             **_data_summary(self.data.stats),
             "final_model": str(final) if final is not None else None,
+            **(self.best.summary() if self.best is not None else {}),
         }
         summary = log.close(extra=extra)
         out = self.out

@@ -792,6 +792,7 @@ class OnlineRun(DataParallelSteps):
             "reward_failures": dict(self.pool.totals),
             "world_size": world.world_size,
             "final_model": str(final) if final is not None else None,
+            **(self.best.summary() if self.best is not None else {}),
         }
         for key in ("eval_reward", "eval_accuracy"):
             vals = [r[key] for r in h if key in r]

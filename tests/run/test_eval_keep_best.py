@@ -58,7 +58,7 @@ def _eval_loss_of(model_dir: Path, raw: dict) -> float:
 def test_sft_eval_before_train_and_keep_best(tiny_model_dir, tmp_path):
     out = tmp_path / "sft"
     raw = _sft_raw(tiny_model_dir, out, eval_before_train=True, keep_best="eval_loss")
-    _run(raw)
+    summary = _run(raw)
     rows = _rows(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert set(rows[0]) == {"step", "eval_loss"}  # the step-0 row is the evaluation alone
@@ -68,6 +68,8 @@ def test_sft_eval_before_train_and_keep_best(tiny_model_dir, tmp_path):
     want_step = min(losses, key=losses.get)
     best = json.loads((out / "best" / "best.json").read_text())
     assert best == {"metric": "eval_loss", "mode": "min", "value": losses[want_step], "step": want_step}
+    assert summary["best_model"] == str(out / "best") and summary["best_step"] == want_step
+    assert summary["best_eval_loss"] == best["value"]
     # the folder is the model of that step: evaluating it gives the logged value; an HF folder like final/
     assert _eval_loss_of(out / "best", raw) == pytest.approx(best["value"], rel=1e-5)
     assert {p.name for p in (out / "final").iterdir()} <= {p.name for p in (out / "best").iterdir()}
