@@ -283,3 +283,21 @@ def test_agentic_eval_before_train_and_keep_best(tiny_model_dir, tmp_path):
     r = {row["step"]: row["eval_reward"] for row in rows}
     want = 1 if r[1] > r[0] else 0
     assert best == {"metric": "eval_reward", "mode": "max", "value": r[want], "step": want}
+
+
+def test_metrics_of_a_run_that_starts_over_keep_no_step_0_row(tmp_path):
+    """A run resumed with no checkpoint yet starts at step 0 and evaluates before training again: the step-0 row
+    of the attempt before is dropped (one step-0 row); a run resumed past step 0 keeps it."""
+    import io
+
+    from polyrl.train.metrics import MetricsLogger
+
+    def logger(start: int) -> MetricsLogger:
+        return MetricsLogger(tmp_path, 4, start_step=start, stream=io.StringIO(), report_to="none")
+
+    log = logger(0)
+    for step in (0, 1, 2):
+        log.log({"step": step, "eval_loss": 1.0 / (step + 1)})
+    log.close(print_table=False)
+    assert [r["step"] for r in logger(1).history] == [0, 1]
+    assert logger(0).history == [] and (tmp_path / "metrics.jsonl").read_text() == ""
