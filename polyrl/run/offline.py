@@ -316,6 +316,8 @@ def _restore_position(
 class OfflineRun:
     """One offline run in named steps (see the module docstring); ``train()`` returns the summary."""
 
+    best: BestKeeper | None = None  # train.keep_best (set in __init__)
+
     def __init__(self, cfg: RunConfig, stream: TextIO | None, world: par.World) -> None:
         self.cfg, self.spec, self.world = cfg, cfg.spec, world
         self.out = Path(cfg.out)

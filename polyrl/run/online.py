@@ -89,6 +89,7 @@ from polyrl.run.async_rollout import (
     ThreadedRollouts,
     staleness_metrics,
 )
+from polyrl.run.best import BestKeeper
 from polyrl.run.colocated import ColocatedPolicy
 from polyrl.run.config import RunConfig, save_resolved
 from polyrl.run.data_parallel import DataParallelSteps
@@ -159,6 +160,8 @@ def _mean(xs: list[float]) -> float:
 
 class OnlineRun(DataParallelSteps):
     """A whole online run (see the module docstring); ``run()`` returns the summary."""
+
+    best: BestKeeper | None = None  # train.keep_best (set in __init__)
 
     def __init__(self, cfg: RunConfig, hooks: OnlineHooks, stream: TextIO | None = None) -> None:
         self.cfg, self.hooks, self.a = cfg, hooks, cfg.algo_config
