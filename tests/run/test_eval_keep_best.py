@@ -301,3 +301,17 @@ def test_metrics_of_a_run_that_starts_over_keep_no_step_0_row(tmp_path):
     log.close(print_table=False)
     assert [r["step"] for r in logger(1).history] == [0, 1]
     assert logger(0).history == [] and (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_lora_keep_best_is_an_adapter_folder(tiny_model_dir, tmp_path):
+    """A LoRA run's best is a PEFT adapter folder, like its final, with best.json of the lowest eval loss."""
+    from polyrl.models.lora import is_adapter_dir
+
+    out = tmp_path / "lora"
+    raw = _sft_raw(tiny_model_dir, out, max_steps=2, keep_best="eval_loss")
+    raw["lora"] = {"r": 4, "alpha": 8}
+    _run(raw)
+    best = json.loads((out / "best" / "best.json").read_text())
+    assert is_adapter_dir(out / "best") and is_adapter_dir(out / "final")
+    losses = {r["step"]: r["eval_loss"] for r in _rows(out) if "eval_loss" in r}
+    assert best["value"] == min(losses.values()) and losses[best["step"]] == best["value"]
