@@ -9,6 +9,7 @@ best so far writes the current weights with ``export`` (the run's final-export w
 kind of folder as ``<out>/final``: an HF folder, or a PEFT adapter folder for LoRA) into a hidden folder next to it,
 adds ``best.json`` (``metric``, ``mode``, ``value``, ``step``), and publishes it with one rename (a crash leaves the
 previous best whole). ``<out>/best`` lives outside ``checkpoints/``, so ``checkpoint.keep_last_k`` never prunes it.
+It is the model a user evaluates or serves (PPO: the policy; the critic is not kept).
 An evaluation record (any ``eval_*`` key) without the metric is a ``ConfigError`` naming the metrics it has; a run
 that knows its eval metrics before training (``check``: the online runner's own evaluation) raises it at start-up.
 
