@@ -29,6 +29,8 @@ A GRPO step by hand::
 A whole recipe run (any registered algorithm, the same loop, checkpoints and outputs as ``polyrl train``)::
     summary = fit("dpo", model="runs/sft/final", data="prefs.jsonl", out="runs/dpo",
                   optim={"lr": 5e-7}, train={"max_steps": 200}, dpo={"beta": 0.1})
+    summary = fit("sft", model="runs/tiny", data="builtin:arithmetic", out="runs/sft",    # eval during training:
+                  train={"max_steps": 100, "eval_every": 20, "eval_before_train": True, "keep_best": "eval_loss"})
     summary = fit("ppo", model="runs/sft/final", data="builtin:arithmetic", out="runs/ppo",
                   ppo={"reward": "exact_match", "samples_per_prompt": 4, "critic_warmup_steps": 2})
 

@@ -42,6 +42,8 @@ FLAG_KEYS: dict[str, str] = {
     "epochs": "train.epochs",
     "eval_every": "train.eval_every",
     "eval_data": "train.eval_data",
+    "eval_before_train": "train.eval_before_train",
+    "keep_best": "train.keep_best",
     "log_every": "train.log_every",
     "report_to": "train.report_to",
     "lr": "optim.lr",
@@ -151,6 +153,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "greedy episodes (eval_reward, eval_tool_call_rate)",
     )
     g.add_argument("--eval-data", metavar="SPEC", help="dataset for the eval loss")
+    g.add_argument(
+        "--eval-before-train",
+        action="store_true",
+        default=None,
+        help="with --eval-every: also evaluate the initial model, logged as step 0 (not repeated on resume)",
+    )
+    g.add_argument(
+        "--keep-best",
+        metavar="METRIC",
+        help="with --eval-every: keep the model of the best-evaluated step as OUT/best (+ best.json); METRIC as "
+        "logged, e.g. eval_loss, eval_reward, eval_pass@1, optionally min:/max: (default: min if it names a loss)",
+    )
     g.add_argument("--log-every", type=int, help="print a progress line every N steps when not on a terminal")
     g.add_argument(
         "--report-to",

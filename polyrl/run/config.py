@@ -7,7 +7,8 @@ File layout (every table optional; see ``examples/sft_arithmetic.toml``)::
     model = "path/to/hf"    # HF folder
     out = "runs/name"       # run directory
     seed = 0                # default for data.seed and engine.seed
-    [train]      max_steps / epochs, eval_every, eval_data, log_every, report_to      (LoopConfig)
+    [train]      max_steps / epochs, eval_every, eval_data, eval_before_train, keep_best, log_every,
+                 report_to                                                            (LoopConfig)
     [data]       polyrl.data.DataConfig            [optim]      polyrl.train.OptimConfig
     [schedule]   polyrl.train.ScheduleConfig       [precision]  polyrl.train.PrecisionConfig
     [engine]     polyrl.train.StepConfig         [checkpoint] polyrl.train.CheckpointConfig
@@ -45,6 +46,7 @@ from polyrl.data.config import DataConfig
 from polyrl.errors import ConfigError
 from polyrl.models.decoder import DecoderOptions
 from polyrl.models.lora import LoraConfig, base_model_path, is_adapter_dir, make_lora_config, read_adapter_config
+from polyrl.run.best import BestMetric
 from polyrl.run.episodes import EpisodeConfig, episode_tables
 from polyrl.train.config import CheckpointConfig, OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig
 from polyrl.train.tracking import parse_report_to
@@ -57,7 +59,11 @@ TOP_LEVEL = ("algo", "model", "out", "seed", "resume")
 class LoopConfig:
     """The ``[train]`` table. ``max_steps`` (optimizer steps) wins over ``epochs`` when both are set (as in
     TRL); neither means one epoch. ``eval_every`` > 0 computes the loss on ``eval_data`` (a data spec; None:
-    the held-out part, ``data.holdout`` or a builtin's ``@test``) every that many steps. ``report_to``: the
+    the held-out part, ``data.holdout`` or a builtin's ``@test``) every that many steps and at the last step;
+    ``eval_before_train`` adds one evaluation of the initial model, logged as step 0 (not repeated on resume).
+    ``keep_best``: an eval metric as logged (``eval_loss``, ``eval_reward``, ``eval_pass@1``, ...; optional ``min:`` /
+    ``max:`` prefix, default min for names containing ``loss``, else max) whose best step's model is kept as
+    ``<out>/best`` (``polyrl.run.best``). Both need ``eval_every`` > 0. ``report_to``: the
     experiment trackers (``polyrl.train.tracking``): a comma list of tensorboard, wandb, mlflow (a TOML list works
     too), ``none``, or ``auto`` (TensorBoard when installed); each named library is checked here, before any model
     loads."""
@@ -66,6 +72,8 @@ class LoopConfig:
     epochs: float | None = None
     eval_every: int = 0
     eval_data: str | None = None
+    eval_before_train: bool = False
+    keep_best: str | None = None
     log_every: int = 10
     save_final_model: bool = True
     report_to: str = "auto"
@@ -81,6 +89,16 @@ class LoopConfig:
             raise ConfigError(f"train.epochs must be a positive number, got {self.epochs!r}; e.g. --epochs 1")
         if not _is_int(self.eval_every) or self.eval_every < 0:
             raise ConfigError(f"train.eval_every must be a non-negative integer, got {self.eval_every!r}")
+        if not isinstance(self.eval_before_train, bool):
+            raise ConfigError(f"train.eval_before_train must be true or false, got {self.eval_before_train!r}")
+        if self.keep_best is not None:
+            self.keep_best = str(BestMetric.parse(self.keep_best))  # checked; the direction made explicit
+        for key, flag in (("eval_before_train", "--eval-before-train"), ("keep_best", "--keep-best")):
+            if getattr(self, key) not in (None, False) and self.eval_every == 0:
+                raise ConfigError(
+                    f"train.{key} ({flag}) needs evaluation during training: set --eval-every N (train.eval_every) "
+                    "and the eval data, --eval-data SPEC (or data.holdout)"
+                )
         if not _is_int(self.log_every) or self.log_every < 1:
             raise ConfigError(f"train.log_every must be a positive integer, got {self.log_every!r}")
         if not isinstance(self.report_to, str) or self.report_to.strip() != "auto":

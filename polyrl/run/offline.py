@@ -7,15 +7,18 @@ resolved config; ``load_model`` loads (and under torchrun distributes) the model
 ``resume`` restores a checkpoint and the data position; ``train`` loops ``TrainEngine.step`` over packed
 micro-batches (``engine.accumulation_steps`` per optimizer step) with metrics, an optional held-out evaluation
 (``evaluate_held_out``: ``eval_loss`` and ``eval_<metric>`` for each metric of the loss, DPO's reward margin and
-preference accuracy among them) and atomic checkpoints that carry the data position and data stats, so ``resume``
-continues exactly. At the end it writes a last checkpoint, the final HF folder ``<out>/final``, ``summary.json`` and
-``metrics.png``. A LoRA run (``cfg.lora``) trains adapters on a frozen base (``load_policy``); its checkpoints and
-``final`` are PEFT adapter folders. Under torchrun the model is FSDP2-sharded, or for LoRA replicated with all-reduced
-adapter gradients (``parallel.distribute_model``).
+preference accuracy among them; every ``train.eval_every`` steps, and as step 0 before training with
+``train.eval_before_train``) and atomic checkpoints that carry the data position and data stats, so ``resume``
+continues exactly; ``train.keep_best`` keeps the best evaluated step's model as ``<out>/best`` (``polyrl.run.best``;
+its best value rides in the checkpoints). At the end it writes a last checkpoint, the final HF folder ``<out>/final``,
+``summary.json`` and ``metrics.png``. A LoRA run (``cfg.lora``) trains adapters on a frozen base (``load_policy``); its
+checkpoints and ``final`` are PEFT adapter folders. Under torchrun the model is FSDP2-sharded, or for LoRA replicated
+with all-reduced adapter gradients (``parallel.distribute_model``).
 
 The helpers every run shares (``load_policy``, ``resume_point``, ``open_checkpoints``, ``export_final``,
-``report_stream``) live here too. Not here: the step itself (``polyrl.train.engine``), checkpoint files
-(``polyrl.train.checkpoint``), argument parsing (``polyrl.cli.train``), online (rollout) runs (``online``).
+``keep_best``, ``run_steps``, ``report_stream``) live here too. Not here: the step itself (``polyrl.train.engine``),
+checkpoint files (``polyrl.train.checkpoint``), argument parsing (``polyrl.cli.train``), online (rollout) runs
+(``online``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from polyrl.errors import CheckpointError, ConfigError
 from polyrl.models.checkpoint import load_model, load_tokenizer, save_model
 from polyrl.models.lora import base_model_path, is_adapter_dir, load_lora_model
 from polyrl.platform import device
+from polyrl.run.best import BestKeeper, BestMetric
 from polyrl.run.config import RunConfig, differences, save_resolved
 from polyrl.train import parallel as par
 from polyrl.train.checkpoint import (
@@ -157,14 +161,28 @@ def open_checkpoints(out: Path, cfg: RunConfig, world: par.World) -> CheckpointM
     return ckpts or CheckpointManager(out, cfg.checkpoint)
 
 
+def export_model(model: nn.Module, world: par.World, out: Path, tokenizer: Any) -> Path | None:
+    """``model`` as an HF folder ``out`` (LoRA: a PEFT adapter folder), gathered from the shards under torchrun
+    (a collective; the folder on rank 0, None elsewhere)."""
+    if world.distributed:
+        return par.export_hf(model, world, out, tokenizer=tokenizer)
+    return save_model(model, out, tokenizer=tokenizer)
+
+
 def export_final(cfg: RunConfig, model: nn.Module, world: par.World, tokenizer: Any) -> Path | None:
     """The final HF folder ``<out>/final`` (``train.save_final_model``), gathered from the shards under torchrun."""
     if not cfg.train.save_final_model:
         return None
-    out = Path(cfg.out) / FINAL_DIR
-    if world.distributed:
-        return par.export_hf(model, world, out, tokenizer=tokenizer)
-    return save_model(model, out, tokenizer=tokenizer)
+    return export_model(model, world, Path(cfg.out) / FINAL_DIR, tokenizer)
+
+
+def keep_best(
+    cfg: RunConfig, world: par.World, export: Callable[[Path], Path | None], stream: TextIO
+) -> BestKeeper | None:
+    """The run's ``BestKeeper`` (``train.keep_best``; ``polyrl.run.best``), or None."""
+    if not cfg.train.keep_best:
+        return None
+    return BestKeeper(BestMetric.parse(cfg.train.keep_best), Path(cfg.out), export, world, stream)
 
 
 def open_metrics(
@@ -186,13 +204,25 @@ def run_steps(
     log: MetricsLogger | None,
     ckpts: CheckpointManager,
     save: Callable[[int], None],
+    before: Callable[[], dict[str, Any]] | None = None,
+    best: BestKeeper | None = None,
 ) -> None:
     """The loop every run shares: ``step(i)`` for i in [start, steps), each record logged, a checkpoint whenever
-    ``ckpts`` asks for one, and the final one."""
+    ``ckpts`` asks for one, and the final one. ``before``: the evaluation of the initial model
+    (``train.eval_before_train``), logged as step 0 when the run starts at step 0 (a resumed run has it already);
+    ``best``: offered every record before the checkpoint of its step (``train.keep_best``)."""
+    if before is not None and start == 0:
+        rec = {"step": 0, **before()}
+        if log is not None:
+            log.log(rec)
+        if best is not None:
+            best.update(0, rec)
     for i in range(start, steps):
         rec = step(i)
         if log is not None:
             log.log(rec)
+        if best is not None:
+            best.update(i + 1, rec)
         if ckpts.should_save(i + 1) and i + 1 < steps:
             save(i + 1)
     if ckpts.should_save(steps, final=True):
@@ -308,12 +338,15 @@ def _restore_position(
 class OfflineRun:
     """One offline run in named steps (see the module docstring); ``train()`` returns the summary."""
 
+    best: BestKeeper | None = None  # train.keep_best (set in __init__)
+
     def __init__(self, cfg: RunConfig, stream: TextIO | None, world: par.World) -> None:
         self.cfg, self.spec, self.world = cfg, cfg.spec, world
         self.out = Path(cfg.out)
         self.stream = report_stream(stream, world)
         self.t_start = time.perf_counter()
         self.setup()
+        self.best = keep_best(cfg, world, self.export_best, self.stream)
         self.load_model()
         self.start = self.resume() if self.start_point is not None else 0
 
@@ -376,6 +409,8 @@ class OfflineRun:
         if "iterator" not in loaded.data_state:
             raise CheckpointError(f"{path} has no data position; it was not written by `polyrl train`")
         _restore_position(self.it, self.data, loaded.data_state, world.world_size)
+        if self.best is not None:
+            self.best.load_state_dict(loaded.data_state.get("best"))
         print(f"resumed from {path} at step {loaded.step}{resume_note(loaded, self.cfg)}", file=self.stream)
         if loaded.step > self.steps:
             raise ConfigError(
@@ -386,6 +421,8 @@ class OfflineRun:
     def save(self, ckpts: CheckpointManager, step: int) -> None:
         """An atomic checkpoint with the data position (a collective under torchrun)."""
         state = {"iterator": self.it.state_dict(), "stats": self.data.stats.as_dict(), "world_size": self.it.world_size}
+        if self.best is not None:
+            state["best"] = self.best.state_dict()
         config = self.cfg.to_dict()
         if not self.world.distributed:
             ckpts.save(step, self.model, self.engine, data_state=state, config=config, tokenizer=self.tokenizer)
@@ -398,6 +435,18 @@ class OfflineRun:
             ckpts.prune()
         self.world.barrier()
 
+    def export_best(self, folder: Path) -> Path | None:
+        """The model now as ``folder`` for ``train.keep_best``: the same folder as the final export."""
+        path = export_model(self.model, self.world, folder, self.tokenizer)
+        if path is not None and self.spec.finalize is not None:
+            path = self.spec.finalize(path, self.tokenizer)
+        return path
+
+    def evaluate(self) -> dict[str, Any]:
+        """The eval record of the model as it is now (``train.eval_every`` / ``eval_before_train``): ``eval_loss`` and
+        ``eval_<metric>`` for each metric of the loss (``evaluate_held_out``)."""
+        return evaluate_held_out(self.model, self.eval_data, self.loss_fn, self.spec, self.cfg.algo_config, self.device)
+
     def step(self, step: int) -> dict[str, Any]:
         """One optimizer step over this rank's micro-batches; the metrics record."""
         cfg, spec = self.cfg, self.spec
@@ -408,7 +457,7 @@ class OfflineRun:
         rec = self.engine.step(micro, self.loss_fn, norm).to_dict()
         rec["epoch"] = self.it.epoch + self.it.position / max(1, self.it.batches_per_epoch)
         if self.eval_data is not None and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == self.steps):
-            rec.update(evaluate_held_out(self.model, self.eval_data, self.loss_fn, spec, cfg.algo_config, self.device))
+            rec.update(self.evaluate())
         return rec
 
     def train(self) -> dict[str, Any]:
@@ -418,7 +467,9 @@ class OfflineRun:
         series = ("loss", "lr", "grad_norm", *(("eval_loss",) if self.eval_data is not None else ()))
         log = open_metrics(cfg, self.out, world, self.steps, self.start, (*series, *self.spec.plot_series), self.stream)
         try:
-            run_steps(self.start, self.steps, self.step, log, ckpts, lambda step: self.save(ckpts, step))
+            before = self.evaluate if cfg.train.eval_before_train else None
+            save = lambda step: self.save(ckpts, step)  # noqa: E731
+            run_steps(self.start, self.steps, self.step, log, ckpts, save, before=before, best=self.best)
             final = export_final(cfg, self.model, world, self.tokenizer)
             if final is not None and self.spec.finalize is not None and world.is_main:
                 final = self.spec.finalize(final, self.tokenizer)  # rm: a sequence-classification folder
@@ -436,6 +487,7 @@ class OfflineRun:
             "wall_time_s": time.perf_counter() - self.t_start,
             **_data_summary(self.data.stats),
             "final_model": str(final) if final is not None else None,
+            **(self.best.summary() if self.best is not None else {}),
         }
         summary = log.close(extra=extra)
         out = self.out

@@ -23,7 +23,9 @@ One RL step, each stage a method of ``OnlineRun`` so an algorithm can override o
    the updates stay eager).
 5. metrics (reward, response length, truncation, KL, mismatch, entropy, clip fraction, time split rollout /
    reward / logprob / train), evaluation every ``train.eval_every`` steps on held-out prompts (greedy mean reward and
-   exact-match accuracy; with ``eval_n`` > 1 also sampled mean reward, unbiased pass@k and length), atomic
+   exact-match accuracy; with ``eval_n`` > 1 also sampled mean reward, unbiased pass@k and length; with
+   ``train.eval_before_train`` also of the initial policy, as step 0; ``train.keep_best``: the best evaluated
+   step's policy kept as ``<out>/best``, ``polyrl.run.best``), atomic
    checkpoints with the data position (exact resume), ``metrics.png``, summary, and a
    seeded sample of ``rollouts_to_save`` rollouts per step in ``rollouts.jsonl`` for ``polyrl view``
    (``polyrl.run.rollout_log``: texts, rewards, the rollout's and, when measured, the trainer's per-token log-probs).
@@ -87,12 +89,15 @@ from polyrl.run.async_rollout import (
     ThreadedRollouts,
     staleness_metrics,
 )
+from polyrl.run.best import BestKeeper
 from polyrl.run.colocated import ColocatedPolicy
 from polyrl.run.config import RunConfig, save_resolved
 from polyrl.run.data_parallel import DataParallelSteps
 from polyrl.run.evaluate import sampled_metrics
 from polyrl.run.offline import (
     export_final,
+    export_model,
+    keep_best,
     open_checkpoints,
     open_metrics,
     place_policy,
@@ -156,6 +161,8 @@ def _mean(xs: list[float]) -> float:
 class OnlineRun(DataParallelSteps):
     """A whole online run (see the module docstring); ``run()`` returns the summary."""
 
+    best: BestKeeper | None = None  # train.keep_best (set in __init__)
+
     def __init__(self, cfg: RunConfig, hooks: OnlineHooks, stream: TextIO | None = None) -> None:
         self.cfg, self.hooks, self.a = cfg, hooks, cfg.algo_config
         self.world = par.init_world()
@@ -167,6 +174,9 @@ class OnlineRun(DataParallelSteps):
         self.tokenizer = load_tokenizer(tokenizer_path(cfg))
         self.prompts, self.prompt_ids, self.views, skipped = self._load(cfg.data, "train")
         self.eval_set = self._eval_set() if cfg.train.eval_every > 0 else None
+        self.best = keep_best(cfg, self.world, self.export_best, self.stream_out)
+        if self.best is not None:
+            self.best.check(self.eval_metric_names())
         self.steps = self._total_steps()
         a = self.a
         self.max_staleness = self._check_async()
@@ -413,13 +423,27 @@ class OnlineRun(DataParallelSteps):
         """Cumulative counters saved by ``data_state`` (reward failures), back after a resume."""
         if self.pool is not None:
             self.pool.totals.update(data_state.get("reward_failures", {}))
+        if self.best is not None:
+            self.best.load_state_dict(data_state.get("best"))
 
     def data_state(self) -> dict[str, Any]:
         failures = dict(self.pool.totals) if self.pool is not None else {}
         state = {"prompts": self.data.state_dict(), "reward_failures": failures}
         if self.source is not None:  # the rollouts generated ahead: checkpointed (their weights are gone)
             state["async"] = self.source.state_dict()
+        if self.best is not None:
+            state["best"] = self.best.state_dict()
         return state
+
+    def export_best(self, folder: Path) -> Path | None:
+        """The policy now as ``folder`` for ``train.keep_best``: the same folder as the final export."""
+        return export_model(self.policy.model, self.world, folder, self.tokenizer)
+
+    def evaluate_before_train(self) -> dict[str, float]:
+        """``train.eval_before_train``: the evaluation of the initial policy (logged as step 0)."""
+        if isinstance(self.source, PartialRollouts):
+            self.source.drain()  # the evaluation has the rollout engine to itself
+        return self.evaluate()
 
     # ---- one step -----------------------------------------------------------------------------------
     def collect(self, step: int) -> tuple[list[Sample], list[float], dict[str, float]]:
@@ -596,6 +620,18 @@ class OnlineRun(DataParallelSteps):
             out.update(sampled_metrics(res.rewards, groups, lengths, n, self.a.eval_pass_threshold))
         return out
 
+    def eval_metric_names(self) -> set[str] | None:
+        """The metrics ``evaluate`` logs, known before it runs (None when a subclass evaluates its own way)."""
+        if self.eval_set is None or type(self).evaluate is not OnlineRun.evaluate:
+            return None
+        names = {"eval_reward"}
+        if all(p.answer is not None for p in self.eval_set[0]):
+            names.add("eval_accuracy")
+        n = getattr(self.a, "eval_n", 1)
+        if n > 1:
+            names.update(sampled_metrics([0.0] * n, [0] * n, [0] * n, n))
+        return names
+
     def step(self, step: int) -> dict[str, Any]:
         """RL step ``step`` (0-based) end to end; the metrics record (``step`` 1-based)."""
         t0 = time.perf_counter()
@@ -728,7 +764,8 @@ class OnlineRun(DataParallelSteps):
             world.barrier()
 
         try:
-            run_steps(self.start, self.steps, self.step, log, ckpts, save)
+            before = self.evaluate_before_train if cfg.train.eval_before_train else None
+            run_steps(self.start, self.steps, self.step, log, ckpts, save, before=before, best=self.best)
             final = export_final(cfg, model, world, self.tokenizer)
         except BaseException as exc:
             if log is not None:
@@ -758,6 +795,7 @@ class OnlineRun(DataParallelSteps):
             "reward_failures": dict(self.pool.totals),
             "world_size": world.world_size,
             "final_model": str(final) if final is not None else None,
+            **(self.best.summary() if self.best is not None else {}),
         }
         for key in ("eval_reward", "eval_accuracy"):
             vals = [r[key] for r in h if key in r]

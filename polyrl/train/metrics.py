@@ -37,7 +37,8 @@ NO_PLOT_NOTICE = f"metrics.png not drawn: matplotlib is not installed ({_PLOT_EX
 
 class MetricsLogger:
     """Write per-step metrics into ``run_dir``. ``start_step``: resuming after this step, so records of
-    later steps (written by the interrupted run) are dropped from ``metrics.jsonl`` first.
+    later steps (written by the interrupted run) are dropped from ``metrics.jsonl`` first (at 0, every record:
+    a run that starts over logs its step-0 evaluation again).
     ``progress``: None = a rich bar when stdout is a terminal, else a plain line every ``log_every``.
     ``report_to``: the trackers (``train.report_to``: a comma list, ``none`` or ``auto``), checked here before
     anything is written (a ConfigError for an unknown name or a missing library); ``config``: the run config they
@@ -83,7 +84,7 @@ class MetricsLogger:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line torn by a crash mid-write
-            if int(rec.get("step", 0)) <= start_step:
+            if start_step > 0 and int(rec.get("step", 0)) <= start_step:  # step 0: an evaluation before training
                 kept.append(rec)
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         return kept
