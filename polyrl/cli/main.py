@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "env": ("polyrl.cli.env", "describe this machine: platform, torch build, devices, vendor packages"),
     "check": ("polyrl.cli.check", "check the installation for known pitfalls (exit 0 when ready)"),
     "init-model": ("polyrl.cli.init_model", "create a random-initialised HF checkpoint from a preset"),
-    "train": ("polyrl.cli.train", "post-train a model: --algo sft|dpo|grpo|gspo|ppo"),
+    "train": ("polyrl.cli.train", "post-train a model: --algo sft|dpo|rm|grpo|gspo|ppo|distill"),
     "export": ("polyrl.cli.export", "merge a LoRA adapter into its base: --adapter DIR --merge --out DIR"),
     "serve": ("polyrl.cli.serve", "serve a model over an OpenAI-compatible HTTP API"),
     "generate": ("polyrl.cli.generate", "generate completions for prompts with the rollout engine"),

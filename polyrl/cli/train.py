@@ -247,7 +247,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--old-logprobs", choices=["rollout", "recompute"], help="source of the ratio's old log-probs")
     g.add_argument("--tis-cap", type=float, help="truncated importance sampling cap (with --old-logprobs recompute)")
     g.add_argument("--filter-groups", action="store_true", default=None, help="drop groups whose rewards all agree")
-    g.add_argument("--eval-n", type=int, help="samples per eval prompt: eval_pass@k, eval_length")
+    g.add_argument(
+        "--eval-n", type=int, help="RL and agentic runs: sampled completions per eval prompt (eval_pass@k, eval_length)"
+    )
     g.add_argument(
         "--teacher",
         metavar="DIR",

@@ -155,6 +155,11 @@ class MetricsLogger:
             "skipped_steps": int(h[-1].get("skipped_total", 0)) if h else 0,
             "time_s": sum(r.get("time_s", 0.0) or 0.0 for r in h),
         }
+        # the last evaluation's numbers (every eval_* key of the last record that has one): final_eval_loss, ...
+        last_eval = next((r for r in reversed(h) if any(k.startswith("eval_") for k in r)), None)
+        if last_eval is not None:
+            out["final_eval_step"] = int(last_eval["step"])
+            out.update({f"final_{k}": v for k, v in last_eval.items() if k.startswith("eval_")})
         out.update(extra or {})
         return out
 

@@ -43,6 +43,22 @@ def test_jsonl_plain_progress_summary_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
+def test_summary_carries_the_last_evaluation(tmp_path):
+    """``final_eval_*``: every eval key of the last record that has one (DPO's margins and accuracies too)."""
+    log = MetricsLogger(tmp_path, total_steps=5, stream=io.StringIO(), tensorboard=False)
+    for rec in _records(5):
+        if rec["step"] in (2, 4):
+            rec |= {"eval_loss": 1.0 / rec["step"], "eval_rewards/accuracies": 0.1 * rec["step"]}
+        log.log(rec)
+    summary = log.close(print_table=False)
+    assert summary["final_eval_step"] == 4 and summary["final_eval_loss"] == pytest.approx(0.25)
+    assert summary["final_eval_rewards/accuracies"] == pytest.approx(0.4)
+    plain = MetricsLogger(tmp_path / "b", total_steps=2, stream=io.StringIO(), tensorboard=False)
+    for rec in _records(2):
+        plain.log(rec)
+    assert not any(k.startswith("final_eval") for k in plain.close(print_table=False))
+
+
 def test_resume_drops_records_after_checkpoint_and_handles_nan(tmp_path):
     log = MetricsLogger(tmp_path, total_steps=10, stream=io.StringIO(), tensorboard=False)
     for rec in _records(7):
