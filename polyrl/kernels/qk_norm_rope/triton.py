@@ -65,6 +65,17 @@ def _cache_store(c_ptr, slot, x1, x2, n_heads, half, stride_cb, stride_cs, strid
 
 
 @triton.jit
+def _cos_sin(cos_ptr, sin_ptr, t, half, stride_ct, stride_st, d, dm, dt: tl.constexpr):
+    """Token ``t``'s cos and sin, each as its two halves, cast to the model dtype and back to fp32 (as the
+    reference rounds them)."""
+    c1 = tl.load(cos_ptr + t * stride_ct + d, mask=dm, other=0.0).to(dt).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_ct + half + d, mask=dm, other=0.0).to(dt).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_st + d, mask=dm, other=0.0).to(dt).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_st + half + d, mask=dm, other=0.0).to(dt).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@triton.jit
 def _qk_norm_rope_kernel(
     q_ptr, k_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, n_q_heads, n_k_heads, half,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_ct, stride_st,
@@ -74,10 +85,7 @@ def _qk_norm_rope_kernel(
     d = tl.arange(0, BLOCK_D)
     dm = d < half
     dt = qo_ptr.dtype.element_ty
-    c1 = tl.load(cos_ptr + t * stride_ct + d, mask=dm, other=0.0).to(dt).to(tl.float32)
-    c2 = tl.load(cos_ptr + t * stride_ct + half + d, mask=dm, other=0.0).to(dt).to(tl.float32)
-    s1 = tl.load(sin_ptr + t * stride_st + d, mask=dm, other=0.0).to(dt).to(tl.float32)
-    s2 = tl.load(sin_ptr + t * stride_st + half + d, mask=dm, other=0.0).to(dt).to(tl.float32)
+    c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, t, half, stride_ct, stride_st, d, dm, dt)
     _norm_rotate(q_ptr, qo_ptr, wq_ptr, c1, c2, s1, s2, t, n_q_heads, half, stride_qt, stride_qh, stride_qot,
                  stride_qoh, eps, BLOCK_HQ, BLOCK_D)  # fmt: skip
     _norm_rotate(k_ptr, ko_ptr, wk_ptr, c1, c2, s1, s2, t, n_k_heads, half, stride_kt, stride_kh, stride_kot,
@@ -96,10 +104,7 @@ def _qk_norm_rope_cache_kernel(
     d = tl.arange(0, BLOCK_D)
     dm = d < half
     dt = qo_ptr.dtype.element_ty
-    c1 = tl.load(cos_ptr + t * stride_ct + d, mask=dm, other=0.0).to(dt).to(tl.float32)
-    c2 = tl.load(cos_ptr + t * stride_ct + half + d, mask=dm, other=0.0).to(dt).to(tl.float32)
-    s1 = tl.load(sin_ptr + t * stride_st + d, mask=dm, other=0.0).to(dt).to(tl.float32)
-    s2 = tl.load(sin_ptr + t * stride_st + half + d, mask=dm, other=0.0).to(dt).to(tl.float32)
+    c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, t, half, stride_ct, stride_st, d, dm, dt)
     _norm_rotate(q_ptr, qo_ptr, wq_ptr, c1, c2, s1, s2, t, n_q_heads, half, stride_qt, stride_qh, stride_qot,
                  stride_qoh, eps, BLOCK_HQ, BLOCK_D)  # fmt: skip
     slot = tl.load(slots_ptr + t).to(tl.int64)
