@@ -225,7 +225,7 @@ def save_model(
         write_json(tmp / "generation_config.json", _generation_config(model.config, generation_config))
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp)
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -284,7 +284,7 @@ def _generation_config(cfg: ModelConfig, overrides: dict[str, Any] | None) -> di
     return d
 
 
-def _replace_dir(tmp: Path, out: Path) -> None:
+def replace_dir(tmp: Path, out: Path) -> None:
     """Move ``tmp`` to ``out``; an existing ``out`` is renamed aside first and removed only after."""
     if not out.exists():
         os.replace(tmp, out)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from polyrl.errors import ConfigError
+from polyrl.models.checkpoint import replace_dir
 
 if TYPE_CHECKING:
     from polyrl.train import parallel as par
@@ -152,25 +153,9 @@ class BestKeeper:
                 f.write(json.dumps(info, indent=2) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-            _publish(folder, self.path)
+            replace_dir(folder, self.path)  # the old best is renamed aside, removed only after
             print(f"best {self.metric.name} {self.value:.6g} at step {self.step}: {self.path}", file=self.stream)
         self.world.barrier()
-
-
-def _publish(folder: Path, dest: Path) -> None:
-    """Move ``folder`` to ``dest`` by renames: the old ``dest`` is moved aside first and deleted after."""
-    if not dest.exists():
-        os.replace(folder, dest)
-        return
-    old = dest.parent / f".best.old-{os.getpid()}"
-    shutil.rmtree(old, ignore_errors=True)
-    os.replace(dest, old)
-    try:
-        os.replace(folder, dest)
-    except BaseException:
-        os.replace(old, dest)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def read_best(out: str | Path) -> dict[str, Any] | None:
