@@ -64,11 +64,12 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import os
 import pickle
 import socket
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from types import SimpleNamespace
 from typing import Any
 
@@ -79,6 +80,7 @@ from torch import nn
 
 from polyrl.errors import ConfigError
 from polyrl.platform import device
+from polyrl.run.replica_balance import BALANCES, ReplicaSpeeds, prompt_cost, split_by_count, split_by_work
 from polyrl.run.weight_sync import DEFAULT_BUCKET_MB, BucketedBroadcast, SyncStats, SyncTimeout, is_gloo
 
 log = logging.getLogger("polyrl.run.rollout_workers")
@@ -90,6 +92,10 @@ DEFAULT_MAX_RESTARTS = 3
 # how long a loaded worker waits for the trainer to connect it: a restarted one until the next push_weights, which
 # may be a whole RL step (an evaluation included) away
 _JOIN_WAIT = datetime.timedelta(hours=24)
+# test only: "<replica>:<seconds>" makes that replica's workers sleep this long per prompt of a job before replying (a
+# slow replica for the load-balancing tests); read by the worker when it is spawned
+SLOW_REPLICA_ENV = "POLYRL_TEST_SLOW_REPLICA"
+_UNWAITED = object()  # _recv_reply: the reply header's receive not waited for yet
 
 
 @dataclasses.dataclass
@@ -162,6 +168,8 @@ def _worker_main(port: int, name: str, spec: WorkerSpec, timeout_s: float) -> No
     from polyrl.models.checkpoint import load_tokenizer
 
     torch.set_num_threads(1)
+    slow = os.environ.get(SLOW_REPLICA_ENV, "").split(":")
+    delay_s = float(slow[1]) if len(slow) == 2 and slow[0] == name.split(".")[0] else 0.0
     if torch.device(spec.device).type != "cpu":
         device.set_device(torch.device(spec.device).index or 0)
     store = dist.TCPStore(_HOST, port, is_master=False, timeout=datetime.timedelta(seconds=120))
@@ -187,6 +195,8 @@ def _worker_main(port: int, name: str, spec: WorkerSpec, timeout_s: float) -> No
         ids, plist = pickle.loads(buf.numpy().tobytes())
         with torch.no_grad():
             outs = llm.generate(ids, plist)
+        if delay_s:
+            time.sleep(delay_s * len(ids))
         reply = [
             (list(o.prompt_token_ids), [
                 (c.index, list(c.token_ids), list(c.logprobs), c.finish_reason, c.text,
@@ -219,6 +229,7 @@ class RolloutWorkers:
         seed: int = 0,
         max_restarts: int = DEFAULT_MAX_RESTARTS,
         reply_timeout_s: float | None = None,
+        balance: str = "work",
     ) -> None:
         devices = [str(d) for d in devices] if devices else ["cpu"] * (num_workers or 1)
         num_workers = len(devices) if num_workers is None else num_workers
@@ -233,7 +244,12 @@ class RolloutWorkers:
                 f"rollout worker reply_timeout_s must be a number of seconds > 0 (None: wait for the groups' "
                 f"timeout), got {reply_timeout_s!r}"
             )
+        if balance not in BALANCES:
+            raise ConfigError(f'rollout worker balance must be "work" or "count", got {balance!r}')
         self.reply_timeout_s = None if reply_timeout_s is None else float(reply_timeout_s)
+        self.balance = balance
+        self.speeds = ReplicaSpeeds(num_workers)  # work units per second of each replica (replica_balance)
+        self.last_share: dict[int, float] = {}  # the last call's fraction of the estimated work per replica
         self.port, self.timeout_s, self.max_restarts = _free_port(), float(timeout_s), max_restarts
         self.store = dist.TCPStore(
             _HOST, self.port, None, is_master=True, timeout=datetime.timedelta(seconds=120), wait_for_workers=False
@@ -322,6 +338,7 @@ class RolloutWorkers:
                 proc.kill()
             proc.join(timeout=30)
         dev = self.specs[w].device
+        self.speeds.reset(w)  # a new process (or none): measured afresh, the others' mean until then
         if self.incarnation[w] < self.max_restarts:
             self.incarnation[w] += 1
             self.restarts += 1
@@ -371,21 +388,33 @@ class RolloutWorkers:
         """Wait for ``work`` with worker ``w`` (until ``deadline``, a ``time.monotonic()``, when given); False (and
         ``w`` dropped) when the transfer failed: gloo fails a pending send or receive as soon as the peer's
         connection closes (a worker that died), and a timed wait when the deadline passes (a worker that hangs)."""
+        return self._settle(work, w, deadline, self._wait_work(work, deadline))
+
+    @staticmethod
+    def _wait_work(work: Any, deadline: float | None) -> RuntimeError | None:
+        """Wait for ``work`` (until ``deadline``): None, or the error it failed with. Safe in any thread."""
         try:
             if deadline is None:
                 work.wait()
             else:  # gloo's timed wait: a RuntimeError once the time is up (the work stays posted: kept below)
                 work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-        except RuntimeError:
-            # gloo's timer and this clock differ by up to a millisecond (the timeout goes in whole ms): a wait that
-            # raised while its transfer is still pending timed out; one that completed (with an error) lost its peer
-            if deadline is not None and (time.monotonic() >= deadline or not work.is_completed()):
-                self._retired.append(work)  # still posted in the dead group: keep its buffers alive
-                self._drop(w, f"it did not answer within reply_timeout_s = {self.reply_timeout_s:g} s (hung)")
-            else:
-                self._drop(w)
-            return False
-        return True
+        except RuntimeError as exc:
+            return exc
+        return None
+
+    def _settle(self, work: Any, w: int, deadline: float | None, exc: RuntimeError | None) -> bool:
+        """``_wait``'s verdict on a wait that ended with ``exc`` (None: completed): False, and ``w`` dropped, when it
+        failed."""
+        if exc is None:
+            return True
+        # gloo's timer and this clock differ by up to a millisecond (the timeout goes in whole ms): a wait that
+        # raised while its transfer is still pending timed out; one that completed (with an error) lost its peer
+        if deadline is not None and (time.monotonic() >= deadline or not work.is_completed()):
+            self._retired.append(work)  # still posted in the dead group: keep its buffers alive
+            self._drop(w, f"it did not answer within reply_timeout_s = {self.reply_timeout_s:g} s (hung)")
+        else:
+            self._drop(w)
+        return False
 
     def _deadline(self) -> float | None:
         """When a transfer started now must be done: ``reply_timeout_s`` from now (None: no deadline)."""
@@ -480,16 +509,24 @@ class RolloutWorkers:
             self._drop(w)
             return None
 
-    def _recv_reply(self, w: int, deadline: float | None = None, posted: tuple[torch.Tensor, Any] | None = None) -> Any:
+    def _recv_reply(
+        self,
+        w: int,
+        deadline: float | None = None,
+        posted: tuple[torch.Tensor, Any] | None = None,
+        header: Any = _UNWAITED,
+    ) -> Any:
         """Replica ``w``'s reply to its job (None, and ``w`` dropped, when it died or its header missed
         ``deadline``; the payload, sent right behind the header, gets ``reply_timeout_s`` of its own). ``posted``:
-        the header's receive from ``_post_reply``, else posted here."""
+        the header's receive from ``_post_reply``, else posted here; ``header``: how its wait ended when it was
+        already waited for (``_wait_work``'s result), else it is waited for here."""
         posted = posted if posted is not None else self._post_reply(w)
         if posted is None:
             return None
         hdr, work = posted
         try:
-            if not self._wait(work, w, deadline):
+            ok = self._wait(work, w, deadline) if header is _UNWAITED else self._settle(work, w, deadline, header)
+            if not ok:
                 return None
             buf = torch.empty(int(hdr[1]), dtype=torch.uint8)
             if not self._wait(self.ctl[w].recv([buf], 1, _TAG_DATA), w, self._deadline()):
@@ -498,6 +535,39 @@ class RolloutWorkers:
             self._drop(w)
             return None
         return pickle.loads(buf.numpy().tobytes())
+
+    def split(self, ids: Sequence[list[int]], params: Sequence[Any], live: Sequence[int]) -> list[list[int]]:
+        """The prompts of each of the ``live`` replicas (``balance``: "work", by estimated work and measured speed;
+        "count", prompt i to the i mod W-th), each share in prompt order; also sets ``last_share``."""
+        costs = [prompt_cost(len(p), sp) for p, sp in zip(ids, params)]
+        if not live:
+            self.last_share = {}
+            return []
+        if self.balance == "count":
+            shares = split_by_count(len(ids), len(live))
+        else:
+            shares = split_by_work(costs, self.speeds.effective(live))
+        total = sum(costs)
+        self.last_share = {w: sum(costs[i] for i in s) / total for w, s in zip(live, shares)} if total > 0 else {}
+        return shares
+
+    def _arrivals(
+        self, waiting: Sequence[int], posted: dict[int, Any], deadline: float | None
+    ) -> Iterator[tuple[int, RuntimeError | None, float]]:
+        """``(w, how its reply header's wait ended, time.monotonic() when it did)`` for each replica of ``waiting``,
+        in the order the replies arrive (one waiting thread each when there are several: gloo has no test for a
+        finished receive, and a timed wait that times out closes the pair)."""
+
+        def one(w: int) -> tuple[int, RuntimeError | None, float]:
+            exc = self._wait_work(posted[w][1], deadline)
+            return w, exc, time.monotonic()
+
+        if len(waiting) < 2:
+            yield from (one(w) for w in waiting)
+            return
+        with ThreadPoolExecutor(len(waiting), thread_name_prefix="polyrl-rollout-reply") as pool:
+            for fut in as_completed([pool.submit(one, w) for w in waiting]):
+                yield fut.result()
 
     def generate(
         self,
@@ -510,28 +580,28 @@ class RolloutWorkers:
         ``finish_reason``, ``text``, ``masked_logmass``) of every prompt, in order; the shares of workers that die
         in the call (restarted: they rejoin at a later ``push_weights``), and of those not live, by
         ``local(ids, params)``, as are those of workers that miss ``reply_timeout_s`` (hung: killed and restarted as
-        dead ones). ``on_finish(prompt, index, output)``: a worker returns its share whole, so its
-        sequences are handed over when its reply arrives (the others' generation continues meanwhile); the
-        shares ``local`` generates, as each sequence finishes (``LLM.generate``'s hook)."""
+        dead ones). The shares: ``split``; each reply updates its replica's speed (its share's estimated work over
+        the time from its job's send to its reply's arrival). ``on_finish(prompt, index, output)``: a worker returns
+        its share whole, so its sequences are handed over when its reply arrives, replies in the order they arrive
+        (the others' generation continues meanwhile); the shares ``local`` generates, as each sequence finishes
+        (``LLM.generate``'s hook)."""
         live = [w for w in range(len(self.procs)) if self.alive[w]]
-        share: dict[int, list[int]] = {w: [] for w in live}
-        for i in range(len(ids)):
-            if live:
-                share[live[i % len(live)]].append(i)
-        sent = [
-            w
-            for w in live
-            if share[w] and self._send_job(w, ([ids[i] for i in share[w]], [params[i] for i in share[w]]))
-        ]
+        share = dict(zip(live, self.split(ids, params, live)))
+        work = {w: sum(prompt_cost(len(ids[i]), params[i]) for i in s) for w, s in share.items()}
+        sent_at: dict[int, float] = {}
+        for w in live:
+            if share[w] and self._send_job(w, ([ids[i] for i in share[w]], [params[i] for i in share[w]])):
+                sent_at[w] = time.monotonic()
         outs: list[Any] = [None] * len(ids)
         deadline = self._deadline()  # every share generates at the same time: one reply deadline for all
-        posted = {w: self._post_reply(w) for w in sent} if deadline is not None else {}
-        for w in sent:
-            if deadline is not None and posted[w] is None:
-                continue
-            reply = self._recv_reply(w, deadline, posted.get(w))
+        # every reply header's receive posted now, so a reply is seen (and timed) when it arrives
+        posted = {w: self._post_reply(w) for w in sent_at}
+        waiting = [w for w in sent_at if posted[w] is not None]
+        for w, header, arrived in self._arrivals(waiting, posted, deadline):
+            reply = self._recv_reply(w, deadline, posted[w], header)
             if reply is None:
                 continue
+            self.speeds.observe(w, work[w], arrived - sent_at[w])
             for i, (prompt, comps) in zip(share[w], reply):
                 outs[i] = SimpleNamespace(
                     prompt_token_ids=prompt,
@@ -550,6 +620,15 @@ class RolloutWorkers:
             for i, o in zip(missing, local([ids[i] for i in missing], [params[i] for i in missing], **kw)):
                 outs[i] = o
         return outs
+
+    def balance_metrics(self) -> dict[str, float]:
+        """``async/replica_share_max`` (the largest fraction of the last call's estimated work one replica got; 1/W
+        when even) and ``async/replica<w>_work_per_s`` (each measured replica's speed, ``replica_balance``)."""
+        rec = {f"async/replica{w}_work_per_s": s for w, s in enumerate(list(self.speeds.measured)) if s is not None}
+        share = dict(self.last_share)
+        if share:
+            rec["async/replica_share_max"] = max(share.values())
+        return rec
 
     def close(self) -> None:
         """Stop the live workers (EXIT), kill the ones still starting, and wait for every process."""
