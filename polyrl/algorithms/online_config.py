@@ -78,6 +78,10 @@ class OnlineConfig:
     # on a gloo weights group also each bucket of a weight push (a worker that hangs during the push is dropped).
     # None = no deadline (a hung worker holds the step for the groups' 600 s timeout)
     rollout_worker_timeout_s: float | None = None
+    # ... how a batch's prompts are split over the live workers (polyrl.run.replica_balance): "work" = each worker's
+    # estimated work (n x max_tokens + a prefill term per prompt) in proportion to its measured speed (an EMA of work
+    # per second from its replies); "count" = prompt i to worker i mod W (equal counts)
+    rollout_balance: str = "work"
     # partial rollouts (async_producer = "thread"): a weight update does not wait for the generation in flight; the
     # producer's engine takes the new weights at a decode-step boundary and the same sequences go on (their KV cache
     # kept), each token recording the version that produced it (Sample.token_versions) and its behaviour log-prob
@@ -145,6 +149,8 @@ class OnlineConfig:
             raise ConfigError(
                 f"{name}.rollout_worker_timeout_s must be a number of seconds > 0 (unset: no deadline), got {t!r}"
             )
+        if self.rollout_balance not in ("work", "count"):
+            raise ConfigError(f'{name}.rollout_balance must be "work" or "count", got {self.rollout_balance!r}')
         self._check_partial(name)
         self._check_placement(name)
         if self.release_kv not in (True, False, "auto"):

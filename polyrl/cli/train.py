@@ -109,6 +109,7 @@ RL_FLAG_KEYS: dict[str, str] = {
     "rollout_workers": "rollout_workers",
     "rollout_worker_restarts": "rollout_worker_restarts",
     "rollout_worker_timeout": "rollout_worker_timeout_s",
+    "rollout_balance": "rollout_balance",
     "partial_rollouts": "partial_rollouts",
     "rollout_devices": "rollout_devices",
     "train_devices": "train_devices",
@@ -295,6 +296,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a rollout worker's reply (and, over gloo, each bucket of a weight push) is waited for at most "
         "(default: no deadline); a worker that misses it (hung) is killed and handled as one that died: the "
         "trainer's engine generates its prompts, it restarts",
+    )
+    g.add_argument(
+        "--rollout-balance",
+        choices=["work", "count"],
+        help="how a batch's prompts are split over the rollout workers: work (default: estimated work in "
+        "proportion to each worker's measured speed) or count (prompt i to worker i mod W)",
     )
     g.add_argument(
         "--partial-rollouts",

@@ -320,7 +320,7 @@ class OnlineRun(DataParallelSteps):
                 trainer_device=self.policy.device, dtype=next(self.policy.rollout_net.parameters()).dtype,
                 wire_dtype=self.a.weight_sync_dtype, bucket_mb=self.a.weight_sync_bucket_mb, lora=self.cfg.lora,
                 seed=self.cfg.seed, max_restarts=self.a.rollout_worker_restarts,
-                reply_timeout_s=self.a.rollout_worker_timeout_s,
+                reply_timeout_s=self.a.rollout_worker_timeout_s, balance=self.a.rollout_balance,
             )  # fmt: skip
             self.policy.remote.push_weights(self.policy.model)  # version `start` (after a resume's load)
         if getattr(self.a, "partial_rollouts", False):  # the thread's engine takes updates between decode steps
@@ -673,6 +673,7 @@ class OnlineRun(DataParallelSteps):
                 rec["async/rollout_workers_alive"] = float(self.policy.remote.num_alive)
                 rec["async/rollout_worker_failures_total"] = float(self.policy.remote.failures)
                 rec["async/rollout_worker_restarts_total"] = float(self.policy.remote.restarts)
+                rec.update(self.policy.remote.balance_metrics())  # replica_balance: shares and speeds
         self.save_rollouts(step, samples, rewards, adv)
         self.measured_logprobs = None
         rec["step"] = step + 1

@@ -22,8 +22,9 @@ def reward(tmp_path):
 
 
 def _plain(rec):
-    """A record without wall-clock values (nor the weight sync's: the inline producer has none)."""
-    return without_clocks(rec, ("weight_sync/",))
+    """A record without wall-clock values (nor the weight sync's: the inline producer has none; nor the replicas'
+    shares: they describe the producer's latest split, none yet in a resumed run whose first batches were queued)."""
+    return without_clocks(rec, ("weight_sync/", "async/replica"))
 
 
 def test_staleness_zero_is_the_synchronous_run(tiny_model_dir, tmp_path, reward):
@@ -200,6 +201,7 @@ def test_rollout_worker_process_equals_the_thread(tiny_model_dir, tmp_path, rewa
     assert [_plain(r) for r in thread] == [
         {k: v for k, v in _plain(r).items() if "rollout_worker" not in k} for r in proc
     ]
+    assert all(r["async/replica_share_max"] == 1.0 for r in proc)  # one replica: all of each batch's work
     assert all(r["async/rollout_workers_alive"] == 1.0 for r in proc)
 
 

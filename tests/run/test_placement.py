@@ -79,7 +79,7 @@ def _raw(model_dir, out, reward, max_steps=3, **algo_kw):
 
 
 def _plain(rec):
-    return without_clocks(rec, ("weight_sync/", "rollout_worker"))
+    return without_clocks(rec, ("weight_sync/", "rollout_worker", "replica"))
 
 
 def test_two_cpu_replicas_train_the_same_run_as_one_engine(tiny_model_dir, tmp_path, monkeypatch):
@@ -118,6 +118,8 @@ def test_two_cpu_replicas_train_the_same_run_as_one_engine(tiny_model_dir, tmp_p
     assert [r["async/rollout_workers_alive"] for r in two] == [2.0, 2.0, 1.0, 1.0]
     assert [r["async/rollout_worker_failures_total"] for r in two] == [0.0, 1.0, 2.0, 2.0]
     assert [r["async/rollout_worker_restarts_total"] for r in two] == [0.0, 1.0, 1.0, 1.0]
+    # load balancing (replica_balance): the largest share of a batch's estimated work, and each replica's speed
+    assert all(0.5 <= r["async/replica_share_max"] <= 1.0 and r["async/replica0_work_per_s"] > 0 for r in two)
     # the sync metrics: the thread's in-process copy and the replicas' broadcasts (bytes summed over live ones)
     model_bytes = one[0]["weight_sync/bytes"]
     assert model_bytes > 100_000 and all(r["weight_sync/bytes"] == model_bytes for r in one)

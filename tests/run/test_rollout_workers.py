@@ -6,7 +6,9 @@ folder's); past ``max_restarts`` it is dropped for good; a worker that cannot st
 restart option reaches the config and the CLI. A replica that hangs (SIGSTOP: alive, never answering) is found by the
 reply deadline (``reply_timeout_s``), killed, covered by the trainer's engine in that call, and restarted; one
 that hangs during a weight push is found by the same deadline on the broadcast's buckets, the other replica synced
-in that push; the deadline option reaches the config and the CLI."""
+in that push; the deadline option reaches the config and the CLI. Load balancing: a replica made slow (the
+test-only per-prompt delay) gets a smaller share once its speed is measured, the outputs still those of one
+engine; a dead replica's speed is forgotten; the balance option reaches the config and the CLI."""
 
 from __future__ import annotations
 
@@ -68,7 +70,10 @@ def test_a_killed_replica_is_restarted_with_the_current_weights(tiny_model_dir, 
     from polyrl.run.rollout_workers import RolloutWorkers
 
     cfg, model, llm, ids, params = setup
-    workers = RolloutWorkers(str(tiny_model_dir), str(tiny_model_dir), cfg, 2, timeout_s=120, max_restarts=2)
+    # balance "count": the shares by index (prompt i to replica i mod 2), whatever the replies' timings
+    workers = RolloutWorkers(
+        str(tiny_model_dir), str(tiny_model_dir), cfg, 2, timeout_s=120, max_restarts=2, balance="count"
+    )
     local_calls = []
 
     def local(i, p, **kw):
@@ -115,29 +120,32 @@ def test_a_killed_replica_is_restarted_with_the_current_weights(tiny_model_dir, 
 
 def test_a_replica_killed_while_it_generates(tiny_model_dir, setup, caplog):
     """The connection fails in the middle of the call (the worker dies while it generates its share, after the
-    job was sent): the call still returns every output, and the replica is restarted."""
+    job was sent): the call still returns every output, and the replica is restarted. The default balance
+    ("work"): the two replicas, unmeasured, get equal estimated work, one long prompt and more besides each."""
     from polyrl.run.rollout_workers import RolloutWorkers
 
     cfg, model, llm, ids, params = setup
-    # replica 1's share (the odd prompts) is long, replica 0's short: replica 1 is still generating when killed
+    # the odd prompts are long: replica 1 is still generating its long one when killed, right after the jobs went
     params = [p.clone(max_tokens=100 if i % 2 else 1, ignore_eos=True) for i, p in enumerate(params)]
     workers = RolloutWorkers(str(tiny_model_dir), str(tiny_model_dir), cfg, 2, timeout_s=120)
     try:
         workers.push_weights(model)
         want = _expected(llm, ids, params)
-        recv = workers._recv_reply
+        assert workers.split(ids, params, [0, 1]) == [[1, 5], [0, 2, 3, 4]]
+        post = workers._post_reply
 
-        def kill_before_replica_1_replies(w, *rest):
+        def kill_before_replica_1_replies(w):
             if w == 1:
                 _kill(workers, 1)
-            return recv(w, *rest)
+            return post(w)
 
-        workers._recv_reply = kill_before_replica_1_replies
+        workers._post_reply = kill_before_replica_1_replies
         caplog.set_level(logging.WARNING, logger="polyrl.run.rollout_workers")
         assert _tokens(workers.generate(ids, params, llm.generate)) == want
         assert (workers.failures, workers.restarts, workers.num_alive, workers.starting) == (1, 1, 1, {1})
         assert "rollout replica 1 (cpu) died (its connection failed)" in caplog.text  # found by the failed receive
-        workers._recv_reply = recv
+        assert workers.speeds.measured[1] is None and workers.speeds.measured[0] is not None  # forgotten
+        workers._post_reply = post
         assert workers.wait_for_restarts(60)
         workers.push_weights(model)
         assert workers.num_alive == 2
@@ -158,8 +166,9 @@ def test_a_hung_replica_misses_the_reply_deadline_and_is_restarted(tiny_model_di
     cfg, model, llm, ids, params = setup
     deadline_s, healthy_s = 4.0, 90.0
     workers = RolloutWorkers(
-        str(tiny_model_dir), str(tiny_model_dir), cfg, 2, timeout_s=120, max_restarts=1, reply_timeout_s=healthy_s
-    )
+        str(tiny_model_dir), str(tiny_model_dir), cfg, 2, timeout_s=120, max_restarts=1, reply_timeout_s=healthy_s,
+        balance="count",
+    )  # fmt: skip
     local_calls = []
 
     def local(i, p, **kw):
@@ -311,6 +320,8 @@ def test_max_restarts_zero_drops_at_once_and_bad_values_are_refused(tiny_model_d
     for bad in (0, -2.5, True, "10"):
         with pytest.raises(ConfigError, match="reply_timeout_s must be a number of seconds > 0"):
             RolloutWorkers(str(tiny_model_dir), str(tiny_model_dir), cfg, 1, reply_timeout_s=bad)
+    with pytest.raises(ConfigError, match='balance must be "work" or "count"'):
+        RolloutWorkers(str(tiny_model_dir), str(tiny_model_dir), cfg, 1, balance="speed")
     workers = RolloutWorkers(str(tiny_model_dir), str(tiny_model_dir), cfg, 1, timeout_s=120, max_restarts=0)
     try:
         _kill(workers, 0)
@@ -354,3 +365,62 @@ def test_restart_and_timeout_options_in_the_config_and_the_cli():
     assert args.rollout_worker_timeout == 90.0 and parser.parse_args([]).rollout_worker_timeout is None
     assert train.RL_FLAG_KEYS["rollout_worker_timeout"] == "rollout_worker_timeout_s"
     assert dict(train.overrides_from_args(args))["grpo.rollout_worker_timeout_s"] == 90.0
+
+
+def test_a_slow_replica_gets_a_smaller_share(tiny_model_dir, setup, monkeypatch):
+    """Replica 1 sleeps 0.8 s per prompt before replying (``SLOW_REPLICA_ENV``): the first call splits evenly (no
+    speed measured yet), its replies measure replica 1 well below replica 0, and the next call gives replica 1 less
+    than half the work, by ``split_by_work`` on the measured speeds; every call's outputs equal one engine's (seeds
+    per prompt). Killed, replica 1's speed is forgotten (it counts at the others' mean when it is back)."""
+    from polyrl.run.replica_balance import prompt_cost, split_by_work
+    from polyrl.run.rollout_workers import SLOW_REPLICA_ENV, RolloutWorkers
+
+    cfg, model, llm, ids, params = setup
+    monkeypatch.setenv(SLOW_REPLICA_ENV, "1:0.8")
+    workers = RolloutWorkers(str(tiny_model_dir), str(tiny_model_dir), cfg, 2, timeout_s=120)
+    local_calls = []
+
+    def local(i, p, **kw):
+        local_calls.append(len(i))
+        return llm.generate(i, p, **kw)
+
+    try:
+        workers.push_weights(model)
+        want = _expected(llm, ids, params)
+        assert workers.split(ids, params, [0, 1]) == [[0, 2, 4], [1, 3, 5]]  # equal speeds: i mod 2
+        assert _tokens(workers.generate(ids, params, local)) == want and local_calls == []
+        assert workers.last_share == {0: pytest.approx(0.5), 1: pytest.approx(0.5)}
+        fast, slow = workers.speeds.measured
+        assert slow < fast / 2, (fast, slow)  # replica 1 took >= 2.4 s for its 3 prompts
+        shares = workers.split(ids, params, [0, 1])
+        assert shares == split_by_work([prompt_cost(len(i), p) for i, p in zip(ids, params)], [fast, slow])
+        assert len(shares[1]) < N_PROMPTS // 2 and sorted(shares[0] + shares[1]) == list(range(N_PROMPTS))
+        assert _tokens(workers.generate(ids, params, local)) == want and local_calls == []
+        assert workers.last_share[1] == pytest.approx(len(shares[1]) / N_PROMPTS)
+        m = workers.balance_metrics()
+        assert m["async/replica_share_max"] == pytest.approx(len(shares[0]) / N_PROMPTS) and len(shares[0]) > 3
+        assert m["async/replica0_work_per_s"] > m["async/replica1_work_per_s"] > 0
+        _kill(workers, 1)
+        workers.check()  # found dead: restarted, its speed forgotten (the others' mean until it replies again)
+        assert workers.speeds.measured[1] is None and workers.starting == {1}
+        assert workers.speeds.effective([0, 1]) == [workers.speeds.measured[0]] * 2
+    finally:
+        workers.close()
+
+
+def test_balance_option_in_the_config_and_the_cli():
+    import argparse
+
+    from polyrl.algorithms.grpo import GRPOConfig
+    from polyrl.cli import train
+
+    assert GRPOConfig().rollout_balance == "work" and GRPOConfig(rollout_balance="count").rollout_balance == "count"
+    with pytest.raises(ConfigError, match='rollout_balance must be "work" or "count"'):
+        GRPOConfig(rollout_balance="speed")
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    args = parser.parse_args(["--algo", "grpo", "--rollout-balance", "count"])
+    assert dict(train.overrides_from_args(args))["grpo.rollout_balance"] == "count"
+    assert parser.parse_args([]).rollout_balance is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--rollout-balance", "speed"])
