@@ -10,8 +10,10 @@ nothing about the test itself. So, under xdist and for ``gpu``-marked tests only
   finish the test they are in and wait, so it runs alone on the device. Its reports are the second run's, with a
   section saying it was re-run; a test that runs out of memory alone fails as before. The re-run is appended to
   ``POLYRL_TESTS_FAILURE_LOG`` when that is set, so a run that passed this way still shows it;
-- with ``POLYRL_TESTS_MEMORY_LOG=PATH``, each test's peak reserved device memory is appended to PATH (``GiB nodeid``)
-  to find the tests that need a lot.
+- with ``POLYRL_TESTS_MEMORY_LOG=PATH``, a line per test is appended to PATH: its peak reserved device memory, then
+  the memory still reserved and still allocated after its teardown (which collects garbage and empties the cache),
+  in GiB, the worker and the test id. The peak finds the tests that need a lot; memory still *allocated* after a
+  test is live tensors it left behind (a worker was seen keeping ~60 GiB across tests, starving the others).
 
 New shared holders wait behind a waiting exclusive holder (a gate lock taken first), so the re-run cannot starve.
 """
@@ -87,7 +89,13 @@ def _run_measured(item, nextitem):
     reports = runtestprotocol(item, nextitem=nextitem, log=False)
     cuda = _cuda()
     if cuda is not None:
-        _append("POLYRL_TESTS_MEMORY_LOG", f"{cuda.max_memory_reserved() / 2**30:7.2f} {item.nodeid}")
+        gib = 2**30
+        peak, reserved, allocated = cuda.max_memory_reserved(), cuda.memory_reserved(), cuda.memory_allocated()
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "-")
+        _append(
+            "POLYRL_TESTS_MEMORY_LOG",
+            f"{peak / gib:7.2f} {reserved / gib:7.2f} {allocated / gib:7.2f} {worker} {item.nodeid}",
+        )
     return reports
 
 
