@@ -41,7 +41,7 @@ from polyrl.algorithms.workers import load_user_module
 from polyrl.data.dataset import chat_tokenizer
 from polyrl.errors import ConfigError
 from polyrl.run.evaluate import sampled_metrics
-from polyrl.run.online import rollout_seed
+from polyrl.run.prompt_order import rollout_seed
 
 
 @contextmanager

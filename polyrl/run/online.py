@@ -3,7 +3,7 @@ policy.
 
 One RL step, each stage a method of ``OnlineRun`` so an algorithm can override one without copying the rest:
 
-1. ``collect(step)``: the next ``prompts_per_step`` prompts (``PromptStream``: seeded shuffle per epoch, resumable)
+1. ``collect(step)``: the next ``prompts_per_step`` prompts (``PromptStream``, ``prompt_order.py``: seeded, resumable)
    -> ``samples_per_prompt`` completions each from the rollout engine, sampling seeded from ``(seed, step, prompt)``
    so a resumed run draws the same tokens -> rewards from the ``RewardPool`` (isolated workers, timeouts), each
    sample handed to it as soon as the engine finishes it (``RewardStream``; ``stream_rewards = false``: after the
@@ -108,50 +108,11 @@ from polyrl.run.offline import (
     tokenizer_path,
 )
 from polyrl.run.placement import resolve_placement
+from polyrl.run.prompt_order import PromptStream, rollout_seed
 from polyrl.run.rollout_log import RolloutLog, chosen, spread, token_strings
 from polyrl.train import parallel as par
 
 DEFAULT_ASYNC_IS_CAP = 2.0  # an async run's importance-weight cap when tis_cap is unset
-
-
-class PromptStream:
-    """Prompt indices in a seeded shuffled order, epoch after epoch; ``state_dict`` is the exact data position."""
-
-    def __init__(self, n: int, seed: int) -> None:
-        self.n, self.seed = n, seed
-        self.epoch, self.position = 0, 0
-        self._order = self._permutation(0)
-
-    def _permutation(self, epoch: int) -> list[int]:
-        order = list(range(self.n))
-        random.Random(f"polyrl-prompts:{self.seed}:{epoch}").shuffle(order)
-        return order
-
-    def take(self, k: int) -> list[int]:
-        out = []
-        while len(out) < k:
-            if self.position >= self.n:
-                self.epoch, self.position = self.epoch + 1, 0
-                self._order = self._permutation(self.epoch)
-            out.append(self._order[self.position])
-            self.position += 1
-        return out
-
-    @property
-    def epochs(self) -> float:
-        return self.epoch + self.position / self.n
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._order = self._permutation(self.epoch)
-
-
-def rollout_seed(seed: int, step: int, prompt: int) -> int:
-    """The sampling seed of prompt ``prompt`` of RL step ``step`` (0-based): a pure function, for exact resume."""
-    return ((seed * 1_000_003 + step) * 65_537 + prompt) % (2**62)
 
 
 def _mean(xs: list[float]) -> float:
@@ -823,4 +784,4 @@ def run_online(cfg: RunConfig, stream: TextIO | None = None, run_cls: type[Onlin
             dist.destroy_process_group()
 
 
-__all__ = ["OnlineRun", "PromptStream", "rollout_seed", "run_online"]
+__all__ = ["OnlineRun", "run_online"]
