@@ -375,6 +375,7 @@ for s in "$@"; do
       python3 -c 'import xdist' 2>/dev/null && [ \"\$W\" -gt 1 ] && X=\"-n \$W --dist loadfile\" \
         && export POLYRL_DEVICE_MEMORY_SHARE=\$(python3 -c \"print(round(0.85 / \$W, 3))\"); \
       POLYRL_TESTS_FAILURE_LOG=$OUT/gpu-test-failures.log POLYRL_TESTS_MEMORY_LOG=$OUT/gpu-test-memory.log \
+      PYTORCH_CUDA_ALLOC_CONF=\${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
       python3 -m pytest -m 'gpu and not multi_gpu' -q -rfE --timeout=300 --durations=25 -p no:cacheprovider \$X tests" ;;
     partial-rollouts) TAIL=30 stage partial-rollouts 300 python3 -m pytest -m gpu -q -rfE -x -p no:cacheprovider tests/run/test_partial_rollouts.py ;;  # issue 27: weight swaps between launches, graphs
     *) echo "unknown stage $s" ;;

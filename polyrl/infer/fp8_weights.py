@@ -39,13 +39,15 @@ routed experts (their grouped kernels take the model's dtype), LoRA layers (refu
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import nn
 
+from polyrl import kernels
 from polyrl.errors import UserError
 from polyrl.kernels import dtype_name, registry
-from polyrl.models.decoder import MLP, Attention
+from polyrl.models.decoder import MLP, Attention, DecoderLayer, ProjectionOverride, RMSNorm
 from polyrl.platform import device, envvars
 
 OP = "fp8_weight_linear"
@@ -84,12 +86,16 @@ def quantize_rows(t: torch.Tensor, out: torch.Tensor | None = None) -> tuple[tor
 
 
 def reference_linear(
-    x: torch.Tensor, weights: tuple[torch.Tensor, ...], scales: tuple[torch.Tensor, ...]
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    scales: tuple[torch.Tensor, ...],
+    pre: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The spec: ``x [M, K]``, e4m3 ``weights[i] [N_i, K]``, fp32 ``scales[i] [N_i]`` -> ``y_i [M, N_i]`` in
     ``x``'s dtype (no bias). Plain PyTorch on any device: the e4m3 values are exact in fp32, the product is
-    accumulated in fp32 and scaled afterwards, as the FP8 GEMM does (only the summation order differs)."""
-    xq, xs = quantize_rows(x)
+    accumulated in fp32 and scaled afterwards, as the FP8 GEMM does (only the summation order differs). ``pre``:
+    ``quantize_rows(x)`` already made (by the kernel that produced x), used instead of quantising again."""
+    xq, xs = quantize_rows(x) if pre is None else pre
     xf = xq.float()
     return tuple(((xf @ w.float().t()) * xs[:, None] * s[None, :]).to(x.dtype) for w, s in zip(weights, scales))
 
@@ -113,7 +119,10 @@ def rowwise_supported(dev: torch.device) -> bool:
 
 
 def scaled_mm_linear(
-    x: torch.Tensor, weights: tuple[torch.Tensor, ...], scales: tuple[torch.Tensor, ...]
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    scales: tuple[torch.Tensor, ...],
+    pre: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``reference_linear`` on the GPU: the Triton row quantiser, then one ``torch._scaled_mm`` per weight. The second
     operand is ``w.t()`` of the row-major ``[N, K]`` copy: column-major ``[K, N]``, as cuBLASLt wants it. Signature
@@ -121,7 +130,7 @@ def scaled_mm_linear(
     # lazy: triton loads only where this implementation is selected (CUDA)
     from polyrl.infer.fp8_quant_triton import quantize_rows_triton
 
-    xq, xs = quantize_rows_triton(x, FP8_MAX, AMAX_FLOOR)
+    xq, xs = quantize_rows_triton(x, FP8_MAX, AMAX_FLOOR) if pre is None else pre
     outs = []
     if rowwise_supported(x.device):
         sa = xs[:, None]  # [M, 1]
@@ -146,10 +155,14 @@ def scaled_mm_linear(
 
 
 def fp8_weight_linear(
-    x: torch.Tensor, weights: tuple[torch.Tensor, ...], scales: tuple[torch.Tensor, ...]
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    scales: tuple[torch.Tensor, ...],
+    pre: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """The op, dispatched by the kernel registry on ``x``'s device and dtype (``POLYRL_KERNELS`` forces one)."""
-    return registry.select(OP, x.device.type, dtype_name(x.dtype))[1](x, weights, scales)
+    """The op, dispatched by the kernel registry on ``x``'s device and dtype (``POLYRL_KERNELS`` forces one);
+    ``pre``: x's ``quantize_rows`` already made."""
+    return registry.select(OP, x.device.type, dtype_name(x.dtype))[1](x, weights, scales, pre)
 
 
 def quantize_weight(
@@ -233,16 +246,50 @@ def _fusable_groups(model: nn.Module) -> list[tuple[nn.Linear, ...]]:
     return out
 
 
-class Fp8Weights:
+def fused_quant_enabled() -> bool:
+    """``POLYRL_FP8_FUSED_QUANT`` (default 1): the activation quantiser fused into the RMSNorm and SwiGLU kernels that
+    feed FP8 projections; 0 quantises every projection input in its own launch (the earlier path, for A/B runs)."""
+    return envvars.get(envvars.POLYRL_FP8_FUSED_QUANT) != "0"
+
+
+def _quantising_consumers(model: nn.Module, has_copy) -> tuple[set[RMSNorm], set[MLP]]:
+    """The norms whose output only feeds projections with FP8 copies (a layer's input norm before q/k/v; its
+    post-attention norm before a dense MLP's gate/up), and the MLPs whose down projection has one."""
+    norms: set[RMSNorm] = set()
+    mlps: set[MLP] = set()
+    for layer in model.modules():
+        if not isinstance(layer, DecoderLayer):
+            continue
+        attn = layer.self_attn
+        if all(has_copy(lin) for lin in (attn.q_proj, attn.k_proj, attn.v_proj)):
+            norms.add(layer.input_layernorm)
+        if isinstance(layer.mlp, MLP) and has_copy(layer.mlp.gate_proj) and has_copy(layer.mlp.up_proj):
+            norms.add(layer.post_attention_layernorm)
+    for mlp in model.modules():
+        if isinstance(mlp, MLP) and has_copy(mlp.down_proj):
+            mlps.add(mlp)
+    return norms, mlps
+
+
+class Fp8Weights(ProjectionOverride):
     """FP8 copies of a model's projection weights and the projection override that uses them (module docstring).
 
     ``entries``: module -> (e4m3 ``[N, K]``, fp32 ``[N]``). ``project(linears, x)`` is the override the decoder
-    calls: the outputs when every module of ``linears`` has a copy, else None (the decoder's own path)."""
+    calls: the outputs when every module of ``linears`` has a copy, else None (the decoder's own path).
 
-    def __init__(self, model: nn.Module, fuse: bool = False) -> None:
+    Fused activation quantisation (``fused_quant``, ``POLYRL_FP8_FUSED_QUANT``): ``norm`` (the RMSNorm before q/k/v
+    and before gate/up) and ``activation`` (the SwiGLU before down) compute their output and its per-row e4m3 copy in
+    one kernel (``fp8_quant_triton``; the reference composition where the reference runs) and keep the copy for the
+    next ``project`` of that same tensor (matched by identity, used once), so only the o projection's input is
+    quantised on its own. The outputs are bit-equal to the unfused path's: the same values, quantised the same way."""
+
+    def __init__(self, model: nn.Module, fuse: bool = False, fused_quant: bool | None = None) -> None:
         check_supported(model)
         self.model = model
         self.fuse = fuse
+        self.fused_quant = fused_quant_enabled() if fused_quant is None else fused_quant
+        self._kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (x, x_e4m3, scales)
+        self.prequantized_uses = 0  # projections that took a kept copy (tests; counts capture-time calls too)
         self.entries: dict[nn.Module, tuple[torch.Tensor, torch.Tensor] | None] = {}
         # fused groups (``fuse``): the module tuple the decoder passes -> (e4m3 [sum N, K], fp32 [sum N], row
         # bounds); each member's entry is a row slice of these buffers (views: no memory beyond the per-module copies)
@@ -254,6 +301,7 @@ class Fp8Weights:
                 f"gate/up/down with dims that are multiples of {ALIGN}); run it in the model's precision"
             )
         _one(next(model.parameters()).device)  # before any capture
+        self.quant_norms, self.quant_mlps = _quantising_consumers(model, lambda lin: lin in self.entries)
         self.stale = False
         self.requantizations = 0  # how many times the copies were refreshed after a weight change
 
@@ -319,19 +367,60 @@ class Fp8Weights:
         for lin, entry in self.entries.items():
             quantize_weight(lin.weight, *entry)
 
+    def _keep(self, x: torch.Tensor) -> None:
+        """Quantise ``x`` for the next ``project`` of it (the reference path: the same composition, unfused)."""
+        self._kept = (x, *quantize_rows(x))
+
+    def norm(self, module: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> Any:
+        """``module(x, residual)`` with its output's e4m3 copy kept, for the norms that feed FP8 projections."""
+        if not self.fused_quant or module not in self.quant_norms or x.dim() != 2 or torch.is_grad_enabled():
+            return None
+        w = module.weight
+        if x.is_cuda and not reference_forced() and w.dtype == x.dtype and x.shape[1] <= 16384:
+            # lazy: triton loads only on CUDA
+            from polyrl.infer.fp8_quant_triton import rmsnorm_quant_triton
+
+            y, total, q, s = rmsnorm_quant_triton(x, w, module.eps, residual, FP8_MAX, AMAX_FLOOR)
+            self._kept = (y, q, s)
+            return y if total is None else (y, total)
+        out = kernels.rmsnorm(x, w, module.eps, residual)
+        self._keep(out if residual is None else out[0])
+        return out
+
+    def activation(self, mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+        """``swiglu(gate, up)`` with its e4m3 copy kept, for the MLPs whose down projection has an FP8 copy."""
+        if not self.fused_quant or mlp not in self.quant_mlps or gate.dim() != 2 or torch.is_grad_enabled():
+            return None
+        if gate.is_cuda and not reference_forced() and gate.shape[1] <= 16384:
+            from polyrl.infer.fp8_quant_triton import swiglu_quant_triton
+
+            y, q, s = swiglu_quant_triton(gate, up, FP8_MAX, AMAX_FLOOR)
+            self._kept = (y, q, s)
+            return y
+        y = kernels.swiglu(gate, up)
+        self._keep(y)
+        return y
+
+    def _take_kept(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        kept, self._kept = self._kept, None
+        if kept is None or kept[0] is not x:
+            return None
+        self.prequantized_uses += 1
+        return kept[1], kept[2]
+
     def project(self, linears: tuple[nn.Module, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """``tuple(l(x) for l in linears)`` through the FP8 copies (one activation quantisation for all), or None
-        when one of ``linears`` has none."""
+        """``tuple(l(x) for l in linears)`` through the FP8 copies (one activation quantisation for all, or the copy
+        ``norm`` / ``activation`` kept of this ``x``), or None when one of ``linears`` has none."""
         group = self.groups.get(linears) if len(linears) > 1 else None
         if group is not None:  # one GEMM over the concatenated copy; the outputs are its column slices (views)
             buf, scales, bounds = group
-            (y,) = fp8_weight_linear(x, (buf,), (scales,))
+            (y,) = fp8_weight_linear(x, (buf,), (scales,), self._take_kept(x))
             ys = tuple(y[:, a:b] for a, b in zip(bounds, bounds[1:]))
         else:
             got = [self.entries.get(lin) for lin in linears]
             if any(e is None for e in got):
                 return None
-            ys = fp8_weight_linear(x, tuple(e[0] for e in got), tuple(e[1] for e in got))
+            ys = fp8_weight_linear(x, tuple(e[0] for e in got), tuple(e[1] for e in got), self._take_kept(x))
         return tuple(y if lin.bias is None else y + lin.bias for y, lin in zip(ys, linears))
 
 
@@ -342,6 +431,7 @@ __all__ = [
     "Fp8Weights",
     "check_supported",
     "fp8_weight_linear",
+    "fused_quant_enabled",
     "quantize_rows",
     "quantize_weight",
     "reference_forced",

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from polyrl.kernels.skinny_linear import ROUTE_MAX_ROWS
-from polyrl.models.decoder import MLP, Attention
+from polyrl.models.decoder import MLP, Attention, ProjectionOverride
 
 Group = tuple[nn.Linear, ...]
 
@@ -96,7 +96,7 @@ def _concat(group: Group, out: tuple[torch.Tensor, torch.Tensor | None] | None =
     return w, b
 
 
-class FusedProjections:
+class FusedProjections(ProjectionOverride):
     """Concatenated copies of a model's q/k/v and gate/up weights and the projection override that uses them (module
     docstring). ``entries``: group (the tuple of modules, as the decoder passes it) -> (weight, bias or None), or None
     after ``free``; ``splits``: group -> its members' ``out_features``."""

@@ -102,11 +102,31 @@ def _skinny_ok(linears: tuple[nn.Module, ...], x: torch.Tensor) -> bool:
 _OVERRIDE: contextvars.ContextVar[Any] = contextvars.ContextVar("polyrl_projection_override", default=None)
 
 
+class ProjectionOverride:
+    """What the decoder asks an override (``projection_override``) first; each method returns None to run as usual.
+
+    - ``project(linears, x)``: ``tuple(l(x) for l in linears)``;
+    - ``norm(module, x, residual)``: ``module(x, residual)`` of an ``RMSNorm`` (its output then feeds projections the
+      override runs, which may take what the override kept of it: ``Fp8Weights``' quantised copy);
+    - ``activation(mlp, gate, up)``: the SwiGLU of ``mlp`` (the input of its down projection), likewise."""
+
+    def project(self, linears: tuple[nn.Module, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        return None
+
+    def norm(self, module: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> Any:
+        return None
+
+    def activation(self, mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+
 @contextlib.contextmanager
-def projection_override(override: Any) -> Iterator[None]:
+def projection_override(override: ProjectionOverride | None) -> Iterator[None]:
     """Within the block (this thread), ``project`` / ``project_group`` first ask ``override.project(linears, x)`` (a
-    tuple of outputs, or None to run as usual); ``override`` None changes nothing. The rollout engine enters it around
-    its forwards (and graph captures) with its FP8 weights; the training forward of the same module never sees it."""
+    tuple of outputs, or None to run as usual), ``RMSNorm`` ``override.norm`` and ``MLP.activation``
+    ``override.activation`` (``ProjectionOverride``); ``override`` None changes nothing. The rollout engine enters it
+    around its forwards (and graph captures) with its FP8 weights or fused copies; the training forward of the same
+    module never sees it."""
     token = _OVERRIDE.set(override)
     try:
         yield
@@ -153,6 +173,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        override = _OVERRIDE.get()
+        if override is not None:
+            out = override.norm(self, x, residual)
+            if out is not None:
+                return out
         return kernels.rmsnorm(x, self.weight, self.eps, residual)
 
 
@@ -263,6 +288,11 @@ class MLP(nn.Module):
     def activation(self, x: torch.Tensor, options: DecoderOptions) -> torch.Tensor:
         """``swiglu(gate(x), up(x))``: the down projection's input."""
         gate, up = project_group((self.gate_proj, self.up_proj), x, options)
+        override = _OVERRIDE.get()
+        if override is not None:
+            out = override.activation(self, gate, up)
+            if out is not None:
+                return out
         return kernels.swiglu(gate, up)
 
     def forward(self, x: torch.Tensor, options: DecoderOptions) -> torch.Tensor:

@@ -43,6 +43,12 @@ POLYRL_PAGED_DECODE = EnvVar(
     "program) or 'rows' (the general kernel, as before; for A/B runs). Read once, at import.",
 )
 
+POLYRL_FP8_FUSED_QUANT = EnvVar(
+    "POLYRL_FP8_FUSED_QUANT",
+    "FP8 rollout weights: 1 (the default) quantises the activations of q/k/v, gate/up and down inside the RMSNorm and "
+    "SwiGLU kernels that make them; 0 runs a separate quantiser before each projection (as before; for A/B runs).",
+)
+
 ALL: tuple[EnvVar, ...] = (
     POLYRL_KERNELS,
     POLYRL_PLATFORM,
@@ -50,6 +56,7 @@ ALL: tuple[EnvVar, ...] = (
     POLYRL_API_KEY,
     POLYRL_DEVICE_MEMORY_SHARE,
     POLYRL_PAGED_DECODE,
+    POLYRL_FP8_FUSED_QUANT,
 )
 
 

@@ -208,6 +208,41 @@ def test_fused_fp8_groups_are_views_and_decode_like_the_separate_copies(referenc
     assert len(fp8.groups) == 4 and len(c) == len(a)
 
 
+def test_fused_activation_quantisation_equals_the_separate_quantiser(reference, monkeypatch):
+    """``POLYRL_FP8_FUSED_QUANT`` (default on): the norms before q/k/v and gate/up and the SwiGLU before down keep
+    their output's e4m3 copy and the next projection of that tensor takes it (three per layer per forward), with
+    outputs equal to quantising in each projection (0), with and without fused groups; a norm not feeding FP8
+    projections (q/k norms, the final norm) and a forward with autograd on keep nothing."""
+    model = _model(num_layers=2)
+    cfg = dict(num_blocks=128, block_size=4, weight_precision="fp8")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    for fuse in (False, True):
+        monkeypatch.setenv("POLYRL_FP8_FUSED_QUANT", "0")
+        separate = LLM(model, None, RolloutConfig(fuse_projections=fuse, **cfg))
+        monkeypatch.delenv("POLYRL_FP8_FUSED_QUANT")
+        fused = LLM(model, None, RolloutConfig(fuse_projections=fuse, **cfg))
+        fp8 = fused.runner.fp8
+        assert fp8.fused_quant and not separate.runner.fp8.fused_quant
+        layers = model.model.layers
+        assert fp8.quant_norms == {
+            m for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)
+        }
+        assert fp8.quant_mlps == {layer.mlp for layer in layers}
+        a, b = separate.generate(_prompts(), params), fused.generate(_prompts(), params)
+        assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+        assert [o.outputs[0].logprobs for o in a] == [o.outputs[0].logprobs for o in b]
+        assert separate.runner.fp8.prequantized_uses == 0 and fp8.prequantized_uses > 0
+    ids = torch.tensor(_prompts(1)[0])
+    meta = AttnMetadata.from_seqlens([len(ids)], "cpu")
+    fp8.prequantized_uses = 0
+    with torch.no_grad(), projection_override(fp8):
+        model(ids, torch.arange(len(ids)), meta)
+    assert fp8.prequantized_uses == 3 * len(layers) and fp8._kept is None
+    with projection_override(fp8):  # autograd on (a training forward inside the override): nothing kept
+        model(ids, torch.arange(len(ids)), meta)
+    assert fp8.prequantized_uses == 3 * len(layers)
+
+
 def test_colocated_rollout_shows_the_fp8_mismatch(reference):
     """The RL run's mismatch metric (rollout log-prob vs the trainer's recompute) sees FP8 sampling: ~0 for the
     fp32 engine, clearly larger for FP8 on the same module; the trainer's forward stays fp32."""
@@ -302,3 +337,21 @@ def test_fused_fp8_groups_decode_like_the_separate_ones_on_the_gpu():
     a = [t for o in fused for t in o.outputs[0].token_ids]
     b = [t for o in plain for t in o.outputs[0].token_ids]
     assert sum(x == y for x, y in zip(a, b)) >= 0.9 * len(b)
+
+
+@pytest.mark.gpu
+def test_fused_activation_quantisation_is_bit_equal_on_the_gpu(monkeypatch):
+    """The Triton norm + quantiser and SwiGLU + quantiser kernels in the graph-captured FP8 decode (fused groups on):
+    the same activations, quantised the same way, as the separate quantiser: equal tokens and log-probs."""
+    model = _gpu_fp8_model()
+    prompts = _prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+    cfg = dict(num_blocks=128, block_size=16, weight_precision="fp8", fuse_projections=True)
+    monkeypatch.setenv("POLYRL_FP8_FUSED_QUANT", "0")
+    separate = LLM(model, None, RolloutConfig(**cfg)).generate(prompts, params)
+    monkeypatch.delenv("POLYRL_FP8_FUSED_QUANT")
+    llm = LLM(model, None, RolloutConfig(**cfg))
+    fused = llm.generate(prompts, params)
+    assert llm.runner.fp8.fused_quant and llm.runner.fp8.prequantized_uses > 0 and llm.runner.use_graphs
+    assert [o.outputs[0].token_ids for o in fused] == [o.outputs[0].token_ids for o in separate]
+    assert [o.outputs[0].logprobs for o in fused] == [o.outputs[0].logprobs for o in separate]

@@ -121,7 +121,7 @@ def _rows2d(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _tiling(n_cols: int, elem_bytes: int) -> tuple[int, int, int]:
+def forward_tiling(n_cols: int, elem_bytes: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): about 16 KiB of input per program, rows in whole powers of two."""
     block_n = triton.next_power_of_2(n_cols)
     if block_n > _MAX_BLOCK_N:
@@ -213,7 +213,7 @@ class _RMSNormFn(torch.autograd.Function):
             s = torch.empty_like(x2, memory_format=torch.contiguous_format)
         else:
             r2, s = x2, x2
-        block_m, block_n, warps = _tiling(n_cols, x.element_size())
+        block_m, block_n, warps = forward_tiling(n_cols, x.element_size())
         if n_rows > 0:
             _rmsnorm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
                 x2, r2, weight, y, s, rstd, n_rows, n_cols,
