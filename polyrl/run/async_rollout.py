@@ -64,8 +64,14 @@ first (with partial rollouts the batches in flight finish on the newest weights)
 ``token_versions``. With ``partial_swap_step`` N > 0 the resumed run equals the uninterrupted one bit for bit; with
 0 the queue is restored exactly but where later updates land depends on timing in both runs.
 
+Under torchrun (``InlineRollouts`` and ``ThreadedRollouts`` only) these classes are the same on every rank: the run's
+produce function does the data-parallel rollout, its collectives on a gloo group of the producer's own, and the
+sync callback all-gathers the sharded weights (``polyrl.run.async_steps``); every rank makes the same calls in the
+same order, so the queues agree.
+
 ``staleness_metrics``: the ``async/*`` metrics of a trained batch (staleness histogram, per-lag token counts, per
-token with partial rollouts, importance-weight statistics of the decoupled objective). Not here: the loss
+token with partial rollouts, importance-weight statistics of the decoupled objective; data-parallel: over every
+rank's share). Not here: the loss
 (``polyrl.algorithms.losses``), the loop (``online``).
 """
 
