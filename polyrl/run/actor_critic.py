@@ -203,7 +203,8 @@ class ActorCriticRun(OnlineRun):
         if kl_pad is not None:
             m["kl"] = self.global_stats([kl_pad[sel]])[0]
         if self.source is not None:
-            m.update(staleness_metrics(step, samples, mine, rollout_lp, lps, cap))
+            gather = self.world.all_gather_object if self.world.distributed else None  # over every rank's share
+            m.update(staleness_metrics(step, samples, mine, rollout_lp, lps, cap, gather))
         return batches, m
 
     def add_teacher_term(self, adv: list[Any], term: list[list[float]]) -> list[Any]:

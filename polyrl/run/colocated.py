@@ -12,18 +12,24 @@ The building block of every online run (GRPO, GSPO, PPO, agentic RL) and of the 
   ``reference=True`` keeps a frozen copy of the initial weights (``ref_model``) for a KL penalty; for a LoRA model
   (``polyrl.models.lora``) the reference is the same model with its adapters off (no copy), and with
   ``lora_config.merge_for_rollout`` rollouts run with the adapters merged in place (unmerged afterwards).
-  ``separate_rollout=True`` (async RL's threaded producer, one process): the rollout engine gets a copy of the
+  ``separate_rollout=True`` (async RL's threaded producer): the rollout engine gets a copy of the
   weights of its own, refreshed only by ``sync_rollout_weights()`` (so it can generate while the trainer updates);
-  log-prob recomputes then run on the trained model itself. ``between_steps`` (set by async RL's partial rollouts)
-  is handed to the rollout engine's ``generate`` (and by an agentic run to its episode loop, which steps the same
-  engine): a weight update can then land between two decode steps, and each ``Sample`` gets the engine's per-token
-  ``token_versions``. The copy is ``run.weight_sync.InProcessSync``
+  log-prob recomputes then run on the trained model itself (sharded: see below). ``between_steps`` (set by async
+  RL's partial rollouts) is handed to the rollout engine's ``generate`` (and by an agentic run to its episode loop,
+  which steps the same engine): a weight update can then land between two decode steps, and each ``Sample`` gets
+  the engine's per-token ``token_versions``. The copy is ``run.weight_sync.InProcessSync``
   (adapters alone for a LoRA model); ``last_sync`` holds its ``SyncStats`` (the worker replicas' when ``remote``).
 - Data-parallel (``world`` of ``polyrl.train.parallel``, under torchrun): the trained model is FSDP2-sharded, so the
   rollout engine runs a plain full copy in the compute dtype (``rollout_net``, refreshed in place after every
   optimizer step with one all-gather per tensor), each rank generates for its share of the prompts and every rank
   gets all samples back (``generate_data_parallel``). Log-prob recomputes run on that plain copy too (same weights
   and kernels as the FSDP forward, no collectives, so ranks may hold different numbers of micro-batches there).
+  With ``separate_rollout`` (async RL's threaded producer under torchrun) that plain copy is NOT refreshed after
+  every optimizer step (the producer thread may be generating on it) but only by ``sync_rollout_weights()``, which
+  is then the all-gather (a collective on the default group: the run calls it in the trainer's thread, once the
+  producer is idle, on every rank); log-prob recomputes still run on the copy, which the run has synced to the
+  trained weights before any recompute of a step (``weights_updated`` precedes it), while the producer may read
+  the same tensors (no-grad forwards only, no collective).
   A replicated model (``replicate_model``: LoRA) stays colocated as in one process (rollout, reference and
   ``merge_for_rollout`` as above, on every rank's own identical replica); only generation is split over ranks.
 
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -119,7 +126,8 @@ class ColocatedPolicy:
         self.release_kv = keeps_kv_released(release_kv, self.llm.kv.total_bytes)
         if self.release_kv:
             self.llm.release()
-        self.separate_rollout = separate_rollout and not self.sharded
+        # sharded: rollout_net is a plain copy either way; separate_rollout makes it change in sync_rollout_weights only
+        self.separate_rollout = separate_rollout
         self.remote: Any = None  # rollout worker processes (run.rollout_workers); this engine is their fallback
         self._copy_sync: InProcessSync | None = None
         self.last_sync: SyncStats | None = None  # the last sync_rollout_weights (run.weight_sync), None: none yet
@@ -241,7 +249,7 @@ class ColocatedPolicy:
         full copy (``rollout_net``, the model itself when replicated); samples in no given batch get None.
         Batches carrying a routing record (``RLBatch.routing_replay``, MoE) are recomputed with the rollout's experts
         forced when ``model`` is the policy (rollout-routing replay); another model (the reference) routes itself."""
-        model = model or (self.model if self.separate_rollout else self.rollout_net)
+        model = model or (self.model if self.separate_rollout and not self.sharded else self.rollout_net)
         policy = model is self.rollout_net or model is self.model
         was_training = model.training
         model.eval()
@@ -271,7 +279,7 @@ class ColocatedPolicy:
     ) -> Any:
         """One optimizer step (``TrainEngine.step``); the rollout engine's prefix cache is reset afterwards."""
         stats = self.engine.step(list(batches), loss_fn, normalizer)
-        if self.sharded:
+        if self.sharded and not self.separate_rollout:
             par.sync_rollout_weights(self.model, self.rollout_net)
         if not self.separate_rollout:  # a separate copy (maybe generating now) changes in sync_rollout_weights only
             self.llm.reset_prefix_cache()
@@ -280,8 +288,17 @@ class ColocatedPolicy:
     @torch.no_grad()
     def sync_rollout_weights(self) -> None:
         """Copy the trained weights into a separate rollout copy (``separate_rollout``; the rollout engine must be
-        idle) and reset its prefix cache; nothing to do when the rollout shares the trained tensors."""
-        if self.separate_rollout:
+        idle) and reset its prefix cache; nothing to do when the rollout shares the trained tensors. Sharded
+        (``separate_rollout`` under torchrun): the all-gather of the shards into the plain copy, a collective that
+        every rank calls in the same thread as its FSDP steps."""
+        if self.separate_rollout and self.sharded:
+            t0 = time.perf_counter()
+            par.sync_rollout_weights(self.model, self.rollout_net)
+            moved = {id(t): t for t in self.rollout_net.state_dict(keep_vars=True).values()}.values()
+            nbytes = sum(t.numel() * t.element_size() for t in moved)
+            self.last_sync = SyncStats(time.perf_counter() - t0, nbytes, len(moved))
+            self.llm.reset_prefix_cache()
+        elif self.separate_rollout:
             if self._copy_sync is None:  # a LoRA model's base is frozen: its adapters alone (run.weight_sync)
                 lora = getattr(self.model, "lora_config", None) is not None
                 self._copy_sync = InProcessSync(self.model, self.rollout_net, lora_only=lora)
@@ -314,7 +331,7 @@ class ColocatedPolicy:
 
         if self.world is not None or par.is_sharded_checkpoint(path):
             loaded = par.load_any_checkpoint(path, self.model, self.engine, self.world)
-            if self.sharded:
+            if self.sharded and not self.separate_rollout:  # separate: sync_rollout_weights below does it
                 par.sync_rollout_weights(self.model, self.rollout_net)
         else:
             loaded = load_checkpoint(path, self.model, self.engine)

@@ -37,7 +37,8 @@ flight take each update between two decode steps; or in rollout worker processes
 the thread, whose episodes then run beside the training, with partial rollouts too); ``prepare`` uses the
 decoupled objective (recomputed proximal log-probs, truncated ``pi_prox / pi_behaviour`` weights, ``async/*``
 metrics); after the update the source gets the new version (the thread's weights are synced); checkpoints hold the
-queue; with partial rollouts the batches in flight are finished before an evaluation. K = 0: no source.
+queue; with partial rollouts the batches in flight are finished before an evaluation. K = 0: no source. The source,
+the async checks and what a step publishes are the ``AsyncSteps`` mixin (``polyrl.run.async_steps``).
 
 Under torchrun (``polyrl train --nproc-per-node N``) the policy is FSDP2-sharded (a LoRA policy: replicated, see
 ``polyrl.train.parallel.replicate``) and the run is data-parallel: the prompt stream, the seeds and so the sampled
@@ -45,7 +46,9 @@ tokens are the same as in one process; each rank generates for its share of the 
 ``world``), rank 0 scores every sample and broadcasts the rewards, every rank computes the same advantages and
 mini-batches and trains on its strided share of each mini-batch (padded with zero-weight micro-batches so every rank
 joins every FSDP collective), normalised by the global token count; metrics are reduced over ranks; rank 0 logs;
-checkpoints (sharded, or replicated for LoRA) resume at any world size.
+checkpoints (sharded, or replicated for LoRA) resume at any world size. Async RL there: the ``inline`` and
+``thread`` producers, each rank generating its share; the producer's collectives on a gloo group of their own, the
+thread's weight copy all-gathered in the trainer's thread at ``weights_updated`` (``async_steps``).
 
 ``hooks`` (e.g. ``grpo.GroupRelative``) provide ``needs_reference``, ``advantages(rewards, groups) -> (adv, keep,
 metrics)``, ``normalizer(tokens, sequences)`` and ``make_loss(tokens_in_step, normalizer)`` (``OnlineHooks`` of
@@ -81,14 +84,8 @@ from polyrl.errors import CheckpointError, ConfigError, DataError
 from polyrl.infer.config import RolloutConfig
 from polyrl.infer.sampling_params import SamplingParams, StructuredOutputs
 from polyrl.models.checkpoint import load_tokenizer
-from polyrl.models.lora import is_adapter_dir
-from polyrl.run.async_rollout import (
-    InlineRollouts,
-    PartialRollouts,
-    RolloutBatch,
-    ThreadedRollouts,
-    staleness_metrics,
-)
+from polyrl.run.async_rollout import PartialRollouts, staleness_metrics
+from polyrl.run.async_steps import AsyncSteps
 from polyrl.run.best import BestKeeper
 from polyrl.run.colocated import ColocatedPolicy
 from polyrl.run.config import RunConfig, save_resolved
@@ -107,19 +104,16 @@ from polyrl.run.offline import (
     run_steps,
     tokenizer_path,
 )
-from polyrl.run.placement import resolve_placement
 from polyrl.run.prompt_order import PromptStream, rollout_seed
 from polyrl.run.rollout_log import RolloutLog, chosen, spread, token_strings
 from polyrl.train import parallel as par
-
-DEFAULT_ASYNC_IS_CAP = 2.0  # an async run's importance-weight cap when tis_cap is unset
 
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-class OnlineRun(DataParallelSteps):
+class OnlineRun(AsyncSteps, DataParallelSteps):
     """A whole online run (see the module docstring); ``run()`` returns the summary."""
 
     best: BestKeeper | None = None  # train.keep_best (set in __init__)
@@ -228,100 +222,6 @@ class OnlineRun(DataParallelSteps):
             separate_rollout=self.max_staleness > 0 and a.async_producer in ("thread", "process"),
         )
 
-    # ---- asynchronous RL (polyrl.run.async_rollout) ---------------------------------------------------
-    def _check_async(self) -> int:
-        k = getattr(self.a, "max_staleness", 0)
-        if k > 0 and self.world.distributed:
-            raise ConfigError(
-                f"{self.a.table_name()}.max_staleness > 0 is built for one process only so far; drop "
-                "--nproc-per-node or run synchronously (max_staleness = 0)"
-            )
-        if (
-            k > 0
-            and self.a.async_producer == "process"
-            and (
-                getattr(self.a, "rollout_response_format", "")
-                or (self.cfg.lora is None and is_adapter_dir(Path(self.cfg.model)))
-            )
-        ):
-            raise ConfigError(
-                'async_producer = "process" runs a model folder (or a LoRA run) in its workers: no structured '
-                'rollouts yet; use async_producer = "thread"'
-            )
-        # validated (and the train device made current) before the model loads
-        self.placement = resolve_placement(getattr(self.a, "rollout_devices", ""), getattr(self.a, "train_devices", ""))
-        if self.world.distributed and self.placement.train is not None:
-            raise ConfigError("train_devices is for one-process runs; under torchrun each rank takes its own device")
-        self.placement.apply()
-        # agentic runs (cfg.episodes): the producers they take are checked by their table (AgentConfig.check)
-        return k
-
-    def _make_source(self) -> InlineRollouts | None:
-        if self.max_staleness == 0:
-            return None
-        k, version = self.max_staleness, self.start
-
-        def produce(step: int, v: int) -> RolloutBatch:
-            samples, rewards, m = self.collect(step)
-            return RolloutBatch(step, v, samples, rewards, m, self.data.epochs, extra=self.batch_state())
-
-        if self.a.async_producer == "process":  # rollout engines in worker processes, fed over gloo
-            # lazy: worker processes and their process group exist only in runs that ask for them
-            from polyrl.run.rollout_workers import RolloutWorkers
-
-            devices = list(self.placement.rollout) or ["cpu"] * self.a.rollout_workers
-            if self.policy.device.type != "cpu" and self.placement.colocated:
-                raise ConfigError(
-                    f'async_producer = "process" on an accelerator needs the rollout replicas\' devices: set '
-                    f"{self.a.table_name()}.rollout_devices (--rollout-devices {self.policy.device.type}:1)"
-                )
-            self.print(f"placement: {self.placement.describe()}")
-            self.policy.remote = RolloutWorkers(
-                self.cfg.model, tokenizer_path(self.cfg), self.rollout_config(), devices=devices,
-                trainer_device=self.policy.device, dtype=next(self.policy.rollout_net.parameters()).dtype,
-                wire_dtype=self.a.weight_sync_dtype, bucket_mb=self.a.weight_sync_bucket_mb, lora=self.cfg.lora,
-                seed=self.cfg.seed, max_restarts=self.a.rollout_worker_restarts,
-                reply_timeout_s=self.a.rollout_worker_timeout_s, balance=self.a.rollout_balance,
-            )  # fmt: skip
-            self.policy.remote.push_weights(self.policy.model)  # version `start` (after a resume's load)
-        if getattr(self.a, "partial_rollouts", False):  # the thread's engine takes updates between decode steps
-            swap = self.a.partial_swap_step
-            source: InlineRollouts = PartialRollouts(
-                produce, k, self.policy.sync_rollout_weights, self.policy.llm, version, swap
-            )
-            self.policy.between_steps = source.between_steps
-        elif self.a.async_producer in ("thread", "process"):
-            source = ThreadedRollouts(produce, k, self.policy.sync_rollout_weights, version)
-        else:
-            source = InlineRollouts(produce, k, version)
-        state = self._resumed_async
-        if state is not None:
-            source.load_state_dict(state)
-        elif self.start > 0:
-            self.print(f"note: {self.start_point} holds no rollout queue (a synchronous run's); generating afresh")
-        return source
-
-    def batch_state(self) -> Any:
-        """What ``collect`` left for this step's ``rollout_row`` beyond the samples (an episode producer: the
-        transcripts), JSON-ready: it travels with an async batch and is checkpointed with it. Called right after
-        ``collect``, in the thread that ran it (the threaded producer's)."""
-        return None
-
-    def restore_batch_state(self, state: Any) -> None:
-        """Put back ``batch_state()`` of the batch this step trains (async runs)."""
-
-    @property
-    def decoupled(self) -> bool:
-        """The decoupled off-policy objective (async runs): the proximal policy (the trainer's recompute at the start
-        of the step) anchors the clipped ratio; truncated ``pi_prox / pi_behaviour`` weights correct for the
-        behaviour (rollout) policy's staleness."""
-        return self.max_staleness > 0
-
-    def is_cap(self) -> float | None:
-        """The truncation cap of the importance weights: ``tis_cap``, else 2.0 in an async run."""
-        cap = getattr(self.a, "tis_cap", None)
-        return cap if cap is not None or not self.decoupled else DEFAULT_ASYNC_IS_CAP
-
     def print(self, msg: str) -> None:
         print(msg, file=self.stream_out, flush=True)
 
@@ -391,7 +291,7 @@ class OnlineRun(DataParallelSteps):
         failures = dict(self.pool.totals) if self.pool is not None else {}
         state = {"prompts": self.data.state_dict(), "reward_failures": failures}
         if self.source is not None:  # the rollouts generated ahead: checkpointed (their weights are gone)
-            state["async"] = self.source.state_dict()
+            state["async"] = self.queue_state()  # data-parallel: checked to be the same on every rank
         if self.best is not None:
             state["best"] = self.best.state_dict()
         return state
@@ -514,7 +414,8 @@ class OnlineRun(DataParallelSteps):
             kl = [kl_penalty(lps[i], refs[i], getattr(self.a, "kl_estimator", "k3")) for i in mine]
             m["kl_before"] = self.global_stats(kl)[0]
         if self.source is not None:
-            m.update(staleness_metrics(step, samples, mine, rollout_lp, lps, cap))
+            gather = self.world.all_gather_object if self.world.distributed else None  # over every rank's share
+            m.update(staleness_metrics(step, samples, mine, rollout_lp, lps, cap, gather))
         return batches, m
 
     def update(self, batches: list[list[RLBatch]]) -> dict[str, float]:
@@ -624,17 +525,8 @@ class OnlineRun(DataParallelSteps):
             rec.update(self.update(batches))
         else:
             rec["update_skipped"] = 1.0
-        if batch is not None:
-            rec.update(self._async_record(batch, t_train, time.perf_counter()))
-            self.source.weights_updated(step + 1)  # waits for the producer, syncs its weights (thread)
-            rec["async/sync_s"] = self.source.sync_s
-            if self.policy.last_sync is not None:  # run.weight_sync: weight_sync/seconds, /bytes, /gbps
-                rec.update(self.policy.last_sync.metrics())
-            if self.policy.remote is not None:
-                rec["async/rollout_workers_alive"] = float(self.policy.remote.num_alive)
-                rec["async/rollout_worker_failures_total"] = float(self.policy.remote.failures)
-                rec["async/rollout_worker_restarts_total"] = float(self.policy.remote.restarts)
-                rec.update(self.policy.remote.balance_metrics())  # replica_balance: shares and speeds
+        if batch is not None:  # async/* of this step, then version step + 1 published (AsyncSteps)
+            rec.update(self.publish(step, batch, t_train))
         self.save_rollouts(step, samples, rewards, adv)
         self.measured_logprobs = None
         rec["step"] = step + 1
@@ -652,23 +544,6 @@ class OnlineRun(DataParallelSteps):
     def add_teacher_term(self, adv: list[Any], term: list[list[float]]) -> list[Any]:
         """The advantages with the teacher's per-token term added (PPO's run adds it after GAE instead)."""
         return add_token_term(adv, term)
-
-    def _async_record(self, batch: RolloutBatch, t_train: float, t_end: float) -> dict[str, float]:
-        """Counters and the wall-clock intervals (seconds since the run started) of this batch's generation and
-        of this step's training (prepare + update): with the threaded producer, the next batch's generation
-        overlaps the training."""
-        src, t = self.source, self.t_start
-        extra = {"async/weight_swaps_total": float(src.swaps_total)} if isinstance(src, PartialRollouts) else {}
-        return {
-            **extra,
-            "async/stale_dropped_total": float(src.stale_dropped_total),
-            "async/stale_dropped_samples_total": float(src.stale_dropped_samples),
-            "async/wait_s": src.wait_s,
-            "async/gen_start_s": batch.t_start - t,
-            "async/gen_end_s": batch.t_end - t,
-            "async/train_start_s": t_train - t,
-            "async/train_end_s": t_end - t,
-        }
 
     # ---- the sampled rollouts (rollouts.jsonl) -------------------------------------------------------------
     def save_rollouts(self, step: int, samples: list[Sample], rewards: list[float], adv: list[Any]) -> None:

@@ -104,6 +104,11 @@ def test_staleness_metrics_count_tokens_per_lag():
     assert m["async/is_weight_max"] == pytest.approx(3.5) and m["async/is_weight_min"] == pytest.approx(0.5)
     assert m["async/is_weight_mean"] == pytest.approx((3 + 0.5 + 2 + 3.5) / 6)
     assert m["async/is_truncated_fraction"] == pytest.approx(1 / 6)
+    # data-parallel: each rank counts its share and ``gather`` brings the others' counts: the same metrics
+    parts = []
+    staleness_metrics(5, ss, [0], beh, prox, 2.0, gather=lambda local: parts.append(local) or [local])
+    split = staleness_metrics(5, ss, [1, 2], beh, prox, 2.0, gather=lambda local: [parts[0], local])
+    assert split == pytest.approx(m) and split.keys() == m.keys()
 
 
 @pytest.mark.parametrize("producer", ["inline", "thread", "process"])

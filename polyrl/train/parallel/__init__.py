@@ -17,7 +17,8 @@ frozen base and the adapters, the engine all-reduces the adapters' gradients); `
 layout for a run's model, ``save_distributed_checkpoint`` the matching checkpoint kind, and ``export_hf`` writes a
 replicated LoRA model as its PEFT adapter folder.
 
-Pieces: ``world`` (process group from torchrun's variables), ``fsdp`` (``shard_model``, sharded grad norm,
+Pieces: ``world`` (process group from torchrun's variables; ``collectives_on``: a thread's collectives on a group of
+its own), ``fsdp`` (``shard_model``, sharded grad norm,
 full-tensor gathering), ``replicate`` (DDP-style replicas: broadcast, gradient all-reduce), ``checkpoint`` (DCP and
 replicated checkpoints that resume at any world size, HF / PEFT export), ``rollout`` (data-parallel generation with
 gathered full weights). Not here: the run loop
@@ -40,11 +41,12 @@ from polyrl.train.parallel.checkpoint import (
 from polyrl.train.parallel.fsdp import is_sharded, shard_model, sharded_grad_norm
 from polyrl.train.parallel.replicate import all_reduce_grads_, distribute_model, is_replicated, replicate_model
 from polyrl.train.parallel.rollout import generate_data_parallel, rollout_model, sync_rollout_weights
-from polyrl.train.parallel.world import World, destroy_world, init_world, launched
+from polyrl.train.parallel.world import World, collectives_on, destroy_world, init_world, launched
 
 __all__ = [
     "World",
     "all_reduce_grads_",
+    "collectives_on",
     "convert_position",
     "destroy_world",
     "distribute_model",

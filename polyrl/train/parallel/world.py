@@ -7,13 +7,20 @@ mccl, ...; gloo on the CPU). Without those variables it returns the single-proce
 nothing, so every caller can hold a ``World`` and ask ``world.distributed``.
 
 The reductions here (``all_reduce_sum``, ``all_gather_object``, ``barrier``) are no-ops in one process.
+They run on the default process group, or, within ``collectives_on(group)``, on ``group`` for the calling thread
+only: async RL's producer thread (``polyrl.run.online``) generates and gathers rollouts on a gloo group of its own
+(``World.new_group()``, made once on every rank in the same order) while the trainer's thread runs FSDP's
+collectives on the default group, so the two streams of collectives never interleave on one group.
 This module does not shard models (``fsdp.py``) or write checkpoints (``checkpoint.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +29,25 @@ import torch.distributed as dist
 
 from polyrl.errors import ConfigError
 from polyrl.platform import device
+
+_GROUP = threading.local()  # the calling thread's group for World's collectives (collectives_on); unset: default
+
+
+def _group() -> Any:
+    return getattr(_GROUP, "group", None)
+
+
+@contextlib.contextmanager
+def collectives_on(group: Any) -> Iterator[None]:
+    """Within the block, this thread's ``World`` collectives run on ``group`` (a gloo ``ProcessGroup``: their
+    tensors live on the CPU); ``group`` None changes nothing. Other threads keep theirs."""
+    before = _group()
+    _GROUP.group = group if group is not None else before
+    try:
+        yield
+    finally:
+        _GROUP.group = before
+
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -45,22 +71,29 @@ class World:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    # ---- collectives (no-ops in one process) ---------------------------------------------------
+    # ---- collectives (no-ops in one process; on this thread's group, see collectives_on) ----------
+    def new_group(self) -> Any:
+        """A gloo process group over every rank (None in one process). Every rank must call it, in the same order
+        as the other groups it makes."""
+        return dist.new_group(backend="gloo") if self.distributed else None
+
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier()
+            dist.barrier(group=_group())
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over ranks in place and return it (fp32/fp64/int tensors on ``self.device``)."""
+        """Sum ``tensor`` over ranks in place and return it (fp32/fp64/int tensors on ``self.device``; on the CPU
+        within ``collectives_on``)."""
         if self.distributed:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=_group())
         return tensor
 
     def sum_float(self, value: float) -> float:
         """Sum a Python number over ranks (fp64, so token counts stay exact)."""
         if not self.distributed:
             return float(value)
-        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        dev = self.device if _group() is None else torch.device("cpu")
+        t = torch.tensor([float(value)], dtype=torch.float64, device=dev)
         return float(self.all_reduce_sum(t).item())
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -68,15 +101,15 @@ class World:
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=_group())
         return out
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Rank ``src``'s ``obj`` on every rank."""
+        """Rank ``src``'s ``obj`` on every rank (``src``: the global rank; the groups here hold every rank)."""
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src)
+        dist.broadcast_object_list(box, src=src, group=_group())
         return box[0]
 
 

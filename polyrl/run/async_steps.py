@@ -1,0 +1,204 @@
+"""The asynchronous-RL steps of an online run (``max_staleness`` K > 0), as a mixin of ``OnlineRun``: the checks of
+the async settings, the rollout source (``polyrl.run.async_rollout``) with its producer, the decoupled objective's
+switches, what a step records and publishes after its update, and the queue a checkpoint holds.
+
+Data-parallel (under torchrun, docs/distributed.md): the ``inline`` and ``thread`` producers run on every rank, each
+rank's rollout engine generating its share of the step's prompts (``ColocatedPolicy`` with a ``world``). The
+producer's collectives (the gather of every rank's samples, rank 0's reward broadcast) run on a gloo group of their
+own (``producer_group``, made once on every rank when the source is made, in the same order), through
+``par.collectives_on``: with the ``thread`` producer they run in the background thread while the trainer's thread
+runs FSDP's collectives on the default group, and two streams of collectives must never share one group. The
+``thread`` producer's copy of the weights is the plain rollout copy, refreshed (an all-gather of the shards, on the
+default group) in the trainer's thread at ``weights_updated`` once the producer is idle. After the gather every
+rank holds every sample of a batch and the same rewards, so the queue a checkpoint holds is the same on every rank
+(``queue_state`` checks this: a digest of each rank's queue is compared) and rank 0's copy resumes every rank. The
+``process`` producer (``rollout_workers``) and ``partial_rollouts`` are one-process only (ConfigError).
+
+Not here: the loop (``online``), the sources and the ``async/*`` metrics (``async_rollout``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from polyrl.errors import CheckpointError, ConfigError
+from polyrl.models.lora import is_adapter_dir
+from polyrl.run.async_rollout import InlineRollouts, PartialRollouts, RolloutBatch, ThreadedRollouts
+from polyrl.run.offline import tokenizer_path
+from polyrl.run.placement import resolve_placement
+from polyrl.train import parallel as par
+
+DEFAULT_ASYNC_IS_CAP = 2.0  # an async run's importance-weight cap when tis_cap is unset
+# the collect metrics that are this rank's own clock (every other value of a queued batch is the same on every rank)
+_RANK_CLOCKS = ("rollout_s", "rollout_tokens_per_s")
+
+
+class AsyncSteps:
+    """Mixin: needs the ``OnlineRun`` attributes (``cfg``, ``a``, ``world``, ``policy``, ``start``, ``steps``,
+    ``collect``, ``print``)."""
+
+    source: Any = None
+    producer_group: Any = None  # data-parallel async runs: the producer's gloo group (see the module docstring)
+
+    def _check_async(self) -> int:
+        k = getattr(self.a, "max_staleness", 0)
+        table = self.a.table_name()
+        if k > 0 and self.world.distributed and self.a.async_producer == "process":
+            raise ConfigError(
+                f'{table}.async_producer = "process" (rollout worker processes) is for one-process runs; under '
+                f'torchrun (--nproc-per-node) use async_producer = "thread" or "inline" (every rank generates its '
+                "share), or drop --nproc-per-node"
+            )
+        if k > 0 and self.world.distributed and getattr(self.a, "partial_rollouts", False):
+            raise ConfigError(
+                f"{table}.partial_rollouts is for one-process runs; under torchrun (--nproc-per-node) remove "
+                f"{table}.partial_rollouts (--partial-rollouts), or drop --nproc-per-node"
+            )
+        if (
+            k > 0
+            and self.a.async_producer == "process"
+            and (
+                getattr(self.a, "rollout_response_format", "")
+                or (self.cfg.lora is None and is_adapter_dir(Path(self.cfg.model)))
+            )
+        ):
+            raise ConfigError(
+                'async_producer = "process" runs a model folder (or a LoRA run) in its workers: no structured '
+                'rollouts yet; use async_producer = "thread"'
+            )
+        # validated (and the train device made current) before the model loads
+        self.placement = resolve_placement(getattr(self.a, "rollout_devices", ""), getattr(self.a, "train_devices", ""))
+        if self.world.distributed and self.placement.train is not None:
+            raise ConfigError("train_devices is for one-process runs; under torchrun each rank takes its own device")
+        self.placement.apply()
+        # agentic runs (cfg.episodes): the producers they take are checked by their table (AgentConfig.check)
+        return k
+
+    def _make_source(self) -> InlineRollouts | None:
+        if self.max_staleness == 0:
+            return None
+        k, version = self.max_staleness, self.start
+        self.producer_group = self.world.new_group()  # every rank, here, in the same order (None in one process)
+
+        def produce(step: int, v: int) -> RolloutBatch:
+            with par.collectives_on(self.producer_group):
+                samples, rewards, m = self.collect(step)
+                return RolloutBatch(step, v, samples, rewards, m, self.data.epochs, extra=self.batch_state())
+
+        if self.a.async_producer == "process":  # rollout engines in worker processes, fed over gloo
+            # lazy: worker processes and their process group exist only in runs that ask for them
+            from polyrl.run.rollout_workers import RolloutWorkers
+
+            devices = list(self.placement.rollout) or ["cpu"] * self.a.rollout_workers
+            if self.policy.device.type != "cpu" and self.placement.colocated:
+                raise ConfigError(
+                    f'async_producer = "process" on an accelerator needs the rollout replicas\' devices: set '
+                    f"{self.a.table_name()}.rollout_devices (--rollout-devices {self.policy.device.type}:1)"
+                )
+            self.print(f"placement: {self.placement.describe()}")
+            self.policy.remote = RolloutWorkers(
+                self.cfg.model, tokenizer_path(self.cfg), self.rollout_config(), devices=devices,
+                trainer_device=self.policy.device, dtype=next(self.policy.rollout_net.parameters()).dtype,
+                wire_dtype=self.a.weight_sync_dtype, bucket_mb=self.a.weight_sync_bucket_mb, lora=self.cfg.lora,
+                seed=self.cfg.seed, max_restarts=self.a.rollout_worker_restarts,
+                reply_timeout_s=self.a.rollout_worker_timeout_s, balance=self.a.rollout_balance,
+            )  # fmt: skip
+            self.policy.remote.push_weights(self.policy.model)  # version `start` (after a resume's load)
+        if getattr(self.a, "partial_rollouts", False):  # the thread's engine takes updates between decode steps
+            swap = self.a.partial_swap_step
+            source: InlineRollouts = PartialRollouts(
+                produce, k, self.policy.sync_rollout_weights, self.policy.llm, version, swap
+            )
+            self.policy.between_steps = source.between_steps
+        elif self.a.async_producer in ("thread", "process"):
+            source = ThreadedRollouts(produce, k, self.policy.sync_rollout_weights, version)
+        else:
+            source = InlineRollouts(produce, k, version)
+        state = self._resumed_async
+        if state is not None:
+            source.load_state_dict(state)
+        elif self.start > 0:
+            self.print(f"note: {self.start_point} holds no rollout queue (a synchronous run's); generating afresh")
+        return source
+
+    def batch_state(self) -> Any:
+        """What ``collect`` left for this step's ``rollout_row`` beyond the samples (an episode producer: the
+        transcripts), JSON-ready: it travels with an async batch and is checkpointed with it. Called right after
+        ``collect``, in the thread that ran it (the threaded producer's)."""
+        return None
+
+    def restore_batch_state(self, state: Any) -> None:
+        """Put back ``batch_state()`` of the batch this step trains (async runs)."""
+
+    @property
+    def decoupled(self) -> bool:
+        """The decoupled off-policy objective (async runs): the proximal policy (the trainer's recompute at the start
+        of the step) anchors the clipped ratio; truncated ``pi_prox / pi_behaviour`` weights correct for the
+        behaviour (rollout) policy's staleness."""
+        return self.max_staleness > 0
+
+    def is_cap(self) -> float | None:
+        """The truncation cap of the importance weights: ``tis_cap``, else 2.0 in an async run."""
+        cap = getattr(self.a, "tis_cap", None)
+        return cap if cap is not None or not self.decoupled else DEFAULT_ASYNC_IS_CAP
+
+    def publish(self, step: int, batch: RolloutBatch, t_train: float) -> dict[str, float]:
+        """After step ``step``'s update: its ``async/*`` record (``_async_record``), then version ``step + 1`` handed
+        to the source (the thread producer is joined and its weights synced, ``async/sync_s``, ``weight_sync/*``),
+        then the rollout worker processes' counters."""
+        rec = self._async_record(batch, t_train, time.perf_counter())
+        self.source.weights_updated(step + 1)  # waits for the producer, syncs its weights (thread)
+        rec["async/sync_s"] = self.source.sync_s
+        if self.policy.last_sync is not None:  # run.weight_sync: weight_sync/seconds, /bytes, /gbps
+            rec.update(self.policy.last_sync.metrics())
+        if self.policy.remote is not None:
+            rec["async/rollout_workers_alive"] = float(self.policy.remote.num_alive)
+            rec["async/rollout_worker_failures_total"] = float(self.policy.remote.failures)
+            rec["async/rollout_worker_restarts_total"] = float(self.policy.remote.restarts)
+            rec.update(self.policy.remote.balance_metrics())  # replica_balance: shares and speeds
+        return rec
+
+    def queue_state(self) -> dict[str, Any]:
+        """The source's queue for a checkpoint (``state_dict``: drains the thread). Data-parallel: every rank's queue
+        must be the one rank 0 writes (they resume from it): a digest of each (its samples, rewards, versions and
+        metrics but this rank's clocks) is gathered and compared, a CheckpointError if they differ."""
+        state = self.source.state_dict()
+        if self.world.distributed:
+            digests = self.world.all_gather_object(_queue_digest(state))
+            if len(set(digests)) > 1:
+                raise CheckpointError(
+                    "the ranks' rollout queues differ (every rank should hold every gathered sample and rank 0's "
+                    f"rewards); digests {digests}"
+                )
+        return state
+
+    def _async_record(self, batch: RolloutBatch, t_train: float, t_end: float) -> dict[str, float]:
+        """Counters and the wall-clock intervals (seconds since the run started) of this batch's generation and
+        of this step's training (prepare + update): with the threaded producer, the next batch's generation
+        overlaps the training."""
+        src, t = self.source, self.t_start
+        extra = {"async/weight_swaps_total": float(src.swaps_total)} if isinstance(src, PartialRollouts) else {}
+        return {
+            **extra,
+            "async/stale_dropped_total": float(src.stale_dropped_total),
+            "async/stale_dropped_samples_total": float(src.stale_dropped_samples),
+            "async/wait_s": src.wait_s,
+            "async/gen_start_s": batch.t_start - t,
+            "async/gen_end_s": batch.t_end - t,
+            "async/train_start_s": t_train - t,
+            "async/train_end_s": t_end - t,
+        }
+
+
+def _queue_digest(state: dict[str, Any]) -> str:
+    """A digest of a source's ``state_dict`` without the values that are each rank's own clock."""
+    queue = [{**b, "metrics": {k: v for k, v in b["metrics"].items() if k not in _RANK_CLOCKS}} for b in state["queue"]]
+    blob = json.dumps({**state, "queue": queue}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+__all__ = ["DEFAULT_ASYNC_IS_CAP", "AsyncSteps"]
