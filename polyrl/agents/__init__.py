@@ -7,7 +7,8 @@
 - ``episode``: the token-level record (ids, policy mask, old log-probs, turns, reward, metrics).
 - ``pool``: environments in worker processes with timeouts; ``rollout``: many episodes at once on ``LLM``.
 - ``config``: ``AgentConfig``, the ``[agent]`` table (``--env`` / ``--agent``), registered here into
-  ``polyrl.run.episodes`` so online runs roll out episodes; ``train``: the episode steps of GRPO/GSPO/PPO.
+  ``polyrl.run.episodes`` so online runs roll out episodes; ``train``: the episode steps of GRPO/GSPO/PPO;
+  ``remote``: environment episodes in async RL's rollout worker processes (``async_producer = "process"``).
 - ``proxy`` (token-exact recording of an ``openai``-client agent's calls) and ``proxy_server`` (the per-episode
   OpenAI-compatible endpoint; imports FastAPI, so it is imported only in proxy mode): ``--agent file.py:fn``.
 - ``builtin``: the calculator and guessing environments, calculator SFT transcripts; ``demo``: ``polyrl demo

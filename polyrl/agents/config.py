@@ -48,7 +48,8 @@ class AgentConfig:
 
     def check(self, algo_config: Any, table: str) -> None:
         """Against the algorithm's ``[table]``: an online algorithm, room for more than one turn, and (async RL) a
-        producer that runs episodes: inline or thread; partial rollouts (thread) for environment episodes only."""
+        producer that runs episodes: inline, thread, or (environment episodes only) process; partial rollouts
+        (thread) for environment episodes only."""
         max_new = getattr(algo_config, "max_new_tokens", None)
         if max_new is None:
             raise ConfigError(f"[{TABLE}] runs episodes for online RL (grpo, gspo, ppo), not for {table}")
@@ -59,12 +60,14 @@ class AgentConfig:
             )
         if getattr(algo_config, "max_staleness", 0) < 1:
             return
-        # asynchronous RL: the inline producer and the producer thread run episodes (polyrl.agents.train)
-        if getattr(algo_config, "async_producer", "inline") == "process":
+        # asynchronous RL: the inline producer and the producer thread run episodes (polyrl.agents.train), and the
+        # rollout worker processes run environment episodes (polyrl.agents.remote)
+        if getattr(algo_config, "async_producer", "inline") == "process" and self.agent is not None:
             raise ConfigError(
-                f"[{TABLE}] episodes run in the trainer's process (its environment workers, the episode loop on its "
-                f"rollout engine); rollout worker processes generate single completions: set {table}.async_producer"
-                ' = "thread" (--async-producer thread) or "inline"'
+                f'{table}.async_producer = "process" runs environment episodes ({TABLE}.env, --env) in the rollout '
+                f"worker processes, not agent programs through the proxy ({TABLE}.agent, --agent): the proxy serves "
+                f"the trainer's own engine from the trainer's process; set {table}.async_producer = \"thread\" "
+                '(--async-producer thread) or "inline"'
             )
         if getattr(algo_config, "partial_rollouts", False) and self.agent is not None:
             # the environment's episode loop calls the weight-swap hook between engine steps; the proxy's engine

@@ -18,11 +18,14 @@ Proxy mode (``--agent file.py:fn``): the episodes come from an openai-client age
 Asynchronous RL (``max_staleness`` K > 0, docs/async-rl.md): ``collect`` is the rollout source's producer, inline
 or (``async_producer = "thread"``) in the producer thread on the policy's separate rollout copy, while the trainer
 trains; the environment pool and the proxy are then used by that thread, and by the trainer's evaluation only once
-the thread is drained. Each batch carries its transcripts (``batch_state``), checkpointed with the queue. With
+the thread is drained. With ``async_producer = "process"`` (environment episodes only) ``episodes`` sends the
+examples to the rollout worker processes (``remote.remote_episodes``: each runs the episode loop on its own engine
+with its own environment pool), the trainer's own loop (``local_episodes``) running the share of a worker that dies.
+Each batch carries its transcripts (``batch_state``), checkpointed with the queue. With
 partial rollouts (``partial_rollouts``, thread producer, ``--env`` episodes) the episode loop calls the policy's
 ``between_steps`` at engine-step boundaries, so a weight update lands while episodes are in flight; each episode
 records the policy version of every token (``Episode.versions`` -> ``Sample.token_versions``).
-Not here: the episode loop (``rollout``), the loss and advantages (``polyrl.algorithms``). One process only.
+Not here: the episode loop (``rollout``), the loss and advantages (``polyrl.algorithms``). One trainer process only.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Any
 from polyrl.agents.episode import Episode
 from polyrl.agents.formats import pick, turn_grammar
 from polyrl.agents.pool import EnvPool
+from polyrl.agents.remote import EnvSpec, remote_episodes
 from polyrl.agents.render import ChatRenderer
 from polyrl.agents.rollout import EpisodeLimits, episode_metrics, run_episodes
 from polyrl.algorithms.workers import load_user_module
@@ -78,7 +82,8 @@ class EpisodeSteps:
         if self.world.distributed:
             raise ConfigError("agentic runs (--env) train in one process for now; drop --nproc-per-node")
 
-        self.renderer = ChatRenderer(self.tokenizer, chat_tokenizer(self.cfg.data, self.tokenizer).template)
+        template = chat_tokenizer(self.cfg.data, self.tokenizer).template
+        self.renderer = ChatRenderer(self.tokenizer, template)
         self.limits = EpisodeLimits(ag.max_turns, a.max_new_tokens, ag.max_episode_tokens)
         self.env_pool, self.proxy, self.agent_fn = None, None, None
         if ag.agent:
@@ -87,6 +92,10 @@ class EpisodeSteps:
         else:
             self.env_pool = EnvPool(ag.env, ag.env_workers, ag.env_timeout)
             source = f"env {ag.env!r} ({len(self.env_pool.tools)} tool(s))"
+            # the process producer's replicas build theirs from the same spec (polyrl.agents.remote)
+            self.env_spec = EnvSpec(self.env_pool.spec, ag.env_workers, ag.env_timeout, template)
+            if self.policy.remote is not None:
+                source += f", episodes in {len(self.policy.remote.procs)} rollout worker process(es)"
             self._check_turn_format()
         self._apply_saved_failures(getattr(self, "_saved_env_failures", {}))
         self.print(
@@ -128,6 +137,15 @@ class EpisodeSteps:
         return dict(self.env_pool.totals) if self.env_pool is not None else {}
 
     def episodes(self, examples: list[dict], n: int, sampling: Any, seeds: list[int] | None) -> list[Any]:
+        if self.proxy is None and self.policy.remote is not None:  # process producer: the rollout worker replicas
+            return remote_episodes(
+                self.policy.remote, self.env_spec, examples, n, sampling, seeds, self.limits, self.a.failure_reward,
+                lambda xs, ss: self.local_episodes(xs, n, sampling, ss), self.env_pool.totals,
+            )  # fmt: skip
+        return self.local_episodes(examples, n, sampling, seeds)
+
+    def local_episodes(self, examples: list[dict], n: int, sampling: Any, seeds: list[int] | None) -> list[Any]:
+        """``n`` episodes per example on this process's rollout engine (the environment pool's, or the proxy's)."""
         with rollout_window(self.policy) as llm:
             if self.proxy is None:
                 return run_episodes(

@@ -25,6 +25,8 @@ generated it, or with partial rollouts the OLDEST version among its tokens (``to
   With ``async_producer = "process"`` the same thread drives rollout worker processes (``rollout_workers``: the
   policy's ``remote``; weights pushed over gloo by ``sync``), falling back to the trainer's engine for a dead one
   until it is restarted (it rejoins at a ``sync``, with those weights) or, past ``rollout_worker_restarts``, for good.
+  In an agentic run of an environment (``--env``) the workers run the episodes themselves (``polyrl.agents.remote``:
+  the episode loop on each worker's engine, an environment pool per worker), the thread building the batch.
 - ``PartialRollouts`` (``partial_rollouts = true``, ``--partial-rollouts``; the thread producer only: inline has
   nothing in flight during an update, and the process producer's workers (``rollout_workers``) have no step-boundary
   hook, so both are refused with a ConfigError): ``weights_updated`` does NOT wait for the generation in flight nor

@@ -34,7 +34,8 @@ Asynchronous RL (``max_staleness`` K > 0, ``polyrl.run.async_rollout``, docs/asy
 a ``RolloutSource`` (a policy-versioned queue), which then starts the batches up to s + K with the current weights
 (inline; in a background thread on a copy of the weights, optionally with partial rollouts whose sequences in
 flight take each update between two decode steps; or in rollout worker processes; agentic runs: inline or
-the thread, whose episodes then run beside the training, with partial rollouts too); ``prepare`` uses the
+the thread, whose episodes then run beside the training, with partial rollouts too, or (``--env``) the worker
+processes, each running the episode loop, ``polyrl.agents.remote``); ``prepare`` uses the
 decoupled objective (recomputed proximal log-probs, truncated ``pi_prox / pi_behaviour`` weights, ``async/*``
 metrics); after the update the source gets the new version (the thread's weights are synced); checkpoints hold the
 queue; with partial rollouts the batches in flight are finished before an evaluation. K = 0: no source. The source,

@@ -8,6 +8,11 @@ one small tracker, no processes: the same costs and timings give the same split.
   share it through the prefix cache) and costs ``PREFILL_WEIGHT`` (0.1) of a decoded token, since the prefill runs
   many tokens per forward. The estimate is an upper bound (a sequence may stop early at EOS): the split is right
   when the prompts of a batch stop early alike, as the samples of one task do.
+- Episodes (an agentic run's examples, ``polyrl.agents.remote``): ``episode_cost(n, max_turns, max_new_tokens,
+  max_episode_tokens)`` = ``n * min(max_turns * max_new_tokens, max_episode_tokens)``, the most policy tokens the
+  ``n`` episodes of one example can decode (the opening prompt is built by the environment in the replica, so it is
+  not known when the split is made; environment calls are not counted). Equal for every example of a call, so the
+  split of episodes follows the replicas' measured speeds alone (equal speeds: example i to replica i mod W).
 - ``split_by_count(num_prompts, num_replicas)``: prompt i to replica i mod W (equal counts; ``balance = "count"``).
 - ``split_by_work(costs, speeds)``: each replica's estimated work in proportion to its speed. Greedy: the prompts in
   order of decreasing cost (ties: the lower index first), each to the replica that would finish its share soonest
@@ -39,6 +44,12 @@ def prompt_cost(prompt_len: int, params: Any) -> float:
     """Estimated work units of one prompt (its ``n`` samples): ``n * max_tokens + PREFILL_WEIGHT * prompt_len``."""
     max_tokens = getattr(params, "max_tokens", None) or DEFAULT_MAX_TOKENS
     return float(getattr(params, "n", 1) * max_tokens) + PREFILL_WEIGHT * prompt_len
+
+
+def episode_cost(n: int, max_turns: int, max_new_tokens: int, max_episode_tokens: int) -> float:
+    """Estimated work units of one example's ``n`` episodes: ``n * min(max_turns * max_new_tokens,
+    max_episode_tokens)``."""
+    return float(n * min(max_turns * max_new_tokens, max_episode_tokens))
 
 
 def split_by_count(num_prompts: int, num_replicas: int) -> list[list[int]]:
@@ -106,6 +117,7 @@ __all__ = [
     "EMA_WEIGHT",
     "PREFILL_WEIGHT",
     "ReplicaSpeeds",
+    "episode_cost",
     "prompt_cost",
     "split_by_count",
     "split_by_work",

@@ -15,6 +15,14 @@ gloo otherwise), so a dead replica breaks only its own groups and never stops th
   so the tokens do not depend on the split) and returns the outputs in prompt order (``on_finish``: each replica's
   sequences when its reply arrives, replies taken in the order they arrive, so rewards of one share are scored
   while the others still generate).
+  ``call(fn, items, costs, local, args)``: a general job over the replicas, split by ``costs`` as prompts are: each
+  live replica runs ``fn(ctx, its_items, *args)`` (a module-level function, pickled by reference; ``ctx`` a
+  ``WorkerContext``: its engine, tokenizer, replica index, spec and a ``state`` dict kept across its jobs, whose
+  values are closed when the worker stops) and returns ``(one result per item, meta)``; the results come back in
+  item order, the items of a replica that dies or hangs by ``local(indices)`` in the trainer. An agentic run's
+  environment episodes use it (``polyrl.agents.remote``: the episode loop on the worker's engine, an environment pool
+  per worker, kept in ``state``). A worker clears its daemon flag once started, so it may start processes of its
+  own (environment workers; they end when its pipes close); the trainer still sees it as daemonic (stopped at exit).
 - Load balancing (``polyrl.run.replica_balance``): ``balance = "work"`` (the default) gives each live replica
   estimated work (``prompt_cost``: ``n * max_tokens`` plus a small prefill term per prompt) in proportion to its
   measured speed (``speeds``: work units per second, an EMA over its replies, each timed from when its job was sent
@@ -59,7 +67,8 @@ gloo otherwise), so a dead replica breaks only its own groups and never stops th
   under the store prefixes ``ctl<name>`` (gloo: commands, jobs, outputs) and ``weights<name>`` (the broadcast). A
   restart builds new groups under the new incarnation's prefixes; the dead ones are kept (never used again), since
   tearing down a communicator whose peer died may block.
-- Control wire format: a header ``int64 [cmd, nbytes]`` then a pickled payload as ``uint8`` (jobs and outputs); a
+- Control wire format: a header ``int64 [cmd, nbytes]`` then a pickled payload as ``uint8`` (``JOB``: prompts and
+  sampling parameters, ``CALL``: ``(fn, items, args)``; replies: outputs, or ``call``'s ``(results, meta)``); a
   ``WEIGHTS`` header is followed by one ``BucketedBroadcast.sync`` on the replica's weights group.
 
 Not built: recovering from a replica that dies or hangs in the middle of an NCCL broadcast (the trainer then waits
@@ -80,6 +89,7 @@ import os
 import pickle
 import socket
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from types import SimpleNamespace
@@ -97,7 +107,7 @@ from polyrl.run.weight_sync import DEFAULT_BUCKET_MB, BucketedBroadcast, SyncSta
 
 log = logging.getLogger("polyrl.run.rollout_workers")
 
-EXIT, WEIGHTS, JOB = 0, 1, 2
+EXIT, WEIGHTS, JOB, CALL = 0, 1, 2, 3
 _TAG_HDR, _TAG_DATA = 1, 2
 _HOST = "127.0.0.1"
 DEFAULT_MAX_RESTARTS = 3
@@ -125,6 +135,43 @@ class WorkerSpec:
     bucket_mb: float = DEFAULT_BUCKET_MB
     lora: Any = None
     seed: int = 0
+
+
+@dataclasses.dataclass
+class WorkerContext:
+    """What a ``RolloutWorkers.call`` job's function gets in the worker: its engine (``llm``), tokenizer, replica
+    index and spec, and ``state``, kept across the jobs of this incarnation (an agentic run keeps its environment
+    pool there); each value of ``state`` with a ``close()`` is closed when the worker stops."""
+
+    llm: Any
+    tokenizer: Any
+    replica: int
+    spec: WorkerSpec
+    state: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def close(self) -> None:
+        for value in self.state.values():
+            if callable(getattr(value, "close", None)):
+                value.close()
+        self.state.clear()
+
+
+@dataclasses.dataclass
+class _Raised:
+    """A ``call`` job's function raised in the worker: the exception (a RuntimeError with its text when it does not
+    pickle) and the worker's traceback."""
+
+    exc: BaseException
+    traceback: str
+
+
+def _raised(exc: Exception) -> _Raised:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001 - any exception that does not survive the trip
+        exc = RuntimeError(f"{type(exc).__name__}: {exc}")
+    return _Raised(exc, tb)
 
 
 def _free_port() -> int:
@@ -180,6 +227,9 @@ def _worker_main(port: int, name: str, spec: WorkerSpec, timeout_s: float) -> No
     from polyrl.models.checkpoint import load_tokenizer
 
     torch.set_num_threads(1)
+    # daemonic only so that the trainer's exit stops it: a worker may start processes of its own (an agentic run's
+    # environment workers), which multiprocessing refuses a daemonic process; they end when its pipes close
+    mp.current_process().daemon = False
     slow = os.environ.get(SLOW_REPLICA_ENV, "").split(":")
     delay_s = float(slow[1]) if len(slow) == 2 and slow[0] == name.split(".")[0] else 0.0
     if torch.device(spec.device).type != "cpu":
@@ -192,6 +242,15 @@ def _worker_main(port: int, name: str, spec: WorkerSpec, timeout_s: float) -> No
     pg = control_group(store, name, 1, timeout_s)
     wpg, wdev = weights_group(store, name, 1, spec.trainer_device, spec.device, timeout_s)
     sync = BucketedBroadcast(model, wpg, 0, 1, wdev, spec.wire_dtype, spec.bucket_mb, lora_only=spec.lora is not None)
+    ctx = WorkerContext(llm, llm.tokenizer, int(name.split(".")[0]), spec)
+    try:
+        _serve(pg, llm, sync, ctx, delay_s)
+    finally:
+        ctx.close()
+
+
+def _serve(pg: Any, llm: Any, sync: BucketedBroadcast, ctx: WorkerContext, delay_s: float) -> None:
+    """The worker's command loop (``_worker_main``) until EXIT."""
     while True:
         hdr = torch.zeros(2, dtype=torch.int64)
         pg.recv([hdr], 0, _TAG_HDR).wait()
@@ -204,6 +263,17 @@ def _worker_main(port: int, name: str, spec: WorkerSpec, timeout_s: float) -> No
             continue
         buf = torch.empty(n, dtype=torch.uint8)
         pg.recv([buf], 0, _TAG_DATA).wait()
+        if cmd == CALL:  # a general job (an agentic run's episode loop): fn(ctx, items, *args) -> (results, meta)
+            fn, items, args = pickle.loads(buf.numpy().tobytes())
+            try:
+                with torch.no_grad():
+                    reply = fn(ctx, items, *args)
+            except Exception as exc:  # noqa: BLE001 - raised again in the trainer (a bug, not a dead replica)
+                reply = _raised(exc)
+            if delay_s:
+                time.sleep(delay_s * len(items))
+            _send_obj(pg, reply, 0)
+            continue
         ids, plist = pickle.loads(buf.numpy().tobytes())
         with torch.no_grad():
             outs = llm.generate(ids, plist)
@@ -503,9 +573,9 @@ class RolloutWorkers:
         self.last_sync, self.last_sync_s = total, total.seconds
         return total
 
-    def _send_job(self, w: int, obj: Any) -> bool:
+    def _send_job(self, w: int, cmd: int, obj: Any) -> bool:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        return self._send(torch.tensor([JOB, data.numel()], dtype=torch.int64), w, _TAG_HDR) and self._send(
+        return self._send(torch.tensor([cmd, data.numel()], dtype=torch.int64), w, _TAG_HDR) and self._send(
             data, w, _TAG_DATA
         )
 
@@ -549,14 +619,18 @@ class RolloutWorkers:
         return pickle.loads(buf.numpy().tobytes())
 
     def split(self, ids: Sequence[list[int]], params: Sequence[Any], live: Sequence[int]) -> list[list[int]]:
-        """The prompts of each of the ``live`` replicas (``balance``: "work", by estimated work and measured speed;
-        "count", prompt i to the i mod W-th), each share in prompt order; also sets ``last_share``."""
-        costs = [prompt_cost(len(p), sp) for p, sp in zip(ids, params)]
+        """The prompts of each of the ``live`` replicas (``split_costs`` of their ``prompt_cost``)."""
+        return self.split_costs([prompt_cost(len(p), sp) for p, sp in zip(ids, params)], live)
+
+    def split_costs(self, costs: Sequence[float], live: Sequence[int]) -> list[list[int]]:
+        """The items (of estimated work ``costs``) of each of the ``live`` replicas (``balance``: "work", by
+        estimated work and measured speed; "count", item i to the i mod W-th), each share in item order; also sets
+        ``last_share``."""
         if not live:
             self.last_share = {}
             return []
         if self.balance == "count":
-            shares = split_by_count(len(ids), len(live))
+            shares = split_by_count(len(costs), len(live))
         else:
             shares = split_by_work(costs, self.speeds.effective(live))
         total = sum(costs)
@@ -581,6 +655,40 @@ class RolloutWorkers:
             for fut in as_completed([pool.submit(one, w) for w in waiting]):
                 yield fut.result()
 
+    def _scatter(
+        self,
+        costs: Sequence[float],
+        job: Callable[[list[int]], tuple[int, Any]],
+        on_reply: Callable[[int, list[int], Any], None],
+    ) -> list[int]:
+        """Split the items of ``costs`` over the live replicas (``split_costs``), send each its share's job
+        (``job(share) -> (cmd, payload)``), and hand each reply to ``on_reply(replica, share, reply)`` in the order
+        the replies arrive; the indices (in order) of the items no reply covered: the shares of replicas that died or
+        missed ``reply_timeout_s`` in the call (dropped: restarted or gone), and all of them when none is live. Each
+        reply updates its replica's speed (its share's estimated work over the time from its job's send to its
+        reply's arrival)."""
+        live = [w for w in range(len(self.procs)) if self.alive[w]]
+        share = dict(zip(live, self.split_costs(costs, live)))
+        work = {w: sum(costs[i] for i in s) for w, s in share.items()}
+        sent_at: dict[int, float] = {}
+        for w in live:
+            if share[w] and self._send_job(w, *job(share[w])):
+                sent_at[w] = time.monotonic()
+        covered = [False] * len(costs)
+        deadline = self._deadline()  # every share generates at the same time: one reply deadline for all
+        # every reply header's receive posted now, so a reply is seen (and timed) when it arrives
+        posted = {w: self._post_reply(w) for w in sent_at}
+        waiting = [w for w in sent_at if posted[w] is not None]
+        for w, header, arrived in self._arrivals(waiting, posted, deadline):
+            reply = self._recv_reply(w, deadline, posted[w], header)
+            if reply is None:
+                continue
+            self.speeds.observe(w, work[w], arrived - sent_at[w])
+            on_reply(w, share[w], reply)
+            for i in share[w]:
+                covered[i] = True
+        return [i for i in range(len(costs)) if not covered[i]]
+
     def generate(
         self,
         ids: Sequence[list[int]],
@@ -592,29 +700,14 @@ class RolloutWorkers:
         ``finish_reason``, ``text``, ``masked_logmass``) of every prompt, in order; the shares of workers that die
         in the call (restarted: they rejoin at a later ``push_weights``), and of those not live, by
         ``local(ids, params)``, as are those of workers that miss ``reply_timeout_s`` (hung: killed and restarted as
-        dead ones). The shares: ``split``; each reply updates its replica's speed (its share's estimated work over
-        the time from its job's send to its reply's arrival). ``on_finish(prompt, index, output)``: a worker returns
+        dead ones). The shares: ``split`` (``_scatter``). ``on_finish(prompt, index, output)``: a worker returns
         its share whole, so its sequences are handed over when its reply arrives, replies in the order they arrive
         (the others' generation continues meanwhile); the shares ``local`` generates, as each sequence finishes
         (``LLM.generate``'s hook)."""
-        live = [w for w in range(len(self.procs)) if self.alive[w]]
-        share = dict(zip(live, self.split(ids, params, live)))
-        work = {w: sum(prompt_cost(len(ids[i]), params[i]) for i in s) for w, s in share.items()}
-        sent_at: dict[int, float] = {}
-        for w in live:
-            if share[w] and self._send_job(w, ([ids[i] for i in share[w]], [params[i] for i in share[w]])):
-                sent_at[w] = time.monotonic()
         outs: list[Any] = [None] * len(ids)
-        deadline = self._deadline()  # every share generates at the same time: one reply deadline for all
-        # every reply header's receive posted now, so a reply is seen (and timed) when it arrives
-        posted = {w: self._post_reply(w) for w in sent_at}
-        waiting = [w for w in sent_at if posted[w] is not None]
-        for w, header, arrived in self._arrivals(waiting, posted, deadline):
-            reply = self._recv_reply(w, deadline, posted[w], header)
-            if reply is None:
-                continue
-            self.speeds.observe(w, work[w], arrived - sent_at[w])
-            for i, (prompt, comps) in zip(share[w], reply):
+
+        def got(w: int, share: list[int], reply: Any) -> None:
+            for i, (prompt, comps) in zip(share, reply):
                 outs[i] = SimpleNamespace(
                     prompt_token_ids=prompt,
                     outputs=[
@@ -626,12 +719,57 @@ class RolloutWorkers:
                 if on_finish is not None:
                     for c in outs[i].outputs:
                         on_finish(i, c.index, c)
-        missing = [i for i in range(len(ids)) if outs[i] is None]
+
+        costs = [prompt_cost(len(p), sp) for p, sp in zip(ids, params)]
+        job = lambda s: (JOB, ([ids[i] for i in s], [params[i] for i in s]))  # noqa: E731
+        missing = self._scatter(costs, job, got)
         if missing:  # a dead worker's prompts (or no worker left): the trainer's own engine
             kw = {"on_finish": lambda k, j, c: on_finish(missing[k], j, c)} if on_finish is not None else {}
             for i, o in zip(missing, local([ids[i] for i in missing], [params[i] for i in missing], **kw)):
                 outs[i] = o
         return outs
+
+    def call(
+        self,
+        fn: Callable[..., tuple[list, Any]],
+        items: Sequence[Any],
+        costs: Sequence[float],
+        local: Callable[[list[int]], list],
+        args: tuple = (),
+        on_meta: Callable[[Any], None] | None = None,
+    ) -> list[Any]:
+        """Run ``fn`` in the replicas over their shares of ``items`` (a general job: an agentic run's episode loop,
+        ``polyrl.agents.remote``): the items split by ``costs`` as prompts are (``_scatter``), and each live
+        replica runs ``fn(ctx, share_items, *args)`` (a module-level function, pickled by reference; ``ctx`` a
+        ``WorkerContext``: the worker's engine, tokenizer and a state kept across its jobs) under no_grad, which
+        returns ``(one result per item, meta)``. The results in item order; ``on_meta(meta)`` for each reply, in
+        the order they arrive. The items of replicas that die or hang in the call (restarted as in ``generate``)
+        and of the replicas not live: ``local(indices)``, one result per index, in the trainer. ``fn`` raising in a
+        replica (a bug or a user error, not a dead replica) raises the same exception here, the replica's traceback
+        as its cause, once every reply of the call is in."""
+        results: list[Any] = [None] * len(items)
+        raised: list[tuple[int, _Raised]] = []
+
+        def got(w: int, share: list[int], reply: Any) -> None:
+            if isinstance(reply, _Raised):  # raised after every reply of the call is read (the pairs stay in step)
+                raised.append((w, reply))
+                return
+            values, meta = reply
+            if len(values) != len(share):
+                raise RuntimeError(f"rollout replica {w}: {fn.__name__} gave {len(values)} results for {len(share)}")
+            for i, v in zip(share, values):
+                results[i] = v
+            if on_meta is not None:
+                on_meta(meta)
+
+        missing = self._scatter(costs, lambda s: (CALL, (fn, [items[i] for i in s], tuple(args))), got)
+        if raised:
+            w, err = raised[0]
+            raise err.exc from RuntimeError(f"{fn.__name__} raised in rollout replica {w}:\n{err.traceback}")
+        if missing:
+            for i, v in zip(missing, local(missing)):
+                results[i] = v
+        return results
 
     def balance_metrics(self) -> dict[str, float]:
         """``async/replica_share_max`` (the largest fraction of the last call's estimated work one replica got; 1/W
@@ -665,4 +803,12 @@ class RolloutWorkers:
         self.starting.clear()
 
 
-__all__ = ["DEFAULT_MAX_RESTARTS", "SLOW_REPLICA_ENV", "RolloutWorkers", "WorkerSpec", "control_group", "weights_group"]
+__all__ = [
+    "DEFAULT_MAX_RESTARTS",
+    "SLOW_REPLICA_ENV",
+    "RolloutWorkers",
+    "WorkerContext",
+    "WorkerSpec",
+    "control_group",
+    "weights_group",
+]

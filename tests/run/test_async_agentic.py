@@ -7,7 +7,10 @@ uninterrupted one (the queue keeps each batch's transcripts); an agent program t
 producer thread too. Partial rollouts (``partial_rollouts``): a weight update lands between engine steps of the
 episode loop while episodes are in flight; each token records the version that sampled it (checked against the
 engine's version at the swap and against a recompute under each version's weights), and a run trains no token older
-than K. Refused at config time: the process producer, partial rollouts for an agent program through the proxy."""
+than K. The process producer: environment episodes in 2 rollout worker processes, each replica's episodes those of
+the episode loop on its share, the same episodes as the thread run (log-probs to float rounding), a dead replica's
+share run by the trainer, the staleness bound. Refused at config time: the process producer and partial rollouts for
+an agent program through the proxy."""
 
 from __future__ import annotations
 
@@ -133,11 +136,115 @@ def test_thread_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path
     shutil.rmtree(resumed)
 
 
+def test_process_producer_runs_episodes_in_two_workers(tiny_model_dir, tmp_path, monkeypatch):
+    """Environment episodes with ``async_producer = "process"``, 2 CPU rollout workers (each runs the episode loop on
+    its own engine, with its own environment pool of one worker process) and greedy evaluation episodes every 2
+    steps; replica 1 is killed just before batch 2's episodes (restarts off): its example of that batch runs in the
+    trainer (the episode loop on its rollout engine) in the same call, later calls go to replica 0 alone.
+    (a) Each replica's episodes are, bit for bit, the episode loop's on its share alone with the same weights
+    (checked against the trainer's rollout copy, which holds version 0 until step 1's update is published).
+    (b) Against the thread producer (one engine for all 6 episodes): the same episodes (tokens, masks, transcripts,
+    rewards, every episode and evaluation metric, the rows of rollouts.jsonl); the log-probs agree to float rounding
+    only, since the engine's CPU forward is not batch-invariant (a replica's steps batch 3 episodes' turns, the
+    thread's 6: other matmul shapes, other fp32 rounding), so the losses agree closely, not exactly. (c) The
+    staleness bound holds and the episodes overlap training."""
+    import os
+    import signal
+
+    import torch
+
+    from polyrl.agents import train as agents_train
+    from polyrl.run import online
+
+    calls = []  # (examples, n, sampling, seeds, episodes) of every remote_episodes call, in order
+    remote = agents_train.remote_episodes
+
+    def recording(workers, env, examples, n, sampling, seeds, *rest):
+        if len(calls) == 2:  # batch 2: replica 1 dies just before it (its share then runs in the trainer)
+            os.kill(workers.procs[1].pid, signal.SIGKILL)
+            workers.procs[1].join()
+        eps = remote(workers, env, examples, n, sampling, seeds, *rest)
+        calls.append((examples, n, sampling, seeds, eps))
+        return eps
+
+    local_calls = []  # the number of examples of each call of the trainer's own episode loop
+    local = agents_train.EpisodeSteps.local_episodes
+
+    def counting(self, examples, *args):
+        local_calls.append(len(examples))
+        return local(self, examples, *args)
+
+    checked = []
+    original = online.OnlineRun._async_record
+
+    def check(self, batch, t_train, t_end):
+        if batch.step == 0:
+            self.source.drain()  # batch 1 (version 0) is done: the rollout copy still holds version 0
+            for examples, n, sampling, seeds, eps in calls[:2]:  # batches 0 and 1
+                for g in range(len(examples)):  # example g ran on replica g (balance "count")
+                    alone = self.local_episodes(examples[g : g + 1], n, sampling, seeds[g : g + 1])
+                    got = [e for e in eps if e.group == g]
+                    for e in alone:
+                        e.group = g
+                    assert [vars(e) for e in alone] == [vars(e) for e in got]
+                    checked.append(len(got))
+        return original(self, batch, t_train, t_end)
+
+    runs = {}
+    for producer in ("thread", "process"):
+        raw = _agentic(tiny_model_dir, tmp_path / producer, steps=3, max_staleness=1, async_producer=producer,
+                       rollout_workers=2, rollout_balance="count", rollout_worker_restarts=0)  # fmt: skip
+        raw["agent"].update(env=_env("digits", tmp_path), env_workers=1 if producer == "process" else 0)
+        raw["train"].update(eval_every=2, eval_data="builtin:arithmetic?max=9&n=8")
+        raw[raw["algo"]]["eval_prompts"] = 4
+        if producer == "process":
+            monkeypatch.setattr(agents_train, "remote_episodes", recording)
+            monkeypatch.setattr(online.OnlineRun, "_async_record", check)
+            monkeypatch.setattr(agents_train.EpisodeSteps, "local_episodes", counting)
+        run(raw)
+        runs[producer] = records(tmp_path / producer)
+    thread, proc = runs["thread"], runs["process"]
+    assert checked == [3, 3, 3, 3]  # (a): 2 batches x 2 replicas, 3 episodes each
+    assert len(calls) == 5  # batches 0-2 and two evaluations, each through the replicas' call
+    # (b) the same episodes and everything computed from them alone; the rest close
+    model_side = ("loss", "grad_norm", "mismatch", "entropy", "kl", "is_weight", "clip", "rollout_worker", "replica")
+    assert [_plain(r) for r in thread] != [_plain(r) for r in proc]  # not bit for bit (see above)
+    same = [[without_clocks(_plain(r), model_side) for r in rs] for rs in (thread, proc)]
+    assert same[0] == same[1] and [r["step"] for r in proc if "eval_reward" in r] == [2, 3]
+    for a, b in zip(thread, proc):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-2, abs=1e-6)
+        assert b["mismatch_mean"] == pytest.approx(a["mismatch_mean"], rel=2e-2, abs=1e-6)
+    rows_t, rows_p = _rows(tmp_path / "thread"), _rows(tmp_path / "process")
+    assert len(rows_t) == len(rows_p) == 6
+    for a, b in zip(rows_t, rows_p):
+        lp = ("logprobs", "trainer_logprobs")
+        assert {k: v for k, v in a.items() if k not in lp} == {k: v for k, v in b.items() if k not in lp}
+        la, lb = (torch.tensor([x for x in r["logprobs"] if x is not None]) for r in (a, b))
+        torch.testing.assert_close(la, lb, atol=1e-4, rtol=0)  # the rows round to 1e-5
+    # both replicas ran episodes; replica 1 died at batch 2's send: its example ran in the trainer in that call
+    # (after the 4 single-example checks of (a)), and the evaluations ran on replica 0 alone
+    assert local_calls == [1, 1, 1, 1, 1]
+    assert [r["async/rollout_workers_alive"] for r in proc] == [2.0, 1.0, 1.0]
+    assert [r["async/rollout_worker_failures_total"] for r in proc] == [0.0, 1.0, 1.0]
+    assert [r["async/replica_share_max"] for r in proc] == [0.5, 0.5, 1.0]
+    assert proc[0]["async/replica0_work_per_s"] > 0 and proc[0]["async/replica1_work_per_s"] > 0
+    # (c) step 1 trains version 0, every later step exactly one version stale, nothing dropped
+    assert [r["async/staleness_max"] for r in proc] == [0.0, 1.0, 1.0]
+    for r in proc[1:]:
+        assert r["async/staleness_mean"] == 1.0 and r["async/tokens_lag1"] == r["response_length"] * 6
+    assert all(r["async/stale_dropped_total"] == 0.0 for r in proc)
+    for a, b in zip(proc, proc[1:]):  # the episodes of batch s+1 ran while step s trained
+        assert b["async/gen_start_s"] < a["async/train_end_s"] and b["async/gen_end_s"] > a["async/train_start_s"]
+
+
 def test_agentic_producers_refused_at_config_time(tiny_model_dir, tmp_path):
     from polyrl.errors import ConfigError
 
-    with pytest.raises(ConfigError, match='rollout worker processes generate single completions.*"thread"'):
-        run(_agentic(tiny_model_dir, tmp_path / "p", max_staleness=1, async_producer="process"))
+    # agent programs through the proxy: the process producer runs environment episodes only
+    raw = _agentic(tiny_model_dir, tmp_path / "p", max_staleness=1, async_producer="process")
+    raw["agent"] = {"agent": "my_agent.py:agent", "max_turns": 2, "max_episode_tokens": 200}
+    with pytest.raises(ConfigError, match='async_producer = "process" runs environment episodes .* not agent progr'):
+        run(raw)
     # partial rollouts: environment episodes only (the proxy's engine thread takes no update mid-episode); with the
     # process producer they are refused by the algorithm's table already
     raw = _agentic(tiny_model_dir, tmp_path / "q", max_staleness=1, async_producer="thread", partial_rollouts=True)
@@ -146,11 +253,12 @@ def test_agentic_producers_refused_at_config_time(tiny_model_dir, tmp_path):
         run(raw)
     with pytest.raises(ConfigError, match='partial_rollouts is built for async_producer = "thread"'):
         run(_agentic(tiny_model_dir, tmp_path / "r", max_staleness=1, async_producer="process", partial_rollouts=True))
-    # synchronous runs are not checked for producers
+    # synchronous runs are not checked for producers; environment episodes take the process producer
     from polyrl.agents.config import AgentConfig
     from polyrl.algorithms.grpo import GRPOConfig
 
-    AgentConfig(env="guessing").check(GRPOConfig(async_producer="process"), "grpo")
+    AgentConfig(agent="a.py:f").check(GRPOConfig(async_producer="process"), "grpo")
+    AgentConfig(env="guessing").check(GRPOConfig(max_staleness=1, async_producer="process"), "grpo")
 
 
 AGENT_FILE = """

@@ -1,8 +1,8 @@
 """The load balancing of rollout prompts over replicas (``polyrl.run.replica_balance``), as pure functions: the cost
-model, the split by count (i mod W) and by work (each replica's estimated work proportional to its speed; every
-prompt exactly once, each share in prompt order, no replica left empty while there are prompts enough, the same
-inputs giving the same split) and the speed tracker (first
-reply sets, later ones by EMA, unmeasured and restarted replicas at the mean of the others)."""
+model (prompts, and an agentic run's examples of episodes), the split by count (i mod W) and by work (each replica's
+estimated work proportional to its speed; every prompt exactly once, each share in prompt order, no replica left
+empty while there are prompts enough, the same inputs giving the same split) and the speed tracker (first reply
+sets, later ones by EMA, unmeasured and restarted replicas at the mean of the others)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from polyrl.run.replica_balance import (
     DEFAULT_MAX_TOKENS,
     PREFILL_WEIGHT,
     ReplicaSpeeds,
+    episode_cost,
     prompt_cost,
     split_by_count,
     split_by_work,
@@ -37,6 +38,13 @@ def test_prompt_cost_counts_samples_tokens_and_prefill():
     # more samples, more tokens or a longer prompt: more work
     assert prompt_cost(3, SamplingParams(n=4, max_tokens=5)) > prompt_cost(3, SamplingParams(n=2, max_tokens=5))
     assert prompt_cost(300, SamplingParams(n=2, max_tokens=5)) > prompt_cost(3, SamplingParams(n=2, max_tokens=5))
+
+
+def test_episode_cost_is_the_most_policy_tokens_of_an_examples_episodes():
+    assert episode_cost(3, 4, 64, 1024) == 3 * 4 * 64  # every turn at max_new_tokens fits the episode budget
+    assert episode_cost(3, 4, 64, 200) == 3 * 200  # the episode budget binds first
+    # an agentic call's examples cost the same: the split follows the speeds (equal: example i to replica i mod W)
+    assert split_by_work([episode_cost(2, 3, 6, 256)] * 5, [1.0, 1.0]) == [[0, 2, 4], [1, 3]]
 
 
 def test_split_by_count_is_i_mod_w():

@@ -113,9 +113,36 @@ def test_a_killed_replica_is_restarted_with_the_current_weights(tiny_model_dir, 
         finally:
             workers.alive[0] = True
         assert got == [v2[i] for i in odd] and local_calls == []
+        # a general job (``call``, as an agentic run's episodes): items split as prompts (i mod 2), results in item
+        # order, the state kept across a replica's jobs; a job raising in a replica raises here, and the pairs stay
+        # in step (the next call's replies are its own)
+        metas = []
+        out = workers.call(_double, list(range(5)), [1.0] * 5, lambda missing: [None] * len(missing), ("a",),
+                           metas.append)  # fmt: skip
+        assert out == [(i % 2, 2 * i, "a", 1) for i in range(5)]
+        assert sorted(metas) == [(0, 3), (1, 2)] and workers.last_share == {0: 0.6, 1: 0.4}
+        with pytest.raises(ValueError, match="item 1 is odd") as err:
+            workers.call(_fail_on_odd, list(range(5)), [1.0] * 5, lambda missing: [None] * len(missing))
+        assert "_fail_on_odd raised in rollout replica 1" in str(err.value.__cause__)
+        again = workers.call(_double, [7, 8], [1.0, 1.0], lambda missing: [None] * len(missing), ("b",))
+        assert again == [(0, 14, "b", 2), (1, 16, "b", 2)]
+        assert workers.num_alive == 2 and workers.failures == 1
     finally:
         workers.close()
     assert not any(p.is_alive() for p in workers.procs)
+
+
+def _double(ctx, items, tag):
+    """A ``RolloutWorkers.call`` job: (replica, 2 x item, tag, how many jobs this replica ran) per item."""
+    ctx.state["jobs"] = ctx.state.get("jobs", 0) + 1
+    return [(ctx.replica, 2 * x, tag, ctx.state["jobs"]) for x in items], (ctx.replica, len(items))
+
+
+def _fail_on_odd(ctx, items):
+    for x in items:
+        if x % 2:
+            raise ValueError(f"item {x} is odd")
+    return list(items), None
 
 
 def test_a_replica_killed_while_it_generates(tiny_model_dir, setup, caplog):
