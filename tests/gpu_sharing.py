@@ -12,8 +12,11 @@ nothing about the test itself. So, under xdist and for ``gpu``-marked tests only
   ``POLYRL_TESTS_FAILURE_LOG`` when that is set, so a run that passed this way still shows it;
 - with ``POLYRL_TESTS_MEMORY_LOG=PATH``, a line per test is appended to PATH: its peak reserved device memory, then
   the memory still reserved and still allocated after its teardown (which collects garbage and empties the cache),
-  in GiB, the worker and the test id. The peak finds the tests that need a lot; memory still *allocated* after a
-  test is live tensors it left behind (a worker was seen keeping ~60 GiB across tests, starving the others).
+  then what is still reserved after this plugin empties the cache once more and how much of that is in private
+  (CUDA graph) pools, in GiB, the worker and the test id. The peak finds the tests that need a lot; memory still
+  *allocated* after a test is live tensors it left behind (a worker was seen keeping ~60 GiB across tests, starving
+  the others); reserved with nothing allocated (seen 2026-12-04: each worker kept its running peak) is memory the
+  allocator could not return, which the last two columns split.
 
 New shared holders wait behind a waiting exclusive holder (a gate lock taken first), so the re-run cannot starve.
 """
@@ -91,12 +94,32 @@ def _run_measured(item, nextitem):
     if cuda is not None:
         gib = 2**30
         peak, reserved, allocated = cuda.max_memory_reserved(), cuda.memory_reserved(), cuda.memory_allocated()
+        after = _release(cuda)
         worker = os.environ.get("PYTEST_XDIST_WORKER", "-")
         _append(
             "POLYRL_TESTS_MEMORY_LOG",
-            f"{peak / gib:7.2f} {reserved / gib:7.2f} {allocated / gib:7.2f} {worker} {item.nodeid}",
+            f"{peak / gib:7.2f} {reserved / gib:7.2f} {allocated / gib:7.2f} {after['reserved'] / gib:7.2f} "
+            f"{after['private_pools'] / gib:7.2f} {worker} {item.nodeid}",
         )
     return reports
+
+
+def _release(cuda) -> dict[str, int]:
+    """Collect garbage and return the allocator's free segments to the device once more (the teardown fixture did it
+    already: if this frees more, something outlived that fixture), then what is still reserved, and how much of it
+    sits in private pools (a CUDA graph's pool lives as long as its graph: graphs kept alive pin their memory)."""
+    import gc
+
+    gc.collect()
+    cuda.empty_cache()
+    private = 0
+    try:
+        for seg in cuda.memory_snapshot():
+            if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0):
+                private += int(seg.get("total_size", 0))
+    except (RuntimeError, AttributeError, TypeError):  # an older torch without pool ids: not counted
+        private = 0
+    return {"reserved": cuda.memory_reserved(), "private_pools": private}
 
 
 @pytest.hookimpl(tryfirst=True)
