@@ -331,7 +331,8 @@ def test_torch_scaled_mm_wrapper_layouts_and_padding_on_cpu(rowwise):
     """The ``torch._scaled_mm`` wrapper (torch >= 2.10 has a CPU kernel too) on the operand layouts the FP8 linear
     hands it: the forward's ``w.t()`` view, the input gradient's row-major weight (copied column-major), the weight
     gradient's transposed dY with 18 tokens as the reduction dim (padded to 32), N = 20 (padded, row-wise scales
-    padded with ones). bf16 results are bit-equal to the reference's; fp32 within fp32 summation order."""
+    padded with ones). bf16 results equal the reference's but for a one-ulp rounding of a differently ordered sum;
+    fp32 within fp32 summation order."""
     if not hasattr(torch, "_scaled_mm"):
         pytest.skip("this torch has no _scaled_mm")
     from polyrl.kernels.fp8.scaled_mm import scaled_mm
@@ -352,7 +353,11 @@ def test_torch_scaled_mm_wrapper_layouts_and_padding_on_cpu(rowwise):
             out = scaled_mm(a, b, sa, sb, torch.bfloat16)
         except (RuntimeError, NotImplementedError) as exc:
             pytest.skip(f"this torch's CPU _scaled_mm cannot: {exc}")
-        assert torch.equal(out, ref.scaled_mm(a, b, sa, sb, torch.bfloat16))
+        want = ref.scaled_mm(a, b, sa, sb, torch.bfloat16)
+        # the fp32 sum before the one bf16 rounding is ordered by the CPU kernel (oneDNN picks it by instruction set):
+        # an element may round to the neighbouring bf16 (seen 2026-12-04: 1 of 360 on one machine, 0 on another)
+        torch.testing.assert_close(out.float(), want.float(), rtol=2**-7, atol=0)
+        assert (out == want).float().mean().item() >= 0.98
         if not rowwise or a is not xq:  # (row-wise fp32 output is computed in bf16: checked above)
             expect = ref.scaled_mm(a, b, sa, sb, torch.float32)
             torch.testing.assert_close(scaled_mm(a, b, sa, sb, torch.float32), expect)
