@@ -108,7 +108,11 @@ def test_an_oom_failure_is_re_run_alone_under_xdist(tmp_path):
     runs.mkdir()
     log = tmp_path / "failures.log"
     env = dict(os.environ, RUNS_DIR=str(runs), POLYRL_TESTS_FAILURE_LOG=str(log), PYTHONPATH=str(Path(__file__).parent))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "gpu_sharing", "-p", "no:cacheprovider"]
+    # the plugins this run needs, xdist and gpu_sharing, and no other installed one (each of the 3 processes would
+    # import them all: seconds of the test's time for nothing it checks)
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "xdist.plugin", "-p", "gpu_sharing"]
+    cmd += ["-p", "no:cacheprovider"]
     cmd += ["-o", "addopts=", "--rootdir", str(tmp_path), str(tmp_path / "test_suite.py")]
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120).stdout
     assert "3 failed, 1 passed" in out, out

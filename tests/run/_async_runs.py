@@ -1,9 +1,12 @@
 """What the async-RL test files share (``test_async_rollout``, ``test_partial_rollouts``, ``test_placement``): the toy
-reward, a small GRPO-family run config on the tiny preset, running it, its metrics records, and a record without the
-values that depend on the clock (so two runs' records can be compared for equality)."""
+reward, a small GRPO-family run config on the tiny preset, running it, its metrics records, the records of a reference
+run made once per test process (``shared_records``: several tests and files compare against the same synchronous and
+K = 1 thread runs), and a record without the values that depend on the clock (so two runs' records can be compared
+for equality)."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -49,6 +52,22 @@ def run(raw: dict[str, Any]) -> dict[str, Any]:
     from polyrl.run import config
 
     return runner.run(config.build(raw))
+
+
+# the records of the reference runs made so far in this process (``shared_records``), by their settings
+_SHARED: dict[str, list[dict[str, Any]]] = {}
+
+
+def shared_records(model_dir, folder: Path, **kw) -> list[dict[str, Any]]:
+    """The records of the run ``raw_config(model_dir, folder / "shared-<n>", <the toy reward>, **kw)``, made the first
+    time these settings are asked for in this test process (the runs are deterministic: every later caller would
+    get the same records, the clocks aside, from a run of its own). A copy: a caller may change it freely."""
+    key = json.dumps([str(model_dir), kw], sort_keys=True)
+    if key not in _SHARED:
+        out = folder / f"shared-{len(_SHARED)}"
+        run(raw_config(model_dir, out, write_reward(folder), **kw))
+        _SHARED[key] = records(out)
+    return copy.deepcopy(_SHARED[key])
 
 
 def records(out: Path) -> list[dict[str, Any]]:

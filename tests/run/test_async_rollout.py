@@ -13,12 +13,18 @@ import pytest
 from _async_runs import raw_config as _raw
 from _async_runs import records as _records
 from _async_runs import run as _run
-from _async_runs import without_clocks, write_reward
+from _async_runs import shared_records, without_clocks, write_reward
 
 
 @pytest.fixture()
 def reward(tmp_path):
     return write_reward(tmp_path)
+
+
+# the reference runs several tests compare against, made once per test process (``shared_records``): the
+# synchronous run (3 steps) and the K = 1 run of the threaded producer (4 steps)
+SYNC = {}
+THREAD = {"steps": 4, "max_staleness": 1, "async_producer": "thread"}
 
 
 def _plain(rec):
@@ -28,8 +34,7 @@ def _plain(rec):
 
 
 def test_staleness_zero_is_the_synchronous_run(tiny_model_dir, tmp_path, reward):
-    _run(_raw(tiny_model_dir, tmp_path / "sync", reward))
-    sync = _records(tmp_path / "sync")
+    sync = shared_records(tiny_model_dir, tmp_path, **SYNC)
     _run(_raw(tiny_model_dir, tmp_path / "k0", reward, max_staleness=0))
     k0 = _records(tmp_path / "k0")
     assert [_plain(r) for r in sync] == [_plain(r) for r in k0]
@@ -38,10 +43,9 @@ def test_staleness_zero_is_the_synchronous_run(tiny_model_dir, tmp_path, reward)
 
 
 def test_threaded_producer_equals_inline_and_overlaps_training(tiny_model_dir, tmp_path, reward):
-    _run(_raw(tiny_model_dir, tmp_path / "sync", reward))
+    sync, thread = shared_records(tiny_model_dir, tmp_path, **SYNC), shared_records(tiny_model_dir, tmp_path, **THREAD)
     _run(_raw(tiny_model_dir, tmp_path / "inline", reward, steps=4, max_staleness=1))
-    _run(_raw(tiny_model_dir, tmp_path / "thread", reward, steps=4, max_staleness=1, async_producer="thread"))
-    sync, inline, thread = (_records(tmp_path / n) for n in ("sync", "inline", "thread"))
+    inline = _records(tmp_path / "inline")
     # same samples, same versions, same updates: bit for bit
     assert [_plain(r) for r in inline] == [_plain(r) for r in thread]
     # step 1 trains the same batch as the synchronous run (version 0 on version 0); later ones one version stale
@@ -199,9 +203,9 @@ def test_agentic_grpo_runs_asynchronously(tiny_model_dir, tmp_path):
 
 
 def test_rollout_worker_process_equals_the_thread(tiny_model_dir, tmp_path, reward):
-    _run(_raw(tiny_model_dir, tmp_path / "thread", reward, steps=4, max_staleness=1, async_producer="thread"))
+    thread = shared_records(tiny_model_dir, tmp_path, **THREAD)
     _run(_raw(tiny_model_dir, tmp_path / "proc", reward, steps=4, max_staleness=1, async_producer="process"))
-    thread, proc = _records(tmp_path / "thread"), _records(tmp_path / "proc")
+    proc = _records(tmp_path / "proc")
     # the worker process loads the same folder, gets the trainer's weights over gloo, draws the same tokens
     assert [_plain(r) for r in thread] == [
         {k: v for k, v in _plain(r).items() if "rollout_worker" not in k} for r in proc
@@ -216,8 +220,7 @@ def test_a_killed_rollout_worker_does_not_stop_training(tiny_model_dir, tmp_path
 
     from polyrl.run import online
 
-    _run(_raw(tiny_model_dir, tmp_path / "thread", reward, steps=4, max_staleness=1, async_producer="thread"))
-    thread = _records(tmp_path / "thread")
+    thread = shared_records(tiny_model_dir, tmp_path, **THREAD)
     # the worker is killed after step 2's update: step 3's batch (already generated) and the later ones still come
     original = online.OnlineRun._async_record
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _async_runs import raw_config, without_clocks, write_reward
+from _async_runs import raw_config, shared_records, without_clocks, write_reward
 from _async_runs import records as _records
 
 from polyrl.errors import ConfigError
@@ -90,7 +90,8 @@ def test_two_cpu_replicas_train_the_same_run_as_one_engine(tiny_model_dir, tmp_p
     from polyrl.run import config, online
 
     spec = write_reward(tmp_path)
-    runner.run(config.build(_raw(tiny_model_dir, tmp_path / "one", spec, async_producer="thread", max_steps=4)))
+    # one rollout engine: the K = 1 thread run (made once per test process: test_async_rollout compares with it too)
+    one = shared_records(tiny_model_dir, tmp_path, steps=4, max_staleness=1, async_producer="thread")
     # replica 1 is killed after step 2's update and again after step 3's (one restart allowed): the first time it is
     # restarted and rejoins at step 2's weight push (with those weights), so step 3's batch comes from replica 0 and
     # the restarted replica 1; the second time it is dropped for good, so step 4's batch comes from replica 0 and the
@@ -111,7 +112,7 @@ def test_two_cpu_replicas_train_the_same_run_as_one_engine(tiny_model_dir, tmp_p
     two = _raw(tiny_model_dir, tmp_path / "two", spec, async_producer="process", rollout_devices="cpu,cpu", max_steps=4,
                rollout_worker_restarts=1, rollout_worker_timeout_s=300)  # fmt: skip
     runner.run(config.build(two))
-    one, two = _records(tmp_path / "one"), _records(tmp_path / "two")
+    two = _records(tmp_path / "two")
     # prompts split over the replicas (i mod 2), seeds per prompt: the same tokens, log-probs, rewards and updates,
     # before and after the loss of a replica, and with the restarted one
     assert [_plain(r) for r in one] == [_plain(r) for r in two]
