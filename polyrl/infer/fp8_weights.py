@@ -392,6 +392,7 @@ class Fp8Weights(ProjectionOverride):
         if not self.fused_quant or mlp not in self.quant_mlps or gate.dim() != 2 or torch.is_grad_enabled():
             return None
         if gate.is_cuda and not reference_forced() and gate.shape[1] <= 16384:
+            # lazy: triton loads only on CUDA
             from polyrl.infer.fp8_quant_triton import swiglu_quant_triton
 
             y, q, s = swiglu_quant_triton(gate, up, FP8_MAX, AMAX_FLOOR)
