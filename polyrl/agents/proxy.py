@@ -13,7 +13,8 @@ engine sampled, and turned into ``Episode`` s to train on.
   ``tool_parsers``, the one ``polyrl serve`` uses).
 - ``episodes()``: one ``Episode`` per segment (sampled ids masked 1 with their log-probs, template and tool/user
   tokens masked 0), each with the session's reward (given by ``set_reward``: an HTTP call or the agent function's
-  return value).
+  return value); the segments of one session share its ``(group, index)``, so a caller that counts agent runs
+  (the evaluation) merges them (``polyrl.agents.train.episode_totals``).
 Not here: HTTP (``polyrl.server.agent_proxy``), running agent programs, training.
 """
 
@@ -123,17 +124,21 @@ class AgentSession:
     def set_reward(self, reward: float) -> None:
         self.reward = float(reward)
 
-    def episodes(self, failure_reward: float = 0.0) -> list[Episode]:
+    def episodes(self, failure_reward: float = 0.0, keep_empty: bool = False) -> list[Episode]:
         """One finished ``Episode`` per segment, each with the episode's reward (``failure_reward`` when the agent
-        failed or gave none)."""
+        failed or gave none). ``keep_empty``: an agent run that made no call still gives one ``Episode``, without
+        turns (untrainable, as an environment episode whose reset failed), carrying that reward."""
         reward = self.reward if self.reward is not None and self.failed is None else failure_reward
-        for seg in self.segments:
+        segments = list(self.segments)
+        if not segments and keep_empty:
+            segments = [Episode(self.group, self.index)]
+        for seg in segments:
             seg.reward = reward
             if self.failed is not None:
                 seg.end("env_error", self.failed)
             else:
                 seg.end("done")
-        return list(self.segments)
+        return segments
 
 
 __all__ = ["AgentSession"]

@@ -379,9 +379,12 @@ class AgentProxy:
         timeout: float = 300.0,
         failure_reward: float = 0.0,
         max_parallel: int = 256,
+        keep_empty: bool = False,
     ) -> list[Any]:
         """Run ``agent(base_url, example) -> reward | None`` for ``n`` episodes per example, all at once; returns
-        every recorded ``Episode`` (one per segment; the episode's reward on each), grouped by example."""
+        every recorded ``Episode`` (one per segment; the episode's reward on each), grouped by example.
+        ``keep_empty``: an agent run that made no call (it failed first, or answered without the model) gives one
+        ``Episode`` without turns carrying its reward, so every run is counted (training uses this)."""
         jobs = [(g, j) for g in range(len(examples)) for j in range(n)]
         sessions = [
             self.open(f"ep{g}-{j}-{uuid.uuid4().hex[:6]}", g, j, None if seeds is None else int(seeds[g]))
@@ -419,7 +422,7 @@ class AgentProxy:
                 kind = "no_reward"
             if kind != "ok":
                 self.failures[kind] += 1
-            episodes.extend(sess.episodes(failure_reward))
+            episodes.extend(sess.episodes(failure_reward, keep_empty))
         return episodes
 
 

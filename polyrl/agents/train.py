@@ -14,7 +14,9 @@ are constrained (``formats``: the environment's or ``grpo.rollout_response_forma
 runs greedy episodes on the held-out prompts (``eval_reward``, ``eval_tool_call_rate``) and, with ``eval_n`` K > 1, K
 sampled episodes per prompt (``eval_sampled_reward``, unbiased ``eval_pass@k``, ``eval_length``).
 Proxy mode (``--agent file.py:fn``): the episodes come from an openai-client agent program driven through
-``polyrl.agents.proxy_server.AgentProxy`` (one Sample per recorded segment, the agent's reward on each).
+``polyrl.agents.proxy_server.AgentProxy`` (one Sample per recorded segment, the agent's reward on each); the
+``reward`` metric and the evaluation count agent runs (``episode_totals``: a run's segments once, a run that failed
+before its first call with ``failure_reward``), and the evaluation's calls are capped at ``eval_max_new_tokens``.
 Asynchronous RL (``max_staleness`` K > 0, docs/async-rl.md): ``collect`` is the rollout source's producer, inline
 or (``async_producer = "thread"``) in the producer thread on the policy's separate rollout copy, while the trainer
 trains; the environment pool and the proxy are then used by that thread, and by the trainer's evaluation only once
@@ -70,6 +72,30 @@ def rollout_window(policy: Any):
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
+
+
+@dataclasses.dataclass
+class EpisodeTotal:
+    """One episode as the metrics count it: an environment episode, or one run of the agent program (proxy mode)."""
+
+    group: int
+    reward: float
+    policy_tokens: int = 0
+    turns: float = 0.0
+    tool_calls: float = 0.0
+
+
+def episode_totals(eps: list[Episode]) -> list[EpisodeTotal]:
+    """One ``EpisodeTotal`` per ``(group, index)`` of ``eps``, in first-seen order. An environment episode is one
+    ``Episode``; a proxy-mode agent run is one ``Episode`` per recorded segment (the agent rewrote its history), all
+    with the run's reward: their policy tokens, turns and tool calls are summed, the reward taken once."""
+    out: dict[tuple[int, int], EpisodeTotal] = {}
+    for e in eps:
+        t = out.setdefault((e.group, e.index), EpisodeTotal(e.group, e.reward))
+        t.policy_tokens += int(sum(e.mask))
+        t.turns += e.metrics.get("turns", 0.0)
+        t.tool_calls += e.metrics.get("tool_calls", 0.0)
+    return list(out.values())
 
 
 class EpisodeSteps:
@@ -152,11 +178,14 @@ class EpisodeSteps:
                     llm, self.env_pool, self.renderer, examples, n, sampling, seeds, self.limits,
                     self.a.failure_reward, self.policy.between_steps,
                 )  # fmt: skip
-            self.proxy.sampling = sampling
+            # this call's sampling and per-call cap (the evaluation's eval_max_new_tokens, else max_new_tokens); every
+            # agent run counted, one that made no call as an episode without turns
+            self.proxy.sampling, self.proxy.max_tokens = sampling, sampling.max_tokens
             with self.proxy.driving():
                 eps = self.proxy.run_agents(
-                    self.agent_fn, examples, n, seeds, self.cfg.episodes.env_timeout, self.a.failure_reward
-                )
+                    self.agent_fn, examples, n, seeds, self.cfg.episodes.env_timeout, self.a.failure_reward,
+                    keep_empty=True,
+                )  # fmt: skip
             totals = getattr(self, "_agent_totals", {})
             for k, v in self.proxy.failures.items():
                 totals[k] = totals.get(k, 0) + v
@@ -180,10 +209,11 @@ class EpisodeSteps:
         samples = [e.to_sample() for e in kept]
         rewards = [e.reward for e in kept]
         policy_tokens = [float(sum(e.mask)) for e in kept]
-        all_rewards = [e.reward for e in eps]
+        all_rewards = [t.reward for t in episode_totals(eps)]  # per episode (an agent run's segments count once)
+        mean = _mean(all_rewards)
         m = {
-            "reward": _mean(all_rewards),
-            "reward_std": float(sum((r - _mean(all_rewards)) ** 2 for r in all_rewards) / max(len(eps) - 1, 1)) ** 0.5,
+            "reward": mean,
+            "reward_std": float(sum((r - mean) ** 2 for r in all_rewards) / max(len(all_rewards) - 1, 1)) ** 0.5,
             "response_length": _mean(policy_tokens),
             "response_length_max": max(policy_tokens, default=0.0),
             "truncated_fraction": _mean([float(e.status == "max_tokens") for e in eps]),
@@ -236,24 +266,26 @@ class EpisodeSteps:
         """Greedy episodes on the held-out prompts; with ``eval_n`` K > 1 also K sampled episodes per prompt at the
         training temperature (the same seeds at every evaluation): ``eval_sampled_reward``, unbiased
         ``eval_pass@k`` (an episode passes when its reward >= ``eval_pass_threshold``) and ``eval_length`` (the
-        policy's tokens per episode), as the single-turn evaluation (``polyrl.run.evaluate.sampled_metrics``)."""
+        policy's tokens per episode), as the single-turn evaluation (``polyrl.run.evaluate.sampled_metrics``). Every
+        number is per episode (``episode_totals``): in proxy mode one run of the agent program, however many
+        segments it recorded, and a run that failed before its first call counts with ``failure_reward``; each
+        call is capped at ``eval_max_new_tokens``."""
         _, _, views = self.eval_set
         params = self.sampling.clone(temperature=0.0, max_tokens=self.a.eval_max_new_tokens or self.a.max_new_tokens)
-        eps = self.episodes(list(views), 1, params, None)
-        m = episode_metrics(eps)
+        greedy = episode_totals(self.episodes(list(views), 1, params, None))
         out = {
-            "eval_reward": _mean([e.reward for e in eps]),
-            "eval_tool_call_rate": m.get("episode/tool_call_rate", 0.0),
-            "eval_turns": m.get("episode/turns", 0.0),
+            "eval_reward": _mean([t.reward for t in greedy]),
+            "eval_tool_call_rate": _mean([float(t.tool_calls > 0) for t in greedy]),
+            "eval_turns": _mean([t.turns for t in greedy]),
         }
         n = getattr(self.a, "eval_n", 1)
         if n > 1:
             sampling = params.clone(temperature=self.a.temperature, top_p=self.a.top_p)
             seeds = [rollout_seed(self.cfg.seed, -1, k) for k in range(len(views))]
-            drawn = self.episodes(list(views), n, sampling, seeds)
-            rewards = [e.reward for e in drawn]
-            lengths = [int(sum(e.mask)) for e in drawn]
-            out.update(sampled_metrics(rewards, [e.group for e in drawn], lengths, n, self.a.eval_pass_threshold))
+            drawn = episode_totals(self.episodes(list(views), n, sampling, seeds))
+            rewards, groups = [t.reward for t in drawn], [t.group for t in drawn]
+            lengths = [t.policy_tokens for t in drawn]
+            out.update(sampled_metrics(rewards, groups, lengths, n, self.a.eval_pass_threshold))
         return out
 
     def data_state(self) -> dict[str, Any]:

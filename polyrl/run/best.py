@@ -15,7 +15,11 @@ that knows its eval metrics before training (``check``: the online runner's own 
 
 The best value so far is resumable state: the runs put ``state_dict()`` into every checkpoint's data state and
 ``load_state_dict`` it back on resume, so a resumed run never replaces a better best by a worse one. Under torchrun
-every rank calls ``update`` with its (identical) record; rank 0 decides, the export is collective, rank 0 writes.
+every rank calls ``update`` with its record (the same on every rank: the offline held-out loss is computed over the
+whole eval set on every rank, the online evaluation is gathered and scored by rank 0 and broadcast); rank 0's
+decision and value are broadcast, so every rank takes the same branch around the export, which is collective (FSDP2
+gathers the shards); rank 0 alone writes the folder and ``best.json``. Tested with 2 gloo ranks for SFT and GRPO,
+resume included (tests/distributed/test_keep_best_distributed.py).
 Not here: running the evaluation (``polyrl.run.offline`` / ``online``), the export itself (``offline.export_model``).
 """
 
@@ -134,7 +138,10 @@ class BestKeeper:
             return False
         value = float(record[name])
         better = math.isfinite(value) and self.metric.better(value, self.value)
-        if not self.world.broadcast_object(better):  # rank 0 decides (the records agree; this keeps ranks in step)
+        # rank 0 decides, and its value is the one every rank keeps: the ranks' records agree (the evaluation is
+        # global), and this keeps them in step even where a rank's float differed in the last bit
+        better, value = self.world.broadcast_object((better, value))
+        if not better:
             return False
         self.value, self.step = value, step
         self._write()
