@@ -109,8 +109,10 @@ def test_two_cpu_replicas_train_the_same_run_as_one_engine(tiny_model_dir, tmp_p
         return original(self, batch, t_train, t_end)
 
     monkeypatch.setattr(online.OnlineRun, "_async_record", kill_after_steps_2_and_3)
+    # the count split (i mod 2): the "work" default splits by measured speeds, so the replicas' batches (and with them
+    # the last bit of a CPU forward's log-probs) would depend on timing; tests/run/test_replica_balance.py covers it
     two = _raw(tiny_model_dir, tmp_path / "two", spec, async_producer="process", rollout_devices="cpu,cpu", max_steps=4,
-               rollout_worker_restarts=1, rollout_worker_timeout_s=300)  # fmt: skip
+               rollout_worker_restarts=1, rollout_worker_timeout_s=300, rollout_balance="count")  # fmt: skip
     runner.run(config.build(two))
     two = _records(tmp_path / "two")
     # prompts split over the replicas (i mod 2), seeds per prompt: the same tokens, log-probs, rewards and updates,
