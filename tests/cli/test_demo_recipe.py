@@ -1,17 +1,16 @@
-"""`make demo`'s recipe (small preset, the noisy arithmetic task, 125 SFT steps, seed 0) with 45 GRPO steps instead of
+"""`make demo`'s recipe (small preset, the noisy arithmetic task, 125 SFT steps, seed 0) with 30 GRPO steps instead of
 the shipped 60 (CI time): GRPO's held-out exact match is clearly above SFT's, and the sampled reward rises. SFT
 imitates demonstrations of which 60% are off by one, so its greedy accuracy is capped by what it imitated on any
 machine; the gain is RL's. A few minutes on 2 cores: marked slow (still in ``make test``, where pytest-xdist starts
 this file first, beside the rest).
 
-The 45 steps, measured 2026-12-02 on this project's 2-core machine at 1 torch thread (as a ``make test`` worker runs
-it), held-out exact match after SFT -> after GRPO, mean sampled reward first 5 -> last 5 GRPO steps:
-  seed 0: 47.4% -> 96.5% (+49.1 points), reward 0.420 -> 0.877 (+0.458)   <- this test
-  seed 1: 33.3% -> 57.9% (+24.6 points), reward 0.273 -> 0.527 (+0.254)
-  seed 2: 31.6% -> 75.4% (+43.8 points), reward 0.366 -> 0.734 (+0.369)
-(the shipped 60 steps: seed 0 47.4% -> 89.5%, reward 0.420 -> 0.920). 30 steps were too few: seed 1 ended at 52.6%
-(+19.3 points, reward +0.180), under both bars. The GRPO schedule is constant after 5 warmup steps, so the first 45
-steps of the shipped run are these 45 steps (checked: the same rewards step for step)."""
+Seed 0 at 30 GRPO steps, measured 2026-12-04 on this project's 2-core machine at 1 torch thread (as a ``make test``
+worker runs it): held-out exact match 43.9% after SFT -> 96.5% after GRPO (+52.6 points against the test's +20),
+mean sampled reward 0.422 (first 5 steps) -> 0.828 (last 5), +0.406 against the test's +0.2; 130 s in all (SFT 58 s).
+Measured 2026-12-02 at 45 steps: seed 0 47.4% -> 96.5%, seed 1 33.3% -> 57.9%, seed 2 31.6% -> 75.4%; at 30 steps
+seed 1 ended at 52.6% (+19.3 points, reward +0.180), under both bars, which is why this test pins seed 0 (the
+recipe's own seed) rather than claiming every seed clears them in 30 steps. The GRPO schedule is constant after 5
+warmup steps, so the first 30 steps of the shipped run are these 30 steps."""
 
 from __future__ import annotations
 
@@ -38,7 +37,7 @@ def test_noisy_demonstrations_keep_the_answer_and_spare_the_test_split():
 
 @pytest.mark.slow
 def test_demo_recipe_grpo_beats_sft(tmp_path, capsys):
-    assert main(["demo", "--out", str(tmp_path / "demo"), "--rl-steps", "45"]) == 0
+    assert main(["demo", "--out", str(tmp_path / "demo"), "--rl-steps", "30"]) == 0
     text = capsys.readouterr().out
     final = re.search(r"held-out accuracy: before training ([\d.]+)%, after SFT ([\d.]+)%, after GRPO ([\d.]+)%", text)
     assert final, text[-2000:]
