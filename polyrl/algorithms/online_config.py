@@ -88,8 +88,9 @@ class OnlineConfig:
     # (Sample.token_versions) and its behaviour log-prob
     partial_rollouts: bool = False
     # where the update lands: 0 = at the first decode-step boundary after it is published (most overlap; the split
-    # depends on timing); N > 0 = at engine step N of the batch submitted just before it, the producer waiting there
-    # for it (reproducible: a resumed run equals the uninterrupted one bit for bit)
+    # depends on timing); N > 0 = at engine step N of the batch submitted just before it (the process producer: of
+    # each worker's share), the producer waiting there for it (reproducible: a resumed run equals the uninterrupted
+    # one bit for bit)
     partial_swap_step: int = 0
     # placements (polyrl.run.placement, docs/distributed.md): "" = colocated (the default); "cuda:1,cuda:2" = one
     # rollout worker process per listed device (cpu may repeat: cpu,cpu = two CPU replicas), prompts split over them;

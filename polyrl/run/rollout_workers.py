@@ -288,7 +288,10 @@ class _Inbox:
                 if n:
                     buf = torch.empty(n, dtype=torch.uint8)
                     self.pg.recv([buf], 0, _TAG_DATA).wait()
-                    payload = pickle.loads(buf.numpy().tobytes())
+                    try:
+                        payload = pickle.loads(buf.numpy().tobytes())
+                    except Exception as exc:  # noqa: BLE001 - a call's function that does not import here
+                        payload = _raised(exc)
                 with self.cv:
                     if cmd == WEIGHTS:  # plain (no version: no partial rollouts) or (version, defer)
                         self.notice = payload if payload is not None else (None, False)
@@ -298,7 +301,7 @@ class _Inbox:
                     self.cv.notify_all()
                 if cmd == EXIT:
                     return
-        except RuntimeError:  # the trainer's end closed
+        except Exception:  # noqa: BLE001 - the trainer's end closed (or worse): the worker stops, seen as dead
             with self.cv:
                 self.queue.append((EXIT, None))
                 self.closed = True
@@ -383,6 +386,9 @@ def _serve(pg: Any, llm: Any, sync: BucketedBroadcast, ctx: WorkerContext, delay
                 llm.swap_weights(sync.sync, version)
             continue
         if cmd == CALL:  # a general job (an agentic run's episode loop): fn(ctx, items, *args) -> (results, meta)
+            if isinstance(payload, _Raised):  # its function did not unpickle here: the error goes back
+                _send_obj(pg, payload, 0)
+                continue
             fn, items, args = payload
             try:
                 with torch.no_grad():
