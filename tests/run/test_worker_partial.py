@@ -7,8 +7,9 @@ at step N), a replica with an empty share still loads it (the push returns), wit
 loads it between two decode steps and an idle one at once; a replica killed while the trainer waits in a deferred
 broadcast is dropped (the push returns, the share is the trainer's engine's), restarted, and rejoins with the live
 weights and version. Then whole runs: the process producer's partial run (K = 1, N = 2, two replicas) equals the
-thread producer's record for record, its queued samples switch versions at completion token N, no trained token is
-older than K, and a resume from its checkpoint equals the uninterrupted run."""
+thread producer's record for record (tokens, versions and rewards exactly, the floats within 1e-5: other batch
+shapes), its queued samples switch versions at completion token N, no trained token is older than K, and a resume
+from its checkpoint equals the uninterrupted run bit for bit."""
 
 from __future__ import annotations
 
@@ -212,8 +213,13 @@ def test_a_partial_run_in_worker_processes_equals_the_thread_producers(tiny_mode
     _run(raw)
     thread, recs = _records(tmp_path / "thread"), _records(proc)
     # each replica's share of batch s (submitted at version s - 1) took version s at its engine step 2: the same
-    # tokens, versions, rewards and losses as the thread producer's whole batch
-    assert [_plain(r) for r in recs] == [_plain(r) for r in thread]
+    # tokens and versions as the thread producer's whole batch, so the same rewards, token counts and losses. The
+    # floats within 1e-5: a replica's engine batches 8 sequences where the thread's batches 16, and a matmul of
+    # another shape may round differently in the last place (on this CPU they came out bit-equal)
+    assert [_plain(r).keys() for r in recs] == [_plain(r).keys() for r in thread]
+    for r, t in zip(recs, thread):
+        assert _plain(r) == pytest.approx(_plain(t), rel=1e-5, abs=1e-5)
+        assert r["reward"] == t["reward"] and r["async/tokens_lag0"] == t["async/tokens_lag0"]
     assert recs[0]["async/staleness_max"] == 0.0
     for r in recs[1:]:  # never a token older than K = 1; both lags in every later batch
         assert r["async/staleness_max"] == 1.0 and r["async/mixed_version_samples"] > 0
@@ -231,7 +237,10 @@ def test_a_partial_run_in_worker_processes_equals_the_thread_producers(tiny_mode
     assert [(s["completion_ids"], s["token_versions"]) for s in samples] == [
         (s["completion_ids"], s["token_versions"]) for s in t_samples
     ]
-    # exact resume: the queued batch carries its versions; the resumed run equals the uninterrupted one
+    for s, t in zip(samples, t_samples):  # each token's behaviour log-prob: its own version's, as the thread's
+        torch.testing.assert_close(torch.tensor(s["logprobs"]), torch.tensor(t["logprobs"]), atol=1e-5, rtol=0)
+    # exact resume: the queued batch carries its versions; the resumed run (the same shares, so the same shapes)
+    # equals the uninterrupted one bit for bit
     resumed = tmp_path / "resumed"
     raw2 = json.loads(json.dumps(raw))
     raw2["out"], raw2["resume"] = str(resumed), str(ckpt)
