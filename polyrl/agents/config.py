@@ -69,6 +69,12 @@ class AgentConfig:
                 f"the trainer's own engine from the trainer's process; set {table}.async_producer = \"thread\" "
                 '(--async-producer thread) or "inline"'
             )
+        if getattr(algo_config, "partial_rollouts", False) and getattr(algo_config, "async_producer", "") == "process":
+            raise ConfigError(
+                f'{table}.partial_rollouts with async_producer = "process" is built for single-turn runs; '
+                "environment episodes in the rollout workers take no weight update mid-episode: set "
+                f'{table}.async_producer = "thread" (--async-producer thread) or drop --partial-rollouts'
+            )
         if getattr(algo_config, "partial_rollouts", False) and self.agent is not None:
             # the environment's episode loop calls the weight-swap hook between engine steps; the proxy's engine
             # driver thread does not (and is not the producer thread the hook serves)

@@ -82,13 +82,15 @@ class OnlineConfig:
     # estimated work (n x max_tokens + a prefill term per prompt) in proportion to its measured speed (an EMA of work
     # per second from its replies); "count" = prompt i to worker i mod W (equal counts)
     rollout_balance: str = "work"
-    # partial rollouts (async_producer = "thread"): a weight update does not wait for the generation in flight; the
-    # producer's engine takes the new weights at a decode-step boundary and the same sequences go on (their KV cache
-    # kept), each token recording the version that produced it (Sample.token_versions) and its behaviour log-prob
+    # partial rollouts (async_producer = "thread" or "process"): a weight update does not wait for the generation in
+    # flight; the producer's engine (each rollout worker's) takes the new weights at a decode-step boundary and the
+    # same sequences go on (their KV cache kept), each token recording the version that produced it
+    # (Sample.token_versions) and its behaviour log-prob
     partial_rollouts: bool = False
     # where the update lands: 0 = at the first decode-step boundary after it is published (most overlap; the split
-    # depends on timing); N > 0 = at engine step N of the batch submitted just before it, the producer waiting there
-    # for it (reproducible: a resumed run equals the uninterrupted one bit for bit)
+    # depends on timing); N > 0 = at engine step N of the batch submitted just before it (the process producer: of
+    # each worker's share), the producer waiting there for it (reproducible: a resumed run equals the uninterrupted
+    # one bit for bit)
     partial_swap_step: int = 0
     # placements (polyrl.run.placement, docs/distributed.md): "" = colocated (the default); "cuda:1,cuda:2" = one
     # rollout worker process per listed device (cpu may repeat: cpu,cpu = two CPU replicas), prompts split over them;
@@ -228,12 +230,11 @@ class OnlineConfig:
                 f"{name}.partial_rollouts continues rollouts across weight updates, which a synchronous run has "
                 f"none of: set {name}.max_staleness >= 1 (--max-staleness K) or drop --partial-rollouts"
             )
-        if self.async_producer != "thread":
+        if self.async_producer == "inline":
             raise ConfigError(
-                f'{name}.partial_rollouts is built for async_producer = "thread" (a background thread whose engine '
-                f"takes the new weights between decode steps); {self.async_producer!r} "
-                + ("has nothing in flight during an update" if self.async_producer == "inline" else "is not supported")
-                + f': set {name}.async_producer = "thread" (--async-producer thread)'
+                f'{name}.partial_rollouts is built for async_producer = "thread" or "process" (engines that take the '
+                'new weights between decode steps); "inline" has nothing in flight during an update: set '
+                f'{name}.async_producer = "thread" (--async-producer thread)'
             )
 
     def _check_teacher(self, name: str) -> None:

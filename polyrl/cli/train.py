@@ -307,9 +307,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--partial-rollouts",
         action="store_true",
         default=None,
-        help="async RL (--async-producer thread): a weight update lands between decode steps of the rollouts in "
-        "flight (with --env: of the episodes in flight), which go on with the new weights; every token records its "
-        "policy version",
+        help="async RL (--async-producer thread or process): a weight update lands between decode steps of the "
+        "rollouts in flight (each rollout worker's; with --env and the thread producer: of the episodes in flight), "
+        "which go on with the new weights; every token records its policy version",
     )
     g.add_argument(
         "--rollout-devices",

@@ -27,9 +27,10 @@ generated it, or with partial rollouts the OLDEST version among its tokens (``to
   until it is restarted (it rejoins at a ``sync``, with those weights) or, past ``rollout_worker_restarts``, for good.
   In an agentic run of an environment (``--env``) the workers run the episodes themselves (``polyrl.agents.remote``:
   the episode loop on each worker's engine, an environment pool per worker), the thread building the batch.
-- ``PartialRollouts`` (``partial_rollouts = true``, ``--partial-rollouts``; the thread producer only: inline has
-  nothing in flight during an update, and the process producer's workers (``rollout_workers``) have no step-boundary
-  hook, so both are refused with a ConfigError): ``weights_updated`` does NOT wait for the generation in flight nor
+- ``PartialRollouts`` (``partial_rollouts = true``, ``--partial-rollouts``; the thread producer: inline has nothing
+  in flight during an update (refused with a ConfigError), and the process producer has its own source with the same
+  semantics per worker, ``polyrl.run.worker_partial.WorkerPartialRollouts``, whose workers' engines take an update
+  between their decode steps): ``weights_updated`` does NOT wait for the generation in flight nor
   throw it away. The producer's engine is paused at a decode-step boundary (``LLM.generate``'s ``between_steps``,
   set on the policy; in an agentic run the episode loop of ``polyrl.agents.rollout`` calls the same hook between
   its engine steps, so an update lands while episodes are in flight and one turn may span two versions: each

@@ -12,7 +12,9 @@ runs FSDP's collectives on the default group, and two streams of collectives mus
 default group) in the trainer's thread at ``weights_updated`` once the producer is idle. After the gather every
 rank holds every sample of a batch and the same rewards, so the queue a checkpoint holds is the same on every rank
 (``queue_state`` checks this: a digest of each rank's queue is compared) and rank 0's copy resumes every rank. The
-``process`` producer (``rollout_workers``) and ``partial_rollouts`` are one-process only (ConfigError).
+``process`` producer (``rollout_workers``) and ``partial_rollouts`` are one-process only (ConfigError). One process,
+``partial_rollouts`` with the ``process`` producer: ``worker_partial.WorkerPartialRollouts`` (the workers' engines
+take an update between decode steps).
 
 Not here: the loop (``online``), the sources and the ``async/*`` metrics (``async_rollout``).
 """
@@ -30,6 +32,7 @@ from polyrl.models.lora import is_adapter_dir
 from polyrl.run.async_rollout import InlineRollouts, PartialRollouts, RolloutBatch, ThreadedRollouts
 from polyrl.run.offline import tokenizer_path
 from polyrl.run.placement import resolve_placement
+from polyrl.run.worker_partial import WorkerPartialRollouts
 from polyrl.train import parallel as par
 
 DEFAULT_ASYNC_IS_CAP = 2.0  # an async run's importance-weight cap when tis_cap is unset
@@ -107,8 +110,21 @@ class AsyncSteps:
                 seed=self.cfg.seed, max_restarts=self.a.rollout_worker_restarts,
                 reply_timeout_s=self.a.rollout_worker_timeout_s, balance=self.a.rollout_balance,
             )  # fmt: skip
-            self.policy.remote.push_weights(self.policy.model)  # version `start` (after a resume's load)
-        if getattr(self.a, "partial_rollouts", False):  # the thread's engine takes updates between decode steps
+            # version `start` (after a resume's load); with partial rollouts the workers stamp their tokens with it
+            partial = version if getattr(self.a, "partial_rollouts", False) else None
+            self.policy.remote.push_weights(self.policy.model, partial)
+        if getattr(self.a, "partial_rollouts", False) and self.policy.remote is not None:
+            # the workers take updates between their engines' decode steps (polyrl.run.worker_partial)
+            remote, policy = self.policy.remote, self.policy
+
+            def push(v: int, defer: bool) -> None:
+                policy.last_sync = remote.push_weights(policy.model, v, defer)
+
+            source = WorkerPartialRollouts(
+                produce, k, lambda: policy.sync_rollout_weights(remote=False), push, remote, policy.llm, version,
+                self.a.partial_swap_step,
+            )  # fmt: skip
+        elif getattr(self.a, "partial_rollouts", False):  # the thread's engine takes updates between decode steps
             swap = self.a.partial_swap_step
             source: InlineRollouts = PartialRollouts(
                 produce, k, self.policy.sync_rollout_weights, self.policy.llm, version, swap
@@ -181,7 +197,8 @@ class AsyncSteps:
         of this step's training (prepare + update): with the threaded producer, the next batch's generation
         overlaps the training."""
         src, t = self.source, self.t_start
-        extra = {"async/weight_swaps_total": float(src.swaps_total)} if isinstance(src, PartialRollouts) else {}
+        partial = isinstance(src, PartialRollouts | WorkerPartialRollouts)
+        extra = {"async/weight_swaps_total": float(src.swaps_total)} if partial else {}
         return {
             **extra,
             "async/stale_dropped_total": float(src.stale_dropped_total),

@@ -286,11 +286,13 @@ class ColocatedPolicy:
         return stats
 
     @torch.no_grad()
-    def sync_rollout_weights(self) -> None:
+    def sync_rollout_weights(self, remote: bool = True) -> None:
         """Copy the trained weights into a separate rollout copy (``separate_rollout``; the rollout engine must be
         idle) and reset its prefix cache; nothing to do when the rollout shares the trained tensors. Sharded
         (``separate_rollout`` under torchrun): the all-gather of the shards into the plain copy, a collective that
-        every rank calls in the same thread as its FSDP steps."""
+        every rank calls in the same thread as its FSDP steps. With rollout worker processes (``remote``) their
+        weights are pushed too, unless ``remote`` is False (partial rollouts push them on their own:
+        ``run.worker_partial``)."""
         if self.separate_rollout and self.sharded:
             t0 = time.perf_counter()
             par.sync_rollout_weights(self.model, self.rollout_net)
@@ -302,11 +304,14 @@ class ColocatedPolicy:
             if self._copy_sync is None:  # a LoRA model's base is frozen: its adapters alone (run.weight_sync)
                 lora = getattr(self.model, "lora_config", None) is not None
                 self._copy_sync = InProcessSync(self.model, self.rollout_net, lora_only=lora)
-            self.last_sync = self._copy_sync.sync()
+            stats = self._copy_sync.sync()
             self.llm.reset_prefix_cache()
-            if self.remote is not None:  # the worker replicas' sync is the step's weight_sync/*, this copy's aside
-                self.last_sync_local = self.last_sync
-                self.last_sync = self.remote.push_weights(self.model)
+            if self.remote is None:
+                self.last_sync = stats
+            else:  # the worker replicas' sync is the step's weight_sync/*, this copy's aside
+                self.last_sync_local = stats
+                if remote:
+                    self.last_sync = self.remote.push_weights(self.model)
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def save(

@@ -107,6 +107,7 @@ from polyrl.run.offline import (
 )
 from polyrl.run.prompt_order import PromptStream, rollout_seed
 from polyrl.run.rollout_log import RolloutLog, chosen, spread, token_strings
+from polyrl.run.worker_partial import WorkerPartialRollouts
 from polyrl.train import parallel as par
 
 
@@ -303,7 +304,7 @@ class OnlineRun(AsyncSteps, DataParallelSteps):
 
     def evaluate_before_train(self) -> dict[str, float]:
         """``train.eval_before_train``: the evaluation of the initial policy (logged as step 0)."""
-        if isinstance(self.source, PartialRollouts):
+        if isinstance(self.source, PartialRollouts | WorkerPartialRollouts):
             self.source.drain()  # the evaluation has the rollout engine to itself
         return self.evaluate()
 
@@ -534,7 +535,7 @@ class OnlineRun(AsyncSteps, DataParallelSteps):
         rec["epoch"] = self.data.epochs if batch is None else batch.epochs
         e = self.cfg.train.eval_every
         if self.eval_set is not None and ((step + 1) % e == 0 or step + 1 == self.steps):
-            if isinstance(self.source, PartialRollouts):
+            if isinstance(self.source, PartialRollouts | WorkerPartialRollouts):
                 # its weights_updated does not wait for the batches in flight: finish them first, so that the
                 # evaluation has the rollout engine (and an agentic run's environment pool) to itself
                 self.source.drain()

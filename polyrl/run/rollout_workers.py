@@ -67,9 +67,20 @@ gloo otherwise), so a dead replica breaks only its own groups and never stops th
   under the store prefixes ``ctl<name>`` (gloo: commands, jobs, outputs) and ``weights<name>`` (the broadcast). A
   restart builds new groups under the new incarnation's prefixes; the dead ones are kept (never used again), since
   tearing down a communicator whose peer died may block.
-- Control wire format: a header ``int64 [cmd, nbytes]`` then a pickled payload as ``uint8`` (``JOB``: prompts and
-  sampling parameters, ``CALL``: ``(fn, items, args)``; replies: outputs, or ``call``'s ``(results, meta)``); a
-  ``WEIGHTS`` header is followed by one ``BucketedBroadcast.sync`` on the replica's weights group.
+- Control wire format: a header ``int64 [cmd, nbytes]`` then a pickled payload as ``uint8`` (``JOB``: prompts,
+  sampling parameters and the partial-rollout ``(swap_step, takes)`` or None, ``CALL``: ``(fn, items, args)``;
+  replies: outputs (each sequence with its ``token_versions``), or ``call``'s ``(results, meta)``); a ``WEIGHTS``
+  header (no payload, or with partial rollouts ``(version, defer)``) is followed by one ``BucketedBroadcast.sync`` on
+  the replica's weights group. A worker reads its control group in a listener thread (``_Inbox``): jobs, calls and
+  EXIT queue in order for its serving loop, a ``WEIGHTS`` notice is kept aside and loaded by the idle loop before
+  any queued job or, with partial rollouts, between the engine's decode steps (``_PartialJob``).
+- Partial rollouts (``polyrl.run.worker_partial``, whose docstring gives the ordering): ``push_weights(model,
+  version, defer)`` while the producer's thread waits on a ``generate``: each replica loads the update at its next
+  decode-step boundary (or at once when idle), or with ``defer`` at engine step ``swap_step`` of the job that takes
+  it (``job_partial``: every live replica then gets that job, an empty share too); the outputs carry each token's
+  version. The two threads share this object: a lock serialises the drops, rejoins and the sends of jobs and
+  notices, and ``local_lock`` keeps the trainer's engine from being synced while it generates a dead replica's
+  share.
 
 Not built: recovering from a replica that dies or hangs in the middle of an NCCL broadcast (the trainer then waits
 for the group's timeout: the broadcast sits in the trainer's CUDA stream, a timed wait does not take it out, and
@@ -82,12 +93,14 @@ it is sent). Not here: the queue and staleness (``async_rollout``).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import logging
 import os
 import pickle
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -249,22 +262,134 @@ def _worker_main(port: int, name: str, spec: WorkerSpec, timeout_s: float) -> No
         ctx.close()
 
 
+class _Inbox:
+    """The worker's end of its control channel: a listener thread receives every message as soon as it is sent (so
+    the trainer's sends never wait for a busy engine) and hands it to the serving thread. Jobs, calls and EXIT queue
+    in order; a ``WEIGHTS`` notice is kept aside (``notice``: ``(version, defer)``, at most one pending, since the
+    trainer pushes one update at a time and waits for it), read by the idle loop and, with partial rollouts,
+    between the engine's decode steps (``_PartialJob``). The trainer's end closing (its process gone) reads as
+    EXIT."""
+
+    def __init__(self, pg: Any) -> None:
+        self.pg = pg
+        self.cv = threading.Condition()
+        self.queue: collections.deque[tuple[int, Any]] = collections.deque()
+        self.notice: tuple[int | None, bool] | None = None
+        self.closed = False
+        threading.Thread(target=self._listen, name="polyrl-worker-inbox", daemon=True).start()
+
+    def _listen(self) -> None:
+        try:
+            while True:
+                hdr = torch.zeros(2, dtype=torch.int64)
+                self.pg.recv([hdr], 0, _TAG_HDR).wait()
+                cmd, n = int(hdr[0]), int(hdr[1])
+                payload = None
+                if n:
+                    buf = torch.empty(n, dtype=torch.uint8)
+                    self.pg.recv([buf], 0, _TAG_DATA).wait()
+                    try:
+                        payload = pickle.loads(buf.numpy().tobytes())
+                    except Exception as exc:  # noqa: BLE001 - a call's function that does not import here
+                        payload = _raised(exc)
+                with self.cv:
+                    if cmd == WEIGHTS:  # plain (no version: no partial rollouts) or (version, defer)
+                        self.notice = payload if payload is not None else (None, False)
+                    else:
+                        self.queue.append((cmd, payload))
+                    self.closed = cmd == EXIT
+                    self.cv.notify_all()
+                if cmd == EXIT:
+                    return
+        except Exception:  # noqa: BLE001 - the trainer's end closed (or worse): the worker stops, seen as dead
+            with self.cv:
+                self.queue.append((EXIT, None))
+                self.closed = True
+                self.cv.notify_all()
+
+    def next(self) -> tuple[int, Any]:
+        """The idle loop's next message: an update to take now (``WEIGHTS``, its notice) before any queued job (a
+        restarted worker's first weights come before its first job), else the oldest queued message. A deferred
+        notice (``defer``: the job that takes it is not here yet) waits for that job."""
+        with self.cv:
+            while True:
+                if self.notice is not None and not self.notice[1]:
+                    notice, self.notice = self.notice, None
+                    return WEIGHTS, notice
+                if self.queue:
+                    return self.queue.popleft()
+                self.cv.wait()
+
+    def take(self, takes: int | None, wait: bool) -> int | None | bool:
+        """The pending update a job in flight may load now: one to take now, or (``takes``: the version this job
+        takes) that version or a newer one, deferred or not; with ``wait``, block until it comes (False: the
+        trainer's end closed meanwhile). ``False`` when there is none."""
+        with self.cv:
+            while True:
+                n = self.notice
+                if n is not None and (not n[1] or (takes is not None and n[0] is not None and n[0] >= takes)):
+                    self.notice = None
+                    return n[0]
+                if not wait or self.closed:
+                    return False
+                self.cv.wait()
+
+
+class _WorkerGone(Exception):
+    """The trainer's end closed while a job waited for an update: the worker stops."""
+
+
+class _PartialJob:
+    """A job's ``between_steps`` with partial rollouts (its ``(swap_step, takes)``): at each decode-step boundary an
+    update to take now is loaded (``LLM.swap_weights``: the sequences in flight go on, their KV kept); with
+    ``swap_step`` N > 0 the job takes version ``takes`` at its engine step N, waiting there for the notice, or after
+    its end when it is shorter (``finish``)."""
+
+    def __init__(self, inbox: _Inbox, llm: Any, sync: BucketedBroadcast, swap_step: int, takes: int | None) -> None:
+        self.inbox, self.llm, self.sync, self.swap_step, self.takes = inbox, llm, sync, swap_step, takes
+
+    def _owed(self) -> bool:
+        v = self.llm.policy_version
+        return self.swap_step > 0 and self.takes is not None and (v is None or v < self.takes)
+
+    def _load(self, version: int | None | bool) -> None:
+        if version is False:
+            raise _WorkerGone
+        self.llm.swap_weights(self.sync.sync, version if version is not None else self.llm.policy_version)
+
+    def __call__(self, llm: Any, steps: int) -> None:
+        if steps == self.swap_step and self._owed():
+            self._load(self.inbox.take(self.takes, wait=True))
+        else:  # an update to take at once (swap_step 0; a restarted worker's first weights come before its jobs)
+            version = self.inbox.take(None, wait=False)
+            if version is not False:
+                self._load(version)
+
+    def finish(self) -> None:
+        if self._owed():  # a job shorter than swap_step: takes its update after its end, before it replies
+            self._load(self.inbox.take(self.takes, wait=True))
+
+
 def _serve(pg: Any, llm: Any, sync: BucketedBroadcast, ctx: WorkerContext, delay_s: float) -> None:
-    """The worker's command loop (``_worker_main``) until EXIT."""
+    """The worker's command loop (``_worker_main``) until EXIT (or the trainer's end closing)."""
+    inbox = _Inbox(pg)
     while True:
-        hdr = torch.zeros(2, dtype=torch.int64)
-        pg.recv([hdr], 0, _TAG_HDR).wait()
-        cmd, n = int(hdr[0]), int(hdr[1])
+        cmd, payload = inbox.next()
         if cmd == EXIT:
             return
         if cmd == WEIGHTS:
-            sync.sync()
-            llm.reset_prefix_cache()
+            version = payload[0]
+            if version is None:
+                sync.sync()
+                llm.reset_prefix_cache()
+            else:  # partial rollouts: the engine stamps its tokens with the version of its weights
+                llm.swap_weights(sync.sync, version)
             continue
-        buf = torch.empty(n, dtype=torch.uint8)
-        pg.recv([buf], 0, _TAG_DATA).wait()
         if cmd == CALL:  # a general job (an agentic run's episode loop): fn(ctx, items, *args) -> (results, meta)
-            fn, items, args = pickle.loads(buf.numpy().tobytes())
+            if isinstance(payload, _Raised):  # its function did not unpickle here: the error goes back
+                _send_obj(pg, payload, 0)
+                continue
+            fn, items, args = payload
             try:
                 with torch.no_grad():
                     reply = fn(ctx, items, *args)
@@ -274,15 +399,21 @@ def _serve(pg: Any, llm: Any, sync: BucketedBroadcast, ctx: WorkerContext, delay
                 time.sleep(delay_s * len(items))
             _send_obj(pg, reply, 0)
             continue
-        ids, plist = pickle.loads(buf.numpy().tobytes())
-        with torch.no_grad():
-            outs = llm.generate(ids, plist)
+        ids, plist, partial = payload
+        hook = _PartialJob(inbox, llm, sync, *partial) if partial is not None else None
+        try:
+            with torch.no_grad():
+                outs = llm.generate(ids, plist, between_steps=hook) if ids else []
+                if hook is not None:
+                    hook.finish()
+        except _WorkerGone:
+            return
         if delay_s:
             time.sleep(delay_s * len(ids))
         reply = [
             (list(o.prompt_token_ids), [
                 (c.index, list(c.token_ids), list(c.logprobs), c.finish_reason, c.text,
-                 getattr(c, "masked_logmass", None))
+                 getattr(c, "masked_logmass", None), c.token_versions)
                 for c in o.outputs
             ])
             for o in outs
@@ -292,7 +423,8 @@ def _serve(pg: Any, llm: Any, sync: BucketedBroadcast, ctx: WorkerContext, delay
 
 class RolloutWorkers:
     """Rollout engines in worker processes, one per device of ``devices``, restarted when they die (see the module
-    docstring). Driven from one thread at a time (the async producer's, and the trainer's between its batches)."""
+    docstring). Driven from one thread at a time (the async producer's, and the trainer's between its batches), but
+    for partial rollouts, where the trainer's thread pushes weights while the producer's waits on a ``generate``."""
 
     def __init__(
         self,
@@ -352,6 +484,14 @@ class RolloutWorkers:
         self.restarts = 0
         self.last_sync = SyncStats()
         self.last_sync_s = 0.0
+        # partial rollouts: the producer thread dispatches jobs while the trainer's thread pushes an update, so the
+        # replicas' bookkeeping (drops, rejoins) and the sends of jobs and notices are serialised by this lock;
+        # ``local_lock`` is held around the trainer's own engine generating a dead replica's share (its weights are
+        # copied only outside it); ``job_partial`` is the ``(swap_step, takes)`` the producer's next jobs carry
+        self._lock = threading.RLock()
+        self.local_lock = threading.Lock()
+        self.job_partial: tuple[int, int | None] | None = None
+        self.closing = False  # close() has begun: a replica lost now is not restarted nor its share made locally
         for w in range(num_workers):
             self._spawn(w)
         deadline = time.monotonic() + self.timeout_s
@@ -404,11 +544,21 @@ class RolloutWorkers:
         self.starting.discard(w)
         self.alive[w] = True
 
-    def _drop(self, w: int, why: str = "its connection failed") -> None:
+    def _drop(
+        self, w: int, why: str = "its connection failed", starting: bool = False, incarnation: int | None = None
+    ) -> None:
         """Replica ``w`` died (or is unusable): count it, kill what is left of its process, and restart it while
-        it has restarts left (it rejoins at a later ``push_weights``), else drop it for good."""
-        if not self.alive[w] and w not in self.starting:
-            return
+        it has restarts left (it rejoins at a later ``push_weights``), else drop it for good. A failed transfer
+        drops a live replica only (``starting``: one still loading too, for a process found dead), and with
+        ``incarnation`` only that incarnation: with partial rollouts two threads may see one replica fail (the
+        producer's job, the trainer's push), and the second must not drop the restarted one."""
+        with self._lock:
+            if incarnation is not None and incarnation != self.incarnation[w]:
+                return
+            if self.alive[w] or (starting and w in self.starting):
+                self._drop_locked(w, why)
+
+    def _drop_locked(self, w: int, why: str) -> None:
         self.alive[w] = False
         self.starting.discard(w)
         self.failures += 1
@@ -421,6 +571,8 @@ class RolloutWorkers:
             proc.join(timeout=30)
         dev = self.specs[w].device
         self.speeds.reset(w)  # a new process (or none): measured afresh, the others' mean until then
+        if self.closing:
+            return
         if self.incarnation[w] < self.max_restarts:
             self.incarnation[w] += 1
             self.restarts += 1
@@ -439,7 +591,7 @@ class RolloutWorkers:
         """Find the replicas (live or restarting) whose process has exited, and restart or drop them."""
         for w, proc in enumerate(self.procs):
             if (self.alive[w] or w in self.starting) and not proc.is_alive():
-                self._drop(w, f"its process exited with code {proc.exitcode}")
+                self._drop(w, f"its process exited with code {proc.exitcode}", starting=True)
 
     def wait_for_restarts(self, timeout_s: float | None = None) -> bool:
         """Block until every restarting replica has loaded its model (it then rejoins at the next
@@ -461,7 +613,7 @@ class RolloutWorkers:
                 try:
                     self._connect(w)
                 except RuntimeError as exc:  # its worker died between "ready" and connecting
-                    self._drop(w, f"connecting it failed: {exc}")
+                    self._drop(w, f"connecting it failed: {exc}", starting=True)
                     continue
                 joined.append(w)
         return joined
@@ -527,16 +679,28 @@ class RolloutWorkers:
         return sync
 
     @torch.no_grad()
-    def push_weights(self, model: nn.Module) -> SyncStats:
+    def push_weights(self, model: nn.Module, version: int | None = None, defer: bool = False) -> SyncStats:
         """Sync ``model``'s weights into every live replica (``weight_sync.BucketedBroadcast`` on its pair group;
         several replicas at the same time, one thread each), restarted replicas that are ready rejoining first; the
-        stats with the bytes summed over replicas."""
+        stats with the bytes summed over replicas. Partial rollouts: ``version`` is the policy version the replicas'
+        engines stamp their tokens with from then on; each replica loads it at its next decode-step boundary when
+        generating (or at once when idle), or with ``defer`` at engine step ``swap_step`` of the job that takes it
+        (``job_partial``; a replica that rejoins now loads it at once). Returns once every replica loaded it (or
+        was dropped)."""
         t0 = time.perf_counter()
-        self.check()
-        joined = self._rejoin()
-        told = [w for w in range(len(self.procs)) if self._send(torch.tensor([WEIGHTS, 0], dtype=torch.int64), w,
-                                                                   _TAG_HDR)]  # fmt: skip
+        with self._lock:  # no job goes out between a rejoin and its first weights' notice
+            self.check()
+            joined = self._rejoin()
+            told = []
+            for w in range(len(self.procs)):
+                if version is None:
+                    sent = self._send(torch.tensor([WEIGHTS, 0], dtype=torch.int64), w, _TAG_HDR)
+                else:
+                    sent = self._send_job(w, WEIGHTS, (version, defer and w not in joined))
+                if sent:
+                    told.append(w)
         syncs = {w: self._sync_of(w, model) for w in told}
+        incarnation = {w: self.incarnation[w] for w in told}
         here = torch.device(self.specs[0].trainer_device)
 
         def one(w: int) -> SyncStats | str:
@@ -561,7 +725,7 @@ class RolloutWorkers:
         total = SyncStats()
         for w, st in results.items():
             if isinstance(st, str):
-                self._drop(w, st)
+                self._drop(w, st, incarnation=incarnation[w])
             else:
                 total = total + st
                 if w in joined:
@@ -660,6 +824,7 @@ class RolloutWorkers:
         costs: Sequence[float],
         job: Callable[[list[int]], tuple[int, Any]],
         on_reply: Callable[[int, list[int], Any], None],
+        send_empty: bool = False,
     ) -> list[int]:
         """Split the items of ``costs`` over the live replicas (``split_costs``), send each its share's job
         (``job(share) -> (cmd, payload)``), and hand each reply to ``on_reply(replica, share, reply)`` in the order
@@ -667,13 +832,16 @@ class RolloutWorkers:
         missed ``reply_timeout_s`` in the call (dropped: restarted or gone), and all of them when none is live. Each
         reply updates its replica's speed (its share's estimated work over the time from its job's send to its
         reply's arrival)."""
-        live = [w for w in range(len(self.procs)) if self.alive[w]]
-        share = dict(zip(live, self.split_costs(costs, live)))
-        work = {w: sum(costs[i] for i in s) for w, s in share.items()}
-        sent_at: dict[int, float] = {}
-        for w in live:
-            if share[w] and self._send_job(w, *job(share[w])):
-                sent_at[w] = time.monotonic()
+        empty = send_empty and self.job_partial is not None and self.job_partial[1] is not None
+        with self._lock:  # partial rollouts: not while the trainer's thread rejoins replicas or sends a notice
+            live = [w for w in range(len(self.procs)) if self.alive[w]]
+            share = dict(zip(live, self.split_costs(costs, live)))
+            work = {w: sum(costs[i] for i in s) for w, s in share.items()}
+            sent_at: dict[int, float] = {}
+            for w in live:
+                # an empty share too when the job takes an update (every replica must reach its swap step or end)
+                if (share[w] or empty) and self._send_job(w, *job(share[w])):
+                    sent_at[w] = time.monotonic()
         covered = [False] * len(costs)
         deadline = self._deadline()  # every share generates at the same time: one reply deadline for all
         # every reply header's receive posted now, so a reply is seen (and timed) when it arrives
@@ -712,7 +880,7 @@ class RolloutWorkers:
                     prompt_token_ids=prompt,
                     outputs=[
                         SimpleNamespace(index=c[0], token_ids=c[1], logprobs=c[2], finish_reason=c[3], text=c[4],
-                                        masked_logmass=c[5])
+                                        masked_logmass=c[5], token_versions=c[6])
                         for c in comps
                     ],
                 )  # fmt: skip
@@ -721,12 +889,16 @@ class RolloutWorkers:
                         on_finish(i, c.index, c)
 
         costs = [prompt_cost(len(p), sp) for p, sp in zip(ids, params)]
-        job = lambda s: (JOB, ([ids[i] for i in s], [params[i] for i in s]))  # noqa: E731
-        missing = self._scatter(costs, job, got)
+        partial = self.job_partial
+        job = lambda s: (JOB, ([ids[i] for i in s], [params[i] for i in s], partial))  # noqa: E731
+        missing = self._scatter(costs, job, got, send_empty=True)
+        if missing and self.closing:
+            raise RuntimeError("the rollout workers were closed while they generated")
         if missing:  # a dead worker's prompts (or no worker left): the trainer's own engine
             kw = {"on_finish": lambda k, j, c: on_finish(missing[k], j, c)} if on_finish is not None else {}
-            for i, o in zip(missing, local([ids[i] for i in missing], [params[i] for i in missing], **kw)):
-                outs[i] = o
+            with self.local_lock:
+                for i, o in zip(missing, local([ids[i] for i in missing], [params[i] for i in missing], **kw)):
+                    outs[i] = o
         return outs
 
     def call(
@@ -781,7 +953,10 @@ class RolloutWorkers:
         return rec
 
     def close(self) -> None:
-        """Stop the live workers (EXIT), kill the ones still starting, and wait for every process."""
+        """Stop the live workers (EXIT), kill the ones still starting, and wait for every process. A job in flight
+        (another thread waiting for its reply) then fails: its replica is not restarted, its share not generated
+        locally."""
+        self.closing = True
         for w, proc in enumerate(self.procs):
             if proc is None:
                 continue

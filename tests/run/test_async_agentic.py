@@ -10,7 +10,7 @@ engine's version at the swap and against a recompute under each version's weight
 than K. The process producer: environment episodes in 2 rollout worker processes, each replica's episodes those of
 the episode loop on its share, the same episodes as the thread run (log-probs to float rounding), a dead replica's
 share run by the trainer, the staleness bound. Refused at config time: the process producer and partial rollouts for
-an agent program through the proxy."""
+an agent program through the proxy, and partial rollouts of environment episodes in the process producer's workers."""
 
 from __future__ import annotations
 
@@ -245,13 +245,13 @@ def test_agentic_producers_refused_at_config_time(tiny_model_dir, tmp_path):
     raw["agent"] = {"agent": "my_agent.py:agent", "max_turns": 2, "max_episode_tokens": 200}
     with pytest.raises(ConfigError, match='async_producer = "process" runs environment episodes .* not agent progr'):
         run(raw)
-    # partial rollouts: environment episodes only (the proxy's engine thread takes no update mid-episode); with the
-    # process producer they are refused by the algorithm's table already
+    # partial rollouts: environment episodes with the thread producer only (the proxy's engine thread takes no update
+    # mid-episode; the process producer's workers take updates in single-turn runs only)
     raw = _agentic(tiny_model_dir, tmp_path / "q", max_staleness=1, async_producer="thread", partial_rollouts=True)
     raw["agent"] = {"agent": "my_agent.py:agent", "max_turns": 2, "max_episode_tokens": 200}
     with pytest.raises(ConfigError, match="partial_rollouts reaches environment episodes .* not agent programs"):
         run(raw)
-    with pytest.raises(ConfigError, match='partial_rollouts is built for async_producer = "thread"'):
+    with pytest.raises(ConfigError, match='partial_rollouts with async_producer = "process" is built for single-t'):
         run(_agentic(tiny_model_dir, tmp_path / "r", max_staleness=1, async_producer="process", partial_rollouts=True))
     # synchronous runs are not checked for producers; environment episodes take the process producer
     from polyrl.agents.config import AgentConfig
