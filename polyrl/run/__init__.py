@@ -1,8 +1,9 @@
 """polyrl.run: the run machinery that trains a registered algorithm end to end — the typed ``RunConfig`` (TOML +
 overrides, ``config``), the loops (``offline``: packed data and one loss; ``online``: rollout, rewards, advantages;
 ``actor_critic``: online with a critic), the colocated policy they roll out with (``colocated``), data-parallel
-steps (``data_parallel``), asynchronous RL (``async_rollout``, ``async_steps``), held-out evaluation
-(``evaluate``) and the episode-producer registry (``episodes``) that ``polyrl.agents`` plugs into.
+steps (``data_parallel``), asynchronous RL (``async_rollout``, ``async_steps``; rollout worker processes:
+``rollout_workers``, ``rollout_worker_process``, ``worker_partial``, ``replica_balance``, ``weight_sync``),
+held-out evaluation (``evaluate``) and the episode-producer registry (``episodes``) that ``polyrl.agents`` plugs into.
 ``polyrl.trainer`` and the CLI build on it; ``polyrl.algorithms`` never imports it.
 
 ``run(cfg)`` picks the loop the algorithm names (``AlgorithmSpec.loop``) from ``LOOPS``.

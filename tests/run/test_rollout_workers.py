@@ -239,7 +239,8 @@ def test_a_replica_that_hangs_during_a_weight_push_is_dropped_at_the_deadline(ti
     the push's broadcast to it stops at bucket 1, 2 or 3 of the tiny model's 9 (buckets of 0.05 MiB):
     ``push_weights`` returns after about ``reply_timeout_s``, not the groups' 120 s, with replica 1 synced; replica 0
     is counted, killed and restarted, and the next push gives it the current weights."""
-    from polyrl.run.rollout_workers import _TAG_HDR, WEIGHTS, RolloutWorkers
+    from polyrl.run.rollout_worker_process import TAG_HDR, WEIGHTS
+    from polyrl.run.rollout_workers import RolloutWorkers
 
     cfg, model, llm, ids, params = setup
     deadline_s, healthy_s = 4.0, 90.0
@@ -275,7 +276,7 @@ def test_a_replica_that_hangs_during_a_weight_push_is_dropped_at_the_deadline(ti
 
         def stop_after_the_weights_header(t, w, tag):
             ok = send(t, w, tag)
-            if ok and w == 0 and tag == _TAG_HDR and int(t[0]) == WEIGHTS:
+            if ok and w == 0 and tag == TAG_HDR and int(t[0]) == WEIGHTS:
                 os.kill(hung.pid, signal.SIGSTOP)
             return ok
 
