@@ -283,7 +283,24 @@ class ThreadedRollouts(InlineRollouts):
         super().close()
 
 
-class PartialRollouts(ThreadedRollouts):
+class SwapCount:
+    """The ``swaps_total`` counter of a partial-rollout source (``async/weight_swaps_total``), kept in its checkpointed
+    state next to the queue (mixed in before ``ThreadedRollouts``, whose ``state_dict`` drains first: the batches in
+    flight finish, on the newest weights)."""
+
+    swaps_total: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()  # type: ignore[misc]
+        state["swaps_total"] = self.swaps_total
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)  # type: ignore[misc]
+        self.swaps_total = int(state.get("swaps_total", 0))
+
+
+class PartialRollouts(SwapCount, ThreadedRollouts):
     """The threaded producer with partial rollouts (see the module docstring): ``weights_updated`` does not wait for
     the generation in flight; the producer's engine takes the new weights at a decode-step boundary
     (``LLM.swap_weights``, called from ``between_steps``, which the policy hands to its engine's ``generate``) and
@@ -412,15 +429,6 @@ class PartialRollouts(ThreadedRollouts):
         self.sync_s = time.perf_counter() - t0
         self.version = version
 
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()  # drains: the batches in flight finish (on the newest weights)
-        state["swaps_total"] = self.swaps_total
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.swaps_total = int(state.get("swaps_total", 0))
-
     def close(self) -> None:
         with self._cv:
             self._closed = True  # a producer waiting for an update that will not come goes on
@@ -497,6 +505,7 @@ __all__ = [
     "Producer",
     "RolloutBatch",
     "RolloutSource",
+    "SwapCount",
     "ThreadedRollouts",
     "staleness_metrics",
 ]

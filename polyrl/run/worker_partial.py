@@ -63,10 +63,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from polyrl.run.async_rollout import PartialRollouts, Producer, RolloutBatch, ThreadedRollouts
+from polyrl.run.async_rollout import PartialRollouts, Producer, RolloutBatch, SwapCount, ThreadedRollouts
 
 
-class WorkerPartialRollouts(ThreadedRollouts):
+class WorkerPartialRollouts(SwapCount, ThreadedRollouts):
     """The process producer's source with partial rollouts (see the module docstring). ``sync``: copies the
     trainer's weights into its own rollout engine ``engine`` (the fallback for a dead replica's share); ``push(
     version, defer)``: ``RolloutWorkers.push_weights`` of the trainer's model; ``remote``: the ``RolloutWorkers``."""
@@ -138,15 +138,6 @@ class WorkerPartialRollouts(ThreadedRollouts):
         self.swaps_total += int(in_flight)
         self.sync_s = time.perf_counter() - t0
         self.version = version
-
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()  # drains: the batches in flight finish (on the newest weights)
-        state["swaps_total"] = self.swaps_total
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.swaps_total = int(state.get("swaps_total", 0))
 
     def close(self) -> None:
         with self._cv:
