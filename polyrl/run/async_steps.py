@@ -12,7 +12,9 @@ runs FSDP's collectives on the default group, and two streams of collectives mus
 default group) in the trainer's thread at ``weights_updated`` once the producer is idle. After the gather every
 rank holds every sample of a batch and the same rewards, so the queue a checkpoint holds is the same on every rank
 (``queue_state`` checks this: a digest of each rank's queue is compared) and rank 0's copy resumes every rank. The
-``process`` producer (``rollout_workers``) and ``partial_rollouts`` are one-process only (ConfigError).
+``process`` producer (``rollout_workers``) and ``partial_rollouts`` are one-process only (ConfigError). Agentic runs
+of an environment (``--env``) take the same two producers: the produce function is then the episode loop on each
+rank's share of the prompts, its gather of the episodes on the producer's group (``polyrl.agents.train``).
 
 Not here: the loop (``online``), the sources and the ``async/*`` metrics (``async_rollout``).
 """
