@@ -27,16 +27,17 @@ Each batch carries its transcripts (``batch_state``), checkpointed with the queu
 partial rollouts (``partial_rollouts``, thread producer, ``--env`` episodes) the episode loop calls the policy's
 ``between_steps`` at engine-step boundaries, so a weight update lands while episodes are in flight; each episode
 records the policy version of every token (``Episode.versions`` -> ``Sample.token_versions``).
-Under torchrun (``--nproc-per-node N``, environment episodes): each rank runs the episodes of its share of a call's
-prompt examples (``data_parallel_episodes``: examples r, r + N, ..., each with its own seed, so the episodes are
-those of one process) on its own rollout engine with its own environment pool; the episodes (ids, masks, log-probs,
-versions, rewards, transcripts) and each pool's failure counts are gathered, so every rank holds the whole batch, the
-same metrics and the same failure totals, and training goes on as for single completions (``polyrl.run.online``):
-the same advantages on every rank, each training its strided share; rank 0 logs and writes rollouts.jsonl. The
-evaluation's episodes are split the same way. Synchronous, and async with the inline or thread producer (the gather
-then runs on the producer's gloo group, ``polyrl.run.async_steps``); the process producer and partial rollouts are
-one-process (as for single completions), and so are agent programs through the proxy (``--agent``: ConfigError,
-before the model loads). Not here: the episode loop (``rollout``), the loss and advantages (``polyrl.algorithms``).
+Under torchrun (``--nproc-per-node N``): each rank runs the episodes of its share of a call's prompt examples
+(``data_parallel_episodes``: examples r, r + N, ..., each with its own seed, so the episodes are those of one
+process) on its own rollout engine, with its own environment pool (``--env``) or its own agent proxy serving that
+engine (``--agent``: the agent runs of its share, each rank's proxy on a port of its own); the episodes (ids, masks,
+log-probs, versions, rewards, transcripts) and each rank's failure counts are gathered, so every rank holds the whole
+batch, the same metrics and the same failure totals, and training goes on as for single completions
+(``polyrl.run.online``): the same advantages on every rank, each training its strided share; rank 0 logs and writes
+rollouts.jsonl. The evaluation's episodes are split the same way. Synchronous, and async with the inline or thread
+producer (the gather then runs on the producer's gloo group, ``polyrl.run.async_steps``); the process producer and
+partial rollouts are one-process, as for single completions.
+Not here: the episode loop (``rollout``), the loss and advantages (``polyrl.algorithms``).
 """
 
 from __future__ import annotations
@@ -136,16 +137,6 @@ class EpisodeSteps:
             f"{ag.max_episode_tokens} tokens per episode"
         )
 
-    def _check_async(self) -> int:
-        # called by OnlineRun.__init__ before the model loads: refuse what torchrun cannot run, cheaply
-        if self.world.distributed and self.cfg.episodes.agent is not None:
-            raise ConfigError(
-                "agent programs through the proxy (agent.agent, --agent) run in one process: the proxy serves one "
-                "trainer's engine; under torchrun (--nproc-per-node) run an environment (agent.env, --env), or "
-                "drop --nproc-per-node"
-            )
-        return super()._check_async()
-
     def _check_turn_format(self) -> None:
         """The environment's / the run's turn format with the environment's tools compiles (a UserError now, not at
         the first rollout)."""
@@ -173,6 +164,14 @@ class EpisodeSteps:
             max_episode_tokens=ag.max_episode_tokens,
         ).start(drive=False)
 
+    def _failure_counts(self) -> dict[str, int]:
+        """The live dict of this process's failure counts: the environment pool's, or the agent runs' (proxy)."""
+        if self.proxy is not None:
+            if not hasattr(self, "_agent_totals"):
+                self._agent_totals = {}
+            return self._agent_totals
+        return self.env_pool.totals
+
     @property
     def failure_totals(self) -> dict[str, int]:
         if self.proxy is not None:
@@ -191,15 +190,16 @@ class EpisodeSteps:
 
     def data_parallel_episodes(self, examples: list[dict], n: int, sampling: Any, seeds: list[int] | None) -> list[Any]:
         """Under torchrun: this rank runs the ``n`` episodes of examples ``rank, rank + W, ...`` on its own engine
-        with its own environment pool, each example with its own seed (``seeds[g]``, then ``turn_seed`` per episode
-        and turn), so the episodes are those one process runs; then every rank's episodes (token ids, masks,
-        log-probs, versions, rewards, transcripts) and the failure counts of its pool in this call are gathered on
-        this thread's group (the producer's in an async run, ``collectives_on``). Every rank returns every episode
-        in ``(group, index)`` order, ``group`` the example's index in this call, and adds the other ranks' failures
-        to its pool's ``totals``, so the totals are the same on every rank. A rank whose share fails still joins
-        the gather, and then every rank raises (no rank left waiting)."""
+        with its own environment pool (or its own agent proxy), each example with its own seed (``seeds[g]``, then
+        one per episode and turn or call), so the episodes are those one process runs; then every rank's episodes
+        (token ids, masks, log-probs, versions, rewards, transcripts; an agent run's segments in their order) and
+        its failure counts of this call are gathered on this thread's group (the producer's in an async run,
+        ``collectives_on``). Every rank returns every episode in ``(group, index)`` order, ``group`` the example's
+        index in this call, and adds the other ranks' failures to its own counts, so the totals are the same on
+        every rank. A rank whose share fails still joins the gather, and then every rank raises (no rank left
+        waiting)."""
         mine = par.shard_indices(len(examples), self.world)
-        totals = self.env_pool.totals
+        totals = self._failure_counts()
         before = dict(totals)
         eps, failure = [], None
         try:
@@ -210,7 +210,7 @@ class EpisodeSteps:
             failure = exc
         for e in eps:
             e.group = mine[e.group]  # its index in this rank's share -> its example's index in the call
-        counts = {k: v - before.get(k, 0) for k, v in totals.items() if v != before.get(k, 0)}
+        counts = {k: v - before.get(k, 0) for k, v in totals.items()}
         error = None if failure is None else f"{type(failure).__name__}: {failure}"
         parts = self.world.all_gather_object((eps, counts, error))
         if failure is not None:
@@ -243,10 +243,9 @@ class EpisodeSteps:
                     self.agent_fn, examples, n, seeds, self.cfg.episodes.env_timeout, self.a.failure_reward,
                     keep_empty=True,
                 )  # fmt: skip
-            totals = getattr(self, "_agent_totals", {})
+            totals = self._failure_counts()
             for k, v in self.proxy.failures.items():
                 totals[k] = totals.get(k, 0) + v
-            self._agent_totals = totals
             return eps
 
     def collect(self, step: int) -> tuple[list[Any], list[float], dict[str, float]]:

@@ -13,7 +13,7 @@ default group) in the trainer's thread at ``weights_updated`` once the producer 
 rank holds every sample of a batch and the same rewards, so the queue a checkpoint holds is the same on every rank
 (``queue_state`` checks this: a digest of each rank's queue is compared) and rank 0's copy resumes every rank. The
 ``process`` producer (``rollout_workers``) and ``partial_rollouts`` are one-process only (ConfigError). Agentic runs
-of an environment (``--env``) take the same two producers: the produce function is then the episode loop on each
+(``--env``, ``--agent``) take the same two producers: the produce function is then the episode loop on each
 rank's share of the prompts, its gather of the episodes on the producer's group (``polyrl.agents.train``).
 
 Not here: the loop (``online``), the sources and the ``async/*`` metrics (``async_rollout``).

@@ -49,8 +49,8 @@ mini-batches and trains on its strided share of each mini-batch (padded with zer
 joins every FSDP collective), normalised by the global token count; metrics are reduced over ranks; rank 0 logs;
 checkpoints (sharded, or replicated for LoRA) resume at any world size. Async RL there: the ``inline`` and
 ``thread`` producers, each rank generating its share; the producer's collectives on a gloo group of their own, the
-thread's weight copy all-gathered in the trainer's thread at ``weights_updated`` (``async_steps``). Agentic runs of an
-environment (``--env``) too: each rank runs the episodes of its share of the prompts and every rank gets every
+thread's weight copy all-gathered in the trainer's thread at ``weights_updated`` (``async_steps``). Agentic runs
+(``--env``, ``--agent``) too: each rank runs the episodes of its share of the prompts and every rank gets every
 episode (``polyrl.agents.train``); ``save_rollouts`` gathers the trainer's log-probs of the saved samples to rank 0.
 
 ``hooks`` (e.g. ``grpo.GroupRelative``) provide ``needs_reference``, ``advantages(rewards, groups) -> (adv, keep,

@@ -1,6 +1,6 @@
-"""Agentic RL (``--env`` episodes) under torchrun: 2 gloo ranks, FSDP2, each rank running the episodes of its share
-of the prompts with its own environment pool (a worker process per rank; in the async runs, in the rank's process),
-in ONE spawn of two processes running six runs in turn (``dist_async_worker``), plus one one-process run here. The
+"""Agentic RL under torchrun: 2 gloo ranks, FSDP2, each rank running the episodes of its share of the prompts with its
+own environment pool (a worker process per rank; in the async runs, in the rank's process) or its own agent proxy,
+in ONE spawn of two processes running six runs in turn (``dist_async_worker``), plus two one-process runs here. The
 environment is a multi-turn one with a dense reward (the digits of each reply, so that every step has non-zero
 advantages and losses; the builtin ``guessing`` game rewards a random tiny model at step 1 only) that raises on the
 second turn of an example whose answer is divisible by 3 (failures counted on whichever rank ran the episode). GRPO,
@@ -17,7 +17,9 @@ steps, a checkpoint every 2.
   background thread) equals the inline producer bit for bit (every metric but the clocks, the rows, the final
   weights), trains staleness 0, 1, 1, 1 and generates batch s+1 while step s trains; resumed from its step-2
   checkpoint (its queue: batch 3, episodes and transcripts, the same on both ranks) it equals the uninterrupted run;
-- an agent program through the proxy (``--agent``) is refused under torchrun with a ConfigError.
+- an agent program through the proxy (``--agent``, 2 steps, failing on the same examples): a proxy per rank serving
+  that rank's engine gives the one-process agent runs (rewards, turns, failures, the greedy and sampled evaluation)
+  exactly, the losses within fp32 noise.
 """
 
 from __future__ import annotations
@@ -66,6 +68,24 @@ def _raw(model_dir, out, env, env_workers=1, **kw):
     return raw
 
 
+AGENT_FILE = """
+import openai
+
+
+def agent(base_url, example):
+    client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": example["prompt"]}]
+    text = ""
+    for _ in range(2):
+        r = client.chat.completions.create(model="policy", messages=messages, max_tokens=99)
+        text += r.choices[0].message.content or ""
+        messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+    if int(float(example["answer"])) % 3 == 0:
+        raise RuntimeError("this agent fails when the answer is divisible by 3")
+    return sum(ch.isdigit() for ch in text) / max(len(text), 1)
+"""
+
+
 def _rows(out):
     return [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
 
@@ -91,7 +111,7 @@ def _plain(rec):
 MODEL_SIDE = ("loss", "grad_norm", "mismatch", "entropy", "ratio", "kl", "is_weight", "clip")
 
 
-def test_two_rank_agentic_sync_resume_async_and_refusal(tiny_model_dir, tmp_path):
+def test_two_rank_agentic_runs_equal_one_process_resume_and_run_async(tiny_model_dir, tmp_path):
     env_file = tmp_path / "flaky_digits_env.py"
     env_file.write_text(FLAKY_DIGITS_ENV)
     env = f"{env_file}:FlakyDigitsEnv"
@@ -103,10 +123,11 @@ def test_two_rank_agentic_sync_resume_async_and_refusal(tiny_model_dir, tmp_path
     thread = _raw(tiny_model_dir, tmp_path / "thread", env, 0, max_staleness=1, async_producer="thread")
     thread_resumed = _raw(tiny_model_dir, tmp_path / "thread_resumed", env, 0, max_staleness=1, async_producer="thread")
     thread_resumed["resume"] = str(tmp_path / "thread" / "checkpoints" / "step-00000002")
-    proxy = _raw(tiny_model_dir, tmp_path / "proxy", env)
-    proxy["agent"] = {"agent": str(tmp_path / "agent.py") + ":run", "max_turns": 2, "max_episode_tokens": 200}
-    runs = [{"raw": r} for r in (sync, resumed, inline, thread, thread_resumed)]
-    runs.append({"raw": proxy, "expect_error": True})
+    (tmp_path / "my_agent.py").write_text(AGENT_FILE)
+    proxy = _raw(tiny_model_dir, tmp_path / "proxy", env, rollouts_to_save=0)
+    proxy["agent"] = {"agent": f"{tmp_path / 'my_agent.py'}:agent", "max_turns": 2, "max_episode_tokens": 200}
+    proxy["train"]["max_steps"] = 2
+    runs = [{"raw": r} for r in (sync, resumed, inline, thread, thread_resumed, proxy)]
     ports: list[int] = []
     while len(ports) < len(runs):
         p = free_port()
@@ -175,6 +196,14 @@ def test_two_rank_agentic_sync_resume_async_and_refusal(tiny_model_dir, tmp_path
     assert [r for r in _rows(tmp_path / "thread") if r["step"] > 2] == _rows(tmp_path / "thread_resumed")
     assert _weights_hash(tmp_path / "thread_resumed") == _weights_hash(tmp_path / "thread")
 
-    # (4) agent programs through the proxy stay one-process
-    msg = (tmp_path / "proxy" / "error.txt").read_text()
-    assert "--agent" in msg and "--nproc-per-node" in msg and "--env" in msg
+    # (4) agent programs through the proxy: a proxy per rank, serving that rank's engine; the agent runs (their
+    # segments, rewards, the failures of rank 0's and rank 1's runs) are one process's
+    proxy_one = json.loads(json.dumps(proxy))
+    proxy_one["out"] = str(tmp_path / "proxy_one")
+    run(proxy_one)
+    p1, p2 = records(tmp_path / "proxy_one"), records(tmp_path / "proxy")
+    assert [r["step"] for r in p2] == [1, 2] and "eval_sampled_reward" in p2[1]
+    assert [without_clocks(r, MODEL_SIDE) for r in p2] == [without_clocks(r, MODEL_SIDE) for r in p1]
+    assert p2[-1]["env_failures_total"] > 0 and all(r["episode/turns"] == 2.0 for r in p2)
+    for a, b in zip(p1, p2):
+        assert b["loss"] == pytest.approx(a["loss"], rel=TOL, abs=TOL)
