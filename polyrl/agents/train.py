@@ -27,7 +27,17 @@ Each batch carries its transcripts (``batch_state``), checkpointed with the queu
 partial rollouts (``partial_rollouts``, thread producer, ``--env`` episodes) the episode loop calls the policy's
 ``between_steps`` at engine-step boundaries, so a weight update lands while episodes are in flight; each episode
 records the policy version of every token (``Episode.versions`` -> ``Sample.token_versions``).
-Not here: the episode loop (``rollout``), the loss and advantages (``polyrl.algorithms``). One trainer process only.
+Under torchrun (``--nproc-per-node N``): each rank runs the episodes of its share of a call's prompt examples
+(``data_parallel_episodes``: examples r, r + N, ..., each with its own seed, so the episodes are those of one
+process) on its own rollout engine, with its own environment pool (``--env``) or its own agent proxy serving that
+engine (``--agent``: the agent runs of its share, each rank's proxy on a port of its own); the episodes (ids, masks,
+log-probs, versions, rewards, transcripts) and each rank's failure counts are gathered, so every rank holds the whole
+batch, the same metrics and the same failure totals, and training goes on as for single completions
+(``polyrl.run.online``): the same advantages on every rank, each training its strided share; rank 0 logs and writes
+rollouts.jsonl. The evaluation's episodes are split the same way. Synchronous, and async with the inline or thread
+producer (the gather then runs on the producer's gloo group, ``polyrl.run.async_steps``); the process producer and
+partial rollouts are one-process, as for single completions.
+Not here: the episode loop (``rollout``), the loss and advantages (``polyrl.algorithms``).
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ from polyrl.data.dataset import chat_tokenizer
 from polyrl.errors import ConfigError
 from polyrl.run.evaluate import sampled_metrics
 from polyrl.run.prompt_order import rollout_seed
+from polyrl.train import parallel as par
 
 
 @contextmanager
@@ -105,9 +116,6 @@ class EpisodeSteps:
         super().__init__(*args, **kwargs)
 
         a, ag = self.a, self.cfg.episodes
-        if self.world.distributed:
-            raise ConfigError("agentic runs (--env) train in one process for now; drop --nproc-per-node")
-
         template = chat_tokenizer(self.cfg.data, self.tokenizer).template
         self.renderer = ChatRenderer(self.tokenizer, template)
         self.limits = EpisodeLimits(ag.max_turns, a.max_new_tokens, ag.max_episode_tokens)
@@ -156,6 +164,14 @@ class EpisodeSteps:
             max_episode_tokens=ag.max_episode_tokens,
         ).start(drive=False)
 
+    def _failure_counts(self) -> dict[str, int]:
+        """The live dict of this process's failure counts: the environment pool's, or the agent runs' (proxy)."""
+        if self.proxy is not None:
+            if not hasattr(self, "_agent_totals"):
+                self._agent_totals = {}
+            return self._agent_totals
+        return self.env_pool.totals
+
     @property
     def failure_totals(self) -> dict[str, int]:
         if self.proxy is not None:
@@ -168,7 +184,48 @@ class EpisodeSteps:
                 self.policy.remote, self.env_spec, examples, n, sampling, seeds, self.limits, self.a.failure_reward,
                 lambda xs, ss: self.local_episodes(xs, n, sampling, ss), self.env_pool.totals,
             )  # fmt: skip
+        if self.world.distributed:  # torchrun: each rank its share, then every episode on every rank
+            return self.data_parallel_episodes(examples, n, sampling, seeds)
         return self.local_episodes(examples, n, sampling, seeds)
+
+    def data_parallel_episodes(self, examples: list[dict], n: int, sampling: Any, seeds: list[int] | None) -> list[Any]:
+        """Under torchrun: this rank runs the ``n`` episodes of examples ``rank, rank + W, ...`` on its own engine
+        with its own environment pool (or its own agent proxy), each example with its own seed (``seeds[g]``, then
+        one per episode and turn or call), so the episodes are those one process runs; then every rank's episodes
+        (token ids, masks, log-probs, versions, rewards, transcripts; an agent run's segments in their order) and
+        its failure counts of this call are gathered on this thread's group (the producer's in an async run,
+        ``collectives_on``). Every rank returns every episode in ``(group, index)`` order, ``group`` the example's
+        index in this call, and adds the other ranks' failures to its own counts, so the totals are the same on
+        every rank. A rank whose share fails still joins the gather, and then every rank raises (no rank left
+        waiting)."""
+        mine = par.shard_indices(len(examples), self.world)
+        totals = self._failure_counts()
+        before = dict(totals)
+        eps, failure = [], None
+        try:
+            if mine:
+                share_seeds = None if seeds is None else [seeds[g] for g in mine]
+                eps = self.local_episodes([examples[g] for g in mine], n, sampling, share_seeds)
+        except Exception as exc:  # raised after the gather, which every rank must join
+            failure = exc
+        for e in eps:
+            e.group = mine[e.group]  # its index in this rank's share -> its example's index in the call
+        counts = {k: v - before.get(k, 0) for k, v in totals.items()}
+        error = None if failure is None else f"{type(failure).__name__}: {failure}"
+        parts = self.world.all_gather_object((eps, counts, error))
+        if failure is not None:
+            raise failure
+        failed = [f"{r} ({err})" for r, (_, _, err) in enumerate(parts) if err is not None]
+        if failed:
+            raise RuntimeError(f"the episodes of rank(s) {', '.join(failed)} failed")
+        out = []
+        for r, (part, c, _) in enumerate(parts):
+            out.extend(part)
+            if r != self.world.rank:
+                for k, v in c.items():
+                    totals[k] = totals.get(k, 0) + v
+        out.sort(key=lambda e: (e.group, e.index))
+        return out
 
     def local_episodes(self, examples: list[dict], n: int, sampling: Any, seeds: list[int] | None) -> list[Any]:
         """``n`` episodes per example on this process's rollout engine (the environment pool's, or the proxy's)."""
@@ -186,10 +243,9 @@ class EpisodeSteps:
                     self.agent_fn, examples, n, seeds, self.cfg.episodes.env_timeout, self.a.failure_reward,
                     keep_empty=True,
                 )  # fmt: skip
-            totals = getattr(self, "_agent_totals", {})
+            totals = self._failure_counts()
             for k, v in self.proxy.failures.items():
                 totals[k] = totals.get(k, 0) + v
-            self._agent_totals = totals
             return eps
 
     def collect(self, step: int) -> tuple[list[Any], list[float], dict[str, float]]:

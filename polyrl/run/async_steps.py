@@ -14,7 +14,9 @@ rank holds every sample of a batch and the same rewards, so the queue a checkpoi
 (``queue_state`` checks this: a digest of each rank's queue is compared) and rank 0's copy resumes every rank. The
 ``process`` producer (``rollout_workers``) and ``partial_rollouts`` are one-process only (ConfigError). One process,
 ``partial_rollouts`` with the ``process`` producer: ``worker_partial.WorkerPartialRollouts`` (the workers' engines
-take an update between decode steps).
+take an update between decode steps). Agentic runs (``--env``, ``--agent``) take the inline and thread producers
+under torchrun: the produce function is then the episode loop on each rank's share of the prompts, its gather of
+the episodes on the producer's group (``polyrl.agents.train``).
 
 Not here: the loop (``online``), the sources and the ``async/*`` metrics (``async_rollout``).
 """

@@ -49,7 +49,9 @@ mini-batches and trains on its strided share of each mini-batch (padded with zer
 joins every FSDP collective), normalised by the global token count; metrics are reduced over ranks; rank 0 logs;
 checkpoints (sharded, or replicated for LoRA) resume at any world size. Async RL there: the ``inline`` and
 ``thread`` producers, each rank generating its share; the producer's collectives on a gloo group of their own, the
-thread's weight copy all-gathered in the trainer's thread at ``weights_updated`` (``async_steps``).
+thread's weight copy all-gathered in the trainer's thread at ``weights_updated`` (``async_steps``). Agentic runs
+(``--env``, ``--agent``) too: each rank runs the episodes of its share of the prompts and every rank gets every
+episode (``polyrl.agents.train``); ``save_rollouts`` gathers the trainer's log-probs of the saved samples to rank 0.
 
 ``hooks`` (e.g. ``grpo.GroupRelative``) provide ``needs_reference``, ``advantages(rewards, groups) -> (adv, keep,
 metrics)``, ``normalizer(tokens, sequences)`` and ``make_loss(tokens_in_step, normalizer)`` (``OnlineHooks`` of
@@ -549,12 +551,22 @@ class OnlineRun(AsyncSteps, DataParallelSteps):
 
     # ---- the sampled rollouts (rollouts.jsonl) -------------------------------------------------------------
     def save_rollouts(self, step: int, samples: list[Sample], rewards: list[float], adv: list[Any]) -> None:
-        """Write ``rollouts_to_save`` seeded samples of step ``step`` (0-based) to ``rollouts.jsonl`` (rank 0)."""
+        """Write ``rollouts_to_save`` seeded samples of step ``step`` (0-based) to ``rollouts.jsonl`` (rank 0).
+        Data-parallel: each rank measured the trainer's log-probs of its own share, so the chosen samples' are
+        gathered first (a collective: every rank calls this)."""
+        if self.a.rollouts_to_save <= 0:
+            return
+        picked = chosen(self.cfg.seed, step, len(samples), self.a.rollouts_to_save)
+        lps = self.measured_logprobs
+        if self.world.distributed and lps is not None:
+            found: dict[int, Any] = {}
+            for part in self.world.all_gather_object({i: lps[i] for i in picked if lps[i] is not None}):
+                found.update(part)
+            lps = [found.get(i) for i in range(len(samples))]
         if self.rollout_log is None:
             return
-        lps = self.measured_logprobs
         rows = []
-        for i in chosen(self.cfg.seed, step, len(samples), self.a.rollouts_to_save):
+        for i in picked:
             s = samples[i]
             a = adv[i] if i < len(adv) else None
             row = {

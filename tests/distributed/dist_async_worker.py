@@ -1,7 +1,8 @@
 """What each gloo rank runs for ``test_async_distributed.py`` (one spawn, several runs, to keep the suite fast): the
 run configs in order, each in a process group of its own (``ports``: one per run; ``init_world`` starts it and the
 run tears it down). A run expected to be refused (``expect_error``) must raise a ``ConfigError``; rank 0 writes its
-message to ``<out>/error.txt``."""
+message to ``<out>/error.txt``. Agentic runs (an ``[agent]`` table, ``test_agentic_distributed.py``) register their
+table first, as the CLI does."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from polyrl.errors import ConfigError
 def async_runs_worker(rank: int, world_size: int, runs: list[dict[str, Any]], ports: list[int]) -> None:
     from polyrl import run as runner
     from polyrl.run import config as rc
+
+    if any("agent" in spec["raw"] for spec in runs):
+        import polyrl.agents  # noqa: F401  (registers the [agent] table)
 
     for spec, port in zip(runs, ports):
         os.environ["MASTER_PORT"] = str(port)

@@ -40,7 +40,7 @@ from polyrl.train.parallel.checkpoint import (
 )
 from polyrl.train.parallel.fsdp import is_sharded, shard_model, sharded_grad_norm
 from polyrl.train.parallel.replicate import all_reduce_grads_, distribute_model, is_replicated, replicate_model
-from polyrl.train.parallel.rollout import generate_data_parallel, rollout_model, sync_rollout_weights
+from polyrl.train.parallel.rollout import generate_data_parallel, rollout_model, shard_indices, sync_rollout_weights
 from polyrl.train.parallel.world import World, collectives_on, destroy_world, init_world, launched
 
 __all__ = [
@@ -66,6 +66,7 @@ __all__ = [
     "save_replicated_checkpoint",
     "save_sharded_checkpoint",
     "saved_world_size",
+    "shard_indices",
     "shard_model",
     "sharded_grad_norm",
     "sync_rollout_weights",

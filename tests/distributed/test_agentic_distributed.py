@@ -1,0 +1,209 @@
+"""Agentic RL under torchrun: 2 gloo ranks, FSDP2, each rank running the episodes of its share of the prompts with its
+own environment pool (a worker process per rank; in the async runs, in the rank's process) or its own agent proxy,
+in ONE spawn of two processes running six runs in turn (``dist_async_worker``), plus two one-process runs here. The
+environment is a multi-turn one with a dense reward (the digits of each reply, so that every step has non-zero
+advantages and losses; the builtin ``guessing`` game rewards a random tiny model at step 1 only) that raises on the
+second turn of an example whose answer is divisible by 3 (failures counted on whichever rank ran the episode). GRPO,
+4 steps of 2 prompts x 3 episodes, 2 mini-batches, greedy and ``eval_n = 2`` sampled evaluation episodes every 2
+steps, a checkpoint every 2.
+
+- synchronous, 2 ranks vs one process: the same episodes (every token, mask, reward, status, transcript of
+  rollouts.jsonl, every episode, failure and evaluation metric) exactly; the log-probs, losses, mismatch and the
+  final weights within fp32 noise (each rank's engine batches 3 episodes' turns instead of 6, and the CPU forward
+  is not batch-invariant: other matmul shapes, other rounding; the gradients are reduce-scattered over 2 ranks);
+- the 2-rank run resumed from its step-2 checkpoint equals the uninterrupted one bit for bit (failure totals, rows
+  and final weights included);
+- K = 1: the thread producer (episodes, environment calls and the gather on the producer's gloo group, in the
+  background thread) equals the inline producer bit for bit (every metric but the clocks, the rows, the final
+  weights), trains staleness 0, 1, 1, 1 and generates batch s+1 while step s trains; resumed from its step-2
+  checkpoint (its queue: batch 3, episodes and transcripts, the same on both ranks) it equals the uninterrupted run;
+- an agent program through the proxy (``--agent``, 2 steps, failing on the same examples): a proxy per rank serving
+  that rank's engine gives the one-process agent runs (rewards, turns, failures, the greedy and sampled evaluation)
+  exactly, the losses within fp32 noise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from dist_helpers import free_port, spawn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "run"))
+from _async_runs import raw_config, records, run, without_clocks  # noqa: E402
+
+TOL = 1e-4
+
+FLAKY_DIGITS_ENV = """
+from polyrl.agents.env import Environment, EnvStep
+
+
+class FlakyDigitsEnv(Environment):
+    def reset(self, example):
+        self.turn, self.flaky = 0, int(float(example["answer"])) % 3 == 0
+        return [{"role": "user", "content": example["prompt"]}]
+
+    def step(self, message):
+        self.turn += 1
+        if self.turn == 2 and self.flaky:
+            raise RuntimeError("answers divisible by 3 fail on the second turn")
+        text = message.get("content") or ""
+        reward = sum(ch.isdigit() for ch in text) / max(len(text), 1)
+        return EnvStep([{"role": "user", "content": "Again."}], reward, self.turn >= 3)
+"""
+
+
+def _raw(model_dir, out, env, env_workers=1, **kw):
+    import polyrl.agents  # noqa: F401  (registers the [agent] table)
+
+    table = {"prompts_per_step": 2, "samples_per_prompt": 3, "max_new_tokens": 6, "rollouts_to_save": 6}
+    table.update(mini_batches=2, eval_prompts=4, eval_n=2, **kw)
+    raw = raw_config(model_dir, out, "exact_match", steps=4, save_every=2, **table)
+    raw["agent"] = {"env": env, "env_workers": env_workers, "max_turns": 3, "max_episode_tokens": 256}
+    raw["engine"]["micro_batch_tokens"] = 512
+    raw["train"].update(save_final_model=True, eval_every=2, eval_data="builtin:arithmetic?max=9&n=8")
+    return raw
+
+
+AGENT_FILE = """
+import openai
+
+
+def agent(base_url, example):
+    client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": example["prompt"]}]
+    text = ""
+    for _ in range(2):
+        r = client.chat.completions.create(model="policy", messages=messages, max_tokens=99)
+        text += r.choices[0].message.content or ""
+        messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+    if int(float(example["answer"])) % 3 == 0:
+        raise RuntimeError("this agent fails when the answer is divisible by 3")
+    return sum(ch.isdigit() for ch in text) / max(len(text), 1)
+"""
+
+
+def _rows(out):
+    return [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+
+
+def _weights(out: Path):
+    from safetensors.torch import load_file
+
+    files = sorted((out / "final").glob("*.safetensors"))
+    assert files, out
+    return {k: v for f in files for k, v in load_file(f).items()}
+
+
+def _weights_hash(out: Path) -> str:
+    files = sorted((out / "final").glob("*.safetensors"))
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
+
+
+def _plain(rec):
+    return without_clocks(rec, ("weight_sync/",))
+
+
+# measured by the trainer (fp32 noise between world sizes); everything else of a record is the episodes'
+MODEL_SIDE = ("loss", "grad_norm", "mismatch", "entropy", "ratio", "kl", "is_weight", "clip")
+
+
+def test_two_rank_agentic_runs_equal_one_process_resume_and_run_async(tiny_model_dir, tmp_path):
+    env_file = tmp_path / "flaky_digits_env.py"
+    env_file.write_text(FLAKY_DIGITS_ENV)
+    env = f"{env_file}:FlakyDigitsEnv"
+    sync = _raw(tiny_model_dir, tmp_path / "sync", env)
+    resumed = _raw(tiny_model_dir, tmp_path / "resumed", env)
+    resumed["resume"] = str(tmp_path / "sync" / "checkpoints" / "step-00000002")
+    # the environments in each rank's process (env_workers 0; the runs above: a worker process per rank)
+    inline = _raw(tiny_model_dir, tmp_path / "inline", env, 0, max_staleness=1)
+    thread = _raw(tiny_model_dir, tmp_path / "thread", env, 0, max_staleness=1, async_producer="thread")
+    thread_resumed = _raw(tiny_model_dir, tmp_path / "thread_resumed", env, 0, max_staleness=1, async_producer="thread")
+    thread_resumed["resume"] = str(tmp_path / "thread" / "checkpoints" / "step-00000002")
+    (tmp_path / "my_agent.py").write_text(AGENT_FILE)
+    proxy = _raw(tiny_model_dir, tmp_path / "proxy", env, rollouts_to_save=0)
+    proxy["agent"] = {"agent": f"{tmp_path / 'my_agent.py'}:agent", "max_turns": 2, "max_episode_tokens": 200}
+    proxy["train"]["max_steps"] = 2
+    runs = [{"raw": r} for r in (sync, resumed, inline, thread, thread_resumed, proxy)]
+    ports: list[int] = []
+    while len(ports) < len(runs):
+        p = free_port()
+        ports += [p] if p not in ports else []
+    from dist_async_worker import async_runs_worker
+
+    spawn(async_runs_worker, 2, runs, ports)
+
+    # (1) synchronous: 2 ranks run the one-process episodes
+    run(_raw(tiny_model_dir, tmp_path / "one", env))
+    one, two = records(tmp_path / "one"), records(tmp_path / "sync")
+    assert [r["step"] for r in two] == [1, 2, 3, 4] and [r["step"] for r in two if "eval_reward" in r] == [2, 4]
+    assert json.loads((tmp_path / "sync" / "summary.json").read_text())["world_size"] == 2
+    assert [without_clocks(r, MODEL_SIDE) for r in two] == [without_clocks(r, MODEL_SIDE) for r in one]
+    for a, b in zip(one, two):
+        for key in ("loss", "grad_norm", "mismatch_mean", "entropy"):
+            assert b[key] == pytest.approx(a[key], rel=TOL, abs=TOL), (b["step"], key)
+    assert all(r["loss"] != 0.0 for r in two) and len({r["reward"] for r in two}) > 1  # it trains every step
+    # rank 1's environment failures reach rank 0 (which logs and checkpoints the totals) through the gather
+    rows_one, rows_two = _rows(tmp_path / "one"), _rows(tmp_path / "sync")
+    assert len(rows_two) == 4 * 6
+    assert 1 in {r["group"] for r in rows_two if r["status"] == "env_error"}  # group g of a step ran on rank g
+    assert two[-1]["env_failures_total"] == sum(r["status"] == "env_error" for r in rows_two)
+    lp = ("logprobs", "trainer_logprobs")
+    for a, b in zip(rows_one, rows_two):
+        assert {k: v for k, v in a.items() if k not in lp} == {k: v for k, v in b.items() if k not in lp}
+        for key in lp:
+            assert (a[key] is None) == (b[key] is None) and len(a[key] or []) == len(b[key] or []), key
+            for x, y in zip(a[key] or [], b[key] or []):
+                # step 1 (the initial weights): the rows' rounding; later the weights' fp32 noise, grown by lr 5e-2
+                tol = 2e-5 if a["step"] == 1 else 2e-3
+                assert (x is None) == (y is None) and (x is None or abs(x - y) <= tol), key
+    w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "sync")
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        # 7e-4 at most here: Adam at lr 5e-2 turns fp32 noise in a near-zero gradient into a visible step
+        assert float((w1[k].float() - w2[k].float()).abs().max()) <= 5e-3, k
+
+    # (2) resumed from the 2-rank step-2 checkpoint: the uninterrupted run, bit for bit
+    res = records(tmp_path / "resumed")
+    assert [r["step"] for r in res] == [3, 4]
+    assert [_plain(r) for r in res] == [_plain(r) for r in two[2:]]
+    assert [r for r in rows_two if r["step"] > 2] == _rows(tmp_path / "resumed")
+    assert _weights_hash(tmp_path / "resumed") == _weights_hash(tmp_path / "sync")
+
+    # (3) K = 1 under 2 ranks: the thread producer equals the inline producer bit for bit, staleness <= 1
+    inl, th = records(tmp_path / "inline"), records(tmp_path / "thread")
+    assert [r["step"] for r in th] == [1, 2, 3, 4]
+    assert [_plain(r) for r in th] == [_plain(r) for r in inl]
+    assert _rows(tmp_path / "thread") == _rows(tmp_path / "inline")
+    assert _weights_hash(tmp_path / "thread") == _weights_hash(tmp_path / "inline")
+    assert [r["async/staleness_max"] for r in th] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["async/stale_dropped_total"] == 0.0 and r["loss"] != 0.0 for r in th)
+    for r in th[1:]:
+        assert r["async/staleness_mean"] == 1.0 and r["async/tokens_lag1"] == r["response_length"] * 6
+    for a, b in zip(th, th[1:]):  # batch s+1's episodes ran while step s trained
+        assert b["async/gen_start_s"] < a["async/train_end_s"] and b["async/gen_end_s"] > a["async/train_start_s"]
+    # batch 1 was generated by version 0 in both the synchronous and the async runs: the same episodes
+    assert without_clocks(th[0], MODEL_SIDE + ("async/", "weight_sync/")) == without_clocks(two[0], MODEL_SIDE)
+
+    queue = json.loads((tmp_path / "thread" / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
+    ((queued,),) = [queue["data"]["async"]["queue"]]
+    assert (queued["step"], queued["version"]) == (2, 1) and len(queued["extra"]) == len(queued["samples"]) == 6
+    again = records(tmp_path / "thread_resumed")
+    assert [r["step"] for r in again] == [3, 4] and [_plain(r) for r in again] == [_plain(r) for r in th[2:]]
+    assert [r for r in _rows(tmp_path / "thread") if r["step"] > 2] == _rows(tmp_path / "thread_resumed")
+    assert _weights_hash(tmp_path / "thread_resumed") == _weights_hash(tmp_path / "thread")
+
+    # (4) agent programs through the proxy: a proxy per rank, serving that rank's engine; the agent runs (their
+    # segments, rewards, the failures of rank 0's and rank 1's runs) are one process's
+    proxy_one = json.loads(json.dumps(proxy))
+    proxy_one["out"] = str(tmp_path / "proxy_one")
+    run(proxy_one)
+    p1, p2 = records(tmp_path / "proxy_one"), records(tmp_path / "proxy")
+    assert [r["step"] for r in p2] == [1, 2] and "eval_sampled_reward" in p2[1]
+    assert [without_clocks(r, MODEL_SIDE) for r in p2] == [without_clocks(r, MODEL_SIDE) for r in p1]
+    assert p2[-1]["env_failures_total"] > 0 and all(r["episode/turns"] == 2.0 for r in p2)
+    for a, b in zip(p1, p2):
+        assert b["loss"] == pytest.approx(a["loss"], rel=TOL, abs=TOL)
