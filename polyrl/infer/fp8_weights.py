@@ -271,6 +271,22 @@ def _quantising_consumers(model: nn.Module, has_copy) -> tuple[set[RMSNorm], set
     return norms, mlps
 
 
+FUSED_MAX_COLS = 16384  # the fused kernels hold a row in registers (fp8_quant_triton's one-pass width)
+
+
+def _reference_composition(x: torch.Tensor) -> bool:
+    """Whether the fused norm / activation runs as the reference composition (the op, then ``quantize_rows``): where
+    ``fp8_weight_linear`` runs its reference (the CPU, or ``POLYRL_KERNELS`` forcing it)."""
+    return not x.is_cuda or reference_forced()
+
+
+def _fused_kernel_fits(x: torch.Tensor, op: str) -> bool:
+    """Whether the Triton kernel fusing ``op`` (``rmsnorm`` / ``swiglu``) with the quantiser computes what the
+    unfused path would: rows of at most ``FUSED_MAX_COLS`` (wider ones keep the separate quantiser, two passes) and
+    ``op`` served by its Triton implementation here (a ``POLYRL_KERNELS`` choice of another one is honoured)."""
+    return x.shape[1] <= FUSED_MAX_COLS and registry.select(op, x.device.type, dtype_name(x.dtype))[0] == "triton"
+
+
 class Fp8Weights(ProjectionOverride):
     """FP8 copies of a model's projection weights and the projection override that uses them (module docstring).
 
@@ -376,7 +392,9 @@ class Fp8Weights(ProjectionOverride):
         if not self.fused_quant or module not in self.quant_norms or x.dim() != 2 or torch.is_grad_enabled():
             return None
         w = module.weight
-        if x.is_cuda and not reference_forced() and w.dtype == x.dtype and x.shape[1] <= 16384:
+        if not _reference_composition(x):
+            if w.dtype != x.dtype or not _fused_kernel_fits(x, "rmsnorm"):
+                return None  # the separate quantiser (and the model's own norm kernel) as before
             # lazy: triton loads only on CUDA
             from polyrl.infer.fp8_quant_triton import rmsnorm_quant_triton
 
@@ -391,7 +409,9 @@ class Fp8Weights(ProjectionOverride):
         """``swiglu(gate, up)`` with its e4m3 copy kept, for the MLPs whose down projection has an FP8 copy."""
         if not self.fused_quant or mlp not in self.quant_mlps or gate.dim() != 2 or torch.is_grad_enabled():
             return None
-        if gate.is_cuda and not reference_forced() and gate.shape[1] <= 16384:
+        if not _reference_composition(gate):
+            if not _fused_kernel_fits(gate, "swiglu"):
+                return None
             # lazy: triton loads only on CUDA
             from polyrl.infer.fp8_quant_triton import swiglu_quant_triton
 

@@ -296,7 +296,9 @@ class ColocatedPolicy:
         if self.separate_rollout and self.sharded:
             t0 = time.perf_counter()
             par.sync_rollout_weights(self.model, self.rollout_net)
-            moved = {id(t): t for t in self.rollout_net.state_dict(keep_vars=True).values()}.values()
+            moved = list({id(t): t for t in self.rollout_net.state_dict(keep_vars=True).values()}.values())
+            if moved and moved[0].device.type != "cpu":  # the gathers and copies are queued: time them done
+                device.synchronize()
             nbytes = sum(t.numel() * t.element_size() for t in moved)
             self.last_sync = SyncStats(time.perf_counter() - t0, nbytes, len(moved))
             self.llm.reset_prefix_cache()

@@ -44,14 +44,18 @@ class DataParallelSteps:
         self, stream: RewardStream | None, texts: list[str], views: list[dict]
     ) -> tuple[Any, dict[str, float]]:
         """The rewards of ``texts`` (rank 0's stream: those not streamed are scored now) and the timings
-        ``reward_s`` / ``reward_wait_s`` / ``reward/overlap_frac`` (``RewardStream``); the same on every rank."""
+        ``reward_s`` / ``reward_wait_s`` / ``reward/overlap_frac`` (``RewardStream``) with the run's
+        ``reward_failures_total`` (rank 0's reward pool); the same on every rank (a queued async batch carries them,
+        and every rank's queue must be rank 0's)."""
         out = None
         if stream is not None:
             res = stream.finish(texts, views)
+            pool = getattr(self, "pool", None)
             timing = {
                 "reward_s": stream.scoring_s,
                 "reward_wait_s": stream.wait_s,
                 "reward/overlap_frac": stream.overlap_frac,
+                "reward_failures_total": float(sum(pool.totals.values())) if pool is not None else 0.0,
             }
             out = (res, timing)
         return self.world.broadcast_object(out) if self.world.distributed else out

@@ -292,10 +292,14 @@ class OnlineRun(AsyncSteps, DataParallelSteps):
             self.best.load_state_dict(data_state.get("best"))
 
     def data_state(self) -> dict[str, Any]:
+        # the queue first: saving it drains the producer, whose batches in flight (with partial rollouts, one that
+        # was submitted but had not started, so had not taken its prompts yet) move the prompt position and the
+        # reward-failure totals; read after it, they match the queue
+        queue = self.queue_state() if self.source is not None else None  # data-parallel: the same on every rank
         failures = dict(self.pool.totals) if self.pool is not None else {}
         state = {"prompts": self.data.state_dict(), "reward_failures": failures}
-        if self.source is not None:  # the rollouts generated ahead: checkpointed (their weights are gone)
-            state["async"] = self.queue_state()  # data-parallel: checked to be the same on every rank
+        if queue is not None:  # the rollouts generated ahead: checkpointed (their weights are gone)
+            state["async"] = queue
         if self.best is not None:
             state["best"] = self.best.state_dict()
         return state
@@ -341,8 +345,8 @@ class OnlineRun(AsyncSteps, DataParallelSteps):
             "truncated_fraction": _mean([float(s.finish_reason == "length") for s in samples]),
             "rollout_s": t1 - t0,
             "rollout_tokens_per_s": sum(lengths) / max(t1 - t0, 1e-9),
-            **timing,  # reward_s (scoring wall time, overlapping the rollout), reward_wait_s, reward/overlap_frac
-            "reward_failures_total": float(sum(self.pool.totals.values())) if self.pool is not None else 0.0,
+            **timing,  # reward_s (scoring wall time, overlapping the rollout), reward_wait_s, reward/overlap_frac,
+            # reward_failures_total (rank 0's count, on every rank)
             **res.metrics(),
         }
         if self.structured is not None:  # what the grammar mask removed: 0 = the policy already follows the format

@@ -1,7 +1,7 @@
 """Partial rollouts with rollout worker processes (``partial_rollouts = true`` with ``async_producer = "process"``):
 ``WorkerPartialRollouts``, the process producer's source when a weight update must not wait for the generation in
 flight. The thread producer's version is ``async_rollout.PartialRollouts`` (its docstring defines the semantics this
-one keeps per worker); the workers' side is ``rollout_workers`` (``_Inbox``, ``_PartialJob``).
+one keeps per worker); the workers' side is ``rollout_worker_process`` (``_Inbox``, ``_PartialJob``).
 
 What moves where:
 

@@ -48,8 +48,21 @@ def _plain(rec):
     return without_clocks(rec, ("weight_sync/",))
 
 
+FLAKY = '''
+def flaky_digit(completion, example):
+    """The toy reward, failing on completions with a 3 (counted by rank 0's reward pool, scored as failure_reward)."""
+    if "3" in completion:
+        raise ValueError("a failing reward call")
+    return float(any(ch.isdigit() for ch in completion))
+'''
+
+
 def test_two_rank_async_inline_thread_resume_and_refusals(tiny_model_dir, tmp_path):
-    reward = write_reward(tmp_path)
+    # the toy reward failing now and then: rank 0's failure count rides in every queued batch, which must be the same
+    # on every rank for the step-2 checkpoint (its queue digests are compared) to be written
+    write_reward(tmp_path)
+    (tmp_path / "flaky_rewards.py").write_text(FLAKY)
+    reward = f"{tmp_path / 'flaky_rewards.py'}:flaky_digit"
     inline = _raw(tiny_model_dir, tmp_path / "inline", reward)
     thread = _raw(tiny_model_dir, tmp_path / "thread", reward, async_producer="thread")
     resumed = _raw(tiny_model_dir, tmp_path / "resumed", reward, async_producer="thread")
@@ -75,6 +88,7 @@ def test_two_rank_async_inline_thread_resume_and_refusals(tiny_model_dir, tmp_pa
     assert all(math.isfinite(r["loss"]) for r in two) and any(r["loss"] != 0.0 for r in two)
     assert two[1]["async/is_weight_max"] > 1.001 or two[1]["async/is_weight_min"] < 0.999  # the weights moved
     assert json.loads((tmp_path / "inline" / "summary.json").read_text())["world_size"] == 2
+    assert two[1]["reward_failures_total"] > 0  # failures before the step-2 checkpoint: the digests still agree
 
     # ... the same samples as one process (prompt order and seeds do not depend on the world size)
     run(_raw(tiny_model_dir, tmp_path / "one", reward))

@@ -5,6 +5,7 @@ reward, the step waits for rewards after generation for a small part of the scor
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -128,7 +129,8 @@ def test_rollout_on_finish_gives_each_sample_at_its_position(tiny_model, path):
     if path == "dead_workers":
         remote = RolloutWorkers.__new__(RolloutWorkers)  # two workers that died: no process to spawn
         remote.procs, remote.alive, remote.failures = [None, None], [False, False], 2
-        remote.reply_timeout_s = None
+        remote.reply_timeout_s, remote.job_partial, remote.closing = None, None, False
+        remote._lock, remote.local_lock = threading.RLock(), threading.Lock()
         policy.remote = remote
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
     seen = {}
