@@ -370,7 +370,9 @@ for s in "$@"; do
     # The whole single-GPU marked suite in one go (issue 13: < 8 min on a cold Triton cache); slowest tests listed.
     # pytest-xdist (on the device image) runs test files in GPU_TEST_WORKERS processes sharing the one GPU: the suite's
     # time is mostly compiles (Triton, inductor) and host work, which overlap; no test asserts a timing. Each worker
-    # sizes its engines' KV caches from its share of the GPU's memory (POLYRL_DEVICE_MEMORY_SHARE).
+    # sizes its engines' KV caches from its share of the GPU's memory (POLYRL_DEVICE_MEMORY_SHARE). Expandable
+    # segments: a worker's allocator returns freed memory to the device between tests (2026-12-04: without them each
+    # worker kept its running peak reserved, and another worker's test ran out of memory).
     gpu-tests) TAIL=60 stage gpu-tests 590 bash -c "W=\${GPU_TEST_WORKERS:-3}; X=''; \
       python3 -c 'import xdist' 2>/dev/null && [ \"\$W\" -gt 1 ] && X=\"-n \$W --dist loadfile\" \
         && export POLYRL_DEVICE_MEMORY_SHARE=\$(python3 -c \"print(round(0.85 / \$W, 3))\"); \
