@@ -49,7 +49,7 @@ class AgentConfig:
     def check(self, algo_config: Any, table: str) -> None:
         """Against the algorithm's ``[table]``: an online algorithm, room for more than one turn, and (async RL) a
         producer that runs episodes: inline, thread, or (environment episodes only) process; partial rollouts
-        (thread) for environment episodes only."""
+        (thread or process) for environment episodes only."""
         max_new = getattr(algo_config, "max_new_tokens", None)
         if max_new is None:
             raise ConfigError(f"[{TABLE}] runs episodes for online RL (grpo, gspo, ppo), not for {table}")
@@ -68,12 +68,6 @@ class AgentConfig:
                 f"worker processes, not agent programs through the proxy ({TABLE}.agent, --agent): the proxy serves "
                 f"the trainer's own engine from the trainer's process; set {table}.async_producer = \"thread\" "
                 '(--async-producer thread) or "inline"'
-            )
-        if getattr(algo_config, "partial_rollouts", False) and getattr(algo_config, "async_producer", "") == "process":
-            raise ConfigError(
-                f'{table}.partial_rollouts with async_producer = "process" is built for single-turn runs; '
-                "environment episodes in the rollout workers take no weight update mid-episode: set "
-                f'{table}.async_producer = "thread" (--async-producer thread) or drop --partial-rollouts'
             )
         if getattr(algo_config, "partial_rollouts", False) and self.agent is not None:
             # the environment's episode loop calls the weight-swap hook between engine steps; the proxy's engine

@@ -19,8 +19,19 @@ the call), and the failure counts of the replica's pool in this call, added to t
 
 A replica that dies or hangs in the call: its examples run in the trainer (``local``: the episode loop on the
 trainer's rollout engine and environment pool) in the same call, and the replica restarts as for single
-completions (``rollout_workers``). Without partial rollouts (refused with the process producer) an episode has no
-per-token versions: the batch's version is stamped on its samples by the source, as for single completions.
+completions (``rollout_workers``).
+
+Partial rollouts (``partial_rollouts``, ``polyrl.run.worker_partial``): the call's job carries the producer's
+``(swap_step, takes)`` as a ``generate`` job does (every live replica gets one, an empty share too), the worker
+hands its between-steps hook (``rollout_worker_process._PartialJob``) to ``worker_episodes`` as
+``ctx.between_steps``, and the episode loop calls it between its engine steps, as the thread producer's loop calls
+the source's: with ``swap_step`` N > 0 each replica's episodes take the batch's update at engine step N of its
+loop (after its end, before it replies, when its loop is shorter), so with every opening prompt admitted in the
+first step an episode's tokens and versions are those of the thread producer's loop over the whole batch. Each
+episode records the engine's version per sampled token (``Episode.versions``), which travels back with the
+episode. A dead replica's share runs in the trainer on one version (no swap inside it). Without partial rollouts
+an episode has no per-token versions: the batch's version is stamped on its samples by the source, as for single
+completions.
 
 Not here: agent programs through the proxy (``--agent``): refused with the process producer (``config``); their
 engine is driven by the proxy's server thread in the trainer.
@@ -63,7 +74,8 @@ def worker_episodes(
     failure_reward: float,
 ) -> tuple[list[list[Episode]], dict[str, int]]:
     """In a rollout worker (``RolloutWorkers.call``): ``n`` episodes of each ``(example, seed)`` of ``items`` on the
-    worker's engine; (per item its episodes, in index order; the failure counts of this call)."""
+    worker's engine (with partial rollouts the episode loop calls the job's ``ctx.between_steps``); (per item its
+    episodes, in index order; the failure counts of this call)."""
     held = ctx.state.get(_POOL)
     if held is None or held[0] != env:
         if held is not None:
@@ -76,7 +88,7 @@ def worker_episodes(
     seeds = [s for _, s in items]
     eps = run_episodes(
         ctx.llm, pool, renderer, [x for x, _ in items], n, sampling, None if seeds[0] is None else seeds, limits,
-        failure_reward,
+        failure_reward, getattr(ctx, "between_steps", None),
     )  # fmt: skip
     per: list[list[Episode]] = [[] for _ in items]
     for e in eps:

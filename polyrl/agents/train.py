@@ -24,9 +24,10 @@ the thread is drained. With ``async_producer = "process"`` (environment episodes
 examples to the rollout worker processes (``remote.remote_episodes``: each runs the episode loop on its own engine
 with its own environment pool), the trainer's own loop (``local_episodes``) running the share of a worker that dies.
 Each batch carries its transcripts (``batch_state``), checkpointed with the queue. With
-partial rollouts (``partial_rollouts``, thread producer, ``--env`` episodes) the episode loop calls the policy's
-``between_steps`` at engine-step boundaries, so a weight update lands while episodes are in flight; each episode
-records the policy version of every token (``Episode.versions`` -> ``Sample.token_versions``).
+partial rollouts (``partial_rollouts``, ``--env`` episodes) the episode loop calls the policy's ``between_steps``
+(thread producer) or the worker's job hook (process producer, ``remote``) at engine-step boundaries, so a weight
+update lands while episodes are in flight; each episode records the policy version of every token
+(``Episode.versions`` -> ``Sample.token_versions``).
 Under torchrun (``--nproc-per-node N``): each rank runs the episodes of its share of a call's prompt examples
 (``data_parallel_episodes``: examples r, r + N, ..., each with its own seed, so the episodes are those of one
 process) on its own rollout engine, with its own environment pool (``--env``) or its own agent proxy serving that

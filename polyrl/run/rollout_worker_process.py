@@ -61,13 +61,17 @@ class WorkerSpec:
 class WorkerContext:
     """What a ``RolloutWorkers.call`` job's function gets in the worker: its engine (``llm``), tokenizer, replica
     index and spec, and ``state``, kept across the jobs of this incarnation (an agentic run keeps its environment
-    pool there); each value of ``state`` with a ``close()`` is closed when the worker stops."""
+    pool there); each value of ``state`` with a ``close()`` is closed when the worker stops. ``between_steps``: with
+    partial rollouts, the job's hook (``_PartialJob``) that a function stepping the engine itself calls between
+    two engine steps as ``between_steps(llm, steps)`` (as ``LLM.generate`` does; the episode loop takes it as its
+    ``between_steps``); None otherwise (and outside a job)."""
 
     llm: Any
     tokenizer: Any
     replica: int
     spec: WorkerSpec
     state: dict[str, Any] = dataclasses.field(default_factory=dict)
+    between_steps: Any = None
 
     def close(self) -> None:
         for value in self.state.values():
@@ -290,12 +294,25 @@ def _serve(pg: Any, llm: Any, sync: BucketedBroadcast, ctx: WorkerContext, delay
             if isinstance(payload, RaisedInWorker):  # its function did not unpickle here: the error goes back
                 _send_obj(pg, payload, 0)
                 continue
-            fn, items, args = payload
+            fn, items, args, partial = payload
+            hook = _PartialJob(inbox, llm, sync, *partial) if partial is not None else None
+            ctx.between_steps = hook
             try:
                 with torch.no_grad():
-                    reply = fn(ctx, items, *args)
+                    # an empty share (partial rollouts: every replica gets the job that takes an update) runs nothing
+                    reply = fn(ctx, items, *args) if items else ([], None)
+            except _WorkerGone:
+                return
             except Exception as exc:  # noqa: BLE001 - raised again in the trainer (a bug, not a dead replica)
                 reply = raised_in_worker(exc)
+            finally:
+                ctx.between_steps = None
+            try:
+                if hook is not None:  # as for JOB: a job shorter than its swap step takes the update before replying
+                    with torch.no_grad():
+                        hook.finish()
+            except _WorkerGone:
+                return
             if delay_s:
                 time.sleep(delay_s * len(items))
             _send_obj(pg, reply, 0)

@@ -68,20 +68,22 @@ gloo otherwise), so a dead replica breaks only its own groups and never stops th
   restart builds new groups under the new incarnation's prefixes; the dead ones are kept (never used again), since
   tearing down a communicator whose peer died may block.
 - Control wire format: a header ``int64 [cmd, nbytes]`` then a pickled payload as ``uint8`` (``JOB``: prompts,
-  sampling parameters and the partial-rollout ``(swap_step, takes)`` or None, ``CALL``: ``(fn, items, args)``;
-  replies: outputs (each sequence with its ``token_versions``), or ``call``'s ``(results, meta)``); a ``WEIGHTS``
-  header (no payload, or with partial rollouts ``(version, defer)``) is followed by one ``BucketedBroadcast.sync`` on
-  the replica's weights group. A worker (``polyrl.run.rollout_worker_process``: its entry point, inbox, partial-rollout
-  hook and serving loop) reads its control group in a listener thread (``_Inbox``): jobs, calls and EXIT queue in
-  order for its serving loop, a ``WEIGHTS`` notice is kept aside and loaded by the idle loop before any queued job
-  or, with partial rollouts, between the engine's decode steps (``_PartialJob``).
+  sampling parameters and the partial-rollout ``(swap_step, takes)`` or None, ``CALL``: ``(fn, items, args)`` and
+  the same ``(swap_step, takes)`` or None; replies: outputs (each sequence with its ``token_versions``), or
+  ``call``'s ``(results, meta)``); a ``WEIGHTS`` header (no payload, or with partial rollouts ``(version, defer)``)
+  is followed by one ``BucketedBroadcast.sync`` on the replica's weights group. A worker
+  (``polyrl.run.rollout_worker_process``: its entry point, inbox, partial-rollout hook and serving loop) reads its
+  control group in a listener thread (``_Inbox``): jobs, calls and EXIT queue in order for its serving loop, a
+  ``WEIGHTS`` notice is kept aside and loaded by the idle loop before any queued job or, with partial rollouts,
+  between the engine's decode steps (``_PartialJob``).
 - Partial rollouts (``polyrl.run.worker_partial``, whose docstring gives the ordering): ``push_weights(model,
   version, defer)`` while the producer's thread waits on a ``generate``: each replica loads the update at its next
   decode-step boundary (or at once when idle), or with ``defer`` at engine step ``swap_step`` of the job that takes
-  it (``job_partial``: every live replica then gets that job, an empty share too); the outputs carry each token's
-  version. The two threads share this object: a lock serialises the drops, rejoins and the sends of jobs and
-  notices, and ``local_lock`` keeps the trainer's engine from being synced while it generates a dead replica's
-  share.
+  it (``job_partial``: every live replica then gets that job, an empty share too), for a ``generate`` job or a
+  ``call`` (whose function gets the hook as ``WorkerContext.between_steps``: an agentic run's episode loop calls it
+  between its engine steps); the outputs (and the episodes) carry each token's version. The two threads share
+  this object: a lock serialises the drops, rejoins and the sends of jobs and notices, and ``local_lock`` keeps
+  the trainer's engine from being synced while it generates a dead replica's share.
 
 Not built: recovering from a replica that dies or hangs in the middle of an NCCL broadcast (the trainer then waits
 for the group's timeout: the broadcast sits in the trainer's CUDA stream, a timed wait does not take it out, and
@@ -637,10 +639,13 @@ class RolloutWorkers:
         replica runs ``fn(ctx, share_items, *args)`` (a module-level function, pickled by reference; ``ctx`` a
         ``WorkerContext``: the worker's engine, tokenizer and a state kept across its jobs) under no_grad, which
         returns ``(one result per item, meta)``. The results in item order; ``on_meta(meta)`` for each reply, in
-        the order they arrive. The items of replicas that die or hang in the call (restarted as in ``generate``)
-        and of the replicas not live: ``local(indices)``, one result per index, in the trainer. ``fn`` raising in a
-        replica (a bug or a user error, not a dead replica) raises the same exception here, the replica's traceback
-        as its cause, once every reply of the call is in."""
+        the order they arrive. With partial rollouts the job carries ``job_partial`` as ``generate``'s does (every
+        live replica then gets one, an empty share too, which runs no ``fn``): the worker hands ``fn`` the
+        between-steps hook in ``ctx.between_steps`` and takes the job's update after it as for ``generate``. The
+        items of replicas that die or hang in the call (restarted as in ``generate``) and of the replicas not live:
+        ``local(indices)``, one result per index, in the trainer (none once ``close`` began: it raises). ``fn``
+        raising in a replica (a bug or a user error, not a dead replica) raises the same exception here, the
+        replica's traceback as its cause, once every reply of the call is in."""
         results: list[Any] = [None] * len(items)
         raised: list[tuple[int, RaisedInWorker]] = []
 
@@ -649,6 +654,8 @@ class RolloutWorkers:
                 raised.append((w, reply))
                 return
             values, meta = reply
+            if not share:  # an empty share's job (partial rollouts: it only took its update)
+                return
             if len(values) != len(share):
                 raise RuntimeError(f"rollout replica {w}: {fn.__name__} gave {len(values)} results for {len(share)}")
             for i, v in zip(share, values):
@@ -656,7 +663,11 @@ class RolloutWorkers:
             if on_meta is not None:
                 on_meta(meta)
 
-        missing = self._scatter(costs, lambda s: (CALL, (fn, [items[i] for i in s], tuple(args))), got)
+        partial = self.job_partial
+        job = lambda s: (CALL, (fn, [items[i] for i in s], tuple(args), partial))  # noqa: E731
+        missing = self._scatter(costs, job, got, send_empty=True)
+        if missing and self.closing:
+            raise RuntimeError("the rollout workers were closed while they ran a call")
         if raised:
             w, err = raised[0]
             raise err.exc from RuntimeError(f"{fn.__name__} raised in rollout replica {w}:\n{err.traceback}")

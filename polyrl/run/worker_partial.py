@@ -52,8 +52,13 @@ that version). ``async/weight_swaps_total`` counts the updates pushed while a ba
 included). ``close`` with a batch in flight stops the workers first, so a job waiting at its step N for an update
 that will not come ends.
 
-Not built: environment episodes (``polyrl.agents.remote``) with partial rollouts in the workers (ConfigError), a
-swap inside the trainer's fallback share.
+Environment episodes (``polyrl.agents.remote``): the producer's ``collect`` sends the examples with
+``RolloutWorkers.call``, whose job carries the same ``(swap_step, takes)`` (every live replica gets it, an empty
+share too, which runs no function); the worker hands its ``_PartialJob`` to the job's function as
+``WorkerContext.between_steps``, which the episode loop calls between its engine steps, and ``finish`` runs after
+the job as for a generate job, so the ordering above holds unchanged (engine step N is then the episode loop's).
+
+Not built: a swap inside the trainer's fallback share.
 """
 
 from __future__ import annotations

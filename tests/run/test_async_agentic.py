@@ -9,8 +9,9 @@ episode loop while episodes are in flight; each token records the version that s
 engine's version at the swap and against a recompute under each version's weights), and a run trains no token older
 than K. The process producer: environment episodes in 2 rollout worker processes, each replica's episodes those of
 the episode loop on its share, the same episodes as the thread run (log-probs to float rounding), a dead replica's
-share run by the trainer, the staleness bound. Refused at config time: the process producer and partial rollouts for
-an agent program through the proxy, and partial rollouts of environment episodes in the process producer's workers."""
+share run by the trainer, the staleness bound; with partial rollouts (each worker's episode loop takes the update at
+its engine step N) the thread run's tokens, transcripts, per-token versions and rewards. Refused at config time: the
+process producer and partial rollouts for an agent program through the proxy."""
 
 from __future__ import annotations
 
@@ -245,20 +246,24 @@ def test_agentic_producers_refused_at_config_time(tiny_model_dir, tmp_path):
     raw["agent"] = {"agent": "my_agent.py:agent", "max_turns": 2, "max_episode_tokens": 200}
     with pytest.raises(ConfigError, match='async_producer = "process" runs environment episodes .* not agent progr'):
         run(raw)
-    # partial rollouts: environment episodes with the thread producer only (the proxy's engine thread takes no update
-    # mid-episode; the process producer's workers take updates in single-turn runs only)
+    # partial rollouts: environment episodes only (the proxy's engine thread takes no update mid-episode), with the
+    # thread producer or in the process producer's workers
     raw = _agentic(tiny_model_dir, tmp_path / "q", max_staleness=1, async_producer="thread", partial_rollouts=True)
     raw["agent"] = {"agent": "my_agent.py:agent", "max_turns": 2, "max_episode_tokens": 200}
     with pytest.raises(ConfigError, match="partial_rollouts reaches environment episodes .* not agent programs"):
         run(raw)
-    with pytest.raises(ConfigError, match='partial_rollouts with async_producer = "process" is built for single-t'):
-        run(_agentic(tiny_model_dir, tmp_path / "r", max_staleness=1, async_producer="process", partial_rollouts=True))
-    # synchronous runs are not checked for producers; environment episodes take the process producer
+    raw[raw["algo"]]["async_producer"] = "process"
+    with pytest.raises(ConfigError, match='async_producer = "process" runs environment episodes .* not agent progr'):
+        run(raw)
+    # synchronous runs are not checked for producers; environment episodes take the process producer, with or
+    # without partial rollouts
     from polyrl.agents.config import AgentConfig
     from polyrl.algorithms.grpo import GRPOConfig
 
     AgentConfig(agent="a.py:f").check(GRPOConfig(async_producer="process"), "grpo")
     AgentConfig(env="guessing").check(GRPOConfig(max_staleness=1, async_producer="process"), "grpo")
+    partial = GRPOConfig(max_staleness=1, async_producer="process", partial_rollouts=True, partial_swap_step=8)
+    AgentConfig(env="guessing").check(partial, "grpo")
 
 
 AGENT_FILE = """
@@ -406,12 +411,58 @@ def test_partial_rollouts_an_update_lands_mid_episode(tiny_model_dir, tmp_path):
         r.env_pool.close()
 
 
-def test_partial_rollouts_run_mixes_versions_within_the_staleness_bound_and_resumes(tiny_model_dir, tmp_path):
+def _same_run(thread, proc, rows_t, rows_p, batches_t, batches_p):
+    """The process producer's partial run against the thread producer's: the same tokens, masks, per-token versions,
+    transcripts and rewards (every metric computed from the episodes alone, every row but its log-probs), exactly.
+    Floats: batch 0 (version 0 only) within 1e-5 (a replica's engine steps batch 3 episodes' turns, the thread's 6:
+    other matmul shapes, so the CPU forward rounds a few ulps apart), and so step 1's loss and metrics; from then on
+    the trained weights differ by what Adam makes of those ulps in step 1's gradient (the sign-like update of
+    near-zero gradients), so later log-probs and losses agree closely, not to 1e-5 (as without partial rollouts:
+    ``test_process_producer_runs_episodes_in_two_workers``)."""
+    import torch
+
+    model_side = ("loss", "grad_norm", "mismatch", "entropy", "kl", "is_weight", "clip", "rollout_worker", "replica")
+    assert [without_clocks(_plain(r), model_side) for r in thread] == [
+        without_clocks(_plain(r), model_side) for r in proc
+    ]
+    for a, b in zip(thread, proc):
+        keys = [k for k in without_clocks(_plain(a)) if any(m in k for m in model_side[:7])]
+        assert "loss" in keys and "async/is_weight_mean" in keys and set(keys) <= set(b)
+        tol = 1e-5 if a["step"] == 1 else 2e-2
+        for k in keys:
+            assert b[k] == pytest.approx(a[k], rel=tol, abs=1e-5), k
+    # the trained batches: tokens, masks and per-token versions equal; batch 0's log-probs within 1e-5
+    assert [b[0] for b in batches_t] == [b[0] for b in batches_p] == [0, 1, 2, 3]
+    for (step, samples_t), (_, samples_p) in zip(batches_t, batches_p):
+        assert [s[:3] for s in samples_t] == [s[:3] for s in samples_p]
+        assert step == 0 or len({v for s in samples_p for v in s[2]}) == 2  # batches after the first: two versions
+        for a, b in zip(samples_t, samples_p):
+            torch.testing.assert_close(torch.tensor(b[3]), torch.tensor(a[3]), atol=1e-5 if step == 0 else 5e-3, rtol=0)
+    assert len(rows_t) == len(rows_p) == 8
+    lp = ("logprobs", "trainer_logprobs")
+    for a, b in zip(rows_t, rows_p):
+        assert {k: v for k, v in a.items() if k not in lp} == {k: v for k, v in b.items() if k not in lp}
+
+
+def test_partial_rollouts_run_mixes_versions_within_the_staleness_bound_and_resumes(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     """A 4-step agentic thread run with partial rollouts (update at engine step 8 of the episode loop, greedy
     evaluation every 2 steps, which finishes the batch in flight first): every batch after the first holds episodes
     of two versions, the per-version token counts add up to the policy tokens, no token is older than K = 1, nothing
     is dropped, each update but the last (after the last step) lands in a batch in flight; the checkpoint's queue
     keeps each token's version (samples and transcripts) and the resumed run equals the uninterrupted one."""
+    from polyrl.run import online
+
+    batches = {}  # run folder -> (step, per sample (completion ids, mask, token versions, log-probs)) per batch
+    original = online.OnlineRun._async_record
+
+    def record(self, batch, t_train, t_end):
+        samples = [(s.completion_ids, s.mask, s.token_versions, s.logprobs) for s in batch.samples]
+        batches.setdefault(self.out.name, []).append((batch.step, samples))
+        return original(self, batch, t_train, t_end)
+
+    monkeypatch.setattr(online.OnlineRun, "_async_record", record)
     out = tmp_path / "partial"
     raw = _agentic(tiny_model_dir, out, save_every=2, max_staleness=1, async_producer="thread",
                    partial_rollouts=True, partial_swap_step=8)  # fmt: skip
@@ -420,6 +471,16 @@ def test_partial_rollouts_run_mixes_versions_within_the_staleness_bound_and_resu
     raw[raw["algo"]]["eval_prompts"] = 4
     run(raw)
     recs = records(out)
+    # the same run with the process producer: each of 2 rollout workers runs the episode loop on its example, taking
+    # the batch's update at engine step 8 of its own loop (every opening prompt is admitted in the first step, so
+    # step 8 is each episode's step 8 in either producer)
+    proc_out = tmp_path / "process"
+    raw_p = json.loads(json.dumps(raw))
+    raw_p["out"] = str(proc_out)
+    raw_p["checkpoint"].update(every_n_steps=0, save_final=False)
+    raw_p[raw["algo"]].update(async_producer="process", rollout_workers=2, rollout_balance="count")
+    run(raw_p)
+    _same_run(recs, records(proc_out), _rows(out), _rows(proc_out), batches["partial"], batches["process"])
     assert [r["step"] for r in recs] == [1, 2, 3, 4] and [r["step"] for r in recs if "eval_reward" in r] == [2, 4]
     assert recs[0]["async/staleness_max"] == 0.0 and recs[0]["async/mixed_version_samples"] == 0.0
     for r in recs[1:]:

@@ -6,9 +6,10 @@ share whether its notice reaches the replica before its job (the idle worker kee
 at step N), a replica with an empty share still loads it (the push returns), with ``swap_step`` 0 a busy replica
 loads it between two decode steps and an idle one at once; a replica killed while the trainer waits in a deferred
 broadcast is dropped (the push returns, the share is the trainer's engine's), restarted, and rejoins with the live
-weights and version. Then whole runs: the process producer's partial run (K = 1, N = 2, two replicas) equals the
-thread producer's record for record (tokens, versions and rewards exactly, the floats within 1e-5: other batch
-shapes), its queued samples switch versions at completion token N, no trained token is older than K, and a resume
+weights and version; a general job (``call``) takes its update at step N through the hook its function gets, an
+empty share's replica at its end. Then whole runs: the process producer's partial run (K = 1, N = 2, two replicas)
+equals the thread producer's record for record (tokens, versions and rewards exactly, the floats within 1e-5: other
+batch shapes), its queued samples switch versions at completion token N, no trained token is older than K, and a resume
 from its checkpoint equals the uninterrupted run bit for bit."""
 
 from __future__ import annotations
@@ -188,8 +189,30 @@ def test_replicas_take_an_update_between_their_decode_steps(tiny_model_dir, setu
         workers.push_weights(model, 6)
         assert workers.num_alive == 2
         assert all(v == [6] * MAX_TOKENS for _, v, _ in _seqs(workers.generate(ids, params, local.generate)))
+        # a general job (call: an agentic run's episode loop) carries the same (swap_step, takes): its function steps
+        # the engine with the hook it gets (ctx.between_steps), so its share takes version 7 at its step 3; one item:
+        # replica 1's share is empty, yet it gets the job (running no function) and loads version 7 at its end
+        old = copy.deepcopy(model)
+        _perturb(model, 7)
+        want = _reference(ref, old, model, 6, ids[:1], params[:1], swap_at=3)
+        workers.job_partial = (3, 7)
+        gen, box = _in_thread(workers.call, _generate_in_worker, [(ids[0], params[0])], [1.0], None)
+        time.sleep(0.3)
+        assert gen.is_alive()  # held at step 3
+        workers.push_weights(model, 7, defer=True)
+        gen.join(30)
+        (got,) = box["out"]
+        _same(got, want)
+        workers.job_partial = None
+        assert all(v == [7] * MAX_TOKENS for _, v, _ in _seqs(workers.generate(ids, params, local.generate)))
     finally:
         workers.close()
+
+
+def _generate_in_worker(ctx, items):
+    """A ``call`` job's function (in the worker): each item's sequences, the engine stepped with the job's hook."""
+    outs = ctx.llm.generate([i for i, _ in items], [p for _, p in items], between_steps=ctx.between_steps)
+    return [_seqs([o]) for o in outs], None
 
 
 @pytest.fixture()
