@@ -97,21 +97,12 @@ class WorkerPartialRollouts(SwapCount, ThreadedRollouts):
 
     _stamp = PartialRollouts._stamp  # each sample's version = its oldest token's; the batch's = its oldest sample's
 
-    def submit(self, step: int) -> None:
-        if step in self.submitted:
-            return
-        self.submitted.add(step)
-        version = self.version
-        takes = version + 1 if self.swap_step else None  # reproducible: this batch takes the next update
-        with self._cv:
-            self._open[step] = takes
-        self._futures[step] = self._pool.submit(self._work, step, version, takes)
+    # the thread version's bookkeeping of submitted batches (each batch's ``takes``), running ``_run`` = ``_work``
+    submit = PartialRollouts.submit
+    _produce_now = PartialRollouts._produce_now
 
-    def _produce_now(self, step: int) -> RolloutBatch:
-        # in the producer thread, after those in flight; it takes no update (the trainer waits for it)
-        with self._cv:
-            self._open[step] = None
-        return self._pool.submit(self._work, step, self.version, None).result()
+    def _run(self, step: int, version: int, takes: int | None) -> RolloutBatch:
+        return self._work(step, version, takes)
 
     def _work(self, step: int, version: int, takes: int | None) -> RolloutBatch:
         with self._cv:
