@@ -293,6 +293,10 @@ for s in "$@"; do
     # Issue 34 after prompt steps are queued ahead (eleventh session): fused projections against the same-run hf rows
     eleventh-eval) TAIL=30 stage eleventh-eval 330 $PR bench eval --shape qwen3-0.6b --docs 2000 --hf-batch-sizes 256 \
       --gen-docs 256 --fuse-projections --json "$OUT/bench_eval_eleventh.json" ;;
+    # Issue 34's generation ratio against hf's spread between calls: every backend's phase run 3 more times, the
+    # fastest repeat of each side compared (bench eval --repeats)
+    twelfth-eval) TAIL=30 stage twelfth-eval 420 $PR bench eval --shape qwen3-0.6b --docs 2000 --hf-batch-sizes 256 \
+      --gen-docs 256 --fuse-projections --repeats 3 --json "$OUT/bench_eval_twelfth.json" ;;
     bench-eval-8b) TAIL=12 stage bench-eval-8b 420 $PR bench eval --shape qwen3-8b --docs 200 --hf-batch-sizes '' \
       --gen-docs 0 --json "$OUT/bench_eval_8b.json" ;;
     bench-eval-profile) TAIL=60 stage bench-eval-profile 300 bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider tests/eval/test_scoring.py 2>&1 | tail -3; \

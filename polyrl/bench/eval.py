@@ -103,6 +103,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the polyrl engine with q/k/v and gate/up fused into one GEMM each (RolloutConfig.fuse_projections); "
         "compare with a run without it",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="times every backend's phase is run again after its first run; the fastest repeat is the row's repeat_s "
+        "(each backend's steady state where the host's speed varies between runs; all in repeat_all_s)",
+    )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument(
         "--profile",
@@ -149,12 +156,19 @@ def write_gen_task(root: Path, docs: int, words: int, new_tokens: int, seed: int
 
 
 def _timed(
-    lm: Any, box: dict[str, Any], method: str = "loglikelihood", repeat: bool = False, counts: dict | None = None
+    lm: Any,
+    box: dict[str, Any],
+    method: str = "loglikelihood",
+    repeat: bool = False,
+    counts: dict | None = None,
+    repeats: int = 1,
 ) -> None:
     """Make ``lm.<method>`` (``loglikelihood`` or ``generate_until``) add its wall time to ``box["phase_s"]``. With
-    ``repeat`` the same requests run a second time, timed as ``box["repeat_s"]`` (what is left of first-use costs
-    shows as the difference; a polyrl engine's prefix cache is reset first, so the repeat recomputes what the first
-    call computed), and the requests are kept in ``box["requests"]`` (``--profile``). A polyrl model's
+    ``repeat`` the same requests run ``repeats`` more times, the fastest timed as ``box["repeat_s"]`` and every one
+    kept in ``box["repeat_all_s"]`` (what is left of first-use costs shows as the difference; the fastest of several
+    is each backend's steady state on a host whose speed varies between runs; a polyrl engine's prefix cache is reset
+    before each, so a repeat recomputes what the first call computed), and the requests are kept in
+    ``box["requests"]`` (``--profile``). A polyrl model's
     breakdown of the first call (``last_score_stats`` / ``last_generate_stats``) lands in ``box["breakdown"]``, with
     ``counts["read"]()`` (counters reset by ``counts["reset"]()`` before the call: ``_count_hf_generate``,
     ``_count_stop_checks``) merged in. A generation phase's texts are counted in tokens (``box["text_tokens"]``: the
@@ -177,14 +191,17 @@ def _timed(
         if repeat:
             box["requests"] = requests
             engine = getattr(lm, "llm", None)
-            if engine is not None:  # the first call's prompts must not come from the prefix cache (hf has none)
-                engine.reset_prefix_cache()
-            _sync()
-            t0 = time.perf_counter()
-            again = inner(requests, *a, **k)
-            _sync()
-            box["repeat_s"] = time.perf_counter() - t0
-            box["same_on_repeat"] = again == out
+            times, same = [], True
+            for _ in range(max(1, repeats)):
+                if engine is not None:  # the first call's prompts must not come from the prefix cache (hf has none)
+                    engine.reset_prefix_cache()
+                _sync()
+                t0 = time.perf_counter()
+                again = inner(requests, *a, **k)
+                _sync()
+                times.append(time.perf_counter() - t0)
+                same = same and again == out
+            box["repeat_s"], box["repeat_all_s"], box["same_on_repeat"] = min(times), times, same
         return out
 
     setattr(lm, method, timed)
@@ -283,6 +300,8 @@ def run(args: argparse.Namespace) -> int:
     from polyrl.infer import SamplingParams
     from polyrl.models.presets import PRESETS, create_model_from_preset
 
+    if args.repeats < 1:
+        raise UserError(f"--repeats must be >= 1 (runs of each phase after its first), got {args.repeats}")
     dev = device.torch_device()
     dtype = args.dtype or ("bfloat16" if dev.type != "cpu" and device.supports_bf16() else "float32")
     name = args.shape if args.shape in PRESETS else f"{args.shape}-shape"
@@ -308,17 +327,21 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         lm = hf_mod.HFLM(pretrained=str(model_dir), dtype=dtype, batch_size=bs, device=str(dev))
         load = time.perf_counter() - t0
-        # every row runs its phase twice (``repeat_s``), as the polyrl rows do: the same rule for both, so first-use
-        # costs of either backend show as the difference, and the ratios are taken against hf's faster run
+        # every row runs its phase 1 + --repeats times (``repeat_s``: the fastest repeat), as the polyrl rows do: the
+        # same rule for both, so first-use costs of either backend show as the difference, and the ratios are taken
+        # against hf's fastest run
         counts = None
         if kind == "gen":
             box["gen_warmup_s"] = _gen_warm_up(lm, args)
             counts = _count_hf_generate(lm)
-        _timed(lm, box, "generate_until" if kind == "gen" else "loglikelihood", repeat=True, counts=counts)
+        _timed(
+            lm, box, "generate_until" if kind == "gen" else "loglikelihood", repeat=True, counts=counts,
+            repeats=args.repeats,
+        )  # fmt: skip
         total, outs = _evaluate(lm, task, root)
         ref[kind] = ref[kind] or outs
         row = _row(f"hf bs={bs}" + (" generate" if kind == "gen" else ""), load, total, box, outs, ref[kind], kind)
-        for key in ("repeat_s", "same_on_repeat", "gen_warmup_s", "breakdown", "text_tokens"):
+        for key in ("repeat_s", "repeat_all_s", "same_on_repeat", "gen_warmup_s", "breakdown", "text_tokens"):
             if key in box:
                 row[key] = box[key]
         return row
@@ -361,7 +384,10 @@ def run(args: argparse.Namespace) -> int:
                 box["gen_warmup_s"] = _gen_warm_up(lm, args)
                 counts = _count_stop_checks()
             try:
-                _timed(lm, box, "generate_until" if kind == "gen" else "loglikelihood", repeat=True, counts=counts)
+                _timed(
+                    lm, box, "generate_until" if kind == "gen" else "loglikelihood", repeat=True, counts=counts,
+                    repeats=args.repeats,
+                )  # fmt: skip
                 total, outs = _evaluate(lm, task, root)
             finally:
                 if counts is not None:
@@ -369,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
             label = "polyrl (in-process)" + (" generate" if kind == "gen" else "")
             row = _row(label, load, total, box, outs, ref[kind], kind)
             row.update(warm)
-            for key in ("repeat_s", "same_on_repeat", "breakdown", "gen_warmup_s", "text_tokens"):
+            for key in ("repeat_s", "repeat_all_s", "same_on_repeat", "breakdown", "gen_warmup_s", "text_tokens"):
                 if key in box:
                     row[key] = box[key]
             return row

@@ -21,7 +21,7 @@ def test_bench_eval_tiny_cpu(tmp_path, capsys):
     torch.set_num_threads(1)
     out = tmp_path / "eval.json"
     prof = tmp_path / "prof"
-    assert main([*ARGV, *GEN, "--serve", "--json", str(out), "--profile", str(prof)]) == 0
+    assert main([*ARGV, *GEN, "--serve", "--repeats", "2", "--json", str(out), "--profile", str(prof)]) == 0
     res = json.loads(out.read_text())
     for name in ("eval_gen.pstats", "eval_gen_cprofile.txt", "eval_gen_torch.txt", "eval_gen_trace.json"):
         assert (prof / name).stat().st_size > 0, name  # a repeat of the generation phase, profiled
@@ -39,6 +39,7 @@ def test_bench_eval_tiny_cpu(tmp_path, capsys):
         assert r["same_as_hf"] == 1.0  # fp32 greedy: hf's texts exactly
         # both generation rows run their phase twice (the same rule for both): the steady state is a column too
         assert r["repeat_s"] > 0 and r["same_on_repeat"] is True and r["repeat_speedup"] > 0
+        assert len(r["repeat_all_s"]) == 2 and r["repeat_s"] == min(r["repeat_all_s"])  # --repeats 2: the fastest
     g = rows["polyrl (in-process) generate"]["breakdown"]
     assert g["steps"] >= 8 and g["generated_tokens"] == 4 * 8  # 8 tokens each (a stop string that never occurs)
     assert 0 < g["first_step_s"] <= g["slowest_step_s"] <= g["generate_s"] and g["graph_capture_s"] == 0.0
