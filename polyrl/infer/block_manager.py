@@ -76,9 +76,9 @@ class BlockManager:
         bs = self.block_size
         limit = (seq.num_tokens - seq.pending - 1) // bs
         pl = seq.prompt_lps
-        if pl is not None and len(pl.logprobs) < seq.num_prompt:
-            # prompt log-probs still missing from position len - 1 on: those hidden states must be computed
-            limit = min(limit, (len(pl.logprobs) - 1) // bs)
+        if pl is not None and pl.filled < seq.num_prompt:
+            # prompt log-probs still missing from position filled - 1 on: those hidden states must be computed
+            limit = min(limit, (pl.filled - 1) // bs)
         hits: list[int] = []
         parent: int | None = None
         for i in range(limit):
@@ -129,7 +129,12 @@ class BlockManager:
         return True
 
     def free_sequence(self, seq: Sequence) -> None:
-        """Drop ``seq``'s references. Its registered blocks stay cached (evictable) until reused."""
+        """Drop ``seq``'s references. Its registered blocks stay cached (evictable) until reused; full blocks of
+        computed, known tokens not registered yet (a sequence that stops while nothing more was allocated for it,
+        ``scheduler._stops_by_length``) are registered first."""
+        known = min(seq.num_computed, len(seq.tokens) - seq.pending)
+        if self.enable_prefix_caching and seq.block_table and known // self.block_size > seq.num_hashed_blocks:
+            self._register_full_blocks(seq, known)
         # Tail blocks first, so that under LRU eviction a prefix's tail goes before its head.
         for b in reversed(seq.block_table):
             self.ref_count[b] -= 1

@@ -308,8 +308,10 @@ class LLM:
                 sampling = [it.seq for it in sched.items if it.sample]
                 for it in sched.items:
                     it.seq.num_computed = it.start + it.num_new
-                if sampling:
-                    out = self.sampler(logits, sampling, self._suppress(sampling))
+                out = self.sampler(logits, sampling, self._suppress(sampling)) if sampling else None
+                for scores in self.runner.take_prompt_scores():  # before the draws: a finished request is complete
+                    scores.store()
+                if out is not None:
                     self._accept(sampling, out.tokens, out.logprobs, out.top_logprobs, touched, out.masses)
                 self.num_steps += 1
         return self._report(touched)
@@ -337,29 +339,26 @@ class LLM:
     def _can_launch_mixed_ahead(self, sched) -> bool:
         """A step with prompt chunks (and maybe decode rows) whose draws the host needs only to append and check
         stops: it is queued before the step in flight is read, like a decode launch (``overlap.py``), so the next
-        step's schedule and inputs are built while its prefill runs. Not when a row asks for top-k alternatives,
-        follows a grammar or scores its prompt (read on the host), when a prompt chunk would need a token still in
-        flight (a preempted sequence coming back), or when every row stops by length at this token anyway."""
+        step's schedule and inputs are built while its prefill runs. Prompt log-probs ride along (their copies are
+        stored when the step is read, ``prompt_logprobs.PromptScores``); a row that stops by length at this token is
+        not scheduled again while its token is in flight (``scheduler._stops_by_length``). Not when a row asks for
+        top-k alternatives or follows a grammar (read on the host), or when a prompt chunk would need a token still
+        in flight (a preempted sequence coming back)."""
         overlap = self.config.overlap_decode
         if overlap is None:
             overlap = self.runner.device.type != "cpu"
         if not overlap:
             return False
         sampling = False
-        last_token_everywhere = True
         for it in sched.items:
             s = it.seq
-            pl = s.prompt_lps
-            if (pl is not None and len(pl.logprobs) < s.num_prompt) or (s.pending and it.num_new != 1):
+            if s.pending and it.num_new != 1:
                 return False
             if it.sample:
-                p = s.params
-                if p.logprobs or s.guide is not None:
+                if s.params.logprobs or s.guide is not None:
                     return False
                 sampling = True
-                if p.max_tokens is None or it.start + it.num_new + 1 - s.num_prompt < p.max_tokens:
-                    last_token_everywhere = False
-        return sampling and not last_token_everywhere
+        return sampling
 
     def _launch_mixed(self, sched, prev: InflightStep | None, touched: dict[str, _Request]) -> None:
         """Queue a step with prompt chunks on the device, its draws left there (``_can_launch_mixed_ahead``); then read
@@ -377,7 +376,7 @@ class LLM:
         tokens, logprobs = self.sampler.draw(logits, sampling, self._suppress(sampling))
         for it in sched.items:
             it.seq.num_computed = it.start + it.num_new
-        launched = InflightStep(sampling, tokens[None], logprobs[None])
+        launched = InflightStep(sampling, tokens[None], logprobs[None], prompt_scores=self.runner.take_prompt_scores())
         if prev is not None:
             self._read(prev, touched)
         launched.mark_pending()
@@ -466,6 +465,8 @@ class LLM:
     def _read_steps(self, step: InflightStep, touched: dict[str, _Request]):
         """``_read`` as a generator: each ``next`` accepts one more step of the launch (a guided launch reads the
         previous one a step at a time, each beside one step's masks: ``_launch_guided``)."""
+        for scores in step.prompt_scores:  # before the tokens: a request finished by them is complete
+            scores.store()
         tokens, logprobs = step.read()  # [K][B]
         finished = Status.FINISHED
         live = []

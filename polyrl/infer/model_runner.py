@@ -39,7 +39,7 @@ from polyrl.infer.fp8_weights import Fp8Weights
 from polyrl.infer.fused_projections import FusedProjections
 from polyrl.infer.kv_cache import KVCache
 from polyrl.infer.overlap import feed_input_ids
-from polyrl.infer.prompt_logprobs import compute_and_store, plan_step
+from polyrl.infer.prompt_logprobs import PromptScores, compute, plan_step
 from polyrl.infer.sampler import SamplingRows, host_to_device
 from polyrl.infer.scheduler import SchedulerOutput
 from polyrl.models.attention_metadata import AttnMetadata
@@ -80,6 +80,7 @@ class ModelRunner:
         self.last_decode: DecodeBuffers | None = None  # inputs of the last step run, for execute_steps
         self.released_capture_s = 0.0  # capture time of graph sets dropped by invalidate_graphs
         self._prompt_plan = None  # the step's prompt log-prob rows (prompt_logprobs.py), consumed by _eager
+        self._prompt_scores: list[PromptScores] = []  # queued by _eager, handed to the engine by take_prompt_scores
 
     @property
     def weight_copies(self) -> Fp8Weights | FusedProjections | None:
@@ -236,12 +237,18 @@ class ModelRunner:
             self.kv.write_routing(x.slot_mapping, routing.topk_ids)
         plan, self._prompt_plan = self._prompt_plan, None
         if plan is not None:
-            compute_and_store(hidden, self.model.lm_head_weight, plan)
+            self._prompt_scores.append(compute(hidden, self.model.lm_head_weight, plan))
         if x.sample_rows.numel() == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         if x.sample_rows.numel() != x.num_tokens:
             hidden = hidden.index_select(0, x.sample_rows)  # [S, H]
         return self.model.compute_logits(hidden, upcast=False)
+
+    def take_prompt_scores(self) -> list[PromptScores]:
+        """The prompt log-probs queued by the steps run since the last call, in step order; the engine stores them
+        (``PromptScores.store``) when it reads those steps' tokens."""
+        scores, self._prompt_scores = self._prompt_scores, []
+        return scores
 
     def invalidate_graphs(self) -> None:
         """Drop captured graphs (after the cache is released or parameter tensors are replaced)."""

@@ -45,9 +45,16 @@ class InflightStep:
     their tokens, on the device and on their way to pinned host memory."""
 
     def __init__(
-        self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor, masses: torch.Tensor | None = None
+        self,
+        seqs: list[Sequence],
+        tokens: torch.Tensor,
+        logprobs: torch.Tensor,
+        masses: torch.Tensor | None = None,
+        prompt_scores: list | None = None,
     ) -> None:
         self.seqs = seqs
+        # a mixed step's prompt log-probs (``prompt_logprobs.PromptScores``), stored when the step is read
+        self.prompt_scores = prompt_scores or []
         self.steps = tokens.shape[0]
         self.tokens = tokens[-1]  # int64 [B] on the device: the last step's draws, the next launch's input ids
         # structured outputs: [K, B] log(mass the grammar allowed) per step and row, read with the tokens

@@ -31,6 +31,13 @@ lets a sequence take cached blocks only below the first position it still needs 
 scorer that wants only a continuation's log-probs keep the cache hit on its context). Preemption keeps what was
 filled. Log-probs are of the raw distribution (temperature 1, no truncation), as vLLM reports prompt log-probs.
 
+Off the host's critical path: ``plan_step`` counts the planned rows as ``PromptLogprobs.queued`` (so the next
+chunk's plan and the prefix-cache lookup see them as filled), ``compute`` queues the GEMMs and row statistics and
+starts the copies of the results into pinned host memory, and returns ``PromptScores``; the engine calls
+``PromptScores.store`` when it reads the step's sampled tokens (``LLM._read_steps``; right after the sampler on the
+synchronous path), so a scoring step can be queued ahead of the step in flight like any prefill step, and the
+host's list building overlaps the next step's device work.
+
 This module only computes and stores; scheduling and formatting (``server/logprobs.py``) live elsewhere.
 """
 
@@ -41,18 +48,22 @@ from dataclasses import dataclass
 import torch
 
 from polyrl import kernels
+from polyrl.infer.sampler import host_to_device
 from polyrl.infer.scheduler import ScheduledSeq
 from polyrl.infer.sequence import Sequence
+from polyrl.platform import device
 
 ROW_CHUNK_ELEMS = 1 << 26  # logits elements per chunk: [rows, V] fp32 = 256 MiB (441 rows at V = 152k)
+ROW_CHUNK_BYTES = 4 * ROW_CHUNK_ELEMS  # the same bytes when the logits stay in the model's dtype (the row kernel)
 
 
 def first_needed(seq: Sequence) -> int | None:
     """The first prompt position whose hidden state ``seq`` still needs for its prompt log-probs, or None."""
     pl = seq.prompt_lps
-    if pl is None or len(pl.logprobs) >= seq.num_prompt:
+    if pl is None:
         return None
-    return len(pl.logprobs) - 1
+    filled = pl.filled
+    return None if filled >= seq.num_prompt else filled - 1
 
 
 @dataclass
@@ -64,7 +75,8 @@ class PromptPlan:
 
 
 def plan_step(items: list[ScheduledSeq]) -> PromptPlan | None:
-    """Which hidden rows of this step score which prompt tokens; None when no item needs any."""
+    """Which hidden rows of this step score which prompt tokens; None when no item needs any. The planned rows count
+    as ``queued`` in each sequence's ``PromptLogprobs`` until ``PromptScores.store`` appends them."""
     rows: list[int] = []
     targets: list[int] = []
     spans: list[tuple[Sequence, int]] = []
@@ -80,61 +92,95 @@ def plan_step(items: list[ScheduledSeq]) -> PromptPlan | None:
                 rows.extend(range(lo + need - it.start, lo + end - it.start))
                 targets.extend(s.tokens[need + 1 : end + 1])
                 spans.append((s, end - need))
+                s.prompt_lps.queued += end - need
                 top_k = max(top_k, s.params.prompt_logprobs or 0)
         lo += it.num_new
     return PromptPlan(rows, targets, spans, top_k) if rows else None
 
 
-def compute_and_store(hidden: torch.Tensor, weight: torch.Tensor, plan: PromptPlan) -> None:
-    """Score ``plan``'s rows of ``hidden`` ``[T, H]`` against the LM head ``weight`` ``[V, H]`` and append the
-    results to each sequence's ``prompt_lps``."""
+class PromptScores:
+    """One step's prompt log-probs on their way to the host (``compute``): ``store`` appends them to each sequence's
+    ``PromptLogprobs``, waiting for this step's copies only."""
+
+    def __init__(self, plan: PromptPlan, chosen: torch.Tensor, top: tuple[torch.Tensor, ...] | None) -> None:
+        self.plan = plan
+        tensors = (chosen, *top) if top is not None else (chosen,)
+        if chosen.device.type == "cpu":
+            self._host, self._event = tensors, None
+            return
+        self._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
+        for h, t in zip(self._host, tensors):
+            h.copy_(t, non_blocking=True)
+        self._event = device.event(enable_timing=False)
+        if self._event is not None:
+            self._event.record()
+
+    def store(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+        elif self._host[0].device.type != "cpu":
+            device.synchronize()
+        plan = self.plan
+        lps = self._host[0].tolist()
+        tv = ti = ranks = None
+        if len(self._host) > 1:
+            top_v, top_i, rank = self._host[1:]
+            ranks = rank.tolist()
+            if plan.top_k == 1:  # flat lists: one dict per row below, no nested lists
+                tv, ti = top_v[:, 0].tolist(), top_i[:, 0].tolist()
+            else:
+                tv, ti = top_v.tolist(), top_i.tolist()
+        r = 0
+        for seq, count in plan.spans:  # per row: list appends only (a 4,000-prompt echo request scores ~400k rows)
+            pl = seq.prompt_lps
+            k = seq.params.prompt_logprobs or 0
+            end = r + count
+            pl.logprobs.extend(lps[r:end])
+            pl.queued -= count
+            if not k:
+                pl.top_logprobs.extend({} for _ in range(count))
+                pl.ranks.extend([None] * count)
+            elif plan.top_k == 1:  # the top-1 alternative; the chosen token's own number when it is that one
+                pl.top_logprobs.extend(
+                    [
+                        {i: lp} if i == t else {i: v}
+                        for i, v, t, lp in zip(ti[r:end], tv[r:end], plan.targets[r:end], lps[r:end])
+                    ]
+                )
+                pl.ranks.extend(ranks[r:end])
+            else:
+                tops = []
+                for ids, vals, target, lp in zip(ti[r:end], tv[r:end], plan.targets[r:end], lps[r:end]):
+                    top = dict(zip(ids[:k], vals[:k]))
+                    if target in top:  # the same number as the token's own log-prob (an exact greedy test)
+                        top[target] = lp
+                    tops.append(top)
+                pl.top_logprobs.extend(tops)
+                pl.ranks.extend(ranks[r:end])
+            r = end
+
+
+def compute(hidden: torch.Tensor, weight: torch.Tensor, plan: PromptPlan) -> PromptScores:
+    """Queue the scoring of ``plan``'s rows of ``hidden`` ``[T, H]`` against the LM head ``weight`` ``[V, H]``; the
+    returned ``PromptScores.store`` appends the results to each sequence's ``prompt_lps``."""
     dev = hidden.device
-    rows = torch.tensor(plan.rows, dtype=torch.long, device=dev)
-    targets = torch.tensor(plan.targets, dtype=torch.long, device=dev)
+    rows = host_to_device(plan.rows, torch.long, dev)  # no stream sync: the host stays ahead of the device
+    targets = host_to_device(plan.targets, torch.long, dev)
     h = hidden.index_select(0, rows)  # [R, H]
-    tv = ti = ranks = None
     if plan.top_k:  # one pass over the logits gives the alternatives, the ranks and the chosen tokens' log-probs
         top_v, top_i, rank, chosen = top_logprobs(h, weight, plan.top_k, targets)
-        ranks = rank.tolist()
-        if plan.top_k == 1:  # flat lists: one dict per row below, no nested lists
-            tv, ti = top_v[:, 0].tolist(), top_i[:, 0].tolist()
-        else:
-            tv, ti = top_v.tolist(), top_i.tolist()
-    else:
-        chunk = max(1, ROW_CHUNK_ELEMS // weight.shape[0])  # bounded logits whatever the op's own chunking
-        parts = [
-            kernels.token_logprobs(h[lo : lo + chunk], weight, targets[lo : lo + chunk])
-            for lo in range(0, len(rows), chunk)
-        ]
-        chosen = torch.cat(parts).float()  # [R]
-    lps = chosen.tolist()
-    r = 0
-    for seq, count in plan.spans:  # per row: list appends only (a 4,000-prompt echo request scores ~400k rows)
-        pl = seq.prompt_lps
-        k = seq.params.prompt_logprobs or 0
-        end = r + count
-        pl.logprobs.extend(lps[r:end])
-        if not k:
-            pl.top_logprobs.extend({} for _ in range(count))
-            pl.ranks.extend([None] * count)
-        elif plan.top_k == 1:  # the top-1 alternative; the chosen token's own number when it is that one
-            pl.top_logprobs.extend(
-                [
-                    {i: lp} if i == t else {i: v}
-                    for i, v, t, lp in zip(ti[r:end], tv[r:end], plan.targets[r:end], lps[r:end])
-                ]
-            )
-            pl.ranks.extend(ranks[r:end])
-        else:
-            tops = []
-            for ids, vals, target, lp in zip(ti[r:end], tv[r:end], plan.targets[r:end], lps[r:end]):
-                top = dict(zip(ids[:k], vals[:k]))
-                if target in top:  # the same number as the token's own log-prob (an exact greedy test)
-                    top[target] = lp
-                tops.append(top)
-            pl.top_logprobs.extend(tops)
-            pl.ranks.extend(ranks[r:end])
-        r = end
+        return PromptScores(plan, chosen, (top_v, top_i, rank))
+    chunk = max(1, ROW_CHUNK_ELEMS // weight.shape[0])  # bounded logits whatever the op's own chunking
+    parts = [
+        kernels.token_logprobs(h[lo : lo + chunk], weight, targets[lo : lo + chunk])
+        for lo in range(0, len(plan.rows), chunk)
+    ]
+    return PromptScores(plan, torch.cat(parts).float(), None)
+
+
+def compute_and_store(hidden: torch.Tensor, weight: torch.Tensor, plan: PromptPlan) -> None:
+    """``compute`` and ``store`` at once (waits for the device)."""
+    compute(hidden, weight, plan).store()
 
 
 def top_logprobs(
@@ -144,8 +190,9 @@ def top_logprobs(
     ``targets``, the last two None without targets) of the ``k`` likeliest tokens of each row of ``h`` ``[R, H]``,
     over row chunks (never more than ``ROW_CHUNK_ELEMS`` logits at once). Logits are computed in the model's dtype
     and upcast, as ``kernels.token_logprobs``' reference does. A rank counts the tokens strictly likelier, plus one."""
-    chunk = max(1, ROW_CHUNK_ELEMS // weight.shape[0])
     fused = targets is not None and uses_row_kernel(h)
+    # [rows, V] fp32 logits of at most ROW_CHUNK_ELEMS; twice the rows where they stay in the model's 2-byte dtype
+    chunk = max(1, (ROW_CHUNK_BYTES // weight.element_size() if fused else ROW_CHUNK_ELEMS) // weight.shape[0])
     vals, ids, ranks, own_lp = [], [], [], []
     for lo in range(0, h.shape[0], chunk):
         logits = torch.nn.functional.linear(h[lo : lo + chunk], weight)  # [r, V], the model's dtype

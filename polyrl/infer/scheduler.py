@@ -80,6 +80,9 @@ class Scheduler:
         allocate, items = self.bm.allocate, out.items
         while i < len(queue) and budget > 0:
             seq = queue[i]
+            if seq.pending and _stops_by_length(seq):  # finishes when its tokens in flight are read: nothing to run
+                i += 1
+                continue
             total, done = len(seq.tokens), seq.num_computed
             num_new = min(total - done, budget)
             while not allocate(seq, done + num_new):
@@ -140,3 +143,10 @@ class Scheduler:
         for s in found:
             self.finish(s, "abort")
         return found
+
+
+def _stops_by_length(seq: Sequence) -> bool:
+    """Whether ``seq``'s tokens, those still in flight included, already reach its ``max_tokens``: the read of the
+    step in flight finishes it whatever those tokens are, so a decode row for it would be thrown away."""
+    m = seq.params.max_tokens
+    return m is not None and len(seq.tokens) - seq.num_prompt >= m

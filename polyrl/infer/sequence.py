@@ -61,6 +61,13 @@ class PromptLogprobs:
     logprobs: list[float | None]
     top_logprobs: list[dict[int, float] | None]
     ranks: list[int | None] = field(default_factory=list)
+    # positions scored by a step whose results are still on their way to the host (``prompt_logprobs.PromptScores``)
+    queued: int = 0
+
+    @property
+    def filled(self) -> int:
+        """Positions stored or queued: the next position to score is ``filled - 1``'s hidden state."""
+        return len(self.logprobs) + self.queued
 
 
 @dataclass

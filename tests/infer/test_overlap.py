@@ -138,17 +138,69 @@ def test_a_whole_batch_prefill_is_queued_ahead_and_its_draws_feed_the_first_deco
     assert [len(o.outputs[0].token_ids) for o in ahead[2::3]] == [1] * 4
 
 
-def test_prompt_steps_that_need_the_host_stay_synchronous(tiny_model):
-    """Top-k alternatives and prompt log-probs are read on the host, and a batch whose every row ends at the
-    prefill's token has nothing to queue behind it: those prompt steps are not launched ahead."""
+def test_prompt_steps_with_topk_alternatives_stay_synchronous(tiny_model):
+    """Top-k alternatives of the draws are read on the host between steps: those prompt steps are not launched
+    ahead."""
     cfg = RolloutConfig(num_blocks=128, block_size=4, overlap_decode=True)
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2)
+    llm = LLM(tiny_model, None, cfg)
+    out = llm.generate([[2, 3, 4, 5, 6], [7, 8, 9]], params)
+    assert llm.stats()["num_mixed_ahead"] == 0
+    assert all(len(o.outputs[0].token_ids) == 6 for o in out)
+
+
+def test_scoring_steps_launched_ahead_equal_synchronous(tiny_model):
+    """Prompt log-probs ride a prompt step queued ahead (stored when the step is read): chunked prompts (several
+    chunks of one prompt, ``queued`` rows counted before they are stored), top-k alternatives of the prompt, a
+    continuation scored after a cached context, and batches whose every row ends at the prefill's token all give
+    what the synchronous engine gives, with the ahead steps counted."""
+    g = torch.Generator().manual_seed(5)
+    ctx = torch.randint(2, 96, (18,), generator=g).tolist()
+    prompts = [ctx + torch.randint(2, 96, (int(k),), generator=g).tolist() for k in (3, 5, 2, 7)]
+    prompts += _prompts(6, seed=4)
     cases = [
-        SamplingParams(temperature=0.0, max_tokens=6, logprobs=2),
-        SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=1),
-        SamplingParams(temperature=0.0, max_tokens=1),
+        [SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, prompt_logprobs_from=18)] * 4
+        + [SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)] * 6,
+        [SamplingParams(temperature=1.0, seed=3, max_tokens=5, ignore_eos=True, prompt_logprobs=0)] * 10,
     ]
     for params in cases:
-        llm = LLM(tiny_model, None, cfg)
-        out = llm.generate([[2, 3, 4, 5, 6], [7, 8, 9]], params)
-        assert llm.stats()["num_mixed_ahead"] == 0, params
-        assert all(len(o.outputs[0].token_ids) == params.max_tokens for o in out)
+        outs, stats = {}, {}
+        for overlap in (False, True):
+            cfg = RolloutConfig(
+                num_blocks=256, block_size=4, max_num_seqs=4, max_num_batched_tokens=24, overlap_decode=overlap
+            )
+            llm = LLM(tiny_model, None, cfg)
+            outs[overlap] = llm.generate(prompts, params)
+            stats[overlap] = llm.stats()
+            assert not llm.has_unfinished_requests() and llm._inflight is None
+        assert stats[True]["num_mixed_ahead"] > 0 and stats[False]["num_mixed_ahead"] == 0
+        for a, b in zip(outs[False], outs[True]):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            pa, pb = a.prompt_logprobs, b.prompt_logprobs
+            assert len(pb.logprobs) == len(b.prompt_token_ids) and pb.queued == 0
+            assert pa.ranks == pb.ranks  # the steps batch other rows: numbers within float rounding
+            assert [x is None for x in pa.logprobs] == [x is None for x in pb.logprobs]
+            got = [x for x in pb.logprobs if x is not None]
+            assert got and torch.allclose(torch.tensor(got), torch.tensor([x for x in pa.logprobs if x is not None]))
+            for ta, tb in zip(pa.top_logprobs, pb.top_logprobs):
+                assert (ta is None) == (tb is None) and (ta is None or ta.keys() == tb.keys())
+                assert ta is None or all(abs(ta[i] - tb[i]) < 1e-5 for i in ta)
+
+
+def test_rows_ending_by_length_are_not_scheduled_while_their_token_is_in_flight(tiny_model):
+    """A row whose tokens in flight reach max_tokens finishes when they are read: the ahead engine schedules no
+    decode step for it (no more steps than the synchronous engine), and the blocks it filled still enter the prefix
+    cache when it finishes."""
+    prompts = _prompts(5, seed=8)
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=12, ignore_eos=True)
+    sync_llm, sync = _run(tiny_model, False, 128, prompts, params, decode_steps=4)
+    ahead_llm, ahead = _run(tiny_model, True, 128, prompts, params, decode_steps=4)
+    assert [r[1] for r in ahead] == [r[1] for r in sync]
+    assert ahead_llm.stats()["num_generated_tokens"] == sync_llm.stats()["num_generated_tokens"] == 60
+    assert ahead_llm.num_steps <= sync_llm.num_steps
+    for llm, rows in ((sync_llm, sync), (ahead_llm, ahead)):
+        bm = llm.block_manager
+        before = bm.hit_tokens
+        follow = rows[0][0] + rows[0][1] + [7]
+        llm.generate([follow], SamplingParams(temperature=0, max_tokens=1))
+        assert bm.hit_tokens - before == (len(follow) - 2) // 4 * 4  # every full block of known, computed tokens
