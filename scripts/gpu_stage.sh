@@ -222,6 +222,13 @@ for s in "$@"; do
       --json $OUT/bench_sft_moe_mem.json; $PR bench kernels --ops moe_experts --json $OUT/bench_kernels_moe.json" ;;
     bench-sft-moe-liger) stage bench-sft-moe-liger 150 $PR bench sft --shape qwen3-30b-a3b-L8 --seq 4096 --batch 4 --warmup 2 --steps 4 --no-ours --baselines hf-liger --numerics bf16 --json "$OUT/bench_sft_moe_liger.json" ;;
     bench-rollout-moe) stage bench-rollout-moe 150 $PR bench rollout --shape qwen3-30b-a3b-L8 --batch 256 --prompt-len 128 --gen-len 256 --baselines hf --skip-batch1 --json "$OUT/bench_rollout_moe.json" ;;
+    # Full-depth qwen3-30b-a3b (48 layers, bf16 weights ~61 GB): rollout B256 128 / 256 (decode roofline printed),
+    # then LoRA SFT on attention and routed experts, 1 x 4096, checkpointed (issue 32 asks for both rows)
+    moe-full-depth) TAIL=40 stage moe-full-depth 420 bash -c "$PR bench rollout --shape qwen3-30b-a3b --batch 256 \
+        --prompt-len 128 --gen-len 256 --baselines none --skip-batch1 --json $OUT/bench_rollout_moe_full.json \
+        | grep -vE 'it/s|^W'; $PR bench sft --shape qwen3-30b-a3b --seq 4096 --batch 1 --warmup 1 --steps 3 \
+        --lora r=16,alpha=32,targets=q,k,v,o,experts --activation-checkpointing --baselines none \
+        --json $OUT/bench_sft_lora_moe_full.json" ;;
     moe-qlora) TAIL=60 stage moe-qlora 420 bash -c "python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/models/test_moe_qlora.py; A='--shape qwen3-30b-a3b-L4 --seq 4096 --batch 2 --warmup 2 --steps 4 --baselines none'; L='r=16,alpha=32,targets=q,k,v,o,experts'; for m in '' --qlora; do $PR bench sft \$A --lora \$L \$m --activation-checkpointing; done; $PR bench sft \$A --lora \$L --qlora" ;;
     # constrained decoding (issue 35): the same batch free and under a JSON schema, cost printed
     bench-rollout-structured) stage bench-rollout-structured 150 $PR bench rollout --shape qwen3-0.6b --batch 256 --prompt-len 128 --gen-len 256 --baselines none --skip-batch1 --response-format json_schema --json "$OUT/bench_rollout_structured.json" ;;
@@ -336,6 +343,15 @@ for s in "$@"; do
     bench-sft-fp8-8b) TAIL=40 stage bench-sft-fp8-8b 590 $PR bench sft --shape qwen3-8b --seq 4096 --batch 2 --warmup 2 \
       --steps 4 --activation-checkpointing --master-dtype none --precision both --baselines hf-liger,torchao-fp8 \
       --numerics bf16 --json "$OUT/bench_sft_fp8_8b.json" ;;
+    # The same 8b rows with polyrl recomputing only the first 18 of 36 layers (engine.checkpoint_layers; HF's gradient
+    # checkpointing is all layers or none, and none does not fit), then polyrl FP8 with no recompute (issue 28)
+    bench-sft-fp8-8b-partial) TAIL=30 stage bench-sft-fp8-8b-partial 400 bash -c "A='--shape qwen3-8b --seq 4096 \
+        --batch 2 --warmup 2 --steps 4 --master-dtype none'; $PR bench sft \$A --activation-checkpointing \
+        --checkpoint-layers 18 --precision both --baselines hf-liger --numerics bf16 --json $OUT/bench_sft_fp8_8b_ckpt18.json; \
+      $PR bench sft \$A --precision fp8 --baselines none --json $OUT/bench_sft_fp8_8b_nockpt.json" ;;
+    # 1.7b FP8 against HF + Liger bf16 alone (issue 28's 1.25x row without the torchao rows)
+    bench-sft-fp8-17b) TAIL=20 stage bench-sft-fp8-17b 200 $PR bench sft --shape qwen3-1.7b --seq 4096 --batch 4 \
+      --warmup 2 --steps 5 --precision both --baselines hf-liger --numerics bf16 --json "$OUT/bench_sft_fp8_17b.json" ;;
     # 8b LoRA with FP8 base GEMMs vs bf16 base and HF + peft + Liger (issue 28 target: >= 1.5x HF + peft + Liger)
     bench-sft-lora-fp8-8b) TAIL=40 stage bench-sft-lora-fp8-8b 590 $PR bench sft --shape qwen3-8b --seq 4096 --batch 2 \
       --warmup 2 --steps 5 --lora r=16,alpha=32 --activation-checkpointing --precision both --baselines hf-liger \
