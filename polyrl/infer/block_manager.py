@@ -21,9 +21,14 @@ This module does bookkeeping on Python ints only; the tensors live in ``kv_cache
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from polyrl.infer.sequence import Sequence
+
+# ``Sequence.num_hashed_blocks`` of a sequence whose blocks must never be registered (KV of replaced weights)
+NEVER_REGISTER = sys.maxsize
 
 
 class BlockManager:
@@ -147,12 +152,18 @@ class BlockManager:
         seq.num_hashed_blocks = 0
         seq.last_hash = None
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every registered prefix (call after the model's weights change: cached KV is stale)."""
+    def reset_prefix_cache(self, live: Iterable[Sequence] = ()) -> None:
+        """Forget every registered prefix (call after the model's weights change: cached KV is stale). The ``live``
+        sequences keep their blocks, whose KV is the old weights', and every block they fill later attends to that
+        KV: none of their blocks is registered from now on (not when allocated, not when freed), until a preemption
+        frees them and the sequence recomputes its tokens."""
         for b in range(self.num_blocks):
             self.block_key[b] = None
             self.block_id[b] = None
         self.cached.clear()
+        for seq in live:
+            if seq.block_table:
+                seq.num_hashed_blocks = NEVER_REGISTER
 
     def _take_free_block(self) -> int:
         b, _ = self.free.popitem(last=False)  # least recently used first

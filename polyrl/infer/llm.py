@@ -89,7 +89,9 @@ class LLM:
         # sequence fits again once the others are gone.
         self.max_model_len = min(limit, self.kv.num_blocks * self.config.block_size)
         self.block_manager = BlockManager(self.kv.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_model_len
+        )
         self.runner = ModelRunner(model, self.kv, self.config, self.max_model_len, fp8, fused)
         self.sampler = Sampler()
         eos = set(mcfg.eos_token_ids)
@@ -433,9 +435,9 @@ class LLM:
 
     def _steps_per_launch(self, sched, steps: int | None = None) -> int:
         """Decode steps to queue in this launch: ``decode_steps`` (``steps`` if given: a guided launch's,
-        ``overlap.guided_launch_steps``) when no row needs the host between steps (a
-        ``min_tokens`` mask changes every step), no more than any row has positions left, and no more than the
-        longest-remaining row can use."""
+        ``overlap.guided_launch_steps``) when no row needs the host between steps (a ``min_tokens`` mask changes every
+        step), no more than any row has draws left before the model length (its last draw makes ``max_model_len``
+        tokens), and no more than the longest-remaining row can use."""
         k = self.config.decode_steps if steps is None else steps
         if k == 1:
             return 1
@@ -446,7 +448,7 @@ class LLM:
             generated = it.start + 1 - s.num_prompt  # drawn before this launch, placeholders included
             if generated < p.min_tokens:
                 return 1
-            k = min(k, self.max_model_len - it.start)
+            k = min(k, self.max_model_len - 1 - it.start)  # the last draw makes max_model_len tokens
             useful = max(useful, (p.max_tokens - generated) if p.max_tokens is not None else k)
         k = max(1, min(k, useful))
         if k > 1:
@@ -694,8 +696,11 @@ class LLM:
     # ---- colocated training -------------------------------------------------------------------------
     def reset_prefix_cache(self) -> None:
         """Forget cached prefixes: call after the model's weights changed (their KV is stale; FP8 rollout weights are
-        requantised and fused projection copies rewritten before the next forward, ``ModelRunner.weights_changed``)."""
-        self.block_manager.reset_prefix_cache()
+        requantised and fused projection copies rewritten before the next forward, ``ModelRunner.weights_changed``).
+        Sequences still holding blocks (a swap mid-generation) register none of them from now on: their KV, and that
+        of every later position attending to it, is the old weights'."""
+        sched = self.scheduler  # sequences holding KV of the old weights: their blocks are never registered
+        self.block_manager.reset_prefix_cache([*sched.running, *sched.waiting])
         self.runner.weights_changed()
 
     def release(self) -> None:

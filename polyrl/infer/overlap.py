@@ -16,8 +16,11 @@ while that step's forward runs, and reads the previous launch a step at a time b
 
 Prompt steps too (``LLM._launch_mixed``): a step with prompt chunks, decode rows beside them or not, is queued
 without waiting for its draws when the host needs them only to append and check stops (no top-k alternatives, no
-grammar, no prompt log-probs). Its draws feed the next step's rows on the device like a decode launch's, so the
-first decode launch after a whole batch's prefill is scheduled and queued while that prefill runs.
+grammar; prompt log-probs ride along and are stored when the step is read, ``prompt_logprobs.PromptScores``). Its
+draws feed the next step's rows on the device like a decode launch's, so the first decode launch after a whole batch's
+prefill is scheduled and queued while that prefill runs. A row whose tokens in flight reach its ``max_tokens`` or the
+model length is not scheduled again (``scheduler._stops_by_length``), and a launch queues no step whose draw would
+fall past the model length (``LLM._steps_per_launch``).
 
 Bookkeeping: launched-but-unread tokens are placeholders (``PENDING``) at the end of ``seq.tokens``, counted by
 ``seq.pending``, with ``seq.pending_row`` the sequence's row in the launch in flight; the block manager keeps

@@ -105,7 +105,8 @@ class PromptScores:
     def __init__(self, plan: PromptPlan, chosen: torch.Tensor, top: tuple[torch.Tensor, ...] | None) -> None:
         self.plan = plan
         tensors = (chosen, *top) if top is not None else (chosen,)
-        if chosen.device.type == "cpu":
+        self._copied = chosen.device.type != "cpu"
+        if not self._copied:
             self._host, self._event = tensors, None
             return
         self._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
@@ -118,7 +119,7 @@ class PromptScores:
     def store(self) -> None:
         if self._event is not None:
             self._event.synchronize()
-        elif self._host[0].device.type != "cpu":
+        elif self._copied:  # a device without events: the copies into (CPU) pinned memory may still be running
             device.synchronize()
         plan = self.plan
         lps = self._host[0].tolist()

@@ -47,10 +47,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int | None = None,
+    ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.bm = block_manager
+        self.max_model_len = max_model_len  # prompt + output tokens (stopping.check_stop ends a sequence there)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -80,7 +87,7 @@ class Scheduler:
         allocate, items = self.bm.allocate, out.items
         while i < len(queue) and budget > 0:
             seq = queue[i]
-            if seq.pending and _stops_by_length(seq):  # finishes when its tokens in flight are read: nothing to run
+            if seq.pending and _stops_by_length(seq, self.max_model_len):  # finishes when its tokens in flight are read
                 i += 1
                 continue
             total, done = len(seq.tokens), seq.num_computed
@@ -145,8 +152,12 @@ class Scheduler:
         return found
 
 
-def _stops_by_length(seq: Sequence) -> bool:
-    """Whether ``seq``'s tokens, those still in flight included, already reach its ``max_tokens``: the read of the
-    step in flight finishes it whatever those tokens are, so a decode row for it would be thrown away."""
+def _stops_by_length(seq: Sequence, max_model_len: int | None) -> bool:
+    """Whether ``seq``'s tokens, those still in flight included, already reach its ``max_tokens`` or the model length
+    ``max_model_len``: the read of the step in flight finishes it whatever those tokens are, so a decode row for it
+    would be thrown away (and, past the model length, would compute positions beyond it)."""
+    n = len(seq.tokens)
+    if max_model_len is not None and n >= max_model_len:
+        return True
     m = seq.params.max_tokens
-    return m is not None and len(seq.tokens) - seq.num_prompt >= m
+    return m is not None and n - seq.num_prompt >= m

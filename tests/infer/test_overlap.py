@@ -4,6 +4,8 @@ strings, min_tokens, n > 1, prefix sharing and preemption - and leave no placeho
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from polyrl.infer import LLM, RolloutConfig, SamplingParams
@@ -204,3 +206,71 @@ def test_rows_ending_by_length_are_not_scheduled_while_their_token_is_in_flight(
         follow = rows[0][0] + rows[0][1] + [7]
         llm.generate([follow], SamplingParams(temperature=0, max_tokens=1))
         assert bm.hit_tokens - before == (len(follow) - 2) // 4 * 4  # every full block of known, computed tokens
+
+
+def test_rows_reaching_the_model_length_are_not_computed_past_it(tiny_model):
+    """A row whose tokens (those in flight included) reach max_model_len finishes when they are read, like one that
+    reaches max_tokens: the ahead engine neither schedules it again nor queues launch steps whose draws fall past
+    the model length, so no sequence ever holds more than max_model_len - 1 computed positions (what the synchronous
+    engine computes), whether the cache or max_model_len sets the length."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 96, (k,), generator=g).tolist() for k in (5, 9, 14, 3)]
+    params = SamplingParams(temperature=1.0, seed=3, ignore_eos=True, max_tokens=200)
+    for num_blocks, max_len in ((256, 30), (8, None)):  # 8 blocks of 4: the cache caps the model length at 32
+        runs = {}
+        for overlap in (False, True):
+            cfg = RolloutConfig(
+                num_blocks=num_blocks, block_size=4, max_num_seqs=8, overlap_decode=overlap, max_model_len=max_len
+            )
+            llm = LLM(tiny_model, None, cfg)
+            held = [0]
+            allocate = llm.block_manager.allocate
+
+            def tracked(seq, num_tokens, allocate=allocate, held=held):
+                held[0] = max(held[0], num_tokens)
+                return allocate(seq, num_tokens)
+
+            llm.block_manager.allocate = tracked
+            outs = llm.generate(prompts, params)
+            runs[overlap] = [o.outputs[0].token_ids for o in outs], held[0], llm
+        (sync, sync_held, _), (ahead, ahead_held, ahead_llm) = runs[False], runs[True]
+        limit = ahead_llm.max_model_len
+        assert ahead == sync and [len(p) + len(t) for p, t in zip(prompts, ahead)] == [limit] * 4
+        assert ahead_llm.stats()["num_steps_ahead"] > 0
+        assert sync_held == limit - 1
+        assert ahead_held == limit - 1  # no position at or past the last token's was computed
+
+
+def test_blocks_computed_across_a_weight_swap_never_enter_the_prefix_cache(tiny_model):
+    """After ``swap_weights`` a running sequence keeps its KV of the old weights, and every block it fills later
+    attends to that KV: none of its blocks may be registered (neither when allocated nor when it finishes,
+    ``BlockManager.free_sequence``), or a later prompt hitting them reads KV no fresh engine computes. A prompt
+    that extends the swapped sequence, run twice (the second hits what the first registered), gives what an engine
+    without a prefix cache gives under the new weights."""
+    model = copy.deepcopy(tiny_model)
+    g = torch.Generator().manual_seed(1)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+
+    def load():
+        with torch.no_grad():
+            for k, v in model.state_dict().items():
+                v.copy_(new[k])
+
+    cfg = RolloutConfig(num_blocks=256, block_size=4, overlap_decode=True)
+    llm = LLM(model, None, cfg)
+    prompt = list(range(10, 23))
+
+    def swap(engine, steps):
+        if steps == 2:
+            engine.swap_weights(load, 1)
+
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=19, ignore_eos=True), between_steps=swap)
+    follow = prompt + out[0].outputs[0].token_ids + [7]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    fresh = LLM(model, None, RolloutConfig(num_blocks=256, block_size=4, enable_prefix_caching=False))
+    want = fresh.generate([follow], greedy)[0].outputs[0]
+    for _ in range(2):
+        got = llm.generate([follow], greedy)[0].outputs[0]
+        assert got.token_ids == want.token_ids
+        assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5)
+    assert llm.block_manager.hit_tokens > 0  # the second run took the blocks the first one computed
