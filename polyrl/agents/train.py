@@ -36,8 +36,9 @@ log-probs, versions, rewards, transcripts) and each rank's failure counts are ga
 batch, the same metrics and the same failure totals, and training goes on as for single completions
 (``polyrl.run.online``): the same advantages on every rank, each training its strided share; rank 0 logs and writes
 rollouts.jsonl. The evaluation's episodes are split the same way. Synchronous, and async with the inline or thread
-producer (the gather then runs on the producer's gloo group, ``polyrl.run.async_steps``); the process producer and
-partial rollouts are one-process, as for single completions.
+producer (the gather then runs on the producer's gloo group, ``polyrl.run.async_steps``). With the process producer
+(``--env`` episodes) rank 0's rollout worker processes run every episode and the batch is broadcast to the other
+ranks (``root_episodes``). Partial rollouts are one-process, as for single completions.
 Not here: the episode loop (``rollout``), the loss and advantages (``polyrl.algorithms``).
 """
 
@@ -180,6 +181,8 @@ class EpisodeSteps:
         return dict(self.env_pool.totals) if self.env_pool is not None else {}
 
     def episodes(self, examples: list[dict], n: int, sampling: Any, seeds: list[int] | None) -> list[Any]:
+        if self.proxy is None and self.policy.remote_on_root:  # torchrun, process producer: rank 0's replicas
+            return self.root_episodes(examples, n, sampling, seeds)
         if self.proxy is None and self.policy.remote is not None:  # process producer: the rollout worker replicas
             return remote_episodes(
                 self.policy.remote, self.env_spec, examples, n, sampling, seeds, self.limits, self.a.failure_reward,
@@ -188,6 +191,33 @@ class EpisodeSteps:
         if self.world.distributed:  # torchrun: each rank its share, then every episode on every rank
             return self.data_parallel_episodes(examples, n, sampling, seeds)
         return self.local_episodes(examples, n, sampling, seeds)
+
+    def root_episodes(self, examples: list[dict], n: int, sampling: Any, seeds: list[int] | None) -> list[Any]:
+        """Under torchrun with the process producer: rank 0's rollout worker processes run every episode
+        (``remote_episodes``; a dead worker's share by rank 0's own loop), then the episodes and the failure counts
+        of this call are broadcast on this thread's group (the producer's in an async run, ``collectives_on``), so
+        every rank holds the whole batch in ``(group, index)`` order and the same failure totals. A failure on rank
+        0 is broadcast instead: rank 0 re-raises it, the other ranks raise a RuntimeError naming it."""
+        totals = self.env_pool.totals
+        if not self.world.is_main:
+            got = self.world.broadcast_object(None)
+            if isinstance(got, str):
+                raise RuntimeError(f"rank 0's episodes failed: {got}")
+            eps, counts = got
+            for k, v in counts.items():
+                totals[k] = totals.get(k, 0) + v
+            return eps
+        before = dict(totals)
+        try:
+            eps = remote_episodes(
+                self.policy.remote, self.env_spec, examples, n, sampling, seeds, self.limits, self.a.failure_reward,
+                lambda xs, ss: self.local_episodes(xs, n, sampling, ss), totals,
+            )  # fmt: skip
+        except BaseException as exc:
+            self.world.broadcast_object(f"{type(exc).__name__}: {exc}")
+            raise
+        self.world.broadcast_object((eps, {k: v - before.get(k, 0) for k, v in totals.items()}))
+        return eps
 
     def data_parallel_episodes(self, examples: list[dict], n: int, sampling: Any, seeds: list[int] | None) -> list[Any]:
         """Under torchrun: this rank runs the ``n`` episodes of examples ``rank, rank + W, ...`` on its own engine

@@ -12,7 +12,14 @@ runs FSDP's collectives on the default group, and two streams of collectives mus
 default group) in the trainer's thread at ``weights_updated`` once the producer is idle. After the gather every
 rank holds every sample of a batch and the same rewards, so the queue a checkpoint holds is the same on every rank
 (``queue_state`` checks this: a digest of each rank's queue is compared) and rank 0's copy resumes every rank. The
-``process`` producer (``rollout_workers``) and ``partial_rollouts`` are one-process only (ConfigError). One process,
+``process`` producer under torchrun: rank 0 alone owns the rollout worker processes (``rollout_devices``, which must
+not be a rank's own accelerator: ``placement.check_torchrun_rollout``); every rank runs ``collect`` as with the
+other producers, but the generation is rank 0's workers' over every prompt, broadcast on the producer's group
+(``ColocatedPolicy.remote_on_root``, ``par.generate_on_root``; an agentic run's episodes: ``root_episodes``), and
+rank 0 scores it as it scores every batch, so every rank queues the same batch. The weights: at ``weights_updated``
+every rank all-gathers its plain copy (the thread producer's sync, in the trainer's thread) and rank 0 then pushes
+that copy to its workers (``ColocatedPolicy.push_source``). Worker deaths, restarts and load balancing are rank 0's
+alone. ``partial_rollouts`` is one-process only (ConfigError). One process,
 ``partial_rollouts`` with the ``process`` producer: ``worker_partial.WorkerPartialRollouts`` (the workers' engines
 take an update between decode steps). Agentic runs (``--env``, ``--agent``) take the inline and thread producers
 under torchrun: the produce function is then the episode loop on each rank's share of the prompts, its gather of
@@ -33,7 +40,7 @@ from polyrl.errors import CheckpointError, ConfigError
 from polyrl.models.lora import is_adapter_dir
 from polyrl.run.async_rollout import InlineRollouts, PartialRollouts, RolloutBatch, ThreadedRollouts
 from polyrl.run.offline import tokenizer_path
-from polyrl.run.placement import resolve_placement
+from polyrl.run.placement import check_torchrun_rollout, resolve_placement
 from polyrl.run.worker_partial import WorkerPartialRollouts
 from polyrl.train import parallel as par
 
@@ -52,12 +59,6 @@ class AsyncSteps:
     def _check_async(self) -> int:
         k = getattr(self.a, "max_staleness", 0)
         table = self.a.table_name()
-        if k > 0 and self.world.distributed and self.a.async_producer == "process":
-            raise ConfigError(
-                f'{table}.async_producer = "process" (rollout worker processes) is for one-process runs; under '
-                f'torchrun (--nproc-per-node) use async_producer = "thread" or "inline" (every rank generates its '
-                "share), or drop --nproc-per-node"
-            )
         if k > 0 and self.world.distributed and getattr(self.a, "partial_rollouts", False):
             raise ConfigError(
                 f"{table}.partial_rollouts is for one-process runs; under torchrun (--nproc-per-node) remove "
@@ -79,6 +80,8 @@ class AsyncSteps:
         self.placement = resolve_placement(getattr(self.a, "rollout_devices", ""), getattr(self.a, "train_devices", ""))
         if self.world.distributed and self.placement.train is not None:
             raise ConfigError("train_devices is for one-process runs; under torchrun each rank takes its own device")
+        if self.world.distributed:
+            check_torchrun_rollout(self.placement, table)
         self.placement.apply()
         # agentic runs (cfg.episodes): the producers they take are checked by their table (AgentConfig.check)
         return k
@@ -94,16 +97,18 @@ class AsyncSteps:
                 samples, rewards, m = self.collect(step)
                 return RolloutBatch(step, v, samples, rewards, m, self.data.epochs, extra=self.batch_state())
 
-        if self.a.async_producer == "process":  # rollout engines in worker processes, fed over gloo
+        if self.a.async_producer == "process" and self.policy.device.type != "cpu" and self.placement.colocated:
+            raise ConfigError(
+                f'async_producer = "process" on an accelerator needs the rollout replicas\' devices: set '
+                f"{self.a.table_name()}.rollout_devices (--rollout-devices {self.policy.device.type}:1)"
+            )
+        if self.a.async_producer == "process":  # every rank: rank 0's workers generate, the batch is broadcast
+            self.policy.remote_on_root = self.world.distributed
+        if self.a.async_producer == "process" and self.world.is_main:  # rollout engines in worker processes
             # lazy: worker processes and their process group exist only in runs that ask for them
             from polyrl.run.rollout_workers import RolloutWorkers
 
             devices = list(self.placement.rollout) or ["cpu"] * self.a.rollout_workers
-            if self.policy.device.type != "cpu" and self.placement.colocated:
-                raise ConfigError(
-                    f'async_producer = "process" on an accelerator needs the rollout replicas\' devices: set '
-                    f"{self.a.table_name()}.rollout_devices (--rollout-devices {self.policy.device.type}:1)"
-                )
             self.print(f"placement: {self.placement.describe()}")
             self.policy.remote = RolloutWorkers(
                 self.cfg.model, tokenizer_path(self.cfg), self.rollout_config(), devices=devices,
@@ -114,7 +119,7 @@ class AsyncSteps:
             )  # fmt: skip
             # version `start` (after a resume's load); with partial rollouts the workers stamp their tokens with it
             partial = version if getattr(self.a, "partial_rollouts", False) else None
-            self.policy.remote.push_weights(self.policy.model, partial)
+            self.policy.remote.push_weights(self.policy.push_source, partial)
         if getattr(self.a, "partial_rollouts", False) and self.policy.remote is not None:
             # the workers take updates between their engines' decode steps (polyrl.run.worker_partial)
             remote, policy = self.policy.remote, self.policy

@@ -30,6 +30,10 @@ The building block of every online run (GRPO, GSPO, PPO, agentic RL) and of the 
   producer is idle, on every rank); log-prob recomputes still run on the copy, which the run has synced to the
   trained weights before any recompute of a step (``weights_updated`` precedes it), while the producer may read
   the same tensors (no-grad forwards only, no collective).
+  With async RL's rollout worker processes under torchrun (``remote_on_root``, set on every rank) rank 0's workers
+  (its ``remote``; the other ranks have none) generate every prompt and the outputs are broadcast
+  (``par.generate_on_root``); ``sync_rollout_weights`` all-gathers the plain copy on every rank, then rank 0 pushes
+  that copy to its workers (``push_source``).
   A replicated model (``replicate_model``: LoRA) stays colocated as in one process (rollout, reference and
   ``merge_for_rollout`` as above, on every rank's own identical replica); only generation is split over ranks.
 
@@ -129,6 +133,9 @@ class ColocatedPolicy:
         # sharded: rollout_net is a plain copy either way; separate_rollout makes it change in sync_rollout_weights only
         self.separate_rollout = separate_rollout
         self.remote: Any = None  # rollout worker processes (run.rollout_workers); this engine is their fallback
+        # data-parallel with rollout worker processes (set on every rank): rank 0's workers generate every prompt
+        # and the outputs are broadcast (par.generate_on_root); only rank 0 holds ``remote``
+        self.remote_on_root = False
         self._copy_sync: InProcessSync | None = None
         self.last_sync: SyncStats | None = None  # the last sync_rollout_weights (run.weight_sync), None: none yet
         self.last_sync_local: SyncStats | None = None  # with worker replicas: the copy into this engine's weights
@@ -192,7 +199,10 @@ class ColocatedPolicy:
                 on_finish(g, j, self._sample(ids[g], c, g, routing=False))
 
         try:
-            if self.world is not None:
+            if self.world is not None and self.remote_on_root:
+                gen = lambda p, sp, **kw: self.remote.generate(p, sp, self.llm.generate, **kw)  # noqa: E731 (rank 0)
+                outs = par.generate_on_root(gen, ids, plist, self.world, on_finish=hook)
+            elif self.world is not None:
                 outs = par.generate_data_parallel(self.llm, ids, plist, self.world, on_finish=hook)
             elif self.remote is not None:
                 outs = self.remote.generate(ids, plist, self.llm.generate, on_finish=hook)
@@ -285,6 +295,13 @@ class ColocatedPolicy:
             self.llm.reset_prefix_cache()
         return stats
 
+    @property
+    def push_source(self) -> nn.Module:
+        """The module whose tensors ``remote.push_weights`` sends to the rollout worker processes: the trained model,
+        or when it is FSDP2-sharded its plain full copy (``rollout_net``, which ``sync_rollout_weights`` all-gathers
+        on every rank first), so the push reads whole tensors and runs no collective of the default group."""
+        return self.rollout_net if self.sharded else self.model
+
     @torch.no_grad()
     def sync_rollout_weights(self, remote: bool = True) -> None:
         """Copy the trained weights into a separate rollout copy (``separate_rollout``; the rollout engine must be
@@ -292,7 +309,8 @@ class ColocatedPolicy:
         (``separate_rollout`` under torchrun): the all-gather of the shards into the plain copy, a collective that
         every rank calls in the same thread as its FSDP steps. With rollout worker processes (``remote``) their
         weights are pushed too, unless ``remote`` is False (partial rollouts push them on their own:
-        ``run.worker_partial``)."""
+        ``run.worker_partial``); sharded, rank 0 pushes them from the gathered copy (``push_source``) after the
+        gather (every rank's collective), the other ranks having no workers."""
         if self.separate_rollout and self.sharded:
             t0 = time.perf_counter()
             par.sync_rollout_weights(self.model, self.rollout_net)
@@ -302,6 +320,10 @@ class ColocatedPolicy:
             nbytes = sum(t.numel() * t.element_size() for t in moved)
             self.last_sync = SyncStats(time.perf_counter() - t0, nbytes, len(moved))
             self.llm.reset_prefix_cache()
+            if self.remote is not None:  # rank 0's worker replicas: pushed from the gathered copy
+                self.last_sync_local = self.last_sync
+                if remote:
+                    self.last_sync = self.remote.push_weights(self.push_source)
         elif self.separate_rollout:
             if self._copy_sync is None:  # a LoRA model's base is frozen: its adapters alone (run.weight_sync)
                 lora = getattr(self.model, "lora_config", None) is not None

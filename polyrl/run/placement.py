@@ -11,13 +11,16 @@ needs the process producer (``max_staleness >= 1``, ``async_producer = "process"
   accelerator may appear once over both lists; an index must exist on this machine.
 - ``resolve_placement(rollout, train)`` -> ``Placement`` (validated; ``ConfigError`` says what to change).
 - ``Placement.apply()``: makes the train device this process's current device (before the model loads).
+- ``check_torchrun_rollout(placement)``: under torchrun, no rollout replica on a rank's own accelerator.
 
 Not here: spawning the workers (``rollout_workers``), moving weights (``weight_sync``), several train devices in
-one process (data-parallel training is ``torchrun --nproc-per-node``, which async RL does not support yet).
+one process (data-parallel training is ``torchrun --nproc-per-node``; its ranks take devices 0..N-1 of the node,
+so ``check_torchrun_rollout`` refuses rollout devices among those).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -87,8 +90,9 @@ def resolve_placement(rollout_devices: str = "", train_devices: str = "") -> Pla
     train = parse_devices(train_devices, "train_devices") if train_devices.strip() else []
     if len(train) > 1:
         raise ConfigError(
-            f"train_devices lists {len(train)} devices; one trainer process trains on one device (several need "
-            "torchrun --nproc-per-node, not yet with async RL): give one, e.g. --train-devices cuda:0"
+            f"train_devices lists {len(train)} devices; one trainer process trains on one device (several: "
+            "torchrun --nproc-per-node, each rank on its own device, without train_devices): give one, e.g. "
+            "--train-devices cuda:0"
         )
     if train and train[0].type == "cpu" and device.is_accelerator():
         raise ConfigError(
@@ -109,4 +113,19 @@ def resolve_placement(rollout_devices: str = "", train_devices: str = "") -> Pla
     return Placement(tuple(rollout), train[0] if train else None)
 
 
-__all__ = ["Placement", "parse_devices", "resolve_placement"]
+def check_torchrun_rollout(placement: Placement, table: str = "grpo") -> None:
+    """Under torchrun: the rollout replicas (``rollout_devices``, rank 0's worker processes) must not sit on a rank's
+    own device. Local rank r binds accelerator r of this node (``LOCAL_WORLD_SIZE`` ranks: 0..N-1), so an
+    accelerator index below N is refused (``ConfigError`` with the fix); CPU replicas need no check."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
+    taken = [d for d in placement.rollout if d.type != "cpu" and (d.index or 0) < ranks]
+    if taken:
+        kind = taken[0].type
+        raise ConfigError(
+            f"{table}.rollout_devices lists {', '.join(map(str, taken))}, a rank's own device under torchrun "
+            f"(--nproc-per-node {ranks}: local rank r trains on {kind}:r, {kind}:0..{kind}:{ranks - 1}); list the "
+            f"devices after them (e.g. --rollout-devices {kind}:{ranks}), or lower --nproc-per-node"
+        )
+
+
+__all__ = ["Placement", "check_torchrun_rollout", "parse_devices", "resolve_placement"]

@@ -91,7 +91,8 @@ whether killing the peer frees it (NCCL's way is aborting the communicator) is u
 ``reply_timeout_s`` is not applied to NCCL weights groups), one collective to all replicas (each replica is a pair
 group of its own, for the isolation above), merged LoRA rollouts in the workers (they run base + adapter), replicas
 on other hosts (the store is on 127.0.0.1), moving prompts between replicas within a call (a share is fixed when
-it is sent). Not here: the queue and staleness (``async_rollout``).
+it is sent). Not here: the queue and staleness (``async_rollout``); under torchrun only rank 0 makes one, its
+batches broadcast to the other ranks and its pushes sent from the all-gathered plain copy (``async_steps``).
 """
 
 from __future__ import annotations

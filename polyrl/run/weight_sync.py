@@ -26,8 +26,9 @@
 
 Deliberately not here: who talks to whom (``rollout_workers`` builds a pair group per rollout replica, so a dead
 replica breaks only its own group), sharded (FSDP2) sources (``polyrl.train.parallel.sync_rollout_weights``
-all-gathers those), and any recovery of a broadcast that fails halfway (the caller drops that receiver, and
-``rollout_workers`` restarts it with new groups).
+all-gathers those into the plain rollout copy on every rank; under torchrun rank 0 broadcasts that copy to its
+rollout workers, ``ColocatedPolicy.push_source``), and any recovery of a broadcast that fails halfway (the caller
+drops that receiver, and ``rollout_workers`` restarts it with new groups).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Agentic RL under torchrun: 2 gloo ranks, FSDP2, each rank running the episodes of its share of the prompts with its
 own environment pool (a worker process per rank; in the async runs, in the rank's process) or its own agent proxy,
-in ONE spawn of two processes running six runs in turn (``dist_async_worker``), plus two one-process runs here. The
+in ONE spawn of two processes running seven runs in turn (``dist_async_worker``), plus two one-process runs here. The
 environment is a multi-turn one with a dense reward (the digits of each reply, so that every step has non-zero
 advantages and losses; the builtin ``guessing`` game rewards a random tiny model at step 1 only) that raises on the
 second turn of an example whose answer is divisible by 3 (failures counted on whichever rank ran the episode). GRPO,
@@ -17,6 +17,10 @@ steps, a checkpoint every 2.
   background thread) equals the inline producer bit for bit (every metric but the clocks, the rows, the final
   weights), trains staleness 0, 1, 1, 1 and generates batch s+1 while step s trains; resumed from its step-2
   checkpoint (its queue: batch 3, episodes and transcripts, the same on both ranks) it equals the uninterrupted run;
+- K = 1, the process producer: rank 0's two rollout worker processes run every episode (an environment pool each),
+  the batch broadcast to rank 1 with the replicas' failure counts (``root_episodes``); each replica ran one example,
+  as each rank did in the thread run, which it equals bit for bit (metrics, rows, final weights; its step-2
+  checkpoint's queue digests agreed on both ranks);
 - an agent program through the proxy (``--agent``, 2 steps, failing on the same examples): a proxy per rank serving
   that rank's engine gives the one-process agent runs (rewards, turns, failures, the greedy and sampled evaluation)
   exactly, the losses within fp32 noise.
@@ -127,7 +131,10 @@ def test_two_rank_agentic_runs_equal_one_process_resume_and_run_async(tiny_model
     proxy = _raw(tiny_model_dir, tmp_path / "proxy", env, rollouts_to_save=0)
     proxy["agent"] = {"agent": f"{tmp_path / 'my_agent.py'}:agent", "max_turns": 2, "max_episode_tokens": 200}
     proxy["train"]["max_steps"] = 2
-    runs = [{"raw": r} for r in (sync, resumed, inline, thread, thread_resumed, proxy)]
+    # the process producer: rank 0's two rollout worker processes run every episode (an environment pool in each)
+    process = _raw(tiny_model_dir, tmp_path / "process", env, 0, max_staleness=1, async_producer="process",
+                   rollout_workers=2)  # fmt: skip
+    runs = [{"raw": r} for r in (sync, resumed, inline, thread, thread_resumed, proxy, process)]
     ports: list[int] = []
     while len(ports) < len(runs):
         p = free_port()
@@ -196,7 +203,16 @@ def test_two_rank_agentic_runs_equal_one_process_resume_and_run_async(tiny_model
     assert [r for r in _rows(tmp_path / "thread") if r["step"] > 2] == _rows(tmp_path / "thread_resumed")
     assert _weights_hash(tmp_path / "thread_resumed") == _weights_hash(tmp_path / "thread")
 
-    # (4) agent programs through the proxy: a proxy per rank, serving that rank's engine; the agent runs (their
+    # (4) the process producer under 2 ranks: rank 0's replicas ran the thread run's episodes (one example each, as
+    # each rank did), broadcast to rank 1 with the failure counts of both replicas
+    pr = records(tmp_path / "process")
+    workers = ("weight_sync/", "rollout_worker", "async/replica")
+    assert [without_clocks(r, workers) for r in pr] == [_plain(r) for r in th]  # env failures of both replicas too
+    assert all(r["async/rollout_workers_alive"] == 2.0 and r["async/replica_share_max"] == 0.5 for r in pr)
+    assert _rows(tmp_path / "process") == _rows(tmp_path / "thread")
+    assert _weights_hash(tmp_path / "process") == _weights_hash(tmp_path / "thread")
+
+    # (5) agent programs through the proxy: a proxy per rank, serving that rank's engine; the agent runs (their
     # segments, rewards, the failures of rank 0's and rank 1's runs) are one process's
     proxy_one = json.loads(json.dumps(proxy))
     proxy_one["out"] = str(tmp_path / "proxy_one")

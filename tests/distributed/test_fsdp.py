@@ -92,6 +92,12 @@ def test_data_parallel_rollout_equals_one_process(runs):
     assert runs["dist"]["rollout"] == [o.outputs[0].token_ids for o in outs]
     for got, want in zip(runs["dist"]["rollout_logprobs"], [o.outputs[0].logprobs for o in outs]):
         assert got == pytest.approx(want, abs=1e-4)
+    # rank 0 alone generating every prompt (async RL's rollout workers under torchrun), broadcast: every rank holds
+    # the same outputs; a failure on rank 0 is broadcast instead, so rank 1 raises too rather than waiting
+    (tokens0, failed0), (tokens1, failed1) = runs["dist"]["on_root"]
+    assert tokens0 == tokens1 == runs["dist"]["rollout"]
+    assert failed0 == "ValueError: no engine"
+    assert failed1 == "RuntimeError: rank 0's rollout failed: ValueError: no engine"
 
 
 @pytest.mark.gpu

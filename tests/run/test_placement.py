@@ -12,7 +12,7 @@ from _async_runs import records as _records
 
 from polyrl.errors import ConfigError
 from polyrl.platform import device
-from polyrl.run.placement import Placement, resolve_placement
+from polyrl.run.placement import Placement, check_torchrun_rollout, resolve_placement
 
 
 @pytest.fixture()
@@ -72,6 +72,21 @@ def test_on_the_cpu_only_cpu_exists():
     assert resolve_placement("cpu,cpu").rollout == (torch.device("cpu"),) * 2
     with pytest.raises(ConfigError, match="it has no accelerator"):
         resolve_placement("cuda:0")
+
+
+def test_under_torchrun_rollout_devices_avoid_the_ranks_devices(monkeypatch):
+    # local rank r trains on accelerator r: with 2 ranks a node's cuda:0 and cuda:1 are taken, cuda:2 on are free
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cuda = [torch.device("cuda", i) for i in range(4)]
+    check_torchrun_rollout(Placement((cuda[2], cuda[3])), "grpo")
+    check_torchrun_rollout(Placement((torch.device("cpu"),) * 2), "grpo")  # CPU replicas: nothing to check
+    check_torchrun_rollout(Placement(), "grpo")
+    fix = r"--nproc-per-node 2: local rank r trains on cuda:r.*--rollout-devices cuda:2\), or lower --nproc-per-node"
+    with pytest.raises(ConfigError, match=r"grpo.rollout_devices lists cuda:1, a rank's own device .*" + fix):
+        check_torchrun_rollout(Placement((cuda[1], cuda[2])), "grpo")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="lists cuda:2, cuda:3, a rank's own device"):
+        check_torchrun_rollout(Placement((cuda[2], cuda[3])), "grpo")
 
 
 def _raw(model_dir, out, reward, max_steps=3, **algo_kw):

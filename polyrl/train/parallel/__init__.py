@@ -40,7 +40,13 @@ from polyrl.train.parallel.checkpoint import (
 )
 from polyrl.train.parallel.fsdp import is_sharded, shard_model, sharded_grad_norm
 from polyrl.train.parallel.replicate import all_reduce_grads_, distribute_model, is_replicated, replicate_model
-from polyrl.train.parallel.rollout import generate_data_parallel, rollout_model, shard_indices, sync_rollout_weights
+from polyrl.train.parallel.rollout import (
+    generate_data_parallel,
+    generate_on_root,
+    rollout_model,
+    shard_indices,
+    sync_rollout_weights,
+)
 from polyrl.train.parallel.world import World, collectives_on, destroy_world, init_world, launched
 
 __all__ = [
@@ -52,6 +58,7 @@ __all__ = [
     "distribute_model",
     "export_hf",
     "generate_data_parallel",
+    "generate_on_root",
     "init_world",
     "is_replicated",
     "is_sharded",

@@ -10,7 +10,10 @@ full copy of the weights per rank, in the compute dtype: the colocated single-GP
 instead, which sharding makes impossible.
 
 ``generate_data_parallel(llm, prompts, params, world)`` gives rank r prompts r, r + W, ... (balanced
-whatever the order), runs ``llm.generate`` and ``all_gather_object``s the outputs. This module does not
+whatever the order), runs ``llm.generate`` and ``all_gather_object``s the outputs.
+``generate_on_root(generate, prompts, params, world)``: rank 0 alone generates every prompt (async RL's rollout
+worker processes, which rank 0 owns) and its outputs are broadcast, so every rank gets the same list; an error on
+rank 0 reaches every rank (each raises). This module does not
 import ``polyrl.infer`` (``llm`` is any object with ``generate(prompts, params)``) and does not compute
 rewards or advantages.
 """
@@ -76,3 +79,25 @@ def generate_data_parallel(
         for i, out in part:
             result[i] = out
     return result
+
+
+def generate_on_root(
+    generate: Callable[..., list[Any]], prompts: list[Any], params: Any, world: World, on_finish: Callable | None = None
+) -> list[Any]:
+    """Rank 0's ``generate(prompts, params, on_finish=...)`` (every prompt; ``on_finish`` as it hands the outputs
+    over), broadcast with ``world.broadcast_object`` (this thread's group, ``collectives_on``): every rank returns
+    the outputs of ALL prompts, the other ranks generating nothing. A failure on rank 0 is broadcast in place of the
+    outputs, so no rank is left waiting: rank 0 re-raises it, the others raise a RuntimeError naming it."""
+    if not world.is_main:
+        got = world.broadcast_object(None)
+        if isinstance(got, str):
+            raise RuntimeError(f"rank 0's rollout failed: {got}")
+        return list(got)
+    kw = {"on_finish": on_finish} if on_finish is not None else {}
+    try:
+        outs = generate(prompts, params, **kw)
+    except BaseException as exc:
+        world.broadcast_object(f"{type(exc).__name__}: {exc}")
+        raise
+    world.broadcast_object(tuple(outs))
+    return outs
