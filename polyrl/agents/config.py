@@ -48,8 +48,9 @@ class AgentConfig:
 
     def check(self, algo_config: Any, table: str) -> None:
         """Against the algorithm's ``[table]``: an online algorithm, room for more than one turn, and (async RL) a
-        producer that runs episodes: inline, thread, or (environment episodes only) process; partial rollouts
-        (thread or process) for environment episodes only."""
+        producer that runs episodes: inline, thread, or (environment episodes only) process. Partial rollouts take
+        either kind of episode (the thread producer: the episode loop, or the proxy's engine driver thread, calls the
+        weight-swap hook between engine steps; the process producer: environment episodes in its workers)."""
         max_new = getattr(algo_config, "max_new_tokens", None)
         if max_new is None:
             raise ConfigError(f"[{TABLE}] runs episodes for online RL (grpo, gspo, ppo), not for {table}")
@@ -68,14 +69,6 @@ class AgentConfig:
                 f"worker processes, not agent programs through the proxy ({TABLE}.agent, --agent): the proxy serves "
                 f"the trainer's own engine from the trainer's process; set {table}.async_producer = \"thread\" "
                 '(--async-producer thread) or "inline"'
-            )
-        if getattr(algo_config, "partial_rollouts", False) and self.agent is not None:
-            # the environment's episode loop calls the weight-swap hook between engine steps; the proxy's engine
-            # driver thread does not (and is not the producer thread the hook serves)
-            raise ConfigError(
-                f"{table}.partial_rollouts reaches environment episodes ({TABLE}.env, --env) but not agent programs "
-                f"through the proxy ({TABLE}.agent, --agent): the proxy's engine thread takes no weight update "
-                "mid-episode; drop --partial-rollouts (updates then wait for the episodes in flight)"
             )
 
     def run_class(self, base: type) -> type:

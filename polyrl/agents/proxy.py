@@ -8,7 +8,8 @@ engine sampled, and turned into ``Episode`` s to train on.
   prompt + its sampled ids (+ eos if it was cut) + the template delta of the new messages (``ChatRenderer``): no
   re-tokenisation of earlier turns, and the prefix cache serves them. Otherwise (the agent rewrote its history) the
   conversation is rendered in full and a new *segment* starts.
-- ``record(prompt_ids, token_ids, logprobs, text, finish_reason)``: appends the call to its segment and returns
+- ``record(messages, tools, prompt_ids, continues, token_ids, logprobs, text, masked_logmass, versions)``: appends
+  the call to its segment (with partial rollouts, ``versions``: each sampled token's policy version) and returns
   the OpenAI assistant message (``content`` and ``tool_calls``, parsed by the template's family parser from
   ``tool_parsers``, the one ``polyrl serve`` uses).
 - ``episodes()``: one ``Episode`` per segment (sampled ids masked 1 with their log-probs, template and tool/user
@@ -93,9 +94,11 @@ class AgentSession:
         logprobs: list[float],
         text: str,
         masked_logmass: float | None = None,
+        versions: list[int] | None = None,
     ) -> dict[str, Any]:
         """Append one call (its prompt from ``prompt_for``) and return the reply as an OpenAI assistant message.
-        ``masked_logmass``: what an output format's masks removed from this call's tokens (None: unconstrained)."""
+        ``masked_logmass``: what an output format's masks removed from this call's tokens (None: unconstrained).
+        ``versions`` (partial rollouts): the policy version of each sampled token (``Episode.add_turn``)."""
         with self._lock:
             self.num_calls += 1
             reply = self.parser.parse(text, f"call_{self.num_calls}")
@@ -110,7 +113,7 @@ class AgentSession:
                 self.segments.append(seg)
             if continues:
                 seg.messages.extend(dict(m) for m in messages[len(self._last_messages or []) :])
-            seg.add_turn(token_ids, logprobs)
+            seg.add_turn(token_ids, logprobs, versions)
             seg.count("turns")
             if masked_logmass is not None:
                 seg.masked_logmass = (seg.masked_logmass or 0.0) + masked_logmass

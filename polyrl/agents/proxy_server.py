@@ -18,11 +18,15 @@ tools=...)``, executes the ``tool_calls`` it gets back, appends ``tool`` message
 - ``POST /agents/{id}/reward`` ``{"reward": 1.0}``: the episode's reward (or the agent function returns it).
 - ``GET /agents/{id}/v1/models``, ``GET /health``.
 The prompts are built token-exactly by ``polyrl.agents.proxy.AgentSession``; one engine thread drives
-``llm.step()`` while the proxy runs. ``run_agents(agent, examples, n)`` calls ``agent(base_url, example)`` in
-threads (continuous batching across all their calls) with a per-episode timeout; an agent that raises or times out
-is counted and gets the failure reward, never fatal. In training (``--agent file.py:fn``) the run's sampling
-settings win over the request's (``request_sampling=False``: the ratios need the rollout temperature), and
-``max_turns`` / ``max_episode_tokens`` bound each episode (a call past them gets a 400).
+``llm.step()`` while the proxy runs. Partial rollouts (async RL): ``driving(between_steps)`` has that thread call the
+producer's weight-swap hook between its engine steps (``EngineDriver``), and each call records the policy version of
+every sampled token (``CompletionOutput.token_versions`` -> ``Episode.versions``); the time the engine stands still
+there is not counted against an agent's timeout.
+``run_agents(agent, examples, n)`` calls ``agent(base_url, example)`` in threads (continuous batching across all
+their calls) with a per-episode timeout; an agent that raises or times out is counted and gets the failure reward,
+never fatal. In training (``--agent file.py:fn``) the run's sampling settings win over the request's
+(``request_sampling=False``: the ratios need the rollout temperature), and ``max_turns`` / ``max_episode_tokens``
+bound each episode (a call past them gets a 400).
 Not here: the plain OpenAI server (``polyrl.server``), training (``polyrl.agents.train``).
 """
 
@@ -59,10 +63,17 @@ from polyrl.infer import SamplingParams
 
 
 class EngineDriver:
-    """Runs ``llm.step()`` on one thread; ``submit(ids, params, done)`` calls ``done(RequestOutput)`` there."""
+    """Runs ``llm.step()`` on one thread; ``submit(ids, params, done)`` calls ``done(RequestOutput)`` there.
+    ``start(between_steps)``: with partial rollouts, ``between_steps(llm, steps)`` is called on that thread at every
+    engine-step boundary while requests are in flight (``steps``: the engine steps since ``start``), as
+    ``LLM.generate`` calls it; it may ``swap_weights`` (the outputs of the step it read come with the next
+    ``step()``, which follows at once) or block there until an update is published."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
+        self.between_steps: Any = None
+        self._paused = 0.0  # seconds the driver spent inside between_steps (waiting for an update, loading it)
+        self._paused_since: float | None = None
         self._done: dict[str, Any] = {}
         self._ids = itertools.count()
         self._wake = threading.Event()
@@ -70,8 +81,9 @@ class EngineDriver:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
-    def start(self) -> None:
+    def start(self, between_steps: Any = None) -> None:
         self._stop = False
+        self.between_steps = between_steps
         self._thread = threading.Thread(target=self._run, name="polyrl-agent-engine", daemon=True)
         self._thread.start()
 
@@ -81,6 +93,14 @@ class EngineDriver:
         if self._thread is not None:
             self._thread.join(30)
         self._thread = None
+        self.between_steps = None
+
+    @property
+    def paused_s(self) -> float:
+        """Seconds spent in ``between_steps`` so far (the one in progress included): the engine served no call then,
+        so ``AgentProxy.run_agents`` does not count them against an agent's timeout."""
+        since = self._paused_since
+        return self._paused + (time.monotonic() - since if since is not None else 0.0)
 
     def submit(self, ids: list[int], params: SamplingParams, done: Any) -> str:
         if self.error is not None:
@@ -96,12 +116,21 @@ class EngineDriver:
         return rid
 
     def _run(self) -> None:
+        steps, hook = 0, self.between_steps
         try:
             while not self._stop:
                 if not self.llm.has_unfinished_requests():
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
+                if steps and hook is not None:  # a step boundary with requests in flight (partial rollouts)
+                    self._paused_since = time.monotonic()
+                    try:
+                        hook(self.llm, steps)
+                    finally:
+                        self._paused += time.monotonic() - self._paused_since
+                        self._paused_since = None
+                steps += 1
                 for out in self.llm.step():
                     if out.finished:
                         cb = self._done.pop(out.request_id, None)
@@ -247,7 +276,10 @@ class AgentProxy:
             return _error(500, f"the engine failed: {out}")
         c = out.outputs[0]
         mass = getattr(c, "masked_logmass", None)  # None: unconstrained
-        reply = sess.record(messages, tools, ids, continues, list(c.token_ids), list(c.logprobs), c.text, mass)
+        versions = getattr(c, "token_versions", None)  # partial rollouts: the policy version of each token
+        reply = sess.record(
+            messages, tools, ids, continues, list(c.token_ids), list(c.logprobs), c.text, mass, versions
+        )
         msg = {"role": "assistant", "content": reply.get("content")}
         if reply.get("tool_calls"):
             msg["tool_calls"] = reply["tool_calls"]
@@ -342,12 +374,14 @@ class AgentProxy:
             self.driver.start()
         return self
 
-    def driving(self) -> Any:
-        """Context manager: drive the engine only inside it (training releases the KV cache between rollouts)."""
+    def driving(self, between_steps: Any = None) -> Any:
+        """Context manager: drive the engine only inside it (training releases the KV cache between rollouts).
+        ``between_steps(llm, steps)``: the step-boundary hook of partial rollouts, called by the driver thread
+        between its engine steps for the duration of the window (``EngineDriver``)."""
 
         @contextmanager
         def window():
-            self.driver.start()
+            self.driver.start(between_steps)
             try:
                 yield self
             finally:
@@ -405,9 +439,15 @@ class AgentProxy:
         threads = [threading.Thread(target=one, args=(s,), daemon=True, name="polyrl-agent") for s in sessions]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + timeout
+        # the timeout leaves out the time the engine stood still for a weight update (partial rollouts: the driver
+        # waiting in its between_steps hook for the trainer), which no agent can help
+        t0, paused0 = time.monotonic(), self.driver.paused_s
         for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+            while t.is_alive():
+                left = t0 + timeout + self.driver.paused_s - paused0 - time.monotonic()
+                if left <= 0:
+                    break
+                t.join(min(left, 1.0))
         episodes = []
         for sess in sessions:
             self.close(sess.eid)

@@ -24,10 +24,12 @@ the thread is drained. With ``async_producer = "process"`` (environment episodes
 examples to the rollout worker processes (``remote.remote_episodes``: each runs the episode loop on its own engine
 with its own environment pool), the trainer's own loop (``local_episodes``) running the share of a worker that dies.
 Each batch carries its transcripts (``batch_state``), checkpointed with the queue. With
-partial rollouts (``partial_rollouts``, ``--env`` episodes) the episode loop calls the policy's ``between_steps``
-(thread producer) or the worker's job hook (process producer, ``remote``) at engine-step boundaries, so a weight
-update lands while episodes are in flight; each episode records the policy version of every token
-(``Episode.versions`` -> ``Sample.token_versions``).
+partial rollouts (``partial_rollouts``) the episode loop calls the policy's ``between_steps`` (thread producer) or
+the worker's job hook (process producer, ``remote``) at engine-step boundaries, and in proxy mode (thread producer)
+the proxy's engine driver thread calls the source's hook bound to the producer thread's batch
+(``PartialRollouts.thread_hook``, given to ``AgentProxy.driving`` for the batch's agent runs), so a weight update
+lands while episodes are in flight; each episode (proxy mode: each recorded segment) records the policy version of
+every token (``Episode.versions`` -> ``Sample.token_versions``).
 Under torchrun (``--nproc-per-node N``): each rank runs the episodes of its share of a call's prompt examples
 (``data_parallel_episodes``: examples r, r + N, ..., each with its own seed, so the episodes are those of one
 process) on its own rollout engine, with its own environment pool (``--env``) or its own agent proxy serving that
@@ -269,7 +271,10 @@ class EpisodeSteps:
             # this call's sampling and per-call cap (the evaluation's eval_max_new_tokens, else max_new_tokens); every
             # agent run counted, one that made no call as an episode without turns
             self.proxy.sampling, self.proxy.max_tokens = sampling, sampling.max_tokens
-            with self.proxy.driving():
+            # partial rollouts: the proxy's driver thread steps the engine for this (the producer's) thread's batch,
+            # so it calls the source's step-boundary hook bound to this batch (None in the trainer's thread)
+            carry = getattr(getattr(self, "source", None), "thread_hook", None)
+            with self.proxy.driving(carry() if carry is not None else None):
                 eps = self.proxy.run_agents(
                     self.agent_fn, examples, n, seeds, self.cfg.episodes.env_timeout, self.a.failure_reward,
                     keep_empty=True,

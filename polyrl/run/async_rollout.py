@@ -34,8 +34,9 @@ generated it, or with partial rollouts the OLDEST version among its tokens (``to
   throw it away. The producer's engine is paused at a decode-step boundary (``LLM.generate``'s ``between_steps``,
   set on the policy; in an agentic run the episode loop of ``polyrl.agents.rollout`` calls the same hook between
   its engine steps, so an update lands while episodes are in flight and one turn may span two versions: each
-  ``Episode`` records per-token versions, its Sample's ``token_versions``; agent programs through the proxy are
-  refused), the step launched ahead is read, the trainer's weights are copied in (``LLM.swap_weights``;
+  ``Episode`` records per-token versions, its Sample's ``token_versions``; for agent programs through the proxy,
+  whose engine driver thread steps the engine, ``thread_hook`` hands that thread the hook bound to the producer
+  thread's batch), the step launched ahead is read, the trainer's weights are copied in (``LLM.swap_weights``;
   the trainer waits only for that copy), and the same sequences continue on the new weights. Their KV cache is
   kept: the keys and values of their earlier tokens were computed by the older weights (as in AReaL's partial
   rollouts; a later token's log-prob is the new weights' over that mixed cache, not a plain forward of either).
@@ -353,10 +354,23 @@ class PartialRollouts(SwapCount, ThreadedRollouts):
         """The rollout engine's step-boundary hook (``LLM.generate``'s ``between_steps``): take a published update
         (``swap_step`` 0), or wait for this batch's update at engine step ``swap_step``. A no-op outside the producer
         thread (an evaluation in the trainer's thread)."""
+        if getattr(self._local, "active", False):
+            self._boundary(steps, self._local.takes)
+
+    def thread_hook(self) -> Callable[[Any, int], None] | None:
+        """``between_steps`` bound to the calling thread's batch, for another thread that steps the engine for it
+        (an agentic run's proxy: its engine driver thread serves the agents of the producer thread's batch): the
+        returned ``hook(llm, steps)`` takes that batch's update (the version it takes, read now) from whichever
+        thread calls it between two engine steps. None outside the producer thread (an evaluation in the trainer's
+        thread: no update lands in it)."""
         if not getattr(self._local, "active", False):
-            return
+            return None
+        takes = self._local.takes
+        return lambda llm, steps: self._boundary(steps, takes)
+
+    def _boundary(self, steps: int, takes: int | None) -> None:
+        """An engine-step boundary of a batch that takes ``takes`` (reproducible mode; None: none)."""
         if self.swap_step:
-            takes = self._local.takes
             if steps == self.swap_step and takes is not None and self.engine.policy_version < takes:
                 self._await_update(takes, in_flight=True)
         elif self.engine.policy_version < self._published:  # unlocked peek; checked again under the lock

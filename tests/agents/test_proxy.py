@@ -130,3 +130,48 @@ def test_grpo_trains_on_an_openai_agent_through_the_proxy(tiny_model_dir, tmp_pa
         # the agent asked for temperature 0, the run samples at 1: the recorded log-probs are the run's, so the
         # trainer's recompute matches them
         assert r["mismatch_max"] < 1e-3
+
+
+def test_driver_calls_the_step_hook_and_records_token_versions(tiny_llm):
+    """Partial rollouts through the proxy: the engine driver thread calls the hook it was given between its engine
+    steps (steps 1, 2, ... in order, requests in flight); a weight swap there (here: only a new version stamp, the
+    weights unchanged) splits the call in flight, so its recorded tokens carry versions 0 then 1, the template and
+    user tokens between calls the version before them, and the next call's tokens version 1. The time the driver
+    stood still in the hook is not counted against the agents' timeout."""
+    import threading
+
+    from polyrl.agents.proxy_server import AgentProxy
+
+    calls = []
+
+    def hook(llm, steps):
+        calls.append((threading.current_thread().name, steps, llm.policy_version))
+        if steps == 3:
+            llm.swap_weights(lambda: None, 1)
+            time.sleep(1.5)  # an update that keeps the engine waiting past the agent's timeout
+
+    def agent(base_url, example):
+        client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": "count"}]
+        for _ in range(2):
+            r = client.chat.completions.create(model="m", messages=messages, max_tokens=6)
+            messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+        return 1.0
+
+    tiny_llm.policy_version = 0
+    try:
+        with AgentProxy(tiny_llm, max_tokens=6).start(drive=False) as proxy:
+            with proxy.driving(hook):
+                (e,) = proxy.run_agents(agent, [{"prompt": "p"}], n=1, seeds=[0], timeout=1.0)
+            assert proxy.failures == {"error": 0, "timeout": 0, "no_reward": 0} and proxy.driver.between_steps is None
+    finally:
+        tiny_llm.policy_version = None
+    assert e.status == "done" and e.num_turns == 2 and e.reward == 1.0
+    assert [c[0] for c in calls] == ["polyrl-agent-engine"] * len(calls)
+    assert [c[1] for c in calls] == list(range(1, len(calls) + 1))  # every boundary, in order
+    assert [c[2] for c in calls[:3]] == [0, 0, 0] and {c[2] for c in calls[3:]} == {1}
+    (a0, b0), (a1, b1) = e.turns
+    assert len(e.versions) == len(e.ids)  # the first call's tokens: 3 sampled in steps 1-3, 3 after the swap
+    assert e.versions[a0:b0] == [0, 0, 0, 1, 1, 1]
+    assert e.versions[b0:a1] == [1] * (a1 - b0) and e.versions[a1:b1] == [1] * (b1 - a1)
+    assert e.to_sample().token_versions == e.versions

@@ -10,8 +10,9 @@ engine's version at the swap and against a recompute under each version's weight
 than K. The process producer: environment episodes in 2 rollout worker processes, each replica's episodes those of
 the episode loop on its share, the same episodes as the thread run (log-probs to float rounding), a dead replica's
 share run by the trainer, the staleness bound; with partial rollouts (each worker's episode loop takes the update at
-its engine step N) the thread run's tokens, transcripts, per-token versions and rewards. Refused at config time: the
-process producer and partial rollouts for an agent program through the proxy."""
+its engine step N) the thread run's tokens, transcripts, per-token versions and rewards. An agent program through
+the proxy with partial rollouts: the proxy's engine driver thread takes the update between its engine steps, and the
+recorded calls carry per-token versions. Refused at config time: the process producer for an agent program."""
 
 from __future__ import annotations
 
@@ -246,21 +247,19 @@ def test_agentic_producers_refused_at_config_time(tiny_model_dir, tmp_path):
     raw["agent"] = {"agent": "my_agent.py:agent", "max_turns": 2, "max_episode_tokens": 200}
     with pytest.raises(ConfigError, match='async_producer = "process" runs environment episodes .* not agent progr'):
         run(raw)
-    # partial rollouts: environment episodes only (the proxy's engine thread takes no update mid-episode), with the
-    # thread producer or in the process producer's workers
-    raw = _agentic(tiny_model_dir, tmp_path / "q", max_staleness=1, async_producer="thread", partial_rollouts=True)
-    raw["agent"] = {"agent": "my_agent.py:agent", "max_turns": 2, "max_episode_tokens": 200}
-    with pytest.raises(ConfigError, match="partial_rollouts reaches environment episodes .* not agent programs"):
-        run(raw)
-    raw[raw["algo"]]["async_producer"] = "process"
+    # with partial rollouts too (the thread producer takes them: test_partial_rollouts_of_an_agent_through_the_proxy)
+    raw[raw["algo"]].update(partial_rollouts=True, partial_swap_step=4)
     with pytest.raises(ConfigError, match='async_producer = "process" runs environment episodes .* not agent progr'):
         run(raw)
     # synchronous runs are not checked for producers; environment episodes take the process producer, with or
-    # without partial rollouts
+    # without partial rollouts; agent programs take partial rollouts with the thread producer
     from polyrl.agents.config import AgentConfig
     from polyrl.algorithms.grpo import GRPOConfig
 
     AgentConfig(agent="a.py:f").check(GRPOConfig(async_producer="process"), "grpo")
+    AgentConfig(agent="a.py:f").check(
+        GRPOConfig(max_staleness=1, async_producer="thread", partial_rollouts=True, partial_swap_step=4), "grpo"
+    )
     AgentConfig(env="guessing").check(GRPOConfig(max_staleness=1, async_producer="process"), "grpo")
     partial = GRPOConfig(max_staleness=1, async_producer="process", partial_rollouts=True, partial_swap_step=8)
     AgentConfig(env="guessing").check(partial, "grpo")
@@ -299,6 +298,64 @@ def test_thread_producer_drives_an_agent_through_the_proxy(tiny_model_dir, tmp_p
     assert recs[0]["mismatch_max"] < 1e-3 and recs[-1]["mismatch_mean"] > 1e-4
     for a, b in zip(recs, recs[1:]):  # the agents' calls for batch s+1 were served while step s trained
         assert b["async/gen_start_s"] < a["async/train_end_s"] and b["async/gen_end_s"] > a["async/train_start_s"]
+
+
+def test_partial_rollouts_of_an_agent_through_the_proxy(tiny_model_dir, tmp_path, monkeypatch):
+    """Partial rollouts of an agent program through the proxy (K = 1, thread producer, update at engine step 4 of
+    the proxy's driver thread): the agents' first calls are in flight there, so every batch after the first takes
+    the trainer's update mid-episode (``async/weight_swaps_total``), in the driver thread; the trained samples (one
+    per recorded segment) carry each token's version: never decreasing along a sample, one sample at least with both,
+    the oldest token's version as the sample's, none older than K; the losses are finite."""
+    import math
+    import threading
+
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from polyrl.run import async_rollout, online
+
+    batches = []  # (step, per sample (completion ids, token versions, policy version))
+    original = online.OnlineRun._async_record
+
+    def record(self, batch, t_train, t_end):
+        batches.append((batch.step, [(s.completion_ids, s.token_versions, s.policy_version) for s in batch.samples]))
+        return original(self, batch, t_train, t_end)
+
+    swaps = []  # (thread name, the engine's version before, after) of every update taken in flight
+    apply = async_rollout.PartialRollouts._apply
+
+    def applying(self, version, in_flight):
+        before = self.engine.policy_version
+        apply(self, version, in_flight)
+        if in_flight:
+            swaps.append((threading.current_thread().name, before, self.engine.policy_version))
+
+    monkeypatch.setattr(online.OnlineRun, "_async_record", record)
+    monkeypatch.setattr(async_rollout.PartialRollouts, "_apply", applying)
+    path = tmp_path / "my_agent.py"
+    path.write_text(AGENT_FILE)
+    out = tmp_path / "proxy"
+    raw = _agentic(tiny_model_dir, out, steps=3, max_staleness=1, async_producer="thread", partial_rollouts=True,
+                   partial_swap_step=4)  # fmt: skip
+    raw["agent"] = {"agent": f"{path}:agent", "max_turns": 2, "max_episode_tokens": 200}
+    run(raw)
+    recs = records(out)
+    # batches 1 and 2 (submitted at versions 0 and 1) took versions 1 and 2 mid-episode, in the proxy's driver thread
+    assert [r["async/weight_swaps_total"] for r in recs] == [0.0, 1.0, 2.0]
+    assert swaps == [("polyrl-agent-engine", 0, 1), ("polyrl-agent-engine", 1, 2)]
+    assert [b[0] for b in batches] == [0, 1, 2]
+    for r in recs:
+        assert r["episode/turns"] == 2.0 and r["env_failures"] == 0.0 and math.isfinite(r["loss"])
+        assert r["async/staleness_max"] <= 1.0 and r["async/stale_dropped_total"] == 0.0
+    for (step, samples), r in zip(batches, recs):
+        assert samples and all(len(v) == len(ids) for ids, v, _ in samples)
+        assert all(v == sorted(v) and pv == min(v) and step - pv <= 1 for _, v, pv in samples)
+        mixed = sum(len(set(v)) > 1 for _, v, _ in samples)
+        assert r["async/mixed_version_samples"] == float(mixed)
+        if step == 0:  # produced on demand at version 0: takes no update
+            assert {x for _, v, _ in samples for x in v} == {0} and mixed == 0
+        else:
+            assert {x for _, v, _ in samples for x in v} == {step - 1, step} and mixed > 0
+            assert r["async/tokens_lag0"] > 0 and r["async/tokens_lag1"] > 0
 
 
 def _episode_run(raw):
