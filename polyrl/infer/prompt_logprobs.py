@@ -54,7 +54,6 @@ from polyrl.infer.sequence import Sequence
 from polyrl.platform import device
 
 ROW_CHUNK_ELEMS = 1 << 26  # logits elements per chunk: [rows, V] fp32 = 256 MiB (441 rows at V = 152k)
-ROW_CHUNK_BYTES = 4 * ROW_CHUNK_ELEMS  # the same bytes when the logits stay in the model's dtype (the row kernel)
 
 
 def first_needed(seq: Sequence) -> int | None:
@@ -191,9 +190,10 @@ def top_logprobs(
     ``targets``, the last two None without targets) of the ``k`` likeliest tokens of each row of ``h`` ``[R, H]``,
     over row chunks (never more than ``ROW_CHUNK_ELEMS`` logits at once). Logits are computed in the model's dtype
     and upcast, as ``kernels.token_logprobs``' reference does. A rank counts the tokens strictly likelier, plus one."""
+    # at most ROW_CHUNK_ELEMS logits a chunk, whatever their dtype (the rank's compare and the top-k take temporaries
+    # of the chunk's size too: the GPU test bounds the peak)
+    chunk = max(1, ROW_CHUNK_ELEMS // weight.shape[0])
     fused = targets is not None and uses_row_kernel(h)
-    # [rows, V] fp32 logits of at most ROW_CHUNK_ELEMS; twice the rows where they stay in the model's 2-byte dtype
-    chunk = max(1, (ROW_CHUNK_BYTES // weight.element_size() if fused else ROW_CHUNK_ELEMS) // weight.shape[0])
     vals, ids, ranks, own_lp = [], [], [], []
     for lo in range(0, h.shape[0], chunk):
         logits = torch.nn.functional.linear(h[lo : lo + chunk], weight)  # [r, V], the model's dtype
