@@ -68,10 +68,13 @@ first (with partial rollouts the batches in flight finish on the newest weights)
 ``token_versions``. With ``partial_swap_step`` N > 0 the resumed run equals the uninterrupted one bit for bit; with
 0 the queue is restored exactly but where later updates land depends on timing in both runs.
 
-Under torchrun (``InlineRollouts`` and ``ThreadedRollouts`` only) these classes are the same on every rank: the run's
-produce function does the data-parallel rollout, its collectives on a gloo group of the producer's own, and the
-sync callback all-gathers the sharded weights (``polyrl.run.async_steps``); every rank makes the same calls in the
-same order, so the queues agree.
+Under torchrun (``InlineRollouts``, ``ThreadedRollouts`` and ``PartialRollouts``) these classes are the same on every
+rank: the run's produce function does the data-parallel rollout, its collectives on a gloo group of the producer's
+own, and the sync callback all-gathers the sharded weights (``polyrl.run.async_steps``); every rank makes the same
+calls in the same order, so the queues agree. ``PartialRollouts`` there splits the sync in two (``stage``: the
+all-gather into a staging copy, in the trainer's thread before the version is published; ``sync``: the local copy
+into the engine, at the producer's step boundary), so a rank's trainer never waits for a point of its producer that
+depends on another rank (see the class docstring and docs/async-rl.md, "Partial rollouts under torchrun").
 
 ``staleness_metrics``: the ``async/*`` metrics of a trained batch (staleness histogram, per-lag token counts, per
 token with partial rollouts, importance-weight statistics of the decoupled objective; data-parallel: over every
@@ -307,7 +310,17 @@ class PartialRollouts(SwapCount, ThreadedRollouts):
     (``LLM.swap_weights``, called from ``between_steps``, which the policy hands to its engine's ``generate``) and
     the same sequences go on. ``engine``: the rollout ``LLM`` (its ``policy_version`` is stamped on every token).
     ``swap_step`` 0: at the first boundary after the update; N > 0: at engine step N of the batch it belongs to
-    (reproducible)."""
+    (reproducible).
+
+    ``stage`` (data-parallel, a sharded trainer): ``sync`` cannot be the all-gather of the shards, a collective of
+    the default group that the trainer's thread must make on every rank in the same order, while the engine takes
+    the update in the producer thread at a boundary that may come late (after this rank's producer has gathered a
+    batch's samples with the other ranks'). So ``weights_updated`` first calls ``stage()`` in the trainer's thread
+    (the all-gather into a staging copy that the engine does not read), then publishes the version; ``sync`` is the
+    local copy from the staging copy into the engine's weights, run by whichever thread applies the update. Nobody
+    reads the staging copy while ``stage`` writes it: the engine already holds the previous version then (every
+    ``weights_updated`` returns with the engine at its version), and only an engine behind the published version
+    copies from it."""
 
     def __init__(
         self,
@@ -317,9 +330,10 @@ class PartialRollouts(SwapCount, ThreadedRollouts):
         engine: Any,
         version: int = 0,
         swap_step: int = 0,
+        stage: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(produce, max_staleness, sync, version)
-        self.engine, self.swap_step = engine, swap_step
+        self.engine, self.swap_step, self.stage = engine, swap_step, stage
         engine.policy_version = version
         self._cv = threading.Condition()
         self._published = version  # the trainer's newest version (the engine's lags it only inside weights_updated)
@@ -425,6 +439,8 @@ class PartialRollouts(SwapCount, ThreadedRollouts):
 
     def weights_updated(self, version: int) -> None:
         t0 = time.perf_counter()
+        if self.stage is not None:  # data-parallel: the collective, here in the trainer's thread, before publishing
+            self.stage()
         with self._cv:
             self._published = version
             self._cv.notify_all()

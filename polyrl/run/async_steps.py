@@ -19,7 +19,13 @@ other producers, but the generation is rank 0's workers' over every prompt, broa
 rank 0 scores it as it scores every batch, so every rank queues the same batch. The weights: at ``weights_updated``
 every rank all-gathers its plain copy (the thread producer's sync, in the trainer's thread) and rank 0 then pushes
 that copy to its workers (``ColocatedPolicy.push_source``). Worker deaths, restarts and load balancing are rank 0's
-alone. ``partial_rollouts`` is one-process only (ConfigError). One process,
+alone. ``partial_rollouts`` under torchrun: the ``thread`` producer (``process``: ConfigError); each rank's engine
+takes the update at its own step boundary. A sharded trainer's update is all-gathered (trainer's thread, default
+group, every rank in the same order, before the version is published) into a second plain copy of the weights
+(``StagedWeights``; one more full copy per rank), which the producer thread copies into its engine's weights
+locally (``LLM.swap_weights``), so the trainer's wait for its producer never depends on another rank's producer
+(docs/async-rl.md, "Partial rollouts under torchrun"); a replicated (LoRA) model syncs locally as in one process.
+One process,
 ``partial_rollouts`` with the ``process`` producer: ``worker_partial.WorkerPartialRollouts`` (the workers' engines
 take an update between decode steps). Agentic runs (``--env``, ``--agent``) take the inline and thread producers
 under torchrun: the produce function is then the episode loop on each rank's share of the prompts, its gather of
@@ -36,11 +42,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from polyrl.errors import CheckpointError, ConfigError
 from polyrl.models.lora import is_adapter_dir
+from polyrl.platform import device
 from polyrl.run.async_rollout import InlineRollouts, PartialRollouts, RolloutBatch, ThreadedRollouts
 from polyrl.run.offline import tokenizer_path
 from polyrl.run.placement import check_torchrun_rollout, resolve_placement
+from polyrl.run.weight_sync import InProcessSync, SyncStats
 from polyrl.run.worker_partial import WorkerPartialRollouts
 from polyrl.train import parallel as par
 
@@ -60,10 +70,12 @@ class AsyncSteps:
         k = getattr(self.a, "max_staleness", 0)
         table = self.a.table_name()
         if k > 0 and self.world.distributed and getattr(self.a, "partial_rollouts", False):
-            raise ConfigError(
-                f"{table}.partial_rollouts is for one-process runs; under torchrun (--nproc-per-node) remove "
-                f"{table}.partial_rollouts (--partial-rollouts), or drop --nproc-per-node"
-            )
+            if self.a.async_producer != "thread":
+                raise ConfigError(
+                    f'{table}.partial_rollouts under torchrun (--nproc-per-node) is built for async_producer = "thread"'
+                    f' (each rank\'s engine takes the update): set {table}.async_producer = "thread" '
+                    f"(--async-producer thread), remove {table}.partial_rollouts, or drop --nproc-per-node"
+                )
         if (
             k > 0
             and self.a.async_producer == "process"
@@ -132,10 +144,11 @@ class AsyncSteps:
                 self.a.partial_swap_step,
             )  # fmt: skip
         elif getattr(self.a, "partial_rollouts", False):  # the thread's engine takes updates between decode steps
-            swap = self.a.partial_swap_step
-            source: InlineRollouts = PartialRollouts(
-                produce, k, self.policy.sync_rollout_weights, self.policy.llm, version, swap
-            )
+            swap, sync, stage = self.a.partial_swap_step, self.policy.sync_rollout_weights, None
+            if self.policy.sharded:  # data-parallel, FSDP2: gathered into a staging copy, loaded from it locally
+                staged = StagedWeights(self.policy)
+                sync, stage = staged.load, staged.gather
+            source: InlineRollouts = PartialRollouts(produce, k, sync, self.policy.llm, version, swap, stage)
             self.policy.between_steps = source.between_steps
         elif self.a.async_producer in ("thread", "process"):
             source = ThreadedRollouts(produce, k, self.policy.sync_rollout_weights, version)
@@ -218,11 +231,47 @@ class AsyncSteps:
         }
 
 
+class StagedWeights:
+    """Partial rollouts under torchrun with an FSDP2-sharded trainer (``PartialRollouts``' ``stage`` and ``sync``):
+    a second plain full copy of the weights (``staging``, in the rollout copy's dtype, on its device), which
+    ``gather()`` fills with the all-gather of the shards (a collective of the default group: the trainer's thread,
+    every rank, in the same order) and ``load()`` copies into the rollout engine's plain copy (``rollout_net``; no
+    collective, so the producer thread may run it at an engine-step boundary). The rollout copy then holds exactly
+    what the thread producer's all-gather writes into it without partial rollouts (the same gather and cast, then a
+    plain copy). Costs one more full copy of the weights per rank (docs/async-rl.md, "Partial rollouts under
+    torchrun"). Both calls return once the device is done (``gather`` before the version is published, ``load``
+    before the producer goes on), so the two threads' streams never touch the staging copy at once."""
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+        # a collective (one all-gather per tensor): made in _make_source, on every rank, in the trainer's thread
+        self.staging = par.rollout_model(policy.model, policy.engine.compute_dtype).requires_grad_(False)
+        self._copy = InProcessSync(self.staging, policy.rollout_net)  # by name: parameters and buffers
+        tensors = {id(t): t for t in self.staging.state_dict(keep_vars=True).values()}.values()
+        self._gathered = (sum(t.numel() * t.element_size() for t in tensors), len(tensors))
+
+    @torch.no_grad()
+    def gather(self) -> None:
+        """The all-gather of the trained shards into the staging copy (``weight_sync/*``: its seconds and bytes)."""
+        t0 = time.perf_counter()
+        par.sync_rollout_weights(self.policy.model, self.staging)
+        if next(self.staging.parameters()).device.type != "cpu":  # the gathers are queued: done before publishing
+            device.synchronize()
+        self.policy.last_sync = SyncStats(time.perf_counter() - t0, *self._gathered)
+
+    def load(self) -> None:
+        """The staging copy into the rollout engine's weights, in place (``LLM.swap_weights``' ``load``)."""
+        self._copy.sync()
+
+
 def _queue_digest(state: dict[str, Any]) -> str:
-    """A digest of a source's ``state_dict`` without the values that are each rank's own clock."""
+    """A digest of a source's ``state_dict`` without the values that are each rank's own: its clocks, and with
+    partial rollouts its count of updates taken in flight (``swaps_total``: with ``partial_swap_step`` N a rank
+    whose share ends before engine step N takes the update after its end, not in flight; rank 0's is written)."""
     queue = [{**b, "metrics": {k: v for k, v in b["metrics"].items() if k not in _RANK_CLOCKS}} for b in state["queue"]]
-    blob = json.dumps({**state, "queue": queue}, sort_keys=True, default=str)
+    blob = json.dumps({**{k: v for k, v in state.items() if k != "swaps_total"}, "queue": queue}, sort_keys=True,
+                      default=str)  # fmt: skip
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-__all__ = ["DEFAULT_ASYNC_IS_CAP", "AsyncSteps"]
+__all__ = ["DEFAULT_ASYNC_IS_CAP", "AsyncSteps", "StagedWeights"]

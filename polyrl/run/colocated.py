@@ -27,9 +27,10 @@ The building block of every online run (GRPO, GSPO, PPO, agentic RL) and of the 
   With ``separate_rollout`` (async RL's threaded producer under torchrun) that plain copy is NOT refreshed after
   every optimizer step (the producer thread may be generating on it) but only by ``sync_rollout_weights()``, which
   is then the all-gather (a collective on the default group: the run calls it in the trainer's thread, once the
-  producer is idle, on every rank); log-prob recomputes still run on the copy, which the run has synced to the
-  trained weights before any recompute of a step (``weights_updated`` precedes it), while the producer may read
-  the same tensors (no-grad forwards only, no collective).
+  producer is idle, on every rank; with partial rollouts ``run.async_steps.StagedWeights`` gathers into a staging
+  copy instead, loaded into this one at the producer's step boundary); log-prob recomputes still run on the copy,
+  which the run has synced to the trained weights before any recompute of a step (``weights_updated`` precedes it),
+  while the producer may read the same tensors (no-grad forwards only, no collective).
   With async RL's rollout worker processes under torchrun (``remote_on_root``, set on every rank) rank 0's workers
   (its ``remote``; the other ranks have none) generate every prompt and the outputs are broadcast
   (``par.generate_on_root``); ``sync_rollout_weights`` all-gathers the plain copy on every rank, then rank 0 pushes
@@ -142,7 +143,7 @@ class ColocatedPolicy:
         self.device = self.engine.device
         self.micro_batch_tokens = (engine or StepConfig()).micro_batch_tokens  # the packing budget of RL batches
         # called by the rollout engine between decode steps (LLM.generate's between_steps; partial rollouts swap the
-        # weights there, polyrl.run.async_rollout.PartialRollouts); one process, this engine only
+        # weights there, polyrl.run.async_rollout.PartialRollouts); this engine only (data-parallel: this rank's)
         self.between_steps: Callable[[LLM, int], None] | None = None
 
     @property
@@ -203,7 +204,9 @@ class ColocatedPolicy:
                 gen = lambda p, sp, **kw: self.remote.generate(p, sp, self.llm.generate, **kw)  # noqa: E731 (rank 0)
                 outs = par.generate_on_root(gen, ids, plist, self.world, on_finish=hook)
             elif self.world is not None:
-                outs = par.generate_data_parallel(self.llm, ids, plist, self.world, on_finish=hook)
+                outs = par.generate_data_parallel(
+                    self.llm, ids, plist, self.world, on_finish=hook, between_steps=self.between_steps
+                )
             elif self.remote is not None:
                 outs = self.remote.generate(ids, plist, self.llm.generate, on_finish=hook)
             else:

@@ -1,6 +1,6 @@
 """Agentic RL under torchrun: 2 gloo ranks, FSDP2, each rank running the episodes of its share of the prompts with its
 own environment pool (a worker process per rank; in the async runs, in the rank's process) or its own agent proxy,
-in ONE spawn of two processes running seven runs in turn (``dist_async_worker``), plus two one-process runs here. The
+in ONE spawn of two processes running eight runs in turn (``dist_async_worker``), plus two one-process runs here. The
 environment is a multi-turn one with a dense reward (the digits of each reply, so that every step has non-zero
 advantages and losses; the builtin ``guessing`` game rewards a random tiny model at step 1 only) that raises on the
 second turn of an example whose answer is divisible by 3 (failures counted on whichever rank ran the episode). GRPO,
@@ -23,13 +23,16 @@ steps, a checkpoint every 2.
   checkpoint's queue digests agreed on both ranks);
 - an agent program through the proxy (``--agent``, 2 steps, failing on the same examples): a proxy per rank serving
   that rank's engine gives the one-process agent runs (rewards, turns, failures, the greedy and sampled evaluation)
-  exactly, the losses within fp32 noise.
+  exactly, the losses within fp32 noise;
+- K = 1, partial rollouts (thread producer, ``partial_swap_step`` 8): each rank's episode loop takes every update
+  after the first mid-episode, the samples span two versions (non-decreasing), the ranks' queues agree.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -134,7 +137,10 @@ def test_two_rank_agentic_runs_equal_one_process_resume_and_run_async(tiny_model
     # the process producer: rank 0's two rollout worker processes run every episode (an environment pool in each)
     process = _raw(tiny_model_dir, tmp_path / "process", env, 0, max_staleness=1, async_producer="process",
                    rollout_workers=2)  # fmt: skip
-    runs = [{"raw": r} for r in (sync, resumed, inline, thread, thread_resumed, proxy, process)]
+    # partial rollouts, thread producer: each rank's episode loop takes the update at its engine step 8
+    partial = _raw(tiny_model_dir, tmp_path / "partial", env, 0, max_staleness=1, async_producer="thread",
+                   partial_rollouts=True, partial_swap_step=8)  # fmt: skip
+    runs = [{"raw": r} for r in (sync, resumed, inline, thread, thread_resumed, proxy, process, partial)]
     ports: list[int] = []
     while len(ports) < len(runs):
         p = free_port()
@@ -223,3 +229,14 @@ def test_two_rank_agentic_runs_equal_one_process_resume_and_run_async(tiny_model
     assert p2[-1]["env_failures_total"] > 0 and all(r["episode/turns"] == 2.0 for r in p2)
     for a, b in zip(p1, p2):
         assert b["loss"] == pytest.approx(a["loss"], rel=TOL, abs=TOL)
+
+    # (6) partial rollouts under 2 ranks: every update after the first step's lands in the episodes in flight on both
+    # ranks (the staging copy all-gathered in the trainer's thread, loaded by each rank's producer at its step 8)
+    pa = records(tmp_path / "partial")
+    assert [r["async/weight_swaps_total"] for r in pa] == [0.0, 1.0, 2.0, 3.0]
+    assert [r["async/staleness_max"] for r in pa] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["async/mixed_version_samples"] > 0 for r in pa[1:]) and all(math.isfinite(r["loss"]) for r in pa)
+    state = json.loads((tmp_path / "partial" / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
+    ((queued,),) = [state["data"]["async"]["queue"]]  # written: the ranks' queues (and versions) agreed
+    versions = [s["token_versions"] for s in queued["samples"]]
+    assert len(versions) == 6 and all(v == sorted(v) and set(v) == {1, 2} for v in versions)

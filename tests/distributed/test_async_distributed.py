@@ -1,5 +1,5 @@
 """Asynchronous RL under torchrun (2 gloo ranks, FSDP2, data-parallel rollout) on the tiny preset, in ONE spawn of
-two processes running six runs in turn (``dist_async_worker``), plus one one-process run here:
+two processes running eight runs in turn (``dist_async_worker``), plus two one-process runs here:
 
 - K = 1 with the ``inline`` producer: every step after the first trains samples exactly one version old (the
   ``async/*`` metrics cover both ranks' shares), nothing is dropped, the losses are finite; its samples are the
@@ -15,7 +15,13 @@ two processes running six runs in turn (``dist_async_worker``), plus one one-pro
   plain copy on every rank, then pushed from rank 0's copy): staleness 0, 1, 1, 1, nothing dropped, both replicas
   used; it equals the thread run bit for bit (the clocks and the workers' own counters aside; final weights
   included), and its step-2 checkpoint resumes it bit for bit;
-- ``partial_rollouts`` is refused with a ConfigError saying what to change.
+- ``partial_rollouts`` with the thread producer, ``partial_swap_step`` 2 (the update all-gathered into a staging copy
+  in the trainer's thread, loaded by each rank's producer at its engine step 2): every update after the first step's
+  lands in flight, the batches mix two versions (non-decreasing per token, exactly 2 tokens of the older one), the
+  ranks' queues agree at the step-2 checkpoint, and the one-process partial run's samples come out (losses within
+  1e-4); with one prompt a step (rank 1's share empty: it takes each update after its gather, not in flight) the
+  ranks' swap counts differ and the checkpoint is still written;
+- ``partial_rollouts`` with the process producer is refused with a ConfigError saying what to change.
 """
 
 from __future__ import annotations
@@ -82,9 +88,24 @@ def test_two_rank_async_inline_thread_process_resume_and_refusals(tiny_model_dir
     # resumed with one worker: the rollout seeds are per prompt, so the split over replicas does not change a token
     proc_resumed = _raw(tiny_model_dir, tmp_path / "proc-resumed", reward, async_producer="process", rollout_workers=1)
     proc_resumed["resume"] = str(tmp_path / "process" / "checkpoints" / "step-00000002")
-    partial = _raw(tiny_model_dir, tmp_path / "partial", reward, async_producer="thread", partial_rollouts=True)
+    # partial rollouts, reproducible: batch s (submitted at version s - 1) takes version s at engine step 2 of each
+    # rank's share, the update all-gathered into the staging copy in the trainer's thread
+    partial = _raw(
+        tiny_model_dir, tmp_path / "partial", reward, async_producer="thread", partial_rollouts=True,
+        partial_swap_step=2,
+    )  # fmt: skip
+    # ... one prompt a step: rank 1's share is empty (it takes each update after its gather, not in flight, while
+    # rank 0's share takes it at its step 2), so the ranks' swap counts differ and the queues must still agree
+    partial1 = _raw(
+        tiny_model_dir, tmp_path / "partial1", reward, async_producer="thread", partial_rollouts=True,
+        partial_swap_step=2, prompts_per_step=1,
+    )  # fmt: skip
+    refused = _raw(
+        tiny_model_dir, tmp_path / "refused", reward, async_producer="process", rollout_workers=1,
+        partial_rollouts=True,
+    )  # fmt: skip
     runs = [{"raw": inline}, {"raw": thread}, {"raw": resumed}, {"raw": process}, {"raw": proc_resumed}]
-    runs += [{"raw": partial, "expect_error": True}]
+    runs += [{"raw": partial}, {"raw": partial1}, {"raw": refused, "expect_error": True}]
     ports: list[int] = []
     while len(ports) < len(runs):
         p = free_port()
@@ -157,6 +178,45 @@ def test_two_rank_async_inline_thread_process_resume_and_refusals(tiny_model_dir
     assert all(r["async/rollout_workers_alive"] == 1.0 and r["async/replica_share_max"] == 1.0 for r in pres)
     assert _weights_hash(tmp_path / "proc-resumed") == _weights_hash(tmp_path / "process")
 
-    # (6) the refused combination, with what to change
-    msg = (tmp_path / "partial" / "error.txt").read_text()
-    assert "partial_rollouts" in msg and "remove" in msg and "--nproc-per-node" in msg
+    # (6) partial rollouts, thread producer: every update after the first step's publish lands mid-batch, at engine
+    # step 2 of both ranks' shares, so every token generated after it is the next version's
+    pa = records(tmp_path / "partial")
+    assert [r["async/weight_swaps_total"] for r in pa] == [0.0, 1.0, 2.0, 3.0]  # rank 0's, taken in flight
+    assert [r["async/staleness_max"] for r in pa] == [0.0, 1.0, 1.0, 1.0]
+    assert pa[0]["async/mixed_version_samples"] == 0.0
+    for r in pa[1:]:
+        assert r["async/mixed_version_samples"] > 0 and r["async/tokens_lag0"] > 0 and r["async/tokens_lag1"] > 0
+    assert all(r["async/stale_dropped_total"] == 0.0 and math.isfinite(r["loss"]) for r in pa)
+    assert all(r["weight_sync/bytes"] > 0 for r in pa)  # the staging copy all-gathered at every published version
+    assert [("eval_reward" in r) for r in pa] == [False, True, False, True]  # the evaluations drained the producer
+    # the step-2 checkpoint (written only if both ranks' queues agree, per-token versions included): batch 3
+    # (submitted at version 1) took version 2 after the 2 tokens of engine steps 1 and 2, on both ranks' samples
+    state = json.loads((tmp_path / "partial" / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
+    queue = state["data"]["async"]
+    assert queue["version"] == 2 and [(b["step"], b["version"]) for b in queue["queue"]] == [(2, 1)]
+    versions = [s["token_versions"] for s in queue["queue"][0]["samples"]]
+    assert len(versions) == 16 and any(len(v) > 2 for v in versions)
+    for v in versions:
+        assert v == sorted(v) and v == [1] * min(2, len(v)) + [2] * (len(v) - 2)
+    # ... the one-process partial run's batches: the first (version 0 alone) guaranteed (prompt order and seeds as
+    # above, the swap at the same engine step: every prompt of a share is admitted at its first step, as in one
+    # process); the later ones' version-1+ tokens held here (the weights differ by fp32 reduction order, as above)
+    run(partial | {"out": str(tmp_path / "partial-one")})
+    po = records(tmp_path / "partial-one")
+    for a, b in zip(po, pa):
+        for key in ("reward", "response_length", "async/tokens_lag0", "async/tokens_lag1", "async/weight_swaps_total"):
+            assert b.get(key) == a.get(key), (b["step"], key)
+        assert b["async/mixed_version_samples"] == a["async/mixed_version_samples"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=TOL, abs=TOL), b["step"]
+
+    # ... with rank 1's share empty: its checkpoint written (the queues agree), rank 0's tokens split at step 2
+    p1 = records(tmp_path / "partial1")
+    assert [r["async/weight_swaps_total"] for r in p1] == [0.0, 1.0, 2.0, 3.0]
+    assert all(r["async/mixed_version_samples"] > 0 for r in p1[1:]) and all(math.isfinite(r["loss"]) for r in p1)
+    state = json.loads((tmp_path / "partial1" / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
+    versions = [s["token_versions"] for s in state["data"]["async"]["queue"][0]["samples"]]
+    assert len(versions) == 4 and all(v == [1] * min(2, len(v)) + [2] * (len(v) - 2) for v in versions)
+
+    # (7) the refused combination, with what to change
+    msg = (tmp_path / "refused" / "error.txt").read_text()
+    assert "partial_rollouts" in msg and '"thread"' in msg and "--nproc-per-node" in msg

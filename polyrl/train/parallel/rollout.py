@@ -63,15 +63,24 @@ def shard_indices(n: int, world: World) -> list[int]:
 
 
 def generate_data_parallel(
-    llm: Any, prompts: list[Any], params: Any, world: World, on_finish: Callable | None = None
+    llm: Any,
+    prompts: list[Any],
+    params: Any,
+    world: World,
+    on_finish: Callable | None = None,
+    between_steps: Callable | None = None,
 ) -> list[Any]:
     """``llm.generate`` over this rank's share of ``prompts`` (``params``: one SamplingParams or one per
     prompt), then every rank's outputs gathered back into prompt order. Returns the outputs of ALL prompts
     on every rank. Ranks with no prompts (fewer prompts than ranks) still take part in the gather.
-    ``on_finish(prompt_index, sample_index, output)``: this rank's sequences as they finish (``LLM.generate``)."""
+    ``on_finish(prompt_index, sample_index, output)``: this rank's sequences as they finish (``LLM.generate``).
+    ``between_steps``: ``LLM.generate``'s step-boundary hook (async RL's partial rollouts), on this rank's engine
+    only; it must not wait for another rank (the gather comes after the generation)."""
     mine = shard_indices(len(prompts), world)
     plist = params if isinstance(params, list) else None
     kw = {"on_finish": lambda k, j, c: on_finish(mine[k], j, c)} if on_finish is not None else {}
+    if between_steps is not None:
+        kw["between_steps"] = between_steps
     outs = llm.generate([prompts[i] for i in mine], [plist[i] for i in mine] if plist else params, **kw) if mine else []
     gathered = world.all_gather_object(list(zip(mine, outs)))
     result: list[Any] = [None] * len(prompts)
