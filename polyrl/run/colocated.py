@@ -32,8 +32,9 @@ The building block of every online run (GRPO, GSPO, PPO, agentic RL) and of the 
   the same tensors (no-grad forwards only, no collective).
   With async RL's rollout worker processes under torchrun (``remote_on_root``, set on every rank) rank 0's workers
   (its ``remote``; the other ranks have none) generate every prompt and the outputs are broadcast
-  (``par.generate_on_root``); ``sync_rollout_weights`` all-gathers the plain copy on every rank, then rank 0 pushes
-  that copy to its workers (``push_source``).
+  (``par.generate_on_root``; the other ranks' engines never run, so they hold no KV cache: ``release_idle_engine``);
+  ``sync_rollout_weights`` all-gathers the plain copy on every rank, then rank 0 pushes that copy to its workers
+  (``push_source``).
   A replicated model (``replicate_model``: LoRA) stays colocated as in one process (rollout, reference and
   ``merge_for_rollout`` as above, on every rank's own identical replica); only generation is split over ranks.
 
@@ -189,7 +190,9 @@ class ColocatedPolicy:
         ids = [self.encode(p) for p in prompts]
         was_training = self.rollout_net.training
         self.rollout_net.eval()
-        if not self.llm.kv.allocated:
+        if self.idle_engine:  # rank 0's workers generate: no KV cache here (it would sit beside training for nothing)
+            self.release_idle_engine()
+        elif not self.llm.kv.allocated:
             self.llm.reallocate()
         merge = self._merge_for_rollout()
         hook = None
@@ -294,6 +297,18 @@ class ColocatedPolicy:
         if not self.separate_rollout:  # a separate copy (maybe generating now) changes in sync_rollout_weights only
             self.llm.reset_prefix_cache()
         return stats
+
+    @property
+    def idle_engine(self) -> bool:
+        """True on a rank other than 0 with ``remote_on_root``: rank 0's rollout workers generate every prompt and
+        this rank only receives the outputs, so its own engine never runs (rank 0's is a dead worker's fallback)."""
+        return self.remote_on_root and self.world is not None and not self.world.is_main
+
+    def release_idle_engine(self) -> None:
+        """Free the KV cache of an ``idle_engine`` (allocated when the engine was built, kept with ``release_kv``
+        off); nothing elsewhere."""
+        if self.idle_engine and self.llm.kv.allocated:
+            self.llm.release()
 
     @property
     def push_source(self) -> nn.Module:
