@@ -188,11 +188,13 @@ class ColocatedPolicy:
         base = (sampling or SamplingParams()).clone(n=n)
         plist = [base.clone(seed=int(s)) for s in seeds] if seeds is not None else [base] * len(prompts)
         ids = [self.encode(p) for p in prompts]
+        if self.idle_engine:  # rank 0's workers generate: this rank takes the broadcast, its engine and weights
+            self.release_idle_engine()  # untouched (no KV cache beside training, no merge or mode change of a model)
+            outs = par.generate_on_root(self.llm.generate, ids, plist, self.world)
+            return [self._sample(out.prompt_token_ids, c, g) for g, out in enumerate(outs) for c in out.outputs]
         was_training = self.rollout_net.training
         self.rollout_net.eval()
-        if self.idle_engine:  # rank 0's workers generate: no KV cache here (it would sit beside training for nothing)
-            self.release_idle_engine()
-        elif not self.llm.kv.allocated:
+        if not self.llm.kv.allocated:
             self.llm.reallocate()
         merge = self._merge_for_rollout()
         hook = None
@@ -301,7 +303,9 @@ class ColocatedPolicy:
     @property
     def idle_engine(self) -> bool:
         """True on a rank other than 0 with ``remote_on_root``: rank 0's rollout workers generate every prompt and
-        this rank only receives the outputs, so its own engine never runs (rank 0's is a dead worker's fallback)."""
+        this rank only receives the outputs, so its own engine never runs (rank 0's is a dead worker's fallback). A
+        replicated (LoRA) run builds such a rank's policy without a separate rollout copy (``OnlineRun``: its engine
+        sits on the trained tensors, which ``rollout`` then never touches)."""
         return self.remote_on_root and self.world is not None and not self.world.is_main
 
     def release_idle_engine(self) -> None:

@@ -15,7 +15,9 @@ two processes running six runs in turn (``dist_async_worker``), plus one one-pro
   plain copy on every rank, then pushed from rank 0's copy): staleness 0, 1, 1, 1, nothing dropped, both replicas
   used; it equals the thread run bit for bit (the clocks and the workers' own counters aside; final weights
   included), and its step-2 checkpoint resumes it bit for bit;
-- ``partial_rollouts`` is refused with a ConfigError saying what to change.
+- ``partial_rollouts`` is refused with a ConfigError saying what to change;
+- a LoRA run with the process producer (built, not trained): rank 1 keeps neither a rollout copy of its replica nor
+  a KV cache, its engine never running (rank 0 keeps both: its engine is a dead worker's fallback).
 """
 
 from __future__ import annotations
@@ -85,6 +87,12 @@ def test_two_rank_async_inline_thread_process_resume_and_refusals(tiny_model_dir
     partial = _raw(tiny_model_dir, tmp_path / "partial", reward, async_producer="thread", partial_rollouts=True)
     runs = [{"raw": inline}, {"raw": thread}, {"raw": resumed}, {"raw": process}, {"raw": proc_resumed}]
     runs += [{"raw": partial, "expect_error": True}]
+    # a LoRA run with the process producer, built only (``policy_probe``): what each rank's policy holds
+    lora = _raw(
+        tiny_model_dir, tmp_path / "lora", reward, async_producer="process", rollout_workers=1, release_kv=False
+    )  # fmt: skip
+    lora["lora"] = {"r": 4, "alpha": 8}
+    runs += [{"raw": lora, "probe": True}]
     ports: list[int] = []
     while len(ports) < len(runs):
         p = free_port()
@@ -160,3 +168,10 @@ def test_two_rank_async_inline_thread_process_resume_and_refusals(tiny_model_dir
     # (6) the refused combination, with what to change
     msg = (tmp_path / "partial" / "error.txt").read_text()
     assert "partial_rollouts" in msg and "remove" in msg and "--nproc-per-node" in msg
+
+    # (7) LoRA (replicated: every rank holds the whole model) with the process producer: rank 0 keeps its rollout copy
+    # and KV cache (its engine generates a dead worker's share, as in one process); rank 1's engine never runs, so it
+    # keeps no copy of the whole replica and no KV cache (release_kv off: one would stay for the whole run)
+    probe = [json.loads((tmp_path / "lora" / f"probe{r}.json").read_text()) for r in range(2)]
+    assert probe[0] == {"copy": True, "kv": True, "workers": True}
+    assert probe[1] == {"copy": False, "kv": False, "workers": False}
