@@ -116,6 +116,7 @@ class AsyncSteps:
             )
         if self.a.async_producer == "process":  # every rank: rank 0's workers generate, the batch is broadcast
             self.policy.remote_on_root = self.world.distributed
+            self.policy.release_idle_engine()  # the other ranks' engines never run: their KV cache freed now
         if self.a.async_producer == "process" and self.world.is_main:  # rollout engines in worker processes
             # lazy: worker processes and their process group exist only in runs that ask for them
             from polyrl.run.rollout_workers import RolloutWorkers

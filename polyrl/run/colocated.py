@@ -33,8 +33,9 @@ The building block of every online run (GRPO, GSPO, PPO, agentic RL) and of the 
   while the producer may read the same tensors (no-grad forwards only, no collective).
   With async RL's rollout worker processes under torchrun (``remote_on_root``, set on every rank) rank 0's workers
   (its ``remote``; the other ranks have none) generate every prompt and the outputs are broadcast
-  (``par.generate_on_root``); ``sync_rollout_weights`` all-gathers the plain copy on every rank, then rank 0 pushes
-  that copy to its workers (``push_source``).
+  (``par.generate_on_root``; the other ranks' engines never run, so they hold no KV cache: ``release_idle_engine``);
+  ``sync_rollout_weights`` all-gathers the plain copy on every rank, then rank 0 pushes that copy to its workers
+  (``push_source``).
   A replicated model (``replicate_model``: LoRA) stays colocated as in one process (rollout, reference and
   ``merge_for_rollout`` as above, on every rank's own identical replica); only generation is split over ranks.
 
@@ -188,6 +189,10 @@ class ColocatedPolicy:
         base = (sampling or SamplingParams()).clone(n=n)
         plist = [base.clone(seed=int(s)) for s in seeds] if seeds is not None else [base] * len(prompts)
         ids = [self.encode(p) for p in prompts]
+        if self.idle_engine:  # rank 0's workers generate: this rank takes the broadcast, its engine and weights
+            self.release_idle_engine()  # untouched (no KV cache beside training, no merge or mode change of a model)
+            outs = par.generate_on_root(self.llm.generate, ids, plist, self.world)
+            return [self._sample(out.prompt_token_ids, c, g) for g, out in enumerate(outs) for c in out.outputs]
         was_training = self.rollout_net.training
         self.rollout_net.eval()
         if not self.llm.kv.allocated:
@@ -297,6 +302,20 @@ class ColocatedPolicy:
         if not self.separate_rollout:  # a separate copy (maybe generating now) changes in sync_rollout_weights only
             self.llm.reset_prefix_cache()
         return stats
+
+    @property
+    def idle_engine(self) -> bool:
+        """True on a rank other than 0 with ``remote_on_root``: rank 0's rollout workers generate every prompt and
+        this rank only receives the outputs, so its own engine never runs (rank 0's is a dead worker's fallback). A
+        replicated (LoRA) run builds such a rank's policy without a separate rollout copy (``OnlineRun``: its engine
+        sits on the trained tensors, which ``rollout`` then never touches)."""
+        return self.remote_on_root and self.world is not None and not self.world.is_main
+
+    def release_idle_engine(self) -> None:
+        """Free the KV cache of an ``idle_engine`` (allocated when the engine was built, kept with ``release_kv``
+        off); nothing elsewhere."""
+        if self.idle_engine and self.llm.kv.allocated:
+            self.llm.release()
 
     @property
     def push_source(self) -> nn.Module:

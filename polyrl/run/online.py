@@ -198,7 +198,8 @@ class OnlineRun(AsyncSteps, DataParallelSteps):
 
     def _make_policy(self) -> ColocatedPolicy:
         """The policy (FSDP2-sharded under torchrun; LoRA: replicated, every rank rolls out base + its adapter) with
-        its rollout engine over the same weights."""
+        its rollout engine over the same weights (async thread / process producers: a separate copy, but not on the
+        ranks other than 0 of a replicated run with the process producer, whose engines never run)."""
         cfg, a = self.cfg, self.a
         if getattr(a, "routing_replay", False) and cfg.episodes is not None:
             raise ConfigError(
@@ -211,6 +212,11 @@ class OnlineRun(AsyncSteps, DataParallelSteps):
                 f"{a.table_name()}.routing_replay replays the experts of a mixture-of-experts model, and "
                 f"{cfg.model} is dense ({model.config.model_type}); remove {a.table_name()}.routing_replay"
             )
+        separate = self.max_staleness > 0 and a.async_producer in ("thread", "process")
+        if separate and a.async_producer == "process" and not self.world.is_main and par.is_replicated(model):
+            # LoRA under torchrun: rank 0's workers generate (ColocatedPolicy.idle_engine), so this rank keeps no
+            # rollout copy of its whole replica (FSDP2: the plain copy stays, the log-prob recompute reads it)
+            separate = False
         return ColocatedPolicy(
             model,
             self.tokenizer,
@@ -223,7 +229,7 @@ class OnlineRun(AsyncSteps, DataParallelSteps):
             release_kv=a.release_kv,
             reference=self.hooks.needs_reference,
             world=self.world,
-            separate_rollout=self.max_staleness > 0 and a.async_producer in ("thread", "process"),
+            separate_rollout=separate,
         )
 
     def print(self, msg: str) -> None:

@@ -1,8 +1,8 @@
 """What each gloo rank runs for ``test_async_distributed.py`` (one spawn, several runs, to keep the suite fast): the
 run configs in order, each in a process group of its own (``ports``: one per run; ``init_world`` starts it and the
 run tears it down). A run expected to be refused (``expect_error``) must raise a ``ConfigError``; rank 0 writes its
-message to ``<out>/error.txt``. Agentic runs (an ``[agent]`` table, ``test_agentic_distributed.py``) register their
-table first, as the CLI does."""
+message to ``<out>/error.txt``; a ``probe`` run is only built (``policy_probe``). Agentic runs (an ``[agent]``
+table, ``test_agentic_distributed.py``) register their table first, as the CLI does."""
 
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ def async_runs_worker(rank: int, world_size: int, runs: list[dict[str, Any]], po
     for spec, port in zip(runs, ports):
         os.environ["MASTER_PORT"] = str(port)
         raw = spec["raw"]
+        if spec.get("probe"):  # the run built, not trained: what each rank's policy holds
+            policy_probe(rank, raw)
+            continue
         if not spec.get("expect_error"):
             runner.run(rc.build(raw))
             continue
@@ -34,3 +37,30 @@ def async_runs_worker(rank: int, world_size: int, runs: list[dict[str, Any]], po
                 (Path(raw["out"]) / "error.txt").write_text(str(exc))
         else:
             raise AssertionError(f"{raw['out']}: the run was not refused")
+
+
+def policy_probe(rank: int, raw: dict[str, Any]) -> None:
+    """Build the run of ``raw`` (not train it) and write what this rank's policy holds to ``<out>/probe<rank>.json``:
+    a rollout copy apart from the trained model, a KV cache, rollout worker processes."""
+    import io
+    import json
+
+    import torch.distributed as dist
+
+    from polyrl.run import config as rc
+    from polyrl.run.online import OnlineRun
+
+    cfg = rc.build(raw)
+    run = OnlineRun(cfg, cfg.spec.hooks(cfg.algo_config), io.StringIO())
+    try:
+        p = run.policy
+        facts = {"copy": p.rollout_net is not p.model, "kv": p.llm.kv.allocated, "workers": p.remote is not None}
+        Path(raw["out"]).mkdir(parents=True, exist_ok=True)
+        (Path(raw["out"]) / f"probe{rank}.json").write_text(json.dumps(facts))
+    finally:
+        run.source.close()
+        if run.policy.remote is not None:
+            run.policy.remote.close()
+        if run.pool is not None:
+            run.pool.close()
+        dist.destroy_process_group()

@@ -1,5 +1,5 @@
 """Asynchronous RL under torchrun (2 gloo ranks, FSDP2, data-parallel rollout) on the tiny preset, in ONE spawn of
-two processes running eight runs in turn (``dist_async_worker``), plus two one-process runs here:
+two processes running nine runs in turn (``dist_async_worker``), plus two one-process runs here:
 
 - K = 1 with the ``inline`` producer: every step after the first trains samples exactly one version old (the
   ``async/*`` metrics cover both ranks' shares), nothing is dropped, the losses are finite; its samples are the
@@ -21,7 +21,9 @@ two processes running eight runs in turn (``dist_async_worker``), plus two one-p
   ranks' queues agree at the step-2 checkpoint, and the one-process partial run's samples come out (losses within
   1e-4); with one prompt a step (rank 1's share empty: it takes each update after its gather, not in flight) the
   ranks' swap counts differ and the checkpoint is still written;
-- ``partial_rollouts`` with the process producer is refused with a ConfigError saying what to change.
+- ``partial_rollouts`` with the process producer is refused with a ConfigError saying what to change;
+- a LoRA run with the process producer (built, not trained): rank 1 keeps neither a rollout copy of its replica nor
+  a KV cache, its engine never running (rank 0 keeps both: its engine is a dead worker's fallback).
 """
 
 from __future__ import annotations
@@ -106,6 +108,12 @@ def test_two_rank_async_inline_thread_process_resume_and_refusals(tiny_model_dir
     )  # fmt: skip
     runs = [{"raw": inline}, {"raw": thread}, {"raw": resumed}, {"raw": process}, {"raw": proc_resumed}]
     runs += [{"raw": partial}, {"raw": partial1}, {"raw": refused, "expect_error": True}]
+    # a LoRA run with the process producer, built only (``policy_probe``): what each rank's policy holds
+    lora = _raw(
+        tiny_model_dir, tmp_path / "lora", reward, async_producer="process", rollout_workers=1, release_kv=False
+    )  # fmt: skip
+    lora["lora"] = {"r": 4, "alpha": 8}
+    runs += [{"raw": lora, "probe": True}]
     ports: list[int] = []
     while len(ports) < len(runs):
         p = free_port()
@@ -220,3 +228,10 @@ def test_two_rank_async_inline_thread_process_resume_and_refusals(tiny_model_dir
     # (7) the refused combination, with what to change
     msg = (tmp_path / "refused" / "error.txt").read_text()
     assert "partial_rollouts" in msg and '"thread"' in msg and "--nproc-per-node" in msg
+
+    # (8) LoRA (replicated: every rank holds the whole model) with the process producer: rank 0 keeps its rollout copy
+    # and KV cache (its engine generates a dead worker's share, as in one process); rank 1's engine never runs, so it
+    # keeps no copy of the whole replica and no KV cache (release_kv off: one would stay for the whole run)
+    probe = [json.loads((tmp_path / "lora" / f"probe{r}.json").read_text()) for r in range(2)]
+    assert probe[0] == {"copy": True, "kv": True, "workers": True}
+    assert probe[1] == {"copy": False, "kv": False, "workers": False}

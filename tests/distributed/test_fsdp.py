@@ -98,6 +98,12 @@ def test_data_parallel_rollout_equals_one_process(runs):
     assert tokens0 == tokens1 == runs["dist"]["rollout"]
     assert failed0 == "ValueError: no engine"
     assert failed1 == "RuntimeError: rank 0's rollout failed: ValueError: no engine"
+    # ColocatedPolicy.rollout with remote_on_root: rank 1 takes rank 0's outputs and holds no KV cache for its own
+    # engine, which never generates there (kept with release_kv=False on rank 0, the fallback of a dead worker)
+    (held0, after0, got0), (held1, after1, got1) = runs["dist"]["idle_kv"]
+    assert got0 == got1 == runs["dist"]["rollout"]
+    assert held0 and held1 and after0
+    assert not after1
 
 
 @pytest.mark.gpu
