@@ -126,6 +126,28 @@ class _Worker(WorkerProcess):
         self.episodes: set = set()  # the episodes whose environments live here
 
 
+@dataclass
+class EnvInfo:
+    """What the trainer needs of environment ``spec`` without running it: the absolute spec a worker process
+    resolves, the class, its tools, its turn format and ``parallel_tool_calls``. ``EnvInfo.of`` resolves the class
+    here, so a bad spec fails early, in the parent (a process that runs no episode, e.g. a torchrun rank other than
+    0 with the process producer, builds only this, no ``EnvPool``)."""
+
+    spec: str
+    cls: type
+    tools: list
+    response_format: Any
+    parallel_tool_calls: bool
+
+    @classmethod
+    def of(cls, spec: str) -> EnvInfo:
+        # registered names resolve here: a worker process does not see runtime registrations
+        full = absolute_spec(BUILTIN_ENVS.get(spec.strip(), spec) if isinstance(spec, str) else spec)
+        env = resolve_env(full)
+        fmt = to_format(getattr(env, "response_format", None), f"{spec}: response_format")
+        return cls(full, env, env_tools(env), fmt, getattr(env, "parallel_tool_calls", True) is not False)
+
+
 class EnvPool:
     """Environment ``spec`` (see ``env.resolve_env``) in ``workers`` processes, ``timeout`` seconds per call."""
 
@@ -135,12 +157,9 @@ class EnvPool:
         if not timeout > 0:
             raise ConfigError(f"environment timeout must be > 0 seconds, got {timeout}")
         self.name = spec
-        # registered names resolve here: a worker process does not see runtime registrations
-        self.spec = absolute_spec(BUILTIN_ENVS.get(spec.strip(), spec) if isinstance(spec, str) else spec)
-        self.cls = resolve_env(self.spec)  # fails early, in the parent, for a bad spec
-        self.tools = env_tools(self.cls)
-        self.response_format = to_format(getattr(self.cls, "response_format", None), f"{spec}: response_format")
-        self.parallel_tool_calls = getattr(self.cls, "parallel_tool_calls", True) is not False
+        info = EnvInfo.of(spec)
+        self.spec, self.cls, self.tools = info.spec, info.cls, info.tools
+        self.response_format, self.parallel_tool_calls = info.response_format, info.parallel_tool_calls
         self.num_workers, self.timeout = workers, float(timeout)
         self.totals = dict.fromkeys(FAILURE_KINDS, 0)
         self.local = LocalEnvs(self.cls) if workers == 0 else None
@@ -262,4 +281,4 @@ class EnvPool:
             self._home.pop(eid, None)
 
 
-__all__ = ["FAILURE_KINDS", "EnvPool", "LocalEnvs", "Outcome", "normalise_step"]
+__all__ = ["FAILURE_KINDS", "EnvInfo", "EnvPool", "LocalEnvs", "Outcome", "normalise_step"]

@@ -40,7 +40,8 @@ batch, the same metrics and the same failure totals, and training goes on as for
 rollouts.jsonl. The evaluation's episodes are split the same way. Synchronous, and async with the inline or thread
 producer (the gather then runs on the producer's gloo group, ``polyrl.run.async_steps``). With the process producer
 (``--env`` episodes) rank 0's rollout worker processes run every episode and the batch is broadcast to the other
-ranks (``root_episodes``). Partial rollouts are one-process, as for single completions.
+ranks (``root_episodes``), which build no environment pool of their own. Partial rollouts are one-process, as for
+single completions.
 Not here: the episode loop (``rollout``), the loss and advantages (``polyrl.algorithms``).
 """
 
@@ -53,7 +54,7 @@ from typing import Any
 
 from polyrl.agents.episode import Episode
 from polyrl.agents.formats import pick, turn_grammar
-from polyrl.agents.pool import EnvPool
+from polyrl.agents.pool import FAILURE_KINDS, EnvInfo, EnvPool
 from polyrl.agents.remote import EnvSpec, remote_episodes
 from polyrl.agents.render import ChatRenderer
 from polyrl.agents.rollout import EpisodeLimits, episode_metrics, run_episodes
@@ -128,10 +129,15 @@ class EpisodeSteps:
             self._start_proxy()
             source = f"agent {ag.agent!r} through {self.proxy.url}"
         else:
-            self.env_pool = EnvPool(ag.env, ag.env_workers, ag.env_timeout)
-            source = f"env {ag.env!r} ({len(self.env_pool.tools)} tool(s))"
+            self.env_info = EnvInfo.of(ag.env)
+            source = f"env {ag.env!r} ({len(self.env_info.tools)} tool(s))"
             # the process producer's replicas build theirs from the same spec (polyrl.agents.remote)
-            self.env_spec = EnvSpec(self.env_pool.spec, ag.env_workers, ag.env_timeout, template)
+            self.env_spec = EnvSpec(self.env_info.spec, ag.env_workers, ag.env_timeout, template)
+            if self.policy.idle_engine:  # torchrun, process producer, rank > 0: rank 0's workers run every episode
+                self._env_totals = dict.fromkeys(FAILURE_KINDS, 0)  # (root_episodes), so this rank builds no pool
+            else:
+                self.env_pool = EnvPool(ag.env, ag.env_workers, ag.env_timeout)
+                self._env_totals = self.env_pool.totals
             if self.policy.remote is not None:
                 source += f", episodes in {len(self.policy.remote.procs)} rollout worker process(es)"
             self._check_turn_format()
@@ -144,8 +150,9 @@ class EpisodeSteps:
     def _check_turn_format(self) -> None:
         """The environment's / the run's turn format with the environment's tools compiles (a UserError now, not at
         the first rollout)."""
-        fmt = pick(self.env_pool.response_format, self.structured)
-        grammar = turn_grammar(fmt, self.env_pool.tools, self.tokenizer, self.env_pool.parallel_tool_calls)
+        info = self.env_info
+        fmt = pick(info.response_format, self.structured)
+        grammar = turn_grammar(fmt, info.tools, self.tokenizer, info.parallel_tool_calls)
         if grammar is not None:
             self.policy.llm.grammar_cache().matcher(grammar)
 
@@ -169,18 +176,19 @@ class EpisodeSteps:
         ).start(drive=False)
 
     def _failure_counts(self) -> dict[str, int]:
-        """The live dict of this process's failure counts: the environment pool's, or the agent runs' (proxy)."""
+        """The live dict of this process's failure counts: the environment pool's, the agent runs' (proxy), or a
+        plain dict on a rank that builds no pool (``root_episodes`` adds rank 0's counts there)."""
         if self.proxy is not None:
             if not hasattr(self, "_agent_totals"):
                 self._agent_totals = {}
             return self._agent_totals
-        return self.env_pool.totals
+        return self._env_totals
 
     @property
     def failure_totals(self) -> dict[str, int]:
         if self.proxy is not None:
             return dict(getattr(self, "_agent_totals", {}))
-        return dict(self.env_pool.totals) if self.env_pool is not None else {}
+        return dict(getattr(self, "_env_totals", {}))
 
     def episodes(self, examples: list[dict], n: int, sampling: Any, seeds: list[int] | None) -> list[Any]:
         if self.proxy is None and self.policy.remote_on_root:  # torchrun, process producer: rank 0's replicas
@@ -188,7 +196,7 @@ class EpisodeSteps:
         if self.proxy is None and self.policy.remote is not None:  # process producer: the rollout worker replicas
             return remote_episodes(
                 self.policy.remote, self.env_spec, examples, n, sampling, seeds, self.limits, self.a.failure_reward,
-                lambda xs, ss: self.local_episodes(xs, n, sampling, ss), self.env_pool.totals,
+                lambda xs, ss: self.local_episodes(xs, n, sampling, ss), self._env_totals,
             )  # fmt: skip
         if self.world.distributed:  # torchrun: each rank its share, then every episode on every rank
             return self.data_parallel_episodes(examples, n, sampling, seeds)
@@ -199,8 +207,9 @@ class EpisodeSteps:
         (``remote_episodes``; a dead worker's share by rank 0's own loop), then the episodes and the failure counts
         of this call are broadcast on this thread's group (the producer's in an async run, ``collectives_on``), so
         every rank holds the whole batch in ``(group, index)`` order and the same failure totals. A failure on rank
-        0 is broadcast instead: rank 0 re-raises it, the other ranks raise a RuntimeError naming it."""
-        totals = self.env_pool.totals
+        0 is broadcast instead: rank 0 re-raises it, the other ranks raise a RuntimeError naming it. The other ranks
+        build no environment pool (their counts are a plain dict)."""
+        totals = self._env_totals
         if not self.world.is_main:
             got = self.world.broadcast_object(None)
             if isinstance(got, str):
@@ -396,8 +405,8 @@ class EpisodeSteps:
     def _apply_saved_failures(self, saved: dict[str, int]) -> None:
         if self.proxy is not None:
             self._agent_totals = dict(saved)
-        elif self.env_pool is not None:
-            self.env_pool.totals.update(saved)
+        elif hasattr(self, "_env_totals"):
+            self._env_totals.update(saved)
 
     def run(self) -> dict[str, Any]:
         try:

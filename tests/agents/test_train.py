@@ -162,7 +162,8 @@ def test_resume_restores_the_cumulative_failure_counters():
 
     run = object.__new__(with_episodes(OnlineRun))  # only the counter plumbing, no model
     run.pool = SimpleNamespace(totals={"error": 0, "timeout": 0})
-    run.env_pool = SimpleNamespace(totals={"error": 0, "timeout": 0, "crash": 0})
+    run._env_totals = {"error": 0, "timeout": 0, "crash": 0}  # the environment pool's totals (a plain dict on a rank
+    # that builds no pool)
     run.proxy, run.limits = None, object()
     saved = {"reward_failures": {"error": 2}, "env_failures": {"timeout": 3, "crash": 1}}
     run.restore_counters(saved)

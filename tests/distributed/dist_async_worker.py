@@ -1,7 +1,8 @@
 """What each gloo rank runs for ``test_async_distributed.py`` (one spawn, several runs, to keep the suite fast): the
 run configs in order, each in a process group of its own (``ports``: one per run; ``init_world`` starts it and the
 run tears it down). A run expected to be refused (``expect_error``) must raise a ``ConfigError``; rank 0 writes its
-message to ``<out>/error.txt``; a ``probe`` run is only built (``policy_probe``). Agentic runs (an ``[agent]``
+message to ``<out>/error.txt``; a ``probe`` run is only built (``policy_probe``); a ``pool_probe`` episode run is
+trained and writes whether each rank built an environment pool (``_pool_probed``). Agentic runs (an ``[agent]``
 table, ``test_agentic_distributed.py``) register their table first, as the CLI does."""
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ def async_runs_worker(rank: int, world_size: int, runs: list[dict[str, Any]], po
         if spec.get("probe"):  # the run built, not trained: what each rank's policy holds
             policy_probe(rank, raw)
             continue
+        if spec.get("pool_probe"):  # an episode run, trained as usual, recording whether this rank built a pool
+            from polyrl.run.online import run_online
+
+            run_online(rc.build(raw), None, _pool_probed(rank, Path(raw["out"])))
+            continue
         if not spec.get("expect_error"):
             runner.run(rc.build(raw))
             continue
@@ -37,6 +43,23 @@ def async_runs_worker(rank: int, world_size: int, runs: list[dict[str, Any]], po
                 (Path(raw["out"]) / "error.txt").write_text(str(exc))
         else:
             raise AssertionError(f"{raw['out']}: the run was not refused")
+
+
+def _pool_probed(rank: int, out: Path) -> type:
+    """An ``OnlineRun`` whose ``run`` first writes ``<out>/pool<rank>.json``: whether this rank's episode steps built
+    an environment pool (``EpisodeSteps.env_pool``) and its failure totals' kinds."""
+    import json
+
+    from polyrl.run.online import OnlineRun
+
+    class PoolProbed(OnlineRun):
+        def run(self) -> dict[str, Any]:
+            facts = {"pool": self.env_pool is not None, "totals": sorted(self._failure_counts())}
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"pool{rank}.json").write_text(json.dumps(facts))
+            return super().run()
+
+    return PoolProbed
 
 
 def policy_probe(rank: int, raw: dict[str, Any]) -> None:

@@ -20,7 +20,7 @@ steps, a checkpoint every 2.
 - K = 1, the process producer: rank 0's two rollout worker processes run every episode (an environment pool each),
   the batch broadcast to rank 1 with the replicas' failure counts (``root_episodes``); each replica ran one example,
   as each rank did in the thread run, which it equals bit for bit (metrics, rows, final weights; its step-2
-  checkpoint's queue digests agreed on both ranks);
+  checkpoint's queue digests agreed on both ranks); rank 1 builds no environment pool;
 - an agent program through the proxy (``--agent``, 2 steps, failing on the same examples): a proxy per rank serving
   that rank's engine gives the one-process agent runs (rewards, turns, failures, the greedy and sampled evaluation)
   exactly, the losses within fp32 noise;
@@ -141,6 +141,7 @@ def test_two_rank_agentic_runs_equal_one_process_resume_and_run_async(tiny_model
     partial = _raw(tiny_model_dir, tmp_path / "partial", env, 0, max_staleness=1, async_producer="thread",
                    partial_rollouts=True, partial_swap_step=8)  # fmt: skip
     runs = [{"raw": r} for r in (sync, resumed, inline, thread, thread_resumed, proxy, process, partial)]
+    runs[6]["pool_probe"] = True  # the process run: whether each rank built an environment pool
     ports: list[int] = []
     while len(ports) < len(runs):
         p = free_port()
@@ -217,6 +218,10 @@ def test_two_rank_agentic_runs_equal_one_process_resume_and_run_async(tiny_model
     assert all(r["async/rollout_workers_alive"] == 2.0 and r["async/replica_share_max"] == 0.5 for r in pr)
     assert _rows(tmp_path / "process") == _rows(tmp_path / "thread")
     assert _weights_hash(tmp_path / "process") == _weights_hash(tmp_path / "thread")
+    # rank 1 only takes the broadcast: no environment pool of its own, a plain dict of failure counts
+    kinds = ["crash", "error", "invalid", "lost", "timeout"]
+    probes = [json.loads((tmp_path / "process" / f"pool{r}.json").read_text()) for r in (0, 1)]
+    assert probes == [{"pool": True, "totals": kinds}, {"pool": False, "totals": kinds}]
 
     # (5) agent programs through the proxy: a proxy per rank, serving that rank's engine; the agent runs (their
     # segments, rewards, the failures of rank 0's and rank 1's runs) are one process's
