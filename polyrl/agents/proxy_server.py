@@ -67,31 +67,45 @@ class EngineDriver:
     ``start(between_steps)``: with partial rollouts, ``between_steps(llm, steps)`` is called on that thread at every
     engine-step boundary while requests are in flight (``steps``: the engine steps since ``start``), as
     ``LLM.generate`` calls it; it may ``swap_weights`` (the outputs of the step it read come with the next
-    ``step()``, which follows at once) or block there until an update is published."""
+    ``step()``, which follows at once) or block there until an update is published.
+    ``stop()`` waits ``join_timeout`` seconds for the thread. Each ``start`` gives its thread a stop event of its own,
+    so a thread still blocked in its hook when ``stop()`` gave up on it (the next window's thread may be running by
+    then) never steps the engine again: it re-checks its event after the hook (and before each step) and exits; an
+    error it raises then is not reported to the next window's calls."""
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, join_timeout: float = 30.0) -> None:
         self.llm = llm
+        self.join_timeout = join_timeout
         self.between_steps: Any = None
-        self._paused = 0.0  # seconds the driver spent inside between_steps (waiting for an update, loading it)
-        self._paused_since: float | None = None
+        # (seconds the driver spent inside between_steps -- waiting for an update, loading it --, the monotonic start
+        # of the call in progress or None): set by the driver thread and stop(), read by run_agents's thread, as one
+        # tuple under _lock
+        self._lock = threading.Lock()
+        self._pause: tuple[float, float | None] = (0.0, None)
         self._done: dict[str, Any] = {}
         self._ids = itertools.count()
         self._wake = threading.Event()
-        self._stop = False
+        self._stop = threading.Event()  # the running thread's own (a fresh one per start)
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
     def start(self, between_steps: Any = None) -> None:
-        self._stop = False
+        self._stop = stop = threading.Event()
         self.between_steps = between_steps
-        self._thread = threading.Thread(target=self._run, name="polyrl-agent-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(stop, between_steps), name="polyrl-agent-engine", daemon=True
+        )
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop = True
+        self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(30)
+            self._thread.join(self.join_timeout)
+        with self._lock:  # a hook call the thread may still be blocked in no longer holds this driver up
+            paused, since = self._pause
+            if since is not None:
+                self._pause = (paused + time.monotonic() - since, None)
         self._thread = None
         self.between_steps = None
 
@@ -99,8 +113,9 @@ class EngineDriver:
     def paused_s(self) -> float:
         """Seconds spent in ``between_steps`` so far (the one in progress included): the engine served no call then,
         so ``AgentProxy.run_agents`` does not count them against an agent's timeout."""
-        since = self._paused_since
-        return self._paused + (time.monotonic() - since if since is not None else 0.0)
+        with self._lock:
+            paused, since = self._pause
+        return paused + (time.monotonic() - since if since is not None else 0.0)
 
     def submit(self, ids: list[int], params: SamplingParams, done: Any) -> str:
         if self.error is not None:
@@ -115,21 +130,36 @@ class EngineDriver:
         self._wake.set()
         return rid
 
-    def _run(self) -> None:
-        steps, hook = 0, self.between_steps
+    def _pause_begins(self, stop: threading.Event) -> bool:
+        with self._lock:
+            if stop.is_set():
+                return False
+            self._pause = (self._pause[0], time.monotonic())
+            return True
+
+    def _pause_ends(self, stop: threading.Event) -> None:
+        with self._lock:
+            paused, since = self._pause
+            if not stop.is_set() and since is not None:  # once stopped, stop() has closed this pause
+                self._pause = (paused + time.monotonic() - since, None)
+
+    def _run(self, stop: threading.Event, hook: Any) -> None:
+        steps = 0
         try:
-            while not self._stop:
+            while not stop.is_set():
                 if not self.llm.has_unfinished_requests():
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
                 if steps and hook is not None:  # a step boundary with requests in flight (partial rollouts)
-                    self._paused_since = time.monotonic()
+                    if not self._pause_begins(stop):
+                        break
                     try:
                         hook(self.llm, steps)
                     finally:
-                        self._paused += time.monotonic() - self._paused_since
-                        self._paused_since = None
+                        self._pause_ends(stop)
+                    if stop.is_set():  # stopped while in the hook: the engine may be the next window's thread's now
+                        break
                 steps += 1
                 for out in self.llm.step():
                     if out.finished:
@@ -138,6 +168,8 @@ class EngineDriver:
                             cb(out)
                 time.sleep(0)  # let the HTTP thread take the GIL between steps
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting call
+            if stop.is_set():  # a stopped thread's error: the waiting calls (if any) are the next window's
+                return
             self.error = exc
             for cb in list(self._done.values()):
                 cb(exc)

@@ -175,3 +175,57 @@ def test_driver_calls_the_step_hook_and_records_token_versions(tiny_llm):
     assert e.versions[a0:b0] == [0, 0, 0, 1, 1, 1]
     assert e.versions[b0:a1] == [1] * (a1 - b0) and e.versions[a1:b1] == [1] * (b1 - a1)
     assert e.to_sample().token_versions == e.versions
+
+
+def test_a_driver_stopped_while_blocked_in_its_hook_never_steps_the_engine_again(tiny_llm):
+    """``stop()`` gives up on a driver thread blocked in its ``between_steps`` hook (here after a 0.2 s join); the
+    next window's thread then serves the engine. Once the hook returns, the old thread exits without another
+    ``llm.step()`` (it stepped once, before the hook), and the time it stood blocked after its stop is not counted
+    as the driver's pause (``paused_s`` stops growing at ``stop()``)."""
+    import threading
+    from collections import Counter
+
+    from polyrl.agents.proxy_server import EngineDriver
+    from polyrl.infer import SamplingParams
+
+    class CountingEngine:  # the real engine; its step() calls counted per thread
+        def __init__(self, llm):
+            self.llm, self.steps = llm, Counter()
+
+        def step(self):
+            self.steps[threading.get_ident()] += 1
+            return self.llm.step()
+
+        def __getattr__(self, name):
+            return getattr(self.llm, name)
+
+    entered, release = threading.Event(), threading.Event()
+
+    def hook(llm, steps):
+        entered.set()
+        release.wait(20)
+
+    engine = CountingEngine(tiny_llm)
+    driver = EngineDriver(engine, join_timeout=0.2)
+    got = []
+    driver.start(hook)
+    old = driver._thread
+    driver.submit([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), got.append)
+    assert entered.wait(20)  # one step done, the thread blocked at the next boundary
+    driver.stop()
+    assert old.is_alive()  # still in the hook
+    paused = driver.paused_s
+    time.sleep(0.3)
+    assert driver.paused_s == paused > 0
+    driver.start()  # the next window: no hook; its thread finishes the request the old one began
+    new = driver._thread
+    deadline = time.monotonic() + 20
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(got) == 1 and got[0].finished and len(got[0].outputs[0].token_ids) == 5
+    release.set()
+    old.join(20)
+    driver.stop()
+    assert not old.is_alive() and not new.is_alive() and driver.error is None
+    assert engine.steps[old.ident] == 1 and engine.steps[new.ident] >= 1
+    assert driver.paused_s == paused
