@@ -38,6 +38,7 @@ import socket
 import threading
 import time
 import uuid
+import warnings
 from contextlib import contextmanager
 from typing import Any
 
@@ -169,6 +170,7 @@ class EngineDriver:
                 time.sleep(0)  # let the HTTP thread take the GIL between steps
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting call
             if stop.is_set():  # a stopped thread's error: the waiting calls (if any) are the next window's
+                warnings.warn(f"a stopped agent engine driver failed after its stop: {exc!r}", RuntimeWarning, 2)
                 return
             self.error = exc
             for cb in list(self._done.values()):
