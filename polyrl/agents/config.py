@@ -8,6 +8,7 @@ Not here: the episode steps themselves (``train``), environments (``env``), the 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,9 +49,10 @@ class AgentConfig:
 
     def check(self, algo_config: Any, table: str) -> None:
         """Against the algorithm's ``[table]``: an online algorithm, room for more than one turn, and (async RL) a
-        producer that runs episodes: inline, thread, or (environment episodes only) process. Partial rollouts take
-        either kind of episode (the thread producer: the episode loop, or the proxy's engine driver thread, calls the
-        weight-swap hook between engine steps; the process producer: environment episodes in its workers)."""
+        producer that runs episodes: inline, thread, or process (agent programs through the proxy: in one process
+        and without partial rollouts). Partial rollouts take either kind of episode with the thread producer (the
+        episode loop, or the proxy's engine driver thread, calls the weight-swap hook between engine steps), and
+        environment episodes with the process producer (in its workers)."""
         max_new = getattr(algo_config, "max_new_tokens", None)
         if max_new is None:
             raise ConfigError(f"[{TABLE}] runs episodes for online RL (grpo, gspo, ppo), not for {table}")
@@ -62,13 +64,22 @@ class AgentConfig:
         if getattr(algo_config, "max_staleness", 0) < 1:
             return
         # asynchronous RL: the inline producer and the producer thread run episodes (polyrl.agents.train), and the
-        # rollout worker processes run environment episodes (polyrl.agents.remote)
-        if getattr(algo_config, "async_producer", "inline") == "process" and self.agent is not None:
+        # rollout worker processes run environment episodes and agent programs (polyrl.agents.remote)
+        if getattr(algo_config, "async_producer", "inline") != "process" or self.agent is None:
+            return
+        if getattr(algo_config, "partial_rollouts", False):
             raise ConfigError(
-                f'{table}.async_producer = "process" runs environment episodes ({TABLE}.env, --env) in the rollout '
-                f"worker processes, not agent programs through the proxy ({TABLE}.agent, --agent): the proxy serves "
-                f"the trainer's own engine from the trainer's process; set {table}.async_producer = \"thread\" "
-                '(--async-producer thread) or "inline"'
+                f'{table}.async_producer = "process" runs agent programs through the proxy ({TABLE}.agent, --agent) '
+                f"in the rollout worker processes without partial rollouts only (not built: a weight update taken "
+                f'by a worker\'s proxy between its engine steps); set {table}.async_producer = "thread" '
+                f"(--async-producer thread) or remove {table}.partial_rollouts"
+            )
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError(
+                f'{table}.async_producer = "process" runs agent programs through the proxy ({TABLE}.agent, --agent) '
+                f"in one process only, not under torchrun (--nproc-per-node; not built: rank 0's workers running "
+                f'every agent run for the other ranks); set {table}.async_producer = "thread" '
+                f"(--async-producer thread) or drop --nproc-per-node"
             )
 
     def run_class(self, base: type) -> type:

@@ -33,23 +33,37 @@ episode. A dead replica's share runs in the trainer on one version (no swap insi
 an episode has no per-token versions: the batch's version is stamped on its samples by the source, as for single
 completions.
 
-Not here: agent programs through the proxy (``--agent``): refused with the process producer (``config``); their
-engine is driven by the proxy's server thread in the trainer.
+Agent programs through the proxy (``--agent``): ``remote_agent_episodes`` sends each replica its share of the
+examples as above, and the replica runs ``worker_agent_episodes``: on its first call it imports the agent function
+from the run's spec (``AgentSpec``: ``path/to/file.py:fn`` with the file made absolute in the trainer, or
+``package.module:fn``; ``load_agent``, the trainer's own loader, so the file and what it imports must be importable
+in the worker, FastAPI and uvicorn too) and starts an ``AgentProxy`` over the worker's engine on 127.0.0.1 (a free
+port), both kept in ``WorkerContext.state`` (the proxy stopped with the worker); each call then runs ``run_agents``
+for its share with the call's sampling and per-call cap, the run's ``max_turns`` / ``max_episode_tokens``,
+``env_timeout`` per run and ``failure_reward``, the proxy driving the engine only during the call. The reply: per
+example its episodes (one per recorded segment; a run that made no call as one without turns), and the call's
+failure counts (error, timeout, no_reward). A dead replica's examples run through the trainer's own proxy
+(``local``). Not with partial rollouts, nor under torchrun (refused in ``config``).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from polyrl.agents.episode import Episode
 from polyrl.agents.pool import EnvPool
 from polyrl.agents.render import ChatRenderer
 from polyrl.agents.rollout import EpisodeLimits, run_episodes
+from polyrl.algorithms.workers import load_user_module
+from polyrl.errors import ConfigError
 from polyrl.run.replica_balance import episode_cost
 
 _POOL = "polyrl.agents.env_pool"  # the WorkerContext.state key of a replica's environment pool
+_PROXY = "polyrl.agents.agent_proxy"  # ... and of its agent proxy (agent programs, --agent)
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,41 @@ def worker_episodes(
     return per, {k: v - before.get(k, 0) for k, v in pool.totals.items() if v != before.get(k, 0)}
 
 
+def _run_remote(
+    workers: Any,
+    job: Callable[..., tuple[list[list[Episode]], dict[str, int]]],
+    args: tuple,
+    examples: list[dict[str, Any]],
+    seeds: list[int] | None,
+    cost: float,
+    local: Callable[[list[dict[str, Any]], list[int] | None], list[Episode]],
+    totals: dict[str, int],
+) -> list[Episode]:
+    """``job`` (``worker_episodes`` / ``worker_agent_episodes``) over the replicas' shares of ``examples`` (each
+    ``cost``), the examples of dead replicas run by ``local``; every reply's failure counts added to ``totals``; the
+    episodes in (group, index) order, ``group`` the example's index in this call."""
+    items = [(x, None if seeds is None else int(seeds[g])) for g, x in enumerate(examples)]
+
+    def fallback(missing: list[int]) -> list[list[Episode]]:
+        eps = local([examples[g] for g in missing], None if seeds is None else [seeds[g] for g in missing])
+        per: list[list[Episode]] = [[] for _ in missing]
+        for e in eps:
+            per[e.group].append(e)
+        return per
+
+    def count(failures: dict[str, int]) -> None:
+        for k, v in failures.items():
+            totals[k] = totals.get(k, 0) + v
+
+    per = workers.call(job, items, [cost] * len(items), fallback, args, on_meta=count)
+    out = []
+    for g, eps in enumerate(per):
+        for e in eps:
+            e.group = g  # its index in the share it ran in -> its example's index in this call
+            out.append(e)
+    return out
+
+
 def remote_episodes(
     workers: Any,
     env: EnvSpec,
@@ -111,28 +160,119 @@ def remote_episodes(
     """``n`` episodes per example run by the rollout replicas of ``workers`` (see the module docstring), in
     (group, index) order as ``run_episodes`` returns them; ``local(examples, seeds)`` runs the examples of replicas
     that died or hung in the call; each replica's failure counts are added to ``totals``."""
-    items = [(x, None if seeds is None else int(seeds[g])) for g, x in enumerate(examples)]
     cost = episode_cost(n, limits.max_turns, limits.max_new_tokens, limits.max_episode_tokens)
-
-    def fallback(missing: list[int]) -> list[list[Episode]]:
-        eps = local([examples[g] for g in missing], None if seeds is None else [seeds[g] for g in missing])
-        per: list[list[Episode]] = [[] for _ in missing]
-        for e in eps:
-            per[e.group].append(e)
-        return per
-
-    def count(failures: dict[str, int]) -> None:
-        for k, v in failures.items():
-            totals[k] = totals.get(k, 0) + v
-
     args = (env, n, sampling, limits, failure_reward)
-    per = workers.call(worker_episodes, items, [cost] * len(items), fallback, args, on_meta=count)
-    out = []
-    for g, eps in enumerate(per):
-        for e in eps:
-            e.group = g  # its index in the share it ran in -> its example's index in this call
-            out.append(e)
-    return out
+    return _run_remote(workers, worker_episodes, args, examples, seeds, cost, local, totals)
 
 
-__all__ = ["EnvSpec", "remote_episodes", "worker_episodes"]
+@dataclass(frozen=True)
+class AgentSpec:
+    """What a replica builds its agent proxy from: the agent program's spec (``path/to/file.py:fn`` with the file
+    made absolute, or ``package.module:fn``: imported in the worker by the trainer's loader, ``load_agent``), the
+    run's chat template (None: the tokenizer's), the episode limits and the per-run timeout (``env_timeout``)."""
+
+    agent: str
+    chat_template: str | None
+    max_turns: int
+    max_episode_tokens: int
+    timeout: float
+
+    @staticmethod
+    def of(agent: str, chat_template: str | None, max_turns: int, max_episode_tokens: int, timeout: float):
+        target, _, name = agent.rpartition(":")
+        if target.endswith(".py") or os.sep in target:  # a file: the same one whatever the worker's directory
+            agent = f"{Path(target).resolve()}:{name}"
+        return AgentSpec(agent, chat_template, max_turns, max_episode_tokens, timeout)
+
+
+def load_agent(spec: str) -> Callable[..., Any]:
+    """The agent function of ``--agent spec`` (``path/to/file.py:fn`` or ``package.module:fn``); a ConfigError
+    says what is wrong. The trainer's proxy mode and the rollout workers load it alike."""
+    target, _, name = spec.rpartition(":")
+    fn = getattr(load_user_module(target, spec, "agent"), name, None)
+    if not callable(fn):
+        raise ConfigError(f"agent {spec!r}: {target} has no function {name!r}")
+    return fn
+
+
+class _HeldProxy:
+    """A replica's agent proxy kept across its jobs (``WorkerContext.state``; ``close`` stops its server)."""
+
+    def __init__(self, spec: AgentSpec, proxy: Any, fn: Callable[..., Any]) -> None:
+        self.spec, self.proxy, self.fn = spec, proxy, fn
+
+    def close(self) -> None:
+        self.proxy.stop()
+
+
+def worker_agent_episodes(
+    ctx: Any,
+    items: list[tuple[dict[str, Any], int | None]],
+    spec: AgentSpec,
+    n: int,
+    sampling: Any,
+    failure_reward: float,
+) -> tuple[list[list[Episode]], dict[str, int]]:
+    """In a rollout worker (``RolloutWorkers.call``): ``n`` runs of the agent program per ``(example, seed)`` of
+    ``items`` through an ``AgentProxy`` serving the worker's engine on 127.0.0.1 (a free port; the proxy and the
+    loaded agent function kept in ``ctx.state`` for later calls, stopped with the worker), with the call's
+    sampling and per-call cap, the spec's limits and timeout: (per item its episodes, one per recorded segment, a
+    run that made no call as one without turns; the failure counts of this call: error, timeout, no_reward)."""
+    held = ctx.state.get(_PROXY)
+    if held is None or held.spec != spec:
+        if held is not None:
+            held.close()
+        # lazy: FastAPI and uvicorn (the serve extra) are imported in the worker only for agent programs
+        from polyrl.agents.proxy_server import AgentProxy
+
+        fn = load_agent(spec.agent)
+        renderer = ChatRenderer(ctx.tokenizer, spec.chat_template)
+        proxy = AgentProxy(
+            ctx.llm, sampling, sampling.max_tokens, renderer, request_sampling=False, max_turns=spec.max_turns,
+            max_episode_tokens=spec.max_episode_tokens,
+        ).start(drive=False)  # fmt: skip
+        held = _HeldProxy(spec, proxy, fn)
+        ctx.state[_PROXY] = held
+    proxy = held.proxy
+    proxy.sampling, proxy.max_tokens = sampling, sampling.max_tokens
+    seeds = [s for _, s in items]
+    with proxy.driving():
+        eps = proxy.run_agents(
+            held.fn, [x for x, _ in items], n, None if seeds[0] is None else seeds, spec.timeout, failure_reward,
+            keep_empty=True,
+        )  # fmt: skip
+    per: list[list[Episode]] = [[] for _ in items]
+    for e in eps:
+        per[e.group].append(e)
+    return per, {k: v for k, v in proxy.failures.items() if v}
+
+
+def remote_agent_episodes(
+    workers: Any,
+    spec: AgentSpec,
+    examples: list[dict[str, Any]],
+    n: int,
+    sampling: Any,
+    seeds: list[int] | None,
+    failure_reward: float,
+    local: Callable[[list[dict[str, Any]], list[int] | None], list[Episode]],
+    totals: dict[str, int],
+) -> list[Episode]:
+    """``n`` runs of the agent program per example, through a proxy in each rollout replica over its own engine
+    (``worker_agent_episodes``); the episodes (every recorded segment) in (group, index) order; ``local`` (the
+    trainer's own proxy) runs the examples of replicas that died or hung in the call; the replicas' failure counts
+    are added to ``totals``."""
+    cost = episode_cost(n, spec.max_turns, sampling.max_tokens, spec.max_episode_tokens)  # the call's cap per call
+    args = (spec, n, sampling, failure_reward)
+    return _run_remote(workers, worker_agent_episodes, args, examples, seeds, cost, local, totals)
+
+
+__all__ = [
+    "AgentSpec",
+    "EnvSpec",
+    "load_agent",
+    "remote_agent_episodes",
+    "remote_episodes",
+    "worker_agent_episodes",
+    "worker_episodes",
+]

@@ -20,9 +20,11 @@ before its first call with ``failure_reward``), and the evaluation's calls are c
 Asynchronous RL (``max_staleness`` K > 0, docs/async-rl.md): ``collect`` is the rollout source's producer, inline
 or (``async_producer = "thread"``) in the producer thread on the policy's separate rollout copy, while the trainer
 trains; the environment pool and the proxy are then used by that thread, and by the trainer's evaluation only once
-the thread is drained. With ``async_producer = "process"`` (environment episodes only) ``episodes`` sends the
-examples to the rollout worker processes (``remote.remote_episodes``: each runs the episode loop on its own engine
-with its own environment pool), the trainer's own loop (``local_episodes``) running the share of a worker that dies.
+the thread is drained. With ``async_producer = "process"`` ``episodes`` sends the examples to the rollout worker
+processes (``remote.remote_episodes``: each runs the episode loop on its own engine with its own environment pool;
+``--agent``: ``remote.remote_agent_episodes``, each runs the agent program through a proxy of its own serving its
+engine, in one process and without partial rollouts), the trainer's own loop or proxy (``local_episodes``) running
+the share of a worker that dies.
 Each batch carries its transcripts (``batch_state``), checkpointed with the queue. With
 partial rollouts (``partial_rollouts``) the episode loop calls the policy's ``between_steps`` (thread producer) or
 the worker's job hook (process producer, ``remote``) at engine-step boundaries, and in proxy mode (thread producer)
@@ -55,10 +57,9 @@ from typing import Any
 from polyrl.agents.episode import Episode
 from polyrl.agents.formats import pick, turn_grammar
 from polyrl.agents.pool import FAILURE_KINDS, EnvInfo, EnvPool
-from polyrl.agents.remote import EnvSpec, remote_episodes
+from polyrl.agents.remote import AgentSpec, EnvSpec, load_agent, remote_agent_episodes, remote_episodes
 from polyrl.agents.render import ChatRenderer
 from polyrl.agents.rollout import EpisodeLimits, episode_metrics, run_episodes
-from polyrl.algorithms.workers import load_user_module
 from polyrl.data.dataset import chat_tokenizer
 from polyrl.errors import ConfigError
 from polyrl.run.evaluate import sampled_metrics
@@ -128,6 +129,10 @@ class EpisodeSteps:
         if ag.agent:
             self._start_proxy()
             source = f"agent {ag.agent!r} through {self.proxy.url}"
+            # the process producer's replicas load the same function and serve their own engines (remote)
+            self.agent_spec = AgentSpec.of(ag.agent, template, ag.max_turns, ag.max_episode_tokens, ag.env_timeout)
+            if self.policy.remote is not None:
+                source += f", agent runs in {len(self.policy.remote.procs)} rollout worker process(es)"
         else:
             self.env_info = EnvInfo.of(ag.env)
             source = f"env {ag.env!r} ({len(self.env_info.tools)} tool(s))"
@@ -161,10 +166,7 @@ class EpisodeSteps:
         from polyrl.agents.proxy_server import AgentProxy
 
         a, ag = self.a, self.cfg.episodes
-        target, _, name = ag.agent.rpartition(":")
-        self.agent_fn = getattr(load_user_module(target, ag.agent, "agent"), name, None)
-        if not callable(self.agent_fn):
-            raise ConfigError(f"agent {ag.agent!r}: {target} has no function {name!r}")
+        self.agent_fn = load_agent(ag.agent)
         self.proxy = AgentProxy(
             self.policy.llm,
             self.sampling,
@@ -193,6 +195,11 @@ class EpisodeSteps:
     def episodes(self, examples: list[dict], n: int, sampling: Any, seeds: list[int] | None) -> list[Any]:
         if self.proxy is None and self.policy.remote_on_root:  # torchrun, process producer: rank 0's replicas
             return self.root_episodes(examples, n, sampling, seeds)
+        if self.proxy is not None and self.policy.remote is not None:  # process producer: a proxy per replica
+            return remote_agent_episodes(
+                self.policy.remote, self.agent_spec, examples, n, sampling, seeds, self.a.failure_reward,
+                lambda xs, ss: self.local_episodes(xs, n, sampling, ss), self._failure_counts(),
+            )  # fmt: skip
         if self.proxy is None and self.policy.remote is not None:  # process producer: the rollout worker replicas
             return remote_episodes(
                 self.policy.remote, self.env_spec, examples, n, sampling, seeds, self.limits, self.a.failure_reward,

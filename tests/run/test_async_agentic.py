@@ -12,7 +12,8 @@ the episode loop on its share, the same episodes as the thread run (log-probs to
 share run by the trainer, the staleness bound; with partial rollouts (each worker's episode loop takes the update at
 its engine step N) the thread run's tokens, transcripts, per-token versions and rewards. An agent program through
 the proxy with partial rollouts: the proxy's engine driver thread takes the update between its engine steps, and the
-recorded calls carry per-token versions. Refused at config time: the process producer for an agent program."""
+recorded calls carry per-token versions. The process producer for an agent program: each of 2 rollout workers serves
+its share through a proxy of its own; refused at config time with partial rollouts and under torchrun."""
 
 from __future__ import annotations
 
@@ -239,24 +240,29 @@ def test_process_producer_runs_episodes_in_two_workers(tiny_model_dir, tmp_path,
         assert b["async/gen_start_s"] < a["async/train_end_s"] and b["async/gen_end_s"] > a["async/train_start_s"]
 
 
-def test_agentic_producers_refused_at_config_time(tiny_model_dir, tmp_path):
+def test_agentic_producers_refused_at_config_time(tiny_model_dir, tmp_path, monkeypatch):
     from polyrl.errors import ConfigError
 
-    # agent programs through the proxy: the process producer runs environment episodes only
+    # agent programs through the proxy: the process producer takes them without partial rollouts, in one process
     raw = _agentic(tiny_model_dir, tmp_path / "p", max_staleness=1, async_producer="process")
     raw["agent"] = {"agent": "my_agent.py:agent", "max_turns": 2, "max_episode_tokens": 200}
-    with pytest.raises(ConfigError, match='async_producer = "process" runs environment episodes .* not agent progr'):
-        run(raw)
-    # with partial rollouts too (the thread producer takes them: test_partial_rollouts_of_an_agent_through_the_proxy)
     raw[raw["algo"]].update(partial_rollouts=True, partial_swap_step=4)
-    with pytest.raises(ConfigError, match='async_producer = "process" runs environment episodes .* not agent progr'):
+    with pytest.raises(ConfigError, match='async_producer = "process" runs agent programs .* without partial rollo'):
         run(raw)
-    # synchronous runs are not checked for producers; environment episodes take the process producer, with or
-    # without partial rollouts; agent programs take partial rollouts with the thread producer
+    # under torchrun (the launcher's WORLD_SIZE): not built (rank 0's workers would have to run every rank's agents)
     from polyrl.agents.config import AgentConfig
     from polyrl.algorithms.grpo import GRPOConfig
 
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="in one process only, not under torchrun"):
+        AgentConfig(agent="a.py:f").check(GRPOConfig(max_staleness=1, async_producer="process"), "grpo")
+    AgentConfig(env="guessing").check(GRPOConfig(max_staleness=1, async_producer="process"), "grpo")
+    monkeypatch.delenv("WORLD_SIZE")
+    # synchronous runs are not checked for producers; environment episodes take the process producer, with or
+    # without partial rollouts; agent programs take it without (test_process_producer_runs_agents_in_two_workers),
+    # and partial rollouts with the thread producer
     AgentConfig(agent="a.py:f").check(GRPOConfig(async_producer="process"), "grpo")
+    AgentConfig(agent="a.py:f").check(GRPOConfig(max_staleness=1, async_producer="process"), "grpo")
     AgentConfig(agent="a.py:f").check(
         GRPOConfig(max_staleness=1, async_producer="thread", partial_rollouts=True, partial_swap_step=4), "grpo"
     )
@@ -298,6 +304,70 @@ def test_thread_producer_drives_an_agent_through_the_proxy(tiny_model_dir, tmp_p
     assert recs[0]["mismatch_max"] < 1e-3 and recs[-1]["mismatch_mean"] > 1e-4
     for a, b in zip(recs, recs[1:]):  # the agents' calls for batch s+1 were served while step s trained
         assert b["async/gen_start_s"] < a["async/train_end_s"] and b["async/gen_end_s"] > a["async/train_start_s"]
+
+
+# the agent above, failing (after its calls, so its segments are recorded with the failure reward) when the
+# example's answer is divisible by 3
+FLAKY_AGENT_FILE = AGENT_FILE.replace(
+    "    return float(",
+    "    if int(float(example['answer'])) % 3 == 0:\n        raise RuntimeError('answers divisible by 3 fail')\n"
+    "    return float(",
+)
+
+
+def test_process_producer_runs_agents_in_two_workers(tiny_model_dir, tmp_path, monkeypatch):
+    """An agent program through the proxy with ``async_producer = "process"``, 2 CPU rollout workers (K = 1, 3
+    steps): each worker imports the agent file and serves its own engine through a proxy of its own (kept across
+    calls), runs its share of every batch's agent runs and sends the episodes and its failure counts back; the
+    trainer's own proxy runs nothing (no worker died). Each batch's episodes are grouped as the trainer expects
+    (every example's 3 runs, 2 turns each), the failures of the agent (answers divisible by 3) are counted in
+    ``env_failures`` with the failure reward, the staleness bound holds and the losses are finite."""
+    import math
+
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from polyrl.agents import train as agents_train
+
+    calls = []  # per remote_agent_episodes call: (examples, episodes)
+    remote = agents_train.remote_agent_episodes
+
+    def recording(workers, spec, examples, *rest):
+        eps = remote(workers, spec, examples, *rest)
+        calls.append((examples, eps))
+        return eps
+
+    local_calls = []
+    monkeypatch.setattr(agents_train, "remote_agent_episodes", recording)
+    monkeypatch.setattr(agents_train.EpisodeSteps, "local_episodes", lambda self, xs, *a: local_calls.append(xs))
+    path = tmp_path / "my_agent.py"
+    path.write_text(FLAKY_AGENT_FILE)
+    out = tmp_path / "proxy"
+    raw = _agentic(tiny_model_dir, out, steps=3, max_staleness=1, async_producer="process", rollout_workers=2,
+                   rollout_balance="count", failure_reward=-1.0)  # fmt: skip
+    raw["agent"] = {"agent": f"{path}:agent", "max_turns": 2, "max_episode_tokens": 200}
+    run(raw)
+    recs = records(out)
+    assert local_calls == [] and len(calls) == 3  # batches 0-2, all in the workers
+    failed = 0
+    for examples, eps in calls:
+        # one segment per run (the agent extends its conversation): each example's 3 runs, in (group, index) order
+        assert [(e.group, e.index) for e in eps] == [(g, j) for g in range(2) for j in range(3)]
+        for e in eps:
+            flaky = int(float(examples[e.group]["answer"])) % 3 == 0
+            assert e.metrics["turns"] == 2.0 and len(e.turns) == 2 and e.trainable
+            assert e.status == ("env_error" if flaky else "done")
+            assert e.reward == -1.0 if flaky else e.reward in (0.0, 1.0)
+            failed += flaky
+    assert 0 < failed < 18  # the agent failed on some examples, not on all
+    assert [r["env_failures"] for r in recs] == [
+        float(sum(int(float(x["answer"])) % 3 == 0 for x in xs) * 3) for xs, _ in calls
+    ]
+    assert recs[-1]["env_failures_total"] == failed
+    assert [r["async/staleness_max"] for r in recs] == [0.0, 1.0, 1.0]
+    assert all(r["async/stale_dropped_total"] == 0.0 for r in recs)
+    for r in recs:
+        assert r["episode/turns"] == 2.0 and math.isfinite(r["loss"]) and r["async/replica_share_max"] == 0.5
+        assert r["async/replica0_work_per_s"] > 0 and r["async/replica1_work_per_s"] > 0
 
 
 def test_partial_rollouts_of_an_agent_through_the_proxy(tiny_model_dir, tmp_path, monkeypatch):
