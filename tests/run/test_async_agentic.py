@@ -307,12 +307,13 @@ def test_thread_producer_drives_an_agent_through_the_proxy(tiny_model_dir, tmp_p
 
 
 # the agent above, failing (after its calls, so its segments are recorded with the failure reward) when the
-# example's answer is divisible by 3
+# example's answer is divisible by 3, and writing the proxy that served it (its address, the process id) to SEEN
 FLAKY_AGENT_FILE = AGENT_FILE.replace(
     "    return float(",
+    "    with open(SEEN, 'a') as f:\n        f.write(base_url.split('/agents/')[0] + ' ' + str(os.getpid()) + '\\n')\n"
     "    if int(float(example['answer'])) % 3 == 0:\n        raise RuntimeError('answers divisible by 3 fail')\n"
     "    return float(",
-)
+).replace("import openai", "import os\n\nimport openai")
 
 
 def test_process_producer_runs_agents_in_two_workers(tiny_model_dir, tmp_path, monkeypatch):
@@ -323,6 +324,7 @@ def test_process_producer_runs_agents_in_two_workers(tiny_model_dir, tmp_path, m
     (every example's 3 runs, 2 turns each), the failures of the agent (answers divisible by 3) are counted in
     ``env_failures`` with the failure reward, the staleness bound holds and the losses are finite."""
     import math
+    import os
 
     pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
@@ -340,7 +342,8 @@ def test_process_producer_runs_agents_in_two_workers(tiny_model_dir, tmp_path, m
     monkeypatch.setattr(agents_train, "remote_agent_episodes", recording)
     monkeypatch.setattr(agents_train.EpisodeSteps, "local_episodes", lambda self, xs, *a: local_calls.append(xs))
     path = tmp_path / "my_agent.py"
-    path.write_text(FLAKY_AGENT_FILE)
+    seen = tmp_path / "seen.txt"
+    path.write_text(f"SEEN = {str(seen)!r}\n" + FLAKY_AGENT_FILE)
     out = tmp_path / "proxy"
     raw = _agentic(tiny_model_dir, out, steps=3, max_staleness=1, async_producer="process", rollout_workers=2,
                    rollout_balance="count", failure_reward=-1.0)  # fmt: skip
@@ -348,6 +351,12 @@ def test_process_producer_runs_agents_in_two_workers(tiny_model_dir, tmp_path, m
     run(raw)
     recs = records(out)
     assert local_calls == [] and len(calls) == 3  # batches 0-2, all in the workers
+    # every run was served by one of two proxies, one per worker process (not the trainer's), each kept for the 3
+    # calls: 9 runs each
+    served = [tuple(line.split()) for line in seen.read_text().splitlines()]
+    assert len(served) == 18 and len({url for url, _ in served}) == 2 and len({pid for _, pid in served}) == 2
+    assert all(int(pid) != os.getpid() for _, pid in served)
+    assert sorted(sum(1 for x in served if x == k) for k in set(served)) == [9, 9]
     failed = 0
     for examples, eps in calls:
         # one segment per run (the agent extends its conversation): each example's 3 runs, in (group, index) order
