@@ -186,6 +186,16 @@ def capability(index: int = 0) -> tuple[int, int] | None:
         return None
 
 
+@functools.lru_cache(maxsize=16)
+def multiprocessors(dev: torch.device, default: int = 1) -> int:
+    """Multiprocessors (SMs, CUs) of ``dev``, asked once per device; ``default`` where the backend has no such count
+    (the CPU). Kernels size persistent grids and wave counts by it."""
+    backend = getattr(torch, dev.type, None)
+    if dev.type != "cpu" and backend is not None and hasattr(backend, "get_device_properties"):
+        return int(getattr(backend.get_device_properties(dev), "multi_processor_count", default))
+    return default
+
+
 def supports_bf16() -> bool:
     dt = device_type()
     if dt == "cpu":

@@ -166,6 +166,34 @@ def test_decode_settings_follow_the_head_shapes_only(triton_kernels):
     assert decode_settings(1, 1, 128, 4).block_n == 16  # at least 16 key rows a tile (the MMA's K)
     tuned = decode_settings(2, 8, 128, 2, {"kv_heads": 2, "block_n": 32, "num_warps": 8, "num_stages": 4})
     assert (tuned.kv_heads, tuned.block_n, tuned.num_warps, tuned.num_stages) == (2, 32, 8, 4)
+    # the register cap: proposed over FP8 only (four programs an SM), removable or resettable through tuning
+    assert decode_settings(4, 8, 128, 1).max_registers == 128
+    assert decode_settings(4, 8, 128, 2).max_registers is None
+    assert decode_settings(4, 8, 128, 1, {"max_registers": 0}).max_registers is None
+    assert decode_settings(4, 8, 128, 2, {"max_registers": 96}).max_registers == 96
+
+
+def test_register_cap_only_where_it_saves_a_wave(triton_kernels):
+    """The FP8 cap is kept only where four programs an SM need fewer waves than the uncapped three: qwen3-8b B256
+    (512 programs, 132 SMs: 1 wave against 2), not B128 (256 programs: one wave either way) nor 1,060 programs (3
+    waves either way); 2,048 programs: 4 against 6, kept. A cap from tuning is kept as given."""
+    mod = triton_kernels.load("paged_attention", "decode")
+    fp8 = mod.decode_settings(4, 8, 128, 1)
+    assert mod.register_cap(fp8, 512, 132).max_registers == 128
+    assert mod.register_cap(fp8, 256, 132).max_registers is None
+    assert mod.register_cap(fp8, 396, 132).max_registers is None  # exactly three an SM: one wave uncapped
+    assert mod.register_cap(fp8, 397, 132).max_registers == 128
+    assert mod.register_cap(fp8, 1060, 132).max_registers is None  # 3 waves either way (1,056 < 1,060 <= 1,188)
+    assert mod.register_cap(fp8, 2048, 132).max_registers == 128  # 4 waves against 6
+    tuned = mod.decode_settings(4, 8, 128, 1, {"max_registers": 128})
+    assert mod.register_cap(tuned, 256, 132, {"max_registers": 128}).max_registers == 128
+    bf16 = mod.decode_settings(4, 8, 128, 2)
+    assert mod.register_cap(bf16, 512, 132) == bf16
+    # the launch options carry the cap only where the backend takes it
+    options = fp8.launch_options()
+    assert (options["num_warps"], options["num_stages"]) == (4, 5)
+    assert options.get("maxnreg") == (128 if mod._REGISTER_CAP else None)
+    assert "maxnreg" not in bf16.launch_options()
 
 
 def test_small_batches_keep_the_general_kernel(triton_kernels, kernel_check, monkeypatch, seeded):
@@ -236,3 +264,16 @@ def test_decode_gpu_mixed_step_graph_capture(triton_kernels, seeded):
     graph.replay()
     device.synchronize()
     assert torch.equal(out, fn(*args, None, None, 2))
+
+
+@pytest.mark.gpu
+def test_decode_gpu_fp8_register_cap_keeps_the_bits(triton_kernels, seeded):
+    """qwen3-8b heads over an FP8 cache at a batch where the cap applies (B256: 512 programs, more than three an SM
+    on any GPU under 171 SMs): the capped launch gives exactly the uncapped kernel's output."""
+    fn = triton_kernels.load("paged_attention", "_paged_attention")
+    g = torch.Generator().manual_seed(5)
+    ctx = torch.randint(1, 300, (256,), generator=g).tolist()
+    args = _case(ctx, [1] * 256, 32, 8, 128, 16, torch.bfloat16, FP8, device=triton_kernels.device)
+    capped = fn(*args, None, None, 1, {"max_registers": 128})
+    assert torch.equal(capped, fn(*args, None, None, 1, {"max_registers": 0}))
+    assert torch.equal(capped, fn(*args, None, None, 1))

@@ -34,7 +34,6 @@ Deliberately not here: an amax history longer than one call, block-wise (1 x 128
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
@@ -250,14 +249,9 @@ def _roll_kernel(state_ptr):
     tl.store(state_ptr + 1, 0)
 
 
-@functools.lru_cache(maxsize=16)
-def _programs(device: torch.device) -> int:
-    """Programs of the tensor-wise amax pass: four per multiprocessor (4 on the CPU), asked once per device."""
-    backend = getattr(torch, device.type, None)
-    if device.type != "cpu" and backend is not None and hasattr(backend, "get_device_properties"):
-        sms = int(getattr(backend.get_device_properties(device), "multi_processor_count", 1))
-        return min(_MAX_PARTIALS, 4 * sms)
-    return 4
+def _programs(dev: torch.device) -> int:
+    """Programs of the tensor-wise amax pass: four per multiprocessor (4 on the CPU)."""
+    return min(_MAX_PARTIALS, 4 * device.multiprocessors(dev))
 
 
 def _check(fp8_dtype: torch.dtype) -> tuple[float, int, int]:

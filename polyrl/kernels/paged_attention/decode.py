@@ -41,13 +41,14 @@ faster at small batches), a rule on the batch size alone, at the point where the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from polyrl.errors import ConfigError
+from polyrl.platform import device as platform_device
 
 # Query rows a program may hold (GROUP * HC, padded); see the arithmetic in the module docstring.
 _MAX_ROWS = 64
@@ -63,21 +64,51 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+# Registers a thread may take over an FP8 cache: four 4-warp programs an SM (65,536 / (4 * 128)) instead of the three
+# the uncapped kernel fits; applied only where that saves a wave of programs (see decode_settings).
+_FP8_MAX_REGISTERS = 128
+_FP8_PROGRAMS_PER_SM = (3, 4)  # (uncapped, capped), at the default 4 warps
+
+
+def _register_cap_supported() -> bool:
+    """Whether launches may pass ``maxnreg``: Triton's CUDA backend has the option (Triton >= 3.0) and the device is
+    not a HIP one (Triton refuses launch options its backend does not know)."""
+    if torch.version.hip is not None:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "maxnreg" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+_REGISTER_CAP = _register_cap_supported()
+
+
 @dataclass(frozen=True)
 class DecodeSettings:
     kv_heads: int  # HC: KV heads per program (a power of two)
     block_n: int  # token positions per key tile (a power of two; TILE = block_n * kv_heads rows)
     num_warps: int
     num_stages: int
+    max_registers: int | None = None  # per thread (Triton's ``maxnreg``); None: the compiler's choice
+
+    def launch_options(self) -> dict:
+        """Triton launch options: warps, stages and, where the backend takes it, the register cap."""
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.max_registers and _REGISTER_CAP:
+            options["maxnreg"] = self.max_registers
+        return options
 
 
 def decode_settings(
     group: int, num_kv_heads: int, head_dim: int, kv_elem: int, tuning: dict | None = None
 ) -> DecodeSettings:
     """Launch settings from the head shapes and the cache's element size only (so a sequence's numbers do not depend
-    on its batch), each overridable through ``tuning`` (``kv_heads``, ``block_n``, ``num_warps``, ``num_stages``;
-    ``scripts/paged_attention_sweep.py``). Set from that sweep on the H200 (Triton 3.6; raw log
-    compat/raw/h200-2026-12-03d/call3-tenth-kernels.log), against the general kernel's decode path ("rows"):
+    on its batch), each overridable through ``tuning`` (``kv_heads``, ``block_n``, ``num_warps``, ``num_stages``,
+    ``max_registers``, 0 for no cap; ``scripts/paged_attention_sweep.py``). Set from that sweep on the H200 (Triton
+    3.6; raw log compat/raw/h200-2026-12-03d/call3-tenth-kernels.log), against the general kernel's decode path
+    ("rows"):
 
     * HC = min(Hk, 4, 16 // GROUP): 16 query rows at most (one MMA tile, no padding at GROUP 4) and at most 4 KV
       heads. HC 4 / 16-token tiles / 4 warps was within 2% of the best setting at every large-batch shape: B256 at 116
@@ -88,7 +119,15 @@ def decode_settings(
       tile, the MMA's minimum);
     * 4 warps (8 were slower at every shape but the 4k contexts, by <= 1%);
     * stages 2 over a 16-bit cache (2 and 3 within 1%), 5 over FP8 (Triton 3.9 reads it as a double-buffered K/V;
-      the best FP8 setting at the 8b shape).
+      the best FP8 setting at the 8b shape);
+    * over FP8, at most 128 registers a thread (``max_registers``, Triton's ``maxnreg``) where that saves a wave
+      (``register_cap``). Uncapped, the FP8 kernel compiles to 158 (its V tile reaches the PV dot through byte-wise
+      shared-memory reads and e4m3 -> fp16 upcasts; the 16-bit kernel takes 122), so only three programs fit an SM:
+      at qwen3-8b B256 the 512 programs ran in 1.29 waves, and the SMs idled through the partial one (Nsight Compute,
+      raw logs compat/raw/h200-2026-12-04c). Capped at 128 four fit, one wave: 59.7 us against 70.2 us (x1.18; 54%
+      of the copy bandwidth instead of 46%), qwen3-0.6b heads 55.4 against 70.6. Where the uncapped programs fit one
+      wave anyway the cap only costs (qwen3-8b B128 at 384 tokens: 58.3 against 49.4 us), hence the rule. The cap
+      changes the register allocation, not the arithmetic: outputs are bitwise equal with and without it.
 
     Small batches (B * Hk below the general kernel's 1024-program target, where that kernel starts splitting the key
     range of wide block tables) keep the general kernel: at batch 1 it took 11.6 us at 192 tokens against 12.7-25 us
@@ -108,7 +147,20 @@ def decode_settings(
     if block_n * hc < 16:
         raise ConfigError(f"paged decode tuning: block_n * kv_heads must be >= 16 (the MMA's K); got {block_n} * {hc}")
     stages = 5 if kv_elem == 1 else 2
-    return DecodeSettings(hc, block_n, int(tuning.get("num_warps") or 4), int(tuning.get("num_stages") or stages))
+    cap = tuning.get("max_registers", _FP8_MAX_REGISTERS if kv_elem == 1 else None)
+    warps, stages = int(tuning.get("num_warps") or 4), int(tuning.get("num_stages") or stages)
+    return DecodeSettings(hc, block_n, warps, stages, int(cap) if cap else None)
+
+
+def register_cap(
+    settings: DecodeSettings, programs: int, multiprocessors: int, tuning: dict | None = None
+) -> DecodeSettings:
+    """``settings`` with the FP8 register cap dropped unless it lets ``programs`` run in fewer waves over
+    ``multiprocessors`` (a cap set through ``tuning`` is kept as given). Outputs do not depend on it."""
+    if not settings.max_registers or "max_registers" in (tuning or {}):
+        return settings
+    uncapped, capped = (-(-programs // (n * max(1, multiprocessors))) for n in _FP8_PROGRAMS_PER_SM)
+    return settings if capped < uncapped else replace(settings, max_registers=None)
 
 
 def decode_splits(programs: int, capacity: int) -> int:
@@ -351,6 +403,7 @@ def paged_decode(
     splits = num_splits or decode_splits(B * chunks, capacity)
     chunk = triton.cdiv(triton.cdiv(capacity, splits), s.block_n) * s.block_n
     rows = max(16, _pow2_at_least(group * s.kv_heads))
+    s = register_cap(s, B * chunks * splits, platform_device.multiprocessors(q.device), tuning)
     if splits > 1:
         o_part = torch.empty((splits, *q.shape), device=q.device, dtype=torch.float32)
         l_part = torch.empty((splits, *q.shape[:2]), device=q.device, dtype=torch.float32)
@@ -365,7 +418,7 @@ def paged_decode(
         l_part.stride(0), l_part.stride(1),
         GROUP=group, HEAD_DIM=D, PAGE=page, HC=s.kv_heads, ROWS=rows, BLOCK_N=s.block_n, SPLIT=splits > 1,
         WINDOW=window is not None, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", F16_DOTS=f16_dots,
-        num_warps=s.num_warps, num_stages=s.num_stages,
+        **s.launch_options(),
     )  # fmt: skip
     if splits > 1:
         combine_splits(o_part, l_part, out, cu_seqlens_q, splits, by_seq=1, decode_rows=True)

@@ -19,11 +19,11 @@ Deliberately not here: rows longer than 65536 elements (one row must fit one blo
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from polyrl.platform import device as platform_device
 
 _MAX_BLOCK_N = 65536
 
@@ -145,18 +145,9 @@ def _bwd_tiling(n_cols: int) -> tuple[int, int, int, int]:
     return block_m, block_n, num_warps, 8
 
 
-@functools.lru_cache(maxsize=16)
-def _multiprocessors(device: torch.device) -> int:
-    """Multiprocessor count of ``device`` (2 on the CPU), asked once: the backward runs every layer."""
-    backend = getattr(torch, device.type, None)
-    if device.type != "cpu" and backend is not None and hasattr(backend, "get_device_properties"):
-        return int(getattr(backend.get_device_properties(device), "multi_processor_count", 2))
-    return 2
-
-
 def _num_programs(device: torch.device, n_blocks: int, per_sm: int = 2) -> int:
     """Persistent grid size for the backward: ``per_sm`` programs per multiprocessor (the CPU counts 2)."""
-    return max(1, min(n_blocks, per_sm * _multiprocessors(device)))
+    return max(1, min(n_blocks, per_sm * platform_device.multiprocessors(device, default=2)))
 
 
 def rmsnorm_backward(

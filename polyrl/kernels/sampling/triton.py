@@ -17,14 +17,13 @@ Not here: truncation (top-k/top-p/min-p).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from polyrl.kernels.sampling import reference as _ref
 from polyrl.kernels.sampling.reference import inverse_temperature
+from polyrl.platform import device as platform_device
 
 MAX_BLOCK_V = 4096
 # The reference's constants, as constexprs (jit functions may only read constexpr globals).
@@ -198,14 +197,6 @@ def num_splits(rows: int, blocks: int, multiprocessors: int) -> int:
     return max(1, min(blocks, want, 64))
 
 
-@functools.lru_cache(maxsize=16)
-def _multiprocessors(dev: torch.device) -> int:
-    backend = getattr(torch, dev.type, None)
-    if dev.type != "cpu" and backend is not None and hasattr(backend, "get_device_properties"):
-        return int(getattr(backend.get_device_properties(dev), "multi_processor_count", 1))
-    return 1
-
-
 def sample_tokens(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -237,7 +228,7 @@ def sample_tokens(
         block = block_v
     blocks = -(-V // block)
     if splits is None:
-        splits = num_splits(B, blocks, _multiprocessors(logits.device))
+        splits = num_splits(B, blocks, platform_device.multiprocessors(logits.device))
     splits = max(1, min(splits, blocks))
     rows = (inv_temp, seeds.to(torch.int64).contiguous(), offsets.to(torch.int64).contiguous(),
             greedy.to(torch.int8).contiguous())  # fmt: skip
