@@ -21,6 +21,8 @@ setting's kernels are compiled in parallel threads (``precompile``: Triton's ``A
 launches; ``--no-precompile`` turns it off); each shape prints its seconds.
 
 ``--kv-dtype fp8``: the same shapes over a float8_e4m3fn cache (RolloutConfig.kv_cache_dtype, half the bytes).
+Over FP8 every setting runs with the default register rule (``decode.register_cap``: 128 registers a thread where
+that saves a wave of programs); ``{"max_registers": N}`` in a setting (0: no cap) overrides it.
 
 Each timing is CUDA-graph replays of one call with the L2 flushed in between (``bench.common.time_graph``); bytes are
 the K and V the call must read. Use the winners to set ``decode.decode_settings`` / ``decode.decode_splits`` (issue
