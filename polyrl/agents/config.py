@@ -8,7 +8,6 @@ Not here: the episode steps themselves (``train``), environments (``env``), the 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,8 +48,8 @@ class AgentConfig:
 
     def check(self, algo_config: Any, table: str) -> None:
         """Against the algorithm's ``[table]``: an online algorithm, room for more than one turn, and (async RL) a
-        producer that runs episodes: inline, thread, or process (agent programs through the proxy: in one process
-        and without partial rollouts). Partial rollouts take either kind of episode with the thread producer (the
+        producer that runs episodes: inline, thread, or process (agent programs through the proxy: torchrun too,
+        but without partial rollouts). Partial rollouts take either kind of episode with the thread producer (the
         episode loop, or the proxy's engine driver thread, calls the weight-swap hook between engine steps), and
         environment episodes with the process producer (in its workers)."""
         max_new = getattr(algo_config, "max_new_tokens", None)
@@ -73,13 +72,6 @@ class AgentConfig:
                 f"in the rollout worker processes without partial rollouts only (not built: a weight update taken "
                 f'by a worker\'s proxy between its engine steps); set {table}.async_producer = "thread" '
                 f"(--async-producer thread) or remove {table}.partial_rollouts"
-            )
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ConfigError(
-                f'{table}.async_producer = "process" runs agent programs through the proxy ({TABLE}.agent, --agent) '
-                f"in one process only, not under torchrun (--nproc-per-node; not built: rank 0's workers running "
-                f'every agent run for the other ranks); set {table}.async_producer = "thread" '
-                f"(--async-producer thread) or drop --nproc-per-node"
             )
 
     def run_class(self, base: type) -> type:

@@ -43,7 +43,9 @@ for its share with the call's sampling and per-call cap, the run's ``max_turns``
 ``env_timeout`` per run and ``failure_reward``, the proxy driving the engine only during the call. The reply: per
 example its episodes (one per recorded segment; a run that made no call as one without turns), and the call's
 failure counts (error, timeout, no_reward). A dead replica's examples run through the trainer's own proxy
-(``local``). Not with partial rollouts, nor under torchrun (refused in ``config``).
+(``local``). Under torchrun the replicas are rank 0's and run every rank's agent runs; the episodes and the failure
+counts are then broadcast to the other ranks, which start no proxy (``train.EpisodeSteps.root_episodes``). Not with
+partial rollouts (refused in ``config``).
 """
 
 from __future__ import annotations

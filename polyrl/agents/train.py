@@ -23,8 +23,8 @@ trains; the environment pool and the proxy are then used by that thread, and by 
 the thread is drained. With ``async_producer = "process"`` ``episodes`` sends the examples to the rollout worker
 processes (``remote.remote_episodes``: each runs the episode loop on its own engine with its own environment pool;
 ``--agent``: ``remote.remote_agent_episodes``, each runs the agent program through a proxy of its own serving its
-engine, in one process and without partial rollouts), the trainer's own loop or proxy (``local_episodes``) running
-the share of a worker that dies.
+engine, without partial rollouts; ``replica_episodes`` picks one), the trainer's own loop or proxy
+(``local_episodes``) running the share of a worker that dies.
 Each batch carries its transcripts (``batch_state``), checkpointed with the queue. With
 partial rollouts (``partial_rollouts``) the episode loop calls the policy's ``between_steps`` (thread producer) or
 the worker's job hook (process producer, ``remote``) at engine-step boundaries, and in proxy mode (thread producer)
@@ -41,9 +41,10 @@ batch, the same metrics and the same failure totals, and training goes on as for
 (``polyrl.run.online``): the same advantages on every rank, each training its strided share; rank 0 logs and writes
 rollouts.jsonl. The evaluation's episodes are split the same way. Synchronous, and async with the inline or thread
 producer (the gather then runs on the producer's gloo group, ``polyrl.run.async_steps``). With the process producer
-(``--env`` episodes) rank 0's rollout worker processes run every episode and the batch is broadcast to the other
-ranks (``root_episodes``), which build no environment pool of their own. Partial rollouts are one-process, as for
-single completions.
+rank 0's rollout worker processes run every episode (``--env``) or agent run (``--agent``) and the batch is
+broadcast to the other ranks with the replicas' failure counts (``root_episodes``), which build no environment pool
+and start no agent proxy of their own (their engines never run). Partial rollouts under torchrun: the thread
+producer only, as for single completions.
 Not here: the episode loop (``rollout``), the loss and advantages (``polyrl.algorithms``).
 """
 
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
@@ -118,6 +120,8 @@ def episode_totals(eps: list[Episode]) -> list[EpisodeTotal]:
 class EpisodeSteps:
     """Mixin placed before an ``OnlineRun`` class (see ``with_episodes``)."""
 
+    agents = False  # proxy mode (``--agent``): agent programs instead of environment episodes
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
 
@@ -126,9 +130,14 @@ class EpisodeSteps:
         self.renderer = ChatRenderer(self.tokenizer, template)
         self.limits = EpisodeLimits(ag.max_turns, a.max_new_tokens, ag.max_episode_tokens)
         self.env_pool, self.proxy, self.agent_fn = None, None, None
-        if ag.agent:
-            self._start_proxy()
-            source = f"agent {ag.agent!r} through {self.proxy.url}"
+        self.agents = bool(ag.agent)  # proxy mode: agent programs (every rank, with or without a proxy of its own)
+        if self.agents:
+            self.agent_fn = load_agent(ag.agent)  # every rank: a wrong spec is the same ConfigError everywhere
+            if self.policy.idle_engine:  # torchrun, process producer, rank > 0: rank 0's workers run every agent run
+                source = f"agent {ag.agent!r} run by rank 0's rollout workers"  # (root_episodes): no proxy here
+            else:
+                self._start_proxy()
+                source = f"agent {ag.agent!r} through {self.proxy.url}"
             # the process producer's replicas load the same function and serve their own engines (remote)
             self.agent_spec = AgentSpec.of(ag.agent, template, ag.max_turns, ag.max_episode_tokens, ag.env_timeout)
             if self.policy.remote is not None:
@@ -166,7 +175,6 @@ class EpisodeSteps:
         from polyrl.agents.proxy_server import AgentProxy
 
         a, ag = self.a, self.cfg.episodes
-        self.agent_fn = load_agent(ag.agent)
         self.proxy = AgentProxy(
             self.policy.llm,
             self.sampling,
@@ -178,9 +186,10 @@ class EpisodeSteps:
         ).start(drive=False)
 
     def _failure_counts(self) -> dict[str, int]:
-        """The live dict of this process's failure counts: the environment pool's, the agent runs' (proxy), or a
-        plain dict on a rank that builds no pool (``root_episodes`` adds rank 0's counts there)."""
-        if self.proxy is not None:
+        """The live dict of this process's failure counts: the environment pool's, the agent runs' (proxy mode, a
+        plain dict on every rank), or a plain dict on a rank that builds no pool (``root_episodes`` adds rank 0's
+        counts there)."""
+        if self.agents:
             if not hasattr(self, "_agent_totals"):
                 self._agent_totals = {}
             return self._agent_totals
@@ -188,35 +197,46 @@ class EpisodeSteps:
 
     @property
     def failure_totals(self) -> dict[str, int]:
-        if self.proxy is not None:
+        if self.agents:
             return dict(getattr(self, "_agent_totals", {}))
         return dict(getattr(self, "_env_totals", {}))
 
     def episodes(self, examples: list[dict], n: int, sampling: Any, seeds: list[int] | None) -> list[Any]:
-        if self.proxy is None and self.policy.remote_on_root:  # torchrun, process producer: rank 0's replicas
-            return self.root_episodes(examples, n, sampling, seeds)
-        if self.proxy is not None and self.policy.remote is not None:  # process producer: a proxy per replica
-            return remote_agent_episodes(
-                self.policy.remote, self.agent_spec, examples, n, sampling, seeds, self.a.failure_reward,
-                lambda xs, ss: self.local_episodes(xs, n, sampling, ss), self._failure_counts(),
-            )  # fmt: skip
-        if self.proxy is None and self.policy.remote is not None:  # process producer: the rollout worker replicas
-            return remote_episodes(
-                self.policy.remote, self.env_spec, examples, n, sampling, seeds, self.limits, self.a.failure_reward,
-                lambda xs, ss: self.local_episodes(xs, n, sampling, ss), self._env_totals,
-            )  # fmt: skip
+        if self.policy.remote_on_root:  # torchrun, process producer: rank 0's replicas run every episode
+            return self.root_episodes(lambda totals: self.replica_episodes(examples, n, sampling, seeds, totals))
+        if self.policy.remote is not None:  # process producer: the rollout worker replicas
+            return self.replica_episodes(examples, n, sampling, seeds, self._failure_counts())
         if self.world.distributed:  # torchrun: each rank its share, then every episode on every rank
             return self.data_parallel_episodes(examples, n, sampling, seeds)
         return self.local_episodes(examples, n, sampling, seeds)
 
-    def root_episodes(self, examples: list[dict], n: int, sampling: Any, seeds: list[int] | None) -> list[Any]:
-        """Under torchrun with the process producer: rank 0's rollout worker processes run every episode
-        (``remote_episodes``; a dead worker's share by rank 0's own loop), then the episodes and the failure counts
-        of this call are broadcast on this thread's group (the producer's in an async run, ``collectives_on``), so
-        every rank holds the whole batch in ``(group, index)`` order and the same failure totals. A failure on rank
-        0 is broadcast instead: rank 0 re-raises it, the other ranks raise a RuntimeError naming it. The other ranks
-        build no environment pool (their counts are a plain dict)."""
-        totals = self._env_totals
+    def replica_episodes(
+        self, examples: list[dict], n: int, sampling: Any, seeds: list[int] | None, totals: dict[str, int]
+    ) -> list[Any]:
+        """The episodes of ``examples`` run by this process's rollout worker replicas (``policy.remote``): the
+        episode loop with an environment pool in each (``remote_episodes``) or the agent program through a proxy in
+        each (``remote_agent_episodes``); a dead replica's share by this process's own loop or proxy
+        (``local_episodes``); the replicas' failure counts added to ``totals``."""
+        local = lambda xs, ss: self.local_episodes(xs, n, sampling, ss)  # noqa: E731
+        if self.agents:
+            return remote_agent_episodes(
+                self.policy.remote, self.agent_spec, examples, n, sampling, seeds, self.a.failure_reward, local, totals
+            )  # fmt: skip
+        return remote_episodes(
+            self.policy.remote, self.env_spec, examples, n, sampling, seeds, self.limits, self.a.failure_reward, local,
+            totals,
+        )  # fmt: skip
+
+    def root_episodes(self, run_on_root: Callable[[dict[str, int]], list[Any]]) -> list[Any]:
+        """Under torchrun with the process producer: rank 0's rollout worker processes run every episode or agent
+        run (``run_on_root(totals)``, ``replica_episodes``: the episode loop or the agent program in each replica; a
+        dead worker's share by rank 0's own loop or proxy), then the episodes and the failure counts of this call
+        are broadcast on this thread's group (the producer's in an async run, ``collectives_on``), so every rank
+        holds the whole batch in ``(group, index)`` order and the same failure totals. A failure on rank 0 is
+        broadcast instead: rank 0 re-raises it, the other ranks raise a RuntimeError naming it. The other ranks
+        build no environment pool and start no agent proxy (their counts are a plain dict, rank 0's added to it;
+        rank 0's own proxy, over its fallback engine, runs only a dead worker's share)."""
+        totals = self._failure_counts()
         if not self.world.is_main:
             got = self.world.broadcast_object(None)
             if isinstance(got, str):
@@ -227,10 +247,7 @@ class EpisodeSteps:
             return eps
         before = dict(totals)
         try:
-            eps = remote_episodes(
-                self.policy.remote, self.env_spec, examples, n, sampling, seeds, self.limits, self.a.failure_reward,
-                lambda xs, ss: self.local_episodes(xs, n, sampling, ss), totals,
-            )  # fmt: skip
+            eps = run_on_root(totals)
         except BaseException as exc:
             self.world.broadcast_object(f"{type(exc).__name__}: {exc}")
             raise
@@ -279,7 +296,7 @@ class EpisodeSteps:
     def local_episodes(self, examples: list[dict], n: int, sampling: Any, seeds: list[int] | None) -> list[Any]:
         """``n`` episodes per example on this process's rollout engine (the environment pool's, or the proxy's)."""
         with rollout_window(self.policy) as llm:
-            if self.proxy is None:
+            if not self.agents:
                 return run_episodes(
                     llm, self.env_pool, self.renderer, examples, n, sampling, seeds, self.limits,
                     self.a.failure_reward, self.policy.between_steps,
@@ -410,7 +427,7 @@ class EpisodeSteps:
             self._apply_saved_failures(self._saved_env_failures)
 
     def _apply_saved_failures(self, saved: dict[str, int]) -> None:
-        if self.proxy is not None:
+        if self.agents:
             self._agent_totals = dict(saved)
         elif hasattr(self, "_env_totals"):
             self._env_totals.update(saved)

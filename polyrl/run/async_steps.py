@@ -28,8 +28,10 @@ locally (``LLM.swap_weights``), so the trainer's wait for its producer never dep
 One process,
 ``partial_rollouts`` with the ``process`` producer: ``worker_partial.WorkerPartialRollouts`` (the workers' engines
 take an update between decode steps). Agentic runs (``--env``, ``--agent``) take the inline and thread producers
-under torchrun: the produce function is then the episode loop on each rank's share of the prompts, its gather of
-the episodes on the producer's group (``polyrl.agents.train``).
+under torchrun: the produce function is then the episode loop (or the agent runs through the rank's proxy) on each
+rank's share of the prompts, its gather of the episodes on the producer's group (``polyrl.agents.train``); and the
+process producer: rank 0's workers run every episode or agent run, broadcast with their failure counts
+(``root_episodes``; the other ranks build no environment pool and start no agent proxy).
 
 Not here: the loop (``online``), the sources and the ``async/*`` metrics (``async_rollout``).
 """

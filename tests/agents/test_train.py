@@ -169,7 +169,7 @@ def test_resume_restores_the_cumulative_failure_counters():
     run.restore_counters(saved)
     assert run.pool.totals == {"error": 2, "timeout": 0}
     assert run.failure_totals == {"error": 0, "timeout": 3, "crash": 1}
-    run.proxy, run.env_pool = object(), None  # proxy mode keeps its own totals
+    run.agents, run.env_pool = True, None  # proxy mode keeps its own totals
     run.restore_counters(saved)
     assert run.failure_totals == {"timeout": 3, "crash": 1}
 

@@ -2,7 +2,8 @@
 run configs in order, each in a process group of its own (``ports``: one per run; ``init_world`` starts it and the
 run tears it down). A run expected to be refused (``expect_error``) must raise a ``ConfigError``; rank 0 writes its
 message to ``<out>/error.txt``; a ``probe`` run is only built (``policy_probe``); a ``pool_probe`` episode run is
-trained and writes whether each rank built an environment pool (``_pool_probed``). Agentic runs (an ``[agent]``
+trained and writes whether each rank built an environment pool (``_pool_probed``); a ``steps_probe`` episode run
+is trained and writes what each rank trained at every step (``_steps_probed``). Agentic runs (an ``[agent]``
 table, ``test_agentic_distributed.py``) register their table first, as the CLI does."""
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ def async_runs_worker(rank: int, world_size: int, runs: list[dict[str, Any]], po
 
             run_online(rc.build(raw), None, _pool_probed(rank, Path(raw["out"])))
             continue
+        if spec.get("steps_probe"):  # an episode run, trained as usual, recording each rank's batches and records
+            from polyrl.run.online import run_online
+
+            run_online(rc.build(raw), None, _steps_probed(rank, Path(raw["out"])))
+            continue
         if not spec.get("expect_error"):
             runner.run(rc.build(raw))
             continue
@@ -60,6 +66,47 @@ def _pool_probed(rank: int, out: Path) -> type:
             return super().run()
 
     return PoolProbed
+
+
+def _steps_probed(rank: int, out: Path) -> type:
+    """An ``OnlineRun`` that writes ``<out>/steps<rank>.json`` at its end: per step the digest of the episodes this
+    rank trained on (every field of each, as the batch's transcripts carry them) and this rank's metrics record
+    (JSON numbers only); then this process's id, whether it started an agent proxy, the examples its own loop or
+    proxy ran (``local_episodes``: a dead worker's share) and its failure totals once every batch was trained."""
+    import dataclasses
+    import hashlib
+    import json
+    import os
+
+    from polyrl.run.online import OnlineRun
+
+    class StepsProbed(OnlineRun):
+        def step(self, step: int) -> dict[str, Any]:
+            rec = super().step(step)
+            eps = json.dumps([dataclasses.asdict(e) for e in self._step_episodes], sort_keys=True)
+            plain = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            self._probed.append({"batch": hashlib.sha256(eps.encode()).hexdigest(), "record": plain})
+            return rec
+
+        def run(self) -> dict[str, Any]:
+            self._probed: list[dict[str, Any]] = []
+            local: list[int] = []
+            own = self.local_episodes  # EpisodeSteps' (placed before this class): wrapped on the instance
+
+            def counted(examples: list[dict], *args: Any) -> Any:
+                local.append(len(examples))
+                return own(examples, *args)
+
+            self.local_episodes = counted
+            try:
+                return super().run()
+            finally:
+                facts = {"steps": self._probed, "pid": os.getpid(), "proxy": self.proxy is not None, "local": local,
+                         "failures": self.failure_totals}  # fmt: skip
+                out.mkdir(parents=True, exist_ok=True)
+                (out / f"steps{rank}.json").write_text(json.dumps(facts))
+
+    return StepsProbed
 
 
 def policy_probe(rank: int, raw: dict[str, Any]) -> None:

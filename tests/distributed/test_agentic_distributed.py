@@ -26,6 +26,11 @@ steps, a checkpoint every 2.
   exactly, the losses within fp32 noise;
 - K = 1, partial rollouts (thread producer, ``partial_swap_step`` 8): each rank's episode loop takes every update
   after the first mid-episode, the samples span two versions (non-decreasing), the ranks' queues agree.
+
+Apart (a spawn of its own, ``steps_probe``): an agent program through the proxy with the process producer, K = 1,
+rank 0's two rollout workers running every agent run (each through a proxy of its own) and the episodes broadcast
+to rank 1 with the failure counts (``root_episodes``): both ranks train on the same episodes with the same records
+and failure totals, rank 1 starting no proxy.
 """
 
 from __future__ import annotations
@@ -245,3 +250,60 @@ def test_two_rank_agentic_runs_equal_one_process_resume_and_run_async(tiny_model
     ((queued,),) = [state["data"]["async"]["queue"]]  # written: the ranks' queues (and versions) agreed
     versions = [s["token_versions"] for s in queued["samples"]]
     assert len(versions) == 6 and all(v == sorted(v) and set(v) == {1, 2} for v in versions)
+
+
+# AGENT_FILE's agent, writing per run the proxy that served it, its process and the example's answer to SEEN
+RECORDING_AGENT_FILE = AGENT_FILE.replace("import openai\n", "import os\n\nimport openai\n").replace(
+    "    if int(float(example",
+    '    with open(SEEN, "a") as f:\n'
+    "        f.write(f\"{base_url.split('/agents/')[0]} {os.getpid()} {example['answer']}\\n\")\n"
+    "    if int(float(example",
+)
+
+
+def test_two_rank_process_producer_runs_every_agent_in_rank0_workers(tiny_model_dir, tmp_path):
+    """An agent program through the proxy with the process producer under 2 ranks (K = 1, 3 steps of 2 prompts x 3
+    runs, 2 CPU rollout workers on rank 0, a greedy evaluation at the end): every run, the evaluation's too, is
+    served by one of the two workers' proxies (two processes, neither rank's; rank 1 starts no proxy, and rank 0's
+    own proxy runs nothing), and the episodes and failure counts are broadcast to rank 1 (``root_episodes``): both
+    ranks train on the same episodes at every step (a digest of every field), log the same batch metrics and
+    evaluation, and end with the same failure totals, which count every failed run (answers divisible by 3)."""
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    seen = tmp_path / "seen.txt"
+    agent = tmp_path / "my_agent.py"
+    agent.write_text(f"SEEN = {str(seen)!r}\n" + RECORDING_AGENT_FILE)
+    out = tmp_path / "process"
+    table = {"prompts_per_step": 2, "samples_per_prompt": 3, "max_new_tokens": 6, "eval_prompts": 2}
+    table.update(max_staleness=1, async_producer="process", rollout_workers=2, rollout_balance="count")
+    raw = raw_config(tiny_model_dir, out, "exact_match", steps=3, failure_reward=-1.0, **table)
+    raw["agent"] = {"agent": f"{agent}:agent", "max_turns": 2, "max_episode_tokens": 200}
+    raw["engine"]["micro_batch_tokens"] = 512
+    raw["train"].update(eval_every=3, eval_data="builtin:arithmetic?max=9&n=8")
+    from dist_async_worker import async_runs_worker
+
+    spawn(async_runs_worker, 2, [{"raw": raw, "steps_probe": True}], [free_port()])
+
+    ranks = [json.loads((out / f"steps{r}.json").read_text()) for r in (0, 1)]
+    assert [p["proxy"] for p in ranks] == [True, False] and [p["local"] for p in ranks] == [[], []]
+    served = [line.split() for line in seen.read_text().splitlines()]
+    assert len(served) == 3 * 6 + 2  # the batches' runs, then the greedy evaluation's
+    assert len({url for url, _, _ in served}) == 2 and len({pid for _, pid, _ in served}) == 2
+    assert not {int(pid) for _, pid, _ in served} & {p["pid"] for p in ranks}
+    failed = sum(int(float(answer)) % 3 == 0 for _, _, answer in served)
+    assert 0 < failed < len(served)
+    # both ranks trained on the same episodes, step by step, and count the same failures
+    batches = [[s["batch"] for s in p["steps"]] for p in ranks]
+    assert batches[0] == batches[1] and len(set(batches[0])) == 3
+    assert ranks[0]["failures"] == ranks[1]["failures"] == {"error": failed}
+    # every value of each step's record but the clocks and rank 0's workers' counters: the batch's metrics, the
+    # evaluation, the losses and gradient norms
+    own = ("weight_sync/", "rollout_worker", "async/replica")
+    per_rank = [[without_clocks(s["record"], own) for s in p["steps"]] for p in ranks]
+    assert per_rank[0] == per_rank[1] and "eval_reward" in per_rank[1][-1] and "loss" in per_rank[1][-1]
+    recs = records(out)
+    assert [r["async/staleness_max"] for r in recs] == [0.0, 1.0, 1.0] and "eval_reward" in recs[-1]
+    assert recs[-1]["env_failures_total"] == sum(int(float(a)) % 3 == 0 for _, _, a in served[:18])
+    for r in recs:
+        assert r["episode/turns"] == 2.0 and math.isfinite(r["loss"])
+        assert r["async/rollout_workers_alive"] == 2.0 and r["async/replica_share_max"] == 0.5
