@@ -189,6 +189,8 @@ def test_register_cap_only_where_it_saves_a_wave(triton_kernels):
     assert mod.register_cap(tuned, 256, 132, {"max_registers": 128}).max_registers == 128
     bf16 = mod.decode_settings(4, 8, 128, 2)
     assert mod.register_cap(bf16, 512, 132) == bf16
+    eight_warps = mod.decode_settings(4, 8, 128, 1, {"num_warps": 8})  # the rule's counts are the 4-warp kernel's
+    assert mod.register_cap(eight_warps, 512, 132).max_registers is None
     # the launch options carry the cap only where the backend takes it
     options = fp8.launch_options()
     assert (options["num_warps"], options["num_stages"]) == (4, 5)

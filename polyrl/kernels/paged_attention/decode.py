@@ -159,6 +159,8 @@ def register_cap(
     ``multiprocessors`` (a cap set through ``tuning`` is kept as given). Outputs do not depend on it."""
     if not settings.max_registers or "max_registers" in (tuning or {}):
         return settings
+    if settings.num_warps != 4:  # the program counts an SM above are the 4-warp kernel's
+        return replace(settings, max_registers=None)
     uncapped, capped = (-(-programs // (n * max(1, multiprocessors))) for n in _FP8_PROGRAMS_PER_SM)
     return settings if capped < uncapped else replace(settings, max_registers=None)
 
