@@ -50,9 +50,9 @@ class AgentConfig:
     def check(self, algo_config: Any, table: str) -> None:
         """Against the algorithm's ``[table]``: an online algorithm, room for more than one turn, and (async RL) a
         producer that runs episodes: inline, thread, or process (agent programs through the proxy: in one process
-        and without partial rollouts). Partial rollouts take either kind of episode with the thread producer (the
-        episode loop, or the proxy's engine driver thread, calls the weight-swap hook between engine steps), and
-        environment episodes with the process producer (in its workers)."""
+        only). Partial rollouts take either kind of episode with the thread or the process producer (the episode
+        loop, or the proxy's engine driver thread, calls the weight-swap hook between engine steps: the producer's,
+        or in a rollout worker its job's)."""
         max_new = getattr(algo_config, "max_new_tokens", None)
         if max_new is None:
             raise ConfigError(f"[{TABLE}] runs episodes for online RL (grpo, gspo, ppo), not for {table}")
@@ -67,13 +67,6 @@ class AgentConfig:
         # rollout worker processes run environment episodes and agent programs (polyrl.agents.remote)
         if getattr(algo_config, "async_producer", "inline") != "process" or self.agent is None:
             return
-        if getattr(algo_config, "partial_rollouts", False):
-            raise ConfigError(
-                f'{table}.async_producer = "process" runs agent programs through the proxy ({TABLE}.agent, --agent) '
-                f"in the rollout worker processes without partial rollouts only (not built: a weight update taken "
-                f'by a worker\'s proxy between its engine steps); set {table}.async_producer = "thread" '
-                f"(--async-producer thread) or remove {table}.partial_rollouts"
-            )
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError(
                 f'{table}.async_producer = "process" runs agent programs through the proxy ({TABLE}.agent, --agent) '
