@@ -48,10 +48,11 @@ class AgentConfig:
 
     def check(self, algo_config: Any, table: str) -> None:
         """Against the algorithm's ``[table]``: an online algorithm, room for more than one turn, and (async RL) a
-        producer that runs episodes: inline, thread, or process (agent programs through the proxy: torchrun too,
-        but without partial rollouts). Partial rollouts take either kind of episode with the thread producer (the
-        episode loop, or the proxy's engine driver thread, calls the weight-swap hook between engine steps), and
-        environment episodes with the process producer (in its workers)."""
+        producer that runs episodes: inline, thread, or process (agent programs through the proxy too: in the rollout
+        worker processes, under torchrun rank 0's). Partial rollouts take either kind of episode with the thread or
+        the process producer (the episode loop, or the proxy's engine driver thread, calls the weight-swap hook between
+        engine steps: the producer's, or in a rollout worker its job's); under torchrun the thread producer only
+        (``async_steps._check_async``)."""
         max_new = getattr(algo_config, "max_new_tokens", None)
         if max_new is None:
             raise ConfigError(f"[{TABLE}] runs episodes for online RL (grpo, gspo, ppo), not for {table}")
@@ -60,19 +61,10 @@ class AgentConfig:
                 f"{TABLE}.max_episode_tokens ({self.max_episode_tokens}) must exceed {table}.max_new_tokens "
                 f"({max_new}, per turn); raise it"
             )
-        if getattr(algo_config, "max_staleness", 0) < 1:
-            return
-        # asynchronous RL: the inline producer and the producer thread run episodes (polyrl.agents.train), and the
-        # rollout worker processes run environment episodes and agent programs (polyrl.agents.remote)
-        if getattr(algo_config, "async_producer", "inline") != "process" or self.agent is None:
-            return
-        if getattr(algo_config, "partial_rollouts", False):
-            raise ConfigError(
-                f'{table}.async_producer = "process" runs agent programs through the proxy ({TABLE}.agent, --agent) '
-                f"in the rollout worker processes without partial rollouts only (not built: a weight update taken "
-                f'by a worker\'s proxy between its engine steps); set {table}.async_producer = "thread" '
-                f"(--async-producer thread) or remove {table}.partial_rollouts"
-            )
+        # asynchronous RL takes every producer: the inline producer and the producer thread run episodes
+        # (polyrl.agents.train), and the rollout worker processes run environment episodes and agent programs
+        # (polyrl.agents.remote), with or without partial rollouts; the producer's own checks are the run's
+        # (async_steps)
 
     def run_class(self, base: type) -> type:
         """``base`` with the episode steps in front (``train.with_episodes``)."""

@@ -43,9 +43,16 @@ for its share with the call's sampling and per-call cap, the run's ``max_turns``
 ``env_timeout`` per run and ``failure_reward``, the proxy driving the engine only during the call. The reply: per
 example its episodes (one per recorded segment; a run that made no call as one without turns), and the call's
 failure counts (error, timeout, no_reward). A dead replica's examples run through the trainer's own proxy
-(``local``). Under torchrun the replicas are rank 0's and run every rank's agent runs; the episodes and the failure
-counts are then broadcast to the other ranks, which start no proxy (``train.EpisodeSteps.root_episodes``). Not with
-partial rollouts (refused in ``config``).
+(``local``). With partial rollouts the call's job carries ``(swap_step, takes)`` as above, and the replica hands its
+between-steps hook (``ctx.between_steps``) to ``proxy.driving``: the proxy's engine driver thread calls it between
+its engine steps (``proxy_server.EngineDriver``), so with N > 0 a replica's calls take the batch's update at engine
+step N of its driver's window (after the window, before it replies, when they took fewer steps); each recorded
+segment carries the engine's version per sampled token (``Episode.versions``), which travels back with it. A
+driver error (the engine failed, or the trainer's end closed while the driver waited in the hook) is raised after
+the window, not left as failed agent runs. A dead replica's examples run through the trainer's proxy on one version
+(no hook; ``RolloutWorkers.call`` holds ``local_lock`` around them). Under torchrun the replicas are rank 0's and run
+every rank's agent runs; the episodes and the failure counts are then broadcast to the other ranks, which start no
+proxy (``train.EpisodeSteps.root_episodes``); partial rollouts there take the thread producer only.
 """
 
 from __future__ import annotations
@@ -219,7 +226,8 @@ def worker_agent_episodes(
     ``items`` through an ``AgentProxy`` serving the worker's engine on 127.0.0.1 (a free port; the proxy and the
     loaded agent function kept in ``ctx.state`` for later calls, stopped with the worker), with the call's
     sampling and per-call cap, the spec's limits and timeout: (per item its episodes, one per recorded segment, a
-    run that made no call as one without turns; the failure counts of this call: error, timeout, no_reward)."""
+    run that made no call as one without turns; the failure counts of this call: error, timeout, no_reward). With
+    partial rollouts the proxy's driver thread calls the job's ``ctx.between_steps`` between its engine steps."""
     held = ctx.state.get(_PROXY)
     if held is None or held.spec != spec:
         if held is not None:
@@ -238,11 +246,14 @@ def worker_agent_episodes(
     proxy = held.proxy
     proxy.sampling, proxy.max_tokens = sampling, sampling.max_tokens
     seeds = [s for _, s in items]
-    with proxy.driving():
+    # partial rollouts: the proxy's driver thread steps the engine, so it calls the job's hook between its steps
+    with proxy.driving(getattr(ctx, "between_steps", None)):
         eps = proxy.run_agents(
             held.fn, [x for x, _ in items], n, None if seeds[0] is None else seeds, spec.timeout, failure_reward,
             keep_empty=True,
         )  # fmt: skip
+    if proxy.driver.error is not None:  # the engine (or the hook: the trainer gone) failed: not the agents' fault
+        raise proxy.driver.error
     per: list[list[Episode]] = [[] for _ in items]
     for e in eps:
         per[e.group].append(e)

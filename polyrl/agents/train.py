@@ -23,13 +23,14 @@ trains; the environment pool and the proxy are then used by that thread, and by 
 the thread is drained. With ``async_producer = "process"`` ``episodes`` sends the examples to the rollout worker
 processes (``remote.remote_episodes``: each runs the episode loop on its own engine with its own environment pool;
 ``--agent``: ``remote.remote_agent_episodes``, each runs the agent program through a proxy of its own serving its
-engine, without partial rollouts; ``replica_episodes`` picks one), the trainer's own loop or proxy
+engine, with or without partial rollouts; ``replica_episodes`` picks one), the trainer's own loop or proxy
 (``local_episodes``) running the share of a worker that dies.
 Each batch carries its transcripts (``batch_state``), checkpointed with the queue. With
 partial rollouts (``partial_rollouts``) the episode loop calls the policy's ``between_steps`` (thread producer) or
-the worker's job hook (process producer, ``remote``) at engine-step boundaries, and in proxy mode (thread producer)
-the proxy's engine driver thread calls the source's hook bound to the producer thread's batch
-(``PartialRollouts.thread_hook``, given to ``AgentProxy.driving`` for the batch's agent runs), so a weight update
+the worker's job hook (process producer, ``remote``) at engine-step boundaries, and in proxy mode the proxy's
+engine driver thread calls the source's hook bound to the producer thread's batch (thread producer:
+``PartialRollouts.thread_hook``, given to ``AgentProxy.driving`` for the batch's agent runs) or, in a rollout worker
+(process producer), the worker's job hook (``remote.worker_agent_episodes``), so a weight update
 lands while episodes are in flight; each episode (proxy mode: each recorded segment) records the policy version of
 every token (``Episode.versions`` -> ``Sample.token_versions``).
 Under torchrun (``--nproc-per-node N``): each rank runs the episodes of its share of a call's prompt examples

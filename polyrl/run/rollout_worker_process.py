@@ -248,10 +248,14 @@ class _PartialJob:
     """A job's ``between_steps`` with partial rollouts (its ``(swap_step, takes)``): at each decode-step boundary an
     update to take now is loaded (``LLM.swap_weights``: the sequences in flight go on, their KV kept); with
     ``swap_step`` N > 0 the job takes version ``takes`` at its engine step N, waiting there for the notice, or after
-    its end when it is shorter (``finish``)."""
+    its end when it is shorter (``finish``). The hook may be called from a thread other than the serving loop's (an
+    agent proxy's engine driver, ``polyrl.agents.remote``), and one whose window ended may still wait in it while
+    the serving loop calls ``finish``: a lock makes the two one at a time, so the update is loaded once and
+    ``finish``, after the waiting call loaded it, owes nothing."""
 
     def __init__(self, inbox: _Inbox, llm: Any, sync: BucketedBroadcast, swap_step: int, takes: int | None) -> None:
         self.inbox, self.llm, self.sync, self.swap_step, self.takes = inbox, llm, sync, swap_step, takes
+        self.lock = threading.Lock()
 
     def _owed(self) -> bool:
         v = self.llm.policy_version
@@ -263,16 +267,18 @@ class _PartialJob:
         self.llm.swap_weights(self.sync.sync, version if version is not None else self.llm.policy_version)
 
     def __call__(self, llm: Any, steps: int) -> None:
-        if steps == self.swap_step and self._owed():
-            self._load(self.inbox.take(self.takes, wait=True))
-        else:  # an update to take at once (swap_step 0; a restarted worker's first weights come before its jobs)
-            version = self.inbox.take(None, wait=False)
-            if version is not False:
-                self._load(version)
+        with self.lock:
+            if steps == self.swap_step and self._owed():
+                self._load(self.inbox.take(self.takes, wait=True))
+            else:  # an update to take at once (swap_step 0; a restarted worker's first weights come before its jobs)
+                version = self.inbox.take(None, wait=False)
+                if version is not False:
+                    self._load(version)
 
     def finish(self) -> None:
-        if self._owed():  # a job shorter than swap_step: takes its update after its end, before it replies
-            self._load(self.inbox.take(self.takes, wait=True))
+        with self.lock:
+            if self._owed():  # a job shorter than swap_step: takes its update after its end, before it replies
+                self._load(self.inbox.take(self.takes, wait=True))
 
 
 def _serve(pg: Any, llm: Any, sync: BucketedBroadcast, ctx: WorkerContext, delay_s: float) -> None:

@@ -644,9 +644,10 @@ class RolloutWorkers:
         live replica then gets one, an empty share too, which runs no ``fn``): the worker hands ``fn`` the
         between-steps hook in ``ctx.between_steps`` and takes the job's update after it as for ``generate``. The
         items of replicas that die or hang in the call (restarted as in ``generate``) and of the replicas not live:
-        ``local(indices)``, one result per index, in the trainer (none once ``close`` began: it raises). ``fn``
-        raising in a replica (a bug or a user error, not a dead replica) raises the same exception here, the
-        replica's traceback as its cause, once every reply of the call is in."""
+        ``local(indices)``, one result per index, in the trainer under ``local_lock`` (as ``generate``'s: the
+        trainer's engine is not synced meanwhile; none once ``close`` began: it raises). ``fn`` raising in a replica
+        (a bug or a user error, not a dead replica) raises the same exception here, the replica's traceback as its
+        cause, once every reply of the call is in."""
         results: list[Any] = [None] * len(items)
         raised: list[tuple[int, RaisedInWorker]] = []
 
@@ -672,9 +673,10 @@ class RolloutWorkers:
         if raised:
             w, err = raised[0]
             raise err.exc from RuntimeError(f"{fn.__name__} raised in rollout replica {w}:\n{err.traceback}")
-        if missing:
-            for i, v in zip(missing, local(missing)):
-                results[i] = v
+        if missing:  # the trainer's own engine: never synced meanwhile (partial rollouts: one version)
+            with self.local_lock:
+                for i, v in zip(missing, local(missing)):
+                    results[i] = v
         return results
 
     def balance_metrics(self) -> dict[str, float]:

@@ -57,6 +57,11 @@ Environment episodes (``polyrl.agents.remote``): the producer's ``collect`` send
 share too, which runs no function); the worker hands its ``_PartialJob`` to the job's function as
 ``WorkerContext.between_steps``, which the episode loop calls between its engine steps, and ``finish`` runs after
 the job as for a generate job, so the ordering above holds unchanged (engine step N is then the episode loop's).
+Agent programs through the proxy (``--agent``, ``remote.worker_agent_episodes``): the same job, whose function hands
+the hook to its proxy's engine driver thread (``AgentProxy.driving``), which calls it between its engine steps
+(engine step N is then the driver's, counted from the call's window); ``_PartialJob`` takes a lock, since the
+driver thread calls it and the serving loop calls ``finish``. A dead replica's share of a call (its examples)
+runs in the trainer under ``local_lock``, as a ``generate`` share does (``RolloutWorkers.call``).
 
 Not built: a swap inside the trainer's fallback share.
 """

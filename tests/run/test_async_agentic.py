@@ -13,7 +13,8 @@ share run by the trainer, the staleness bound; with partial rollouts (each worke
 its engine step N) the thread run's tokens, transcripts, per-token versions and rewards. An agent program through
 the proxy with partial rollouts: the proxy's engine driver thread takes the update between its engine steps, and the
 recorded calls carry per-token versions. The process producer for an agent program: each of 2 rollout workers serves
-its share through a proxy of its own (under torchrun too); refused at config time with partial rollouts."""
+its share through a proxy of its own (under torchrun too); with partial rollouts each worker's proxy driver takes the
+update between its engine steps (per-token versions, a dead worker's share in the trainer on one version)."""
 
 from __future__ import annotations
 
@@ -240,35 +241,25 @@ def test_process_producer_runs_episodes_in_two_workers(tiny_model_dir, tmp_path,
         assert b["async/gen_start_s"] < a["async/train_end_s"] and b["async/gen_end_s"] > a["async/train_start_s"]
 
 
-def test_agentic_producers_refused_at_config_time(tiny_model_dir, tmp_path, monkeypatch):
-    from polyrl.errors import ConfigError
-
-    # agent programs through the proxy: the process producer takes them without partial rollouts, in one process
-    raw = _agentic(tiny_model_dir, tmp_path / "p", max_staleness=1, async_producer="process")
-    raw["agent"] = {"agent": "my_agent.py:agent", "max_turns": 2, "max_episode_tokens": 200}
-    raw[raw["algo"]].update(partial_rollouts=True, partial_swap_step=4)
-    with pytest.raises(ConfigError, match='async_producer = "process" runs agent programs .* without partial rollo'):
-        run(raw)
-    # under torchrun (the launcher's WORLD_SIZE) too: rank 0's workers run every rank's agent runs
-    # (tests/distributed/test_agentic_distributed.py)
+def test_agent_config_takes_every_producer(monkeypatch):
+    """Environment episodes and agent programs take every producer, with or without partial rollouts, in one process
+    and under torchrun (the launcher's WORLD_SIZE): test_process_producer_runs_agents_in_two_workers,
+    test_process_producer_partial_rollouts_of_an_agent and, under torchrun,
+    tests/distributed/test_agentic_distributed.py. What the table still refuses is its own limits."""
     from polyrl.agents.config import AgentConfig
     from polyrl.algorithms.grpo import GRPOConfig
+    from polyrl.errors import ConfigError
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    AgentConfig(agent="a.py:f").check(GRPOConfig(max_staleness=1, async_producer="process"), "grpo")
-    AgentConfig(env="guessing").check(GRPOConfig(max_staleness=1, async_producer="process"), "grpo")
-    monkeypatch.delenv("WORLD_SIZE")
-    # synchronous runs are not checked for producers; environment episodes take the process producer, with or
-    # without partial rollouts; agent programs take it without (test_process_producer_runs_agents_in_two_workers),
-    # and partial rollouts with the thread producer
-    AgentConfig(agent="a.py:f").check(GRPOConfig(async_producer="process"), "grpo")
-    AgentConfig(agent="a.py:f").check(GRPOConfig(max_staleness=1, async_producer="process"), "grpo")
-    AgentConfig(agent="a.py:f").check(
-        GRPOConfig(max_staleness=1, async_producer="thread", partial_rollouts=True, partial_swap_step=4), "grpo"
-    )
-    AgentConfig(env="guessing").check(GRPOConfig(max_staleness=1, async_producer="process"), "grpo")
-    partial = GRPOConfig(max_staleness=1, async_producer="process", partial_rollouts=True, partial_swap_step=8)
-    AgentConfig(env="guessing").check(partial, "grpo")
+    partial = dict(partial_rollouts=True, partial_swap_step=8)  # the inline producer has nothing in flight
+    settings = [("inline", {}), ("thread", {}), ("process", {}), ("thread", partial), ("process", partial)]
+    for world in ("1", "2"):
+        monkeypatch.setenv("WORLD_SIZE", world)
+        for producer, extra in settings:
+            config = GRPOConfig(max_staleness=1, async_producer=producer, **extra)
+            AgentConfig(agent="a.py:f").check(config, "grpo")
+            AgentConfig(env="guessing").check(config, "grpo")
+    with pytest.raises(ConfigError, match="max_episode_tokens .* must exceed grpo.max_new_tokens"):
+        AgentConfig(agent="a.py:f", max_episode_tokens=8).check(GRPOConfig(max_new_tokens=64), "grpo")
 
 
 AGENT_FILE = """
@@ -435,6 +426,102 @@ def test_partial_rollouts_of_an_agent_through_the_proxy(tiny_model_dir, tmp_path
         else:
             assert {x for _, v, _ in samples for x in v} == {step - 1, step} and mixed > 0
             assert r["async/tokens_lag0"] > 0 and r["async/tokens_lag1"] > 0
+
+
+# the flaky agent above, killing its own process when that is the one whose id is in the file KILL
+KILLING_AGENT_FILE = FLAKY_AGENT_FILE.replace(
+    "    client = ",
+    "    if os.path.exists(KILL) and open(KILL).read() == str(os.getpid()):\n"
+    "        os.kill(os.getpid(), signal.SIGKILL)\n    client = ",
+).replace("import os\n", "import os\nimport signal\n")
+
+
+def test_process_producer_partial_rollouts_of_an_agent(tiny_model_dir, tmp_path, monkeypatch):
+    """Partial rollouts of an agent program with ``async_producer = "process"`` (2 CPU rollout workers, K = 1, 3
+    steps, the update at engine step 4 of each worker's proxy driver): each worker's proxy takes the batch's update
+    between its engine steps while its agents' calls are in flight, so the batches after the first mix the two
+    versions within recorded segments; the trained samples (one per segment) carry each token's version: as many as
+    tokens, never decreasing, the oldest as the sample's, none older than K; the agent's failures are counted with
+    the failure reward; the losses are finite. Replica 1 dies in batch 2 (its agent kills it; restarts off): its
+    example runs through the trainer's own proxy in that call, on one version (no swap inside it)."""
+    import math
+    import os
+
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from polyrl.agents import train as agents_train
+    from polyrl.run import online
+
+    batches = []  # (step, per sample (completion ids, token versions, policy version, reward))
+    original = online.OnlineRun._async_record
+
+    def record(self, batch, t_train, t_end):
+        rows = [(s.completion_ids, s.token_versions, s.policy_version, r) for s, r in zip(batch.samples, batch.rewards)]
+        batches.append((batch.step, rows))
+        return original(self, batch, t_train, t_end)
+
+    calls = []
+    remote = agents_train.remote_agent_episodes
+    kill = tmp_path / "kill.txt"
+
+    def recording(workers, *args):
+        if len(calls) == 2:  # batch 2: replica 1 gets its share, then dies in it (it then runs in the trainer)
+            kill.write_text(str(workers.procs[1].pid))
+        calls.append(args)
+        return remote(workers, *args)
+
+    local_calls = []  # the examples of each call of the trainer's own proxy
+    local = agents_train.EpisodeSteps.local_episodes
+
+    def counting(self, examples, *args):
+        local_calls.append(len(examples))
+        return local(self, examples, *args)
+
+    monkeypatch.setattr(online.OnlineRun, "_async_record", record)
+    monkeypatch.setattr(agents_train, "remote_agent_episodes", recording)
+    monkeypatch.setattr(agents_train.EpisodeSteps, "local_episodes", counting)
+    path = tmp_path / "my_agent.py"
+    seen = tmp_path / "seen.txt"
+    path.write_text(f"SEEN = {str(seen)!r}\nKILL = {str(kill)!r}\n" + KILLING_AGENT_FILE)
+    out = tmp_path / "proxy"
+    raw = _agentic(tiny_model_dir, out, steps=3, max_staleness=1, async_producer="process", rollout_workers=2,
+                   rollout_balance="count", rollout_worker_restarts=0, failure_reward=-1.0, partial_rollouts=True,
+                   partial_swap_step=4)  # fmt: skip
+    raw["agent"] = {"agent": f"{path}:agent", "max_turns": 2, "max_episode_tokens": 200}
+    run(raw)
+    recs = records(out)
+    assert len(calls) == 3 and local_calls == [1]  # batch 2's example 1, in the trainer
+    # every run was served by a proxy: one per worker process, and the trainer's for replica 1's share of batch 2
+    served = [tuple(line.split()) for line in seen.read_text().splitlines()]
+    assert len(served) == 18 and len({pid for _, pid in served}) == 3
+    assert sum(int(pid) == os.getpid() for _, pid in served) == 3
+    # batches 1 and 2 (submitted at versions 0 and 1) took versions 1 and 2 while their agents ran in the workers
+    assert [r["async/weight_swaps_total"] for r in recs] == [0.0, 1.0, 2.0]
+    assert [b[0] for b in batches] == [0, 1, 2]
+    failed = 0
+    for (step, samples), r in zip(batches, recs):
+        assert len(samples) == 6 and all(len(v) == len(ids) for ids, v, _, _ in samples)
+        assert all(v == sorted(v) and pv == min(v) and step - pv <= 1 for _, v, pv, _ in samples)
+        mixed = sum(len(set(v)) > 1 for _, v, _, _ in samples)
+        assert r["async/mixed_version_samples"] == float(mixed)
+        if step == 0:  # produced on demand at version 0: takes no update
+            assert {x for _, v, _, _ in samples for x in v} == {0} and mixed == 0
+        else:  # tokens after the swap carry the newer version, within one segment
+            assert {x for _, v, _, _ in samples for x in v} == {step - 1, step} and mixed > 0
+            assert r["async/tokens_lag0"] > 0 and r["async/tokens_lag1"] > 0
+        flaky = sum(rw == -1.0 for _, _, _, rw in samples)
+        assert r["env_failures"] == float(flaky) and flaky % 3 == 0  # an example's 3 runs fail together
+        failed += flaky
+        assert r["episode/turns"] == 2.0 and math.isfinite(r["loss"])
+        assert r["async/staleness_max"] <= 1.0 and r["async/stale_dropped_total"] == 0.0
+    # batch 2: example 0 (replica 0) took version 2 at its step 4; example 1 ran in the trainer on one version (1,
+    # or 2 when the trainer's engine took the update first)
+    (_, last) = batches[2]
+    assert {x for _, v, _, _ in last[:3] for x in v} == {1, 2}
+    assert len({x for _, v, _, _ in last[3:] for x in v}) == 1
+    assert [r["async/rollout_workers_alive"] for r in recs] == [2.0, 1.0, 1.0]
+    assert [r["async/replica_share_max"] for r in recs] == [0.5, 0.5, 0.5]  # batch 2 was split before it died
+    assert 0 < failed < 18 and recs[-1]["env_failures_total"] == failed
 
 
 def _episode_run(raw):

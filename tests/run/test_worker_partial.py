@@ -7,10 +7,11 @@ at step N), a replica with an empty share still loads it (the push returns), wit
 loads it between two decode steps and an idle one at once; a replica killed while the trainer waits in a deferred
 broadcast is dropped (the push returns, the share is the trainer's engine's), restarted, and rejoins with the live
 weights and version; a general job (``call``) takes its update at step N through the hook its function gets, an
-empty share's replica at its end. Then whole runs: the process producer's partial run (K = 1, N = 2, two replicas)
-equals the thread producer's record for record (tokens, versions and rewards exactly, the floats within 1e-5: other
-batch shapes), its queued samples switch versions at completion token N, no trained token is older than K, and a resume
-from its checkpoint equals the uninterrupted run bit for bit."""
+empty share's replica at its end; a job's hook waited on by two threads (an agent proxy's driver whose window closed,
+and the serving loop's ``finish``) loads the update once and releases both. Then whole runs: the process producer's
+partial run (K = 1, N = 2, two replicas) equals the thread producer's record for record (tokens, versions and
+rewards exactly, the floats within 1e-5: other batch shapes), its queued samples switch versions at completion token
+N, no trained token is older than K, and a resume from its checkpoint equals the uninterrupted run bit for bit."""
 
 from __future__ import annotations
 
@@ -271,3 +272,72 @@ def test_a_partial_run_in_worker_processes_equals_the_thread_producers(tiny_mode
     a, b = recs[2:], _records(resumed)
     assert [r["step"] for r in b] == [3, 4]
     assert [_plain(r) for r in a] == [_plain(r) for r in b]
+
+
+# the trainer's end of a replica's control pair, in a process of its own: connects, sends a WEIGHTS notice
+# (version 1, deferred) when the store says "send", then EXIT
+TRAINER_END = """
+import datetime, pickle, sys
+import torch
+import torch.distributed as dist
+from polyrl.run.rollout_worker_process import EXIT, TAG_DATA, TAG_HDR, WEIGHTS, control_group
+
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=datetime.timedelta(seconds=60))
+pg = control_group(store, "0.0", 0, 60)
+store.wait(["send"])
+payload = torch.frombuffer(bytearray(pickle.dumps((1, True))), dtype=torch.uint8)
+pg.send([torch.tensor([WEIGHTS, payload.numel()], dtype=torch.int64)], 1, TAG_HDR).wait()
+pg.send([payload], 1, TAG_DATA).wait()
+store.wait(["exit"])
+pg.send([torch.tensor([EXIT, 0], dtype=torch.int64)], 1, TAG_HDR).wait()
+"""
+
+
+def test_a_job_hook_waited_on_by_two_threads_loads_its_update_once(setup):
+    """A job's hook as an agent proxy's engine driver calls it (``polyrl.agents.remote``): a driver thread whose window
+    closed while it waited at step N for the batch's update, and the serving loop's ``finish`` for the same job, both
+    waiting; the notice arrives on a real control pair (gloo, the trainer's end in a process of its own): the update
+    is loaded once, by the waiting driver, ``finish`` then owes nothing, and both return (without the job's lock one
+    of them waits for a second notice that never comes)."""
+    import datetime
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    import polyrl
+    from polyrl.run.rollout_worker_process import _Inbox, _PartialJob, control_group
+
+    llm = setup[-1](setup[1])
+    llm.policy_version = 0
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60))
+    root = str(Path(polyrl.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER_END, str(store.port)], env=env)
+    try:
+        inbox = _Inbox(control_group(store, "0.0", 1, 60))
+
+        class Loads:  # stands for the weights broadcast: counts the loads
+            n = 0
+
+            def sync(self):
+                self.n += 1
+
+        loads = Loads()
+        job = _PartialJob(inbox, llm, loads, 3, 1)  # takes version 1 at engine step 3
+        driver, _ = _in_thread(job, llm, 3)
+        time.sleep(0.2)
+        finish, _ = _in_thread(job.finish)
+        time.sleep(0.2)
+        assert driver.is_alive() and finish.is_alive() and loads.n == 0  # both wait for the update
+        store.set("send", "1")
+        driver.join(10)
+        finish.join(10)
+        assert not driver.is_alive() and not finish.is_alive()
+        assert loads.n == 1 and llm.policy_version == 1 and inbox.notice is None
+        store.set("exit", "1")
+        assert trainer.wait(30) == 0
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
