@@ -191,6 +191,10 @@ def test_register_cap_only_where_it_saves_a_wave(triton_kernels):
     assert mod.register_cap(bf16, 512, 132) == bf16
     eight_warps = mod.decode_settings(4, 8, 128, 1, {"num_warps": 8})  # the rule's counts are the 4-warp kernel's
     assert mod.register_cap(eight_warps, 512, 132).max_registers is None
+    # ... on a Hopper part, where they were measured: not on Ada (8.9) nor where the capability is unknown
+    assert mod.register_cap(fp8, 512, 132, capability=(9, 0)).max_registers == 128
+    assert mod.register_cap(fp8, 512, 142, capability=(8, 9)).max_registers is None
+    assert mod.register_cap(fp8, 512, 132, capability=None).max_registers is None
     # the launch options carry the cap only where the backend takes it
     options = fp8.launch_options()
     assert (options["num_warps"], options["num_stages"]) == (4, 5)

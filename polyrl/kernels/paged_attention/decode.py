@@ -41,6 +41,7 @@ faster at small batches), a rule on the batch size alone, at the point where the
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -121,7 +122,7 @@ def decode_settings(
     * stages 2 over a 16-bit cache (2 and 3 within 1%), 5 over FP8 (Triton 3.9 reads it as a double-buffered K/V;
       the best FP8 setting at the 8b shape);
     * over FP8, at most 128 registers a thread (``max_registers``, Triton's ``maxnreg``) where that saves a wave
-      (``register_cap``). Uncapped, the FP8 kernel compiles to 158 (its V tile reaches the PV dot through byte-wise
+      on a Hopper part (``register_cap``). Uncapped, the FP8 kernel compiles to 158 (its V tile reaches the PV dot through byte-wise
       shared-memory reads and e4m3 -> fp16 upcasts; the 16-bit kernel takes 122), so only three programs fit an SM:
       at qwen3-8b B256 the 512 programs ran in 1.29 waves, and the SMs idled through the partial one (Nsight Compute,
       raw logs compat/raw/h200-2026-12-04c). Capped at 128 four fit, one wave: 59.7 us against 70.2 us (x1.18; 54%
@@ -153,16 +154,31 @@ def decode_settings(
 
 
 def register_cap(
-    settings: DecodeSettings, programs: int, multiprocessors: int, tuning: dict | None = None
+    settings: DecodeSettings,
+    programs: int,
+    multiprocessors: int,
+    tuning: dict | None = None,
+    capability: tuple[int, int] | None = (9, 0),
 ) -> DecodeSettings:
     """``settings`` with the FP8 register cap dropped unless it lets ``programs`` run in fewer waves over
-    ``multiprocessors`` (a cap set through ``tuning`` is kept as given). Outputs do not depend on it."""
+    ``multiprocessors`` (a cap set through ``tuning`` is kept as given). Outputs do not depend on it. The program
+    counts an SM are the 4-warp kernel's on a Hopper part (compute capability 9.x, 228 KB of shared memory an SM,
+    where they were measured); elsewhere (Ada's 100 KB an SM fits fewer programs whatever their registers) the
+    default cap is dropped."""
     if not settings.max_registers or "max_registers" in (tuning or {}):
         return settings
-    if settings.num_warps != 4:  # the program counts an SM above are the 4-warp kernel's
+    if settings.num_warps != 4 or capability is None or capability[0] != 9:
         return replace(settings, max_registers=None)
     uncapped, capped = (-(-programs // (n * max(1, multiprocessors))) for n in _FP8_PROGRAMS_PER_SM)
     return settings if capped < uncapped else replace(settings, max_registers=None)
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(dev: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability of ``dev`` (None elsewhere: the CPU, HIP devices)."""
+    if dev.type != "cuda" or torch.version.hip is not None:
+        return None
+    return tuple(torch.cuda.get_device_capability(dev))
 
 
 def decode_splits(programs: int, capacity: int) -> int:
@@ -405,7 +421,7 @@ def paged_decode(
     splits = num_splits or decode_splits(B * chunks, capacity)
     chunk = triton.cdiv(triton.cdiv(capacity, splits), s.block_n) * s.block_n
     rows = max(16, _pow2_at_least(group * s.kv_heads))
-    s = register_cap(s, B * chunks * splits, platform_device.multiprocessors(q.device), tuning)
+    s = register_cap(s, B * chunks * splits, platform_device.multiprocessors(q.device), tuning, _capability(q.device))
     if splits > 1:
         o_part = torch.empty((splits, *q.shape), device=q.device, dtype=torch.float32)
         l_part = torch.empty((splits, *q.shape[:2]), device=q.device, dtype=torch.float32)
