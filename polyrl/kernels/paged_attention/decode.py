@@ -122,13 +122,14 @@ def decode_settings(
     * stages 2 over a 16-bit cache (2 and 3 within 1%), 5 over FP8 (Triton 3.9 reads it as a double-buffered K/V;
       the best FP8 setting at the 8b shape);
     * over FP8, at most 128 registers a thread (``max_registers``, Triton's ``maxnreg``) where that saves a wave
-      on a Hopper part (``register_cap``). Uncapped, the FP8 kernel compiles to 158 (its V tile reaches the PV dot through byte-wise
-      shared-memory reads and e4m3 -> fp16 upcasts; the 16-bit kernel takes 122), so only three programs fit an SM:
-      at qwen3-8b B256 the 512 programs ran in 1.29 waves, and the SMs idled through the partial one (Nsight Compute,
-      raw logs compat/raw/h200-2026-12-04c). Capped at 128 four fit, one wave: 59.7 us against 70.2 us (x1.18; 54%
-      of the copy bandwidth instead of 46%), qwen3-0.6b heads 55.4 against 70.6. Where the uncapped programs fit one
-      wave anyway the cap only costs (qwen3-8b B128 at 384 tokens: 58.3 against 49.4 us), hence the rule. The cap
-      changes the register allocation, not the arithmetic: outputs are bitwise equal with and without it.
+      on a Hopper part (``register_cap``). Uncapped, the FP8 kernel compiles to 158 (its V tile reaches the PV dot
+      through byte-wise shared-memory reads and e4m3 -> fp16 upcasts; the 16-bit kernel takes 122), so only three
+      programs fit an SM: at qwen3-8b B256 the 512 programs ran in 1.29 waves, and the SMs idled through the partial
+      one (Nsight Compute, raw logs compat/raw/h200-2026-12-04c). Capped at 128 four fit, one wave: 59.7 us against
+      70.2 us (x1.18; 54% of the copy bandwidth instead of 46%), qwen3-0.6b heads 55.4 against 70.6. Where the
+      uncapped programs fit one wave anyway the cap only costs (qwen3-8b B128 at 384 tokens: 58.3 against 49.4 us),
+      hence the rule. The cap changes the register allocation, not the arithmetic: outputs are bitwise equal with and
+      without it.
 
     Small batches (B * Hk below the general kernel's 1024-program target, where that kernel starts splitting the key
     range of wide block tables) keep the general kernel: at batch 1 it took 11.6 us at 192 tokens against 12.7-25 us
