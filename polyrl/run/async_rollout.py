@@ -74,7 +74,9 @@ own, and the sync callback all-gathers the sharded weights (``polyrl.run.async_s
 calls in the same order, so the queues agree. ``PartialRollouts`` there splits the sync in two (``stage``: the
 all-gather into a staging copy, in the trainer's thread before the version is published; ``sync``: the local copy
 into the engine, at the producer's step boundary), so a rank's trainer never waits for a point of its producer that
-depends on another rank (see the class docstring and docs/async-rl.md, "Partial rollouts under torchrun").
+depends on another rank (see the class docstring and docs/async-rl.md, "Partial rollouts under torchrun"). The
+process producer's partial rollouts under torchrun: ``worker_partial.WorkerPartialRollouts`` on every rank (rank 0's
+with its workers).
 
 ``staleness_metrics``: the ``async/*`` metrics of a trained batch (staleness histogram, per-lag token counts, per
 token with partial rollouts, importance-weight statistics of the decoupled objective; data-parallel: over every

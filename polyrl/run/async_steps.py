@@ -19,15 +19,20 @@ other producers, but the generation is rank 0's workers' over every prompt, broa
 rank 0 scores it as it scores every batch, so every rank queues the same batch. The weights: at ``weights_updated``
 every rank all-gathers its plain copy (the thread producer's sync, in the trainer's thread) and rank 0 then pushes
 that copy to its workers (``ColocatedPolicy.push_source``). Worker deaths, restarts and load balancing are rank 0's
-alone. ``partial_rollouts`` under torchrun: the ``thread`` producer (``process``: ConfigError); each rank's engine
-takes the update at its own step boundary. A sharded trainer's update is all-gathered (trainer's thread, default
+alone. ``partial_rollouts`` under torchrun, the ``thread`` producer: each rank's engine takes the update at its own step
+boundary. A sharded trainer's update is all-gathered (trainer's thread, default
 group, every rank in the same order, before the version is published) into a second plain copy of the weights
 (``StagedWeights``; one more full copy per rank), which the producer thread copies into its engine's weights
 locally (``LLM.swap_weights``), so the trainer's wait for its producer never depends on another rank's producer
 (docs/async-rl.md, "Partial rollouts under torchrun"); a replicated (LoRA) model syncs locally as in one process.
-One process,
 ``partial_rollouts`` with the ``process`` producer: ``worker_partial.WorkerPartialRollouts`` (the workers' engines
-take an update between decode steps). Agentic runs (``--env``, ``--agent``) take the inline and thread producers
+take an update between decode steps); under torchrun every rank's source is one, rank 0's with the workers (its
+weights all-gathered into the plain copy on every rank in the trainer's thread, then pushed from it by rank 0, the
+notice deferred to the batch that takes it), the other ranks' without (their ``produce`` takes rank 0's broadcast,
+per-token versions included; their ``weights_updated`` is the gather alone). No staging copy is needed: rank 0's
+plain copy is read by the push, the trainer's log-prob recompute and its engine only for a dead worker's share,
+which runs under ``local_lock``, as the gather does. Not built (ConfigError): the process producer's partial
+rollouts of agentic runs under torchrun. Agentic runs (``--env``, ``--agent``) take the inline and thread producers
 under torchrun: the produce function is then the episode loop (or the agent runs through the rank's proxy) on each
 rank's share of the prompts, its gather of the episodes on the producer's group (``polyrl.agents.train``); and the
 process producer: rank 0's workers run every episode or agent run, broadcast with their failure counts
@@ -72,10 +77,11 @@ class AsyncSteps:
         k = getattr(self.a, "max_staleness", 0)
         table = self.a.table_name()
         if k > 0 and self.world.distributed and getattr(self.a, "partial_rollouts", False):
-            if self.a.async_producer != "thread":
+            if self.a.async_producer == "process" and self.cfg.episodes is not None:
                 raise ConfigError(
-                    f'{table}.partial_rollouts under torchrun (--nproc-per-node) is built for async_producer = "thread"'
-                    f' (each rank\'s engine takes the update): set {table}.async_producer = "thread" '
+                    f'{table}.partial_rollouts under torchrun (--nproc-per-node) with async_producer = "process" is '
+                    f"built for completions, not episodes (--env, --agent; not built: rank 0's workers taking an "
+                    f'update inside an episode of a data-parallel run): set {table}.async_producer = "thread" '
                     f"(--async-producer thread), remove {table}.partial_rollouts, or drop --nproc-per-node"
                 )
         if (
@@ -135,16 +141,17 @@ class AsyncSteps:
             # version `start` (after a resume's load); with partial rollouts the workers stamp their tokens with it
             partial = version if getattr(self.a, "partial_rollouts", False) else None
             self.policy.remote.push_weights(self.policy.push_source, partial)
-        if getattr(self.a, "partial_rollouts", False) and self.policy.remote is not None:
-            # the workers take updates between their engines' decode steps (polyrl.run.worker_partial)
+        if getattr(self.a, "partial_rollouts", False) and self.a.async_producer == "process":
+            # the workers take updates between their engines' decode steps (polyrl.run.worker_partial); under
+            # torchrun they are rank 0's, the other ranks' sources take its batches and gather the weights only
             remote, policy = self.policy.remote, self.policy
 
-            def push(v: int, defer: bool) -> None:
-                policy.last_sync = remote.push_weights(policy.model, v, defer)
+            def push(v: int, defer: bool) -> None:  # sharded: from the copy gathered on every rank just before
+                policy.last_sync = remote.push_weights(policy.push_source, v, defer)
 
             source = WorkerPartialRollouts(
-                produce, k, lambda: policy.sync_rollout_weights(remote=False), push, remote, policy.llm, version,
-                self.a.partial_swap_step,
+                produce, k, lambda: policy.sync_rollout_weights(remote=False), push if remote is not None else None,
+                remote, policy.llm, version, self.a.partial_swap_step, gather_first=policy.sharded,
             )  # fmt: skip
         elif getattr(self.a, "partial_rollouts", False):  # the thread's engine takes updates between decode steps
             swap, sync, stage = self.a.partial_swap_step, self.policy.sync_rollout_weights, None

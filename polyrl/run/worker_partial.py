@@ -63,6 +63,24 @@ the hook to its proxy's engine driver thread (``AgentProxy.driving``), which cal
 driver thread calls it and the serving loop calls ``finish``. A dead replica's share of a call (its examples)
 runs in the trainer under ``local_lock``, as a ``generate`` share does (``RolloutWorkers.call``).
 
+Under torchrun (data-parallel, FSDP2; plain completions): every rank's source is a ``WorkerPartialRollouts``, rank
+0's with its ``RolloutWorkers``, the others' with none (``push`` and ``remote`` None). Every rank submits, gets and
+publishes the same batches in the same order; rank 0's producer runs the jobs above over every prompt and the
+policy broadcasts the outputs, per-token versions and behaviour log-probs included, on the producer's gloo group
+(``par.generate_on_root``), which the other ranks' producers receive, so every rank stamps and queues the same
+batch. ``weights_updated(v + 1)`` (``gather_first``, a sharded trainer): rank 0 drains first when no open batch
+takes the update (as in one process), then every rank all-gathers the shards into its plain copy (``sync``, the
+default group, the trainer's thread; rank 0's under ``local_lock``, its engine stamped v + 1), then rank 0 pushes
+that copy (``push_source``) as above. A rank > 0 runs the gather alone and never waits for its producer: its batch
+in flight may be rank 0's, which with N > 0 waits at step N for the push that follows this very gather. Why nothing
+deadlocks: the trainers' waits are the batches they ``get`` (each takes only versions already pushed, or the one
+whose push the trainers are in; ``get(s)`` waits for batch s, which takes at most version s, published in earlier
+steps) and rank 0's push, which waits for rank 0's workers; the workers wait only for that push and their jobs; the
+producers wait for rank 0's workers (rank 0's) or rank 0's broadcast (the others'), never for a trainer; the
+default group's collectives run in the trainer threads only, the producer's group's in the producer threads only.
+Each rank counts ``swaps_total`` the same way (with N > 0: the updates whose batch was open, the same on every
+rank). Not built: agentic runs (episodes, agent programs) with this combination under torchrun (ConfigError).
+
 Not built: a swap inside the trainer's fallback share.
 """
 
@@ -79,21 +97,26 @@ from polyrl.run.async_rollout import PartialRollouts, Producer, RolloutBatch, Sw
 class WorkerPartialRollouts(SwapCount, ThreadedRollouts):
     """The process producer's source with partial rollouts (see the module docstring). ``sync``: copies the
     trainer's weights into its own rollout engine ``engine`` (the fallback for a dead replica's share); ``push(
-    version, defer)``: ``RolloutWorkers.push_weights`` of the trainer's model; ``remote``: the ``RolloutWorkers``."""
+    version, defer)``: ``RolloutWorkers.push_weights`` of the trainer's model (sharded: of the plain copy that
+    ``sync`` gathers, so ``gather_first``); ``remote``: the ``RolloutWorkers``. Under torchrun a rank other than 0
+    has neither (``push`` and ``remote`` None): its ``produce`` takes rank 0's broadcast, and ``weights_updated``
+    only runs ``sync`` (the all-gather, its part of the collective) without waiting for its producer."""
 
     def __init__(
         self,
         produce: Producer,
         max_staleness: int,
         sync: Callable[[], None],
-        push: Callable[[int, bool], Any],
+        push: Callable[[int, bool], Any] | None,
         remote: Any,
         engine: Any,
         version: int = 0,
         swap_step: int = 0,
+        gather_first: bool = False,
     ) -> None:
         super().__init__(produce, max_staleness, sync, version)
         self.push, self.remote, self.engine, self.swap_step = push, remote, engine, swap_step
+        self.gather_first = gather_first
         engine.policy_version = version
         self._cv = threading.Condition()
         self._busy = False  # the producer thread is inside a batch
@@ -112,38 +135,53 @@ class WorkerPartialRollouts(SwapCount, ThreadedRollouts):
     def _work(self, step: int, version: int, takes: int | None) -> RolloutBatch:
         with self._cv:
             self._busy = True
-        self.remote.job_partial = (self.swap_step, takes)
+        if self.remote is not None:
+            self.remote.job_partial = (self.swap_step, takes)
         try:
             t0 = time.perf_counter()
             batch = self.produce(step, version)
             batch.t_start, batch.t_end = t0, time.perf_counter()
             return self._stamp(batch)
         finally:
-            self.remote.job_partial = None
+            if self.remote is not None:
+                self.remote.job_partial = None
             with self._cv:
                 self._busy = False
                 self._open.pop(step, None)
 
     def weights_updated(self, version: int) -> None:
         t0 = time.perf_counter()
-        with self._cv:
+        with self._cv:  # the batch that takes it is open on every rank here: rank 0's push has not run yet
             defer = bool(self.swap_step) and version in self._open.values()
             in_flight = self._busy or defer
-        if self.swap_step and not defer:  # no submitted batch takes it: once the producer is idle
-            self.drain()
+        if self.swap_step and not defer:
             in_flight = False
-        self.push(version, defer)  # returns once every live replica loaded it (or was dropped)
-        with self.remote.local_lock:  # the trainer's own engine: never while it generates a dead replica's share
+            if self.remote is not None:  # no submitted batch takes it: once the producer is idle
+                self.drain()
+        if self.push is None or self.remote is None:  # torchrun, rank > 0: the gather alone (never its producer:
+            # its batch may wait for rank 0's push of this update, which waits for this rank's part of the gather)
             self.sync()
-            self.engine.policy_version = version
+            self.engine.policy_version = version  # an engine that never runs: for the record
+        else:
+            if self.gather_first:  # sharded: every rank's all-gather into the plain copy that the push reads
+                self._sync_engine(version)
+            self.push(version, defer)  # returns once every live replica loaded it (or was dropped)
+            if not self.gather_first:
+                self._sync_engine(version)
         self.swaps_total += int(in_flight)
         self.sync_s = time.perf_counter() - t0
         self.version = version
 
+    def _sync_engine(self, version: int) -> None:
+        with self.remote.local_lock:  # the trainer's own engine: never while it generates a dead replica's share
+            self.sync()
+            self.engine.policy_version = version
+
     def close(self) -> None:
         with self._cv:
             busy = self._busy
-        if busy:  # a job may wait at its swap step for an update that will not come: stop the workers first
+        if busy and self.remote is not None:  # a job may wait at its swap step for an update that never comes:
+            # stop the workers first (torchrun: rank 0's; the other ranks' producers then get its failure)
             self.remote.close()
         super().close()
 

@@ -3,8 +3,9 @@ run configs in order, each in a process group of its own (``ports``: one per run
 run tears it down). A run expected to be refused (``expect_error``) must raise a ``ConfigError``; rank 0 writes its
 message to ``<out>/error.txt``; a ``probe`` run is only built (``policy_probe``); a ``pool_probe`` episode run is
 trained and writes whether each rank built an environment pool (``_pool_probed``); a ``steps_probe`` episode run
-is trained and writes what each rank trained at every step (``_steps_probed``). Agentic runs (an ``[agent]``
-table, ``test_agentic_distributed.py``) register their table first, as the CLI does."""
+is trained and writes what each rank trained at every step (``_steps_probed``); a ``batch_probe`` run (plain
+completions) likewise writes each rank's per-step samples and records (``_batches_probed``). Agentic runs (an
+``[agent]`` table, ``test_agentic_distributed.py``) register their table first, as the CLI does."""
 
 from __future__ import annotations
 
@@ -37,6 +38,11 @@ def async_runs_worker(rank: int, world_size: int, runs: list[dict[str, Any]], po
             from polyrl.run.online import run_online
 
             run_online(rc.build(raw), None, _steps_probed(rank, Path(raw["out"])))
+            continue
+        if spec.get("batch_probe"):  # a completions run, trained as usual, recording each rank's batches and records
+            from polyrl.run.online import run_online
+
+            run_online(rc.build(raw), None, _batches_probed(rank, Path(raw["out"])))
             continue
         if not spec.get("expect_error"):
             runner.run(rc.build(raw))
@@ -107,6 +113,46 @@ def _steps_probed(rank: int, out: Path) -> type:
                 (out / f"steps{rank}.json").write_text(json.dumps(facts))
 
     return StepsProbed
+
+
+def _batches_probed(rank: int, out: Path) -> type:
+    """An ``OnlineRun`` that writes ``<out>/batches<rank>.json`` at its end: per step the digest of the samples this
+    rank trained on (prompt and completion ids, behaviour log-probs, per-token and sample versions, groups) with their
+    advantages, each sample's per-token versions, and this rank's metrics record (JSON numbers only)."""
+    import hashlib
+    import json
+
+    from polyrl.run.online import OnlineRun
+
+    class BatchesProbed(OnlineRun):
+        def prepare(self, step: int, samples: list, adv: list, keep: list) -> Any:
+            fields = [
+                [s.prompt_ids, s.completion_ids, s.logprobs, s.token_versions, s.policy_version, s.group]
+                for s in samples
+            ]
+            blob = json.dumps([fields, [float(a) for a in adv], list(keep)])
+            self._probed.append({"batch": hashlib.sha256(blob.encode()).hexdigest(),
+                                 "versions": [s.token_versions for s in samples]})  # fmt: skip
+            return super().prepare(step, samples, adv, keep)
+
+        def step(self, step: int) -> dict[str, Any]:
+            n = len(self._probed)
+            rec = super().step(step)
+            if len(self._probed) == n:  # no update this step (every advantage 0): nothing prepared
+                self._probed.append({"batch": None, "versions": None})
+            plain = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            self._probed[-1]["record"] = plain
+            return rec
+
+        def run(self) -> dict[str, Any]:
+            self._probed: list[dict[str, Any]] = []
+            try:
+                return super().run()
+            finally:
+                out.mkdir(parents=True, exist_ok=True)
+                (out / f"batches{rank}.json").write_text(json.dumps(self._probed))
+
+    return BatchesProbed
 
 
 def policy_probe(rank: int, raw: dict[str, Any]) -> None:

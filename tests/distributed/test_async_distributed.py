@@ -1,5 +1,5 @@
 """Asynchronous RL under torchrun (2 gloo ranks, FSDP2, data-parallel rollout) on the tiny preset, in ONE spawn of
-two processes running nine runs in turn (``dist_async_worker``), plus two one-process runs here:
+two processes running eleven runs in turn (``dist_async_worker``), plus two one-process runs here:
 
 - K = 1 with the ``inline`` producer: every step after the first trains samples exactly one version old (the
   ``async/*`` metrics cover both ranks' shares), nothing is dropped, the losses are finite; its samples are the
@@ -21,7 +21,16 @@ two processes running nine runs in turn (``dist_async_worker``), plus two one-pr
   ranks' queues agree at the step-2 checkpoint, and the one-process partial run's samples come out (losses within
   1e-4); with one prompt a step (rank 1's share empty: it takes each update after its gather, not in flight) the
   ranks' swap counts differ and the checkpoint is still written;
-- ``partial_rollouts`` with the process producer is refused with a ConfigError saying what to change;
+- ``partial_rollouts`` with the process producer, ``partial_swap_step`` 2, two CPU rollout worker processes on
+  rank 0 (``batch_probe``): rank 0's workers take every update after the first step's at their engine step 2 (the
+  update all-gathered into the plain copy on every rank in the trainer's thread, then pushed by rank 0 as a deferred
+  notice), the batches are broadcast with their per-token versions: both ranks train on the same samples (a digest
+  per step) with the same records (clocks and rank 0's worker counters aside), every sample's versions split at
+  completion token 2, and the run equals the thread producer's partial run bit for bit (the clocks and worker
+  counters aside; final weights included); its step-2 checkpoint (the ranks' queue digests agreed) resumes it bit
+  for bit with one worker;
+- the process producer's partial rollouts in an episode run (``--env``) under torchrun are refused with a
+  ConfigError saying what to change;
 - a LoRA run with the process producer (built, not trained): rank 1 keeps neither a rollout copy of its replica nor
   a KV cache, its engine never running (rank 0 keeps both: its engine is a dead worker's fallback).
 """
@@ -102,12 +111,26 @@ def test_two_rank_async_inline_thread_process_resume_and_refusals(tiny_model_dir
         tiny_model_dir, tmp_path / "partial1", reward, async_producer="thread", partial_rollouts=True,
         partial_swap_step=2, prompts_per_step=1,
     )  # fmt: skip
+    # partial rollouts with the process producer: rank 0's two workers take version s at their engine step 2 of batch
+    # s (shares by count, as above); resumed from its step-2 checkpoint with one worker
+    pproc = _raw(
+        tiny_model_dir, tmp_path / "pproc", reward, async_producer="process", rollout_workers=2,
+        rollout_balance="count", partial_rollouts=True, partial_swap_step=2,
+    )  # fmt: skip
+    pproc_resumed = _raw(
+        tiny_model_dir, tmp_path / "pproc-resumed", reward, async_producer="process", rollout_workers=1,
+        partial_rollouts=True, partial_swap_step=2,
+    )  # fmt: skip
+    pproc_resumed["resume"] = str(tmp_path / "pproc" / "checkpoints" / "step-00000002")
+    # ... not built for episodes: refused before the model loads
     refused = _raw(
         tiny_model_dir, tmp_path / "refused", reward, async_producer="process", rollout_workers=1,
         partial_rollouts=True,
     )  # fmt: skip
+    refused["agent"] = {"env": "guessing", "env_workers": 0, "max_turns": 2, "max_episode_tokens": 200}
     runs = [{"raw": inline}, {"raw": thread}, {"raw": resumed}, {"raw": process}, {"raw": proc_resumed}]
-    runs += [{"raw": partial}, {"raw": partial1}, {"raw": refused, "expect_error": True}]
+    runs += [{"raw": partial}, {"raw": partial1}, {"raw": pproc, "batch_probe": True}, {"raw": pproc_resumed}]
+    runs += [{"raw": refused, "expect_error": True}]
     # a LoRA run with the process producer, built only (``policy_probe``): what each rank's policy holds
     lora = _raw(
         tiny_model_dir, tmp_path / "lora", reward, async_producer="process", rollout_workers=1, release_kv=False
@@ -225,11 +248,49 @@ def test_two_rank_async_inline_thread_process_resume_and_refusals(tiny_model_dir
     versions = [s["token_versions"] for s in state["data"]["async"]["queue"][0]["samples"]]
     assert len(versions) == 4 and all(v == [1] * min(2, len(v)) + [2] * (len(v) - 2) for v in versions)
 
-    # (7) the refused combination, with what to change
-    msg = (tmp_path / "refused" / "error.txt").read_text()
-    assert "partial_rollouts" in msg and '"thread"' in msg and "--nproc-per-node" in msg
+    # (7) partial rollouts with the process producer: every update after the first step's taken by rank 0's two
+    # workers at their engine step 2 of the batch in flight
+    pp = records(tmp_path / "pproc")
+    assert [r["async/weight_swaps_total"] for r in pp] == [0.0, 1.0, 2.0, 3.0]
+    assert [r["async/staleness_max"] for r in pp] == [0.0, 1.0, 1.0, 1.0] and pp[0]["async/mixed_version_samples"] == 0
+    for r in pp[1:]:
+        assert r["async/mixed_version_samples"] > 0 and r["async/tokens_lag0"] > 0 and r["async/tokens_lag1"] > 0
+    assert all(r["async/stale_dropped_total"] == 0.0 and math.isfinite(r["loss"]) for r in pp)
+    assert all(r["async/rollout_workers_alive"] == 2.0 and r["async/replica_share_max"] < 1.0 for r in pp)
+    assert [("eval_reward" in r) for r in pp] == [False, True, False, True]
+    # ... both ranks trained on the same samples (every token, log-prob and version) with the same records
+    ranks = [json.loads((tmp_path / "pproc" / f"batches{r}.json").read_text()) for r in (0, 1)]
+    digests = [[s["batch"] for s in p] for p in ranks]
+    assert digests[0] == digests[1] and None not in digests[0] and len(set(digests[0])) == STEPS
+    per_rank = [[without_clocks(s["record"], ("weight_sync/", *workers)) for s in p] for p in ranks]
+    assert per_rank[0] == per_rank[1] and "loss" in per_rank[1][-1] and "eval_reward" in per_rank[1][-1]
+    assert ranks[0][0]["versions"] == ranks[1][0]["versions"] and len(ranks[0][0]["versions"]) == 16
+    assert all(v == [0] * len(v) for v in ranks[0][0]["versions"])
+    for step, s in enumerate(ranks[0][1:], 1):  # batch s: version s - 1 for its first 2 tokens, then s (K = 1)
+        assert any(len(v) > 2 for v in s["versions"])
+        assert all(v == [step - 1] * min(2, len(v)) + [step] * (len(v) - 2) for v in s["versions"])
+    # ... the thread producer's partial run bit for bit (the same tokens at the same versions, the same updates)
+    assert [without_clocks(r, ("weight_sync/", *workers)) for r in pp] == [_plain(r) for r in pa]
+    assert _weights_hash(tmp_path / "pproc") == _weights_hash(tmp_path / "partial")
+    # ... its step-2 checkpoint (written: the ranks' queues agreed) holds batch 3, split at token 2
+    state = json.loads((tmp_path / "pproc" / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
+    queue = state["data"]["async"]
+    assert queue["version"] == 2 and [(b["step"], b["version"]) for b in queue["queue"]] == [(2, 1)]
+    versions = [s["token_versions"] for s in queue["queue"][0]["samples"]]
+    assert len(versions) == 16 and all(v == [1] * min(2, len(v)) + [2] * (len(v) - 2) for v in versions)
+    # ... and resumes it bit for bit with one worker
+    ppr = records(tmp_path / "pproc-resumed")
+    assert [r["step"] for r in ppr] == [3, 4]
+    assert [without_clocks(r, ("weight_sync/", *workers)) for r in ppr] == [
+        without_clocks(r, ("weight_sync/", *workers)) for r in pp[2:]
+    ]
+    assert _weights_hash(tmp_path / "pproc-resumed") == _weights_hash(tmp_path / "pproc")
 
-    # (8) LoRA (replicated: every rank holds the whole model) with the process producer: rank 0 keeps its rollout copy
+    # (8) the refused combination (episodes), with what to change
+    msg = (tmp_path / "refused" / "error.txt").read_text()
+    assert "partial_rollouts" in msg and '"thread"' in msg and "--nproc-per-node" in msg and "episodes" in msg
+
+    # (9) LoRA (replicated: every rank holds the whole model) with the process producer: rank 0 keeps its rollout copy
     # and KV cache (its engine generates a dead worker's share, as in one process); rank 1's engine never runs, so it
     # keeps no copy of the whole replica and no KV cache (release_kv off: one would stay for the whole run)
     probe = [json.loads((tmp_path / "lora" / f"probe{r}.json").read_text()) for r in range(2)]
