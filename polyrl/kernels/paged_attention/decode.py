@@ -77,6 +77,7 @@ def _register_cap_supported() -> bool:
     if torch.version.hip is not None:
         return False
     try:
+        # lazy: Triton's NVIDIA backend module, which a Triton build without it (or a future layout) may lack
         from triton.backends.nvidia.compiler import CUDAOptions
     except ImportError:
         return False
@@ -179,7 +180,7 @@ def _capability(dev: torch.device) -> tuple[int, int] | None:
     """The CUDA compute capability of ``dev`` (None elsewhere: the CPU, HIP devices)."""
     if dev.type != "cuda" or torch.version.hip is not None:
         return None
-    return tuple(torch.cuda.get_device_capability(dev))
+    return platform_device.capability(dev.index or 0)
 
 
 def decode_splits(programs: int, capacity: int) -> int:
