@@ -51,8 +51,8 @@ class AgentConfig:
         producer that runs episodes: inline, thread, or process (agent programs through the proxy too: in the rollout
         worker processes, under torchrun rank 0's). Partial rollouts take either kind of episode with the thread or
         the process producer (the episode loop, or the proxy's engine driver thread, calls the weight-swap hook between
-        engine steps: the producer's, or in a rollout worker its job's); under torchrun the thread producer only
-        (``async_steps._check_async``)."""
+        engine steps: the producer's, or in a rollout worker its job's), under torchrun too (the process producer's
+        workers are rank 0's, ``train.EpisodeSteps.root_episodes``)."""
         max_new = getattr(algo_config, "max_new_tokens", None)
         if max_new is None:
             raise ConfigError(f"[{TABLE}] runs episodes for online RL (grpo, gspo, ppo), not for {table}")

@@ -52,7 +52,8 @@ driver error (the engine failed, or the trainer's end closed while the driver wa
 the window, not left as failed agent runs. A dead replica's examples run through the trainer's proxy on one version
 (no hook; ``RolloutWorkers.call`` holds ``local_lock`` around them). Under torchrun the replicas are rank 0's and run
 every rank's agent runs; the episodes and the failure counts are then broadcast to the other ranks, which start no
-proxy (``train.EpisodeSteps.root_episodes``); partial rollouts there take the thread producer only.
+proxy (``train.EpisodeSteps.root_episodes``); with partial rollouts the episodes carry their per-token versions
+through that broadcast.
 """
 
 from __future__ import annotations

@@ -45,7 +45,8 @@ producer (the gather then runs on the producer's gloo group, ``polyrl.run.async_
 rank 0's rollout worker processes run every episode (``--env``) or agent run (``--agent``) and the batch is
 broadcast to the other ranks with the replicas' failure counts (``root_episodes``), which build no environment pool
 and start no agent proxy of their own (their engines never run). Partial rollouts under torchrun: the thread
-producer only (single completions also take the process producer's, ``polyrl.run.worker_partial``).
+producer (each rank's episode loop or proxy takes the update) and the process producer (rank 0's workers take it,
+``polyrl.run.worker_partial``; the broadcast episodes carry their per-token versions).
 Not here: the episode loop (``rollout``), the loss and advantages (``polyrl.algorithms``).
 """
 

@@ -31,12 +31,13 @@ weights all-gathered into the plain copy on every rank in the trainer's thread, 
 notice deferred to the batch that takes it), the other ranks' without (their ``produce`` takes rank 0's broadcast,
 per-token versions included; their ``weights_updated`` is the gather alone). No staging copy is needed: rank 0's
 plain copy is read by the push, the trainer's log-prob recompute and its engine only for a dead worker's share,
-which runs under ``local_lock``, as the gather does. Not built (ConfigError): the process producer's partial
-rollouts of agentic runs under torchrun. Agentic runs (``--env``, ``--agent``) take the inline and thread producers
-under torchrun: the produce function is then the episode loop (or the agent runs through the rank's proxy) on each
-rank's share of the prompts, its gather of the episodes on the producer's group (``polyrl.agents.train``); and the
-process producer: rank 0's workers run every episode or agent run, broadcast with their failure counts
-(``root_episodes``; the other ranks build no environment pool and start no agent proxy).
+which runs under ``local_lock``, as the gather does. Agentic runs (``--env``, ``--agent``) take the inline and thread
+producers under torchrun: the produce function is then the episode loop (or the agent runs through the rank's proxy)
+on each rank's share of the prompts, its gather of the episodes on the producer's group (``polyrl.agents.train``);
+and the process producer: rank 0's workers run every episode or agent run, broadcast with their failure counts
+(``root_episodes``; the other ranks build no environment pool and start no agent proxy), with partial rollouts too
+(rank 0's ``WorkerPartialRollouts`` sets the workers' ``job_partial`` around each batch, their episode loops or
+proxy drivers take the update between engine steps, and the broadcast episodes carry their per-token versions).
 
 Not here: the loop (``online``), the sources and the ``async/*`` metrics (``async_rollout``).
 """
@@ -76,14 +77,6 @@ class AsyncSteps:
     def _check_async(self) -> int:
         k = getattr(self.a, "max_staleness", 0)
         table = self.a.table_name()
-        if k > 0 and self.world.distributed and getattr(self.a, "partial_rollouts", False):
-            if self.a.async_producer == "process" and self.cfg.episodes is not None:
-                raise ConfigError(
-                    f'{table}.partial_rollouts under torchrun (--nproc-per-node) with async_producer = "process" is '
-                    f"built for completions, not episodes (--env, --agent; not built: rank 0's workers taking an "
-                    f'update inside an episode of a data-parallel run): set {table}.async_producer = "thread" '
-                    f"(--async-producer thread), remove {table}.partial_rollouts, or drop --nproc-per-node"
-                )
         if (
             k > 0
             and self.a.async_producer == "process"

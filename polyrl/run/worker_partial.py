@@ -63,7 +63,7 @@ the hook to its proxy's engine driver thread (``AgentProxy.driving``), which cal
 driver thread calls it and the serving loop calls ``finish``. A dead replica's share of a call (its examples)
 runs in the trainer under ``local_lock``, as a ``generate`` share does (``RolloutWorkers.call``).
 
-Under torchrun (data-parallel, FSDP2; plain completions): every rank's source is a ``WorkerPartialRollouts``, rank
+Under torchrun (data-parallel, FSDP2): every rank's source is a ``WorkerPartialRollouts``, rank
 0's with its ``RolloutWorkers``, the others' with none (``push`` and ``remote`` None). Every rank submits, gets and
 publishes the same batches in the same order; rank 0's producer runs the jobs above over every prompt and the
 policy broadcasts the outputs, per-token versions and behaviour log-probs included, on the producer's gloo group
@@ -79,7 +79,12 @@ steps) and rank 0's push, which waits for rank 0's workers; the workers wait onl
 producers wait for rank 0's workers (rank 0's) or rank 0's broadcast (the others'), never for a trainer; the
 default group's collectives run in the trainer threads only, the producer's group's in the producer threads only.
 Each rank counts ``swaps_total`` the same way (with N > 0: the updates whose batch was open, the same on every
-rank). Not built: agentic runs (episodes, agent programs) with this combination under torchrun (ConfigError).
+rank). Agentic runs (episodes, agent programs): every rank's ``produce`` calls ``EpisodeSteps.episodes``, which on
+rank 0 runs every example in its workers (``replica_episodes`` through ``RolloutWorkers.call``, whose jobs carry the
+``job_partial`` set here) and broadcasts the episodes, with their per-token versions (``Episode.versions``) and the
+failure counts, on the producer's group (``root_episodes``, in place of ``generate_on_root``); the other ranks'
+producers receive them, so every rank builds the same samples and stamps them alike. The waits are the ones above
+(the producers wait for rank 0's workers or its broadcast, never for a trainer).
 
 Not built: a swap inside the trainer's fallback share.
 """

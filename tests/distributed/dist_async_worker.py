@@ -76,9 +76,10 @@ def _pool_probed(rank: int, out: Path) -> type:
 
 def _steps_probed(rank: int, out: Path) -> type:
     """An ``OnlineRun`` that writes ``<out>/steps<rank>.json`` at its end: per step the digest of the episodes this
-    rank trained on (every field of each, as the batch's transcripts carry them) and this rank's metrics record
-    (JSON numbers only); then this process's id, whether it started an agent proxy, the examples its own loop or
-    proxy ran (``local_episodes``: a dead worker's share) and its failure totals once every batch was trained."""
+    rank trained on (every field of each, as the batch's transcripts carry them), their per-token policy versions
+    (partial rollouts; else None each) and this rank's metrics record (JSON numbers only); then this process's id,
+    whether it started an agent proxy, the examples its own loop or proxy ran (``local_episodes``: a dead worker's
+    share) and its failure totals once every batch was trained."""
     import dataclasses
     import hashlib
     import json
@@ -91,7 +92,9 @@ def _steps_probed(rank: int, out: Path) -> type:
             rec = super().step(step)
             eps = json.dumps([dataclasses.asdict(e) for e in self._step_episodes], sort_keys=True)
             plain = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            self._probed.append({"batch": hashlib.sha256(eps.encode()).hexdigest(), "record": plain})
+            versions = [e.versions for e in self._step_episodes]
+            self._probed.append({"batch": hashlib.sha256(eps.encode()).hexdigest(), "record": plain,
+                                 "versions": versions})  # fmt: skip
             return rec
 
         def run(self) -> dict[str, Any]:

@@ -30,7 +30,9 @@ steps, a checkpoint every 2.
 Apart (a spawn of its own, ``steps_probe``): an agent program through the proxy with the process producer, K = 1,
 rank 0's two rollout workers running every agent run (each through a proxy of its own) and the episodes broadcast
 to rank 1 with the failure counts (``root_episodes``): both ranks train on the same episodes with the same records
-and failure totals, rank 1 starting no proxy.
+and failure totals, rank 1 starting no proxy. In the same spawn, partial rollouts with the process producer (K = 1,
+``partial_swap_step`` 2, one worker on rank 0): an environment run, then an agent program; the episodes reach rank 1
+with their per-token versions, every update after the first lands in flight, both ranks train on the same episodes.
 """
 
 from __future__ import annotations
@@ -261,13 +263,80 @@ RECORDING_AGENT_FILE = AGENT_FILE.replace("import openai\n", "import os\n\nimpor
 )
 
 
+def _partial_raw(model_dir, out, agent):
+    """K = 1, the process producer's partial rollouts (``partial_swap_step`` 2), one CPU rollout worker on rank 0:
+    3 steps of 2 prompts x 2 episodes (every episode's row saved), a checkpoint at step 2."""
+    table = {"prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 6, "rollouts_to_save": 4}
+    table.update(max_staleness=1, async_producer="process", rollout_workers=1, partial_rollouts=True,
+                 partial_swap_step=2, failure_reward=-1.0)  # fmt: skip
+    raw = raw_config(model_dir, out, "exact_match", steps=3, save_every=2, **table)
+    raw["agent"] = {**agent, "max_turns": 2, "max_episode_tokens": 200}
+    raw["engine"]["micro_batch_tokens"] = 512
+    return raw
+
+
+def _check_partial(out: Path, ranks: list[dict], split: bool) -> None:
+    """A process-producer partial run under 2 ranks (``_partial_raw``, ``steps_probe``): rank 0's worker took every
+    update after the first step's in flight, and both ranks trained on the same episodes with the same versions.
+    ``split``: every episode of batch s switches at completion token 2 (the episode loop's engine step 2; an agent's
+    calls start when the program sends them, so there only some segments span two versions)."""
+    batches = [[s["batch"] for s in p["steps"]] for p in ranks]
+    assert batches[0] == batches[1] and len(set(batches[0])) == 3
+    assert [p["local"] for p in ranks] == [[], []] and ranks[0]["failures"] == ranks[1]["failures"]
+    own = ("weight_sync/", "rollout_worker", "async/replica")
+    per_rank = [[without_clocks(s["record"], own) for s in p["steps"]] for p in ranks]
+    assert per_rank[0] == per_rank[1] and all(math.isfinite(r["loss"]) for r in per_rank[1])
+    # the per-token versions travelled with the broadcast episodes: batch s (1-based) was submitted at version s - 2
+    # and took version s - 1 in flight (K = 1); versions never decrease within an episode
+    versions = [[s["versions"] for s in p["steps"]] for p in ranks]
+    assert versions[0] == versions[1]
+    assert all(v == [0] * len(v) for v in versions[0][0])
+    for step, eps in enumerate(versions[0][1:], 2):
+        assert all(v == sorted(v) and set(v) <= {step - 2, step - 1} for v in eps)
+        assert any(set(v) == {step - 2, step - 1} for v in eps)  # an update landed inside an episode
+        if split:
+            assert all(v == [step - 2] * 2 + [step - 1] * (len(v) - 2) for v in eps)
+    recs = records(out)
+    assert [r["async/weight_swaps_total"] for r in recs] == [0.0, 1.0, 2.0]
+    assert [r["async/staleness_max"] for r in recs] == [0.0, 1.0, 1.0]
+    assert all(r["async/mixed_version_samples"] > 0 for r in recs[1:]) and any(r["loss"] != 0.0 for r in recs)
+    assert all(r["async/stale_dropped_total"] == 0.0 and r["async/rollout_workers_alive"] == 1.0 for r in recs)
+    # the worker generated with the weights each token's version names: at step s the trainer (version s - 1)
+    # recomputes to fp32 noise every turn sampled wholly on version s - 1 (prefilled by those weights: the swap forgets
+    # the prefix cache; a turn the update landed in keeps its older KV), and not the older version's tokens
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1] * 4 + [2] * 4 + [3] * 4
+    fresh, old = [], []
+    for r in rows:
+        v = versions[0][r["step"] - 1][r["sample"]]
+        turn: list[int] = []  # positions of the policy tokens of the current turn
+        for j, lp in enumerate([*r["logprobs"], None]):
+            if lp is not None:
+                turn.append(j)
+                continue
+            if turn and all(v[i] == r["step"] - 1 for i in turn):
+                fresh += [abs(r["logprobs"][i] - r["trainer_logprobs"][i]) for i in turn]
+            old += [abs(r["logprobs"][i] - r["trainer_logprobs"][i]) for i in turn if v[i] < r["step"] - 1]
+            turn = []
+    assert len(fresh) > 4 * 6 and max(fresh) < 1e-3 and max(old) > 1e-2
+    # the step-2 checkpoint was written (the ranks' queue digests agreed): batch 3, versions 1 then 2
+    state = json.loads((out / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
+    ((queued,),) = [state["data"]["async"]["queue"]]
+    assert queued["step"] == 2 and [s["token_versions"] for s in queued["samples"]] == versions[0][2]
+
+
 def test_two_rank_process_producer_runs_every_agent_in_rank0_workers(tiny_model_dir, tmp_path):
     """An agent program through the proxy with the process producer under 2 ranks (K = 1, 3 steps of 2 prompts x 3
     runs, 2 CPU rollout workers on rank 0, a greedy evaluation at the end): every run, the evaluation's too, is
     served by one of the two workers' proxies (two processes, neither rank's; rank 1 starts no proxy, and rank 0's
     own proxy runs nothing), and the episodes and failure counts are broadcast to rank 1 (``root_episodes``): both
     ranks train on the same episodes at every step (a digest of every field), log the same batch metrics and
-    evaluation, and end with the same failure totals, which count every failed run (answers divisible by 3)."""
+    evaluation, and end with the same failure totals, which count every failed run (answers divisible by 3).
+
+    In the same spawn, partial rollouts with the process producer (``_partial_raw``, ``_check_partial``): environment
+    episodes (``--env``: rank 0's worker's episode loop takes version s - 1 at its engine step 2 of batch s) and agent
+    programs (``--agent``: the worker's proxy driver takes it at its engine step 2), broadcast to rank 1 with their
+    per-token versions."""
     pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
     seen = tmp_path / "seen.txt"
@@ -280,9 +349,21 @@ def test_two_rank_process_producer_runs_every_agent_in_rank0_workers(tiny_model_
     raw["agent"] = {"agent": f"{agent}:agent", "max_turns": 2, "max_episode_tokens": 200}
     raw["engine"]["micro_batch_tokens"] = 512
     raw["train"].update(eval_every=3, eval_data="builtin:arithmetic?max=9&n=8")
+    env_file = tmp_path / "flaky_digits_env.py"
+    env_file.write_text(FLAKY_DIGITS_ENV)
+    (tmp_path / "plain_agent.py").write_text(AGENT_FILE)
+    partial_env = _partial_raw(tiny_model_dir, tmp_path / "partial_env", {"env": f"{env_file}:FlakyDigitsEnv"})
+    partial_env["agent"]["env_workers"] = 0
+    partial_agent = _partial_raw(tiny_model_dir, tmp_path / "partial_agent",
+                                 {"agent": f"{tmp_path / 'plain_agent.py'}:agent"})  # fmt: skip
+    runs = [{"raw": r, "steps_probe": True} for r in (raw, partial_env, partial_agent)]
+    ports: list[int] = []
+    while len(ports) < len(runs):
+        p = free_port()
+        ports += [p] if p not in ports else []
     from dist_async_worker import async_runs_worker
 
-    spawn(async_runs_worker, 2, [{"raw": raw, "steps_probe": True}], [free_port()])
+    spawn(async_runs_worker, 2, runs, ports)
 
     ranks = [json.loads((out / f"steps{r}.json").read_text()) for r in (0, 1)]
     assert [p["proxy"] for p in ranks] == [True, False] and [p["local"] for p in ranks] == [[], []]
@@ -307,3 +388,9 @@ def test_two_rank_process_producer_runs_every_agent_in_rank0_workers(tiny_model_
     for r in recs:
         assert r["episode/turns"] == 2.0 and math.isfinite(r["loss"])
         assert r["async/rollout_workers_alive"] == 2.0 and r["async/replica_share_max"] == 0.5
+
+    # partial rollouts with the process producer: environment episodes, then agent programs (rank 1: no proxy)
+    for name, split in (("partial_env", True), ("partial_agent", False)):
+        ranks = [json.loads((tmp_path / name / f"steps{r}.json").read_text()) for r in (0, 1)]
+        _check_partial(tmp_path / name, ranks, split)
+    assert [p["proxy"] for p in ranks] == [True, False]

@@ -1,5 +1,5 @@
 """Asynchronous RL under torchrun (2 gloo ranks, FSDP2, data-parallel rollout) on the tiny preset, in ONE spawn of
-two processes running eleven runs in turn (``dist_async_worker``), plus two one-process runs here:
+two processes running ten runs in turn (``dist_async_worker``), plus two one-process runs here:
 
 - K = 1 with the ``inline`` producer: every step after the first trains samples exactly one version old (the
   ``async/*`` metrics cover both ranks' shares), nothing is dropped, the losses are finite; its samples are the
@@ -29,8 +29,6 @@ two processes running eleven runs in turn (``dist_async_worker``), plus two one-
   completion token 2, and the run equals the thread producer's partial run bit for bit (the clocks and worker
   counters aside; final weights included); its step-2 checkpoint (the ranks' queue digests agreed) resumes it bit
   for bit with one worker;
-- the process producer's partial rollouts in an episode run (``--env``) under torchrun are refused with a
-  ConfigError saying what to change;
 - a LoRA run with the process producer (built, not trained): rank 1 keeps neither a rollout copy of its replica nor
   a KV cache, its engine never running (rank 0 keeps both: its engine is a dead worker's fallback).
 """
@@ -79,7 +77,7 @@ def flaky_digit(completion, example):
 '''
 
 
-def test_two_rank_async_inline_thread_process_resume_and_refusals(tiny_model_dir, tmp_path):
+def test_two_rank_async_inline_thread_process_and_resume(tiny_model_dir, tmp_path):
     # the toy reward failing now and then: rank 0's failure count rides in every queued batch, which must be the same
     # on every rank for the step-2 checkpoint (its queue digests are compared) to be written
     write_reward(tmp_path)
@@ -122,15 +120,8 @@ def test_two_rank_async_inline_thread_process_resume_and_refusals(tiny_model_dir
         partial_rollouts=True, partial_swap_step=2,
     )  # fmt: skip
     pproc_resumed["resume"] = str(tmp_path / "pproc" / "checkpoints" / "step-00000002")
-    # ... not built for episodes: refused before the model loads
-    refused = _raw(
-        tiny_model_dir, tmp_path / "refused", reward, async_producer="process", rollout_workers=1,
-        partial_rollouts=True,
-    )  # fmt: skip
-    refused["agent"] = {"env": "guessing", "env_workers": 0, "max_turns": 2, "max_episode_tokens": 200}
     runs = [{"raw": inline}, {"raw": thread}, {"raw": resumed}, {"raw": process}, {"raw": proc_resumed}]
     runs += [{"raw": partial}, {"raw": partial1}, {"raw": pproc, "batch_probe": True}, {"raw": pproc_resumed}]
-    runs += [{"raw": refused, "expect_error": True}]
     # a LoRA run with the process producer, built only (``policy_probe``): what each rank's policy holds
     lora = _raw(
         tiny_model_dir, tmp_path / "lora", reward, async_producer="process", rollout_workers=1, release_kv=False
@@ -286,11 +277,7 @@ def test_two_rank_async_inline_thread_process_resume_and_refusals(tiny_model_dir
     ]
     assert _weights_hash(tmp_path / "pproc-resumed") == _weights_hash(tmp_path / "pproc")
 
-    # (8) the refused combination (episodes), with what to change
-    msg = (tmp_path / "refused" / "error.txt").read_text()
-    assert "partial_rollouts" in msg and '"thread"' in msg and "--nproc-per-node" in msg and "episodes" in msg
-
-    # (9) LoRA (replicated: every rank holds the whole model) with the process producer: rank 0 keeps its rollout copy
+    # (8) LoRA (replicated: every rank holds the whole model) with the process producer: rank 0 keeps its rollout copy
     # and KV cache (its engine generates a dead worker's share, as in one process); rank 1's engine never runs, so it
     # keeps no copy of the whole replica and no KV cache (release_kv off: one would stay for the whole run)
     probe = [json.loads((tmp_path / "lora" / f"probe{r}.json").read_text()) for r in range(2)]
