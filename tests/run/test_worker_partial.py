@@ -8,7 +8,8 @@ loads it between two decode steps and an idle one at once; a replica killed whil
 broadcast is dropped (the push returns, the share is the trainer's engine's), restarted, and rejoins with the live
 weights and version; a general job (``call``) takes its update at step N through the hook its function gets, an
 empty share's replica at its end; a job's hook waited on by two threads (an agent proxy's driver whose window closed,
-and the serving loop's ``finish``) loads the update once and releases both. Then whole runs: the process producer's
+and the serving loop's ``finish``) loads the update once and releases both; a batch the producer thread picked up as
+``close`` began never starts. Then whole runs: the process producer's
 partial run (K = 1, N = 2, two replicas) equals the thread producer's record for record (tokens, versions and
 rewards exactly, the floats within 1e-5: other batch shapes), its queued samples switch versions at completion token
 N, no trained token is older than K, and a resume from its checkpoint equals the uninterrupted run bit for bit."""
@@ -341,3 +342,38 @@ def test_a_job_hook_waited_on_by_two_threads_loads_its_update_once(setup):
     finally:
         if trainer.poll() is None:
             trainer.kill()
+
+
+def test_a_batch_picked_up_as_close_begins_never_starts(setup):
+    """``close`` while the producer thread has picked up the next batch but not entered it yet (between two batches
+    of a run that fails with K >= 2 batches queued): ``close`` reads "not busy", so it stops no workers, and the
+    batch must not start then (its jobs would wait at their step N for an update that nobody publishes any more,
+    and ``close``, which waits for the producer thread, with them). The pick-up is held at a gate here so that
+    ``close`` runs inside that window; the batch's ``produce`` is never called and ``close`` returns."""
+    from polyrl.run.async_rollout import RolloutBatch
+    from polyrl.run.worker_partial import WorkerPartialRollouts
+
+    llm = setup[-1](setup[1])
+    produced = []
+
+    def produce(step, version):
+        produced.append(step)
+        return RolloutBatch(step, version, [], [], {}, 0)
+
+    src = WorkerPartialRollouts(produce, 2, lambda: None, None, None, llm, 0, swap_step=2)
+    picked, gate, run = threading.Event(), threading.Event(), src._run
+
+    def held(*args):
+        picked.set()
+        gate.wait(10)
+        return run(*args)
+
+    src._run = held
+    src.submit(1)
+    assert picked.wait(10)  # the producer thread holds the batch (its future running), not inside it yet
+    closer, _ = _in_thread(src.close)
+    time.sleep(0.3)  # close has decided by now
+    gate.set()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert produced == []
