@@ -372,7 +372,9 @@ def test_a_batch_picked_up_as_close_begins_never_starts(setup):
     src.submit(1)
     assert picked.wait(10)  # the producer thread holds the batch (its future running), not inside it yet
     closer, _ = _in_thread(src.close)
-    time.sleep(0.3)  # close has decided by now
+    deadline = time.monotonic() + 2  # until close has decided (under the producer's lock)
+    while not getattr(src, "_closing", False) and time.monotonic() < deadline:
+        time.sleep(0.01)
     gate.set()
     closer.join(10)
     assert not closer.is_alive()
