@@ -100,6 +100,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import math
 import pickle
 import socket
 import threading
@@ -144,6 +145,18 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return int(s.getsockname()[1])
+
+
+def _whole_ms_until(deadline: float) -> datetime.timedelta:
+    """The time left until ``deadline`` (a ``time.monotonic()``) rounded up to whole milliseconds, at least one: gloo
+    takes its timeout in whole ms and truncates, which would end a wait up to a millisecond before the deadline."""
+    return datetime.timedelta(milliseconds=max(math.ceil((deadline - time.monotonic()) * 1000.0), 1))
+
+
+def _timed_out(exc: RuntimeError) -> bool:
+    """Whether a failed gloo wait ended because its time was up (gloo: "Timed out waiting <n>ms for <op> operation
+    to complete"), not because the peer's connection closed."""
+    return "timed out" in str(exc).lower()
 
 
 class RolloutWorkers:
@@ -356,7 +369,7 @@ class RolloutWorkers:
             if deadline is None:
                 work.wait()
             else:  # gloo's timed wait: a RuntimeError once the time is up (the work stays posted: kept below)
-                work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+                work.wait(_whole_ms_until(deadline))
         except RuntimeError as exc:
             return exc
         return None
@@ -366,9 +379,9 @@ class RolloutWorkers:
         failed."""
         if exc is None:
             return True
-        # gloo's timer and this clock differ by up to a millisecond (the timeout goes in whole ms): a wait that
-        # raised while its transfer is still pending timed out; one that completed (with an error) lost its peer
-        if deadline is not None and (time.monotonic() >= deadline or not work.is_completed()):
+        # a timed wait fails the work once the time is up, so "completed" does not tell a timeout from a lost peer:
+        # gloo's message does ("Timed out waiting ..."), and so does the clock (the wait is rounded up to whole ms)
+        if deadline is not None and (time.monotonic() >= deadline or _timed_out(exc) or not work.is_completed()):
             self._retired.append(work)  # still posted in the dead group: keep its buffers alive
             self._drop(w, f"it did not answer within reply_timeout_s = {self.reply_timeout_s:g} s (hung)")
         else:

@@ -452,3 +452,52 @@ def test_balance_option_in_the_config_and_the_cli():
     assert parser.parse_args([]).rollout_balance is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--rollout-balance", "speed"])
+
+
+def test_a_timed_reply_wait_never_ends_before_its_deadline_and_says_it_timed_out():
+    """gloo takes a wait's timeout in whole milliseconds and truncates it, so a wait for the time left (12.3 ms) ended
+    up to a millisecond before the deadline, and a hung replica read as one whose connection failed (CI saw it). The
+    wait is rounded up to whole ms, and gloo's timeout is told from a lost peer by its message; here on a real gloo
+    pair (two ranks in threads): a receive nobody sends times out at or after the deadline with a "timed out" error,
+    and one whose peer's group is torn down fails with another."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from polyrl.run.rollout_workers import _timed_out, _whole_ms_until
+
+    now = time.monotonic()
+    assert _whole_ms_until(now + 0.0123) >= datetime.timedelta(milliseconds=13)
+    assert _whole_ms_until(now - 1.0) == datetime.timedelta(milliseconds=1)  # passed: the shortest wait, not none
+
+    def pair() -> dict[int, dist.ProcessGroupGloo]:
+        store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+        groups: dict[int, dist.ProcessGroupGloo] = {}
+
+        def join(rank: int) -> None:
+            groups[rank] = dist.ProcessGroupGloo(
+                dist.TCPStore("127.0.0.1", store.port, 2, False), rank, 2, datetime.timedelta(seconds=30)
+            )
+
+        threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(groups) == [0, 1]
+        return groups
+
+    buf = torch.empty(4)
+    groups = pair()  # both sides held: the peer is there and never sends
+    work = groups[0].recv([buf], 1, 7)
+    deadline = time.monotonic() + 0.0123
+    with pytest.raises(RuntimeError) as timed:
+        work.wait(_whole_ms_until(deadline))
+    assert time.monotonic() >= deadline and _timed_out(timed.value), str(timed.value)
+    groups = pair()  # a timed-out wait closes its pair: a fresh one
+    lost = groups[0].recv([buf], 1, 8)
+    del groups[1]  # the peer's side closes its connection
+    with pytest.raises(RuntimeError) as closed:
+        lost.wait(datetime.timedelta(seconds=20))
+    assert not _timed_out(closed.value), str(closed.value)
