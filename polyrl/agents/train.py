@@ -68,6 +68,7 @@ from polyrl.data.dataset import chat_tokenizer
 from polyrl.errors import ConfigError
 from polyrl.run.evaluate import sampled_metrics
 from polyrl.run.prompt_order import rollout_seed
+from polyrl.run.teardown import release
 from polyrl.train import parallel as par
 
 
@@ -435,13 +436,19 @@ class EpisodeSteps:
             self._env_totals.update(saved)
 
     def run(self) -> dict[str, Any]:
+        failed = False
         try:
             return super().run()
+        except BaseException:
+            failed = True
+            raise
         finally:
+            closers: list[tuple[str, Callable[[], object]]] = []
             if self.env_pool is not None:
-                self.env_pool.close()
+                closers.append(("environment pool", self.env_pool.close))
             if self.proxy is not None:
-                self.proxy.stop()
+                closers.append(("agent proxy", self.proxy.stop))
+            release(closers, failed)  # after a failure (its producer thread may be left behind): logged, not raised
 
 
 _CLASSES: dict[type, type] = {}

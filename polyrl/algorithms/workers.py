@@ -77,6 +77,7 @@ class WorkerProcess:
         self.ready = False
         self.job: Any = None
         self.deadline = time.monotonic() + startup_timeout
+        self._kill_lock = threading.Lock()  # kill() may come from the pool's thread and a closing one at once
 
     def exit_status(self, wait: float = 5.0) -> str:
         """How the process ended (its pipe closed first: give it ``wait`` seconds to be reaped)."""
@@ -84,10 +85,14 @@ class WorkerProcess:
         return exit_status(self.proc.exitcode)
 
     def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(timeout=5)
-        self.conn.close()
+        """Kill the process and close its pipe; safe to call again and from two threads at once (a pipe closed
+        twice concurrently fails with EBADF)."""
+        with self._kill_lock:
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc.join(timeout=5)
+            if not self.conn.closed:
+                self.conn.close()
 
 
 class JobInbox:

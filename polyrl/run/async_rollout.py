@@ -90,7 +90,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -98,6 +98,7 @@ import torch
 
 from polyrl.algorithms.rl_batch import Sample
 from polyrl.errors import CheckpointError
+from polyrl.run.producer_thread import ProducerThread
 
 
 @dataclass
@@ -156,7 +157,7 @@ class RolloutSource(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, abandon: bool = False) -> None: ...
 
 
 class InlineRollouts:
@@ -226,7 +227,9 @@ class InlineRollouts:
         self._done = {int(d["step"]): RolloutBatch.from_state(d) for d in state["queue"]}
         self.submitted = set(self._done)
 
-    def close(self) -> None:
+    def close(self, abandon: bool = False) -> None:
+        """Drop the queue. ``abandon``: the run failed under torchrun, so a batch in flight may wait for other ranks
+        that will not come; the producer thread is not waited for (the threaded sources)."""
         self._done.clear()
 
 
@@ -237,7 +240,7 @@ class ThreadedRollouts(InlineRollouts):
     def __init__(self, produce: Producer, max_staleness: int, sync: Callable[[], None], version: int = 0) -> None:
         super().__init__(produce, max_staleness, version)
         self.sync = sync
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyrl-rollout")
+        self._pool = ProducerThread("polyrl-rollout")
         self._futures: dict[int, Future[RolloutBatch]] = {}
         self._lock = threading.Lock()
 
@@ -281,12 +284,14 @@ class ThreadedRollouts(InlineRollouts):
         self.drain()
         return super().state_dict()
 
-    def close(self) -> None:
+    def close(self, abandon: bool = False) -> None:
         for fut in self._futures.values():
             fut.cancel()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        # abandoned: a batch in flight may wait on another rank (its gather, or an update whose all-gather needs
+        # this rank); the thread is a daemon, so it does not hold the failing process's exit either
+        self._pool.shutdown(wait=not abandon, cancel_futures=True)
         self._futures.clear()
-        super().close()
+        super().close(abandon)
 
 
 class SwapCount:
@@ -461,11 +466,11 @@ class PartialRollouts(SwapCount, ThreadedRollouts):
         self.sync_s = time.perf_counter() - t0
         self.version = version
 
-    def close(self) -> None:
+    def close(self, abandon: bool = False) -> None:
         with self._cv:
             self._closed = True  # a producer waiting for an update that will not come goes on
             self._cv.notify_all()
-        super().close()
+        super().close(abandon)
 
 
 def staleness_metrics(

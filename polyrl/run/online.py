@@ -67,6 +67,7 @@ import dataclasses
 import math
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -109,6 +110,7 @@ from polyrl.run.offline import (
 )
 from polyrl.run.prompt_order import PromptStream, rollout_seed
 from polyrl.run.rollout_log import RolloutLog, chosen, spread, token_strings
+from polyrl.run.teardown import release
 from polyrl.run.worker_partial import WorkerPartialRollouts
 from polyrl.train import parallel as par
 
@@ -624,23 +626,30 @@ class OnlineRun(AsyncSteps, DataParallelSteps):
                 ckpts.prune()
             world.barrier()
 
+        failed = False
         try:
             before = self.evaluate_before_train if cfg.train.eval_before_train else None
             run_steps(self.start, self.steps, self.step, log, ckpts, save, before=before, best=self.best)
             final = export_final(cfg, model, world, self.tokenizer)
         except BaseException as exc:
+            failed = True
             if log is not None:
                 log.close(extra={"status": f"failed: {type(exc).__name__}"}, print_table=False)
             raise
         finally:
+            closers: list[tuple[str, Callable[[], object]]] = []
             if self.source is not None:
-                self.source.close()
+                # a failed rank under torchrun does not wait for its producer's batch: that batch may wait on the
+                # other ranks (stuck in a collective with this one), so the rank exits and torchrun stops the rest
+                source = self.source
+                closers.append(("rollout producer", lambda: source.close(abandon=failed and world.distributed)))
             if self.policy.remote is not None:
-                self.policy.remote.close()
+                closers.append(("rollout workers", self.policy.remote.close))
             if self.pool is not None:
-                self.pool.close()
+                closers.append(("reward pool", self.pool.close))
             if self.rollout_log is not None:
-                self.rollout_log.close()
+                closers.append(("rollout log", self.rollout_log.close))
+            release(closers, failed)
         if log is None:
             return {"status": "finished", "rank": world.rank}
         h = log.history

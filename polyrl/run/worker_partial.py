@@ -187,14 +187,14 @@ class WorkerPartialRollouts(SwapCount, ThreadedRollouts):
             self.sync()
             self.engine.policy_version = version
 
-    def close(self) -> None:
+    def close(self, abandon: bool = False) -> None:
         with self._cv:  # one decision with the producer thread's: a batch is in flight now, or none starts later
             self._closing = True
             busy = self._busy
         if busy and self.remote is not None:  # a job may wait at its swap step for an update that never comes:
             # stop the workers first (torchrun: rank 0's; the other ranks' producers then get its failure)
             self.remote.close()
-        super().close()
+        super().close(abandon)
 
 
 __all__ = ["WorkerPartialRollouts"]

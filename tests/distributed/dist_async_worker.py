@@ -183,3 +183,33 @@ def policy_probe(rank: int, raw: dict[str, Any]) -> None:
         if run.pool is not None:
             run.pool.close()
         dist.destroy_process_group()
+
+
+def failing_rank_worker(rank: int, world_size: int, raw: dict[str, Any]) -> None:
+    """A run whose rank 1 fails in its trainer's thread at step 2, after taking batch 2 and submitting batch 3 (which
+    takes the next update at its engine step 2, so its producer waits for it inside that batch); rank 1 writes
+    whether batch 3 was in flight when it raised to ``<out>/in_flight.txt``. The step is wrapped here, in the test's
+    own worker: the run itself is not changed."""
+    import time
+
+    from polyrl import run as runner
+    from polyrl.run import config as rc
+    from polyrl.run import online
+
+    if "agent" in raw:
+        import polyrl.agents  # noqa: F401  (registers the [agent] table)
+
+    real_step = online.OnlineRun.step
+
+    def step(self: Any, s: int) -> Any:
+        if rank == 1 and s == 2:
+            self.source.get(2)
+            self.source.submit(3)
+            time.sleep(0.5)  # the producer reaches batch 3's swap step
+            in_flight = self.source._futures[3].running()
+            (Path(raw["out"]) / "in_flight.txt").write_text(str(in_flight))
+            raise RuntimeError("rank 1 fails at step 2")
+        return real_step(self, s)
+
+    online.OnlineRun.step = step
+    runner.run(rc.build(raw))

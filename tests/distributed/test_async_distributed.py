@@ -39,6 +39,7 @@ import hashlib
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -283,3 +284,55 @@ def test_two_rank_async_inline_thread_process_and_resume(tiny_model_dir, tmp_pat
     probe = [json.loads((tmp_path / "lora" / f"probe{r}.json").read_text()) for r in range(2)]
     assert probe[0] == {"copy": True, "kv": True, "workers": True}
     assert probe[1] == {"copy": False, "kv": False, "workers": False}
+
+
+ENV = """
+from polyrl.agents.env import Environment, EnvStep
+
+
+class ThreeTurns(Environment):
+    def reset(self, example):
+        self.turn = 0
+        return [{"role": "user", "content": example["prompt"]}]
+
+    def step(self, message):
+        self.turn += 1
+        return EnvStep([{"role": "user", "content": "Again."}], 0.5, self.turn >= 3)
+"""
+
+
+@pytest.mark.parametrize("producer", ["thread", "process", "thread-env"])
+def test_a_rank_failing_mid_batch_ends_the_job_at_once(tiny_model_dir, tmp_path, producer):
+    """Rank 1's trainer raises while its producer is inside batch 3 (partial rollouts, swap step 2: the batch waits at
+    engine step 2 for version 3, whose all-gather needs rank 1; with ``process``, rank 0's workers wait likewise and
+    rank 1's source waits for rank 0's broadcast). The failing rank does not join its producer: it exits with its
+    error, and the launcher stops rank 0 (torchrun does the same), well before the group timeout (30 minutes) that
+    this case used to wait for. ``thread-env``: environment episodes, whose pool the failing rank closes while the
+    producer thread it left behind still uses it; the error raised is still the run's own."""
+    import torch.multiprocessing as mp
+    from dist_async_worker import failing_rank_worker
+    from dist_helpers import _entry
+
+    kw = {"rollout_workers": 2} if producer == "process" else {}
+    if producer == "thread-env":
+        kw = {"prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 6}
+    raw = raw_config(
+        tiny_model_dir, tmp_path / "run", write_reward(tmp_path), steps=5, max_staleness=1,
+        async_producer=producer.removesuffix("-env"), partial_rollouts=True, partial_swap_step=2, **kw,
+    )  # fmt: skip
+    if producer == "thread-env":
+        (tmp_path / "three_turns.py").write_text(ENV)
+        raw["agent"] = {"env": f"{tmp_path / 'three_turns.py'}:ThreeTurns", "max_turns": 3, "max_episode_tokens": 200}
+        raw["engine"]["micro_batch_tokens"] = 512
+    Path(raw["out"]).mkdir(parents=True)
+    ctx = mp.start_processes(_entry, args=(failing_rank_worker, 2, free_port(), (raw,)), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    try:
+        with pytest.raises(mp.ProcessRaisedException, match="rank 1 fails at step 2"):
+            while not ctx.join(timeout=1):
+                assert time.monotonic() < deadline, "the failing rank did not exit (it waited for its producer)"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    assert (Path(raw["out"]) / "in_flight.txt").read_text() == "True"  # it failed with batch 3 in flight
