@@ -655,6 +655,35 @@ def bench_moe(ctx: Ctx) -> list[Case]:
     return cases
 
 
+@bench("moe_experts_lora")
+def bench_moe_lora(ctx: Ctx) -> list[Case]:
+    """A Qwen3-30B-A3B layer's routed experts with a rank-16 adapter per expert on both projections over a frozen
+    base (bf16), forward + backward (gradients of x, the routing weights and the four factors): the registry's
+    ``triton`` implementation (no ``W'``, no base weight gradient) against ``materialized`` (``W'`` built, then
+    ``moe_experts``: what LoRA training runs by default); the "x base" column is triton's speed-up over it. FLOPs:
+    the forward and the input gradients of the experts (4 x 3 GEMMs of [T*k, H] x [H, I]); the adapter products
+    and, for ``materialized``, its base weight gradients are extra work not counted."""
+    tiny = ctx.device.type == "cpu" or ctx.shape["hidden"] <= 64
+    h, inter, e, k = (MOE_TINY if tiny else MOE_SHAPE).values()
+    t, r = (ctx.tokens if tiny else MOE_TOKENS), 16
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    x = _rand(ctx, t, h)
+    w, ids = torch.topk(torch.softmax(torch.randn(t, e, device=ctx.device, generator=gen), -1), k, dim=-1)
+    w = (w / w.sum(-1, keepdim=True)).to(ctx.dtype)
+    gate_up, down = _rand(ctx, e, 2 * inter, h, scale=h**-0.5), _rand(ctx, e, h, inter, scale=inter**-0.5)
+    adapters = [_rand(ctx, e, r, h, scale=h**-0.5), _rand(ctx, e, 2 * inter, r, scale=0.1)]
+    adapters += [_rand(ctx, e, r, inter, scale=inter**-0.5), _rand(ctx, e, h, r, scale=0.1)]
+    args = [x, ids, w, gate_up, down, *adapters, 2.0]
+    grads = {0, 2, 5, 6, 7, 8}
+    cands = [
+        _try(name, lambda n=name: fwd_bwd(registry.load("moe_experts_lora", n), args, grads))
+        for name in ("triton", "materialized")
+    ]
+    flops = float(4 * 2 * t * k * 3 * h * inter)
+    return [Case("moe_experts_lora", f"fwd+bwd T={t} H={h} I={inter} E={e} k={k} r={r}", cands, flops=flops,
+                 extra={"impl": _impl_name("moe_experts_lora", x)}, base="materialized", graph=True)]  # fmt: skip
+
+
 # --- running and printing ----------------------------------------------------------------------------
 
 

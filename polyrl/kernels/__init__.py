@@ -31,6 +31,7 @@ from polyrl.kernels import (  # noqa: E402,F401  isort: skip
     skinny_linear as _skinny_linear_pkg,
     qk_norm_rope as _qk_norm_rope_pkg,
     moe as _moe_pkg,
+    moe_lora as _moe_lora_pkg,
     fp8 as _fp8_pkg,
     token_bitmask as _token_bitmask_pkg,
 )
@@ -47,6 +48,7 @@ from polyrl.kernels.ops import (  # noqa: E402  isort: skip
     linear_cross_entropy,
     lora_linear,
     moe_experts,
+    moe_experts_lora,
     nf4_dequantize,
     nf4_matmul,
     paged_attention,
@@ -89,6 +91,7 @@ __all__ = [
     "qk_norm_rope",
     "qk_norm_rope_cache",
     "moe_experts",
+    "moe_experts_lora",
     "fp8_quantize",
     "fp8_scaled_mm",
 ]

@@ -73,6 +73,25 @@ def moe_experts(
     return _impl("moe_experts", x)(x, topk_ids, topk_weights, gate_up, down)
 
 
+def moe_experts_lora(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    gate_up_a: torch.Tensor | None,
+    gate_up_b: torch.Tensor | None,
+    down_a: torch.Tensor | None,
+    down_b: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """``moe_experts`` with a LoRA adapter per expert on ``gate_up`` and/or ``down`` (``A [E, r, in]``, ``B [E, out,
+    r]``, ``W' = W + scale * B @ A``) over a frozen base, the adapted weights never materialised by the fast path.
+    Spec: ``polyrl/kernels/moe_lora/reference.py``."""
+    return _impl("moe_experts_lora", x)(x, topk_ids, topk_weights, gate_up, down, gate_up_a, gate_up_b, down_a,
+                                        down_b, scale)  # fmt: skip
+
+
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -353,6 +353,29 @@ def _moe_shapes():
     ]
 
 
+def _make_moe_lora(p, dtype, device, gen):
+    """``_make_moe``'s problem plus a rank-``r`` adapter on both projections (B not zero: a trained adapter)."""
+    inputs = _make_moe(p, dtype, device, gen)
+    h, inter, e, r = p["H"], p["I"], p["E"], p["r"]
+    return {
+        **inputs,
+        "gate_up_a": _randn(gen, e, r, h, device=device, scale=h**-0.5),
+        "gate_up_b": _randn(gen, e, 2 * inter, r, device=device, scale=0.3),
+        "down_a": _randn(gen, e, r, inter, device=device, scale=inter**-0.5),
+        "down_b": _randn(gen, e, h, r, device=device, scale=0.3),
+        "scale": 2.0,
+    }
+
+
+def _moe_lora_shapes():
+    return [
+        Shape("T=7,H=32,I=16,E=4,k=2,r=4", {"T": 7, "H": 32, "I": 16, "E": 4, "k": 2, "r": 4, "empty": (3,)}, "tiny"),
+        Shape("T=127,H=128,I=64,E=8,k=2,r=16", {"T": 127, "H": 128, "I": 64, "E": 8, "k": 2, "r": 16}),
+        Shape("T=1024,H=2048,I=768,E=128,k=8,r=16", {"T": 1024, "H": 2048, "I": 768, "E": 128, "k": 8, "r": 16},
+              "large"),
+    ]  # fmt: skip
+
+
 # --- fp8_quantize / fp8_scaled_mm ----------------------------------------------------------------------------------
 
 
@@ -444,6 +467,11 @@ def _register_all() -> None:
     register_cases(
         OpCases("moe_experts", _make_moe, _moe_shapes(), ("y",), ("x", "topk_weights", "gate_up", "down"),
                 tol=dict(MATMUL_TOL), note="routed SwiGLU experts (Qwen3-MoE layout), weighted sum per token")
+    )  # fmt: skip
+    register_cases(
+        OpCases("moe_experts_lora", _make_moe_lora, _moe_lora_shapes(), ("y",),
+                ("x", "topk_weights", "gate_up_a", "gate_up_b", "down_a", "down_b"), tol=dict(MATMUL_TOL),
+                note="routed experts with a LoRA adapter per expert over a frozen base (W' not built by Triton)")
     )  # fmt: skip
 
     register_cases(

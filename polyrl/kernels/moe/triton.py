@@ -107,17 +107,27 @@ def _grouped_rows_kernel(
     tile_expert_ptr,
     tile_row_ptr,
     offsets_ptr,
+    a2_ptr,  # [rows, K2] in sorted order (HAS_A2): a second K segment, a LoRA branch's rank-r rows
+    b2_ptr,  # per expert: B2[e, k, n] at b2_ptr + e*stride_b2e + k*stride_b2k + n*stride_b2n (HAS_A2)
     N,
     K,
+    K2,
     stride_am,
     stride_be,
     stride_bk,
     stride_bn,
     b_up,  # element offset from the gate block to the up block of B (EPI 1)
+    stride_a2m,
+    stride_b2e,
+    stride_b2k,
+    stride_b2n,
+    b2_up,  # the same for B2
     stride_cm,
     stride_hm,
     NUM_M,
     NUM_N,
+    HAS_A2: tl.constexpr,
+    BLOCK_K2: tl.constexpr,
     GATHER_A: tl.constexpr,
     EPI: tl.constexpr,  # 0: store C; 1: SwiGLU forward; 2: SwiGLU backward
     STORE_H: tl.constexpr,
@@ -173,6 +183,26 @@ def _grouped_rows_kernel(
             acc_u = tl.dot(a, bu, acc_u, input_precision=PREC)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
+    if HAS_A2:
+        # the LoRA branch: acc += A2[rows] @ B2[e] over its K2 <= BLOCK_K2 (one tile), into the same accumulators,
+        # so the epilogue (SwiGLU forward or backward) sees the adapted product
+        k2 = tl.arange(0, BLOCK_K2)
+        k2mask = k2 < K2
+        a2 = tl.load(
+            a2_ptr + rows.to(tl.int64)[:, None] * stride_a2m + k2[None, :], mask=rmask[:, None] & k2mask[None, :],
+            other=0.0,
+        )  # fmt: skip
+        b2_ptrs = b2_ptr + e.to(tl.int64) * stride_b2e + k2[:, None] * stride_b2k + cols[None, :] * stride_b2n
+        b2 = tl.load(b2_ptrs, mask=k2mask[:, None] & nmask[None, :], other=0.0)
+        if DOT_F32:
+            a2 = a2.to(tl.float32)
+            b2 = b2.to(tl.float32)
+        acc = tl.dot(a2, b2, acc, input_precision=PREC)
+        if EPI == 1:
+            bu2 = tl.load(b2_ptrs + b2_up, mask=k2mask[:, None] & nmask[None, :], other=0.0)
+            if DOT_F32:
+                bu2 = bu2.to(tl.float32)
+            acc_u = tl.dot(a2, bu2, acc_u, input_precision=PREC)
     r64 = rows.to(tl.int64)[:, None]
     mask = rmask[:, None] & nmask[None, :]
     if EPI == 0:
@@ -288,6 +318,20 @@ def _combine_kernel(
 # --- host side (no host reads: every size below is known from shapes) -------------------------------------
 
 
+class Segment:
+    """A second K segment of a rows GEMM (``_rows_gemm(second=...)``): ``a [rows, K2]`` in sorted order, ``b``
+    with ``B2[e][k, n]`` at ``b_strides`` = (expert, k, n) strides, ``b_up`` the up block's offset (SwiGLU
+    forward)."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, int], k: int, b_up: int = 0):
+        self.a, self.b, self.b_strides, self.k, self.b_up = a, b, b_strides, k, b_up
+
+
+def rank_block(r: int) -> int:
+    """The tile that holds a LoRA rank ``r`` whole: a power of two, at least 16 (``tl.dot``'s smallest)."""
+    return max(16, triton.next_power_of_2(max(int(r), 1)))
+
+
 class _Routing:
     """Sorted order of the (token, slot) pairs and per-expert row ranges, all device tensors."""
 
@@ -353,21 +397,28 @@ def _rows_gemm(
     w_rows: torch.Tensor | None = None,
     wact: torch.Tensor | None = None,
     need_dw: bool = False,
+    second: Segment | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor | None:
     """One grouped GEMM over the sorted rows. ``epi=2`` (SwiGLU backward): ``a @ b`` is the unweighted d act, its
     rows are scaled by ``w_rows`` before the SwiGLU backward, ``wact`` gets ``w_rows * act`` (act recomputed from
     ``h``); ``need_dw`` then returns fp32 ``[rows, n-tiles]`` partial sums of ``<act, a @ b>`` per row (sum them
-    over dim 1 for d topk_weights: deterministic, no atomics)."""
+    over dim 1 for d topk_weights: deterministic, no atomics). ``second``: a LoRA branch's second K segment
+    summed into the same product; ``block_n``: the n-tile when N is a LoRA rank (narrower than the configs')."""
     bm, bn, bk, warps, stages, group_m = _cfg(cfg, route.rows_per_expert, a.dtype)
+    if block_n is not None:
+        bn = block_n
     tile_expert, tile_row, m_tiles = route.tiles(bm)
     num_n = triton.cdiv(n, bn)
     h_arg = h if h is not None else out
     dw_part = torch.empty(route.n, num_n, device=out.device, dtype=torch.float32) if need_dw else None
+    seg = second if second is not None else Segment(out, out, (0, 0, 0), 0)
     _grouped_rows_kernel[(m_tiles * num_n,)](
         a, a_idx if a_idx is not None else tile_row, b, out, h_arg, w_rows if w_rows is not None else out,
         wact if wact is not None else out, dw_part if dw_part is not None else out, tile_expert, tile_row,
-        route.offsets, n, k, a.stride(0), *b_strides, b_up, out.stride(0), h_arg.stride(0), m_tiles, num_n,
-        GATHER_A=a_idx is not None, EPI=epi, STORE_H=store_h, NEED_DW=need_dw,
+        route.offsets, seg.a, seg.b, n, k, seg.k, a.stride(0), *b_strides, b_up, seg.a.stride(0), *seg.b_strides,
+        seg.b_up, out.stride(0), h_arg.stride(0), m_tiles, num_n, HAS_A2=second is not None,
+        BLOCK_K2=rank_block(seg.k), GATHER_A=a_idx is not None, EPI=epi, STORE_H=store_h, NEED_DW=need_dw,
         DOT_F32=interpreting() and a.dtype != torch.float32, PREC=_prec(a.dtype), BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=bk, GROUP_M=group_m, EVEN_K=k % bk == 0, num_warps=warps, num_stages=stages,
     )  # fmt: skip
@@ -375,9 +426,20 @@ def _rows_gemm(
 
 
 def _wgrad_gemm(
-    route: _Routing, a: torch.Tensor, b: torch.Tensor, b_idx: torch.Tensor | None, m: int, n: int, out: torch.Tensor
+    route: _Routing,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    b_idx: torch.Tensor | None,
+    m: int,
+    n: int,
+    out: torch.Tensor,
+    block_m: int | None = None,
+    block_n: int | None = None,
 ) -> None:
+    """``out[e] = a[rows of e]^T @ b[rows of e]`` (``b`` gathered through ``b_idx``); ``block_m`` / ``block_n``:
+    the tile of a side that is a LoRA rank."""
     bm, bn, bk, warps, stages, _ = _cfg("wgrad", route.rows_per_expert, a.dtype)
+    bm, bn = block_m or bm, block_n or bn
     num_n = triton.cdiv(n, bn)
     grid = (triton.cdiv(m, bm) * num_n, route.num_experts)
     _grouped_wgrad_kernel[grid](

@@ -12,14 +12,14 @@ and the scale ``s`` of the config (``alpha / r``). The adapter is held exactly a
 Init as PEFT: ``A ~ U(-1/sqrt(in), 1/sqrt(in))``, ``B = 0`` (a fresh adapter changes nothing). The base tensors stay
 the very ``Parameter`` objects of the ``Experts`` module this replaces (``mlp.experts.gate_up_proj`` keeps its name).
 
-Forward (the simple correct path): the adapted weights are materialised, ``W' = baddbmm(W, B, A, alpha=s)``, and the
-op ``kernels.moe_experts`` runs on them; autograd reaches ``A`` and ``B`` through the ``baddbmm``. Cost per MoE layer
-and forward: one temporary the size of each targeted tensor (``[E, 2I, H]`` + ``[E, H, I]``, in the base dtype), and
-in backward the op's full weight gradient of the same size (only reduced to ``A``/``B`` afterwards): at
-Qwen3-30B-A3B's shape 403M + 201M elements per layer (1.2 GB in bf16), held one layer at a time under activation
-checkpointing. A fused path would instead add ``s * (x_e A_e^T) B_e^T`` inside the grouped GEMM on each expert's
-routed rows (rank-r products, no ``[E, out, in]`` temporaries): a ``moe_experts_lora`` op with the same reference
-semantics, not built yet.
+Forward over a frozen dense base: ``kernels.moe_experts_lora`` with the base and the factors apart; the registry's
+``materialized`` implementation (the default) builds ``W' = baddbmm(W, B, A, alpha=s)`` and runs ``moe_experts``
+on it (autograd reaches ``A`` and ``B`` through the ``baddbmm``; per MoE layer and forward one temporary the size
+of each targeted tensor, and in backward the op's full weight gradient of the same size: at Qwen3-30B-A3B's shape
+403M + 201M elements per layer, 1.2 GB in bf16), while its ``triton`` implementation adds ``s * (x_e A_e^T) B_e^T``
+inside the grouped GEMMs on each expert's routed rows (no ``[E, out, in]`` temporaries, no base weight gradient;
+docs/models.md). A merged or disabled adapter, or a base that requires grad, runs ``moe_experts`` on
+``adapted(...)``.
 
 PEFT refuses dropout on a parameter adapter (it cannot be factored out of ``W'``), and so does ``LoraConfig``.
 Merging adds ``s * B_e @ A_e`` into ``W`` in place, one expert at a time in fp32 (no fp32 copy of the whole tensor);
@@ -119,9 +119,21 @@ class LoraExperts(nn.Module):
         return torch.baddbmm(w, b, a, alpha=self.scaling)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if self.quant_shape is None:
+        if self.quant_shape is not None:
+            return run_nf4_experts(self, x, ids, weights)
+        gu, dn = self.gate_up_proj, self.down_proj
+        if self.merged or self.disabled or gu.requires_grad or dn.requires_grad:  # the base as it is (or trained)
             return kernels.moe_experts(x, ids, weights, self.adapted("gate_up_proj"), self.adapted("down_proj"))
-        return run_nf4_experts(self, x, ids, weights)
+        # the adapters apart from the frozen base: the op decides whether W' is built (kernels.moe_experts_lora)
+        factors = [f for name in EXPERT_TENSORS for f in self._op_factors(name, gu.dtype)]
+        return kernels.moe_experts_lora(x, ids, weights, gu, dn, *factors, self.scaling)
+
+    def _op_factors(self, name: str, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(``A [E, r, in]``, ``B [E, out, r]``) of tensor ``name`` for ``moe_experts_lora`` ((None, None): none)."""
+        if name not in self.lora_A:
+            return None, None
+        b, a = self.factors(name, dtype)
+        return a, b
 
     def expert_weights(
         self, dtype: torch.dtype, experts: torch.Tensor | None = None
