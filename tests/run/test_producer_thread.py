@@ -44,7 +44,7 @@ def test_shutdown_cancels_what_has_not_started_and_can_leave_a_stuck_call_behind
 
     def stuck():
         started.set()
-        never.wait()  # a batch waiting on ranks that are gone
+        never.wait(20)  # a batch waiting on ranks that are gone (bounded: a shutdown that joins it fails, not hangs)
 
     first = pool.submit(stuck)
     queued = pool.submit(lambda: "not run")
