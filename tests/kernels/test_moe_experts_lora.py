@@ -134,6 +134,16 @@ def test_triton_peft_layout_views_and_partial_grads(triton_kernels, kernel_check
         kernel_check.assert_close(a, b.grad, torch.float32, name)
 
 
+def test_triton_no_routed_token(triton_kernels):
+    """T = 0 (an empty micro-batch): an empty output, and zero gradients for every factor."""
+    fn = triton_kernels.load("moe_lora", "moe_experts_lora")
+    x, ids, w, gu, dn, ad = _problem(2, 32, 16, 4, 2, 4, torch.float32, triton_kernels.device, seed=8)
+    got = _fwd_bwd(fn, x[:0], ids[:0], w[:0], gu, dn, ad, 0.5)
+    assert got[0].shape == (0, 32) and got[1].shape == (0, 32) and got[2].shape == (0, 2)
+    for name, g, a in zip(NAMES[3:], got[3:], ad):
+        assert g.shape == a.shape and g.abs().max().item() == 0.0, name
+
+
 def test_triton_reads_nothing_back_to_the_host_and_is_deterministic(triton_kernels, host_reads):
     fn = triton_kernels.load("moe_lora", "moe_experts_lora")
     x, ids, w, gu, dn, ad = _problem(6, 32, 16, 4, 2, 4, torch.float32, triton_kernels.device, seed=13, empty=(1,))

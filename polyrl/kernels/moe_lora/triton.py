@@ -85,22 +85,22 @@ class _MoEExpertsLora(torch.autograd.Function):
         act = torch.empty(n, inter, device=x.device, dtype=x.dtype)
         h = torch.empty(n, two_i, device=x.device, dtype=x.dtype) if need_grad else None
         y = torch.empty(n, hidden, device=x.device, dtype=x.dtype)
-        za = zd = None
+        za = zd = seg = None
+        if r_gu:  # (every rank-r product exists, empty, when no row is routed: the backward reads them)
+            # A[e][k, n] = gu_a[e][n, k] (K = H, N = r); the segment's B2[e][k, n] = gu_b[e][n, k], up I rows on
+            za = _thin(route, x, route.token, gu_a, (gu_a.stride(0), gu_a.stride(2), gu_a.stride(1)), r_gu, hidden,
+                       x.dtype, scale)  # fmt: skip
+            seg = Segment(za, gu_b, (gu_b.stride(0), gu_b.stride(2), gu_b.stride(1)), r_gu, inter * gu_b.stride(1))
         if n:
-            seg = None
-            if r_gu:
-                # A[e][k, n] = gu_a[e][n, k] (K = H, N = r); the segment's B2[e][k, n] = gu_b[e][n, k], up I rows on
-                za = _thin(route, x, route.token, gu_a, (gu_a.stride(0), gu_a.stride(2), gu_a.stride(1)), r_gu,
-                           hidden, x.dtype, scale)  # fmt: skip
-                seg = Segment(za, gu_b, (gu_b.stride(0), gu_b.stride(2), gu_b.stride(1)), r_gu, inter * gu_b.stride(1))
             gu_strides = (gate_up.stride(0), gate_up.stride(2), gate_up.stride(1))
             _rows_gemm(route, x, route.token, gate_up, gu_strides, inter, hidden, act, cfg="up", epi=1, h=h,
                        store_h=need_grad, b_up=inter * gate_up.stride(1), second=seg)  # fmt: skip
-            seg = None
-            if r_dn:
-                zd = _thin(route, act, None, dn_a, (dn_a.stride(0), dn_a.stride(2), dn_a.stride(1)), r_dn, inter,
-                           x.dtype, scale)  # fmt: skip
-                seg = Segment(zd, dn_b, (dn_b.stride(0), dn_b.stride(2), dn_b.stride(1)), r_dn)
+        seg = None
+        if r_dn:
+            zd = _thin(route, act, None, dn_a, (dn_a.stride(0), dn_a.stride(2), dn_a.stride(1)), r_dn, inter,
+                       x.dtype, scale)  # fmt: skip
+            seg = Segment(zd, dn_b, (dn_b.stride(0), dn_b.stride(2), dn_b.stride(1)), r_dn)
+        if n:
             _rows_gemm(route, act, None, down, (down.stride(0), down.stride(2), down.stride(1)), hidden, inter, y,
                        cfg="down", second=seg)  # fmt: skip
         out = _combine(y, route, w_flat, t, hidden, x.dtype)
@@ -127,14 +127,13 @@ class _MoEExpertsLora(torch.autograd.Function):
         wact = torch.empty(n, inter, device=dev, dtype=dt)
         dw_rows = torch.zeros(n, device=dev, dtype=torch.float32)
         grads: dict[str, torch.Tensor | None] = dict.fromkeys(("x", "w", "gu_a", "gu_b", "dn_a", "dn_b"))
-        q = None
+        q = seg = None
+        if r_dn:
+            # q = s * dyr @ B_dn_e (K = H, N = r); the segment adds q @ A_dn_e (B2[e][k, n] = dn_a[e][k, n])
+            q = _thin(route, dy_rows, None, dn_b, (dn_b.stride(0), dn_b.stride(1), dn_b.stride(2)), r_dn, hidden, dt,
+                      s)  # fmt: skip
+            seg = Segment(q, dn_a, (dn_a.stride(0), dn_a.stride(1), dn_a.stride(2)), r_dn)
         if n:
-            seg = None
-            if r_dn:
-                # q = s * dyr @ B_dn_e (K = H, N = r); the segment adds q @ A_dn_e (B2[e][k, n] = dn_a[e][k, n])
-                q = _thin(route, dy_rows, None, dn_b, (dn_b.stride(0), dn_b.stride(1), dn_b.stride(2)), r_dn,
-                          hidden, dt, s)  # fmt: skip
-                seg = Segment(q, dn_a, (dn_a.stride(0), dn_a.stride(1), dn_a.stride(2)), r_dn)
             dn_strides = (down.stride(0), down.stride(1), down.stride(2))
             dw_part = _rows_gemm(route, dy_rows, None, down, dn_strides, inter, hidden, dh, cfg="dact", epi=2, h=h,
                                  w_rows=w_rows, wact=wact, need_dw=need[2], second=seg)  # fmt: skip
@@ -150,7 +149,7 @@ class _MoEExpertsLora(torch.autograd.Function):
                 grads["dn_b"] = _wgrad(route, dy_rows, wzd, None, hidden, r_dn, dn_b, block_n=rank_block(r_dn))
         del wact, dy_rows, q
         p = None
-        if r_gu and n:
+        if r_gu:
             # p = s * dh @ B_gu_e (K = 2I, N = r)
             p = _thin(route, dh, None, gu_b, (gu_b.stride(0), gu_b.stride(1), gu_b.stride(2)), r_gu, two_i, dt, s)
         if r_gu and (need[5] or need[6]):
