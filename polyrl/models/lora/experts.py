@@ -128,11 +128,16 @@ class LoraExperts(nn.Module):
         factors = [f for name in EXPERT_TENSORS for f in self._op_factors(name, gu.dtype)]
         return kernels.moe_experts_lora(x, ids, weights, gu, dn, *factors, self.scaling)
 
-    def _op_factors(self, name: str, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(``A [E, r, in]``, ``B [E, out, r]``) of tensor ``name`` for ``moe_experts_lora`` ((None, None): none)."""
+    def _op_factors(
+        self, name: str, dtype: torch.dtype, experts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(``A [E, r, in]``, ``B [E, out, r]``) of tensor ``name`` for ``moe_experts_lora`` (the experts in
+        ``experts``, if given; (None, None): no adapter there)."""
         if name not in self.lora_A:
             return None, None
         b, a = self.factors(name, dtype)
+        if experts is not None:
+            b, a = b[experts], a[experts]
         return a, b
 
     def expert_weights(
@@ -140,6 +145,17 @@ class LoraExperts(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Both adapted tensors of an NF4 base, dequantized to ``dtype`` (the experts in ``experts``, if given)."""
         return self.adapted("gate_up_proj", dtype, experts), self.adapted("down_proj", dtype, experts)
+
+    def run_dequantized(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor | None
+    ) -> torch.Tensor:
+        """An NF4 base's experts (those in ``experts``, if given; ``ids`` index them) dequantized to x's dtype, the
+        adapters apart through ``kernels.moe_experts_lora`` (disabled: the base alone)."""
+        gu, dn = (self.base_tensor(name, x.dtype, experts) for name in EXPERT_TENSORS)
+        if self.disabled:
+            return kernels.moe_experts(x, ids, weights, gu, dn)
+        factors = [f for name in EXPERT_TENSORS for f in self._op_factors(name, x.dtype, experts)]
+        return kernels.moe_experts_lora(x, ids, weights, gu, dn, *factors, self.scaling)
 
     def adapter_tensors(self) -> list[torch.Tensor]:
         """The adapter Parameters, in a fixed order (what backward of an NF4 base returns gradients for)."""

@@ -7,10 +7,11 @@ dense layers), kept as ``<name>_nf4`` uint8 ``[E, N, Kp/2]`` and ``<name>_absmax
 one expert is a slice and the bytes per element are 0.5 + 4/64 = 0.5625 (vs 2 in bf16: 3.56x smaller).
 
 Forward (``dequantize_experts``): the experts a step needs are dequantized just in time to the compute dtype (one
-fp32 code * absmax, one rounding: ``kernels.nf4_dequantize``, Triton on CUDA) and the unchanged op
-``kernels.moe_experts`` runs on them. With fewer routed slots than experts (``T * k < E``: decode, short prompts)
-only the slots' experts are dequantized, one copy per slot, and the ids become ``arange(T * k)``: a sync-free
-subset (no ``unique``, fixed shapes, CUDA-graph safe); otherwise the whole stack.
+fp32 code * absmax, one rounding: ``kernels.nf4_dequantize``, Triton on CUDA) and the op runs on them:
+``kernels.moe_experts``, or with expert adapters ``kernels.moe_experts_lora`` (the adapters apart; its default
+implementation builds ``W'``, its Triton one does not). With fewer routed slots than experts (``T * k < E``:
+decode, short prompts) only the slots' experts are dequantized, one copy per slot, and the ids become
+``arange(T * k)``: a sync-free subset (no ``unique``, fixed shapes, CUDA-graph safe); otherwise the whole stack.
 
 With autograd (``run_nf4_experts``): the op would save the dequantized (adapted) stack of every MoE layer for its
 backward, i.e. hold the whole model's experts in the compute dtype at peak, which is what QLoRA is there to avoid.
@@ -77,8 +78,7 @@ def _outer_hooks_active() -> bool:
 
 def _direct(module: nn.Module, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     sel, run_ids = slot_subset(ids, module.num_experts)
-    gate_up, down = module.expert_weights(x.dtype, sel)
-    return kernels.moe_experts(x, run_ids, weights, gate_up, down)
+    return module.run_dequantized(x, run_ids, weights, sel)
 
 
 class _RecomputedExperts(torch.autograd.Function):
@@ -110,7 +110,8 @@ class _RecomputedExperts(torch.autograd.Function):
 
 def run_nf4_experts(module: nn.Module, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """The routed experts of ``module`` (``NF4Experts`` or a quantized ``LoraExperts``: ``num_experts``,
-    ``expert_weights(dtype, experts)``, ``adapter_tensors()``) on ``x [T, H]``; see the module docstring."""
+    ``run_dequantized(x, ids, weights, experts)``, ``adapter_tensors()``) on ``x [T, H]``; see the module
+    docstring."""
     if torch.is_grad_enabled() and not _outer_hooks_active():
         return _RecomputedExperts.apply(module, x, ids, weights, *module.adapter_tensors())
     return _direct(module, x, ids, weights)
@@ -144,6 +145,12 @@ class NF4Experts(nn.Module):
 
     def adapter_tensors(self) -> list[torch.Tensor]:
         return []
+
+    def run_dequantized(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The op on the experts dequantized to x's dtype (those in ``experts``, if given; ``ids`` index them)."""
+        return kernels.moe_experts(x, ids, weights, *self.expert_weights(x.dtype, experts))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return run_nf4_experts(self, x, ids, weights)
