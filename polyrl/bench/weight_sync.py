@@ -18,7 +18,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -86,7 +85,7 @@ def _broadcast_rank(rank: int, port: int, backend: str, shape: str, args: dict, 
     here = torch.device(devs[rank])
     if here.type == "cuda":
         device.set_device(here.index or 0)
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=300))
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=300))
     group, buf_dev = weights_group(store, 1, rank, devs[0], devs[1], 300)
     model = _model(shape, DTYPES[args["dtype"]], here, seed=rank)  # different weights on the two sides
     sync = BucketedBroadcast(model, group, 0, rank, buf_dev, args["dtype"], args["bucket_mb"])
@@ -95,9 +94,10 @@ def _broadcast_rank(rank: int, port: int, backend: str, shape: str, args: dict, 
 
 
 def _broadcast(shape: str, args: argparse.Namespace, backend: str) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    # the store's server here, on a port it binds itself (a port probed free and bound later by a rank may be
+    # taken by another process in between); both ranks are its clients
+    server = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+    port = int(server.port)
     with tempfile.TemporaryDirectory() as tmp:
         outs = [os.path.join(tmp, f"r{r}.pt") for r in (0, 1)]
         ctx = mp.get_context("spawn")

@@ -61,12 +61,12 @@ gloo otherwise), so a dead replica breaks only its own groups and never stops th
 - ``check()`` finds replicas whose process has exited (``push_weights`` calls it; ``generate`` finds them when it
   sends); ``wait_for_restarts(timeout_s)`` blocks until every restarting replica is ready to
   rejoin (or dropped); ``close()`` stops the workers.
-- Connections: one ``TCPStore`` whose server is in the trainer (a free local port; it outlives any worker), and per
-  replica and incarnation (``name`` = ``"<replica>.<incarnation>"``) the keys ``ready<name>`` (the worker's model is
-  loaded) and ``go<name>`` (the trainer connects now), then two pair groups (rank 0 the trainer, rank 1 the worker)
-  under the store prefixes ``ctl<name>`` (gloo: commands, jobs, outputs) and ``weights<name>`` (the broadcast). A
-  restart builds new groups under the new incarnation's prefixes; the dead ones are kept (never used again), since
-  tearing down a communicator whose peer died may block.
+- Connections: one ``TCPStore`` whose server is in the trainer (on a free port it binds itself; it outlives any
+  worker), and per replica and incarnation (``name`` = ``"<replica>.<incarnation>"``) the keys ``ready<name>`` (the
+  worker's model is loaded) and ``go<name>`` (the trainer connects now), then two pair groups (rank 0 the trainer, rank
+  1 the worker) under the store prefixes ``ctl<name>`` (gloo: commands, jobs, outputs) and ``weights<name>`` (the
+  broadcast). A restart builds new groups under the new incarnation's prefixes; the dead ones are kept (never used
+  again), since tearing down a communicator whose peer died may block.
 - Control wire format: a header ``int64 [cmd, nbytes]`` then a pickled payload as ``uint8`` (``JOB``: prompts,
   sampling parameters and the partial-rollout ``(swap_step, takes)`` or None, ``CALL``: ``(fn, items, args)`` and
   the same ``(swap_step, takes)`` or None; replies: outputs (each sequence with its ``token_versions``), or
@@ -102,7 +102,6 @@ import datetime
 import logging
 import math
 import pickle
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -139,12 +138,6 @@ from polyrl.run.weight_sync import DEFAULT_BUCKET_MB, BucketedBroadcast, SyncSta
 log = logging.getLogger("polyrl.run.rollout_workers")
 DEFAULT_MAX_RESTARTS = 3
 _UNWAITED = object()  # _recv_reply: the reply header's receive not waited for yet
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def _whole_ms_until(deadline: float) -> datetime.timedelta:
@@ -202,10 +195,13 @@ class RolloutWorkers:
         self.balance = balance
         self.speeds = ReplicaSpeeds(num_workers)  # work units per second of each replica (replica_balance)
         self.last_share: dict[int, float] = {}  # the last call's fraction of the estimated work per replica
-        self.port, self.timeout_s, self.max_restarts = _free_port(), float(timeout_s), max_restarts
+        self.timeout_s, self.max_restarts = float(timeout_s), max_restarts
+        # port 0: the store's server binds a free port itself (a port probed free and bound later may be taken
+        # by another process in between)
         self.store = dist.TCPStore(
-            HOST, self.port, None, is_master=True, timeout=datetime.timedelta(seconds=120), wait_for_workers=False
+            HOST, 0, None, is_master=True, timeout=datetime.timedelta(seconds=120), wait_for_workers=False
         )
+        self.port = int(self.store.port)
         base = WorkerSpec(model_path, tokenizer_path, rollout_cfg, "cpu", dtype, str(trainer_device), wire_dtype,
                           bucket_mb, lora, seed)  # fmt: skip
         self.specs = [dataclasses.replace(base, device=d) for d in devices]

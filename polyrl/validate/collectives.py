@@ -2,10 +2,11 @@
 
 One process per visible device (``torch.multiprocessing`` spawn, world size = device count) through the
 platform's collective backend (``polyrl.platform.device.collective_backend()``), a TCP rendezvous on
-127.0.0.1. Each rank fills tensors with rank-dependent values whose exact results are known (small integers,
-exact in fp32), runs every op and compares; rank 0 also times an all_reduce of a larger buffer (bus
-bandwidth as NCCL-tests define it: ``2 (n-1)/n * bytes / time``). Ranks write their answers as JSON files,
-so a hung or crashed rank is a failed level with its error, not a hung validation.
+127.0.0.1 (the store's server in the calling process, on a port it binds itself; the ranks its clients). Each
+rank fills tensors with rank-dependent values whose exact results are known (small integers, exact in fp32), runs
+every op and compares; rank 0 also times an all_reduce of a larger buffer (bus bandwidth as NCCL-tests define it:
+``2 (n-1)/n * bytes / time``). Ranks write their answers as JSON files, so a hung or crashed rank is a failed level
+with its error, not a hung validation.
 
 With one device the level is skipped; ``--collectives-cpu-procs N`` runs N CPU processes over gloo instead
 (the CI test does, with 2). Not here: multi-node (polyrl never validates it here), FSDP.
@@ -14,9 +15,9 @@ With one device the level is skipped; ``--collectives-cpu-procs N`` runs N CPU p
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -38,12 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="run the collectives on N CPU processes over gloo instead of the devices (e.g. 2 on a CPU machine)",
     )
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _checks_on_rank(rank: int, world: int, dev: Any, bench_numel: int) -> dict[str, Any]:
@@ -130,7 +125,8 @@ def _worker(rank: int, world: int, backend: str, port: int, use_cpu: bool, resul
         else:
             device.set_device(rank)
             dev = device.torch_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
         bench_numel = (1 << 20) if use_cpu else (1 << 24)
         out = _checks_on_rank(rank, world, dev, bench_numel)
         dist.barrier()
@@ -142,11 +138,15 @@ def _worker(rank: int, world: int, backend: str, port: int, use_cpu: bool, resul
 
 def _spawn(world: int, backend: str, use_cpu: bool) -> list[dict[str, Any]]:
     # lazy: torch loads only when the level runs (the validate CLI imports every level module for its parser)
+    import torch.distributed as dist
     import torch.multiprocessing as mp
 
+    # the rendezvous store's server here, on a port it binds itself (a port probed free and bound later by rank 0
+    # may be taken by another process in between); every rank is its client
+    server = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="polyrl-coll-") as tmp:
         ctx = mp.start_processes(
-            _worker, args=(world, backend, _free_port(), use_cpu, tmp), nprocs=world, join=False, start_method="spawn"
+            _worker, args=(world, backend, server.port, use_cpu, tmp), nprocs=world, join=False, start_method="spawn"
         )
         deadline = time.monotonic() + TIMEOUT_S
         try:

@@ -137,18 +137,23 @@ def test_driver_calls_the_step_hook_and_records_token_versions(tiny_llm):
     steps (steps 1, 2, ... in order, requests in flight); a weight swap there (here: only a new version stamp, the
     weights unchanged) splits the call in flight, so its recorded tokens carry versions 0 then 1, the template and
     user tokens between calls the version before them, and the next call's tokens version 1. The time the driver
-    stood still in the hook is not counted against the agents' timeout."""
+    stood still in the hook is not counted against the agents' timeout: the hook holds the engine until the run has
+    lasted longer than the timeout, which the agent's own work (a fraction of a second, under a second on a loaded
+    2-core machine) stays well within."""
     import threading
 
     from polyrl.agents.proxy_server import AgentProxy
 
     calls = []
+    timeout_s = 3.0
+    started = []  # when run_agents began
 
     def hook(llm, steps):
         calls.append((threading.current_thread().name, steps, llm.policy_version))
         if steps == 3:
             llm.swap_weights(lambda: None, 1)
-            time.sleep(1.5)  # an update that keeps the engine waiting past the agent's timeout
+            # an update that keeps the engine waiting until the run is past the agent's timeout
+            time.sleep(max(0.0, started[0] + timeout_s + 0.3 - time.monotonic()))
 
     def agent(base_url, example):
         client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
@@ -162,8 +167,11 @@ def test_driver_calls_the_step_hook_and_records_token_versions(tiny_llm):
     try:
         with AgentProxy(tiny_llm, max_tokens=6).start(drive=False) as proxy:
             with proxy.driving(hook):
-                (e,) = proxy.run_agents(agent, [{"prompt": "p"}], n=1, seeds=[0], timeout=1.0)
+                started.append(time.monotonic())
+                (e,) = proxy.run_agents(agent, [{"prompt": "p"}], n=1, seeds=[0], timeout=timeout_s)
+                took = time.monotonic() - started[0]
             assert proxy.failures == {"error": 0, "timeout": 0, "no_reward": 0} and proxy.driver.between_steps is None
+            assert took > timeout_s  # the run outlasted the timeout: only the time in the hook is left out
     finally:
         tiny_llm.policy_version = None
     assert e.status == "done" and e.num_turns == 2 and e.reward == 1.0

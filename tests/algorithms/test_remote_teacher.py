@@ -69,13 +69,15 @@ def test_unreachable_teacher_fails_after_retries():
 
     from polyrl.algorithms.remote_teacher import RemoteTeacher, TeacherServerError
 
-    with socket.socket() as s:  # a port with nothing listening
+    # a port held bound, never listening: connections are refused, and no other process (nor a client's own
+    # ephemeral port: a self-connection) can take it while the test runs
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    remote = RemoteTeacher(f"http://127.0.0.1:{port}/v1", timeout=2, retries=2, backoff=0.01)
-    t0 = time.perf_counter()
-    with pytest.raises(TeacherServerError, match="failed 3 time"):
-        _ = remote.model
+        remote = RemoteTeacher(f"http://127.0.0.1:{port}/v1", timeout=2, retries=2, backoff=0.01)
+        t0 = time.perf_counter()
+        with pytest.raises(TeacherServerError, match="failed 3 time"):
+            _ = remote.model
     assert remote.requests == 3 and remote.retried == 2 and time.perf_counter() - t0 < 10
 
 

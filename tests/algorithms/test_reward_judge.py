@@ -136,14 +136,15 @@ def test_malformed_and_out_of_range_scores_are_non_number_failures(judge):
 
 
 def test_endpoint_down_is_an_error_after_the_retries():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # nothing listens there now
-    cfg = RewardConfig(judge=JudgeConfig(retries=2, backoff=0.05, model="m"))
-    t0 = time.monotonic()
-    with open_rewards(f"judge:http://127.0.0.1:{port}", cfg, failure_reward=-0.5) as scorer:
-        res = scorer.score(["good", "bad"], [EX, EX])
+    # a port held bound, never listening: connections are refused, and no other process (nor a client's own
+    # ephemeral port: a self-connection) can take it while the test runs
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        cfg = RewardConfig(judge=JudgeConfig(retries=2, backoff=0.05, model="m"))
+        t0 = time.monotonic()
+        with open_rewards(f"judge:http://127.0.0.1:{port}", cfg, failure_reward=-0.5) as scorer:
+            res = scorer.score(["good", "bad"], [EX, EX])
     assert res.rewards == [-0.5, -0.5] and res.failures["error"] == 2
     assert "unreachable" in res.messages[0] and f"127.0.0.1:{port}/v1/chat/completions" in res.messages[0]
     assert time.monotonic() - t0 >= 0.05 + 0.1  # backoff 0.05 then 0.1 before giving up

@@ -85,8 +85,11 @@ def test_chunked_scorer_same_rewards_and_failures(tmp_path):
         stream = RewardStream(scorer)
         for i in range(10):
             stream.submit(i, texts[i], views[i])
-            if i % 4 == 3:
-                time.sleep(0.05)  # let the thread take a chunk
+            if i % 4 == 3:  # the thread takes a chunk while completions still come (60 s: bounds a hang only)
+                deadline = time.monotonic() + 60
+                while len(scorer.calls) < 1 + i // 4 and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                assert len(scorer.calls) >= 1 + i // 4, scorer.calls
         streamed = stream.finish(texts, views)
     assert streamed.rewards == batch.rewards and streamed.failed == batch.failed
     assert streamed.failures == batch.failures

@@ -4,9 +4,10 @@ torchrun). Results travel back as JSON files: nothing here mocks a part of the r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +51,20 @@ def global_batches(step: int) -> list[PackedBatch]:
 PROMPTS = [[3, 5, 7], [11, 2], [9, 9, 9, 9, 1], [4], [20, 21, 22, 23]]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def held_ports(n: int) -> Iterator[list[int]]:
+    """``n`` ports, each with a ``TCPStore`` server that this (the test's) process holds until the block ends: a
+    process group the spawned ranks start on one of them connects every rank to it as a client (``spawn`` sets
+    ``TORCHELASTIC_USE_AGENT_STORE``, as torchrun's agent does). A port probed free and bound later by rank 0 could
+    be taken by another process in between (the other test workers' servers and groups bind ports all the time). One
+    process group per port: a second one on the same port would find the first one's keys."""
+    from torch.distributed import TCPStore
+
+    stores = [TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False) for _ in range(n)]
+    try:
+        yield [int(s.port) for s in stores]
+    finally:
+        stores.clear()
 
 
 def _entry(rank: int, fn: Any, world_size: int, port: int, args: tuple) -> None:
@@ -64,16 +75,20 @@ def _entry(rank: int, fn: Any, world_size: int, port: int, args: tuple) -> None:
         LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",  # every rank a client of the store the test process holds
     )
     torch.set_num_threads(1)
     fn(rank, world_size, *args)
 
 
 def spawn(fn: Any, world_size: int, *args: Any) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes (raises if any rank fails)."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes (raises if any rank fails), their
+    environment that of torchrun's ranks, ``MASTER_PORT`` a port of ``held_ports`` (a rank that starts more
+    process groups takes further ports of ``held_ports`` in ``args``, held around this call)."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
+    with held_ports(1) as (port,):
+        mp.spawn(_entry, args=(fn, world_size, port, args), nprocs=world_size, join=True)
 
 
 def write_json(path: Path, obj: Any) -> None:

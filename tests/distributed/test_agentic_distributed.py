@@ -44,7 +44,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from dist_helpers import free_port, spawn
+from dist_helpers import held_ports, spawn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "run"))
 from _async_runs import raw_config, records, run, without_clocks  # noqa: E402
@@ -149,13 +149,10 @@ def test_two_rank_agentic_runs_equal_one_process_resume_and_run_async(tiny_model
                    partial_rollouts=True, partial_swap_step=8)  # fmt: skip
     runs = [{"raw": r} for r in (sync, resumed, inline, thread, thread_resumed, proxy, process, partial)]
     runs[6]["pool_probe"] = True  # the process run: whether each rank built an environment pool
-    ports: list[int] = []
-    while len(ports) < len(runs):
-        p = free_port()
-        ports += [p] if p not in ports else []
     from dist_async_worker import async_runs_worker
 
-    spawn(async_runs_worker, 2, runs, ports)
+    with held_ports(len(runs)) as ports:  # one process group per run, each on a port held here
+        spawn(async_runs_worker, 2, runs, ports)
 
     # (1) synchronous: 2 ranks run the one-process episodes
     run(_raw(tiny_model_dir, tmp_path / "one", env))
@@ -357,13 +354,10 @@ def test_two_rank_process_producer_runs_every_agent_in_rank0_workers(tiny_model_
     partial_agent = _partial_raw(tiny_model_dir, tmp_path / "partial_agent",
                                  {"agent": f"{tmp_path / 'plain_agent.py'}:agent"})  # fmt: skip
     runs = [{"raw": r, "steps_probe": True} for r in (raw, partial_env, partial_agent)]
-    ports: list[int] = []
-    while len(ports) < len(runs):
-        p = free_port()
-        ports += [p] if p not in ports else []
     from dist_async_worker import async_runs_worker
 
-    spawn(async_runs_worker, 2, runs, ports)
+    with held_ports(len(runs)) as ports:  # one process group per run, each on a port held here
+        spawn(async_runs_worker, 2, runs, ports)
 
     ranks = [json.loads((out / f"steps{r}.json").read_text()) for r in (0, 1)]
     assert [p["proxy"] for p in ranks] == [True, False] and [p["local"] for p in ranks] == [[], []]

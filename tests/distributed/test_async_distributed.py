@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_helpers import free_port, spawn
+from dist_helpers import held_ports, spawn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "run"))
 from _async_runs import raw_config, records, run, without_clocks, write_reward  # noqa: E402
@@ -129,13 +129,10 @@ def test_two_rank_async_inline_thread_process_and_resume(tiny_model_dir, tmp_pat
     )  # fmt: skip
     lora["lora"] = {"r": 4, "alpha": 8}
     runs += [{"raw": lora, "probe": True}]
-    ports: list[int] = []
-    while len(ports) < len(runs):
-        p = free_port()
-        ports += [p] if p not in ports else []
     from dist_async_worker import async_runs_worker
 
-    spawn(async_runs_worker, 2, runs, ports)
+    with held_ports(len(runs)) as ports:  # one process group per run, each on a port held here
+        spawn(async_runs_worker, 2, runs, ports)
 
     # (1) K = 1, inline, 2 ranks: staleness 0 then exactly 1, nothing dropped, finite losses
     two = records(tmp_path / "inline")

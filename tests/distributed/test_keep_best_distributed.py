@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_best_worker import keep_best_worker
-from dist_helpers import free_port, spawn
+from dist_helpers import held_ports, spawn
 
 REWARD = """
 from pathlib import Path
@@ -122,7 +122,8 @@ def test_two_rank_keep_best_sft_and_grpo_with_resume(tiny_model_dir, tmp_path):
         {"name": "grpo", "raw": _grpo(tiny_model_dir, grpo, reward, 1), "copy_final": True},
         {"name": "grpo_resume", "raw": {**_grpo(tiny_model_dir, grpo, reward, 2), "resume": "latest"}, "offset": 0},
     ]
-    spawn(keep_best_worker, 2, str(tmp_path), runs, [free_port() for _ in runs])
+    with held_ports(len(runs)) as ports:  # one process group per run, each on a port held here
+        spawn(keep_best_worker, 2, str(tmp_path), runs, ports)
 
     # ---- SFT: the held-out loss of the whole eval set; max: keeps the initial model through the resume
     rows = _rows(sft)

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from dist_helpers import free_port, global_batches, read_json, spawn
+from dist_helpers import global_batches, held_ports, read_json, spawn
 from dist_lora_worker import KINDS, STEPS, lora_model, lora_step_worker, new_engine, resume_worker
 from safetensors.torch import load_file
 
@@ -74,7 +74,8 @@ def _sft_raw(model_dir, out, **extra) -> dict:
 def test_two_rank_lora_run_checkpoints_and_resumes_exactly(tiny_model_dir, tmp_path):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     again = _sft_raw(tiny_model_dir, resumed, resume=str(resumed / "checkpoints" / "step-00000002"))
-    spawn(resume_worker, 2, _sft_raw(tiny_model_dir, whole), again, free_port())
+    with held_ports(1) as (port,):  # the resumed run's process group, on a port held here
+        spawn(resume_worker, 2, _sft_raw(tiny_model_dir, whole), again, port)
     ckpt = whole / "checkpoints" / "step-00000002"
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["replicated"] is True

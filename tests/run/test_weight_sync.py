@@ -8,7 +8,6 @@ refused off gloo; the bench's rows."""
 from __future__ import annotations
 
 import datetime
-import socket
 import time
 
 import pytest
@@ -44,14 +43,9 @@ class Toy(nn.Module):
 BUCKET_MB = 0.01  # 10485 bytes: a, b, c share a bucket; big is alone; d and the buffer follow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _group(port: int, rank: int, size: int):
-    store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
+    """Rank ``rank``'s gloo group, its store a client of the server the test process holds on ``port``."""
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=datetime.timedelta(seconds=60))
     return store, dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=60))
 
 
@@ -132,10 +126,13 @@ def _deadline_scenario(store, pg, rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
-    tmp, size, port = tmp_path_factory.mktemp("wsync"), 3, _free_port()
+    tmp, size = tmp_path_factory.mktemp("wsync"), 3
+    # the store's server here, on a port it binds itself: a port probed free and bound later by a rank may be taken
+    # by another process in between
+    server = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
     outs = [str(tmp / f"rank{r}.pt") for r in range(size)]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_session, args=(r, port, size, outs[r])) for r in range(size)]
+    procs = [ctx.Process(target=_session, args=(r, server.port, size, outs[r])) for r in range(size)]
     for p in procs:
         p.start()
     for p in procs:
@@ -201,7 +198,8 @@ def test_the_deadline_spares_a_slow_sync_and_stops_one_whose_peers_hang(session)
         "SyncTimeout: weight sync: bucket 1 of 4 (1232 bytes) did not complete within deadline_s = 1 s (the peer "
         "hangs) | bucket 1 of 4 (1232 bytes)"
     )
-    assert DEADLINE_S - 0.05 <= got[0]["lone_s"] < DEADLINE_S + 2 and got[0]["abandoned"] == 1
+    # at the deadline, not before; the upper bound only tells it from the group's 60 s timeout
+    assert DEADLINE_S - 0.05 <= got[0]["lone_s"] < DEADLINE_S + 20 and got[0]["abandoned"] == 1
 
 
 def test_a_deadline_needs_a_gloo_group_and_seconds():

@@ -333,8 +333,8 @@ def test_a_job_hook_waited_on_by_two_threads_loads_its_update_once(setup):
         time.sleep(0.2)
         assert driver.is_alive() and finish.is_alive() and loads.n == 0  # both wait for the update
         store.set("send", "1")
-        driver.join(10)
-        finish.join(10)
+        driver.join(60)  # the join timeouts bound a hang only
+        finish.join(60)
         assert not driver.is_alive() and not finish.is_alive()
         assert loads.n == 1 and llm.policy_version == 1 and inbox.notice is None
         store.set("exit", "1")
@@ -365,17 +365,18 @@ def test_a_batch_picked_up_as_close_begins_never_starts(setup):
 
     def held(*args):
         picked.set()
-        gate.wait(10)
+        gate.wait(120)  # longer than the wait for close below: only the test opens it
         return run(*args)
 
     src._run = held
     src.submit(1)
-    assert picked.wait(10)  # the producer thread holds the batch (its future running), not inside it yet
+    assert picked.wait(60)  # the producer thread holds the batch (its future running), not inside it yet
     closer, _ = _in_thread(src.close)
-    deadline = time.monotonic() + 2  # until close has decided (under the producer's lock)
+    deadline = time.monotonic() + 60  # until close has decided (under the producer's lock); bounds a hang only
     while not getattr(src, "_closing", False) and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert src._closing  # close began inside the window this test is about
     gate.set()
-    closer.join(10)
+    closer.join(60)
     assert not closer.is_alive()
     assert produced == []
