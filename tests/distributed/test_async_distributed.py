@@ -322,14 +322,15 @@ def test_a_rank_failing_mid_batch_ends_the_job_at_once(tiny_model_dir, tmp_path,
         raw["agent"] = {"env": f"{tmp_path / 'three_turns.py'}:ThreeTurns", "max_turns": 3, "max_episode_tokens": 200}
         raw["engine"]["micro_batch_tokens"] = 512
     Path(raw["out"]).mkdir(parents=True)
-    ctx = mp.start_processes(_entry, args=(failing_rank_worker, 2, free_port(), (raw,)), nprocs=2, join=False)
-    deadline = time.monotonic() + 120
-    try:
-        with pytest.raises(mp.ProcessRaisedException, match="rank 1 fails at step 2"):
-            while not ctx.join(timeout=1):
-                assert time.monotonic() < deadline, "the failing rank did not exit (it waited for its producer)"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    with held_ports(1) as (port,):
+        ctx = mp.start_processes(_entry, args=(failing_rank_worker, 2, port, (raw,)), nprocs=2, join=False)
+        deadline = time.monotonic() + 120
+        try:
+            with pytest.raises(mp.ProcessRaisedException, match="rank 1 fails at step 2"):
+                while not ctx.join(timeout=1):
+                    assert time.monotonic() < deadline, "the failing rank did not exit (it waited for its producer)"
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
     assert (Path(raw["out"]) / "in_flight.txt").read_text() == "True"  # it failed with batch 3 in flight
