@@ -3,7 +3,8 @@ form, and the Triton path (each adapter's rank-r product a second K segment of i
 base weight gradient) against the reference in fp64: the output and the gradients of x, the routing weights and
 the four adapter factors, with adapters on both projections or on one, awkward routings (experts without tokens,
 k = 1, T = 1), ranks that do not fill a tile, non-contiguous adapters (PEFT's layout viewed as [E, out, r]), no
-host reads, and the base refused when it asks for a gradient. On the GPU: a Qwen3-30B-A3B-like shape in bf16.
+host reads, and the base refused when it asks for a gradient; LoraExperts (fp32 PEFT-layout Parameters, a bf16
+base) through the Triton path. On the GPU: a Qwen3-30B-A3B-like shape in bf16.
 """
 
 from __future__ import annotations
@@ -198,3 +199,65 @@ def test_gpu_bf16_qwen3_30b_shape_matches_reference(triton_kernels, kernel_check
     got = _fwd_bwd(fn, x, ids, w, gu, dn, ad, 2.0)
     want = _fwd_bwd(ref_lora, x, ids, w, gu, dn, ad, 2.0, dtype=torch.float32)
     _check(kernel_check, got, want, torch.bfloat16)
+
+
+def test_lora_experts_layer_through_the_fused_op(triton_kernels, kernel_check, monkeypatch):
+    """LoraExperts as training runs it (fp32 adapter Parameters in PEFT's layouts, a frozen bf16 base, bf16
+    activations) with ``kernels.moe_experts_lora`` bound to the Triton path: the layer hands the op bf16 copies of
+    PEFT's views (B permuted) and the gradients land in the fp32 Parameters as the fp64 spec gives them; a base that
+    requires grad, or a merged adapter, does not take the fused op."""
+    from polyrl import kernels
+    from polyrl.models.lora.experts import LoraExperts
+    from polyrl.models.moe import Experts
+
+    fn = triton_kernels.load("moe_lora", "moe_experts_lora")
+    calls = []
+
+    def fused(*args):
+        calls.append(args)
+        return fn(*args)
+
+    monkeypatch.setattr(kernels, "moe_experts_lora", fused)
+    e, h, inter, r, t, k, s = 4, 32, 16, 4, 9, 2, 2.0
+    g = torch.Generator().manual_seed(31)
+    base = Experts(e, h, inter)
+    base.reset_parameters(h**-0.5, generator=g)
+    layer = LoraExperts(base.to(torch.bfloat16).requires_grad_(False), ["gate_up_proj", "down_proj"], r, s)
+    layer.reset_adapter(g)
+    with torch.no_grad():
+        for name in layer.targets:
+            layer.lora_B[name].normal_(0.0, 0.3, generator=g)
+    dev = triton_kernels.device
+    layer.to(dev)
+    x = torch.randn(t, h, generator=g).to(dev, torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(dev)
+    w = torch.softmax(torch.randn(t, k, generator=g), -1).to(dev, torch.bfloat16)
+    dy = torch.randn(t, h, generator=g).to(dev, torch.bfloat16)
+    layer(x, ids, w).backward(dy)
+    assert len(calls) == 1
+    # the spec in fp64 on the same Parameters
+    ref = {f"{n}.{p}": getattr(layer, f"lora_{p}")[n].detach().double().requires_grad_(True) for n in layer.targets
+           for p in "AB"}  # fmt: skip
+    factors = []
+    for name in layer.targets:
+        a, b = ref[f"{name}.A"], ref[f"{name}.B"]
+        factors += [a.view(e, r, a.shape[1]), b.view(b.shape[0], r, e).permute(2, 0, 1)]
+    base64 = [v.detach().double() for v in (layer.gate_up_proj, layer.down_proj)]
+    ref_lora(x.double(), ids, w.double(), *base64, *factors, s).backward(dy.double())
+    scale = 2.0 if triton_kernels.interpreted else 1.0
+    for name in layer.targets:
+        for p in "AB":
+            got = getattr(layer, f"lora_{p}")[name].grad
+            assert got is not None and got.dtype == torch.float32, f"{name}.{p}"
+            kernel_check.assert_close(got, ref[f"{name}.{p}"].grad, torch.bfloat16, f"{name}.lora_{p}", scale)
+    assert layer.gate_up_proj.grad is None and layer.down_proj.grad is None
+    # a base that trains takes moe_experts on adapted(); so does a merged adapter
+    layer.gate_up_proj.requires_grad_(True)
+    layer(x, ids, w).backward(dy)
+    assert len(calls) == 1 and layer.gate_up_proj.grad is not None
+    layer.gate_up_proj.requires_grad_(False)
+    with torch.no_grad():
+        layer.merge(exact=True)
+        layer(x, ids, w)
+        layer.unmerge()
+    assert len(calls) == 1
