@@ -20,7 +20,8 @@ Backward (``dyr = dy[t]``, unweighted)
 
 Against the materialised path (``W'`` then ``moe_experts``) this drops the two ``[E, out, in]`` temporaries per
 projection and forward (and their backward) and the two full weight-gradient GEMMs of the base, a third of the
-experts' training FLOPs; it adds four thin GEMMs (N or K = r) over the routed rows. The base's own gradients are
+experts' training FLOPs; it adds eight thin grouped GEMMs (N, M or K = r): ``za`` and ``zd`` forward, ``q`` and
+``p`` and the four factor gradients backward. The base's own gradients are
 not computed here (a frozen base: LoRA): use ``moe_experts`` for full fine-tuning. The rank must fit one tile
 (``MAX_RANK``).
 """

@@ -135,7 +135,11 @@ class LoraExperts(nn.Module):
         ``experts``, if given; (None, None): no adapter there)."""
         if name not in self.lora_A:
             return None, None
-        b, a = self.factors(name, dtype)
+        e, lora_a, lora_b = self.num_experts, self.lora_A[name], self.lora_B[name]
+        a = lora_a.view(e, self.r, lora_a.shape[1]).to(dtype)
+        # B's PEFT layout is rank-major ([out, r * E]): its [E, out, r] view is permuted; one contiguous copy (the
+        # cast's) so the grouped GEMMs read each expert's B_e in rows, not one element per E
+        b = lora_b.view(lora_b.shape[0], self.r, e).permute(2, 0, 1).to(dtype, memory_format=torch.contiguous_format)
         if experts is not None:
             b, a = b[experts], a[experts]
         return a, b
