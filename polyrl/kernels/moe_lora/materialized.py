@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from polyrl.kernels import ops  # loaded by the registry when first selected: ops is complete by then
-from polyrl.kernels.moe_lora.reference import frozen_base
+from polyrl.kernels.moe_lora.reference import adapted_weights
 
 
 def moe_experts_lora(
@@ -26,9 +26,5 @@ def moe_experts_lora(
     scale: float,
 ) -> torch.Tensor:
     """Same contract as ``polyrl.kernels.moe_lora.reference.moe_experts_lora``."""
-    frozen_base(gate_up, down)
-    if gate_up_a is not None:
-        gate_up = torch.baddbmm(gate_up, gate_up_b, gate_up_a, alpha=scale)
-    if down_a is not None:
-        down = torch.baddbmm(down, down_b, down_a, alpha=scale)
+    gate_up, down = adapted_weights(gate_up, down, gate_up_a, gate_up_b, down_a, down_b, scale)
     return ops.moe_experts(x, topk_ids, topk_weights, gate_up, down)

@@ -38,9 +38,23 @@ def moe_experts_lora(
     (``gate_up_a [E, r, H]`` / ``gate_up_b [E, 2I, r]``, ``down_a [E, r, I]`` / ``down_b [E, H, r]``; a pair of
     None: no adapter there). The base weights are frozen (``frozen_base``); differentiable in x, topk_weights and
     the adapters. The spec materialises ``W'``; the fast path never does."""
+    gate_up, down = adapted_weights(gate_up, down, gate_up_a, gate_up_b, down_a, down_b, scale)
+    return moe_experts(x, topk_ids, topk_weights, gate_up, down)
+
+
+def adapted_weights(
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    gate_up_a: torch.Tensor | None,
+    gate_up_b: torch.Tensor | None,
+    down_a: torch.Tensor | None,
+    down_b: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``W + scale * B @ A`` (``baddbmm``) of each projection with an adapter, after ``frozen_base``."""
     frozen_base(gate_up, down)
     if gate_up_a is not None:
         gate_up = torch.baddbmm(gate_up, gate_up_b, gate_up_a, alpha=scale)
     if down_a is not None:
         down = torch.baddbmm(down, down_b, down_a, alpha=scale)
-    return moe_experts(x, topk_ids, topk_weights, gate_up, down)
+    return gate_up, down
