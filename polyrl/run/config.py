@@ -44,6 +44,7 @@ from polyrl.algorithms.reward_sources import RewardConfig, check_spec
 from polyrl.algorithms.spec import AlgorithmSpec
 from polyrl.data.config import DataConfig
 from polyrl.errors import ConfigError
+from polyrl.models.config import run_dir_hint
 from polyrl.models.decoder import DecoderOptions
 from polyrl.models.lora import LoraConfig, base_model_path, is_adapter_dir, make_lora_config, read_adapter_config
 from polyrl.run.best import BestMetric
@@ -275,8 +276,13 @@ def build(raw: dict[str, Any]) -> RunConfig:
     model = raw["model"]
     lora = _lora(lora_raw, model)
     if not (Path(model) / "config.json").is_file() and not (Path(model) / "adapter_config.json").is_file():
+        hint = run_dir_hint(model)
+        if hint:
+            raise ConfigError(f"--model {model!r} is not a model folder (no config.json): {hint}")
+        if Path(model).exists():  # a folder of something else: never suggest init-model, which would replace it
+            raise ConfigError(f"model folder {model!r} has no config.json; give a Hugging Face model folder")
         raise ConfigError(
-            f"model folder {model!r} has no config.json; give a Hugging Face model folder, or create one with "
+            f"model folder {model!r} does not exist; give a Hugging Face model folder, or create one with "
             f"`polyrl init-model --preset tiny --out {model}`"
         )
     return RunConfig(

@@ -96,6 +96,42 @@ def test_existing_run_needs_resume(finished_run, capsys):
     assert "pass --resume" in capsys.readouterr().err
 
 
+def test_run_directory_as_model_names_its_model_folder(finished_run, tmp_path, monkeypatch, capsys):
+    """``--model RUN`` (the run directory, not RUN/final) names RUN/final; it never suggests init-model, whose
+    --out replaces a folder (it would have deleted the run). generate / serve / eval read the same hint."""
+    from polyrl.models.config import ModelConfig
+
+    _no_model_load(monkeypatch)
+    argv = ["train", "--algo", "grpo", "--model", str(finished_run), "--data", DATA, "--out", str(tmp_path / "g")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "is not a model folder (no config.json): it is a polyrl run directory; give its model folder " in err
+    assert str(finished_run / "final") in err and "init-model" not in err and not (tmp_path / "g").exists()
+    with pytest.raises(Exception, match="give its model folder " + str(finished_run / "final")):
+        ModelConfig.from_pretrained(finished_run)
+
+
+def test_resume_from_a_run_directory_names_its_newest_checkpoint(finished_run, tmp_path, monkeypatch, capsys):
+    _no_model_load(monkeypatch)
+    argv = ["train", "--model", str(finished_run / "final"), "--data", DATA, "--out", str(tmp_path / "o")]
+    assert main([*argv, "--resume", str(finished_run)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a complete checkpoint folder" in err
+    assert err.rstrip().endswith(f"its newest is --resume {finished_run / 'checkpoints' / 'step-00000004'}"), err
+
+
+def test_resume_as_another_algorithm_stops_before_any_work(finished_run, monkeypatch, capsys):
+    """An SFT run resumed as DPO: refused at once (it failed on the data position after DPO's reference pass, which
+    wrote reference_logps.json into the SFT run)."""
+    _no_model_load(monkeypatch)
+    before = sorted(p.name for p in finished_run.iterdir())
+    argv = ["train", "--algo", "dpo", "--model", str(finished_run / "final"), "--data", "builtin:arithmetic-pref?n=8"]
+    assert main([*argv, "--out", str(finished_run), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "step-00000004 was written by an --algo sft run, and this run is dpo; resume it with --algo sft" in err
+    assert sorted(p.name for p in finished_run.iterdir()) == before
+
+
 def _no_model_load(monkeypatch):
     import sys
 
@@ -146,7 +182,8 @@ def test_missing_model_and_data_are_config_errors(tmp_path, monkeypatch, capsys)
     _no_model_load(monkeypatch)
     base = ["train", "--out", str(tmp_path / "o")]
     assert main([*base, "--model", str(tmp_path / "none"), "--data", DATA]) == 2
-    assert "has no config.json" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "'" + str(tmp_path / "none") + "' does not exist; give a Hugging Face model folder" in err
     assert main([*base, "--model", str(tmp_path), "--data", str(tmp_path / "nope.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
 

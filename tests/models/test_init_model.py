@@ -75,6 +75,21 @@ def test_cli_writes_a_loadable_checkpoint(tmp_path, tiny_model_dir):
     assert exit_info.value.code == 2
 
 
+def test_cli_refuses_to_replace_a_folder_that_is_not_a_model(tmp_path, capsys):
+    """init-model replaces its --out; a run directory there (a user's `--out runs/sft`, say) is refused, whole."""
+    from polyrl.cli.main import main
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "run_config.json").write_text("{}")
+    assert main(["init-model", "--preset", "tiny", "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds files that are not a model (checkpoints, run_config.json)" in err
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "run_config.json"]
+    assert main(["init-model", "--preset", "tiny", "--out", str(run / "checkpoints")]) == 0  # empty: fine
+    assert main(["init-model", "--preset", "tiny", "--out", str(run / "checkpoints"), "--seed", "1"]) == 0  # a model
+
+
 # Real models' parameter counts: the shape presets must reproduce them exactly.
 SHAPE_PARAMS = {
     "qwen3-0.6b-shape": 596_049_920,
