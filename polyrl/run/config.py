@@ -43,7 +43,7 @@ from polyrl import algorithms
 from polyrl.algorithms.reward_sources import RewardConfig, check_spec
 from polyrl.algorithms.spec import AlgorithmSpec
 from polyrl.data.config import DataConfig
-from polyrl.errors import ConfigError
+from polyrl.errors import ConfigError, did_you_mean
 from polyrl.models.config import run_dir_hint
 from polyrl.models.decoder import DecoderOptions
 from polyrl.models.lora import LoraConfig, base_model_path, is_adapter_dir, make_lora_config, read_adapter_config
@@ -225,11 +225,19 @@ def _make(cls: type, table: Any, section: str) -> Any:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(table) - known)
     if unknown:
-        raise ConfigError(f"unknown {section} setting(s) {unknown}; known: {', '.join(sorted(known))}")
+        hint = did_you_mean(unknown, known) or _other_table(unknown, section)
+        raise ConfigError(f"unknown {section} setting(s) {unknown}{hint}; known: {', '.join(sorted(known))}")
     try:
         return cls(**table)
     except TypeError as exc:
         raise ConfigError(f"[{section}]: {exc}") from None
+
+
+def _other_table(names: list[str], section: str) -> str:
+    """`` (did you mean train.max_steps?)`` for names that are settings of another table (``optim.max_steps``)."""
+    tables = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in SECTIONS.items() if name != section}
+    found = [f"{t}.{n}" for n in names for t, keys in tables.items() if n in keys]
+    return f" (did you mean {' or '.join(found)}?)" if found else ""
 
 
 # settings that moved, with where they live now: named in the error instead of a bare "unknown setting"
@@ -307,6 +315,7 @@ def _check_tables(raw: dict[str, Any], algo: str) -> None:
         others = [k for k in unknown if k in algorithms.names()]
         hint = f" ({', '.join(others)} tables belong to other algorithms)" if others else ""
         tables = ", ".join([*SECTIONS, algo, "lora", *episode_tables()])
+        hint = hint or did_you_mean(unknown, [*TOP_LEVEL, *SECTIONS, algo, "lora", *episode_tables()])
         raise ConfigError(
             f"unknown setting(s) {unknown}{hint}; top-level keys are {', '.join(TOP_LEVEL)} and tables {tables}"
         )

@@ -165,6 +165,14 @@ def _no_model_load(monkeypatch):
         (["--algo", "dpo", "--set", "data.fixed_shapes=true"], "data.fixed_shapes pads training batches to one shape"),
         (["--checkpoint-layers", "4"], "set engine.activation_checkpointing = true"),
         (["--set", "precision.linear=int8"], "precision.linear must be one of default, fp8"),
+        # unknown keys name the one meant: a typo, another table's key, another trainer's name
+        (["--set", "optim.learning_rate=1e-4"], "unknown optim setting(s) ['learning_rate'] (did you mean lr?); known: "),
+        (["--set", "optim.max_steps=3"], "['max_steps'] (did you mean train.max_steps?)"),
+        (["--set", "trian.max_steps=3"], "unknown setting(s) ['trian'] (did you mean train?); top-level keys"),
+        (["--algo", "grpo", "--set", "grpo.max_stalness=1"], "['max_stalness'] (did you mean max_staleness?); known"),
+        (["--algo", "grpo", "--set", "grpo.num_generations=4"], "(did you mean samples_per_prompt?)"),
+        (["--set", "data.max_length=64"], "unknown data setting(s) ['max_length'] (did you mean max_seq_len?)"),
+        (["--lora", "r=8,lora_alpha=16"], "unknown --lora key 'lora_alpha' (did you mean alpha?); known: alpha"),
     ],
 )
 def test_config_errors_exit_2_before_loading(tmp_path, monkeypatch, capsys, extra, message):
@@ -174,8 +182,39 @@ def test_config_errors_exit_2_before_loading(tmp_path, monkeypatch, capsys, extr
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err, err
-    assert "sft" in err or "--algo" not in extra
+    assert "sft" in err or "--algo" not in extra or "did you mean" in err
     assert "Traceback" not in err and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--max-stalness", "1"], "unrecognized arguments: --max-stalness 1 (did you mean --max-staleness?); see"),
+        (["--max_steps", "3"], "(did you mean --max-steps?)"),
+        (["--num-generations", "4"], "(did you mean --samples-per-prompt?)"),
+        (["--learning-rate", "1e-4", "--output_dir", "x"], "(did you mean --lr?) (did you mean --out?)"),
+        (["--save-steps", "5"], "(did you mean --save-every?)"),
+        (["--async-producer", "threads"], "invalid choice: 'threads' (choose from 'inline', 'thread', 'process') (did"),
+        (["actor_rollout_ref.rollout.n=4", "optim.lr=3"], "(settings go through --set section.key=value, --set optim"),
+        (["--max-staleness", "two"], "argument --max-staleness: invalid int value: 'two'; see `polyrl train --help`"),
+    ],
+)
+def test_flag_errors_are_one_line_naming_the_flag_meant(capsys, extra, message):
+    """argparse's error without its 50-line usage, with the flag or choice a user (of TRL, verl) most likely meant."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model", "m", "--data", DATA, "--out", "o", *extra])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("polyrl train: error: ") and message in err, err
+    assert err.rstrip().endswith("see `polyrl train --help`")
+
+
+def test_python_dash_m_polyrl_is_the_cli():
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "polyrl", "trian"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "invalid choice: 'trian'" in res.stderr and "(did you mean train?)" in res.stderr
 
 
 def test_missing_model_and_data_are_config_errors(tmp_path, monkeypatch, capsys):
