@@ -61,8 +61,13 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--limit must be > 0, got {args.limit}")
     # lazy: torch and the engine load only when a subcommand runs (polyrl env stays light)
     from polyrl.eval.loading import eval_engine, load_eval_model
+    from polyrl.eval.rewards import check_reward_eval
 
     start = time.perf_counter()
+    prompts = None
+    if args.data is not None:  # data, reward and sampling errors before the model loads
+        limit = int(args.limit) if args.limit is not None else None
+        prompts = check_reward_eval(args.data, args.reward, args.n, args.temperature, limit)
     model, tokenizer = load_eval_model(args.model, args.dtype, args.device, args.base)
     llm = eval_engine(
         model,
@@ -75,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tasks is not None:
         report = _tasks(args, llm)
     else:
-        report = _rewards(args, llm)
+        report = _rewards(args, llm, prompts)
     report.update(model=args.model, load_s=round(loaded, 3), total_s=round(time.perf_counter() - start, 3))
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -114,7 +119,7 @@ def _tasks(args: argparse.Namespace, llm: Any) -> dict[str, Any]:
     }
 
 
-def _rewards(args: argparse.Namespace, llm: Any) -> dict[str, Any]:
+def _rewards(args: argparse.Namespace, llm: Any, prompts: list[Any] | None) -> dict[str, Any]:
     # lazy: the data and reward stack load only for reward evaluation
     from rich.progress import Progress
 
@@ -134,6 +139,7 @@ def _rewards(args: argparse.Namespace, llm: Any) -> dict[str, Any]:
             limit=int(args.limit) if args.limit is not None else None,
             seed=args.seed,
             progress=lambda done, total: bar.update(job, completed=done, total=total),
+            prompts=prompts,
         )
     _table(["metric", "value"], res.rows())
     return {"mode": "reward", **res.as_dict(), "eval_s": round(time.perf_counter() - t0, 3)}

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polyrl.algorithms.rewards import RewardPool, example_view
+from polyrl.algorithms.rewards import resolve as resolve_reward
+from polyrl.algorithms.workers import absolute_spec
 from polyrl.data.config import DataConfig
 from polyrl.data.dataset import chat_tokenizer, load_prompts
 from polyrl.errors import DataError, UserError
@@ -58,6 +60,28 @@ class RewardEval:
         return out
 
 
+def _temperature(n: int, temperature: float | None) -> float:
+    if n < 1:
+        raise UserError(f"--n must be >= 1, got {n}")
+    temp = (0.0 if n == 1 else 1.0) if temperature is None else temperature
+    if temp < 0:
+        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {temp}")
+    if n > 1 and temp == 0.0:
+        raise UserError("--n > 1 with greedy decoding gives n identical samples; set --temperature > 0")
+    return temp
+
+
+def check_reward_eval(
+    data: str, reward: str, n: int = 1, temperature: float | None = None, limit: int | None = None
+) -> list[Any]:
+    """The prompts of ``data``, after checking ``n``, ``temperature`` and the reward spec: every argument error of a
+    reward evaluation, raised before a model loads (a misspelt --reward failed only after generating every sample)."""
+    _temperature(n, temperature)
+    resolve_reward(absolute_spec(reward))
+    prompts, _ = load_prompts(DataConfig(path=data, limit=limit, shuffle=False), "train")
+    return prompts
+
+
 def reward_eval(
     llm: LLM,
     data: str,
@@ -72,18 +96,17 @@ def reward_eval(
     timeout: float = 10.0,
     keep_samples: int = 5,
     progress: Any = None,
+    prompts: list[Any] | None = None,
 ) -> RewardEval:
     """Evaluate ``llm`` on the prompts of ``data`` (a trainer data spec) with the reward ``reward``. ``temperature``
-    None: greedy for n = 1, else 1.0. ``progress(done, total)`` is called after each chunk."""
-    if n < 1:
-        raise UserError(f"--n must be >= 1, got {n}")
+    None: greedy for n = 1, else 1.0. ``progress(done, total)`` is called after each chunk. ``prompts``: those of
+    ``check_reward_eval`` (the CLI reads them before the model loads), else read here."""
     if llm.tokenizer is None:
         raise UserError("reward evaluation needs a tokenizer (the prompts are chat-templated)")
-    temp = (0.0 if n == 1 else 1.0) if temperature is None else temperature
-    if n > 1 and temp == 0.0:
-        raise UserError("--n > 1 with greedy decoding gives n identical samples; set --temperature > 0")
+    temp = _temperature(n, temperature)
     cfg = DataConfig(path=data, limit=limit, shuffle=False)
-    prompts, _ = load_prompts(cfg, "train")
+    if prompts is None:
+        prompts = check_reward_eval(data, reward, n, temperature, limit)
     chat = chat_tokenizer(cfg, llm.tokenizer)
     ids, kept = [], []
     budget = llm.max_model_len - max_tokens

@@ -166,7 +166,7 @@ def _no_model_load(monkeypatch):
         (["--checkpoint-layers", "4"], "set engine.activation_checkpointing = true"),
         (["--set", "precision.linear=int8"], "precision.linear must be one of default, fp8"),
         # unknown keys name the one meant: a typo, another table's key, another trainer's name
-        (["--set", "optim.learning_rate=1e-4"], "unknown optim setting(s) ['learning_rate'] (did you mean lr?); known: "),
+        (["--set", "optim.learning_rate=1e-4"], "optim setting(s) ['learning_rate'] (did you mean lr?); known: "),
         (["--set", "optim.max_steps=3"], "['max_steps'] (did you mean train.max_steps?)"),
         (["--set", "trian.max_steps=3"], "unknown setting(s) ['trian'] (did you mean train?); top-level keys"),
         (["--algo", "grpo", "--set", "grpo.max_stalness=1"], "['max_stalness'] (did you mean max_staleness?); known"),

@@ -117,6 +117,25 @@ def test_bad_arguments_say_what_to_fix(tiny_model_dir, tmp_path, capsys, argv, m
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--reward", "exact_mach"], "unknown reward 'exact_mach'; use a builtin ("),
+        (["--reward", "exact_match", "--n", "0"], "--n must be >= 1, got 0"),
+        (["--reward", "exact_match", "--n", "4", "--temperature", "0"], "--n > 1 with greedy decoding"),
+        (["--reward", "exact_match", "--temperature", "-1"], "--temperature must be >= 0 (0 = greedy), got -1.0"),
+        (["--reward", "exact_match", "--data", "missing.jsonl"], "data file 'missing.jsonl' does not exist"),
+    ],
+)
+def test_reward_eval_errors_come_before_the_model_loads(tmp_path, capsys, argv, message):
+    """The model folder does not exist, so each error here was raised before any model load (a misspelt --reward
+    used to fail only after every sample was generated: over 2 minutes for builtin:arithmetic on the CPU)."""
+    data = ["--data", "builtin:arithmetic?n=4"] if "--data" not in argv else []
+    assert cli("--model", str(tmp_path / "no-model"), *data, *argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "no-model" not in err, err
+
+
 def test_eval_engine_batch_tokens_default_by_device():
     """An eval engine batches 32768 tokens per forward on an accelerator (eager forwards are launch-bound below
     that), the rollout default 8192 on the CPU; an explicit value wins."""
