@@ -24,6 +24,7 @@ from typing import Any
 import polyrl.agents  # noqa: F401 - registers the [agent] table (--env / --agent) with the run config
 from polyrl import algorithms
 from polyrl.errors import ConfigError
+from polyrl.infer import fp8_weights
 from polyrl.models.lora import parse_lora_spec
 from polyrl.platform import device
 from polyrl.run import run as run_training
@@ -423,6 +424,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = resolve(args.config, overrides_from_args(args))
     if cfg.precision.linear == "fp8":  # refused before any model loads (the engine checks again, for fit())
         check_fp8_supported(device.device_type())
+    if getattr(cfg.algo_config, "rollout_precision", "model") == "fp8":  # the same for the rollout's FP8 weights
+        fp8_weights.check_machine()
     if getattr(args, "nproc_per_node", None) is not None:
         if not launched():
             return relaunch(args, args.nproc_per_node)

@@ -217,6 +217,29 @@ def test_python_dash_m_polyrl_is_the_cli():
     assert res.returncode == 2 and "invalid choice: 'trian'" in res.stderr and "(did you mean train?)" in res.stderr
 
 
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--reward", "exact_mach"], "unknown reward 'exact_mach' (did you mean exact_match?); use a builtin"),
+        (["--rollout-precision", "fp8"], "FP8 rollout weights need a device with FP8 matrix multiply"),
+    ],
+)
+def test_rl_errors_come_before_loading(tiny_model_dir, tmp_path, monkeypatch, capsys, extra, message):
+    """A misspelt builtin reward (was: after the data loaded) and FP8 rollout weights on a machine without FP8 GEMMs
+    (was: after the data and the model loaded, leaving a run_config.json behind) stop the run before it starts."""
+    from polyrl.platform import device
+
+    if device.supports_fp8_gemm():
+        pytest.skip("this machine runs FP8 GEMMs")
+    monkeypatch.delenv("POLYRL_KERNELS", raising=False)
+    _no_model_load(monkeypatch)
+    out = tmp_path / "out"
+    argv = ["train", "--algo", "grpo", "--model", str(tiny_model_dir), "--data", DATA, "--out", str(out), *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and not out.exists(), err
+
+
 def test_missing_model_and_data_are_config_errors(tmp_path, monkeypatch, capsys):
     _no_model_load(monkeypatch)
     base = ["train", "--out", str(tmp_path / "o")]
