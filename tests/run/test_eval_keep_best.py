@@ -128,6 +128,20 @@ def test_best_metric_direction_and_names():
     for bad in ("loss", "", "avg:eval_loss", "reward"):
         with pytest.raises(ConfigError, match="keep_best"):
             BestMetric.parse(bad)
+    # the eval/... naming (docs, other tools) is answered with the logged name, the direction kept
+    with pytest.raises(ConfigError, match="logs it as 'eval_pass@1'; pass --keep-best eval_pass@1$"):
+        BestMetric.parse("eval/pass@1")
+    with pytest.raises(ConfigError, match="pass --keep-best max:eval_reward$"):
+        BestMetric.parse("max:eval/reward")
+
+
+def test_unknown_keep_best_metric_names_the_closest(tmp_path):
+    from polyrl.run.best import BestKeeper, BestMetric
+    from polyrl.train import parallel as par
+
+    keeper = BestKeeper(BestMetric.parse("eval_acc"), tmp_path, lambda p: p, par.World(), None)
+    with pytest.raises(ConfigError, match=r"'eval_acc' \(did you mean eval_accuracy\?\), which this run's"):
+        keeper.check({"eval_reward", "eval_accuracy"})
 
 
 def test_config_errors(tiny_model_dir, tmp_path):
