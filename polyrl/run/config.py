@@ -280,6 +280,8 @@ def build(raw: dict[str, Any]) -> RunConfig:
     for key in ("model", "out"):
         if not isinstance(raw.get(key), str) or not raw[key].strip():
             raise ConfigError(f'no {key} given; pass --{key} DIR (or set {key} = "..." in the config file)')
+    if Path(raw["out"]).exists() and not Path(raw["out"]).is_dir():
+        raise ConfigError(f"--out {raw['out']!r} is a file; the run directory must be a folder (new, or a run's)")
     _check_data(built["data"], spec)
     model = raw["model"]
     lora = _lora(lora_raw, model)

@@ -3,6 +3,7 @@ and data errors (exit 2, before any model load). Runs the CLI in-process (``poly
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 
@@ -238,6 +239,35 @@ def test_rl_errors_come_before_loading(tiny_model_dir, tmp_path, monkeypatch, ca
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and not out.exists(), err
+
+
+def test_rl_settings_this_run_ignores_are_warned(tiny_model_dir, tmp_path):
+    """--async-producer / --rollout-workers without --max-staleness, --teacher-coef without a teacher: the run is
+    synchronous (teacherless) as before, and says which flag turns the setting on."""
+    from polyrl.cli.train import add_arguments, overrides_from_args, unused_settings
+    from polyrl.run.config import resolve
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def unused(*extra):
+        base = ["--algo", "grpo", "--model", str(tiny_model_dir), "--data", DATA, "--out", str(tmp_path / "o")]
+        return unused_settings(resolve(None, overrides_from_args(parser.parse_args([*base, *extra]))))
+
+    got = unused("--async-producer", "process", "--rollout-workers", "2", "--teacher-coef", "0.5")
+    assert got[0].startswith('grpo.async_producer = "process" takes effect only in asynchronous RL') and len(got) == 3
+    assert "rollout_workers = 2 is used only by the process producer" in got[1]
+    assert got[2] == "grpo.teacher_coef = 0.5 has no teacher to weigh: add --teacher DIR (or --teacher-url)"
+    assert unused("--max-staleness", "1", "--async-producer", "process", "--rollout-workers", "2") == []
+    assert unused("--max-staleness", "1", "--async-producer", "thread") == [] and unused() == []
+
+
+def test_out_that_is_a_file_is_a_config_error(tmp_path, monkeypatch, capsys):
+    _no_model_load(monkeypatch)
+    (tmp_path / "f").write_text("x")
+    argv = ["train", "--model", str(tmp_path / "m"), "--data", DATA, "--out", str(tmp_path / "f")]
+    assert main(argv) == 2
+    assert "is a file; the run directory must be a folder" in capsys.readouterr().err
 
 
 def test_missing_model_and_data_are_config_errors(tmp_path, monkeypatch, capsys):
