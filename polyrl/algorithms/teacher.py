@@ -6,8 +6,8 @@
 - ``TeacherTerm``: ``teacher_coef * (log p_teacher(y_t) - log p_student(y_t) - b)`` per sampled token, from a
   ``TeacherScorer`` (``teacher``) or a ``RemoteTeacher`` (``teacher_url``, ``remote_teacher.py``), opened on the
   first step with the tokenizer check (a local teacher's tokenizer is checked before any weights load too:
-  ``check_teacher_tokenizer``, from ``OnlineRun``). ``--algo distill`` uses it as the whole advantage; GRPO / GSPO / PPO with a
-  teacher add it to the task reward's advantage (``OnlineRun.step``).
+  ``check_teacher_tokenizer``, from ``OnlineRun``). ``--algo distill`` uses it as the whole advantage; GRPO / GSPO /
+  PPO with a teacher add it to the task reward's advantage (``OnlineRun.step``).
 
 Not here: the loop, the loss (GRPO's clipped token-ratio loss takes per-token advantages as they are).
 """
