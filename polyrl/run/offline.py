@@ -371,7 +371,27 @@ class OfflineRun:
         self.setup()
         self.best = keep_best(cfg, world, self.export_best, self.stream)
         self.load_model()
+        self.check_best_metric()
         self.start = self.resume() if self.start_point is not None else 0
+
+    @torch.no_grad()
+    def check_best_metric(self) -> None:
+        """``train.keep_best`` naming a metric other than ``eval_loss``: the loss's metric names from one held-out
+        micro-batch (eval mode, no gradient), checked before step 1; without it a name the loss does not return failed
+        only at the first evaluation, ``eval_every`` steps in. A single process only (a forward is collective under
+        FSDP; there the first evaluation checks, as ``eval_before_train`` does anywhere)."""
+        if self.best is None or self.eval_data is None or self.world.distributed or self.cfg.train.eval_before_train:
+            return
+        if self.best.metric.name == "eval_loss":
+            return
+        batch = next(iter(self.eval_data.iterator(max_epochs=1)), None)
+        if batch is None:
+            return
+        was_training = self.model.training
+        self.model.eval()
+        _, metrics = self.loss_fn(self.model, batch.to(self.device))
+        self.model.train(was_training)
+        self.best.check({"eval_loss", *(f"eval_{k}" for k in metrics)})
 
     def setup(self) -> None:
         """Run directory, tokenizer, data (and eval data), the algorithm's prepare hook, the resolved config."""

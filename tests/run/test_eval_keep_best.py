@@ -171,6 +171,12 @@ def test_config_errors(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"'eval_reward'.*it logs eval_loss"):
         _run(_sft_raw(tiny_model_dir, out, eval_before_train=True, keep_best="eval_reward"))
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    # without eval_before_train too: the loss's metric names from one held-out micro-batch, before step 1 (it failed
+    # at the first evaluation, eval_every steps in, after checkpoints were written)
+    out = tmp_path / "unknown2"
+    with pytest.raises(ConfigError, match=r"'eval_los' \(did you mean eval_loss\?\).*it logs eval_loss"):
+        _run(_sft_raw(tiny_model_dir, out, eval_every=3, keep_best="min:eval_los"))
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
 
 
 def test_cli_flags_reach_the_train_table():
