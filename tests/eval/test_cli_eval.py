@@ -120,11 +120,12 @@ def test_bad_arguments_say_what_to_fix(tiny_model_dir, tmp_path, capsys, argv, m
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--reward", "exact_mach"], "unknown reward 'exact_mach'; use a builtin ("),
+        (["--reward", "exact_mach"], "unknown reward 'exact_mach' (did you mean exact_match?); use a builtin ("),
         (["--reward", "exact_match", "--n", "0"], "--n must be >= 1, got 0"),
         (["--reward", "exact_match", "--n", "4", "--temperature", "0"], "--n > 1 with greedy decoding"),
         (["--reward", "exact_match", "--temperature", "-1"], "--temperature must be >= 0 (0 = greedy), got -1.0"),
         (["--reward", "exact_match", "--data", "missing.jsonl"], "data file 'missing.jsonl' does not exist"),
+        (["--reward", "exact_match+0.5*judge"], "the reward 'judge' needs a URL: --reward judge:http://HOST:PORT/v1"),
     ],
 )
 def test_reward_eval_errors_come_before_the_model_loads(tmp_path, capsys, argv, message):
@@ -134,6 +135,15 @@ def test_reward_eval_errors_come_before_the_model_loads(tmp_path, capsys, argv, 
     assert cli("--model", str(tmp_path / "no-model"), *data, *argv) == 2
     err = capsys.readouterr().err
     assert message in err and "no-model" not in err, err
+
+
+def test_reward_eval_takes_the_train_reward_specs():
+    """A judge term, as docs/evaluation.md says (--reward takes what polyrl train --reward takes): it was read as a file
+    name ('reward file judge:http://127.0.0.1 does not exist')."""
+    from polyrl.eval.rewards import check_reward_eval
+
+    prompts = check_reward_eval("builtin:arithmetic?n=3", "exact_match+0.5*judge:http://127.0.0.1:9/v1", limit=2)
+    assert len(prompts) == 2 and prompts[0].answer is not None
 
 
 def test_eval_engine_batch_tokens_default_by_device():
