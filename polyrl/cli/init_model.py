@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
-from polyrl.errors import UserError
+from polyrl.cli.outdir import check_replaceable
 from polyrl.models.checkpoint import dtype_from_name
 from polyrl.models.presets import PRESETS, create_model_from_preset
 
@@ -32,23 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    _check_out(Path(args.out))
+    check_replaceable(args.out, "init-model")
     start = time.perf_counter()
     dtype = dtype_from_name(args.dtype) if args.dtype else None
     out = create_model_from_preset(args.preset, args.out, seed=args.seed, dtype=dtype)
     print(f"wrote {args.preset} checkpoint to {out} in {time.perf_counter() - start:.1f}s")
     return 0
-
-
-def _check_out(out: Path) -> None:
-    """Refuse an ``--out`` that holds something other than a model (a run directory, say): replacing it would
-    delete it. An existing model folder (config.json) or an empty folder is fine."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {str(out)!r} is a file; give a folder")
-    if not out.is_dir() or (out / "config.json").is_file() or not any(out.iterdir()):
-        return
-    what = ", ".join(sorted(p.name for p in out.iterdir())[:5])
-    raise UserError(
-        f"--out {str(out)!r} already holds files that are not a model ({what}); init-model replaces its --out "
-        "folder, so give a new or empty folder (or remove this one yourself)"
-    )

@@ -459,7 +459,8 @@ def run_dir_hint(path: str | Path) -> str:
         if (p / name / "config.json").is_file() or (p / name / "adapter_config.json").is_file()
     ]
     if models:
-        return f"it is a polyrl run directory; give its model folder {' or '.join(models)} (best: --keep-best's)"
+        best = " (best: the --keep-best step's)" if len(models) > 1 else ""
+        return f"it is a polyrl run directory; give its model folder {' or '.join(models)}{best}"
     return (
         "it is a polyrl run directory without a final model (the run did not finish); continue it with "
         f"`polyrl train ... --out {p} --resume`"
