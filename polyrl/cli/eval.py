@@ -64,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
     from polyrl.eval.rewards import check_reward_eval
 
     start = time.perf_counter()
-    prompts = None
+    prompts, checked = None, None
+    if args.tasks is not None:  # unknown task names before the model loads
+        checked = _check_tasks(args)
     if args.data is not None:  # data, reward and sampling errors before the model loads
         limit = int(args.limit) if args.limit is not None else None
         prompts = check_reward_eval(args.data, args.reward, args.n, args.temperature, limit)
@@ -78,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     )
     loaded = time.perf_counter() - start
     if args.tasks is not None:
-        report = _tasks(args, llm)
+        report = _tasks(args, llm, checked)
     else:
         report = _rewards(args, llm, prompts)
     report.update(model=args.model, load_s=round(loaded, 3), total_s=round(time.perf_counter() - start, 3))
@@ -89,10 +91,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tasks(args: argparse.Namespace, llm: Any) -> dict[str, Any]:
+def _check_tasks(args: argparse.Namespace) -> tuple[list[str], Any]:
+    """The task names and lm-eval's task manager, every name checked (before the model loads)."""
     try:
         # lazy: lm-eval is the optional `eval` extra
-        from polyrl.eval.harness import result_rows, run_tasks
+        from polyrl.eval.harness import check_tasks
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.startswith("lm_eval"):
             raise UserError("polyrl eval --tasks needs lm-eval-harness: pip install -e '.[eval]'") from None
@@ -100,9 +103,19 @@ def _tasks(args: argparse.Namespace, llm: Any) -> dict[str, Any]:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise UserError("--tasks is empty; give task names separated by commas")
+    return tasks, check_tasks(tasks, args.include_path)
+
+
+def _tasks(args: argparse.Namespace, llm: Any, checked: tuple[list[str], Any]) -> dict[str, Any]:
+    # lazy: lm-eval is the optional `eval` extra (present: _check_tasks imported it)
+    from polyrl.eval.harness import result_rows, run_tasks
+
+    tasks, manager = checked
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     t0 = time.perf_counter()
-    results = run_tasks(llm, tasks, args.include_path, limit, args.num_fewshot, args.apply_chat_template)
+    results = run_tasks(
+        llm, tasks, args.include_path, limit, args.num_fewshot, args.apply_chat_template, task_manager=manager
+    )
     rows = result_rows(results)
     _table(
         ["task", "metric", "value", "stderr"],

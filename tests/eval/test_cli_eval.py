@@ -137,6 +137,15 @@ def test_reward_eval_errors_come_before_the_model_loads(tmp_path, capsys, argv, 
     assert message in err and "no-model" not in err, err
 
 
+def test_task_errors_come_before_the_model_loads(tmp_path, capsys):
+    """lm-eval task names and --include-path are checked before the model loads (an unknown task was found after
+    it; with a did-you-mean now: polyrl_arith_m -> polyrl_arith_mc)."""
+    argv = ["--model", str(tmp_path / "no-model"), "--tasks", "polyrl_arith_mc", "--include-path", str(tmp_path / "x")]
+    assert cli(*argv) == 2
+    err = capsys.readouterr().err
+    assert "--include-path" in err and "is not a folder of lm-eval task YAML files" in err and "no-model" not in err
+
+
 def test_reward_eval_takes_the_train_reward_specs():
     """A judge term, as docs/evaluation.md says (--reward takes what polyrl train --reward takes): it was read as a file
     name ('reward file judge:http://127.0.0.1 does not exist')."""
