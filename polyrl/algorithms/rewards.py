@@ -58,7 +58,7 @@ from polyrl.algorithms.workers import (
 )
 from polyrl.data.builtin import check
 from polyrl.data.builtin.check import check_number, check_string, last_boxed
-from polyrl.errors import ConfigError, UserError
+from polyrl.errors import ConfigError, UserError, did_you_mean
 
 RewardFn = Callable[[str, Mapping[str, Any]], Any]
 FAILURE_KINDS = ("error", "timeout", "non_number", "crash")
@@ -176,7 +176,8 @@ def resolve(spec: str) -> RewardFn:
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
         raise ConfigError(
-            f"unknown reward {spec!r}; use a builtin ({', '.join(sorted(BUILTINS))}), a sum such as "
+            f"unknown reward {spec!r}{did_you_mean(spec, BUILTINS)}; use a builtin ({', '.join(sorted(BUILTINS))}), "
+            "a sum such as "
             f"exact_match+0.2*think_format, or path/to/file.py:function"
         )
     module = load_user_module(target, spec)

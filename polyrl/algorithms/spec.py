@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from polyrl.errors import ConfigError
+from polyrl.errors import ConfigError, did_you_mean
 
 if TYPE_CHECKING:  # annotations only: ``import polyrl.algorithms`` stays free of torch (the CLI lists names with it)
     from polyrl.algorithms.online_config import OnlineHooks
@@ -88,7 +88,7 @@ class AlgorithmSpec:
         unknown = sorted(set(table) - known)
         if unknown:
             hint = f"known: {', '.join(sorted(known))}" if known else f"{self.name} has no settings"
-            raise ConfigError(f"unknown {self.name} setting(s) {unknown}; {hint}")
+            raise ConfigError(f"unknown {self.name} setting(s) {unknown}{did_you_mean(unknown, known)}; {hint}")
         return self.config_cls(**table)
 
 

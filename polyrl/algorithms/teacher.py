@@ -5,8 +5,9 @@
   (``infer/prompt_logprobs.py``), the ``n`` samples of a prompt sharing the prompt's KV through the prefix cache.
 - ``TeacherTerm``: ``teacher_coef * (log p_teacher(y_t) - log p_student(y_t) - b)`` per sampled token, from a
   ``TeacherScorer`` (``teacher``) or a ``RemoteTeacher`` (``teacher_url``, ``remote_teacher.py``), opened on the
-  first step with the tokenizer check. ``--algo distill`` uses it as the whole advantage; GRPO / GSPO / PPO with a
-  teacher add it to the task reward's advantage (``OnlineRun.step``).
+  first step with the tokenizer check (a local teacher's tokenizer is checked before any weights load too:
+  ``check_teacher_tokenizer``, from ``OnlineRun``). ``--algo distill`` uses it as the whole advantage; GRPO / GSPO /
+  PPO with a teacher add it to the task reward's advantage (``OnlineRun.step``).
 
 Not here: the loop, the loss (GRPO's clipped token-ratio loss takes per-token advantages as they are).
 """
@@ -19,6 +20,26 @@ from typing import Any
 from polyrl.algorithms.online_config import OnlineConfig
 from polyrl.algorithms.rl_batch import Sample
 from polyrl.errors import ConfigError
+
+
+def same_vocabulary(teacher: Any, student: Any) -> None:
+    """A ConfigError unless the two tokenizers have one vocabulary (skipped where either cannot say)."""
+    if not hasattr(student, "get_vocab") or not hasattr(teacher, "get_vocab"):
+        return
+    if student.get_vocab() != teacher.get_vocab():
+        raise ConfigError(
+            "distill: the teacher's tokenizer differs from the student's (their vocabularies are not the same); "
+            "distillation compares log-probs of the same token ids, so give a teacher of the same tokenizer family"
+        )
+
+
+def check_teacher_tokenizer(path: str, student: Any) -> None:
+    """The tokenizer check of a local teacher folder ``path``, with its tokenizer alone: the run calls it before the
+    student's weights load (the teacher's weights load on the first step, which found a mismatch only then)."""
+    # lazy: tokenizers load only for a run with a teacher
+    from polyrl.models.checkpoint import load_tokenizer
+
+    same_vocabulary(load_tokenizer(path), student)
 
 
 class TeacherScorer:
@@ -46,13 +67,7 @@ class TeacherScorer:
 
     def check_tokenizer(self, student: Any) -> None:
         """A ConfigError unless the student's tokenizer has the teacher's vocabulary."""
-        if student is None or not hasattr(student, "get_vocab"):
-            return
-        if student.get_vocab() != self.tokenizer.get_vocab():
-            raise ConfigError(
-                "distill: the teacher's tokenizer differs from the student's (their vocabularies are not the same); "
-                "distillation compares log-probs of the same token ids, so give a teacher of the same tokenizer family"
-            )
+        same_vocabulary(self.tokenizer, student)
 
     def score(self, samples: list[Sample]) -> list[list[float]]:
         # lazy: the engine's parameters (infer) only when scoring

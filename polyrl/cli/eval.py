@@ -61,8 +61,15 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--limit must be > 0, got {args.limit}")
     # lazy: torch and the engine load only when a subcommand runs (polyrl env stays light)
     from polyrl.eval.loading import eval_engine, load_eval_model
+    from polyrl.eval.rewards import check_reward_eval
 
     start = time.perf_counter()
+    prompts, checked = None, None
+    if args.tasks is not None:  # unknown task names before the model loads
+        checked = _check_tasks(args)
+    if args.data is not None:  # data, reward and sampling errors before the model loads
+        limit = int(args.limit) if args.limit is not None else None
+        prompts = check_reward_eval(args.data, args.reward, args.n, args.temperature, limit)
     model, tokenizer = load_eval_model(args.model, args.dtype, args.device, args.base)
     llm = eval_engine(
         model,
@@ -73,9 +80,9 @@ def run(args: argparse.Namespace) -> int:
     )
     loaded = time.perf_counter() - start
     if args.tasks is not None:
-        report = _tasks(args, llm)
+        report = _tasks(args, llm, checked)
     else:
-        report = _rewards(args, llm)
+        report = _rewards(args, llm, prompts)
     report.update(model=args.model, load_s=round(loaded, 3), total_s=round(time.perf_counter() - start, 3))
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -84,10 +91,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tasks(args: argparse.Namespace, llm: Any) -> dict[str, Any]:
+def _check_tasks(args: argparse.Namespace) -> tuple[list[str], Any]:
+    """The task names and lm-eval's task manager, every name checked (before the model loads)."""
     try:
         # lazy: lm-eval is the optional `eval` extra
-        from polyrl.eval.harness import result_rows, run_tasks
+        from polyrl.eval.harness import check_tasks
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.startswith("lm_eval"):
             raise UserError("polyrl eval --tasks needs lm-eval-harness: pip install -e '.[eval]'") from None
@@ -95,9 +103,19 @@ def _tasks(args: argparse.Namespace, llm: Any) -> dict[str, Any]:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise UserError("--tasks is empty; give task names separated by commas")
+    return tasks, check_tasks(tasks, args.include_path)
+
+
+def _tasks(args: argparse.Namespace, llm: Any, checked: tuple[list[str], Any]) -> dict[str, Any]:
+    # lazy: lm-eval is the optional `eval` extra (present: _check_tasks imported it)
+    from polyrl.eval.harness import result_rows, run_tasks
+
+    tasks, manager = checked
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     t0 = time.perf_counter()
-    results = run_tasks(llm, tasks, args.include_path, limit, args.num_fewshot, args.apply_chat_template)
+    results = run_tasks(
+        llm, tasks, args.include_path, limit, args.num_fewshot, args.apply_chat_template, task_manager=manager
+    )
     rows = result_rows(results)
     _table(
         ["task", "metric", "value", "stderr"],
@@ -114,7 +132,7 @@ def _tasks(args: argparse.Namespace, llm: Any) -> dict[str, Any]:
     }
 
 
-def _rewards(args: argparse.Namespace, llm: Any) -> dict[str, Any]:
+def _rewards(args: argparse.Namespace, llm: Any, prompts: list[Any] | None) -> dict[str, Any]:
     # lazy: the data and reward stack load only for reward evaluation
     from rich.progress import Progress
 
@@ -134,6 +152,7 @@ def _rewards(args: argparse.Namespace, llm: Any) -> dict[str, Any]:
             limit=int(args.limit) if args.limit is not None else None,
             seed=args.seed,
             progress=lambda done, total: bar.update(job, completed=done, total=total),
+            prompts=prompts,
         )
     _table(["metric", "value"], res.rows())
     return {"mode": "reward", **res.as_dict(), "eval_s": round(time.perf_counter() - t0, 3)}

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import torch
 
+from polyrl.cli.outdir import check_replaceable
 from polyrl.errors import ConfigError
 from polyrl.models.checkpoint import dtype_from_name, load_config, load_model, save_model
+from polyrl.models.config import run_dir_hint
 from polyrl.models.lora import base_model_path, is_adapter_dir, load_adapter, unwrap_lora
 
 
@@ -31,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="base model folder (default: the base_model_name_or_path in the adapter's adapter_config.json)",
     )
     parser.add_argument("--merge", action="store_true", help="merge the adapter into the base (required)")
-    parser.add_argument("--out", required=True, metavar="DIR", help="output HF folder (replaced atomically)")
+    parser.add_argument(
+        "--out", required=True, metavar="DIR", help="output HF folder (a model folder there is replaced atomically)"
+    )
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="saved dtype (default: the base's)")
 
 
@@ -39,7 +43,12 @@ def run(args: argparse.Namespace) -> int:
     if not args.adapter or not args.merge:
         raise ConfigError("polyrl export writes a merged model: pass --adapter DIR --merge (and --out DIR)")
     if not is_adapter_dir(args.adapter):
-        raise ConfigError(f"--adapter {args.adapter} has no adapter_config.json; give a PEFT adapter folder")
+        hint = run_dir_hint(args.adapter)
+        raise ConfigError(
+            f"--adapter {args.adapter} has no adapter_config.json; give a PEFT adapter folder"
+            + (f": {hint}" if hint else "")
+        )
+    check_replaceable(args.out, "export")
     start = time.perf_counter()
     base = base_model_path(args.adapter, args.model)
     saved = dtype_from_name(args.dtype or load_config(base).torch_dtype)

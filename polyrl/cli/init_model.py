@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from polyrl.cli.outdir import check_replaceable
 from polyrl.models.checkpoint import dtype_from_name
 from polyrl.models.presets import PRESETS, create_model_from_preset
 
@@ -18,7 +19,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preset", required=True, choices=PRESETS, metavar="NAME", help=f"one of: {names} (-LN: first N layers)"
     )
-    parser.add_argument("--out", required=True, help="output folder (replaced atomically if it exists)")
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="output folder (a model folder there is replaced atomically; any other non-empty folder is refused)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed for the weights (default 0)")
     parser.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="weight dtype (default: per preset)"
@@ -26,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_replaceable(args.out, "init-model")
     start = time.perf_counter()
     dtype = dtype_from_name(args.dtype) if args.dtype else None
     out = create_model_from_preset(args.preset, args.out, seed=args.seed, dtype=dtype)

@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 
 from polyrl import __version__
-from polyrl.errors import UserError
+from polyrl.errors import UserError, did_you_mean
 
 # name -> (module, one-line help). Add a command by adding a row and a module.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -33,8 +34,38 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a one-line error instead of the full usage (``polyrl train``'s is 50 lines, which buried the
+    message), naming the flag or choice meant: a typo (``--max-stalness``), ``_`` for ``-`` (``--max_steps``), another
+    trainer's name (``--num-generations``, ``--learning-rate``: ``polyrl.errors.FOREIGN_NAMES``), a verl-style
+    ``a.b=v`` (``--set``)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}{self._hint(message)}; see `{self.prog} --help`\n")
+
+    def _hint(self, message: str) -> str:
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            return did_you_mean(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)))
+        unknown = re.match(r"unrecognized arguments: (.*)", message)
+        if not unknown:
+            return ""
+        flags = [o[2:] for o in self._option_string_actions if o.startswith("--")]
+        hints: list[str] = []
+        sets: list[str] = []
+        for token in unknown.group(1).split():
+            if token.startswith("-"):
+                hints.append(did_you_mean(token.lstrip("-").split("=")[0], flags, "--{}"))
+            elif "=" in token and "." in token.split("=")[0] and "--set" in self._option_string_actions:
+                key = token.split("=")[0]
+                sets.append(f"--set {token}" if key.count(".") == 1 else "--set section.key=value")
+        if sets:
+            hints.append(f" (settings go through {', '.join(dict.fromkeys(sets))})")
+        return "".join(h for h in hints if h)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="polyrl", description="LLM post-training on any accelerator.")
+    parser = Parser(prog="polyrl", description="LLM post-training on any accelerator.")
     parser.add_argument("--version", action="version", version=f"polyrl {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -61,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"polyrl {name}: not available in this build.", file=sys.stderr)
             return 2
         raise
-    parser = argparse.ArgumentParser(prog=f"polyrl {name}", description=help_text)
+    parser = Parser(prog=f"polyrl {name}", description=help_text)
     module.add_arguments(parser)
     args = parser.parse_args(rest)
     try:

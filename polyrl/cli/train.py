@@ -17,6 +17,7 @@ This module parses and reports; it never branches on algorithm names (``polyrl.a
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import polyrl.agents  # noqa: F401 - registers the [agent] table (--env / --agent) with the run config
 from polyrl import algorithms
 from polyrl.errors import ConfigError
+from polyrl.infer import fp8_weights
 from polyrl.models.lora import parse_lora_spec
 from polyrl.platform import device
 from polyrl.run import run as run_training
@@ -419,10 +421,41 @@ def _algo_name(args: argparse.Namespace) -> str:
     return "sft"
 
 
+def unused_settings(cfg: Any) -> list[str]:
+    """Settings of the RL table that this run ignores, each as a sentence saying what turns them on: async producer
+    settings in a synchronous run (max_staleness 0), rollout workers without the process producer, a teacher weight
+    without a teacher. The run goes on (printed as warnings); partial_rollouts and rollout_devices, which would change
+    what is built, are errors of the table itself."""
+    a, name = cfg.algo_config, cfg.algo
+    if not hasattr(a, "max_staleness"):
+        return []
+    out = []
+    if a.max_staleness == 0 and a.async_producer != "inline":
+        out.append(
+            f'{name}.async_producer = "{a.async_producer}" takes effect only in asynchronous RL, and max_staleness is '
+            "0 (synchronous): add --max-staleness K (K >= 1) to generate ahead of training"
+        )
+    if a.rollout_workers > 1 and (a.max_staleness == 0 or a.async_producer != "process"):
+        out.append(
+            f"{name}.rollout_workers = {a.rollout_workers} is used only by the process producer: add --max-staleness 1 "
+            "--async-producer process"
+        )
+    if a.teacher_coef != 1.0 and not a.has_teacher:
+        out.append(
+            f"{name}.teacher_coef = {a.teacher_coef:g} has no teacher to weigh: add --teacher DIR (or --teacher-url)"
+        )
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = resolve(args.config, overrides_from_args(args))
+    if os.environ.get("RANK", "0") == "0":  # once, not per torchrun rank
+        for line in unused_settings(cfg):
+            print(f"warning: {line}", file=sys.stderr)
     if cfg.precision.linear == "fp8":  # refused before any model loads (the engine checks again, for fit())
         check_fp8_supported(device.device_type())
+    if getattr(cfg.algo_config, "rollout_precision", "model") == "fp8":  # the same for the rollout's FP8 weights
+        fp8_weights.check_machine()
     if getattr(args, "nproc_per_node", None) is not None:
         if not launched():
             return relaunch(args, args.nproc_per_node)

@@ -16,7 +16,7 @@ from polyrl.data.chat import LOSS_POLICIES
 from polyrl.data.formats import FORMATS
 from polyrl.data.packing import PACKING_METHODS
 from polyrl.data.sources import FILE_SUFFIXES, split_spec
-from polyrl.errors import ConfigError
+from polyrl.errors import ConfigError, did_you_mean
 
 TRUNCATION_POLICIES = ("right", "drop")
 
@@ -84,7 +84,8 @@ class DataConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ConfigError(f"unknown data setting(s) {unknown}; known: {', '.join(sorted(known))}")
+            hint = did_you_mean(unknown, known)
+            raise ConfigError(f"unknown data setting(s) {unknown}{hint}; known: {', '.join(sorted(known))}")
         return cls(**data)
 
 

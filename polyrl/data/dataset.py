@@ -124,7 +124,8 @@ def load_examples(cfg: DataConfig, purpose: str = "sft", part: str = "train", st
         try:
             ex = view(formats.parse_row(raw.data, cfg.format))
         except formats.RowError as exc:
-            _bad(stats, cfg, raw.where, str(exc))
+            keys = f" (the row's keys: {', '.join(map(str, raw.data))})" if isinstance(raw.data, dict) else ""
+            _bad(stats, cfg, raw.where, f"{exc}{keys}")
             continue
         out.append((raw.where, _add_system(ex, cfg.system_prompt)))
     if not out:

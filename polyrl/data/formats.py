@@ -234,6 +234,11 @@ def as_sft(example: Example) -> ChatExample | TokensExample:
         return example
     if isinstance(example, PreferenceExample):
         raise RowError("a preference pair (chosen/rejected) cannot be used for SFT; use --algo dpo")
+    if getattr(example, "answer", None) is not None:  # {"question", "answer"}: an RL row (the answer is checked)
+        raise RowError(
+            "a prompt row with a reference answer is an RL row (the reward checks the answer); for SFT name the "
+            "target column completion or response (prompt/completion), or use an RL algo"
+        )
     raise RowError("a prompt-only row has no completion to train on; add a completion/response or use an RL algo")
 
 

@@ -29,7 +29,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from polyrl.errors import UserError
+from polyrl.errors import UserError, did_you_mean
 from polyrl.eval.bundled import BUNDLED_TASKS, bundled_task_dir
 from polyrl.eval.loading import eval_engine, load_eval_model
 from polyrl.infer.llm import LLM
@@ -364,20 +364,11 @@ def _task_names(folder: Path) -> set[str]:
     return names
 
 
-def run_tasks(
-    llm: LLM,
-    tasks: list[str],
-    include_path: str | None = None,
-    limit: int | float | None = None,
-    num_fewshot: int | None = None,
-    apply_chat_template: bool = False,
-    log_samples: bool = False,
-) -> dict[str, Any]:
-    """lm-eval's ``simple_evaluate`` of ``tasks`` on ``llm`` (the ``polyrl`` model), the bundled tasks and
-    ``include_path`` searchable by name. lm-eval's own task index (thousands of YAMLs, seconds to build) is read
-    only when a task is not found in those folders."""
-    # lazy: lm-eval's evaluator and task index load only when tasks are run
-    import lm_eval
+def check_tasks(tasks: list[str], include_path: str | None = None) -> Any:
+    """lm-eval's ``TaskManager`` over the bundled tasks and ``include_path``, after checking that every name in
+    ``tasks`` is a task there (or in lm-eval's own index, read only when a name is not found in those folders): a
+    UserError naming the unknown ones and the closest task names. ``polyrl eval`` calls it before the model loads."""
+    # lazy: lm-eval's task index loads only when tasks are run
     from lm_eval.tasks import TaskManager
 
     paths = [bundled_task_dir()]
@@ -390,9 +381,30 @@ def run_tasks(
     unknown = [t for t in tasks if t not in tm.all_tasks]
     if unknown:
         raise UserError(
-            f"unknown lm-eval task(s) {', '.join(unknown)}; bundled: {', '.join(BUNDLED_TASKS)} "
-            f"(or give --include-path DIR with their YAML files)"
+            f"unknown lm-eval task(s) {', '.join(unknown)}{did_you_mean(unknown, tm.all_tasks)}; bundled: "
+            f"{', '.join(BUNDLED_TASKS)} (or give --include-path DIR with their YAML files)"
         )
+    return tm
+
+
+def run_tasks(
+    llm: LLM,
+    tasks: list[str],
+    include_path: str | None = None,
+    limit: int | float | None = None,
+    num_fewshot: int | None = None,
+    apply_chat_template: bool = False,
+    log_samples: bool = False,
+    task_manager: Any = None,
+) -> dict[str, Any]:
+    """lm-eval's ``simple_evaluate`` of ``tasks`` on ``llm`` (the ``polyrl`` model), the bundled tasks and
+    ``include_path`` searchable by name. lm-eval's own task index (thousands of YAMLs, seconds to build) is read
+    only when a task is not found in those folders. ``task_manager``: ``check_tasks``'s, when the caller checked
+    the names already."""
+    # lazy: lm-eval's evaluator loads only when tasks are run
+    import lm_eval
+
+    tm = task_manager if task_manager is not None else check_tasks(tasks, include_path)
     return lm_eval.simple_evaluate(
         model=PolyrlLM(llm=llm),
         tasks=tasks,

@@ -4,7 +4,8 @@ function, and report mean reward, pass@1, unbiased pass@k and mean length.
 A sample *passes* when its reward is at least ``threshold`` (1.0 by default: the builtin checkers give 1 for a right
 answer). pass@k is the unbiased estimator of Chen et al. (2021): per prompt with ``c`` passing samples of ``n``,
 ``1 - C(n - c, k) / C(n, k)``, averaged over prompts; reported for k = 1, 2, 4, ... up to ``n`` (and ``n``). Prompts
-are chat-templated as the trainer does (``polyrl.data``); rewards run in the trainer's isolated ``RewardPool``.
+are chat-templated as the trainer does (``polyrl.data``); rewards run in the trainer's ``RewardSources`` (builtins and
+``file.py:fn`` in its isolated ``RewardPool``, judges over HTTP), as ``polyrl train --reward`` takes them.
 Generation goes through the rollout engine in chunks (continuous batching within each), so a progress bar moves.
 Not here: the model loading (``loading.py``), the CLI (``cli/eval.py``).
 """
@@ -15,7 +16,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from polyrl.algorithms.rewards import RewardPool, example_view
+from polyrl.algorithms.reward_sources import RewardConfig, RewardSources, check_spec, parse_spec
+from polyrl.algorithms.rewards import example_view
+from polyrl.algorithms.rewards import resolve as resolve_reward
+from polyrl.algorithms.workers import absolute_spec
 from polyrl.data.config import DataConfig
 from polyrl.data.dataset import chat_tokenizer, load_prompts
 from polyrl.errors import DataError, UserError
@@ -58,6 +62,31 @@ class RewardEval:
         return out
 
 
+def _temperature(n: int, temperature: float | None) -> float:
+    if n < 1:
+        raise UserError(f"--n must be >= 1, got {n}")
+    temp = (0.0 if n == 1 else 1.0) if temperature is None else temperature
+    if temp < 0:
+        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {temp}")
+    if n > 1 and temp == 0.0:
+        raise UserError("--n > 1 with greedy decoding gives n identical samples; set --temperature > 0")
+    return temp
+
+
+def check_reward_eval(
+    data: str, reward: str, n: int = 1, temperature: float | None = None, limit: int | None = None
+) -> list[Any]:
+    """The prompts of ``data``, after checking ``n``, ``temperature`` and the reward spec: every argument error of a
+    reward evaluation, raised before a model loads (a misspelt --reward failed only after generating every sample)."""
+    _temperature(n, temperature)
+    check_spec(reward, RewardConfig())
+    for term in parse_spec(reward):  # builtins and file.py:fn load here (a judge is reached when scoring)
+        if term.kind == "functions":
+            resolve_reward(absolute_spec(term.arg or ""))
+    prompts, _ = load_prompts(DataConfig(path=data, limit=limit, shuffle=False), "train")
+    return prompts
+
+
 def reward_eval(
     llm: LLM,
     data: str,
@@ -72,18 +101,17 @@ def reward_eval(
     timeout: float = 10.0,
     keep_samples: int = 5,
     progress: Any = None,
+    prompts: list[Any] | None = None,
 ) -> RewardEval:
     """Evaluate ``llm`` on the prompts of ``data`` (a trainer data spec) with the reward ``reward``. ``temperature``
-    None: greedy for n = 1, else 1.0. ``progress(done, total)`` is called after each chunk."""
-    if n < 1:
-        raise UserError(f"--n must be >= 1, got {n}")
+    None: greedy for n = 1, else 1.0. ``progress(done, total)`` is called after each chunk. ``prompts``: those of
+    ``check_reward_eval`` (the CLI reads them before the model loads), else read here."""
     if llm.tokenizer is None:
         raise UserError("reward evaluation needs a tokenizer (the prompts are chat-templated)")
-    temp = (0.0 if n == 1 else 1.0) if temperature is None else temperature
-    if n > 1 and temp == 0.0:
-        raise UserError("--n > 1 with greedy decoding gives n identical samples; set --temperature > 0")
+    temp = _temperature(n, temperature)
     cfg = DataConfig(path=data, limit=limit, shuffle=False)
-    prompts, _ = load_prompts(cfg, "train")
+    if prompts is None:
+        prompts = check_reward_eval(data, reward, n, temperature, limit)
     chat = chat_tokenizer(cfg, llm.tokenizer)
     ids, kept = [], []
     budget = llm.max_model_len - max_tokens
@@ -111,7 +139,7 @@ def reward_eval(
         if progress is not None:
             progress(min(lo + CHUNK_PROMPTS, len(ids)), len(ids))
     views = [example_view(p) for p in kept]
-    with RewardPool(reward, workers, timeout) as pool:
+    with RewardSources(reward, RewardConfig(), workers, timeout) as pool:
         res = pool.score([t for group in texts for t in group], [v for v in views for _ in range(n)])
     rewards = res.rewards
     passed = [sum(r >= threshold for r in rewards[i * n : (i + 1) * n]) for i in range(len(kept))]

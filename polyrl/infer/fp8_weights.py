@@ -204,12 +204,28 @@ def check_supported(model: nn.Module) -> None:
         return
     if dev.type == "cpu" or not device.supports_fp8_gemm():
         where = "the CPU" if dev.type == "cpu" else f"this device ({device.name()}, capability {device.capability()})"
-        raise UserError(
-            f"FP8 rollout weights need a device with FP8 matrix multiply (NVIDIA compute capability >= 8.9: Ada, "
-            f"Hopper, Blackwell; AMD MI300 / MI350), and {where} has none (`polyrl env` lists it); run the rollout "
-            f"in the model's precision (drop --rollout-precision fp8 / --quantize fp8), or set "
-            f"POLYRL_KERNELS={OP}:reference to run the slow plain-PyTorch reference (tests, debugging)"
-        )
+        raise UserError(_unsupported(where))
+
+
+def check_machine() -> None:
+    """UserError when no device of this machine can run FP8 rollout weights (a CPU-only machine, a vendor stack
+    without FP8 GEMMs, CUDA devices all below capability 8.9): ``polyrl train --rollout-precision fp8`` asks this
+    before any model loads; ``check_supported`` still checks the device the rollout model is on."""
+    if reference_forced():
+        return
+    kind = device.device_type()
+    if kind == "cuda" and any(device.supports_fp8_gemm(i) for i in range(max(device.count(), 1))):
+        return
+    raise UserError(_unsupported("the CPU" if kind == "cpu" else f"this machine's {kind} device"))
+
+
+def _unsupported(where: str) -> str:
+    return (
+        f"FP8 rollout weights need a device with FP8 matrix multiply (NVIDIA compute capability >= 8.9: Ada, "
+        f"Hopper, Blackwell; AMD MI300 / MI350), and {where} has none (`polyrl env` lists it); run the rollout "
+        f"in the model's precision (drop --rollout-precision fp8 / --quantize fp8), or set "
+        f"POLYRL_KERNELS={OP}:reference to run the slow plain-PyTorch reference (tests, debugging)"
+    )
 
 
 def eligible(linear: nn.Module) -> bool:

@@ -17,6 +17,7 @@ from polyrl.errors import CheckpointError, ConfigError
 from polyrl.models.registry import FamilySpec, get_family
 
 FULL = "full_attention"
+RUN_MARKERS = ("run_config.json", "checkpoints", "metrics.jsonl")  # what a `polyrl train` run directory holds
 SLIDING = "sliding_attention"
 SUPPORTED_ROPE = ("default", "linear", "llama3")
 
@@ -213,6 +214,9 @@ class ModelConfig:
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         cfg_path = Path(path) / "config.json"
         if not cfg_path.is_file():
+            hint = run_dir_hint(path)
+            if hint:
+                raise CheckpointError(f"{path} is not a model folder (no config.json): {hint}")
             raise CheckpointError(f"{cfg_path} not found; point to a Hugging Face model folder with a config.json")
         try:
             data = json.loads(cfg_path.read_text())
@@ -441,3 +445,23 @@ def _sliding_from_hf(d: dict[str, Any], family: FamilySpec, layers: int) -> tupl
         else:
             types = [SLIDING if i >= first else FULL for i in range(layers)]
     return int(window), list(types)
+
+
+def run_dir_hint(path: str | Path) -> str:
+    """For a folder that is a ``polyrl train`` run directory rather than a model, the model folders inside it to
+    give instead (``final``, ``best``) as one clause; '' for any other path. Reads names on disk only."""
+    p = Path(path)
+    if not p.is_dir() or not any((p / m).exists() for m in RUN_MARKERS):
+        return ""
+    models = [
+        str(p / name)
+        for name in ("final", "best")
+        if (p / name / "config.json").is_file() or (p / name / "adapter_config.json").is_file()
+    ]
+    if models:
+        best = " (best: the --keep-best step's)" if len(models) > 1 else ""
+        return f"it is a polyrl run directory; give its model folder {' or '.join(models)}{best}"
+    return (
+        "it is a polyrl run directory without a final model (the run did not finish); continue it with "
+        f"`polyrl train ... --out {p} --resume`"
+    )

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from polyrl.errors import ConfigError
+from polyrl.errors import ConfigError, did_you_mean
 from polyrl.models.checkpoint import replace_dir
 
 if TYPE_CHECKING:
@@ -62,6 +62,11 @@ class BestMetric:
         head, sep, tail = text.partition(":")
         if sep and head in ("min", "max"):
             mode, text = head, tail.strip()
+        if text.startswith("eval/"):  # the eval/... naming of docs and other tools: say the logged name
+            raise ConfigError(
+                f"train.keep_best {spec!r}: metrics.jsonl logs it as {'eval_' + text[5:]!r}; pass --keep-best "
+                f"{(mode + ':') if mode else ''}eval_{text[5:]}"
+            )
         if not text.startswith("eval_"):
             raise ConfigError(
                 f"train.keep_best {spec!r}: name an eval metric as metrics.jsonl logs it (eval_loss, eval_reward, "
@@ -124,7 +129,8 @@ class BestKeeper:
 
     def _unknown(self, names: set[str]) -> None:
         raise ConfigError(
-            f"train.keep_best names {self.metric.name!r}, which this run's evaluation does not produce; it logs "
+            f"train.keep_best names {self.metric.name!r}{did_you_mean(self.metric.name, names)}, which this run's "
+            "evaluation does not produce; it logs "
             f"{', '.join(sorted(names))}: pass one of them to --keep-best"
         )
 

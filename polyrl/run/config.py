@@ -43,7 +43,8 @@ from polyrl import algorithms
 from polyrl.algorithms.reward_sources import RewardConfig, check_spec
 from polyrl.algorithms.spec import AlgorithmSpec
 from polyrl.data.config import DataConfig
-from polyrl.errors import ConfigError
+from polyrl.errors import ConfigError, did_you_mean
+from polyrl.models.config import run_dir_hint
 from polyrl.models.decoder import DecoderOptions
 from polyrl.models.lora import LoraConfig, base_model_path, is_adapter_dir, make_lora_config, read_adapter_config
 from polyrl.run.best import BestMetric
@@ -224,11 +225,19 @@ def _make(cls: type, table: Any, section: str) -> Any:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(table) - known)
     if unknown:
-        raise ConfigError(f"unknown {section} setting(s) {unknown}; known: {', '.join(sorted(known))}")
+        hint = did_you_mean(unknown, known) or _other_table(unknown, section)
+        raise ConfigError(f"unknown {section} setting(s) {unknown}{hint}; known: {', '.join(sorted(known))}")
     try:
         return cls(**table)
     except TypeError as exc:
         raise ConfigError(f"[{section}]: {exc}") from None
+
+
+def _other_table(names: list[str], section: str) -> str:
+    """`` (did you mean train.max_steps?)`` for names that are settings of another table (``optim.max_steps``)."""
+    tables = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in SECTIONS.items() if name != section}
+    found = [f"{t}.{n}" for n in names for t, keys in tables.items() if n in keys]
+    return f" (did you mean {' or '.join(found)}?)" if found else ""
 
 
 # settings that moved, with where they live now: named in the error instead of a bare "unknown setting"
@@ -271,12 +280,19 @@ def build(raw: dict[str, Any]) -> RunConfig:
     for key in ("model", "out"):
         if not isinstance(raw.get(key), str) or not raw[key].strip():
             raise ConfigError(f'no {key} given; pass --{key} DIR (or set {key} = "..." in the config file)')
+    if Path(raw["out"]).exists() and not Path(raw["out"]).is_dir():
+        raise ConfigError(f"--out {raw['out']!r} is a file; the run directory must be a folder (new, or a run's)")
     _check_data(built["data"], spec)
     model = raw["model"]
     lora = _lora(lora_raw, model)
     if not (Path(model) / "config.json").is_file() and not (Path(model) / "adapter_config.json").is_file():
+        hint = run_dir_hint(model)
+        if hint:
+            raise ConfigError(f"--model {model!r} is not a model folder (no config.json): {hint}")
+        if Path(model).exists():  # a folder of something else: never suggest init-model, which would replace it
+            raise ConfigError(f"model folder {model!r} has no config.json; give a Hugging Face model folder")
         raise ConfigError(
-            f"model folder {model!r} has no config.json; give a Hugging Face model folder, or create one with "
+            f"model folder {model!r} does not exist; give a Hugging Face model folder, or create one with "
             f"`polyrl init-model --preset tiny --out {model}`"
         )
     return RunConfig(
@@ -301,6 +317,7 @@ def _check_tables(raw: dict[str, Any], algo: str) -> None:
         others = [k for k in unknown if k in algorithms.names()]
         hint = f" ({', '.join(others)} tables belong to other algorithms)" if others else ""
         tables = ", ".join([*SECTIONS, algo, "lora", *episode_tables()])
+        hint = hint or did_you_mean(unknown, [*TOP_LEVEL, *SECTIONS, algo, "lora", *episode_tables()])
         raise ConfigError(
             f"unknown setting(s) {unknown}{hint}; top-level keys are {', '.join(TOP_LEVEL)} and tables {tables}"
         )

@@ -24,6 +24,7 @@ checkpoint files (``polyrl.train.checkpoint``), argument parsing (``polyrl.cli.t
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -35,6 +36,7 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
+from polyrl import algorithms
 from polyrl.algorithms.online_config import LossFn
 from polyrl.algorithms.spec import AlgorithmSpec, PrepareContext
 from polyrl.data.dataset import DataStats, TokenizedData
@@ -130,7 +132,7 @@ def resume_point(cfg: RunConfig) -> Path | None:
             if problem is None:
                 for bad, why in skipped:
                     print(f"warning: resume: skipping {bad}: {why}; resuming from {path.name} instead", file=sys.stderr)
-                return path
+                return _same_algo(path, cfg)
             skipped.append((path, problem))
         whys = "; ".join(f"{bad.name}: {why}" for bad, why in skipped)
         raise CheckpointError(
@@ -138,14 +140,35 @@ def resume_point(cfg: RunConfig) -> Path | None:
         )
     path = Path(cfg.resume)
     if not (path / "manifest.json").is_file():
+        inside = list_checkpoints(path / "checkpoints")  # a run directory given for its checkpoint
+        hint = f"; its newest is --resume {inside[-1]}" if inside else ""
         raise CheckpointError(
             f"--resume {cfg.resume!r} is not a complete checkpoint folder (no manifest.json); give a "
-            f"checkpoints/step-* folder or --resume latest"
+            f"checkpoints/step-* folder or --resume latest{hint}"
         )
     problem = checkpoint_problem(path)
     if problem is not None:
         raise CheckpointError(f"--resume {cfg.resume!r}: {path.name} is corrupted: {problem}; give another step-*")
-    return path
+    return _same_algo(path, cfg)
+
+
+def _same_algo(path: Path, cfg: RunConfig) -> Path:
+    """``path``, unless its saved run config (``config.json``) is of another algorithm that cannot continue as
+    ``cfg.algo``: a ``CheckpointError`` then, before any data or model loads (an SFT checkpoint as a DPO run failed on
+    the data position only after DPO's reference pass). Refused: an offline algorithm for another, or offline for
+    online and back; online algorithms for each other (grpo -> gspo) are left to the run."""
+    try:
+        saved = json.loads((path / "config.json").read_text()).get("algo")
+    except (OSError, ValueError, AttributeError):
+        return path
+    if not isinstance(saved, str) or saved == cfg.algo or saved not in algorithms.names():
+        return path
+    if algorithms.get(saved).loop != "offline" and cfg.spec.loop != "offline":
+        return path
+    raise CheckpointError(
+        f"checkpoint {path} was written by an --algo {saved} run, and this run is {cfg.algo}; resume it with "
+        f"--algo {saved}, or start the {cfg.algo} run from a trained model (the run's final/ folder) with another --out"
+    )
 
 
 def resume_note(loaded: LoadedCheckpoint, cfg: RunConfig) -> str:
@@ -348,7 +371,27 @@ class OfflineRun:
         self.setup()
         self.best = keep_best(cfg, world, self.export_best, self.stream)
         self.load_model()
+        self.check_best_metric()
         self.start = self.resume() if self.start_point is not None else 0
+
+    @torch.no_grad()
+    def check_best_metric(self) -> None:
+        """``train.keep_best`` naming a metric other than ``eval_loss``: the loss's metric names from one held-out
+        micro-batch (eval mode, no gradient), checked before step 1; without it a name the loss does not return failed
+        only at the first evaluation, ``eval_every`` steps in. A single process only (a forward is collective under
+        FSDP; there the first evaluation checks, as ``eval_before_train`` does anywhere)."""
+        if self.best is None or self.eval_data is None or self.world.distributed or self.cfg.train.eval_before_train:
+            return
+        if self.best.metric.name == "eval_loss":
+            return
+        batch = next(iter(self.eval_data.iterator(max_epochs=1)), None)
+        if batch is None:
+            return
+        was_training = self.model.training
+        self.model.eval()
+        _, metrics = self.loss_fn(self.model, batch.to(self.device))
+        self.model.train(was_training)
+        self.best.check({"eval_loss", *(f"eval_{k}" for k in metrics)})
 
     def setup(self) -> None:
         """Run directory, tokenizer, data (and eval data), the algorithm's prepare hook, the resolved config."""

@@ -79,7 +79,7 @@ from polyrl.algorithms.online_config import OnlineHooks
 from polyrl.algorithms.reward_sources import open_rewards
 from polyrl.algorithms.rewards import example_view
 from polyrl.algorithms.rl_batch import RLBatch, Sample, pack_samples
-from polyrl.algorithms.teacher import add_token_term
+from polyrl.algorithms.teacher import add_token_term, check_teacher_tokenizer
 from polyrl.data.builtin import check
 from polyrl.data.config import DataConfig
 from polyrl.data.dataset import chat_tokenizer, load_prompts
@@ -133,6 +133,8 @@ class OnlineRun(AsyncSteps, DataParallelSteps):
         self.start_point = resume_point(cfg)
         self._resumed_async: dict[str, Any] | None = None  # the checkpointed rollout queue of an async run
         self.tokenizer = load_tokenizer(tokenizer_path(cfg))
+        if getattr(self.a, "teacher", None):  # a local teacher's tokenizer, before any weights load
+            check_teacher_tokenizer(self.a.teacher, self.tokenizer)
         self.prompts, self.prompt_ids, self.views, skipped = self._load(cfg.data, "train")
         self.eval_set = self._eval_set() if cfg.train.eval_every > 0 else None
         self.best = keep_best(cfg, self.world, self.export_best, self.stream_out)

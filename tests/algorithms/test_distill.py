@@ -177,6 +177,35 @@ def test_bad_configs_say_what_to_fix(tiny_model_dir, teacher_dir, tmp_path):
         TeacherScorer(str(teacher_dir), "float32").check_tokenizer(load_tokenizer(str(other)))
 
 
+def test_teacher_of_another_tokenizer_stops_the_run_before_weights_load(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Checked with the teacher's tokenizer alone, before the student's (or teacher's) weights load (it was found on
+    the first step, after the student loaded)."""
+    import sys
+
+    import polyrl.models.checkpoint as ckpt
+    import polyrl.run  # noqa: F401 - the loops bind load_model at import; patched where bound
+    from polyrl.cli.main import main
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dir, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    first = next(iter(vocab))
+    vocab[first + "x"] = vocab.pop(first)
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    for module in [m for name, m in sys.modules.items() if name.startswith("polyrl")]:
+        if getattr(module, "load_model", None) is ckpt.load_model:
+            monkeypatch.setattr(module, "load_model", boom)
+    out = tmp_path / "run"
+    argv = ["train", "--algo", "distill", "--model", str(tiny_model_dir), "--teacher", str(other)]
+    assert main([*argv, "--data", "builtin:arithmetic?n=8", "--out", str(out)]) == 2
+    assert "the teacher's tokenizer differs from the student's" in capsys.readouterr().err and not out.exists()
+
+
 def test_teacher_flag_sets_the_distill_table():
     import argparse
 

@@ -136,7 +136,7 @@ def test_value_errors_come_before_the_model_path_check(tmp_path):
     with pytest.raises(ConfigError, match="optim.lr"):
         rc.build(raw)
     raw["optim"] = {}
-    with pytest.raises(ConfigError, match="has no config.json"):
+    with pytest.raises(ConfigError, match="absent' does not exist; give a Hugging Face model folder, or create"):
         rc.build(raw)
 
 

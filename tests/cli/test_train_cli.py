@@ -3,6 +3,7 @@ and data errors (exit 2, before any model load). Runs the CLI in-process (``poly
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 
@@ -96,6 +97,42 @@ def test_existing_run_needs_resume(finished_run, capsys):
     assert "pass --resume" in capsys.readouterr().err
 
 
+def test_run_directory_as_model_names_its_model_folder(finished_run, tmp_path, monkeypatch, capsys):
+    """``--model RUN`` (the run directory, not RUN/final) names RUN/final; it never suggests init-model, whose
+    --out replaces a folder (it would have deleted the run). generate / serve / eval read the same hint."""
+    from polyrl.models.config import ModelConfig
+
+    _no_model_load(monkeypatch)
+    argv = ["train", "--algo", "grpo", "--model", str(finished_run), "--data", DATA, "--out", str(tmp_path / "g")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "is not a model folder (no config.json): it is a polyrl run directory; give its model folder " in err
+    assert str(finished_run / "final") in err and "init-model" not in err and not (tmp_path / "g").exists()
+    with pytest.raises(Exception, match="give its model folder " + str(finished_run / "final")):
+        ModelConfig.from_pretrained(finished_run)
+
+
+def test_resume_from_a_run_directory_names_its_newest_checkpoint(finished_run, tmp_path, monkeypatch, capsys):
+    _no_model_load(monkeypatch)
+    argv = ["train", "--model", str(finished_run / "final"), "--data", DATA, "--out", str(tmp_path / "o")]
+    assert main([*argv, "--resume", str(finished_run)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a complete checkpoint folder" in err
+    assert err.rstrip().endswith(f"its newest is --resume {finished_run / 'checkpoints' / 'step-00000004'}"), err
+
+
+def test_resume_as_another_algorithm_stops_before_any_work(finished_run, monkeypatch, capsys):
+    """An SFT run resumed as DPO: refused at once (it failed on the data position after DPO's reference pass, which
+    wrote reference_logps.json into the SFT run)."""
+    _no_model_load(monkeypatch)
+    before = sorted(p.name for p in finished_run.iterdir())
+    argv = ["train", "--algo", "dpo", "--model", str(finished_run / "final"), "--data", "builtin:arithmetic-pref?n=8"]
+    assert main([*argv, "--out", str(finished_run), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "step-00000004 was written by an --algo sft run, and this run is dpo; resume it with --algo sft" in err
+    assert sorted(p.name for p in finished_run.iterdir()) == before
+
+
 def _no_model_load(monkeypatch):
     import sys
 
@@ -129,6 +166,14 @@ def _no_model_load(monkeypatch):
         (["--algo", "dpo", "--set", "data.fixed_shapes=true"], "data.fixed_shapes pads training batches to one shape"),
         (["--checkpoint-layers", "4"], "set engine.activation_checkpointing = true"),
         (["--set", "precision.linear=int8"], "precision.linear must be one of default, fp8"),
+        # unknown keys name the one meant: a typo, another table's key, another trainer's name
+        (["--set", "optim.learning_rate=1e-4"], "optim setting(s) ['learning_rate'] (did you mean lr?); known: "),
+        (["--set", "optim.max_steps=3"], "['max_steps'] (did you mean train.max_steps?)"),
+        (["--set", "trian.max_steps=3"], "unknown setting(s) ['trian'] (did you mean train?); top-level keys"),
+        (["--algo", "grpo", "--set", "grpo.max_stalness=1"], "['max_stalness'] (did you mean max_staleness?); known"),
+        (["--algo", "grpo", "--set", "grpo.num_generations=4"], "(did you mean samples_per_prompt?)"),
+        (["--set", "data.max_length=64"], "unknown data setting(s) ['max_length'] (did you mean max_seq_len?)"),
+        (["--lora", "r=8,lora_alpha=16"], "unknown --lora key 'lora_alpha' (did you mean alpha?); known: alpha"),
     ],
 )
 def test_config_errors_exit_2_before_loading(tmp_path, monkeypatch, capsys, extra, message):
@@ -138,15 +183,99 @@ def test_config_errors_exit_2_before_loading(tmp_path, monkeypatch, capsys, extr
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err, err
-    assert "sft" in err or "--algo" not in extra
+    assert "sft" in err or "--algo" not in extra or "did you mean" in err
     assert "Traceback" not in err and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--max-stalness", "1"], "unrecognized arguments: --max-stalness 1 (did you mean --max-staleness?); see"),
+        (["--max_steps", "3"], "(did you mean --max-steps?)"),
+        (["--num-generations", "4"], "(did you mean --samples-per-prompt?)"),
+        (["--learning-rate", "1e-4", "--output_dir", "x"], "(did you mean --lr?) (did you mean --out?)"),
+        (["--save-steps", "5"], "(did you mean --save-every?)"),
+        (["--async-producer", "threads"], "invalid choice: 'threads' (choose from 'inline', 'thread', 'process') (did"),
+        (["actor_rollout_ref.rollout.n=4", "optim.lr=3"], "(settings go through --set section.key=value, --set optim"),
+        (["--max-staleness", "two"], "argument --max-staleness: invalid int value: 'two'; see `polyrl train --help`"),
+    ],
+)
+def test_flag_errors_are_one_line_naming_the_flag_meant(capsys, extra, message):
+    """argparse's error without its 50-line usage, with the flag or choice a user (of TRL, verl) most likely meant."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model", "m", "--data", DATA, "--out", "o", *extra])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("polyrl train: error: ") and message in err, err
+    assert err.rstrip().endswith("see `polyrl train --help`")
+
+
+def test_python_dash_m_polyrl_is_the_cli():
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "polyrl", "trian"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "invalid choice: 'trian'" in res.stderr and "(did you mean train?)" in res.stderr
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--reward", "exact_mach"], "unknown reward 'exact_mach' (did you mean exact_match?); use a builtin"),
+        (["--rollout-precision", "fp8"], "FP8 rollout weights need a device with FP8 matrix multiply"),
+    ],
+)
+def test_rl_errors_come_before_loading(tiny_model_dir, tmp_path, monkeypatch, capsys, extra, message):
+    """A misspelt builtin reward (was: after the data loaded) and FP8 rollout weights on a machine without FP8 GEMMs
+    (was: after the data and the model loaded, leaving a run_config.json behind) stop the run before it starts."""
+    from polyrl.platform import device
+
+    if device.supports_fp8_gemm():
+        pytest.skip("this machine runs FP8 GEMMs")
+    monkeypatch.delenv("POLYRL_KERNELS", raising=False)
+    _no_model_load(monkeypatch)
+    out = tmp_path / "out"
+    argv = ["train", "--algo", "grpo", "--model", str(tiny_model_dir), "--data", DATA, "--out", str(out), *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and not out.exists(), err
+
+
+def test_rl_settings_this_run_ignores_are_warned(tiny_model_dir, tmp_path):
+    """--async-producer / --rollout-workers without --max-staleness, --teacher-coef without a teacher: the run is
+    synchronous (teacherless) as before, and says which flag turns the setting on."""
+    from polyrl.cli.train import add_arguments, overrides_from_args, unused_settings
+    from polyrl.run.config import resolve
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def unused(*extra):
+        base = ["--algo", "grpo", "--model", str(tiny_model_dir), "--data", DATA, "--out", str(tmp_path / "o")]
+        return unused_settings(resolve(None, overrides_from_args(parser.parse_args([*base, *extra]))))
+
+    got = unused("--async-producer", "process", "--rollout-workers", "2", "--teacher-coef", "0.5")
+    assert got[0].startswith('grpo.async_producer = "process" takes effect only in asynchronous RL') and len(got) == 3
+    assert "rollout_workers = 2 is used only by the process producer" in got[1]
+    assert got[2] == "grpo.teacher_coef = 0.5 has no teacher to weigh: add --teacher DIR (or --teacher-url)"
+    assert unused("--max-staleness", "1", "--async-producer", "process", "--rollout-workers", "2") == []
+    assert unused("--max-staleness", "1", "--async-producer", "thread") == [] and unused() == []
+
+
+def test_out_that_is_a_file_is_a_config_error(tmp_path, monkeypatch, capsys):
+    _no_model_load(monkeypatch)
+    (tmp_path / "f").write_text("x")
+    argv = ["train", "--model", str(tmp_path / "m"), "--data", DATA, "--out", str(tmp_path / "f")]
+    assert main(argv) == 2
+    assert "is a file; the run directory must be a folder" in capsys.readouterr().err
 
 
 def test_missing_model_and_data_are_config_errors(tmp_path, monkeypatch, capsys):
     _no_model_load(monkeypatch)
     base = ["train", "--out", str(tmp_path / "o")]
     assert main([*base, "--model", str(tmp_path / "none"), "--data", DATA]) == 2
-    assert "has no config.json" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "'" + str(tmp_path / "none") + "' does not exist; give a Hugging Face model folder" in err
     assert main([*base, "--model", str(tmp_path), "--data", str(tmp_path / "nope.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
 

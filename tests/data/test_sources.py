@@ -41,6 +41,18 @@ def test_bad_jsonl_row_names_file_line_and_problem(tmp_path, write_jsonl):
     assert stats.bad_examples[2] == f"{path}: line 6: expected a JSON object, got list"
 
 
+def test_a_row_of_the_wrong_shape_names_its_keys(tmp_path, write_jsonl):
+    """GSM8K-style question/answer rows for SFT or DPO: the error names the row's columns and what SFT wants."""
+    path = write_jsonl(tmp_path / "qa.jsonl", [{"question": "1 + 1?", "answer": "2"}])
+    with pytest.raises(DataError) as err:
+        load_examples(DataConfig(path=str(path)), "sft")
+    msg = str(err.value)
+    assert f"{path}: line 1: a prompt row with a reference answer is an RL row" in msg, msg
+    assert "name the target column completion or response" in msg and "(the row's keys: question, answer)" in msg
+    with pytest.raises(DataError, match=r"'chosen' and 'rejected' \(the row's keys: question, answer\)"):
+        load_examples(DataConfig(path=str(path)), "dpo")
+
+
 def test_bad_row_in_json_list_is_numbered_by_item(tmp_path):
     (tmp_path / "e.json").write_text(json.dumps([ROWS[0], {"messages": [{"role": "user", "content": "q"}]}]))
     with pytest.raises(DataError, match=r"e\.json: item 2: conversation has no assistant message"):

@@ -117,6 +117,44 @@ def test_bad_arguments_say_what_to_fix(tiny_model_dir, tmp_path, capsys, argv, m
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--reward", "exact_mach"], "unknown reward 'exact_mach' (did you mean exact_match?); use a builtin ("),
+        (["--reward", "exact_match", "--n", "0"], "--n must be >= 1, got 0"),
+        (["--reward", "exact_match", "--n", "4", "--temperature", "0"], "--n > 1 with greedy decoding"),
+        (["--reward", "exact_match", "--temperature", "-1"], "--temperature must be >= 0 (0 = greedy), got -1.0"),
+        (["--reward", "exact_match", "--data", "missing.jsonl"], "data file 'missing.jsonl' does not exist"),
+        (["--reward", "exact_match+0.5*judge"], "the reward 'judge' needs a URL: --reward judge:http://HOST:PORT/v1"),
+    ],
+)
+def test_reward_eval_errors_come_before_the_model_loads(tmp_path, capsys, argv, message):
+    """The model folder does not exist, so each error here was raised before any model load (a misspelt --reward
+    used to fail only after every sample was generated: over 2 minutes for builtin:arithmetic on the CPU)."""
+    data = ["--data", "builtin:arithmetic?n=4"] if "--data" not in argv else []
+    assert cli("--model", str(tmp_path / "no-model"), *data, *argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "no-model" not in err, err
+
+
+def test_task_errors_come_before_the_model_loads(tmp_path, capsys):
+    """lm-eval task names and --include-path are checked before the model loads (an unknown task was found after
+    it; with a did-you-mean now: polyrl_arith_m -> polyrl_arith_mc)."""
+    argv = ["--model", str(tmp_path / "no-model"), "--tasks", "polyrl_arith_mc", "--include-path", str(tmp_path / "x")]
+    assert cli(*argv) == 2
+    err = capsys.readouterr().err
+    assert "--include-path" in err and "is not a folder of lm-eval task YAML files" in err and "no-model" not in err
+
+
+def test_reward_eval_takes_the_train_reward_specs():
+    """A judge term, as docs/evaluation.md says (--reward takes what polyrl train --reward takes): it was read as a file
+    name ('reward file judge:http://127.0.0.1 does not exist')."""
+    from polyrl.eval.rewards import check_reward_eval
+
+    prompts = check_reward_eval("builtin:arithmetic?n=3", "exact_match+0.5*judge:http://127.0.0.1:9/v1", limit=2)
+    assert len(prompts) == 2 and prompts[0].answer is not None
+
+
 def test_eval_engine_batch_tokens_default_by_device():
     """An eval engine batches 32768 tokens per forward on an accelerator (eager forwards are launch-bound below
     that), the rollout default 8192 on the CPU; an explicit value wins."""

@@ -75,6 +75,36 @@ def test_cli_writes_a_loadable_checkpoint(tmp_path, tiny_model_dir):
     assert exit_info.value.code == 2
 
 
+def test_cli_refuses_to_replace_a_folder_that_is_not_a_model(tmp_path, capsys):
+    """init-model replaces its --out; a run directory there (a user's `--out runs/sft`, say) is refused, whole."""
+    from polyrl.cli.main import main
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "run_config.json").write_text("{}")
+    assert main(["init-model", "--preset", "tiny", "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds files that are not a model (checkpoints, run_config.json)" in err
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "run_config.json"]
+    assert main(["init-model", "--preset", "tiny", "--out", str(run / "checkpoints")]) == 0  # empty: fine
+    assert main(["init-model", "--preset", "tiny", "--out", str(run / "checkpoints"), "--seed", "1"]) == 0  # a model
+
+
+def test_export_names_the_adapter_of_a_run_and_keeps_the_run(tmp_path, capsys):
+    """export --adapter RUN (not RUN/final) names RUN/final; export --out RUN would replace the run: refused."""
+    from polyrl.cli.main import main
+
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "final" / "adapter_config.json").write_text("{}")
+    (run / "run_config.json").write_text("{}")
+    assert main(["export", "--adapter", str(run), "--merge", "--out", str(tmp_path / "merged")]) == 2
+    assert f"give its model folder {run / 'final'}" in capsys.readouterr().err
+    assert main(["export", "--adapter", str(run / "final"), "--merge", "--out", str(run)]) == 2
+    assert "export replaces its --out folder" in capsys.readouterr().err
+    assert sorted(p.name for p in run.iterdir()) == ["final", "run_config.json"]
+
+
 # Real models' parameter counts: the shape presets must reproduce them exactly.
 SHAPE_PARAMS = {
     "qwen3-0.6b-shape": 596_049_920,

@@ -128,6 +128,20 @@ def test_best_metric_direction_and_names():
     for bad in ("loss", "", "avg:eval_loss", "reward"):
         with pytest.raises(ConfigError, match="keep_best"):
             BestMetric.parse(bad)
+    # the eval/... naming (docs, other tools) is answered with the logged name, the direction kept
+    with pytest.raises(ConfigError, match="logs it as 'eval_pass@1'; pass --keep-best eval_pass@1$"):
+        BestMetric.parse("eval/pass@1")
+    with pytest.raises(ConfigError, match="pass --keep-best max:eval_reward$"):
+        BestMetric.parse("max:eval/reward")
+
+
+def test_unknown_keep_best_metric_names_the_closest(tmp_path):
+    from polyrl.run.best import BestKeeper, BestMetric
+    from polyrl.train import parallel as par
+
+    keeper = BestKeeper(BestMetric.parse("eval_acc"), tmp_path, lambda p: p, par.World(), None)
+    with pytest.raises(ConfigError, match=r"'eval_acc' \(did you mean eval_accuracy\?\), which this run's"):
+        keeper.check({"eval_reward", "eval_accuracy"})
 
 
 def test_config_errors(tiny_model_dir, tmp_path):
@@ -157,6 +171,12 @@ def test_config_errors(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"'eval_reward'.*it logs eval_loss"):
         _run(_sft_raw(tiny_model_dir, out, eval_before_train=True, keep_best="eval_reward"))
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    # without eval_before_train too: the loss's metric names from one held-out micro-batch, before step 1 (it failed
+    # at the first evaluation, eval_every steps in, after checkpoints were written)
+    out = tmp_path / "unknown2"
+    with pytest.raises(ConfigError, match=r"'eval_los' \(did you mean eval_loss\?\).*it logs eval_loss"):
+        _run(_sft_raw(tiny_model_dir, out, eval_every=3, keep_best="min:eval_los"))
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
 
 
 def test_cli_flags_reach_the_train_table():

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polyrl.algorithms.reward_sources.judge import JudgeConfig, JudgeScorer
-from polyrl.algorithms.rewards import FAILURE_KINDS, RewardPool, RewardResult
+from polyrl.algorithms.rewards import FAILURE_KINDS, RewardPool, RewardResult, resolve
 from polyrl.errors import ConfigError
 
 _TERM = re.compile(r"^\s*(?:([0-9.eE+-]+)\s*\*\s*)?(judge|model)(?::(.+))?\s*$")
@@ -117,6 +117,9 @@ def check_spec(spec: str, cfg: RewardConfig, reward_timeout: float | None = None
             f"reward.code_exec.timeout ({cfg.code_exec.timeout:g}s) must stay below the reward timeout "
             f"({reward_timeout:g}s) by a second or more; raise --reward-timeout or lower reward.code_exec.timeout"
         )
+    for t in terms:  # builtin names and sums (no file.py:fn) resolve here: a misspelt name fails before any load
+        if t.kind == "functions" and t.arg is not None and ":" not in t.arg:
+            resolve(t.arg)
     kinds = [t.kind for t in terms]
     for kind in ("judge", "model"):
         if kinds.count(kind) > 1:

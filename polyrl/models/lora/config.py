@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from polyrl.errors import ConfigError
+from polyrl.errors import ConfigError, did_you_mean
 
 # short name -> HF module name (the last part of the module path in DecoderLM and in HF Llama/Qwen).
 SHORT_TARGETS: dict[str, str] = {
@@ -197,7 +197,8 @@ def parse_lora_spec(text: str) -> dict[str, Any]:
             continue
         key = key.strip()
         if key not in _SPEC_KEYS:
-            raise ConfigError(f"unknown --lora key {key!r}; known: {', '.join(sorted(_SPEC_KEYS))}")
+            hint = did_you_mean(key, _SPEC_KEYS)
+            raise ConfigError(f"unknown --lora key {key!r}{hint}; known: {', '.join(sorted(_SPEC_KEYS))}")
         last = key
         out[key] = [value.strip()] if key in _LIST_KEYS else _literal(value.strip())
     return out
@@ -228,5 +229,6 @@ def make_lora_config(value: Any) -> LoraConfig:
         raise ConfigError(f"[lora] must be a table of settings, got {value!r}")
     unknown = sorted(set(value) - _SPEC_KEYS)
     if unknown:
-        raise ConfigError(f"unknown lora setting(s) {unknown}; known: {', '.join(sorted(_SPEC_KEYS))}")
+        hint = did_you_mean(unknown, _SPEC_KEYS)
+        raise ConfigError(f"unknown lora setting(s) {unknown}{hint}; known: {', '.join(sorted(_SPEC_KEYS))}")
     return LoraConfig(**value)
