@@ -45,7 +45,6 @@ FOREIGN_NAMES: dict[str, str | tuple[str, ...]] = {
     "load_in_4bit": "qlora",
     "per_device_train_batch_size": ("micro_batch_tokens", "prompts_per_step"),
     "gradient_accumulation_steps": "tokens_per_step",
-    "tensor_parallel_size": "nproc_per_node",
     "epsilon": "clip_low",
     "epsilon_high": "clip_high",
     "clip_ratio_low": "clip_low",
