@@ -18,6 +18,15 @@ class CheckpointError(UserError):
     """A missing, mismatched or corrupted checkpoint: lists what is wrong by name."""
 
 
+class RunStopped(KeyboardInterrupt):
+    """A run stopped on a signal after saving a checkpoint of its last step (``polyrl.run.stop_signal``; the message
+    says which signal and where the checkpoint is); ``exit_code``: 128 + the signal's number."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 # other trainers' names (TRL, verl, HF TrainingArguments) -> polyrl's, for did_you_mean (setting names and flags,
 # underscores; a tuple: the first of them that is known)
 FOREIGN_NAMES: dict[str, str | tuple[str, ...]] = {

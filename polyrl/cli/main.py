@@ -14,7 +14,7 @@ import re
 import sys
 
 from polyrl import __version__
-from polyrl.errors import UserError, did_you_mean
+from polyrl.errors import RunStopped, UserError, did_you_mean
 
 # name -> (module, one-line help). Add a command by adding a row and a module.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RunStopped as exc:  # a SIGTERM: the run saved a checkpoint of its last step first
+        print(str(exc), file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

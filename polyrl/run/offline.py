@@ -27,6 +27,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -47,6 +48,7 @@ from polyrl.models.lora import base_model_path, is_adapter_dir, load_lora_model
 from polyrl.platform import device
 from polyrl.run.best import BestKeeper, BestMetric
 from polyrl.run.config import RunConfig, differences, save_resolved
+from polyrl.run.stop_signal import RunStopped, StopSignal
 from polyrl.train import parallel as par
 from polyrl.train.checkpoint import (
     CheckpointManager,
@@ -54,6 +56,7 @@ from polyrl.train.checkpoint import (
     checkpoint_problem,
     list_checkpoints,
     load_checkpoint,
+    step_dir_name,
 )
 from polyrl.train.engine import TrainEngine
 from polyrl.train.metrics import MetricsLogger
@@ -229,27 +232,55 @@ def run_steps(
     save: Callable[[int], None],
     before: Callable[[], dict[str, Any]] | None = None,
     best: BestKeeper | None = None,
+    agree: Callable[[bool], bool] | None = None,
 ) -> None:
     """The loop every run shares: ``step(i)`` for i in [start, steps), each record logged, a checkpoint whenever
     ``ckpts`` asks for one, and the final one. ``before``: the evaluation of the initial model
     (``train.eval_before_train``), logged as step 0 when the run starts at step 0 (a resumed run has it already);
-    ``best``: offered every record before the checkpoint of its step (``train.keep_best``)."""
+    ``best``: offered every record before the checkpoint of its step (``train.keep_best``). A SIGTERM
+    (``stop_signal``) ends the loop after the step in progress, with a checkpoint of it, by raising ``RunStopped``;
+    ``agree(flag)``: whether any rank got one (data-parallel runs: one all-reduce a step), else this process's."""
     if before is not None and start == 0:
         rec = {"step": 0, **before()}
         if log is not None:
             log.log(rec)
         if best is not None:
             best.update(0, rec)
-    for i in range(start, steps):
-        rec = step(i)
-        if log is not None:
-            log.log(rec)
-        if best is not None:
-            best.update(i + 1, rec)
-        if ckpts.should_save(i + 1) and i + 1 < steps:
-            save(i + 1)
+    with StopSignal() as stop:
+        for i in range(start, steps):
+            rec = step(i)
+            if log is not None:
+                log.log(rec)
+            if best is not None:
+                best.update(i + 1, rec)
+            saved = ckpts.should_save(i + 1) and i + 1 < steps
+            if saved:
+                save(i + 1)
+            signalled = stop.received is not None
+            if i + 1 < steps and (agree(signalled) if agree is not None else signalled):
+                if not saved:
+                    save(i + 1)
+                where = ckpts.root / step_dir_name(i + 1)
+                name = stop.name() or "a stop signal on another rank"
+                raise RunStopped(
+                    f"stopped by {name} after step {i + 1} of {steps}; checkpoint {where}: continue with the same "
+                    f"command and --resume",
+                    128 + (stop.received or signal.SIGTERM),
+                )
     if ckpts.should_save(steps, final=True):
         save(steps)
+
+
+def any_rank(world: par.World) -> Callable[[bool], bool] | None:
+    """``run_steps``' ``agree`` of a data-parallel run (whether any rank's flag is set: one all-reduce), None in one
+    process."""
+    return (lambda flag: world.sum_float(float(flag)) > 0) if world.distributed else None
+
+
+def end_status(exc: BaseException) -> str:
+    """The summary's ``status`` of a run that ended with ``exc``: ``stopped`` after a stop signal (its checkpoint
+    saved), else ``failed: <exception>``."""
+    return "stopped" if isinstance(exc, RunStopped) else f"failed: {type(exc).__name__}"
 
 
 def total_steps(cfg: RunConfig, batches_per_epoch: int, accumulation: int | None = None) -> int:
@@ -512,13 +543,14 @@ class OfflineRun:
         try:
             before = self.evaluate if cfg.train.eval_before_train else None
             save = lambda step: self.save(ckpts, step)  # noqa: E731
-            run_steps(self.start, self.steps, self.step, log, ckpts, save, before=before, best=self.best)
+            run_steps(self.start, self.steps, self.step, log, ckpts, save, before=before, best=self.best,
+                      agree=any_rank(world))  # fmt: skip
             final = export_final(cfg, self.model, world, self.tokenizer)
             if final is not None and self.spec.finalize is not None and world.is_main:
                 final = self.spec.finalize(final, self.tokenizer)  # rm: a sequence-classification folder
         except BaseException as exc:
             if log is not None:
-                log.close(extra={"status": f"failed: {type(exc).__name__}"}, print_table=False)
+                log.close(extra={"status": end_status(exc)}, print_table=False)
             raise
         if log is None:
             return {"status": "finished", "rank": world.rank}

@@ -96,6 +96,8 @@ from polyrl.run.config import RunConfig, save_resolved
 from polyrl.run.data_parallel import DataParallelSteps
 from polyrl.run.evaluate import sampled_metrics
 from polyrl.run.offline import (
+    any_rank,
+    end_status,
     export_final,
     export_model,
     keep_best,
@@ -631,12 +633,13 @@ class OnlineRun(AsyncSteps, DataParallelSteps):
         failed = False
         try:
             before = self.evaluate_before_train if cfg.train.eval_before_train else None
-            run_steps(self.start, self.steps, self.step, log, ckpts, save, before=before, best=self.best)
+            run_steps(self.start, self.steps, self.step, log, ckpts, save, before=before, best=self.best,
+                      agree=any_rank(world))  # fmt: skip
             final = export_final(cfg, model, world, self.tokenizer)
         except BaseException as exc:
             failed = True
             if log is not None:
-                log.close(extra={"status": f"failed: {type(exc).__name__}"}, print_table=False)
+                log.close(extra={"status": end_status(exc)}, print_table=False)
             raise
         finally:
             closers: list[tuple[str, Callable[[], object]]] = []

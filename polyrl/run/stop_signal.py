@@ -1,0 +1,71 @@
+"""Stopping a run on SIGTERM with nothing lost: the preemption signal of clusters and schedulers (Slurm, Kubernetes,
+torchrun's agent when it is itself stopped).
+
+``StopSignal`` (a context manager around the run loop, ``offline.run_steps``) catches SIGTERM in the main thread and
+only records it: the step in progress finishes, the loop saves a checkpoint of that step (unless it just saved one)
+and raises ``RunStopped``, which the CLI turns into its message and exit code 143 (128 + SIGTERM, so a scheduler
+still sees a run that did not finish, and requeues it); ``--resume`` continues it exactly, as from any checkpoint. A
+second SIGTERM restores the previous handler and delivers the signal again: the process stops at once (no new
+checkpoint). Under torchrun every rank sees the signal (the agent forwards it) but maybe at different steps: the
+loop agrees through one tiny all-reduce per step, so all ranks save the same step and stop together. The grace the
+launcher allows between SIGTERM and SIGKILL must cover a step and a checkpoint (Slurm: ``--signal``/``KillWait``;
+Kubernetes: ``terminationGracePeriodSeconds``).
+
+Ctrl-C (SIGINT) is left as it was (an immediate ``KeyboardInterrupt``): a terminal sends it to every process of the
+foreground group, so reward, environment and rollout worker processes would die mid-step. Outside the main thread
+(``fit()`` called from another thread) no handler can be installed and nothing changes.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Any
+
+from polyrl.errors import RunStopped
+
+STOP_SIGNALS = (signal.SIGTERM,)
+
+
+class StopSignal:
+    """``with StopSignal() as stop:`` the stop signals are recorded in ``stop.received`` (the first one's number)
+    instead of ending the process; the handlers in place before are restored on exit."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignal:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is not None:  # the second one: what the signal did before, now
+            self._restore()
+            signal.raise_signal(signum)
+            return
+        self.received = signum
+        print(
+            f"polyrl: {signal.Signals(signum).name} received: the run stops after this step, with a checkpoint "
+            "(send it again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
+
+    def name(self) -> str:
+        return signal.Signals(self.received).name if self.received is not None else ""
+
+
+__all__ = ["STOP_SIGNALS", "RunStopped", "StopSignal"]  # RunStopped lives in polyrl.errors (the CLI catches it)

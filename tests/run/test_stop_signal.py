@@ -1,0 +1,114 @@
+"""A SIGTERM (preemption) stops a run after the step in progress with a checkpoint of it (``polyrl.run.stop_signal``):
+a real ``polyrl train`` process is sent SIGTERM while it trains, exits 143 naming the step and the checkpoint, the
+summary says "stopped", and ``--resume`` from that checkpoint gives the same next steps, bit for bit on the CPU, as a
+run that was never stopped. In-process: the handler only records the signal, a second one acts at once, and the
+previous handler comes back; outside the main thread nothing is installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from polyrl.cli.main import main
+from polyrl.run.stop_signal import StopSignal
+
+DATA = "builtin:arithmetic?n=48"
+FLAGS = ["--algo", "sft", "--micro-batch-tokens", "256", "--max-seq-len", "64", "--lr", "1e-3", "--log-every", "1",
+         "--seed", "3", "--set", "schedule.decay=constant", "--set", "engine.deterministic=true"]  # fmt: skip
+
+
+def _records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sigterm_saves_the_step_in_progress_and_resume_continues_it_exactly(tiny_model_dir, tmp_path):
+    out = tmp_path / "stopped"
+    cmd = [sys.executable, "-m", "polyrl", "train", "--model", str(tiny_model_dir), "--data", DATA, "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([*cmd, *FLAGS, "--max-steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not ((out / "metrics.jsonl").is_file() and len(_records(out)) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=5)
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    found = re.search(r"stopped by SIGTERM after step (\d+) of 100000; checkpoint (\S+): continue", err)
+    assert found, err
+    k, ckpt = int(found.group(1)), found.group(2)
+    assert ckpt == str(out / "checkpoints" / f"step-{k:08d}") and (out / "checkpoints" / f"step-{k:08d}").is_dir()
+    assert [r["step"] for r in _records(out)] == list(range(1, k + 1))  # every step it trained, none lost
+    assert json.loads((out / "summary.json").read_text())["status"] == "stopped"
+    # the same command resumed from that checkpoint, two more steps, against a run of k + 2 steps never stopped
+    assert main(["train", "--model", str(tiny_model_dir), "--data", DATA, "--out", str(out), *FLAGS, "--max-steps",
+                 str(k + 2), "--resume", ckpt]) == 0  # fmt: skip
+    ref = tmp_path / "whole"
+    assert main(["train", "--model", str(tiny_model_dir), "--data", DATA, "--out", str(ref), *FLAGS, "--max-steps",
+                 str(k + 2)]) == 0  # fmt: skip
+    got, want = _records(out), _records(ref)
+    assert [r["step"] for r in got] == list(range(1, k + 3))
+    for key in ("loss", "grad_norm", "lr"):
+        assert [r[key] for r in got] == [r[key] for r in want], key  # bitwise on the CPU
+
+
+def test_the_handler_records_the_first_signal_and_acts_on_the_second():
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
+    try:
+        with StopSignal() as stop:
+            signal.raise_signal(signal.SIGTERM)
+            assert stop.received == signal.SIGTERM and stop.name() == "SIGTERM" and seen == []
+            signal.raise_signal(signal.SIGTERM)  # the second: the handler before it runs, at once
+            assert seen == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is not stop._handle
+        signal.raise_signal(signal.SIGTERM)  # after the block: the previous handler again
+        assert seen == [signal.SIGTERM, signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_outside_the_main_thread_nothing_is_installed():
+    before = signal.getsignal(signal.SIGTERM)
+    got = {}
+
+    def run():
+        with StopSignal() as stop:
+            got["handler"] = signal.getsignal(signal.SIGTERM)
+            got["received"] = stop.received
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(30)
+    assert got == {"handler": before, "received": None}
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_run_steps_stops_after_the_step_any_rank_was_signalled_on(tmp_path, flag):
+    """``agree`` decides (a data-parallel run's all-reduce): a stop another rank got stops this one too, after a
+    checkpoint of the same step."""
+    from polyrl.errors import RunStopped
+    from polyrl.run.offline import run_steps
+    from polyrl.train.checkpoint import CheckpointManager
+
+    saved, ran = [], []
+    ckpts = CheckpointManager(tmp_path)
+    agree = lambda local: flag and len(ran) == 3  # noqa: E731 - "another rank" asks to stop after step 3
+    if not flag:
+        run_steps(0, 6, lambda i: ran.append(i) or {}, None, ckpts, saved.append, agree=agree)
+        assert ran == list(range(6)) and saved == [6]
+        return
+    with pytest.raises(RunStopped, match="stopped by a stop signal on another rank after step 3 of 6") as stopped:
+        run_steps(0, 6, lambda i: ran.append(i) or {}, None, ckpts, saved.append, agree=agree)
+    assert ran == [0, 1, 2] and saved == [3] and stopped.value.exit_code == 143
