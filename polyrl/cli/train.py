@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 from typing import Any
@@ -494,6 +495,9 @@ def relaunch_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+FORWARDED = (signal.SIGTERM, signal.SIGINT)  # what the --nproc-per-node launcher passes on to torchrun
+
+
 def relaunch(args: argparse.Namespace, nproc: int) -> int:
     """Run this training command on ``nproc`` local ranks through ``python -m torch.distributed.run``."""
 
@@ -507,4 +511,13 @@ def relaunch(args: argparse.Namespace, nproc: int) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd += ["-m", "polyrl.cli.main", "train", *relaunch_argv(args)]
     print("launching: " + " ".join(cmd), flush=True)
-    return subprocess.call(cmd)
+    child = subprocess.Popen(cmd)
+    # a SIGTERM (preemption) or SIGINT sent to this launcher goes on to torchrun, which passes it to every rank (a
+    # SIGTERM: each saves the step in progress and stops, polyrl/run/stop_signal.py); without this torchrun would
+    # be left running on its own
+    forward = {sig: signal.signal(sig, lambda signum, frame: child.send_signal(signum)) for sig in FORWARDED}
+    try:
+        return child.wait()
+    finally:
+        for sig, handler in forward.items():
+            signal.signal(sig, handler)

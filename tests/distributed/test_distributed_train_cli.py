@@ -43,3 +43,36 @@ def test_two_rank_cli_run_matches_and_resumes_in_one_process(tiny_model_dir, tmp
         main(["train", "--model", str(tiny_model_dir), "--out", str(two), "--max-steps", "3", "--resume", *ARGS]) == 0
     )
     assert _losses(two)[-1] == pytest.approx(reference[2], abs=TOL)
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_after_one_step_with_a_checkpoint(tiny_model_dir, tmp_path):
+    """A SIGTERM to ``polyrl train --nproc-per-node 2`` goes on to torchrun and every rank: both finish the step in
+    progress, agree on it, write its sharded checkpoint and stop (no rank left running); the one-process resume of
+    that checkpoint takes the next step where the one-process run would be."""
+    import signal
+    import time
+
+    out = tmp_path / "two"
+    cmd = [sys.executable, "-m", "polyrl.cli.main", "train", "--nproc-per-node", "2", "--model", str(tiny_model_dir)]
+    proc = subprocess.Popen([*cmd, "--out", str(out), "--max-steps", "100000", *ARGS], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while not ((out / "metrics.jsonl").is_file() and len(_losses(out)) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=5)[0][-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        log, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0, log[-3000:]  # torchrun reports the signal
+    stops = [line for line in log.splitlines() if line.startswith("stopped by SIGTERM after step ")]
+    assert len(stops) == 2 and stops[0] == stops[1], log[-3000:]  # both ranks, the same step
+    k = int(stops[0].split()[5])
+    manifest = json.loads((out / "checkpoints" / f"step-{k:08d}" / "manifest.json").read_text())
+    assert manifest["sharded"] is True and manifest["world_size"] == 2 and len(_losses(out)) == k
+    one = tmp_path / "one"
+    assert main(["train", "--model", str(tiny_model_dir), "--out", str(one), "--max-steps", str(k + 1), *ARGS]) == 0
+    assert main(["train", "--model", str(tiny_model_dir), "--out", str(out), "--max-steps", str(k + 1), "--resume",
+                 *ARGS]) == 0  # fmt: skip
+    assert _losses(out)[-1] == pytest.approx(_losses(one)[-1], abs=TOL)
