@@ -71,7 +71,7 @@ class WorkerProcess:
     def __init__(self, ctx: Any, target: Callable[[Any, str], None], spec: str, startup_timeout: float) -> None:
         exit_if_bootstrapping("a worker pool was started")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(child, spec), daemon=True)
+        self.proc = ctx.Process(target=_sheltered, args=(target, child, spec), daemon=True)
         self.proc.start()
         child.close()
         self.ready = False
@@ -93,6 +93,27 @@ class WorkerProcess:
             self.proc.join(timeout=5)
             if not self.conn.closed:
                 self.conn.close()
+
+
+def shelter_from_stop_signal() -> None:
+    """In a worker process: a SIGTERM is left to the trainer while it lives. A stop signal reaches every process of
+    the trainer's group at once (torchrun's agent sends ``killpg(SIGTERM)``, Slurm signals every process of the
+    step), but the trainer finishes the step in progress and saves it (``polyrl.run.stop_signal``), which needs its
+    workers; its pools stop them when it closes them (SIGKILL, EXIT). A worker whose trainer is gone stops on it as
+    before. Python handlers are reset by ``exec``, so the user code's own subprocesses keep the default."""
+    parent = mp.parent_process()
+
+    def handle(signum: int, frame: Any) -> None:
+        if parent is None or not parent.is_alive():
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+
+    signal.signal(signal.SIGTERM, handle)
+
+
+def _sheltered(target: Callable[[Any, str], None], conn: Any, spec: str) -> None:
+    shelter_from_stop_signal()
+    target(conn, spec)
 
 
 class JobInbox:

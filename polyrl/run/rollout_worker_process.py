@@ -141,10 +141,12 @@ def worker_main(port: int, name: str, spec: WorkerSpec, timeout_s: float) -> Non
     """A rollout worker: set the device, load the model folder, build the engine, say it is ready, wait for the
     trainer to connect its pair groups, then serve commands until EXIT."""
     # lazy: the engine is built only in the spawned worker
+    from polyrl.algorithms.workers import shelter_from_stop_signal
     from polyrl.infer.llm import LLM
     from polyrl.models.checkpoint import load_tokenizer
 
     torch.set_num_threads(1)
+    shelter_from_stop_signal()  # the trainer finishes its step on a SIGTERM to its whole group: this worker too
     # daemonic only so that the trainer's exit stops it: a worker may start processes of its own (an agentic run's
     # environment workers), which multiprocessing refuses a daemonic process; they end when its pipes close
     mp.current_process().daemon = False

@@ -9,7 +9,10 @@ second SIGTERM restores the previous handler and delivers the signal again: the 
 checkpoint). Under torchrun every rank sees the signal (the agent forwards it) but maybe at different steps: the
 loop agrees through one tiny all-reduce per step, so all ranks save the same step and stop together. The grace the
 launcher allows between SIGTERM and SIGKILL must cover a step and a checkpoint (Slurm: ``--signal``/``KillWait``;
-Kubernetes: ``terminationGracePeriodSeconds``).
+Kubernetes: ``terminationGracePeriodSeconds``). The signal often reaches every process of the run at once (torchrun's
+agent sends it to each rank's process group, Slurm to every process of the step): the reward, environment and rollout
+worker processes leave it to the trainer while it lives (``algorithms.workers.shelter_from_stop_signal``), so the step
+in progress is scored and generated in full; the pools stop them when the trainer closes them.
 
 Ctrl-C (SIGINT) is left as it was (an immediate ``KeyboardInterrupt``): a terminal sends it to every process of the
 foreground group, so reward, environment and rollout worker processes would die mid-step. Outside the main thread

@@ -112,3 +112,34 @@ def test_run_steps_stops_after_the_step_any_rank_was_signalled_on(tmp_path, flag
     with pytest.raises(RunStopped, match="stopped by a stop signal on another rank after step 3 of 6") as stopped:
         run_steps(0, 6, lambda i: ran.append(i) or {}, None, ckpts, saved.append, agree=agree)
     assert ran == [0, 1, 2] and saved == [3] and stopped.value.exit_code == 143
+
+
+def test_sigterm_to_the_process_group_leaves_the_reward_workers_to_finish_the_step(tiny_model_dir, tmp_path):
+    """torchrun's agent stops a rank with ``killpg(SIGTERM)`` (Slurm signals every process of the step too): the
+    reward worker processes get the signal with the trainer. They must not die mid-step: the step in progress, whose
+    checkpoint the stop saves, is scored in full (no reward failures) as in a run never stopped."""
+    reward = tmp_path / "slow_reward.py"
+    reward.write_text("import time\n\ndef slow(completion, example):\n    time.sleep(0.4)\n    return 1.0\n")
+    out = tmp_path / "grpo"
+    cmd = [sys.executable, "-m", "polyrl", "train", "--algo", "grpo", "--model", str(tiny_model_dir), "--data",
+           "builtin:arithmetic?max=9&n=16", "--out", str(out), "--reward", f"{reward}:slow", "--reward-workers", "2",
+           "--prompts-per-step", "2", "--n", "2", "--max-new-tokens", "4", "--micro-batch-tokens", "256",
+           "--log-every", "1", "--max-steps", "100000"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while not ((out / "metrics.jsonl").is_file() and len(_records(out)) >= 1):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=5)
+            time.sleep(0.05)
+        time.sleep(0.2)  # inside the next step's scoring (each reward call takes 0.4 s)
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    recs = _records(out)
+    assert len(recs) >= 2, err
+    assert [r["reward_failures"] for r in recs] == [0] * len(recs), err
+    assert [r["reward"] for r in recs] == [1.0] * len(recs), err
