@@ -6,13 +6,16 @@ only records it: the step in progress finishes, the loop saves a checkpoint of t
 and raises ``RunStopped``, which the CLI turns into its message and exit code 143 (128 + SIGTERM, so a scheduler
 still sees a run that did not finish, and requeues it); ``--resume`` continues it exactly, as from any checkpoint. A
 second SIGTERM restores the previous handler and delivers the signal again: the process stops at once (no new
-checkpoint). Under torchrun every rank sees the signal (the agent forwards it) but maybe at different steps: the
-loop agrees through one tiny all-reduce per step, so all ranks save the same step and stop together. The grace the
-launcher allows between SIGTERM and SIGKILL must cover a step and a checkpoint (Slurm: ``--signal``/``KillWait``;
-Kubernetes: ``terminationGracePeriodSeconds``). The signal often reaches every process of the run at once (torchrun's
-agent sends it to each rank's process group, Slurm to every process of the step): the reward, environment and rollout
-worker processes leave it to the trainer while it lives (``algorithms.workers.shelter_from_stop_signal``), so the step
-in progress is scored and generated in full; the pools stop them when the trainer closes them.
+checkpoint). Only one sent ``ECHO_S`` seconds or more after the first counts as that second one: Slurm signals every
+process of the step at once, and torchrun's agent then passes the signal on to each rank again a moment later; that
+echo must not end a rank that is finishing its step. Under torchrun every rank sees the signal (the agent forwards
+it) but maybe at different steps: the loop agrees through one tiny all-reduce per step, so all ranks save the same
+step and stop together. The grace the launcher allows between SIGTERM and SIGKILL must cover a step and a checkpoint
+(Slurm: ``--signal``/``KillWait``; Kubernetes: ``terminationGracePeriodSeconds``). The signal often reaches every
+process of the run at once (torchrun's agent sends it to each rank's process group, Slurm to every process of the
+step): the reward, environment and rollout worker processes leave it to the trainer while it lives
+(``algorithms.workers.shelter_from_stop_signal``), so the step in progress is scored and generated in full; the
+pools stop them when the trainer closes them.
 
 Ctrl-C (SIGINT) is left as it was (an immediate ``KeyboardInterrupt``): a terminal sends it to every process of the
 foreground group, so reward, environment and rollout worker processes would die mid-step. Outside the main thread
@@ -24,12 +27,14 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from types import FrameType
 from typing import Any
 
 from polyrl.errors import RunStopped
 
 STOP_SIGNALS = (signal.SIGTERM,)
+ECHO_S = 5.0  # a repeat of the signal sooner than this after the first is its echo (ignored)
 
 
 class StopSignal:
@@ -38,6 +43,7 @@ class StopSignal:
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self._first = 0.0  # time.monotonic() of the first signal
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignal:
@@ -47,11 +53,13 @@ class StopSignal:
         return self
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is not None:  # the second one: what the signal did before, now
+        if self.received is not None:  # the second one: what the signal did before, now (not an echo)
+            if time.monotonic() - self._first < ECHO_S:
+                return
             self._restore()
             signal.raise_signal(signum)
             return
-        self.received = signum
+        self.received, self._first = signum, time.monotonic()
         print(
             f"polyrl: {signal.Signals(signum).name} received: the run stops after this step, with a checkpoint "
             "(send it again to stop at once)",
@@ -71,4 +79,5 @@ class StopSignal:
         return signal.Signals(self.received).name if self.received is not None else ""
 
 
-__all__ = ["STOP_SIGNALS", "RunStopped", "StopSignal"]  # RunStopped lives in polyrl.errors (the CLI catches it)
+# RunStopped lives in polyrl.errors (the CLI catches it)
+__all__ = ["ECHO_S", "STOP_SIGNALS", "RunStopped", "StopSignal"]

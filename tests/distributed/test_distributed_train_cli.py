@@ -76,3 +76,54 @@ def test_sigterm_to_the_launcher_stops_every_rank_after_one_step_with_a_checkpoi
     assert main(["train", "--model", str(tiny_model_dir), "--out", str(out), "--max-steps", str(k + 1), "--resume",
                  *ARGS]) == 0  # fmt: skip
     assert _losses(out)[-1] == pytest.approx(_losses(one)[-1], abs=TOL)
+
+
+def _tree(pid):
+    """``pid`` and every process below it (from /proc)."""
+    children: dict[int, list[int]] = {}
+    import os
+
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()  # noqa: SIM115, PTH123
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo += children.get(p, [])
+    return found
+
+
+def test_sigterm_to_every_process_at_once_still_saves_the_step(tiny_model_dir, tmp_path):
+    """Slurm (``scancel``, a time limit) sends SIGTERM to every process of the step at once: the launcher, torchrun
+    and the ranks. torchrun then passes it on to each rank again, a moment later: that echo is not the "second
+    SIGTERM" that stops a rank at once; both ranks still save the step in progress."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "two"
+    cmd = [sys.executable, "-m", "polyrl.cli.main", "train", "--nproc-per-node", "2", "--model", str(tiny_model_dir)]
+    proc = subprocess.Popen([*cmd, "--out", str(out), "--max-steps", "100000", *ARGS], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while not ((out / "metrics.jsonl").is_file() and len(_losses(out)) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=5)[0][-3000:]
+            time.sleep(0.1)
+        for pid in _tree(proc.pid):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        log, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    stops = [line for line in log.splitlines() if line.startswith("stopped by SIGTERM after step ")]
+    assert len(stops) == 2 and stops[0] == stops[1], log[-3000:]
+    k = int(stops[0].split()[5])
+    assert (out / "checkpoints" / f"step-{k:08d}" / "manifest.json").is_file()

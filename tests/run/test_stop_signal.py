@@ -63,13 +63,19 @@ def test_sigterm_saves_the_step_in_progress_and_resume_continues_it_exactly(tiny
         assert [r[key] for r in got] == [r[key] for r in want], key  # bitwise on the CPU
 
 
-def test_the_handler_records_the_first_signal_and_acts_on_the_second():
+def test_the_handler_records_the_first_signal_and_acts_on_the_second(monkeypatch):
+    import polyrl.run.stop_signal as stop_signal
+
+    monkeypatch.setattr(stop_signal, "ECHO_S", 0.3)
     seen = []
     previous = signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
     try:
         with StopSignal() as stop:
             signal.raise_signal(signal.SIGTERM)
             assert stop.received == signal.SIGTERM and stop.name() == "SIGTERM" and seen == []
+            signal.raise_signal(signal.SIGTERM)  # at once: the echo of the first (torchrun's, after Slurm's)
+            assert seen == [] and signal.getsignal(signal.SIGTERM) == stop._handle
+            time.sleep(0.35)
             signal.raise_signal(signal.SIGTERM)  # the second: the handler before it runs, at once
             assert seen == [signal.SIGTERM]
         assert signal.getsignal(signal.SIGTERM) is not stop._handle
