@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from typing import Any
 
 import polyrl.agents  # noqa: F401 - registers the [agent] table (--env / --agent) with the run config
@@ -511,13 +512,28 @@ def relaunch(args: argparse.Namespace, nproc: int) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd += ["-m", "polyrl.cli.main", "train", *relaunch_argv(args)]
     print("launching: " + " ".join(cmd), flush=True)
-    child = subprocess.Popen(cmd)
     # a SIGTERM (preemption) or SIGINT sent to this launcher goes on to torchrun, which passes it to every rank (a
     # SIGTERM: each saves the step in progress and stops, polyrl/run/stop_signal.py); without this torchrun would
-    # be left running on its own
-    forward = {sig: signal.signal(sig, lambda signum, frame: child.send_signal(signum)) for sig in FORWARDED}
+    # be left running on its own. Installed before torchrun starts: a signal that comes while it starts is passed
+    # on once it has. The exit code is then the signal's, 128 + its number, as in one process (torchrun exits 1).
+    child: list[subprocess.Popen[bytes]] = []
+    received: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        received.append(signum)
+        if child:
+            child[0].send_signal(signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()  # else no handler can be installed
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED} if main_thread else {}
     try:
-        return child.wait()
+        child.append(subprocess.Popen(cmd))
+        if received:  # came while it started
+            child[0].send_signal(received[0])
+        code = child[0].wait()
     finally:
-        for sig, handler in forward.items():
+        for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if code != 0 and received:
+        return 128 + received[0]
+    return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention

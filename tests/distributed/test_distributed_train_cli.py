@@ -65,7 +65,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_after_one_step_with_a_checkpoi
         log, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode != 0, log[-3000:]  # torchrun reports the signal
+    assert proc.returncode == 143, log[-3000:]  # as one process stopped by SIGTERM (torchrun itself exits 1)
     stops = [line for line in log.splitlines() if line.startswith("stopped by SIGTERM after step ")]
     assert len(stops) == 2 and stops[0] == stops[1], log[-3000:]  # both ranks, the same step
     k = int(stops[0].split()[5])
