@@ -14,15 +14,18 @@ with ``REIMPORT_EXIT_CODE``, which its pool reports as ``REIMPORT_MESSAGE``.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import importlib.util
 import multiprocessing as mp
+import multiprocessing.util  # noqa: F401 - its exit routine registered before ours (see kill_sheltered_at_exit)
 import os
 import signal
 import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -73,6 +76,7 @@ class WorkerProcess:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_sheltered, args=(target, child, spec), daemon=True)
         self.proc.start()
+        track(self.proc)
         child.close()
         self.ready = False
         self.job: Any = None
@@ -114,6 +118,30 @@ def shelter_from_stop_signal() -> None:
 def _sheltered(target: Callable[[Any, str], None], conn: Any, spec: str) -> None:
     shelter_from_stop_signal()
     target(conn, spec)
+
+
+# the sheltered worker processes this process started (``track``): killed at exit if still alive, since
+# multiprocessing's own exit routine stops daemonic children with SIGTERM, which they leave to their (living) trainer,
+# and then joins them without a timeout
+_SHELTERED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def track(proc: Any) -> Any:
+    """Register a started worker process that runs ``shelter_from_stop_signal`` (see ``_SHELTERED``); returns it."""
+    _SHELTERED.add(proc)
+    return proc
+
+
+@atexit.register  # after multiprocessing.util's registration (imported above), so this runs before its exit routine
+def kill_sheltered_at_exit() -> None:
+    """SIGKILL every tracked worker still alive (a pool that a failing program never closed)."""
+    for proc in list(_SHELTERED):
+        try:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        except (OSError, ValueError, AssertionError):  # already reaped, closed, or not our child
+            pass
 
 
 class JobInbox:

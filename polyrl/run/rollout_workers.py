@@ -114,6 +114,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from polyrl.algorithms.workers import track
 from polyrl.errors import ConfigError
 from polyrl.platform import device
 from polyrl.run.replica_balance import BALANCES, ReplicaSpeeds, prompt_cost, split_by_count, split_by_work
@@ -261,7 +262,7 @@ class RolloutWorkers:
             target=worker_main, args=(self.port, self._name(w), self.specs[w], self.timeout_s), daemon=True
         )
         proc.start()
-        self.procs[w] = proc
+        self.procs[w] = track(proc)  # it leaves a SIGTERM to this trainer (shelter_from_stop_signal): killed at exit
         self.starting.add(w)
 
     def _ready(self, w: int) -> bool:

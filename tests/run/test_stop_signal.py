@@ -149,3 +149,32 @@ def test_sigterm_to_the_process_group_leaves_the_reward_workers_to_finish_the_st
     assert len(recs) >= 2, err
     assert [r["reward_failures"] for r in recs] == [0] * len(recs), err
     assert [r["reward"] for r in recs] == [1.0] * len(recs), err
+
+
+UNCLOSED = """
+import multiprocessing as mp, time
+from polyrl.algorithms.workers import WorkerProcess
+
+def target(conn, spec):
+    while True:
+        time.sleep(1)
+
+if __name__ == "__main__":
+    w = WorkerProcess(mp.get_context("spawn"), target, "", 30)
+    time.sleep(1.0)
+    print(w.proc.pid, flush=True)
+"""
+
+
+def test_a_program_that_never_closes_its_worker_pool_still_exits(tmp_path):
+    """A worker leaves a SIGTERM to its living trainer, and multiprocessing's exit routine stops daemonic children
+    with SIGTERM and then joins them without a timeout: the exit hook kills tracked workers first, so a program that
+    never closed its pool exits (it hung for good without it) and leaves no worker behind."""
+    script = tmp_path / "unclosed.py"
+    script.write_text(UNCLOSED)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    pid = int(res.stdout.split()[0])
+    time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2], pid
