@@ -22,7 +22,6 @@ import argparse
 import inspect
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +31,24 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import polyrl.kernels as K
 from polyrl.bench import common
+from polyrl.bench.kernel_cases import (
+    BENCHES,
+    Candidate,
+    Case,
+    Ctx,
+    bench,
+    candidate,
+    forward_only,
+    fwd_bwd,
+    impl_name,
+    rand,
+)
 from polyrl.errors import ConfigError
 from polyrl.infer.sampler import Sampler
 from polyrl.infer.sampling_params import SamplingParams
 from polyrl.infer.sequence import Sequence
 from polyrl.kernels import registry
 from polyrl.kernels.attention.reference import varlen_attention as attention_ref
-from polyrl.kernels.ops import dtype_name
 from polyrl.kernels.paged_attention.reference import paged_attention as paged_attention_ref
 from polyrl.kernels.rmsnorm.reference import rmsnorm as rmsnorm_ref
 from polyrl.kernels.rope.reference import apply_rope as rope_ref
@@ -52,80 +62,6 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 DEFAULTS = {"seq": 4096, "ctx": 2048, "batch": 256}
 BASELINES = ("eager", "compile", "liger")
-
-
-@dataclass
-class Ctx:
-    device: torch.device
-    dtype: torch.dtype
-    shape: dict[str, int]
-    tokens: int
-    baselines: set[str]
-    copy_bw: float
-    warmup: int = 3
-    reps: int = 20
-    graphs: bool = True  # graph-time the cases that ask for it (where the device has CUDA graphs)
-
-
-@dataclass
-class Candidate:
-    name: str
-    run: Callable[[], Any] | None = None
-    skip: str = ""
-    note: str = ""
-
-
-@dataclass
-class Case:
-    op: str
-    case: str
-    candidates: list[Candidate]
-    bytes_moved: float | None = None
-    flops: float | None = None
-    target: Callable[[dict[str, dict[str, Any]], Ctx], tuple[str, bool | None]] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    base: str = "eager"  # the candidate the "x base" column divides by (speed-up over it)
-    graph: bool = False  # also time CUDA-graph replays (launch-bound elementwise ops: device time alone)
-
-
-BENCHES: dict[str, Callable[[Ctx], list[Case]]] = {}
-
-
-def bench(name: str):
-    def deco(fn):
-        BENCHES[name] = fn
-        return fn
-
-    return deco
-
-
-# --- candidate builders --------------------------------------------------------------------------------
-
-
-def fwd_bwd(fn: Callable[..., Any], args: list[Any], grad_args: set[int]) -> Callable[[], Any]:
-    """A closure running ``fn`` forward + backward on fresh leaves (views of ``args``), fixed cotangents."""
-    with torch.no_grad():
-        probe = fn(*args)
-    outs = probe if isinstance(probe, (tuple, list)) else (probe,)
-    cots = [torch.randn_like(o) if o.is_floating_point() else None for o in outs]
-    del probe, outs
-
-    def run():
-        leaves = [a.detach().requires_grad_(True) if i in grad_args else a for i, a in enumerate(args)]
-        out = fn(*leaves)
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        pairs = [(o, c) for o, c in zip(outs, cots) if c is not None and o.requires_grad]
-        torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
-
-    return run
-
-
-def forward_only(fn: Callable[..., Any], args: list[Any]) -> Callable[[], Any]:
-    def run():
-        with torch.no_grad():
-            return fn(*args)
-
-    return run
 
 
 def _candidates(
@@ -142,33 +78,20 @@ def _candidates(
     def make(fn):
         return fwd_bwd(fn, args, grads) if grads is not None else forward_only(fn, args)
 
-    out = [_try("polyrl", lambda: make(polyrl_fn))]
+    out = [candidate("polyrl", lambda: make(polyrl_fn))]
     if "eager" in ctx.baselines:
-        out.append(_try("eager", lambda: make(ref_fn)))
+        out.append(candidate("eager", lambda: make(ref_fn)))
     if "compile" in ctx.baselines:
         if compile_ok:
-            out.append(_try("compile", lambda: make(torch.compile(ref_fn, dynamic=False))))
+            out.append(candidate("compile", lambda: make(torch.compile(ref_fn, dynamic=False))))
         else:
             out.append(Candidate("compile", skip="reference has a data-dependent Python loop"))
     if "liger" in ctx.baselines:
         if liger is None:
             out.append(Candidate("liger", skip="Liger-Kernel has no such op"))
         else:
-            out.append(_try("liger", lambda: make(liger())))
+            out.append(candidate("liger", lambda: make(liger())))
     return out
-
-
-def _try(name: str, build: Callable[[], Callable[[], Any]]) -> Candidate:
-    try:
-        return Candidate(name, build())
-    except ImportError as exc:
-        return Candidate(name, skip=f"not importable ({exc.name or exc})")
-    except Exception as exc:  # noqa: BLE001 - a baseline that cannot run here is reported, not fatal
-        return Candidate(name, skip=f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
-
-
-def _rand(ctx: Ctx, *shape: int, scale: float = 1.0) -> torch.Tensor:
-    return torch.randn(*shape, device=ctx.device, dtype=ctx.dtype) * scale
 
 
 def _bw_target(fraction: float):
@@ -183,20 +106,13 @@ def _bw_target(fraction: float):
     return check
 
 
-def _impl_name(op: str, t: torch.Tensor) -> str:
-    try:
-        return registry.select(op, t.device.type, dtype_name(t.dtype))[0]
-    except Exception as exc:  # noqa: BLE001
-        return f"unavailable ({type(exc).__name__})"
-
-
 # --- the ops ---------------------------------------------------------------------------------------------
 
 
 @bench("rmsnorm")
 def bench_rmsnorm(ctx: Ctx) -> list[Case]:
     t, h, e = ctx.tokens, ctx.shape["hidden"], torch.finfo(ctx.dtype).bits // 8
-    x, r, w = _rand(ctx, t, h), _rand(ctx, t, h), _rand(ctx, h) * 0.1 + 1
+    x, r, w = rand(ctx, t, h), rand(ctx, t, h), rand(ctx, h) * 0.1 + 1
 
     def liger():
         # lazy: Liger-Kernel is an optional baseline, imported only when its row runs
@@ -217,7 +133,7 @@ def bench_rmsnorm(ctx: Ctx) -> list[Case]:
         {0, 1, 2},
         None,
     )
-    note = {"impl": _impl_name("rmsnorm", x)}
+    note = {"impl": impl_name("rmsnorm", x)}
     return [
         Case("rmsnorm", f"fwd+bwd T={t} H={h}", plain, 5 * t * h * e, target=_bw_target(0.85), extra=note, graph=True),
         Case(
@@ -235,7 +151,7 @@ def bench_rmsnorm(ctx: Ctx) -> list[Case]:
 @bench("swiglu")
 def bench_swiglu(ctx: Ctx) -> list[Case]:
     t, i, e = ctx.tokens, ctx.shape["inter"], torch.finfo(ctx.dtype).bits // 8
-    g, u = _rand(ctx, t, i), _rand(ctx, t, i)
+    g, u = rand(ctx, t, i), rand(ctx, t, i)
 
     def liger():
         # lazy: Liger-Kernel is an optional baseline, imported only when its row runs
@@ -246,7 +162,7 @@ def bench_swiglu(ctx: Ctx) -> list[Case]:
     cands = _candidates(ctx, K.swiglu, swiglu_ref, [g, u], {0, 1}, liger)
     return [
         Case("swiglu", f"fwd+bwd T={t} I={i}", cands, 8 * t * i * e, target=_bw_target(0.85),
-             extra={"impl": _impl_name("swiglu", g)}, graph=True)
+             extra={"impl": impl_name("swiglu", g)}, graph=True)
     ]  # fmt: skip
 
 
@@ -256,7 +172,7 @@ def bench_rope(ctx: Ctx) -> list[Case]:
     e = torch.finfo(ctx.dtype).bits // 8
     pos = torch.arange(t, device=ctx.device) % ctx.shape.get("seq", DEFAULTS["seq"])
     cos, sin = K.rope_cos_sin(pos, d, 1e6)
-    q, k = _rand(ctx, t, hq, d), _rand(ctx, t, hk, d)
+    q, k = rand(ctx, t, hq, d), rand(ctx, t, hk, d)
 
     def liger():
         # lazy: Liger-Kernel is an optional baseline, imported only when its row runs
@@ -271,7 +187,7 @@ def bench_rope(ctx: Ctx) -> list[Case]:
     cands = _candidates(ctx, K.apply_rope, rope_ref, [q, k, cos, sin], {0, 1}, liger)
     moved = 2 * (2 * t * (hq + hk) * d * e + 2 * t * d * 4)  # fwd and bwd: q, k in and out + cos/sin (fp32)
     return [Case("rope", f"fwd+bwd T={t} Hq={hq} Hk={hk} D={d}", cands, moved, target=_bw_target(0.85),
-                 extra={"impl": _impl_name("rope", q)}, graph=True)]  # fmt: skip
+                 extra={"impl": impl_name("rope", q)}, graph=True)]  # fmt: skip
 
 
 def _sdpa(q, k, v, lens: list[int], causal: bool = True, backend: str = "FLASH_ATTENTION"):
@@ -295,28 +211,30 @@ def _sdpa(q, k, v, lens: list[int], causal: bool = True, backend: str = "FLASH_A
 
 def _attention_case(ctx: Ctx, lens: list[int], label: str) -> Case:
     hq, hk, d, t = ctx.shape["hq"], ctx.shape["hk"], ctx.shape["d"], sum(lens)
-    q, k, v = _rand(ctx, t, hq, d), _rand(ctx, t, hk, d), _rand(ctx, t, hk, d)
+    q, k, v = rand(ctx, t, hq, d), rand(ctx, t, hk, d), rand(ctx, t, hk, d)
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lens).cumsum(0)
     cu = cu.to(ctx.device)
     args = [q, k, v]
-    impl_name = _impl_name("attention", q)
+    chosen = impl_name("attention", q)
     cands = [
-        _try("polyrl", lambda: fwd_bwd(lambda q, k, v: K.varlen_attention(q, k, v, cu, max(lens)), args, {0, 1, 2}))
+        candidate(
+            "polyrl", lambda: fwd_bwd(lambda q, k, v: K.varlen_attention(q, k, v, cu, max(lens)), args, {0, 1, 2})
+        )
     ]
-    cands.append(_try("sdpa_flash", lambda: fwd_bwd(lambda q, k, v: _sdpa(q, k, v, lens), args, {0, 1, 2})))
+    cands.append(candidate("sdpa_flash", lambda: fwd_bwd(lambda q, k, v: _sdpa(q, k, v, lens), args, {0, 1, 2})))
     if ctx.device.type == "cuda":
         cudnn = lambda q, k, v: _sdpa(q, k, v, lens, backend="CUDNN_ATTENTION")  # noqa: E731
-        cands.append(_try("sdpa_cudnn", lambda: fwd_bwd(cudnn, args, {0, 1, 2})))
-        if impl_name != "triton":  # what the registry would run without the fast path, for comparison
+        cands.append(candidate("sdpa_cudnn", lambda: fwd_bwd(cudnn, args, {0, 1, 2})))
+        if chosen != "triton":  # what the registry would run without the fast path, for comparison
 
             def triton_only(q, k, v):
                 return registry.load("attention", "triton")(q, k, v, cu, max(lens))
 
-            cands.append(_try("polyrl_triton", lambda: fwd_bwd(triton_only, args, {0, 1, 2})))
+            cands.append(candidate("polyrl_triton", lambda: fwd_bwd(triton_only, args, {0, 1, 2})))
     if "eager" in ctx.baselines:
         cands.append(
-            _try("eager", lambda: fwd_bwd(lambda q, k, v: attention_ref(q, k, v, cu, max(lens)), args, {0, 1, 2}))
+            candidate("eager", lambda: fwd_bwd(lambda q, k, v: attention_ref(q, k, v, cu, max(lens)), args, {0, 1, 2}))
         )
     flops = sum(7.0 * hq * d * n * n for n in lens)  # causal fwd (2 L^2 D H) + bwd (2.5x)
 
@@ -324,7 +242,7 @@ def _attention_case(ctx: Ctx, lens: list[int], label: str) -> Case:
         p, s = rows.get("polyrl", {}).get("ms"), rows.get("sdpa_flash", {}).get("ms")
         return "time <= SDPA flash", (None if p is None or s is None else p <= s)
 
-    impl = {"impl": impl_name}
+    impl = {"impl": chosen}
     return Case("attention", label, cands, flops=flops, target=target, extra=impl, base="sdpa_flash")
 
 
@@ -347,26 +265,28 @@ def bench_paged(ctx: Ctx) -> list[Case]:
     b, c = ctx.shape.get("batch", DEFAULTS["batch"]), ctx.shape.get("ctx", DEFAULTS["ctx"])
     hq, hk, d, bs = ctx.shape["hq"], ctx.shape["hk"], ctx.shape["d"], 16
     nblk = b * (c // bs + 1)
-    kc, vc = _rand(ctx, nblk, bs, hk, d), _rand(ctx, nblk, bs, hk, d)
+    kc, vc = rand(ctx, nblk, bs, hk, d), rand(ctx, nblk, bs, hk, d)
     tables = torch.randperm(nblk, device=ctx.device)[: b * (c // bs + 1)].view(b, -1).to(torch.int32)
     lens = torch.full((b,), c, dtype=torch.int32, device=ctx.device)
     cu = torch.arange(b + 1, dtype=torch.int32, device=ctx.device)
-    q = _rand(ctx, b, hq, d)
-    kd, vd = _rand(ctx, b, hk, c, d), _rand(ctx, b, hk, c, d)
+    q = rand(ctx, b, hq, d)
+    kd, vd = rand(ctx, b, hk, c, d), rand(ctx, b, hk, c, d)
 
     def dense(q, kd, vd):
         return F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, enable_gqa=True)
 
-    cands = [_try("polyrl", lambda: forward_only(lambda q: K.paged_attention(q, kc, vc, tables, lens, cu, 1), [q]))]
-    cands.append(_try("sdpa_dense", lambda: forward_only(dense, [q, kd, vd])))
+    cands = [
+        candidate("polyrl", lambda: forward_only(lambda q: K.paged_attention(q, kc, vc, tables, lens, cu, 1), [q]))
+    ]
+    cands.append(candidate("sdpa_dense", lambda: forward_only(dense, [q, kd, vd])))
     if "eager" in ctx.baselines:
         cands.append(
-            _try("eager", lambda: forward_only(lambda q: paged_attention_ref(q, kc, vc, tables, lens, cu, 1), [q]))
+            candidate("eager", lambda: forward_only(lambda q: paged_attention_ref(q, kc, vc, tables, lens, cu, 1), [q]))
         )
     e = torch.finfo(ctx.dtype).bits // 8
     moved = 2 * b * c * hk * d * e + 2 * b * hq * d * e
     return [Case("paged_attention", f"decode B={b} ctx={c}", cands, moved, target=_bw_target(0.70),
-                 extra={"impl": _impl_name("paged_attention", q)}, base="sdpa_dense")]  # fmt: skip
+                 extra={"impl": impl_name("paged_attention", q)}, base="sdpa_dense")]  # fmt: skip
 
 
 def _loss_target(rows: dict[str, dict[str, Any]], ctx: Ctx) -> tuple[str, bool | None]:
@@ -382,7 +302,7 @@ def _loss_target(rows: dict[str, dict[str, Any]], ctx: Ctx) -> tuple[str, bool |
 @bench("linear_cross_entropy")
 def bench_lce(ctx: Ctx) -> list[Case]:
     t, h, v = ctx.tokens, ctx.shape["hidden"], ctx.shape["vocab"]
-    hid, w = _rand(ctx, t, h), _rand(ctx, v, h, scale=h**-0.5)
+    hid, w = rand(ctx, t, h), rand(ctx, v, h, scale=h**-0.5)
     labels = torch.randint(0, v, (t,), device=ctx.device)
     labels[::7] = -100
 
@@ -401,13 +321,13 @@ def bench_lce(ctx: Ctx) -> list[Case]:
     for c in cands:
         c.name = {"eager": "materialised"}.get(c.name, c.name)
     return [Case("linear_cross_entropy", f"fwd+bwd T={t} H={h} V={v}", cands, target=_loss_target,
-                 extra={"impl": _impl_name("linear_cross_entropy", hid)}, base="materialised")]  # fmt: skip
+                 extra={"impl": impl_name("linear_cross_entropy", hid)}, base="materialised")]  # fmt: skip
 
 
 @bench("token_logprobs")
 def bench_tlp(ctx: Ctx) -> list[Case]:
     t, h, v = ctx.tokens, ctx.shape["hidden"], ctx.shape["vocab"]
-    hid, w = _rand(ctx, t, h), _rand(ctx, v, h, scale=h**-0.5)
+    hid, w = rand(ctx, t, h), rand(ctx, v, h, scale=h**-0.5)
     tokens = torch.randint(0, v, (t,), device=ctx.device)
 
     def materialised(hid, w):
@@ -419,7 +339,7 @@ def bench_tlp(ctx: Ctx) -> list[Case]:
     for c in cands:
         c.name = {"eager": "materialised"}.get(c.name, c.name)
     return [Case("token_logprobs", f"fwd+bwd +entropy T={t} H={h} V={v}", cands, target=_loss_target,
-                 extra={"impl": _impl_name("token_logprobs", hid)}, base="materialised")]  # fmt: skip
+                 extra={"impl": impl_name("token_logprobs", hid)}, base="materialised")]  # fmt: skip
 
 
 @bench("sampling")
@@ -452,10 +372,10 @@ def bench_sampling(ctx: Ctx) -> list[Case]:
 
     sampler = Sampler()
     cands = [
-        _try("polyrl", lambda: forward_only(K.sample_tokens, [logits, temps, seeds, offsets, greedy])),
-        _try("polyrl_sampler", lambda: forward_only(lambda: sampler(logits, seqs), [])),
-        _try("old_batched", lambda: forward_only(old_style(False), [])),
-        _try("old_seeded", lambda: forward_only(old_style(True), [])),
+        candidate("polyrl", lambda: forward_only(K.sample_tokens, [logits, temps, seeds, offsets, greedy])),
+        candidate("polyrl_sampler", lambda: forward_only(lambda: sampler(logits, seqs), [])),
+        candidate("old_batched", lambda: forward_only(old_style(False), [])),
+        candidate("old_seeded", lambda: forward_only(old_style(True), [])),
     ]
 
     def target(rows, ctx):
@@ -466,12 +386,12 @@ def bench_sampling(ctx: Ctx) -> list[Case]:
     one = logits[:1].to(ctx.dtype)
     one_rows = [temps[:1], seeds[:1], offsets[:1], greedy[:1]]
     one_case = Case("sampling", f"decode step B=1 V={v} {str(ctx.dtype).replace('torch.', '')}",
-                    [_try("polyrl", lambda: forward_only(K.sample_tokens, [one, *one_rows]))], bytes_moved=float(
-                        one.numel() * one.element_size()), extra={"impl": _impl_name("sample_tokens", one)},
+                    [candidate("polyrl", lambda: forward_only(K.sample_tokens, [one, *one_rows]))], bytes_moved=float(
+                        one.numel() * one.element_size()), extra={"impl": impl_name("sample_tokens", one)},
                     base="polyrl", graph=True)  # fmt: skip
     # polyrl_sampler: the whole Sampler call (host lists, [B] tensors, kernel, .tolist()) for B seeded rows.
     return [one_case, Case("sampling", f"decode step B={b} V={v} fp32, all rows seeded", cands, bytes_moved=4.0 * b * v,
-                 target=target, extra={"impl": _impl_name("sample_tokens", logits)}, base="old_seeded")]  # fmt: skip
+                 target=target, extra={"impl": impl_name("sample_tokens", logits)}, base="old_seeded")]  # fmt: skip
 
 
 @bench("skinny_linear")
@@ -484,11 +404,11 @@ def bench_skinny_linear(ctx: Ctx) -> list[Case]:
     cases = []
     for rows in (1, 8):
         for name, (n, k) in shapes.items():
-            x, w = _rand(ctx, rows, k), _rand(ctx, n, k, scale=k**-0.5)
-            cands = [_try("polyrl", lambda x=x, w=w: forward_only(lambda: K.skinny_linear(x, w), []))]
-            cands.append(_try("cublas", lambda x=x, w=w: forward_only(lambda: F.linear(x, w), [])))
+            x, w = rand(ctx, rows, k), rand(ctx, n, k, scale=k**-0.5)
+            cands = [candidate("polyrl", lambda x=x, w=w: forward_only(lambda: K.skinny_linear(x, w), []))]
+            cands.append(candidate("cublas", lambda x=x, w=w: forward_only(lambda: F.linear(x, w), [])))
             cases.append(Case("skinny_linear", f"{name} M={rows} N={n} K={k}", cands, bytes_moved=float(n * k * e),
-                              target=_bw_target(0.5), extra={"impl": _impl_name("skinny_linear", x)}, base="cublas",
+                              target=_bw_target(0.5), extra={"impl": impl_name("skinny_linear", x)}, base="cublas",
                               graph=True))  # fmt: skip
     return cases
 
@@ -514,7 +434,7 @@ def bench_fp8(ctx: Ctx) -> list[Case]:
 
     t, h, inter = ctx.tokens, ctx.shape["hidden"], ctx.shape["inter"]
     e = torch.finfo(ctx.dtype).bits // 8
-    x = _rand(ctx, t, h)
+    x = rand(ctx, t, h)
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
     cases = []
     for rowwise in (False, True):
@@ -524,7 +444,7 @@ def bench_fp8(ctx: Ctx) -> list[Case]:
         )  # fmt: skip
         label = "rowwise" if rowwise else "tensorwise"
         cases.append(Case("fp8_quantize", f"{label} T={t} H={h} e4m3", cands, bytes_moved=float(t * h * (e + 1)),
-                          extra={"impl": _impl_name("fp8_quantize", x)}, graph=True))  # fmt: skip
+                          extra={"impl": impl_name("fp8_quantize", x)}, graph=True))  # fmt: skip
     for rowwise in (False, True):
         cands = _candidates(
             ctx, lambda x, r=rowwise: fp8_quantize_t(x, e4m3, r), lambda x, r=rowwise: quantize_t_ref(x, e4m3, r),
@@ -533,20 +453,20 @@ def bench_fp8(ctx: Ctx) -> list[Case]:
         label = "rowwise+t" if rowwise else "tensorwise+t"
         # bytes: one read of x for the cast (the amax read is the price of current scaling) and two fp8 writes
         cases.append(Case("fp8_quantize_t", f"{label} T={t} H={h} e4m3", cands, bytes_moved=float(t * h * (e + 2)),
-                          extra={"impl": _impl_name("fp8_quantize_t", x)}, graph=True))  # fmt: skip
+                          extra={"impl": impl_name("fp8_quantize_t", x)}, graph=True))  # fmt: skip
     # the gradient's cast: e5m2 with the transposed copy, current (amax pass + cast) against delayed (one pass with
     # the previous call's amax; what ``Fp8Linear`` runs on dY); the shape of the gate/up projections' dY
-    g = _rand(ctx, t, inter)
+    g = rand(ctx, t, inter)
     state = AmaxState(g.device)
     cands = [
-        _try("polyrl", lambda: forward_only(lambda: fp8_quantize_t_delayed(g, e5m2, state, 16), [])),
-        _try("current", lambda: forward_only(lambda: fp8_quantize_t(g, e5m2, False, 16), [])),
+        candidate("polyrl", lambda: forward_only(lambda: fp8_quantize_t_delayed(g, e5m2, state, 16), [])),
+        candidate("current", lambda: forward_only(lambda: fp8_quantize_t(g, e5m2, False, 16), [])),
     ]
     cases.append(Case("fp8_quantize_t", f"e5m2 delayed+t T={t} N={inter}", cands,
                       bytes_moved=float(t * inter * (e + 2)), base="current",
-                      extra={"impl": _impl_name("fp8_quantize_t_delayed", g)}, graph=True))  # fmt: skip
-    w = _rand(ctx, inter, h, scale=h**-0.5)
-    w2 = _rand(ctx, inter, h, scale=h**-0.5)
+                      extra={"impl": impl_name("fp8_quantize_t_delayed", g)}, graph=True))  # fmt: skip
+    w = rand(ctx, inter, h, scale=h**-0.5)
+    w2 = rand(ctx, inter, h, scale=h**-0.5)
 
     def fast_grad(x, w, r, st):
         old, fl.GRAD_FAST_ACCUM = fl.GRAD_FAST_ACCUM, True
@@ -555,133 +475,43 @@ def bench_fp8(ctx: Ctx) -> list[Case]:
         finally:
             fl.GRAD_FAST_ACCUM = old
 
-    impl = _impl_name("fp8_scaled_mm", x[:1].to(e4m3))
+    impl = impl_name("fp8_scaled_mm", x[:1].to(e4m3))
     for rowwise in (False, True):
         label = "rowwise" if rowwise else "tensorwise"
         st = AmaxState(x.device)  # "polyrl": as ``Fp8Linear`` runs (delayed gradient scale); "current-grad": without
         cands = [
-            _try(
+            candidate(
                 "polyrl",
                 lambda r=rowwise, st=st: fwd_bwd(
                     lambda x, w: fl.fp8_linear(x, w, None, r, grad_amax=st), [x, w], {0, 1}
                 ),
             ),  # fmt: skip
-            _try("current-grad", lambda r=rowwise: fwd_bwd(lambda x, w: fl.fp8_linear(x, w, None, r), [x, w], {0, 1})),
-            _try(
+            candidate(
+                "current-grad", lambda r=rowwise: fwd_bwd(lambda x, w: fl.fp8_linear(x, w, None, r), [x, w], {0, 1})
+            ),
+            candidate(
                 "unfused", lambda r=rowwise: fwd_bwd(lambda x, w: fl.fp8_linear_unfused(x, w, None, r), [x, w], {0, 1})
             ),  # fmt: skip
-            _try(
+            candidate(
                 "fast-grad",
                 lambda r=rowwise, st=AmaxState(x.device): fwd_bwd(lambda x, w: fast_grad(x, w, r, st), [x, w], {0, 1}),
             ),  # fmt: skip
-            _try("bf16", lambda: fwd_bwd(F.linear, [x, w], {0, 1})),
+            candidate("bf16", lambda: fwd_bwd(F.linear, [x, w], {0, 1})),
         ]
         cases.append(Case("fp8_linear", f"{label} fwd+bwd T={t} {h}->{inter}", cands, flops=6.0 * t * h * inter,
                           base="bf16", extra={"impl": impl}, graph=True))  # fmt: skip
     pair = [x, w, w2]
     sa, sb = AmaxState(x.device), AmaxState(x.device)
     cands = [
-        _try("polyrl", lambda: fwd_bwd(lambda x, a, b: (fl.fp8_linear(x, a, None, grad_amax=sa),
+        candidate("polyrl", lambda: fwd_bwd(lambda x, a, b: (fl.fp8_linear(x, a, None, grad_amax=sa),
                                                         fl.fp8_linear(x, b, None, grad_amax=sb)), pair, {0, 1, 2})),
-        _try("unfused", lambda: fwd_bwd(lambda x, a, b: (fl.fp8_linear_unfused(x, a, None),
+        candidate("unfused", lambda: fwd_bwd(lambda x, a, b: (fl.fp8_linear_unfused(x, a, None),
                                                          fl.fp8_linear_unfused(x, b, None)), pair, {0, 1, 2})),
-        _try("bf16", lambda: fwd_bwd(lambda x, a, b: (F.linear(x, a), F.linear(x, b)), pair, {0, 1, 2})),
+        candidate("bf16", lambda: fwd_bwd(lambda x, a, b: (F.linear(x, a), F.linear(x, b)), pair, {0, 1, 2})),
     ]  # fmt: skip
     cases.append(Case("fp8_linear", f"gate+up pair tensorwise fwd+bwd T={t} {h}->2x{inter}", cands,
                       flops=12.0 * t * h * inter, base="bf16", extra={"impl": impl}, graph=True))  # fmt: skip
     return cases
-
-
-# Qwen3-30B-A3B's routed experts: hidden, expert intermediate, experts, experts per token; and the tokens of one
-# bench call (a 4096-token micro-batch) whatever --tokens says (the tiny preset on the CPU uses --tokens).
-MOE_SHAPE = {"hidden": 2048, "inter": 768, "experts": 128, "topk": 8}
-MOE_TINY = {"hidden": 64, "inter": 32, "experts": 8, "topk": 2}
-MOE_TOKENS = 4096
-
-
-def _moe_target(fraction: float):
-    def check(rows: dict[str, dict[str, Any]], ctx: Ctx) -> tuple[str, bool | None]:
-        # Device time (graph replays) where both were measured: the eager time carries the routing's launches.
-        key = "graph_ms" if rows.get("polyrl", {}).get("graph_ms") and rows.get("dense", {}).get("graph_ms") else "ms"
-        p, d = rows.get("polyrl", {}).get(key), rows.get("dense", {}).get(key)
-        label = f">= {fraction:.0%} of dense GEMMs' TFLOP/s" + (" (graph)" if key == "graph_ms" else "")
-        return label, (None if p is None or d is None else d / p >= fraction)
-
-    return check
-
-
-@bench("moe_experts")
-def bench_moe(ctx: Ctx) -> list[Case]:
-    """The routed experts of a Qwen3-30B-A3B layer (bf16): polyrl (the registry's pick: the Triton grouped GEMMs),
-    ``grouped_mm`` (torch._grouped_mm), ``eager`` (the reference: a Python loop over experts) and ``dense``: the
-    same FLOPs as two plain GEMMs ([T*k, H] x [H, 2I], SwiGLU, [T*k, I] x [I, H], one expert's weights, no
-    routing): the "x base" column of polyrl is its fraction of the dense GEMMs' throughput (target >= 70%)."""
-    tiny = ctx.device.type == "cpu" or ctx.shape["hidden"] <= 64
-    h, inter, e, k = (MOE_TINY if tiny else MOE_SHAPE).values()
-    t = ctx.tokens if tiny else MOE_TOKENS
-    gen = torch.Generator(device=ctx.device).manual_seed(0)
-    x = _rand(ctx, t, h)
-    w, ids = torch.topk(torch.softmax(torch.randn(t, e, device=ctx.device, generator=gen), -1), k, dim=-1)
-    w = (w / w.sum(-1, keepdim=True)).to(ctx.dtype)
-    gate_up, down = _rand(ctx, e, 2 * inter, h, scale=h**-0.5), _rand(ctx, e, h, inter, scale=inter**-0.5)
-    rows = _rand(ctx, t * k, h)
-
-    def dense(rows, gu0, dn0):
-        hh = F.linear(rows, gu0)
-        return F.linear(F.silu(hh[:, :inter]) * hh[:, inter:], dn0)
-
-    def moe_ref(*args):
-        # lazy: the reference is this case's baseline only
-        from polyrl.kernels.moe.reference import moe_experts
-
-        return moe_experts(*args)
-
-    args = [x, ids, w, gate_up, down]
-    impl = _impl_name("moe_experts", x)
-
-    def make(fn, a, grads):
-        return fwd_bwd(fn, a, grads) if grads is not None else forward_only(fn, a)
-
-    cases = []
-    for grads, dense_grads, label, mult in ((None, None, "fwd", 1), ({0, 2, 3, 4}, {0, 1, 2}, "fwd+bwd", 3)):
-        cands = [_try("polyrl", lambda g=grads: make(K.moe_experts, args, g))]
-        cands.append(_try("grouped_mm", lambda g=grads: make(registry.load("moe_experts", "grouped_mm"), args, g)))
-        cands.append(_try("dense", lambda g=dense_grads: make(dense, [rows, gate_up[0], down[0]], g)))
-        if "eager" in ctx.baselines:
-            cands.append(_try("eager", lambda g=grads: make(moe_ref, args, g)))
-        flops = float(mult * 2 * t * k * 3 * h * inter)
-        cases.append(Case("moe_experts", f"{label} T={t} H={h} I={inter} E={e} k={k}", cands, flops=flops,
-                          target=_moe_target(0.7), extra={"impl": impl}, base="dense", graph=True))  # fmt: skip
-    return cases
-
-
-@bench("moe_experts_lora")
-def bench_moe_lora(ctx: Ctx) -> list[Case]:
-    """A Qwen3-30B-A3B layer's routed experts with a rank-16 adapter per expert on both projections over a frozen
-    base (bf16), forward + backward (gradients of x, the routing weights and the four factors): the registry's
-    ``triton`` implementation (no ``W'``, no base weight gradient) against ``materialized`` (``W'`` built, then
-    ``moe_experts``: what LoRA training runs by default); the "x base" column is triton's speed-up over it. FLOPs:
-    the forward and the input gradients of the experts (4 x 3 GEMMs of [T*k, H] x [H, I]); the adapter products
-    and, for ``materialized``, its base weight gradients are extra work not counted."""
-    tiny = ctx.device.type == "cpu" or ctx.shape["hidden"] <= 64
-    h, inter, e, k = (MOE_TINY if tiny else MOE_SHAPE).values()
-    t, r = (ctx.tokens if tiny else MOE_TOKENS), 16
-    gen = torch.Generator(device=ctx.device).manual_seed(0)
-    x = _rand(ctx, t, h)
-    w, ids = torch.topk(torch.softmax(torch.randn(t, e, device=ctx.device, generator=gen), -1), k, dim=-1)
-    w = (w / w.sum(-1, keepdim=True)).to(ctx.dtype)
-    gate_up, down = _rand(ctx, e, 2 * inter, h, scale=h**-0.5), _rand(ctx, e, h, inter, scale=inter**-0.5)
-    adapters = [_rand(ctx, e, r, h, scale=h**-0.5), _rand(ctx, e, 2 * inter, r, scale=0.1)]
-    adapters += [_rand(ctx, e, r, inter, scale=inter**-0.5), _rand(ctx, e, h, r, scale=0.1)]
-    args = [x, ids, w, gate_up, down, *adapters, 2.0]
-    grads = {0, 2, 5, 6, 7, 8}
-    cands = [
-        _try(name, lambda n=name: fwd_bwd(registry.load("moe_experts_lora", n), args, grads))
-        for name in ("triton", "materialized")
-    ]
-    flops = float(4 * 2 * t * k * 3 * h * inter)
-    return [Case("moe_experts_lora", f"fwd+bwd T={t} H={h} I={inter} E={e} k={k} r={r}", cands, flops=flops,
-                 extra={"impl": _impl_name("moe_experts_lora", x)}, base="materialized", graph=True)]  # fmt: skip
 
 
 # --- running and printing ----------------------------------------------------------------------------
@@ -805,3 +635,7 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps({"facts": facts, "rows": rows}, indent=1, default=str) + "\n")
         print(f"wrote {args.json}")
     return 0
+
+
+# the MoE cases, registered after the others (the default order of --ops)
+from polyrl.bench import kernels_moe as _kernels_moe  # noqa: E402,F401  isort: skip

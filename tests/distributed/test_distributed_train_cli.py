@@ -45,15 +45,12 @@ def test_two_rank_cli_run_matches_and_resumes_in_one_process(tiny_model_dir, tmp
     assert _losses(two)[-1] == pytest.approx(reference[2], abs=TOL)
 
 
-def test_sigterm_to_the_launcher_stops_every_rank_after_one_step_with_a_checkpoint(tiny_model_dir, tmp_path):
-    """A SIGTERM to ``polyrl train --nproc-per-node 2`` goes on to torchrun and every rank: both finish the step in
-    progress, agree on it, write its sharded checkpoint and stop (no rank left running); the one-process resume of
-    that checkpoint takes the next step where the one-process run would be."""
-    import signal
+def _signal_a_two_rank_run(model_dir, out, send) -> tuple[int, str, int]:
+    """Start ``polyrl train --nproc-per-node 2`` into ``out``, call ``send(launcher)`` once two steps are logged; the
+    launcher's exit code, its output, and the step both ranks stopped after (they must name the same one)."""
     import time
 
-    out = tmp_path / "two"
-    cmd = [sys.executable, "-m", "polyrl.cli.main", "train", "--nproc-per-node", "2", "--model", str(tiny_model_dir)]
+    cmd = [sys.executable, "-m", "polyrl.cli.main", "train", "--nproc-per-node", "2", "--model", str(model_dir)]
     proc = subprocess.Popen([*cmd, "--out", str(out), "--max-steps", "100000", *ARGS], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
@@ -61,14 +58,24 @@ def test_sigterm_to_the_launcher_stops_every_rank_after_one_step_with_a_checkpoi
         while not ((out / "metrics.jsonl").is_file() and len(_losses(out)) >= 2):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=5)[0][-3000:]
             time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
+        send(proc)
         log, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 143, log[-3000:]  # as one process stopped by SIGTERM (torchrun itself exits 1)
     stops = [line for line in log.splitlines() if line.startswith("stopped by SIGTERM after step ")]
     assert len(stops) == 2 and stops[0] == stops[1], log[-3000:]  # both ranks, the same step
-    k = int(stops[0].split()[5])
+    return proc.returncode, log, int(stops[0].split()[5])
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_after_one_step_with_a_checkpoint(tiny_model_dir, tmp_path):
+    """A SIGTERM to ``polyrl train --nproc-per-node 2`` goes on to torchrun and every rank: both finish the step in
+    progress, agree on it, write its sharded checkpoint and stop (no rank left running); the one-process resume of
+    that checkpoint takes the next step where the one-process run would be."""
+    import signal
+
+    out = tmp_path / "two"
+    rc, log, k = _signal_a_two_rank_run(tiny_model_dir, out, lambda proc: proc.send_signal(signal.SIGTERM))
+    assert rc == 143, log[-3000:]  # as one process stopped by SIGTERM (torchrun itself exits 1)
     manifest = json.loads((out / "checkpoints" / f"step-{k:08d}" / "manifest.json").read_text())
     assert manifest["sharded"] is True and manifest["world_size"] == 2 and len(_losses(out)) == k
     one = tmp_path / "one"
@@ -104,26 +111,14 @@ def test_sigterm_to_every_process_at_once_still_saves_the_step(tiny_model_dir, t
     SIGTERM" that stops a rank at once; both ranks still save the step in progress."""
     import os
     import signal
-    import time
 
-    out = tmp_path / "two"
-    cmd = [sys.executable, "-m", "polyrl.cli.main", "train", "--nproc-per-node", "2", "--model", str(tiny_model_dir)]
-    proc = subprocess.Popen([*cmd, "--out", str(out), "--max-steps", "100000", *ARGS], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 180
-        while not ((out / "metrics.jsonl").is_file() and len(_losses(out)) >= 2):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=5)[0][-3000:]
-            time.sleep(0.1)
+    def everyone(proc):
         for pid in _tree(proc.pid):
             try:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        log, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    stops = [line for line in log.splitlines() if line.startswith("stopped by SIGTERM after step ")]
-    assert len(stops) == 2 and stops[0] == stops[1], log[-3000:]
-    k = int(stops[0].split()[5])
+
+    out = tmp_path / "two"
+    _, _, k = _signal_a_two_rank_run(tiny_model_dir, out, everyone)
     assert (out / "checkpoints" / f"step-{k:08d}" / "manifest.json").is_file()
