@@ -173,11 +173,13 @@ def test_triton_rejects_bad_adapters(triton_kernels):
         fn(x, ids, w, gu, dn.clone().requires_grad_(True), ga, gb, da, db, 1.0)
 
 
-def test_registry_keeps_the_materialised_path_first_until_the_fused_one_is_measured():
+def test_registry_runs_the_fused_path_first_on_cuda_and_the_materialised_one_elsewhere():
+    """The fused path won on the H200 (2.1x the op, +10% LoRA SFT at qwen3-30b-a3b-L8, 10 GiB less peak)."""
     names = {i.name: i for i in registry.implementations("moe_experts_lora")}
     assert names["triton"].devices == {"cuda"}
-    assert names["materialized"].priority > names["triton"].priority > names["reference"].priority
+    assert names["triton"].priority > names["materialized"].priority > names["reference"].priority
     assert registry.select("moe_experts_lora", "cpu", "float32")[0] == "materialized"
+    assert registry.select("moe_experts_lora", "cpu", "bfloat16")[0] == "materialized"
 
 
 def test_materialised_path_equals_the_reference_bit_for_bit_on_the_cpu():
