@@ -23,6 +23,7 @@ checkpoint files (``polyrl.train.checkpoint``), argument parsing (``polyrl.cli.t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -233,20 +234,23 @@ def run_steps(
     before: Callable[[], dict[str, Any]] | None = None,
     best: BestKeeper | None = None,
     agree: Callable[[bool], bool] | None = None,
+    stop: StopSignal | None = None,
 ) -> None:
     """The loop every run shares: ``step(i)`` for i in [start, steps), each record logged, a checkpoint whenever
     ``ckpts`` asks for one, and the final one. ``before``: the evaluation of the initial model
     (``train.eval_before_train``), logged as step 0 when the run starts at step 0 (a resumed run has it already);
     ``best``: offered every record before the checkpoint of its step (``train.keep_best``). A SIGTERM
     (``stop_signal``) ends the loop after the step in progress, with a checkpoint of it, by raising ``RunStopped``;
-    ``agree(flag)``: whether any rank got one (data-parallel runs: one all-reduce a step), else this process's."""
+    ``agree(flag)``: whether any rank got one (data-parallel runs: one all-reduce a step), else this process's.
+    ``stop``: the trainer's ``StopSignal``, held across this loop and the run's finish (the final model and the
+    summary), marked ``finish()`` here once the last step is decided; None: one of the loop's own."""
     if before is not None and start == 0:
         rec = {"step": 0, **before()}
         if log is not None:
             log.log(rec)
         if best is not None:
             best.update(0, rec)
-    with StopSignal() as stop:
+    with StopSignal() if stop is None else contextlib.nullcontext(stop) as stop:
         for i in range(start, steps):
             rec = step(i)
             if log is not None:
@@ -267,8 +271,9 @@ def run_steps(
                     f"command and --resume",
                     128 + (stop.received or signal.SIGTERM),
                 )
-    if ckpts.should_save(steps, final=True):
-        save(steps)
+        stop.finish()  # past the last step's decision: a signal from here on lets the run finish
+        if ckpts.should_save(steps, final=True):
+            save(steps)
 
 
 def any_rank(world: par.World) -> Callable[[bool], bool] | None:
@@ -540,35 +545,36 @@ class OfflineRun:
         ckpts = open_checkpoints(self.out, cfg, world)
         series = ("loss", "lr", "grad_norm", *(("eval_loss",) if self.eval_data is not None else ()))
         log = open_metrics(cfg, self.out, world, self.steps, self.start, (*series, *self.spec.plot_series), self.stream)
-        try:
-            before = self.evaluate if cfg.train.eval_before_train else None
-            save = lambda step: self.save(ckpts, step)  # noqa: E731
-            run_steps(self.start, self.steps, self.step, log, ckpts, save, before=before, best=self.best,
-                      agree=any_rank(world))  # fmt: skip
-            final = export_final(cfg, self.model, world, self.tokenizer)
-            if final is not None and self.spec.finalize is not None and world.is_main:
-                final = self.spec.finalize(final, self.tokenizer)  # rm: a sequence-classification folder
-        except BaseException as exc:
-            if log is not None:
-                log.close(extra={"status": end_status(exc)}, print_table=False)
-            raise
-        if log is None:
-            return {"status": "finished", "rank": world.rank}
-        extra = {
-            "algo": cfg.algo,
-            "status": "finished",
-            "resumed_from_step": self.start,
-            "world_size": world.world_size,
-            "wall_time_s": time.perf_counter() - self.t_start,
-            **_data_summary(self.data.stats),
-            "final_model": str(final) if final is not None else None,
-            **(self.best.summary() if self.best is not None else {}),
-        }
-        summary = log.close(extra=extra)
-        out = self.out
-        plot = f"  plot: {log.plot}" if log.plot is not None else ""
-        print(f"final model: {final}  metrics: {out / 'metrics.jsonl'}{plot}", file=self.stream)
-        return summary
+        with StopSignal() as stop:  # held across the loop and the finish: a signal lets a finishing run end
+            try:
+                before = self.evaluate if cfg.train.eval_before_train else None
+                save = lambda step: self.save(ckpts, step)  # noqa: E731
+                run_steps(self.start, self.steps, self.step, log, ckpts, save, before=before, best=self.best,
+                          agree=any_rank(world), stop=stop)  # fmt: skip
+                final = export_final(cfg, self.model, world, self.tokenizer)
+                if final is not None and self.spec.finalize is not None and world.is_main:
+                    final = self.spec.finalize(final, self.tokenizer)  # rm: a sequence-classification folder
+            except BaseException as exc:
+                if log is not None:
+                    log.close(extra={"status": end_status(exc)}, print_table=False)
+                raise
+            if log is None:
+                return {"status": "finished", "rank": world.rank}
+            extra = {
+                "algo": cfg.algo,
+                "status": "finished",
+                "resumed_from_step": self.start,
+                "world_size": world.world_size,
+                "wall_time_s": time.perf_counter() - self.t_start,
+                **_data_summary(self.data.stats),
+                "final_model": str(final) if final is not None else None,
+                **(self.best.summary() if self.best is not None else {}),
+            }
+            summary = log.close(extra=extra)
+            out = self.out
+            plot = f"  plot: {log.plot}" if log.plot is not None else ""
+            print(f"final model: {final}  metrics: {out / 'metrics.jsonl'}{plot}", file=self.stream)
+            return summary
 
 
 def run_offline(cfg: RunConfig, stream: TextIO | None = None) -> dict[str, Any]:

@@ -112,6 +112,7 @@ from polyrl.run.offline import (
 )
 from polyrl.run.prompt_order import PromptStream, rollout_seed
 from polyrl.run.rollout_log import RolloutLog, chosen, spread, token_strings
+from polyrl.run.stop_signal import StopSignal
 from polyrl.run.teardown import release
 from polyrl.run.worker_partial import WorkerPartialRollouts
 from polyrl.train import parallel as par
@@ -611,6 +612,11 @@ class OnlineRun(AsyncSteps, DataParallelSteps):
 
     # ---- the run ------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        """The run; a stop signal is caught across the loop and the finish (``polyrl.run.stop_signal``)."""
+        with StopSignal() as stop:
+            return self._run(stop)
+
+    def _run(self, stop: StopSignal) -> dict[str, Any]:
         cfg, world = self.cfg, self.world
         ckpts = open_checkpoints(self.out, cfg, world)
         series = ("loss", "lr", "grad_norm", *cfg.spec.plot_series)
@@ -634,7 +640,7 @@ class OnlineRun(AsyncSteps, DataParallelSteps):
         try:
             before = self.evaluate_before_train if cfg.train.eval_before_train else None
             run_steps(self.start, self.steps, self.step, log, ckpts, save, before=before, best=self.best,
-                      agree=any_rank(world))  # fmt: skip
+                      agree=any_rank(world), stop=stop)  # fmt: skip
             final = export_final(cfg, model, world, self.tokenizer)
         except BaseException as exc:
             failed = True

@@ -17,6 +17,11 @@ step): the reward, environment and rollout worker processes leave it to the trai
 (``algorithms.workers.shelter_from_stop_signal``), so the step in progress is scored and generated in full; the
 pools stop them when the trainer closes them.
 
+A SIGTERM while the run is finishing (its last step, the final checkpoint, the final model folder, the summary) does
+not cut that short: those are moments away and are what the run is for, so the run completes them and ends as
+finished (exit 0); a second SIGTERM still stops it at once. The trainers hold one ``StopSignal`` across the loop and
+the finish for this (``finishing()`` switches its message).
+
 Ctrl-C (SIGINT) is left as it was (an immediate ``KeyboardInterrupt``): a terminal sends it to every process of the
 foreground group, so reward, environment and rollout worker processes would die mid-step. Outside the main thread
 (``fit()`` called from another thread) no handler can be installed and nothing changes.
@@ -43,6 +48,7 @@ class StopSignal:
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.finishing = False  # the run is past its last step's decision: the signal lets it finish
         self._first = 0.0  # time.monotonic() of the first signal
         self._previous: dict[int, Any] = {}
 
@@ -60,12 +66,20 @@ class StopSignal:
             signal.raise_signal(signum)
             return
         self.received, self._first = signum, time.monotonic()
+        what = (
+            "the run is finishing: its final checkpoint and model are written first"
+            if self.finishing
+            else "the run stops after this step, with a checkpoint"
+        )
         print(
-            f"polyrl: {signal.Signals(signum).name} received: the run stops after this step, with a checkpoint "
-            "(send it again to stop at once)",
+            f"polyrl: {signal.Signals(signum).name} received: {what} (send it again to stop at once)",
             file=sys.stderr,
             flush=True,
         )
+
+    def finish(self) -> None:
+        """From now on the run is finishing: a signal lets it complete (a different message, no stop)."""
+        self.finishing = True
 
     def _restore(self) -> None:
         for sig, handler in self._previous.items():

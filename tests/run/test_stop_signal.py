@@ -178,3 +178,56 @@ def test_a_program_that_never_closes_its_worker_pool_still_exits(tmp_path):
     pid = int(res.stdout.split()[0])
     time.sleep(0.2)
     assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2], pid
+
+
+@pytest.mark.parametrize("algo", ["sft", "grpo"])
+def test_a_sigterm_while_the_run_finishes_lets_it_finish(tiny_model_dir, tmp_path, monkeypatch, capsys, algo):
+    """A SIGTERM during the final model's export (the run's last moments) does not cut it short: the final folder is
+    written, the summary says finished, the run returns 0; the handler is gone afterwards."""
+    import polyrl.run.offline as offline
+    import polyrl.run.online as online
+
+    real = offline.export_final
+    seen = []
+
+    def signalled_export(*args, **kwargs):
+        signal.raise_signal(signal.SIGTERM)  # recorded, not acted on
+        seen.append(signal.getsignal(signal.SIGTERM))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(offline, "export_final", signalled_export)
+    monkeypatch.setattr(online, "export_final", signalled_export)
+    before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / algo
+    argv = ["train", "--model", str(tiny_model_dir), "--data", DATA, "--out", str(out), "--max-steps", "2"]
+    if algo == "sft":
+        argv += FLAGS
+    else:
+        argv += ["--algo", "grpo", "--reward", "numeric", "--prompts-per-step", "2", "--n", "2", "--max-new-tokens",
+                 "4", "--micro-batch-tokens", "256", "--log-every", "1"]  # fmt: skip
+    assert main(argv) == 0
+    assert len(seen) == 1 and seen[0] not in (before, signal.SIG_DFL)  # the run's handler was in place
+    assert (out / "final" / "config.json").is_file()
+    assert json.loads((out / "summary.json").read_text())["status"] == "finished"
+    assert "the run is finishing: its final checkpoint and model are written first" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_signal_in_the_last_step_saves_the_final_checkpoint_without_a_stop(tmp_path):
+    from polyrl.run.offline import run_steps
+    from polyrl.train.checkpoint import CheckpointManager
+
+    saved, ran = [], []
+
+    def step(i):
+        ran.append(i)
+        if i == 3:
+            signal.raise_signal(signal.SIGTERM)
+        return {}
+
+    before = signal.getsignal(signal.SIGTERM)
+    with StopSignal() as stop:
+        run_steps(0, 4, step, None, CheckpointManager(tmp_path), saved.append, stop=stop)
+        assert stop.received == signal.SIGTERM and stop.finishing
+    assert ran == [0, 1, 2, 3] and saved == [4]
+    assert signal.getsignal(signal.SIGTERM) == before
