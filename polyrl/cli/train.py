@@ -497,6 +497,20 @@ def relaunch_argv(args: argparse.Namespace) -> list[str]:
 
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT)  # what the --nproc-per-node launcher passes on to torchrun
+# torchrun's grace between the SIGTERM it passes on to the ranks and its SIGKILL (its own default: 30 s, too short for
+# a step and a checkpoint of a large model). The scheduler's own grace (Slurm's KillWait, Kubernetes'
+# terminationGracePeriodSeconds) still bounds it. A value set in the environment is kept. torchrun reads it from
+# torch 2.12 on; before, its 30 s apply.
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+DEFAULT_SHUTDOWN_TIMEOUT_S = 600
+
+
+def torchrun_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment the launcher starts torchrun in: this one, with torchrun's shutdown grace raised to
+    ``DEFAULT_SHUTDOWN_TIMEOUT_S`` unless the user set it."""
+    env = dict(os.environ if environ is None else environ)
+    env.setdefault(SHUTDOWN_TIMEOUT_ENV, str(DEFAULT_SHUTDOWN_TIMEOUT_S))
+    return env
 
 
 def relaunch(args: argparse.Namespace, nproc: int) -> int:
@@ -527,7 +541,7 @@ def relaunch(args: argparse.Namespace, nproc: int) -> int:
     main_thread = threading.current_thread() is threading.main_thread()  # else no handler can be installed
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED} if main_thread else {}
     try:
-        child.append(subprocess.Popen(cmd))
+        child.append(subprocess.Popen(cmd, env=torchrun_env()))
         if received:  # came while it started
             child[0].send_signal(received[0])
         code = child[0].wait()

@@ -73,9 +73,23 @@ def test_sigterm_to_the_launcher_stops_every_rank_after_one_step_with_a_checkpoi
     that checkpoint takes the next step where the one-process run would be."""
     import signal
 
+    environ = {}
+
+    def send(proc):
+        for pid in _tree(proc.pid):
+            try:
+                if b"torch.distributed.run" in open(f"/proc/{pid}/cmdline", "rb").read():  # noqa: SIM115, PTH123
+                    raw = open(f"/proc/{pid}/environ", "rb").read()  # noqa: SIM115, PTH123
+                    environ.update(kv.decode().split("=", 1) for kv in raw.split(b"\0") if b"=" in kv)
+            except OSError:
+                pass
+        proc.send_signal(signal.SIGTERM)
+
     out = tmp_path / "two"
-    rc, log, k = _signal_a_two_rank_run(tiny_model_dir, out, lambda proc: proc.send_signal(signal.SIGTERM))
+    rc, log, k = _signal_a_two_rank_run(tiny_model_dir, out, send)
     assert rc == 143, log[-3000:]  # as one process stopped by SIGTERM (torchrun itself exits 1)
+    # torchrun's grace before its SIGKILL, raised from its 30 s for a step and a checkpoint of a large model
+    assert environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") == "600", sorted(environ)
     manifest = json.loads((out / "checkpoints" / f"step-{k:08d}" / "manifest.json").read_text())
     assert manifest["sharded"] is True and manifest["world_size"] == 2 and len(_losses(out)) == k
     one = tmp_path / "one"
@@ -122,3 +136,16 @@ def test_sigterm_to_every_process_at_once_still_saves_the_step(tiny_model_dir, t
     out = tmp_path / "two"
     _, _, k = _signal_a_two_rank_run(tiny_model_dir, out, everyone)
     assert (out / "checkpoints" / f"step-{k:08d}" / "manifest.json").is_file()
+
+
+def test_torchrun_reads_the_shutdown_grace_the_launcher_sets(monkeypatch):
+    """The launcher's ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` is torchrun's grace between SIGTERM and SIGKILL (torch >=
+    2.12, as here); a value the user set is kept."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from polyrl.cli.train import torchrun_env
+
+    assert torchrun_env({})["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "600"
+    assert torchrun_env({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "45"})["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "45"
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", torchrun_env({})["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+    assert LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2).shutdown_timeout == 600
