@@ -395,15 +395,17 @@ def _grouped_wgrad_flat_kernel(
             b = b.to(tl.float32)
         acc = tl.dot(at, b, acc, input_precision=PREC)
         last = kk == nk - 1
-        c = c_ptr + e.to(tl.int64) * stride_ce + ms.to(tl.int64)[:, None] * stride_cm + ns[None, :]
+        c_e = c_ptr + e.to(tl.int64) * stride_ce
         if STORE_IF:
-            if last:
+            if last:  # (the output pointers computed here, not on every step)
+                c = c_e + ms.to(tl.int64)[:, None] * stride_cm + ns[None, :]
                 tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         else:
             # stored on the last step only: its rows bound is M there, 0 before (a scalar bool in the mask would do,
             # but the interpreter turns block & scalar-bool masks into int32)
             smask = ms < tl.where(last, M, 0)
+            c = c_e + ms.to(tl.int64)[:, None] * stride_cm + ns[None, :]
             tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=smask[:, None] & nmask[None, :])
             acc = tl.where(last, 0.0, acc)
         # next item: the next k-step, else the next tile's first, else the next expert's first tile
