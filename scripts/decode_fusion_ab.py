@@ -13,14 +13,16 @@ left out: o reads the q columns of the q/k/v output, a strided view, as a stand-
 (b) fused:   rmsnorm_linear(x, residual, qkv) ; o F.linear -> rmsnorm_linear(o, residual, gate_up, "swiglu") ->
              down F.linear                                                                  (4 kernels)
 (c) addmm:   (b) where o and down add their output to the residual stream (torch.addmm, beta = 1), so the fused
-             norms read one tensor and add nothing (the first layer still adds its input's residual)
+             norms read one tensor and add nothing (the first layer still adds its input's residual); the add
+             is rounded once with the product (fp32), not after it, so (c) is not bit-close to (a)
 
 Each variant runs ``--layers`` layers (separate weights per layer, as a model has) captured in ONE CUDA graph and is
 timed as graph replays (CUDA events over many replays, L2 not flushed: the weights, 30 MB a layer, do not fit it
 anyway). Prints per-layer microseconds, the step saving for the layer count, the two fused pairs timed alone
-against their unfused kernels, the kernel configs of (b) tried, and the max abs differences of the final hidden /
-residual against (a). Needs a CUDA device (or ``--cpu-check``);
-measures, asserts nothing; ~30 s on an H200.
+against their unfused kernels, (b) and (c) with explicit tile configs, and the max abs differences of the final
+hidden / residual against (a). Needs a CUDA device (or ``--cpu-check``); measures, asserts nothing. Time on an H200:
+mostly the Triton compiles (4 kernel variants per tile config; ``--no-configs`` skips the configs, a second run hits
+Triton's cache).
 """
 
 from __future__ import annotations
@@ -41,20 +43,18 @@ from polyrl import kernels
 
 EPS = 1e-6
 
-# (block_m, block_n, block_k, num_warps, num_stages, one_pass) tried for (b) on top of the default heuristic;
-# one_pass: the kernel's experiment that reads x / residual once and scales the accumulator by rstd (not bit-close)
+# (block_m, block_n, block_k, num_warps, num_stages, one_pass) tried for (b) and (c) besides the default heuristic.
+# one_pass: the kernel's experiment that reads x / residual once and scales the accumulator by rstd (not bit-close to
+# the unfused ops). Each program re-reads its rows' activations for every column tile: wide BLOCK_N reads them
+# fewer times, at the price of fewer programs (M = 256, N = 4096: 64 x 64 tiles give 256 programs, 128 x 64 give 128).
 CONFIGS = [
+    (64, 64, 64, 4, 3, False),
     (64, 64, 64, 4, 3, True),
-    (64, 32, 128, 4, 3, True),
+    (64, 128, 64, 8, 3, True),
+    (128, 64, 64, 8, 3, False),
     (128, 64, 64, 8, 3, True),
     (256, 32, 64, 8, 3, True),
-    (64, 64, 64, 4, 3),
-    (64, 32, 128, 4, 3),
-    (32, 64, 128, 4, 4),
-    (128, 64, 64, 8, 3),
-    (64, 128, 64, 8, 3),
-    (16, 64, 128, 4, 4),
-    (256, 32, 64, 8, 3),
+    (64, 32, 128, 4, 3, True),
 ]
 
 
@@ -226,23 +226,28 @@ def run_device(rows_list, n_layers, try_configs) -> None:
                 print(f"  {name:<32} {time_graph(g) * 1e3 / n_layers:8.2f} us/call")
                 del g
             if try_configs:
-                print("(b) with explicit tiles (block_m, block_n, block_k, warps, stages[, one_pass]):")
+                print("explicit tiles (block_m, block_n, block_k, warps, stages, one_pass): (b) and (c)")
                 for cfg in CONFIGS:
-                    bm, bn, bk, nw, ns = cfg[:5]
+                    bm, bn, bk, nw, ns, one = cfg
                     tuning = {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": nw, "num_stages": ns,
-                              "one_pass": len(cfg) > 5 and cfg[5]}  # fmt: skip
+                              "one_pass": one}  # fmt: skip
 
                     def fn(*a, _t=tuning):
                         return rl_triton.rmsnorm_linear(*a, tuning=_t)
 
                     try:
                         g, (xt, _) = capture(step_fused, x, res, layers, shape, fn)
-                        ms = time_graph(g)
-                        print(f"  {cfg!s:<28} {ms * 1e3 / n_layers:8.2f} us/layer  "
-                              f"saving {(base - ms) * 1e3:8.1f} us/step  max |x - x_a| {_maxdiff(xt, xa)}")  # fmt: skip
+                        ms_b = time_graph(g)
                         del g
+                        g, st = capture(step_addmm, x, res, layers, shape, fn)
+                        ms_c = time_graph(g)
+                        del g
+                        per_b, per_c = ms_b * 1e3 / n_layers, ms_c * 1e3 / n_layers
+                        print(f"  {cfg!s:<32} b {per_b:7.2f} us/layer (saving {(base - ms_b) * 1e3:7.1f} us/step)"
+                              f"  c {per_c:7.2f} us/layer (saving {(base - ms_c) * 1e3:7.1f})"
+                              f"  max |x_b - x_a| {_maxdiff(xt, xa)}")  # fmt: skip
                     except Exception as exc:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
-                        print(f"  {cfg!s:<28} failed: {type(exc).__name__}: {str(exc)[:120]}")
+                        print(f"  {cfg!s:<32} failed: {type(exc).__name__}: {str(exc)[:120]}")
     print(f"\n# total {time.time() - t0:.1f} s")
 
 
