@@ -141,7 +141,8 @@ def test_triton_bf16_matches_reference_and_rounding_points(triton_kernels, kerne
         assert s is None
     d = (y.float() - y_model.float()).abs()
     assert (d == 0).float().mean().item() > 0.9
-    assert (d <= y_model.float().abs() * 2**-7).all()
+    # (+ 1e-4: a value near zero by cancellation moves by the fp32 sum's own error, ~1e-6 here)
+    assert (d <= y_model.float().abs() * 2**-7 + 1e-4).all()
 
 
 def test_triton_explicit_tiles_and_strided_input(triton_kernels, kernel_check):
