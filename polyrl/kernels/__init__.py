@@ -19,7 +19,6 @@ from polyrl.kernels.registry import KernelUnavailable
 # Importing each op package registers its implementations.
 from polyrl.kernels import (  # noqa: E402,F401  isort: skip
     rmsnorm as _rmsnorm_pkg,
-    rmsnorm_linear as _rmsnorm_linear_pkg,
     rope as _rope_pkg,
     swiglu as _swiglu_pkg,
     attention as _attention_pkg,
@@ -57,7 +56,6 @@ from polyrl.kernels.ops import (  # noqa: E402  isort: skip
     qk_norm_rope,
     qk_norm_rope_cache,
     rmsnorm,
-    rmsnorm_linear,
     rope_cos_sin,
     sample_tokens,
     skinny_linear,
@@ -74,7 +72,6 @@ __all__ = [
     "paged_attention_graph_safe",
     "registry",
     "rmsnorm",
-    "rmsnorm_linear",
     "apply_rope",
     "apply_token_bitmask",
     "rope_cos_sin",

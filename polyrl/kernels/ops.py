@@ -39,21 +39,6 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: 
     return _impl("rmsnorm", x)(x, weight, eps, residual)
 
 
-def rmsnorm_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float = 1e-6,
-    epilogue: str = "none",
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``rmsnorm`` (with the residual add) fused into the projection after it, inference only: x ``[M, H]``,
-    residual ``[M, H]`` or None, weight ``[N, H]`` -> ``(rmsnorm(x + residual) @ weight^T, x + residual or None)``;
-    ``epilogue="swiglu"``: weight is a fused gate/up ``[2I, H]`` and ``y = silu(gate) * up`` ``[M, I]``. Same
-    rounding points as the unfused ops; contract in ``polyrl/kernels/rmsnorm_linear/__init__.py``."""
-    return _impl("rmsnorm_linear", x)(x, residual, norm_weight, weight, eps, epilogue)
-
-
 def rope_cos_sin(
     position_ids: torch.Tensor,
     head_dim: int,
