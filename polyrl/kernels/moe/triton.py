@@ -37,11 +37,7 @@ fp32 inputs use ``input_precision="ieee"`` dots unless ``torch.backends.cuda.mat
 the Triton interpreter (CPU tests) 16-bit operands are upcast to fp32 before ``tl.dot`` (the interpreter's
 bf16 dot multiplies raw bits); on the device they go to the tensor cores as they are.
 
-The weight-gradient GEMMs also have a persistent flat-loop kernel (``_grouped_wgrad_flat_kernel``: each program
-walks its (tile, k-step) items in one loop across tile and expert boundaries), off by default until measured:
-``WGRAD_FLAT = True`` switches it on (config ``CONFIGS["wgrad_flat"]``).
-
-Not here: expert parallelism, fp8, a stream-K schedule.
+Not here: expert parallelism, fp8, a persistent/stream-K schedule.
 """
 
 from __future__ import annotations
@@ -52,7 +48,6 @@ import triton.language as tl
 from triton import knobs
 
 from polyrl.errors import UserError
-from polyrl.platform import device as platform_device
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -65,14 +60,8 @@ def interpreting() -> bool:
 # --- tile configurations ------------------------------------------------------------------------------
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M) per GEMM for 16-bit inputs; "*_small" when an expert
 # has few rows (decode). fp32 inputs halve BLOCK_K and cap BLOCK_N at 128 (shared memory). Picked by a sweep on the
-# H200 at Qwen3-30B-A3B's expert shapes, T=4096 (docs/performance.md, "MoE experts"). "wgrad_flat" (the persistent
-# weight-gradient kernel, used when WGRAD_FLAT is on) is (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages,
-# programs per multiprocessor, STORE_IF, SPLIT_ITEMS): a first guess, not yet measured. SPLIT_ITEMS 1: the programs'
-# tile ranges balanced by (tile, k-step) items (at 256 +- 16 rows per expert, 64-row steps, an expert runs 4 or 5
-# steps per tile: an even split of tiles can leave a program 25% more work). STORE_IF 1 because compiled for sm_90 the
-# masked-store form waits for each step's wgmma and converts the accumulator's layout for the store on every step;
-# under an if only the tile's last step does.
-CONFIGS: dict[str, tuple[int, ...]] = {
+# H200 at Qwen3-30B-A3B's expert shapes, T=4096 (docs/performance.md, "MoE experts").
+CONFIGS: dict[str, tuple[int, int, int, int, int, int]] = {
     "up": (128, 128, 64, 8, 4, 8),  # x @ gate_up^T + SwiGLU (two accumulators: BLOCK_N gate + BLOCK_N up columns)
     "down": (128, 256, 64, 8, 4, 8),  # act @ down^T
     "dact": (64, 128, 64, 4, 4, 4),  # dys @ down (+ SwiGLU backward)
@@ -81,13 +70,8 @@ CONFIGS: dict[str, tuple[int, ...]] = {
     "up_small": (16, 64, 128, 4, 4, 1),
     "rows_small": (16, 128, 128, 4, 4, 1),
     "wgrad_small": (64, 64, 32, 4, 3, 1),
-    "wgrad_flat": (128, 128, 64, 4, 3, 1, 1, 1),
 }
 _INTERP = (16, 16, 16, 1, 1, 2)
-# The weight-gradient GEMMs through _grouped_wgrad_flat_kernel (persistent, one flat loop over (tile, k-step)
-# items) instead of one program per output tile. Off until the device sweep (scripts/moe_tile_sweep.py,
-# rows "wgrad_*_flat") shows it faster; used only where an expert has >= 48 rows on average and no LoRA rank tile.
-WGRAD_FLAT = False
 
 
 def _cfg(name: str, rows_per_expert: float, dtype: torch.dtype) -> tuple[int, int, int, int, int, int]:
@@ -305,122 +289,6 @@ def _grouped_wgrad_kernel(
 
 
 @triton.jit
-def _first_tile_from(items_ptr, offsets_ptr, x, NUM_E, TILES, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The first expert-major tile whose first (tile, k-step) item is >= x, for 0 <= x <= items[E] (E * TILES at
-    the end)."""
-    es = tl.arange(0, BLOCK_E)
-    firsts = tl.load(items_ptr + es, mask=es < NUM_E, other=2147483647)
-    e = tl.sum((firsts <= x).to(tl.int32), axis=0) - 1  # the expert holding item x (items[0] = 0)
-    rows = (tl.load(offsets_ptr + e + 1) - tl.load(offsets_ptr + e)).to(tl.int32)
-    return e * TILES + tl.cdiv(x - tl.load(items_ptr + e), tl.maximum(tl.cdiv(rows, BLOCK_K), 1))
-
-
-@triton.jit
-def _grouped_wgrad_flat_kernel(
-    a_ptr,  # [rows, M] row-major (contiguous in m)
-    b_ptr,  # [rows', N] (rows gathered through b_idx when GATHER_B)
-    b_idx_ptr,
-    c_ptr,  # [E, M, N]
-    offsets_ptr,  # [E + 1] each expert's row range
-    items_ptr,  # [E + 1] int32: first (tile, k-step) item of each expert, expert-major (_Routing.wgrad_items)
-    M,
-    N,
-    stride_am,
-    stride_bm,
-    stride_ce,
-    stride_cm,
-    NUM_E,
-    NUM_N,
-    TILES,  # output tiles per expert: NUM_M * NUM_N
-    TILES_PER_PROG,
-    GATHER_B: tl.constexpr,
-    STORE_IF: tl.constexpr,  # store under an scf.if on the tile's last step (else: a store masked by it)
-    SPLIT_ITEMS: tl.constexpr,  # programs' tile ranges balanced by items (else TILES_PER_PROG tiles each)
-    BLOCK_E: tl.constexpr,  # next power of two >= NUM_E (SPLIT_ITEMS)
-    DOT_F32: tl.constexpr,
-    PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """``_grouped_wgrad_kernel``'s product, persistent: program p owns a contiguous range of the expert-major global
-    tiles (``[p * TILES_PER_PROG, (p + 1) * TILES_PER_PROG)``, or with SPLIT_ITEMS about ``items / programs``
-    (tile, k-step) items' worth of whole tiles: experts' k-step counts differ) and walks their items in ONE flat
-    loop, so the pipeline runs on across tile and expert boundaries (the next tile's first loads overlap this tile's
-    last steps and its store). An expert has ``ksteps = max(1, cdiv(rows, BLOCK_K))`` steps per tile; one with no
-    rows runs one fully masked step and stores its zero tile."""
-    total = NUM_E * TILES
-    if SPLIT_ITEMS:
-        # whole tiles, the boundaries placed by items: p starts at the first tile whose first item is >= p * per
-        all_items = tl.load(items_ptr + NUM_E)
-        per = tl.cdiv(all_items, tl.num_programs(0))
-        x0 = tl.minimum(tl.program_id(0) * per, all_items)
-        t0 = _first_tile_from(items_ptr, offsets_ptr, x0, NUM_E, TILES, BLOCK_E, BLOCK_K)
-        t1 = _first_tile_from(items_ptr, offsets_ptr, tl.minimum(x0 + per, all_items), NUM_E, TILES, BLOCK_E, BLOCK_K)
-    else:
-        t0 = tl.minimum(tl.program_id(0) * TILES_PER_PROG, total)
-        t1 = tl.minimum(t0 + TILES_PER_PROG, total)
-    # item range [lo, hi): item_start(t) = items[e] + (t % TILES) * ksteps(e), e = t // TILES (e = E only at t = total)
-    e1 = t1 // TILES
-    e1c = tl.minimum(e1, NUM_E - 1)
-    n1 = (tl.load(offsets_ptr + e1c + 1) - tl.load(offsets_ptr + e1c)).to(tl.int32)
-    hi = tl.load(items_ptr + e1) + (t1 % TILES) * tl.maximum(tl.cdiv(n1, BLOCK_K), 1)
-    e = t0 // TILES
-    tile = t0 % TILES
-    ec = tl.minimum(e, NUM_E - 1)
-    start = tl.load(offsets_ptr + ec).to(tl.int32)
-    end = tl.load(offsets_ptr + ec + 1).to(tl.int32)
-    nk = tl.maximum(tl.cdiv(end - start, BLOCK_K), 1)
-    lo = tl.load(items_ptr + e) + tile * nk
-    kk = lo * 0  # k-step within the tile (int32, like lo)
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(lo, hi):
-        ms = (tile // NUM_N) * BLOCK_M + tl.arange(0, BLOCK_M)
-        ns = (tile % NUM_N) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mmask = ms < M
-        nmask = ns < N
-        r = start + kk * BLOCK_K + ks
-        rmask = r < end
-        at = tl.load(
-            a_ptr + r.to(tl.int64)[None, :] * stride_am + ms[:, None], mask=mmask[:, None] & rmask[None, :], other=0.0
-        )
-        if GATHER_B:
-            brows = tl.load(b_idx_ptr + r, mask=rmask, other=0).to(tl.int64)
-        else:
-            brows = r.to(tl.int64)
-        b = tl.load(b_ptr + brows[:, None] * stride_bm + ns[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
-        if DOT_F32:
-            at = at.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(at, b, acc, input_precision=PREC)
-        last = kk == nk - 1
-        c_e = c_ptr + e.to(tl.int64) * stride_ce
-        if STORE_IF:
-            if last:  # (the output pointers computed here, not on every step)
-                c = c_e + ms.to(tl.int64)[:, None] * stride_cm + ns[None, :]
-                tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        else:
-            # stored on the last step only: its rows bound is M there, 0 before (a scalar bool in the mask would do,
-            # but the interpreter turns block & scalar-bool masks into int32)
-            smask = ms < tl.where(last, M, 0)
-            c = c_e + ms.to(tl.int64)[:, None] * stride_cm + ns[None, :]
-            tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=smask[:, None] & nmask[None, :])
-            acc = tl.where(last, 0.0, acc)
-        # next item: the next k-step, else the next tile's first, else the next expert's first tile
-        kk = tl.where(last, 0, kk + 1)
-        tile = tl.where(last, tile + 1, tile)
-        wrap = tile == TILES
-        tile = tl.where(wrap, 0, tile)
-        e = tl.where(wrap, e + 1, e)
-        ec = tl.minimum(e, NUM_E - 1)
-        start = tl.load(offsets_ptr + ec).to(tl.int32)
-        end = tl.load(offsets_ptr + ec + 1).to(tl.int32)
-        nk = tl.maximum(tl.cdiv(end - start, BLOCK_K), 1)
-
-
-@triton.jit
 def _combine_kernel(
     y_ptr,  # [rows, H] in sorted order
     pos_ptr,  # [T*k]: sorted position of each (token, slot)
@@ -487,19 +355,6 @@ class _Routing:
         self.pos = pos
         self.rows_per_expert = self.n / max(num_experts, 1)
         self._tiles: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
-        self._items: dict[tuple[int, int], torch.Tensor] = {}
-
-    def wgrad_items(self, block_k: int, tiles: int) -> torch.Tensor:
-        """int32 ``[E + 1]``: exclusive cumsum over experts of ``tiles * max(1, cdiv(rows_e, block_k))``, the
-        first (tile, k-step) item of each expert in the flat weight-gradient kernel's expert-major order (an expert
-        with no rows keeps one step per tile: its zero tiles are stored). Device ops only."""
-        key = (block_k, tiles)
-        if key not in self._items:
-            steps = torch.div(self.counts + block_k - 1, block_k, rounding_mode="floor").clamp_(min=1)
-            items = torch.zeros(self.num_experts + 1, dtype=torch.int32, device=self.counts.device)
-            items[1:] = torch.cumsum(steps * tiles, 0)
-            self._items[key] = items
-        return self._items[key]
 
     def tiles(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(expert of each m-tile, its first sorted row, number of m-tiles) for ``block_m``; the grid is the
@@ -580,18 +435,9 @@ def _wgrad_gemm(
     out: torch.Tensor,
     block_m: int | None = None,
     block_n: int | None = None,
-    flat: bool | None = None,
-    programs: int | None = None,
 ) -> None:
     """``out[e] = a[rows of e]^T @ b[rows of e]`` (``b`` gathered through ``b_idx``); ``block_m`` / ``block_n``:
-    the tile of a side that is a LoRA rank. ``flat``: through the persistent flat-loop kernel (None: ``WGRAD_FLAT``
-    when no rank tile is given and an expert has >= 48 rows on average); ``programs``: its grid (None: the
-    multiprocessors times the config's programs per multiprocessor)."""
-    if flat is None:
-        flat = WGRAD_FLAT and block_m is None and block_n is None and route.rows_per_expert >= 48
-    if flat:
-        _wgrad_flat(route, a, b, b_idx, m, n, out, block_m, block_n, programs)
-        return
+    the tile of a side that is a LoRA rank."""
     bm, bn, bk, warps, stages, _ = _cfg("wgrad", route.rows_per_expert, a.dtype)
     bm, bn = block_m or bm, block_n or bn
     num_n = triton.cdiv(n, bn)
@@ -601,28 +447,6 @@ def _wgrad_gemm(
         out.stride(0), out.stride(1), num_n, GATHER_B=b_idx is not None,
         DOT_F32=interpreting() and a.dtype != torch.float32, PREC=_prec(a.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-
-
-def _wgrad_flat(route, a, b, b_idx, m, n, out, block_m, block_n, programs) -> None:
-    bm, bn, bk, warps, stages, per_sm, store_if, split_items = CONFIGS["wgrad_flat"]
-    if interpreting():
-        bm, bn, bk, warps, stages = _INTERP[:5]
-    elif a.dtype == torch.float32:
-        bn, bk = min(bn, 128), max(16, bk // 2)
-    bm, bn = block_m or bm, block_n or bn
-    num_n = triton.cdiv(n, bn)
-    tiles = triton.cdiv(m, bm) * num_n
-    total = route.num_experts * tiles
-    if programs is None:  # (an explicit count may exceed the tiles: the spare programs find empty ranges)
-        programs = max(1, min(total, per_sm * platform_device.multiprocessors(out.device, default=2)))
-    per_prog = triton.cdiv(total, programs)
-    _grouped_wgrad_flat_kernel[(programs,)](
-        a, b, b_idx if b_idx is not None else route.offsets, out, route.offsets, route.wgrad_items(bk, tiles), m, n,
-        a.stride(0), b.stride(0), out.stride(0), out.stride(1), route.num_experts, num_n, tiles, per_prog,
-        GATHER_B=b_idx is not None, STORE_IF=bool(store_if), SPLIT_ITEMS=bool(split_items),
-        BLOCK_E=triton.next_power_of_2(route.num_experts), DOT_F32=interpreting() and a.dtype != torch.float32,
-        PREC=_prec(a.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
 
