@@ -232,12 +232,10 @@ for s in "$@"; do
     # the fused MoE LoRA op (moe_experts_lora: no W', no base wgrad): its GPU test, the kernel against the materialised
     # path, then LoRA SFT on the L8 shape with each implementation (POLYRL_KERNELS picks triton), same call
     moe-lora-fused) TAIL=60 stage moe-lora-fused 480 bash -c "python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/kernels/test_moe_experts_lora.py; $PR bench kernels --ops moe_experts_lora; A='--shape qwen3-30b-a3b-L8 --seq 4096 --batch 4 --warmup 2 --steps 4 --baselines none --lora r=16,alpha=32,targets=q,k,v,o,experts'; POLYRL_KERNELS=moe_experts_lora:materialized $PR bench sft \$A --json $OUT/bench_sft_moe_lora_materialized.json; $PR bench sft \$A --json $OUT/bench_sft_moe_lora_fused.json" ;;
-    # the sixteenth session's kernels on the device: MoE (LoRA fused by default, the flat wgrad kernel) and rmsnorm_linear
-    sixteenth-gpu-tests) TAIL=30 stage sixteenth-gpu-tests 300 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+    # the MoE GPU tests (LoRA / QLoRA on routed experts through the fused moe_experts_lora default)
+    moe-gpu-tests) TAIL=30 stage moe-gpu-tests 300 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
       tests/models/test_moe_lora.py tests/models/test_moe_qlora.py tests/models/test_moe_gpu.py tests/kernels/test_moe.py \
-      tests/kernels/test_moe_experts_lora.py tests/kernels/test_moe_wgrad_flat.py tests/kernels/test_rmsnorm_linear.py ;;
-    # the fused RMSNorm + GEMM decode candidates against today's kernels, 28 layers as one graph (issue 34)
-    decode-fusion-ab) TAIL=80 stage decode-fusion-ab 240 python3 scripts/decode_fusion_ab.py ;;
+      tests/kernels/test_moe_experts_lora.py ;;
     # every grouped GEMM of the experts op alone, tile candidates, the flat wgrad kernel's rows (issue 32)
     moe-tile-sweep) TAIL=120 stage moe-tile-sweep 330 env OUT=$OUT python3 scripts/moe_tile_sweep.py 240 ;;
     moe-qlora) TAIL=60 stage moe-qlora 420 bash -c "python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/models/test_moe_qlora.py; A='--shape qwen3-30b-a3b-L4 --seq 4096 --batch 2 --warmup 2 --steps 4 --baselines none'; L='r=16,alpha=32,targets=q,k,v,o,experts'; for m in '' --qlora; do $PR bench sft \$A --lora \$L \$m --activation-checkpointing; done; $PR bench sft \$A --lora \$L --qlora" ;;
