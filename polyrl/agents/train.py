@@ -68,6 +68,7 @@ from polyrl.data.dataset import chat_tokenizer
 from polyrl.errors import ConfigError
 from polyrl.run.evaluate import sampled_metrics
 from polyrl.run.prompt_order import rollout_seed
+from polyrl.run.stop_signal import StopSignal
 from polyrl.run.teardown import release
 from polyrl.train import parallel as par
 
@@ -435,10 +436,11 @@ class EpisodeSteps:
         elif hasattr(self, "_env_totals"):
             self._env_totals.update(saved)
 
-    def run(self) -> dict[str, Any]:
+    def _run(self, stop: StopSignal) -> dict[str, Any]:
+        # inside OnlineRun.run's StopSignal: a SIGTERM while the pools close lets the run finish
         failed = False
         try:
-            return super().run()
+            return super()._run(stop)
         except BaseException:
             failed = True
             raise

@@ -37,6 +37,7 @@ from polyrl.platform import device
 from polyrl.run.async_rollout import staleness_metrics
 from polyrl.run.config import RunConfig
 from polyrl.run.online import OnlineRun, run_online
+from polyrl.run.stop_signal import StopSignal
 from polyrl.train import parallel as par
 from polyrl.train.checkpoint import CheckpointManager, load_checkpoint, step_dir_name
 from polyrl.train.engine import TrainEngine
@@ -239,8 +240,9 @@ class ActorCriticRun(OnlineRun):
         out["policy_updated"] = 1.0
         return out
 
-    def run(self) -> dict[str, Any]:
-        summary = super().run()
+    def _run(self, stop: StopSignal) -> dict[str, Any]:
+        # inside OnlineRun.run's StopSignal: a SIGTERM while the final critic is written lets it finish
+        summary = super()._run(stop)
         if self.cfg.train.save_final_model:
             out = Path(self.cfg.out) / CRITIC_DIR / "final"
             if self.world.distributed:

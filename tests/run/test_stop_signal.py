@@ -231,3 +231,59 @@ def test_a_signal_in_the_last_step_saves_the_final_checkpoint_without_a_stop(tmp
         assert stop.received == signal.SIGTERM and stop.finishing
     assert ran == [0, 1, 2, 3] and saved == [4]
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_sigterm_while_ppo_exports_its_critic_lets_it_finish(tiny_model_dir, tmp_path, monkeypatch):
+    """PPO's final critic (``<out>/critic/final``) is part of the run's finish: a SIGTERM while it is written is
+    recorded by the run's handler, not the default action that would kill the process mid-export."""
+    import polyrl.run.actor_critic as actor_critic
+
+    real = actor_critic.save_value_model
+    before = signal.getsignal(signal.SIGTERM)
+    seen = []
+
+    def signalled_save(*args, **kwargs):
+        seen.append(signal.getsignal(signal.SIGTERM))
+        if seen[-1] not in (before, signal.SIG_DFL):  # only under the run's handler: the default would end pytest
+            signal.raise_signal(signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(actor_critic, "save_value_model", signalled_save)
+    out = tmp_path / "ppo"
+    argv = ["train", "--algo", "ppo", "--model", str(tiny_model_dir), "--data", DATA, "--out", str(out)]
+    argv += ["--max-steps", "1", "--reward", "numeric", "--reward-workers", "0", "--n", "2", "--prompts-per-step", "2"]
+    argv += ["--max-new-tokens", "4", "--micro-batch-tokens", "256", "--set", "checkpoint.save_final=false"]
+    assert main(argv) == 0
+    assert len(seen) == 1 and seen[0] not in (before, signal.SIG_DFL), seen  # the run's handler was in place
+    assert (out / "critic" / "final" / "config.json").is_file() and (out / "final" / "config.json").is_file()
+    assert json.loads((out / "summary.json").read_text())["status"] == "finished"
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_sigterm_while_an_agentic_run_closes_its_environments_lets_it_finish(tiny_model_dir, tmp_path, monkeypatch):
+    """An agentic run's environment pool is closed in the run's finish, under its handler: a SIGTERM then is
+    recorded (the run ends 0, finished), not the default action."""
+    from polyrl.agents.pool import EnvPool
+
+    real = EnvPool.close
+    before = signal.getsignal(signal.SIGTERM)
+    seen = []
+
+    def signalled_close(self, *args, **kwargs):
+        seen.append(signal.getsignal(signal.SIGTERM))
+        if seen[-1] not in (before, signal.SIG_DFL):  # only under the run's handler: the default would end pytest
+            signal.raise_signal(signal.SIGTERM)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(EnvPool, "close", signalled_close)
+    out = tmp_path / "agentic"
+    argv = [
+        "train", "--algo", "gspo", "--model", str(tiny_model_dir), "--data", "builtin:arithmetic?max=9&n=16",
+        "--out", str(out), "--env", "calculator", "--max-turns", "2", "--max-new-tokens", "5",
+        "--max-episode-tokens", "200", "--env-workers", "0", "--n", "2", "--prompts-per-step", "2", "--max-steps", "1",
+        "--set", "checkpoint.save_final=false", "--set", "train.save_final_model=false",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    assert seen and all(h not in (before, signal.SIG_DFL) for h in seen), seen  # the run's handler was in place
+    assert json.loads((out / "summary.json").read_text())["status"] == "finished"
+    assert signal.getsignal(signal.SIGTERM) == before
