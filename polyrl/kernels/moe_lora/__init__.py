@@ -3,8 +3,9 @@
 GEMM; no ``W'``, no base weight gradients) is the default: on the H200 it ran the op 2.1x faster than the
 materialised path (2.51 vs 5.24 ms, CUDA graphs, T=4096 H=2048 I=768 E=128 k=8 r=16) and LoRA SFT at
 qwen3-30b-a3b-L8 4 x 4096 at 92.6k against 84.3k tokens/s, 21.6 against 31.5 GiB peak (docs/performance.md,
-sixteenth session). ``materialized`` (``W' = W + s B @ A``, then the ``moe_experts`` op) elsewhere;
-``POLYRL_KERNELS=moe_experts_lora:materialized`` picks it on CUDA too."""
+sixteenth session); an adapter of rank above 128 (one tile) goes through the materialised path. ``materialized``
+(``W' = W + s B @ A``, then the ``moe_experts`` op) elsewhere; ``POLYRL_KERNELS=moe_experts_lora:materialized``
+picks it on CUDA too."""
 
 from polyrl.kernels.registry import register
 

@@ -23,7 +23,7 @@ projection and forward (and their backward) and the two full weight-gradient GEM
 experts' training FLOPs; it adds eight thin grouped GEMMs (N, M or K = r): ``za`` and ``zd`` forward, ``q`` and
 ``p`` and the four factor gradients backward. The base's own gradients are
 not computed here (a frozen base: LoRA): use ``moe_experts`` for full fine-tuning. The rank must fit one tile
-(``MAX_RANK``).
+(``MAX_RANK``): a wider adapter goes through the materialised path (``W'``, then ``moe_experts``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from polyrl.kernels.moe.triton import (
     _wgrad_gemm,
     rank_block,
 )
+from polyrl.kernels.moe_lora import materialized
 from polyrl.kernels.moe_lora.reference import frozen_base
 
 MAX_RANK = 128  # the rank-r segment is one K tile of the rows GEMMs
@@ -58,7 +59,7 @@ def _adapter(a, b, e, out_f, in_f, name):
             f"moe_experts_lora: {name} adapter shapes must be A [E, r, in] = [{e}, r, {in_f}] and B [E, out, r] = "
             f"[{e}, {out_f}, r]; got A {tuple(a.shape)}, B {tuple(b.shape)}"
         )
-    if not 1 <= r <= MAX_RANK:
+    if r < 1:  # above MAX_RANK: moe_experts_lora takes the materialised path
         raise UserError(f"moe_experts_lora: rank {r} of {name} is outside 1..{MAX_RANK} (the fused path's tile)")
     return r
 
@@ -194,9 +195,13 @@ def moe_experts_lora(
     frozen_base(gate_up, down)
     num_experts, two_i, hidden = gate_up.shape
     inter = two_i // 2
-    _adapter(gate_up_a, gate_up_b, num_experts, two_i, hidden, "gate_up")
-    _adapter(down_a, down_b, num_experts, hidden, inter, "down")
+    ranks = (
+        _adapter(gate_up_a, gate_up_b, num_experts, two_i, hidden, "gate_up"),
+        _adapter(down_a, down_b, num_experts, hidden, inter, "down"),
+    )
     adapters = (gate_up_a, gate_up_b, down_a, down_b)
+    if max(ranks) > MAX_RANK:  # wider than the one tile of the rank-r segment: W' built, then moe_experts
+        return materialized.moe_experts_lora(x, topk_ids, topk_weights, gate_up, down, *adapters, scale)
     if any(a is not None and a.dtype != x.dtype for a in adapters) or x.dtype not in _DTYPES:
         raise UserError(
             f"moe_experts_lora (triton) wants the adapters in x's dtype ({x.dtype}), got "
