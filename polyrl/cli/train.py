@@ -17,11 +17,13 @@ This module parses and reports; it never branches on algorithm names (``polyrl.a
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 import polyrl.agents  # noqa: F401 - registers the [agent] table (--env / --agent) with the run config
@@ -460,7 +462,7 @@ def run(args: argparse.Namespace) -> int:
         fp8_weights.check_machine()
     if getattr(args, "nproc_per_node", None) is not None:
         if not launched():
-            return relaunch(args, args.nproc_per_node)
+            return relaunch(args, args.nproc_per_node, out=cfg.out)
     summary = run_training(cfg)
     return 0 if summary.get("status", "finished") == "finished" else 1
 
@@ -507,14 +509,31 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 600
 
 def torchrun_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """The environment the launcher starts torchrun in: this one, with torchrun's shutdown grace raised to
-    ``DEFAULT_SHUTDOWN_TIMEOUT_S`` unless the user set it."""
+    ``DEFAULT_SHUTDOWN_TIMEOUT_S`` unless the user set it (set to an empty string counts as unset: torchrun would
+    fail to parse it)."""
     env = dict(os.environ if environ is None else environ)
-    env.setdefault(SHUTDOWN_TIMEOUT_ENV, str(DEFAULT_SHUTDOWN_TIMEOUT_S))
+    if not env.get(SHUTDOWN_TIMEOUT_ENV, "").strip():
+        env[SHUTDOWN_TIMEOUT_ENV] = str(DEFAULT_SHUTDOWN_TIMEOUT_S)
     return env
 
 
-def relaunch(args: argparse.Namespace, nproc: int) -> int:
-    """Run this training command on ``nproc`` local ranks through ``python -m torch.distributed.run``."""
+def finished_since(out: str | os.PathLike[str] | None, t0: float) -> bool:
+    """Whether the run in ``out`` wrote its summary at ``t0`` (``time.time()``) or later, as finished."""
+    if out is None:
+        return False
+    path = os.path.join(out, "summary.json")
+    try:
+        if os.stat(path).st_mtime < t0:
+            return False
+        with open(path) as f:
+            return json.load(f).get("status") == "finished"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def relaunch(args: argparse.Namespace, nproc: int, out: str | os.PathLike[str] | None = None) -> int:
+    """Run this training command on ``nproc`` local ranks through ``python -m torch.distributed.run``. ``out``: the
+    run's folder, where a run that a forwarded SIGTERM let finish left its summary (the exit code is then 0)."""
 
     if nproc < 1:
         raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
@@ -529,7 +548,8 @@ def relaunch(args: argparse.Namespace, nproc: int) -> int:
     # a SIGTERM (preemption) or SIGINT sent to this launcher goes on to torchrun, which passes it to every rank (a
     # SIGTERM: each saves the step in progress and stops, polyrl/run/stop_signal.py); without this torchrun would
     # be left running on its own. Installed before torchrun starts: a signal that comes while it starts is passed
-    # on once it has. The exit code is then the signal's, 128 + its number, as in one process (torchrun exits 1).
+    # on once it has. The exit code is then the signal's, 128 + its number, as in one process (torchrun exits 1),
+    # or 0 when the ranks finished the run all the same (signalled during its last step or its finish).
     child: list[subprocess.Popen[bytes]] = []
     received: list[int] = []
 
@@ -540,6 +560,7 @@ def relaunch(args: argparse.Namespace, nproc: int) -> int:
 
     main_thread = threading.current_thread() is threading.main_thread()  # else no handler can be installed
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED} if main_thread else {}
+    t0 = time.time() - 1.0  # before the launch (a coarse file clock: a second of margin, still before any step)
     try:
         child.append(subprocess.Popen(cmd, env=torchrun_env()))
         if received:  # came while it started
@@ -549,5 +570,7 @@ def relaunch(args: argparse.Namespace, nproc: int) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if code != 0 and received:
-        return 128 + received[0]
+        # a signalled torchrun exits 1 even when its ranks, signalled while finishing, completed the run (exit 0
+        # each, polyrl/run/stop_signal.py): their summary says which
+        return 0 if finished_since(out, t0) else 128 + received[0]
     return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention

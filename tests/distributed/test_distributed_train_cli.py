@@ -147,5 +147,59 @@ def test_torchrun_reads_the_shutdown_grace_the_launcher_sets(monkeypatch):
 
     assert torchrun_env({})["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "600"
     assert torchrun_env({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "45"})["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "45"
+    # set but empty (``export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=``) is unset, not a value torchrun would fail to parse
+    for blank in ("", " "):
+        env = torchrun_env({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": blank, "PATH": "/bin"})
+        assert env == {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "600", "PATH": "/bin"}
+    with pytest.raises(ValueError):  # what torchrun does with an empty one
+        monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "")
+        LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2)
     monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", torchrun_env({})["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
     assert LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2).shutdown_timeout == 600
+
+
+SLOW_EXPORT = """
+import os
+if os.environ.get("POLYRL_TEST_SLOW_EXPORT") and "LOCAL_RANK" in os.environ:  # torchrun's ranks only
+    import pathlib, time
+    import polyrl.run.offline as offline
+
+    real = offline.export_final
+
+    def slow(*args, **kwargs):
+        pathlib.Path(os.environ["POLYRL_TEST_SLOW_EXPORT"], f"exporting-{os.environ['LOCAL_RANK']}").touch()
+        time.sleep(4)
+        return real(*args, **kwargs)
+
+    offline.export_final = slow
+"""
+
+
+def test_sigterm_to_the_launcher_while_the_ranks_finish_lets_the_run_finish_with_exit_0(tiny_model_dir, tmp_path):
+    """A SIGTERM to ``polyrl train --nproc-per-node 2`` while the ranks write the final model: they finish it
+    (summary: finished), and the launcher exits 0, as one process would, though torchrun, signalled, exits 1."""
+    import os
+    import signal
+    import time
+
+    hooks, out = tmp_path / "hooks", tmp_path / "two"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SLOW_EXPORT)
+    env = dict(os.environ, POLYRL_TEST_SLOW_EXPORT=str(tmp_path))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hooks), env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "polyrl.cli.main", "train", "--nproc-per-node", "2", "--model", str(tiny_model_dir)]
+    proc = subprocess.Popen([*cmd, "--out", str(out), "--max-steps", "2", *ARGS], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while not all((tmp_path / f"exporting-{r}").is_file() for r in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=5)[0][-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        log, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert "the run is finishing" in log, log[-3000:]  # the ranks got it, during the finish
+    assert json.loads((out / "summary.json").read_text())["status"] == "finished"
+    assert (out / "final" / "config.json").is_file()
+    assert proc.returncode == 0, log[-3000:]
