@@ -243,7 +243,8 @@ def run_steps(
     (``stop_signal``) ends the loop after the step in progress, with a checkpoint of it, by raising ``RunStopped``;
     ``agree(flag)``: whether any rank got one (data-parallel runs: one all-reduce a step), else this process's.
     ``stop``: the trainer's ``StopSignal``, held across this loop and the run's finish (the final model and the
-    summary), marked ``finish()`` here once the last step is decided; None: one of the loop's own."""
+    summary), marked ``finish()`` here as the last step starts (no stop decision follows it); None: one of the
+    loop's own."""
     if before is not None and start == 0:
         rec = {"step": 0, **before()}
         if log is not None:
@@ -252,6 +253,8 @@ def run_steps(
             best.update(0, rec)
     with StopSignal() if stop is None else contextlib.nullcontext(stop) as stop:
         for i in range(start, steps):
+            if i + 1 == steps:  # the last step stops nothing (no decision follows it): a signal lets the run finish
+                stop.finish()
             rec = step(i)
             if log is not None:
                 log.log(rec)
@@ -271,7 +274,7 @@ def run_steps(
                     f"command and --resume",
                     128 + (stop.received or signal.SIGTERM),
                 )
-        stop.finish()  # past the last step's decision: a signal from here on lets the run finish
+        stop.finish()  # a run resumed at its last step has none to take
         if ckpts.should_save(steps, final=True):
             save(steps)
 

@@ -213,7 +213,7 @@ def test_a_sigterm_while_the_run_finishes_lets_it_finish(tiny_model_dir, tmp_pat
     assert signal.getsignal(signal.SIGTERM) == before
 
 
-def test_a_signal_in_the_last_step_saves_the_final_checkpoint_without_a_stop(tmp_path):
+def test_a_signal_in_the_last_step_saves_the_final_checkpoint_without_a_stop(tmp_path, capsys):
     from polyrl.run.offline import run_steps
     from polyrl.train.checkpoint import CheckpointManager
 
@@ -231,6 +231,9 @@ def test_a_signal_in_the_last_step_saves_the_final_checkpoint_without_a_stop(tmp
         assert stop.received == signal.SIGTERM and stop.finishing
     assert ran == [0, 1, 2, 3] and saved == [4]
     assert signal.getsignal(signal.SIGTERM) == before
+    # the last step is past the stop decision: the message says the run finishes, not that it stops
+    err = capsys.readouterr().err
+    assert "the run is finishing" in err and "the run stops after this step" not in err, err
 
 
 def test_a_sigterm_while_ppo_exports_its_critic_lets_it_finish(tiny_model_dir, tmp_path, monkeypatch):
