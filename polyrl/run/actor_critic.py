@@ -10,7 +10,8 @@ value and policy losses, hooks, GAE) are ``polyrl.algorithms.ppo`` / ``gae``; th
 - ``ActorCriticRun.update``: a critic step per mini-batch, then (after ``critic_warmup_steps`` RL steps) the
   policy's steps of ``OnlineRun.update``.
 - Checkpoints: the critic's go to ``<out>/critic/checkpoints/step-*`` (saved before the policy's, so every policy
-  checkpoint has its critic; resume restores both), the final critic to ``<out>/critic/final``.
+  checkpoint has its critic; resume restores both), the final critic to ``<out>/critic/final`` (``export_more``:
+  in the run's finish, before the summary, whose ``final_critic`` names it).
 
 Not here: the loss math and hooks (``polyrl.algorithms.ppo``), GAE (``polyrl.algorithms.gae``), the loop's other
 stages (``online``).
@@ -37,7 +38,6 @@ from polyrl.platform import device
 from polyrl.run.async_rollout import staleness_metrics
 from polyrl.run.config import RunConfig
 from polyrl.run.online import OnlineRun, run_online
-from polyrl.run.stop_signal import StopSignal
 from polyrl.train import parallel as par
 from polyrl.train.checkpoint import CheckpointManager, load_checkpoint, step_dir_name
 from polyrl.train.engine import TrainEngine
@@ -240,21 +240,21 @@ class ActorCriticRun(OnlineRun):
         out["policy_updated"] = 1.0
         return out
 
-    def _run(self, stop: StopSignal) -> dict[str, Any]:
-        # inside OnlineRun.run's StopSignal: a SIGTERM while the final critic is written lets it finish
-        summary = super()._run(stop)
-        if self.cfg.train.save_final_model:
-            out = Path(self.cfg.out) / CRITIC_DIR / "final"
-            if self.world.distributed:
-                path = par.export_hf(self.critic.model, self.world, out, tokenizer=self.tokenizer)
-                if path is not None:
-                    mark_token_classification(path)
-            else:
-                path = save_value_model(self.critic.model, out, self.tokenizer)
-            if self.world.is_main:
-                summary["final_critic"] = str(path)
-                self.print(f"final critic: {path}")
-        return summary
+    def export_more(self) -> dict[str, Any]:
+        # in OnlineRun's finish: under its StopSignal (a SIGTERM here lets the run finish), before its summary
+        if not self.cfg.train.save_final_model:
+            return {}
+        out = Path(self.cfg.out) / CRITIC_DIR / "final"
+        if self.world.distributed:
+            path = par.export_hf(self.critic.model, self.world, out, tokenizer=self.tokenizer)
+            if path is not None:
+                mark_token_classification(path)
+        else:
+            path = save_value_model(self.critic.model, out, self.tokenizer)
+        if not self.world.is_main:
+            return {}
+        self.print(f"final critic: {path}")
+        return {"final_critic": str(path)}
 
 
 def run_actor_critic(cfg: RunConfig, stream: TextIO | None = None) -> dict[str, Any]:

@@ -616,6 +616,11 @@ class OnlineRun(AsyncSteps, DataParallelSteps):
         with StopSignal() as stop:
             return self._run(stop)
 
+    def export_more(self) -> dict[str, Any]:
+        """What a subclass writes after the final model, in the run's finish (before its summary, under its
+        ``StopSignal``): the summary's entries for it (PPO: ``final_critic``)."""
+        return {}
+
     def _run(self, stop: StopSignal) -> dict[str, Any]:
         cfg, world = self.cfg, self.world
         ckpts = open_checkpoints(self.out, cfg, world)
@@ -642,6 +647,7 @@ class OnlineRun(AsyncSteps, DataParallelSteps):
             run_steps(self.start, self.steps, self.step, log, ckpts, save, before=before, best=self.best,
                       agree=any_rank(world), stop=stop)  # fmt: skip
             final = export_final(cfg, model, world, self.tokenizer)
+            more = self.export_more()
         except BaseException as exc:
             failed = True
             if log is not None:
@@ -676,6 +682,7 @@ class OnlineRun(AsyncSteps, DataParallelSteps):
             "reward_failures": dict(self.pool.totals),
             "world_size": world.world_size,
             "final_model": str(final) if final is not None else None,
+            **more,
             **(self.best.summary() if self.best is not None else {}),
         }
         for key in ("eval_reward", "eval_accuracy"):

@@ -259,8 +259,27 @@ def test_a_sigterm_while_ppo_exports_its_critic_lets_it_finish(tiny_model_dir, t
     assert main(argv) == 0
     assert len(seen) == 1 and seen[0] not in (before, signal.SIG_DFL), seen  # the run's handler was in place
     assert (out / "critic" / "final" / "config.json").is_file() and (out / "final" / "config.json").is_file()
-    assert json.loads((out / "summary.json").read_text())["status"] == "finished"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["final_critic"] == str(out / "critic" / "final")
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_ppo_run_whose_critic_export_fails_is_not_summarised_as_finished(tiny_model_dir, tmp_path, monkeypatch):
+    """The summary is written once the run's whole finish is done, PPO's final critic included: a failure there is
+    the run's ``failed`` (the launcher reads ``finished`` as a run complete)."""
+    import polyrl.run.actor_critic as actor_critic
+
+    def failing_save(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(actor_critic, "save_value_model", failing_save)
+    out = tmp_path / "ppo"
+    argv = ["train", "--algo", "ppo", "--model", str(tiny_model_dir), "--data", DATA, "--out", str(out)]
+    argv += ["--max-steps", "1", "--reward", "numeric", "--reward-workers", "0", "--n", "2", "--prompts-per-step", "2"]
+    argv += ["--max-new-tokens", "4", "--micro-batch-tokens", "256", "--set", "checkpoint.save_final=false"]
+    with pytest.raises(OSError, match="disk full"):
+        main(argv)
+    assert json.loads((out / "summary.json").read_text())["status"] == "failed: OSError"
 
 
 def test_a_sigterm_while_an_agentic_run_closes_its_environments_lets_it_finish(tiny_model_dir, tmp_path, monkeypatch):
