@@ -20,8 +20,11 @@ pools stop them when the trainer closes them.
 A SIGTERM while the run is finishing (its last step, the final checkpoint, the final model folder, the summary) does
 not cut that short: those are moments away and are what the run is for, so the run completes them and ends as
 finished (exit 0); a second SIGTERM still stops it at once. The trainers hold one ``StopSignal`` across the loop and
-the finish for this (``OfflineRun.train``; ``OnlineRun.run`` around ``_run``, which subclasses extend: PPO's final
-critic, an agentic run's environment pool and agent proxy); ``finish()`` switches its message.
+the finish for this (``OfflineRun.train``; ``OnlineRun.run`` around ``_run``, with PPO's final critic in its
+``export_more`` and an agentic run's environment pool and agent proxy closed in ``EpisodeSteps._run``);
+``run_steps`` calls ``finish()`` as the last step starts (no stop decision follows it), which switches the message.
+Under the ``--nproc-per-node`` launcher, torchrun, signalled, exits 1 even then: the launcher exits 0 when the run's
+``summary.json``, written since it started, says finished.
 
 Ctrl-C (SIGINT) is left as it was (an immediate ``KeyboardInterrupt``): a terminal sends it to every process of the
 foreground group, so reward, environment and rollout worker processes would die mid-step. Outside the main thread
