@@ -408,6 +408,20 @@ for s in "$@"; do
       POLYRL_TESTS_FAILURE_LOG=$OUT/gpu-test-failures.log POLYRL_TESTS_MEMORY_LOG=$OUT/gpu-test-memory.log \
       PYTORCH_CUDA_ALLOC_CONF=\${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
       python3 -m pytest -m 'gpu and not multi_gpu' -q -rfE --timeout=300 --durations=25 -p no:cacheprovider \$X tests" ;;
+    # Programmatic Dependent Launch A/B (POLYRL_PDL, polyrl/kernels/pdl.py; experimental, off by default): the GPU test
+    # (the decode-step kernels captured in a CUDA graph with PDL on give the bits of PDL off), then bench rollout B256
+    # and bench eval's generation rows (200 docs, 256 generations, fused projections, no hf rows) without and with it;
+    # ~4-5 min (limits: 90 + 170 + 150 s)
+    pdl-ab) TAIL=20 stage pdl-ab-tests 90 python3 -m pytest -q -rfE -m 'gpu or not gpu' -p no:cacheprovider \
+        tests/kernels/test_pdl.py; \
+      TAIL=30 stage pdl-ab-rollout 170 bash -c "for v in 0 1; do echo \"## POLYRL_PDL=\$v\"; \
+        ( [ \$v = 1 ] && export POLYRL_PDL=1 || unset POLYRL_PDL; timeout 84 $PR bench rollout --shape qwen3-0.6b \
+          --batch 256 --prompt-len 128 --gen-len 256 --baselines none --skip-batch1 --json $OUT/bench_rollout_pdl\$v.json \
+          2>&1 | grep -E '^#|tokens/s|decode step|graph replay|Error' ); done"; \
+      TAIL=30 stage pdl-ab-eval 150 bash -c "for v in 0 1; do echo \"## POLYRL_PDL=\$v\"; \
+        ( [ \$v = 1 ] && export POLYRL_PDL=1 || unset POLYRL_PDL; timeout 74 $PR bench eval --shape qwen3-0.6b \
+          --docs 200 --hf-batch-sizes '' --gen-docs 256 --fuse-projections --json $OUT/bench_eval_pdl\$v.json \
+          2>&1 | grep -E 'polyrl|Error' ); done" ;;
     partial-rollouts) TAIL=30 stage partial-rollouts 300 python3 -m pytest -m gpu -q -rfE -x -p no:cacheprovider tests/run/test_partial_rollouts.py ;;  # issue 27: weight swaps between launches, graphs
     *) echo "unknown stage $s" ;;
   esac

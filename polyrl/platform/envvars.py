@@ -49,6 +49,13 @@ POLYRL_FP8_FUSED_QUANT = EnvVar(
     "SwiGLU kernels that make them; 0 runs a separate quantiser before each projection (as before; for A/B runs).",
 )
 
+POLYRL_PDL = EnvVar(
+    "POLYRL_PDL",
+    "Experimental, off by default, not yet measured: 1 launches the decode step's Triton kernels (RMSNorm, "
+    "qk_norm_rope_cache, paged attention, SwiGLU) with Programmatic Dependent Launch on Hopper or newer NVIDIA GPUs "
+    "(polyrl/kernels/pdl.py); ignored elsewhere. Read at each launch (a captured CUDA graph keeps its choice).",
+)
+
 ALL: tuple[EnvVar, ...] = (
     POLYRL_KERNELS,
     POLYRL_PLATFORM,
@@ -57,6 +64,7 @@ ALL: tuple[EnvVar, ...] = (
     POLYRL_DEVICE_MEMORY_SHARE,
     POLYRL_PAGED_DECODE,
     POLYRL_FP8_FUSED_QUANT,
+    POLYRL_PDL,
 )
 
 

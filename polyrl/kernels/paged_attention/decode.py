@@ -49,6 +49,9 @@ import triton
 import triton.language as tl
 
 from polyrl.errors import ConfigError
+from polyrl.kernels import pdl
+from polyrl.kernels.pdl import launch_dependents as pdl_launch_dependents
+from polyrl.kernels.pdl import wait as pdl_wait
 from polyrl.platform import device as platform_device
 
 # Query rows a program may hold (GROUP * HC, padded); see the arithmetic in the module docstring.
@@ -233,7 +236,9 @@ def _paged_decode_kernel(
     WINDOW: tl.constexpr,
     DOT_PREC: tl.constexpr,
     F16_DOTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # before any load or store (kernels/pdl.py)
     b = tl.program_id(0)
     c = tl.program_id(1)  # chunk of HC KV heads
     split = tl.program_id(2)
@@ -295,6 +300,7 @@ def _paged_decode_kernel(
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PREC)
         m_i = m_new
 
+    pdl_launch_dependents(PDL)  # every load is done
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     if SPLIT:
@@ -334,7 +340,9 @@ def _combine_splits_kernel(
     BLOCK_H: tl.constexpr,
     BY_SEQ: tl.constexpr,
     DECODE_ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # before any load or store (kernels/pdl.py)
     # One program: one token, BLOCK_H heads; parts [SPLITS, BLOCK_H, D] weighted by exp2(lse - max lse).
     # BY_SEQ: program (b, head block, i) is token i of sequence b, combined only if the sequence has exactly one new
     # token (DECODE_ROWS) or only if it has more (not DECODE_ROWS): the tokens the other kernel owns are left alone.
@@ -364,6 +372,7 @@ def _combine_splits_kernel(
     w = tl.math.exp2(lse - m[None, :])  # 0 for empty splits
     part_ptrs = OP + s[:, None, None] * stride_ps + t * stride_pt + h[None, :, None] * stride_ph + offs_d[None, None, :]
     parts = tl.load(part_ptrs, mask=(valid & (w > 0))[:, :, None], other=0.0)
+    pdl_launch_dependents(PDL)
     total = tl.sum(w, 0)
     out = tl.sum(parts * w[:, :, None], 0) / tl.where(total > 0, total, 1.0)[:, None]  # [BLOCK_H, D]
     tl.store(
@@ -393,7 +402,7 @@ def combine_splits(
         o_part, l_part, out, cu_seqlens_q, splits, Hq, o_part.stride(0), o_part.stride(1), o_part.stride(2),
         l_part.stride(0), l_part.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=D, SPLITS=_pow2_at_least(splits), BLOCK_H=block_h, BY_SEQ=bool(by_seq), DECODE_ROWS=decode_rows,
-        num_warps=4,
+        num_warps=4, **pdl.kernel_kwargs(out.device),
     )  # fmt: skip
 
 
@@ -438,7 +447,7 @@ def paged_decode(
         l_part.stride(0), l_part.stride(1),
         GROUP=group, HEAD_DIM=D, PAGE=page, HC=s.kv_heads, ROWS=rows, BLOCK_N=s.block_n, SPLIT=splits > 1,
         WINDOW=window is not None, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", F16_DOTS=f16_dots,
-        **s.launch_options(),
+        **s.launch_options(), **pdl.kernel_kwargs(q.device),
     )  # fmt: skip
     if splits > 1:
         combine_splits(o_part, l_part, out, cu_seqlens_q, splits, by_seq=1, decode_rows=True)

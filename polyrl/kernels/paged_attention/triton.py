@@ -19,6 +19,9 @@ Batch invariance: which kernel serves a sequence, and each kernel's tile sizes a
 q_len and on the head shapes and dtypes only; the split count depends on the batch (few programs -> more splits), so
 a sequence's numbers are the same in any batch with the same split count (``decode.py`` says more).
 
+With ``POLYRL_PDL=1`` on a Hopper or newer GPU the attention kernels here and in ``decode.py`` (and the split
+combine) are launched with Programmatic Dependent Launch (``kernels/pdl.py``); ``write_kv_cache`` as before.
+
 Nothing here reads a device value on the host: the grid comes from ``max_seqlen_q`` (a Python int),
 the batch size and the block-table capacity, and each program derives its bounds from
 ``cu_seqlens_q`` / ``context_lens`` on the device, so both ops can be captured in a CUDA graph.
@@ -37,11 +40,14 @@ import triton
 import triton.language as tl
 
 from polyrl.errors import ConfigError
+from polyrl.kernels import pdl
 from polyrl.kernels.attention.triton import LOG2E, interpreting
 from polyrl.kernels.paged_attention import decode
 from polyrl.kernels.paged_attention.decode import _pow2_at_least
 from polyrl.kernels.paged_attention.reference import FP8_E4M3_MAX, is_fp8
 from polyrl.kernels.paged_attention.reference import paged_attention as _reference
+from polyrl.kernels.pdl import launch_dependents as pdl_launch_dependents
+from polyrl.kernels.pdl import wait as pdl_wait
 from polyrl.platform import envvars
 
 # Which kernel serves sequences with one new token: "heads" (decode.py, KV heads packed per program) or "rows" (the
@@ -102,7 +108,9 @@ def _paged_fwd_kernel(
     DOT_PREC: tl.constexpr,
     F16_DOTS: tl.constexpr,
     SKIP_DECODE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # before any load or store (kernels/pdl.py)
     pid_q = tl.program_id(0)
     b = tl.program_id(1) // num_kv_heads
     hk = tl.program_id(1) % num_kv_heads
@@ -167,6 +175,7 @@ def _paged_fwd_kernel(
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PREC)
         m_i = m_new
 
+    pdl_launch_dependents(PDL)  # every load is done
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     if SPLIT:
@@ -314,7 +323,7 @@ def _general(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_
         WINDOW=window is not None, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         F16_DOTS=_f16_dots(q, k_cache), SKIP_DECODE=skip_decode,
         num_warps=tuning.get("num_warps", 4),
-        num_stages=tuning.get("num_stages") or stages,
+        num_stages=tuning.get("num_stages") or stages, **pdl.kernel_kwargs(q.device),
     )  # fmt: skip
     if splits > 1:  # skipping decode rows: combine per sequence, leaving decode.py's tokens alone
         decode.combine_splits(o_part, l_part, out, cu_seqlens_q, splits, max_seqlen_q if skip_decode else 0)

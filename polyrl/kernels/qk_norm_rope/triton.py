@@ -2,6 +2,8 @@
 and rotates it, reading each head once and writing it once. Rounding as the unfused Triton kernels: ``(x * rstd)``
 to the dtype, times the weight to the dtype, then the rotation in fp32 from those values with cos/sin cast to the
 dtype, rounded once. q/k may be strided views with a contiguous head dim; outputs are new contiguous tensors.
+``qk_norm_rope_cache`` (the decode step's) takes part in Programmatic Dependent Launch with ``POLYRL_PDL=1``
+(``kernels/pdl.py``).
 """
 
 from __future__ import annotations
@@ -10,7 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
+from polyrl.kernels import pdl
 from polyrl.kernels.paged_attention.reference import FP8_E4M3_MAX, is_fp8
+from polyrl.kernels.pdl import launch_dependents as pdl_launch_dependents
+from polyrl.kernels.pdl import wait as pdl_wait
 
 
 @triton.jit
@@ -98,8 +103,9 @@ def _qk_norm_rope_cache_kernel(
     half, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh, stride_ct,
     stride_st, stride_kb, stride_ks, stride_kch, stride_vb, stride_vs, stride_vch, eps,
     PAGE: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(PDL)  # before any load or store (kernels/pdl.py)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     dm = d < half
@@ -118,6 +124,7 @@ def _qk_norm_rope_cache_kernel(
         v_row = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
         v1 = tl.load(v_row, mask=ok, other=0.0).to(tl.float32)
         v2 = tl.load(v_row + half, mask=ok, other=0.0).to(tl.float32)
+        pdl_launch_dependents(PDL)  # the last load (a program with no slot triggers as it exits)
         _cache_store(vc_ptr, slot, v1, v2, n_k_heads, half, stride_vb, stride_vs, stride_vch, dt, PAGE, FP8_MAX,
                      BLOCK_HK, BLOCK_D)  # fmt: skip
 
@@ -196,6 +203,6 @@ def qk_norm_rope_cache(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), eps,
         PAGE=k_cache.shape[1], FP8_MAX=FP8_E4M3_MAX if is_fp8(k_cache.dtype) else 0.0,
         BLOCK_HQ=triton.next_power_of_2(n_q), BLOCK_HK=triton.next_power_of_2(n_k),
-        BLOCK_D=triton.next_power_of_2(head_dim // 2), num_warps=4,
+        BLOCK_D=triton.next_power_of_2(head_dim // 2), num_warps=4, **pdl.kernel_kwargs(qo.device),
     )  # fmt: skip
     return qo

@@ -13,6 +13,9 @@ returned sum when residual is fused; x and residual both receive ``ds``). The we
 programs per multiprocessor), written as ``[P, H]`` partial sums and reduced by one small torch sum; a frozen
 weight (LoRA) skips it.
 
+With ``POLYRL_PDL=1`` on a Hopper or newer GPU the forward kernel is launched with Programmatic Dependent Launch
+(``kernels/pdl.py``: it waits for its predecessor before touching memory); the backward is launched as before.
+
 Deliberately not here: rows longer than 65536 elements (one row must fit one block), a weight offset
 (Gemma's ``1 + w``), and in-place variants.
 """
@@ -23,6 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from polyrl.kernels import pdl
+from polyrl.kernels.pdl import launch_dependents as pdl_launch_dependents
+from polyrl.kernels.pdl import wait as pdl_wait
 from polyrl.platform import device as platform_device
 
 _MAX_BLOCK_N = 65536
@@ -46,7 +52,9 @@ def _rmsnorm_fwd_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # before any load or store (kernels/pdl.py)
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -64,6 +72,7 @@ def _rmsnorm_fwd_kernel(
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
     normed = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    pdl_launch_dependents(PDL)
     y = w[None, :] * normed
     tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -210,6 +219,7 @@ class _RMSNormFn(torch.autograd.Function):
                 x2, r2, weight, y, s, rstd, n_rows, n_cols,
                 x2.stride(0), r2.stride(0), y.stride(0), s.stride(0), float(eps),
                 HAS_RESIDUAL=has_res, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                **pdl.kernel_kwargs(x2.device),
             )  # fmt: skip
         ctx.save_for_backward(s, weight, rstd)
         ctx.has_res = has_res

@@ -13,6 +13,9 @@ Two launch shapes, same math:
 - rows (gate/up are strided row views, e.g. the two halves of a fused gate_up projection, with the
   last dim contiguous): a 2-D ``[BLOCK_M rows, BLOCK_N columns]`` tile of about 4096 elements.
 
+With ``POLYRL_PDL=1`` on a Hopper or newer GPU both forward kernels are launched with Programmatic Dependent Launch
+(``kernels/pdl.py``); the backward kernels as before.
+
 Deliberately not here: in-place gradients into the gate/up buffers (saves memory, breaks autograd
 expectations) and other activations (GeGLU).
 """
@@ -23,17 +26,23 @@ import torch
 import triton
 import triton.language as tl
 
+from polyrl.kernels import pdl
+from polyrl.kernels.pdl import launch_dependents as pdl_launch_dependents
+from polyrl.kernels.pdl import wait as pdl_wait
+
 # Elements per program of the flat kernels and their warps (bandwidth-bound: big blocks, few programs).
 _FLAT_BLOCK = 4096
 _FLAT_WARPS = 8
 
 
 @triton.jit
-def _flat_fwd_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
+def _flat_fwd_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # before any load or store (kernels/pdl.py)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl_launch_dependents(PDL)
     y = g * tl.sigmoid(g) * u
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -63,13 +72,16 @@ def _rows_fwd_kernel(
     stride_y,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # before any load or store (kernels/pdl.py)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     r64 = rows.to(tl.int64)[:, None]
     g = tl.load(g_ptr + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + r64 * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    pdl_launch_dependents(PDL)
     y = g * tl.sigmoid(g) * u
     tl.store(y_ptr + r64 * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -129,7 +141,9 @@ def _forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         y = torch.empty(gate.shape, dtype=out_dtype, device=gate.device)
         n = y.numel()
         if n:
-            _flat_fwd_kernel[(triton.cdiv(n, _FLAT_BLOCK),)](gate, up, y, n, BLOCK=_FLAT_BLOCK, num_warps=_FLAT_WARPS)
+            _flat_fwd_kernel[(triton.cdiv(n, _FLAT_BLOCK),)](
+                gate, up, y, n, BLOCK=_FLAT_BLOCK, num_warps=_FLAT_WARPS, **pdl.kernel_kwargs(y.device)
+            )  # fmt: skip
         return y
     g2, u2 = _rows2d(gate), _rows2d(up)
     n_rows, n_cols = g2.shape
@@ -138,7 +152,7 @@ def _forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         grid, bm, bn, warps = _rows_grid(n_rows, n_cols)
         _rows_fwd_kernel[grid](
             g2, u2, y, n_rows, n_cols, g2.stride(0), u2.stride(0), y.stride(0),
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, **pdl.kernel_kwargs(y.device),
         )  # fmt: skip
     return y.view(gate.shape)
 
