@@ -10,6 +10,7 @@ import argparse
 import sys
 import time
 
+from polyrl.cli.model_arg import refuse_adapter
 from polyrl.infer import LLM, RolloutConfig, SamplingParams
 
 
@@ -32,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_adapter(args.model, "generate")
     params = SamplingParams(
         n=args.n,
         temperature=args.temperature,

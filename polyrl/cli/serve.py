@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from polyrl.cli.model_arg import refuse_adapter
 from polyrl.errors import UserError
 from polyrl.infer import RolloutConfig
 from polyrl.models.lora import is_adapter_dir
@@ -118,6 +119,7 @@ def build_configs(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.model):
         raise UserError(f"--model {args.model!r} is not a folder; give an HF checkpoint folder (config.json, weights)")
+    refuse_adapter(args.model, "serve")
     serve, engine = build_configs(args)
     adapters = parse_adapters(args.lora)
     if adapters and engine.weight_precision is not None:

@@ -28,6 +28,7 @@ from typing import Any
 
 import polyrl.agents  # noqa: F401 - registers the [agent] table (--env / --agent) with the run config
 from polyrl import algorithms
+from polyrl.data import builtin
 from polyrl.errors import ConfigError
 from polyrl.infer import fp8_weights
 from polyrl.models.lora import parse_lora_spec
@@ -451,8 +452,30 @@ def unused_settings(cfg: Any) -> list[str]:
     return out
 
 
+PAIR_ALGOS = ("dpo", "rm")  # trained on preference pairs (chosen / rejected)
+
+
+def check_pair_data(algo: str, specs: dict[str, str | None]) -> None:
+    """A preference algorithm on a builtin task's plain rows (``builtin:arithmetic``) is refused naming the task's
+    pair set (``builtin:arithmetic-pref``): every row would be bad, and the data error's "--skip-bad-rows" would skip
+    them all. ``specs``: flag -> data spec."""
+    if algo not in PAIR_ALGOS:
+        return
+    for key, spec in specs.items():
+        if not isinstance(spec, str) or not spec.startswith("builtin:"):
+            continue
+        name, _, _ = builtin.parse_spec(spec)
+        if name in builtin.TASKS:
+            pair_spec = spec.replace(f"builtin:{name}", f"builtin:{name}-pref", 1)
+            raise ConfigError(
+                f"--algo {algo} trains on preference pairs (chosen / rejected), and {key} {spec!r} holds plain "
+                f"rows; use its pair set {pair_spec!r}"
+            )
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = resolve(args.config, overrides_from_args(args))
+    check_pair_data(cfg.algo, {"--data": cfg.data.path, "--eval-data": cfg.train.eval_data})
     if os.environ.get("RANK", "0") == "0":  # once, not per torchrun rank
         for line in unused_settings(cfg):
             print(f"warning: {line}", file=sys.stderr)

@@ -9,8 +9,13 @@ the rollouts and agent episodes it sampled (``rollouts.jsonl``). ``--serve`` ser
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+from polyrl.errors import ConfigError
+from polyrl.run.rollout_log import FILE as ROLLOUTS_FILE
 from polyrl.run.viewer import MAX_ROLLOUT_STEPS, serve, write_page
+
+RUN_FILES = ("metrics.jsonl", ROLLOUTS_FILE)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +32,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check_run_dir(run_dir: str) -> None:
+    """Refuse what is not a run directory, saying which folder to give instead: a missing path, a file, or a folder
+    inside a run (``OUT/final``, ``OUT/checkpoints/step-N``) whose run directory is a parent."""
+    path = Path(run_dir)
+    if not path.exists():
+        raise ConfigError(
+            f"{run_dir} does not exist; give the --out directory of a polyrl train run (it holds metrics.jsonl)"
+        )
+    if not path.is_dir():
+        raise ConfigError(
+            f"{run_dir} is a file; give the --out directory of a polyrl train run, the folder that holds metrics.jsonl"
+        )
+    if any((path / name).exists() for name in RUN_FILES):
+        return
+    for parent in path.parents:
+        if any((parent / name).exists() for name in RUN_FILES):
+            raise ConfigError(f"{run_dir} is a folder inside the run directory {parent}; run `polyrl view {parent}`")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_run_dir(args.run_dir)
     if args.serve:
         serve(args.run_dir, args.port, args.host, args.rollout_steps)
         return 0

@@ -116,3 +116,19 @@ def test_grpo_trains_on_a_gymnasium_environment(env_file, tiny_model_dir, tmp_pa
         assert r["env_failures"] == 0 and 1.0 <= r["episode/turns"] <= 2.0
         # each episode's reward is Gymnasium's sum: -0.1 per miss, 1.0 for a hit
         assert -0.2 - 1e-6 <= r["reward"] <= 1.0 and "episode/solved" in r
+
+
+def test_the_readme_example_environment_plays_an_episode():
+    """``examples/gym_envs.py``, the file the README's ``--env gymnasium:examples/gym_envs.py:SayTheNumber`` names."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "gym_envs.py"
+    env = resolve_env(f"gymnasium:{path}:SayTheNumber")()
+    assert env.reset({"prompt": "What is 2 + 3?", "answer": "5", "metadata": {}}) == [
+        {"role": "system", "content": "Answer with a number."},
+        {"role": "user", "content": "Say the number 5."},
+    ]
+    miss = normalise_step(env.step({"role": "assistant", "content": "4"}))
+    assert (miss.reward, miss.done, miss.metrics) == (-0.1, False, {"solved": 0.0})
+    hit = normalise_step(env.step({"role": "assistant", "content": "It is 5"}))
+    assert (hit.reward, hit.done, hit.metrics) == (1.0, True, {"solved": 1.0})

@@ -190,6 +190,30 @@ def test_config_errors_exit_2_before_loading(tmp_path, monkeypatch, capsys, extr
 @pytest.mark.parametrize(
     "extra, message",
     [
+        (["--algo", "dpo"], f"--data '{DATA}' holds plain rows; use its pair set 'builtin:arithmetic-pref?n=48'"),
+        (
+            ["--algo", "rm", "--data", "builtin:copy-pref", "--eval-data", "builtin:copy@test", "--eval-every", "1"],
+            "--eval-data 'builtin:copy@test' holds plain rows; use its pair set 'builtin:copy-pref@test'",
+        ),
+    ],
+)
+def test_preference_algorithm_on_plain_builtin_rows_names_the_pair_set(
+    tiny_model_dir, tmp_path, monkeypatch, capsys, extra, message
+):
+    """DPO / RM on ``builtin:arithmetic`` (no chosen / rejected) is refused before loading, naming
+    ``builtin:arithmetic-pref``, instead of failing on row 1 with a --skip-bad-rows hint that would skip every row."""
+    _no_model_load(monkeypatch)
+    out = tmp_path / "out"
+    argv = ["train", "--model", str(tiny_model_dir), "--data", DATA, "--out", str(out), *COMMON, *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --algo ") and message in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
         (["--max-stalness", "1"], "unrecognized arguments: --max-stalness 1 (did you mean --max-staleness?); see"),
         (["--max_steps", "3"], "(did you mean --max-steps?)"),
         (["--num-generations", "4"], "(did you mean --samples-per-prompt?)"),

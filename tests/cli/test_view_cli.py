@@ -1,0 +1,46 @@
+"""``polyrl view`` names the folder to give when it is handed something other than a run directory."""
+
+from __future__ import annotations
+
+import json
+
+from polyrl.cli.main import main
+
+
+def _run_dir(tmp_path):
+    run = tmp_path / "runs" / "sft"
+    (run / "final").mkdir(parents=True)
+    (run / "final" / "config.json").write_text("{}")
+    rows = [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def _view(argv, capsys):
+    code = main(["view", *argv])
+    return code, capsys.readouterr().err
+
+
+def test_a_folder_inside_a_run_names_the_run_directory(tmp_path, monkeypatch, capsys):
+    _run_dir(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    code, err = _view(["runs/sft/final"], capsys)
+    assert code == 2
+    assert "runs/sft/final is a folder inside the run directory runs/sft; run `polyrl view runs/sft`" in err
+
+
+def test_a_missing_path_and_a_file_say_what_to_give(tmp_path, monkeypatch, capsys):
+    _run_dir(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    code, err = _view(["runs/nope"], capsys)
+    assert code == 2 and "runs/nope does not exist; give the --out directory of a polyrl train run" in err
+    code, err = _view(["runs/sft/metrics.jsonl"], capsys)
+    assert code == 2 and "runs/sft/metrics.jsonl is a file; give the --out directory" in err
+
+
+def test_the_run_directory_itself_is_written(tmp_path, monkeypatch, capsys):
+    run = _run_dir(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert main(["view", "runs/sft"]) == 0
+    page = (run / "viewer.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and "polyrl run sft" in page
