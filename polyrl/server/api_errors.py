@@ -41,9 +41,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(message, 400, "invalid_request_error", param, code)
 
 
-def model_not_found(name: str) -> APIError:
+def model_not_found(name: str, served: list[str] | None = None) -> APIError:
+    """OpenAI's 404 for an unknown ``model``; ``served``: the names this server answers to, listed after it (so a
+    client's guess such as ``polyrl`` says what to send instead)."""
+    hint = f" This server serves: {', '.join(f'`{n}`' for n in served)}." if served else ""
     return APIError(
-        f"The model `{name}` does not exist or you do not have access to it.",
+        f"The model `{name}` does not exist or you do not have access to it.{hint}",
         404,
         "invalid_request_error",
         "model",

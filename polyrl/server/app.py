@@ -82,7 +82,7 @@ class ServerState:
         served = self.config.served_model_name
         if name is None or name == served or name in self.adapter_names:
             return name or served
-        raise model_not_found(name)
+        raise model_not_found(name, [served, *self.adapter_names])
 
     def with_adapter(self, params: Any, model: str) -> Any:
         """``params`` running the adapter named ``model`` (unchanged for the base model)."""

@@ -87,6 +87,7 @@ def test_openai_client_raises_the_matching_errors(client, served):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4o", messages=MSG)
     assert e.value.body["code"] == "model_not_found"
+    assert e.value.body["message"].endswith(f"This server serves: `{MODEL}`.")  # what to send instead
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")
     bad_key = openai.OpenAI(base_url=served[0].base_url, api_key="wrong", max_retries=0)
