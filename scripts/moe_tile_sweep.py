@@ -2,6 +2,8 @@
 GEMM alone against cuBLAS on the same shape, several (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M) each.
 
 Run on the device: ``PYTHONPATH=$PWD OUT=dir python3 scripts/moe_tile_sweep.py [seconds]``; writes ``tune.json``.
+After the pointer kernel's rows, the TMA variant's rows (polyrl/kernels/moe/tma.py; ``tune.json["tma"]``), each with
+its max abs difference from the pointer kernel's outputs; ``seconds`` budgets each of the two parts.
 """
 
 import json
@@ -152,4 +154,64 @@ for g, fn in gemms.items():
     if res[g]["configs"]:
         best = min(res[g]["configs"], key=lambda r: r[1])
         print(f"  best {best}", flush=True)
+
+# --- the opt-in TMA variant (polyrl/kernels/moe/tma.py): "up", "down", "dact", "dx" through TMA descriptors ----------
+# Each row: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M, mode) with mode "host" / "device" descriptors or "ws"
+# (device descriptors + warp-specialised K loop, warps per warpgroup), its time, and the max abs difference of its
+# outputs from the pointer kernel's (CONFIGS as shipped) on the same inputs; outputs are NaN-filled before each TMA
+# run, so rows it failed to write show as nan. A row that did not take the TMA path says so. Own time budget, the
+# same seconds again.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_tma_compile import TMA_CANDS  # noqa: E402 - the candidates that scripts/moe_tma_compile.py checks
+
+outputs = {"up": (act, h), "down": (y,), "dact": (dh, wact), "dx": (dxr,)}
+
+
+def _run(g):
+    """Run GEMM g once; its outputs (and dact's d w partial sums)."""
+    extra = gemms[g]()
+    return [o.clone() for o in outputs[g]] + ([extra.sum(1)] if extra is not None else [])  # d w per row
+
+
+json.dump(res, open(os.path.join(out_dir, "tune.json"), "w"), indent=1)  # again below, with the TMA rows
+res["tma"] = {}
+t_start = time.time()
+saved_cfgs = dict(tk.TMA_CONFIGS)
+# the warp-specialised rows last (Triton's Hopper warp specialisation is the least tried path: if one hangs, the
+# rest is already printed)
+for g, cands in [(g, [c for c in cs if (c[6] == "ws") == ws]) for ws in (False, True) for g, cs in TMA_CANDS.items()]:
+    if not cands:
+        continue
+    tk.TMA = False
+    want = _run(g)  # the pointer kernel's outputs; also leaves valid inputs for the next GEMM
+    ms_ptr = triton.testing.do_bench(gemms[g], warmup=5, rep=20)
+    ms_d = res[g]["dense_ms"]
+    res["tma"].setdefault(g, {"pointer_ms": [], "configs": []})["pointer_ms"].append(ms_ptr)
+    print(f"{g} TMA: pointer kernel {ms_ptr:.3f} ms ({ms_d / ms_ptr:.0%} of dense)", flush=True)
+    for c in cands:
+        if time.time() - t_start > budget:
+            print("  budget spent", flush=True)
+            break
+        tk.TMA, tk.TMA_CONFIGS[g] = True, c
+        try:
+            for o in outputs[g]:
+                o.fill_(float("nan"))
+            n0 = tk.tma_launches
+            got = _run(g)
+            if tk.tma_launches == n0:
+                print(f"  {c}: did not take the TMA path", flush=True)
+                continue
+            diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
+            ms = triton.testing.do_bench(gemms[g], warmup=5, rep=20)
+            res["tma"][g]["configs"].append((c, ms, flops[g] / ms / 1e9, diff))
+            print(f"  {c}: {ms:.3f} ms {flops[g] / ms / 1e9:.0f} TFLOP/s ({ms_d / ms:.0%} of dense, "
+                  f"{ms_ptr / ms:.2f}x pointer) max|diff| {diff:.3e}", flush=True)  # fmt: skip
+        except Exception as exc:
+            print(f"  {c}: {type(exc).__name__} {str(exc).strip()[:300]}", flush=True)
+        finally:
+            tk.TMA, tk.TMA_CONFIGS[g] = False, saved_cfgs[g]
+    _run(g)  # the pointer kernel's outputs back in place for the GEMMs that read them
+    if res["tma"][g]["configs"]:
+        best = min(res["tma"][g]["configs"], key=lambda r: r[1])
+        print(f"  best TMA {best}", flush=True)
 json.dump(res, open(os.path.join(out_dir, "tune.json"), "w"), indent=1)

@@ -227,6 +227,109 @@ def test_grouped_mm_forward_matches_reference(kernel_check):
     kernel_check.assert_close(y, want, torch.bfloat16, "y")
 
 
+# --- the opt-in TMA variant (polyrl/kernels/moe/tma.py) --------------------------------------------------------
+
+
+def _moe_module():
+    import importlib
+
+    return importlib.import_module("polyrl.kernels.moe.triton")
+
+
+def _tma_problem(dtype, dev):
+    """T*k/E = 48 rows per expert (the TMA path skips decode-sized routings); H, I multiples of 8 (16-byte rows for
+    TMA), I=24 not a multiple of the interpreter's BLOCK_K: the K tail and the gate tile reaching into the up block
+    are exercised."""
+    return _problem(96, 32, 24, 4, 2, dtype, dev, seed=21)
+
+
+@pytest.mark.parametrize("mode", ["host", "ws"])
+def test_tma_path_gives_the_pointer_kernels_bits_under_the_interpreter(triton_kernels, monkeypatch, mode):
+    """With the switch on (device check patched: the interpreter emulates descriptor loads) the forward and all four
+    gradients equal the default path's bit for bit; "host" runs all four rows GEMMs through host-side descriptors,
+    "ws" through device-side ones (warp specialisation itself is a compiler matter: scripts/moe_tma_compile.py), the
+    gathered "up" GEMM then falling back to the pointer kernel."""
+    if not triton_kernels.interpreted:
+        pytest.skip("the device comparison is test_gpu_tma_path_matches_the_default_path")
+    tk = _moe_module()
+    fn = triton_kernels.load("moe", "moe_experts")
+    x, ids, w, gu, dn = _tma_problem(torch.bfloat16, triton_kernels.device)
+    want = _fwd_bwd(fn, x, ids, w, gu, dn)
+    monkeypatch.setattr(tk, "TMA", True)
+    monkeypatch.setattr(tk, "_tma_device_ok", lambda device: True)
+    monkeypatch.setattr(tk, "_TMA_INTERP", tk._TMA_INTERP[:6] + (mode,))
+    before = tk.tma_launches
+    got = _fwd_bwd(fn, x, ids, w, gu, dn)
+    assert tk.tma_launches - before == (4 if mode == "host" else 3)
+    for name, a, b in zip(GRAD_NAMES, got, want):
+        assert torch.equal(a, b), f"{name}: max abs diff {(a.float() - b.float()).abs().max().item():.3e}"
+
+
+def test_tma_switch_is_off_by_default_and_falls_back_where_it_cannot_run(triton_kernels, monkeypatch):
+    """Default off; on, it engages only on a CUDA device of capability >= 9.0 outside the interpreter, for 16-bit
+    inputs with TMA-addressable strides, never with a gathered A and warp specialisation."""
+    tk = _moe_module()
+    from polyrl.kernels.moe import tma
+
+    assert tk.TMA is False and set(tk.TMA_CONFIGS) == {"up", "down", "dact", "dx"}
+    assert all(c[6] in tma.MODES for c in tk.TMA_CONFIGS.values())
+    fn = triton_kernels.load("moe", "moe_experts")
+    x, ids, w, gu, dn = _tma_problem(torch.bfloat16, triton_kernels.device)
+    before = tk.tma_launches
+    with torch.no_grad():  # the forward's two rows GEMMs ("up", "down") are enough to see the dispatch
+        fn(x, ids, w, gu, dn)
+        assert tk.tma_launches == before, "the TMA kernel ran with the switch off"
+        if triton_kernels.interpreted:
+            monkeypatch.setattr(tk, "TMA", True)
+            fn(x, ids, w, gu, dn)
+            assert tk.tma_launches == before, "the TMA kernel ran under the interpreter without being asked to"
+            assert not tk._tma_device_ok(torch.device("cpu"))
+    strides = (gu.stride(0), gu.stride(2), gu.stride(1))
+    up = dict(b_up=24 * gu.stride(1), epi=1)
+    assert tma.plan(x, True, gu, strides, **up, mode="host") == (False, 24)
+    assert tma.plan(x, True, gu, strides, **up, mode="ws") is None  # gathered A: no warp specialisation
+    assert tma.plan(x.float(), True, gu.float(), strides, **up, mode="host") is None  # fp32
+    kn = (dn.stride(0), dn.stride(1), dn.stride(2))
+    dys = torch.zeros(5, 32, dtype=torch.bfloat16, device=x.device)
+    assert tma.plan(dys, False, dn, kn, b_up=0, epi=2, mode="ws") == (True, 0)
+    odd = torch.zeros(4, 20, 12, dtype=torch.bfloat16, device=x.device)  # rows of 24 bytes: not 16-byte aligned
+    assert tma.plan(dys, False, odd, (odd.stride(0), odd.stride(1), odd.stride(2)), b_up=0, epi=0, mode="host") is None
+    assert tma.plan(dys[:, 1:], False, dn, kn, b_up=0, epi=0, mode="host") is None  # A base off 16 bytes
+    assert tma.plan(dys, False, dn, (dn.stride(0), 1, 1), b_up=0, epi=0, mode="host") is None  # neither layout
+
+
+@pytest.mark.slow  # ~4 s: two kernels compiled for sm_90 on the CPU (cold Triton cache)
+def test_tma_kernel_compiles_for_sm90_with_tma_wgmma_and_warp_specialisation():
+    """scripts/moe_tma_compile.py --quick: the "down" GEMM with host descriptors loads A and B by TMA (no cp.async)
+    into wgmma; the "dx" GEMM in "ws" mode is split into a producer and consumer partitions (12 warps: three
+    warpgroups, setmaxnreg), still TMA into wgmma, with device-side descriptors' global scratch."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-W", "ignore", str(repo / "scripts" / "moe_tma_compile.py"), "--quick",
+                          "--json"], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    down = next(v for k, v in report.items() if k.startswith("down:"))
+    dx = next(v for k, v in report.items() if k.startswith("dx:"))
+    assert "error" not in down and "error" not in dx, report
+    assert down["tma_loads"] > 0 and down["wgmma"] > 0 and down["cp_async"] == 0
+    assert down["ws_partitions"] == 0 and down["global_scratch"] == 0 and down["num_warps"] == 8
+    assert dx["warp_specialize_op"] and dx["ws_partitions"] == 2 and dx["num_warps"] == 12
+    assert dx["tma_loads"] > 0 and dx["wgmma"] > 0 and dx["cp_async"] == 0 and dx["setmaxnreg"] > 0
+    assert dx["global_scratch"] > 0
+    for got in (down, dx):
+        assert got["shared_bytes"] <= 232448, got  # the H200's 227 KiB per block
+        assert got["spill_bytes"] in (0, None), got
+
+
 # --- GPU ------------------------------------------------------------------------------------------------------
 
 
@@ -283,6 +386,38 @@ def test_gpu_cuda_graph_replay_with_changing_routing(triton_kernels, kernel_chec
             torch.cuda.synchronize()
             want = ref_moe(x.float(), ids, w.float(), gu32, dn32)
             kernel_check.assert_close(out, want, torch.bfloat16, f"replay seed {seed}")
+
+
+# warp-specialised configs: 4 warps per warpgroup (Triton's Hopper pass adds a producer and splits the tile)
+_TMA_WS_CONFIGS = {
+    "up": (128, 128, 64, 8, 4, 8, "device"),
+    "down": (128, 256, 64, 4, 3, 8, "ws"),
+    "dact": (64, 128, 64, 4, 3, 4, "ws"),
+    "dx": (128, 256, 64, 4, 3, 8, "ws"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("configs", ["default", "ws"])
+def test_gpu_tma_path_matches_the_default_path(triton_kernels, kernel_check, monkeypatch, configs):
+    """Qwen3-30B-A3B's shape, bf16, forward and all four gradients: the TMA path (every rows GEMM) against the
+    pointer kernels on the same inputs (same K order: equal up to wgmma rounding) and against the fp32 reference."""
+    tk = _moe_module()
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA needs compute capability 9.0")
+    fn = triton_kernels.load("moe", "moe_experts")
+    x, ids, w, gu, dn = _qwen3_30b_problem(4096, triton_kernels.device)
+    base = _fwd_bwd(fn, x, ids, w, gu, dn)
+    monkeypatch.setattr(tk, "TMA", True)
+    if configs == "ws":
+        monkeypatch.setattr(tk, "TMA_CONFIGS", dict(_TMA_WS_CONFIGS))
+    before = tk.tma_launches
+    got = _fwd_bwd(fn, x, ids, w, gu, dn)
+    assert tk.tma_launches - before == 4
+    for name, a, b in zip(GRAD_NAMES, got, base):
+        assert kernel_check.rel_l2(a, b) <= 2e-3, f"{name}: TMA vs pointer kernel rel L2 {kernel_check.rel_l2(a, b)}"
+    want = _fwd_bwd(ref_moe, x, ids, w, gu, dn, dtype=torch.float32)
+    _check_all(kernel_check, got, want, torch.bfloat16, label="tma: ")
 
 
 def test_triton_saves_only_inputs_and_preactivation(triton_kernels):

@@ -37,6 +37,9 @@ fp32 inputs use ``input_precision="ieee"`` dots unless ``torch.backends.cuda.mat
 the Triton interpreter (CPU tests) 16-bit operands are upcast to fp32 before ``tl.dot`` (the interpreter's
 bf16 dot multiplies raw bits); on the device they go to the tensor cores as they are.
 
+Opt-in (``TMA = True``, default off): the rows GEMMs through TMA tensor descriptors, optionally warp-specialised, on
+compute capability >= 9.0 (``polyrl/kernels/moe/tma.py``; falls back to the kernels here wherever it cannot run).
+
 Not here: expert parallelism, fp8, a persistent/stream-K schedule.
 """
 
@@ -48,6 +51,7 @@ import triton.language as tl
 from triton import knobs
 
 from polyrl.errors import UserError
+from polyrl.kernels.moe import tma as _tma
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -72,6 +76,42 @@ CONFIGS: dict[str, tuple[int, int, int, int, int, int]] = {
     "wgrad_small": (64, 64, 32, 4, 3, 1),
 }
 _INTERP = (16, 16, 16, 1, 1, 2)
+
+# Opt-in TMA variant of the rows GEMMs (polyrl/kernels/moe/tma.py): off by default. When on, a rows GEMM whose config
+# name has an entry below runs ``_grouped_rows_tma_kernel`` on a CUDA device of compute capability >= 9.0 outside the
+# interpreter, for 16-bit inputs TMA can address and no LoRA segment; everything else keeps the pointer kernel.
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M, mode), mode "host" / "device" (where the descriptors are
+# built) or "ws" (device descriptors and a warp-specialised K loop; num_warps per warpgroup, 4). Not yet swept on the
+# device: these are the pointer kernel's tiles (scripts/moe_tile_sweep.py has the TMA rows). fp32 and the "*_small"
+# (decode) configs never take this path.
+TMA = False
+TMA_CONFIGS: dict[str, tuple[int, int, int, int, int, int, str]] = {
+    "up": (128, 128, 64, 8, 4, 8, "host"),
+    "down": (128, 256, 64, 8, 4, 8, "host"),
+    "dact": (64, 128, 64, 4, 4, 4, "host"),
+    "dx": (128, 256, 64, 8, 4, 8, "host"),
+}
+_TMA_INTERP = (16, 16, 16, 1, 1, 2, "host")
+
+
+tma_launches = 0  # rows GEMMs run by the TMA kernel in this process (lets a sweep or test see the switch engage)
+
+
+def _tma_device_ok(device: torch.device) -> bool:
+    """Hopper or newer CUDA device, compiled Triton (not the interpreter). The CPU tests patch this to run the TMA
+    kernel under the interpreter (which emulates descriptor loads), with ``_TMA_INTERP``'s tiles."""
+    if interpreting() or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _tma_cfg(name: str, rows_per_expert: float, dtype: torch.dtype, device: torch.device):
+    """The TMA config for this rows GEMM when ``TMA`` is on and it applies (else None)."""
+    if not TMA or name not in TMA_CONFIGS or rows_per_expert < 48 or dtype == torch.float32:
+        return None
+    if not _tma_device_ok(device):
+        return None
+    return _TMA_INTERP if interpreting() else TMA_CONFIGS[name]
 
 
 def _cfg(name: str, rows_per_expert: float, dtype: torch.dtype) -> tuple[int, int, int, int, int, int]:
@@ -405,13 +445,27 @@ def _rows_gemm(
     ``h``); ``need_dw`` then returns fp32 ``[rows, n-tiles]`` partial sums of ``<act, a @ b>`` per row (sum them
     over dim 1 for d topk_weights: deterministic, no atomics). ``second``: a LoRA branch's second K segment
     summed into the same product; ``block_n``: the n-tile when N is a LoRA rank (narrower than the configs')."""
-    bm, bn, bk, warps, stages, group_m = _cfg(cfg, route.rows_per_expert, a.dtype)
+    tma_cfg = None
+    if second is None and block_n is None:
+        tma_cfg = _tma_cfg(cfg, route.rows_per_expert, a.dtype, a.device)
+    tma_plan = None if tma_cfg is None else _tma.plan(a, a_idx is not None, b, b_strides, b_up, epi, tma_cfg[6])
+    if tma_plan is not None:
+        bm, bn = tma_cfg[0], tma_cfg[1]
+    else:
+        bm, bn, bk, warps, stages, group_m = _cfg(cfg, route.rows_per_expert, a.dtype)
     if block_n is not None:
         bn = block_n
     tile_expert, tile_row, m_tiles = route.tiles(bm)
     num_n = triton.cdiv(n, bn)
     h_arg = h if h is not None else out
     dw_part = torch.empty(route.n, num_n, device=out.device, dtype=torch.float32) if need_dw else None
+    if tma_plan is not None:
+        global tma_launches
+        tma_launches += 1
+        _tma.launch(m_tiles * num_n, a, a_idx, b, *tma_plan, out, h, w_rows, wact, dw_part, tile_expert, tile_row,
+                    route.offsets, n, k, m_tiles, num_n, epi=epi, store_h=store_h, need_dw=need_dw,
+                    dot_f32=interpreting(), cfg=tma_cfg)  # fmt: skip
+        return dw_part
     seg = second if second is not None else Segment(out, out, (0, 0, 0), 0)
     _grouped_rows_kernel[(m_tiles * num_n,)](
         a, a_idx if a_idx is not None else tile_row, b, out, h_arg, w_rows if w_rows is not None else out,
