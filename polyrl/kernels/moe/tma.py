@@ -241,6 +241,7 @@ def _scratch(size: int, alignment: int, stream):
 def _ensure_allocator() -> None:
     """Install ``_scratch`` as Triton's allocator in this context unless one is set (the setting is a context
     variable: autograd's backward thread starts without the forward thread's)."""
+    # lazy: a private Triton module (present in 3.6 and 3.9), read only when the TMA switch is on
     from triton.runtime import _allocation
 
     if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:

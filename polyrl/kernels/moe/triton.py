@@ -51,6 +51,7 @@ import triton.language as tl
 from triton import knobs
 
 from polyrl.errors import UserError
+from polyrl.platform import device as platform_device
 from polyrl.kernels.moe import tma as _tma
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -100,9 +101,10 @@ tma_launches = 0  # rows GEMMs run by the TMA kernel in this process (lets a swe
 def _tma_device_ok(device: torch.device) -> bool:
     """Hopper or newer CUDA device, compiled Triton (not the interpreter). The CPU tests patch this to run the TMA
     kernel under the interpreter (which emulates descriptor loads), with ``_TMA_INTERP``'s tiles."""
-    if interpreting() or device.type != "cuda":
+    if interpreting() or device.type != "cuda" or torch.version.hip is not None:  # TMA: NVIDIA Hopper and newer
         return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    cap = platform_device.capability(device.index or 0)
+    return cap is not None and tuple(cap) >= (9, 0)
 
 
 def _tma_cfg(name: str, rows_per_expert: float, dtype: torch.dtype, device: torch.device):
