@@ -37,48 +37,14 @@ import torch
 import triton
 import triton.language as tl
 
+from polyrl.kernels.moe.rows_tile import rows_epilogue, tile_rows
+
 try:  # Triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older Triton: the switch then never engages
     TensorDescriptor = None
 
 _TMA_DTYPES = (torch.bfloat16, torch.float16)
-
-
-@triton.jit
-def _rows_epilogue(
-    acc, acc_u, rows, rmask, cols, nmask, pid_n, c_ptr, h_ptr, w_ptr, wact_ptr, dwp_ptr, N, stride_cm, stride_hm,
-    NUM_N, EPI: tl.constexpr, STORE_H: tl.constexpr, NEED_DW: tl.constexpr,
-):  # fmt: skip
-    """``_grouped_rows_kernel``'s epilogues, the same expressions in the same order (EPI 0: store C; 1: SwiGLU
-    forward, h optionally; 2: SwiGLU backward with w * act and the d w partial sums)."""
-    r64 = rows.to(tl.int64)[:, None]
-    mask = rmask[:, None] & nmask[None, :]
-    if EPI == 0:
-        tl.store(c_ptr + r64 * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
-    elif EPI == 1:
-        g16 = acc.to(c_ptr.dtype.element_ty)
-        u16 = acc_u.to(c_ptr.dtype.element_ty)
-        if STORE_H:
-            tl.store(h_ptr + r64 * stride_hm + cols[None, :], g16, mask=mask)
-            tl.store(h_ptr + r64 * stride_hm + N + cols[None, :], u16, mask=mask)
-        g = g16.to(tl.float32)
-        act = g * tl.sigmoid(g) * u16.to(tl.float32)
-        tl.store(c_ptr + r64 * stride_cm + cols[None, :], act.to(c_ptr.dtype.element_ty), mask=mask)
-    else:
-        g = tl.load(h_ptr + r64 * stride_hm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(h_ptr + r64 * stride_hm + N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(g)
-        act = (g * sig * u).to(c_ptr.dtype.element_ty).to(tl.float32)
-        if NEED_DW:
-            tl.store(dwp_ptr + rows.to(tl.int64) * NUM_N + pid_n, tl.sum(act * acc, axis=1), mask=rmask)
-        w = tl.load(w_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
-        tl.store(wact_ptr + r64 * N + cols[None, :], (act * w).to(c_ptr.dtype.element_ty), mask=mask)
-        acc = acc * w
-        dg = acc * u * sig * (1.0 + g * (1.0 - sig))
-        du = acc * g * sig
-        tl.store(c_ptr + r64 * stride_cm + cols[None, :], dg.to(c_ptr.dtype.element_ty), mask=mask)
-        tl.store(c_ptr + r64 * stride_cm + N + cols[None, :], du.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -124,17 +90,9 @@ def _grouped_rows_tma_kernel(
     DEVICE_DESC: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0 (the gathered A's loads need no K mask)
 ):
-    pid = tl.program_id(0)
-    per_group = GROUP_M * NUM_N
-    first_m = (pid // per_group) * GROUP_M
-    group_size = tl.minimum(NUM_M - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
-    e = tl.load(tile_expert_ptr + pid_m)
-    row0 = tl.load(tile_row_ptr + pid_m)
-    row_end = tl.load(offsets_ptr + e + 1)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < row_end
+    pid_n, e, row0, row_end, rows, rmask = tile_rows(
+        tl.program_id(0), NUM_M, NUM_N, GROUP_M, tile_expert_ptr, tile_row_ptr, offsets_ptr, BLOCK_M
+    )
     n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     nmask = cols < N
@@ -189,7 +147,7 @@ def _grouped_rows_tma_kernel(
             if DOT_F32:
                 bu = bu.to(tl.float32)
             acc_u = tl.dot(a, bu, acc_u)
-    _rows_epilogue(acc, acc_u, rows, rmask, cols, nmask, pid_n, c_ptr, h_ptr, w_ptr, wact_ptr, dwp_ptr, N, stride_cm,
+    rows_epilogue(acc, acc_u, rows, rmask, cols, nmask, pid_n, c_ptr, h_ptr, w_ptr, wact_ptr, dwp_ptr, N, stride_cm,
                    stride_hm, NUM_N, EPI=EPI, STORE_H=STORE_H, NEED_DW=NEED_DW)  # fmt: skip
 
 

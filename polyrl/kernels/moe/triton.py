@@ -51,8 +51,9 @@ import triton.language as tl
 from triton import knobs
 
 from polyrl.errors import UserError
-from polyrl.platform import device as platform_device
 from polyrl.kernels.moe import tma as _tma
+from polyrl.kernels.moe.rows_tile import rows_epilogue, tile_rows
+from polyrl.platform import device as platform_device
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -182,19 +183,9 @@ def _grouped_rows_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    # GROUP_M consecutive m-tiles (an expert's few tiles and its neighbours') sweep the n-tiles together, m fastest:
-    # the programs sharing an expert's weight tile run side by side and read it from L2, not HBM.
-    pid = tl.program_id(0)
-    per_group = GROUP_M * NUM_N
-    first_m = (pid // per_group) * GROUP_M
-    group_size = tl.minimum(NUM_M - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
-    e = tl.load(tile_expert_ptr + pid_m)
-    row0 = tl.load(tile_row_ptr + pid_m)
-    row_end = tl.load(offsets_ptr + e + 1)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < row_end
+    pid_n, e, row0, row_end, rows, rmask = tile_rows(
+        tl.program_id(0), NUM_M, NUM_N, GROUP_M, tile_expert_ptr, tile_row_ptr, offsets_ptr, BLOCK_M
+    )
     if GATHER_A:
         arows = tl.load(a_idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
     else:
@@ -245,36 +236,8 @@ def _grouped_rows_kernel(
             if DOT_F32:
                 bu2 = bu2.to(tl.float32)
             acc_u = tl.dot(a2, bu2, acc_u, input_precision=PREC)
-    r64 = rows.to(tl.int64)[:, None]
-    mask = rmask[:, None] & nmask[None, :]
-    if EPI == 0:
-        tl.store(c_ptr + r64 * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
-    elif EPI == 1:
-        g16 = acc.to(c_ptr.dtype.element_ty)
-        u16 = acc_u.to(c_ptr.dtype.element_ty)
-        if STORE_H:
-            tl.store(h_ptr + r64 * stride_hm + cols[None, :], g16, mask=mask)
-            tl.store(h_ptr + r64 * stride_hm + N + cols[None, :], u16, mask=mask)
-        g = g16.to(tl.float32)
-        act = g * tl.sigmoid(g) * u16.to(tl.float32)
-        tl.store(c_ptr + r64 * stride_cm + cols[None, :], act.to(c_ptr.dtype.element_ty), mask=mask)
-    else:
-        # acc is the unweighted d act (dy[token] @ down[e]); masked rows and columns hold zeros.
-        g = tl.load(h_ptr + r64 * stride_hm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(h_ptr + r64 * stride_hm + N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(g)
-        # the forward's act, bit for bit (same expression on the same rounded g and u)
-        act = (g * sig * u).to(c_ptr.dtype.element_ty).to(tl.float32)
-        if NEED_DW:
-            # d w[r] = <y[r], dy[token]> = <act[r], dy[token] @ down[e]>
-            tl.store(dwp_ptr + rows.to(tl.int64) * NUM_N + pid_n, tl.sum(act * acc, axis=1), mask=rmask)
-        w = tl.load(w_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
-        tl.store(wact_ptr + r64 * N + cols[None, :], (act * w).to(c_ptr.dtype.element_ty), mask=mask)
-        acc = acc * w
-        dg = acc * u * sig * (1.0 + g * (1.0 - sig))
-        du = acc * g * sig
-        tl.store(c_ptr + r64 * stride_cm + cols[None, :], dg.to(c_ptr.dtype.element_ty), mask=mask)
-        tl.store(c_ptr + r64 * stride_cm + N + cols[None, :], du.to(c_ptr.dtype.element_ty), mask=mask)
+    rows_epilogue(acc, acc_u, rows, rmask, cols, nmask, pid_n, c_ptr, h_ptr, w_ptr, wact_ptr, dwp_ptr, N, stride_cm,
+                  stride_hm, NUM_N, EPI, STORE_H, NEED_DW)  # fmt: skip
 
 
 @triton.jit
