@@ -27,8 +27,11 @@ def refuse_adapter(model: str, command: str) -> None:
         return
     base = adapter_base(model)
     folder = Path(model.rstrip("/") or model)
-    # runs/lora/final -> runs/lora-merged
-    merged = f"{folder.parent if folder.name in ('final', 'best') else folder}-merged"
+    if folder.name in ("", ".."):  # ".": the current folder by its name
+        folder = folder.resolve()
+    # runs/lora/final -> runs/lora-merged; a bare "final" -> its absolute run folder (not ".-merged")
+    stem = folder.parent if folder.name in ("final", "best") else folder
+    merged = f"{stem.resolve() if stem.name in ('', '..') else stem}-merged"
     merge = f"polyrl export --adapter {model} --merge --out {merged}"
     if command == "serve":
         how = (

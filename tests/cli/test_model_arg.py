@@ -45,3 +45,14 @@ def test_serve_names_the_base_with_lora(tmp_path, monkeypatch, capsys):
 def test_an_adapter_without_a_base_says_base(tmp_path):
     assert adapter_base(_adapter(tmp_path / "a", base=None)) == "BASE"
     assert adapter_base(_adapter(tmp_path / "b", base="Qwen/Qwen3-0.6B")) == "Qwen/Qwen3-0.6B"
+
+
+@pytest.mark.parametrize("given", ["final", "./final", "."])
+def test_merge_folder_of_a_relative_final_is_a_real_folder(tmp_path, monkeypatch, capsys, given):
+    run = tmp_path / "runs" / "lora"
+    _adapter(run / "final")
+    monkeypatch.chdir(run if given != "." else run / "final")
+    assert main(["generate", "--model", given, "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    # not ".-merged" (a hidden-looking folder named after the current directory's '.')
+    assert f"--merge --out {run}-merged`" in err
