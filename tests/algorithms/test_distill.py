@@ -53,6 +53,16 @@ def _raw(student, teacher, out, steps=8, **kw):
     }
 
 
+def _copy_with_another_tokenizer(src, dst):
+    """``src``'s model folder copied to ``dst`` with one vocabulary entry renamed: same weights, another tokenizer."""
+    shutil.copytree(src, dst)
+    tok = json.loads((dst / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    first = next(iter(vocab))
+    vocab[first + "x"] = vocab.pop(first)
+    (dst / "tokenizer.json").write_text(json.dumps(tok))
+
+
 def test_distill_run_logs_reverse_kl(tiny_model_dir, teacher_dir, tmp_path):
     from polyrl import run as runner
     from polyrl.run import config
@@ -165,12 +175,7 @@ def test_bad_configs_say_what_to_fix(tiny_model_dir, teacher_dir, tmp_path):
     with pytest.raises(ConfigError, match="temperature must be 1.0"):
         DistillConfig(teacher=str(teacher_dir), temperature=0.7)
     other = tmp_path / "other"
-    shutil.copytree(teacher_dir, other)
-    tok = json.loads((other / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    first = next(iter(vocab))
-    vocab[first + "x"] = vocab.pop(first)
-    (other / "tokenizer.json").write_text(json.dumps(tok))
+    _copy_with_another_tokenizer(teacher_dir, other)
     from polyrl.models.checkpoint import load_tokenizer
 
     with pytest.raises(ConfigError, match="tokenizer differs"):
@@ -187,12 +192,7 @@ def test_teacher_of_another_tokenizer_stops_the_run_before_weights_load(tiny_mod
     from polyrl.cli.main import main
 
     other = tmp_path / "other"
-    shutil.copytree(tiny_model_dir, other)
-    tok = json.loads((other / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    first = next(iter(vocab))
-    vocab[first + "x"] = vocab.pop(first)
-    (other / "tokenizer.json").write_text(json.dumps(tok))
+    _copy_with_another_tokenizer(tiny_model_dir, other)
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded")
