@@ -428,9 +428,10 @@ def _algo_name(args: argparse.Namespace) -> str:
 
 def unused_settings(cfg: Any) -> list[str]:
     """Settings of the RL table that this run ignores, each as a sentence saying what turns them on: async producer
-    settings in a synchronous run (max_staleness 0), rollout workers without the process producer, a teacher weight
-    without a teacher. The run goes on (printed as warnings); partial_rollouts and rollout_devices, which would change
-    what is built, are errors of the table itself."""
+    settings in a synchronous run (max_staleness 0), rollout workers and their settings (restarts, reply deadline,
+    balance, weight sync wire) without the process producer, partial_swap_step without partial rollouts, a teacher
+    weight without a teacher. The run goes on (printed as warnings); partial_rollouts and rollout_devices, which
+    would change what is built, are errors of the table itself."""
     a, name = cfg.algo_config, cfg.algo
     if not hasattr(a, "max_staleness"):
         return []
@@ -445,10 +446,39 @@ def unused_settings(cfg: Any) -> list[str]:
             f"{name}.rollout_workers = {a.rollout_workers} is used only by the process producer: add --max-staleness 1 "
             "--async-producer process"
         )
+    if a.max_staleness == 0 or a.async_producer != "process":  # the rollout worker processes' own settings
+        for key, value in _worker_settings(a):
+            out.append(
+                f"{name}.{key} = {value} is used only by the process producer (rollout worker processes): add "
+                "--max-staleness 1 --async-producer process, or drop it"
+            )
+    if a.partial_swap_step != 0 and not a.partial_rollouts:
+        out.append(
+            f"{name}.partial_swap_step = {a.partial_swap_step} places the weight swap of partial rollouts: add "
+            "--partial-rollouts"
+        )
     if a.teacher_coef != 1.0 and not a.has_teacher:
         out.append(
             f"{name}.teacher_coef = {a.teacher_coef:g} has no teacher to weigh: add --teacher DIR (or --teacher-url)"
         )
+    return out
+
+
+def _worker_settings(a: Any) -> list[tuple[str, str]]:
+    """The settings of the rollout worker processes (``polyrl.run.rollout_workers``, the weight sync to them) that
+    differ from their defaults, as ``(key, value)``: the process producer is the only reader of each."""
+    defaults = {
+        "rollout_worker_timeout_s": None,
+        "rollout_worker_restarts": 3,
+        "rollout_balance": "work",
+        "weight_sync_dtype": "auto",
+        "weight_sync_bucket_mb": 256.0,
+    }
+    out = []
+    for key, default in defaults.items():
+        value = getattr(a, key)
+        if value != default:
+            out.append((key, f'"{value}"' if isinstance(value, str) else f"{value:g}"))
     return out
 
 

@@ -100,6 +100,7 @@ class AsyncSteps:
         return k
 
     def _make_source(self) -> InlineRollouts | None:
+        self._note_resumed_queue()
         if self.max_staleness == 0:
             return None
         k, version = self.max_staleness, self.start
@@ -163,6 +164,30 @@ class AsyncSteps:
         elif self.start > 0:
             self.print(f"note: {self.start_point} holds no rollout queue (a synchronous run's); generating afresh")
         return source
+
+    def _note_resumed_queue(self) -> None:
+        """A resumed checkpoint's rollout queue that this run's ``max_staleness`` will not train as it is: said once,
+        before the first step. K = 0 (synchronous) drops every queued batch (their prompts stay consumed: the prompt
+        position is past them); a lower K drops the batches older than K at their step (counted in
+        ``async/stale_dropped_total``) and generates fresh ones."""
+        queue = (self._resumed_async or {}).get("queue") or []
+        if not queue:
+            return
+        k, table = self.max_staleness, self.a.table_name()
+        if k == 0:
+            self.print(
+                f"note: {self.start_point} holds {len(queue)} rollout batch(es) generated ahead by an asynchronous "
+                f"run; this run is synchronous ({table}.max_staleness = 0), so they are dropped and their prompts "
+                "skipped (resume with the checkpoint's --max-staleness to train them)"
+            )
+            return
+        stale = [int(b["step"]) + 1 for b in queue if int(b["step"]) - int(b["version"]) > k]
+        if stale:
+            self.print(
+                f"note: {len(stale)} of the {len(queue)} rollout batch(es) queued in {self.start_point} (steps "
+                f"{', '.join(map(str, stale))}) are older than {table}.max_staleness = {k}: they are dropped at their "
+                "step and regenerated from the current weights (async/stale_dropped_total)"
+            )
 
     def batch_state(self) -> Any:
         """What ``collect`` left for this step's ``rollout_row`` beyond the samples (an episode producer: the

@@ -49,8 +49,14 @@ def parse_devices(spec: str, what: str = "rollout_devices") -> list[torch.device
             continue
         i = int(index or 0)
         if kind != have:
-            where = f"its accelerator is {have}" if have != "cpu" else "it has no accelerator"
-            raise ConfigError(f"{what}: {item} does not exist on this machine ({where}); list cpu or {have}:N")
+            if have == "cpu":  # cpu:N is refused above: the one fix is cpu, repeated per replica
+                raise ConfigError(
+                    f"{what}: {item} does not exist on this machine (it has no accelerator); list cpu (cpu,cpu for "
+                    "two CPU replicas)"
+                )
+            raise ConfigError(
+                f"{what}: {item} does not exist on this machine (its accelerator is {have}); list cpu or {have}:N"
+            )
         if i >= device.count():
             raise ConfigError(
                 f"{what}: {item} does not exist: this machine has {device.count()} {have} device(s) "

@@ -286,6 +286,38 @@ def test_rl_settings_this_run_ignores_are_warned(tiny_model_dir, tmp_path):
     assert unused("--max-staleness", "1", "--async-producer", "thread") == [] and unused() == []
 
 
+def test_process_producer_settings_without_it_are_warned(tiny_model_dir, tmp_path):
+    """The rollout worker settings (restarts, reply deadline, balance, weight sync wire) and partial_swap_step do
+    nothing without the process producer (partial rollouts): each is named with the flags that turn it on."""
+    from polyrl.cli.train import add_arguments, overrides_from_args, unused_settings
+    from polyrl.run.config import resolve
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def unused(*extra, sets=()):
+        base = ["--algo", "grpo", "--model", str(tiny_model_dir), "--data", DATA, "--out", str(tmp_path / "o")]
+        args = parser.parse_args([*base, *extra, *(x for kv in sets for x in ("--set", kv))])
+        return unused_settings(resolve(None, overrides_from_args(args)))
+
+    worker_flags = ["--rollout-worker-timeout", "5", "--rollout-worker-restarts", "0", "--rollout-balance", "count"]
+    worker_flags += ["--weight-sync-dtype", "bf16", "--weight-sync-bucket-mb", "64"]
+    for producer in ("inline", "thread"):
+        got = unused("--max-staleness", "1", "--async-producer", producer, *worker_flags)
+        assert len(got) == 5 and all("used only by the process producer" in g for g in got), got
+        fix = "is used only by the process producer (rollout worker processes): add --max-staleness 1 --async-producer"
+        assert got[0].startswith(f"grpo.rollout_worker_timeout_s = 5 {fix} process, or drop it")
+        assert [g.split(" = ")[0] for g in got] == [
+            "grpo.rollout_worker_timeout_s", "grpo.rollout_worker_restarts", "grpo.rollout_balance",
+            "grpo.weight_sync_dtype", "grpo.weight_sync_bucket_mb",
+        ]  # fmt: skip
+    assert unused("--max-staleness", "1", "--async-producer", "process", *worker_flags) == []
+    got = unused("--max-staleness", "1", "--async-producer", "thread", sets=["grpo.partial_swap_step=2"])
+    assert got == ["grpo.partial_swap_step = 2 places the weight swap of partial rollouts: add --partial-rollouts"]
+    assert unused("--max-staleness", "1", "--async-producer", "thread", "--partial-rollouts",
+                  sets=["grpo.partial_swap_step=2"]) == []  # fmt: skip
+
+
 def test_out_that_is_a_file_is_a_config_error(tmp_path, monkeypatch, capsys):
     _no_model_load(monkeypatch)
     (tmp_path / "f").write_text("x")

@@ -136,6 +136,34 @@ def test_async_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path,
     shutil.rmtree(resumed)
 
 
+def test_resume_with_a_lower_max_staleness_says_what_it_drops(tiny_model_dir, tmp_path, reward, capsys):
+    """A K = 2 checkpoint resumed with K = 1 drops both queued batches (each 2 versions old) at their steps and
+    regenerates them; resumed with K = 0 (synchronous) it drops the whole queue. Both say so before the first step,
+    not only in the counters."""
+    full = tmp_path / "full"
+    raw = _raw(tiny_model_dir, full, reward, steps=4, save_every=2, max_staleness=2)
+    _run(raw)
+    ckpt = full / "checkpoints" / "step-00000002"
+    capsys.readouterr()
+    for k in (1, 0):
+        raw2 = json.loads(json.dumps(raw))
+        raw2["out"], raw2["resume"] = str(tmp_path / f"k{k}"), str(ckpt)
+        raw2["grpo"]["max_staleness"] = k
+        raw2["checkpoint"]["every_n_steps"] = 0
+        _run(raw2)
+        out = capsys.readouterr().out
+        recs = _records(tmp_path / f"k{k}")
+        assert [r["step"] for r in recs] == [3, 4]
+        if k == 1:
+            assert "note: 2 of the 2 rollout batch(es) queued in" in out and "(steps 3, 4) are older than" in out
+            assert [r["async/stale_dropped_total"] for r in recs] == [1.0, 2.0]
+            assert [r["async/staleness_max"] for r in recs] == [0.0, 0.0]  # regenerated from the current weights
+        else:
+            assert "holds 2 rollout batch(es) generated ahead by an asynchronous run; this run is synchronous" in out
+            assert not any(key.startswith("async/") for r in recs for key in r)
+    shutil.rmtree(full)
+
+
 def test_ppo_runs_asynchronously(tiny_model_dir, tmp_path, reward):
     out = tmp_path / "ppo"
     _run(_raw(tiny_model_dir, out, reward, algo="ppo", steps=3, max_staleness=1, prompts_per_step=8,

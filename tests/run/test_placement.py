@@ -72,6 +72,11 @@ def test_on_the_cpu_only_cpu_exists():
     assert resolve_placement("cpu,cpu").rollout == (torch.device("cpu"),) * 2
     with pytest.raises(ConfigError, match="it has no accelerator"):
         resolve_placement("cuda:0")
+    # the fix offered is one this machine takes: cpu (repeated), never a cpu:N it refuses
+    for typo in ("cpu,cpux", "cuda:9"):
+        with pytest.raises(ConfigError) as err:
+            resolve_placement(typo)
+        assert "cpu:N" not in str(err.value) and "list cpu (cpu,cpu for two CPU replicas)" in str(err.value)
 
 
 def test_under_torchrun_rollout_devices_avoid_the_ranks_devices(monkeypatch):
