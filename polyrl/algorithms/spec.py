@@ -88,8 +88,22 @@ class AlgorithmSpec:
         unknown = sorted(set(table) - known)
         if unknown:
             hint = f"known: {', '.join(sorted(known))}" if known else f"{self.name} has no settings"
-            raise ConfigError(f"unknown {self.name} setting(s) {unknown}{did_you_mean(unknown, known)}; {hint}")
+            where = _online_hint(unknown) or did_you_mean(unknown, known)
+            raise ConfigError(f"unknown {self.name} setting(s) {unknown}{where}; {hint}")
         return self.config_cls(**table)
+
+
+def _online_hint(unknown: list[str]) -> str:
+    """Keys of an algorithm without online RL settings that are online RL settings (``--max-staleness`` given to
+    ``--algo sft``): the hint names the algorithms that take them; "" otherwise."""
+    from polyrl import algorithms  # the registry imports this module
+    from polyrl.algorithms.online_config import OnlineConfig
+
+    online = {f.name for f in dataclasses.fields(OnlineConfig)}
+    if not set(unknown) <= online:
+        return ""
+    names = sorted(n for n in algorithms.names() if issubclass(algorithms.get(n).config_cls, OnlineConfig))
+    return f" (online RL settings: --algo {', '.join(names[:-1])} or {names[-1]})"
 
 
 __all__ = ["AlgorithmSpec", "NoConfig", "PrepareContext"]

@@ -317,10 +317,19 @@ def _check_tables(raw: dict[str, Any], algo: str) -> None:
         others = [k for k in unknown if k in algorithms.names()]
         hint = f" ({', '.join(others)} tables belong to other algorithms)" if others else ""
         tables = ", ".join([*SECTIONS, algo, "lora", *episode_tables()])
+        hint = hint or _algo_keys_hint(raw, unknown, algo)
         hint = hint or did_you_mean(unknown, [*TOP_LEVEL, *SECTIONS, algo, "lora", *episode_tables()])
         raise ConfigError(
             f"unknown setting(s) {unknown}{hint}; top-level keys are {', '.join(TOP_LEVEL)} and tables {tables}"
         )
+
+
+def _algo_keys_hint(raw: dict[str, Any], unknown: list[str], algo: str) -> str:
+    """An unknown table holding settings of the algorithm's own table (``[placement] rollout_devices``, ``[async]
+    max_staleness``): the hint names where each belongs (``grpo.rollout_devices``); "" when none is one."""
+    known = {f.name for f in dataclasses.fields(algorithms.get(algo).config_cls)}
+    keys = [f"{algo}.{k}" for t in unknown if isinstance(raw[t], dict) for k in raw[t] if k in known]
+    return f" (did you mean {', '.join(keys)}?)" if keys else ""
 
 
 def _check_moved(raw: dict[str, Any], algo: str) -> None:

@@ -174,6 +174,12 @@ def _no_model_load(monkeypatch):
         (["--algo", "grpo", "--set", "grpo.num_generations=4"], "(did you mean samples_per_prompt?)"),
         (["--set", "data.max_length=64"], "unknown data setting(s) ['max_length'] (did you mean max_seq_len?)"),
         (["--lora", "r=8,lora_alpha=16"], "unknown --lora key 'lora_alpha' (did you mean alpha?); known: alpha"),
+        # a table of the algorithm's settings under a name of its own: the key where it belongs
+        (["--algo", "grpo", "--set", "placement.rollout_devices=cpu"], "(did you mean grpo.rollout_devices?)"),
+        (["--algo", "gspo", "--set", "async.max_staleness=1"], "['async'] (did you mean gspo.max_staleness?)"),
+        # an online RL flag with an algorithm that has none: which algorithms take it
+        (["--max-staleness", "1"], "sft setting(s) ['max_staleness'] (online RL settings: --algo distill, grpo, gspo"),
+        (["--rollout-devices", "cpu"], "(online RL settings: --algo distill, grpo, gspo or ppo)"),
     ],
 )
 def test_config_errors_exit_2_before_loading(tmp_path, monkeypatch, capsys, extra, message):
