@@ -35,6 +35,7 @@ from polyrl.models.lora import parse_lora_spec
 from polyrl.platform import device
 from polyrl.run import run as run_training
 from polyrl.run.config import load_file, parse_set, resolve
+from polyrl.run.placement import check_torchrun_placement
 from polyrl.train.parallel import launched
 from polyrl.train.precision import check_fp8_supported
 
@@ -515,6 +516,9 @@ def run(args: argparse.Namespace) -> int:
         fp8_weights.check_machine()
     if getattr(args, "nproc_per_node", None) is not None:
         if not launched():
+            a = cfg.algo_config
+            if hasattr(a, "rollout_devices"):  # refused once here, not by every rank after the launch
+                check_torchrun_placement(a.rollout_devices, a.train_devices, cfg.algo, args.nproc_per_node)
             return relaunch(args, args.nproc_per_node, out=cfg.out)
     summary = run_training(cfg)
     return 0 if summary.get("status", "finished") == "finished" else 1

@@ -13,7 +13,7 @@ default group) in the trainer's thread at ``weights_updated`` once the producer 
 rank holds every sample of a batch and the same rewards, so the queue a checkpoint holds is the same on every rank
 (``queue_state`` checks this: a digest of each rank's queue is compared) and rank 0's copy resumes every rank. The
 ``process`` producer under torchrun: rank 0 alone owns the rollout worker processes (``rollout_devices``, which must
-not be a rank's own accelerator: ``placement.check_torchrun_rollout``); every rank runs ``collect`` as with the
+not be a rank's own accelerator: ``placement.check_torchrun_placement``); every rank runs ``collect`` as with the
 other producers, but the generation is rank 0's workers' over every prompt, broadcast on the producer's group
 (``ColocatedPolicy.remote_on_root``, ``par.generate_on_root``; an agentic run's episodes: ``root_episodes``), and
 rank 0 scores it as it scores every batch, so every rank queues the same batch. The weights: at ``weights_updated``
@@ -57,7 +57,7 @@ from polyrl.models.lora import is_adapter_dir
 from polyrl.platform import device
 from polyrl.run.async_rollout import InlineRollouts, PartialRollouts, RolloutBatch, ThreadedRollouts
 from polyrl.run.offline import tokenizer_path
-from polyrl.run.placement import check_torchrun_rollout, resolve_placement
+from polyrl.run.placement import check_torchrun_placement, resolve_placement
 from polyrl.run.weight_sync import InProcessSync, SyncStats
 from polyrl.run.worker_partial import WorkerPartialRollouts
 from polyrl.train import parallel as par
@@ -90,11 +90,10 @@ class AsyncSteps:
                 'rollouts yet; use async_producer = "thread"'
             )
         # validated (and the train device made current) before the model loads
-        self.placement = resolve_placement(getattr(self.a, "rollout_devices", ""), getattr(self.a, "train_devices", ""))
-        if self.world.distributed and self.placement.train is not None:
-            raise ConfigError("train_devices is for one-process runs; under torchrun each rank takes its own device")
-        if self.world.distributed:
-            check_torchrun_rollout(self.placement, table)
+        rollout, train = getattr(self.a, "rollout_devices", ""), getattr(self.a, "train_devices", "")
+        if self.world.distributed:  # `--nproc-per-node` checked it before launching; plain torchrun, here
+            check_torchrun_placement(rollout, train, table)
+        self.placement = resolve_placement(rollout, train)
         self.placement.apply()
         # agentic runs (cfg.episodes): the producers they take are checked by their table (AgentConfig.check)
         return k

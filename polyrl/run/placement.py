@@ -11,7 +11,8 @@ needs the process producer (``max_staleness >= 1``, ``async_producer = "process"
   accelerator may appear once over both lists; an index must exist on this machine.
 - ``resolve_placement(rollout, train)`` -> ``Placement`` (validated; ``ConfigError`` says what to change).
 - ``Placement.apply()``: makes the train device this process's current device (before the model loads).
-- ``check_torchrun_rollout(placement)``: under torchrun, no rollout replica on a rank's own accelerator.
+- ``check_torchrun_rollout(placement)``: under torchrun, no rollout replica on a rank's own accelerator;
+  ``check_torchrun_placement(...)``: that and no ``train_devices`` (also before a launch, from the settings).
 
 Not here: spawning the workers (``rollout_workers``), moving weights (``weight_sync``), several train devices in
 one process (data-parallel training is ``torchrun --nproc-per-node``; its ranks take devices 0..N-1 of the node,
@@ -119,11 +120,28 @@ def resolve_placement(rollout_devices: str = "", train_devices: str = "") -> Pla
     return Placement(tuple(rollout), train[0] if train else None)
 
 
-def check_torchrun_rollout(placement: Placement, table: str = "grpo") -> None:
+def check_torchrun_placement(rollout_devices: str, train_devices: str, table: str, ranks: int | None = None) -> None:
+    """The placement settings of a run under torchrun (``ranks`` local ranks; None: read from the environment), each
+    refused with its fix: any ``ConfigError`` of ``resolve_placement``, ``train_devices`` (each rank takes its own
+    device), a replica on a rank's device (``check_torchrun_rollout``). ``polyrl train --nproc-per-node N`` calls it
+    before launching, so a bad placement is one error of the launcher rather than one per rank."""
+    placement = resolve_placement(rollout_devices, train_devices)
+    if placement.train is not None:
+        n = f" (--nproc-per-node {ranks})" if ranks is not None else ""
+        raise ConfigError(
+            f"{table}.train_devices is for one-process runs; under torchrun{n} each rank takes its own device: drop "
+            "--train-devices"
+        )
+    check_torchrun_rollout(placement, table, ranks)
+
+
+def check_torchrun_rollout(placement: Placement, table: str = "grpo", ranks: int | None = None) -> None:
     """Under torchrun: the rollout replicas (``rollout_devices``, rank 0's worker processes) must not sit on a rank's
-    own device. Local rank r binds accelerator r of this node (``LOCAL_WORLD_SIZE`` ranks: 0..N-1), so an
-    accelerator index below N is refused (``ConfigError`` with the fix); CPU replicas need no check."""
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
+    own device. Local rank r binds accelerator r of this node (``LOCAL_WORLD_SIZE`` ranks: 0..N-1; ``ranks`` gives N
+    before the launch), so an accelerator index below N is refused (``ConfigError`` with the fix); CPU replicas need
+    no check."""
+    if ranks is None:
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
     taken = [d for d in placement.rollout if d.type != "cpu" and (d.index or 0) < ranks]
     if taken:
         kind = taken[0].type
@@ -134,4 +152,4 @@ def check_torchrun_rollout(placement: Placement, table: str = "grpo") -> None:
         )
 
 
-__all__ = ["Placement", "check_torchrun_rollout", "parse_devices", "resolve_placement"]
+__all__ = ["Placement", "check_torchrun_placement", "check_torchrun_rollout", "parse_devices", "resolve_placement"]

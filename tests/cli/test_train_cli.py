@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from polyrl.cli.main import main
+from polyrl.platform import device
 
 DATA = "builtin:arithmetic?n=48"
 COMMON = ["--micro-batch-tokens", "256", "--max-seq-len", "64", "--lr", "1e-3", "--log-every", "1"]
@@ -356,6 +357,32 @@ def test_bad_data_row_is_named_or_skipped(tiny_model_dir, tmp_path, capsys):
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["data_bad_rows"] == 1 and summary["data_sequences"] == 12
     assert "line 5" in summary["data_bad_examples"][0]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--train-devices", "cpu"], "train_devices is for one-process runs; under torchrun (--nproc-per-node 2)"),
+        (["--rollout-devices", "cuda:0"], "rollout_devices: cuda:0 does not exist on this machine"),
+        (["--rollout-devices", "cpu,cpux"], "rollout_devices: cpux does not exist on this machine"),
+    ],
+)
+def test_placement_errors_under_nproc_come_before_the_launch(tiny_model_dir, tmp_path, monkeypatch, capsys, extra,
+                                                             message):  # fmt: skip
+    """A placement torchrun cannot take is refused once, by the launching process (exit 2, no rank started), not
+    by every rank after the launch (torchrun's traceback, exit 1)."""
+    import polyrl.cli.train as cli_train
+
+    if device.device_type() != "cpu":
+        pytest.skip("the messages of a CPU-only machine")
+    _no_model_load(monkeypatch)
+    monkeypatch.setattr(cli_train, "relaunch", lambda *a, **k: pytest.fail("torchrun was launched"))
+    out = tmp_path / "out"
+    argv = ["train", "--algo", "grpo", "--model", str(tiny_model_dir), "--data", DATA, "--out", str(out)]
+    argv += ["--nproc-per-node", "2", "--max-staleness", "1", "--async-producer", "process", *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("error:") == 1, err
 
 
 def test_nproc_relaunch_keeps_every_flag():
