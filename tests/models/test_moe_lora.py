@@ -286,6 +286,28 @@ def test_config_spellings_and_errors(tmp_path):
         read_adapter_config(out)
 
 
+def test_mlp_targets_that_match_nothing_on_an_moe_model_are_said():
+    """targets=q,gate,up,down on tiny-moe (every layer sparse) adapted q_proj only, without a word: the MLP names
+    match no module there (the MLPs are routed experts). A warning says so and names the fix; with the experts
+    targeted too, or on a dense model, nothing is said."""
+    moe = build_model(preset_config("tiny-moe"), seed=0)
+    with pytest.warns(RuntimeWarning, match=r"gate_proj, up_proj, down_proj match no layer .* add experts"):
+        apply_lora(moe, LoraConfig(targets=["q", "gate", "up", "down"]))
+    assert len(lora_layers_of(moe)) == 2  # q_proj of the two layers
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_lora(build_model(preset_config("tiny-moe"), seed=0), LoraConfig(targets=["q", "down", "experts"]))
+        apply_lora(build_model(preset_config("tiny"), seed=0), LoraConfig(targets=["q", "gate", "up", "down"]))
+
+
+def lora_layers_of(model: DecoderLM) -> list[str]:
+    from polyrl.models.lora.apply import lora_layers
+
+    return [name for name, _ in lora_layers(model)]
+
+
 def test_multi_adapter_serving_refuses_expert_adapters(tmp_path):
     model = _tiny_moe(r=2, targets=["q"], target_parameters=["experts"])
     out = save_adapter(model, tmp_path / "a")
