@@ -56,10 +56,11 @@ def has_lora(model: nn.Module) -> bool:
     return getattr(model, "lora_config", None) is not None
 
 
-def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int | None = 0) -> nn.Module:
+def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int | None = 0, warn_unmatched: bool = True) -> nn.Module:
     """Add adapters to the layers named in ``cfg.targets`` and the routed-expert tensors in
     ``cfg.target_parameters`` (see the module docstring); with ``cfg.quantize_base == "nf4"`` the frozen base weights
-    of the targeted linear layers and every MoE layer's routed experts (adapted or not) are quantized (QLoRA)."""
+    of the targeted linear layers and every MoE layer's routed experts (adapted or not) are quantized (QLoRA).
+    ``warn_unmatched``: warn when MLP targets match nothing on an MoE model (off when loading a saved adapter)."""
     if has_lora(model):
         raise ConfigError("this model already has LoRA adapters; apply LoRA once")
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -105,7 +106,8 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int | None = 0) -> nn.Mo
             )
     if count + n_experts == 0:
         raise ConfigError(f"lora.targets {cfg.targets} matched no linear layer of this model")
-    _warn_unmatched_mlp(layers, cfg, matched)
+    if warn_unmatched:
+        _warn_unmatched_mlp(layers, cfg, matched)
     if cfg.quantize_base == "nf4":  # QLoRA: the routed experts without adapters get an NF4 base too
         for layer in layers:
             base = getattr(getattr(layer, "mlp", None), "experts", None)
