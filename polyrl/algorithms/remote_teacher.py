@@ -84,7 +84,18 @@ class RemoteTeacher:
         req = urllib.request.Request(self.base + path, data=data, headers=self._headers())
         self.requests += 1
         with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-            return json.loads(resp.read().decode())
+            raw, kind = resp.read(), resp.headers.get("Content-Type", "no content type")
+        try:
+            out = json.loads(raw.decode(errors="replace"))
+        except ValueError:
+            out = None
+        if not isinstance(out, dict):  # a web page, a login proxy: not an OpenAI-compatible server
+            head = raw[:200].decode(errors="replace")
+            raise TeacherServerError(
+                f"teacher server {self.base}{path} answered {kind}, not JSON: {head!r}; --teacher-url must point "
+                "at an OpenAI-compatible server (polyrl serve, vLLM)"
+            )
+        return out
 
     def request(self, path: str, body: dict | None = None) -> dict:
         """POST ``body`` (GET when None) to ``<base>/<path>``, retrying transient failures."""

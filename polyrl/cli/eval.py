@@ -57,8 +57,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("give either --tasks T1,T2 (lm-eval tasks) or --data SPEC --reward R (reward evaluation)")
     if args.data is not None and not args.reward:
         raise UserError("--data needs --reward (e.g. --reward exact_match, or file.py:fn)")
-    if args.limit is not None and args.limit <= 0:
-        raise UserError(f"--limit must be > 0, got {args.limit}")
+    _check_numbers(args)
     # lazy: torch and the engine load only when a subcommand runs (polyrl env stays light)
     from polyrl.eval.loading import eval_engine, load_eval_model
     from polyrl.eval.rewards import check_reward_eval
@@ -89,6 +88,29 @@ def run(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(report, indent=2, default=_plain) + "\n")
     print(f"# results written to {out}", file=sys.stderr)
     return 0
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """The numeric options, before anything loads: each either meant something else or was taken silently."""
+    limit = args.limit
+    if limit is not None:
+        if limit <= 0:
+            raise UserError(f"--limit must be > 0, got {limit}")
+        if args.data is not None and limit != int(limit):
+            raise UserError(f"--limit with --data is a number of prompts (a whole number >= 1), got {limit}")
+        if limit > 1 and limit != int(limit):
+            raise UserError(
+                f"--limit must be a whole number of documents, or a fraction below 1 of each task, got {limit}"
+            )
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise UserError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
+    if args.data is not None and args.max_tokens < 1:
+        raise UserError(f"--max-tokens must be >= 1 (tokens generated per sample), got {args.max_tokens}")
+    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--max-model-len", args.max_model_len)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
+        raise UserError(f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}")
 
 
 def _check_tasks(args: argparse.Namespace) -> tuple[list[str], Any]:

@@ -354,13 +354,14 @@ def _generate_stats(marks: list[tuple[float, int]], t0: float, prompts: list[lis
     }
 
 
-def _task_names(folder: Path) -> set[str]:
-    """The ``task:`` names of the YAML files under ``folder``."""
-    names = set()
-    for p in folder.rglob("*.yaml"):
+def _task_names(folder: Path) -> dict[str, Path]:
+    """The ``task:`` names of the YAML files under ``folder`` -> the file declaring each (read as text, so a file
+    lm-eval cannot parse is found too)."""
+    names = {}
+    for p in sorted(folder.rglob("*.yaml")):
         for line in p.read_text(errors="replace").splitlines():
             if line.startswith("task:"):
-                names.add(line.split(":", 1)[1].strip().strip("'\""))
+                names[line.split(":", 1)[1].strip().strip("'\"")] = p
     return names
 
 
@@ -376,15 +377,56 @@ def check_tasks(tasks: list[str], include_path: str | None = None) -> Any:
         if not Path(include_path).is_dir():
             raise UserError(f"--include-path {include_path!r} is not a folder of lm-eval task YAML files")
         paths.append(Path(include_path))
-    local = set().union(*(_task_names(p) for p in paths))
-    tm = TaskManager(include_path=[str(p) for p in paths], include_defaults=not set(tasks) <= local)
+    declared = {name: f for p in paths for name, f in _task_names(p).items()}
+    tm = TaskManager(include_path=[str(p) for p in paths], include_defaults=not set(tasks) <= set(declared))
     unknown = [t for t in tasks if t not in tm.all_tasks]
+    unreadable = [(t, declared[t]) for t in unknown if t in declared]
+    if unreadable:  # lm-eval skips a YAML it cannot read without a word: say which file and why
+        raise UserError(
+            "; ".join(
+                f"task {t} is declared in {f}, but lm-eval could not read that file: {_yaml_error(f)}"
+                for t, f in unreadable
+            )
+        )
     if unknown:
         raise UserError(
             f"unknown lm-eval task(s) {', '.join(unknown)}{did_you_mean(unknown, tm.all_tasks)}; bundled: "
             f"{', '.join(BUNDLED_TASKS)} (or give --include-path DIR with their YAML files)"
         )
+    try:  # build the tasks (their data loads here) so a broken task fails before the model loads
+        loaded = tm.load(tasks)
+    except Exception as exc:  # noqa: BLE001 - any error of a user's task YAML or its data
+        raise UserError(
+            f"lm-eval could not build task(s) {', '.join(tasks)}: {type(exc).__name__}: {exc}; check the task's YAML "
+            "(dataset_path, dataset_kwargs, doc_to_* fields)"
+        ) from None
+    _reuse_once(tm, tasks, loaded)
     return tm
+
+
+def _reuse_once(tm: Any, tasks: list[str], loaded: Any) -> None:
+    """Make ``tm.load(tasks)`` (what ``simple_evaluate`` calls) return the tasks ``check_tasks`` built, once: their
+    data is not loaded twice. Any other call, or a second one, builds afresh."""
+    build = tm.load
+
+    def load(task_list: Any, *args: Any, **kwargs: Any) -> Any:
+        tm.load = build
+        if list(task_list) == tasks and not args and not kwargs:
+            return loaded
+        return build(task_list, *args, **kwargs)
+
+    tm.load = load
+
+
+def _yaml_error(path: Path) -> str:
+    """Why lm-eval's YAML loader refuses ``path`` (its message), or why lm-eval may have skipped it."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    try:
+        load_yaml(path, resolve_func=False, recursive=True)
+    except Exception as exc:  # noqa: BLE001 - the loader's message is what the user needs
+        return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    return "it parses, but lm-eval did not index it (check its task: / group: keys)"
 
 
 def run_tasks(

@@ -393,7 +393,7 @@ def _moe_from_hf(d: dict[str, Any], family: FamilySpec) -> dict[str, Any]:
             if moe.shared_expert and d.get("shared_expert_intermediate_size")
             else None
         ),
-        "decoder_sparse_step": int(d.get("decoder_sparse_step") or 1) if moe.sparse_step else 1,
+        "decoder_sparse_step": _sparse_step(d.get("decoder_sparse_step")) if moe.sparse_step else 1,
         "mlp_only_layers": [int(i) for i in (d.get("mlp_only_layers") or [])] if moe.sparse_step else [],
         "router_aux_loss_coef": float(d.get("router_aux_loss_coef", 0.001)),
         "output_router_logits": bool(d.get("output_router_logits", False)),
@@ -464,4 +464,14 @@ def run_dir_hint(path: str | Path) -> str:
     return (
         "it is a polyrl run directory without a final model (the run did not finish); continue it with "
         f"`polyrl train ... --out {p} --resume`"
+    )
+
+
+def _sparse_step(value: Any) -> Any:
+    """config.json's ``decoder_sparse_step``: absent or null means 1; anything else is kept for the check in
+    ``ModelConfig`` (a 0 must not read as 1: transformers divides by it)."""
+    if value is None:
+        return 1
+    return (
+        int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value == int(value) else value
     )

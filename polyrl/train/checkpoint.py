@@ -40,7 +40,9 @@ from torch import nn
 
 from polyrl.errors import CheckpointError
 from polyrl.models.checkpoint import save_model
+from polyrl.models.config import ModelConfig
 from polyrl.models.lora import has_lora, load_adapter
+from polyrl.models.moe_layout import Stack, fill, read_plan
 from polyrl.platform import device
 from polyrl.train.config import CheckpointConfig
 
@@ -406,7 +408,8 @@ def _read_manifest(path: Path) -> dict[str, Any]:
 
 def load_model_weights(model_dir: str | Path, model: nn.Module) -> None:
     """Copy every ``*.safetensors`` tensor in ``model_dir`` into ``model``'s parameters/buffers of the same
-    name (dtype cast, in place). Names missing from the files are allowed only for tied aliases."""
+    name (dtype cast, in place). Names missing from the files are allowed only for tied aliases. An MoE model's
+    per-expert tensors (the layout ``save_model`` writes) are assembled into its fused expert parameters."""
     model_dir = Path(model_dir)
     if (model_dir / "adapter_config.json").is_file():  # a LoRA run: the checkpoint holds the adapter only
         if not has_lora(model):
@@ -421,16 +424,23 @@ def load_model_weights(model_dir: str | Path, model: nn.Module) -> None:
     if not tensors:
         raise CheckpointError(f"no *.safetensors weights in {model_dir}")
     own = model.state_dict(keep_vars=True)
-    unexpected = sorted(set(tensors) - set(own))
-    loaded_ptrs = {own[n].data_ptr() for n in tensors if n in own}
-    missing = sorted(n for n in set(own) - set(tensors) if own[n].data_ptr() not in loaded_ptrs)
+    # an MoE model's folder holds the hub's per-expert layout (what save_model writes): map it onto the fused names
+    cfg = getattr(model, "config", None)
+    found = {k: tuple(t.shape) for k, t in tensors.items()}
+    shapes, sources = read_plan(found, cfg) if isinstance(cfg, ModelConfig) else (found, {k: k for k in found})
+    unexpected = sorted(set(shapes) - set(own))
+    loaded_ptrs = {own[n].data_ptr() for n in shapes if n in own}
+    missing = sorted(n for n in set(own) - set(shapes) if own[n].data_ptr() not in loaded_ptrs)
     if unexpected or missing:
         raise CheckpointError(
             f"weights in {model_dir} do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     with torch.no_grad():
-        for name, t in tensors.items():
+        for name, src in sources.items():
             target = own[name]
-            if target.shape != t.shape:
-                raise CheckpointError(f"{name}: checkpoint shape {tuple(t.shape)} != model shape {tuple(target.shape)}")
-            target.copy_(t)
+            if target.shape != shapes[name]:
+                raise CheckpointError(f"{name}: checkpoint shape {shapes[name]} != model shape {tuple(target.shape)}")
+            if isinstance(src, Stack):
+                fill(target, src, tensors.__getitem__)
+            else:
+                target.copy_(tensors[src])

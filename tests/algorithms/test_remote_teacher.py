@@ -90,6 +90,40 @@ def test_bad_request_is_not_retried(served):
     assert remote.retried == 0
 
 
+def test_a_web_page_at_the_teacher_url_is_named_not_a_traceback():
+    """--teacher-url pointing at a server that answers HTML (a web UI, a login proxy) with status 200 ended in a
+    JSONDecodeError traceback; it is now a TeacherServerError naming the URL, the content type and the start of the
+    body, not retried."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from polyrl.algorithms.remote_teacher import RemoteTeacher, TeacherServerError
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = b"<html><body>sign in</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        remote = RemoteTeacher(f"http://127.0.0.1:{server.server_address[1]}", retries=2, backoff=0.01)
+        with pytest.raises(TeacherServerError, match=r"/v1/models answered text/html, not JSON: '<html><body>sign in"):
+            _ = remote.model
+        assert remote.requests == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_distill_run_with_teacher_url(served, tiny_model_dir, tmp_path):
     from polyrl import run as runner
     from polyrl.run import config

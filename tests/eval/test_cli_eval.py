@@ -146,6 +146,42 @@ def test_task_errors_come_before_the_model_loads(tmp_path, capsys):
     assert "--include-path" in err and "is not a folder of lm-eval task YAML files" in err and "no-model" not in err
 
 
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--tasks", "polyrl_arith_mc", "--num-fewshot", "-1"], "--num-fewshot must be >= 0, got -1"),
+        (["--tasks", "polyrl_arith_mc", "--limit", "2.5"], "--limit must be a whole number of documents"),
+        (["--data", "builtin:arithmetic?n=4", "--reward", "numeric", "--limit", "0.5"], "--limit with --data"),
+        (["--data", "builtin:arithmetic?n=4", "--reward", "numeric", "--max-tokens", "0"], "--max-tokens must be"),
+    ],
+)
+def test_more_argument_errors_come_before_the_model_loads(tmp_path, capsys, argv, message):
+    """Each was taken silently (--num-fewshot -1 ran zero-shot; --limit 2.5 ran 2 documents) or failed only after
+    the model loaded with another option's name (--limit 0.5 with --data: 'data.limit=0')."""
+    assert cli("--model", str(tmp_path / "no-model"), *argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "no-model" not in err, err
+
+
+def test_task_yaml_errors_name_the_file_before_the_model_loads(tmp_path, capsys):
+    """A task YAML lm-eval cannot parse was reported as an unknown task (lm-eval skips such files silently), and one
+    whose data cannot be loaded ended in a datasets traceback after the model had loaded."""
+    broken, nodata = tmp_path / "broken", tmp_path / "nodata"
+    broken.mkdir(), nodata.mkdir()
+    (broken / "t.yaml").write_text("task: mytask\ndataset_path: json\n  oops: [\n")
+    (nodata / "t.yaml").write_text(
+        "task: mytask2\ndataset_path: json\ndataset_kwargs:\n  data_files: /no/such/file.json\n"
+        "output_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_target: 0\ndoc_to_choice: ['a', 'b']\n"
+    )
+    model = ["--model", str(tmp_path / "no-model")]
+    assert cli(*model, "--tasks", "mytask", "--include-path", str(broken)) == 2
+    err = capsys.readouterr().err
+    assert "t.yaml" in err and "could not read" in err and "no-model" not in err, err
+    assert cli(*model, "--tasks", "mytask2", "--include-path", str(nodata)) == 2
+    err = capsys.readouterr().err
+    assert "could not build task(s) mytask2" in err and "/no/such/file.json" in err and "no-model" not in err, err
+
+
 def test_reward_eval_takes_the_train_reward_specs():
     """A judge term, as docs/evaluation.md says (--reward takes what polyrl train --reward takes): it was read as a file
     name ('reward file judge:http://127.0.0.1 does not exist')."""

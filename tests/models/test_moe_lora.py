@@ -26,6 +26,7 @@ from polyrl.models.lora import (
     adapter_parameters,
     adapters_disabled,
     apply_lora,
+    load_adapter,
     load_lora_model,
     make_lora_config,
     merge_lora,
@@ -284,6 +285,45 @@ def test_config_spellings_and_errors(tmp_path):
     (out / "adapter_config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="unknown lora target parameter"):
         read_adapter_config(out)
+
+
+def test_mlp_targets_that_match_nothing_on_an_moe_model_are_said():
+    """targets=q,gate,up,down on tiny-moe (every layer sparse) adapted q_proj only, without a word: the MLP names
+    match no module there (the MLPs are routed experts). A warning says so and names the fix; with the experts
+    targeted too, or on a dense model, nothing is said."""
+    moe = build_model(preset_config("tiny-moe"), seed=0)
+    with pytest.warns(RuntimeWarning, match=r"gate_proj, up_proj, down_proj match no layer .* add experts"):
+        apply_lora(moe, LoraConfig(targets=["q", "gate", "up", "down"]))
+    assert len(lora_layers_of(moe)) == 2  # q_proj of the two layers
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_lora(build_model(preset_config("tiny-moe"), seed=0), LoraConfig(targets=["q", "down", "experts"]))
+        apply_lora(build_model(preset_config("tiny"), seed=0), LoraConfig(targets=["q", "gate", "up", "down"]))
+
+
+def test_expert_adapter_on_a_dense_base_says_the_base_is_wrong(tmp_path):
+    """An expert adapter loaded over a dense base (``--base`` pointing at the wrong model) said "drop experts from the
+    LoRA targets", advice for a training config; loading an adapter, it is the base that is wrong. Loading an adapter
+    also does not warn about its MLP targets (PEFT's all-linear adapters name them on MoE models)."""
+    import warnings
+
+    out = save_adapter(_tiny_moe(r=2, targets=["q"], target_parameters=["experts"]), tmp_path / "a", base_model="m")
+    dense = build_model(preset_config("tiny"), seed=0)
+    with pytest.raises(CheckpointError, match=r"adapter .* does not fit this model: .*no MoE layer.*another base"):
+        load_adapter(dense, out)
+    with pytest.warns(RuntimeWarning, match="match no layer"):  # training with these targets does warn
+        full = save_adapter(_tiny_moe(r=2, targets=["q", "gate", "up", "down"]), tmp_path / "b")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_adapter(build_model(preset_config("tiny-moe"), seed=3), full)
+
+
+def lora_layers_of(model: DecoderLM) -> list[str]:
+    from polyrl.models.lora.apply import lora_layers
+
+    return [name for name, _ in lora_layers(model)]
 
 
 def test_multi_adapter_serving_refuses_expert_adapters(tmp_path):

@@ -186,6 +186,8 @@ def test_config_round_trips_through_hf_dict():
         ("qwen3_moe", dict(num_experts_per_tok=7), "num_experts_per_tok"),
         ("qwen3_moe", dict(mlp_only_layers=[5]), "mlp_only_layers"),
         ("qwen2_moe", dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size"),
+        # 0 was read as 1 (every layer sparse); transformers divides by it (ZeroDivisionError when it builds the model)
+        ("qwen3_moe", dict(decoder_sparse_step=0), r"decoder_sparse_step must be an integer >= 1, got 0"),
     ],
 )
 def test_unsupported_options_raise_clear_errors(family, overrides, match):

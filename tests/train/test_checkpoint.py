@@ -127,3 +127,25 @@ def test_incomplete_and_corrupted_checkpoints_are_refused(tmp_path):
         load_checkpoint(other, model)
     with pytest.raises(CheckpointError, match="weights only"):
         load_checkpoint(other, tiny_lm(hidden=16, heads=2), engine)
+
+
+def test_moe_checkpoint_resumes_from_its_per_expert_layout(tmp_path):
+    """A checkpoint's model folder holds an MoE model's experts in the hub's per-expert layout (what every saved
+    polyrl folder holds); resuming it read the file's names as they were and refused the checkpoint ("missing
+    ...mlp.experts.gate_up_proj, unexpected ...mlp.experts.0.gate_proj.weight"): a full fine-tune of tiny-moe
+    could not resume. The fused tensors are assembled from the expert matrices, bit-exact."""
+    from polyrl.models.decoder import build_model
+    from polyrl.models.presets import preset_config
+
+    cfg = preset_config("tiny-moe")
+    model = build_model(cfg, dtype=torch.float32, seed=0)
+    engine = TrainEngine(model, OptimConfig(lr=1e-2), ScheduleConfig(), PrecisionConfig("fp32"), total_steps=4)
+    path = CheckpointManager(tmp_path).save(1, model, engine)
+    names = set(json.loads((path / "manifest.json").read_text())["files"])
+    assert "model/model.safetensors" in names
+    fresh = build_model(cfg, dtype=torch.float32, seed=1)
+    fresh_engine = TrainEngine(fresh, OptimConfig(lr=1e-2), ScheduleConfig(), PrecisionConfig("fp32"), total_steps=4)
+    assert load_checkpoint(path, fresh, fresh_engine).step == 1
+    want, got = model.state_dict(), fresh.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in got)

@@ -18,6 +18,7 @@ Not here: file formats (``peft_io.py``), the layer arithmetic (``layer.py``, ``e
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -55,10 +56,11 @@ def has_lora(model: nn.Module) -> bool:
     return getattr(model, "lora_config", None) is not None
 
 
-def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int | None = 0) -> nn.Module:
+def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int | None = 0, warn_unmatched: bool = True) -> nn.Module:
     """Add adapters to the layers named in ``cfg.targets`` and the routed-expert tensors in
     ``cfg.target_parameters`` (see the module docstring); with ``cfg.quantize_base == "nf4"`` the frozen base weights
-    of the targeted linear layers and every MoE layer's routed experts (adapted or not) are quantized (QLoRA)."""
+    of the targeted linear layers and every MoE layer's routed experts (adapted or not) are quantized (QLoRA).
+    ``warn_unmatched``: warn when MLP targets match nothing on an MoE model (off when loading a saved adapter)."""
     if has_lora(model):
         raise ConfigError("this model already has LoRA adapters; apply LoRA once")
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -71,12 +73,14 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int | None = 0) -> nn.Mo
         gen.manual_seed(seed)
     model.requires_grad_(False)
     count = 0
+    matched: set[str] = set()
     for layer in layers:
         for _, parent in adapted_parents(layer):
             for target in cfg.targets:
                 base = getattr(parent, target, None)
                 if not isinstance(base, nn.Linear):
                     continue
+                matched.add(target)
                 lora = LoraLinear(base, cfg.r, cfg.scaling, cfg.dropout)
                 lora.reset_adapter(gen)
                 if cfg.quantize_base == "nf4":
@@ -102,6 +106,8 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int | None = 0) -> nn.Mo
             )
     if count + n_experts == 0:
         raise ConfigError(f"lora.targets {cfg.targets} matched no linear layer of this model")
+    if warn_unmatched:
+        _warn_unmatched_mlp(layers, cfg, matched)
     if cfg.quantize_base == "nf4":  # QLoRA: the routed experts without adapters get an NF4 base too
         for layer in layers:
             base = getattr(getattr(layer, "mlp", None), "experts", None)
@@ -109,6 +115,22 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int | None = 0) -> nn.Mo
                 layer.mlp.experts = NF4Experts(base)
     model.lora_config = cfg
     return model
+
+
+def _warn_unmatched_mlp(layers: nn.ModuleList, cfg: LoraConfig, matched: set[str]) -> None:
+    """On an MoE model, MLP targets (``gate_proj`` ...) that matched no module while no routed experts are targeted:
+    the user meant to adapt the MLPs, which are experts there. A warning, not an error: it is also what the default
+    targets and PEFT adapters written for all linear layers ask for, and PEFT itself takes it silently."""
+    mlp = [t for t in cfg.targets if t in ("gate_proj", "up_proj", "down_proj") and t not in matched]
+    moe = any(isinstance(getattr(getattr(layer, "mlp", None), "experts", None), Experts) for layer in layers)
+    if mlp and moe and not cfg.target_parameters:
+        warnings.warn(
+            f"lora.targets {', '.join(mlp)} match no layer of this MoE model (its MLPs are routed experts): only "
+            f"{', '.join(sorted(matched)) or 'nothing'} is adapted; add experts to the targets to adapt the routed "
+            "experts (e.g. targets=q,k,v,o,experts), or drop the MLP names",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

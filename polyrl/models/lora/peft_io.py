@@ -158,10 +158,16 @@ def our_name(key: str) -> str:
 def load_adapter(model: nn.Module, path: str | Path, quantize_base: str | None = None) -> nn.Module:
     """Load the adapter folder ``path`` into ``model`` (adding adapters first when the model has none). Every
     adapter tensor must be present with its shape; values are cast to the adapter parameters' dtype in place."""
-    cfg, _ = read_adapter_config(path)
+    cfg, base = read_adapter_config(path)
     if not has_lora(model):
         cfg.quantize_base = quantize_base
-        apply_lora(model, cfg, seed=None)
+        try:  # the adapter's own targets, so a mismatch means another base model (and no advice on targets)
+            apply_lora(model, cfg, seed=None, warn_unmatched=False)
+        except ConfigError as exc:
+            raise CheckpointError(
+                f"adapter {path} does not fit this model: {str(exc).partition(';')[0]}; is it for another base "
+                f"model? (its adapter_config.json names {base!r})"
+            ) from None
     else:
         have = model.lora_config
         if (have.r, list(have.targets), list(have.target_parameters)) != (
