@@ -156,10 +156,9 @@ for g, fn in gemms.items():
         print(f"  best {best}", flush=True)
 
 # --- the opt-in TMA variant (polyrl/kernels/moe/tma.py): "up", "down", "dact", "dx" through TMA descriptors ----------
-# Each row: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M, mode) with mode "host" / "device" descriptors or "ws"
-# (device descriptors + warp-specialised K loop, warps per warpgroup), its time, and the max abs difference of its
-# outputs from the pointer kernel's (CONFIGS as shipped) on the same inputs; outputs are NaN-filled before each TMA
-# run, so rows it failed to write show as nan. A row that did not take the TMA path says so. Own time budget, the
+# Each row: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M), its time, and the max abs difference of its outputs
+# from the pointer kernel's (CONFIGS as shipped) on the same inputs; outputs are NaN-filled before each TMA run, so
+# rows it failed to write show as nan. A row that did not take the TMA path says so. Own time budget, the
 # same seconds again.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from moe_tma_compile import TMA_CANDS  # noqa: E402 - the candidates that scripts/moe_tma_compile.py checks
@@ -177,11 +176,7 @@ json.dump(res, open(os.path.join(out_dir, "tune.json"), "w"), indent=1)  # again
 res["tma"] = {}
 t_start = time.time()
 saved_cfgs = dict(tk.TMA_CONFIGS)
-# the warp-specialised rows last (Triton's Hopper warp specialisation is the least tried path: if one hangs, the
-# rest is already printed)
-for g, cands in [(g, [c for c in cs if (c[6] == "ws") == ws]) for ws in (False, True) for g, cs in TMA_CANDS.items()]:
-    if not cands:
-        continue
+for g, cands in TMA_CANDS.items():
     tk.TMA = False
     want = _run(g)  # the pointer kernel's outputs; also leaves valid inputs for the next GEMM
     ms_ptr = triton.testing.do_bench(gemms[g], warmup=5, rep=20)
@@ -209,7 +204,7 @@ for g, cands in [(g, [c for c in cs if (c[6] == "ws") == ws]) for ws in (False, 
         except Exception as exc:
             print(f"  {c}: {type(exc).__name__} {str(exc).strip()[:300]}", flush=True)
         finally:
-            tk.TMA, tk.TMA_CONFIGS[g] = False, saved_cfgs[g]
+            tk.TMA, tk.TMA_CONFIGS = False, dict(saved_cfgs)
     _run(g)  # the pointer kernel's outputs back in place for the GEMMs that read them
     if res["tma"][g]["configs"]:
         best = min(res["tma"][g]["configs"], key=lambda r: r[1])

@@ -1,8 +1,7 @@
 """Compile moe_experts' TMA rows-GEMM kernel (polyrl/kernels/moe/tma.py) for an H200 (sm_90) on any machine, no GPU:
-``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` at Qwen3-30B-A3B's tiles, each GEMM with and
-without ``warp_specialize``, and report what the compiler made of it: TMA copies (``cp.async.bulk.tensor``), plain
-async copies (``cp.async.cg``), wgmma, the warp-specialised partitions in the TTGIR, warps, shared memory,
-registers (ptxas -v), global scratch.
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` at Qwen3-30B-A3B's tiles, and report what the
+compiler made of each GEMM: TMA copies (``cp.async.bulk.tensor``), plain async copies (``cp.async.cg``), wgmma, warps,
+shared memory, registers (ptxas -v).
 
     PYTHONPATH=$PWD python scripts/moe_tma_compile.py [--json] [--quick | --sweep]
 
@@ -30,21 +29,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from polyrl.kernels.moe import tma  # noqa: E402
 from polyrl.kernels.moe import triton as tk  # noqa: E402
 
-_INTS = {
-    "N",
-    "K",
-    "stride_am",
-    "b_up",
-    "stride_cm",
-    "stride_hm",
-    "NUM_M",
-    "NUM_N",
-    "A_ROWS",
-    "B_D1",
-    "B_D2",
-    "stride_be",
-    "stride_b1",
-}
+_INTS = {"N", "K", "stride_am", "b_up", "stride_cm", "stride_hm", "NUM_M", "NUM_N"}
 _ALIGNED = _INTS - {"NUM_M", "NUM_N"}
 _PTRS = {"tile_expert_ptr": "*i32", "tile_row_ptr": "*i32", "offsets_ptr": "*i64", "a_idx_ptr": "*i32",
          "dwp_ptr": "*fp32"}  # fmt: skip
@@ -95,12 +80,10 @@ def _registers(ptx: str) -> tuple[int | None, int | None]:
 
 
 def compile_one(gemm: str, cfg: tuple) -> dict:
-    bm, bn, bk, warps, stages, group_m, mode = cfg
+    bm, bn, bk, warps, stages, group_m = cfg
     consts = dict(GEMMS[gemm], DOT_F32=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
-                  NUM_STAGES=stages, WARP_SPEC=mode == "ws", DEVICE_DESC=mode != "host", EVEN_K=True)  # fmt: skip
-    if mode != "host":
-        consts.update(a_desc=None, b_desc=None)
-    elif GEMMS[gemm]["GATHER_A"]:
+                  NUM_STAGES=stages, EVEN_K=True)  # fmt: skip
+    if GEMMS[gemm]["GATHER_A"]:
         consts.update(a_desc=None)
     b_block = [1, bk, bn] if consts["B_KN"] else [1, bn, bk]
     a_block = b_block if consts["GATHER_A"] else [bm, bk]
@@ -110,70 +93,35 @@ def compile_one(gemm: str, cfg: tuple) -> dict:
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig[a][0] == "*" or a in _ALIGNED}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-    ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
+    ptx = k.asm["ptx"]
     regs, spills = _registers(ptx)
     return {
         "tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
         "cp_async": len(re.findall(r"cp\.async\.cg", ptx)),
         "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
-        "ws_partitions": len(re.findall(r"partition\d+\(", ttgir)),
-        "warp_specialize_op": "ttg.warp_specialize" in ttgir,
-        "setmaxnreg": len(re.findall(r"setmaxnreg", ptx)),
         "num_warps": k.metadata.num_warps,
         "shared_bytes": k.metadata.shared,
         "registers": regs,
         "spill_bytes": spills,
-        "global_scratch": getattr(k.metadata, "global_scratch_size", 0) or 0,
     }
 
 
 # scripts/moe_tile_sweep.py's TMA rows (checked here to compile for sm_90 first: ``--sweep``)
 TMA_CANDS = {
-    "up": [
-        (128, 128, 64, 8, 4, 8, "host"),
-        (128, 128, 64, 8, 3, 8, "host"),
-        (128, 128, 64, 8, 4, 8, "device"),
-        (128, 64, 64, 4, 4, 8, "host"),
-    ],
-    "down": [
-        (128, 256, 64, 8, 4, 8, "host"),
-        (128, 256, 64, 8, 3, 8, "host"),
-        (128, 256, 64, 8, 4, 8, "device"),
-        (128, 256, 64, 4, 3, 8, "ws"),
-        (128, 256, 64, 4, 2, 8, "ws"),
-        (128, 128, 64, 4, 4, 8, "ws"),
-    ],
-    "dact": [
-        (64, 128, 64, 4, 4, 4, "host"),
-        (128, 128, 64, 8, 4, 8, "host"),
-        (64, 128, 64, 4, 3, 4, "ws"),
-        (128, 128, 64, 4, 3, 8, "ws"),
-    ],
-    "dx": [
-        (128, 256, 64, 8, 4, 8, "host"),
-        (128, 256, 64, 8, 3, 8, "host"),
-        (128, 256, 64, 4, 3, 8, "ws"),
-        (128, 256, 64, 4, 2, 8, "ws"),
-        (128, 128, 64, 4, 4, 8, "ws"),
-    ],
+    "up": [(128, 128, 64, 8, 4, 8), (128, 128, 64, 8, 3, 8), (128, 64, 64, 4, 4, 8)],
+    "down": [(128, 256, 64, 8, 4, 8), (128, 256, 64, 8, 3, 8)],
+    "dact": [(64, 128, 64, 4, 4, 4), (128, 128, 64, 8, 4, 8)],
+    "dx": [(128, 256, 64, 8, 4, 8), (128, 256, 64, 8, 3, 8)],
 }
 
 
 def cases(quick: bool = False, sweep: bool = False) -> list[tuple[str, tuple]]:
-    """Each GEMM's TMA_CONFIGS entry with host descriptors, with device descriptors, and warp-specialised (device
-    descriptors, 4 warps per warpgroup, and once with 8 to show the pass leaves that alone)."""
+    """Each GEMM at its TMA_CONFIGS entry ("dact", which has none, at its first candidate)."""
     if sweep:
         return [(gemm, cfg) for gemm, cands in TMA_CANDS.items() for cfg in cands]
-    if quick:  # the test's subset: A and B through TMA, with and without warp specialisation
-        return [("down", tk.TMA_CONFIGS["down"][:6] + ("host",)), ("dx", (128, 256, 64, 4, 3, 8, "ws"))]
-    out = []
-    for gemm in GEMMS:
-        bm, bn, bk, warps, stages, group_m, _ = tk.TMA_CONFIGS[gemm]
-        out.append((gemm, (bm, bn, bk, warps, stages, group_m, "host")))
-        out.append((gemm, (bm, bn, bk, warps, stages, group_m, "device")))
-        out.append((gemm, (bm, bn, bk, 4, 3, group_m, "ws")))
-    out.append(("down", (128, 256, 64, 8, 3, 8, "ws")))
-    return out
+    if quick:  # the test's subset: A and B through TMA ("down"), a gathered A beside TMA weight tiles ("up")
+        return [("down", tk.TMA_CONFIGS["down"]), ("up", tk.TMA_CONFIGS["up"])]
+    return [(gemm, tk.TMA_CONFIGS.get(gemm, TMA_CANDS[gemm][0])) for gemm in GEMMS]
 
 
 def main() -> None:

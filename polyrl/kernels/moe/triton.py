@@ -37,7 +37,7 @@ fp32 inputs use ``input_precision="ieee"`` dots unless ``torch.backends.cuda.mat
 the Triton interpreter (CPU tests) 16-bit operands are upcast to fp32 before ``tl.dot`` (the interpreter's
 bf16 dot multiplies raw bits); on the device they go to the tensor cores as they are.
 
-Opt-in (``TMA = True``, default off): the rows GEMMs through TMA tensor descriptors, optionally warp-specialised, on
+Opt-in (``TMA = True``, default off): the rows GEMMs through TMA tensor descriptors on
 compute capability >= 9.0 (``polyrl/kernels/moe/tma.py``; falls back to the kernels here wherever it cannot run).
 
 Not here: expert parallelism, fp8, a persistent/stream-K schedule.
@@ -82,18 +82,17 @@ _INTERP = (16, 16, 16, 1, 1, 2)
 # Opt-in TMA variant of the rows GEMMs (polyrl/kernels/moe/tma.py): off by default. When on, a rows GEMM whose config
 # name has an entry below runs ``_grouped_rows_tma_kernel`` on a CUDA device of compute capability >= 9.0 outside the
 # interpreter, for 16-bit inputs TMA can address and no LoRA segment; everything else keeps the pointer kernel.
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M, mode), mode "host" / "device" (where the descriptors are
-# built) or "ws" (device descriptors and a warp-specialised K loop; num_warps per warpgroup, 4). Not yet swept on the
-# device: these are the pointer kernel's tiles (scripts/moe_tile_sweep.py has the TMA rows). fp32 and the "*_small"
-# (decode) configs never take this path.
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M). Measured against the pointer kernel at Qwen3-30B-A3B's
+# shapes (H100, T=4096, scripts/moe_tile_sweep.py): "down" 1.14x, "up" 1.02x, "dx" 1.01x; "dact" was 0.94x at its
+# best tile, so it has no entry (bounded by its SwiGLU-backward epilogue, which spills either way). fp32 and the
+# "*_small" (decode) configs never take this path.
 TMA = False
-TMA_CONFIGS: dict[str, tuple[int, int, int, int, int, int, str]] = {
-    "up": (128, 128, 64, 8, 4, 8, "host"),
-    "down": (128, 256, 64, 8, 4, 8, "host"),
-    "dact": (64, 128, 64, 4, 4, 4, "host"),
-    "dx": (128, 256, 64, 8, 4, 8, "host"),
+TMA_CONFIGS: dict[str, tuple[int, int, int, int, int, int]] = {
+    "up": (128, 128, 64, 8, 4, 8),
+    "down": (128, 256, 64, 8, 4, 8),
+    "dx": (128, 256, 64, 8, 4, 8),
 }
-_TMA_INTERP = (16, 16, 16, 1, 1, 2, "host")
+_TMA_INTERP = (16, 16, 16, 1, 1, 2)
 
 
 tma_launches = 0  # rows GEMMs run by the TMA kernel in this process (lets a sweep or test see the switch engage)
@@ -413,7 +412,7 @@ def _rows_gemm(
     tma_cfg = None
     if second is None and block_n is None:
         tma_cfg = _tma_cfg(cfg, route.rows_per_expert, a.dtype, a.device)
-    tma_plan = None if tma_cfg is None else _tma.plan(a, a_idx is not None, b, b_strides, b_up, epi, tma_cfg[6])
+    tma_plan = None if tma_cfg is None else _tma.plan(a, a_idx is not None, b, b_strides, b_up, epi)
     if tma_plan is not None:
         bm, bn = tma_cfg[0], tma_cfg[1]
     else:
