@@ -81,29 +81,17 @@ class AlgorithmSpec:
         if self.loop != "offline" and self.hooks is None:
             raise ValueError(f"algorithm {self.name!r}: the {self.loop} loop needs hooks")
 
-    def make_config(self, table: dict[str, Any] | None) -> Any:
-        """The algorithm's config from its TOML table; unknown keys are a ConfigError naming the known ones."""
+    def make_config(self, table: dict[str, Any] | None, explain: Callable[[list[str]], str] | None = None) -> Any:
+        """The algorithm's config from its TOML table; unknown keys are a ConfigError naming the known ones.
+        ``explain(unknown)``: a caller's hint for keys it recognises (" (...)", or "" to fall back to did-you-mean)."""
         table = dict(table or {})
         known = {f.name for f in dataclasses.fields(self.config_cls)}
         unknown = sorted(set(table) - known)
         if unknown:
             hint = f"known: {', '.join(sorted(known))}" if known else f"{self.name} has no settings"
-            where = _online_hint(unknown) or did_you_mean(unknown, known)
+            where = (explain(unknown) if explain is not None else "") or did_you_mean(unknown, known)
             raise ConfigError(f"unknown {self.name} setting(s) {unknown}{where}; {hint}")
         return self.config_cls(**table)
-
-
-def _online_hint(unknown: list[str]) -> str:
-    """Keys of an algorithm without online RL settings that are online RL settings (``--max-staleness`` given to
-    ``--algo sft``): the hint names the algorithms that take them; "" otherwise."""
-    from polyrl import algorithms  # the registry imports this module
-    from polyrl.algorithms.online_config import OnlineConfig
-
-    online = {f.name for f in dataclasses.fields(OnlineConfig)}
-    if not set(unknown) <= online:
-        return ""
-    names = sorted(n for n in algorithms.names() if issubclass(algorithms.get(n).config_cls, OnlineConfig))
-    return f" (online RL settings: --algo {', '.join(names[:-1])} or {names[-1]})"
 
 
 __all__ = ["AlgorithmSpec", "NoConfig", "PrepareContext"]

@@ -420,6 +420,7 @@ def _reuse_once(tm: Any, tasks: list[str], loaded: Any) -> None:
 
 def _yaml_error(path: Path) -> str:
     """Why lm-eval's YAML loader refuses ``path`` (its message), or why lm-eval may have skipped it."""
+    # lazy: lm-eval is the optional `eval` extra, read only when a task file failed to load
     from lm_eval.tasks._yaml_loader import load_yaml
 
     try:

@@ -40,6 +40,7 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 
 from polyrl import algorithms
+from polyrl.algorithms.online_config import OnlineConfig
 from polyrl.algorithms.reward_sources import RewardConfig, check_spec
 from polyrl.algorithms.spec import AlgorithmSpec
 from polyrl.data.config import DataConfig
@@ -270,7 +271,7 @@ def build(raw: dict[str, Any]) -> RunConfig:
         if isinstance(raw.setdefault(name, {}), dict):
             raw[name].setdefault("seed", seed)
     built = {name: _make(cls, raw.get(name, {}), name) for name, cls in SECTIONS.items()}
-    algo_cfg = spec.make_config(raw.get(algo))
+    algo_cfg = spec.make_config(raw.get(algo), explain=_online_hint)
     if isinstance(getattr(algo_cfg, "reward", None), str):  # an online algorithm: its spec fits the [reward] table
         check_spec(algo_cfg.reward, built["reward"], getattr(algo_cfg, "reward_timeout", None))
     episodes_table, episodes = _episodes(episode_raw, algo_cfg, algo)
@@ -381,6 +382,15 @@ def _lora(table: Any, model: str) -> LoraConfig | None:
         )
     base_model_path(model, cfg.base)  # the base must be reachable (and lora.base only given for an adapter) first
     return cfg
+
+
+def _online_hint(unknown: list[str]) -> str:
+    """Keys of an algorithm without online RL settings that are online RL settings (``--max-staleness`` given to
+    ``--algo sft``): the hint names the algorithms that take them; "" otherwise."""
+    if not set(unknown) <= {f.name for f in dataclasses.fields(OnlineConfig)}:
+        return ""
+    names = sorted(n for n in algorithms.names() if issubclass(algorithms.get(n).config_cls, OnlineConfig))
+    return f" (online RL settings: --algo {', '.join(names[:-1])} or {names[-1]})"
 
 
 def resolve(config_file: str | None, overrides: list[tuple[str, Any]]) -> RunConfig:
