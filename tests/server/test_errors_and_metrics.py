@@ -146,6 +146,35 @@ def test_metrics_count_requests_and_tokens(http, served):
     assert 0.0 <= metric(after, "polyrl_kv_cache_usage") <= 1.0
 
 
+SURROGATES = [
+    # (path, raw JSON body, param): "\\ud800" is valid JSON that no tokenizer takes and no reply can encode (was a 500)
+    (
+        "chat/completions",
+        '{"messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 2}',
+        "messages.0.content",
+    ),
+    ("completions", '{"prompt": "\\udc00x", "max_tokens": 2}', "prompt"),
+    ("completions", '{"prompt": "x", "stop": ["a", "\\udfff"], "max_tokens": 2}', "stop.1"),
+    ("responses", '{"input": "hi", "metadata": {"k\\ud801": "v"}, "max_output_tokens": 2}', "metadata.k\\ud801"),
+]
+
+
+@pytest.mark.parametrize("path,raw,param", SURROGATES)
+def test_lone_surrogates_are_400_naming_the_field(http, path, raw, param):
+    r = http.post(f"/v1/{path}", content=raw.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (
+        err["param"] == param
+        and "unpaired UTF-16 surrogate" in err["message"]
+        and "send valid Unicode" in err["message"]
+    )
+    # a character outside the BMP sent as an escaped surrogate pair (json.dumps' default) is text
+    ok = raw.replace("\\ud800", "\\ud83d\\ude00").replace("\\udc00", "\\ud83d\\ude00")
+    if ok != raw:
+        assert http.post(f"/v1/{path}", content=ok.encode(), headers={"content-type": "application/json"}).is_success
+
+
 def test_too_many_stop_strings_name_the_limit(http):
     # Each stop string is checked on every new text on the engine thread: 20,000 of them slowed every request ~20x.
     r = http.post("/v1/chat/completions", json=chat(stop=["x"] * 65, max_tokens=2))
