@@ -101,6 +101,8 @@ def test_vllm_fields_on_both_endpoints(client):
         ({"extra_body": {"guided_regex": "a", "guided_choice": ["b"]}}, "guided_choice"),
         ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}}, "guided_regex"),
         ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, "structured_outputs"),
+        ({"response_format": {}}, "response_format.type"),  # was: plain text, silently
+        ({"response_format": {"json_schema": {"name": "x", "schema": {}}}}, "response_format.type"),
     ],
 )
 def test_bad_structured_requests_are_400(client, kw, param):

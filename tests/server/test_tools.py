@@ -191,18 +191,45 @@ def test_auto_with_a_grammar_or_a_parser_without_call_syntax_is_400(client, monk
     assert plan_tools(SimpleNamespace(tools=TOOLS), "prose", None, None, None).structured is None  # free auto: fine
 
 
+BAD_SCHEMA = {"type": "object", "properties": {"city": {"type": "strin"}}}  # a typo llguidance refuses
+BAD_TOOL = {"type": "function", "function": {"name": "get_city", "parameters": BAD_SCHEMA}}
+
+
 @pytest.mark.parametrize(
-    "kw, param",
+    "kw, param, says",
     [
-        ({"tools": [{"type": "web_search"}]}, "tools.0"),
-        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [{"type": "web_search"}]}, "tools.0", "only function tools"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name", "1-64"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", '"required"'),
+        # a tool_choice object without the function's name (was: "names the function None")
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {}}},
+            "tool_choice.function.name",
+            "needs the function's name",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": "get_time"}},
+            "tool_choice.function.name",
+            "get_time",
+        ),
+        # a tool's schema that does not compile, inside the call grammar (was: the whole grammar, param tool_choice)
+        (
+            {"tools": [*TOOLS, BAD_TOOL], "tool_choice": "required"},
+            "tools.2.function.parameters",
+            "(function 'get_city') is not a JSON schema polyrl can enforce",
+        ),
+        (
+            {"tools": [BAD_TOOL], "response_format": {"type": "json_object"}},
+            "tools.0.function.parameters",
+            "Invalid type: strin",
+        ),
     ],
 )
-def test_bad_tool_requests_are_400_naming_the_field(client, kw, param):
+def test_bad_tool_requests_are_400_naming_the_field(client, kw, param, says):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, **kw)
     assert info.value.status_code == 400
     assert info.value.body["param"] == param, info.value.body
+    assert says in info.value.body["message"] and "<tool_call>" not in info.value.body["message"]
