@@ -181,3 +181,36 @@ def test_too_many_stop_strings_name_the_limit(http):
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
     assert "stop has 65 strings; at most 64 are allowed" in r.json()["error"]["message"]
     assert http.post("/v1/chat/completions", json=chat(stop=["x"] * 64, max_tokens=2)).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "content,param,says",
+    [
+        (
+            [{"type": "text"}],
+            "messages.1.content.0.text",
+            "text is required",
+        ),  # was: "parts of type 'text' unsupported"
+        (
+            [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}],
+            "messages.1.content.1",
+            "'image_url'",
+        ),
+        ([{"type": "refusal", "refusal": "no"}], "messages.1.content.0", "'refusal'"),  # a user cannot refuse
+    ],
+)
+def test_content_parts_name_the_part(http, content, param, says):
+    r = http.post("/v1/chat/completions", json=chat(messages=[*MSG, {"role": "user", "content": content}]))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and says in err["message"] and err["code"] in ("invalid_value", "unsupported")
+
+
+def test_assistant_refusal_part_is_its_text(client):
+    # OpenAI's assistant content may hold {"type": "refusal"} parts (a refused turn sent back): was a 400
+    parts = [{"type": "text", "text": "I "}, {"type": "refusal", "refusal": "cannot."}]
+    ask = [*MSG, {"role": "assistant", "content": parts}, {"role": "user", "content": "ok"}]
+    plain = [*MSG, {"role": "assistant", "content": "I cannot."}, {"role": "user", "content": "ok"}]
+    a = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=1)
+    b = client.chat.completions.create(model=MODEL, messages=plain, max_tokens=1)
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
