@@ -126,6 +126,7 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     suffix: str | None = None
     prompt_logprobs: int | None = None  # vLLM's extra: the prompt tokens' log-probs with top-k alternatives
+    response_format: dict[str, Any] | None = None  # vLLM's extra here (OpenAI's completions have none): json_object ...
 
 
 class ErrorDetail(BaseModel):
