@@ -18,7 +18,8 @@ grammar constrains the output), or an OpenAI-shaped 400 naming the field.
   write its call syntax as a grammar).
 Compilation happens in the engine (``polyrl.infer.structured``, cached per schema); ``compile_plan`` compiles the
 plan's grammar first and makes its error a 400 naming the field that asked for it, or the tool
-(``tools.N.function.parameters``) whose schema, inside a call grammar, does not compile on its own. Not here: parsing replies (``polyrl.agents.tool_parsers``), HTTP.
+(``tools.N.function.parameters``) whose schema, inside a call grammar, does not compile on its own. Not here:
+parsing replies (``polyrl.agents.tool_parsers``), HTTP.
 """
 
 from __future__ import annotations
