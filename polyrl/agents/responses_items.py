@@ -34,7 +34,9 @@ def _text(content: Any, where: str) -> str:
     out = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        if kind in _TEXT_PARTS and not isinstance(part.get("text"), str):
+            raise ItemError(f"{where}.{j}.text must be a string", f"{where}.{j}.text", "invalid_value")
+        if kind not in _TEXT_PARTS:
             raise ItemError(
                 f"{where}[{j}]: content parts of type {kind!r} are not supported; send input_text", f"{where}.{j}",
                 "unsupported",
@@ -119,6 +121,13 @@ def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
                 f"tools.{i}: only function tools are supported on polyrl serve, got type {kind!r}", f"tools.{i}",
                 "unsupported",
             )  # fmt: skip
+        if "name" not in t and isinstance(t.get("function"), dict):
+            raise ItemError(
+                f"tools.{i}: the Responses API takes function tools flat ({{type: function, name, parameters}}), "
+                "not in chat's {type, function: {name, parameters}}",
+                f"tools.{i}.name",
+                "invalid_value",
+            )
         fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}
         out.append({"type": "function", "function": fn})
     return out

@@ -52,19 +52,48 @@ def _params_schema(tool: dict[str, Any]) -> dict[str, Any]:
     return {"type": "object", "properties": {}, "additionalProperties": False}  # no parameters: the call takes none
 
 
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # their values are JSON data, not schemas
+
+
+def _rebase_refs(schema: Any, base: str) -> Any:
+    """``schema`` with every local ``$ref`` (``#...``) made relative to ``#`` + ``base``: where it now lives."""
+    if isinstance(schema, list):
+        return [_rebase_refs(x, base) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = "#" + base + value[1:]
+        else:
+            out[key] = value if key in _DATA_KEYWORDS else _rebase_refs(value, base)
+    return out
+
+
 def call_schema(tools: list[dict[str, Any]], args_key: str = "arguments") -> dict[str, Any]:
-    """A JSON schema admitting ``{"name": <one tool's name>, args_key: <that tool's parameters>}``."""
-    options = []
-    for t in tools:
+    """A JSON schema admitting ``{"name": <one tool's name>, args_key: <that tool's parameters>}``.
+
+    A parameters schema with local ``$ref``s (pydantic writes nested models as ``#/$defs/Name``) is put whole under
+    the call schema's ``$defs`` and referenced from there, its references rebased onto it: nested inside the call
+    object they would point into the call schema's root, which has no such definitions."""
+    options, defs = [], {}
+    for i, t in enumerate(tools):
+        params = _params_schema(t)
+        if '"$ref"' in json.dumps(params):
+            key = f"polyrl_tool_{i}"
+            defs[key] = _rebase_refs(params, f"/$defs/{key}")
+            params = {"$ref": f"#/$defs/{key}"}
         options.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": _fn(t)["name"]}, args_key: _params_schema(t)},
+                "properties": {"name": {"const": _fn(t)["name"]}, args_key: params},
                 "required": ["name", args_key],
                 "additionalProperties": False,
             }
         )
     schema = options[0] if len(options) == 1 else {"anyOf": options}
+    if defs:
+        schema = {**schema, "$defs": defs}
     return {**schema, "x-guidance": _JSON_STYLE}
 
 
@@ -332,6 +361,8 @@ class MistralParser(ToolParser):
         one = call_schema(tools)
         style = one.pop("x-guidance")
         array = {"type": "array", "items": one, "minItems": 1, "x-guidance": style}
+        if "$defs" in one:  # the definitions the calls' $refs point at belong at the root
+            array["$defs"] = one.pop("$defs")
         if not parallel:
             array["maxItems"] = 1
         return f"calls: {mark} %json {json.dumps(array)}\n"

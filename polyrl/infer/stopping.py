@@ -24,6 +24,7 @@ from polyrl.infer.sequence import Sequence
 
 _SCREEN_TEXTS = 1 << 14  # texts a StopScreen remembers (past that it still answers, without storing)
 _SCREEN_SETS = 32  # stop sets remembered (the cache is emptied past that)
+_SUFFIX_CHARS = 64  # a StopScreen keeps the stop strings' proper suffixes up to this long
 
 
 def needs_detokenizer(seq: Sequence) -> bool:
@@ -85,13 +86,28 @@ class StopScreen(dict):
     def __init__(self, stops: tuple[str, ...]) -> None:
         super().__init__()
         self.stops = stops
-        self.suffixes = tuple(s[j:] for s in stops for j in range(1, len(s)))  # proper suffixes
+        # The proper suffixes up to _SUFFIX_CHARS long, made once: all of them would be len(s)^2 / 2 characters
+        # (a 100,000-character stop string: 5 GB). Longer ones can only start a longer new text (``_long_tail``).
+        self.suffixes = tuple(s[j:] for s in stops for j in range(max(1, len(s) - _SUFFIX_CHARS), len(s)))
+        self.long = tuple(s for s in stops if len(s) > _SUFFIX_CHARS + 1)
 
     def __missing__(self, new: str) -> bool:
-        hit = new.startswith(self.suffixes) or any(s in new for s in self.stops)
+        hit = (
+            new.startswith(self.suffixes)
+            or any(s in new for s in self.stops)
+            or bool(self.long and self._long_tail(new))
+        )
         if len(self) < _SCREEN_TEXTS:
             self[new] = hit
         return hit
+
+    def _long_tail(self, new: str) -> bool:
+        """Whether ``new`` starts with a proper suffix of a stop string longer than ``_SUFFIX_CHARS``."""
+        if len(new) <= _SUFFIX_CHARS:
+            return False
+        return any(
+            s.endswith(new[:k]) for s in self.long for k in range(_SUFFIX_CHARS + 1, min(len(s) - 1, len(new)) + 1)
+        )
 
 
 _screens: dict[tuple[str, ...], StopScreen] = {}

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from polyrl import __version__
 from polyrl.server.api_errors import (
     APIError,
+    bad_request,
     body_timeout,
     body_too_large,
     error_body,
@@ -43,7 +44,14 @@ from polyrl.server.completions import create_completion
 from polyrl.server.config import ServeConfig
 from polyrl.server.logprobs import TokenText
 from polyrl.server.metrics import ServerMetrics
-from polyrl.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ResponsesRequest
+from polyrl.server.protocol import (
+    SURROGATE_ESCAPE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ResponsesRequest,
+    unpaired_surrogate,
+)
 from polyrl.server.responses import create_response
 from polyrl.server.scoring import JSONText
 from polyrl.server.streaming import ClientGone
@@ -228,6 +236,21 @@ def _error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
+async def check_text(state: ServerState, request: Request, body: Any) -> None:
+    """400 naming the field when the body spelled a lone UTF-16 surrogate (``"\\ud800"``): no tokenizer takes it and
+    no reply could carry it (UTF-8 cannot encode it). Only bodies with such an escape are walked."""
+    if not SURROGATE_ESCAPE.search(await request.body()):
+        return
+    where = await state.prep(unpaired_surrogate, body)  # off the event loop: the body may be megabytes
+    if where is not None:
+        raise bad_request(
+            f"{where} holds an unpaired UTF-16 surrogate (a lone \\ud800-\\udfff escape), which is not text; send "
+            "valid Unicode (a character outside the BMP as a surrogate pair, or as UTF-8)",
+            where,
+            "invalid_value",
+        )
+
+
 def build_app(llm: Any, config: ServeConfig | None = None) -> FastAPI:
     config = config or ServeConfig()
     state = ServerState(llm, config)
@@ -309,16 +332,19 @@ def build_app(llm: Any, config: ServeConfig | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions", responses={200: {"description": ok_chat}, **_V1_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        await check_text(state, request, body)
         return respond(await create_chat_completion(state, body, request))
 
     @app.post("/v1/completions", responses={200: {"description": ok_text}, **_V1_ERRORS})
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        await check_text(state, request, body)
         return respond(await create_completion(state, body, request))
 
     ok_resp = "A response object; with stream: true a text/event-stream of typed response.* events"
 
     @app.post("/v1/responses", responses={200: {"description": ok_resp}, **_V1_ERRORS})
     async def responses(body: ResponsesRequest, request: Request) -> Response:
+        await check_text(state, request, body)
         return respond(await create_response(state, body, request))
 
     def openapi() -> dict[str, Any]:

@@ -50,20 +50,13 @@ from polyrl.server.tool_calls import ToolPlan, compile_plan, plan_tools
 
 
 def render_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them: content as one string (text parts joined)."""
+    """Messages as the chat template expects them: content as one string (text parts, and an assistant's refusal
+    parts, joined); any other part is a 400 naming it (``messages.N.content.M``)."""
     out = []
     for i, m in enumerate(req.messages):
         content = m.content
         if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise bad_request(
-                        f"messages[{i}]: content parts of type {part.type!r} are not supported; send text",
-                        f"messages.{i}.content",
-                    )
-                texts.append(part.text)
-            content = "".join(texts)
+            content = "".join(_part_text(part, i, j, m.role) for j, part in enumerate(content))
         msg: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name:
             msg["name"] = m.name
@@ -77,6 +70,30 @@ def render_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             msg["tool_call_id"] = call_id or ""
         out.append(msg)
     return out
+
+
+def _part_text(part: Any, i: int, j: int, role: str) -> str:
+    """The text of content part ``j`` of message ``i``: a text part's ``text``, or an assistant's ``refusal``."""
+    where = f"messages.{i}.content.{j}"
+    if part.type == "refusal" and role == "assistant":
+        refusal = (part.model_extra or {}).get("refusal")
+        if not isinstance(refusal, str):
+            raise bad_request(f"{where}.refusal must be a string", f"{where}.refusal", "invalid_value")
+        return refusal
+    if part.type != "text":
+        raise bad_request(
+            f"messages[{i}].content[{j}]: content parts of type {part.type!r} are not supported (this server serves "
+            "a text model); send text parts",
+            where,
+            "unsupported",
+        )
+    if part.text is None:
+        raise bad_request(
+            f'{where}.text is required: a text part is {{"type": "text", "text": ...}}',
+            f"{where}.text",
+            "invalid_value",
+        )
+    return part.text
 
 
 def _check_calls(calls: Any, i: int) -> list[dict[str, Any]]:

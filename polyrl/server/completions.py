@@ -9,7 +9,8 @@ with the prompt's tokens (the first one's log-prob ``null``), as OpenAI's legacy
 (``polyrl/infer/prompt_logprobs.py``) and are not streamed (a 400 says so). ``prompt: ""`` is accepted, as the
 OpenAI API accepts it: it is generated from the tokenizer's BOS token (EOS when it has none, like OpenAI's
 <|endoftext|>). Prompts are tokenised in the server's prep pool, refused early once over the context minus
-``max_tokens``; a batch with more prompts than ``--max-queue`` is a 400 (it could never be admitted).
+``max_tokens``; a batch with more prompts than ``--max-queue`` is a 400 (it could never be admitted). Structured
+outputs: vLLM's ``guided_*`` / ``structured_outputs``, or ``response_format`` as on chat (vLLM takes it here too).
 Not here: chat templates (``chat.py``).
 """
 
@@ -37,7 +38,7 @@ from polyrl.server.prompts import PromptTooLong, decode_prompts, tokenize_capped
 from polyrl.server.protocol import CompletionRequest
 from polyrl.server.scoring import direct_scoring, request_path, scored_body, scored_prompts
 from polyrl.server.streaming import DONE, final_outputs, guarded_stream, sse
-from polyrl.server.tool_calls import ToolPlan, compile_plan, extra_structured
+from polyrl.server.tool_calls import ToolPlan, compile_plan, extra_structured, response_format_output
 
 
 def split_prompts(prompt: Any) -> list[str | list[int]]:
@@ -90,6 +91,16 @@ def encode(llm: Any, prompts: list[str | list[int]], limit: int) -> list[tuple[s
     return out
 
 
+def completion_format(req: CompletionRequest) -> tuple[Any, str | None]:
+    """(the grammar, its field): ``response_format`` (as vLLM takes it on completions) or vLLM's ``guided_*`` /
+    ``structured_outputs`` (``tool_calls.py``); both is a 400."""
+    extra, param = extra_structured(req)
+    fmt = response_format_output(req.response_format) if req.response_format is not None else None
+    if fmt is not None and extra is not None:
+        raise bad_request(f"give either response_format or {param}, not both", param, "invalid_value")
+    return (fmt, "response_format") if fmt is not None else (extra, param)
+
+
 def prompt_logprobs_k(req: CompletionRequest) -> int | None:
     """Top-k the engine computes per prompt token (None: no prompt log-probs); a 400 when out of range."""
     k = req.prompt_logprobs
@@ -125,7 +136,7 @@ async def create_completion(state: Any, req: CompletionRequest, request: Any) ->
     prompt_k = prompt_logprobs_k(req)
     check_max_tokens(req_max_tokens, "max_tokens", 0, ctx, "prompt")
     sampling_params(req, req_max_tokens, req.logprobs)  # every value checked before any tokenising
-    structured, structured_param = extra_structured(req)  # vLLM's guided_* / structured_outputs (tool_calls.py)
+    structured, structured_param = completion_format(req)
     await compile_plan(state, ToolPlan(None, None, True, structured, structured_param))
     items = split_prompts(req.prompt)
     max_queue = state.config.max_queue

@@ -2,9 +2,9 @@
 
 Checks here: fields polyrl cannot honour (non-neutral penalties, logit_bias, best_of != n, suffix; tools and
 structured outputs: ``tool_calls.py``), the ranges of ``n``, ``max_tokens``, ``top_k``, ``seed``, ``min_tokens`` and
-``stop_token_ids`` (non-finite floats never get here: ``protocol.py`` refuses them), the prompt's token budget
-and the context check (prompt + max_tokens must fit the engine's ``max_model_len``, OpenAI's
-``context_length_exceeded``), and the default completion length. Value checks of the sampling knobs
+``stop_token_ids``, the number of ``stop`` strings (non-finite floats never get here: ``protocol.py`` refuses them),
+the prompt's token budget and the context check (prompt + max_tokens must fit the engine's ``max_model_len``,
+OpenAI's ``context_length_exceeded``), and the default completion length. Value checks of the sampling knobs
 themselves stay in ``SamplingParams`` (its ``UserError`` becomes a 400 naming the parameter). Prompt
 building (chat template, tokenisation) is the endpoints' job.
 """
@@ -38,6 +38,9 @@ def check_n(n: int, max_n: int) -> None:
 
 
 INT32_MAX = 2**31 - 1
+# Stop strings per request (OpenAI allows 4): each one is checked against every new piece of text on the engine
+# thread, so a request with thousands of them slows every other request's steps.
+MAX_STOP_STRINGS = 64
 
 
 def check_ranges(req: Any, vocab_size: int, max_model_len: int) -> None:
@@ -50,6 +53,13 @@ def check_ranges(req: Any, vocab_size: int, max_model_len: int) -> None:
         raise bad_request(
             f"min_tokens must be between 0 and the context length {max_model_len}, got {req.min_tokens}",
             "min_tokens",
+            "invalid_value",
+        )
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(
+            f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed (OpenAI allows 4)",
+            "stop",
             "invalid_value",
         )
     for i, t in enumerate(req.stop_token_ids or []):

@@ -7,10 +7,14 @@ neutral value, and ``params.py`` says so in a 400 otherwise; tools and structure
 ``tool_calls.py``. Unknown fields are ignored (as vLLM does), so
 clients that send newer OpenAI fields keep working. Responses are built as plain dicts in ``chat.py`` /
 ``completions.py`` / ``responses.py``.
+
+JSON may spell a lone UTF-16 surrogate (``"\\ud800"``), which Python's parser reads into a ``str`` that no tokenizer
+takes and no response can encode as UTF-8; ``unpaired_surrogate`` finds one (the app makes it a 400 naming the field).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -122,6 +126,7 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     suffix: str | None = None
     prompt_logprobs: int | None = None  # vLLM's extra: the prompt tokens' log-probs with top-k alternatives
+    response_format: dict[str, Any] | None = None  # vLLM's extra here (OpenAI's completions have none): json_object ...
 
 
 class ErrorDetail(BaseModel):
@@ -135,3 +140,41 @@ class ErrorResponse(BaseModel):
     """Every non-200 answer of the API (400, 401, 404, 405, 408, 413, 429, 500, 503): OpenAI's error body."""
 
     error: ErrorDetail
+
+
+# A JSON body can hold a lone surrogate only as a \uD800-\uDFFF escape: bodies without one skip the walk.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def _bad_text(s: str) -> bool:
+    if s.isascii():
+        return False
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def unpaired_surrogate(value: Any, path: tuple[str, ...] = ()) -> str | None:
+    """The dotted path (``messages.0.content``) of the first string in a parsed request (models, dicts, lists) that
+    holds an unpaired UTF-16 surrogate, or None."""
+    if isinstance(value, str):
+        return ".".join(path) if _bad_text(value) else None
+    if isinstance(value, BaseModel):
+        items: Any = [*value.__dict__.items(), *(value.model_extra or {}).items()]
+    elif isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        where = (*path, str(key).encode("utf-8", "backslashreplace").decode())  # the path is quoted in a reply
+        if isinstance(key, str) and _bad_text(key):
+            return ".".join(where)
+        if isinstance(item, (str, BaseModel, dict, list)):
+            found = unpaired_surrogate(item, where)
+            if found is not None:
+                return found
+    return None

@@ -10,7 +10,8 @@ of items: messages (``role`` user / system / developer (as system) / assistant, 
 is stored (the response says ``store: false``); ``previous_response_id`` and ``item_reference`` items are a 400
 (send the whole conversation); ``background: true``, non-function tools, non-text content parts and
 ``top_logprobs`` are 400s naming the field. ``reasoning``, ``metadata``, ``include``, ``truncation``, ``user`` are
-accepted and ignored (``metadata`` is echoed).
+accepted and ignored (``metadata`` is echoed). A 400 from the chat path names the Responses field
+(``in_responses_terms``: ``max_output_tokens``, ``input``, ``tools.N.name``).
 
 Response: ``{"object": "response", "status": "completed" | "incomplete", "output": [message item (when there is
 text), function_call items], "usage": {input_tokens, output_tokens, ...}}``; a reply cut by ``max_output_tokens``
@@ -25,6 +26,7 @@ response.completed (or response.incomplete). Not here: the HTTP app.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
@@ -42,7 +44,7 @@ from polyrl.agents.responses_items import (
     usage,
 )
 from polyrl.agents.tool_parsers import ToolCallStream
-from polyrl.server.api_errors import bad_request, validation_message
+from polyrl.server.api_errors import APIError, bad_request, validation_message
 from polyrl.server.chat import call_prefix, parse_calls, submit_chat
 from polyrl.server.protocol import ChatCompletionRequest, ResponsesRequest
 from polyrl.server.streaming import final_outputs, guarded_stream
@@ -93,6 +95,25 @@ def _to_chat(body: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, A
     return req, fmt
 
 
+# The chat request's field names in a 400 from the chat path, as this request spelled them.
+_RENAMES = [
+    (re.compile(r"\bmax_tokens\b"), "max_output_tokens"),
+    (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."),
+    (re.compile(r"^messages$"), "input"),
+    (re.compile(r"the length of the messages"), "the length of the input"),
+]
+
+
+def in_responses_terms(exc: APIError) -> APIError:
+    """``exc`` (from the chat path) naming the Responses fields: ``max_output_tokens``, ``input``, ``tools.N.name``
+    (flat function tools) instead of ``max_tokens``, ``messages``, ``tools.N.function.name``."""
+    param, message = exc.param, exc.message
+    for pattern, repl in _RENAMES:
+        param = pattern.sub(repl, param) if param is not None else None
+        message = pattern.sub(repl, message)
+    return APIError(message, exc.status, exc.type, param, exc.code, exc.headers)
+
+
 def _output_items(plan: Any, text: str) -> tuple[str, list[dict[str, Any]]]:
     """(the reply's content text, its function calls) as the Responses output holds them."""
     if plan.parser is None:
@@ -106,7 +127,10 @@ async def create_response(state: Any, body: ResponsesRequest, request: Any) -> A
     if fmt is not None:
         req = req.model_copy(update={"response_format": fmt})
     rid = f"resp-{uuid.uuid4().hex}"
-    model, ids, plan, group = await submit_chat(state, req, rid, "text.format")
+    try:
+        model, ids, plan, group = await submit_chat(state, req, rid, "text.format")
+    except APIError as exc:
+        raise in_responses_terms(exc) from None
     shell = ResponseShell(body, model)
     if body.stream:
         return guarded_stream(group, _stream(state, group, shell, plan, len(ids)))

@@ -16,8 +16,10 @@ grammar constrains the output), or an OpenAI-shaped 400 naming the field.
   is the union of the parser's call syntax (its tools' parameter schemas) and the format (``union_grammar``); a JSON
   schema, json_object, regex or choice can be combined, a whole grammar cannot (400, as is a parser that cannot
   write its call syntax as a grammar).
-Compilation happens in the engine (``polyrl.infer.structured``, cached per schema); its errors come back as 400s
-from ``AsyncEngine.submit``. Not here: parsing replies (``polyrl.agents.tool_parsers``), HTTP.
+Compilation happens in the engine (``polyrl.infer.structured``, cached per schema); ``compile_plan`` compiles the
+plan's grammar first and makes its error a 400 naming the field that asked for it, or the tool
+(``tools.N.function.parameters``) whose schema, inside a call grammar, does not compile on its own. Not here:
+parsing replies (``polyrl.agents.tool_parsers``), HTTP.
 """
 
 from __future__ import annotations
@@ -94,6 +96,13 @@ def _choice(tool_choice: Any, tools: list[dict[str, Any]] | None) -> tuple[str, 
         fn = tool_choice.get("function") if isinstance(tool_choice.get("function"), dict) else tool_choice
         name = fn.get("name")
         known = [t["function"]["name"] for t in tools or []]
+        if not isinstance(name, str):
+            raise bad_request(
+                'tool_choice {"type": "function"} needs the function\'s name: {"type": "function", "function": '
+                f'{{"name": ...}}}} (one of: {", ".join(known) or "no tools given"})',
+                "tool_choice.function.name",
+                "invalid_value",
+            )
         if name not in known:
             raise bad_request(
                 f"tool_choice names the function {name!r}, which is not among the tools ({', '.join(known) or 'none'})",
@@ -121,22 +130,23 @@ def _schema_text(schema: Any, param: str) -> dict[str, Any]:
 
 def response_format_output(fmt: dict[str, Any] | None, param: str = "response_format") -> StructuredOutputs | None:
     """``response_format`` (chat) or ``text.format`` (Responses, flattened) as a grammar, or None for text."""
-    if not fmt:
+    if fmt is None:
         return None
-    kind = fmt.get("type", "text")
+    kind = fmt.get("type")
+    if kind is None:
+        raise bad_request(
+            f"{param}.type is required: text, json_object or json_schema", f"{param}.type", "invalid_value"
+        )
     if kind == "text":
         return None
     if kind == "json_object":
         return StructuredOutputs("json_object")
     if kind == "json_schema":
-        spec = fmt.get("json_schema", fmt)  # chat nests it; Responses' text.format is flat
+        nested = "json_schema" in fmt  # chat nests it; Responses' text.format is flat
+        spec, where = (fmt["json_schema"], f"{param}.json_schema") if nested else (fmt, param)
         if not isinstance(spec, dict) or "schema" not in spec:
-            raise bad_request(
-                f"{param}.json_schema.schema is required for type 'json_schema'",
-                f"{param}.json_schema",
-                "invalid_value",
-            )
-        return StructuredOutputs.json_schema(_schema_text(spec["schema"], f"{param}.json_schema.schema"))
+            raise bad_request(f"{where}.schema is required for type 'json_schema'", where, "invalid_value")
+        return StructuredOutputs.json_schema(_schema_text(spec["schema"], f"{where}.schema"))
     raise bad_request(
         f"{param} type {kind!r} is not supported; use text, json_object or json_schema", f"{param}.type", "unsupported"
     )
@@ -247,10 +257,32 @@ async def compile_plan(state: Any, plan: ToolPlan) -> None:
     so a grammar llguidance refuses is a 400 naming the field that gave it."""
     if plan.structured is None:
         return
+    cache = state.llm.grammar_cache()
     try:
-        await state.prep(lambda: state.llm.grammar_cache().matcher(plan.structured))
+        await state.prep(cache.matcher, plan.structured)
     except UserError as exc:
-        raise bad_request(str(exc), plan.param, "invalid_value") from None
+        if plan.structured.kind == "lark" and plan.tools:  # a call grammar: a tool's schema is the likely culprit
+            await _name_bad_tool(state, plan.tools)
+        raise bad_request(f"{plan.param}: {exc}", plan.param, "invalid_value") from None
+
+
+async def _name_bad_tool(state: Any, tools: list[dict[str, Any]]) -> None:
+    """400 naming the first tool whose ``parameters`` schema does not compile on its own (the call grammar embeds
+    each one, and its error quotes the whole grammar and names tool_choice or the response format)."""
+    cache = state.llm.grammar_cache()
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        if fn.get("parameters") is None:
+            continue
+        try:
+            await state.prep(cache.matcher, StructuredOutputs.json_schema(fn["parameters"]))
+        except UserError as exc:
+            where = f"tools.{i}.function.parameters"
+            raise bad_request(
+                f"{where} (function {fn['name']!r}) is not a JSON schema polyrl can enforce: {exc}",
+                where,
+                "invalid_value",
+            ) from None
 
 
 __all__ = [

@@ -252,3 +252,21 @@ def test_stop_screen_answers_what_a_search_would_find():
     assert screen[">x"] is True and screen["p>"] is True and screen["b"] is True  # a stop's tail, its head before
     assert screen["xaby"] is True and screen["xa"] is False and screen[""] is False
     assert set(screen) == {"<filler_12>", ">x", "p>", "b", "xaby", "xa", ""}  # remembered
+
+
+def test_stop_screen_of_a_long_stop_string_is_small_and_still_exact():
+    # Every proper suffix was kept: len^2 / 2 characters, 5 GB for a 100,000-character stop string (a served request
+    # that sent one had the server OOM-killed). Now 64 per stop string, and the answers are the same.
+    import random
+
+    rng = random.Random(0)
+    stop = "".join(rng.choice("ab") for _ in range(5_000))
+    screen = StopScreen((stop, "xyz"))
+    assert sum(len(s) for s in screen.suffixes) < 5_000
+    tails = [stop[-k:] + "q" for k in (1, 64, 65, 300)]  # a proper suffix of the stop string, then other text
+    for new in [*tails, "q" + stop[:70], "xy", "zq", "q" * 200, stop[5:80] + "q"]:
+        want = any(new.startswith(s[j:]) for s in screen.stops for j in range(1, len(s))) or any(
+            s in new for s in screen.stops
+        )
+        assert screen[new] is want, new[:20]
+    assert all(screen[t] for t in tails) and not screen["q" * 200]

@@ -55,6 +55,7 @@ BAD_REQUESTS = [
     ("chat", chat(prompt_logprobs=-1), "prompt_logprobs"),
     ("completions", completion(best_of=3), "best_of"),
     ("completions", completion(max_tokens=-1), "max_tokens"),
+    ("completions", completion(stop=[f"s{i}" for i in range(65)]), "stop"),
 ]
 
 
@@ -143,3 +144,73 @@ def test_metrics_count_requests_and_tokens(http, served):
     assert metric(after, "polyrl_request_latency_seconds_bucket", inf) == metric(after, lat)
     assert metric(after, "polyrl_running_requests") == 0 and metric(after, "polyrl_queue_depth") == 0
     assert 0.0 <= metric(after, "polyrl_kv_cache_usage") <= 1.0
+
+
+SURROGATES = [
+    # (path, raw JSON body, param): "\\ud800" is valid JSON that no tokenizer takes and no reply can encode (was a 500)
+    (
+        "chat/completions",
+        '{"messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 2}',
+        "messages.0.content",
+    ),
+    ("completions", '{"prompt": "\\udc00x", "max_tokens": 2}', "prompt"),
+    ("completions", '{"prompt": "x", "stop": ["a", "\\udfff"], "max_tokens": 2}', "stop.1"),
+    ("responses", '{"input": "hi", "metadata": {"k\\ud801": "v"}, "max_output_tokens": 2}', "metadata.k\\ud801"),
+]
+
+
+@pytest.mark.parametrize("path,raw,param", SURROGATES)
+def test_lone_surrogates_are_400_naming_the_field(http, path, raw, param):
+    r = http.post(f"/v1/{path}", content=raw.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (
+        err["param"] == param
+        and "unpaired UTF-16 surrogate" in err["message"]
+        and "send valid Unicode" in err["message"]
+    )
+    # a character outside the BMP sent as an escaped surrogate pair (json.dumps' default) is text
+    ok = raw.replace("\\ud800", "\\ud83d\\ude00").replace("\\udc00", "\\ud83d\\ude00")
+    if ok != raw:
+        assert http.post(f"/v1/{path}", content=ok.encode(), headers={"content-type": "application/json"}).is_success
+
+
+def test_too_many_stop_strings_name_the_limit(http):
+    # Each stop string is checked on every new text on the engine thread: 20,000 of them slowed every request ~20x.
+    r = http.post("/v1/chat/completions", json=chat(stop=["x"] * 65, max_tokens=2))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+    assert "stop has 65 strings; at most 64 are allowed" in r.json()["error"]["message"]
+    assert http.post("/v1/chat/completions", json=chat(stop=["x"] * 64, max_tokens=2)).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "content,param,says",
+    [
+        (
+            [{"type": "text"}],
+            "messages.1.content.0.text",
+            "text is required",
+        ),  # was: "parts of type 'text' unsupported"
+        (
+            [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}],
+            "messages.1.content.1",
+            "'image_url'",
+        ),
+        ([{"type": "refusal", "refusal": "no"}], "messages.1.content.0", "'refusal'"),  # a user cannot refuse
+    ],
+)
+def test_content_parts_name_the_part(http, content, param, says):
+    r = http.post("/v1/chat/completions", json=chat(messages=[*MSG, {"role": "user", "content": content}]))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and says in err["message"] and err["code"] in ("invalid_value", "unsupported")
+
+
+def test_assistant_refusal_part_is_its_text(client):
+    # OpenAI's assistant content may hold {"type": "refusal"} parts (a refused turn sent back): was a 400
+    parts = [{"type": "text", "text": "I "}, {"type": "refusal", "refusal": "cannot."}]
+    ask = [*MSG, {"role": "assistant", "content": parts}, {"role": "user", "content": "ok"}]
+    plain = [*MSG, {"role": "assistant", "content": "I cannot."}, {"role": "user", "content": "ok"}]
+    a = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=1)
+    b = client.chat.completions.create(model=MODEL, messages=plain, max_tokens=1)
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens

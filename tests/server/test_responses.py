@@ -151,10 +151,26 @@ def test_stream_events(client):
         ({"background": True}, "background"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objectx"}}}}, "text.format"),
         ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+        # the Responses spelling of each field (were: max_tokens, messages, tools.0.function.*, text.format)
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "hello " * 300, "max_output_tokens": 8}, "input"),
+        ({"tools": [CHAT_TOOL]}, "tools.0.name"),
+        ({"tools": [{**TOOL, "name": "a b"}]}, "tools.0.name"),
+        ({"tools": [{**TOOL, "parameters": {"type": "array"}}]}, "tools.0.parameters"),
+        (
+            {"tools": [{**TOOL, "parameters": {"properties": {"a": {"type": "strin"}}}}], "tool_choice": "required"},
+            "tools.0.parameters",
+        ),
+        ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input.0.content.0.text"),
+        ({"text": {"format": {}}}, "text.format.type"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
     ],
 )
 def test_unsupported_is_400_naming_the_field(client, kw, param):
-    kw = {"input": "hi", **kw}
+    kw = {"input": "hi", "max_output_tokens": 4, **kw}
     with pytest.raises(openai.BadRequestError) as info:
-        client.responses.create(model=MODEL, max_output_tokens=4, **kw)
+        client.responses.create(model=MODEL, **kw)
     assert info.value.body["param"] == param, info.value.body
+    message = info.value.body["message"]
+    assert param.split(".")[0] in message
+    assert "max_tokens" not in message and "messages" not in message and ".function." not in message

@@ -101,9 +101,36 @@ def test_vllm_fields_on_both_endpoints(client):
         ({"extra_body": {"guided_regex": "a", "guided_choice": ["b"]}}, "guided_choice"),
         ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}}, "guided_regex"),
         ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, "structured_outputs"),
+        ({"response_format": {}}, "response_format.type"),  # was: plain text, silently
+        ({"response_format": {"json_schema": {"name": "x", "schema": {}}}}, "response_format.type"),
     ],
 )
 def test_bad_structured_requests_are_400(client, kw, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, **kw)
     assert info.value.body["param"] == param, info.value.body
+
+
+def test_response_format_on_completions(client):
+    # vLLM takes response_format on /v1/completions too; it was silently ignored here (unconstrained text)
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
+    r = client.completions.create(
+        model=MODEL, prompt="Answer:", max_tokens=30, n=3, extra_body={"response_format": fmt}
+    )
+    assert all(c.finish_reason == "stop" and isinstance(json.loads(c.text)["ok"], bool) for c in r.choices)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=MODEL, prompt="x", max_tokens=4, extra_body={"response_format": fmt, "guided_regex": "a+"}
+        )
+    assert info.value.body["param"] == "guided_regex" and "not both" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=MODEL, prompt="x", max_tokens=4, extra_body={"response_format": {"type": "xml"}}
+        )
+    assert info.value.body["param"] == "response_format.type" and "'xml' is not supported" in info.value.body["message"]

@@ -51,6 +51,58 @@ def test_required_calls_are_valid_every_time(client):
         assert c.message.content is None
 
 
+# pydantic writes a nested model as a $ref into $defs (what the openai-agents SDK and LangChain send for tools whose
+# arguments hold a model); inside the call grammar the reference pointed at the call object's root: a 400 before
+TRIP = {
+    "type": "object",
+    "properties": {"dest": {"$ref": "#/$defs/Place"}, "back": {"anyOf": [{"$ref": "#/$defs/Place"}, {"type": "null"}]}},
+    "required": ["dest", "back"],
+    "additionalProperties": False,
+    "$defs": {
+        "Place": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        }
+    },
+}
+NUMBERED = {
+    "type": "object",
+    "properties": {"n": {"$ref": "#/$defs/Place"}},
+    "required": ["n"],
+    "additionalProperties": False,
+    "$defs": {"Place": {"type": "integer", "minimum": 0, "maximum": 9}},
+}
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+def test_required_call_with_defs_refs(client, served, parser):
+    from polyrl.agents.tool_parsers import get_parser
+    from polyrl.infer.sampling_params import StructuredOutputs
+    from polyrl.infer.structured import GrammarCache
+
+    tools = [
+        {"type": "function", "function": {"name": "book_trip", "parameters": TRIP}},
+        {"type": "function", "function": {"name": "count", "parameters": NUMBERED}},  # its own "Place"
+    ]
+    if parser != "hermes":  # each parser's call grammar compiles (the served model's parser is hermes)
+        tok = served[1].tokenizer
+        for parallel in (True, False):
+            grammar = get_parser(parser).grammar(tools, parallel, tok)
+            GrammarCache(tok, served[1].vocab_size, [tok.eos_token_id]).matcher(StructuredOutputs("lark", grammar))
+        return
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=tools, tool_choice="required", parallel_tool_calls=False,
+        n=4, max_tokens=100, temperature=1.0, seed=3,
+    )  # fmt: skip
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls", c.message.content
+        (call,) = c.message.tool_calls
+        schema = TRIP if call.function.name == "book_trip" else NUMBERED
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
 def test_named_tool_choice_and_streaming_deltas(client):
     named = {"type": "function", "function": {"name": "get_time"}}
     # a response_format alongside a forced call is accepted (as OpenAI does) and the call's grammar wins
@@ -191,18 +243,45 @@ def test_auto_with_a_grammar_or_a_parser_without_call_syntax_is_400(client, monk
     assert plan_tools(SimpleNamespace(tools=TOOLS), "prose", None, None, None).structured is None  # free auto: fine
 
 
+BAD_SCHEMA = {"type": "object", "properties": {"city": {"type": "strin"}}}  # a typo llguidance refuses
+BAD_TOOL = {"type": "function", "function": {"name": "get_city", "parameters": BAD_SCHEMA}}
+
+
 @pytest.mark.parametrize(
-    "kw, param",
+    "kw, param, says",
     [
-        ({"tools": [{"type": "web_search"}]}, "tools.0"),
-        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [{"type": "web_search"}]}, "tools.0", "only function tools"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name", "1-64"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", '"required"'),
+        # a tool_choice object without the function's name (was: "names the function None")
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {}}},
+            "tool_choice.function.name",
+            "needs the function's name",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": "get_time"}},
+            "tool_choice.function.name",
+            "get_time",
+        ),
+        # a tool's schema that does not compile, inside the call grammar (was: the whole grammar, param tool_choice)
+        (
+            {"tools": [*TOOLS, BAD_TOOL], "tool_choice": "required"},
+            "tools.2.function.parameters",
+            "(function 'get_city') is not a JSON schema polyrl can enforce",
+        ),
+        (
+            {"tools": [BAD_TOOL], "response_format": {"type": "json_object"}},
+            "tools.0.function.parameters",
+            "Invalid type: strin",
+        ),
     ],
 )
-def test_bad_tool_requests_are_400_naming_the_field(client, kw, param):
+def test_bad_tool_requests_are_400_naming_the_field(client, kw, param, says):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, **kw)
     assert info.value.status_code == 400
     assert info.value.body["param"] == param, info.value.body
+    assert says in info.value.body["message"] and "<tool_call>" not in info.value.body["message"]
