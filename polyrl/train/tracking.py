@@ -20,7 +20,10 @@ gone, a deleted run) is dropped with one warning by ``MetricsLogger``; the run a
 
 The run is named after the run directory. ``tracking.json`` in the run directory keeps each tracker's run id, so
 a resumed run (``start_step`` > 0) continues the same W&B run (``resume="allow"``) and the same MLflow run;
-TensorBoard purges its events after the resumed step. Libraries are imported lazily (``import polyrl.train``
+TensorBoard purges its events after the resumed step. Steps the interrupted run logged after its checkpoint are
+logged again by the resumed run: ``metrics.jsonl`` and TensorBoard hold each step once (the resumed run's), MLflow
+keeps both values of such a step (its metric history cannot be cut), and W&B ignores a step below the last it has
+(so there those steps keep the interrupted run's values). Libraries are imported lazily (``import polyrl.train``
 stays cheap and none of them is required).
 """
 
