@@ -165,3 +165,22 @@ def test_reward_errors_exit_2_before_the_model_loads(extra, message, odd_file, t
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "no-model" not in err, err
+
+
+def test_a_failing_reward_in_a_run_names_the_spec_the_fallback_and_the_line(tiny_model_dir, tmp_path, capsys):
+    """The per-step line said only 'reward function failure (N this step): error: RuntimeError: boom': not which
+    reward, what the samples were given instead, nor where it raised."""
+    from polyrl.cli.main import main
+
+    f = tmp_path / "boom.py"
+    f.write_text("def fn(completion, example):\n    raise RuntimeError('boom')\n")
+    argv = ["train", "--algo", "grpo", "--model", str(tiny_model_dir), "--data", "builtin:arithmetic?max=9&n=4"]
+    argv += ["--out", str(tmp_path / "o"), "--max-steps", "1", "--reward", f"{f}:fn", "--reward-workers", "0"]
+    argv += ["--prompts-per-step", "1", "--n", "2", "--max-new-tokens", "2", "--report-to", "none"]
+    argv += ["--micro-batch-tokens", "256", "--set", "grpo.failure_reward=-0.5"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"step 1: reward '{f}:fn' failed on 2 of 2 samples (each scored failure_reward=-0.5; counted in "
+        "reward_failures_*): error: RuntimeError: boom (boom.py:2 in fn)"
+    ) in out, out
