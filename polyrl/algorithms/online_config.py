@@ -8,6 +8,7 @@ Not here: the loop itself (``polyrl.run.online``), agentic episodes (``polyrl.ag
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,8 +166,15 @@ class OnlineConfig:
             raise ConfigError(f"{name}.top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.reward_workers, int) or self.reward_workers < 0:
             raise ConfigError(f"{name}.reward_workers must be >= 0, got {self.reward_workers!r}")
-        if not self.reward_timeout > 0:
-            raise ConfigError(f"{name}.reward_timeout must be > 0 seconds, got {self.reward_timeout}")
+        if not _finite_number(self.reward_timeout) or not self.reward_timeout > 0:
+            raise ConfigError(
+                f"{name}.reward_timeout must be a number of seconds > 0, got {self.reward_timeout!r} (e.g. 10.0)"
+            )
+        if not _finite_number(self.failure_reward):
+            raise ConfigError(
+                f"{name}.failure_reward must be a finite number (the reward of a failed call, e.g. 0.0), got "
+                f"{self.failure_reward!r}"
+            )
         if self.rollout_response_format:
             # lazy: the spec parser lives with SamplingParams (infer), needed only when rollouts are constrained
             from polyrl.errors import UserError
@@ -283,6 +291,10 @@ class OnlineHooks(Protocol):
     def normalizer(self, tokens: float, sequences: int) -> float: ...
 
     def make_loss(self, tokens_in_step: float, normalizer: float) -> LossFn: ...
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 __all__ = ["LossFn", "OnlineConfig", "OnlineHooks"]

@@ -11,16 +11,22 @@ The signature every reward function has::
 
 The function may be ``async def`` (an awaitable result is run to completion in its worker). A dict result must
 hold ``"reward"``; its other numeric keys are averaged into the step metrics as
-``reward/<key>``. Booleans count as 0/1. Anything else (an exception, a timeout, None, a string, NaN or inf) is a
-*failure*: the completion gets ``failure_reward`` and the failure is counted by kind (``error``, ``timeout``,
-``non_number``, ``crash``). The run never stops because of a reward function: a worker that hangs past the
-timeout is killed and replaced, one that dies (segfault, ``os._exit``) is replaced.
+``reward/<key>``. Booleans count as 0/1; numpy numbers, numpy booleans and 0-d arrays / tensors count as the number
+they hold. Anything else (an exception, a timeout, None, a string, a list, NaN or inf) is a *failure*: the
+completion gets ``failure_reward`` and the failure is counted by kind (``error``, ``timeout``, ``non_number``,
+``crash``), its message saying what came back (an exception: the file, line and function that raised). The run
+never stops because of a reward function: a worker that hangs past the timeout is killed and replaced, one that dies
+(segfault, ``os._exit``) is replaced.
 
 Specs (``resolve``): a builtin name (``BUILTINS``: ``exact_match``, ``numeric``, ``boxed``, ``think_format``,
 ``length_penalty``, ``code_exec``: the pass fraction of the row's tests run in a sandbox), ``path/to/file.py:fn``,
 ``package.module:fn``, or a weighted sum of builtins such as
-``exact_match+0.2*think_format``. ``register_reward(name, fn)`` adds a builtin (in the parent process; workers
-started afterwards by forking see it, spawned ones only see module-level registrations).
+``exact_match+0.2*think_format`` (builtins only: a function of your own returns its combined reward itself).
+``resolve`` imports a file and checks that its function can be called as ``fn(completion, example)``; a run does so
+when its config is checked, before any model loads, so a missing file, an import error, a misspelt name or weight
+and a wrong signature are a ``ConfigError`` naming the file and function. ``register_reward(name, fn)`` adds a
+builtin (in the parent process; workers started afterwards by forking see it, spawned ones only see module-level
+registrations).
 
 Workers are processes from the ``forkserver`` context (``spawn`` where there is none), preloaded with this module
 and ``polyrl.data.builtin`` so a replacement worker starts in milliseconds. ``workers=0`` calls the function in
@@ -37,11 +43,13 @@ import math
 import re
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from numbers import Real
+from pathlib import Path
 from typing import Any
 
 from polyrl.algorithms.sandbox import example_tests, extract_code, run_tests
@@ -150,16 +158,33 @@ class _Weighted:
         return sum(w * _number(BUILTINS[name](completion, example)) for w, name in self.terms)
 
 
-_TERM_RE = re.compile(r"^\s*(?:([0-9.eE+-]+)\s*\*\s*)?([A-Za-z_][A-Za-z0-9_]*)\s*$")
+_TERM_RE = re.compile(r"^\s*(?:(.*?)\s*\*\s*)?([^*]*?)\s*$")
 
 
-def _parse_sum(spec: str) -> list[tuple[float, str]] | None:
+def _parse_sum(spec: str) -> list[tuple[float, str]]:
+    """The ``(weight, builtin name)`` terms of ``w1*name1+name2+...``; a ConfigError names the term that is wrong
+    (a weight that is not a finite number, an unknown name, an empty term)."""
     terms = []
-    for part in re.split(r"\s*\+\s*(?=[A-Za-z0-9.])", spec):
+    for part in re.split(r"(?<![0-9][eE])\+", spec):  # not the sign of an exponent (1e+3)
         m = _TERM_RE.match(part)
-        if m is None or m.group(2) not in BUILTINS:
-            return None
-        terms.append((float(m.group(1)) if m.group(1) else 1.0, m.group(2)))
+        weight, name = (m.group(1), m.group(2)) if m else (None, part.strip())
+        if not name:
+            raise ConfigError(f"the reward sum {spec!r} has an empty term; write it as exact_match+0.2*think_format")
+        if name not in BUILTINS:
+            raise ConfigError(
+                f"unknown reward {name!r} in {spec!r}{did_you_mean(name, BUILTINS)}; a sum adds builtins "
+                f"({', '.join(sorted(BUILTINS))}), each optionally weighted as 0.2*name"
+            )
+        try:
+            w = 1.0 if weight is None else float(weight)
+        except ValueError:
+            raise ConfigError(
+                f"reward term {part.strip()!r} of {spec!r}: the weight {weight!r} is not a number; write it as "
+                f"0.2*{name}"
+            ) from None
+        if not math.isfinite(w):
+            raise ConfigError(f"reward term {part.strip()!r} of {spec!r}: the weight must be a finite number")
+        terms.append((w, name))
     return terms
 
 
@@ -170,32 +195,78 @@ def resolve(spec: str) -> RewardFn:
     spec = spec.strip()
     if spec in BUILTINS:
         return BUILTINS[spec]
-    terms = _parse_sum(spec)
-    if terms is not None:
-        return _Weighted(terms)
     target, sep, name = spec.rpartition(":")
-    if not sep or not target or not name:
+    if not sep:
+        if spec.endswith(".py") or "/" in spec:
+            raise ConfigError(f"reward {spec!r} names a file but no function; add it: --reward {spec}:FUNCTION_NAME")
+        if "+" in spec or "*" in spec:
+            return _Weighted(_parse_sum(spec))
         raise ConfigError(
             f"unknown reward {spec!r}{did_you_mean(spec, BUILTINS)}; use a builtin ({', '.join(sorted(BUILTINS))}), "
-            "a sum such as "
-            f"exact_match+0.2*think_format, or path/to/file.py:function"
+            "a sum such as exact_match+0.2*think_format, or path/to/file.py:function"
+        )
+    if not target or not name:
+        raise ConfigError(f"reward {spec!r}: give both the file and the function, as path/to/file.py:function")
+    if ("+" in target or "*" in target) and not Path(target).is_file():
+        raise ConfigError(
+            f"the reward sum {spec!r} adds a function of your own to other terms; a sum takes builtin names (and the "
+            "judge / model terms) only. Return the combined reward from your function instead (it may call "
+            "polyrl.algorithms.rewards.exact_match(completion, example) and the other builtins)"
         )
     module = load_user_module(target, spec)
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise ConfigError(f"reward {spec!r}: {target} has no function {name!r}")
+        defined = sorted(
+            k
+            for k, v in vars(module).items()
+            if inspect.isfunction(v) and v.__module__ == module.__name__ and not k.startswith("_")
+        )
+        listed = ", ".join(defined[:12]) + (", ..." if len(defined) > 12 else "")
+        known = f"; it defines {listed}" if defined else "; it defines no function"
+        raise ConfigError(f"reward {spec!r}: {target} has no function {name!r}{did_you_mean(name, defined)}{known}")
+    _check_signature(fn, spec, name)
     return fn
 
 
+def _check_signature(fn: Any, spec: str, name: str) -> None:
+    """ConfigError when ``fn`` cannot be called as ``fn(completion, example)`` (every call would fail)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or extension callable without a signature: its calls will tell
+        return
+    try:
+        sig.bind("completion", {})
+    except TypeError as exc:
+        raise ConfigError(
+            f"reward {spec!r}: {name}{sig} cannot be called as {name}(completion, example) ({exc}); a reward "
+            f"function takes the completion text and the example dict: def {name}(completion, example) -> float"
+        ) from None
+
+
 # ---- one call -----------------------------------------------------------------------------------
+def _scalar(value: Any) -> Any:
+    """A 0-d numpy / torch value (``np.bool_``, ``np.array(0.5)``, ``torch.tensor(0.5)``) as the Python number it
+    holds; anything else as it is."""
+    if not isinstance(value, Real) and getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        return value.item()
+    return value
+
+
 def _number(value: Any) -> float:
     """The reward of a function's return value; raises TypeError/ValueError for a non-number."""
     if isinstance(value, Mapping):
         if "reward" not in value:
-            raise TypeError(f"a dict reward needs a 'reward' key, got keys {sorted(value)[:5]}")
+            raise TypeError(f"a dict reward needs a 'reward' key, got keys {sorted(map(str, value))[:5]}")
         value = value["reward"]
+    value = _scalar(value)
     if not isinstance(value, Real):
-        raise TypeError(f"reward is {type(value).__name__} {str(value)[:60]!r}, not a number")
+        several = isinstance(value, (list, tuple)) or bool(getattr(value, "ndim", 0))
+        hint = (
+            "; a reward function scores one completion: return one number, not one per sample"
+            if several
+            else "; return a float, an int, a bool or a dict with a 'reward' number"
+        )
+        raise TypeError(f"reward is {type(value).__name__} {str(value)[:60]!r}, not a number{hint}")
     out = float(value)
     if not math.isfinite(out):
         raise ValueError(f"reward is {out}")
@@ -207,9 +278,18 @@ def _extras(value: Any) -> dict[str, float]:
         return {}
     out = {}
     for k, v in value.items():
+        v = _scalar(v)
         if k != "reward" and isinstance(v, Real) and math.isfinite(float(v)):
             out[str(k)] = float(v)
     return out
+
+
+def _raised(exc: BaseException) -> str:
+    """``RuntimeError: boom (my_rewards.py:12 in score)``: the exception and the line that raised it."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    text = f"{type(exc).__name__}: {exc}"
+    return (text[: 300 - len(where)] + where) if len(text) + len(where) > 300 else text + where
 
 
 async def _awaited(value: Any) -> Any:
@@ -223,7 +303,7 @@ def call_once(fn: RewardFn, completion: str, example: Mapping[str, Any]) -> tupl
         if inspect.isawaitable(value):  # an ``async def`` reward: run to completion in this process
             value = asyncio.run(_awaited(value))
     except Exception as exc:  # noqa: BLE001 - any user exception is a counted failure
-        return "error", f"{type(exc).__name__}: {exc}"[:300], {}
+        return "error", _raised(exc), {}
     try:
         return "ok", _number(value), _extras(value)
     except (TypeError, ValueError) as exc:

@@ -262,8 +262,14 @@ def load_user_module(target: str, spec: str, what: str = "reward") -> Any:
     ConfigError says what is wrong. A file is imported once per process (cached in ``sys.modules``)."""
     if target.endswith(".py") or os.sep in target:
         path = Path(target).resolve()
+        if path.is_dir():
+            raise ConfigError(
+                f"{what} file {target!r} is a folder (from --{what} {spec!r}); give the Python file in it: "
+                f"--{what} path/to/file.py:name"
+            )
         if not path.is_file():
-            raise ConfigError(f"{what} file {target!r} does not exist (from --{what} {spec!r})")
+            where = "" if str(path) == target else f" (looked for {path})"
+            raise ConfigError(f"{what} file {target!r} does not exist{where} (from --{what} {spec!r})")
         mod_name = f"polyrl_user_{what}_{abs(hash(str(path)))}"
         if mod_name in sys.modules:
             return sys.modules[mod_name]

@@ -12,10 +12,7 @@ import argparse
 from pathlib import Path
 
 from polyrl.errors import ConfigError
-from polyrl.run.rollout_log import FILE as ROLLOUTS_FILE
-from polyrl.run.viewer import MAX_ROLLOUT_STEPS, serve, write_page
-
-RUN_FILES = ("metrics.jsonl", ROLLOUTS_FILE)
+from polyrl.run.viewer import MAX_ROLLOUT_STEPS, RUN_FILES, serve, write_page
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

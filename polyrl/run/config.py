@@ -30,6 +30,7 @@ import copy
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -283,6 +284,7 @@ def build(raw: dict[str, Any]) -> RunConfig:
             raise ConfigError(f'no {key} given; pass --{key} DIR (or set {key} = "..." in the config file)')
     if Path(raw["out"]).exists() and not Path(raw["out"]).is_dir():
         raise ConfigError(f"--out {raw['out']!r} is a file; the run directory must be a folder (new, or a run's)")
+    check_writable_dir(raw["out"], "--out")
     _check_data(built["data"], spec)
     model = raw["model"]
     lora = _lora(lora_raw, model)
@@ -397,6 +399,22 @@ def resolve(config_file: str | None, overrides: list[tuple[str, Any]]) -> RunCon
     """The run of ``config_file`` (optional) with ``overrides`` applied in order."""
     raw = load_file(config_file) if config_file else {}
     return build(apply_overrides(raw, overrides))
+
+
+def check_writable_dir(folder: str | Path, what: str) -> None:
+    """ConfigError when ``folder`` (a run directory, made if missing) cannot be made or written: a file on its path,
+    a folder without write permission or on a read-only file system. Checked before any model loads."""
+    path = Path(folder).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(
+            f"{what} {str(folder)!r} cannot be made: {existing} is a file, not a folder; choose another path"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{what} {str(folder)!r}: cannot write in {existing} (no write permission, or a read-only file system); "
+            "choose a folder you can write"
+        )
 
 
 def save_resolved(cfg: RunConfig, out_dir: str | Path) -> Path:

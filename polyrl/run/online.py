@@ -365,7 +365,10 @@ class OnlineRun(AsyncSteps, DataParallelSteps):
         if self.structured is not None:  # what the grammar mask removed: 0 = the policy already follows the format
             m["rollout_mask_logmass"] = sum(s.masked_logmass or 0.0 for s in samples) / max(1, sum(lengths))
         for msg in res.messages[:1]:
-            self.print(f"step {step + 1}: reward function failure ({res.num_failures} this step): {msg}")
+            self.print(
+                f"step {step + 1}: reward {self.a.reward!r} failed on {res.num_failures} of {len(samples)} samples "
+                f"(each scored failure_reward={self.a.failure_reward:g}; counted in reward_failures_*): {msg}"
+            )
         return samples, res.rewards, m
 
     def split(self, step: int, keep: list[int]) -> list[list[int]]:

@@ -114,18 +114,24 @@ class RolloutLog:
         self._file.close()
 
 
+def _whole(value: Any) -> bool:
+    """An int (or a float holding one): a row's step or sample index; anything else marks a damaged row."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer()
+
+
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a ``rollouts.jsonl`` (torn lines skipped), the last per ``(step, sample)``, in step order."""
+    """The rows of a ``rollouts.jsonl`` (torn lines and rows without a whole-number step / sample skipped), the last
+    per ``(step, sample)``, in step order."""
     path = Path(path)
     if not path.exists():
         return []
     last: dict[tuple[int, int], dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(row, dict) and "step" in row:
+        if isinstance(row, dict) and _whole(row.get("step")) and _whole(row.get("sample", 0)):
             last[(int(row["step"]), int(row.get("sample", 0)))] = row
     return [last[k] for k in sorted(last)]
 

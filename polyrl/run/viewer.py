@@ -10,6 +10,10 @@ The page holds the run's data as JSON and draws it with its own inline script an
   calls, observations) and its tokens coloured by |rollout - trainer| log-prob (when the trainer's were measured) or
   by the rollout's own probability. The URL hash ``#step=S&sample=I`` selects (and opens) a sample on load.
 
+A folder is a run directory when it holds any of ``RUN_FILES`` (``run_config.json`` is written before the first
+step). What the page lacks is listed at its top, in the HTML itself: no ``metrics.jsonl`` yet, one without a step,
+lines that could not be read (a last line cut by a crash mid-write), an unreadable ``summary.json``.
+
 ``render`` returns the page, ``write_page`` writes it, ``serve`` serves it on localhost (re-rendered per request, so
 a reload shows a live run's new steps) until Ctrl-C. At most ``max_rollout_steps`` steps of rollouts go into a page
 (evenly spaced, first and last kept) so that a long run's page stays loadable.
@@ -53,6 +57,10 @@ CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("MFU", ("mfu",)),
 )
 MAX_ROLLOUT_STEPS = 200
+METRICS_FILE = "metrics.jsonl"
+# any of these makes a folder a run directory: the resolved config is written before the first step, the summary at
+# the end (polyrl.run.config.RESOLVED_NAME, polyrl.train.metrics)
+RUN_FILES = (METRICS_FILE, ROLLOUTS_FILE, "run_config.json", "summary.json")
 
 
 def _finite(v: Any) -> bool:
@@ -61,18 +69,60 @@ def _finite(v: Any) -> bool:
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """``metrics.jsonl``'s records, the last per step, in step order (torn lines skipped)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
+    return _read_metrics(run_dir)[0]
+
+
+def _read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
+    """``read_metrics`` and how many non-blank lines were skipped (torn by a crash mid-write, or not a step)."""
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return [], 0
     by_step: dict[int, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
+    skipped = 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
+            skipped += 1
             continue
         if isinstance(rec, dict) and _finite(rec.get("step")):
             by_step[int(rec["step"])] = rec
-    return [by_step[s] for s in sorted(by_step)]
+        else:
+            skipped += 1
+    return [by_step[s] for s in sorted(by_step)], skipped
+
+
+def _read_summary(run_dir: Path) -> tuple[dict[str, Any], str | None]:
+    """``summary.json`` (written when a run ends) and a note when it is there but unreadable."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        return {}, None
+    try:
+        summary = json.loads(path.read_text(errors="replace"))
+    except json.JSONDecodeError:
+        summary = None
+    if not isinstance(summary, dict):
+        return {}, "summary.json is not a JSON object (cut short or edited); the run's summary is left out"
+    return summary, None
+
+
+def _notes(run_dir: Path, metrics: list[dict[str, Any]], skipped: int, summary_note: str | None) -> list[str]:
+    """What the page lacks and why: no metrics.jsonl (yet), no step in it, lines that could not be read."""
+    notes = []
+    if not (run_dir / METRICS_FILE).is_file():
+        notes.append(f"no {METRICS_FILE} in this run directory yet: curves appear once the run logs its first step")
+    elif not metrics:
+        notes.append(f"{METRICS_FILE} has no step yet: curves appear once the run logs its first step")
+    if skipped:
+        notes.append(
+            f"{METRICS_FILE}: {skipped} line(s) could not be read and were skipped (a last line cut by a crash "
+            "mid-write, or an edited file)"
+        )
+    if summary_note:
+        notes.append(summary_note)
+    return notes
 
 
 def _spaced(steps: list[int], k: int) -> set[int]:
@@ -89,10 +139,13 @@ def load_run(run_dir: str | Path, max_rollout_steps: int = MAX_ROLLOUT_STEPS) ->
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir} is not a run directory")
-    metrics = read_metrics(run_dir)
+    if not any((run_dir / name).is_file() for name in RUN_FILES):
+        raise ConfigError(
+            f"{run_dir} is not a run directory: it has none of {', '.join(RUN_FILES)}; give the --out directory of a "
+            "polyrl train run"
+        )
+    metrics, skipped = _read_metrics(run_dir)
     rollouts = read_rows(run_dir / ROLLOUTS_FILE)
-    if not metrics and not rollouts:
-        raise ConfigError(f"{run_dir} has neither metrics.jsonl nor {ROLLOUTS_FILE}; is it a polyrl train --out dir?")
     present = list(dict.fromkeys(k for r in metrics for k, v in r.items() if _finite(v)))
     charts = []
     for title, names in CHARTS:
@@ -105,13 +158,9 @@ def load_run(run_dir: str | Path, max_rollout_steps: int = MAX_ROLLOUT_STEPS) ->
             charts.append({"title": title, "series": series})
     steps = sorted({int(r["step"]) for r in rollouts})
     shown = _spaced(steps, max_rollout_steps)
-    summary = {}
-    if (run_dir / "summary.json").exists():
-        try:
-            summary = json.loads((run_dir / "summary.json").read_text())
-        except json.JSONDecodeError:
-            summary = {}
+    summary, summary_note = _read_summary(run_dir)
     return {
+        "notes": _notes(run_dir, metrics, skipped, summary_note),
         "run": str(run_dir.resolve()),
         "name": run_dir.resolve().name,
         "steps": int(metrics[-1]["step"]) if metrics else (steps[-1] if steps else 0),
@@ -127,16 +176,32 @@ def render(run_dir: str | Path, max_rollout_steps: int = MAX_ROLLOUT_STEPS) -> s
     data = load_run(run_dir, max_rollout_steps)
     # "<" escaped inside the JSON strings: nothing in the data can close the script element
     blob = json.dumps(data, default=str, separators=(",", ":")).replace("<", "\\u003c")
-    parts = {"TITLE": html.escape(f"polyrl run {data['name']}"), "STYLE": _STYLE, "DATA": blob, "SCRIPT": _SCRIPT}
-    return re.sub(r"__(TITLE|STYLE|DATA|SCRIPT)__", lambda m: parts[m.group(1)], _PAGE)  # one pass: data stays data
+    notes = "".join(f"<li>{html.escape(n)}</li>" for n in data["notes"])  # in the HTML itself: no script needed
+    parts = {
+        "TITLE": html.escape(f"polyrl run {data['name']}"),
+        "NOTES": notes,
+        "STYLE": _STYLE,
+        "DATA": blob,
+        "SCRIPT": _SCRIPT,
+    }
+    return re.sub(r"__(TITLE|NOTES|STYLE|DATA|SCRIPT)__", lambda m: parts[m.group(1)], _PAGE)  # one pass
 
 
 def write_page(run_dir: str | Path, out: str | Path | None = None, max_rollout_steps: int = MAX_ROLLOUT_STEPS) -> Path:
     """Write the page (default ``RUN_DIR/viewer.html``); its path."""
     out = Path(out) if out is not None else Path(run_dir) / "viewer.html"
     page = render(run_dir, max_rollout_steps)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(page, encoding="utf-8")
+    folder = out.parent.absolute()
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"cannot write the page to {out}: {existing} is a file, not a folder; give --out a file path")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(page, encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write the page to {out}: {exc.strerror or exc}; give --out a file path you can write"
+        ) from None
     return out
 
 
@@ -157,7 +222,11 @@ def serve(
             if self.path.split("?", 1)[0] not in ("/", "/index.html"):
                 self.send_error(404, "only / is served")
                 return
-            body = render(run_dir, max_rollout_steps).encode("utf-8")
+            try:
+                body = render(run_dir, max_rollout_steps).encode("utf-8")
+            except ConfigError as exc:  # the folder changed under a live page (moved, emptied): say so, no traceback
+                self.send_error(500, "polyrl view", str(exc))
+                return
             self.send_response(200)
             self.send_header("Content-Type", "text/html; charset=utf-8")
             self.send_header("Content-Length", str(len(body)))
@@ -188,6 +257,7 @@ _PAGE = """<!DOCTYPE html>
 </head><body>
 <main id="viewer" data-ready="0">
 <header><h1 id="title">polyrl run</h1><div id="meta"></div></header>
+<ul id="notes">__NOTES__</ul>
 <section id="curves"><h2>Curves</h2><div id="charts"></div></section>
 <section id="rollouts"><h2>Rollouts</h2>
 <div id="step-bar"><button id="prev" type="button">&#9664;</button>
@@ -210,6 +280,7 @@ main{max-width:1400px;margin:0 auto;padding:14px 20px}
 header{display:flex;align-items:baseline;gap:16px;flex-wrap:wrap;border-bottom:1px solid var(--line);padding-bottom:6px}
 h1{font-size:20px;margin:0}h2{font-size:16px;margin:14px 0 8px}
 #meta{color:var(--muted);font-size:13px}
+#notes{color:#9a6700;font-size:13px;margin:6px 0;padding-left:18px}#notes:empty{display:none}
 #charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(270px,1fr));gap:10px}
 .chart{border:1px solid var(--line);border-radius:6px;padding:6px 8px;background:var(--bg);position:relative}
 .chart h3{font-size:13px;margin:0 0 2px;font-weight:600}
@@ -524,4 +595,4 @@ _SCRIPT = r"""
 })();
 """
 
-__all__ = ["CHARTS", "MAX_ROLLOUT_STEPS", "load_run", "read_metrics", "render", "serve", "write_page"]
+__all__ = ["CHARTS", "MAX_ROLLOUT_STEPS", "RUN_FILES", "load_run", "read_metrics", "render", "serve", "write_page"]

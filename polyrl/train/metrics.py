@@ -1,8 +1,10 @@
-"""Run metrics: ``metrics.jsonl`` (one flushed JSON object per step), the trackers ``report_to`` names
-(TensorBoard, W&B, MLflow: ``polyrl.train.tracking``; by default TensorBoard when installed), a rich progress
-bar with ETA (a plain line every N steps when stdout is not a terminal), and at the end a ``summary.json`` +
-printed table and a ``metrics.png`` plot of loss, lr and any other named series (a name with ``*``, such as
-``eval_pass@*``, is one panel with a line per matching metric).
+"""Run metrics: ``metrics.jsonl`` (one flushed, strict JSON object per step: NaN / inf as ``"nan"`` / ``"inf"``,
+arrays and tensors as lists, other objects as their ``str``; a resume drops torn and non-record lines), the
+trackers ``report_to`` names (TensorBoard, W&B, MLflow: ``polyrl.train.tracking``; by default TensorBoard when
+installed; one that fails mid-run is dropped with a warning), a rich progress bar with ETA (a plain line every N
+steps when stdout is not a terminal), and at the end a ``summary.json`` + printed table and a ``metrics.png`` plot
+of loss, lr and any other named series (a name with ``*``, such as ``eval_pass@*``, is one panel with a line per
+matching metric).
 
 It only records what it is handed (``StepStats`` or plain dicts); it computes no training numbers.
 matplotlib and the trackers' libraries (optional) are imported lazily, so importing this module stays cheap; without
@@ -26,7 +28,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from polyrl.train.tracking import numeric, open_trackers, parse_report_to
+from polyrl.errors import UserError
+from polyrl.train.tracking import TRACKERS, error_line, numeric, open_trackers, parse_report_to
 
 DEFAULT_PLOT_SERIES = ("loss", "lr", "grad_norm")
 LINE_WIDTH = 80  # the plain progress line's width (a log file or a pipe has no terminal width)
@@ -60,7 +63,12 @@ class MetricsLogger:
     ) -> None:
         trackers = [n for n in parse_report_to(report_to) if tensorboard or n != "tensorboard"]
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(
+                f"cannot make the run directory {self.run_dir}: {exc.strerror or exc}; choose a folder you can write"
+            ) from None
         self.path = self.run_dir / "metrics.jsonl"
         self.total_steps = total_steps
         self.log_every = max(1, log_every)
@@ -79,11 +87,13 @@ class MetricsLogger:
         if not self.path.exists():
             return []
         kept = []
-        for line in self.path.read_text().splitlines():
+        for line in self.path.read_text(errors="replace").splitlines():
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line torn by a crash mid-write
+            if not isinstance(rec, dict) or not _finite(rec.get("step", 0)):
+                continue  # not a step record (an edited or damaged line)
             if start_step > 0 and int(rec.get("step", 0)) <= start_step:  # step 0: an evaluation before training
                 kept.append(rec)
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
@@ -111,20 +121,33 @@ class MetricsLogger:
     def log(self, record: Any) -> dict[str, Any]:
         """Append one step's record (``StepStats`` or a dict with ``step``); returns the dict written."""
         raw = record.to_dict() if hasattr(record, "to_dict") else dict(record)
-        rec = {k: _jsonable(v) for k, v in raw.items()}
-        self._file.write(json.dumps(rec) + "\n")
+        rec = {str(k): _jsonable(v) for k, v in raw.items()}
+        self._file.write(json.dumps(rec, allow_nan=False) + "\n")
         self._file.flush()
         self.history.append(rec)
-        step = int(rec.get("step", len(self.history)))
+        step = int(rec["step"]) if _finite(rec.get("step")) else len(self.history)
         if self._trackers:
             values = numeric(raw)  # before _jsonable: a NaN stays a number here
-            for tracker in self._trackers:
-                tracker.log(values, step)
+            for tracker in list(self._trackers):
+                try:
+                    tracker.log(values, step)
+                except Exception as exc:  # noqa: BLE001 - a tracker's failure (server gone, disk full) ends only it
+                    self._drop(tracker, f"failed at step {step}: {error_line(exc)}")
         if self._bar is not None:
             self._bar.update(self._task, completed=step, info=_short(rec, self._info_width))
         elif step % self.log_every == 0 or step == self.total_steps:
             print(self._plain_line(step, rec), file=self.stream, flush=True)
         return rec
+
+    def _drop(self, tracker: Any, what: str) -> None:
+        """Stop reporting to ``tracker`` (it failed), saying so once; the run and metrics.jsonl go on."""
+        self._trackers.remove(tracker)
+        name = next((n for n, cls in TRACKERS.items() if isinstance(tracker, cls)), type(tracker).__name__)
+        print(
+            f"warning: tracker {name} {what}; no more steps go to {name} in this run (metrics.jsonl keeps them all)",
+            file=self.stream,
+            flush=True,
+        )
 
     def _plain_line(self, step: int, rec: dict[str, Any]) -> str:
         total = f"/{self.total_steps}" if self.total_steps else ""
@@ -171,11 +194,15 @@ class MetricsLogger:
             self._bar = None
         self._file.close()
         summary = self.summary(extra)
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        clean = {str(k): _jsonable(v) for k, v in summary.items()}  # strict JSON: NaN as "nan"
+        (self.run_dir / "summary.json").write_text(json.dumps(clean, indent=2, allow_nan=False) + "\n")
         ok = not str(summary.get("status", "finished")).startswith("failed")
-        trackers, self._trackers = self._trackers, []
-        for tracker in trackers:
-            tracker.finish(summary, ok)
+        for tracker in list(self._trackers):
+            try:
+                tracker.finish(summary, ok)
+            except Exception as exc:  # noqa: BLE001 - the summary is in summary.json whatever a tracker does
+                self._drop(tracker, f"failed to record the summary: {error_line(exc)}")
+        self._trackers = []
         self.plot = None  # the drawn metrics.png, if any
         try:
             self.plot = plot_metrics(self.history, self.run_dir / "metrics.png", self.plot_series)
@@ -297,8 +324,19 @@ def _finite(value: Any) -> bool:
 
 
 def _jsonable(value: Any) -> Any:
-    if hasattr(value, "item"):
+    """``value`` as strict JSON can hold it: 0-d tensors and numpy scalars as their number, arrays and tensors as
+    lists, non-finite floats as ``"nan"`` / ``"inf"`` / ``"-inf"`` (strict JSON has no NaN; also inside lists and
+    dicts), anything else that is not JSON as its ``str``."""
+    if callable(getattr(value, "item", None)) and getattr(value, "ndim", None) == 0:
         value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # "nan" / "inf": strict JSON has no NaN
-    return value
+    elif callable(getattr(value, "tolist", None)):
+        value = value.tolist()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if value is None or isinstance(value, (str, int)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value)

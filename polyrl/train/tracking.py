@@ -14,9 +14,16 @@ Every tracker records the same three things:
   (``metric_name``); TensorBoard and W&B take the names as they are;
 - the end-of-run summary (``summary.json``), once, under ``summary/<key>``.
 
+A tracker that cannot start (its settings, a login, a server that does not answer) is a ``UserError`` naming it,
+the library's message and what to check (``Tracker.fix``), or ``--report-to none``. One that fails later (its server
+gone, a deleted run) is dropped with one warning by ``MetricsLogger``; the run and ``metrics.jsonl`` go on.
+
 The run is named after the run directory. ``tracking.json`` in the run directory keeps each tracker's run id, so
 a resumed run (``start_step`` > 0) continues the same W&B run (``resume="allow"``) and the same MLflow run;
-TensorBoard purges its events after the resumed step. Libraries are imported lazily (``import polyrl.train``
+TensorBoard purges its events after the resumed step. Steps the interrupted run logged after its checkpoint are
+logged again by the resumed run: ``metrics.jsonl`` and TensorBoard hold each step once (the resumed run's), MLflow
+keeps both values of such a step (its metric history cannot be cut), and W&B ignores a step below the last it has
+(so there those steps keep the interrupted run's values). Libraries are imported lazily (``import polyrl.train``
 stays cheap and none of them is required).
 """
 
@@ -31,7 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from polyrl.errors import ConfigError
+from polyrl.errors import ConfigError, UserError
 
 TRACK_EXTRA = "pip install -e '.[track]' in the polyrl clone"
 STATE_NAME = "tracking.json"  # {tracker name: its run id} in the run directory, for resume
@@ -44,6 +51,7 @@ class Tracker:
 
     module = ""  # the library that must import
     package = ""  # its pip name
+    fix = ""  # what to check when it fails to start
 
     def __init__(self, run_dir: Path, name: str, config: dict[str, Any] | None, start_step: int, run_id: str | None):
         self.run_id: str | None = None
@@ -59,6 +67,7 @@ class TensorBoardTracker(Tracker):
     """Event files in ``<run_dir>/tensorboard``: a scalar per name, the config and the summary as text."""
 
     module = package = "tensorboard"
+    fix = "check that <out>/tensorboard can be written"
 
     def __init__(self, run_dir: Path, name: str, config: dict[str, Any] | None, start_step: int, run_id: str | None):
         super().__init__(run_dir, name, config, start_step, run_id)
@@ -86,6 +95,10 @@ class WandbTracker(Tracker):
     ``WANDB_DIR`` is set): the config as the run config, steps as history, the summary in the run summary."""
 
     module = package = "wandb"
+    fix = (
+        "check the WANDB_* variables (WANDB_MODE=offline runs without an account; `wandb login` or WANDB_API_KEY "
+        "for online runs)"
+    )
 
     def __init__(self, run_dir: Path, name: str, config: dict[str, Any] | None, start_step: int, run_id: str | None):
         super().__init__(run_dir, name, config, start_step, run_id)
@@ -120,6 +133,7 @@ class MlflowTracker(Tracker):
 
     module = "mlflow"
     package = "mlflow-skinny"
+    fix = "check MLFLOW_TRACKING_URI (e.g. sqlite:///mlflow.db, or http://HOST:5000 of a server that answers)"
     PARAM_CHARS = 500  # the smallest limit MLflow servers have had on a param value
     BATCH = 100  # params per log_batch call (MLflow's limit)
 
@@ -212,7 +226,17 @@ def open_trackers(run_dir: Path, names: Sequence[str], config: dict[str, Any] | 
     state_path = run_dir / STATE_NAME
     state = _read_state(state_path) if start_step > 0 else {}
     name = run_dir.resolve().name
-    trackers = [TRACKERS[n](run_dir, name, config, start_step, state.get(n)) for n in names]
+    trackers: list[Tracker] = []
+    for n in names:
+        try:
+            trackers.append(TRACKERS[n](run_dir, name, config, start_step, state.get(n)))
+        except Exception as exc:  # noqa: BLE001 - the library's own error (settings, login, server): say which and how
+            for opened in trackers:
+                _finish_quietly(opened)
+            raise UserError(
+                f"train.report_to: {n} could not start: {error_line(exc)}; {TRACKERS[n].fix}, or leave it out "
+                "(--report-to none; metrics.jsonl always has every step)"
+            ) from None
     ids = {n: t.run_id for n, t in zip(names, trackers) if t.run_id is not None}
     if ids:
         state_path.write_text(json.dumps({**state, **ids}, indent=2) + "\n")
@@ -220,14 +244,28 @@ def open_trackers(run_dir: Path, names: Sequence[str], config: dict[str, Any] | 
 
 
 def numeric(record: dict[str, Any]) -> dict[str, float]:
-    """The numbers of a record (tensors' ``.item()``, bools as 0/1; NaN and inf kept), without ``step``."""
+    """The numbers of a record (0-d tensors' and numpy scalars' ``.item()``, bools as 0/1; NaN and inf kept),
+    without ``step``; a value that is not one number (a list, an array, a string) is left out."""
     out = {}
     for key, value in record.items():
-        if hasattr(value, "item"):
+        if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
             value = value.item()
         if isinstance(value, (int, float)) and key != "step":
-            out[key] = float(value)
+            out[str(key)] = float(value)
     return out
+
+
+def error_line(exc: BaseException) -> str:
+    """An exception as one line: its type and message, whitespace collapsed, at most 400 characters."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+def _finish_quietly(tracker: Tracker) -> None:
+    try:
+        tracker.finish({}, False)
+    except Exception:  # noqa: BLE001 - closing after another tracker failed: that error is the one to report
+        pass
 
 
 _MLFLOW_BAD = re.compile(r"[^\w\-. /:]")

@@ -30,4 +30,4 @@ def test_async_reward_functions(tmp_path, workers):
     with R.RewardPool(f"{f}:broken", workers=workers, timeout=30, failure_reward=-1.0) as pool:
         res = pool.score(["x"], [{}])
     assert res.rewards == [-1.0] and res.failures["error"] == 1
-    assert res.messages == ["error: RuntimeError: judge said no"]
+    assert res.messages == ["error: RuntimeError: judge said no (async_rewards.py:10 in broken)"]

@@ -205,8 +205,54 @@ def test_serve_answers_the_page_on_localhost(grpo_run):
 
 
 def test_view_of_a_directory_without_a_run_is_a_config_error(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("not a run")
     assert main(["view", str(tmp_path)]) == 2
-    assert "neither metrics.jsonl nor rollouts.jsonl" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{tmp_path} is not a run directory: it has none of metrics.jsonl, rollouts.jsonl, run_config.json" in err
+
+
+ROW = '{"step": 1, "sample": 0, "prompt": "p", "completion": "c", "reward": 1.0}\n'
+
+
+@pytest.mark.parametrize(
+    ("files", "steps", "curve", "note"),
+    [
+        # the run has started (its config is written) but logged no step: the page says so
+        ({"run_config.json": "{}"}, 0, False, "no metrics.jsonl in this run directory yet: curves appear once"),
+        ({"metrics.jsonl": ""}, 0, False, "metrics.jsonl has no step yet: curves appear once the run logs its first"),
+        ({"metrics.jsonl": "\n\n", "rollouts.jsonl": ROW}, 1, False, "metrics.jsonl has no step yet"),
+        # a crash mid-write: the complete steps are drawn, the cut line is counted
+        ({"metrics.jsonl": '{"step": 1, "loss": 2.0}\n{"step": 2, "lo'}, 1, True, "1 line(s) could not be read"),
+        ({"metrics.jsonl": '{"step": 1, "loss": 2.0}\n[1]\n{"step": "x"}\n'}, 1, True, "2 line(s) could not be"),
+        # a summary.json that is not an object, a rollout row with a step that is not a number
+        ({"metrics.jsonl": '{"step": 1, "loss": 2.0}\n', "summary.json": "[1, 2]"}, 1, True, "summary.json is not a"),
+        ({"metrics.jsonl": '{"step": 1, "loss": 2}\n', "rollouts.jsonl": ROW + '{"step": "a"}\n'}, 1, True, None),
+    ],
+)
+def test_a_run_missing_or_damaging_its_files_still_renders_and_says_what_is_missing(
+    tmp_path, files, steps, curve, note
+):
+    """An empty metrics.jsonl (a run before its first step) was refused as 'neither metrics.jsonl nor rollouts.jsonl';
+    a summary.json holding a list and a rollout row with a non-numeric step were tracebacks; a run folder with only
+    its config was refused. Each renders now, the notes in the HTML itself (no script needed)."""
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    page = render(tmp_path)
+    data = json.loads(page.split('id="polyrl-data">', 1)[1].split("</script>", 1)[0])
+    assert data["steps"] == steps and bool(data["charts"]) == curve
+    notes = page.split('<ul id="notes">', 1)[1].split("</ul>", 1)[0]
+    if note is None:
+        assert notes == "" and data["notes"] == [] and len(data["rollouts"]) == 1
+    else:
+        assert note in notes and any(note in n for n in data["notes"])
+
+
+def test_view_out_that_cannot_be_written_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (tmp_path / "a-file").write_text("x")
+    assert main(["view", str(tmp_path), "--out", str(tmp_path / "a-file" / "page.html")]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write the page to {tmp_path}/a-file/page.html: {tmp_path}/a-file is a file, not a folder" in err
 
 
 def test_charts_select_eval_series(tmp_path):

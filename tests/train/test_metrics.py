@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 
 import pytest
@@ -179,3 +180,63 @@ def test_plot_draws_a_pattern_panel(tmp_path):
     png = plot_metrics(history, tmp_path / "m.png", ("eval_pass@*",))
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_metrics(history, tmp_path / "none.png", ("eval_length",)) is None
+
+
+def _strict(text: str) -> list:
+    """Each line parsed as strict JSON (NaN / Infinity refused, as jq, JavaScript and most readers do)."""
+
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    return [json.loads(line, parse_constant=refuse) for line in text.splitlines()]
+
+
+def test_non_scalar_and_non_finite_metrics_keep_the_files_strict_json(tmp_path):
+    """An array or tensor of several values crashed the run (``.item()``), a NaN inside a list or dict was written as
+    NaN (invalid JSON), an object json cannot take (a Path) crashed it; summary.json took NaN from ``extra`` too."""
+    import numpy as np
+    import torch
+
+    log = MetricsLogger(tmp_path, total_steps=1, stream=io.StringIO(), tensorboard=False, progress=False)
+    log.log({
+        "step": np.int64(1), "loss": torch.tensor(0.5), "per_group": np.array([1.0, np.inf]),
+        "hist": torch.tensor([1.0, float("nan")]), "nested": {"a": float("nan"), 3: -float("inf")},
+        "where": tmp_path, "flag": np.bool_(True), "lr": np.float32(0.25),
+    })  # fmt: skip
+    summary = log.close({"extra": float("nan")}, print_table=False)
+    (rec,) = _strict((tmp_path / "metrics.jsonl").read_text())
+    assert rec == {
+        "step": 1, "loss": 0.5, "per_group": [1.0, "inf"], "hist": [1.0, "nan"], "nested": {"a": "nan", "3": "-inf"},
+        "where": str(tmp_path), "flag": True, "lr": 0.25,
+    }  # fmt: skip
+    assert _strict((tmp_path / "summary.json").read_text().replace("\n", " "))[0]["extra"] == "nan"
+    assert summary["final_loss"] == 0.5 and summary["steps"] == 1
+
+
+def test_resume_skips_lines_that_are_not_step_records(tmp_path):
+    """A damaged metrics.jsonl (a bare number, a list, a step that is not a number) made the resume crash."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n3\n[1]\n{"step": "x"}\n{"step": 2, "loss": 1}\n')
+    log = MetricsLogger(tmp_path, total_steps=3, start_step=2, stream=io.StringIO(), tensorboard=False)
+    log.log({"step": 3, "loss": 0.5})
+    log.close(print_table=False)
+    assert [r["step"] for r in _strict((tmp_path / "metrics.jsonl").read_text())] == [1, 2, 3]
+
+
+def test_a_run_directory_that_cannot_be_made_is_a_clear_error(tmp_path, capsys):
+    """--out under a file (or in a folder the user cannot write) was a NotADirectoryError / PermissionError traceback
+    from mkdir after the config was accepted; the model folder does not exist, so this comes before any load."""
+    from polyrl.cli.main import main
+    from polyrl.errors import UserError
+
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(UserError, match=r"cannot make the run directory .*a-file/run: Not a directory; choose"):
+        MetricsLogger(tmp_path / "a-file" / "run", stream=io.StringIO(), tensorboard=False)
+    argv = ["train", "--algo", "sft", "--model", str(tmp_path / "no-model"), "--data", "builtin:arithmetic"]
+    assert main([*argv, "--out", str(tmp_path / "a-file" / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"--out '{tmp_path}/a-file/run' cannot be made: {tmp_path}/a-file is a file, not a folder" in err, err
+    if os.geteuid() != 0:  # root writes anywhere: the permission case only applies to other users
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o555)
+        assert main([*argv, "--out", str(locked / "run")]) == 2
+        assert f"cannot write in {locked} (no write permission, or a read-only file system)" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from polyrl.cli import train as train_cli
-from polyrl.errors import ConfigError
+from polyrl.errors import ConfigError, UserError
 from polyrl.run.config import LoopConfig
 from polyrl.train import MetricsLogger
 from polyrl.train.tracking import STATE_NAME, TRACKERS, WandbTracker, metric_name, parse_report_to
@@ -206,3 +206,48 @@ def test_the_cli_flag_sets_train_report_to():
     args = parser.parse_args(["--report-to", "wandb,mlflow"])
     assert dict(train_cli.overrides_from_args(args))["train.report_to"] == "wandb,mlflow"
     assert train_cli.relaunch_argv(args) == ["--report-to", "wandb,mlflow"]
+
+
+@pytest.mark.parametrize(
+    ("report_to", "env", "message"),
+    [
+        (
+            "tensorboard,wandb",
+            {"WANDB_PROJECT": "a/b"},
+            "train.report_to: wandb could not start: UsageError: Invalid project name 'a/b': cannot contain",
+        ),
+        ("mlflow", {"MLFLOW_TRACKING_URI": "notascheme://x"}, "train.report_to: mlflow could not start: Unsupported"),
+    ],
+)
+def test_a_tracker_that_cannot_start_names_itself_and_the_fix(report_to, env, message, tmp_path, offline, monkeypatch):
+    """Bad tracker settings (a W&B project name it refuses, an MLflow URI of no known store) were the library's
+    traceback, after the model had loaded."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(UserError) as err:
+        MetricsLogger(tmp_path / "o", stream=io.StringIO(), report_to=report_to)
+    text = str(err.value)
+    name = report_to.split(",")[-1]
+    assert text.startswith(message) and "\n" not in text
+    assert TRACKERS[name].fix in text and text.endswith(
+        "or leave it out (--report-to none; metrics.jsonl always has every step)"
+    )
+
+
+def test_a_tracker_failing_mid_run_is_dropped_with_one_warning(tmp_path, offline):
+    """A tracker whose store refuses a step (here: the MLflow run deleted under it) stopped the training run with
+    the library's traceback; now that tracker alone stops, once, and metrics.jsonl and the other trackers go on."""
+    stream = io.StringIO()
+    log = MetricsLogger(tmp_path, total_steps=3, stream=stream, report_to="mlflow,tensorboard", progress=False)
+    log.log({"step": 1, "loss": 3.0})
+    MlflowClient(offline).delete_run(json.loads((tmp_path / STATE_NAME).read_text())["mlflow"])
+    log.log({"step": 2, "loss": 2.0})
+    log.log({"step": 3, "loss": 1.0})
+    log.close(print_table=False)
+    warnings = [line for line in stream.getvalue().splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("warning: tracker mlflow failed at step 2: MlflowException: ")
+    assert warnings[0].endswith("no more steps go to mlflow in this run (metrics.jsonl keeps them all)")
+    assert [r["step"] for r in _records(tmp_path)] == [1, 2, 3]
+    assert [s for s, _ in _tb_scalars(tmp_path, "loss")] == [1, 2, 3]
+    assert json.loads((tmp_path / "summary.json").read_text())["final_loss"] == 1.0

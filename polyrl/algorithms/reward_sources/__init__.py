@@ -18,6 +18,7 @@ scores every term and sums; a sample whose any term failed gets ``failure_reward
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -103,6 +104,8 @@ def parse_spec(spec: str) -> list[Term]:
             weight = float(m.group(1)) if m.group(1) else 1.0
         except ValueError:
             raise ConfigError(f"reward term {part!r}: {m.group(1)!r} is not a weight") from None
+        if not math.isfinite(weight):
+            raise ConfigError(f"reward term {part!r}: the weight must be a finite number")
         sources.append(Term(m.group(2), weight, m.group(3).strip() if m.group(3) else None))
     if not sources:
         return [Term("functions", 1.0, spec.strip())]
@@ -117,8 +120,8 @@ def check_spec(spec: str, cfg: RewardConfig, reward_timeout: float | None = None
             f"reward.code_exec.timeout ({cfg.code_exec.timeout:g}s) must stay below the reward timeout "
             f"({reward_timeout:g}s) by a second or more; raise --reward-timeout or lower reward.code_exec.timeout"
         )
-    for t in terms:  # builtin names and sums (no file.py:fn) resolve here: a misspelt name fails before any load
-        if t.kind == "functions" and t.arg is not None and ":" not in t.arg:
+    for t in terms:  # names, sums and file.py:fn resolve here: a misspelt name or a broken file fails before any load
+        if t.kind == "functions" and t.arg is not None:
             resolve(t.arg)
     kinds = [t.kind for t in terms]
     for kind in ("judge", "model"):
