@@ -316,8 +316,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="async RL (--async-producer thread or process): a weight update lands between decode steps of the "
-        "rollouts in flight (each rollout worker's; with --env and the thread producer: of the episodes in flight), "
-        "which go on with the new weights; every token records its policy version",
+        "rollouts in flight (in the producer thread's engine or each rollout worker's; agentic runs, --env or "
+        "--agent: between engine steps of the episodes in flight), which go on with the new weights; every token "
+        "records its policy version",
     )
     g.add_argument(
         "--rollout-devices",
