@@ -377,8 +377,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--env-workers", type=int, help="environment worker processes (0: in this process)")
     g.add_argument("--env-timeout", type=float, help="seconds per environment call before it counts as failed")
     g = parser.add_argument_group("checkpoints")
-    g.add_argument("--save-every", type=int, help="checkpoint every N steps (0: only at the end)")
-    g.add_argument("--keep-last", type=int, help="keep the newest K checkpoints (0: all)")
+    g.add_argument("--save-every", type=int, help="checkpoint every N steps (default 0: only at the end)")
+    g.add_argument("--keep-last", type=int, help="keep the newest K checkpoints (default 2; 0: all)")
 
 
 def overrides_from_args(args: argparse.Namespace) -> list[tuple[str, Any]]:
