@@ -161,7 +161,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "scored by the reward (eval_reward, eval_accuracy; --eval-n K adds eval_pass@k); agentic runs (--env) "
         "greedy episodes (eval_reward, eval_tool_call_rate)",
     )
-    g.add_argument("--eval-data", metavar="SPEC", help="dataset for the eval loss")
+    g.add_argument(
+        "--eval-data",
+        metavar="SPEC",
+        help="held-out data for --eval-every: sft/dpo/rm score its eval loss, RL runs its prompts (default: the "
+        "data.holdout part of --data, or a builtin set's test split)",
+    )
     g.add_argument(
         "--eval-before-train",
         action="store_true",

@@ -36,3 +36,11 @@ def test_partial_rollouts_help_names_what_the_config_accepts(producer, agentic, 
     assert "--async-producer thread or process" in text
     for flag in agentic:  # the help names each agentic kind that takes it
         assert f"--{flag}" in text, text
+
+
+def test_eval_data_help_says_what_rl_runs_do_with_it():
+    """RL runs take --eval-data as their eval prompts (polyrl.run.online), not as data for an eval loss; without it
+    the held-out part is data.holdout or a builtin set's test split, else the run is refused."""
+    text = _help("--eval-data")
+    assert "RL runs its prompts" in text and "eval loss" in text
+    assert "data.holdout" in text and "test split" in text
