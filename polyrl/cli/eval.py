@@ -33,17 +33,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rew = parser.add_argument_group("reward evaluation")
     rew.add_argument("--data", default=None, help="a data spec the trainer reads (file, folder, builtin:NAME, ...)")
     rew.add_argument("--reward", default=None, help="reward: a builtin name, file.py:fn, or a weighted sum")
-    rew.add_argument("--n", type=int, default=1, help="samples per prompt (pass@k up to n)")
+    rew.add_argument("--n", type=int, default=1, help="samples per prompt, pass@k up to n (default 1)")
     rew.add_argument("--temperature", type=float, default=None, help="default: greedy for n = 1, else 1.0")
-    rew.add_argument("--max-tokens", type=int, default=256, help="maximum generated tokens per sample")
-    rew.add_argument("--pass-threshold", type=float, default=1.0, help="a sample passes when reward >= this")
+    rew.add_argument("--max-tokens", type=int, default=256, help="maximum generated tokens per sample (default 256)")
+    rew.add_argument(
+        "--pass-threshold", type=float, default=1.0, help="a sample passes when reward >= this (default 1.0)"
+    )
     rew.add_argument("--seed", type=int, default=0)
     parser.add_argument("--limit", type=float, default=None, help="evaluate only the first N documents / prompts")
     parser.add_argument("--output", default="eval.json", help="where the JSON results go (default eval.json)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     parser.add_argument("--device", default=None, help="torch device (default: the accelerator, else cpu)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences per engine step")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences per engine step (default 256)")
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,

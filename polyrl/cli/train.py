@@ -161,7 +161,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "scored by the reward (eval_reward, eval_accuracy; --eval-n K adds eval_pass@k); agentic runs (--env) "
         "greedy episodes (eval_reward, eval_tool_call_rate)",
     )
-    g.add_argument("--eval-data", metavar="SPEC", help="dataset for the eval loss")
+    g.add_argument(
+        "--eval-data",
+        metavar="SPEC",
+        help="held-out data for --eval-every: sft/dpo/rm score its eval loss, RL runs its prompts (default: the "
+        "data.holdout part of --data, or a builtin set's test split)",
+    )
     g.add_argument(
         "--eval-before-train",
         action="store_true",
@@ -316,8 +321,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="async RL (--async-producer thread or process): a weight update lands between decode steps of the "
-        "rollouts in flight (each rollout worker's; with --env and the thread producer: of the episodes in flight), "
-        "which go on with the new weights; every token records its policy version",
+        "rollouts in flight (in the producer thread's engine or each rollout worker's; agentic runs, --env or "
+        "--agent: between engine steps of the episodes in flight), which go on with the new weights; every token "
+        "records its policy version",
     )
     g.add_argument(
         "--rollout-devices",
@@ -376,8 +382,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--env-workers", type=int, help="environment worker processes (0: in this process)")
     g.add_argument("--env-timeout", type=float, help="seconds per environment call before it counts as failed")
     g = parser.add_argument_group("checkpoints")
-    g.add_argument("--save-every", type=int, help="checkpoint every N steps (0: only at the end)")
-    g.add_argument("--keep-last", type=int, help="keep the newest K checkpoints (0: all)")
+    g.add_argument("--save-every", type=int, help="checkpoint every N steps (default 0: only at the end)")
+    g.add_argument("--keep-last", type=int, help="keep the newest K checkpoints (default 2; 0: all)")
 
 
 def overrides_from_args(args: argparse.Namespace) -> list[tuple[str, Any]]:
