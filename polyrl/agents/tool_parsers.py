@@ -19,6 +19,7 @@ Registry (``TOOL_PARSERS``, ``get_parser(name)``, ``detect_parser(chat_template)
 Each parser: ``parse(text, call_prefix)`` -> an OpenAI assistant message (``content``, ``tool_calls``,
 ``invalid_tool_calls`` for malformed ones, as ``tools.parse_reply``); ``call_start(text)`` / ``holdback(text)`` for
 streaming (``ToolCallStream``: text before a call streams as content, a call is sent once it is complete);
+``unfinished(text)``: where a reply cut by the token limit left a call half written (the server drops it);
 ``call_rules(tools, parallel, tokenizer)``: Lark rules (llguidance's dialect, ``%json`` for the arguments) whose
 rule ``calls`` admits only calls of ``tools`` in this format. From them, ``grammar(...)`` (``start: calls``: for
 ``tool_choice: required`` or a named function) and ``union_grammar(tools, parallel, answer, ...)`` (``start: calls |
@@ -168,6 +169,12 @@ class ToolParser:
         """While no call has begun: the position from which ``text`` must be held back (it may begin one)."""
         raise NotImplementedError
 
+    def unfinished(self, text: str) -> int:
+        """For a reply cut by the token limit: where the call it left unfinished begins (an opened call, or the
+        start of a call marker at the very end), ``len(text)`` when it left none. The part from there on is neither
+        a call nor content: it is dropped, as OpenAI never shows a half-written call."""
+        return len(text)
+
     def call_rules(self, tools: list[dict[str, Any]], parallel: bool, tokenizer: Any = None) -> str:
         """Lark rules whose rule ``calls`` admits one call of ``tools`` (several when ``parallel``) in this format."""
         raise NoCallGrammar(f"the {self.name or type(self).__name__} tool-call parser cannot constrain calls")
@@ -194,6 +201,12 @@ class HermesParser(ToolParser):
 
     def holdback(self, text: str) -> int:
         return _holdback_marker(text, OPEN)
+
+    def unfinished(self, text: str) -> int:
+        closed = text.rfind(CLOSE)
+        tail = closed + len(CLOSE) if closed >= 0 else 0
+        opened = text.find(OPEN, tail)  # a block opened after the last closed one (a half <tool_call>{... </tool_)
+        return opened if opened >= 0 else _holdback_marker(text, OPEN)
 
     def call_rules(self, tools: list[dict[str, Any]], parallel: bool, tokenizer: Any = None) -> str:
         schema = json.dumps(call_schema(tools))
@@ -278,6 +291,28 @@ class Llama3JsonParser(ToolParser):
             return 0  # may still become a call
         return len(text) if s[0] != "{" else 0
 
+    def unfinished(self, text: str) -> int:
+        body = self._body(text)
+        if body is None:  # no call, or cut in or right after the tag
+            return len(text) - len(text.lstrip()) if self.holdback(text) == 0 else len(text)
+        tagged = text.lstrip().startswith(self.TAG)
+        dec, i, n, calls = json.JSONDecoder(), len(text) - len(body), len(text), 0
+        while True:
+            while i < n and (text[i].isspace() or text[i] == ";"):
+                i += 1
+            if i >= n:
+                return n
+            try:
+                obj, end = dec.raw_decode(text, i)
+            except json.JSONDecodeError:
+                # a half object: a call after a call, or the first one when tagged (cut with its tag); untagged and
+                # first, it may be an answer in a response format cut short: content
+                if calls:
+                    return i
+                return len(text) - len(text.lstrip()) if tagged else n
+            calls += isinstance(obj, dict) and ("parameters" in obj or "arguments" in obj)
+            i = end
+
     def call_rules(self, tools: list[dict[str, Any]], parallel: bool, tokenizer: Any = None) -> str:
         call = f"%json {json.dumps(call_schema(tools, 'parameters'))}"
         calls = 'calls: call ("; " call)*' if parallel else "calls: call"
@@ -343,6 +378,13 @@ class MistralParser(ToolParser):
 
     def holdback(self, text: str) -> int:
         return _holdback_marker(text, self.MARK)
+
+    def unfinished(self, text: str) -> int:
+        end = _holdback_marker(text, self.MARK)  # a marker begun at the very end
+        last = text.rfind(self.MARK, 0, end)
+        if last >= 0 and self._segment(text[last + len(self.MARK) : end])[0] is None:
+            return last  # the last call (v11) or list (v3) does not parse: cut inside it
+        return end
 
     def _form(self, tokenizer: Any) -> str:
         if self.form is not None:

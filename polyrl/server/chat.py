@@ -15,9 +15,10 @@ Tools (``tool_calls.py`` checks them): rendered by the chat template's own ``too
 system prompt when the template has no tool support (``polyrl.agents.render.prepare_messages``, the agent proxy's
 renderer too); assistant ``tool_calls`` and ``tool`` messages (``tool_call_id``) are passed to the template. The
 reply is parsed by the model family's parser (``polyrl.agents.tool_parsers``): ``message.tool_calls`` and
-``finish_reason: "tool_calls"`` when it called any. Streams send the content before a call as it comes and each
-call, once complete, as two ``delta.tool_calls`` chunks (``{index, id, type, function: {name, arguments: ""}}``,
-then ``{index, function: {arguments}}``). Not here: the HTTP app, auth.
+``finish_reason: "tool_calls"`` when it called any; a reply cut by the token limit drops the call it left half
+written (``finished_text``: neither a call nor content) and keeps ``finish_reason: "length"``. Streams send the
+content before a call as it comes and each call, once complete, as two ``delta.tool_calls`` chunks (``{index, id,
+type, function: {name, arguments: ""}}``, then ``{index, function: {arguments}}``). Not here: the HTTP app, auth.
 """
 
 from __future__ import annotations
@@ -255,12 +256,20 @@ def parse_calls(plan: ToolPlan, text: str) -> dict[str, Any]:
     return {"content": content, "tool_calls": calls}
 
 
+def finished_text(plan: ToolPlan, text: str, reason: str | None) -> str:
+    """The reply without the call it left half written when the token limit cut it (``reason`` "length"): that
+    part is neither a call (its arguments are not whole) nor content (it is call markup), as with OpenAI."""
+    if plan.parser is None or reason != "length":
+        return text
+    return text[: plan.parser.unfinished(text)]
+
+
 def reply_message(plan: ToolPlan, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
     """(the chat ``message``, the ``finish_reason``) of one choice."""
     finish = _finish(reason)
     if plan.parser is None:
         return {"role": "assistant", "content": text, "refusal": None}, finish
-    parsed = parse_calls(plan, text)
+    parsed = parse_calls(plan, finished_text(plan, text, reason))
     message = {"role": "assistant", "content": parsed["content"], "refusal": None}
     if parsed["tool_calls"]:
         message["tool_calls"] = parsed["tool_calls"]
@@ -316,7 +325,7 @@ async def _stream(
                 finished.add(c.index)
                 finish = _finish(c.finish_reason)
                 if parsers is not None:
-                    rest, msg = parsers[c.index].finish(c.text)
+                    rest, msg = parsers[c.index].finish(finished_text(plan, c.text, c.finish_reason))
                     if rest:
                         yield chunk(c.index, {"content": rest})
                     for k, call in enumerate(msg.get("tool_calls") or []):

@@ -15,7 +15,8 @@ accepted and ignored (``metadata`` is echoed). A 400 from the chat path names th
 
 Response: ``{"object": "response", "status": "completed" | "incomplete", "output": [message item (when there is
 text), function_call items], "usage": {input_tokens, output_tokens, ...}}``; a reply cut by ``max_output_tokens``
-is ``incomplete`` with ``incomplete_details.reason = "max_output_tokens"``. ``stream: true`` sends the typed
+is ``incomplete`` with ``incomplete_details.reason = "max_output_tokens"``, its whole calls kept and a call it cut
+half written dropped (no item, not message text; no message item when no text is left). ``stream: true`` sends the typed
 events (``event: <type>`` + JSON with ``sequence_number``): response.created, response.in_progress, then for text
 response.output_item.added, response.content_part.added, response.output_text.delta ..., response.output_text.done,
 response.content_part.done, response.output_item.done, then per tool call response.output_item.added,
@@ -45,7 +46,7 @@ from polyrl.agents.responses_items import (
 )
 from polyrl.agents.tool_parsers import ToolCallStream
 from polyrl.server.api_errors import APIError, bad_request, validation_message
-from polyrl.server.chat import call_prefix, parse_calls, submit_chat
+from polyrl.server.chat import call_prefix, finished_text, parse_calls, submit_chat
 from polyrl.server.protocol import ChatCompletionRequest, ResponsesRequest
 from polyrl.server.streaming import final_outputs, guarded_stream
 
@@ -114,12 +115,18 @@ def in_responses_terms(exc: APIError) -> APIError:
     return APIError(message, exc.status, exc.type, param, exc.code, exc.headers)
 
 
-def _output_items(plan: Any, text: str) -> tuple[str, list[dict[str, Any]]]:
-    """(the reply's content text, its function calls) as the Responses output holds them."""
-    if plan.parser is None:
-        return text, []
-    parsed = parse_calls(plan, text)
-    return parsed["content"] or "", parsed["tool_calls"]
+def _output(plan: Any, text: str, reason: str | None) -> list[dict[str, Any]]:
+    """The reply's output items: its message (its content text) and its function calls. A reply cut by
+    ``max_output_tokens`` drops the call it left half written (``finished_text``), and has no message item when
+    no text is left (the cut came before any)."""
+    text = finished_text(plan, text, reason)
+    calls: list[dict[str, Any]] = []
+    if plan.parser is not None:
+        parsed = parse_calls(plan, text)
+        text, calls = parsed["content"] or "", parsed["tool_calls"]
+    if reason == "length" and not text and not calls:
+        return []
+    return output_items(text, calls)
 
 
 async def create_response(state: Any, body: ResponsesRequest, request: Any) -> Any:
@@ -135,8 +142,7 @@ async def create_response(state: Any, body: ResponsesRequest, request: Any) -> A
     if body.stream:
         return guarded_stream(group, _stream(state, group, shell, plan, len(ids)))
     out = (await final_outputs(group, request))[rid].outputs[0]
-    text, calls = _output_items(plan, out.text)
-    output = output_items(text, calls)
+    output = _output(plan, out.text, out.finish_reason)
     cut = out.finish_reason == "length"
     counts = usage(len(ids), len(out.token_ids))
     return shell.build("incomplete" if cut else "completed", output, counts, "max_output_tokens" if cut else None)
@@ -191,14 +197,16 @@ async def _stream(state: Any, group: Any, shell: ResponseShell, plan: Any, num_p
     if final is None:  # aborted under us: the guard has already stopped the group
         return
     calls: list[dict[str, Any]] = []
+    cut = final.finish_reason == "length"
     if parser is not None:
-        rest, msg = parser.finish(final.text)
+        whole = finished_text(plan, final.text, final.finish_reason)
+        rest, msg = parser.finish(whole)
         calls = msg.get("tool_calls") or []
         if not calls:
-            rest = final.text[len(sent) :] if final.text.startswith(sent) else rest
+            rest = whole[len(sent) :] if whole.startswith(sent) else rest
         for e in text_delta(rest):
             yield e
-    if opened or not calls:
+    if opened or not (calls or cut):  # a cut reply with neither text nor calls has no message item
         if not opened:
             opened = True
             for e in open_message():
@@ -225,7 +233,6 @@ async def _stream(state: Any, group: Any, shell: ResponseShell, plan: Any, num_p
         done = call_item(call)
         yield ev("response.output_item.done", output_index=k, item=done)
         output.append(done)
-    cut = final.finish_reason == "length"
     counts = usage(num_prompt, len(final.token_ids))
     status = "incomplete" if cut else "completed"
     response = shell.build(status, output, counts, "max_output_tokens" if cut else None)

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from .conftest import MODEL
+from .test_tools import TOOLS, parallel_calls
 
 TOOL = {
     "type": "function",
@@ -139,6 +140,27 @@ def test_stream_events(client):
         "response.completed",
     ]
     assert final.output[0].parsed_arguments["city"] in ("Paris", "Rome")
+
+
+def test_cut_inside_a_call_is_incomplete_with_the_whole_calls_only(client):
+    """max_output_tokens cuts the last of several forced calls: status incomplete (reason max_output_tokens), the
+    whole calls as completed function_call items, and no message item holding the half call's <tool_call> markup
+    (was: a message whose text was that markup); streamed alike. Cut inside the first call: no output items."""
+    seed, whole, n = parallel_calls(client)  # via chat: the same prompt, tools and seeded sampling
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    ask = dict(model=MODEL, input="x", tools=tools, tool_choice="required", temperature=1.0, extra_body={"seed": seed})
+    for limit, kept in ((n - 3, whole[:-1]), (6, [])):
+        r = client.responses.create(**ask, max_output_tokens=limit)
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+        assert r.usage.output_tokens == limit and r.output_text == ""
+        assert [o.type for o in r.output] == ["function_call"] * len(kept)
+        assert [(o.name, o.arguments) for o in r.output] == kept and {o.status for o in r.output} <= {"completed"}
+        events = list(client.responses.create(**ask, max_output_tokens=limit, stream=True))
+        kinds = [e.type for e in events]
+        assert "response.output_text.delta" not in kinds and kinds.count("response.output_item.added") == len(kept)
+        final = events[-1]
+        assert final.type == "response.incomplete" and final.response.incomplete_details.reason == "max_output_tokens"
+        assert [(o.type, o.name, o.arguments) for o in final.response.output] == [("function_call", *c) for c in kept]
 
 
 @pytest.mark.parametrize(

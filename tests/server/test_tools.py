@@ -51,6 +51,43 @@ def test_required_calls_are_valid_every_time(client):
         assert c.message.content is None
 
 
+def parallel_calls(client):
+    """(seed, [(name, arguments)], completion tokens) of a forced reply with two or more whole calls that ended on its
+    own (the first such seed; the sampling is seeded, so a lower max_tokens cuts this same reply)."""
+    for seed in range(40):
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], tools=TOOLS, tool_choice="required",
+            max_tokens=120, temperature=1.0, seed=seed,
+        )  # fmt: skip
+        c = r.choices[0]
+        if c.finish_reason == "tool_calls" and len(c.message.tool_calls) >= 2:
+            calls = [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+            return seed, calls, r.usage.completion_tokens
+    raise AssertionError("no seed gave two calls")
+
+
+def test_a_reply_cut_inside_a_call_keeps_the_whole_calls_and_no_markup(client):
+    """max_tokens cuts the last of several forced calls: finish_reason "length", the whole calls as tool_calls, the
+    half-written one nowhere (was: its raw <tool_call> text as content); streamed alike. A cut inside the first call
+    leaves no call and no text."""
+    seed, whole, n = parallel_calls(client)
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "x"}], tools=TOOLS, tool_choice="required",
+               temperature=1.0, seed=seed)  # fmt: skip
+    for limit, kept in ((n - 3, whole[:-1]), (6, [])):  # 3 tokens before the end: inside the last call's markup
+        r = client.chat.completions.create(**ask, max_tokens=limit)
+        (c,) = r.choices
+        assert c.finish_reason == "length" and r.usage.completion_tokens == limit
+        assert [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []] == kept
+        assert c.message.content == (None if kept else "")
+        chunks = list(client.chat.completions.create(**ask, max_tokens=limit, stream=True))
+        content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+        deltas = [d for ch in chunks for d in ch.choices[0].delta.tool_calls or []]
+        assert content == "" and chunks[-1].choices[0].finish_reason == "length"
+        names = [d.function.name for d in deltas if d.function.name]
+        args = [d.function.arguments for d in deltas if not d.function.name]
+        assert list(zip(names, args)) == kept
+
+
 # pydantic writes a nested model as a $ref into $defs (what the openai-agents SDK and LangChain send for tools whose
 # arguments hold a model); inside the call grammar the reference pointed at the call object's root: a 400 before
 TRIP = {

@@ -286,3 +286,39 @@ def test_answer_rule_kinds(mistral_tokenizer):
     assert _accepts(tok, regex, one + "\n" + one)  # parallel calls
     with pytest.raises(NoCallGrammar, match="grammar structured output cannot be combined"):
         answer_rule(StructuredOutputs("grammar", 'start: "a"'))
+
+
+W = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
+H = f"<tool_call>\n{W}\n</tool_call>\n<tool_call>\n"  # a whole Hermes call, then a second one opened
+L = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}'
+WHOLE = [("get_weather", {"city": "Paris", "days": 2})]
+
+
+@pytest.mark.parametrize(
+    "name, text, whole, content",
+    [
+        # hermes: a block opened after the last closed one, or the start of a marker, is the half-written call
+        ("hermes", H + '{"name": "noop", "argu', WHOLE, None),
+        ("hermes", H + '{"name": "noop", "arguments": {}}\n</tool_', WHOLE, None),
+        ("hermes", f"<tool_call>\n{W}\n</tool_call>\n<tool_c", WHOLE, None),
+        ("hermes", "Let me see.\n<tool_call>\n{", [], "Let me see."),
+        ("hermes", f"<tool_call>\n{W}\n</tool_call>", WHOLE, None),  # cut right after a whole call: all kept
+        ("hermes", "a plain answer cut in the midd", [], "a plain answer cut in the midd"),
+        # llama3_json: the first object that does not decode, when it is a call (tagged, or after a call)
+        ("llama3_json", f'{L}; {{"name": "noop", "param', WHOLE, None),
+        ("llama3_json", '<|python_tag|>{"name": "noop", "param', [], None),
+        ("llama3_json", "<|python_t", [], None),
+        ("llama3_json", '{"name": "Ada", "ag', [], '{"name": "Ada", "ag'),  # may be an answer in a format: content
+        # mistral: the last [TOOL_CALLS] whose call (v11) or list (v3) does not parse, or a marker begun at the end
+        ("mistral", f'Hi [TOOL_CALLS][{W}, {{"name": "noop", "argu', [], "Hi"),
+        ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}[TOOL_CALLS]noop[ARGS]{', WHOLE, None),
+        ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}[TOOL_CA', WHOLE, None),
+    ],
+)  # fmt: skip
+def test_unfinished_call_of_a_cut_reply(name, text, whole, content):
+    """A reply cut by the token limit: what precedes ``unfinished`` parses to its whole calls and its content, with
+    no invalid call and no call markup left (the server drops the rest: neither a call nor content)."""
+    p = get_parser(name)
+    msg = p.parse(text[: p.unfinished(text)], "call")
+    assert calls(msg) == whole and "invalid_tool_calls" not in msg
+    assert msg["content"] == content
