@@ -38,6 +38,7 @@ from polyrl.server.params import (
     check_n,
     check_prompt_logprobs,
     check_ranges,
+    check_stream_options,
     default_max_tokens,
     prompt_budget,
     prompt_too_long,
@@ -186,6 +187,7 @@ async def submit_chat(
     model = state.resolve_model(req.model)
     ctx = state.llm.max_model_len
     reject_unsupported(req)
+    check_stream_options(req)
     check_n(req.n, state.config.max_n)
     check_ranges(req, state.llm.vocab_size, ctx)
     if req.top_logprobs is not None and not req.logprobs:

@@ -28,6 +28,7 @@ from polyrl.server.params import (
     check_n,
     check_prompt_logprobs,
     check_ranges,
+    check_stream_options,
     default_max_tokens,
     prompt_budget,
     prompt_too_long,
@@ -129,6 +130,7 @@ async def create_completion(state: Any, req: CompletionRequest, request: Any) ->
     model = state.resolve_model(req.model)
     ctx = state.llm.max_model_len
     reject_unsupported(req)
+    check_stream_options(req)
     check_n(req.n, state.config.max_n)
     check_ranges(req, state.llm.vocab_size, ctx)
     score_only = req.max_tokens == 0

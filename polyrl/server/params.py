@@ -32,6 +32,17 @@ def reject_unsupported(req: Any) -> None:
         raise bad_request("suffix (insertion) is not supported; leave it unset", "suffix", "unsupported")
 
 
+def check_stream_options(req: Any) -> None:
+    """``stream_options`` shapes a stream: on a request that does not stream it is a 400, as OpenAI and vLLM answer
+    (it would otherwise be ignored, and a client counting on ``include_usage`` chunks would never see them)."""
+    if req.stream_options is not None and not req.stream:
+        raise bad_request(
+            "stream_options is only allowed when stream is true; set stream: true or leave stream_options unset",
+            "stream_options",
+            "invalid_value",
+        )
+
+
 def check_n(n: int, max_n: int) -> None:
     if not 1 <= n <= max_n:
         raise bad_request(f"n must be between 1 and {max_n}, got {n}", "n", "invalid_value")
