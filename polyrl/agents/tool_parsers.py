@@ -54,18 +54,24 @@ def _params_schema(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # their values are JSON data, not schemas
+# keywords whose value maps names (a parameter's, a definition's) to schemas: a name is never a keyword
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 def _rebase_refs(schema: Any, base: str) -> Any:
-    """``schema`` with every local ``$ref`` (``#...``) made relative to ``#`` + ``base``: where it now lives."""
+    """``schema`` with every local JSON-pointer ``$ref`` (``#`` or ``#/...``) made relative to ``#`` + ``base``: where
+    it now lives. Names under ``properties`` / ``$defs`` are names, even ``default`` or ``enum``; anchors
+    (``#name``) resolve anywhere in the document and are left as they are."""
     if isinstance(schema, list):
         return [_rebase_refs(x, base) for x in schema]
     if not isinstance(schema, dict):
         return schema
     out = {}
     for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
             out[key] = "#" + base + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _rebase_refs(sub, base) for name, sub in value.items()}
         else:
             out[key] = value if key in _DATA_KEYWORDS else _rebase_refs(value, base)
     return out

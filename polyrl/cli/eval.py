@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -96,7 +97,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
     """The numeric options, before anything loads: each either meant something else or was taken silently."""
     limit = args.limit
     if limit is not None:
-        if limit <= 0:
+        if not math.isfinite(limit) or limit <= 0:
             raise UserError(f"--limit must be > 0, got {limit}")
         if args.data is not None and limit != int(limit):
             raise UserError(f"--limit with --data is a number of prompts (a whole number >= 1), got {limit}")

@@ -252,14 +252,30 @@ def call_or_answer(
         ) from None
 
 
+class _NoGrammarCache(Exception):
+    """The engine cannot compile any grammar (llguidance missing, a slow tokenizer): not the request's schema."""
+
+
+def _compile(llm: Any, structured: StructuredOutputs) -> None:
+    """Compile ``structured`` in the engine's grammar cache, made here on first use (prep pool: building llguidance's
+    index of the vocabulary takes a second or more, which the event loop must not wait for)."""
+    try:
+        cache = llm.grammar_cache()
+    except UserError as exc:
+        raise _NoGrammarCache(str(exc)) from None
+    cache.matcher(structured)
+
+
 async def compile_plan(state: Any, plan: ToolPlan) -> None:
     """Compile the plan's grammar now (in the prep pool; cached in the engine, so the request's sequences reuse it),
-    so a grammar llguidance refuses is a 400 naming the field that gave it."""
+    so a grammar llguidance refuses is a 400 naming the field that gave it (as is an engine that cannot compile
+    grammars at all)."""
     if plan.structured is None:
         return
-    cache = state.llm.grammar_cache()
     try:
-        await state.prep(cache.matcher, plan.structured)
+        await state.prep(_compile, state.llm, plan.structured)
+    except _NoGrammarCache as exc:
+        raise bad_request(f"{plan.param}: {exc}", plan.param, "unsupported") from None
     except UserError as exc:
         if plan.structured.kind == "lark" and plan.tools:  # a call grammar: a tool's schema is the likely culprit
             await _name_bad_tool(state, plan.tools)
@@ -269,13 +285,12 @@ async def compile_plan(state: Any, plan: ToolPlan) -> None:
 async def _name_bad_tool(state: Any, tools: list[dict[str, Any]]) -> None:
     """400 naming the first tool whose ``parameters`` schema does not compile on its own (the call grammar embeds
     each one, and its error quotes the whole grammar and names tool_choice or the response format)."""
-    cache = state.llm.grammar_cache()
     for i, tool in enumerate(tools):
         fn = tool["function"]
         if fn.get("parameters") is None:
             continue
         try:
-            await state.prep(cache.matcher, StructuredOutputs.json_schema(fn["parameters"]))
+            await state.prep(_compile, state.llm, StructuredOutputs.json_schema(fn["parameters"]))
         except UserError as exc:
             where = f"tools.{i}.function.parameters"
             raise bad_request(

@@ -153,6 +153,10 @@ def test_task_errors_come_before_the_model_loads(tmp_path, capsys):
         (["--tasks", "polyrl_arith_mc", "--limit", "2.5"], "--limit must be a whole number of documents"),
         (["--data", "builtin:arithmetic?n=4", "--reward", "numeric", "--limit", "0.5"], "--limit with --data"),
         (["--data", "builtin:arithmetic?n=4", "--reward", "numeric", "--max-tokens", "0"], "--max-tokens must be"),
+        # not a number of documents at all (were an OverflowError / ValueError traceback, or NaN passed to lm-eval)
+        (["--tasks", "polyrl_arith_mc", "--limit", "inf"], "--limit must be > 0, got inf"),
+        (["--tasks", "polyrl_arith_mc", "--limit", "nan"], "--limit must be > 0, got nan"),
+        (["--data", "builtin:arithmetic?n=4", "--reward", "numeric", "--limit", "nan"], "--limit must be > 0, got nan"),
     ],
 )
 def test_more_argument_errors_come_before_the_model_loads(tmp_path, capsys, argv, message):

@@ -134,3 +134,39 @@ def test_response_format_on_completions(client):
             model=MODEL, prompt="x", max_tokens=4, extra_body={"response_format": {"type": "xml"}}
         )
     assert info.value.body["param"] == "response_format.type" and "'xml' is not supported" in info.value.body["message"]
+
+
+def test_structured_outputs_without_llguidance_are_a_400(tiny_model_dir, monkeypatch):
+    """The grammar cache (llguidance's tokenizer index: a second or more for a real vocabulary) is made by the first
+    structured request, in the prep pool; its UserError (llguidance missing, a slow tokenizer) is a 400 naming the
+    field. It was made on the event loop outside the error handling: a 500 with a traceback in the server log."""
+    import sys
+
+    from polyrl.server import ServeConfig, start_server
+
+    from .conftest import make_llm
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # `import llguidance` raises ImportError
+    llm = make_llm(tiny_model_dir)
+    handle = start_server(llm, ServeConfig(port=0, served_model_name=MODEL, api_key=API_KEY, log_level="critical"))
+    try:
+        client = openai.OpenAI(base_url=handle.base_url, api_key=API_KEY, max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(
+                model=MODEL, messages=ASK, max_tokens=4, response_format={"type": "json_object"}
+            )
+        body = info.value.body
+        assert body["param"] == "response_format" and "need the llguidance package" in body["message"], body
+        # a forced tool call: the engine is what cannot compile, not the tool's schema
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(
+                model=MODEL, messages=ASK, max_tokens=4, tools=[tool], tool_choice="required"
+            )
+        body = info.value.body
+        assert body["param"] == "tool_choice" and "need the llguidance package" in body["message"], body
+        # the engine is unharmed: a plain request still runs
+        r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2)
+        assert r.choices[0].finish_reason in ("stop", "length")
+    finally:
+        handle.stop()

@@ -140,6 +140,39 @@ def test_required_call_with_defs_refs(client, served, parser):
         jsonschema.validate(json.loads(call.function.arguments), schema)
 
 
+# Parameters named like the schema keywords whose values are data (default, enum, const, examples), holding a nested
+# model: their $refs were left pointing at the call schema's root (a 400 for a valid tool), as was a $ref beside them
+SETTINGS = {
+    "type": "object",
+    "properties": {
+        "default": {"$ref": "#/$defs/Level"},
+        "enum": {"type": "array", "items": {"$ref": "#/$defs/Level"}, "maxItems": 2},
+        "examples": {"anyOf": [{"$ref": "#/$defs/Level"}, {"type": "null"}]},
+    },
+    "required": ["default", "enum", "examples"],
+    "additionalProperties": False,
+    "$defs": {"Level": {"type": "integer", "enum": [1, 2, 3], "default": 2}},
+}
+
+
+def test_required_call_with_refs_under_keyword_named_parameters(client, served):
+    from polyrl.agents.tool_parsers import call_schema
+
+    tools = [{"type": "function", "function": {"name": "configure", "parameters": SETTINGS}}]
+    schema = call_schema(tools)
+    jsonschema.validate({"name": "configure", "arguments": {"default": 1, "enum": [2], "examples": None}}, schema)
+    with pytest.raises(jsonschema.ValidationError):  # the references are followed: 7 is not a Level
+        jsonschema.validate({"name": "configure", "arguments": {"default": 7, "enum": [], "examples": 3}}, schema)
+    assert schema["$defs"]["polyrl_tool_0"]["$defs"]["Level"]["default"] == 2  # data stays as it was
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=tools, tool_choice="required", parallel_tool_calls=False,
+        n=2, max_tokens=120, temperature=1.0, seed=5,
+    )  # fmt: skip
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls", c.message.content
+        jsonschema.validate(json.loads(c.message.tool_calls[0].function.arguments), SETTINGS)
+
+
 def test_named_tool_choice_and_streaming_deltas(client):
     named = {"type": "function", "function": {"name": "get_time"}}
     # a response_format alongside a forced call is accepted (as OpenAI does) and the call's grammar wins
