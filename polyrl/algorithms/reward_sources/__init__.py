@@ -115,11 +115,7 @@ def parse_spec(spec: str) -> list[Term]:
 def check_spec(spec: str, cfg: RewardConfig, reward_timeout: float | None = None) -> None:
     """ConfigError when the spec, the ``[reward]`` table and the reward timeout disagree (before any model loads)."""
     terms = parse_spec(spec)
-    if reward_timeout is not None and "code_exec" in spec and cfg.code_exec.timeout + 1.0 >= reward_timeout:
-        raise ConfigError(
-            f"reward.code_exec.timeout ({cfg.code_exec.timeout:g}s) must stay below the reward timeout "
-            f"({reward_timeout:g}s) by a second or more; raise --reward-timeout or lower reward.code_exec.timeout"
-        )
+    _check_code_exec_timeout(spec, cfg, reward_timeout)
     for t in terms:  # names, sums and file.py:fn resolve here: a misspelt name or a broken file fails before any load
         if t.kind == "functions" and t.arg is not None:
             resolve(t.arg)
@@ -139,10 +135,20 @@ def check_spec(spec: str, cfg: RewardConfig, reward_timeout: float | None = None
         )
 
 
+def _check_code_exec_timeout(spec: str, cfg: RewardConfig, reward_timeout: float | None) -> None:
+    if reward_timeout is not None and "code_exec" in spec and cfg.code_exec.timeout + 1.0 >= reward_timeout:
+        raise ConfigError(
+            f"reward.code_exec.timeout ({cfg.code_exec.timeout:g}s) must stay below the reward timeout "
+            f"({reward_timeout:g}s) by a second or more; raise --reward-timeout or lower reward.code_exec.timeout"
+        )
+
+
 def _configure_pool(spec: str, workers: int, timeout: float, failure: float, cfg: RewardConfig) -> RewardPool:
-    options = dataclasses.asdict(cfg.code_exec)
-    check_spec(spec, cfg, timeout)
-    return RewardPool(spec, workers, timeout, failure, options=options)
+    """The pool of one function term. The whole spec was checked (``check_spec``); only the sandbox limits are
+    checked against the timeout here: checking the term alone against ``cfg`` would refuse a ``reward.model`` that
+    another term of the sum uses."""
+    _check_code_exec_timeout(spec, cfg, timeout)
+    return RewardPool(spec, workers, timeout, failure, options=dataclasses.asdict(cfg.code_exec))
 
 
 class RewardSources:
@@ -158,7 +164,7 @@ class RewardSources:
         device: Any = None,
         dtype: Any = None,
     ) -> None:
-        check_spec(spec, cfg)
+        check_spec(spec, cfg, timeout)
         self.failure_reward = float(failure_reward)
         self.totals = dict.fromkeys(FAILURE_KINDS, 0)
         self.terms: list[tuple[Term, Any]] = []
@@ -250,7 +256,7 @@ def open_rewards(
     cfg = cfg if cfg is not None else RewardConfig()
     terms = parse_spec(spec)
     if len(terms) == 1 and terms[0].kind == "functions":
-        check_spec(spec, cfg)
+        check_spec(spec, cfg, timeout)
         return _configure_pool(spec, workers, timeout, failure_reward, cfg)
     return RewardSources(spec, cfg, workers, timeout, failure_reward, device=device, dtype=dtype)
 
