@@ -20,8 +20,10 @@ never stops because of a reward function: a worker that hangs past the timeout i
 
 Specs (``resolve``): a builtin name (``BUILTINS``: ``exact_match``, ``numeric``, ``boxed``, ``think_format``,
 ``length_penalty``, ``code_exec``: the pass fraction of the row's tests run in a sandbox), ``path/to/file.py:fn``,
-``package.module:fn``, or a weighted sum of builtins such as
-``exact_match+0.2*think_format`` (builtins only: a function of your own returns its combined reward itself).
+``package.module:fn``, or a weighted sum of builtins such as ``exact_match+0.2*think_format`` (one call returns the
+sum and each term's value, logged as ``reward/<name>``). A sum with functions of your own, judges or reward models is
+``polyrl.algorithms.reward_sources``'s (``open_rewards``): each function term gets a pool of its own; ``split_sum``
+is the term syntax both share.
 ``resolve`` imports a file and checks that its function can be called as ``fn(completion, example)``; a run does so
 when its config is checked, before any model loads, so a missing file, an import error, a misspelt name or weight
 and a wrong signature are a ``ConfigError`` naming the file and function. ``register_reward(name, fn)`` adds a
@@ -149,43 +151,102 @@ def register_reward(name: str, fn: RewardFn) -> None:
 
 
 class _Weighted:
-    """A weighted sum of builtin rewards (picklable, so spawned workers can rebuild it from the spec)."""
+    """A weighted sum of builtin rewards (picklable, so spawned workers can rebuild it from the spec). Returns
+    ``{"reward": the sum, name: each term's value before its weight, ...}`` (plus the extra keys of a builtin that
+    returns a dict, ``code_exec``'s), so each term is logged as ``reward/<name>``."""
 
     def __init__(self, terms: list[tuple[float, str]]) -> None:
         self.terms = terms
 
-    def __call__(self, completion: str, example: Mapping[str, Any]) -> float:
-        return sum(w * _number(BUILTINS[name](completion, example)) for w, name in self.terms)
+    def __call__(self, completion: str, example: Mapping[str, Any]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        total = 0.0
+        for w, name in self.terms:
+            value = BUILTINS[name](completion, example)
+            out.update(_extras(value))
+            out[name] = _number(value)
+            total += w * out[name]
+        return {"reward": total, **out}
 
 
-_TERM_RE = re.compile(r"^\s*(?:(.*?)\s*\*\s*)?([^*]*?)\s*$")
+@dataclass(frozen=True)
+class SumTerm:
+    """One ``[weight*]body`` term of a reward sum: ``text`` as written, ``body`` without its weight."""
+
+    weight: float
+    body: str
+    text: str
+
+
+_MANTISSA = re.compile(r"^\s*[+-]?(?:\d+\.?\d*|\.\d+)[eE]$")  # ``1e`` of ``1e+3*name``: the + is the exponent's
+
+
+def split_sum(spec: str) -> list[SumTerm]:
+    """The terms of ``w1*a+b+...``. ``+`` separates terms (except the sign of a weight's exponent, ``1e+3*a``) and the
+    text before a term's first ``*`` is its weight, so neither can be part of a term's name, path or URL. A
+    ConfigError names the term that is wrong: empty, a weight that is not a finite number, a term written twice."""
+    pieces = spec.split("+")
+    parts = []
+    i = 0
+    while i < len(pieces):
+        part = pieces[i]
+        while _MANTISSA.match(part) and i + 1 < len(pieces):
+            i += 1
+            part += "+" + pieces[i]
+        parts.append(part.strip())
+        i += 1
+    terms: list[SumTerm] = []
+    for text in parts:
+        weight, star, body = text.partition("*")
+        body = body.strip() if star else text
+        if not text or not body:
+            raise ConfigError(f"the reward sum {spec!r} has an empty term; write it as exact_match+0.2*think_format")
+        try:
+            w = float(weight) if star else 1.0
+        except ValueError:
+            raise ConfigError(
+                f"reward term {text!r} of {spec!r}: the weight {weight.strip()!r} is not a number; write it as "
+                f"0.2*{body}"
+            ) from None
+        if not math.isfinite(w):
+            raise ConfigError(f"reward term {text!r} of {spec!r}: the weight must be a finite number")
+        if any(t.body == body for t in terms):
+            raise ConfigError(f"the reward sum {spec!r} names {body!r} twice; keep one term and weight it instead")
+        terms.append(SumTerm(w, body, text))
+    return terms
+
+
+SUM_FORMS = (
+    "a term of a sum is a builtin ({builtins}), path/to/file.py:function, package.module:function, judge[:URL] or "
+    "model[:PATH], each optionally weighted as 0.2*term"
+)
+
+
+def check_builtin(name: str, spec: str) -> None:
+    """ConfigError when the term ``name`` of the sum ``spec`` (no ``:``) is not a builtin reward."""
+    if name in BUILTINS:
+        return
+    if name.endswith(".py") or "/" in name:
+        raise ConfigError(
+            f"reward term {name!r} of {spec!r} names a file but no function; add it: {name}:FUNCTION_NAME"
+        )
+    forms = SUM_FORMS.format(builtins=", ".join(sorted(BUILTINS)))
+    raise ConfigError(f"unknown reward {name!r} in {spec!r}{did_you_mean(name, BUILTINS)}; {forms}")
 
 
 def _parse_sum(spec: str) -> list[tuple[float, str]]:
-    """The ``(weight, builtin name)`` terms of ``w1*name1+name2+...``; a ConfigError names the term that is wrong
-    (a weight that is not a finite number, an unknown name, an empty term)."""
-    terms = []
-    for part in re.split(r"(?<![0-9][eE])\+", spec):  # not the sign of an exponent (1e+3)
-        m = _TERM_RE.match(part)
-        weight, name = (m.group(1), m.group(2)) if m else (None, part.strip())
-        if not name:
-            raise ConfigError(f"the reward sum {spec!r} has an empty term; write it as exact_match+0.2*think_format")
-        if name not in BUILTINS:
+    """The ``(weight, builtin name)`` terms of ``w1*name1+name2+...`` (``split_sum``); a ConfigError names the term
+    that is wrong."""
+    terms = split_sum(spec)
+    for t in terms:
+        if ":" in t.body:
             raise ConfigError(
-                f"unknown reward {name!r} in {spec!r}{did_you_mean(name, BUILTINS)}; a sum adds builtins "
-                f"({', '.join(sorted(BUILTINS))}), each optionally weighted as 0.2*name"
+                f"reward {spec!r} sums a function of your own (or a judge / model term): one reward pool runs one "
+                "function or a sum of builtins; open the sum with polyrl.algorithms.reward_sources.open_rewards (as "
+                "--reward does), which runs each function term in its own workers"
             )
-        try:
-            w = 1.0 if weight is None else float(weight)
-        except ValueError:
-            raise ConfigError(
-                f"reward term {part.strip()!r} of {spec!r}: the weight {weight!r} is not a number; write it as "
-                f"0.2*{name}"
-            ) from None
-        if not math.isfinite(w):
-            raise ConfigError(f"reward term {part.strip()!r} of {spec!r}: the weight must be a finite number")
-        terms.append((w, name))
-    return terms
+        check_builtin(t.body, spec)
+    return [(t.weight, t.body) for t in terms]
 
 
 def resolve(spec: str) -> RewardFn:
@@ -197,10 +258,10 @@ def resolve(spec: str) -> RewardFn:
         return BUILTINS[spec]
     target, sep, name = spec.rpartition(":")
     if not sep:
-        if spec.endswith(".py") or "/" in spec:
-            raise ConfigError(f"reward {spec!r} names a file but no function; add it: --reward {spec}:FUNCTION_NAME")
         if "+" in spec or "*" in spec:
             return _Weighted(_parse_sum(spec))
+        if spec.endswith(".py") or "/" in spec:
+            raise ConfigError(f"reward {spec!r} names a file but no function; add it: --reward {spec}:FUNCTION_NAME")
         raise ConfigError(
             f"unknown reward {spec!r}{did_you_mean(spec, BUILTINS)}; use a builtin ({', '.join(sorted(BUILTINS))}), "
             "a sum such as exact_match+0.2*think_format, or path/to/file.py:function"
@@ -208,11 +269,7 @@ def resolve(spec: str) -> RewardFn:
     if not target or not name:
         raise ConfigError(f"reward {spec!r}: give both the file and the function, as path/to/file.py:function")
     if ("+" in target or "*" in target) and not Path(target).is_file():
-        raise ConfigError(
-            f"the reward sum {spec!r} adds a function of your own to other terms; a sum takes builtin names (and the "
-            "judge / model terms) only. Return the combined reward from your function instead (it may call "
-            "polyrl.algorithms.rewards.exact_match(completion, example) and the other builtins)"
-        )
+        _parse_sum(spec)  # a sum with a function term: the ConfigError says where sums of functions are scored
     module = load_user_module(target, spec)
     fn = getattr(module, name, None)
     if not callable(fn):
@@ -358,7 +415,8 @@ class _Worker(WorkerProcess):
 class RewardPool:
     """Scores completions with the reward ``spec`` in ``workers`` processes, ``timeout`` seconds per call.
 
-    ``score(completions, examples) -> RewardResult``. Use as a context manager or call ``close()``."""
+    ``score(completions, examples) -> RewardResult``. Use as a context manager or call ``close()``. ``label``: the
+    term of a larger sum this pool scores, named in its failure messages (``error: LABEL: ...``)."""
 
     def __init__(
         self,
@@ -368,6 +426,7 @@ class RewardPool:
         failure_reward: float = 0.0,
         start_method: str | None = None,
         options: Mapping[str, Any] | None = None,
+        label: str | None = None,
     ) -> None:
         if workers < 0:
             raise ConfigError(f"reward workers must be >= 0, got {workers}")
@@ -381,6 +440,7 @@ class RewardPool:
         self.num_workers = workers
         self.timeout = float(timeout)
         self.failure_reward = float(failure_reward)
+        self.label = label
         self.totals = dict.fromkeys(FAILURE_KINDS, 0)
         self.replaced = 0
         self._ctx = start_context(start_method) if workers else None
@@ -441,7 +501,7 @@ class RewardPool:
             result.failed.add(i)
             self.totals[kind] += 1
             if len(result.messages) < 5:
-                result.messages.append(f"{kind}: {value}")
+                result.messages.append(f"{kind}: {self.label}: {value}" if self.label else f"{kind}: {value}")
         return result
 
     def _run_pool(self, inbox: JobInbox, outcomes: dict) -> None:
@@ -533,4 +593,5 @@ __all__ = [
     "example_view",
     "register_reward",
     "resolve",
+    "split_sum",
 ]

@@ -113,7 +113,9 @@ def odd_file(tmp_path):
         ("1e400*exact_match", "reward term '1e400*exact_match' of '1e400*exact_match': the weight must be a finite"),
         ("nan*exact_match+think_format", "the weight must be a finite number"),
         ("exact_match++think_format", "the reward sum 'exact_match++think_format' has an empty term"),
-        ("exact_match+0.5*{file}:np_bool", "adds a function of your own to other terms; a sum takes builtin names"),
+        ("exact_match+0.5*{file}:np_bool", "one reward pool runs one function or a sum of builtins; open the sum with"),
+        ("exact_match+exact_match", "names 'exact_match' twice; keep one term and weight it instead"),
+        ("exact_match+0.5*rewards.py", "reward term 'rewards.py' of 'exact_match+0.5*rewards.py' names a file but no"),
     ],
 )
 def test_bad_reward_specs_name_what_is_wrong(spec, message, odd_file, tmp_path, monkeypatch):

@@ -53,7 +53,10 @@ def test_builtins_hand_values():
     assert R.resolve("think_format")("<answer>5</answer>", ex) == 0.0
     assert R.resolve("length_penalty")("x" * 250, ex) == pytest.approx(-0.25)
     combo = R.resolve("exact_match+0.5*think_format+0.1*length_penalty")
-    assert combo("<think>a</think><answer>5</answer>", ex) == pytest.approx(1.0 + 0.5 - 0.1 * 0.034)
+    # the sum and each term's value before its weight (logged as reward/<name>)
+    assert combo("<think>a</think><answer>5</answer>", ex) == pytest.approx(
+        {"reward": 1.0 + 0.5 - 0.1 * 0.034, "exact_match": 1.0, "think_format": 1.0, "length_penalty": -0.034}
+    )
 
 
 def test_resolve_errors_name_the_fix(user_file, tmp_path):

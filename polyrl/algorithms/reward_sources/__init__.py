@@ -4,31 +4,48 @@ sandboxed ``code_exec`` among them), an LLM judge (``judge``) and a sequence-cla
 
 The reward spec (``--reward`` / ``<algo>.reward``) is a ``+``-joined sum of terms, each ``[weight*]term``:
 
-- a reward function spec (``exact_match``, ``code_exec``, ``0.2*think_format``, ``path/to/file.py:fn``, ...);
+- a builtin reward (``exact_match``, ``code_exec``, ``0.2*think_format``, ...);
+- a function of your own, ``path/to/file.py:fn`` or ``package.module:fn`` (``0.5*my_rewards.py:fmt``);
 - ``judge`` or ``judge:URL``: the judge of the ``[reward.judge]`` table (``judge:URL`` sets its ``url``);
 - ``model`` or ``model:PATH``: the reward model at ``reward.model`` (``--reward-model PATH`` sets it, and
   ``--reward model`` when no ``--reward`` is given).
 
-A spec without ``judge`` / ``model`` terms is a plain ``RewardPool`` (as before). Otherwise ``RewardSources``
-scores every term and sums; a sample whose any term failed gets ``failure_reward``, each failure counted by kind
-(``error``, ``timeout``, ``non_number``, ``crash``) as a reward function's would be. The per-term means are logged as
-``reward/judge`` and ``reward/model``. ``[reward]`` is a top-level table of the run config (``RewardConfig``).
+Syntax (``rewards.split_sum``): ``+`` separates terms and the text before a term's first ``*`` is its weight, so a
+path in a sum may hold dots, dashes, spaces and ``:`` (the function is after the last ``:``) but no ``+`` or ``*``
+(rename or link such a file); a lone ``file.py:fn`` that exists is taken whole, whatever its path holds. A term may
+appear once (weight it instead of repeating it).
+
+A spec of builtins only, or one function of your own, is a plain ``RewardPool``. Otherwise ``RewardSources``
+scores every term and sums: the builtins in one pool (one call per completion), each function of your own in a pool
+of its own, run exactly as it would be alone (``reward_workers`` worker processes, ``reward_timeout`` seconds per
+call, its failures counted by kind), the judge over HTTP, the reward model in this process. Every term scores every
+completion; a completion whose any term failed gets ``failure_reward`` (not a partial sum), and each failing term is
+counted by kind (``error``, ``timeout``, ``non_number``, ``crash``) with a message naming the term
+(``error: my_rewards.py:fmt: KeyError: ...``). Each term's mean before its weight, over the completions it scored,
+is logged as ``reward/<name>``: a builtin's name, ``judge``, ``model``, a function's name (``reward/fmt``; its file
+spec as written, ``reward/a.py:score``, when two terms share a name). ``[reward]`` is a top-level table of the run
+config (``RewardConfig``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from polyrl.algorithms.reward_sources.judge import JudgeConfig, JudgeScorer
-from polyrl.algorithms.rewards import FAILURE_KINDS, RewardPool, RewardResult, resolve
+from polyrl.algorithms.rewards import (
+    BUILTINS,
+    FAILURE_KINDS,
+    RewardPool,
+    RewardResult,
+    check_builtin,
+    resolve,
+    split_sum,
+)
 from polyrl.errors import ConfigError
-
-_TERM = re.compile(r"^\s*(?:([0-9.eE+-]+)\s*\*\s*)?(judge|model)(?::(.+))?\s*$")
 
 
 @dataclass
@@ -82,46 +99,60 @@ class RewardConfig:
 
 @dataclass
 class Term:
-    """One term of a reward spec: ``kind`` is ``functions`` (``arg``: their spec), ``judge`` (``arg``: URL or None)
-    or ``model`` (``arg``: path or None)."""
+    """One term of a reward spec: ``kind`` is ``functions`` (``arg``: a ``RewardPool`` spec, the builtins of a sum
+    as written), ``user`` (``arg``: ``path/to/file.py:fn`` or ``module:fn`` as written), ``judge`` (``arg``: URL or
+    None) or ``model`` (``arg``: path or None); ``name``: the ``reward/<name>`` a ``user`` term is logged as."""
 
     kind: str
     weight: float = 1.0
     arg: str | None = None
+    name: str | None = None
 
 
 def parse_spec(spec: str) -> list[Term]:
-    """The terms of a reward spec; every non-judge, non-model term is gathered into one ``functions`` term (the
-    ``RewardPool`` spec, weights kept) placed first."""
-    parts = re.split(r"\s*\+\s*(?=[A-Za-z0-9./])", spec.strip())
-    sources, functions = [], []
-    for part in parts:
-        m = _TERM.match(part)
-        if m is None:
-            functions.append(part)
-            continue
-        try:
-            weight = float(m.group(1)) if m.group(1) else 1.0
-        except ValueError:
-            raise ConfigError(f"reward term {part!r}: {m.group(1)!r} is not a weight") from None
-        if not math.isfinite(weight):
-            raise ConfigError(f"reward term {part!r}: the weight must be a finite number")
-        sources.append(Term(m.group(2), weight, m.group(3).strip() if m.group(3) else None))
-    if not sources:
-        return [Term("functions", 1.0, spec.strip())]
-    return ([Term("functions", 1.0, "+".join(functions))] if functions else []) + sources
+    """The terms of a reward spec (see the module docstring): the builtins gathered into one ``functions`` term
+    placed first (weights kept in its ``arg``), then the other terms as written. A spec of builtins only, or one
+    function of the user's (unweighted), is a single ``functions`` term whose ``arg`` is the spec itself
+    (``rewards.resolve`` checks it and names what is wrong). ConfigError names a malformed term."""
+    text = spec.strip() if isinstance(spec, str) else ""
+    target, sep, _ = text.rpartition(":")
+    lone_file = sep and text.partition(":")[0] not in ("judge", "model") and Path(target).is_file()
+    if not text or lone_file:  # one file reward: its path may hold + and *
+        return [Term("functions", 1.0, text)]
+    builtins, others = [], []
+    for t in split_sum(text):
+        head, colon, rest = t.body.partition(":")
+        if head in ("judge", "model"):
+            others.append(Term(head, t.weight, rest.strip() or None))
+        elif colon:
+            others.append(Term("user", t.weight, t.body))
+        else:
+            builtins.append(t)
+    if not others or (len(others) == 1 and not builtins and others[0].kind == "user" and others[0].weight == 1.0):
+        return [Term("functions", 1.0, others[0].arg if others else text)]
+    for t in builtins:
+        check_builtin(t.body, text)
+    _name_user_terms(others, {t.body for t in builtins})
+    return ([Term("functions", 1.0, "+".join(t.text for t in builtins))] if builtins else []) + others
+
+
+def _name_user_terms(terms: list[Term], builtins: set[str]) -> None:
+    """Each ``user`` term's metric name: its function's name, or its spec as written when that name is another
+    term's too (two files' ``score``, a function named like a builtin, ``judge`` or ``model``)."""
+    fns = [t.arg.rpartition(":")[2] for t in terms if t.kind == "user" and t.arg]
+    taken = builtins | {t.kind for t in terms if t.kind != "user"}
+    for t in terms:
+        if t.kind == "user" and t.arg:
+            fn = t.arg.rpartition(":")[2]
+            t.name = fn if fn not in taken and fns.count(fn) == 1 else t.arg
 
 
 def check_spec(spec: str, cfg: RewardConfig, reward_timeout: float | None = None) -> None:
     """ConfigError when the spec, the ``[reward]`` table and the reward timeout disagree (before any model loads)."""
     terms = parse_spec(spec)
-    if reward_timeout is not None and "code_exec" in spec and cfg.code_exec.timeout + 1.0 >= reward_timeout:
-        raise ConfigError(
-            f"reward.code_exec.timeout ({cfg.code_exec.timeout:g}s) must stay below the reward timeout "
-            f"({reward_timeout:g}s) by a second or more; raise --reward-timeout or lower reward.code_exec.timeout"
-        )
+    _check_code_exec_timeout(spec, cfg, reward_timeout)
     for t in terms:  # names, sums and file.py:fn resolve here: a misspelt name or a broken file fails before any load
-        if t.kind == "functions" and t.arg is not None:
+        if t.kind in ("functions", "user") and t.arg is not None:
             resolve(t.arg)
     kinds = [t.kind for t in terms]
     for kind in ("judge", "model"):
@@ -139,10 +170,22 @@ def check_spec(spec: str, cfg: RewardConfig, reward_timeout: float | None = None
         )
 
 
-def _configure_pool(spec: str, workers: int, timeout: float, failure: float, cfg: RewardConfig) -> RewardPool:
-    options = dataclasses.asdict(cfg.code_exec)
-    check_spec(spec, cfg, timeout)
-    return RewardPool(spec, workers, timeout, failure, options=options)
+def _check_code_exec_timeout(spec: str, cfg: RewardConfig, reward_timeout: float | None) -> None:
+    if reward_timeout is not None and "code_exec" in spec and cfg.code_exec.timeout + 1.0 >= reward_timeout:
+        raise ConfigError(
+            f"reward.code_exec.timeout ({cfg.code_exec.timeout:g}s) must stay below the reward timeout "
+            f"({reward_timeout:g}s) by a second or more; raise --reward-timeout or lower reward.code_exec.timeout"
+        )
+
+
+def _configure_pool(
+    spec: str, workers: int, timeout: float, failure: float, cfg: RewardConfig, label: str | None = None
+) -> RewardPool:
+    """The pool of one function term. The whole spec was checked (``check_spec``); only the sandbox limits are
+    checked against the timeout here: checking the term alone against ``cfg`` would refuse a ``reward.model`` that
+    another term of the sum uses."""
+    _check_code_exec_timeout(spec, cfg, timeout)
+    return RewardPool(spec, workers, timeout, failure, options=dataclasses.asdict(cfg.code_exec), label=label)
 
 
 class RewardSources:
@@ -158,14 +201,21 @@ class RewardSources:
         device: Any = None,
         dtype: Any = None,
     ) -> None:
-        check_spec(spec, cfg)
+        check_spec(spec, cfg, timeout)
         self.failure_reward = float(failure_reward)
         self.totals = dict.fromkeys(FAILURE_KINDS, 0)
         self.terms: list[tuple[Term, Any]] = []
+        terms = parse_spec(spec)
+        label = (lambda t: t.arg) if len(terms) > 1 else (lambda t: None)  # failure messages name the term
         try:
-            for t in parse_spec(spec):
+            for t in terms:
                 if t.kind == "functions":
-                    scorer: Any = _configure_pool(t.arg or "", workers, timeout, failure_reward, cfg)
+                    arg = t.arg or ""
+                    # a lone builtin beside other terms still reports its value (reward/<name>): as a sum of one
+                    pool_spec = f"1*{arg}" if len(terms) > 1 and arg in BUILTINS else arg
+                    scorer: Any = _configure_pool(pool_spec, workers, timeout, failure_reward, cfg, label(t))
+                elif t.kind == "user":
+                    scorer = _configure_pool(t.arg or "", workers, timeout, failure_reward, cfg, label(t))
                 elif t.kind == "judge":
                     jcfg = dataclasses.replace(cfg.judge, url=t.arg) if t.arg else cfg.judge
                     scorer = JudgeScorer(jcfg)
@@ -204,18 +254,20 @@ class RewardSources:
         failed = [False] * n
         result = RewardResult([self.failure_reward] * n)
         for term, scorer in self.terms:
-            if term.kind == "functions":
+            if term.kind in ("functions", "user"):  # a pool (its weights applied inside when it is the builtins')
                 part = scorer.score(completions, examples)
-                bad = part.failed
                 for i in range(n):
-                    total[i] += part.rewards[i]
+                    total[i] += term.weight * part.rewards[i]
                 for kind, count in part.failures.items():
                     result.failures[kind] += count
                     self.totals[kind] += count
                 result.messages += part.messages[: 5 - len(result.messages)]
                 result.extras.update(part.extras)
-                for i in bad:
+                for i in part.failed:
                     failed[i] = True
+                kept = [part.rewards[i] for i in range(n) if i not in part.failed]
+                if term.kind == "user" and kept:
+                    result.extras[term.name or term.arg or "user"] = kept
                 continue
             values = []
             for i, (kind, value, _) in enumerate(scorer.outcomes(completions, examples)):
@@ -231,7 +283,9 @@ class RewardSources:
             if values:
                 result.extras[term.kind] = values
         for i in range(n):
-            if not failed[i]:
+            if failed[i]:
+                result.failed.add(i)
+            else:
                 result.rewards[i] = total[i]
         return result
 
@@ -250,7 +304,7 @@ def open_rewards(
     cfg = cfg if cfg is not None else RewardConfig()
     terms = parse_spec(spec)
     if len(terms) == 1 and terms[0].kind == "functions":
-        check_spec(spec, cfg)
+        check_spec(spec, cfg, timeout)
         return _configure_pool(spec, workers, timeout, failure_reward, cfg)
     return RewardSources(spec, cfg, workers, timeout, failure_reward, device=device, dtype=dtype)
 
