@@ -10,11 +10,15 @@ tools=...)``, executes the ``tool_calls`` it gets back, appends ``tool`` message
   ``temperature``, ``top_p``, ``max_tokens`` / ``max_completion_tokens`` (capped by the proxy's), ``seed``,
   ``logprobs``, ``response_format`` / ``parallel_tool_calls`` (with tools: a call or an answer in the format; without
   a request format, the run's ``rollout_response_format``). The reply's ``<tool_call>`` blocks come back as OpenAI
-  ``tool_calls`` (``finish_reason "tool_calls"``). Extra fields ``prompt_token_ids`` and ``choices[0].token_ids``
-  show what was recorded.
+  ``tool_calls`` (``finish_reason "tool_calls"``); a reply the token limit cut keeps its whole calls, drops the one
+  it left half written and says ``finish_reason "length"``, as ``polyrl serve`` (``tool_parsers.finished_text`` /
+  ``finish_reason``). Extra fields ``prompt_token_ids`` and ``choices[0].token_ids`` show what was recorded (the
+  sampled ids, a half-written call's included).
 - ``POST /agents/{id}/v1/responses``: the Responses API (``input`` items, ``instructions``, function ``tools``,
   ``max_output_tokens``, ...; not streamed, stateless) over the same recording; its items are those of
-  ``polyrl serve`` (``responses_items``), so an agent written against the Responses API trains unchanged.
+  ``polyrl serve`` (``responses_items``), so an agent written against the Responses API trains unchanged; a reply
+  cut by ``max_output_tokens`` is ``incomplete`` (``incomplete_details.reason "max_output_tokens"``) with its whole
+  calls only.
 - ``POST /agents/{id}/reward`` ``{"reward": 1.0}``: the episode's reward (or the agent function returns it).
 - ``GET /agents/{id}/v1/models``, ``GET /health``.
 The prompts are built token-exactly by ``polyrl.agents.proxy.AgentSession``; one engine thread drives
@@ -59,6 +63,7 @@ from polyrl.agents.responses_items import (
     usage,
 )
 from polyrl.agents.rollout import turn_seed
+from polyrl.agents.tool_parsers import finish_reason, finished_text
 from polyrl.errors import UserError
 from polyrl.infer import SamplingParams
 
@@ -311,13 +316,14 @@ class AgentProxy:
         c = out.outputs[0]
         mass = getattr(c, "masked_logmass", None)  # None: unconstrained
         versions = getattr(c, "token_versions", None)  # partial rollouts: the policy version of each token
-        reply = sess.record(
-            messages, tools, ids, continues, list(c.token_ids), list(c.logprobs), c.text, mass, versions
-        )
+        # as polyrl serve: a reply cut inside a call keeps its whole calls, drops the half-written one (neither a call
+        # nor content) and stays "length"; the recorded token ids are the sampled ones, half call included
+        text = finished_text(sess.parser, c.text, c.finish_reason)
+        reply = sess.record(messages, tools, ids, continues, list(c.token_ids), list(c.logprobs), text, mass, versions)
         msg = {"role": "assistant", "content": reply.get("content")}
         if reply.get("tool_calls"):
             msg["tool_calls"] = reply["tool_calls"]
-        finish = "tool_calls" if reply.get("tool_calls") else ("length" if c.finish_reason == "length" else "stop")
+        finish = finish_reason(c.finish_reason, bool(reply.get("tool_calls")))
         choice: dict[str, Any] = {"index": 0, "message": msg, "finish_reason": finish, "token_ids": list(c.token_ids)}
         if body.get("logprobs"):
             toks = [self.llm.tokenizer.decode([t]) for t in c.token_ids]
@@ -377,7 +383,7 @@ class AgentProxy:
         cut = choice["finish_reason"] == "length"
         counts = usage(out["usage"]["prompt_tokens"], out["usage"]["completion_tokens"])
         shell = ResponseShell(body, self.model_name)
-        items = output_items(msg.get("content"), msg.get("tool_calls") or [])
+        items = output_items(msg.get("content"), msg.get("tool_calls") or [], cut)
         result = shell.build("incomplete" if cut else "completed", items, counts, "max_output_tokens" if cut else None)
         result["prompt_token_ids"], result["token_ids"] = out["prompt_token_ids"], choice["token_ids"]
         return result

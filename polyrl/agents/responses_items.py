@@ -215,9 +215,10 @@ class ResponseShell:
         }
 
 
-def output_items(content: str | None, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A reply's output: a ``message`` item when there is text (or nothing else), then one ``function_call`` each."""
-    head = [message_item(f"msg_{uuid.uuid4().hex}", content or "")] if content or not calls else []
+def output_items(content: str | None, calls: list[dict[str, Any]], cut: bool = False) -> list[dict[str, Any]]:
+    """A reply's output: a ``message`` item when there is text (or nothing else, unless the token limit ``cut`` it:
+    a reply cut before any text or whole call has no items), then one ``function_call`` each."""
+    head = [message_item(f"msg_{uuid.uuid4().hex}", content or "")] if content or not (calls or cut) else []
     return head + [call_item(c) for c in calls]
 
 

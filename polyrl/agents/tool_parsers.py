@@ -19,7 +19,8 @@ Registry (``TOOL_PARSERS``, ``get_parser(name)``, ``detect_parser(chat_template)
 Each parser: ``parse(text, call_prefix)`` -> an OpenAI assistant message (``content``, ``tool_calls``,
 ``invalid_tool_calls`` for malformed ones, as ``tools.parse_reply``); ``call_start(text)`` / ``holdback(text)`` for
 streaming (``ToolCallStream``: text before a call streams as content, a call is sent once it is complete);
-``unfinished(text)``: where a reply cut by the token limit left a call half written (the server drops it);
+``unfinished(text)``: where a reply cut by the token limit left a call half written (``finished_text`` drops it, and
+``finish_reason`` keeps such a reply "length": ``polyrl serve`` and the agent proxy answer alike);
 ``call_rules(tools, parallel, tokenizer)``: Lark rules (llguidance's dialect, ``%json`` for the arguments) whose
 rule ``calls`` admits only calls of ``tools`` in this format. From them, ``grammar(...)`` (``start: calls``: for
 ``tool_choice: required`` or a named function) and ``union_grammar(tools, parallel, answer, ...)`` (``start: calls |
@@ -442,6 +443,23 @@ def detect_parser(chat_template: str | None) -> ToolParser:
     return HermesParser()
 
 
+def finished_text(parser: ToolParser | None, text: str, reason: str | None) -> str:
+    """The reply without the call it left half written when the token limit cut it (``reason`` "length"): that
+    part is neither a call (its arguments are not whole) nor content (it is call markup), as with OpenAI. ``parser``
+    None: a reply without tools, kept whole."""
+    if parser is None or reason != "length":
+        return text
+    return text[: parser.unfinished(text)]
+
+
+def finish_reason(reason: str | None, called: bool) -> str | None:
+    """The OpenAI ``finish_reason`` of a reply that ended for the engine's ``reason`` (stop, length, abort) and
+    ``called`` tools: "length" whenever the token limit cut it, even with whole calls kept (OpenAI's rule, and what
+    marks a Responses reply ``incomplete``); "tool_calls" when it called and ended by itself; an aborted one "stop"."""
+    finish = "stop" if reason == "abort" else reason
+    return "tool_calls" if called and finish == "stop" else finish
+
+
 class ToolCallStream:
     """Streams one reply: ``feed(text_so_far)`` returns the content delta that is safe to send now (text before any
     tool call, minus what could still begin one); ``finish(text)`` returns ``(content delta, message)``: the rest of
@@ -489,5 +507,7 @@ __all__ = [
     "ToolParser",
     "call_schema",
     "detect_parser",
+    "finish_reason",
+    "finished_text",
     "get_parser",
 ]

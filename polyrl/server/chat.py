@@ -16,7 +16,8 @@ system prompt when the template has no tool support (``polyrl.agents.render.prep
 renderer too); assistant ``tool_calls`` and ``tool`` messages (``tool_call_id``) are passed to the template. The
 reply is parsed by the model family's parser (``polyrl.agents.tool_parsers``): ``message.tool_calls`` and
 ``finish_reason: "tool_calls"`` when it called any; a reply cut by the token limit drops the call it left half
-written (``finished_text``: neither a call nor content) and keeps ``finish_reason: "length"``. Streams send the
+written (``tool_parsers.finished_text``: neither a call nor content) and keeps ``finish_reason: "length"``
+(``tool_parsers.finish_reason``; the agent proxy answers alike). Streams send the
 content before a call as it comes and each call, once complete, as two ``delta.tool_calls`` chunks (``{index, id,
 type, function: {name, arguments: ""}}``, then ``{index, function: {arguments}}``). Not here: the HTTP app, auth.
 """
@@ -28,7 +29,7 @@ import uuid
 from typing import Any
 
 from polyrl.agents.render import prepare_messages
-from polyrl.agents.tool_parsers import ToolCallStream
+from polyrl.agents.tool_parsers import ToolCallStream, finish_reason, finished_text
 from polyrl.errors import UserError
 from polyrl.infer.sampling_params import MAX_TOP_LOGPROBS
 from polyrl.server.api_errors import APIError, bad_request
@@ -258,30 +259,15 @@ def parse_calls(plan: ToolPlan, text: str) -> dict[str, Any]:
     return {"content": content, "tool_calls": calls}
 
 
-def finished_text(plan: ToolPlan, text: str, reason: str | None) -> str:
-    """The reply without the call it left half written when the token limit cut it (``reason`` "length"): that
-    part is neither a call (its arguments are not whole) nor content (it is call markup), as with OpenAI."""
-    if plan.parser is None or reason != "length":
-        return text
-    return text[: plan.parser.unfinished(text)]
-
-
 def reply_message(plan: ToolPlan, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
     """(the chat ``message``, the ``finish_reason``) of one choice."""
-    finish = _finish(reason)
     if plan.parser is None:
-        return {"role": "assistant", "content": text, "refusal": None}, finish
-    parsed = parse_calls(plan, finished_text(plan, text, reason))
+        return {"role": "assistant", "content": text, "refusal": None}, finish_reason(reason, False)
+    parsed = parse_calls(plan, finished_text(plan.parser, text, reason))
     message = {"role": "assistant", "content": parsed["content"], "refusal": None}
     if parsed["tool_calls"]:
         message["tool_calls"] = parsed["tool_calls"]
-        if finish == "stop":
-            finish = "tool_calls"
-    return message, finish
-
-
-def _finish(reason: str | None) -> str | None:
-    return "stop" if reason == "abort" else reason
+    return message, finish_reason(reason, bool(parsed["tool_calls"]))
 
 
 def _usage(num_prompt: int, outputs: list[Any]) -> dict[str, int]:
@@ -325,9 +311,9 @@ async def _stream(
                     yield chunk(c.index, {"content": delta}, lp)
             if c.finish_reason is not None:
                 finished.add(c.index)
-                finish = _finish(c.finish_reason)
+                called = False
                 if parsers is not None:
-                    rest, msg = parsers[c.index].finish(finished_text(plan, c.text, c.finish_reason))
+                    rest, msg = parsers[c.index].finish(finished_text(plan.parser, c.text, c.finish_reason))
                     if rest:
                         yield chunk(c.index, {"content": rest})
                     for k, call in enumerate(msg.get("tool_calls") or []):
@@ -337,9 +323,8 @@ async def _stream(
                             c.index, {"tool_calls": [{**head_call, "function": {"name": fn["name"], "arguments": ""}}]}
                         )
                         yield chunk(c.index, {"tool_calls": [{"index": k, "function": {"arguments": fn["arguments"]}}]})
-                    if msg.get("tool_calls") and finish == "stop":
-                        finish = "tool_calls"
-                yield chunk(c.index, {}, None, finish)
+                    called = bool(msg.get("tool_calls"))
+                yield chunk(c.index, {}, None, finish_reason(c.finish_reason, called))
     if usage and last is not None:
         yield sse({**base, "choices": [], "usage": _usage(num_prompt, last.outputs)})
     yield DONE

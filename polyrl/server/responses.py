@@ -44,9 +44,9 @@ from polyrl.agents.responses_items import (
     output_items,
     usage,
 )
-from polyrl.agents.tool_parsers import ToolCallStream
+from polyrl.agents.tool_parsers import ToolCallStream, finished_text
 from polyrl.server.api_errors import APIError, bad_request, validation_message
-from polyrl.server.chat import call_prefix, finished_text, parse_calls, submit_chat
+from polyrl.server.chat import call_prefix, parse_calls, submit_chat
 from polyrl.server.protocol import ChatCompletionRequest, ResponsesRequest
 from polyrl.server.streaming import final_outputs, guarded_stream
 
@@ -119,14 +119,12 @@ def _output(plan: Any, text: str, reason: str | None) -> list[dict[str, Any]]:
     """The reply's output items: its message (its content text) and its function calls. A reply cut by
     ``max_output_tokens`` drops the call it left half written (``finished_text``), and has no message item when
     no text is left (the cut came before any)."""
-    text = finished_text(plan, text, reason)
+    text = finished_text(plan.parser, text, reason)
     calls: list[dict[str, Any]] = []
     if plan.parser is not None:
         parsed = parse_calls(plan, text)
         text, calls = parsed["content"] or "", parsed["tool_calls"]
-    if reason == "length" and not text and not calls:
-        return []
-    return output_items(text, calls)
+    return output_items(text, calls, cut=reason == "length")
 
 
 async def create_response(state: Any, body: ResponsesRequest, request: Any) -> Any:
@@ -199,7 +197,7 @@ async def _stream(state: Any, group: Any, shell: ResponseShell, plan: Any, num_p
     calls: list[dict[str, Any]] = []
     cut = final.finish_reason == "length"
     if parser is not None:
-        whole = finished_text(plan, final.text, final.finish_reason)
+        whole = finished_text(plan.parser, final.text, final.finish_reason)
         rest, msg = parser.finish(whole)
         calls = msg.get("tool_calls") or []
         if not calls:
