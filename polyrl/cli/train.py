@@ -17,6 +17,7 @@ This module parses and reports; it never branches on algorithm names (``polyrl.a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -471,20 +472,26 @@ def unused_settings(cfg: Any) -> list[str]:
     return out
 
 
+# the settings of the rollout worker processes (polyrl.run.rollout_workers, the weight sync to them): the process
+# producer is the only reader of each
+WORKER_SETTINGS = (
+    "rollout_worker_timeout_s",
+    "rollout_worker_restarts",
+    "rollout_balance",
+    "weight_sync_dtype",
+    "weight_sync_bucket_mb",
+)
+
+
 def _worker_settings(a: Any) -> list[tuple[str, str]]:
-    """The settings of the rollout worker processes (``polyrl.run.rollout_workers``, the weight sync to them) that
-    differ from their defaults, as ``(key, value)``: the process producer is the only reader of each."""
-    defaults = {
-        "rollout_worker_timeout_s": None,
-        "rollout_worker_restarts": 3,
-        "rollout_balance": "work",
-        "weight_sync_dtype": "auto",
-        "weight_sync_bucket_mb": 256.0,
-    }
+    """The ``WORKER_SETTINGS`` of the algorithm config ``a`` that differ from their defaults, as ``(key, value)``.
+    The defaults are read from ``a``'s own dataclass (``OnlineConfig`` or the algorithm's subclass), never copied
+    here, so a changed default is not reported as a setting the user made."""
+    defaults = {f.name: f.default for f in dataclasses.fields(a) if f.name in WORKER_SETTINGS}
     out = []
-    for key, default in defaults.items():
+    for key in WORKER_SETTINGS:
         value = getattr(a, key)
-        if value != default:
+        if value != defaults[key]:
             out.append((key, f'"{value}"' if isinstance(value, str) else f"{value:g}"))
     return out
 

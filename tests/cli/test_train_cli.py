@@ -4,6 +4,7 @@ and data errors (exit 2, before any model load). Runs the CLI in-process (``poly
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 
@@ -323,6 +324,42 @@ def test_process_producer_settings_without_it_are_warned(tiny_model_dir, tmp_pat
     assert got == ["grpo.partial_swap_step = 2 places the weight swap of partial rollouts: add --partial-rollouts"]
     assert unused("--max-staleness", "1", "--async-producer", "thread", "--partial-rollouts",
                   sets=["grpo.partial_swap_step=2"]) == []  # fmt: skip
+
+
+def test_worker_settings_at_the_dataclass_defaults_are_not_warned(tiny_model_dir, tmp_path):
+    """The rollout-worker settings given exactly at OnlineConfig's defaults warn nothing, a changed one warns; and the
+    defaults are read from the config's own dataclass: an algorithm config whose default differs warns nothing at
+    that default (was: defaults copied by hand, so a changed default read as a setting the user made)."""
+    from polyrl.algorithms.grpo import GRPOConfig
+    from polyrl.algorithms.online_config import OnlineConfig
+    from polyrl.cli.train import _worker_settings, add_arguments, overrides_from_args, unused_settings
+    from polyrl.run.config import resolve
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    keys = ("rollout_worker_timeout_s", "rollout_worker_restarts", "rollout_balance")
+    keys += ("weight_sync_dtype", "weight_sync_bucket_mb")
+    defaults = {f.name: f.default for f in dataclasses.fields(OnlineConfig) if f.name in keys}
+
+    def unused(*sets):
+        base = ["--algo", "grpo", "--model", str(tiny_model_dir), "--data", DATA, "--out", str(tmp_path / "o")]
+        args = parser.parse_args([*base, "--max-staleness", "1", "--async-producer", "thread"])
+        args.set = [f"grpo.{key}={json.dumps(value)}" for key, value in sets]
+        return unused_settings(resolve(None, overrides_from_args(args)))
+
+    given = [(key, value) for key, value in defaults.items() if value is not None]  # None: no TOML literal
+    assert len(given) == 4 and unused(*given) == []
+    restarts = defaults["rollout_worker_restarts"] + 1
+    got = unused(*given, ("rollout_worker_restarts", restarts))
+    assert len(got) == 1 and got[0].startswith(f"grpo.rollout_worker_restarts = {restarts} is used only by"), got
+
+    @dataclasses.dataclass
+    class TunedConfig(GRPOConfig):  # an algorithm whose defaults differ from OnlineConfig's
+        rollout_balance: str = "count"
+        weight_sync_bucket_mb: float = 64.0
+
+    assert _worker_settings(TunedConfig()) == []
+    assert _worker_settings(TunedConfig(rollout_balance="work")) == [("rollout_balance", '"work"')]
 
 
 def test_out_that_is_a_file_is_a_config_error(tmp_path, monkeypatch, capsys):
