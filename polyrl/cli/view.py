@@ -29,9 +29,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# what names a parent folder as the run directory around the given one: files only a polyrl run writes under these
+# names (a summary.json, which many tools write, or a rollouts.jsonl could be anyone's, and would name a wrong folder)
+PARENT_MARKERS = ("run_config.json", "metrics.jsonl")
+
+
 def check_run_dir(run_dir: str) -> None:
     """Refuse what is not a run directory, saying which folder to give instead: a missing path, a file, or a folder
-    inside a run (``OUT/final``, ``OUT/checkpoints/step-N``) whose run directory is a parent."""
+    inside a run (``OUT/final``, ``OUT/checkpoints/step-N``) whose run directory is a parent (one holding
+    ``PARENT_MARKERS``)."""
     path = Path(run_dir)
     if not path.exists():
         raise ConfigError(
@@ -44,7 +50,7 @@ def check_run_dir(run_dir: str) -> None:
     if any((path / name).exists() for name in RUN_FILES):
         return
     for parent in path.parents:
-        if any((parent / name).exists() for name in RUN_FILES):
+        if any((parent / name).is_file() for name in PARENT_MARKERS):
             raise ConfigError(f"{run_dir} is a folder inside the run directory {parent}; run `polyrl view {parent}`")
 
 

@@ -44,3 +44,18 @@ def test_the_run_directory_itself_is_written(tmp_path, monkeypatch, capsys):
     assert main(["view", "runs/sft"]) == 0
     page = (run / "viewer.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and "polyrl run sft" in page
+
+
+def test_an_unrelated_summary_json_in_a_parent_is_not_taken_for_a_run(tmp_path, monkeypatch, capsys):
+    """A summary.json (many tools write one) above a folder that is no run does not make that parent "the run
+    directory" (was: "data is a folder inside the run directory ."): the folder itself is named as not a run. A parent
+    with run_config.json (written before a run's first step) still is one."""
+    (tmp_path / "summary.json").write_text("{}")
+    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path)
+    code, err = _view(["data"], capsys)
+    assert code == 2 and "folder inside the run directory" not in err
+    assert "data is not a run directory: it has none of metrics.jsonl" in err
+    (tmp_path / "run_config.json").write_text("{}")
+    code, err = _view(["data"], capsys)
+    assert code == 2 and "data is a folder inside the run directory .; run `polyrl view .`" in err
