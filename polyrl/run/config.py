@@ -282,8 +282,6 @@ def build(raw: dict[str, Any]) -> RunConfig:
     for key in ("model", "out"):
         if not isinstance(raw.get(key), str) or not raw[key].strip():
             raise ConfigError(f'no {key} given; pass --{key} DIR (or set {key} = "..." in the config file)')
-    if Path(raw["out"]).exists() and not Path(raw["out"]).is_dir():
-        raise ConfigError(f"--out {raw['out']!r} is a file; the run directory must be a folder (new, or a run's)")
     check_writable_dir(raw["out"], "--out")
     _check_data(built["data"], spec)
     model = raw["model"]
@@ -401,11 +399,33 @@ def resolve(config_file: str | None, overrides: list[tuple[str, Any]]) -> RunCon
     return build(apply_overrides(raw, overrides))
 
 
+def nearest_existing(path: Path) -> tuple[Path, OSError | None]:
+    """(the nearest of ``path`` (absolute) and its parents that exists, the error of a probe below it). A probe fails
+    rather than saying "missing" when the path lies under a folder this user may not enter: ``Path.exists`` raises
+    PermissionError there. The walk goes on upwards, so the folder returned is then the one that cannot be entered."""
+    blocked = None
+    for p in (path, *path.parents):
+        try:
+            if p.exists():
+                return p, blocked
+        except OSError as exc:
+            blocked = blocked or exc
+    return Path(path.anchor), blocked
+
+
 def check_writable_dir(folder: str | Path, what: str) -> None:
     """ConfigError when ``folder`` (a run directory, made if missing) cannot be made or written: a file on its path,
-    a folder without write permission or on a read-only file system. Checked before any model loads."""
+    a folder that cannot be entered (no permission to look inside), a folder without write permission or on a
+    read-only file system. Checked before any model loads."""
     path = Path(folder).absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())
+    existing, blocked = nearest_existing(path)
+    if blocked is not None:
+        raise ConfigError(
+            f"{what} {str(folder)!r} cannot be reached: {existing} may not be entered ({blocked.strerror or blocked}); "
+            "choose a folder you can write"
+        )
+    if existing == path and not existing.is_dir():
+        raise ConfigError(f"{what} {str(folder)!r} is a file; the run directory must be a folder (new, or a run's)")
     if not existing.is_dir():
         raise ConfigError(
             f"{what} {str(folder)!r} cannot be made: {existing} is a file, not a folder; choose another path"

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from polyrl.errors import ConfigError
+from polyrl.run.config import nearest_existing
 from polyrl.run.rollout_log import FILE as ROLLOUTS_FILE
 from polyrl.run.rollout_log import read_rows
 from polyrl.train.metrics import series_keys
@@ -191,8 +192,12 @@ def write_page(run_dir: str | Path, out: str | Path | None = None, max_rollout_s
     """Write the page (default ``RUN_DIR/viewer.html``); its path."""
     out = Path(out) if out is not None else Path(run_dir) / "viewer.html"
     page = render(run_dir, max_rollout_steps)
-    folder = out.parent.absolute()
-    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    existing, blocked = nearest_existing(out.parent.absolute())
+    if blocked is not None:
+        raise ConfigError(
+            f"cannot write the page to {out}: {existing} may not be entered ({blocked.strerror or blocked}); give "
+            "--out a file path you can write"
+        )
     if not existing.is_dir():
         raise ConfigError(f"cannot write the page to {out}: {existing} is a file, not a folder; give --out a file path")
     try:
