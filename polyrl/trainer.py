@@ -44,6 +44,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
+import hashlib
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -52,9 +55,11 @@ import torch
 from torch import nn
 
 import polyrl.agents  # noqa: F401 - registers the [agent] table, so fit(..., agent={"env": ...}) runs episodes
+from polyrl import algorithms
 from polyrl.algorithms.rl_batch import RLBatch, Sample, completion_logprobs, pack_samples
 from polyrl.algorithms.workers import exit_if_bootstrapping
-from polyrl.errors import CheckpointError, ConfigError
+from polyrl.data.config import DataConfig
+from polyrl.errors import FOREIGN_NAMES, CheckpointError, ConfigError, did_you_mean
 from polyrl.infer.config import RolloutConfig
 from polyrl.infer.sampling_params import SamplingParams
 from polyrl.models.checkpoint import load_model, load_tokenizer
@@ -62,7 +67,7 @@ from polyrl.models.moe import Routing, routing_scope
 from polyrl.platform import device as dev
 from polyrl.run import run
 from polyrl.run.colocated import ColocatedPolicy
-from polyrl.run.config import build, load_file
+from polyrl.run.config import SECTIONS, build, check_writable_dir, load_file
 from polyrl.train.checkpoint import list_checkpoints
 from polyrl.train.config import OptimConfig, PrecisionConfig, ScheduleConfig, StepConfig
 
@@ -165,7 +170,7 @@ class Trainer(ColocatedPolicy):
 def fit(
     algo: str,
     model: str | Path,
-    data: str | dict[str, Any],
+    data: str | Path | dict[str, Any] | Sequence[dict[str, Any]] | Any,
     out: str | Path,
     *,
     config: str | Path | None = None,
@@ -174,15 +179,29 @@ def fit(
     **tables: Any,
 ) -> dict[str, Any]:
     """Run a registered algorithm (``sft``, ``dpo``, ``grpo``, ``gspo``, ``ppo``, ...) end to end and return its
-    summary: the Python form of ``polyrl train``. ``data``: a data spec (path, ``builtin:NAME``, datasets name) or
-    the ``[data]`` table; ``tables``: other tables of the run config by name (``optim``, ``schedule``, ``precision``,
-    ``engine``, ``train``, ``checkpoint``, ``data``, ``lora``, ``agent``, and the algorithm's own, e.g. ``grpo``),
-    each a dict or the dataclass itself; ``config``: a TOML file the arguments override; ``resume``: ``"latest"``
-    or a checkpoint. Validation errors are ``polyrl.errors.ConfigError`` s that name the setting to fix.
+    summary: the Python form of ``polyrl train``.
+
+    ``data``: a data spec (path, glob, ``builtin:NAME``, datasets name or folder), the ``[data]`` table (a dict or
+    ``DataConfig``), or the rows themselves (a list of dicts, or a ``datasets.Dataset``), which are written to
+    ``<out>/data-<hash>.jsonl`` and read from there (so a resumed run reads the same rows). ``tables``: other
+    tables of the run config by name (``optim``, ``schedule``, ``precision``, ``engine``, ``train``,
+    ``checkpoint``, ``data``, ``lora``, ``agent``, and the algorithm's own, e.g. ``grpo``), each a dict or the
+    dataclass itself (which gives every key of its table). ``config``: a TOML file (``polyrl train --config``)
+    whose settings the arguments override, table by table and key by key (``algo``, ``model`` and ``out`` always
+    come from the arguments). ``resume``: ``"latest"`` or a checkpoint.
+
+    Returns the summary dict the run prints and writes to ``<out>/summary.json`` (``status``, ``steps``,
+    ``final_loss``, the ``data_*`` counts, ``final_model``, ...). Validation errors are
+    ``polyrl.errors.ConfigError`` s that name the setting to fix; bad data rows are ``DataError`` s naming the file
+    and row.
 
     Call it under ``if __name__ == "__main__":`` in a script: reward and environment workers re-import the main
     script, and a worker that reaches this call stops at once (the run fails with a ``UserError`` saying so)."""
     exit_if_bootstrapping("fit(...) was called")
+    _check_algo(algo)
+    for name, value in (("model", model), ("out", out)):
+        if not isinstance(value, (str, Path)) or not str(value).strip():
+            raise ConfigError(f"fit({name}=...) must be a folder path (str or Path), got {value!r}")
     raw: dict[str, Any] = load_file(config) if config else {}
     raw.update(algo=algo, model=str(model), out=str(out))
     if seed is not None:
@@ -190,21 +209,104 @@ def fit(
     if resume is not None:
         raw["resume"] = resume
     tables = dict(tables)
+    if _is_rows(data):
+        data = str(_write_rows(data, Path(out)))
     if isinstance(data, (str, Path)):
-        tables["data"] = {**_table(tables.get("data")), "path": str(data)}
+        tables["data"] = {**_table(tables.get("data"), "data"), "path": str(data)}
+    elif isinstance(data, dict) or isinstance(data, DataConfig):
+        tables["data"] = {**_table(data, "data"), **_table(tables.get("data"), "data")}
     else:
-        tables["data"] = {**_table(data), **_table(tables.get("data"))}
+        raise ConfigError(
+            f"fit(data=...) cannot be of type {type(data).__name__}; give a data spec (a path, glob, builtin:NAME, "
+            "datasets name), the [data] table as a dict or DataConfig, or rows (a list of dicts, a datasets.Dataset)"
+        )
     for name, value in tables.items():
         if not isinstance(value, dict) and not dataclasses.is_dataclass(value):
-            raise ConfigError(f"fit({name}=...) must be a dict or a config dataclass, got {type(value).__name__}")
-        raw[name] = {**raw.get(name, {}), **_table(value)}
+            raise ConfigError(f"fit({name}=...) must be a dict or a config dataclass, got {type(value).__name__}"
+                              + _setting_hint(name, value, algo))  # fmt: skip
+        raw[name] = {**raw.get(name, {}), **_table(value, name, algo)}
     return run(build(raw))
 
 
-def _table(value: Any) -> dict[str, Any]:
+def _check_algo(algo: Any) -> None:
+    names = algorithms.names()
+    if isinstance(algo, str) and algo not in names:
+        raise ConfigError(f"unknown algorithm {algo!r}{did_you_mean(algo, names)}; choose one of: {', '.join(names)}")
+
+
+def _setting_hint(name: str, value: Any, algo: str) -> str:
+    """``; max_steps is a setting of the train table: pass train={'max_steps': 3}`` for a keyword that is a setting
+    (or another trainer's name for one, ``learning_rate``) rather than a table; '' otherwise."""
+    owners: dict[str, list[str]] = {}
+    tables = {**SECTIONS, **({algo: algorithms.get(algo).config_cls} if algo in algorithms.names() else {})}
+    for table, cls in tables.items():
+        for f in dataclasses.fields(cls):
+            owners.setdefault(f.name, []).append(table)
+    foreign = FOREIGN_NAMES.get(name, ())
+    candidates = [name, *((foreign,) if isinstance(foreign, str) else foreign)]
+    key = next((c for c in candidates if c in owners), None)
+    if key is None:
+        close = difflib.get_close_matches(name, list(owners), n=1, cutoff=0.8)
+        key = close[0] if close else None
+    if key is None:
+        return ""
+    forms = " or ".join(f"{t}={{{key!r}: {value!r}}}" for t in owners[key])
+    return f"; {key} is a setting of the {' / '.join(owners[key])} table: pass {forms}"
+
+
+def _is_rows(data: Any) -> bool:
+    """In-memory rows: a list / tuple of dicts, or a ``datasets.Dataset`` (anything with ``to_list`` and
+    ``column_names``)."""
+    if isinstance(data, (list, tuple)):
+        return True
+    if isinstance(data, dict):  # a DatasetDict is a dict of splits: rows, refused with a hint by _write_rows
+        return bool(data) and all(_is_dataset(v) for v in data.values())
+    return _is_dataset(data)
+
+
+def _is_dataset(data: Any) -> bool:
+    return callable(getattr(data, "to_list", None)) and hasattr(data, "column_names")
+
+
+def _write_rows(data: Any, out: Path) -> Path:
+    """The rows as JSONL under ``out``, named by their content (an identical call reuses the file; other rows
+    never overwrite it)."""
+    if isinstance(data, dict):  # DatasetDict
+        raise ConfigError(f"fit(data=...) got a {type(data).__name__} of splits; pick one, e.g. data=ds['train']")
+    rows = data.to_list() if not isinstance(data, (list, tuple)) else list(data)
+    if not rows:
+        raise ConfigError("fit(data=...) got no rows; give at least one row")
+    lines = []
+    for i, row in enumerate(rows, start=1):
+        if not isinstance(row, dict):
+            raise ConfigError(f"fit(data=...): row {i} is a {type(row).__name__}; each row must be a dict")
+        try:
+            lines.append(json.dumps(row, ensure_ascii=False, sort_keys=True))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"fit(data=...): row {i} cannot be written as JSON ({exc})") from None
+    text = "\n".join(lines) + "\n"
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a file; the run directory must be a folder (new, or a run's)")
+    check_writable_dir(out, "--out")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"data-{hashlib.sha256(text.encode()).hexdigest()[:12]}.jsonl"
+    if not path.is_file():
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    return path
+
+
+def _table(value: Any, name: str, algo: str | None = None) -> dict[str, Any]:
     if value is None:
         return {}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        owner = {**SECTIONS, **({algo: algorithms.get(algo).config_cls} if algo in algorithms.names() else {})}
+        want = owner.get(name)
+        if want is not None and not isinstance(value, want):
+            mine = [t for t, cls in owner.items() if isinstance(value, cls)]
+            hint = f"; pass the {type(value).__name__} as {mine[0]}=..." if mine else ""
+            raise ConfigError(f"fit({name}={type(value).__name__}(...)): the {name} table is a {want.__name__}{hint}")
         return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     return dict(value)
 

@@ -62,3 +62,67 @@ def test_fit_errors_name_the_setting(tiny_model_dir, tmp_path):
         fit("sft", model=tiny_model_dir, data="builtin:arithmetic", out=tmp_path / "b", optim=0.1)
     with pytest.raises(ConfigError, match="grpo.temperature"):
         fit("grpo", model=tiny_model_dir, data="builtin:arithmetic", out=tmp_path / "c", grpo={"temperature": 0})
+
+
+@pytest.mark.parametrize(
+    "kwargs, problem",
+    [
+        ({"algo": "SFT"}, "unknown algorithm 'SFT' (did you mean sft?)"),
+        ({"algo": "dpoo"}, "unknown algorithm 'dpoo' (did you mean dpo?)"),
+        ({"model": None}, "fit(model=...) must be a folder path (str or Path), got None"),
+        ({"out": None}, "fit(out=...) must be a folder path (str or Path), got None"),
+        ({"data": 3}, "fit(data=...) cannot be of type int; give a data spec"),
+        ({"data": []}, "fit(data=...) got no rows"),
+        ({"data": [{"prompt": "q", "completion": "a"}, "x"]}, "row 2 is a str; each row must be a dict"),
+        ({"max_steps": 3}, "max_steps is a setting of the train table: pass train={'max_steps': 3}"),
+        ({"learning_rate": 1e-3}, "lr is a setting of the optim table: pass optim={'lr': 0.001}"),
+        ({"train": OptimConfig()}, "fit(train=OptimConfig(...)): the train table is a LoopConfig; pass the "
+                                   "OptimConfig as optim=..."),
+    ],
+)  # fmt: skip
+def test_fit_argument_mistakes_name_the_fix(tiny_model_dir, tmp_path, kwargs, problem):
+    args = {"algo": "sft", "model": tiny_model_dir, "data": "builtin:arithmetic", "out": tmp_path / "run", **kwargs}
+    with pytest.raises(ConfigError) as err:
+        fit(args.pop("algo"), **args)
+    assert problem in str(err.value)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+ROWS = [{"prompt": f"What is {i} + 1?", "completion": str(i + 1)} for i in range(6)]
+QUICK = {
+    "engine": {"micro_batch_tokens": 256},
+    "train": {"max_steps": 1, "log_every": 100, "save_final_model": False},
+}
+
+
+def test_rows_in_memory_are_the_data_and_the_summary_is_summary_json(tiny_model_dir, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    out = tmp_path / "rows"
+    summary = fit("sft", model=tiny_model_dir, data=ROWS, out=out, **QUICK)
+    assert summary == json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["data_sequences"] == len(ROWS)
+    (written,) = out.glob("data-*.jsonl")
+    assert [json.loads(line) for line in written.read_text().splitlines()] == ROWS
+    assert json.loads((out / "run_config.json").read_text())["data"]["path"] == str(written)
+    # a datasets.Dataset of the same rows is the same file (named by content), read on resume
+    again = fit("sft", model=tiny_model_dir, data=datasets.Dataset.from_list(ROWS), out=out, resume="latest",
+                **{**QUICK, "train": {**QUICK["train"], "max_steps": 2}})  # fmt: skip
+    assert again["steps"] == 2 and again["resumed_from_step"] == 1 and len(list(out.glob("data-*.jsonl"))) == 1
+    with pytest.raises(ConfigError, match=r"DatasetDict of splits; pick one, e.g. data=ds\['train'\]"):
+        fit("sft", model=tiny_model_dir, data=datasets.DatasetDict(train=datasets.Dataset.from_list(ROWS)), out=out)
+
+
+def test_arguments_override_the_config_file_key_by_key(tiny_model_dir, tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text(
+        'algo = "dpo"\nmodel = "/nowhere"\nout = "/nowhere"\n'
+        "[optim]\nlr = 0.5\nweight_decay = 0.0\n[train]\nmax_steps = 5\n[data]\nmax_seq_len = 96\n"
+    )
+    out = tmp_path / "over"
+    fit("sft", model=tiny_model_dir, data="builtin:arithmetic?n=8", out=out, config=config, optim={"lr": 1e-3},
+        **QUICK)  # fmt: skip
+    resolved = json.loads((out / "run_config.json").read_text())
+    assert (resolved["algo"], resolved["model"], resolved["out"]) == ("sft", str(tiny_model_dir), str(out))
+    assert resolved["optim"]["lr"] == 1e-3 and resolved["optim"]["weight_decay"] == 0.0  # the file's other keys stay
+    assert resolved["train"]["max_steps"] == 1 and resolved["data"]["max_seq_len"] == 96
+    assert resolved["data"]["path"] == "builtin:arithmetic?n=8"

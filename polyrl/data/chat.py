@@ -28,6 +28,8 @@ class ChatTokenizer:
         self.tokenizer = tokenizer
         self.template = chat_template or getattr(tokenizer, "chat_template", None) or None
         self.loss_on = loss_on
+        # Jinja text that never names tool_calls drops them: such rows are refused rather than trained empty
+        self.renders_tool_calls = "tool_calls" in (self.template or "")
 
     # -- primitives -------------------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -96,6 +98,12 @@ class ChatTokenizer:
         assistant turn i the prefix up to its generation prompt and, unless it is the last message, the prefix
         through it) and returns (index of the whole text, [(turn, prefix index, end index)]); None = no text (an
         empty prefix has no tokens; the last turn ends where the whole conversation ends)."""
+        if not self.renders_tool_calls and any(m.get("tool_calls") for m in messages):
+            raise RowError(
+                "an assistant message has tool_calls, which the chat template does not render (they would be "
+                "trained as an empty turn); set data.chat_template to a template that renders tool_calls (the model's "
+                "own, e.g. Qwen2.5's), or write the calls into the message content"
+            )
         local = [self.render(messages, add_generation_prompt=False)]
         parts: list[tuple[int, int | None, int | None]] = []
         if self.loss_on != "all":
@@ -143,6 +151,8 @@ class ChatTokenizer:
 
     def _plain(self, messages: list[Message], turns: list[int]) -> TokenizedSeq:
         roles = [m["role"] for m in messages]
+        if any(m.get("tool_calls") for m in messages):
+            raise RowError("an assistant message has tool_calls, which need a chat template; set data.chat_template")
         if roles not in (["user", "assistant"], ["system", "user", "assistant"]):
             raise ConfigError(
                 "the tokenizer has no chat template, so only single user -> assistant rows can be tokenised; "

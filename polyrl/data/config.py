@@ -15,8 +15,8 @@ from polyrl.data import builtin
 from polyrl.data.chat import LOSS_POLICIES
 from polyrl.data.formats import FORMATS
 from polyrl.data.packing import PACKING_METHODS
-from polyrl.data.sources import FILE_SUFFIXES, split_spec
-from polyrl.errors import ConfigError, did_you_mean
+from polyrl.data.sources import glob_files, is_glob, looks_local, split_spec
+from polyrl.errors import ConfigError, DataError, did_you_mean
 
 TRUNCATION_POLICIES = ("right", "drop")
 
@@ -29,7 +29,8 @@ class DataConfig:
     format: str = "auto"  # auto | one of formats.FORMATS
     split: str | None = None  # overrides a spec's @split
     max_seq_len: int = 2048
-    truncation: str = "right"  # right: keep the start; drop: skip long rows (both counted)
+    # right: keep the start (a row whose targets all lie past the cut is dropped); drop: skip long rows (both counted)
+    truncation: str = "right"
     loss_on: str = "assistant"  # assistant | last_assistant | all
     packing: str = "ffd"  # ffd | greedy (into micro-batches of ``engine.micro_batch_tokens``, the run's budget)
     # pad every micro-batch to micro_batch_tokens tokens and a fixed sequence count, so that shapes repeat and the
@@ -48,6 +49,9 @@ class DataConfig:
             if not ok:
                 raise ConfigError(msg)
 
+        if isinstance(self.path, os.PathLike):
+            self.path = os.fspath(self.path)
+        self._check_types()
         need(
             self.format == "auto" or self.format in FORMATS,
             f"data.format={self.format!r}: use auto or one of {', '.join(FORMATS)}",
@@ -57,7 +61,7 @@ class DataConfig:
         need(self.packing in PACKING_METHODS, f"data.packing={self.packing!r}: use one of {', '.join(PACKING_METHODS)}")
         need(
             isinstance(self.max_seq_len, int) and self.max_seq_len >= 2,
-            f"data.max_seq_len={self.max_seq_len}: use an integer >= 2",
+            f"data.max_seq_len={self.max_seq_len!r}: use an integer >= 2",
         )
         need(
             self.limit is None or self.limit >= 1,
@@ -67,13 +71,39 @@ class DataConfig:
         if self.path:
             self._check_path()
 
+    def _check_types(self) -> None:
+        """A value of the wrong type (``limit="5"`` from code, a TOML string) named before any comparison."""
+        text, flag, number = ((str,), "a string"), ((bool,), "true or false"), ((int, float), "a number")
+        optional_text = ((str, type(None)), "a string or unset")
+        kinds = {
+            "path": text,
+            "split": optional_text,
+            "seed": ((int,), "an integer"),
+            "limit": ((int, type(None)), "an integer or unset"),
+            "holdout": number,
+            "chat_template": optional_text,
+            "system_prompt": optional_text,
+            **{name: flag for name in ("fixed_shapes", "shuffle", "skip_bad_rows")},
+        }
+        for name, (ok, want) in kinds.items():
+            value = getattr(self, name)
+            if not isinstance(value, ok) or (isinstance(value, bool) and bool not in ok):
+                raise ConfigError(f"data.{name}={value!r}: use {want} (got {type(value).__name__})")
+
     def _check_path(self) -> None:
         if self.path.startswith("builtin:"):
             name, params, spec_split = builtin.parse_spec(self.path)
             builtin._resolve(name, params)
             return
         body, _ = split_spec(self.path)
-        if body.endswith(FILE_SUFFIXES) and not os.path.exists(body):
+        if os.path.exists(os.path.expanduser(body)):
+            return
+        if is_glob(body):
+            try:
+                glob_files(body)
+            except DataError as exc:
+                raise ConfigError(str(exc)) from None
+        elif looks_local(body):
             raise ConfigError(f"data file {body!r} does not exist; check data.path / --data")
 
     def to_dict(self) -> dict[str, Any]:

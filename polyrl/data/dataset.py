@@ -101,6 +101,13 @@ def _bad(stats: DataStats, cfg: DataConfig, where: str, problem: str) -> None:
         stats.bad_examples.append(message)
 
 
+def _with_keys(problem: str, row: dict, purpose: str) -> str:
+    """A row's problem with its keys and, when renaming some of them would make it a row for ``purpose``, which."""
+    if "from keys" in problem:  # the format could not be told: the message lists the keys and the renames
+        return problem
+    return f"{problem} (the row's keys: {', '.join(map(str, row))}{formats.view_hint(purpose, row)})"
+
+
 def load_examples(cfg: DataConfig, purpose: str = "sft", part: str = "train", stats: DataStats | None = None):
     """Parsed examples of ``cfg.path`` for ``purpose``, each with its row location: list of (where, example)."""
     if not cfg.path:
@@ -124,8 +131,7 @@ def load_examples(cfg: DataConfig, purpose: str = "sft", part: str = "train", st
         try:
             ex = view(formats.parse_row(raw.data, cfg.format))
         except formats.RowError as exc:
-            keys = f" (the row's keys: {', '.join(map(str, raw.data))})" if isinstance(raw.data, dict) else ""
-            _bad(stats, cfg, raw.where, f"{exc}{keys}")
+            _bad(stats, cfg, raw.where, _with_keys(str(exc), raw.data, purpose))
             continue
         out.append((raw.where, _add_system(ex, cfg.system_prompt)))
     if not out:
@@ -146,11 +152,13 @@ def chat_tokenizer(cfg: DataConfig, tokenizer: Any) -> ChatTokenizer:
 def _fit(seq: TokenizedSeq, max_len: int, cfg: DataConfig, stats: DataStats) -> TokenizedSeq | None:
     """Apply the truncation policy; None when the sequence is dropped (too long, or nothing to learn)."""
     if len(seq) > max_len:
-        if cfg.truncation == "drop":
+        cut = TokenizedSeq(seq.input_ids[:max_len], seq.loss_mask[:max_len], truncated=True)
+        # a prompt longer than max_len leaves no target after the cut: dropped as too long, whatever the policy
+        if cfg.truncation == "drop" or (any(seq.loss_mask[1:]) and not any(cut.loss_mask[1:])):
             stats.dropped_too_long += 1
             return None
         stats.truncated += 1
-        seq = TokenizedSeq(seq.input_ids[:max_len], seq.loss_mask[:max_len], truncated=True)
+        seq = cut
     if not any(seq.loss_mask[1:]):  # token 0 is never a target once labels are shifted
         stats.dropped_no_target += 1
         return None
@@ -251,9 +259,10 @@ def _build(
         stats.target_tokens += sum(sum(s.loss_mask[1:]) for s in fitted)
     if not units:
         raise DataError(
-            f"{cfg.path}: no rows left after tokenising ({stats.dropped_too_long} too long, "
-            f"{stats.dropped_no_target} without target tokens, {stats.bad_rows} bad); "
-            "raise max_seq_len or check loss_on"
+            f"{cfg.path}: no rows left after tokenising ({stats.dropped_too_long} longer than {max_len} tokens: "
+            f"dropped, or nothing left to train on once cut; {stats.dropped_no_target} without target tokens, "
+            f"{stats.bad_rows} bad); raise data.max_seq_len (--max-seq-len; a sequence is also at most "
+            "engine.micro_batch_tokens, half of it for DPO pairs) or check data.loss_on"
         )
     return TokenizedData(units, stats, cfg, micro_batch_tokens)
 

@@ -13,6 +13,8 @@ A parser raises ``RowError`` with the problem; the caller adds the file and row.
 
 from __future__ import annotations
 
+import itertools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,20 +22,41 @@ from typing import Any
 from polyrl.data.examples import ChatExample, Message, PreferenceExample, PromptExample, TokensExample
 
 ROLES = ("system", "user", "assistant", "tool")
-SHAREGPT_ROLES = {
-    "system": "system",
+# role names of other formats (ShareGPT's from, OpenAI's developer) -> ours; matched case-insensitively in both the
+# messages and the conversations format
+ROLE_ALIASES = {
+    **{r: r for r in ROLES},
+    "developer": "system",
     "human": "user",
-    "user": "user",
     "gpt": "assistant",
-    "assistant": "assistant",
     "model": "assistant",
     "chatgpt": "assistant",
     "bing": "assistant",
-    "tool": "tool",
     "function": "tool",
     "observation": "tool",
+    "ipython": "tool",
 }
 ANSWER_KEYS = ("answer", "solution", "ground_truth", "reference", "target")
+# keys other datasets use -> ours, in order of preference; named when a row fits no format (or not the algorithm)
+KEY_HINTS: dict[str, tuple[str, ...]] = {
+    "query": ("prompt",),
+    "problem": ("prompt",),
+    "input": ("instruction", "prompt"),
+    "response": ("output", "completion"),
+    "output": ("completion",),
+    "reply": ("completion", "output"),
+    "accepted": ("chosen",),
+    "preferred": ("chosen",),
+    "chosen_response": ("chosen",),
+    "rejected_response": ("rejected",),
+    "dispreferred": ("rejected",),
+    "label": ("answer",),
+    "conversation": ("messages",),
+    "dialog": ("messages",),
+    "chat": ("messages",),
+}
+# message keys passed on to the chat template besides role and content (OpenAI tool calling)
+MESSAGE_EXTRAS = ("tool_calls", "tool_call_id", "name")
 
 Example = ChatExample | TokensExample | PreferenceExample | PromptExample
 
@@ -52,32 +75,83 @@ class Format:
 def _content(value: Any, what: str) -> str:
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
-        return "".join(str(p.get("text", "")) for p in value)  # OpenAI content parts, text only
-    raise RowError(f"{what} must be a string, got {type(value).__name__}")
+    if isinstance(value, list) and all(isinstance(p, dict) for p in value):  # OpenAI content parts
+        other = sorted({str(p.get("type")) for p in value if p.get("type") != "text"})
+        if other:
+            raise RowError(f"{what} has parts of type {', '.join(other)}; polyrl trains on text: keep only text parts")
+        return "".join(str(p.get("text", "")) for p in value)
+    raise RowError(f"{what} must be a string (or a list of text parts), got {type(value).__name__}")
 
 
-def _messages(value: Any, what: str, role_key: str = "role", content_key: str = "content", roles=None) -> list[Message]:
-    if not isinstance(value, list) or not value:
-        raise RowError(f"{what} must be a non-empty list of messages")
+def _role(raw: Any, what: str) -> str:
+    role = ROLE_ALIASES.get(str(raw).lower()) if isinstance(raw, str) else None
+    if role is None:
+        raise RowError(f"{what} has unknown role {raw!r}; use one of {', '.join(ROLES)}")
+    return role
+
+
+def _message(m: Any, what: str, role_key: str, content_key: str) -> Message:
+    """One message: ``{role, content}`` or ShareGPT's ``{from, value}`` (either in either format)."""
+    if isinstance(m, dict) and role_key not in m and {"role", "from"} & set(m):
+        role_key, content_key = ("role", "content") if "role" in m else ("from", "value")
+    if not isinstance(m, dict) or role_key not in m or content_key not in m:
+        got = f"keys {sorted(m)}" if isinstance(m, dict) else type(m).__name__
+        raise RowError(f"{what} must be an object with {role_key!r} and {content_key!r}, got {got}")
+    role = _role(m[role_key], what)
+    content = m[content_key]
+    if content is None and role == "assistant" and m.get("tool_calls"):
+        content = ""  # OpenAI: an assistant turn that only calls tools has content null
+    msg: Message = {"role": role, "content": _content(content, f"{what} content")}
+    for key in MESSAGE_EXTRAS:
+        if m.get(key) is not None:
+            msg[key] = m[key]
+    if "tool_calls" in msg:
+        msg["tool_calls"] = _tool_calls(msg["tool_calls"], what)
+    return msg
+
+
+def _tool_calls(calls: Any, what: str) -> list[dict]:
+    """OpenAI ``tool_calls`` with each ``function.arguments`` JSON string decoded to the object chat templates
+    expect (HF templates write ``arguments | tojson``; a string would be encoded twice)."""
+    if not isinstance(calls, list):
+        raise RowError(f"{what} tool_calls must be a list of calls")
     out = []
-    for i, m in enumerate(value, start=1):
-        if not isinstance(m, dict) or role_key not in m or content_key not in m:
-            raise RowError(f"{what} message {i} must be an object with {role_key!r} and {content_key!r}")
-        raw_role = m[role_key]
-        role = roles.get(str(raw_role).lower()) if roles else raw_role
-        if role not in ROLES:
-            allowed = sorted(roles) if roles else ROLES
-            raise RowError(f"{what} message {i} has unknown role {raw_role!r}; use one of {', '.join(allowed)}")
-        msg = {"role": role, "content": _content(m[content_key], f"{what} message {i} content")}
-        out.append(msg)
+    for k, call in enumerate(calls, start=1):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RowError(f"{what} tool call {k} must be {{type: function, function: {{name, arguments}}}}")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise RowError(f"{what} tool call {k} arguments are not valid JSON ({exc.msg})") from None
+        out.append({**call, "function": {**fn, "arguments": args}})
     return out
+
+
+def _messages(value: Any, what: str, role_key: str = "role", content_key: str = "content") -> list[Message]:
+    if not isinstance(value, list) or not value:
+        raise RowError(f"{what} must be a non-empty list of messages, got {_kind(value)}")
+    return [_message(m, f"{what} message {i}", role_key, content_key) for i, m in enumerate(value, start=1)]
+
+
+def _kind(value: Any) -> str:
+    return "an empty list" if value == [] else "an empty string" if value == "" else type(value).__name__
 
 
 def _text_or_messages(value: Any, what: str, role: str) -> list[Message]:
     if isinstance(value, str):
         return [{"role": role, "content": value}]
+    if not isinstance(value, list):
+        raise RowError(f"{what} must be a string or a list of messages, got {type(value).__name__}")
     return _messages(value, what)
+
+
+def _not_empty(messages: list[Message], what: str) -> None:
+    """A trained or prompted text that is empty (or only whitespace) is a data mistake, not a target."""
+    if all(not m["content"].strip() and not m.get("tool_calls") for m in messages):
+        raise RowError(f"{what} is empty; fill it in or remove the row")
 
 
 def _answer(row: dict) -> str | None:
@@ -92,8 +166,11 @@ def _meta(row: dict) -> dict:
 
 
 def _need_assistant(messages: list[Message], what: str) -> None:
-    if not any(m["role"] == "assistant" for m in messages):
-        raise RowError(f"{what} has no assistant message to train on")
+    assistant = [m for m in messages if m["role"] == "assistant"]
+    if not assistant:
+        roles = ", ".join(m["role"] for m in messages)
+        raise RowError(f"{what} has no assistant message to train on (its roles: {roles})")
+    _not_empty(assistant, "every assistant message")
 
 
 def parse_pretokenized(row: dict) -> TokensExample:
@@ -132,14 +209,21 @@ def parse_preference(row: dict) -> PreferenceExample:
             n += 1
         if n == 0:
             raise RowError("chosen and rejected share no prompt; add a 'prompt' field")
-        return PreferenceExample(chosen[:n], chosen[n:], rejected[n:])
+        return _pair(chosen[:n], chosen[n:], rejected[n:])
     prompt_msgs = _text_or_messages(prompt, "prompt", "user")
     chosen = _text_or_messages(row["chosen"], "chosen", "assistant")
     rejected = _text_or_messages(row["rejected"], "rejected", "assistant")
+    return _pair(prompt_msgs, chosen, rejected)
+
+
+def _pair(prompt: list[Message], chosen: list[Message], rejected: list[Message]) -> PreferenceExample:
     for what, msgs in (("chosen", chosen), ("rejected", rejected)):
         if msgs[-1]["role"] != "assistant":
             raise RowError(f"{what} must end with an assistant message")
-    return PreferenceExample(prompt_msgs, chosen, rejected)
+        _not_empty(msgs, what)
+    if chosen == rejected:
+        raise RowError("chosen and rejected are the same, so the pair teaches nothing; remove the row")
+    return PreferenceExample(prompt, chosen, rejected)
 
 
 def parse_messages(row: dict) -> ChatExample:
@@ -148,7 +232,7 @@ def parse_messages(row: dict) -> ChatExample:
 
 
 def parse_sharegpt(row: dict) -> ChatExample:
-    msgs = _messages(row["conversations"], "conversations", "from", "value", SHAREGPT_ROLES)
+    msgs = _messages(row["conversations"], "conversations", "from", "value")
     if isinstance(row.get("system"), str) and row["system"] and msgs[0]["role"] != "system":
         msgs.insert(0, {"role": "system", "content": row["system"]})
     return ChatExample(msgs, _answer(row), _meta(row))
@@ -167,9 +251,11 @@ def parse_alpaca(row: dict) -> ChatExample:
 def parse_prompt_completion(row: dict) -> ChatExample:
     key = "completion" if "completion" in row else "response"
     msgs = _text_or_messages(row["prompt"], "prompt", "user")
-    msgs = msgs + _text_or_messages(row[key], key, "assistant")
-    if msgs[-1]["role"] != "assistant":
+    completion = _text_or_messages(row[key], key, "assistant")
+    if completion[-1]["role"] != "assistant":
         raise RowError(f"{key} must end with an assistant message")
+    _not_empty(completion, key)
+    msgs = msgs + completion
     answer = _answer(row)
     return ChatExample(msgs, answer, _meta(row))
 
@@ -177,6 +263,7 @@ def parse_prompt_completion(row: dict) -> ChatExample:
 def parse_prompt(row: dict) -> PromptExample:
     key = "prompt" if "prompt" in row else "question"
     msgs = _text_or_messages(row[key], key, "user")
+    _not_empty(msgs, key)
     meta = {k: v for k, v in row.items() if k not in (key, *ANSWER_KEYS)}
     return PromptExample(msgs, _answer(row), _meta(row).get("task"), meta)
 
@@ -202,14 +289,40 @@ for _fmt in (
     register_format(_fmt)
 
 
+def rename_hint(keys: Any, accept: Any = None) -> str:
+    """``; rename 'query' to 'prompt'``: the fewest renames of ``KEY_HINTS`` that make ``keys`` a row of a format in
+    ``accept`` (format names; default any); '' when no rename does."""
+    keys = [k for k in keys if isinstance(k, str)]
+    options = [[(k, None), *((k, new) for new in KEY_HINTS[k] if new not in keys)] for k in keys if k in KEY_HINTS]
+    best: list[tuple[str, str]] | None = None
+    for choice in itertools.product(*options):
+        renames = [(k, new) for k, new in choice if new is not None]
+        if not renames or (best is not None and len(renames) >= len(best)):
+            continue
+        renamed = {dict(renames).get(k, k): None for k in keys}
+        fmt = next((f for f in FORMATS.values() if f.detect(renamed)), None)
+        if fmt is not None and (accept is None or fmt.name in accept):
+            best = renames
+    if not best:
+        return ""
+    return "; rename " + ", ".join(f"{k!r} to {new!r}" for k, new in best)
+
+
 def detect(row: dict) -> Format:
-    """The first format whose keys match ``row``; RowError listing the keys when none does."""
+    """The first format whose keys match ``row``; RowError listing the keys (and the renames that would make a
+    format, ``query`` -> ``prompt``) when none does."""
     for fmt in FORMATS.values():
         if fmt.detect(row):
             return fmt
+    hint = rename_hint(row)
+    if "text" in row and not hint:
+        raise RowError(
+            "a 'text' row is plain text (continued pretraining), which polyrl does not train on as such; give "
+            "messages or prompt/completion, or tokenize it into input_ids (pretokenized rows train on every token)"
+        )
     raise RowError(
-        f"cannot tell the format from keys {sorted(row)}; expected messages, conversations, instruction/output, "
-        "prompt/completion, chosen/rejected, input_ids or prompt (or set the format explicitly)"
+        f"cannot tell the format from keys {sorted(row)}{hint}; expected messages, conversations, instruction/output, "
+        "prompt/completion, chosen/rejected, input_ids or prompt/question (or set data.format)"
     )
 
 
@@ -246,6 +359,18 @@ def as_preference(example: Example) -> PreferenceExample:
     if not isinstance(example, PreferenceExample):
         raise RowError("DPO needs preference rows with 'chosen' and 'rejected'")
     return example
+
+
+PURPOSE_FORMATS = {
+    "sft": ("pretokenized", "messages", "sharegpt", "alpaca", "prompt_completion"),
+    "dpo": ("preference",),
+    "rl": ("messages", "sharegpt", "alpaca", "prompt_completion", "prompt"),
+}
+
+
+def view_hint(purpose: str, keys: Any) -> str:
+    """The renames that would make a row of ``keys`` a row for ``purpose`` (sft / dpo / rl); '' when none."""
+    return rename_hint(keys, PURPOSE_FORMATS.get(purpose))
 
 
 def as_prompt(example: Example) -> PromptExample:

@@ -1,8 +1,11 @@
 """Where rows come from: a data spec string -> raw row dicts, each with its file and row number.
 
-Specs: a local ``.jsonl`` / ``.json`` (a list, or ``{"data": [...]}``) / ``.parquet`` file; a local directory
-(saved with ``datasets``' ``save_to_disk``, or holding such files); a Hugging Face ``load_dataset`` name with
-optional ``name:config`` (``hf:`` prefix optional); ``builtin:<name>?k=v``. Any spec may end in ``@split``.
+Specs: a local ``.jsonl`` / ``.json`` (a list, or ``{"data": [...]}``) / ``.parquet`` file; a glob of such
+files (``data/*.jsonl``, read in sorted order); a local directory (saved with ``datasets``' ``save_to_disk``, or
+holding such files); a Hugging Face ``load_dataset`` name with optional ``name:config`` (``hf:`` prefix optional);
+``builtin:<name>?k=v``. A folder, a datasets name or a builtin may end in ``@split`` (a single file or a glob has
+none: ``@train`` is accepted, another split is an error). A spec that can only be a local path (``./``, ``/``, a
+trailing ``/``, a data-file suffix such as ``.csv``) and is not on disk is an error, never a hub lookup.
 Rows are loaded into memory (no streaming). This module does not interpret row keys (see ``formats.py``);
 unreadable rows (invalid JSON, a JSONL line that is not UTF-8) are yielded with an ``error`` so the caller can
 raise or skip them in one place. Text files are UTF-8; a leading byte-order mark is accepted.
@@ -11,6 +14,7 @@ raise or skip them in one place. Text files are UTF-8; a leading byte-order mark
 from __future__ import annotations
 
 import codecs
+import glob
 import json
 import os
 from collections.abc import Iterator
@@ -22,6 +26,9 @@ from polyrl.data import builtin
 from polyrl.errors import DataError
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+# suffixes of data files polyrl does not read (named in the error), which also mark a spec as a local path
+_OTHER_SUFFIXES = (".csv", ".tsv", ".txt", ".arrow", ".gz", ".zst", ".bz2", ".xz", ".zip", ".xlsx", ".ndjson")
+_LOCAL_SUFFIXES = FILE_SUFFIXES + _OTHER_SUFFIXES
 _SAVED_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
 
 
@@ -57,15 +64,51 @@ def iter_rows(spec: str, split: str | None = None) -> Iterator[RawRow]:
         return
     body, spec_split = split_spec(spec)
     split = split or spec_split
-    path = Path(body)
+    path = Path(body).expanduser()
     if path.is_file():
+        _no_split(body, split)
         yield from _iter_file(path)
     elif path.is_dir():
         yield from _iter_dir(path, split)
-    elif body.startswith(("/", "./", "../", "~")) or body.endswith(FILE_SUFFIXES):
+    elif is_glob(body):
+        _no_split(body, split)
+        for f in glob_files(body):
+            yield from _iter_file(f)
+    elif looks_local(body):
         raise DataError(f"data file {body!r} does not exist; check the path (relative paths are from {os.getcwd()})")
     else:
         yield from _iter_hub(body.removeprefix("hf:"), split)
+
+
+def looks_local(body: str) -> bool:
+    """A spec that can only mean a local path (never a hub name): absolute, relative with ./ or ~, a trailing
+    slash, or a data file suffix (``.jsonl``, ``.csv``, ``.txt``, ...)."""
+    return body.startswith(("/", "./", "../", "~")) or body.endswith("/") or body.lower().endswith(_LOCAL_SUFFIXES)
+
+
+def is_glob(body: str) -> bool:
+    return any(c in body for c in "*?[")
+
+
+def glob_files(pattern: str) -> list[Path]:
+    """The data files a glob matches, sorted (so rows come in the same order on every run)."""
+    found = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True))
+    files = [p for p in found if p.is_file() and p.suffix.lower() in FILE_SUFFIXES]
+    if not files:
+        others = f" (it matches {len(found)} other path(s))" if found else ""
+        raise DataError(
+            f"data pattern {pattern!r} matches no {', '.join(FILE_SUFFIXES)} file{others}; check the pattern "
+            f"(relative paths are from {os.getcwd()})"
+        )
+    return files
+
+
+def _no_split(body: str, split: str | None) -> None:
+    if split not in (None, "train"):
+        raise DataError(
+            f"{body} has no splits, so @{split} cannot pick one; remove it, hold rows out with data.holdout, or give a "
+            "folder of files named after their split (train.jsonl, test.jsonl)"
+        )
 
 
 def _iter_file(path: Path) -> Iterator[RawRow]:
@@ -77,7 +120,11 @@ def _iter_file(path: Path) -> Iterator[RawRow]:
     elif suffix == ".parquet":
         yield from _iter_parquet(path)
     else:
-        raise DataError(f"{path}: unsupported file type {suffix!r}; use one of {', '.join(FILE_SUFFIXES)}")
+        raise DataError(
+            f"{path}: unsupported file type {suffix!r}; use one of {', '.join(FILE_SUFFIXES)} (convert it, e.g. "
+            "pandas.read_csv(...).to_json('data.jsonl', orient='records', lines=True), or save it with datasets' "
+            "save_to_disk)"
+        )
 
 
 def _not_utf8(raw: bytes, exc: UnicodeDecodeError, offset: int) -> str:

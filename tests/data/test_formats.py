@@ -174,7 +174,8 @@ def test_prompt_only_view_for_rl(tokenizer):
         ({"messages": "hello"}, "non-empty list"),
         ({"conversations": [{"from": "alien", "value": "x"}]}, "unknown role 'alien'"),
         ({"instruction": 3, "output": "x"}, "instruction must be a string"),
-        ({"text": "x"}, "cannot tell the format"),
+        ({"body": "x"}, "cannot tell the format"),
+        ({"text": "x"}, "a 'text' row is plain text"),
         ({"prompt": "x", "chosen": "a", "rejected": "b"}, "cannot be used for SFT"),
     ],
 )

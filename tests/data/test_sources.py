@@ -106,8 +106,13 @@ def test_truncation_right_and_drop_are_counted(tmp_path, write_jsonl, tokenizer)
     long = {"prompt": "What is 12 + 7? " * 10, "completion": "19"}
     path = write_jsonl(tmp_path / "t.jsonl", [ROWS[0], long])
     right = build_sft(DataConfig(path=str(path), max_seq_len=24), tokenizer)
-    # The long row keeps its start, which is all prompt: no target tokens left, so it is dropped and counted.
-    assert right.stats.truncated == 1 and right.stats.dropped_no_target == 1 and len(right.units) == 1
+    # The long row's start is all prompt: cut there it has no target left, so it is dropped as too long (it was
+    # counted as truncated and "without target tokens", and an all-dropped file blamed loss_on, not the length).
+    assert right.stats.dropped_too_long == 1 and right.stats.truncated == 0 and right.stats.dropped_no_target == 0
+    assert len(right.units) == 1
+    with pytest.raises(DataError, match=r"1 longer than 24 tokens: dropped, or nothing left to train on once cut.*"
+                       r"raise data.max_seq_len"):  # fmt: skip
+        build_sft(DataConfig(path=write_jsonl(tmp_path / "long.jsonl", [long]), max_seq_len=24), tokenizer)
     drop = build_sft(DataConfig(path=str(path), max_seq_len=24, truncation="drop"), tokenizer)
     assert drop.stats.dropped_too_long == 1 and drop.stats.truncated == 0 and len(drop.units) == 1
     kept = build_sft(DataConfig(path=str(path), max_seq_len=24, loss_on="all"), tokenizer)

@@ -23,7 +23,7 @@ from typing import Any
 
 from polyrl.data.builtin import arithmetic, markov, strings
 from polyrl.data.builtin.check import check_string, extract_answer
-from polyrl.errors import ConfigError
+from polyrl.errors import ConfigError, did_you_mean
 
 COMMON_DEFAULTS = {"seed": 0, "test": 0.1}
 STALL_ATTEMPTS = 20_000  # consecutive draws without a new usable problem: the space is exhausted
@@ -81,6 +81,8 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str], str | None]:
         key, eq, value = item.partition("=")
         if not eq or not key:
             raise ConfigError(f"builtin dataset {spec!r}: parameter {item!r} must look like key=value")
+        if key in params:
+            raise ConfigError(f"builtin dataset {spec!r}: parameter {key!r} is given twice; keep one")
         params[key] = value
     return name, params, split
 
@@ -88,27 +90,39 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str], str | None]:
 def _resolve(name: str, params: Mapping[str, Any]) -> tuple[BuiltinTask, bool, dict]:
     base, pref = (name[: -len("-pref")], True) if name.endswith("-pref") else (name, False)
     if base not in TASKS:
-        raise ConfigError(f"unknown builtin dataset {name!r}; choose one of: {', '.join(names())}")
+        hint = did_you_mean(name, names())
+        raise ConfigError(f"unknown builtin dataset {name!r}{hint}; choose one of: {', '.join(names())}")
     task = TASKS[base]
     merged: dict[str, Any] = {**COMMON_DEFAULTS, "n": None, **task.defaults}
-    unknown = set(params) - set(merged)
+    unknown = sorted(set(params) - set(merged))
     if unknown:
+        hint = did_you_mean(unknown, list(merged))
         raise ConfigError(
-            f"builtin:{name} has no parameter(s) {sorted(unknown)}; it accepts: {', '.join(sorted(merged))}"
+            f"builtin:{name} has no parameter(s) {unknown}{hint}; it accepts: {', '.join(sorted(merged))}"
         )
-    merged.update(params)
-    try:
-        merged["test"] = float(merged["test"])
-        merged["seed"] = int(merged["seed"])
-        merged["n"] = None if merged["n"] is None else int(merged["n"])
-    except ValueError as exc:
-        raise ConfigError(
-            f"builtin:{name}: bad parameter value ({exc}); n and seed are integers, test a fraction"
-        ) from None
+    for key, value in params.items():
+        example = merged[key] if merged[key] is not None else 8
+        merged[key] = _typed(name, key, value, PARAM_TYPES.get(key) or type(merged[key]), example)
     if not 0.0 < merged["test"] < 1.0:
         raise ConfigError(f"builtin:{name} test={merged['test']} must be a fraction in (0, 1), e.g. test=0.1")
     task.validate(merged)
     return task, pref, merged
+
+
+# parameters whose default (None, or an int for a number) does not give their type
+PARAM_TYPES = {"n": int, "max_b": int, "mean_len": float}
+
+
+def _typed(name: str, key: str, value: Any, kind: type, example: Any) -> Any:
+    """``value`` (text from the spec, or a value given in code) as the parameter's type (its default's), or a
+    ConfigError naming the parameter."""
+    if kind not in (int, float) or isinstance(value, kind) and not isinstance(value, bool):
+        return value
+    try:
+        return kind(value) if kind is float else int(str(value))
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise ConfigError(f"builtin:{name} {key}={value!r} must be {what}, e.g. {key}={example}") from None
 
 
 def _is_test(prompt: str, fraction: float) -> bool:

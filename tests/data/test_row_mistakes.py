@@ -1,0 +1,175 @@
+"""What a new user's data gets wrong, and what polyrl says: other datasets' key names (with the rename that fixes
+them, per algorithm), empty targets and prompts, identical preference pairs, role spellings, non-text content,
+tool calls, globs, paths that are not on disk (never a hub lookup), @split on a single file, wrongly typed
+settings."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from polyrl.data import DataConfig, build_sft, load_examples
+from polyrl.data.chat import ChatTokenizer
+from polyrl.data.formats import RowError, as_sft, parse_row
+from polyrl.errors import ConfigError, DataError
+
+# the fixture tokenizer's ChatML template, also writing assistant tool calls (as Qwen2.5's does, in short)
+TOOLS_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls', []) %}<tool_call>{{ c['function']['name'] }} "
+    "{{ c['function']['arguments'] | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CALL = {"type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "1+2?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "content": "3", "tool_call_id": "c1"},
+    {"role": "assistant", "content": "3"},
+]
+
+
+def _load(tmp_path, rows, purpose="sft", **kw):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return load_examples(DataConfig(path=str(path), **kw), purpose)
+
+
+@pytest.mark.parametrize(
+    "row, purpose, problem",
+    [
+        ({"instruction": "q", "response": "a"}, "sft", "rename 'response' to 'output'"),
+        ({"input": "q", "output": "a"}, "sft", "rename 'input' to 'instruction'"),
+        ({"query": "q", "response": "a"}, "sft", "rename 'query' to 'prompt'"),
+        ({"problem": "q", "answer": "1"}, "rl", "rename 'problem' to 'prompt'"),
+        ({"query": "q", "label": "1"}, "rl", "rename 'query' to 'prompt'"),
+        # a row of another format: the hint is the rename that makes it a row for the algorithm
+        ({"prompt": "q", "accepted": "a", "rejected": "b"}, "dpo", "rename 'accepted' to 'chosen'"),
+        (
+            {"prompt": "q", "chosen_response": "a", "rejected_response": "b"},
+            "dpo",
+            "rename 'chosen_response' to 'chosen', 'rejected_response' to 'rejected'",
+        ),
+        ({"prompt": "q", "output": "a"}, "sft", "rename 'output' to 'completion'"),
+    ],
+)
+def test_other_datasets_key_names_get_the_rename(tmp_path, row, purpose, problem):
+    with pytest.raises(DataError) as err:
+        _load(tmp_path, [row], purpose)
+    msg = str(err.value)
+    assert msg.startswith(f"{tmp_path / 'd.jsonl'}: line 1: ") and problem in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize(
+    "row, purpose, problem",
+    [
+        ({"prompt": "q", "completion": ""}, "sft", "completion is empty; fill it in or remove the row"),
+        ({"prompt": "q", "completion": "  \n"}, "sft", "completion is empty"),
+        ({"instruction": "q", "output": ""}, "sft", "every assistant message is empty"),
+        ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}, "sft", "is empty"),
+        ({"prompt": "q", "chosen": "", "rejected": "b"}, "dpo", "chosen is empty"),
+        ({"prompt": "q", "chosen": "a", "rejected": "a"}, "dpo", "chosen and rejected are the same"),
+        ({"prompt": "", "answer": "1"}, "rl", "prompt is empty"),
+        ({"prompt": None, "answer": "1"}, "rl", "prompt must be a string or a list of messages, got NoneType"),
+        ({"prompt": "q", "completion": 3}, "sft", "completion must be a string or a list of messages, got int"),
+        ({"messages": [{"role": "system", "content": "s"}]}, "sft", "no assistant message to train on (its roles: "),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "sft",
+            "content has parts of type image_url; polyrl trains on text",
+        ),
+        ({"messages": [{"role": "user", "content": 5}]}, "sft", "content must be a string (or a list of text parts)"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "sft", "unknown role 'robot'"),
+    ],
+)
+def test_empty_and_malformed_rows_name_the_problem(tmp_path, row, purpose, problem):
+    with pytest.raises(DataError, match="line 1: ") as err:
+        _load(tmp_path, [row], purpose)
+    assert problem in str(err.value) and "--skip-bad-rows" in str(err.value)
+    good = {"sft": {"prompt": "q", "completion": "a"}, "dpo": {"prompt": "q", "chosen": "a", "rejected": "b"},
+            "rl": {"prompt": "q", "answer": "1"}}[purpose]  # fmt: skip
+    examples, stats = _load(tmp_path, [row, good], purpose, skip_bad_rows=True)
+    assert stats.bad_rows == 1 and problem in stats.bad_examples[0]
+
+
+def test_role_spellings_and_message_keys_of_either_format():
+    want = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    rows = [
+        {"messages": [{"role": "developer", "content": "s"}, {"role": "User", "content": "q"},
+                      {"role": "ASSISTANT", "content": "a"}]},
+        {"messages": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"},
+                      {"from": "gpt", "value": "a"}]},
+        {"conversations": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+                           {"role": "assistant", "content": "a"}]},
+    ]  # fmt: skip
+    for row in rows:
+        assert as_sft(parse_row(row)).messages == want
+
+
+def test_tool_calls_are_kept_for_a_template_that_renders_them(tokenizer):
+    ex = as_sft(parse_row({"messages": TOOL_CONVERSATION}))
+    call = ex.messages[1]
+    assert call["content"] == "" and call["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": 2}
+    assert ex.messages[2]["tool_call_id"] == "c1"
+    seq = ChatTokenizer(tokenizer, TOOLS_TEMPLATE).tokenize_messages(ex.messages)
+    trained = tokenizer.decode([t for t, m in zip(seq.input_ids, seq.loss_mask) if m])
+    assert trained == '<tool_call>add {"a": 1, "b": 2}</tool_call><|im_end|>\n3<|im_end|>\n'
+    # a template that never writes tool_calls would train the call turn as empty: refused, naming the fix
+    with pytest.raises(RowError, match="tool_calls, which the chat template does not render.*data.chat_template"):
+        ChatTokenizer(tokenizer).tokenize_messages(ex.messages)
+    bad = [*TOOL_CONVERSATION[:1], {"role": "assistant", "content": None, "tool_calls": [{"function": {}}]}]
+    with pytest.raises(RowError, match="tool call 1 must be"):
+        parse_row({"messages": bad})
+
+
+def test_a_glob_reads_its_files_in_order_and_a_split_on_a_file_is_refused(tmp_path):
+    for name, n in (("b.jsonl", 2), ("a.jsonl", 1), ("c.txt", 5)):
+        (tmp_path / name).write_text(json.dumps({"prompt": name, "completion": "x"}) + "\n" * n)
+    examples, _ = load_examples(DataConfig(path=str(tmp_path / "*.jsonl")))
+    assert [ex.messages[0]["content"] for _, ex in examples] == ["a.jsonl", "b.jsonl"]
+    with pytest.raises(ConfigError, match=r"matches no .jsonl, .json, .parquet file \(it matches 1 other path"):
+        DataConfig(path=str(tmp_path / "*.txt"))
+    with pytest.raises(DataError, match=r"has no splits, so @test cannot pick one.*data.holdout"):
+        load_examples(DataConfig(path=str(tmp_path / "a.jsonl") + "@test"))
+    assert len(load_examples(DataConfig(path=str(tmp_path / "a.jsonl") + "@train"))[0]) == 1
+
+
+@pytest.mark.parametrize("spec", ["nothere.csv", "data/train.txt", "mydata/", "nothere.jsonl.gz"])
+def test_a_missing_local_file_is_not_looked_up_on_the_hub(spec):
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=f"data file '{spec}' does not exist"):
+        DataConfig(path=spec)
+    assert time.monotonic() - start < 5  # the hub lookup it replaced retried for ~30 s offline
+
+
+def test_an_existing_csv_says_how_to_convert_it(tmp_path):
+    (tmp_path / "x.csv").write_text("prompt,completion\nq,a\n")
+    with pytest.raises(DataError, match=r"unsupported file type '.csv'.*to_json\('data.jsonl'"):
+        load_examples(DataConfig(path=str(tmp_path / "x.csv")))
+
+
+@pytest.mark.parametrize(
+    "kwargs, problem",
+    [
+        ({"limit": "5"}, "data.limit='5': use an integer or unset (got str)"),
+        ({"holdout": "0.1"}, "data.holdout='0.1': use a number (got str)"),
+        ({"max_seq_len": "64"}, "data.max_seq_len='64': use an integer >= 2"),
+        ({"shuffle": "no"}, "data.shuffle='no': use true or false (got str)"),
+        ({"path": 3}, "data.path=3: use a string (got int)"),
+        ({"seed": 1.5}, "data.seed=1.5: use an integer (got float)"),
+    ],
+)
+def test_wrongly_typed_data_settings(kwargs, problem):
+    with pytest.raises(ConfigError) as err:
+        DataConfig(**{"path": "builtin:arithmetic", **kwargs})
+    assert str(err.value) == problem
+
+
+def test_a_prompt_longer_than_max_seq_len_is_dropped_and_counted(tmp_path, tokenizer):
+    rows = [{"prompt": "q", "completion": "a"}, {"prompt": "What is 12 + 7? " * 20, "completion": "19"}]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = build_sft(DataConfig(path=str(path), max_seq_len=32), tokenizer, micro_batch_tokens=64)
+    assert data.stats.dropped_too_long == 1 and data.stats.sequences == 1 and data.stats.truncated == 0
