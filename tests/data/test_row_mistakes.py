@@ -6,7 +6,6 @@ settings."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -138,10 +137,9 @@ def test_a_glob_reads_its_files_in_order_and_a_split_on_a_file_is_refused(tmp_pa
 
 @pytest.mark.parametrize("spec", ["nothere.csv", "data/train.txt", "mydata/", "nothere.jsonl.gz"])
 def test_a_missing_local_file_is_not_looked_up_on_the_hub(spec):
-    start = time.monotonic()
+    """Refused when the config is built, before anything is loaded (a hub lookup retried for ~30 s offline)."""
     with pytest.raises(ConfigError, match=f"data file '{spec}' does not exist"):
         DataConfig(path=spec)
-    assert time.monotonic() - start < 5  # the hub lookup it replaced retried for ~30 s offline
 
 
 def test_an_existing_csv_says_how_to_convert_it(tmp_path):
