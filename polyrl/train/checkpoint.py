@@ -16,13 +16,16 @@ A checkpoint is a directory ``<root>/step-00000042/`` holding
 
 Writes go to ``<root>/.tmp-step-...`` in the same parent, every file and directory is fsynced, then one
 ``os.rename`` publishes it, so a crash at any point leaves the previous checkpoints loadable; stale
-temp directories are removed when a ``CheckpointManager`` starts. This module does not decide when to
+temp directories are removed when a ``CheckpointManager`` starts. A write that fails (a full disk: ``OSError``)
+removes its temp directory at once and raises a ``CheckpointError`` naming the step, the OS error and the newest
+complete checkpoint, which it leaves as it was. This module does not decide when to
 save beyond ``every_n_steps`` nor what the data position means.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -88,15 +91,35 @@ def save_checkpoint(
     """Atomically write the checkpoint of ``step`` under ``root`` and return its path. ``engine`` is a
     ``TrainEngine`` (optimizer + counters) or None for weights only."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
     tmp = root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    write_checkpoint_files(tmp, step, model, engine, data_state=data_state, config=config, tokenizer=tokenizer)
-    _commit(tmp, final)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        write_checkpoint_files(tmp, step, model, engine, data_state=data_state, config=config, tokenizer=tokenizer)
+        _commit(tmp, final)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk must not keep the half-written copy
+        os_error = exc if isinstance(exc, OSError) else exc.__cause__  # save_model's CheckpointError wraps its own
+        if isinstance(os_error, OSError):
+            raise CheckpointError(_write_failed(final, os_error)) from os_error
+        raise
     return final
+
+
+def _write_failed(final: Path, exc: OSError) -> str:
+    """The message of a checkpoint that could not be written (a full disk, a quota, a read-only folder)."""
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    why = f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")
+    kept = [p.name for p in list_checkpoints(final.parent)]
+    have = f"the newest complete one, {kept[-1]}, is intact" if kept else "there is no earlier checkpoint"
+    fix = "free disk space (or lower --keep-last, or set checkpoint.dir on another disk)" if full else "fix that"
+    return (
+        f"could not write checkpoint {final.name} in {final.parent}: {why}; its partial copy was removed and {have}; "
+        f"{fix}, then continue the run with --resume"
+    )
 
 
 def write_checkpoint_files(
@@ -132,7 +155,12 @@ def _commit(tmp: Path, final: Path) -> None:
         if trash.exists():
             shutil.rmtree(trash)
         os.rename(final, trash)
-    os.rename(tmp, final)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if trash.exists() and not final.exists():
+            os.rename(trash, final)  # the checkpoint this one was to replace stays
+        raise
     _fsync_dir(final.parent)
     if trash.exists():
         shutil.rmtree(trash)

@@ -19,7 +19,6 @@ never holds base weights), merging (``apply.py``), the training checkpoint aroun
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,15 @@ import torch
 from torch import nn
 
 from polyrl.errors import CheckpointError, ConfigError
-from polyrl.models.hf_io import make_temp_dir, open_safetensors, save_tokenizer, write_json, write_safetensors
+from polyrl.models.hf_io import (
+    folder_write_error,
+    make_temp_dir,
+    open_safetensors,
+    replace_dir,
+    save_tokenizer,
+    write_json,
+    write_safetensors,
+)
 from polyrl.models.lora.apply import adapter_parameters, apply_lora, has_lora
 from polyrl.models.lora.config import ALL_TARGETS, LoraConfig
 
@@ -94,11 +101,11 @@ def save_adapter(
         write_json(tmp / ADAPTER_CONFIG, adapter_config_dict(model.lora_config, base_model))
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
+        replace_dir(tmp, out)
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise folder_write_error(out, exc) from exc
         raise
     return out
 
