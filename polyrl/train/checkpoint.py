@@ -397,7 +397,13 @@ def load_checkpoint(
     state = json.loads((path / "trainer_state.json").read_text())
     config = json.loads((path / "config.json").read_text())
     if model is not None:
-        load_model_weights(path / "model", model)
+        try:
+            load_model_weights(path / "model", model)
+        except CheckpointError as exc:
+            saved = config.get("model") if isinstance(config, dict) else None
+            if not isinstance(saved, str):
+                raise
+            raise CheckpointError(f"{exc}; this checkpoint was written by a run of --model {saved}") from None
     if engine is not None:
         if state.get("engine") is None or not (path / "optimizer.safetensors").is_file():
             raise CheckpointError(f"{path} holds weights only (no optimizer state); it cannot resume training")
@@ -446,6 +452,12 @@ def load_model_weights(model_dir: str | Path, model: nn.Module) -> None:
             )
         load_adapter(model, model_dir)
         return
+    if has_lora(model):
+        raise CheckpointError(
+            f"{model_dir} holds a whole model's weights (a full fine-tune's checkpoint), but this run trains a LoRA "
+            "adapter; resume it without --lora / --qlora / [lora], or start a LoRA run from the fine-tuned model (its "
+            "final/ folder) with another --out"
+        )
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(model_dir.glob("*.safetensors")):
         tensors.update(load_file(str(f)))

@@ -19,6 +19,7 @@ never holds base weights), merging (``apply.py``), the training checkpoint aroun
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,17 @@ def read_adapter_config(path: str | Path) -> tuple[LoraConfig, str | None]:
     return cfg, d.get("base_model_name_or_path")
 
 
+def _shape_key(cfg: LoraConfig) -> tuple:
+    return cfg.r, list(cfg.targets), list(cfg.target_parameters)
+
+
+def _spec(cfg: LoraConfig) -> str:
+    """``cfg``'s adapter-defining settings as a ``--lora`` string (``r=8,alpha=16,targets=q_proj,v_proj``) that
+    ``make_lora_config`` reads back to the same adapter."""
+    spec = f"r={cfg.r},alpha={cfg.alpha:g}" + (",rslora=true" if cfg.rslora else "")
+    return spec + f",targets={','.join([*cfg.targets, *cfg.target_parameters])}"  # experts' names go there too
+
+
 def our_name(key: str) -> str:
     """A saved adapter tensor's name in our model (no ``base_model.model.`` prefix, no ``.default`` adapter name)."""
     name = key.removeprefix(PREFIX)
@@ -177,15 +189,12 @@ def load_adapter(model: nn.Module, path: str | Path, quantize_base: str | None =
             ) from None
     else:
         have = model.lora_config
-        if (have.r, list(have.targets), list(have.target_parameters)) != (
-            cfg.r,
-            list(cfg.targets),
-            list(cfg.target_parameters),
-        ):
+        if _shape_key(have) != _shape_key(cfg) or not math.isclose(have.scaling, cfg.scaling, rel_tol=1e-6):
             raise CheckpointError(
-                f"adapter {path} (r={cfg.r}, targets {cfg.targets}, target_parameters {cfg.target_parameters}) does "
-                f"not match the model's adapters (r={have.r}, targets {have.targets}, target_parameters "
-                f"{have.target_parameters})"
+                f"adapter {path} ({_spec(cfg)}; scale {cfg.scaling:g}) does not match this model's adapters "
+                f"({_spec(have)}; scale {have.scaling:g}): an adapter keeps its rank, targets and scale (alpha / r) "
+                f"once trained; resume with --lora {_spec(cfg)} (or the same [lora] table), or start a new run from "
+                f"the adapter folder as --model with another --out"
             )
     file = Path(path) / ADAPTER_WEIGHTS
     if not file.is_file():
