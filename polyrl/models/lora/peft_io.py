@@ -212,6 +212,10 @@ def load_adapter(model: nn.Module, path: str | Path, quantize_base: str | None =
     for name, p in own.items():
         t = handle.tensor(found[name])
         if tuple(t.shape) != tuple(p.shape):
-            raise CheckpointError(f"adapter tensor {name}: shape {tuple(t.shape)} != model {tuple(p.shape)}")
+            raise CheckpointError(
+                f"adapter {path} does not fit this model: {name} has shape {list(t.shape)}, the model's adapter "
+                f"{list(p.shape)}; is it for another base model? (its adapter_config.json names {base!r}; --base "
+                "repoints it)"
+            )
         p.copy_(t)
     return model
