@@ -4,8 +4,12 @@ as a plain Hugging Face folder (safetensors, config, tokenizer) that transformer
 The base comes from ``--base`` (alias ``--model``) or the adapter's ``base_model_name_or_path`` (as given when it was
 trained; a relative path is looked up from the current directory, then beside the adapter folder); it is loaded in
 fp32, ``W + s * B @ A`` is formed there and the result saved in the base's dtype (or ``--dtype``). An adapter
-trained on a 4-bit (QLoRA) base is merged into the full-precision base, as PEFT does. Not here: training,
-un-merged adapter copies.
+trained on a 4-bit (QLoRA) base is merged into the full-precision base, as PEFT does.
+
+``--out`` is replaced whole when it is a model folder (refused when it holds anything else, ``outdir.py``), and never
+when it is, or holds, the adapter or the base being read: that would delete the input. A full model or a training
+checkpoint given as ``--adapter`` is refused naming what it is (a LoRA checkpoint's adapter is its ``model/``).
+Not here: training, un-merged adapter copies.
 """
 
 from __future__ import annotations
@@ -34,7 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--merge", action="store_true", help="merge the adapter into the base (required)")
     parser.add_argument(
-        "--out", required=True, metavar="DIR", help="output HF folder (a model folder there is replaced atomically)"
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="output HF folder (a model folder there is replaced atomically; never the adapter or base folder)",
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="saved dtype (default: the base's)")
 
@@ -43,14 +50,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.adapter or not args.merge:
         raise ConfigError("polyrl export writes a merged model: pass --adapter DIR --merge (and --out DIR)")
     if not is_adapter_dir(args.adapter):
-        hint = run_dir_hint(args.adapter)
-        raise ConfigError(
-            f"--adapter {args.adapter} has no adapter_config.json; give a PEFT adapter folder"
-            + (f": {hint}" if hint else "")
-        )
+        raise ConfigError(f"--adapter {args.adapter} has no adapter_config.json; {_not_adapter_hint(args.adapter)}")
     check_replaceable(args.out, "export")
     start = time.perf_counter()
     base = base_model_path(args.adapter, args.model)
+    _check_out_keeps_inputs(args.out, {"adapter": args.adapter, "base": base})
     saved = dtype_from_name(args.dtype or load_config(base).torch_dtype)
     model = load_model(base, dtype=torch.float32)
     load_adapter(model, args.adapter)
@@ -60,6 +64,39 @@ def run(args: argparse.Namespace) -> int:
     print(f"merged {args.adapter} into {base} -> {out} ({str(saved).removeprefix('torch.')}) in "
           f"{time.perf_counter() - start:.1f}s")  # fmt: skip
     return 0
+
+
+def _not_adapter_hint(folder: str) -> str:
+    """What ``--adapter`` was given instead of an adapter folder, and what to give."""
+    path = Path(folder)
+    if (path / "model" / "adapter_config.json").is_file() and (path / "manifest.json").is_file():
+        return f"it is a polyrl checkpoint of a LoRA run; its adapter is --adapter {path / 'model'}"
+    if (path / "model" / "config.json").is_file() and (path / "manifest.json").is_file():
+        return (
+            f"it is a polyrl checkpoint of a full fine-tune, whose weights {path / 'model'} are a whole model already "
+            "(nothing to merge): load that folder as it is"
+        )
+    if (path / "config.json").is_file():
+        return (
+            f"{folder} is a whole model (config.json, no adapter): a full fine-tune has nothing to merge; load or "
+            f"serve it as it is (polyrl serve --model {folder})"
+        )
+    hint = run_dir_hint(folder)
+    return f"give a PEFT adapter folder{': ' + hint if hint else ''}"
+
+
+def _check_out_keeps_inputs(out: str, inputs: dict[str, str]) -> None:
+    """``--out`` is replaced whole: refused when it is the adapter or base folder, or a folder holding one of them
+    (``--out runs/lora/final`` replaced the adapter it merged, ``--out BASE`` the base other adapters need)."""
+    target = Path(out).resolve()
+    for what, folder in inputs.items():
+        src = Path(folder).resolve()
+        if src == target or src.is_relative_to(target):
+            where = "is" if src == target else "holds"
+            raise ConfigError(
+                f"--out {out} {where} the {what} folder {folder}, which the export would replace (it replaces its "
+                f"--out whole); give another --out, e.g. {Path(folder).parent / (Path(folder).name + '-merged')}"
+            )
 
 
 def _has_tokenizer(folder: str) -> bool:

@@ -6,8 +6,9 @@ is named in a ``CheckpointError`` too. Weights go straight to the target device 
 built on the meta device, so nothing is allocated twice). Pickled ``.bin``/``.pt`` files are never
 opened. ``save_model`` writes config.json, generation_config.json, (sharded) safetensors and tokenizer
 files into a temporary folder next to the target and renames it into place, so a crash never leaves a
-half-written checkpoint under the target name. MoE experts load from the hub's per-expert layout or the fused one and
-are saved per expert (``moe_layout.py``).
+half-written checkpoint under the target name; a write that fails (``OSError``: a full disk) removes the temporary
+folder and raises a ``CheckpointError`` saying so. MoE experts load from the hub's per-expert layout or the fused one
+and are saved per expert (``moe_layout.py``).
 
 Not here: training-state checkpoints (optimizer, RNG, step: ``polyrl.train``), gathering sharded
 (FSDP) parameters before saving (callers pass a model with full tensors), downloading from a hub.
@@ -16,9 +17,7 @@ Not here: training-state checkpoints (optimizer, RNG, step: ``polyrl.train``), g
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,15 @@ import torch
 from polyrl.errors import CheckpointError
 from polyrl.models.config import ModelConfig
 from polyrl.models.decoder import DecoderLM
-from polyrl.models.hf_io import make_temp_dir, open_safetensors, save_tokenizer, write_json, write_safetensors
+from polyrl.models.hf_io import (
+    folder_write_error,
+    make_temp_dir,
+    open_safetensors,
+    replace_dir,
+    save_tokenizer,
+    write_json,
+    write_safetensors,
+)
 from polyrl.models.moe_layout import Stack, fill, hub_state, missing_parts, read_plan
 
 SINGLE_FILE = "model.safetensors"
@@ -226,8 +233,10 @@ def save_model(
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp)
         replace_dir(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise folder_write_error(out, exc) from exc
         raise
     return out
 
@@ -282,18 +291,3 @@ def _generation_config(cfg: ModelConfig, overrides: dict[str, Any] | None) -> di
         d["pad_token_id"] = cfg.pad_token_id
     d.update(overrides or {})
     return d
-
-
-def replace_dir(tmp: Path, out: Path) -> None:
-    """Move ``tmp`` to ``out``; an existing ``out`` is renamed aside first and removed only after."""
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-    os.replace(out, old)
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        os.replace(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)

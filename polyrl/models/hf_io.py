@@ -6,7 +6,8 @@ naming the file; ``read_safetensors_folder`` reads every ``*.safetensors`` file 
 reward model); ``write_safetensors`` writes one (metadata ``format = pt``, as transformers and PEFT write);
 ``write_json`` writes an indented JSON file; ``save_tokenizer`` puts a tokenizer into a folder (an object with
 ``save_pretrained``, or a folder whose ``TOKENIZER_FILES`` are copied); ``make_temp_dir`` creates the hidden
-temporary folder next to a target that an atomic write fills before renaming it into place.
+temporary folder next to a target that an atomic write fills before renaming it into place; ``replace_dir`` does that
+rename (an existing target moved aside first); ``folder_write_error`` words a write that failed (a full disk).
 
 Not here: what goes into a folder (tensor names, config.json fields: the callers), pickled weights (never read).
 """
@@ -106,3 +107,28 @@ def make_temp_dir(out: Path) -> Path:
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     return tmp
+
+
+def replace_dir(tmp: Path, out: Path) -> None:
+    """Move ``tmp`` to ``out``; an existing ``out`` is renamed aside first and removed only after."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+    os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def folder_write_error(out: Path, exc: OSError) -> CheckpointError:
+    """The error of a model folder that could not be written (a full disk, a read-only folder): what failed, and that
+    nothing was left half-written (the write went to a temp folder, removed)."""
+    why = f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")
+    was = "its previous contents are intact" if out.exists() else "nothing was written there"
+    return CheckpointError(
+        f"could not write the model folder {out}: {why}; {was}; free disk space or choose another folder"
+    )

@@ -16,13 +16,16 @@ A checkpoint is a directory ``<root>/step-00000042/`` holding
 
 Writes go to ``<root>/.tmp-step-...`` in the same parent, every file and directory is fsynced, then one
 ``os.rename`` publishes it, so a crash at any point leaves the previous checkpoints loadable; stale
-temp directories are removed when a ``CheckpointManager`` starts. This module does not decide when to
+temp directories are removed when a ``CheckpointManager`` starts. A write that fails (a full disk: ``OSError``)
+removes its temp directory at once and raises a ``CheckpointError`` naming the step, the OS error and the newest
+complete checkpoint, which it leaves as it was. This module does not decide when to
 save beyond ``every_n_steps`` nor what the data position means.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -88,15 +91,35 @@ def save_checkpoint(
     """Atomically write the checkpoint of ``step`` under ``root`` and return its path. ``engine`` is a
     ``TrainEngine`` (optimizer + counters) or None for weights only."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
     tmp = root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    write_checkpoint_files(tmp, step, model, engine, data_state=data_state, config=config, tokenizer=tokenizer)
-    _commit(tmp, final)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        write_checkpoint_files(tmp, step, model, engine, data_state=data_state, config=config, tokenizer=tokenizer)
+        _commit(tmp, final)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk must not keep the half-written copy
+        os_error = exc if isinstance(exc, OSError) else exc.__cause__  # save_model's CheckpointError wraps its own
+        if isinstance(os_error, OSError):
+            raise CheckpointError(_write_failed(final, os_error)) from os_error
+        raise
     return final
+
+
+def _write_failed(final: Path, exc: OSError) -> str:
+    """The message of a checkpoint that could not be written (a full disk, a quota, a read-only folder)."""
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    why = f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")
+    kept = [p.name for p in list_checkpoints(final.parent)]
+    have = f"the newest complete one, {kept[-1]}, is intact" if kept else "there is no earlier checkpoint"
+    fix = "free disk space (or lower --keep-last, or set checkpoint.dir on another disk)" if full else "fix that"
+    return (
+        f"could not write checkpoint {final.name} in {final.parent}: {why}; its partial copy was removed and {have}; "
+        f"{fix}, then continue the run with --resume"
+    )
 
 
 def write_checkpoint_files(
@@ -132,7 +155,12 @@ def _commit(tmp: Path, final: Path) -> None:
         if trash.exists():
             shutil.rmtree(trash)
         os.rename(final, trash)
-    os.rename(tmp, final)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if trash.exists() and not final.exists():
+            os.rename(trash, final)  # the checkpoint this one was to replace stays
+        raise
     _fsync_dir(final.parent)
     if trash.exists():
         shutil.rmtree(trash)
@@ -369,7 +397,13 @@ def load_checkpoint(
     state = json.loads((path / "trainer_state.json").read_text())
     config = json.loads((path / "config.json").read_text())
     if model is not None:
-        load_model_weights(path / "model", model)
+        try:
+            load_model_weights(path / "model", model)
+        except CheckpointError as exc:
+            saved = config.get("model") if isinstance(config, dict) else None
+            if not isinstance(saved, str):
+                raise
+            raise CheckpointError(f"{exc}; this checkpoint was written by a run of --model {saved}") from None
     if engine is not None:
         if state.get("engine") is None or not (path / "optimizer.safetensors").is_file():
             raise CheckpointError(f"{path} holds weights only (no optimizer state); it cannot resume training")
@@ -418,6 +452,12 @@ def load_model_weights(model_dir: str | Path, model: nn.Module) -> None:
             )
         load_adapter(model, model_dir)
         return
+    if has_lora(model):
+        raise CheckpointError(
+            f"{model_dir} holds a whole model's weights (a full fine-tune's checkpoint), but this run trains a LoRA "
+            "adapter; resume it without --lora / --qlora / [lora], or start a LoRA run from the fine-tuned model (its "
+            "final/ folder) with another --out"
+        )
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(model_dir.glob("*.safetensors")):
         tensors.update(load_file(str(f)))

@@ -50,6 +50,9 @@ def test_parse_spec_and_config():
         ("r=4,alpha=-1", "lora.alpha"),
         ("dropout=1.5", "lora.dropout"),
         ("targets=q,lm_head", "unknown lora target 'lm_head'"),
+        ("targets=q,v_porj", r"unknown lora target 'v_porj' \(did you mean v_proj\?\)"),
+        ("targets=q,expert", r"\(did you mean experts\?\)"),
+        ("r=4,targets=", "lora.targets has an empty name"),
         ("rank=4", "unknown --lora key 'rank'"),
         ("r=4,q", "has no '='"),
         ("quantize_base=int8", "quantize_base"),
@@ -58,6 +61,26 @@ def test_parse_spec_and_config():
 def test_bad_config_says_what_to_change(spec, words):
     with pytest.raises(ConfigError, match=words):
         make_lora_config(spec)
+
+
+def test_a_rank_no_targeted_layer_can_use_is_refused(tiny_model):
+    """r above min(out, in) of every targeted weight adds no capacity, only memory (r=100000 on the tiny model was
+    killed by the OOM killer without a word); a rank above some layers' (k_proj [32, 64]) but not all is taken, and
+    an adapter loaded from a folder is never refused for its rank."""
+    model = tiny_model("qwen3")
+    q = model.model.layers[0].self_attn.q_proj
+    widest = min(q.out_features, q.in_features)
+    k = model.model.layers[0].self_attn.k_proj
+    assert min(k.out_features, k.in_features) < widest
+    too_big = rf"lora.r={widest + 1} is larger than any targeted layer can use.*r <= {widest}"
+    with pytest.raises(ConfigError, match=too_big):
+        apply_lora(model, LoraConfig(r=widest + 1, targets=["q", "k"]))
+    assert not any(True for _ in lora_layers(model))  # refused before any adapter was built
+    apply_lora(model, LoraConfig(r=widest, targets=["q", "k"]))  # k_proj's rank is below r: taken, as PEFT does
+    narrow = tiny_model("qwen3")
+    with pytest.raises(ConfigError, match=rf"at most {min(k.out_features, k.in_features)} \(k_proj"):
+        apply_lora(narrow, LoraConfig(r=widest, targets=["k"]))
+    apply_lora(narrow, LoraConfig(r=widest, targets=["k"]), warn_unmatched=False)  # a saved adapter's own rank
 
 
 def test_apply_keeps_base_parameters_and_names(tiny_model):

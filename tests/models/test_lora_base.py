@@ -18,6 +18,7 @@ from polyrl.models.lora import (
     LoraConfig,
     adapter_parameters,
     base_model_path,
+    load_adapter,
     load_lora_model,
     read_adapter_config,
     save_adapter,
@@ -110,3 +111,14 @@ def test_train_from_an_adapter_with_a_moved_base(workdir):
 def test_peft_reads_the_base_as_given(workdir):
     peft = pytest.importorskip("peft")
     assert peft.PeftConfig.from_pretrained("runs/lora").base_model_name_or_path == "models/tiny"
+
+
+def test_an_adapter_on_a_base_of_another_width_names_its_base(workdir, tiny_model):
+    """The same layers and targets but another hidden size (a wrong --base): the shape error says which adapter, that
+    it may be for another base, and the base it was trained on (it said only 'shape (4, 64) != model (4, 96)')."""
+    wider = tiny_model("qwen3", hidden_size=96, num_attention_heads=6)
+    match = "adapter runs/lora does not fit this model: model.layers.0.self_attn.q_proj.lora_A.weight has shape"
+    with pytest.raises(
+        CheckpointError, match=match + r".*another base model\? \(its adapter_config.json names 'models/tiny'"
+    ):
+        load_adapter(wider, "runs/lora")

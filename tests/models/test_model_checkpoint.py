@@ -90,7 +90,7 @@ def test_save_replaces_atomically_and_cleans_up_on_failure(tiny_model, tmp_path)
         def save_pretrained(self, path):
             raise OSError("disk full")
 
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match=f"could not write the model folder {target}: disk full; its previous"):
         save_model(tiny_model("qwen3", seed=2), target, tokenizer=BrokenTokenizer())
     assert (target / SINGLE_FILE).read_bytes() == first  # old checkpoint intact
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temp folders left

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import random
 
 import pytest
@@ -74,27 +76,50 @@ def test_keep_last_k_and_every_n(tmp_path):
     assert not [p for p in manager.root.iterdir() if p.name.startswith(".")]
 
 
-def test_exception_between_write_and_rename_keeps_previous(tmp_path, monkeypatch):
+def test_disk_full_during_save_keeps_previous_and_says_so(tmp_path, monkeypatch):
+    """A write that fails (ENOSPC half-way through the optimizer file) removes its temp dir at once (it held the
+    disk the run needs) and raises a CheckpointError naming the step, the OS error and the intact previous
+    checkpoint; a failing publish of an overwrite puts the copy it moved aside back. (A kill -9 leaves the temp dir
+    instead: test_resume.py.)"""
     model, engine = _engine()
     manager = CheckpointManager(tmp_path, CheckpointConfig(keep_last_k=3))
     good = manager.save(1, model, engine, data_state={"pos": 1})
     good_weights = [p.detach().clone() for p in model.parameters()]
     engine.step(BATCH)
+    real_save_file = checkpoint.save_file
 
-    def crash(tmp, final):
-        raise OSError("disk full (injected)")
+    def disk_full(tensors, path, *args, **kwargs):
+        if path.endswith("optimizer.safetensors"):
+            with open(path, "wb") as f:
+                f.write(b"\0" * 100)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real_save_file(tensors, path, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "_commit", crash)
-    with pytest.raises(OSError, match="injected"):
+    monkeypatch.setattr(checkpoint, "save_file", disk_full)
+    with pytest.raises(CheckpointError) as err:
         manager.save(2, model, engine, data_state={"pos": 2})
+    msg = str(err.value)
+    assert msg.startswith(f"could not write checkpoint step-00000002 in {manager.root}: No space left on device (")
+    assert "the newest complete one, step-00000001, is intact; free disk space" in msg and "--resume" in msg
     monkeypatch.undo()
-    assert latest_checkpoint(tmp_path) == good
-    assert [p.name.startswith(".tmp-step-00000002") for p in manager.root.iterdir() if p.name.startswith(".")] == [True]
+    assert [p.name for p in manager.root.iterdir()] == [good.name]  # no temp dir left behind
     fresh, fresh_engine = _engine(seed=3)
     assert load_checkpoint(good, fresh, fresh_engine).data_state == {"pos": 1}
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), good_weights))
-    restarted = CheckpointManager(tmp_path, CheckpointConfig(keep_last_k=3))
-    assert len(restarted.cleaned) == 1 and restarted.latest() == good
+
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if str(src).startswith(str(manager.root / ".tmp-")):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(src))
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(CheckpointError, match="could not write checkpoint step-00000001 .*Input/output error"):
+        manager.save(1, model, engine, data_state={"pos": 9})  # an overwrite whose publish fails
+    monkeypatch.undo()
+    assert [p.name for p in manager.root.iterdir()] == [good.name]
+    assert load_checkpoint(good, restore_rng=False).data_state == {"pos": 1}
 
 
 def test_overwrite_same_step_and_interrupted_overwrite_recovery(tmp_path):

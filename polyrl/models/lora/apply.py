@@ -60,12 +60,15 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int | None = 0, warn_unm
     """Add adapters to the layers named in ``cfg.targets`` and the routed-expert tensors in
     ``cfg.target_parameters`` (see the module docstring); with ``cfg.quantize_base == "nf4"`` the frozen base weights
     of the targeted linear layers and every MoE layer's routed experts (adapted or not) are quantized (QLoRA).
-    ``warn_unmatched``: warn when MLP targets match nothing on an MoE model (off when loading a saved adapter)."""
+    ``warn_unmatched``: the config is the user's, for fresh adapters (off when loading a saved adapter): warn when MLP
+    targets match nothing on an MoE model, and refuse a rank that no targeted layer can use (``_check_rank``)."""
     if has_lora(model):
         raise ConfigError("this model already has LoRA adapters; apply LoRA once")
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ConfigError(f"LoRA needs a DecoderLM-like model with model.layers, got {type(model).__name__}")
+    if warn_unmatched:
+        _check_rank(layers, cfg)
     gen = None
     first = next(model.parameters())
     if seed is not None:
@@ -115,6 +118,34 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int | None = 0, warn_unm
                 layer.mlp.experts = NF4Experts(base)
     model.lora_config = cfg
     return model
+
+
+def _check_rank(layers: nn.ModuleList, cfg: LoraConfig) -> None:
+    """A ``ConfigError`` when ``cfg.r`` exceeds the rank of every targeted weight: ``B @ A`` on an ``[out, in]`` weight
+    has rank at most ``min(out, in)``, so a larger r adds no capacity, only memory (an ``[tokens, r]`` activation per
+    adapter: r=100000 on the tiny model was killed by the OOM killer with no message). Checked before any adapter is
+    built; a rank above some layers' but not all (r=256 with 128-wide k_proj) is taken, as PEFT does."""
+    sizes = {}
+    for layer in layers:
+        for _, parent in adapted_parents(layer):
+            for target in cfg.targets:
+                base = getattr(parent, target, None)
+                if isinstance(base, nn.Linear):
+                    sizes[target] = (base.out_features, base.in_features)
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        if isinstance(experts, Experts):
+            for full in cfg.target_parameters:
+                name = full.rpartition(".")[2]
+                sizes[full] = tuple(getattr(experts, name).shape[1:])
+    if not sizes:
+        return  # nothing matched: apply_lora says so
+    name, (out_f, in_f) = max(sizes.items(), key=lambda kv: min(kv[1]))
+    if cfg.r > min(out_f, in_f):
+        raise ConfigError(
+            f"lora.r={cfg.r} is larger than any targeted layer can use: an adapter on an [out, in] weight has rank at "
+            f"most min(out, in), here at most {min(out_f, in_f)} ({name} [{out_f}, {in_f}]), so a larger r only costs "
+            f"memory; choose r <= {min(out_f, in_f)} (typical: 8 to 64)"
+        )
 
 
 def _warn_unmatched_mlp(layers: nn.ModuleList, cfg: LoraConfig, matched: set[str]) -> None:

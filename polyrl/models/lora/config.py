@@ -153,10 +153,17 @@ def normalize_targets(targets: Any) -> list[str]:
     resolved = set()
     for t in targets:
         name = SHORT_TARGETS.get(t, t) if isinstance(t, str) else t
-        if name not in ALL_TARGETS:
+        if t == "":
             raise ConfigError(
-                f"unknown lora target {t!r}; use any of {', '.join(SHORT_TARGETS)} (or {', '.join(ALL_TARGETS)}), "
-                "and experts for the routed experts of an MoE model"
+                "lora.targets has an empty name (targets= with nothing after it?); list layer "
+                "names, e.g. targets=q,k,v,o,gate,up,down"
+            )
+        if name not in ALL_TARGETS:
+            known = [*SHORT_TARGETS, *ALL_TARGETS, *sorted(_EXPERT_IN_TARGETS)]
+            hint = did_you_mean(t, known) if isinstance(t, str) else ""
+            raise ConfigError(
+                f"unknown lora target {t!r}{hint}; use any of {', '.join(SHORT_TARGETS)} "
+                f"(or {', '.join(ALL_TARGETS)}), and experts for the routed experts of an MoE model"
             )
         resolved.add(name)
     return [t for t in ALL_TARGETS if t in resolved]

@@ -19,7 +19,7 @@ never holds base weights), merging (``apply.py``), the training checkpoint aroun
 from __future__ import annotations
 
 import json
-import os
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,15 @@ import torch
 from torch import nn
 
 from polyrl.errors import CheckpointError, ConfigError
-from polyrl.models.hf_io import make_temp_dir, open_safetensors, save_tokenizer, write_json, write_safetensors
+from polyrl.models.hf_io import (
+    folder_write_error,
+    make_temp_dir,
+    open_safetensors,
+    replace_dir,
+    save_tokenizer,
+    write_json,
+    write_safetensors,
+)
 from polyrl.models.lora.apply import adapter_parameters, apply_lora, has_lora
 from polyrl.models.lora.config import ALL_TARGETS, LoraConfig
 
@@ -94,11 +102,11 @@ def save_adapter(
         write_json(tmp / ADAPTER_CONFIG, adapter_config_dict(model.lora_config, base_model))
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
+        replace_dir(tmp, out)
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise folder_write_error(out, exc) from exc
         raise
     return out
 
@@ -146,6 +154,17 @@ def read_adapter_config(path: str | Path) -> tuple[LoraConfig, str | None]:
     return cfg, d.get("base_model_name_or_path")
 
 
+def _shape_key(cfg: LoraConfig) -> tuple:
+    return cfg.r, list(cfg.targets), list(cfg.target_parameters)
+
+
+def _spec(cfg: LoraConfig) -> str:
+    """``cfg``'s adapter-defining settings as a ``--lora`` string (``r=8,alpha=16,targets=q_proj,v_proj``) that
+    ``make_lora_config`` reads back to the same adapter."""
+    spec = f"r={cfg.r},alpha={cfg.alpha:g}" + (",rslora=true" if cfg.rslora else "")
+    return spec + f",targets={','.join([*cfg.targets, *cfg.target_parameters])}"  # experts' names go there too
+
+
 def our_name(key: str) -> str:
     """A saved adapter tensor's name in our model (no ``base_model.model.`` prefix, no ``.default`` adapter name)."""
     name = key.removeprefix(PREFIX)
@@ -170,15 +189,12 @@ def load_adapter(model: nn.Module, path: str | Path, quantize_base: str | None =
             ) from None
     else:
         have = model.lora_config
-        if (have.r, list(have.targets), list(have.target_parameters)) != (
-            cfg.r,
-            list(cfg.targets),
-            list(cfg.target_parameters),
-        ):
+        if _shape_key(have) != _shape_key(cfg) or not math.isclose(have.scaling, cfg.scaling, rel_tol=1e-6):
             raise CheckpointError(
-                f"adapter {path} (r={cfg.r}, targets {cfg.targets}, target_parameters {cfg.target_parameters}) does "
-                f"not match the model's adapters (r={have.r}, targets {have.targets}, target_parameters "
-                f"{have.target_parameters})"
+                f"adapter {path} ({_spec(cfg)}; scale {cfg.scaling:g}) does not match this model's adapters "
+                f"({_spec(have)}; scale {have.scaling:g}): an adapter keeps its rank, targets and scale (alpha / r) "
+                f"once trained; resume with --lora {_spec(cfg)} (or the same [lora] table), or start a new run from "
+                f"the adapter folder as --model with another --out"
             )
     file = Path(path) / ADAPTER_WEIGHTS
     if not file.is_file():
@@ -196,6 +212,10 @@ def load_adapter(model: nn.Module, path: str | Path, quantize_base: str | None =
     for name, p in own.items():
         t = handle.tensor(found[name])
         if tuple(t.shape) != tuple(p.shape):
-            raise CheckpointError(f"adapter tensor {name}: shape {tuple(t.shape)} != model {tuple(p.shape)}")
+            raise CheckpointError(
+                f"adapter {path} does not fit this model: {name} has shape {list(t.shape)}, the model's adapter "
+                f"{list(p.shape)}; is it for another base model? (its adapter_config.json names {base!r}; --base "
+                "repoints it)"
+            )
         p.copy_(t)
     return model
