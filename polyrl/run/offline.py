@@ -57,6 +57,7 @@ from polyrl.train.checkpoint import (
     checkpoint_problem,
     list_checkpoints,
     load_checkpoint,
+    restore_moved_aside,
     step_dir_name,
 )
 from polyrl.train.engine import TrainEngine
@@ -117,6 +118,7 @@ def resume_point(cfg: RunConfig) -> Path | None:
     that names it, and left in place."""
     out = Path(cfg.out)
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
+    restore_moved_aside(root)  # a checkpoint an interrupted overwrite moved aside is still the newest
     found = list_checkpoints(root)
     latest = found[-1] if found else None
     if cfg.resume is None:
@@ -143,8 +145,13 @@ def resume_point(cfg: RunConfig) -> Path | None:
             f"no complete checkpoint in {root} ({whys}); move them away to start from step 0, or give --resume PATH"
         )
     path = Path(cfg.resume)
+    if not path.exists():
+        raise CheckpointError(
+            f"--resume {cfg.resume!r} does not exist; give a checkpoints/step-* folder or --resume latest"
+        )
     if not (path / "manifest.json").is_file():
-        inside = list_checkpoints(path / "checkpoints")  # a run directory given for its checkpoint
+        # a run directory, or its checkpoints folder, given for its checkpoint
+        inside = list_checkpoints(path / "checkpoints") or list_checkpoints(path)
         hint = f"; its newest is --resume {inside[-1]}" if inside else ""
         raise CheckpointError(
             f"--resume {cfg.resume!r} is not a complete checkpoint folder (no manifest.json); give a "

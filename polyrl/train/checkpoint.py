@@ -249,18 +249,34 @@ def cleanup_stale(root: str | Path) -> list[Path]:
     removed = []
     if not root.is_dir():
         return removed
+    restore_moved_aside(root)
     for entry in sorted(root.iterdir()):
-        if entry.name.startswith(_TMP_PREFIX):
-            shutil.rmtree(entry, ignore_errors=True)
+        if entry.name.startswith(_TMP_PREFIX) or entry.name.startswith(_TRASH_PREFIX):
+            shutil.rmtree(entry, ignore_errors=True)  # a trash folder left here has its checkpoint beside it
             removed.append(entry)
-        elif entry.name.startswith(_TRASH_PREFIX):
-            original = root / entry.name[len(_TRASH_PREFIX) :]
-            if original.exists():
-                shutil.rmtree(entry, ignore_errors=True)
-                removed.append(entry)
-            else:
-                os.rename(entry, original)
     return removed
+
+
+def restore_moved_aside(root: str | Path) -> list[Path]:
+    """Put back each checkpoint that an interrupted overwrite moved aside (``.trash-step-N`` without ``step-N``: the
+    process died between ``_commit``'s two renames), so choosing the checkpoint to resume from sees it. Safe when
+    every rank calls it at once: a rename another rank did first is skipped. Returns the restored paths."""
+    root = Path(root)
+    restored = []
+    if not root.is_dir():
+        return restored
+    for entry in sorted(root.iterdir()):
+        if not entry.name.startswith(_TRASH_PREFIX):
+            continue
+        original = root / entry.name[len(_TRASH_PREFIX) :]
+        if original.exists():
+            continue
+        try:
+            os.rename(entry, original)
+        except FileNotFoundError:  # another rank restored it first
+            continue
+        restored.append(original)
+    return restored
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:

@@ -72,3 +72,24 @@ def test_prune_keeps_complete_checkpoints_over_broken_ones(tmp_path, tiny_model_
     newer = manager.save(3, tiny_lm(), None)  # resumed from step 2: step 4 is still the broken one
     assert list_checkpoints(manager.root) == [newer, bad]
     assert good not in list_checkpoints(manager.root) and checkpoint_problem(newer) is None
+
+
+def test_a_checkpoint_moved_aside_by_an_interrupted_overwrite_is_resumed_from(tmp_path, tiny_model_dir):
+    """A kill between the overwrite's two renames leaves step 4 as ``.trash-step-00000004`` and no ``step-00000004``:
+    ``--resume latest`` puts it back and resumes from it, not from step 2 (the manager's cleanup ran only later)."""
+    cfg, (older, newest) = _run(tmp_path, tiny_model_dir)
+    aside = newest.parent / f".trash-{newest.name}"
+    newest.rename(aside)
+    assert list_checkpoints(newest.parent) == [older]
+    assert resume_point(cfg) == newest
+    assert checkpoint_problem(newest) is None and not aside.exists()
+
+
+def test_resume_paths_that_are_not_a_checkpoint_say_what_they_are(tmp_path, tiny_model_dir):
+    """A path that does not exist says so; the checkpoints folder itself (or the run directory) names its newest."""
+    cfg, (_, newest) = _run(tmp_path, tiny_model_dir)
+    with pytest.raises(CheckpointError, match=r"--resume '.*nothere' does not exist; give a checkpoints/step-\*"):
+        resume_point(dataclasses.replace(cfg, resume=str(tmp_path / "nothere")))
+    for given in (newest.parent, newest.parent.parent):
+        with pytest.raises(CheckpointError, match=rf"no manifest.json.*its newest is --resume {newest}$"):
+            resume_point(dataclasses.replace(cfg, resume=str(given)))
