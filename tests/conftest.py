@@ -31,6 +31,7 @@ Nothing here imports transformers at collection time.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from gpu_sharing import pytest_runtest_protocol  # noqa: F401  (a hook: the GPU suite's workers share one device)
@@ -114,6 +115,23 @@ TINY_FAMILY_OVERRIDES: dict[str, dict] = {
     "qwen2": dict(tie_word_embeddings=True, rope_theta=1_000_000.0),
     "qwen3": dict(tie_word_embeddings=True, rope_theta=1_000_000.0),
 }
+
+
+@pytest.fixture
+def unenterable_dir(tmp_path, monkeypatch):
+    """A folder the user may not enter: ``Path.exists`` under it raises PermissionError, as it does for a non-root
+    user under another user's 0700 folder (these tests run as root, who enters anywhere, so it is made to)."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_exists = Path.exists
+
+    def exists(self, *args, **kwargs):
+        if locked in self.absolute().parents:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_exists(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "exists", exists)
+    return locked
 
 
 def tiny_hf_dict(family: str = "qwen3", **overrides) -> dict:

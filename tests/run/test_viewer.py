@@ -14,7 +14,6 @@ import threading
 import urllib.error
 import urllib.request
 from html.parser import HTMLParser
-from pathlib import Path
 
 import pytest
 
@@ -256,20 +255,11 @@ def test_view_out_that_cannot_be_written_is_a_clear_error(tmp_path, capsys):
     assert f"cannot write the page to {tmp_path}/a-file/page.html: {tmp_path}/a-file is a file, not a folder" in err
 
 
-def test_view_out_under_a_folder_that_cannot_be_entered_is_a_clear_error(tmp_path, monkeypatch, capsys):
+def test_view_out_under_a_folder_that_cannot_be_entered_is_a_clear_error(tmp_path, unenterable_dir, capsys):
     """--out under a folder the user may not enter: Path.exists raises PermissionError there (as it does for a
     non-root user; these tests run as root, so it is made to), which was a traceback before the page was written."""
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    real_exists = Path.exists
-
-    def exists(self, *args, **kwargs):
-        if locked in self.absolute().parents:
-            raise PermissionError(13, "Permission denied", str(self))
-        return real_exists(self, *args, **kwargs)
-
-    monkeypatch.setattr(Path, "exists", exists)
+    locked = unenterable_dir
     out = locked / "sub" / "page.html"
     assert main(["view", str(tmp_path), "--out", str(out)]) == 2
     err = capsys.readouterr().err

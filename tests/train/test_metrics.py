@@ -6,7 +6,6 @@ import io
 import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
 from train_helpers import pack, random_seqs, tiny_lm
@@ -243,22 +242,13 @@ def test_a_run_directory_that_cannot_be_made_is_a_clear_error(tmp_path, capsys):
         assert f"cannot write in {locked} (no write permission, or a read-only file system)" in capsys.readouterr().err
 
 
-def test_a_run_directory_under_a_folder_that_cannot_be_entered_is_a_clear_error(tmp_path, monkeypatch, capsys):
+def test_a_run_directory_under_a_folder_that_cannot_be_entered_is_a_clear_error(tmp_path, unenterable_dir, capsys):
     """--out under a folder the user may not enter (another user's 0700 home): Path.exists raises PermissionError
     there instead of saying False, which was a traceback; now the folder is named. This machine's tests run as root,
     who enters anywhere, so Path.exists raises as it does for other users under the locked folder."""
     from polyrl.cli.main import main
 
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    real_exists = Path.exists
-
-    def exists(self, *args, **kwargs):
-        if locked in self.absolute().parents:
-            raise PermissionError(13, "Permission denied", str(self))
-        return real_exists(self, *args, **kwargs)
-
-    monkeypatch.setattr(Path, "exists", exists)
+    locked = unenterable_dir
     argv = ["train", "--algo", "sft", "--model", str(tmp_path / "no-model"), "--data", "builtin:arithmetic"]
     assert main([*argv, "--out", str(locked / "sub" / "run")]) == 2
     err = capsys.readouterr().err
