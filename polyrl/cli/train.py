@@ -37,6 +37,7 @@ from polyrl.platform import device
 from polyrl.run import run as run_training
 from polyrl.run.config import load_file, parse_set, resolve
 from polyrl.run.placement import check_torchrun_placement
+from polyrl.train.config import COMPUTE_DTYPE_ALIASES
 from polyrl.train.parallel import launched
 from polyrl.train.precision import check_fp8_supported
 
@@ -89,7 +90,7 @@ FLAG_KEYS: dict[str, str] = {
     "reward_model": "reward.model",
 }
 
-DTYPE_ALIASES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+DTYPE_ALIASES = COMPUTE_DTYPE_ALIASES
 
 # argparse dest -> key in the algorithm's own table (``[grpo]``, ``[gspo]``, ``[ppo]``): online RL settings.
 RL_FLAG_KEYS: dict[str, str] = {

@@ -16,6 +16,8 @@ from polyrl.errors import ConfigError
 
 DECAYS = ("cosine", "linear", "constant")
 COMPUTE_DTYPES = ("auto", "bf16", "fp32", "fp16")
+# torch / transformers spellings taken for compute_dtype (``torch_dtype="bfloat16"``), stored as the short name
+COMPUTE_DTYPE_ALIASES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 LINEAR_PRECISIONS = ("default", "fp8")
 FP8_SCALINGS = ("tensorwise", "rowwise")
 MASTER_DTYPES = ("fp32", "none")
@@ -148,6 +150,8 @@ class PrecisionConfig:
     fp8_scaling: str = "tensorwise"
 
     def __post_init__(self) -> None:
+        if isinstance(self.compute_dtype, str):
+            self.compute_dtype = COMPUTE_DTYPE_ALIASES.get(self.compute_dtype, self.compute_dtype)
         _choice("precision", "compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
         _choice("precision", "linear", self.linear, LINEAR_PRECISIONS)
         _choice("precision", "fp8_scaling", self.fp8_scaling, FP8_SCALINGS)

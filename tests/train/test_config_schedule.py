@@ -73,3 +73,6 @@ def test_config_normalisation():
     assert StepConfig(micro_batch_tokens=1024, step_tokens=4096).accumulation_steps == 4
     assert resolve_compute_dtype(PrecisionConfig(), "cpu") == torch.float32
     assert resolve_compute_dtype(PrecisionConfig(compute_dtype="bf16"), "cpu") == torch.bfloat16
+    # torch's spellings, as a TOML file or fit() may give them (the CLI's --dtype took them already)
+    for alias, short in (("bfloat16", "bf16"), ("float16", "fp16"), ("float32", "fp32")):
+        assert PrecisionConfig(compute_dtype=alias).compute_dtype == short
