@@ -4,7 +4,9 @@ Assistant spans are found by rendering the conversation prefix by prefix: for as
 where ``render(messages[:i], add_generation_prompt=True)`` ends and stops where ``render(messages[:i+1])`` ends.
 Each prefix's tokens must be a prefix of the whole conversation's tokens; a template that breaks this (for example
 one that rewrites earlier turns depending on what follows) is reported as a ConfigError rather than silently
-producing wrong masks. Without a chat template a single user -> assistant exchange is plain concatenation + eos.
+producing wrong masks. A row's tool definitions (OpenAI ``tools``) are passed to every render, so they sit in the
+prompt and are never trained on; a template that does not write them refuses the row. Without a chat template a
+single user -> assistant exchange is plain concatenation + eos.
 Truncation and packing are elsewhere (``dataset.py``, ``packing.py``).
 """
 
@@ -35,10 +37,15 @@ class ChatTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def render(self, messages: list[Message], add_generation_prompt: bool) -> str:
+    def render(self, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        extra = {"tools": tools} if tools else {}
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=self.template
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=self.template,
+                **extra,
             )
         except Exception as exc:  # jinja raises TemplateError and friends for conversations it refuses
             raise RowError(f"the chat template rejected this conversation ({type(exc).__name__}: {exc})") from None
@@ -48,31 +55,38 @@ class ChatTokenizer:
         return getattr(self.tokenizer, "eos_token_id", None)
 
     # -- conversations ----------------------------------------------------------------------------------------
-    def tokenize_messages(self, messages: list[Message], loss_from: int = 0) -> TokenizedSeq:
-        """Tokens and loss mask of ``messages``; only assistant turns at index >= ``loss_from`` are trained."""
-        out = self.tokenize_many([messages], loss_from)[0]
+    def tokenize_messages(
+        self, messages: list[Message], loss_from: int = 0, tools: list[dict] | None = None
+    ) -> TokenizedSeq:
+        """Tokens and loss mask of ``messages``; only assistant turns at index >= ``loss_from`` are trained.
+        ``tools`` (OpenAI tool definitions) are rendered by the template into the prompt."""
+        out = self.tokenize_many([messages], loss_from, [tools])[0]
         if isinstance(out, RowError):
             raise out
         return out
 
     def tokenize_many(
-        self, conversations: list[list[Message]], loss_from: int | list[int] = 0
+        self,
+        conversations: list[list[Message]],
+        loss_from: int | list[int] = 0,
+        tools: list[list[dict] | None] | None = None,
     ) -> list[TokenizedSeq | RowError]:
         """``tokenize_messages`` of each conversation (``loss_from``: one for all, or one per conversation), with
         every rendered text encoded in ONE tokenizer call (the fast tokenizer encodes a list in parallel, as it
         encodes each text alone: the same ids). A conversation the template rejects comes back as its
         ``RowError``, in its place; a template that is not prefix-consistent raises ``ConfigError`` as
-        ``tokenize_messages`` does."""
+        ``tokenize_messages`` does. ``tools``: each conversation's tool definitions (None: none)."""
         starts = loss_from if isinstance(loss_from, list) else [loss_from] * len(conversations)
+        row_tools = tools if tools is not None else [None] * len(conversations)
         if self.template is None:
-            pairs = zip(conversations, starts)
-            return [self._row(lambda m=m, k=k: self._plain(m, self._turns(m, k))) for m, k in pairs]
+            rows = zip(conversations, starts, row_tools)
+            return [self._row(lambda m=m, k=k, t=t: self._plain(m, self._turns(m, k), t)) for m, k, t in rows]
         plans: list[tuple[list[Message], list[int], int, list[tuple[int, int | None, int | None]]] | RowError] = []
         texts: list[str] = []
-        for messages, start in zip(conversations, starts):
+        for messages, start, tools_ in zip(conversations, starts, row_tools):
             turns = self._turns(messages, start)
             try:
-                plan = self._render_plan(messages, turns, len(texts), texts)
+                plan = self._render_plan(messages, turns, len(texts), texts, tools_)
             except RowError as exc:
                 plans.append(exc)
                 continue
@@ -92,7 +106,7 @@ class ChatTokenizer:
             return exc
 
     def _render_plan(
-        self, messages: list[Message], turns: list[int], base: int, texts: list[str]
+        self, messages: list[Message], turns: list[int], base: int, texts: list[str], tools: list[dict] | None = None
     ) -> tuple[int, list[tuple[int, int | None, int | None]]]:
         """Appends the texts a conversation needs to ``texts`` (the whole conversation first, then per trained
         assistant turn i the prefix up to its generation prompt and, unless it is the last message, the prefix
@@ -104,20 +118,38 @@ class ChatTokenizer:
                 "trained as an empty turn); set data.chat_template to a template that renders tool_calls (the model's "
                 "own, e.g. Qwen2.5's), or write the calls into the message content"
             )
-        local = [self.render(messages, add_generation_prompt=False)]
+        local = [self.render(messages, add_generation_prompt=False, tools=tools)]
+        if tools:
+            self._check_tools_rendered(messages, tools, local[0])
         parts: list[tuple[int, int | None, int | None]] = []
         if self.loss_on != "all":
             for i in turns:
                 start = end = None
                 if messages[:i]:
-                    local.append(self.render(messages[:i], add_generation_prompt=True))
+                    local.append(self.render(messages[:i], add_generation_prompt=True, tools=tools))
                     start = base + len(local) - 1
                 if i + 1 != len(messages):
-                    local.append(self.render(messages[: i + 1], add_generation_prompt=False))
+                    local.append(self.render(messages[: i + 1], add_generation_prompt=False, tools=tools))
                     end = base + len(local) - 1
                 parts.append((i, start, end))
         texts.extend(local)
         return base, parts
+
+    def _check_tools_rendered(self, messages: list[Message], tools: list[dict], text: str) -> None:
+        """A template that ignores ``tools`` or leaves a tool's name out would train tool calls against tools the
+        model never saw: the row is refused. A name counts as rendered when the text holds it more often than the
+        text rendered without tools (where it may appear in the conversation's own calls)."""
+        bare = self.render(messages, add_generation_prompt=False)
+        names = [t["function"]["name"] for t in tools]
+        missing = [n for n in names if text.count(n) <= bare.count(n)]
+        if missing:
+            what = ", ".join(map(repr, missing))
+            raise RowError(
+                f"the row has tools, but the chat template does not render them (no definition of {what} in the "
+                "rendered text; "
+                "the model would never see the tools it is trained to call); set data.chat_template to a template "
+                "that renders tools (the model's own, e.g. Qwen2.5's), or describe the tools in a system message"
+            )
 
     def _encode_many(self, texts: list[str]) -> list[list[int]]:
         if not texts:
@@ -149,10 +181,12 @@ class ChatTokenizer:
             )
         return len(part)
 
-    def _plain(self, messages: list[Message], turns: list[int]) -> TokenizedSeq:
+    def _plain(self, messages: list[Message], turns: list[int], tools: list[dict] | None = None) -> TokenizedSeq:
         roles = [m["role"] for m in messages]
         if any(m.get("tool_calls") for m in messages):
             raise RowError("an assistant message has tool_calls, which need a chat template; set data.chat_template")
+        if tools:
+            raise RowError("the row has tools, which need a chat template that renders them; set data.chat_template")
         if roles not in (["user", "assistant"], ["system", "user", "assistant"]):
             raise ConfigError(
                 "the tokenizer has no chat template, so only single user -> assistant rows can be tokenised; "

@@ -207,14 +207,17 @@ def _tokenize_chunk(tok: ChatTokenizer, chunk: list[Any]) -> list[tuple[Tokenize
     chunk encoded in one batched call (``ChatTokenizer.tokenize_many``); a row the template rejects is its error."""
     convs: list[list] = []
     starts: list[int] = []
+    tools: list[list[dict] | None] = []
     for ex in chunk:
         if isinstance(ex, PreferenceExample):
             convs += [ex.prompt + ex.chosen, ex.prompt + ex.rejected]
             starts += [len(ex.prompt)] * 2
+            tools += [None, None]
         elif not isinstance(ex, TokensExample):
             convs.append(ex.messages)
             starts.append(0)
-    done = iter(tok.tokenize_many(convs, starts))
+            tools.append(getattr(ex, "tools", None))
+    done = iter(tok.tokenize_many(convs, starts, tools))
     out: list[tuple[TokenizedSeq, ...] | formats.RowError] = []
     for ex in chunk:
         if isinstance(ex, TokensExample):

@@ -15,11 +15,14 @@ Message = dict[str, Any]  # {"role": "system" | "user" | "assistant" | "tool", "
 
 @dataclass
 class ChatExample:
-    """A conversation for SFT; the loss policy (``DataConfig.loss_on``) picks which assistant turns are trained."""
+    """A conversation for SFT; the loss policy (``DataConfig.loss_on``) picks which assistant turns are trained.
+    ``tools``: the row's OpenAI tool definitions (``[{type: function, function: {name, ...}}]``), rendered by the
+    chat template into the prompt (never trained on); None when the row has none."""
 
     messages: list[Message]
     answer: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass

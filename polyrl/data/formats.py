@@ -3,8 +3,8 @@
 Formats (registry ``FORMATS``, checked in this order by ``detect``):
   pretokenized  {"input_ids": [...], "labels": [...] | "loss_mask": [...]}   (labels unshifted, HF style)
   preference    {"prompt"?: str | msgs, "chosen": str | msgs, "rejected": str | msgs}
-  messages      {"messages": [{"role", "content"}, ...]}                        (OpenAI)
-  sharegpt      {"conversations": [{"from": "human" | "gpt" | ..., "value"}], "system"?: str}
+  messages      {"messages": [{"role", "content"}, ...], "tools"?: [...]}       (OpenAI)
+  sharegpt      {"conversations": [{"from": "human" | "gpt" | ..., "value"}], "system"?: str, "tools"?: [...]}
   alpaca        {"instruction", "input"?, "output", "system"?}
   prompt_completion {"prompt": str | msgs, "completion" | "response": str | msgs}
   prompt        {"prompt" | "question": str | msgs, "answer" | "solution" | "ground_truth"?: str}   (RL)
@@ -130,6 +130,34 @@ def _tool_calls(calls: Any, what: str) -> list[dict]:
     return out
 
 
+def _tools(row: dict) -> list[dict] | None:
+    """A row's OpenAI ``tools`` (``[{type: function, function: {name, description?, parameters?}}]``, or that list
+    as a JSON string, as some datasets store it); None when absent or empty."""
+    tools = row.get("tools")
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else []
+        except json.JSONDecodeError as exc:
+            raise RowError(f"tools is a string that is not valid JSON ({exc.msg}); give a list of tools") from None
+    if not isinstance(tools, list):
+        raise RowError(
+            f"tools must be a list of {{type: function, function: {{name, description, parameters}}}}, "
+            f"got {type(tools).__name__}"
+        )
+    for k, tool in enumerate(tools, start=1):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not name.strip():
+            got = f"keys {sorted(tool)}" if isinstance(tool, dict) else type(tool).__name__
+            raise RowError(
+                f"tools item {k} must be {{type: function, function: {{name, description, parameters}}}} with a "
+                f"non-empty function name, got {got}"
+            )
+    return tools or None
+
+
 def _messages(value: Any, what: str, role_key: str = "role", content_key: str = "content") -> list[Message]:
     if not isinstance(value, list) or not value:
         raise RowError(f"{what} must be a non-empty list of messages, got {_kind(value)}")
@@ -228,14 +256,14 @@ def _pair(prompt: list[Message], chosen: list[Message], rejected: list[Message])
 
 def parse_messages(row: dict) -> ChatExample:
     msgs = _messages(row["messages"], "messages")
-    return ChatExample(msgs, _answer(row), _meta(row))
+    return ChatExample(msgs, _answer(row), _meta(row), _tools(row))
 
 
 def parse_sharegpt(row: dict) -> ChatExample:
     msgs = _messages(row["conversations"], "conversations", "from", "value")
     if isinstance(row.get("system"), str) and row["system"] and msgs[0]["role"] != "system":
         msgs.insert(0, {"role": "system", "content": row["system"]})
-    return ChatExample(msgs, _answer(row), _meta(row))
+    return ChatExample(msgs, _answer(row), _meta(row), _tools(row))
 
 
 def parse_alpaca(row: dict) -> ChatExample:

@@ -171,3 +171,76 @@ def test_a_prompt_longer_than_max_seq_len_is_dropped_and_counted(tmp_path, token
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = build_sft(DataConfig(path=str(path), max_seq_len=32), tokenizer, micro_batch_tokens=64)
     assert data.stats.dropped_too_long == 1 and data.stats.sequences == 1 and data.stats.truncated == 0
+
+
+# TOOLS_TEMPLATE that also writes the row's tool definitions into a system block first (as Qwen2.5's does, in short)
+DEFS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t['function'] | tojson }}\n{% endfor %}"
+    "<|im_end|>\n{% endif %}" + TOOLS_TEMPLATE
+)
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Adds two integers",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+    },
+}
+
+
+def test_row_tools_are_rendered_into_the_prompt_and_never_trained(tmp_path, tokenizer):
+    row = {"messages": TOOL_CONVERSATION, "tools": [ADD_TOOL]}
+    ex = as_sft(parse_row(row))
+    assert ex.tools == [ADD_TOOL]
+    assert as_sft(parse_row({**row, "tools": json.dumps([ADD_TOOL])})).tools == [ADD_TOOL]  # stored as a string
+    seq = ChatTokenizer(tokenizer, DEFS_TEMPLATE).tokenize_messages(ex.messages, tools=ex.tools)
+    text = tokenizer.decode(seq.input_ids)
+    assert text.startswith('<|im_start|>system\n# Tools\n{"name": "add", "description": "Adds two integers"')
+    # the tool definitions are prompt: the trained tokens are exactly those without tools
+    trained = tokenizer.decode([t for t, m in zip(seq.input_ids, seq.loss_mask) if m])
+    assert trained == '<tool_call>add {"a": 1, "b": 2}</tool_call><|im_end|>\n3<|im_end|>\n'
+    head = len(tokenizer(text[: text.index("<|im_start|>user")], add_special_tokens=False)["input_ids"])
+    assert head > 10 and not any(seq.loss_mask[:head])
+    # the data path (load -> tokenise -> pack) passes them too; a row without tools renders no tools block
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(row) + "\n" + json.dumps({"messages": TOOL_CONVERSATION}) + "\n")
+    data = build_sft(DataConfig(path=str(path), chat_template=DEFS_TEMPLATE), tokenizer, micro_batch_tokens=4096)
+    texts = [tokenizer.decode(unit[0].input_ids) for unit in data.units]
+    assert [("Adds two integers" in t) for t in texts] == [True, False]
+
+
+def test_tools_a_template_does_not_render_are_refused(tmp_path, tokenizer, plain_tokenizer):
+    ex = as_sft(parse_row({"messages": TOOL_CONVERSATION, "tools": [ADD_TOOL]}))
+    # TOOLS_TEMPLATE writes the call (so the name 'add' is in the text) but never the definitions
+    for template in (TOOLS_TEMPLATE, DEFS_TEMPLATE.replace("{{ t['function'] | tojson }}", "a tool")):
+        with pytest.raises(RowError, match="row has tools, but the chat template does not render them.*chat_template"):
+            ChatTokenizer(tokenizer, template).tokenize_messages(ex.messages, tools=ex.tools)
+    with pytest.raises(RowError, match="no definition of 'add' in the rendered text"):
+        ChatTokenizer(tokenizer, DEFS_TEMPLATE.replace("{{ t['function'] | tojson }}", "a tool")).tokenize_messages(
+            ex.messages, tools=ex.tools
+        )
+    plain = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    with pytest.raises(RowError, match="row has tools, which need a chat template"):
+        ChatTokenizer(plain_tokenizer).tokenize_messages(plain, tools=[ADD_TOOL])
+    # through the data path: the file and line are named
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"messages": TOOL_CONVERSATION, "tools": [ADD_TOOL]}) + "\n")
+    with pytest.raises(DataError, match=r"t\.jsonl: line 1: the row has tools, but the chat template does not"):
+        build_sft(DataConfig(path=str(path), chat_template=TOOLS_TEMPLATE), tokenizer, micro_batch_tokens=4096)
+
+
+@pytest.mark.parametrize(
+    "tools, problem",
+    [
+        ({"type": "function"}, "tools must be a list of {type: function, function: {name, description, parameters}}"),
+        ("[{", "tools is a string that is not valid JSON"),
+        ([{"type": "function", "function": {"description": "d"}}], "tools item 1 must be {type: function, function:"),
+        ([ADD_TOOL, {"name": "add"}], "tools item 2 must be"),
+        ([ADD_TOOL, "add"], "tools item 2 must be"),
+    ],
+)
+def test_a_bad_tools_value_is_a_named_row_error(tmp_path, tools, problem):
+    with pytest.raises(DataError) as err:
+        _load(tmp_path, [{"messages": TOOL_CONVERSATION, "tools": tools}])
+    msg = str(err.value)
+    assert msg.startswith(f"{tmp_path / 'd.jsonl'}: line 1: ") and problem in msg
