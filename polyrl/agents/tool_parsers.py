@@ -222,20 +222,28 @@ class HermesParser(ToolParser):
         return f"{calls}\ncall: {call}\n"
 
 
-def _decode_calls(body: str, args_key: str, sep: str) -> list[Any] | None:
-    """The JSON values in ``body`` separated by ``sep`` / whitespace, or None when it is not such a sequence."""
+def _json_sequence(text: str, start: int, sep: str) -> tuple[list[Any], int | None]:
+    """The JSON values in ``text`` from ``start``, separated by ``sep`` / whitespace, and where decoding stopped: None
+    when the values run to the end, else the index of the first one that does not decode (a cut or malformed one)."""
     dec = json.JSONDecoder()
-    out, i, n = [], 0, len(body)
+    out, i, n = [], start, len(text)
     while True:
-        while i < n and (body[i].isspace() or body[i] == sep):
+        while i < n and (text[i].isspace() or text[i] == sep):
             i += 1
         if i >= n:
-            return out
+            return out, None
         try:
-            value, i = dec.raw_decode(body, i)
+            value, i_next = dec.raw_decode(text, i)
         except json.JSONDecodeError:
-            return None
+            return out, i
         out.append(value)
+        i = i_next
+
+
+def _decode_calls(body: str, args_key: str, sep: str) -> list[Any] | None:
+    """The JSON values in ``body`` separated by ``sep`` / whitespace, or None when it is not such a sequence."""
+    values, stopped = _json_sequence(body, 0, sep)
+    return values if stopped is None else None
 
 
 def _to_calls(objs: list[Any], args_keys: tuple[str, ...], call_prefix: str) -> tuple[list, list]:
@@ -303,22 +311,14 @@ class Llama3JsonParser(ToolParser):
         if body is None:  # no call, or cut in or right after the tag
             return len(text) - len(text.lstrip()) if self.holdback(text) == 0 else len(text)
         tagged = text.lstrip().startswith(self.TAG)
-        dec, i, n, calls = json.JSONDecoder(), len(text) - len(body), len(text), 0
-        while True:
-            while i < n and (text[i].isspace() or text[i] == ";"):
-                i += 1
-            if i >= n:
-                return n
-            try:
-                obj, end = dec.raw_decode(text, i)
-            except json.JSONDecodeError:
-                # a half object: a call after a call, or the first one when tagged (cut with its tag); untagged and
-                # first, it may be an answer in a response format cut short: content
-                if calls:
-                    return i
-                return len(text) - len(text.lstrip()) if tagged else n
-            calls += isinstance(obj, dict) and ("parameters" in obj or "arguments" in obj)
-            i = end
+        values, stopped = _json_sequence(text, len(text) - len(body), ";")
+        if stopped is None:
+            return len(text)
+        # a half object: a call after a call, or the first one when tagged (cut with its tag); untagged and first, it
+        # may be an answer in a response format cut short: content
+        if any(isinstance(v, dict) and ("parameters" in v or "arguments" in v) for v in values):
+            return stopped
+        return len(text) - len(text.lstrip()) if tagged else len(text)
 
     def call_rules(self, tools: list[dict[str, Any]], parallel: bool, tokenizer: Any = None) -> str:
         call = f"%json {json.dumps(call_schema(tools, 'parameters'))}"
