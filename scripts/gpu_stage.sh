@@ -422,6 +422,17 @@ for s in "$@"; do
         ( [ \$v = 1 ] && export POLYRL_PDL=1 || unset POLYRL_PDL; timeout 74 $PR bench eval --shape qwen3-0.6b \
           --docs 200 --hf-batch-sizes '' --gen-docs 256 --fuse-projections --json $OUT/bench_eval_pdl\$v.json \
           2>&1 | grep -E 'polyrl|Error' ); done" ;;
+    # Issue 34's generation ratio at lm-eval's default generation length (max_gen_toks 256) next to the bench's
+    # 32 new tokens, same call, fused projections as the claimed rows, hf at batch 256 (few log-likelihood docs)
+    eval-gen-long) TAIL=30 stage eval-gen-long 330 bash -c "for g in 32 256; do echo \"## --gen-tokens \$g\"; \
+        $PR bench eval --shape qwen3-0.6b --docs 8 --hf-batch-sizes 256 --gen-docs 256 --gen-tokens \$g \
+          --fuse-projections --repeats 2 --json $OUT/bench_eval_gen\$g.json 2>&1 | grep -E 'generate|Error'; done" ;;
+    # The MoE TMA variant end to end (issue 32): SFT at qwen3-30b-a3b-L8 4 x 4096 with polyrl.kernels.moe.triton.TMA
+    # off, then on, same call
+    moe-tma-sft) TAIL=30 stage moe-tma-sft 330 bash -c "for t in False True; do echo \"## TMA=\$t\"; \
+        python3 -c \"import sys, polyrl.kernels.moe.triton as k; k.TMA = \$t; from polyrl.cli.main import main; \
+sys.exit(main(['bench', 'sft', '--shape', 'qwen3-30b-a3b-L8', '--seq', '4096', '--batch', '4', '--warmup', '2', \
+'--steps', '4', '--baselines', 'none', '--master-dtype', 'none']))\" 2>&1 | grep -E 'tokens/s|^polyrl|Error'; done" ;;
     partial-rollouts) TAIL=30 stage partial-rollouts 300 python3 -m pytest -m gpu -q -rfE -x -p no:cacheprovider tests/run/test_partial_rollouts.py ;;  # issue 27: weight swaps between launches, graphs
     *) echo "unknown stage $s" ;;
   esac
