@@ -433,6 +433,16 @@ for s in "$@"; do
         python3 -c \"import sys, polyrl.kernels.moe.triton as k; k.TMA = \$t; from polyrl.cli.main import main; \
 sys.exit(main(['bench', 'sft', '--shape', 'qwen3-30b-a3b-L8', '--seq', '4096', '--batch', '4', '--warmup', '2', \
 '--steps', '4', '--baselines', 'none', '--master-dtype', 'none']))\" 2>&1 | grep -E 'tokens/s|^polyrl|Error'; done" ;;
+    # Row groups of a launch graph on their own streams (RolloutConfig.decode_streams, issue 34): the GPU test, then
+    # rollout B256 and the eval generation phase (256 docs x 32 tokens, fused projections, no hf rows) at 1 and 2
+    decode-streams-ab) TAIL=8 stage decode-streams-test 120 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
+        tests/infer/test_gpu.py -k "row_groups or launch or equals_eager"; \
+      TAIL=30 stage decode-streams-rollout 200 bash -c "for n in 1 2 1 2; do echo \"## --decode-streams \$n\"; \
+        timeout 60 $PR bench rollout --shape qwen3-0.6b --batch 256 --prompt-len 128 --gen-len 256 --baselines none \
+          --skip-batch1 --decode-streams \$n 2>&1 | grep -E 'tokens/s|decode step|graph replay|Error|Traceback'; done"; \
+      TAIL=30 stage decode-streams-eval 200 bash -c "for n in 1 2; do echo \"## --decode-streams \$n\"; \
+        timeout 90 $PR bench eval --shape qwen3-0.6b --docs 8 --hf-batch-sizes '' --gen-docs 256 --fuse-projections \
+          --decode-streams \$n --repeats 3 --json $OUT/bench_eval_streams\$n.json 2>&1 | grep -E 'polyrl|Error'; done" ;;
     partial-rollouts) TAIL=30 stage partial-rollouts 300 python3 -m pytest -m gpu -q -rfE -x -p no:cacheprovider tests/run/test_partial_rollouts.py ;;  # issue 27: weight swaps between launches, graphs
     *) echo "unknown stage $s" ;;
   esac
