@@ -313,7 +313,7 @@ def eval_source(cfg: RunConfig, spec: AlgorithmSpec, tokenizer: Any) -> Tokenize
         return None
     budget = cfg.engine.micro_batch_tokens
     if cfg.train.eval_data:
-        data = dataclasses.replace(cfg.data, path=cfg.train.eval_data, limit=None)
+        data = dataclasses.replace(cfg.data, path=cfg.train.eval_data, limit=None, split=None)
         return spec.build_data(data, tokenizer, "train", budget)
     if cfg.data.holdout > 0:
         return spec.build_data(cfg.data, tokenizer, "test", budget)

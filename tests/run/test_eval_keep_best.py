@@ -335,3 +335,21 @@ def test_lora_keep_best_is_an_adapter_folder(tiny_model_dir, tmp_path):
     assert is_adapter_dir(out / "best") and is_adapter_dir(out / "final")
     losses = {r["step"]: r["eval_loss"] for r in _rows(out) if "eval_loss" in r}
     assert best["value"] == min(losses.values()) and losses[best["step"]] == best["value"]
+
+
+def test_eval_data_file_is_read_whatever_split_the_training_data_picks(tiny_model_dir, tmp_path):
+    # data.split picks a split of the training data (a folder's train_sft.jsonl here, ultrachat's train_sft on the
+    # hub); the SFT eval data kept it, and a single --eval-data file, which has no splits, was refused for it
+    from polyrl.models.checkpoint import load_tokenizer
+    from polyrl.run import config
+    from polyrl.run.offline import eval_source
+
+    row = '{"prompt": "1+1=", "completion": "2"}\n'
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "train_sft.jsonl").write_text(row * 8)
+    (tmp_path / "val.jsonl").write_text(row * 3)
+    raw = _sft_raw(tiny_model_dir, tmp_path / "x", eval_data=str(tmp_path / "val.jsonl"))
+    raw["data"] = {"path": str(tmp_path / "d"), "split": "train_sft"}
+    cfg = config.build(raw)
+    data = eval_source(cfg, cfg.spec, load_tokenizer(str(tiny_model_dir)))
+    assert data.stats.rows == 3 and data.stats.bad_rows == 0
