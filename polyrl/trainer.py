@@ -285,9 +285,7 @@ def _write_rows(data: Any, out: Path) -> Path:
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"fit(data=...): row {i} cannot be written as JSON ({exc})") from None
     text = "\n".join(lines) + "\n"
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {str(out)!r} is a file; the run directory must be a folder (new, or a run's)")
-    check_writable_dir(out, "--out")
+    check_writable_dir(out, "--out")  # a file, or a folder that cannot be entered, named (never a probe's traceback)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"data-{hashlib.sha256(text.encode()).hexdigest()[:12]}.jsonl"
     if not path.is_file():

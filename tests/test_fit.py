@@ -112,6 +112,16 @@ def test_rows_in_memory_are_the_data_and_the_summary_is_summary_json(tiny_model_
         fit("sft", model=tiny_model_dir, data=datasets.DatasetDict(train=datasets.Dataset.from_list(ROWS)), out=out)
 
 
+def test_rows_for_an_out_that_cannot_be_entered_or_is_a_file_name_it(tiny_model_dir, tmp_path, unenterable_dir):
+    # fit() writes in-memory rows under out before the config check: its own probe of out was a PermissionError
+    # traceback under a folder the user may not enter (check_writable_dir, which says so, came after it)
+    with pytest.raises(ConfigError, match=r"--out .* cannot be reached: .*locked may not be entered"):
+        fit("sft", model=tiny_model_dir, data=ROWS, out=unenterable_dir / "run")
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ConfigError, match="is a file; the run directory must be a folder"):
+        fit("sft", model=tiny_model_dir, data=ROWS, out=tmp_path / "f")
+
+
 def test_arguments_override_the_config_file_key_by_key(tiny_model_dir, tmp_path):
     config = tmp_path / "run.toml"
     config.write_text(

@@ -268,7 +268,8 @@ def resolve(spec: str) -> RewardFn:
         )
     if not target or not name:
         raise ConfigError(f"reward {spec!r}: give both the file and the function, as path/to/file.py:function")
-    if ("+" in target or "*" in target) and not Path(target).is_file():
+    in_sum = "+" in name or "*" in name  # ``a.py:f+exact_match``: the function name holds the sum's next term
+    if in_sum or (("+" in target or "*" in target) and not Path(target).is_file()):
         _parse_sum(spec)  # a sum with a function term: the ConfigError says where sums of functions are scored
     module = load_user_module(target, spec)
     fn = getattr(module, name, None)

@@ -61,8 +61,9 @@ TOP_LEVEL = ("algo", "model", "out", "seed", "resume")
 @dataclass
 class LoopConfig:
     """The ``[train]`` table. ``max_steps`` (optimizer steps) wins over ``epochs`` when both are set (as in
-    TRL); neither means one epoch. ``eval_every`` > 0 computes the loss on ``eval_data`` (a data spec; None:
-    the held-out part, ``data.holdout`` or a builtin's ``@test``) every that many steps and at the last step;
+    TRL); neither means one epoch. ``eval_every`` > 0 computes the loss on ``eval_data`` (a data spec, read whole:
+    ``data.holdout``, ``limit`` and ``split`` pick rows of the training data only; None: the held-out part,
+    ``data.holdout`` or a builtin's ``@test``) every that many steps and at the last step;
     ``eval_before_train`` adds one evaluation of the initial model, logged as step 0 (not repeated on resume).
     ``keep_best``: an eval metric as logged (``eval_loss``, ``eval_reward``, ``eval_pass@1``, ...; optional ``min:`` /
     ``max:`` prefix, default min for names containing ``loss``, else max) whose best step's model is kept as

@@ -41,6 +41,7 @@ from torch import nn
 from polyrl import algorithms
 from polyrl.algorithms.online_config import LossFn
 from polyrl.algorithms.spec import AlgorithmSpec, PrepareContext
+from polyrl.data.config import DataConfig
 from polyrl.data.dataset import DataStats, TokenizedData
 from polyrl.data.sampler import PackedBatchIterator
 from polyrl.errors import CheckpointError, ConfigError
@@ -307,14 +308,19 @@ def total_steps(cfg: RunConfig, batches_per_epoch: int, accumulation: int | None
     return max(1, math.ceil(epochs * batches_per_epoch / (accumulation or cfg.engine.accumulation_steps)))
 
 
+def eval_data_config(cfg: RunConfig) -> DataConfig:
+    """The ``[data]`` settings that read ``train.eval_data``, whole: the training data's pipeline settings (template,
+    lengths, format) without what picks rows of the training data (``limit``, ``split``, ``holdout``)."""
+    return dataclasses.replace(cfg.data, path=cfg.train.eval_data, limit=None, split=None, holdout=0.0)
+
+
 def eval_source(cfg: RunConfig, spec: AlgorithmSpec, tokenizer: Any) -> TokenizedData | None:
     """Held-out data for ``train.eval_every``: ``train.eval_data``, else the data's test part."""
     if cfg.train.eval_every <= 0:
         return None
     budget = cfg.engine.micro_batch_tokens
     if cfg.train.eval_data:
-        data = dataclasses.replace(cfg.data, path=cfg.train.eval_data, limit=None)
-        return spec.build_data(data, tokenizer, "train", budget)
+        return spec.build_data(eval_data_config(cfg), tokenizer, "train", budget)
     if cfg.data.holdout > 0:
         return spec.build_data(cfg.data, tokenizer, "test", budget)
     if cfg.data.path.startswith("builtin:"):

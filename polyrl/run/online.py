@@ -98,6 +98,7 @@ from polyrl.run.evaluate import sampled_metrics
 from polyrl.run.offline import (
     any_rank,
     end_status,
+    eval_data_config,
     export_final,
     export_model,
     keep_best,
@@ -262,8 +263,7 @@ class OnlineRun(AsyncSteps, DataParallelSteps):
     def _eval_set(self) -> tuple[list[PromptExample], list[list[int]], list[dict]]:
         c = self.cfg
         if c.train.eval_data:
-            dcfg = dataclasses.replace(c.data, path=c.train.eval_data, limit=None, split=None)
-            part = "train"
+            dcfg, part = eval_data_config(c), "train"
         elif c.data.holdout > 0:
             dcfg, part = c.data, "test"
         elif c.data.path.startswith("builtin:"):

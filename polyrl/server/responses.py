@@ -100,14 +100,17 @@ def _to_chat(body: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, A
 _RENAMES = [
     (re.compile(r"\bmax_tokens\b"), "max_output_tokens"),
     (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."),
+    (re.compile(r"\btool_choice\.function\."), "tool_choice."),
+    (re.compile(re.escape('{"type": "function", "function": {"name": ...}}')), '{"type": "function", "name": ...}'),
     (re.compile(r"^messages$"), "input"),
     (re.compile(r"the length of the messages"), "the length of the input"),
 ]
 
 
 def in_responses_terms(exc: APIError) -> APIError:
-    """``exc`` (from the chat path) naming the Responses fields: ``max_output_tokens``, ``input``, ``tools.N.name``
-    (flat function tools) instead of ``max_tokens``, ``messages``, ``tools.N.function.name``."""
+    """``exc`` (from the chat path) naming the Responses fields: ``max_output_tokens``, ``input``, ``tools.N.name``,
+    ``tool_choice.name`` (flat function tools and tool choice) instead of ``max_tokens``, ``messages``,
+    ``tools.N.function.name``, ``tool_choice.function.name``."""
     param, message = exc.param, exc.message
     for pattern, repl in _RENAMES:
         param = pattern.sub(repl, param) if param is not None else None

@@ -7,6 +7,7 @@ import pytest
 
 from polyrl.algorithms.reward_sources import RewardConfig, check_spec, open_rewards, parse_spec
 from polyrl.algorithms.reward_sources.model import load_reward_model, save_reward_model
+from polyrl.algorithms.rewards import resolve
 from polyrl.errors import ConfigError
 from polyrl.models.checkpoint import load_tokenizer
 
@@ -100,6 +101,25 @@ def test_sums_with_functions_of_your_own_parse(user_dir):
     assert _terms("2*my-rewards.v2.py:fmt") == [("user", 2.0, "my-rewards.v2.py:fmt", "fmt")]
     (user_dir / "model").write_text("")  # a file named like a source does not turn model:PATH into a file reward
     assert _terms("model:rm-dir") == [("model", 1.0, "rm-dir", None)]
+
+
+def test_a_function_written_first_in_a_sum_is_a_sum(user_dir):
+    # "file.py:fn+exact_match" was taken as one file reward whose function is "fn+exact_match" (the file exists):
+    # refused with "has no function 'fmt+exact_match'", while "exact_match+file.py:fn" was a sum
+    assert _terms("my-rewards.v2.py:fmt+exact_match") == [
+        ("functions", 1.0, "exact_match", None),
+        ("user", 1.0, "my-rewards.v2.py:fmt", "fmt"),
+    ]
+    assert _terms("my-rewards.v2.py:fmt+0.5*judge:http://h:1/v1") == [
+        ("user", 1.0, "my-rewards.v2.py:fmt", "fmt"),
+        ("judge", 0.5, "http://h:1/v1", None),
+    ]
+    check_spec("my-rewards.v2.py:fmt+0.2*think_format", RewardConfig())
+    with open_rewards("my-rewards.v2.py:fmt+exact_match", workers=0) as scorer:
+        assert scorer.score(["4", "5"], [EX, EX]).rewards == [2.0, 0.0]
+    # a pool given such a sum says where sums with functions are scored (not that the file lacks a function)
+    with pytest.raises(ConfigError, match="sums a function of your own"):
+        resolve("my-rewards.v2.py:fmt+exact_match")
 
 
 @pytest.mark.parametrize(

@@ -335,3 +335,39 @@ def test_lora_keep_best_is_an_adapter_folder(tiny_model_dir, tmp_path):
     assert is_adapter_dir(out / "best") and is_adapter_dir(out / "final")
     losses = {r["step"]: r["eval_loss"] for r in _rows(out) if "eval_loss" in r}
     assert best["value"] == min(losses.values()) and losses[best["step"]] == best["value"]
+
+
+def test_eval_data_file_is_read_whatever_split_the_training_data_picks(tiny_model_dir, tmp_path):
+    # data.split picks a split of the training data (a folder's train_sft.jsonl here, ultrachat's train_sft on the
+    # hub); the SFT eval data kept it, and a single --eval-data file, which has no splits, was refused for it
+    from polyrl.models.checkpoint import load_tokenizer
+    from polyrl.run import config
+    from polyrl.run.offline import eval_source
+
+    row = '{"prompt": "1+1=", "completion": "2"}\n'
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "train_sft.jsonl").write_text(row * 8)
+    (tmp_path / "val.jsonl").write_text(row * 3)
+    raw = _sft_raw(tiny_model_dir, tmp_path / "x", eval_data=str(tmp_path / "val.jsonl"))
+    raw["data"] = {"path": str(tmp_path / "d"), "split": "train_sft"}
+    cfg = config.build(raw)
+    data = eval_source(cfg, cfg.spec, load_tokenizer(str(tiny_model_dir)))
+    assert data.stats.rows == 3 and data.stats.bad_rows == 0
+
+
+def test_eval_data_is_read_whole_when_the_training_data_holds_rows_out(tiny_model_dir, tmp_path):
+    # data.holdout splits the training data; --eval-data took it too and evaluated on the eval file minus that
+    # fraction (its "train" part): 2 of 4 rows here, silently. Both loops read the eval spec through eval_data_config.
+    from polyrl.models.checkpoint import load_tokenizer
+    from polyrl.run import config
+    from polyrl.run.offline import eval_data_config, eval_source
+
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1+1=", "completion": "2"}\n' * 8)
+    (tmp_path / "val.jsonl").write_text("".join(f'{{"prompt": "{i}+1=", "completion": "{i + 1}"}}\n' for i in range(4)))
+    raw = _sft_raw(tiny_model_dir, tmp_path / "x", eval_data=str(tmp_path / "val.jsonl"))
+    raw["data"] = {"path": str(tmp_path / "d.jsonl"), "holdout": 0.5, "limit": 6}
+    cfg = config.build(raw)
+    data = eval_source(cfg, cfg.spec, load_tokenizer(str(tiny_model_dir)))
+    assert data.stats.rows == 4 and data.stats.bad_rows == 0
+    dcfg = eval_data_config(cfg)  # the online eval set's settings too
+    assert (dcfg.path, dcfg.holdout, dcfg.limit, dcfg.split) == (str(tmp_path / "val.jsonl"), 0.0, None, None)

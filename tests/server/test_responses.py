@@ -186,6 +186,8 @@ def test_cut_inside_a_call_is_incomplete_with_the_whole_calls_only(client):
         ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input.0.content.0.text"),
         ({"text": {"format": {}}}, "text.format.type"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function"}}, "tool_choice.name"),  # was tool_choice.function.name
+        ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),  # the shapes it lists are the Responses ones
     ],
 )
 def test_unsupported_is_400_naming_the_field(client, kw, param):
@@ -196,3 +198,4 @@ def test_unsupported_is_400_naming_the_field(client, kw, param):
     message = info.value.body["message"]
     assert param.split(".")[0] in message
     assert "max_tokens" not in message and "messages" not in message and ".function." not in message
+    assert '"function": {' not in message  # a shape to send is the Responses one ({"type": "function", "name": ...})

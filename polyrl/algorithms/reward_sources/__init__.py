@@ -12,8 +12,9 @@ The reward spec (``--reward`` / ``<algo>.reward``) is a ``+``-joined sum of term
 
 Syntax (``rewards.split_sum``): ``+`` separates terms and the text before a term's first ``*`` is its weight, so a
 path in a sum may hold dots, dashes, spaces and ``:`` (the function is after the last ``:``) but no ``+`` or ``*``
-(rename or link such a file); a lone ``file.py:fn`` that exists is taken whole, whatever its path holds. A term may
-appear once (weight it instead of repeating it).
+(rename or link such a file); a lone ``file.py:fn`` that exists is taken whole, whatever its path holds (a
+function name holds no ``+`` or ``*``: ``file.py:fn+exact_match`` is a sum). A term may appear once (weight it
+instead of repeating it).
 
 A spec of builtins only, or one function of your own, is a plain ``RewardPool``. Otherwise ``RewardSources``
 scores every term and sums: the builtins in one pool (one call per completion), each function of your own in a pool
@@ -115,9 +116,11 @@ def parse_spec(spec: str) -> list[Term]:
     function of the user's (unweighted), is a single ``functions`` term whose ``arg`` is the spec itself
     (``rewards.resolve`` checks it and names what is wrong). ConfigError names a malformed term."""
     text = spec.strip() if isinstance(spec, str) else ""
-    target, sep, _ = text.rpartition(":")
-    lone_file = sep and text.partition(":")[0] not in ("judge", "model") and Path(target).is_file()
-    if not text or lone_file:  # one file reward: its path may hold + and *
+    target, sep, fn = text.rpartition(":")
+    # one file reward: its path may hold + and *, its function name cannot (``a.py:f+exact_match`` is a sum)
+    in_sum = "+" in fn or "*" in fn
+    lone_file = sep and not in_sum and text.partition(":")[0] not in ("judge", "model") and Path(target).is_file()
+    if not text or lone_file:
         return [Term("functions", 1.0, text)]
     builtins, others = [], []
     for t in split_sum(text):
