@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -110,6 +111,7 @@ class LLM:
         self.num_launches_ahead = 0  # launches of those steps (decode_steps per launch where possible)
         self.num_mixed_ahead = 0  # prompt (or prompt + decode) steps launched before the previous one was read
         self._grammars: Any = None  # structured outputs: GrammarCache, made on the first request that has one
+        self._grammars_lock = threading.Lock()  # the server's request-preparation threads may ask for it at once
         self._finished: list[Sequence] | None = None  # sequences finished since generate() last looked (on_finish)
         # stamped on every generated token when not None (Sequence.versions; partial rollouts, swap_weights)
         self.policy_version: int | None = None
@@ -200,8 +202,11 @@ class LLM:
             # lazy: structured.py needs llguidance, an optional package, only when a request asks for a grammar
             from polyrl.infer.structured import GrammarCache
 
-            cfg = self.config
-            self._grammars = GrammarCache(self.tokenizer, self.vocab_size, self.eos_token_ids, lanes=cfg.grammar_lanes)
+            with self._grammars_lock:  # one cache: building the tokenizer's index takes a second or more
+                if self._grammars is None:
+                    cfg = self.config
+                    lanes = cfg.grammar_lanes
+                    self._grammars = GrammarCache(self.tokenizer, self.vocab_size, self.eos_token_ids, lanes=lanes)
         return self._grammars
 
     def abort_request(self, request_id: str) -> None:

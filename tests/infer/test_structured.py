@@ -353,3 +353,32 @@ def test_outputs_do_not_depend_on_lanes_or_threads(tiny_model_dir):
         assert many.token_ids == one.token_ids
         assert many.logprobs == pytest.approx(one.logprobs, abs=1e-6)
         assert many.masked_logmass == pytest.approx(one.masked_logmass, abs=1e-4)
+
+
+def test_first_grammar_cache_requests_from_several_threads_build_one_cache(tiny_model_dir, monkeypatch):
+    """The server's preparation threads may ask a fresh engine for its grammar cache at once: one cache is built (its
+    tokenizer index takes a second or more) and every thread gets it."""
+    import threading
+
+    from polyrl.infer import structured
+
+    built = []
+    real = structured.GrammarCache
+
+    class SlowCache(real):
+        def __init__(self, *args, **kwargs):
+            built.append(1)
+            threading.Event().wait(0.2)  # the index build's time, during which other threads arrive
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(structured, "GrammarCache", SlowCache)
+    cfg = RolloutConfig(block_size=16, num_blocks=32, max_num_seqs=4, max_model_len=64)
+    fresh = LLM.from_pretrained(str(tiny_model_dir), cfg, dtype="float32", device="cpu")
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(fresh.grammar_cache())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(built) == 1
+    assert len(got) == 4 and all(c is got[0] for c in got)
