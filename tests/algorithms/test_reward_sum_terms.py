@@ -175,3 +175,15 @@ def test_a_failing_term_fails_its_samples_and_is_counted_by_name(user_dir):
     assert "timeout: my-rewards.v2.py:slow: no answer within 2s; worker killed" in res.messages
     m = res.metrics()  # each term's mean over the completions it scored
     assert m["reward/picky"] == 0.5 and m["reward/slow"] == 1.0 and m["reward/exact_match"] == pytest.approx(1 / 3)
+
+
+def test_the_sandbox_timeout_check_applies_to_the_code_exec_builtin_only(user_dir):
+    """reward.code_exec.timeout (5 s) must stay a second below the reward timeout only where the builtin runs: a file
+    or function whose name merely contains "code_exec" is a user's function, free to run under a 3 s timeout."""
+    (user_dir / "my_code_exec.py").write_text("def code_exec_like(completion, example):\n    return 1.0\n")
+    cfg = RewardConfig()
+    for spec in ("my_code_exec.py:code_exec_like", "exact_match+0.5*my_code_exec.py:code_exec_like"):
+        check_spec(spec, cfg, reward_timeout=3.0)
+    for spec in ("code_exec", "exact_match+0.5*code_exec", "my_code_exec.py:code_exec_like+code_exec"):
+        with pytest.raises(ConfigError, match="must stay below the reward timeout"):
+            check_spec(spec, cfg, reward_timeout=3.0)

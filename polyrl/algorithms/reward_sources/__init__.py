@@ -173,8 +173,18 @@ def check_spec(spec: str, cfg: RewardConfig, reward_timeout: float | None = None
         )
 
 
+def _uses_code_exec(spec: str) -> bool:
+    """Whether the builtin ``code_exec`` is a term of ``spec`` (not a file or function whose name contains it)."""
+    if "code_exec" not in spec:
+        return False
+    try:
+        return any(t.body == "code_exec" for t in split_sum(spec.strip()))
+    except ConfigError:  # a lone file whose path holds + or *: not the builtin
+        return False
+
+
 def _check_code_exec_timeout(spec: str, cfg: RewardConfig, reward_timeout: float | None) -> None:
-    if reward_timeout is not None and "code_exec" in spec and cfg.code_exec.timeout + 1.0 >= reward_timeout:
+    if reward_timeout is not None and _uses_code_exec(spec) and cfg.code_exec.timeout + 1.0 >= reward_timeout:
         raise ConfigError(
             f"reward.code_exec.timeout ({cfg.code_exec.timeout:g}s) must stay below the reward timeout "
             f"({reward_timeout:g}s) by a second or more; raise --reward-timeout or lower reward.code_exec.timeout"
