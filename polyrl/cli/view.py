@@ -9,6 +9,7 @@ the rollouts and agent episodes it sampled (``rollouts.jsonl``). ``--serve`` ser
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from polyrl.errors import ConfigError
@@ -49,9 +50,11 @@ def check_run_dir(run_dir: str) -> None:
         )
     if any((path / name).exists() for name in RUN_FILES):
         return
-    for parent in path.parents:
+    # the parents on disk, not in the spelling: `polyrl view .` inside runs/sft/final has no parents as written
+    for parent in Path(os.path.abspath(path)).parents:
         if any((parent / name).is_file() for name in PARENT_MARKERS):
-            raise ConfigError(f"{run_dir} is a folder inside the run directory {parent}; run `polyrl view {parent}`")
+            shown = parent if path.is_absolute() else os.path.relpath(parent)
+            raise ConfigError(f"{run_dir} is a folder inside the run directory {shown}; run `polyrl view {shown}`")
 
 
 def run(args: argparse.Namespace) -> int:
