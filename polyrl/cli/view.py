@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from polyrl.errors import ConfigError
+from polyrl.run.config import nearest_existing
 from polyrl.run.viewer import MAX_ROLLOUT_STEPS, RUN_FILES, serve, write_page
 
 
@@ -40,6 +41,12 @@ def check_run_dir(run_dir: str) -> None:
     inside a run (``OUT/final``, ``OUT/checkpoints/step-N``) whose run directory is a parent (one holding
     ``PARENT_MARKERS``)."""
     path = Path(run_dir)
+    existing, blocked = nearest_existing(Path(os.path.abspath(path)))
+    if blocked is not None:  # Path.exists raises there (PermissionError) instead of saying False
+        raise ConfigError(
+            f"{run_dir} cannot be reached: {existing} may not be entered ({blocked.strerror or blocked}); give a run "
+            "directory you can read"
+        )
     if not path.exists():
         raise ConfigError(
             f"{run_dir} does not exist; give the --out directory of a polyrl train run (it holds metrics.jsonl)"

@@ -77,3 +77,11 @@ def test_a_folder_inside_a_run_given_as_dot_names_the_run(tmp_path, monkeypatch,
     assert code == 2 and ".. is a folder inside the run directory ../..; run `polyrl view ../..`" in err, err
     code, err = _view([str(run / "final")], capsys)
     assert code == 2 and f"inside the run directory {run}; run `polyrl view {run}`" in err, err
+
+
+def test_a_run_directory_under_a_folder_that_cannot_be_entered_is_a_clear_error(unenterable_dir, capsys):
+    """RUN_DIR under a folder the user may not enter: Path.exists raises PermissionError there (for a non-root user;
+    made to here), which was a traceback from the first check of polyrl view."""
+    run = unenterable_dir / "runs" / "sft"
+    code, err = _view([str(run)], capsys)
+    assert code == 2 and f"error: {run} cannot be reached: {unenterable_dir} may not be entered (Permission" in err
