@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -61,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if args.data is not None and not args.reward:
         raise UserError("--data needs --reward (e.g. --reward exact_match, or file.py:fn)")
     _check_numbers(args)
+    _check_output(args.output)
     # lazy: torch and the engine load only when a subcommand runs (polyrl env stays light)
     from polyrl.eval.loading import eval_engine, load_eval_model
     from polyrl.eval.rewards import check_reward_eval
@@ -114,6 +116,24 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise UserError(f"{flag} must be >= 1, got {value}")
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
         raise UserError(f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}")
+
+
+def _check_output(output: str) -> None:
+    """``--output`` must be a file that can be written: it is written last, so a folder given there, a file on its
+    path or a folder this user cannot write ended the evaluation with a traceback and its results unsaved."""
+    # lazy: the run config module (torch, the algorithms) loads only when a subcommand runs
+    from polyrl.run.config import nearest_existing
+
+    path = Path(output).absolute()
+    existing, blocked = nearest_existing(path)
+    if blocked is not None:
+        raise UserError(f"--output {output} cannot be reached: {existing} may not be entered; give another path")
+    if existing == path and path.is_dir():
+        raise UserError(f"--output {output} is a folder; give the JSON file to write, e.g. {Path(output, 'eval.json')}")
+    if existing != path and not existing.is_dir():
+        raise UserError(f"--output {output} cannot be written: {existing} is a file, not a folder; give another path")
+    if not os.access(existing, os.W_OK):
+        raise UserError(f"--output {output} cannot be written: no write permission on {existing}; give another path")
 
 
 def _check_tasks(args: argparse.Namespace) -> tuple[list[str], Any]:

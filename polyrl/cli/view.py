@@ -9,9 +9,11 @@ the rollouts and agent episodes it sampled (``rollouts.jsonl``). ``--serve`` ser
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from polyrl.errors import ConfigError
+from polyrl.run.config import nearest_existing
 from polyrl.run.viewer import MAX_ROLLOUT_STEPS, RUN_FILES, serve, write_page
 
 
@@ -39,6 +41,12 @@ def check_run_dir(run_dir: str) -> None:
     inside a run (``OUT/final``, ``OUT/checkpoints/step-N``) whose run directory is a parent (one holding
     ``PARENT_MARKERS``)."""
     path = Path(run_dir)
+    existing, blocked = nearest_existing(Path(os.path.abspath(path)))
+    if blocked is not None:  # Path.exists raises there (PermissionError) instead of saying False
+        raise ConfigError(
+            f"{run_dir} cannot be reached: {existing} may not be entered ({blocked.strerror or blocked}); give a run "
+            "directory you can read"
+        )
     if not path.exists():
         raise ConfigError(
             f"{run_dir} does not exist; give the --out directory of a polyrl train run (it holds metrics.jsonl)"
@@ -49,9 +57,11 @@ def check_run_dir(run_dir: str) -> None:
         )
     if any((path / name).exists() for name in RUN_FILES):
         return
-    for parent in path.parents:
+    # the parents on disk, not in the spelling: `polyrl view .` inside runs/sft/final has no parents as written
+    for parent in Path(os.path.abspath(path)).parents:
         if any((parent / name).is_file() for name in PARENT_MARKERS):
-            raise ConfigError(f"{run_dir} is a folder inside the run directory {parent}; run `polyrl view {parent}`")
+            shown = parent if path.is_absolute() else os.path.relpath(parent)
+            raise ConfigError(f"{run_dir} is a folder inside the run directory {shown}; run `polyrl view {shown}`")
 
 
 def run(args: argparse.Namespace) -> int:

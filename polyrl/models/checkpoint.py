@@ -221,9 +221,10 @@ def save_model(
 
         return save_adapter(model, out_dir, tokenizer=tokenizer, dtype=dtype)
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_temp_dir(out)
-    try:
+    tmp = None
+    try:  # making the folders is a write too: a full disk or a file on the path fails there
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = make_temp_dir(out)
         # MoE experts are written per expert (the hub layout every reader takes; see moe_layout.hub_state).
         state = hub_state({n: _cpu(t, dtype) for n, t in model.state_dict().items()}, model.config)
         saved_dtype = dtype or _dominant_dtype(state)
@@ -234,7 +235,8 @@ def save_model(
             save_tokenizer(tokenizer, tmp)
         replace_dir(tmp, out)
     except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError):
             raise folder_write_error(out, exc) from exc
         raise

@@ -128,7 +128,19 @@ def folder_write_error(out: Path, exc: OSError) -> CheckpointError:
     """The error of a model folder that could not be written (a full disk, a read-only folder): what failed, and that
     nothing was left half-written (the write went to a temp folder, removed)."""
     why = f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")
-    was = "its previous contents are intact" if out.exists() else "nothing was written there"
+    file = next((p for p in out.parents if _probe(p.is_file)), None)
+    if file is not None:  # --out under a file: mkdir says only "File exists" / "Not a directory"
+        why = f"{file} is a file, not a folder"
+    was = "its previous contents are intact" if _probe(out.exists) else "nothing was written there"
     return CheckpointError(
         f"could not write the model folder {out}: {why}; {was}; free disk space or choose another folder"
     )
+
+
+def _probe(check: Any) -> bool:
+    """``check()`` (``Path.exists`` / ``is_file``), False where the probe itself fails (a folder that cannot be
+    entered raises PermissionError)."""
+    try:
+        return bool(check())
+    except OSError:
+        return False

@@ -69,3 +69,19 @@ def test_a_full_model_or_a_checkpoint_as_adapter_says_what_to_give(workdir, tmp_
     full_ckpt = save_checkpoint("runs/full", 2, load_model("models/tiny"))
     assert main(["export", "--adapter", str(full_ckpt), "--merge", "--out", "merged2"]) == 2
     assert "a polyrl checkpoint of a full fine-tune" in capsys.readouterr().err
+
+
+def test_an_out_under_a_file_is_refused_before_the_model_loads(workdir, tmp_path, capsys, monkeypatch):
+    """--out a-file/merged failed only when the merged model was written (a FileExistsError traceback after loading
+    and merging the base); it is refused first, as init-model's is."""
+    import polyrl.cli.export as export_cli
+
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setattr(export_cli, "load_model", lambda *a, **k: pytest.fail("the base was loaded"))
+    assert main(["export", "--adapter", "runs/lora", "--merge", "--out", "a-file/merged"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --out 'a-file/merged' cannot be made: {tmp_path / 'a-file'} is a file, not a folder" in err
+    assert main(["init-model", "--preset", "tiny", "--out", "a-file/m"]) == 2
+    assert "--out 'a-file/m' cannot be made" in capsys.readouterr().err
+    assert main(["export", "--adapter", "runs/lora", "--merge", "--out", "a-file"]) == 2
+    assert "error: --out 'a-file' is a file; give a folder" in capsys.readouterr().err

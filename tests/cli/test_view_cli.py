@@ -59,3 +59,29 @@ def test_an_unrelated_summary_json_in_a_parent_is_not_taken_for_a_run(tmp_path, 
     (tmp_path / "run_config.json").write_text("{}")
     code, err = _view(["data"], capsys)
     assert code == 2 and "data is a folder inside the run directory .; run `polyrl view .`" in err
+
+
+def test_a_folder_inside_a_run_given_as_dot_names_the_run(tmp_path, monkeypatch, capsys):
+    """From inside a run's final/ or a checkpoint, `polyrl view .` (or `..`) has no parents as written, so the run
+    around it was not found and the folder was only 'not a run directory'; the parents on disk are searched, and the
+    run directory is named as the user can type it from there."""
+    run = tmp_path / "runs" / "sft"
+    (run / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (run / "final").mkdir()
+    (run / "run_config.json").write_text("{}")
+    monkeypatch.chdir(run / "final")
+    code, err = _view(["."], capsys)
+    assert code == 2 and ". is a folder inside the run directory ..; run `polyrl view ..`" in err, err
+    monkeypatch.chdir(run / "checkpoints" / "step-00000002")
+    code, err = _view([".."], capsys)
+    assert code == 2 and ".. is a folder inside the run directory ../..; run `polyrl view ../..`" in err, err
+    code, err = _view([str(run / "final")], capsys)
+    assert code == 2 and f"inside the run directory {run}; run `polyrl view {run}`" in err, err
+
+
+def test_a_run_directory_under_a_folder_that_cannot_be_entered_is_a_clear_error(unenterable_dir, capsys):
+    """RUN_DIR under a folder the user may not enter: Path.exists raises PermissionError there (for a non-root user;
+    made to here), which was a traceback from the first check of polyrl view."""
+    run = unenterable_dir / "runs" / "sft"
+    code, err = _view([str(run)], capsys)
+    assert code == 2 and f"error: {run} cannot be reached: {unenterable_dir} may not be entered (Permission" in err

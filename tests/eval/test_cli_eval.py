@@ -167,6 +167,23 @@ def test_more_argument_errors_come_before_the_model_loads(tmp_path, capsys, argv
     assert message in err and "no-model" not in err, err
 
 
+def test_an_output_that_cannot_be_written_is_refused_before_the_model_loads(tmp_path, unenterable_dir, capsys):
+    """--output is written last: a folder given there (--output results/) or a file on its path ended the whole
+    evaluation in an IsADirectoryError / FileExistsError traceback, its results unsaved."""
+    (tmp_path / "results").mkdir()
+    (tmp_path / "a-file").write_text("x")
+    data = ["--model", str(tmp_path / "no-model"), "--data", "builtin:arithmetic?n=4", "--reward", "numeric"]
+    for output, message in (
+        (tmp_path / "results", f"--output {tmp_path / 'results'} is a folder; give the JSON file to write, e.g. "
+         f"{tmp_path / 'results' / 'eval.json'}"),
+        (tmp_path / "a-file" / "r.json", f"cannot be written: {tmp_path / 'a-file'} is a file, not a folder"),
+        (unenterable_dir / "sub" / "r.json", f"cannot be reached: {unenterable_dir} may not be entered"),
+    ):  # fmt: skip
+        assert cli(*data, "--output", str(output)) == 2
+        err = capsys.readouterr().err
+        assert message in err and "no-model" not in err, err
+
+
 def test_task_yaml_errors_name_the_file_before_the_model_loads(tmp_path, capsys):
     """A task YAML lm-eval cannot parse was reported as an unknown task (lm-eval skips such files silently), and one
     whose data cannot be loaded ended in a datasets traceback after the model had loaded."""

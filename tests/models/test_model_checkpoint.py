@@ -99,6 +99,34 @@ def test_save_replaces_atomically_and_cleans_up_on_failure(tiny_model, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+def test_a_folder_that_cannot_be_made_is_a_checkpoint_error(tiny_model, tmp_path, monkeypatch):
+    """Making the folders is part of the write: an out under a file, or a full disk when the temporary folder is
+    made, was a FileExistsError / OSError traceback (only failures inside the temporary folder were worded). A
+    LoRA model goes the same way through save_adapter."""
+    import errno
+
+    from polyrl.models import checkpoint as model_checkpoint
+    from polyrl.models.lora import LoraConfig, apply_lora, peft_io
+
+    (tmp_path / "a-file").write_text("x")
+    lora = apply_lora(tiny_model("qwen3"), LoraConfig(r=2, targets=["q"]))
+    for model, name in ((tiny_model("qwen3"), "model"), (lora, "adapter")):
+        out = tmp_path / "a-file" / name
+        said = f"could not write the model folder {out}: {tmp_path / 'a-file'} is a file, not a folder; nothing was "
+        with pytest.raises(CheckpointError, match=said + "written there; free disk space or choose another folder"):
+            save_model(model, out)
+
+    def disk_full(out):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out.parent / f".{out.name}.tmp"))
+
+    monkeypatch.setattr(model_checkpoint, "make_temp_dir", disk_full)
+    monkeypatch.setattr(peft_io, "make_temp_dir", disk_full)
+    for model, name in ((tiny_model("qwen3"), "model"), (lora, "adapter")):
+        with pytest.raises(CheckpointError, match=f"could not write the model folder {tmp_path / name}: No space"):
+            save_model(model, tmp_path / name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
 # ----- bad checkpoints ----------------------------------------------------------------------------
 
 

@@ -91,9 +91,10 @@ def save_adapter(
     base_model = base_model or getattr(model, "lora_base", None)
     base_model = str(base_model) if base_model is not None else None
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_temp_dir(out)
-    try:
+    tmp = None
+    try:  # making the folders is a write too: a full disk or a file on the path fails there
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = make_temp_dir(out)
         tensors = {
             PREFIX + name: p.detach().to(dtype or torch.float32).cpu().contiguous()
             for name, p in adapter_parameters(model).items()
@@ -104,7 +105,8 @@ def save_adapter(
             save_tokenizer(tokenizer, tmp)
         replace_dir(tmp, out)
     except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError):
             raise folder_write_error(out, exc) from exc
         raise
