@@ -41,6 +41,9 @@ def test_parse_spec_and_config():
     assert make_lora_config("r=16,rslora=true").scaling == pytest.approx(32 / 4)
     assert make_lora_config("targets=v,q").targets == ["q_proj", "v_proj"]
     assert make_lora_config("").r == 16
+    # PEFT's spelling for every projection (not the LM head), alone or beside other names
+    assert make_lora_config("targets=all-linear").targets == cfg.targets
+    assert make_lora_config("targets=q,all-linear").targets == cfg.targets
 
 
 @pytest.mark.parametrize(

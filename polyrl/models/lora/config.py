@@ -32,6 +32,7 @@ SHORT_TARGETS: dict[str, str] = {
     "down": "down_proj",
 }
 ALL_TARGETS = tuple(SHORT_TARGETS.values())
+ALL_LINEAR = "all-linear"  # PEFT's target_modules for every linear layer but the output layer: ALL_TARGETS here
 # routed-expert tensors (PEFT's target_parameters), in the order of the ``Experts`` module
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 # accepted spellings -> the full names above; "experts" means both
@@ -152,6 +153,9 @@ def normalize_targets(targets: Any) -> list[str]:
         )
     resolved = set()
     for t in targets:
+        if t == ALL_LINEAR:  # PEFT's spelling: every projection of the decoder layers (not the LM head)
+            resolved.update(ALL_TARGETS)
+            continue
         name = SHORT_TARGETS.get(t, t) if isinstance(t, str) else t
         if t == "":
             raise ConfigError(
@@ -163,7 +167,8 @@ def normalize_targets(targets: Any) -> list[str]:
             hint = did_you_mean(t, known) if isinstance(t, str) else ""
             raise ConfigError(
                 f"unknown lora target {t!r}{hint}; use any of {', '.join(SHORT_TARGETS)} "
-                f"(or {', '.join(ALL_TARGETS)}), and experts for the routed experts of an MoE model"
+                f"(or {', '.join(ALL_TARGETS)}, or {ALL_LINEAR} for all of them), and experts for the routed experts "
+                f"of an MoE model"
             )
         resolved.add(name)
     return [t for t in ALL_TARGETS if t in resolved]

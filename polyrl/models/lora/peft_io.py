@@ -38,7 +38,7 @@ from polyrl.models.hf_io import (
     write_safetensors,
 )
 from polyrl.models.lora.apply import adapter_parameters, apply_lora, has_lora
-from polyrl.models.lora.config import ALL_TARGETS, LoraConfig
+from polyrl.models.lora.config import ALL_LINEAR, ALL_TARGETS, LoraConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -138,7 +138,7 @@ def read_adapter_config(path: str | Path) -> tuple[LoraConfig, str | None]:
         raise CheckpointError(f"{file} uses {', '.join(bad)}, which polyrl's LoRA does not support; retrain without")
     targets = d.get("target_modules")
     if isinstance(targets, str):
-        if targets == "all-linear":
+        if targets == ALL_LINEAR:
             targets = list(ALL_TARGETS)
         else:
             raise CheckpointError(f"{file}: regex target_modules {targets!r} are not supported; list the module names")
