@@ -69,6 +69,30 @@ def test_entropy_and_text_prompts(tiny_model_dir):
     assert samples[1].prompt_ids == [5, 6, 7]
 
 
+def test_a_prompt_examples_tools_reach_the_chat_template(tiny_model_dir):
+    from polyrl.data import PromptExample
+    from polyrl.errors import UserError
+    from polyrl.models.checkpoint import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    tr = _trainer(tiny_model_dir, tokenizer=tok)
+    add = {"type": "function", "function": {"name": "add", "description": "Adds two integers"}}
+    ex = PromptExample(PROMPTS[0], tools=[add])
+    # the model's own ChatML template has no tools: refused rather than sampled without them
+    with pytest.raises(UserError, match="prompt: the row has tools, but the chat template does not render them"):
+        tr.encode(ex)
+    tok.chat_template = (
+        "{% for t in tools or [] %}<|im_start|>system\n{{ t['function'] | tojson }}<|im_end|>\n{% endfor %}"
+        + tok.chat_template
+    )
+    text = tok.decode(tr.encode(ex))
+    assert text.startswith('<|im_start|>system\n{"name": "add", "description": "Adds two integers"}<|im_end|>\n')
+    assert text.endswith("What is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
+    assert tr.encode(PromptExample(PROMPTS[0])) == tr.encode(PROMPTS[0]) and len(tr.encode(PROMPTS[0])) < len(
+        tr.encode(ex)
+    )
+
+
 def test_save_load_continues_exactly(tiny_model_dir, tmp_path):
     tr = _trainer(tiny_model_dir)
     _grpo_step(tr, seeds=[1, 2])

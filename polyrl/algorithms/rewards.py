@@ -567,7 +567,9 @@ class RewardPool:
 
 
 def example_view(example: Any) -> dict[str, Any]:
-    """The dict a reward function receives for a ``PromptExample`` (or a row dict)."""
+    """The dict a reward function receives for a ``PromptExample`` (or a row dict): ``prompt`` (the last user
+    message), ``messages``, ``answer``, ``task``, ``metadata`` and ``tools`` (the row's tool definitions, None
+    without)."""
     if isinstance(example, Mapping):
         d = dict(example)
         d.setdefault("metadata", {})
@@ -580,6 +582,7 @@ def example_view(example: Any) -> dict[str, Any]:
         "answer": getattr(example, "answer", None),
         "task": getattr(example, "task", None),
         "metadata": dict(getattr(example, "meta", {}) or {}),
+        "tools": getattr(example, "tools", None),
     }
 
 

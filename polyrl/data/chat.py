@@ -5,8 +5,9 @@ where ``render(messages[:i], add_generation_prompt=True)`` ends and stops where 
 Each prefix's tokens must be a prefix of the whole conversation's tokens; a template that breaks this (for example
 one that rewrites earlier turns depending on what follows) is reported as a ConfigError rather than silently
 producing wrong masks. A row's tool definitions (OpenAI ``tools``) are passed to every render, so they sit in the
-prompt and are never trained on; a template that does not write them refuses the row. Without a chat template a
-single user -> assistant exchange is plain concatenation + eos.
+prompt and are never trained on; a template that does not write them refuses the row. The same holds for RL prompts
+(``encode_prompt``) and preference pairs. Without a chat template a single user -> assistant exchange is plain
+concatenation + eos (a row with tools is refused).
 Truncation and packing are elsewhere (``dataset.py``, ``packing.py``).
 """
 
@@ -19,6 +20,7 @@ from polyrl.data.formats import RowError
 from polyrl.errors import ConfigError
 
 LOSS_POLICIES = ("assistant", "last_assistant", "all")
+NO_TEMPLATE_TOOLS = "the row has tools, which need a chat template that renders them; set data.chat_template"
 
 
 class ChatTokenizer:
@@ -120,7 +122,7 @@ class ChatTokenizer:
             )
         local = [self.render(messages, add_generation_prompt=False, tools=tools)]
         if tools:
-            self._check_tools_rendered(messages, tools, local[0])
+            self._check_tools_rendered(messages, tools, local[0], add_generation_prompt=False)
         parts: list[tuple[int, int | None, int | None]] = []
         if self.loss_on != "all":
             for i in turns:
@@ -135,11 +137,14 @@ class ChatTokenizer:
         texts.extend(local)
         return base, parts
 
-    def _check_tools_rendered(self, messages: list[Message], tools: list[dict], text: str) -> None:
+    def _check_tools_rendered(
+        self, messages: list[Message], tools: list[dict], text: str, add_generation_prompt: bool
+    ) -> None:
         """A template that ignores ``tools`` or leaves a tool's name out would train tool calls against tools the
-        model never saw: the row is refused. A name counts as rendered when the text holds it more often than the
-        text rendered without tools (where it may appear in the conversation's own calls)."""
-        bare = self.render(messages, add_generation_prompt=False)
+        model never saw: the row is refused. A name counts as rendered when ``text`` (rendered with tools and
+        ``add_generation_prompt``) holds it more often than the text rendered without tools (where it may appear in
+        the conversation's own calls)."""
+        bare = self.render(messages, add_generation_prompt=add_generation_prompt)
         names = [t["function"]["name"] for t in tools]
         missing = [n for n in names if text.count(n) <= bare.count(n)]
         if missing:
@@ -186,7 +191,7 @@ class ChatTokenizer:
         if any(m.get("tool_calls") for m in messages):
             raise RowError("an assistant message has tool_calls, which need a chat template; set data.chat_template")
         if tools:
-            raise RowError("the row has tools, which need a chat template that renders them; set data.chat_template")
+            raise RowError(NO_TEMPLATE_TOOLS)
         if roles not in (["user", "assistant"], ["system", "user", "assistant"]):
             raise ConfigError(
                 "the tokenizer has no chat template, so only single user -> assistant rows can be tokenised; "
@@ -202,12 +207,21 @@ class ChatTokenizer:
         return TokenizedSeq(prompt_ids + answer_ids, mask)
 
     def tokenize_preference(self, ex: PreferenceExample) -> tuple[TokenizedSeq, TokenizedSeq]:
-        """(chosen, rejected) sequences, each prompt + continuation, loss on the continuation's assistant turns."""
-        n = len(ex.prompt)
-        return self.tokenize_messages(ex.prompt + ex.chosen, n), self.tokenize_messages(ex.prompt + ex.rejected, n)
+        """(chosen, rejected) sequences, each prompt + continuation, loss on the continuation's assistant turns;
+        the pair's tools are rendered into both prompts."""
+        n, tools = len(ex.prompt), ex.tools
+        chosen = self.tokenize_messages(ex.prompt + ex.chosen, n, tools)
+        return chosen, self.tokenize_messages(ex.prompt + ex.rejected, n, tools)
 
-    def encode_prompt(self, messages: list[Message]) -> list[int]:
-        """Token ids to generate from: the template with the generation prompt, else the plain text."""
+    def encode_prompt(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
+        """Token ids to generate from: the template with the generation prompt, else the plain text. ``tools`` (a
+        prompt row's tool definitions) are rendered by the template; RowError when it does not render them, or
+        when there is no template (as for SFT rows)."""
         if self.template is not None:
-            return self.encode(self.render(messages, add_generation_prompt=True))
+            text = self.render(messages, add_generation_prompt=True, tools=tools)
+            if tools:
+                self._check_tools_rendered(messages, tools, text, add_generation_prompt=True)
+            return self.encode(text)
+        if tools:
+            raise RowError(NO_TEMPLATE_TOOLS)
         return self.encode("\n\n".join(m["content"] for m in messages), add_special_tokens=True)

@@ -212,7 +212,7 @@ def _tokenize_chunk(tok: ChatTokenizer, chunk: list[Any]) -> list[tuple[Tokenize
         if isinstance(ex, PreferenceExample):
             convs += [ex.prompt + ex.chosen, ex.prompt + ex.rejected]
             starts += [len(ex.prompt)] * 2
-            tools += [None, None]
+            tools += [ex.tools, ex.tools]
         elif not isinstance(ex, TokensExample):
             convs.append(ex.messages)
             starts.append(0)
@@ -296,6 +296,18 @@ def build_preference(
 
 
 def load_prompts(cfg: DataConfig, part: str = "train") -> tuple[list[PromptExample], DataStats]:
-    """Prompt-only view for RL (messages + reference answer + task); tokenise with ``ChatTokenizer.encode_prompt``."""
+    """Prompt-only view for RL (messages + reference answer + task + tools); tokenise with ``encode_prompts``."""
     examples, stats = load_examples(cfg, "rl", part)
     return [ex for _, ex in examples], stats
+
+
+def encode_prompts(chat: ChatTokenizer, prompts: list[PromptExample], source: str) -> list[list[int]]:
+    """``chat.encode_prompt`` of each prompt with its tools; a prompt the template refuses (tools it does not render,
+    tools without a template, a conversation it raises on) is a DataError naming ``source`` and the prompt."""
+    out = []
+    for k, p in enumerate(prompts, start=1):
+        try:
+            out.append(chat.encode_prompt(p.messages, p.tools))
+        except formats.RowError as exc:
+            raise DataError(f"{source}: prompt {k}: {exc}") from None
+    return out

@@ -35,21 +35,26 @@ class TokensExample:
 
 @dataclass
 class PreferenceExample:
-    """A DPO pair: a shared prompt conversation and two assistant continuations (each a message list)."""
+    """A DPO pair: a shared prompt conversation and two assistant continuations (each a message list).
+    ``tools``: the row's tool definitions, rendered into both sequences' prompt (as ``ChatExample.tools``)."""
 
     prompt: list[Message]
     chosen: list[Message]
     rejected: list[Message]
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass
 class PromptExample:
-    """An RL prompt: the conversation to continue, the reference answer when known, and task metadata."""
+    """An RL prompt: the conversation to continue, the reference answer when known, and task metadata.
+    ``tools``: the row's tool definitions, rendered by the chat template into the prompt the policy samples from
+    (as ``ChatExample.tools``) and given to reward functions; None when the row has none."""
 
     messages: list[Message]
     answer: str | None = None
     task: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass

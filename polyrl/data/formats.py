@@ -2,12 +2,12 @@
 
 Formats (registry ``FORMATS``, checked in this order by ``detect``):
   pretokenized  {"input_ids": [...], "labels": [...] | "loss_mask": [...]}   (labels unshifted, HF style)
-  preference    {"prompt"?: str | msgs, "chosen": str | msgs, "rejected": str | msgs}
+  preference    {"prompt"?: str | msgs, "chosen": str | msgs, "rejected": str | msgs, "tools"?: [...]}
   messages      {"messages": [{"role", "content"}, ...], "tools"?: [...]}       (OpenAI)
   sharegpt      {"conversations": [{"from": "human" | "gpt" | ..., "value"}], "system"?: str, "tools"?: [...]}
   alpaca        {"instruction", "input"?, "output", "system"?}
   prompt_completion {"prompt": str | msgs, "completion" | "response": str | msgs}
-  prompt        {"prompt" | "question": str | msgs, "answer" | "solution" | "ground_truth"?: str}   (RL)
+  prompt        {"prompt" | "question": str | msgs, "answer" | "solution" | "ground_truth"?: str, "tools"?}  (RL)
 A parser raises ``RowError`` with the problem; the caller adds the file and row. No tokenisation here.
 """
 
@@ -237,21 +237,23 @@ def parse_preference(row: dict) -> PreferenceExample:
             n += 1
         if n == 0:
             raise RowError("chosen and rejected share no prompt; add a 'prompt' field")
-        return _pair(chosen[:n], chosen[n:], rejected[n:])
+        return _pair(chosen[:n], chosen[n:], rejected[n:], _tools(row))
     prompt_msgs = _text_or_messages(prompt, "prompt", "user")
     chosen = _text_or_messages(row["chosen"], "chosen", "assistant")
     rejected = _text_or_messages(row["rejected"], "rejected", "assistant")
-    return _pair(prompt_msgs, chosen, rejected)
+    return _pair(prompt_msgs, chosen, rejected, _tools(row))
 
 
-def _pair(prompt: list[Message], chosen: list[Message], rejected: list[Message]) -> PreferenceExample:
+def _pair(
+    prompt: list[Message], chosen: list[Message], rejected: list[Message], tools: list[dict] | None
+) -> PreferenceExample:
     for what, msgs in (("chosen", chosen), ("rejected", rejected)):
         if msgs[-1]["role"] != "assistant":
             raise RowError(f"{what} must end with an assistant message")
         _not_empty(msgs, what)
     if chosen == rejected:
         raise RowError("chosen and rejected are the same, so the pair teaches nothing; remove the row")
-    return PreferenceExample(prompt, chosen, rejected)
+    return PreferenceExample(prompt, chosen, rejected, tools)
 
 
 def parse_messages(row: dict) -> ChatExample:
@@ -293,7 +295,7 @@ def parse_prompt(row: dict) -> PromptExample:
     msgs = _text_or_messages(row[key], key, "user")
     _not_empty(msgs, key)
     meta = {k: v for k, v in row.items() if k not in (key, *ANSWER_KEYS)}
-    return PromptExample(msgs, _answer(row), _meta(row).get("task"), meta)
+    return PromptExample(msgs, _answer(row), _meta(row).get("task"), meta, _tools(row))
 
 
 FORMATS: dict[str, Format] = {}
@@ -413,7 +415,7 @@ def as_prompt(example: Example) -> PromptExample:
             answer = answer if answer is not None else last["content"]
         if not msgs:
             raise RowError("the conversation has no prompt before the assistant turn")
-        return PromptExample(msgs, answer, example.meta.get("task"), dict(example.meta))
+        return PromptExample(msgs, answer, example.meta.get("task"), dict(example.meta), example.tools)
     if isinstance(example, PreferenceExample):
-        return PromptExample(list(example.prompt), None, None, {})
+        return PromptExample(list(example.prompt), None, None, {}, example.tools)
     raise RowError("pre-tokenized rows cannot be used as RL prompts; give prompt text or messages")

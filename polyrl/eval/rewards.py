@@ -21,7 +21,7 @@ from polyrl.algorithms.rewards import example_view
 from polyrl.algorithms.rewards import resolve as resolve_reward
 from polyrl.algorithms.workers import absolute_spec
 from polyrl.data.config import DataConfig
-from polyrl.data.dataset import chat_tokenizer, load_prompts
+from polyrl.data.dataset import chat_tokenizer, encode_prompts, load_prompts
 from polyrl.errors import DataError, UserError
 from polyrl.infer.llm import LLM
 from polyrl.infer.sampling_params import SamplingParams
@@ -115,8 +115,7 @@ def reward_eval(
     chat = chat_tokenizer(cfg, llm.tokenizer)
     ids, kept = [], []
     budget = llm.max_model_len - max_tokens
-    for p in prompts:
-        x = chat.encode_prompt(p.messages)
+    for p, x in zip(prompts, encode_prompts(chat, prompts, data)):
         if 0 < len(x) <= budget:
             ids.append(x)
             kept.append(p)

@@ -57,6 +57,7 @@ from torch import nn
 
 from polyrl.algorithms.rl_batch import RLBatch, Sample, completion_logprobs, pack_samples
 from polyrl.data.chat import ChatTokenizer
+from polyrl.data.formats import RowError
 from polyrl.errors import UserError
 from polyrl.infer.config import RolloutConfig
 from polyrl.infer.llm import LLM
@@ -153,15 +154,17 @@ class ColocatedPolicy:
 
     # ---- prompts ----------------------------------------------------------------------------------
     def encode(self, prompt: Any) -> list[int]:
-        """Token ids of a prompt: ids, text, a message list or a ``PromptExample`` (chat template)."""
+        """Token ids of a prompt: ids, text, a message list or a ``PromptExample`` (chat template, with its tools)."""
         messages = getattr(prompt, "messages", None)
         if messages is None and isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             messages = prompt
         if messages is not None:
             if self._tokenizer is None:
                 raise UserError("chat prompts need a tokenizer; pass tokenizer= or give token ids")
-
-            return ChatTokenizer(self._tokenizer).encode_prompt(messages)
+            try:  # a PromptExample's tools go to the template, which must render them
+                return ChatTokenizer(self._tokenizer).encode_prompt(messages, getattr(prompt, "tools", None))
+            except RowError as exc:
+                raise UserError(f"prompt: {exc}") from None
         if isinstance(prompt, str):
             if self._tokenizer is None:
                 raise UserError("text prompts need a tokenizer; pass tokenizer= or give token ids")

@@ -14,6 +14,7 @@ from typing import Any
 
 from polyrl.data.builtin import check
 from polyrl.data.chat import ChatTokenizer
+from polyrl.data.dataset import encode_prompts
 from polyrl.infer.config import RolloutConfig
 from polyrl.infer.llm import LLM
 from polyrl.infer.sampling_params import SamplingParams
@@ -42,8 +43,7 @@ def exact_match(
 ) -> ExactMatch:
     """Greedy-decode every prompt (``PromptExample``: messages + answer) and check the answers."""
 
-    chat = ChatTokenizer(tokenizer)
-    ids = [chat.encode_prompt(p.messages) for p in prompts]
+    ids = encode_prompts(ChatTokenizer(tokenizer), prompts, "exact_match")
     longest = max(len(x) for x in ids) + max_tokens + 1
     block = 16
     blocks_per_seq = -(-max(longest, 2) // block)

@@ -82,7 +82,7 @@ from polyrl.algorithms.rl_batch import RLBatch, Sample, pack_samples
 from polyrl.algorithms.teacher import add_token_term, check_teacher_tokenizer
 from polyrl.data.builtin import check
 from polyrl.data.config import DataConfig
-from polyrl.data.dataset import chat_tokenizer, load_prompts
+from polyrl.data.dataset import chat_tokenizer, encode_prompts, load_prompts
 from polyrl.data.examples import PromptExample
 from polyrl.errors import CheckpointError, ConfigError, DataError
 from polyrl.infer.config import RolloutConfig
@@ -248,8 +248,7 @@ class OnlineRun(AsyncSteps, DataParallelSteps):
         prompts, _ = load_prompts(data_cfg, part)
         chat = chat_tokenizer(data_cfg, self.tokenizer)
         kept, ids = [], []
-        for p in prompts:
-            x = chat.encode_prompt(p.messages)
+        for p, x in zip(prompts, encode_prompts(chat, prompts, data_cfg.path)):
             if 0 < len(x) <= self.a.max_prompt_len:
                 kept.append(p)
                 ids.append(x)

@@ -6,11 +6,14 @@ settings."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
-from polyrl.data import DataConfig, build_sft, load_examples
+from polyrl.algorithms.rewards import example_view
+from polyrl.data import DataConfig, build_preference, build_sft, load_examples, load_prompts
 from polyrl.data.chat import ChatTokenizer
+from polyrl.data.dataset import chat_tokenizer, encode_prompts
 from polyrl.data.formats import RowError, as_sft, parse_row
 from polyrl.errors import ConfigError, DataError
 
@@ -239,8 +242,90 @@ def test_tools_a_template_does_not_render_are_refused(tmp_path, tokenizer, plain
         ([ADD_TOOL, "add"], "tools item 2 must be"),
     ],
 )
-def test_a_bad_tools_value_is_a_named_row_error(tmp_path, tools, problem):
+@pytest.mark.parametrize(
+    "row, purpose",
+    [
+        ({"messages": TOOL_CONVERSATION}, "sft"),
+        ({"messages": TOOL_CONVERSATION[:1]}, "rl"),
+        ({"prompt": "1+2?", "answer": "3"}, "rl"),
+        ({"prompt": "1+2?", "chosen": "3", "rejected": "4"}, "dpo"),
+    ],
+)
+def test_a_bad_tools_value_is_a_named_row_error(tmp_path, tools, problem, row, purpose):
     with pytest.raises(DataError) as err:
-        _load(tmp_path, [{"messages": TOOL_CONVERSATION, "tools": tools}])
+        _load(tmp_path, [{**row, "tools": tools}], purpose)
     msg = str(err.value)
     assert msg.startswith(f"{tmp_path / 'd.jsonl'}: line 1: ") and problem in msg
+
+
+def _prompt_text(tokenizer, template, messages, tools=None):
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, chat_template=template, tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_rl_prompt_rows_render_their_tools_and_rewards_see_them(tmp_path, tokenizer):
+    """A GRPO prompt row's tools are in the prompt the policy samples from (they were dropped silently)."""
+    rows = [
+        {"prompt": "1+2?", "answer": "3", "tools": [ADD_TOOL]},
+        {"messages": TOOL_CONVERSATION[:1], "tools": json.dumps([ADD_TOOL])},  # the RL view of a messages row
+        {"prompt": "1+2?", "chosen": "3", "rejected": "4", "tools": [ADD_TOOL]},  # and of a preference row
+        {"prompt": "1+2?", "answer": "3"},
+    ]
+    path = tmp_path / "rl.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(path=str(path), chat_template=DEFS_TEMPLATE)
+    prompts, _ = load_prompts(cfg)
+    assert [p.tools for p in prompts] == [[ADD_TOOL]] * 3 + [None]
+    texts = [tokenizer.decode(ids) for ids in encode_prompts(chat_tokenizer(cfg, tokenizer), prompts, cfg.path)]
+    user = [{"role": "user", "content": "1+2?"}]
+    assert texts[:3] == [_prompt_text(tokenizer, DEFS_TEMPLATE, user, [ADD_TOOL])] * 3
+    assert texts[0].startswith('<|im_start|>system\n# Tools\n{"name": "add", "description": "Adds two integers"')
+    assert texts[0].endswith("<|im_start|>user\n1+2?<|im_end|>\n<|im_start|>assistant\n")
+    assert texts[3] == _prompt_text(tokenizer, DEFS_TEMPLATE, user) and "# Tools" not in texts[3]
+    # a reward function's example holds the tools (the schema a tool-call reward checks against)
+    assert [example_view(p)["tools"] for p in prompts] == [[ADD_TOOL]] * 3 + [None]
+
+
+def test_preference_rows_render_their_tools_into_both_prompts(tmp_path, tokenizer):
+    rows = [
+        {"prompt": "1+2?", "chosen": "3", "rejected": "4", "tools": [ADD_TOOL]},
+        {"chosen": TOOL_CONVERSATION[:1] + [{"role": "assistant", "content": "3"}],
+         "rejected": TOOL_CONVERSATION[:1] + [{"role": "assistant", "content": "4"}], "tools": [ADD_TOOL]},
+    ]  # fmt: skip
+    path = tmp_path / "pref.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = build_preference(DataConfig(path=str(path), chat_template=DEFS_TEMPLATE), tokenizer, micro_batch_tokens=4096)
+    prompt = _prompt_text(tokenizer, DEFS_TEMPLATE, [{"role": "user", "content": "1+2?"}], [ADD_TOOL])
+    assert "Adds two integers" in prompt
+    for chosen, rejected in data.units:
+        n = chosen.loss_mask.index(1)
+        assert rejected.loss_mask.index(1) == n and chosen.input_ids[:n] == rejected.input_ids[:n]
+        assert tokenizer.decode(chosen.input_ids[:n]) == prompt  # the shared prompt, tools included, untrained
+        assert tokenizer.decode(chosen.input_ids) == prompt + "3<|im_end|>\n"
+        assert tokenizer.decode(rejected.input_ids) == prompt + "4<|im_end|>\n"
+    # ChatTokenizer.tokenize_preference (the per-pair API) gives the same sequences
+    examples, _ = load_examples(DataConfig(path=str(path)), "dpo")
+    pairs = [ChatTokenizer(tokenizer, DEFS_TEMPLATE).tokenize_preference(ex) for _, ex in examples]
+    assert [(c.input_ids, r.input_ids) for c, r in pairs] == [(c.input_ids, r.input_ids) for c, r in data.units]
+
+
+def test_rl_and_preference_tools_a_template_does_not_render_are_refused(tmp_path, tokenizer, plain_tokenizer):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "1+2?", "answer": "3"}) + "\n")
+    path.write_text(path.read_text() + json.dumps({"prompt": "1+2?", "answer": "3", "tools": [ADD_TOOL]}) + "\n")
+    prompts, _ = load_prompts(DataConfig(path=str(path)))
+    untold = "the row has tools, but the chat template does not render them (no definition of 'add' in the rendered"
+    with pytest.raises(DataError) as err:
+        encode_prompts(ChatTokenizer(tokenizer, TOOLS_TEMPLATE), prompts, str(path))
+    assert str(err.value).startswith(f"{path}: prompt 2: {untold}") and "set data.chat_template" in str(err.value)
+    with pytest.raises(RowError, match="row has tools, which need a chat template that renders them; set data.chat"):
+        ChatTokenizer(plain_tokenizer).encode_prompt(prompts[1].messages, prompts[1].tools)
+    with pytest.raises(DataError, match=r"d\.jsonl: prompt 2: the row has tools, which need a chat template"):
+        encode_prompts(ChatTokenizer(plain_tokenizer), prompts, str(path))
+    # preference rows: refused by file and line, as SFT rows are
+    path.write_text(json.dumps({"prompt": "1+2?", "chosen": "3", "rejected": "4", "tools": [ADD_TOOL]}) + "\n")
+    with pytest.raises(DataError, match=rf"d\.jsonl: line 1: {re.escape(untold)}"):
+        build_preference(DataConfig(path=str(path), chat_template=TOOLS_TEMPLATE), tokenizer, micro_batch_tokens=4096)
+    with pytest.raises(DataError, match=r"d\.jsonl: line 1: the row has tools, which need a chat template"):
+        build_preference(DataConfig(path=str(path)), plain_tokenizer, micro_batch_tokens=4096)
