@@ -443,6 +443,12 @@ sys.exit(main(['bench', 'sft', '--shape', 'qwen3-30b-a3b-L8', '--seq', '4096', '
       TAIL=30 stage decode-streams-eval 200 bash -c "for n in 1 2; do echo \"## --decode-streams \$n\"; \
         timeout 90 $PR bench eval --shape qwen3-0.6b --docs 8 --hf-batch-sizes '' --gen-docs 256 --fuse-projections \
           --decode-streams \$n --repeats 3 --json $OUT/bench_eval_streams\$n.json 2>&1 | grep -E 'polyrl|Error'; done" ;;
+    # The same A/B cut to fit one call after gpu-tests (~4 min): one rollout and one eval run at each setting
+    decode-streams-quick) TAIL=30 stage decode-streams-quick 280 bash -c "for n in 1 2; do echo \"## --decode-streams \$n\"; \
+        timeout 60 $PR bench rollout --shape qwen3-0.6b --batch 256 --prompt-len 128 --gen-len 256 --baselines none \
+          --skip-batch1 --decode-streams \$n 2>&1 | grep -E 'tokens/s|decode step|graph replay|Error|Traceback'; \
+        timeout 75 $PR bench eval --shape qwen3-0.6b --docs 8 --hf-batch-sizes '' --gen-docs 256 --fuse-projections \
+          --decode-streams \$n --repeats 2 --json $OUT/bench_eval_streams\$n.json 2>&1 | grep -E 'polyrl|Error'; done" ;;
     partial-rollouts) TAIL=30 stage partial-rollouts 300 python3 -m pytest -m gpu -q -rfE -x -p no:cacheprovider tests/run/test_partial_rollouts.py ;;  # issue 27: weight swaps between launches, graphs
     *) echo "unknown stage $s" ;;
   esac
