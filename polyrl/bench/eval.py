@@ -104,13 +104,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "compare with a run without it",
     )
     parser.add_argument(
-        "--decode-streams",
-        type=int,
-        default=1,
-        help="the in-process engine's launch graphs run their rows as this many groups on their own streams "
-        "(RolloutConfig.decode_streams; 1 = one chain)",
-    )
-    parser.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -315,7 +308,6 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     res: dict[str, Any] = {
         "shape": name, "docs": args.docs, "dtype": dtype, "device": str(dev), "fuse_projections": args.fuse_projections,
-        "decode_streams": args.decode_streams,
     }  # fmt: skip
     batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b]
     ref: dict[str, list[Any] | None] = {"ll": None, "gen": None}
@@ -370,7 +362,7 @@ def run(args: argparse.Namespace) -> int:
             print(_row_line(rows[-1]), flush=True)
         t0 = time.perf_counter()
         model, tok = load_eval_model(str(model_dir), dtype, str(dev))
-        llm = eval_engine(model, tok, fuse_projections=args.fuse_projections, decode_streams=args.decode_streams)
+        llm = eval_engine(model, tok, fuse_projections=args.fuse_projections)
         lm = PolyrlLM(llm=llm, show_progress=False)
         load = time.perf_counter() - t0
         warm = _warm_up(llm, lm, root)

@@ -131,13 +131,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also time the engine with q/k/v and gate/up fused into one GEMM each (RolloutConfig.fuse_projections) "
         "against the same engine unfused, interleaved in the same run",
     )
-    parser.add_argument(
-        "--decode-streams",
-        type=int,
-        default=1,
-        help="the engine's launch graphs run their rows as this many groups on their own streams "
-        "(RolloutConfig.decode_streams; 1 = one chain); compare with a run at 1",
-    )
     rollout_fp8.add_arguments(parser)  # --precision fp8 (bench/rollout_fp8.py)
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
@@ -335,7 +328,6 @@ def run(args: argparse.Namespace) -> int:
         **({"decode_steps": args.decode_steps} if args.decode_steps else {}),
         overlap_decode={"auto": None, "on": True, "off": False}[args.overlap_decode],
         fuse_projections=args.fuse_projections,
-        decode_streams=args.decode_streams,
     )
     tokenizer = None
     if args.response_format != "none":  # structured outputs need the vocabulary as text: the preset's own tokenizer
@@ -354,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
         f"# {args.shape} on {res['device']}: {model.num_parameters() / 1e6:.0f}M params, {dtype}, "
         f"batch {args.batch}, prompt {args.prompt_len}, gen {args.gen_len}; KV cache {llm.kv.num_blocks} blocks "
         f"({llm.kv.total_bytes / 2**30:.1f} GiB), CUDA graphs {'on' if llm.runner.use_graphs else 'off'}, "
-        f"{ecfg.decode_steps} decode step(s) per launch, {ecfg.decode_streams} decode stream(s)"
+        f"{ecfg.decode_steps} decode step(s) per launch"
     )
 
     # Warm-up: every decode graph bucket up to the batch (what the timed runs use, the shrinking tail included),

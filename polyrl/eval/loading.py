@@ -74,13 +74,11 @@ def eval_engine(
     max_num_batched_tokens: int | None = None,
     num_blocks: int | None = None,
     fuse_projections: bool = False,
-    decode_streams: int = 1,
 ) -> LLM:
     """A rollout engine for evaluation: prefix caching on (a document's choices share their context).
     ``max_num_batched_tokens`` (tokens per forward; None: ``eval_batch_tokens``) sets the scoring batches and the
     prefill steps of generation tasks. ``fuse_projections``: q/k/v and gate/up as one GEMM each
-    (``RolloutConfig.fuse_projections``; ``polyrl bench eval --fuse-projections``); ``decode_streams``: the
-    launch graphs' row groups (``RolloutConfig.decode_streams``; ``polyrl bench eval --decode-streams``)."""
+    (``RolloutConfig.fuse_projections``; ``polyrl bench eval --fuse-projections``)."""
     if max_num_batched_tokens is None:
         max_num_batched_tokens = eval_batch_tokens(next(model.parameters()).device)
     cfg = RolloutConfig(
@@ -90,6 +88,5 @@ def eval_engine(
         max_model_len=max_model_len,
         enable_prefix_caching=True,
         fuse_projections=fuse_projections,
-        decode_streams=decode_streams,
     )
     return LLM(model, tokenizer, cfg)

@@ -42,10 +42,6 @@ class RolloutConfig:
     # ... and replay such a launch (decode_steps steps, sampling and the on-device input advance included) as one
     # CUDA graph when every row's draw needs only temperature / seed (no top-k/top-p/min-p): infer/cuda_graphs.py
     launch_graphs: bool = True
-    # ... and run such a launch graph's rows as this many independent groups, each on a stream of its own (a graph
-    # with parallel branches: one group's attention and launch gaps overlap another's GEMMs; each group reads the
-    # weights again). Groups keep >= 32 rows (cuda_graphs.MIN_GROUP_ROWS): smaller batches run as one. 1 = off
-    decode_streams: int = 1
     # generate(): Python's cyclic garbage collector off until every prompt finished (platform.host.gc_paused); in
     # scripts/engine_host_overhead.py (B512 x 256 tokens) it ran 82 young and 8 middle-generation passes inside
     # generate(), ~2% of the host time, each a pause of up to a few ms between launches
@@ -97,13 +93,6 @@ class RolloutConfig:
             raise ConfigError(f"fuse_projections must be True or False, got {self.fuse_projections!r}")
         if self.decode_steps < 1:
             raise ConfigError(f"decode_steps must be >= 1 (1 = one decode step per launch), got {self.decode_steps}")
-        if isinstance(self.decode_streams, bool) or not isinstance(self.decode_streams, int):
-            raise ConfigError(f"decode_streams must be an integer from 1 to 8, got {self.decode_streams!r}")
-        if not 1 <= self.decode_streams <= 8:
-            raise ConfigError(
-                f"decode_streams must be from 1 (off) to 8 (row groups of a launch graph on their own streams), got "
-                f"{self.decode_streams}"
-            )
         if self.grammar_lanes is not None and self.grammar_lanes < 1:
             raise ConfigError(f"grammar_lanes must be >= 1 (or None: automatic), got {self.grammar_lanes}")
         if self.max_graph_batch_size < 1:

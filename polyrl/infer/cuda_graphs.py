@@ -11,13 +11,6 @@ Static device buffers (sized for the largest bucket) hold ``input_ids``, ``posit
   and log-probs ``[k, b]``. One replay per launch: no per-step sampler or input kernels launched from the host, no
   gaps between them (``ModelRunner.execute_steps`` takes it when the draws need nothing but those four values).
 
-With ``RolloutConfig.decode_streams`` = N > 1 a launch graph runs its rows as N independent groups (``row_groups``:
-at least ``MIN_GROUP_ROWS`` rows each), each a chain of ``k`` whole steps on a stream of its own, forked from the
-capturing stream and joined back: one graph with N parallel branches. The rows of a decode batch never read each
-other (their own KV blocks, their own sampler keys), so each row's tokens are the ones a single chain draws, up to
-the GEMMs' rounding at another row count; the device may run one group's memory-bound attention, norms and launch
-gaps next to another group's GEMMs, at the cost of reading the weights once per group.
-
 A step copies its host arrays into the buffers with one H2D transfer, pads to the bucket (slot -1: nothing
 written, and a padded row never advances; context length 1 over block 0, so padded rows read a real slot and stay
 finite - their results are discarded) and replays. Nothing inside the captured region syncs the host.
@@ -52,10 +45,6 @@ from polyrl.infer.sampler import SamplingRows
 from polyrl.models.attention_metadata import AttnMetadata
 from polyrl.models.moe import Routing
 from polyrl.platform import device
-
-# A launch graph splits its rows into RolloutConfig.decode_streams chains only where each chain keeps this many
-# rows: below it a chain's GEMMs are bound by reading the weights, which every chain reads again
-MIN_GROUP_ROWS = 32
 
 
 class GraphCaptureError(RuntimeError):
@@ -108,8 +97,6 @@ class DecodeGraphs:
         self.greedy = torch.ones(n, dtype=torch.bool, device=dev)
         self.live = torch.zeros(n, dtype=torch.bool, device=dev)
         self.block_size = cfg.block_size
-        self.decode_streams = cfg.decode_streams
-        self.side_streams: list = []  # the launch graphs' other row groups' streams (row_groups)
         self.pool = streams.graph_pool_handle()
         self.graphs: dict[int, tuple[object, torch.Tensor]] = {}
         self.launch_graphs: dict[tuple[int, int], tuple[object, torch.Tensor, torch.Tensor]] = {}
@@ -122,85 +109,44 @@ class DecodeGraphs:
                 return s
         raise ValueError(f"batch {bs} exceeds the largest graph bucket {self.sizes[-1]}")
 
-    def _forward(self, b: int, lo: int = 0) -> torch.Tensor:
-        """Forward + LM head of the rows [lo, lo + b) of the buffers (one token each)."""
-        rows = slice(lo, lo + b)
+    def _forward(self, b: int) -> torch.Tensor:
         meta = AttnMetadata(
             cu_seqlens=self.cu_seqlens[: b + 1],
             max_seqlen=1,
             kv_caches=self.kv.caches,
-            slot_mapping=self.slot_mapping[rows],
-            block_tables=self.block_tables[rows],
-            context_lens=self.context_lens[rows],
+            slot_mapping=self.slot_mapping[:b],
+            block_tables=self.block_tables[:b],
+            context_lens=self.context_lens[:b],
         )
         if self.kv.routing is None:
-            hidden = self.model(self.input_ids[rows], self.positions[rows], meta)
+            hidden = self.model(self.input_ids[:b], self.positions[:b], meta)
         else:  # the chosen experts, written by slot inside the graph (padded rows: slot -1, the spare row)
             routing = Routing(record=True, keep_logits=False)
-            hidden = self.model(self.input_ids[rows], self.positions[rows], meta, routing=routing)
-            self.kv.write_routing(self.slot_mapping[rows], routing.topk_ids)
+            hidden = self.model(self.input_ids[:b], self.positions[:b], meta, routing=routing)
+            self.kv.write_routing(self.slot_mapping[:b], routing.topk_ids)
         return self.model.compute_logits(hidden, upcast=False)  # the sampler reads them as fp32
 
-    def _advance(self, b: int, tokens: torch.Tensor, lo: int = 0) -> None:
-        """The next decode step's inputs of rows [lo, lo + b) on the device; padded rows (``live`` False) stay put."""
-        rows = slice(lo, lo + b)
-        live = self.live[rows]
-        pos = self.positions[rows]
-        self.input_ids[rows].copy_(tokens)
+    def _advance(self, b: int, tokens: torch.Tensor) -> None:
+        """The next decode step's inputs of rows [0, b) on the device; padded rows (``live`` False) stay put."""
+        live = self.live[:b]
+        pos = self.positions[:b]
+        self.input_ids[:b].copy_(tokens)
         pos.add_(live)
-        self.context_lens[rows].add_(live)
-        block = self.block_tables[rows].gather(1, (pos // self.block_size).unsqueeze(1)).squeeze(1)
+        self.context_lens[:b].add_(live)
+        block = self.block_tables[:b].gather(1, (pos // self.block_size).unsqueeze(1)).squeeze(1)
         slot = block.to(torch.int64) * self.block_size + pos % self.block_size
-        self.slot_mapping[rows].copy_(torch.where(live, slot, torch.full_like(slot, -1)))
+        self.slot_mapping[:b].copy_(torch.where(live, slot, torch.full_like(slot, -1)))
 
-    def _chain(self, b: int, k: int, lo: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """``k`` decode steps of the rows [lo, lo + b): forward, draw, advance; (tokens, logprobs) ``[k, b]``."""
-        rows = slice(lo, lo + b)
+    def _launch(self, b: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, logprobs = [], []
         for j in range(k):
-            offsets = self.offsets[rows] + j if j else self.offsets[rows]
-            logits = self._forward(b, lo)
-            tok, lp = kernels.sample_tokens(logits, self.temps[rows], self.seeds[rows], offsets, self.greedy[rows])
+            offsets = self.offsets[:b] + j if j else self.offsets[:b]
+            tok, lp = kernels.sample_tokens(self._forward(b), self.temps[:b], self.seeds[:b], offsets, self.greedy[:b])
             tokens.append(tok)
             logprobs.append(lp)
             if j + 1 < k:
-                self._advance(b, tok, lo)
+                self._advance(b, tok)
         return torch.stack(tokens), torch.stack(logprobs)
-
-    def row_groups(self, b: int) -> list[tuple[int, int]]:
-        """(first row, rows) of each chain the launch graph of bucket ``b`` runs (``RolloutConfig.decode_streams``):
-        at most ``b // MIN_GROUP_ROWS`` chains; each takes ``b / decode_streams`` rows rounded up to a multiple of 8,
-        the last what is left (so a few rows fewer, and at most ``decode_streams`` chains)."""
-        n = min(self.decode_streams, b // MIN_GROUP_ROWS)
-        if n <= 1:
-            return [(0, b)]
-        size = (-(-b // n) + 7) // 8 * 8
-        groups, lo = [], 0
-        while lo < b:
-            groups.append((lo, min(size, b - lo)))
-            lo += size
-        return groups
-
-    def _launch(self, b: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The launch of bucket ``b``: its row groups as independent chains of ``k`` steps, the first on the current
-        stream and each other on a stream of its own forked from it and joined back (one CUDA graph with parallel
-        branches: one chain's memory-bound attention and launch gaps overlap another's GEMMs)."""
-        groups = self.row_groups(b)
-        if len(groups) == 1:
-            return self._chain(b, k)
-        main = self.streams.current_stream()
-        while len(self.side_streams) < len(groups) - 1:
-            self.side_streams.append(self.streams.Stream())
-        sides = self.side_streams[: len(groups) - 1]
-        outs = []
-        for (lo, rows), side in zip(groups[1:], sides, strict=True):
-            side.wait_stream(main)
-            with self.streams.stream(side):
-                outs.append(self._chain(rows, k, lo))
-        outs.insert(0, self._chain(groups[0][1], k))
-        for side in sides:
-            main.wait_stream(side)
-        return torch.cat([t for t, _ in outs], dim=1), torch.cat([lp for _, lp in outs], dim=1)
 
     def _capture_launch(self, b: int, k: int) -> None:
         # Warm up (one launch on a side stream, every row padded: no KV written, nothing advances), then capture.

@@ -143,35 +143,3 @@ def test_greedy_equals_transformers_on_the_device(batch):
         assert o.outputs[0].token_ids == want, (p, o.outputs[0].token_ids, want)
     if device.supports_graphs():  # the launches were replayed as graphs, greedy draws inside
         assert llm.runner.graphs.launch_graphs
-
-
-def test_launch_graphs_with_row_groups_on_their_own_streams_equal_one_chain():
-    """``decode_streams=2``: a launch graph of the 256 bucket runs rows [0, 128) and [128, 256) as two chains on two
-    streams (parallel branches of one graph). fp32, greedy and seeded rows with stops: the same tokens as one chain,
-    log-probs within fp32 rounding (the GEMMs see 128 rows instead of 256)."""
-    from polyrl.platform import device
-
-    if not device.supports_graphs():
-        pytest.skip("this accelerator has no CUDA graphs")
-    model = _model(torch.float32)
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(2, 96, (int(n),), generator=g).tolist() for n in torch.randint(1, 60, (160,), generator=g)]
-    params = [
-        SamplingParams(temperature=0.0 if i % 3 == 0 else 1.0, seed=i, max_tokens=9 + i % 23, stop_token_ids=[3])
-        for i in range(160)
-    ]
-    outs = {}
-    for streams in (1, 2):
-        cfg = RolloutConfig(
-            block_size=16, num_blocks=1024, max_num_seqs=256, overlap_decode=True, decode_streams=streams
-        )
-        llm = LLM(model, None, cfg)
-        outs[streams] = llm.generate(prompts, params)
-        graphs = llm.runner.graphs
-        assert (256, 4) in graphs.launch_graphs
-        assert len(graphs.side_streams) == streams - 1
-        assert graphs.row_groups(256) == ([(0, 256)] if streams == 1 else [(0, 128), (128, 128)])
-    for a, b in zip(outs[1], outs[2]):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        diff = (torch.tensor(a.outputs[0].logprobs) - torch.tensor(b.outputs[0].logprobs)).abs().max().item()
-        assert diff <= 1e-4, diff
