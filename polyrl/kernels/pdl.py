@@ -1,7 +1,9 @@
 """Programmatic Dependent Launch (PDL) for the decode step's Triton kernels: an opt-in switch, off by default.
 
-Experimental and not yet measured. ``POLYRL_PDL=1`` turns it on; anything else (or unset) leaves every launch exactly
-as before (the kernels compile to the same code: their ``PDL`` branch is a constexpr ``False``).
+Experimental. ``POLYRL_PDL=1`` turns it on; anything else (or unset) leaves every launch exactly as before (the kernels
+compile to the same code: their ``PDL`` branch is a constexpr ``False``). Measured once (H100, 2026-12-06,
+``scripts/gpu_stage.sh pdl-ab``): rollout B256 0.99x, the eval generation phase 0.97x with it on, so it stays off; the
+cuBLAS GEMMs between the decode step's Triton kernels do not take part, so most kernel boundaries keep their gap.
 
 What it does. On Hopper and newer NVIDIA GPUs a kernel launched with the PDL attribute may start while the kernel
 before it on the stream is still finishing; its programs then block in ``griddepcontrol.wait`` until that kernel has
