@@ -355,6 +355,13 @@ def run(args: argparse.Namespace) -> int:
         gen_task = write_gen_task(root, args.gen_docs, args.context_words, args.gen_tokens) if args.gen_docs else None
         for bs in batch_sizes:
             measure(f"hf bs={bs}", lambda bs=bs: hf_row(bs, "ll", task, root))
+        if gen_task is not None and batch_sizes:
+            # before the in-process engine exists: its KV cache takes most of the device (on an 80 GB card the hf
+            # generation of 256 x 256 tokens ran out of memory beside it)
+            measure(f"hf bs={batch_sizes[-1]} generate", lambda: hf_row(batch_sizes[-1], "gen", gen_task, root))
+            hf_gen = [r for r in rows if r["backend"] == f"hf bs={batch_sizes[-1]} generate"]
+            if hf_gen and "breakdown" in hf_gen[0]:
+                print(_hf_gen_line(hf_gen[0]), flush=True)
         harness = [r for r in rows if "harness_s" in r]
         if harness:  # lm-eval's own share of the first hf run (start-up, task building, tokenisation)
             h = harness[0]
@@ -413,11 +420,6 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
         if gen_task is not None:
-            if batch_sizes:
-                measure(f"hf bs={batch_sizes[-1]} generate", lambda: hf_row(batch_sizes[-1], "gen", gen_task, root))
-            hf_gen = [r for r in rows if r["backend"] == f"hf bs={batch_sizes[-1]} generate"] if batch_sizes else []
-            if hf_gen and "breakdown" in hf_gen[0]:
-                print(_hf_gen_line(hf_gen[0]), flush=True)
             if measure("polyrl (in-process) generate", lambda: polyrl_row("gen", gen_task)) is not None:
                 print(_breakdown_line(rows[-1]), flush=True)
                 if args.profile:
