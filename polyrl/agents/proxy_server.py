@@ -27,10 +27,10 @@ producer's weight-swap hook between its engine steps (``EngineDriver``), and eac
 every sampled token (``CompletionOutput.token_versions`` -> ``Episode.versions``); the time the engine stands still
 there is not counted against an agent's timeout.
 ``run_agents(agent, examples, n)`` calls ``agent(base_url, example)`` in threads (continuous batching across all
-their calls) with a per-episode timeout; an agent that raises or times out is counted and gets the failure reward,
-never fatal. In training (``--agent file.py:fn``) the run's sampling settings win over the request's
-(``request_sampling=False``: the ratios need the rollout temperature), and ``max_turns`` / ``max_episode_tokens``
-bound each episode (a call past them gets a 400).
+their calls) with a per-episode timeout; an agent that raises, times out or returns something that is not a finite
+number (nor None) is counted and gets the failure reward, never fatal. In training (``--agent file.py:fn``) the run's
+sampling settings win over the request's (``request_sampling=False``: the ratios need the rollout temperature), and
+``max_turns`` / ``max_episode_tokens`` bound each episode (a call past them gets a 400).
 Not here: the plain OpenAI server (``polyrl.server``), training (``polyrl.agents.train``).
 """
 
@@ -38,12 +38,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import socket
 import threading
 import time
 import uuid
 import warnings
 from contextlib import contextmanager
+from numbers import Real
 from typing import Any
 
 import uvicorn
@@ -183,6 +185,15 @@ class EngineDriver:
             self._done.clear()
 
 
+def _returned_reward(value: Any) -> float | None:
+    """The reward an agent function returned, as a float; None when it is not a finite number (a bool is not one,
+    as for ``POST /reward``)."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        return None
+    reward = float(value)
+    return reward if math.isfinite(reward) else None
+
+
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
     return JSONResponse(body, status_code=status)
@@ -250,11 +261,11 @@ class AgentProxy:
             if sess is None:
                 return _error(404, f"no open episode {eid!r}")
             body = await request.json()
-            value = body.get("reward") if isinstance(body, dict) else None
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                return _error(400, 'send {"reward": <number>}', "reward")
-            sess.set_reward(float(value))
-            return {"episode": eid, "reward": float(value)}
+            value = _returned_reward(body.get("reward")) if isinstance(body, dict) else None
+            if value is None:
+                return _error(400, 'send {"reward": <finite number>}', "reward")
+            sess.set_reward(value)
+            return {"episode": eid, "reward": value}
 
         @app.post("/agents/{eid}/v1/chat/completions")
         async def chat(eid: str, request: Request) -> Any:
@@ -497,7 +508,17 @@ class AgentProxy:
             elif kind == "error":
                 sess.failed = value
             elif value is not None:
-                sess.set_reward(float(value))
+                reward = _returned_reward(value)
+                if reward is None:  # the agent's bug: a counted failure, not the run's end
+                    kind, sess.failed = (
+                        "error",
+                        (
+                            f"error: the agent returned {value!r:.80} ({type(value).__name__}), not a finite number; "
+                            "return the reward as a float, or None after POST <base_url minus /v1>/reward"
+                        ),
+                    )
+                else:
+                    sess.set_reward(reward)
             elif sess.reward is None:
                 kind = "no_reward"
             if kind != "ok":
