@@ -9,8 +9,9 @@ that did not parse, see ``polyrl.agents.tools``) and returns the next observatio
 role), a reward, whether the episode is over, metrics, and optionally the next turn's ``response_format``. The
 episode's reward is the sum of its step rewards.
 One instance serves one episode (a fresh instance per ``reset``), so an environment may keep state in ``self``.
-Instances live in worker processes (``polyrl.agents.pool``): an environment that raises or hangs ends its episode
-with the failure reward and is counted, never fatal.
+Message content is text (a string or None; OpenAI ``{"type": "text"}`` parts are joined). Instances live in worker
+processes (``polyrl.agents.pool``): an environment that raises, hangs or returns a message whose content is not text
+ends its episode with the failure reward and is counted, never fatal.
 Not here: running episodes on the engine (``rollout``), worker processes (``pool``), the builtins (``builtin``).
 """
 
