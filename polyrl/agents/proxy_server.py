@@ -6,7 +6,8 @@ Bring an existing agent: it takes a ``base_url`` and builds ``openai.OpenAI(base
 any framework's OpenAI model with that base URL) and runs its own loop: ``chat.completions.create(messages=...,
 tools=...)``, executes the ``tool_calls`` it gets back, appends ``tool`` messages, calls again. Routes:
 
-- ``POST /agents/{id}/v1/chat/completions``: messages (system/user/assistant/tool, ``tool_calls``), ``tools``,
+- ``POST /agents/{id}/v1/chat/completions``: messages (system/user/assistant/tool, ``tool_calls``; content a string
+  or text parts, joined as ``polyrl serve`` joins them; other parts and nameless calls are 400s), ``tools``,
   ``temperature``, ``top_p``, ``max_tokens`` / ``max_completion_tokens`` (capped by the proxy's), ``seed``,
   ``logprobs``, ``response_format`` / ``parallel_tool_calls`` (with tools: a call or an answer in the format; without
   a request format, the run's ``rollout_response_format``). The reply's ``<tool_call>`` blocks come back as OpenAI
@@ -194,6 +195,33 @@ def _returned_reward(value: Any) -> float | None:
     return reward if math.isfinite(reward) else None
 
 
+def _chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """A request's chat messages as the renderer takes them: OpenAI text parts joined into the content string (as
+    ``polyrl serve`` does), and a ValueError (a 400) naming the message for what the chat template cannot render."""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}] must be an object with a 'role' string")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None for p in content]
+            bad = next((j for j, t in enumerate(texts) if not isinstance(t, str)), None)
+            if bad is not None:
+                raise ValueError(
+                    f"messages[{i}].content[{bad}] is not a text part; send {{'type': 'text', 'text': ...}} parts "
+                    "(the policy is a text model)"
+                )
+            m = {**m, "content": "".join(texts)}
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+        for k, c in enumerate(m.get("tool_calls") or []):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise ValueError(f"messages[{i}].tool_calls[{k}].function.name is required (the name of the tool)")
+        out.append(m)
+    return out
+
+
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
     return JSONResponse(body, status_code=status)
@@ -285,8 +313,9 @@ class AgentProxy:
             return _error(400, "messages must be a non-empty list", "messages")
         if body.get("stream"):
             return _error(400, "streaming is not recorded in proxy mode; send stream=false", "stream")
-        messages, tools = body["messages"], body.get("tools") or None
+        tools = body.get("tools") or None
         try:
+            messages = _chat_messages(body["messages"])
             ids, continues = sess.prompt_for(messages, tools)
             if self.max_turns is not None and sess.num_calls >= self.max_turns:
                 return _error(400, f"this episode reached its limit of {self.max_turns} model calls; finish it")
