@@ -66,7 +66,8 @@ class ToolEnvironment(Environment):
     """An environment whose tools are methods named in ``tools`` (``tools[i]["function"]["name"]``). A reply with
     tool calls gets one ``tool`` message per call (the method's return value as text; an exception or an unknown
     tool becomes ``"error: ..."`` and counts in ``tool_errors``; a malformed call is answered the same way). A reply
-    without calls is the final answer: ``finish(message) -> EnvStep``."""
+    without calls is the final answer: ``finish(message) -> EnvStep``. A tool without a method of its name is a
+    ConfigError when the environment loads (unless the class overrides ``step``)."""
 
     def finish(self, message: dict[str, Any]) -> EnvStep:
         raise NotImplementedError
@@ -136,6 +137,18 @@ def env_tools(cls: type) -> list[dict[str, Any]]:
         fn = t.get("function", t) if isinstance(t, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise ConfigError(f"{cls.__name__}.tools must be OpenAI tool schemas with function names, got {t!r}")
+    if isinstance(cls, type) and issubclass(cls, ToolEnvironment) and cls.step is ToolEnvironment.step:
+        # ToolEnvironment.step calls the method of each tool's name: a missing one would make every call of that
+        # tool an "error: ... has no attribute" observation, run after run, with nothing said
+        missing = [t.get("function", t)["name"] for t in tools]
+        missing = [name for name in missing if not callable(getattr(cls, name, None))]
+        if missing:
+            own = sorted(k for k, v in vars(cls).items() if callable(v) and not k.startswith("_"))
+            raise ConfigError(
+                f"{cls.__name__}.tools offers {', '.join(map(repr, missing))} but {cls.__name__} has no method of that "
+                f"name (its methods: {', '.join(own) or 'none'}); a ToolEnvironment runs each tool as the method named "
+                "like it: rename the method or the tool"
+            )
     return tools
 
 
