@@ -9,8 +9,9 @@ that did not parse, see ``polyrl.agents.tools``) and returns the next observatio
 role), a reward, whether the episode is over, metrics, and optionally the next turn's ``response_format``. The
 episode's reward is the sum of its step rewards.
 One instance serves one episode (a fresh instance per ``reset``), so an environment may keep state in ``self``.
-Instances live in worker processes (``polyrl.agents.pool``): an environment that raises or hangs ends its episode
-with the failure reward and is counted, never fatal.
+Message content is text (a string or None; OpenAI ``{"type": "text"}`` parts are joined). Instances live in worker
+processes (``polyrl.agents.pool``): an environment that raises, hangs or returns a message whose content is not text
+ends its episode with the failure reward and is counted, never fatal.
 Not here: running episodes on the engine (``rollout``), worker processes (``pool``), the builtins (``builtin``).
 """
 
@@ -65,7 +66,8 @@ class ToolEnvironment(Environment):
     """An environment whose tools are methods named in ``tools`` (``tools[i]["function"]["name"]``). A reply with
     tool calls gets one ``tool`` message per call (the method's return value as text; an exception or an unknown
     tool becomes ``"error: ..."`` and counts in ``tool_errors``; a malformed call is answered the same way). A reply
-    without calls is the final answer: ``finish(message) -> EnvStep``."""
+    without calls is the final answer: ``finish(message) -> EnvStep``. A tool without a method of its name is a
+    ConfigError when the environment loads (unless the class overrides ``step``)."""
 
     def finish(self, message: dict[str, Any]) -> EnvStep:
         raise NotImplementedError
@@ -135,6 +137,18 @@ def env_tools(cls: type) -> list[dict[str, Any]]:
         fn = t.get("function", t) if isinstance(t, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise ConfigError(f"{cls.__name__}.tools must be OpenAI tool schemas with function names, got {t!r}")
+    if isinstance(cls, type) and issubclass(cls, ToolEnvironment) and cls.step is ToolEnvironment.step:
+        # ToolEnvironment.step calls the method of each tool's name: a missing one would make every call of that
+        # tool an "error: ... has no attribute" observation, run after run, with nothing said
+        missing = [t.get("function", t)["name"] for t in tools]
+        missing = [name for name in missing if not callable(getattr(cls, name, None))]
+        if missing:
+            own = sorted(k for k, v in vars(cls).items() if callable(v) and not k.startswith("_"))
+            raise ConfigError(
+                f"{cls.__name__}.tools offers {', '.join(map(repr, missing))} but {cls.__name__} has no method of that "
+                f"name (its methods: {', '.join(own) or 'none'}); a ToolEnvironment runs each tool as the method named "
+                "like it: rename the method or the tool"
+            )
     return tools
 
 

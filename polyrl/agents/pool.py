@@ -4,15 +4,17 @@ The mechanism of ``polyrl.algorithms.rewards.RewardPool`` for stateful calls: ``
 spawn), each holding the environments of the episodes pinned to it (round robin at ``reset``) and answering one
 call at a time over a pipe. ``reset(items)`` / ``step(items)`` take ``[(episode_id, payload)]`` and return one
 ``Outcome`` per episode: ``ok`` with the value, or a failure kind: ``error`` (the environment raised), ``invalid``
-(it returned something that is not messages / an ``EnvStep``), ``timeout`` (no answer within ``timeout`` seconds:
-the worker is killed and replaced), ``crash`` (the worker died), ``lost`` (the episode lived in a worker killed for
-another episode's timeout). Failures are counted in ``totals``; none raises. ``workers=0`` runs the environments in
+(it returned something that is not messages / an ``EnvStep``, or a message whose content is not text: a string,
+None or OpenAI text parts, which are joined), ``timeout`` (no answer within ``timeout`` seconds: the worker is killed
+and replaced), ``crash`` (the worker died), ``lost`` (the episode lived in a worker killed for another episode's
+timeout). Failures are counted in ``totals``; none raises. ``workers=0`` runs the environments in
 this process (no timeout; for debugging). Not here: the episode loop (``rollout``), the environment API (``env``).
 """
 
 from __future__ import annotations
 
 import math
+import signal
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -56,11 +58,25 @@ def _messages(value: Any, what: str) -> list[dict[str, Any]]:
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"{what} must return messages (a list of dicts), got {type(value).__name__}")
     out = []
-    for m in value:
+    for i, m in enumerate(value):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
             raise TypeError(f"{what} returned a message without a 'role': {str(m)[:80]!r}")
-        out.append(dict(m))
+        out.append({**m, "content": _content(m.get("content"), f"{what} message {i} (role {m['role']!r})")})
     return out
+
+
+def _content(content: Any, where: str) -> str | None:
+    """A message's content as the chat template renders it: text, None, or OpenAI text parts (joined)."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)) and all(
+        isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise TypeError(
+        f"{where} has content of type {type(content).__name__} ({str(content)[:40]!r}); content must be a string "
+        '(or {"type": "text", "text": ...} parts): return str(...) or json.dumps(...) of it'
+    )
 
 
 def normalise_step(value: Any) -> Any:
@@ -106,8 +122,17 @@ class LocalEnvs:
         self.envs.pop(eid, None)
 
 
+def _interrupted(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # multiprocessing ends the process with this code and prints no traceback
+
+
 def _worker_main(conn: Any, spec: str) -> None:
-    """Worker process: the environments of the episodes pinned here, answering ``(op, episode, payload)`` jobs."""
+    """Worker process: the environments of the episodes pinned here, answering ``(op, episode, payload)`` jobs.
+    Ctrl-C reaches every process of the terminal's foreground group: the trainer stops with its one-line
+    "interrupted", and a worker exits quietly (code 130) instead of printing a KeyboardInterrupt traceback from
+    inside the user's ``step`` or its idle wait. A Python handler, not SIG_IGN: the user's own subprocesses (reset
+    by ``exec``) keep the default."""
+    signal.signal(signal.SIGINT, _interrupted)
 
     def handle(envs: LocalEnvs, job: tuple) -> tuple | None:
         op, eid, payload = job

@@ -6,7 +6,8 @@ Bring an existing agent: it takes a ``base_url`` and builds ``openai.OpenAI(base
 any framework's OpenAI model with that base URL) and runs its own loop: ``chat.completions.create(messages=...,
 tools=...)``, executes the ``tool_calls`` it gets back, appends ``tool`` messages, calls again. Routes:
 
-- ``POST /agents/{id}/v1/chat/completions``: messages (system/user/assistant/tool, ``tool_calls``), ``tools``,
+- ``POST /agents/{id}/v1/chat/completions``: messages (system/user/assistant/tool, ``tool_calls``; content a string
+  or text parts, joined as ``polyrl serve`` joins them; other parts and nameless calls are 400s), ``tools``,
   ``temperature``, ``top_p``, ``max_tokens`` / ``max_completion_tokens`` (capped by the proxy's), ``seed``,
   ``logprobs``, ``response_format`` / ``parallel_tool_calls`` (with tools: a call or an answer in the format; without
   a request format, the run's ``rollout_response_format``). The reply's ``<tool_call>`` blocks come back as OpenAI
@@ -27,10 +28,10 @@ producer's weight-swap hook between its engine steps (``EngineDriver``), and eac
 every sampled token (``CompletionOutput.token_versions`` -> ``Episode.versions``); the time the engine stands still
 there is not counted against an agent's timeout.
 ``run_agents(agent, examples, n)`` calls ``agent(base_url, example)`` in threads (continuous batching across all
-their calls) with a per-episode timeout; an agent that raises or times out is counted and gets the failure reward,
-never fatal. In training (``--agent file.py:fn``) the run's sampling settings win over the request's
-(``request_sampling=False``: the ratios need the rollout temperature), and ``max_turns`` / ``max_episode_tokens``
-bound each episode (a call past them gets a 400).
+their calls) with a per-episode timeout; an agent that raises, times out or returns something that is not a finite
+number (nor None) is counted and gets the failure reward, never fatal. In training (``--agent file.py:fn``) the run's
+sampling settings win over the request's (``request_sampling=False``: the ratios need the rollout temperature), and
+``max_turns`` / ``max_episode_tokens`` bound each episode (a call past them gets a 400).
 Not here: the plain OpenAI server (``polyrl.server``), training (``polyrl.agents.train``).
 """
 
@@ -38,12 +39,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import socket
 import threading
 import time
 import uuid
 import warnings
 from contextlib import contextmanager
+from numbers import Real
 from typing import Any
 
 import uvicorn
@@ -183,6 +186,42 @@ class EngineDriver:
             self._done.clear()
 
 
+def _returned_reward(value: Any) -> float | None:
+    """The reward an agent function returned, as a float; None when it is not a finite number (a bool is not one,
+    as for ``POST /reward``)."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        return None
+    reward = float(value)
+    return reward if math.isfinite(reward) else None
+
+
+def _chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """A request's chat messages as the renderer takes them: OpenAI text parts joined into the content string (as
+    ``polyrl serve`` does), and a ValueError (a 400) naming the message for what the chat template cannot render."""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}] must be an object with a 'role' string")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None for p in content]
+            bad = next((j for j, t in enumerate(texts) if not isinstance(t, str)), None)
+            if bad is not None:
+                raise ValueError(
+                    f"messages[{i}].content[{bad}] is not a text part; send {{'type': 'text', 'text': ...}} parts "
+                    "(the policy is a text model)"
+                )
+            m = {**m, "content": "".join(texts)}
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+        for k, c in enumerate(m.get("tool_calls") or []):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise ValueError(f"messages[{i}].tool_calls[{k}].function.name is required (the name of the tool)")
+        out.append(m)
+    return out
+
+
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
     return JSONResponse(body, status_code=status)
@@ -250,11 +289,11 @@ class AgentProxy:
             if sess is None:
                 return _error(404, f"no open episode {eid!r}")
             body = await request.json()
-            value = body.get("reward") if isinstance(body, dict) else None
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                return _error(400, 'send {"reward": <number>}', "reward")
-            sess.set_reward(float(value))
-            return {"episode": eid, "reward": float(value)}
+            value = _returned_reward(body.get("reward")) if isinstance(body, dict) else None
+            if value is None:
+                return _error(400, 'send {"reward": <finite number>}', "reward")
+            sess.set_reward(value)
+            return {"episode": eid, "reward": value}
 
         @app.post("/agents/{eid}/v1/chat/completions")
         async def chat(eid: str, request: Request) -> Any:
@@ -274,8 +313,9 @@ class AgentProxy:
             return _error(400, "messages must be a non-empty list", "messages")
         if body.get("stream"):
             return _error(400, "streaming is not recorded in proxy mode; send stream=false", "stream")
-        messages, tools = body["messages"], body.get("tools") or None
+        tools = body.get("tools") or None
         try:
+            messages = _chat_messages(body["messages"])
             ids, continues = sess.prompt_for(messages, tools)
             if self.max_turns is not None and sess.num_calls >= self.max_turns:
                 return _error(400, f"this episode reached its limit of {self.max_turns} model calls; finish it")
@@ -497,7 +537,17 @@ class AgentProxy:
             elif kind == "error":
                 sess.failed = value
             elif value is not None:
-                sess.set_reward(float(value))
+                reward = _returned_reward(value)
+                if reward is None:  # the agent's bug: a counted failure, not the run's end
+                    kind, sess.failed = (
+                        "error",
+                        (
+                            f"error: the agent returned {value!r:.80} ({type(value).__name__}), not a finite number; "
+                            "return the reward as a float, or None after POST <base_url minus /v1>/reward"
+                        ),
+                    )
+                else:
+                    sess.set_reward(reward)
             elif sess.reward is None:
                 kind = "no_reward"
             if kind != "ok":
