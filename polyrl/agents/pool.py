@@ -14,7 +14,6 @@ this process (no timeout; for debugging). Not here: the episode loop (``rollout`
 from __future__ import annotations
 
 import math
-import signal
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -122,17 +121,9 @@ class LocalEnvs:
         self.envs.pop(eid, None)
 
 
-def _interrupted(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # multiprocessing ends the process with this code and prints no traceback
-
-
 def _worker_main(conn: Any, spec: str) -> None:
-    """Worker process: the environments of the episodes pinned here, answering ``(op, episode, payload)`` jobs.
-    Ctrl-C reaches every process of the terminal's foreground group: the trainer stops with its one-line
-    "interrupted", and a worker exits quietly (code 130) instead of printing a KeyboardInterrupt traceback from
-    inside the user's ``step`` or its idle wait. A Python handler, not SIG_IGN: the user's own subprocesses (reset
-    by ``exec``) keep the default."""
-    signal.signal(signal.SIGINT, _interrupted)
+    """Worker process: the environments of the episodes pinned here, answering ``(op, episode, payload)`` jobs
+    (Ctrl-C: a quiet exit 130, ``workers.quiet_on_interrupt``)."""
 
     def handle(envs: LocalEnvs, job: tuple) -> tuple | None:
         op, eid, payload = job

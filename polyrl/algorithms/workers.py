@@ -115,8 +115,21 @@ def shelter_from_stop_signal() -> None:
     signal.signal(signal.SIGTERM, handle)
 
 
+def _interrupted(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # multiprocessing ends the process with this code and prints no traceback
+
+
+def quiet_on_interrupt() -> None:
+    """In a worker process: Ctrl-C reaches every process of the terminal's foreground group; the trainer stops with
+    its one-line "interrupted", and a worker (reward or environment) exits quietly with code 130 instead of printing a
+    KeyboardInterrupt traceback from inside the user's function or its idle wait. A Python handler, not SIG_IGN: the
+    user code's own subprocesses (reset by ``exec``) keep the default."""
+    signal.signal(signal.SIGINT, _interrupted)
+
+
 def _sheltered(target: Callable[[Any, str], None], conn: Any, spec: str) -> None:
     shelter_from_stop_signal()
+    quiet_on_interrupt()
     target(conn, spec)
 
 
