@@ -46,6 +46,11 @@ class AgentConfig:
         if not self.env_timeout > 0:
             raise ConfigError(f"{TABLE}.env_timeout must be > 0 seconds, got {self.env_timeout}")
 
+    @property
+    def reward_source(self) -> str:
+        """The start line's reward: the environment's or the agent program's, not the algorithm's ``reward``."""
+        return f"from the environment {self.env!r}" if self.env is not None else f"from the agent {self.agent!r}"
+
     def check(self, algo_config: Any, table: str) -> None:
         """Against the algorithm's ``[table]``: an online algorithm, room for more than one turn, and (async RL) a
         producer that runs episodes: inline, thread, or process (agent programs through the proxy too: in the rollout

@@ -19,6 +19,10 @@ class EpisodeConfig(Protocol):
 
     max_episode_tokens: int  # the whole episode, opening prompt included: the rollout context must hold it
 
+    @property
+    def reward_source(self) -> str:
+        """Where the episodes' rewards come from, as the run's start line names it (not the algorithm's reward)."""
+
     def check(self, algo_config: Any, table: str) -> None:
         """Cross-table validation against the algorithm's ``[table]`` (a ConfigError says what to change)."""
 

@@ -147,10 +147,11 @@ class OnlineRun(AsyncSteps, DataParallelSteps):
         self.steps = self._total_steps()
         a = self.a
         self.max_staleness = self._check_async()
+        reward = repr(a.reward) if cfg.episodes is None else cfg.episodes.reward_source
         self.print(
             f"{cfg.algo}: {len(self.prompts)} prompts ({skipped} longer than max_prompt_len skipped), {self.steps} "
             f"steps of {a.prompts_per_step} prompts x {a.samples_per_prompt} samples, "
-            f"{a.ppo_epochs * a.mini_batches} optimizer step(s) each; reward {a.reward!r}"
+            f"{a.ppo_epochs * a.mini_batches} optimizer step(s) each; reward {reward}"
         )
         if self.world.is_main:
             self.out.mkdir(parents=True, exist_ok=True)

@@ -102,7 +102,9 @@ def test_cli_and_fit_take_an_env(tiny_model_dir, tmp_path, capsys):
     assert main(argv) == 0
     saved = json.loads((tmp_path / "cli" / "run_config.json").read_text())
     assert saved["agent"]["env"] == "calculator" and saved["agent"]["max_turns"] == 2
-    assert "episodes: env 'calculator' (1 tool(s))" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "episodes: env 'calculator' (1 tool(s))" in out
+    assert "reward from the environment 'calculator'" in out and "reward 'exact_match'" not in out  # not the algo's
     summary = fit(
         "grpo", tiny_model_dir, "builtin:arithmetic?max=9&n=16", tmp_path / "fit", train={"max_steps": 1},
         grpo={"max_new_tokens": 5, "samples_per_prompt": 2, "prompts_per_step": 2},
