@@ -313,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
     for value in str(args.grammar_lanes or "auto").split(","):
         _grammar_lanes(value)  # a bad --grammar-lanes fails before the runs
     _guided_ab(args.guided_ab)  # and a bad --guided-ab
-    dev = torch.device(args.device) if args.device else device.torch_device()
+    dev = device.parse_device(args.device) if args.device else device.torch_device()
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if dev.type != "cpu" else torch.float32)
     baselines = [b for b in args.baselines.split(",") if b and b != "none"]
     model = _model(args.shape, dtype, dev, decoder_options(args.decoder_options))

@@ -12,6 +12,7 @@ import time
 
 from polyrl.cli.model_arg import refuse_adapter
 from polyrl.infer import LLM, RolloutConfig, SamplingParams
+from polyrl.platform.device import parse_device
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     refuse_adapter(args.model, "generate")
+    if args.device is not None:
+        parse_device(args.device)
     params = SamplingParams(
         n=args.n,
         temperature=args.temperature,
