@@ -62,3 +62,13 @@ def test_commands_refuse_a_bad_device_before_loading(argv, spec, tiny_model_dir,
     assert rc == 2, err
     assert err.startswith(f"error: --device {spec}") or err.startswith(f"error: --device '{spec}'"), err
     assert "Traceback" not in err and "pin_memory" not in err
+
+
+@pytest.mark.parametrize("flag, value", [("--batch", "0"), ("--prompt-len", "-1"), ("--gen-len", "0")])
+def test_bench_rollout_refuses_empty_sizes_before_building_the_model(flag, value, capsys):
+    # before: --batch 0 ran and ended in a ZeroDivisionError, --prompt-len -1 in torch's negative-dimension traceback
+    rc = main(["bench", "rollout", "--shape", "tiny", "--baselines", "none", "--gen-len", "2", flag, value])
+    captured = capsys.readouterr()
+    assert rc == 2, captured.err
+    assert captured.err == f"error: {flag} {value}: --batch, --prompt-len and --gen-len must each be >= 1\n"
+    assert "# tiny on" not in captured.out  # nothing was built or timed
