@@ -61,7 +61,7 @@ def _sync(dev: torch.device) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    dev = torch.device(args.device) if args.device else device.torch_device()
+    dev = device.parse_device(args.device) if args.device else device.torch_device()
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if dev.type != "cpu" else torch.float32)
     model = _model(args.shape, dtype, dev)
     vocab = model.config.vocab_size

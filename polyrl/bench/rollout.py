@@ -313,7 +313,11 @@ def run(args: argparse.Namespace) -> int:
     for value in str(args.grammar_lanes or "auto").split(","):
         _grammar_lanes(value)  # a bad --grammar-lanes fails before the runs
     _guided_ab(args.guided_ab)  # and a bad --guided-ab
-    dev = torch.device(args.device) if args.device else device.torch_device()
+    sizes = {"--batch": args.batch, "--prompt-len": args.prompt_len, "--gen-len": args.gen_len}
+    bad = [f"{flag} {value}" for flag, value in sizes.items() if value < 1]
+    if bad:  # before the model is built (--batch 0 ended in a ZeroDivisionError after the runs, -1 in a traceback)
+        raise UserError(f"{', '.join(bad)}: --batch, --prompt-len and --gen-len must each be >= 1")
+    dev = device.parse_device(args.device) if args.device else device.torch_device()
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if dev.type != "cpu" else torch.float32)
     baselines = [b for b in args.baselines.split(",") if b and b != "none"]
     model = _model(args.shape, dtype, dev, decoder_options(args.decoder_options))

@@ -64,8 +64,14 @@ def run(args: argparse.Namespace) -> int:
     _check_numbers(args)
     _check_output(args.output)
     # lazy: torch and the engine load only when a subcommand runs (polyrl env stays light)
+    from polyrl.cli.model_arg import require_tokenizer
     from polyrl.eval.loading import eval_engine, load_eval_model
     from polyrl.eval.rewards import check_reward_eval
+    from polyrl.platform.device import parse_device
+
+    if args.device is not None:  # an unknown or absent device before anything loads
+        parse_device(args.device)
+    require_tokenizer(args.model)
 
     start = time.perf_counter()
     prompts, checked = None, None

@@ -10,8 +10,9 @@ import argparse
 import sys
 import time
 
-from polyrl.cli.model_arg import refuse_adapter
+from polyrl.cli.model_arg import refuse_adapter, require_tokenizer
 from polyrl.infer import LLM, RolloutConfig, SamplingParams
+from polyrl.platform.device import parse_device
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     refuse_adapter(args.model, "generate")
+    require_tokenizer(args.model)
+    if args.device is not None:
+        parse_device(args.device)
     params = SamplingParams(
         n=args.n,
         temperature=args.temperature,

@@ -44,3 +44,22 @@ def refuse_adapter(model: str, command: str) -> None:
         f"--model {model} is a PEFT adapter folder (LoRA adapters on the base {base}); polyrl {command} needs a full "
         f"model: {how}"
     )
+
+
+# the files a tokenizer is read from (fast, sentencepiece, byte-level BPE, WordPiece, Mistral's tekken; *.tiktoken)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tekken.json")
+
+
+def require_tokenizer(model: str) -> None:
+    """A UserError when the model folder ``model`` holds weights but no tokenizer file: transformers then builds an
+    empty tokenizer from config.json alone, and every prompt encodes to nothing ("the prompt is empty", "no prompt
+    fits the context"). A missing folder or config.json is left to the loader's own message."""
+    folder = Path(model)
+    if not (folder / "config.json").is_file():
+        return
+    if any((folder / f).is_file() for f in TOKENIZER_FILES) or any(folder.glob("*.tiktoken")):
+        return
+    raise UserError(
+        f"--model {model} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); copy the tokenizer files of "
+        "the model it came from into it (e.g. `tokenizer.save_pretrained(DIR)` in transformers)"
+    )

@@ -12,11 +12,12 @@ from __future__ import annotations
 import argparse
 import os
 
-from polyrl.cli.model_arg import refuse_adapter
+from polyrl.cli.model_arg import refuse_adapter, require_tokenizer
 from polyrl.errors import UserError
 from polyrl.infer import RolloutConfig
 from polyrl.models.lora import is_adapter_dir
 from polyrl.platform import envvars
+from polyrl.platform.device import parse_device
 from polyrl.server import ServeConfig, run_server
 from polyrl.server.config import DEFAULT_MAX_TOKENS, MAX_REQUEST_BYTES
 from polyrl.server.launch import load_llm
@@ -120,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.model):
         raise UserError(f"--model {args.model!r} is not a folder; give an HF checkpoint folder (config.json, weights)")
     refuse_adapter(args.model, "serve")
+    require_tokenizer(args.model)
+    if args.device is not None:
+        parse_device(args.device)
     serve, engine = build_configs(args)
     adapters = parse_adapters(args.lora)
     if adapters and engine.weight_precision is not None:

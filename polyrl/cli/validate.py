@@ -95,6 +95,7 @@ def _write(path: str | Path, text: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     names = _chosen(args)
+    model_source.check(args, names)  # --model / --preset / --task mistakes before the first level runs
     if not args.sizes and not args.quick and len(names) > 1:
         args.sizes = "tiny,small"  # the full validate keeps the sweep short; --sizes large for real widths
     show = getattr(args, "show", "all")

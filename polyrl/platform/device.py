@@ -79,6 +79,43 @@ def _mod():
     return _module(device_type())
 
 
+def _type_count(dt: str) -> int:
+    """How many devices of torch device type ``dt`` torch can use here (0: none, or no such backend)."""
+    if dt == "cpu":
+        return 1
+    try:
+        if dt == "mps":
+            mps = getattr(torch.backends, "mps", None)
+            return int(mps is not None and mps.is_available())
+        mod = _module(dt)
+        if mod is None or not hasattr(mod, "is_available") or not mod.is_available():
+            return 0
+        return int(mod.device_count()) if hasattr(mod, "device_count") else 1
+    except Exception:  # noqa: BLE001 - a broken backend module means "none of these"
+        return 0
+
+
+def parse_device(spec: str, flag: str = "--device") -> torch.device:
+    """A device a user named (``cpu``, ``cuda``, ``cuda:1``, ``npu:0``, ...) as a ``torch.device``; a ``UserError``
+    naming what this machine has when torch does not know the name, no device of that type is usable here, or the
+    index is past the last one (instead of torch's "Expected one of cpu, cuda, ..." traceback, or a failure deep in
+    the checkpoint loader)."""
+    dt = device_type()
+    n = count()
+    has = "cpu" if dt == "cpu" else f"cpu or {dt} ({n} device(s): {dt}:0 to {dt}:{max(n - 1, 0)})"
+    way_out = f"use {has}, or leave {flag} out for the default ({torch_device()})"
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, ValueError, TypeError):
+        raise UserError(f"{flag} {spec!r} is not a device torch knows; {way_out}") from None
+    usable = _type_count(dev.type)
+    if usable == 0:
+        raise UserError(f"{flag} {spec}: this machine has no {dev.type} device torch can use; {way_out}")
+    if dev.index is not None and dev.type != "cpu" and dev.index >= usable:
+        raise UserError(f"{flag} {spec}: there are only {usable} {dev.type} device(s) here; {way_out}")
+    return dev
+
+
 def count() -> int:
     dt = device_type()
     if dt == "cpu":

@@ -24,6 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from polyrl.validate.arg_types import int_at_least
 from polyrl.validate.result import LevelSkipped, check, level_result
 
 OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter")
@@ -34,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("collectives level")
     group.add_argument(
         "--collectives-cpu-procs",
-        type=int,
+        type=int_at_least(0),
         default=0,
         metavar="N",
         help="run the collectives on N CPU processes over gloo instead of the devices (e.g. 2 on a CPU machine)",

@@ -30,14 +30,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--quick", action="store_true", help="fewer ops cases and training steps (CI)")
 
 
+# the levels that run on the model (--model / --preset) and those that also read --task
+MODEL_LEVELS = ("sft", "rl", "serve", "eval")
+TASK_LEVELS = ("sft", "rl")
+
+
+def _model_folder(model: str) -> Path:
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"--model {model}: no config.json there; give an HF model folder or use --preset tiny")
+    return path
+
+
+def check(args: argparse.Namespace, levels: list[str]) -> None:
+    """``--model`` / ``--preset`` and ``--task`` errors (a UserError each) before the first level runs, so that a typo
+    does not surface only at the sft level, after the ops sweep, with no report written."""
+    if not set(levels) & set(MODEL_LEVELS):
+        return
+    if getattr(args, "model", None):
+        _model_folder(args.model)
+    else:
+        # lazy: torch and polyrl.models load only when a level runs (the validate CLI imports this for its parser)
+        from polyrl.models.presets import get_preset
+
+        get_preset(getattr(args, "preset", "tiny") or "tiny")  # unknown names: a UserError listing the presets
+    if set(levels) & set(TASK_LEVELS):
+        # lazy: polyrl.data loads only when a level that reads --task is chosen
+        from polyrl.data import DataConfig
+
+        DataConfig(path=args.task, seed=args.seed)  # an unknown builtin or a missing file
+
+
 def model_dir(args: argparse.Namespace) -> Path:
     """The folder of the model to validate (creating the preset on first use)."""
     model = getattr(args, "model", None)
     if model:
-        path = Path(model)
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"--model {model}: no config.json there; give an HF model folder or use --preset tiny")
-        return path
+        return _model_folder(model)
     preset, seed = getattr(args, "preset", "tiny") or "tiny", int(getattr(args, "seed", 0))
     key = (preset, seed)
     if key not in _CREATED:

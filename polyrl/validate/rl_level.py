@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from polyrl.validate import model_source
+from polyrl.validate.arg_types import int_at_least
 from polyrl.validate.result import check, level_result
 
 CLIP_EPS = 0.2
@@ -31,9 +32,12 @@ FP32_LOGPROB_TOL = 1e-4
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("rl level")
-    group.add_argument("--rl-prompts", type=int, default=None, help="prompts per rollout (default 8, quick 4)")
-    group.add_argument("--rl-group", type=int, default=4, help="completions per prompt (default 4)")
-    group.add_argument("--rl-max-tokens", type=int, default=None, help="tokens per completion (default 16, quick 8)")
+    positive = int_at_least(1)
+    group.add_argument("--rl-prompts", type=positive, default=None, help="prompts per rollout (default 8, quick 4)")
+    group.add_argument("--rl-group", type=positive, default=4, help="completions per prompt (default 4)")
+    group.add_argument(
+        "--rl-max-tokens", type=positive, default=None, help="tokens per completion (default 16, quick 8)"
+    )
 
 
 def reward(text: str, example: Any) -> float:

@@ -23,23 +23,32 @@ import time
 from typing import Any
 
 from polyrl.validate import environment, model_source, smi
+from polyrl.validate.arg_types import int_at_least, positive_float
 from polyrl.validate.result import check, level_result
 
 STEPS, QUICK_STEPS = 40, 12
 BATCH_TOKENS, QUICK_BATCH_TOKENS = 512, 256
 WINDOW = 5
+SEQ_LEN = 128  # rows are cut to this many tokens
 MARGIN = 0.9
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sft level")
-    group.add_argument("--sft-steps", type=int, default=None, help=f"steps (default {STEPS}, quick {QUICK_STEPS})")
-    group.add_argument("--sft-lr", type=float, default=2e-3, help="learning rate (default 2e-3, for random weights)")
+    group.add_argument(
+        "--sft-steps",
+        type=int_at_least(2 * WINDOW, f" (the loss check compares the first {WINDOW} steps with the last {WINDOW})"),
+        default=None,
+        help=f"steps (default {STEPS}, quick {QUICK_STEPS}; at least {2 * WINDOW})",
+    )
+    group.add_argument(
+        "--sft-lr", type=positive_float, default=2e-3, help="learning rate (default 2e-3, for random weights)"
+    )
     group.add_argument(
         "--sft-batch-tokens",
-        type=int,
+        type=int_at_least(SEQ_LEN, f" (a row is up to {SEQ_LEN} tokens)"),
         default=None,
-        help=f"tokens per packed batch (default {BATCH_TOKENS}, quick {QUICK_BATCH_TOKENS})",
+        help=f"tokens per packed batch (default {BATCH_TOKENS}, quick {QUICK_BATCH_TOKENS}; at least {SEQ_LEN})",
     )
 
 
@@ -48,7 +57,7 @@ def _batches(args: argparse.Namespace, tokenizer: Any, dev: Any):
     from polyrl.data import DataConfig, build_sft
 
     tokens = args.sft_batch_tokens or (QUICK_BATCH_TOKENS if args.quick else BATCH_TOKENS)
-    cfg = DataConfig(path=args.task, max_seq_len=128, seed=args.seed)
+    cfg = DataConfig(path=args.task, max_seq_len=SEQ_LEN, seed=args.seed)
     it = build_sft(cfg, tokenizer, micro_batch_tokens=tokens).iterator()
     while True:
         yield next(it).to(dev)
