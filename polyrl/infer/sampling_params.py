@@ -24,6 +24,7 @@ This module only describes a request; it does not sample (``sampler.py``) or det
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 
 from polyrl.errors import UserError
@@ -134,8 +135,8 @@ class SamplingParams:
             raise bad(f"adapter must be an adapter name or None, got {self.adapter!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad(f"n must be an integer >= 1, got {self.n!r}")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise bad(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:  # nan fails too
+            raise bad(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:

@@ -155,6 +155,8 @@ def test_suppressed_tokens_and_top_logprobs():
         {"top_p": 1.5},
         {"top_k": -2},
         {"min_p": 2},
+        {"temperature": float("nan")},
+        {"temperature": float("inf")},
         {"n": 0},
         {"max_tokens": 0},
         {"min_tokens": 5, "max_tokens": 3},
