@@ -13,12 +13,14 @@ import time
 from polyrl.algorithms.rewards import RewardPool
 
 REWARD = """
-import pathlib, time
+import os, pathlib, time
 
 def slow(completion, example):
     if completion == "hang":
         pathlib.Path(example["marker"]).write_text("in the reward")
         time.sleep(30)
+    pathlib.Path(example["pids"], str(os.getpid())).touch()  # which workers have served a call
+    time.sleep(0.2)
     return 1.0
 """
 
@@ -32,12 +34,18 @@ def _wait_for(cond, what: str, timeout: float = 60.0) -> None:
 
 def test_sigint_ends_reward_workers_without_a_traceback(tmp_path, capfd):
     (tmp_path / "slow_reward.py").write_text(REWARD)
-    marker = tmp_path / "marker"
-    example = {"marker": str(marker)}
+    marker, pids = tmp_path / "marker", tmp_path / "pids"
+    pids.mkdir()
+    example = {"marker": str(marker), "pids": str(pids)}
     # spawn: the workers are this test's children, writing to the stderr capfd captures
     with RewardPool(f"{tmp_path / 'slow_reward.py'}:slow", workers=2, timeout=60.0, start_method="spawn") as pool:
-        assert pool.score(["ok", "ok"], [example, example]).rewards == [1.0, 1.0]  # both workers started
+        # every worker past its start-up (a SIGINT while one still imports is the interpreter's, not ours)
+        end = time.monotonic() + 60
+        while len(list(pids.iterdir())) < 2:
+            assert time.monotonic() < end, "both reward workers never served a call"
+            assert pool.score(["ok"] * 4, [example] * 4).rewards == [1.0] * 4
         procs = [w.proc for w in pool._workers]
+        assert sorted(str(p.pid) for p in procs) == sorted(f.name for f in pids.iterdir())
         scoring = threading.Thread(target=lambda: pool.score(["hang"], [example]))
         scoring.start()
         _wait_for(marker.exists, "the reward function never started")
