@@ -17,7 +17,6 @@ Not here: training-state checkpoints (optimizer, RNG, step: ``polyrl.train``), g
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +26,8 @@ from polyrl.errors import CheckpointError
 from polyrl.models.config import ModelConfig
 from polyrl.models.decoder import DecoderLM
 from polyrl.models.hf_io import (
-    folder_write_error,
-    make_temp_dir,
+    atomic_folder,
     open_safetensors,
-    replace_dir,
     save_tokenizer,
     write_json,
     write_safetensors,
@@ -221,10 +218,7 @@ def save_model(
 
         return save_adapter(model, out_dir, tokenizer=tokenizer, dtype=dtype)
     out = Path(out_dir)
-    tmp = None
-    try:  # making the folders is a write too: a full disk or a file on the path fails there
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = make_temp_dir(out)
+    with atomic_folder(out) as tmp:
         # MoE experts are written per expert (the hub layout every reader takes; see moe_layout.hub_state).
         state = hub_state({n: _cpu(t, dtype) for n, t in model.state_dict().items()}, model.config)
         saved_dtype = dtype or _dominant_dtype(state)
@@ -233,13 +227,6 @@ def save_model(
         write_json(tmp / "generation_config.json", _generation_config(model.config, generation_config))
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp)
-        replace_dir(tmp, out)
-    except BaseException as exc:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError):
-            raise folder_write_error(out, exc) from exc
-        raise
     return out
 
 

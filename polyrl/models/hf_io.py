@@ -14,10 +14,12 @@ Not here: what goes into a folder (tensor names, config.json fields: the callers
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +124,26 @@ def replace_dir(tmp: Path, out: Path) -> None:
         os.replace(old, out)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_folder(out: Path) -> Iterator[Path]:
+    """Write a model folder atomically: yields a temporary folder beside ``out`` (its parents made first: making the
+    folders is a write too, where a full disk or a file on the path fails), which replaces ``out`` when the block
+    ends. On any failure the temporary folder is removed and ``out`` is left as it was; an OSError becomes
+    ``folder_write_error``'s CheckpointError."""
+    tmp = None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = make_temp_dir(out)
+        yield tmp
+        replace_dir(tmp, out)
+    except BaseException as exc:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise folder_write_error(out, exc) from exc
+        raise
 
 
 def folder_write_error(out: Path, exc: OSError) -> CheckpointError:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from polyrl.errors import ConfigError, did_you_mean
-from polyrl.models.checkpoint import replace_dir
+from polyrl.models.hf_io import replace_dir
 
 if TYPE_CHECKING:
     from polyrl.train import parallel as par

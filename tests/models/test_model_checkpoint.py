@@ -105,8 +105,8 @@ def test_a_folder_that_cannot_be_made_is_a_checkpoint_error(tiny_model, tmp_path
     LoRA model goes the same way through save_adapter."""
     import errno
 
-    from polyrl.models import checkpoint as model_checkpoint
-    from polyrl.models.lora import LoraConfig, apply_lora, peft_io
+    from polyrl.models import hf_io
+    from polyrl.models.lora import LoraConfig, apply_lora
 
     (tmp_path / "a-file").write_text("x")
     lora = apply_lora(tiny_model("qwen3"), LoraConfig(r=2, targets=["q"]))
@@ -119,8 +119,7 @@ def test_a_folder_that_cannot_be_made_is_a_checkpoint_error(tiny_model, tmp_path
     def disk_full(out):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out.parent / f".{out.name}.tmp"))
 
-    monkeypatch.setattr(model_checkpoint, "make_temp_dir", disk_full)
-    monkeypatch.setattr(peft_io, "make_temp_dir", disk_full)
+    monkeypatch.setattr(hf_io, "make_temp_dir", disk_full)  # both writers go through hf_io.atomic_folder
     for model, name in ((tiny_model("qwen3"), "model"), (lora, "adapter")):
         with pytest.raises(CheckpointError, match=f"could not write the model folder {tmp_path / name}: No space"):
             save_model(model, tmp_path / name)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +28,8 @@ from torch import nn
 
 from polyrl.errors import CheckpointError, ConfigError
 from polyrl.models.hf_io import (
-    folder_write_error,
-    make_temp_dir,
+    atomic_folder,
     open_safetensors,
-    replace_dir,
     save_tokenizer,
     write_json,
     write_safetensors,
@@ -91,10 +88,7 @@ def save_adapter(
     base_model = base_model or getattr(model, "lora_base", None)
     base_model = str(base_model) if base_model is not None else None
     out = Path(out_dir)
-    tmp = None
-    try:  # making the folders is a write too: a full disk or a file on the path fails there
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = make_temp_dir(out)
+    with atomic_folder(out) as tmp:
         tensors = {
             PREFIX + name: p.detach().to(dtype or torch.float32).cpu().contiguous()
             for name, p in adapter_parameters(model).items()
@@ -103,13 +97,6 @@ def save_adapter(
         write_json(tmp / ADAPTER_CONFIG, adapter_config_dict(model.lora_config, base_model))
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp)
-        replace_dir(tmp, out)
-    except BaseException as exc:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError):
-            raise folder_write_error(out, exc) from exc
-        raise
     return out
 
 
